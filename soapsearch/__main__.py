@@ -1,0 +1,5 @@
+import sys
+
+from soapsearch.cli import main
+
+sys.exit(main())

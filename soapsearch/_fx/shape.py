@@ -1,0 +1,1 @@
+"""fx adapters (being written)."""

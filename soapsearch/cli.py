@@ -1,0 +1,149 @@
+"""The ``soapsearch`` command: ``zoo``, ``show`` and ``plan`` (search, simulate and run come
+with their issues)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Sequence
+
+from soapsearch import zoo
+from soapsearch.models import ModelLoadError, load_model
+from soapsearch.trace import TraceError, trace
+from strategies import BASELINES, OpGraph, PlanError, baseline, get_rule, save_strategy
+from strategies.rules import OPAQUE
+
+__all__ = ["main", "op_table", "graph_json"]
+
+_LETTER = {"sample": "S", "attribute": "A", "parameter": "P"}
+
+
+def _dims(node) -> str:
+    return "×".join(f"{_LETTER[d.role]}{d.size}" for d in node.dims) or "scalar"
+
+
+def _weights(node) -> str:
+    return " ".join(f"{w.role}[{','.join(map(str, w.spec.shape))}]" for w in node.weights)
+
+
+def op_table(graph: OpGraph) -> str:
+    """The op table ``show`` prints: name, kind, dims with roles (S/A/P), weights, GFLOPs."""
+    rows = [("op", "kind", "dims (S/A/P)", "weights", "GFLOPs")]
+    for n in graph:
+        kind = f"{n.kind}!" if n.kind == OPAQUE else n.kind
+        rows.append((n.name, kind, _dims(n), _weights(n), f"{n.flops / 1e9:.3f}"))
+    widths = [min(max(len(r[i]) for r in rows), 48) for i in range(5)]
+    lines = ["  ".join(c.ljust(w) if i < 4 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+             for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _opaque_warning(graph: OpGraph) -> str:
+    opaque = [n for n in graph if n.kind == OPAQUE]
+    if not opaque:
+        return ""
+    items = "\n".join(f"  {n.name}: {n.attrs.get('target', '?')}  ({n.source or 'source unknown'})"
+                      for n in opaque)
+    return (f"warning: {len(opaque)} opaque op(s) have no rule; each runs unsplit on one device:\n"
+            f"{items}")
+
+
+def graph_json(graph: OpGraph) -> dict:
+    return {
+        "model": graph.name, "fingerprint": graph.fingerprint(), "batch_size": graph.batch_size,
+        "total_flops": graph.total_flops, "weight_bytes": graph.weight_bytes,
+        "ops": [{"name": n.name, "kind": n.kind, "inputs": list(n.inputs),
+                 "output": {"shape": list(n.output.shape), "dtype": n.output.dtype},
+                 "dims": [{"name": d.name, "size": d.size, "role": d.role} for d in n.dims],
+                 "splittable": list(get_rule(n.kind).splittable(n)),
+                 "weights": {w.name: list(w.spec.shape) for w in n.weights},
+                 "flops": n.flops, "bytes_read": n.bytes_read, "bytes_written": n.bytes_written}
+                for n in graph],
+        "opaque": [n.name for n in graph if n.kind == OPAQUE],
+    }
+
+
+def _graph(args) -> OpGraph:
+    spec = load_model(args.model, variant=args.variant, batch_size=args.batch_size)
+    return trace(spec.model, spec.example_inputs, name=spec.name)
+
+
+def _cmd_zoo(args) -> int:
+    for name in zoo.names():
+        print(f"{name:14s} {zoo.describe(name)}")
+    return 0
+
+
+def _cmd_show(args) -> int:
+    graph = _graph(args)
+    if args.json:
+        print(json.dumps(graph_json(graph), indent=1))
+        return 0
+    print(f"{graph.name}: {len(graph)} ops, batch {graph.batch_size}, "
+          f"{graph.total_flops / 1e9:.2f} GFLOPs forward, {graph.weight_bytes / 2**20:.1f} MiB of "
+          f"weights, fingerprint {graph.fingerprint()}")
+    print(op_table(graph))
+    warning = _opaque_warning(graph)
+    if warning:
+        print(warning, file=sys.stderr)
+    return 0
+
+
+def _cmd_plan(args) -> int:
+    graph = _graph(args)
+    plan = baseline(args.baseline, graph, args.devices, args.microbatches)
+    topology = args.topology or f"local-cpu-{args.devices}"
+    save_strategy(args.output, plan, graph, topology=topology)
+    if args.json:
+        print(json.dumps({"plan": args.output, "baseline": args.baseline, "num_devices": args.devices,
+                          "microbatches": plan.microbatches, "ops": len(graph)}))
+        return 0
+    for n in graph:
+        print(f"  {n.name:28s} {n.kind:14s} {plan[n.name].show(n.dims)}")
+    print(f"wrote {args.baseline} plan for {graph.name} on {args.devices} devices "
+          f"({plan.microbatches} micro-batch(es)) to {args.output}")
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="soapsearch", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+    sub.add_parser("zoo", help="list the built-in models").set_defaults(fn=_cmd_zoo)
+
+    def model_args(sp):
+        sp.add_argument("model", help="zoo name, path/to/file.py:factory or package.module:factory")
+        sp.add_argument("--variant", default="default", choices=zoo.VARIANTS,
+                        help="zoo variant: paper scale (default) or tiny")
+        sp.add_argument("--batch-size", type=int, default=None, help="override the batch size")
+        sp.add_argument("--json", action="store_true", help="print one JSON object")
+
+    show = sub.add_parser("show", help="trace a model and print its op table")
+    model_args(show)
+    show.set_defaults(fn=_cmd_show)
+    plan = sub.add_parser("plan", help="write a baseline plan as strategy JSON")
+    model_args(plan)
+    plan.add_argument("--baseline", required=True, choices=sorted(BASELINES))
+    plan.add_argument("--devices", type=int, required=True, help="number of devices")
+    plan.add_argument("--microbatches", type=int, default=4, help="pipeline micro-batches")
+    plan.add_argument("--topology", default=None, help="topology name recorded in the plan")
+    plan.add_argument("-o", "--output", default="plan.json", help="where to write the plan")
+    plan.set_defaults(fn=_cmd_plan)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except (PlanError, TraceError, ModelLoadError, ValueError) as e:
+        print(f"soapsearch {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("soapsearch: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,222 @@
+"""Trace a PyTorch model into an OpGraph: torch.fx for the graph, ShapeProp on fake tensors for
+shapes (no weight is allocated), torch.utils.flop_counter for FLOPs.
+
+The batch (sample) dim of every op is found by propagating twice, at the example batch and at
+twice it: the dim whose size doubles is the sample dim.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import traceback
+from typing import Any, Sequence
+
+import torch
+import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.passes.shape_prop import ShapeProp
+from torch.utils.flop_counter import FlopCounterMode
+
+import soapsearch._fx  # noqa: F401  (registers every adapter)
+from soapsearch._fx.base import ALIAS, FxOp, adapter_for
+from strategies.graph import OpGraph, OpNode, TensorSpec, Weight
+from strategies.rules import OPAQUE, get_rule
+from strategies.rules.base import spec_of
+
+__all__ = ["trace", "TraceError"]
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+
+
+class TraceError(ValueError):
+    """A model that cannot be turned into an OpGraph, with the source line to blame."""
+
+
+class _Tracer(fx.Tracer):
+    def __init__(self) -> None:
+        super().__init__()
+        self.record_stack_traces = True
+
+
+def _symbolic_trace(model: torch.nn.Module) -> fx.GraphModule:
+    try:
+        graph = _Tracer().trace(model)
+    except Exception as e:  # fx raises TraceError, TypeError, RuntimeError... for the same cause
+        frames = [f for f in traceback.extract_tb(e.__traceback__)
+                  if not f.filename.startswith(_TORCH_DIR) and f.filename != __file__]
+        where = f"{frames[-1].filename}:{frames[-1].lineno}: {frames[-1].line}" if frames else "?"
+        raise TraceError(
+            f"torch.fx cannot trace {type(model).__name__}: {type(e).__name__}: {e}\n"
+            f"  at {where}\n"
+            "  fx records tensor ops without running them, so Python control flow that depends "
+            "on a tensor's value (if/while on a tensor, len(tensor), .item()) cannot be traced. "
+            "Compute it with tensor ops instead (torch.where, masking), move it out of forward, "
+            "or wrap that helper with torch.fx.wrap so it becomes one opaque op."
+        ) from None
+    return fx.GraphModule(model, graph, type(model).__name__)
+
+
+class _Propagate(ShapeProp):
+    """ShapeProp that also keeps each node's (fake) value and forward FLOPs."""
+
+    def __init__(self, gm: fx.GraphModule, fake_mode: FakeTensorMode, count_flops: bool):
+        super().__init__(gm, fake_mode)
+        self.count_flops = count_flops
+        self.values: dict[str, Any] = {}
+
+    def run_node(self, n: fx.Node) -> Any:
+        counter = FlopCounterMode(display=False) if self.count_flops else contextlib.nullcontext()
+        with counter:
+            result = super().run_node(n)
+        self.values[n.name] = result
+        if self.count_flops:
+            n.meta["val"] = result
+            n.meta["flops"] = counter.get_total_flops()
+        return result
+
+
+def _propagate(gm: fx.GraphModule, args: Sequence[Any], count_flops: bool) -> dict[str, Any]:
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    prop = _Propagate(gm, mode, count_flops)
+    with contextlib.redirect_stderr(io.StringIO()):  # ShapeProp prints a traceback first
+        try:
+            prop.propagate(*args)
+        except RuntimeError as e:
+            cause = e.__cause__ or e
+            raise TraceError(f"shape propagation failed: {e}\n  cause: {cause}") from None
+    return prop.values
+
+
+def _doubled(args: Sequence[Any]) -> list[Any]:
+    return [torch.empty((2 * a.shape[0], *a.shape[1:]), dtype=a.dtype, device=a.device)
+            if isinstance(a, torch.Tensor) and a.dim() > 0 else a for a in args]
+
+
+def _sample_dim(shape1: Sequence[int], shape2: Sequence[int] | None) -> int | None:
+    if shape2 is None or len(shape1) != len(shape2):
+        return None
+    for i, (a, b) in enumerate(zip(shape1, shape2)):
+        if b == 2 * a and a > 0:
+            return i
+    return None
+
+
+def _first(v: Any) -> Any:
+    """An op's output: a module returning a tuple (an LSTM) outputs its first element."""
+    while isinstance(v, (tuple, list)) and v:
+        v = v[0]
+    return v
+
+
+def _shape(v: Any) -> tuple[int, ...] | None:
+    v = _first(v)
+    return tuple(v.shape) if isinstance(v, torch.Tensor) else None
+
+
+def _source(n: fx.Node) -> str:
+    lines = [l.strip() for l in (n.stack_trace or "").strip().splitlines() if l.strip()]
+    for i in range(len(lines) - 1, -1, -1):
+        if lines[i].startswith("File ") and _TORCH_DIR not in lines[i]:
+            where = lines[i][5:].replace('"', "").replace(", line ", ":").split(",")[0]
+            code = lines[i + 1] if i + 1 < len(lines) else ""
+            return f"{where}: {code}"
+    return ""
+
+
+def trace(model: torch.nn.Module, example_inputs: Sequence[Any] | Any, *,
+          name: str | None = None) -> OpGraph:
+    """``model`` (an nn.Module or an fx GraphModule) as an OpGraph for ``example_inputs``
+    (a tuple of positional arguments whose dim 0 is the batch)."""
+    if not isinstance(example_inputs, (tuple, list)):
+        example_inputs = (example_inputs,)
+    gm = model if isinstance(model, fx.GraphModule) else _symbolic_trace(model)
+    on_meta = any(p.is_meta for p in gm.parameters()) or any(b.is_meta for b in gm.buffers())
+    args = [a.to("meta") if on_meta and isinstance(a, torch.Tensor) else a for a in example_inputs]
+    first = _propagate(gm, args, count_flops=True)
+    try:
+        second = _propagate(gm, _doubled(args), count_flops=False)
+    except TraceError:
+        second = {}  # a model with a hard-coded batch size: no op gets a sample dim
+    return _build(gm, first, second, name or type(model).__name__.lower())
+
+
+def _build(gm: fx.GraphModule, first: dict[str, Any], second: dict[str, Any], name: str) -> OpGraph:
+    nodes: list[OpNode] = []
+    op_of: dict[str, str] = {}  # fx node name -> op name (aliases resolve to their input's op)
+    specs: dict[str, TensorSpec] = {}
+    outputs: list[str] = []
+    for n in gm.graph.nodes:
+        v = first.get(n.name)
+        if n.op == "output":
+            outs = [a for a in fx.node.map_arg(n.args[0], lambda x: x).__iter__()] \
+                if isinstance(n.args[0], (tuple, list)) else [n.args[0]]
+            outputs = [op_of[a.name] for a in outs if isinstance(a, fx.Node) and a.name in op_of]
+            continue
+        fxop = _adapt(n, gm, v)
+        if fxop is None:
+            continue  # a node with no tensor value (x.size(0), getattr): not an op
+        if fxop.kind == ALIAS:
+            op_of[n.name] = op_of[fxop.inputs[0].name]
+            continue
+        inputs = [op_of[i.name] for i in fxop.inputs]
+        like = fxop.dims_like or n
+        dim_sizes = _shape(first.get(like.name))
+        out = spec_of(_first(v))
+        weights = tuple(
+            Weight(role, qual, spec_of(t), trainable=isinstance(t, torch.nn.Parameter) and t.requires_grad)
+            for role, qual in fxop.weights
+            for t in [_tensor_at(gm, qual)]
+        )
+        in_specs = tuple(specs[i] for i in inputs)
+        flops = int(n.meta.get("flops", 0))
+        rd = sum(s.nbytes for s in in_specs) + sum(w.spec.nbytes for w in weights)
+        from strategies.graph import Dim
+        provisional = OpNode(n.name, fxop.kind, tuple(inputs), out,
+                             tuple(Dim(f"d{i}", s, "attribute") for i, s in enumerate(dim_sizes)),
+                             weights, fxop.attrs, in_specs)
+        sample = _sample_dim(dim_sizes, _shape(second.get(like.name)))
+        dims = get_rule(fxop.kind).dims(provisional, sample)
+        node = OpNode(n.name, fxop.kind, tuple(inputs), out, dims, weights, fxop.attrs, in_specs,
+                      flops=flops, bytes_read=rd, bytes_written=out.nbytes, source=_source(n))
+        nodes.append(node)
+        op_of[n.name] = node.name
+        specs[node.name] = out
+    return OpGraph(nodes, outputs, name=name)
+
+
+def _tensor_at(gm: fx.GraphModule, qual: str) -> torch.Tensor:
+    mod_path, _, attr = qual.rpartition(".")
+    return getattr(gm.get_submodule(mod_path) if mod_path else gm, attr)
+
+
+def _adapt(n: fx.Node, gm: fx.GraphModule, v: Any) -> FxOp | None:
+    if n.op == "placeholder":
+        return FxOp("input", [], {"index": len([p for p in gm.graph.nodes if p.op == "placeholder" and p < n])}) \
+            if isinstance(v, torch.Tensor) else None
+    if n.op == "get_attr":
+        if not isinstance(v, torch.Tensor):
+            return None
+        return FxOp("parameter", [], {"target": n.target}, weights=[("value", n.target)])
+    thunk = adapter_for(n, gm)
+    fxop = thunk() if thunk else None
+    if fxop is not None:
+        return fxop
+    if not isinstance(v, torch.Tensor):
+        if isinstance(v, (tuple, list)) and n.users and any(isinstance(x, torch.Tensor) for x in v):
+            raise TraceError(
+                f"op {n.name!r} ({_describe(n)}) returns several tensors and has no rule; "
+                f"soapsearch cannot make it an opaque op.\n  at {_source(n) or '?'}"
+            )
+        return None
+    tensor_args = [a for a in n.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
+    return FxOp(OPAQUE, tensor_args, {"target": _describe(n)})
+
+
+def _describe(n: fx.Node) -> str:
+    if n.op == "call_function":
+        return getattr(n.target, "__name__", str(n.target))
+    if n.op == "call_module":
+        return n.target
+    return f".{n.target}()"

@@ -1,0 +1,9 @@
+"""Op rules: for each op kind, which dims may be cut, what each partition reads and how it
+computes its piece. Importing this package registers every rule."""
+
+from strategies.rules.base import (OPAQUE, OpRule, Reduce, Reduction, get_rule, no_reduce,
+                                   register, rule_kinds)
+from strategies.rules import conv, dense, loss, norm, pointwise, recurrent, shape  # noqa: F401
+
+__all__ = ["OPAQUE", "OpRule", "Reduce", "Reduction", "get_rule", "no_reduce", "register",
+           "rule_kinds"]

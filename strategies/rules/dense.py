@@ -1,0 +1,123 @@
+"""Rules of the dense ops: linear, matmul, embedding and attention."""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from strategies.graph import Dim, OpNode
+from strategies.region import Box
+from strategies.rules.base import (Reduce, SplitAll, broadcast_region, dim_named, no_reduce,
+                                   register)
+
+
+@register("linear")
+class Linear(SplitAll):
+    """y[..., o] = x[..., :] · W[o, :] + b[o]: leading dims as x, out_features a P dim."""
+
+    def dims(self, node: OpNode, sample: int | None) -> tuple[Dim, ...]:
+        n = len(node.shape)
+        return tuple(
+            dim_named(i, sample, "out_features" if i == n - 1 else ("seq" if n > 2 else f"d{i}"),
+                      "parameter" if i == n - 1 else "attribute", s)
+            for i, s in enumerate(node.shape)
+        )
+
+    def input_regions(self, node: OpNode, box: Box) -> tuple[Box, ...]:
+        return (box[:-1] + ((0, node.input_specs[0].shape[-1]),),)
+
+    def weight_regions(self, node: OpNode, box: Box) -> dict[str, Box]:
+        out = {"weight": (box[-1], (0, node.weight("weight").spec.shape[1]))}
+        if node.weight("bias") is not None:
+            out["bias"] = (box[-1],)
+        return out
+
+    def forward(self, node: OpNode, box: Box, inputs: Sequence[torch.Tensor],
+                weights: Mapping[str, torch.Tensor], reduce: Reduce = no_reduce) -> torch.Tensor:
+        return F.linear(inputs[0], weights["weight"], weights.get("bias"))
+
+
+@register("matmul")
+class MatMul(SplitAll):
+    """C[..., i, j] = Σ_k A[..., i, k] · B[..., k, j] (torch.matmul): batch dims broadcast, no weights."""
+
+    def dims(self, node: OpNode, sample: int | None) -> tuple[Dim, ...]:
+        n = len(node.shape)
+        names = {n - 2: "rows", n - 1: "cols"}
+        return tuple(dim_named(i, sample, names.get(i, f"batch{i}"), "attribute", s)
+                     for i, s in enumerate(node.shape))
+
+    def input_regions(self, node: OpNode, box: Box) -> tuple[Box, ...]:
+        a, b = (s.shape for s in node.input_specs)
+        lead = box[:-2]
+        return (broadcast_region(lead, a[:-2], len(lead)) + (box[-2], (0, a[-1])),
+                broadcast_region(lead, b[:-2], len(lead)) + ((0, b[-2]), box[-1]))
+
+    def forward(self, node: OpNode, box: Box, inputs: Sequence[torch.Tensor],
+                weights: Mapping[str, torch.Tensor], reduce: Reduce = no_reduce) -> torch.Tensor:
+        return torch.matmul(inputs[0], inputs[1])
+
+
+@register("embedding")
+class Embedding(SplitAll):
+    """y[..., e] = W[ids[...], e] (a row gather): embed_dim a P dim, the ids read as the box."""
+
+    def dims(self, node: OpNode, sample: int | None) -> tuple[Dim, ...]:
+        n = len(node.shape)
+        return tuple(
+            dim_named(i, sample, "embed_dim" if i == n - 1 else ("seq" if n == 3 else f"d{i}"),
+                      "parameter" if i == n - 1 else "attribute", s)
+            for i, s in enumerate(node.shape)
+        )
+
+    def unsplittable(self, node: OpNode) -> set[int]:
+        # scale_grad_by_freq divides each row's gradient by its id count over all the ids
+        return set(range(len(node.shape) - 1)) if node.attrs.get("scale_grad_by_freq") else set()
+
+    def input_regions(self, node: OpNode, box: Box) -> tuple[Box, ...]:
+        return (box[:-1],)
+
+    def weight_regions(self, node: OpNode, box: Box) -> dict[str, Box]:
+        return {"weight": ((0, node.weight("weight").spec.shape[0]), box[-1])}
+
+    def forward(self, node: OpNode, box: Box, inputs: Sequence[torch.Tensor],
+                weights: Mapping[str, torch.Tensor], reduce: Reduce = no_reduce) -> torch.Tensor:
+        a = node.attrs
+        return F.embedding(inputs[0], weights["weight"], padding_idx=a.get("padding_idx"),
+                           scale_grad_by_freq=bool(a.get("scale_grad_by_freq")),
+                           sparse=bool(a.get("sparse")))
+
+
+@register("attention")
+class Attention(SplitAll):
+    """softmax(q·kᵀ·scale + mask)·v (Vaswani et al. 2017, eq. 1); causal: query i sees keys j <= i."""
+
+    def dims(self, node: OpNode, sample: int | None) -> tuple[Dim, ...]:
+        n = len(node.shape)
+        names = {n - 3: "heads", n - 2: "seq", n - 1: "head_dim"}
+        return tuple(dim_named(i, sample, names.get(i, f"batch{i}"), "attribute", s)
+                     for i, s in enumerate(node.shape))
+
+    def unsplittable(self, node: OpNode) -> set[int]:
+        return {len(node.shape) - 1}
+
+    def input_regions(self, node: OpNode, box: Box) -> tuple[Box, ...]:
+        q, k, v = (s.shape for s in node.input_specs)
+        lead, (t0, t1) = box[:-2], box[-2]
+        keys = (0, min(t1, k[-2])) if node.attrs.get("is_causal") else (0, k[-2])
+        return (broadcast_region(lead, q[:-2], len(lead)) + ((t0, t1), (0, q[-1])),
+                broadcast_region(lead, k[:-2], len(lead)) + (keys, (0, k[-1])),
+                broadcast_region(lead, v[:-2], len(lead)) + (keys, (0, v[-1])))
+
+    def forward(self, node: OpNode, box: Box, inputs: Sequence[torch.Tensor],
+                weights: Mapping[str, torch.Tensor], reduce: Reduce = no_reduce) -> torch.Tensor:
+        q, k, v = inputs
+        causal, scale = bool(node.attrs.get("is_causal")), node.attrs.get("scale")
+        t0, t1 = box[-2]
+        if not causal or t0 == 0:  # the top-left causal mask of rows [0, t1) is torch's own
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+        rows = torch.arange(t0, t1, device=q.device)[:, None]
+        mask = torch.arange(k.shape[-2], device=q.device)[None, :] <= rows
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)

@@ -1,0 +1,61 @@
+"""Rules of the recurrent ops: lstm, gru and rnn (the output sequence of nn.LSTM / GRU / RNN)."""
+
+from __future__ import annotations
+
+import functools
+import threading
+from typing import Mapping, Sequence
+
+import torch
+import torch.nn as nn
+from torch.func import functional_call
+
+from strategies.graph import Dim, OpNode
+from strategies.region import Box
+from strategies.rules.base import OpRule, Reduce, no_reduce, register
+
+_MODULES = {"lstm": nn.LSTM, "gru": nn.GRU, "rnn": nn.RNN}
+_CALL = threading.Lock()  # functional_call swaps the shared module's tensors while it runs
+
+
+@functools.lru_cache(maxsize=None)
+def _meta_module(kind: str, config: tuple) -> nn.Module:
+    """A weightless module of ``kind`` and ``config`` (sorted attr items) to run with given weights."""
+    with torch.device("meta"):
+        return _MODULES[kind](**dict(config), dropout=0.0)
+
+
+def _batch_dim(node: OpNode) -> int | None:
+    if len(node.shape) != 3:
+        return None  # an unbatched sequence [T, F]
+    return 0 if node.attrs.get("batch_first") else 1
+
+
+@register("lstm", "gru", "rnn")
+class Recurrent(OpRule):
+    """h_t = cell(x_t, h_{t-1}) over the whole sequence (Hochreiter & Schmidhuber 1997; Cho et al.
+    2014): every step reads every weight and the step before, so only the batch may be cut."""
+
+    def dims(self, node: OpNode, sample: int | None) -> tuple[Dim, ...]:
+        b, n = _batch_dim(node), len(node.shape)
+        out = []
+        for i, s in enumerate(node.shape):
+            if i == b:
+                out.append(Dim("sample", s, "sample") if sample == b else Dim("batch", s, "attribute"))
+            else:
+                out.append(Dim("hidden" if i == n - 1 else "seq", s, "attribute"))
+        return tuple(out)
+
+    def splittable(self, node: OpNode) -> tuple[bool, ...]:
+        b = _batch_dim(node)
+        return tuple(i == b for i in range(len(node.shape)))
+
+    def input_regions(self, node: OpNode, box: Box) -> tuple[Box, ...]:
+        return (box[:-1] + ((0, node.input_specs[0].shape[-1]),),)
+
+    def forward(self, node: OpNode, box: Box, inputs: Sequence[torch.Tensor],
+                weights: Mapping[str, torch.Tensor], reduce: Reduce = no_reduce) -> torch.Tensor:
+        config = tuple(sorted((k, v) for k, v in node.attrs.items()))
+        module = _meta_module(node.kind, config)
+        with _CALL:
+            return functional_call(module, dict(weights), (inputs[0],))[0]

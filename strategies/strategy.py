@@ -1,0 +1,92 @@
+"""Strategy: a ParallelConfig for every op, plus micro-batches and the pipeline schedule."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator, Mapping
+
+from strategies.config import ParallelConfig, validate_config
+from strategies.errors import PlanError
+from strategies.graph import OpGraph
+
+__all__ = ["Strategy", "SCHEDULES"]
+
+SCHEDULES = ("gpipe", "1f1b")
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """A plan for ``num_devices`` devices. ``configs`` are (op name, ParallelConfig) pairs in
+    the graph's order; ``microbatches`` slices the batch (gradients accumulate over them)."""
+
+    configs: tuple[tuple[str, ParallelConfig], ...]
+    num_devices: int
+    microbatches: int = 1
+    schedule: str = "gpipe"
+    _index: Mapping[str, ParallelConfig] = field(default=None, compare=False, repr=False, hash=False)  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "configs", tuple((str(k), v) for k, v in self.configs))
+        object.__setattr__(self, "_index", dict(self.configs))
+        if len(self._index) != len(self.configs):
+            raise PlanError(None, "ops", [k for k, _ in self.configs], "an op appears twice")
+        if not isinstance(self.num_devices, int) or self.num_devices < 1:
+            raise PlanError(None, "num_devices", self.num_devices, "must be a whole number >= 1")
+        if not isinstance(self.microbatches, int) or self.microbatches < 1:
+            raise PlanError(None, "microbatches", self.microbatches, "must be a whole number >= 1")
+        if self.schedule not in SCHEDULES:
+            raise PlanError(None, "schedule", self.schedule, f"must be one of {list(SCHEDULES)}")
+
+    @classmethod
+    def of(cls, configs: Mapping[str, ParallelConfig], num_devices: int, microbatches: int = 1,
+           schedule: str = "gpipe") -> "Strategy":
+        return cls(tuple(configs.items()), num_devices, microbatches, schedule)
+
+    def __getitem__(self, op: str) -> ParallelConfig:
+        try:
+            return self._index[op]
+        except KeyError:
+            raise KeyError(f"the plan has no config for op {op!r}") from None
+
+    def __contains__(self, op: object) -> bool:
+        return op in self._index
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._index)
+
+    def __len__(self) -> int:
+        return len(self.configs)
+
+    def items(self):
+        return self._index.items()
+
+    def replace(self, op: str, config: ParallelConfig) -> "Strategy":
+        """The same plan with ``op`` given ``config`` (one MCMC proposal)."""
+        if op not in self._index:
+            raise KeyError(f"the plan has no config for op {op!r}")
+        return Strategy(tuple((k, config if k == op else v) for k, v in self.configs),
+                        self.num_devices, self.microbatches, self.schedule)
+
+    def with_microbatches(self, microbatches: int, schedule: str | None = None) -> "Strategy":
+        return Strategy(self.configs, self.num_devices, microbatches, schedule or self.schedule)
+
+    @property
+    def devices_used(self) -> tuple[int, ...]:
+        return tuple(sorted({d for _, c in self.configs for d in c.devices}))
+
+    def validate(self, graph: OpGraph, where: str = "") -> None:
+        """Raise PlanError unless this is a valid plan for ``graph``: every op has a config and
+        no other op does, and each config is valid for its op."""
+        missing = [n.name for n in graph if n.name not in self._index]
+        if missing:
+            raise PlanError(missing[0], "ops", missing[:5],
+                            f"{len(missing)} op(s) of the model have no config in the plan", where)
+        extra = [k for k in self._index if k not in graph]
+        if extra:
+            raise PlanError(extra[0], "ops", extra[:5],
+                            f"{len(extra)} op(s) of the plan are not in the model", where)
+        for node in graph:
+            try:
+                validate_config(node, self._index[node.name], self.num_devices, self.microbatches)
+            except PlanError as e:
+                raise PlanError(node.name, e.field, e.value, e.rule, where) from None

@@ -1,0 +1,75 @@
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from soapsearch.cli import main
+from strategies import read_plan
+from tests.conftest import traced
+
+
+def test_show_prints_op_table(capsys):
+    assert main(["show", "alexnet", "--variant", "tiny"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("alexnet-tiny: ")
+    assert "conv2d" in out and "S4×P8×A15×A15" in out.replace(" ", "") or "S4×P" in out
+    assert "weight[" in out and "GFLOPs" in out
+
+
+def test_show_json_matches_graph(capsys):
+    assert main(["show", "gpt", "--variant", "tiny", "--json"]) == 0
+    obj = json.loads(capsys.readouterr().out)
+    g = traced("gpt")
+    assert obj["fingerprint"] == g.fingerprint() and len(obj["ops"]) == len(g)
+    assert obj["batch_size"] == g.batch_size and obj["opaque"] == []
+    head = next(o for o in obj["ops"] if o["name"] == "lm_head")
+    assert [d["role"] for d in head["dims"]] == ["sample", "attribute", "parameter"]
+    assert head["weights"] == {"lm_head.weight": [50, 16]}
+
+
+def test_plan_writes_loadable_json(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert main(["plan", "resnet101", "--variant", "tiny", "--baseline", "owt", "--devices", "2",
+                 "-o", str(out)]) == 0
+    loaded = read_plan(out, traced("resnet101"))
+    assert loaded.strategy.num_devices == 2
+    assert loaded.topology["name"] == "local-cpu-2"
+    assert "wrote owt plan" in capsys.readouterr().out
+
+
+def test_bad_inputs_are_one_line_errors(capsys, tmp_path):
+    assert main(["show", "nosuchnet"]) == 2
+    assert "model 'nosuchnet' is not a zoo model" in capsys.readouterr().err
+    assert main(["plan", "mlp", "--variant", "tiny", "--baseline", "data_parallel",
+                 "--devices", "3", "-o", str(tmp_path / "p.json")]) == 2
+    err = capsys.readouterr().err
+    assert "batch 4 is not divisible by 3 devices" in err and "Traceback" not in err
+    assert not (tmp_path / "p.json").exists()
+
+
+def test_user_factory_file_and_opaque_warning(tmp_path, capsys):
+    src = tmp_path / "mymodel.py"
+    src.write_text(textwrap.dedent("""
+        import torch, torch.nn as nn, torch.nn.functional as F
+
+        class Net(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = nn.Linear(6, 3)
+            def forward(self, x, y):
+                return F.cross_entropy(self.fc(torch.cumsum(x, 1)), y)
+
+        def make(batch_size=4):
+            return Net(), (torch.randn(batch_size, 6), torch.randint(0, 3, (batch_size,)))
+    """))
+    assert main(["show", f"{src}:make", "--batch-size", "8"]) == 0
+    captured = capsys.readouterr()
+    assert "batch 8" in captured.out
+    assert "warning: 1 opaque op(s)" in captured.err and "cumsum" in captured.err
+
+
+def test_console_script_entry_point():
+    proc = subprocess.run([sys.executable, "-m", "soapsearch", "zoo"], capture_output=True, text=True)
+    assert proc.returncode == 0 and "resnet101" in proc.stdout and "gpt" in proc.stdout

@@ -1,0 +1,130 @@
+"""Tests for soapsearch.zoo: tiny models train and trace; paper-scale models build on meta."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.fx
+
+from soapsearch import zoo
+
+NAMES = zoo.names()
+
+# Known parameter counts of the paper-scale models (torchvision / GPT-2 figures).
+KNOWN_PARAMS = {
+    "alexnet": 61.1e6,  # torchvision alexnet: 61,100,840
+    "resnet101": 44.5e6,  # torchvision resnet101: 44,549,160
+    "inception_v3": 23.8e6,  # torchvision inception_v3 (27.16M) minus its AuxLogits head
+    "gpt": 163.0e6,  # GPT-2 small 124.4M + untied 768x50257 lm_head
+}
+
+
+def _loss(module: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    torch.manual_seed(1234)  # same dropout masks for every call
+    return module(inputs, targets)
+
+
+def test_names_and_describe() -> None:
+    assert set(NAMES) == {
+        "alexnet", "inception_v3", "resnet101", "rnntc", "rnnlm", "nmt", "mlp", "gpt"
+    }
+    for name in NAMES:
+        text = zoo.describe(name)
+        assert isinstance(text, str) and text and "\n" not in text
+    assert zoo.VARIANTS == ("default", "tiny")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_tiny_trains_and_traces(name: str) -> None:
+    model, (inputs, targets) = zoo.build(name, "tiny")
+    assert sum(p.numel() for p in model.parameters()) < 1_000_000
+    loss = _loss(model, inputs, targets)
+    assert loss.dim() == 0 and torch.isfinite(loss)
+    loss.backward()
+    for pname, p in model.named_parameters():
+        assert p.grad is not None, f"{name}: no grad for {pname}"
+        assert torch.isfinite(p.grad).all(), f"{name}: non-finite grad for {pname}"
+
+    traced = torch.fx.symbolic_trace(model)
+    ops = {n.op for n in traced.graph.nodes}
+    assert {"placeholder", "output"} <= ops
+    assert torch.equal(_loss(traced, inputs, targets), _loss(model, inputs, targets))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_deterministic_for_seed(name: str) -> None:
+    state = torch.get_rng_state()
+    m1, (x1, y1) = zoo.build(name, "tiny", seed=3)
+    m2, (x2, y2) = zoo.build(name, "tiny", seed=3)
+    m3, (x3, _) = zoo.build(name, "tiny", seed=4)
+    assert torch.equal(torch.get_rng_state(), state), "build() must not touch the global RNG"
+    assert torch.equal(x1, x2) and torch.equal(y1, y2)
+    sd1, sd2, sd3 = m1.state_dict(), m2.state_dict(), m3.state_dict()
+    assert all(torch.equal(sd1[k], sd2[k]) for k in sd1)
+    assert not torch.equal(x1, x3) or any(not torch.equal(sd1[k], sd3[k]) for k in sd1)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_batch_size(name: str) -> None:
+    _, (inputs, targets) = zoo.build(name, "tiny", batch_size=3)
+    assert inputs.shape[0] == 3 and targets.shape[0] == 3
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="batch_size"):
+            zoo.build(name, "tiny", batch_size=bad)
+
+
+def test_overrides() -> None:
+    gpt, (x, _) = zoo.build("gpt", "tiny", n_layer=3, seq_len=5)
+    assert len(gpt.blocks) == 3 and x.shape[1] == 5 and gpt.wpe.shape[0] == 5
+    rnntc, _ = zoo.build("rnntc", "tiny", num_layers=3)
+    assert len(rnntc.lstm.layers) == 3
+    resnet, _ = zoo.build("resnet101", "tiny", layers=(2, 1, 1, 1))
+    assert len(resnet.layers[0]) == 2
+    nmt, (x, y) = zoo.build("nmt", "tiny", src_len=3, tgt_len=5, batch_size=2)
+    assert x.shape == (2, 8) and y.shape == (2, 5)
+    assert torch.isfinite(nmt(x, y))
+    mlp, (x, _) = zoo.build("mlp", "tiny", hidden=(8, 8, 8))
+    assert len([m for m in mlp.modules() if isinstance(m, torch.nn.Linear)]) == 4
+    cfg = zoo.config("gpt", "tiny", n_embd=32)
+    assert dataclasses.is_dataclass(cfg) and cfg.n_embd == 32
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.n_embd = 8  # type: ignore[misc]
+
+
+def test_bad_names_raise_helpful_errors() -> None:
+    with pytest.raises(ValueError, match=r"'gpt'.*'n_layers'.*n_layer"):
+        zoo.build("gpt", "tiny", n_layers=2)
+    with pytest.raises(ValueError, match=r"'vgg'.*alexnet.*gpt"):
+        zoo.build("vgg")
+    with pytest.raises(ValueError, match=r"'huge'.*default.*tiny"):
+        zoo.build("mlp", "huge")
+    with pytest.raises(ValueError, match="vgg"):
+        zoo.describe("vgg")
+    with pytest.raises(ValueError, match="divisible"):
+        zoo.build("gpt", "tiny", n_head=3)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_default_builds_on_meta(name: str) -> None:
+    model, (inputs, targets) = zoo.build(name, device="meta")
+    tensors = [*model.parameters(), *model.buffers(), inputs, targets]
+    assert all(t.device.type == "meta" for t in tensors)
+    assert inputs.shape[0] == targets.shape[0] == (12 if name == "gpt" else 64)
+    assert not inputs.is_floating_point() or inputs.dtype == torch.float32
+    n_params = sum(p.numel() for p in model.parameters())
+    if name in KNOWN_PARAMS:
+        assert n_params == pytest.approx(KNOWN_PARAMS[name], rel=0.03)
+    loss = model(inputs, targets)  # shapes of the paper-scale config are consistent
+    assert loss.shape == () and loss.device.type == "meta"
+
+
+def test_default_configs() -> None:
+    assert zoo.config("resnet101").layers == (3, 4, 23, 3)
+    assert zoo.config("inception_v3").image_size == 299
+    assert zoo.config("rnntc").num_layers == 4
+    assert zoo.config("rnnlm").num_layers == 2 and zoo.config("rnnlm").vocab_size == 10000
+    assert zoo.config("nmt").num_layers == 2
+    nmt, (x, y) = zoo.build("nmt", device="meta")
+    assert x.shape == (64, 40) and y.shape == (64, 20) and nmt.src_len == 20

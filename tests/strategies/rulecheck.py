@@ -1,0 +1,148 @@
+"""Ground-truth check of op rules: trace a small module, run it for real, then compute every
+partition of an op from only the input and weight regions its rule names and compare with that
+slice of the real output. Reductions run as a real all-reduce would: every partition of a group
+in its own thread, summing in partition order behind a barrier."""
+
+from __future__ import annotations
+
+import itertools
+import random
+import threading
+from typing import Any, Sequence
+
+import torch
+import torch.fx as fx
+
+from soapsearch.trace import trace
+from strategies.graph import OpGraph, OpNode
+from strategies.region import partition_boxes, partition_index, slice_box
+from strategies.rules import get_rule
+
+
+def reference_values(model: torch.nn.Module, inputs: Sequence[torch.Tensor]) -> tuple[OpGraph, dict[str, Any]]:
+    """The OpGraph of ``model`` and every op's real output on ``inputs``."""
+    graph = trace(model, tuple(inputs))
+    gm = fx.symbolic_trace(model)
+    env: dict[str, Any] = {}
+
+    class Keep(fx.Interpreter):
+        def run_node(self, n):
+            r = super().run_node(n)
+            env[n.name] = r
+            return r
+
+    Keep(gm).run(*inputs)
+    values = {}
+    for node in graph:
+        v = env[node.name]
+        while isinstance(v, (tuple, list)):
+            v = v[0]
+        values[node.name] = v
+    return graph, values
+
+
+def grids(node: OpNode, max_parts: int = 8, count: int = 6, seed: int = 0) -> list[tuple[int, ...]]:
+    """Up to ``count`` random valid degree grids of ``node`` (always including the single-dim
+    splits), each degree dividing its dim, product <= max_parts."""
+    rule = get_rule(node.kind)
+    ok = rule.splittable(node)
+    choices = [[d for d in range(1, max_parts + 1) if s % d == 0] if ok[i] else [1]
+               for i, s in enumerate(node.shape)]
+    all_grids = [g for g in itertools.product(*choices)
+                 if 1 < _prod(g) <= max_parts and rule.check_degrees(node, g) is None]
+    rng = random.Random(seed)
+    singles = [g for g in all_grids if sum(d > 1 for d in g) == 1]
+    rest = [g for g in all_grids if g not in singles]
+    rng.shuffle(rest)
+    return singles + rest[: max(0, count - len(singles))]
+
+
+def _prod(xs):
+    p = 1
+    for x in xs:
+        p *= x
+    return p
+
+
+def run_partitions(graph: OpGraph, values: dict[str, Any], model: torch.nn.Module, name: str,
+                   degrees: Sequence[int], external: Sequence[torch.Tensor] = ()) -> list[torch.Tensor]:
+    """Every partition's output of op ``name`` under ``degrees``, computed from regions only."""
+    node = graph[name]
+    rule = get_rule(node.kind)
+    state = dict(model.named_parameters())
+    state.update(dict(model.named_buffers()))
+    boxes = partition_boxes(node.shape, degrees)
+    reds = rule.reductions(node, degrees)
+    over = set(i for r in reds for i in r.over)
+    groups: dict[tuple, list[int]] = {}
+    for k in range(len(boxes)):
+        c = partition_index(k, degrees)
+        groups.setdefault(tuple(x for i, x in enumerate(c) if i not in over), []).append(k)
+    results: list[Any] = [None] * len(boxes)
+
+    def run(k: int, reducer) -> None:
+        box = boxes[k]
+        regions = rule.input_regions(node, box)
+        ins = [None if r is None else values[src][slice_box(r)]
+               for src, r in zip(node.inputs, regions)]
+        ws = {w.role: state[w.name][slice_box(r)]
+              for w in node.weights for r in [rule.weight_regions(node, box)[w.role]]}
+        try:
+            results[k] = rule.forward(node, box, ins, ws, reducer)
+        except BaseException as e:  # noqa: BLE001
+            results[k] = e
+
+    for members in groups.values():
+        barrier = threading.Barrier(len(members))
+        slots: dict[int, torch.Tensor] = {}
+        lock = threading.Lock()
+
+        def make_reducer(k: int):
+            def reducer(t: torch.Tensor) -> torch.Tensor:
+                with lock:
+                    slots[k] = t
+                barrier.wait()
+                total = sum(slots[m] for m in members)
+                barrier.wait()
+                return total
+            return reducer
+
+        threads = [threading.Thread(target=run, args=(k, make_reducer(k))) for k in members]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    return results
+
+
+def check_op(graph: OpGraph, values: dict[str, Any], model: torch.nn.Module, name: str,
+             degrees: Sequence[int], atol: float = 1e-10) -> None:
+    """Assert every partition equals its slice of the real output (a loss: the whole value)."""
+    node = graph[name]
+    full = values[name]
+    outs = run_partitions(graph, values, model, name, degrees)
+    for k, (box, out) in enumerate(zip(partition_boxes(node.shape, degrees), outs)):
+        want = full if node.kind == "loss" else full[slice_box(box)]
+        assert out.shape == want.shape, f"{name} {degrees} partition {k}: shape {tuple(out.shape)} != {tuple(want.shape)}"
+        torch.testing.assert_close(out, want, atol=atol, rtol=1e-9,
+                                   msg=lambda m: f"{name} ({node.kind}) degrees {tuple(degrees)} partition {k} box {box}: {m}")
+
+
+def check_model(model: torch.nn.Module, inputs: Sequence[torch.Tensor], kinds: set[str] | None = None,
+                count: int = 6, max_parts: int = 8, seed: int = 0) -> int:
+    """check_op over every op of ``model`` (of ``kinds``, if given) and random grids; returns
+    how many (op, grid) pairs were checked. Runs in float64."""
+    model = model.double()
+    inputs = [x.double() if x.is_floating_point() else x for x in inputs]
+    graph, values = reference_values(model, inputs)
+    n = 0
+    for node in graph:
+        if node.kind in ("input",) or (kinds is not None and node.kind not in kinds):
+            continue
+        for g in grids(node, max_parts=max_parts, count=count, seed=seed):
+            check_op(graph, values, model, node.name, g)
+            n += 1
+    return n

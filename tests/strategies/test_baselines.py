@@ -1,0 +1,70 @@
+import pytest
+
+from strategies import PlanError, baseline, balanced_stages, data_parallel, model_parallel, owt, pipeline
+from tests.conftest import traced
+
+ZOO = ["alexnet", "inception_v3", "resnet101", "rnntc", "rnnlm", "nmt", "mlp", "gpt"]
+
+
+@pytest.mark.parametrize("name", ZOO)
+@pytest.mark.parametrize("kind", ["data_parallel", "model_parallel", "owt", "pipeline"])
+def test_every_baseline_is_valid(name, kind):
+    g = traced(name)
+    plan = baseline(kind, g, 2, microbatches=2)
+    plan.validate(g)
+    assert plan.num_devices == 2
+
+
+def test_data_parallel_splits_every_sample_dim():
+    g = traced("resnet101")
+    plan = data_parallel(g, 4)
+    for n in g:
+        cfg = plan[n.name]
+        if n.sample_dim is not None:
+            assert cfg.degrees[n.sample_dim] == 4 and cfg.devices == (0, 1, 2, 3), n.name
+            assert cfg.parts == 4
+
+
+def test_data_parallel_batch_must_divide():
+    with pytest.raises(PlanError, match=r"batch 4 is not divisible by 3 devices x 1 micro-batches = 3"):
+        data_parallel(traced("mlp"), 3)
+
+
+def test_model_parallel_contiguous_and_balanced():
+    g = traced("resnet101", "default")
+    plan = model_parallel(g, 4)
+    devs = [plan[n.name].devices[0] for n in g]
+    assert devs == sorted(devs) and set(devs) == {0, 1, 2, 3}  # contiguous runs, every device used
+    loads = [sum(n.flops for n in g if plan[n.name].devices[0] == d) for d in range(4)]
+    assert max(loads) < 1.35 * sum(loads) / 4, loads
+
+
+def test_balanced_stages_is_optimal_on_small_case():
+    g = traced("mlp")
+    runs = balanced_stages(g, 3)
+    assert [x for r in runs for x in r] == [n.name for n in g]
+    assert len(runs) <= 3
+
+
+def test_owt_splits_linears_on_parameter_dim():
+    g = traced("alexnet")
+    plan = owt(g, 4)
+    for n in g:
+        cfg = plan[n.name]
+        if n.kind == "linear":
+            assert cfg.degrees[-1] == 4 and n.dims[-1].role == "parameter", n.name
+        elif n.kind == "conv2d":
+            assert cfg.degrees[n.sample_dim] == 4 and cfg.parts == 4
+
+
+def test_pipeline_micro_batches():
+    g = traced("gpt")
+    plan = pipeline(g, 2, microbatches=4)
+    assert plan.microbatches == 4 and plan.schedule == "gpipe"
+    with pytest.raises(PlanError, match=r"not divisible"):
+        pipeline(g, 2, microbatches=3)
+
+
+def test_unknown_baseline():
+    with pytest.raises(PlanError, match=r"baseline = 'zero': must be one of"):
+        baseline("zero", traced("mlp"), 2)

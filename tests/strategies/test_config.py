@@ -1,0 +1,67 @@
+import math
+
+import pytest
+
+from strategies import ParallelConfig, PlanError, enumerate_configs, validate_config
+from strategies.config import degree_grids, device_blocks, format_devices
+from tests.conftest import traced
+
+
+def test_parallel_config_checks_devices_against_degrees():
+    with pytest.raises(PlanError, match=r"3 devices for prod\(degrees \[2, 2\]\) = 4"):
+        ParallelConfig((2, 2), (0, 1, 2))
+    with pytest.raises(PlanError, match=r"device\(s\) \[1\] appear twice"):
+        ParallelConfig((2,), (1, 1))
+    with pytest.raises(PlanError, match=r"degrees\[0\] = 0"):
+        ParallelConfig((0,), ())
+
+
+def test_short_string_form():
+    g = traced("mlp")
+    node = g["layers_0"]  # dims: sample, out_features
+    assert ParallelConfig((4, 2), tuple(range(8))).show(node.dims) == "S4·P2 @ 0-7"
+    assert ParallelConfig((1, 1), (3,)).show(node.dims) == "@ 3"
+    assert format_devices((0, 1, 2, 3, 8, 9, 10, 11)) == "0-3,8-11"
+
+
+def test_validate_names_op_dim_and_arithmetic():
+    g = traced("mlp")
+    node = g["layers_0"]  # [4, 32]
+    with pytest.raises(PlanError, match=r"op 'layers_0': degrees = \[1, 3\]: degree 3 on dim 'out_features'\(32\) does not divide it"):
+        validate_config(node, ParallelConfig((1, 3), (0, 1, 2)), 4)
+    with pytest.raises(PlanError, match=r"devices\[1\] = 4: device 4 is out of range for 4 devices"):
+        validate_config(node, ParallelConfig((2, 1), (0, 4)), 4)
+    with pytest.raises(PlanError, match=r"degree 4 on dim 'sample'\(4 / 2 micro-batches = 2\)"):
+        validate_config(node, ParallelConfig((4, 1), (0, 1, 2, 3)), 4, microbatches=2)
+    with pytest.raises(PlanError, match=r"3 degrees for 2 dims"):
+        validate_config(node, ParallelConfig((1, 1, 1), (0,)), 4)
+
+
+def test_forbidden_dim_is_rejected():
+    g = traced("gpt")
+    ln = next(n for n in g if n.kind == "layernorm")
+    degrees = tuple(2 if i == len(ln.dims) - 1 else 1 for i in range(len(ln.dims)))
+    with pytest.raises(PlanError, match=r"may not be split"):
+        validate_config(ln, ParallelConfig(degrees, (0, 1)), 2)
+
+
+def test_enumeration_is_every_valid_config():
+    g = traced("mlp")
+    node = g["layers_0"]  # [4, 32]: degrees (s, p) with s | 4, p | 32, s*p <= 8
+    grids = degree_grids(node, 8)
+    want = {(s, p) for s in (1, 2, 4) for p in (1, 2, 4, 8, 16, 32) if s * p <= 8}
+    assert set(grids) == want and grids[0] == (1, 1)
+    configs = list(enumerate_configs(node, 8))
+    for c in configs:
+        validate_config(node, c, 8)
+    # contiguous blocks aligned to their size: 8/p of them for p partitions
+    assert len(configs) == sum(8 // math.prod(gr) for gr in want)
+    assert len(set(configs)) == len(configs)
+
+
+def test_device_blocks_topology_aligned():
+    assert device_blocks(2, 8) == [(0, 1), (2, 3), (4, 5), (6, 7)]
+    # 4 nodes x 2 devices: blocks of 2 spread one per node over 2 consecutive nodes
+    spread = device_blocks(2, 8, node_size=2)
+    assert (0, 2) in spread and (1, 3) in spread and (4, 6) in spread and (5, 7) in spread
+    assert all(len(set(b)) == 2 for b in spread)

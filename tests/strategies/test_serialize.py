@@ -1,0 +1,112 @@
+import copy
+import json
+
+import pytest
+
+from strategies import PlanError, baseline, load_strategy, read_plan, save_strategy, strategy_to_json
+from tests.conftest import traced
+
+
+@pytest.fixture(scope="module")
+def mlp():
+    return traced("mlp")
+
+
+@pytest.mark.parametrize("name", ["data_parallel", "model_parallel", "owt", "pipeline"])
+def test_round_trip_is_lossless(tmp_path, name):
+    g = traced("alexnet")
+    plan = baseline(name, g, 4, microbatches=2)
+    path = tmp_path / "plan.json"
+    save_strategy(path, plan, g, topology="p100-4x4", predicted={"iteration_ms": 1.5})
+    loaded = read_plan(path, g)
+    assert loaded.strategy == plan
+    assert loaded.predicted == {"iteration_ms": 1.5}
+    assert loaded.topology == {"name": "p100-4x4", "num_devices": 4}
+    assert loaded.model["fingerprint"] == g.fingerprint()
+    obj = json.loads(path.read_text())
+    assert obj["format"] == "soapsearch.strategy" and obj["version"] == 1
+    assert [o["name"] for o in obj["ops"]] == [n.name for n in g]
+    # same bytes when written again
+    save_strategy(tmp_path / "again.json", loaded.strategy, g, topology="p100-4x4",
+                  predicted={"iteration_ms": 1.5})
+    assert (tmp_path / "again.json").read_text() == path.read_text()
+
+
+def _plan(mlp):
+    return strategy_to_json(baseline("data_parallel", mlp, 2), mlp, topology="local-cpu-2")
+
+
+def _op(obj, name):
+    return next(o for o in obj["ops"] if o["name"] == name)
+
+
+def _mutations():
+    def version(o): o["version"] = 2
+    def fingerprint(o): o["model"]["fingerprint"] = "0" * 16
+    def not_dividing(o): _op(o, "layers_0").update(degrees=[1, 3], devices=[0, 1, 2])
+    def out_of_range(o): _op(o, "layers_0").update(degrees=[1, 2], devices=[0, 7])
+    def wrong_count(o): _op(o, "layers_0").update(degrees=[2, 1], devices=[0])
+    def missing(o): o["ops"] = [x for x in o["ops"] if x["name"] != "layers_2"]
+    def extra(o): o["ops"].append({"name": "ghost", "degrees": [1], "devices": [0]})
+    def bad_kind(o): _op(o, "layers_0")["kind"] = "conv2d"
+    def bad_type(o): _op(o, "layers_0")["degrees"] = "2,1"
+    def duplicate(o): o["ops"].append(copy.deepcopy(_op(o, "layers_0")))
+    def microbatches(o): o["microbatches"] = 3
+    def schedule(o): o["schedule"] = "zigzag"
+    return [
+        (version, r"version = 2: this soapsearch reads version 1 only"),
+        (fingerprint, r"model.fingerprint = '0000000000000000': the plan was made for another model"),
+        (not_dividing, r"op 'layers_0': degrees = \[1, 3\]: degree 3 on dim 'out_features'\(32\) does not divide it"),
+        (out_of_range, r"op 'layers_0': devices\[1\] = 7: device 7 is out of range for 2 devices"),
+        (wrong_count, r"op 'layers_0': devices = \[0\]: 1 devices for prod\(degrees \[2, 1\]\) = 2"),
+        (missing, r"op 'layers_2': ops = \['layers_2'\]: 1 op\(s\) of the model have no config"),
+        (extra, r"op 'ghost': name = 'ghost': the model has no op of this name"),
+        (bad_kind, r"op 'layers_0': kind = 'conv2d': the model's op has kind 'linear'"),
+        (bad_type, r"op 'layers_0': degrees = '2,1': must be a JSON list"),
+        (duplicate, r"op 'layers_0': name = 'layers_0': the op appears twice"),
+        (microbatches, r"3 micro-batches do not divide dim 'sample'\(4\)"),
+        (schedule, r"schedule = 'zigzag': must be one of"),
+    ]
+
+
+@pytest.mark.parametrize("mutate,message", _mutations(), ids=lambda x: getattr(x, "__name__", ""))
+def test_bad_plans_name_op_field_value(tmp_path, mlp, mutate, message):
+    obj = _plan(mlp)
+    mutate(obj)
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(obj))
+    with pytest.raises(PlanError, match=message) as err:
+        load_strategy(path, mlp)
+    assert str(path) in str(err.value)
+
+
+def test_split_on_forbidden_dim(tmp_path):
+    g = traced("gpt")
+    obj = strategy_to_json(baseline("data_parallel", g, 2), g)
+    ln = next(n for n in g if n.kind == "layernorm")
+    degrees = [1] * len(ln.dims)
+    degrees[-1] = 2
+    _op(obj, ln.name).update(degrees=degrees, devices=[0, 1])
+    with pytest.raises(PlanError, match=rf"op '{ln.name}': degrees = .*dim 'd2' of a 'layernorm' op may not be split|op '{ln.name}'.*may not be split"):
+        load_strategy(obj, g)
+
+
+def test_malformed_json(tmp_path, mlp):
+    path = tmp_path / "broken.json"
+    path.write_text('{"format": "soapsearch.strategy", "version": 1,')
+    with pytest.raises(PlanError, match=r"json = 'line 1 column \d+': not valid JSON"):
+        load_strategy(path, mlp)
+    with pytest.raises(PlanError, match=r"format = None: must be 'soapsearch.strategy'"):
+        load_strategy({"version": 1}, mlp)
+
+
+def test_save_is_atomic_and_validates(tmp_path, mlp):
+    path = tmp_path / "plan.json"
+    good = baseline("data_parallel", mlp, 2)
+    save_strategy(path, good, mlp)
+    before = path.read_text()
+    bad = good.replace("layers_0", type(good["layers_0"])((1, 2), (0, 5)))
+    with pytest.raises(PlanError, match="out of range"):
+        save_strategy(path, bad, mlp)
+    assert path.read_text() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["plan.json"]
