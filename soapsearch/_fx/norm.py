@@ -60,7 +60,9 @@ def _layernorm_function(node: fx.Node) -> FxOp | None:
 
 def _softmax(kind: str, x: Any, dim: Any, dtype: Any = None) -> FxOp | None:
     ndim, dim, dtype = _ndim(x), val(dim), val(dtype)
-    if not ndim or not (dim is None or isinstance(dim, int)) or not (dtype is None or isinstance(dtype, torch.dtype)):
+    if not ndim or not (dim is None or isinstance(dim, int)):
+        return None
+    if not (dtype is None or isinstance(dtype, torch.dtype)):
         return None
     if dim is None:  # torch's legacy implicit dim (F._get_softmax_dim)
         dim = 0 if ndim in (0, 1, 3) else 1

@@ -152,13 +152,16 @@ def _reduce(node: fx.Node, fn: str) -> FxOp | None:
     if (not isinstance(x, torch.Tensor) or not isinstance(out, torch.Tensor) or x.dim() == 0
             or dim is None or len(node.args) > 3 or (fn in ("var", "std") and len(node.args) > 2)):
         return None
-    dims = sorted({d % x.dim() for d in (dim if isinstance(dim, (list, tuple)) else [dim])})
+    dims = list(dim) if isinstance(dim, (list, tuple)) else [dim]
+    if not all(isinstance(d, int) for d in dims):
+        return None
+    dims = sorted({d % x.dim() for d in dims})
     keepdim = val(arg(node, 2, "keepdim", False)) if fn not in ("var", "std") else \
         val(node.kwargs.get("keepdim", False))
     if not dims or not isinstance(keepdim, bool) or (fn in ("prod", "all", "any") and len(dims) > 1):
         return None
     try:
-        kwargs = {k: _template(v, []) for k, v in rest.items()}
+        kwargs = {k: _const(val(v)) for k, v in rest.items()}
     except _Unsupported:
         return None
     return FxOp("reduce", [node.args[0]], {"fn": fn, "dims": dims, "keepdim": keepdim,

@@ -96,7 +96,7 @@ class Attention(SplitAll):
 
     def dims(self, node: OpNode, sample: int | None) -> tuple[Dim, ...]:
         n = len(node.shape)
-        names = {n - 3: "heads", n - 2: "seq", n - 1: "head_dim"}
+        names = {n - 2: "seq", n - 1: "head_dim", **({n - 3: "heads"} if n >= 4 else {})}
         return tuple(dim_named(i, sample, names.get(i, f"batch{i}"), "attribute", s)
                      for i, s in enumerate(node.shape))
 

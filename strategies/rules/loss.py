@@ -16,8 +16,7 @@ from strategies.rules.base import Reduce, Reduction, SplitAll, dim_named, no_red
 
 @register("loss")
 class Loss(SplitAll):
-    """L = Σ_i w_i·ℓ_i / Σ_i w_i (torch's 'mean'; w_i = class weight of target i, 0 if ignored,
-    else 1) or Σ_i ℓ_i ('sum'): each partition sums its own ℓ_i, the sums are all-reduced."""
+    """mean L = Σ w_i·ℓ_i / Σ w_i (torch; w_i: weight of class y_i, 0 if ignored); sum L = Σ w_i·ℓ_i."""
 
     def dims(self, node: OpNode, sample: int | None) -> tuple[Dim, ...]:
         return tuple(dim_named(i, sample, f"d{i}", "attribute", s) for i, s in enumerate(node.shape))
@@ -34,6 +33,7 @@ class Loss(SplitAll):
 
     def forward(self, node: OpNode, box: Box, inputs: Sequence[torch.Tensor],
                 weights: Mapping[str, torch.Tensor], reduce: Reduce = no_reduce) -> torch.Tensor:
+        # each partition sums its own w_i·ℓ_i (and w_i); one all-reduce of both gives the global L
         x, target = inputs
         a = node.attrs
         if a["fn"] == "mse_loss":

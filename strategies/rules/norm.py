@@ -25,7 +25,8 @@ def uses_batch_stats(node: OpNode) -> bool:
 class BatchNorm2d(SplitAll):
     """BatchNorm2d (Ioffe & Szegedy 2015): y = (x - mean) / sqrt(var + eps) * w + b per channel,
     with mean = Σx / (N*H*W) and the biased var = Σ(x - mean)² / (N*H*W) over the whole batch,
-    summed across the partitions of split sample/height/width dims (two reductions).
+    summed across the partitions of split sample/height/width dims (two reductions; the first
+    also sums the element count N*H*W, so a micro-batch normalizes with its own statistics).
 
     Forward never touches the running statistics: the executor updates them after the step with
     running_mean = (1-momentum)*running_mean + momentum*mean and running_var = (1-momentum)*
@@ -56,17 +57,19 @@ class BatchNorm2d(SplitAll):
         if not uses_batch_stats(node):
             return F.batch_norm(x, weights["running_mean"], weights["running_var"], w, b, False,
                                 0.0, eps)
-        n, _, h, wd = node.input_specs[0].shape
-        count = n * h * wd
-        mean = reduce(x.sum(dim=_STATS_DIMS)) / count
-        centered = x - mean[None, :, None, None]
+        acc = x if x.dtype in (torch.float32, torch.float64) else x.float()  # as torch: fp32 stats
+        # the element count travels with the first sum, so a micro-batch counts only itself
+        local = acc.new_full((1,), x.numel() // max(x.shape[1], 1))
+        total = reduce(torch.cat([acc.sum(dim=_STATS_DIMS), local]))
+        mean, count = total[:-1] / total[-1], total[-1]
+        centered = acc - mean[None, :, None, None]
         var = reduce((centered * centered).sum(dim=_STATS_DIMS)) / count
         y = centered * torch.rsqrt(var + eps)[None, :, None, None]
         if w is not None:
             y = y * w[None, :, None, None]
         if b is not None:
             y = y + b[None, :, None, None]
-        return y
+        return y.to(x.dtype)
 
 
 def _named(node: OpNode, sample: int | None, special: Mapping[int, tuple[str, str]]) -> tuple[Dim, ...]:
@@ -74,7 +77,7 @@ def _named(node: OpNode, sample: int | None, special: Mapping[int, tuple[str, st
     one of them, else d<i>."""
     rest = [i for i in range(len(node.shape)) if i != sample and i not in special]
     return tuple(
-        Dim(*special[i][:1], s, special[i][1]) if i in special
+        Dim(special[i][0], s, special[i][1]) if i in special
         else dim_named(i, sample, "seq" if len(rest) == 1 else f"d{i}", "attribute", s)
         for i, s in enumerate(node.shape))
 

@@ -69,13 +69,9 @@ FUNCTIONS: dict[str, Callable[..., Any]] = _table()
 
 
 def _fill(t: Any, inputs: Sequence[torch.Tensor]) -> Any:
-    """A call template with its ``{"input": i}`` / ``{"dtype": ...}`` holes filled."""
+    """An argument template with its ``{"input": i}`` / ``{"dtype": ...}`` holes filled."""
     if isinstance(t, Mapping):
-        if "input" in t:
-            return inputs[t["input"]]
-        if "dtype" in t:
-            return getattr(torch, t["dtype"])
-        return {k: _fill(v, inputs) for k, v in t.items()}
+        return inputs[t["input"]] if "input" in t else getattr(torch, t["dtype"])
     if isinstance(t, (list, tuple)):
         return [_fill(v, inputs) for v in t]
     return t
@@ -91,7 +87,8 @@ class Elementwise(SplitAll):
     def forward(self, node: OpNode, box: Box, inputs: Sequence[torch.Tensor],
                 weights: Mapping[str, torch.Tensor], reduce: Reduce = no_reduce) -> torch.Tensor:
         a = node.attrs
-        return FUNCTIONS[a["fn"]](*_fill(a["args"], inputs), **_fill(a.get("kwargs", {}), inputs))
+        kwargs = {k: _fill(v, inputs) for k, v in a.get("kwargs", {}).items()}
+        return FUNCTIONS[a["fn"]](*_fill(a["args"], inputs), **kwargs)
 
 
 # --- dropout ------------------------------------------------------------------------------
@@ -174,6 +171,6 @@ class ReduceDims(SplitAll):
         a = node.attrs
         dims = list(a["dims"])
         dim: Any = dims[0] if a["fn"] in ("prod", "all", "any") and len(dims) == 1 else dims
-        kwargs = _fill(a.get("kwargs", {}), inputs)
+        kwargs = {k: _fill(v, inputs) for k, v in a.get("kwargs", {}).items()}
         return REDUCTIONS[a["fn"]](inputs[0], dim=dim, keepdim=a["keepdim"], **kwargs)
 

@@ -33,8 +33,7 @@ def _batch_dim(node: OpNode) -> int | None:
 
 @register("lstm", "gru", "rnn")
 class Recurrent(OpRule):
-    """h_t = cell(x_t, h_{t-1}) over the whole sequence (Hochreiter & Schmidhuber 1997; Cho et al.
-    2014): every step reads every weight and the step before, so only the batch may be cut."""
+    """h_t = cell(x_t, h_{t-1}; all weights) (Hochreiter & Schmidhuber 1997): only the batch may be cut."""
 
     def dims(self, node: OpNode, sample: int | None) -> tuple[Dim, ...]:
         b, n = _batch_dim(node), len(node.shape)

@@ -95,8 +95,8 @@ def _reshape_problem(src: tuple[int, ...], dst: tuple[int, ...], degrees: tuple[
     that is not a box of the input, or None."""
     for group in view_groups(src, dst):
         gi, gj = group
-        if not gj or all(degrees[j] == 1 for j in gj):
-            continue
+        if not gj or all(degrees[j] == 1 for j in gj) or (len(gi) == 1 and len(gj) == 1):
+            continue  # untouched, or a dim kept 1:1
         what = (f"of the reshape of input dims {list(gi)} {[src[i] for i in gi]} into output "
                 f"dims {list(gj)} {[dst[u] for u in gj]}")
         for j in gj[1:]:
