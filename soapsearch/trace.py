@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import operator
 import os
 import traceback
 from typing import Any, Sequence
@@ -21,7 +22,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import soapsearch._fx  # noqa: F401  (registers every adapter)
 from soapsearch._fx.base import ALIAS, FxOp, adapter_for
-from strategies.graph import OpGraph, OpNode, TensorSpec, Weight
+from strategies.graph import Dim, OpGraph, OpNode, TensorSpec, Weight
 from strategies.rules import OPAQUE, get_rule
 from strategies.rules.base import spec_of
 
@@ -38,6 +39,7 @@ class _Tracer(fx.Tracer):
     def __init__(self) -> None:
         super().__init__()
         self.record_stack_traces = True
+        self.proxy_buffer_attributes = True  # a buffer sliced by a traced size (a causal mask)
 
 
 def _symbolic_trace(model: torch.nn.Module) -> fx.GraphModule:
@@ -150,9 +152,9 @@ def _build(gm: fx.GraphModule, first: dict[str, Any], second: dict[str, Any], na
     for n in gm.graph.nodes:
         v = first.get(n.name)
         if n.op == "output":
-            outs = [a for a in fx.node.map_arg(n.args[0], lambda x: x).__iter__()] \
-                if isinstance(n.args[0], (tuple, list)) else [n.args[0]]
-            outputs = [op_of[a.name] for a in outs if isinstance(a, fx.Node) and a.name in op_of]
+            outs: list[fx.Node] = []
+            fx.node.map_arg(n.args[0], outs.append)
+            outputs = [op_of[a.name] for a in outs if a.name in op_of]
             continue
         fxop = _adapt(n, gm, v)
         if fxop is None:
@@ -172,7 +174,6 @@ def _build(gm: fx.GraphModule, first: dict[str, Any], second: dict[str, Any], na
         in_specs = tuple(specs[i] for i in inputs)
         flops = int(n.meta.get("flops", 0))
         rd = sum(s.nbytes for s in in_specs) + sum(w.spec.nbytes for w in weights)
-        from strategies.graph import Dim
         provisional = OpNode(n.name, fxop.kind, tuple(inputs), out,
                              tuple(Dim(f"d{i}", s, "attribute") for i, s in enumerate(dim_sizes)),
                              weights, fxop.attrs, in_specs)
@@ -198,20 +199,39 @@ def _adapt(n: fx.Node, gm: fx.GraphModule, v: Any) -> FxOp | None:
     if n.op == "get_attr":
         if not isinstance(v, torch.Tensor):
             return None
-        return FxOp("parameter", [], {"target": n.target}, weights=[("value", n.target)])
+        kind = "parameter" if isinstance(_tensor_at(gm, n.target), torch.nn.Parameter) else "constant"
+        return FxOp(kind, [], {"target": n.target}, weights=[("value", n.target)])
+    if not n.users:
+        return None  # dead code: nothing reads it (the ``_`` of ``out, _ = self.gru(x)``)
     thunk = adapter_for(n, gm)
     fxop = thunk() if thunk else None
     if fxop is not None:
         return fxop
-    if not isinstance(v, torch.Tensor):
-        if isinstance(v, (tuple, list)) and n.users and any(isinstance(x, torch.Tensor) for x in v):
+    tuple_args = [_tuple_root(a).name for a in n.all_input_nodes
+                  if isinstance(a.meta.get("val"), (tuple, list))]
+    if isinstance(v, torch.Tensor) and tuple_args:
+        raise TraceError(
+            f"op {n.name!r} ({_describe(n)}) reads an item other than the first of "
+            f"{tuple_args[0]!r}'s tuple output; an op's output is the first item only.\n"
+            f"  at {_source(n) or '?'}"
+        )
+    if isinstance(v, (tuple, list)) and any(isinstance(x, torch.Tensor) for x in v):
+        if any(not (u.target is operator.getitem and u.args[1] == 0) for u in n.users if u.users):
             raise TraceError(
-                f"op {n.name!r} ({_describe(n)}) returns several tensors and has no rule; "
-                f"soapsearch cannot make it an opaque op.\n  at {_source(n) or '?'}"
+                f"op {n.name!r} ({_describe(n)}) returns several tensors that are used and has "
+                f"no rule; an opaque op outputs only its first tensor.\n  at {_source(n) or '?'}"
             )
+    elif not isinstance(v, torch.Tensor):
         return None
     tensor_args = [a for a in n.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
     return FxOp(OPAQUE, tensor_args, {"target": _describe(n)})
+
+
+def _tuple_root(n: fx.Node) -> fx.Node:
+    """The call whose tuple output ``n`` is (an item of)."""
+    while n.op == "call_function" and n.target is operator.getitem and isinstance(n.args[0], fx.Node):
+        n = n.args[0]
+    return n
 
 
 def _describe(n: fx.Node) -> str:

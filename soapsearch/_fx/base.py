@@ -35,31 +35,30 @@ _FUNCTIONS: dict[Any, Adapter] = {}
 _METHODS: dict[str, Adapter] = {}
 
 
-def for_modules(*types: type) -> Callable[[Adapter], Adapter]:
-    """Adapter ``fn(node, module) -> FxOp | None`` for call_module nodes of these types."""
+def _registrar(table: dict, keys: tuple) -> Callable[[Adapter], Adapter]:
     def deco(fn: Adapter) -> Adapter:
-        for t in types:
-            _MODULES[t] = fn
+        for k in keys:
+            if k in table and table[k] is not fn:
+                raise ValueError(f"fx target {k!r} has two adapters: {table[k].__qualname__} "
+                                 f"and {fn.__qualname__}")
+            table[k] = fn
         return fn
     return deco
+
+
+def for_modules(*types: type) -> Callable[[Adapter], Adapter]:
+    """Adapter ``fn(node, module) -> FxOp | None`` for call_module nodes of these types."""
+    return _registrar(_MODULES, types)
 
 
 def for_functions(*fns: Any) -> Callable[[Adapter], Adapter]:
     """Adapter ``fn(node) -> FxOp | None`` for call_function nodes of these targets."""
-    def deco(fn: Adapter) -> Adapter:
-        for f in fns:
-            _FUNCTIONS[f] = fn
-        return fn
-    return deco
+    return _registrar(_FUNCTIONS, fns)
 
 
 def for_methods(*names: str) -> Callable[[Adapter], Adapter]:
     """Adapter ``fn(node) -> FxOp | None`` for call_method nodes (``x.view(...)``)."""
-    def deco(fn: Adapter) -> Adapter:
-        for n in names:
-            _METHODS[n] = fn
-        return fn
-    return deco
+    return _registrar(_METHODS, names)
 
 
 def adapter_for(node: fx.Node, gm: fx.GraphModule) -> Callable[[], FxOp | None] | None:

@@ -3,7 +3,6 @@ import subprocess
 import sys
 import textwrap
 
-import pytest
 
 from soapsearch.cli import main
 from strategies import read_plan

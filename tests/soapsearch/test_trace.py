@@ -2,7 +2,6 @@ import pytest
 import torch
 import torch.fx as fx
 import torch.nn as nn
-import torch.nn.functional as F
 
 from soapsearch import TraceError, trace, zoo
 from tests.conftest import traced
@@ -107,3 +106,38 @@ def test_op_without_rule_is_opaque_not_an_error():
     cumsum = g["cumsum"]
     assert cumsum.kind == "opaque" and cumsum.attrs["target"] == "cumsum"
     assert "test_trace.py" in cumsum.source
+
+
+class CausalMask(nn.Module):
+    """nanoGPT's masked attention: a buffer sliced by a traced size, masked_fill, softmax."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("bias", torch.tril(torch.ones(8, 8)).view(1, 1, 8, 8))
+
+    def forward(self, att):
+        t = att.size(-1)
+        att = att.masked_fill(self.bias[:, :, :t, :t] == 0, float("-inf"))
+        return torch.softmax(att, dim=-1)
+
+
+def test_buffers_trace_as_constants():
+    g = trace(CausalMask(), (torch.randn(2, 3, 6, 6),))
+    const = next(n for n in g if n.kind == "constant")
+    assert const.weights[0].name == "bias" and not const.weights[0].trainable
+    assert [n.kind for n in g].count("opaque") == 0
+
+
+class UsesHidden(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lstm = nn.LSTM(4, 4, batch_first=True)
+
+    def forward(self, x):
+        out, (h, c) = self.lstm(x)
+        return out.sum(1) + h[0]
+
+
+def test_second_tuple_item_is_a_clear_error():
+    with pytest.raises(TraceError, match=r"(?s)reads an item other than the first of 'lstm''s tuple output.*out, \(h, c\) = self.lstm\(x\)"):
+        trace(UsesHidden(), (torch.randn(2, 3, 4),))

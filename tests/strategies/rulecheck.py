@@ -5,6 +5,7 @@ in its own thread, summing in partition order behind a barrier."""
 
 from __future__ import annotations
 
+import copy
 import itertools
 import random
 import threading
@@ -13,25 +14,36 @@ from typing import Any, Sequence
 import torch
 import torch.fx as fx
 
+from soapsearch._fx.base import adapter_for
 from soapsearch.trace import trace
 from strategies.graph import OpGraph, OpNode
 from strategies.region import partition_boxes, partition_index, slice_box
 from strategies.rules import get_rule
 
 
-def reference_values(model: torch.nn.Module, inputs: Sequence[torch.Tensor]) -> tuple[OpGraph, dict[str, Any]]:
-    """The OpGraph of ``model`` and every op's real output on ``inputs``."""
-    graph = trace(model, tuple(inputs))
+def run_fx(model: torch.nn.Module, inputs: Sequence[torch.Tensor]) -> fx.GraphModule:
+    """``model`` symbolic-traced and run for real, each node's value in ``meta["val"]``."""
     gm = fx.symbolic_trace(model)
-    env: dict[str, Any] = {}
 
     class Keep(fx.Interpreter):
         def run_node(self, n):
-            r = super().run_node(n)
-            env[n.name] = r
-            return r
+            n.meta["val"] = super().run_node(n)
+            return n.meta["val"]
 
     Keep(gm).run(*inputs)
+    return gm
+
+
+def adapt(model: torch.nn.Module, inputs: Sequence[torch.Tensor], target: Any) -> list[Any]:
+    """The fx adapter's answer (FxOp or None) for each call of ``target``, from a real run."""
+    gm = run_fx(model, inputs)
+    return [adapter_for(n, gm)() for n in gm.graph.nodes if n.target == target]
+
+
+def reference_values(model: torch.nn.Module, inputs: Sequence[torch.Tensor]) -> tuple[OpGraph, dict[str, Any]]:
+    """The OpGraph of ``model`` and every op's real output on ``inputs``."""
+    graph = trace(model, tuple(inputs))
+    env = {n.name: n.meta["val"] for n in run_fx(model, inputs).graph.nodes}
     values = {}
     for node in graph:
         v = env[node.name]
@@ -71,6 +83,9 @@ def run_partitions(graph: OpGraph, values: dict[str, Any], model: torch.nn.Modul
     rule = get_rule(node.kind)
     state = dict(model.named_parameters())
     state.update(dict(model.named_buffers()))
+    gm = fx.symbolic_trace(model)  # fx's folded constants (_tensor_constant0) live here
+    state.update({n.target: getattr(gm, n.target) for n in gm.graph.nodes
+                  if n.op == "get_attr" and n.target not in state and hasattr(gm, n.target)})
     boxes = partition_boxes(node.shape, degrees)
     reds = rule.reductions(node, degrees)
     over = set(i for r in reds for i in r.over)
@@ -135,7 +150,7 @@ def check_model(model: torch.nn.Module, inputs: Sequence[torch.Tensor], kinds: s
                 count: int = 6, max_parts: int = 8, seed: int = 0) -> int:
     """check_op over every op of ``model`` (of ``kinds``, if given) and random grids; returns
     how many (op, grid) pairs were checked. Runs in float64."""
-    model = model.double()
+    model = copy.deepcopy(model).double()
     inputs = [x.double() if x.is_floating_point() else x for x in inputs]
     graph, values = reference_values(model, inputs)
     n = 0

@@ -1,13 +1,11 @@
 import pytest
 import torch
-import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from soapsearch._fx.base import adapter_for
 from soapsearch.trace import trace
 from strategies.rules import Reduction, get_rule
-from tests.strategies.rulecheck import check_model
+from tests.strategies.rulecheck import adapt, check_model
 
 
 def _losses(model, inputs):
@@ -120,16 +118,7 @@ def test_mse():
 
 
 def _adapt(model, inputs, target):
-    """The adapter's answer for the call of ``target``, every fx value set from a real run."""
-    gm = fx.symbolic_trace(model)
-
-    class Keep(fx.Interpreter):
-        def run_node(self, n):
-            n.meta["val"] = super().run_node(n)
-            return n.meta["val"]
-
-    Keep(gm).run(*inputs)
-    return [adapter_for(n, gm)() for n in gm.graph.nodes if n.target == target]
+    return adapt(model, inputs, target)
 
 
 @pytest.mark.filterwarnings("ignore:Using a target size")

@@ -1,13 +1,11 @@
 import pytest
 import torch
-import torch.fx as fx
 import torch.nn as nn
 
-from soapsearch._fx.base import adapter_for
 from soapsearch.trace import trace
 from strategies.region import partition_boxes, slice_box
 from strategies.rules import get_rule
-from tests.strategies.rulecheck import check_model
+from tests.strategies.rulecheck import adapt, check_model
 
 
 class Seq(nn.Module):
@@ -96,17 +94,7 @@ def test_partition_gradients_sum_to_the_full_gradients():
 
 
 def _adapt(model, inputs, target):
-    """The adapter's answer for the call of ``target``, every fx value set from a real run."""
-    gm = fx.symbolic_trace(model)
-
-    class Keep(fx.Interpreter):
-        def run_node(self, n):
-            n.meta["val"] = super().run_node(n)
-            return n.meta["val"]
-
-    Keep(gm).run(*inputs)
-    node = next(n for n in gm.graph.nodes if n.target == target)
-    return adapter_for(node, gm)()
+    return adapt(model, inputs, target)[0]
 
 
 def test_opaque_cases():
