@@ -1,0 +1,205 @@
+"""Cost models: the (forward, backward) seconds of one op partition on one device kind.
+
+``CostModel.op_time`` is called thousands of times a second by a search, so it memoizes: first
+by the partition's exact box, then by the shapes that determine its cost (box shape and the
+shapes of the input regions it reads: an edge partition of a spatial split reads a smaller halo
+than an inner one, so the box shape alone is not exact). ``AnalyticalCostModel`` is the roofline
+(Williams, Waterman & Patterson, "Roofline", CACM 2009): time = max(FLOPs / (peak × compute
+efficiency), bytes / (bandwidth × memory efficiency)) + launch overhead per kernel.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any
+
+from simulator.devices import DeviceSpec
+from strategies.graph import DTYPE_BYTES, OpNode
+from strategies.region import Box, box_numel, box_shape
+from strategies.rules import get_rule
+
+__all__ = [
+    "CostModel", "AnalyticalCostModel", "get_cost_model", "is_cpu", "partition_regions",
+    "partition_flops", "partition_bytes", "has_trainable_params",
+    "COMPUTE_EFFICIENCY", "MEMORY_EFFICIENCY", "GPU_LAUNCH_OVERHEAD", "CPU_LAUNCH_OVERHEAD",
+    "LEAF_KINDS", "VIEW_KINDS",
+]
+
+COMPUTE_EFFICIENCY = 0.6
+"""Fraction of peak FLOP/s an op reaches: large GEMMs and convolutions reach 60-80 % of the
+datasheet peak, smaller and odd-shaped kernels less; 0.6 is the middle of what cuBLAS/cuDNN and
+oneDNN deliver on the zoo's shapes."""
+MEMORY_EFFICIENCY = 0.8
+"""Fraction of the datasheet bandwidth a streaming kernel reaches (STREAM-like copies: 80-90 %)."""
+GPU_LAUNCH_OVERHEAD = 5e-6
+"""Seconds per kernel on a GPU: a CUDA launch plus PyTorch's eager dispatch is 4-10 µs."""
+CPU_LAUNCH_OVERHEAD = 2e-6
+"""Seconds per op on a CPU: no launch, only the framework's dispatch (1-5 µs an eager op)."""
+
+LEAF_KINDS = frozenset({"input", "parameter", "constant"})
+"""Ops that are not computed (the executor slices the batch or the state): they cost 0."""
+VIEW_KINDS = frozenset({"reshape", "flatten", "slice"})
+"""Ops that are views of their input in torch (no kernel, no bytes moved): they cost 0. A
+``permute`` is a view too, but its consumer then reads strided memory or copies it, so it is
+costed as a copy (read + write), like ``concat``."""
+_GATHER_KINDS = frozenset({"embedding"})
+
+
+def is_cpu(device: DeviceSpec) -> bool:
+    """Whether the device is a CPU process slot (its kind names ``cpu``) rather than a GPU."""
+    return "cpu" in device.kind.lower()
+
+
+def partition_regions(node: OpNode, box: Box) -> tuple[tuple[Box | None, ...], dict[str, Box]]:
+    """The input regions (None: reads nothing) and weight regions the partition ``box`` reads."""
+    rule = get_rule(node.kind)
+    return tuple(rule.input_regions(node, box)), dict(rule.weight_regions(node, box))
+
+
+def partition_flops(node: OpNode, box: Box) -> float:
+    """Forward FLOPs of the partition: the op's FLOPs × box volume / the op's volume."""
+    full = 1
+    for s in node.shape:
+        full *= s
+    return node.flops * box_numel(box) / full if full else 0.0
+
+
+def partition_bytes(node: OpNode, box: Box, regions: tuple[Box | None, ...] | None = None,
+                    weight_regions: dict[str, Box] | None = None) -> int:
+    """Bytes the partition's forward moves: its input regions + weight regions + its output (a
+    loss outputs one scalar). An embedding reads only the rows it gathers, not its whole table."""
+    if regions is None or weight_regions is None:
+        regions, weight_regions = partition_regions(node, box)
+    total = sum(box_numel(r) * DTYPE_BYTES[s.dtype]
+                for r, s in zip(regions, node.input_specs) if r is not None)
+    out = node.output.nbytes if node.kind == "loss" else box_numel(box) * DTYPE_BYTES[node.output.dtype]
+    for w in node.weights:
+        r = weight_regions.get(w.role)
+        if r is not None:
+            wb = box_numel(r) * DTYPE_BYTES[w.spec.dtype]
+            total += min(wb, out) if node.kind in _GATHER_KINDS else wb
+    return total + out
+
+
+def has_trainable_params(node: OpNode) -> bool:
+    """Whether backward computes a parameter gradient as well as the input gradient: a trainable
+    module weight, or parameters passed to a functional call (``attrs["param_inputs"]``)."""
+    return any(w.trainable for w in node.weights) or bool(node.attrs.get("param_inputs"))
+
+
+class CostModel(abc.ABC):
+    """Time of one op partition: ``op_time(node, box, device) -> (forward s, backward s)``.
+
+    ``box`` is the partition's region in the op's dims (a loss: its per-sample dims). Results
+    are memoized in memory per (op, box) and per (op, box shape, input region shapes, device
+    kind); subclasses implement ``_op_time``, called once per distinct shape key."""
+
+    def __init__(self) -> None:
+        self._by_box: dict[Any, tuple[float, float]] = {}
+        self._by_shape: dict[Any, tuple[float, float]] = {}
+
+    def op_time(self, node: OpNode, box: Box, device: DeviceSpec) -> tuple[float, float]:
+        op = (node.name, node.kind, node.shape, node.input_specs, node.weights, node.flops)
+        exact = (op, box, device.kind)
+        hit = self._by_box.get(exact)
+        if hit is not None:
+            return hit
+        regions, weight_regions = partition_regions(node, box)
+        key = (op, box_shape(box), tuple(None if r is None else box_shape(r) for r in regions),
+               tuple(sorted((k, box_shape(r)) for k, r in weight_regions.items())), device.kind)
+        hit = self._by_shape.get(key)
+        if hit is None:
+            f, b = self._op_time(node, box, regions, weight_regions, device)
+            hit = self._by_shape[key] = (float(f), float(b))
+        self._by_box[exact] = hit
+        return hit
+
+    @abc.abstractmethod
+    def _op_time(self, node: OpNode, box: Box, regions: tuple[Box | None, ...],
+                 weight_regions: dict[str, Box], device: DeviceSpec) -> tuple[float, float]:
+        """(forward, backward) seconds of the partition, given the regions it reads."""
+
+
+class AnalyticalCostModel(CostModel):
+    """Roofline (Williams et al. 2009): t = max(F / (peak(dtype)·e_c), B / (bw·e_m)) + n·launch.
+
+    Forward: F = the partition's FLOPs, B = ``partition_bytes``, one kernel. Backward: 2F and 2
+    kernels (input grad + parameter grad) for an op with trainable parameters, else F and one
+    kernel; 2B either way (it reads the output grad and what forward read, writes the grads); an
+    embedding's backward also writes its whole dense table gradient. Leaf and view ops cost 0.
+
+    ``efficiency``: (compute, memory) fractions, or one float for both. ``launch_overhead``:
+    seconds per kernel; None picks ``GPU_LAUNCH_OVERHEAD`` or ``CPU_LAUNCH_OVERHEAD`` per device.
+    """
+
+    def __init__(self, efficiency: float | tuple[float, float] = (COMPUTE_EFFICIENCY, MEMORY_EFFICIENCY),
+                 launch_overhead: float | None = None) -> None:
+        super().__init__()
+        compute, memory = (efficiency, efficiency) if isinstance(efficiency, (int, float)) else efficiency
+        if not (0 < compute <= 1 and 0 < memory <= 1):
+            raise ValueError(f"AnalyticalCostModel: efficiency (compute {compute}, memory {memory}) "
+                             "must each be in (0, 1]")
+        if launch_overhead is not None and launch_overhead < 0:
+            raise ValueError(f"AnalyticalCostModel: launch_overhead {launch_overhead} must be >= 0")
+        self.compute_efficiency, self.memory_efficiency = float(compute), float(memory)
+        self.launch_overhead = launch_overhead
+
+    def __repr__(self) -> str:
+        return (f"AnalyticalCostModel(efficiency=({self.compute_efficiency}, "
+                f"{self.memory_efficiency}), launch_overhead={self.launch_overhead})")
+
+    def launch(self, device: DeviceSpec) -> float:
+        """Seconds of overhead per kernel on ``device``."""
+        if self.launch_overhead is not None:
+            return self.launch_overhead
+        return CPU_LAUNCH_OVERHEAD if is_cpu(device) else GPU_LAUNCH_OVERHEAD
+
+    def roofline(self, flops: float, nbytes: float, dtype: str, device: DeviceSpec,
+                 kernels: int = 1) -> float:
+        """max(flops / (peak(dtype)·e_c), bytes / (bandwidth·e_m)) + kernels × launch."""
+        compute = flops / (device.flops_for(dtype) * self.compute_efficiency)
+        memory = nbytes / (device.memory_bandwidth * self.memory_efficiency)
+        return max(compute, memory) + kernels * self.launch(device)
+
+    def _op_time(self, node: OpNode, box: Box, regions: tuple[Box | None, ...],
+                 weight_regions: dict[str, Box], device: DeviceSpec) -> tuple[float, float]:
+        if node.kind in LEAF_KINDS or node.kind in VIEW_KINDS:
+            return 0.0, 0.0
+        flops = partition_flops(node, box)
+        nbytes = partition_bytes(node, box, regions, weight_regions)
+        dtype = node.output.dtype
+        fwd = self.roofline(flops, nbytes, dtype, device)
+        weighted = has_trainable_params(node)
+        bwd_bytes = 2 * nbytes
+        if node.kind in _GATHER_KINDS:  # the dense gradient of the table is zeroed and written
+            bwd_bytes += sum(box_numel(r) * DTYPE_BYTES[w.spec.dtype]
+                             for w in node.weights if (r := weight_regions.get(w.role)) is not None)
+        bwd = self.roofline(2 * flops if weighted else flops, bwd_bytes, dtype, device,
+                            kernels=2 if weighted else 1)
+        return fwd, bwd
+
+
+_MODELS = ("analytical", "profiled")
+_SHARED: dict[Any, CostModel] = {}
+
+
+def get_cost_model(name: str, **kw: Any) -> CostModel:
+    """The cost model ``name`` ("analytical" | "profiled") built with ``kw``. Calls with the same
+    (hashable) arguments share one instance, so its memo survives across simulations."""
+    if name not in _MODELS:
+        raise ValueError(f"unknown cost model {name!r}: choose one of {', '.join(map(repr, _MODELS))}")
+    try:
+        key: Any = (name, tuple(sorted(kw.items())))
+        hash(key)
+    except TypeError:
+        key = None
+    if key is not None and key in _SHARED:
+        return _SHARED[key]
+    if name == "analytical":
+        model: CostModel = AnalyticalCostModel(**kw)
+    else:
+        from simulator.profiled import ProfiledCostModel  # profiled builds on this module
+        model = ProfiledCostModel(**kw)
+    if key is not None:
+        _SHARED[key] = model
+    return model

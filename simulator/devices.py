@@ -1,0 +1,58 @@
+"""What a device and a link are, as the simulator sees them (figures in SI units: bytes,
+seconds, FLOP/s, bytes/s)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Mapping
+
+__all__ = ["DeviceSpec", "Link"]
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """One device: a GPU, or a CPU process slot."""
+
+    kind: str
+    """Device kind, the key of cost-model caches: ``P100``, ``A100-SXM4-80GB``, ``cpu``."""
+    memory_bytes: int
+    """Memory capacity; a plan whose peak exceeds it does not fit."""
+    peak_flops: Mapping[str, float]
+    """Peak FLOP/s per dtype name (``float32``, ``float16``, ``bfloat16``, ...)."""
+    memory_bandwidth: float
+    """Device memory bandwidth in bytes/s (the roofline's slope)."""
+    node: int = 0
+    """Which machine the device sits in (devices of one node share its intra-node links)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "peak_flops", MappingProxyType(dict(self.peak_flops)))
+        if self.memory_bytes <= 0 or self.memory_bandwidth <= 0:
+            raise ValueError(f"device {self.kind!r}: memory_bytes ({self.memory_bytes}) and "
+                             f"memory_bandwidth ({self.memory_bandwidth}) must be > 0")
+        if not self.peak_flops or min(self.peak_flops.values()) <= 0:
+            raise ValueError(f"device {self.kind!r}: peak_flops {dict(self.peak_flops)} needs at "
+                             "least one dtype, every figure > 0")
+
+    def flops_for(self, dtype: str) -> float:
+        """Peak FLOP/s for ``dtype`` (float32's when the dtype has no figure of its own)."""
+        return self.peak_flops.get(dtype) or self.peak_flops.get("float32") or max(self.peak_flops.values())
+
+
+@dataclass(frozen=True)
+class Link:
+    """One direction of one physical link: it carries one transfer at a time."""
+
+    name: str
+    """Unique, e.g. ``nvlink:0->1``, ``nic-out:node0``."""
+    kind: str
+    """Family, for the bytes-moved report: ``nvlink``, ``nvswitch``, ``pcie``, ``ib``, ``shm``."""
+    latency: float
+    """Seconds per message (alpha)."""
+    bandwidth: float
+    """Bytes per second (1 / beta)."""
+
+    def __post_init__(self) -> None:
+        if self.latency < 0 or self.bandwidth <= 0:
+            raise ValueError(f"link {self.name!r}: latency {self.latency} must be >= 0 and "
+                             f"bandwidth {self.bandwidth} > 0")

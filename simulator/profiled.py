@@ -1,0 +1,260 @@
+"""ProfiledCostModel: times each op partition for real on the local device and keeps every
+measurement in a JSON file on disk, so a second model or search reuses it instantly.
+
+A partition runs exactly as the executor would run it: the op rule's ``forward`` on random
+tensors of the shapes of the regions it reads, under autograd, then its backward; the time is
+the median of ``repeats`` runs after ``warmup`` runs (CUDA: synchronized around each).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import statistics
+import tempfile
+import time
+import warnings
+import weakref
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from simulator.cost import (LEAF_KINDS, AnalyticalCostModel, CostModel, is_cpu,
+                            partition_regions)
+from simulator.devices import DeviceSpec
+from strategies.graph import OpNode
+from strategies.region import Box, box_shape
+from strategies.rules import OPAQUE, get_rule, no_reduce
+
+__all__ = ["ProfiledCostModel", "measure_partition", "partition_tensors", "default_cache_path",
+           "REPEATS", "WARMUP", "CACHE_FORMAT"]
+
+log = logging.getLogger(__name__)
+
+REPEATS = 5
+"""Timed runs per partition (the median is kept): enough to shed one outlier at ~ms per op."""
+WARMUP = 2
+"""Untimed runs first: the first call pays allocator growth, kernel selection and lazy init."""
+CACHE_FORMAT = "soapsearch.profile"
+
+
+def default_cache_path() -> Path:
+    """``$SOAPSEARCH_CACHE_DIR/profile.json``, else ``~/.cache/soapsearch/profile.json``."""
+    root = os.environ.get("SOAPSEARCH_CACHE_DIR")
+    return Path(root or Path.home() / ".cache" / "soapsearch") / "profile.json"
+
+
+# --- random tensors of a partition --------------------------------------------------------
+def _int_bound(node: OpNode, index: int, regions: Sequence[Box | None]) -> int:
+    """Exclusive upper bound for integer input ``index``: an embedding's ids < its rows, a
+    cross-entropy's targets < the classes (the logits' dim 1), anything else 0 or 1."""
+    if node.kind == "embedding" and index == 0 and node.weight("weight") is not None:
+        return node.weight("weight").spec.shape[0]
+    if node.kind == "loss" and index == 1 and regions[0] is not None:
+        return box_shape(regions[0])[1]
+    return 2
+
+
+def _random(shape: Sequence[int], dtype_name: str, device: str, *, grad: bool = False,
+            high: int = 2, positive: bool = False) -> torch.Tensor:
+    dtype = getattr(torch, dtype_name)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, tuple(shape), device=device).bool()
+    if not dtype.is_floating_point:
+        return torch.randint(0, max(high, 1), tuple(shape), dtype=dtype, device=device)
+    t = (torch.rand(tuple(shape), device=device) + 0.5 if positive
+         else torch.randn(tuple(shape), device=device)).to(dtype)
+    return t.requires_grad_(grad)
+
+
+def partition_tensors(node: OpNode, box: Box, device: str = "cpu"
+                      ) -> tuple[list[torch.Tensor | None], dict[str, torch.Tensor]]:
+    """Random inputs and weights of the partition ``box``, in its regions' shapes and dtypes.
+    Floating inputs and trainable weights require grad; buffers (running statistics) are
+    positive; integer inputs are nonnegative and valid (ids, class targets)."""
+    regions, weight_regions = partition_regions(node, box)
+    inputs = [None if r is None else _random(box_shape(r), s.dtype, device, grad=True,
+                                             high=_int_bound(node, i, regions))
+              for i, (r, s) in enumerate(zip(regions, node.input_specs))]
+    weights = {w.role: _random(box_shape(weight_regions[w.role]), w.spec.dtype, device,
+                               grad=w.trainable, positive=not w.trainable)
+               for w in node.weights if w.role in weight_regions}
+    return inputs, weights
+
+
+def measure_partition(node: OpNode, box: Box, *, repeats: int = REPEATS, warmup: int = WARMUP,
+                      device: str = "cpu") -> tuple[float, float]:
+    """Median (forward, backward) seconds of the partition ``box`` of ``node`` on ``device``:
+    the rule's forward under autograd, then backward of a random output gradient (0 when the
+    output needs no gradient). Raises whatever the rule raises."""
+    rule = get_rule(node.kind)
+    inputs, weights = partition_tensors(node, box, device)
+    cuda = torch.device(device).type == "cuda"
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize(device)
+
+    fwd, bwd = [], []
+    with torch.enable_grad():
+        for i in range(warmup + max(repeats, 1)):
+            sync()
+            t0 = time.perf_counter()
+            out = rule.forward(node, box, inputs, weights, no_reduce)
+            sync()
+            t1 = time.perf_counter()
+            if out.requires_grad:
+                grad = torch.randn_like(out)
+                sync()
+                t1 = time.perf_counter()
+                torch.autograd.backward(out, grad)
+                sync()
+                t2 = time.perf_counter()
+            else:
+                t2 = t1
+            for t in (*inputs, *weights.values()):
+                if t is not None:
+                    t.grad = None
+            if i >= warmup:
+                fwd.append(t1_fwd := None or t1 - t0) if False else fwd.append(t1 - t0)
+                bwd.append(t2 - t1)
+    return statistics.median(fwd), statistics.median(bwd)
+
+
+# --- the on-disk cache --------------------------------------------------------------------
+def _plain(v: Any) -> Any:
+    """``v`` as plain JSON data (mappings sorted, tuples as lists, anything else by repr)."""
+    if isinstance(v, Mapping):
+        return {str(k): _plain(v[k]) for k in sorted(v, key=str)}
+    if isinstance(v, (list, tuple)):
+        return [_plain(x) for x in v]
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    return repr(v)
+
+
+def cache_key(node: OpNode, box: Box, device: DeviceSpec) -> str:
+    """device kind | torch version | op signature (kind, attrs, op shape, box shape, input
+    region shapes and dtypes, weight region shapes, dtypes and trainability, output dtype)."""
+    regions, weight_regions = partition_regions(node, box)
+    sig = [node.kind, _plain(node.attrs), list(node.shape), list(box_shape(box)),
+           [None if r is None else [list(box_shape(r)), s.dtype]
+            for r, s in zip(regions, node.input_specs)],
+           [[w.role, list(box_shape(weight_regions[w.role])), w.spec.dtype, w.trainable]
+            for w in node.weights if w.role in weight_regions],
+           node.output.dtype]
+    return f"{device.kind}|torch {torch.__version__}|{json.dumps(sig, separators=(',', ':'))}"
+
+
+class _Store:
+    """The measurements (cache key -> [forward s, backward s]) and the file they live in."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.dirty, self.saved_at = path, False, 0.0
+        self.entries: dict[str, list[float]] = self._read(warn=True)
+
+    def _read(self, warn: bool) -> dict[str, list[float]]:
+        if not self.path.exists():
+            return {}
+        try:
+            data = json.loads(self.path.read_text())
+            if not isinstance(data, dict) or data.get("format") != CACHE_FORMAT:
+                raise ValueError(f"not a {CACHE_FORMAT} file")
+            return {str(k): [float(v[0]), float(v[1])] for k, v in data["entries"].items()}
+        except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
+            if warn:
+                warnings.warn(f"profile cache {self.path} is unreadable ({e}); starting empty, "
+                              "it will be overwritten", RuntimeWarning, stacklevel=4)
+            return {}
+
+    def flush(self) -> None:
+        """Write the entries (merged with whatever another process saved meanwhile) atomically."""
+        if not self.dirty:
+            return
+        merged = {**self._read(warn=False), **self.entries}
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".profile-", suffix=".json", dir=self.path.parent)
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump({"format": CACHE_FORMAT, "version": 1, "entries": merged}, f,
+                          indent=0, sort_keys=True)
+            os.replace(tmp, self.path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        self.entries, self.dirty, self.saved_at = merged, False, time.monotonic()
+
+
+class ProfiledCostModel(CostModel):
+    """Measured op times (see ``measure_partition``), cached on disk at ``cache_path`` (default
+    ``default_cache_path()``) keyed by ``cache_key``. A GPU device kind is measured on the local
+    CUDA device (assumed to be of that kind), a CPU kind on the CPU. Leaf ops, opaque ops, ops
+    that fail to run and GPU kinds with no CUDA here fall back to ``fallback`` (analytical).
+
+    New measurements are written at most every ``save_interval`` seconds, by ``flush()``, and
+    when the model is garbage collected or the process exits."""
+
+    def __init__(self, cache_path: str | os.PathLike | None = None, repeats: int = REPEATS,
+                 warmup: int = WARMUP, fallback: CostModel | None = None,
+                 save_interval: float = 2.0) -> None:
+        super().__init__()
+        if repeats < 1 or warmup < 0:
+            raise ValueError(f"ProfiledCostModel: repeats ({repeats}) must be >= 1 and warmup "
+                             f"({warmup}) >= 0")
+        self.repeats, self.warmup, self.save_interval = repeats, warmup, save_interval
+        self.fallback = fallback if fallback is not None else AnalyticalCostModel()
+        self._store = _Store(Path(cache_path) if cache_path is not None else default_cache_path())
+        self._finalizer = weakref.finalize(self, self._store.flush)
+        self._warned: set[str] = set()
+
+    @property
+    def cache_path(self) -> Path:
+        return self._store.path
+
+    def __len__(self) -> int:
+        """How many measurements the cache holds."""
+        return len(self._store.entries)
+
+    def flush(self) -> None:
+        """Write new measurements to the cache file now."""
+        self._store.flush()
+
+    def _local_device(self, device: DeviceSpec) -> str | None:
+        if is_cpu(device):
+            return "cpu"
+        if torch.cuda.is_available():
+            return "cuda"
+        if device.kind not in self._warned:
+            self._warned.add(device.kind)
+            log.warning("no CUDA device here to profile %r: its ops use the %s", device.kind,
+                        type(self.fallback).__name__)
+        return None
+
+    def _op_time(self, node: OpNode, box: Box, regions: tuple[Box | None, ...],
+                 weight_regions: dict[str, Box], device: DeviceSpec) -> tuple[float, float]:
+        if node.kind in LEAF_KINDS or get_rule(node.kind).kind == OPAQUE:
+            log.debug("op %r (kind %r): %s; using the %s", node.name, node.kind,
+                      "not computed" if node.kind in LEAF_KINDS else "no rule to run it",
+                      type(self.fallback).__name__)
+            return self.fallback.op_time(node, box, device)
+        local = self._local_device(device)
+        if local is None:
+            return self.fallback.op_time(node, box, device)
+        key = cache_key(node, box, device)
+        hit = self._store.entries.get(key)
+        if hit is not None:
+            return hit[0], hit[1]
+        try:
+            fwd, bwd = measure_partition(node, box, repeats=self.repeats, warmup=self.warmup,
+                                         device=local)
+        except Exception as e:  # noqa: BLE001 - any failure to run falls back, with its reason
+            log.debug("op %r (kind %r) box %s failed to run (%s: %s); using the %s", node.name,
+                      node.kind, box, type(e).__name__, e, type(self.fallback).__name__)
+            return self.fallback.op_time(node, box, device)
+        self._store.entries[key] = [fwd, bwd]
+        self._store.dirty = True
+        if time.monotonic() - self._store.saved_at >= self.save_interval:
+            self._store.flush()
+        return fwd, bwd

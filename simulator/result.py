@@ -1,0 +1,91 @@
+"""SimResult: what one simulated iteration of a plan costs, and its timeline as a Chrome trace
+(``{"traceEvents": [...]}``, opens in Perfetto: pid = device, tid = compute or a link)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from simulator.tasks import CATEGORY, TaskGraph
+from simulator.topology import Topology
+from strategies.serialize import atomic_write_text
+
+__all__ = ["SimResult", "chrome_trace", "summarize", "write_trace"]
+
+
+@dataclass(frozen=True)
+class SimResult:
+    iteration_time: float
+    """Seconds per training iteration (the makespan of the task graph)."""
+    busy_time: tuple[float, ...]
+    """Seconds each device computes (forward, backward, update)."""
+    peak_memory_bytes: tuple[int, ...]
+    memory_capacity: tuple[int, ...]
+    bytes_moved: dict[str, int]
+    """Bytes that crossed links this iteration, per link kind (forward, gradients, all-reduce)."""
+    num_tasks: int
+    timeline: tuple[tuple[str, int, str, float, float, str], ...] = field(repr=False, default=())
+    """(name, device, lane, start s, end s, category) per task."""
+
+    @property
+    def iteration_ms(self) -> float:
+        return self.iteration_time * 1e3
+
+    @property
+    def fits(self) -> bool:
+        return all(p <= c for p, c in zip(self.peak_memory_bytes, self.memory_capacity))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"iteration_ms": self.iteration_ms, "busy_ms": [b * 1e3 for b in self.busy_time],
+                "peak_memory_bytes": list(self.peak_memory_bytes),
+                "memory_capacity_bytes": list(self.memory_capacity), "fits": self.fits,
+                "bytes_moved": dict(self.bytes_moved), "tasks": self.num_tasks}
+
+    def chrome_trace(self) -> dict[str, Any]:
+        return chrome_trace(self.timeline)
+
+
+def chrome_trace(timeline) -> dict[str, Any]:
+    """Trace-event JSON: one complete ("X") event per task, microseconds."""
+    events: list[dict[str, Any]] = []
+    lanes: dict[tuple[int, str], int] = {}
+    for name, device, lane, s, e, cat in timeline:
+        tid = lanes.setdefault((device, lane), len(lanes))
+        events.append({"name": name, "cat": cat, "ph": "X", "pid": device, "tid": tid,
+                       "ts": round(s * 1e6, 3), "dur": round((e - s) * 1e6, 3)})
+    for (device, lane), tid in lanes.items():
+        events.append({"name": "thread_name", "ph": "M", "pid": device, "tid": tid,
+                       "args": {"name": lane}})
+    for device in sorted({d for d, _ in lanes}):
+        events.append({"name": "process_name", "ph": "M", "pid": device,
+                       "args": {"name": f"device {device}"}})
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def summarize(tg: TaskGraph, topology: Topology, start: list[float], end: list[float],
+              peak: list[int], keep_timeline: bool) -> SimResult:
+    n = topology.num_devices
+    busy = [0.0] * n
+    moved: dict[str, int] = {}
+    timeline = []
+    kinds = [l.kind for l in topology.links]
+    names = [l.name for l in topology.links]
+    for t in range(len(tg)):
+        res = tg.resources[t]
+        links = [r - n for r in res if r >= n]
+        if not links and res:
+            busy[res[0]] += end[t] - start[t]
+        for kind in {kinds[l] for l in links}:
+            moved[kind] = moved.get(kind, 0) + tg.nbytes[t]
+        if keep_timeline and res:
+            lane = "compute" if not links else names[links[0]]
+            timeline.append((tg.name[t], tg.device[t], lane, start[t], end[t], CATEGORY[tg.category[t]]))
+    return SimResult(max(end, default=0.0), tuple(busy[:len(peak)]), tuple(peak),
+                     tuple(d.memory_bytes for d in topology.devices[:len(peak)]),
+                     moved, len(tg), tuple(timeline))
+
+
+def write_trace(path, result: SimResult) -> None:
+    """Write ``result``'s timeline as a Chrome trace, atomically."""
+    atomic_write_text(path, json.dumps(result.chrome_trace()))

@@ -1,0 +1,29 @@
+"""simulate(): one training iteration of a plan, timed on a topology by a cost model."""
+
+from __future__ import annotations
+
+from simulator.cost import CostModel, get_cost_model
+from simulator.engine import run_events
+from simulator.memory import peak_memory
+from simulator.presets import get_topology
+from simulator.result import SimResult, summarize
+from simulator.tasks import build_tasks
+from simulator.topology import Topology
+from strategies.graph import OpGraph
+from strategies.lowering import Lowered, lower
+from strategies.strategy import Strategy
+
+__all__ = ["simulate_plan"]
+
+
+def simulate_plan(graph: OpGraph, strategy: Strategy | Lowered, topology: Topology | str,
+                  cost_model: CostModel | str = "analytical", *, optimizer: str = "sgd",
+                  timeline: bool = False) -> SimResult:
+    """Lower ``strategy`` (or take it lowered), build the task graph, run the event simulation
+    and measure memory. Same inputs, same result, bit for bit."""
+    topo = get_topology(topology) if isinstance(topology, str) else topology
+    cost = get_cost_model(cost_model) if isinstance(cost_model, str) else cost_model
+    lowered = strategy if isinstance(strategy, Lowered) else lower(graph, strategy)
+    tg = build_tasks(lowered, topo, cost, optimizer)
+    start, end = run_events(tg)
+    return summarize(tg, topo, start, end, peak_memory(lowered, optimizer), timeline)

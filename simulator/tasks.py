@@ -1,0 +1,166 @@
+"""The task graph of one training iteration, built from the lowering (never re-derived).
+
+Tasks: forward and backward of every partition of every micro-batch (on its device); every
+transfer that crosses devices, forward and its mirrored gradient backward (on the links of its
+route); the small reductions op rules ask for; one gradient all-reduce per replicated weight
+shard (ready when the last backward reading it is done, so it overlaps the rest of the backward
+pass); one optimizer update per device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from simulator.comm import allreduce_time, ring_links, transfer_time
+from simulator.cost import CostModel
+from simulator.topology import Topology
+from strategies.lowering import Lowered
+
+__all__ = ["TaskGraph", "build_tasks", "FORWARD", "BACKWARD", "TRANSFER", "GRAD_TRANSFER",
+           "REDUCE", "ALLREDUCE", "UPDATE"]
+
+FORWARD, BACKWARD, TRANSFER, GRAD_TRANSFER, REDUCE, ALLREDUCE, UPDATE = range(7)
+CATEGORY = ("forward", "backward", "transfer", "grad_transfer", "reduce", "allreduce", "update")
+
+# Optimizer update: read weight, gradient and state, write weight and state (bytes per weight
+# byte, memory-bound): SGD with momentum 2 reads + 2 writes + grad read = 5; Adam 7.
+_UPDATE_TRAFFIC = {"sgd": 5, "adam": 7}
+
+
+@dataclass
+class TaskGraph:
+    """Parallel lists, one entry per task (array layout keeps the event loop fast)."""
+
+    num_devices: int
+    num_links: int
+    name: list[str] = field(default_factory=list)
+    category: list[int] = field(default_factory=list)
+    duration: list[float] = field(default_factory=list)
+    resources: list[tuple[int, ...]] = field(default_factory=list)
+    """Resource ids: device d is d, link l is num_devices + l."""
+    device: list[int] = field(default_factory=list)
+    """The device a task belongs to (a transfer's source) for traces and busy time."""
+    nbytes: list[int] = field(default_factory=list)
+    succs: list[list[int]] = field(default_factory=list)
+    ndeps: list[int] = field(default_factory=list)
+
+    def add(self, name: str, category: int, duration: float, resources: tuple[int, ...],
+            device: int, nbytes: int = 0) -> int:
+        self.name.append(name)
+        self.category.append(category)
+        self.duration.append(duration)
+        self.resources.append(resources)
+        self.device.append(device)
+        self.nbytes.append(nbytes)
+        self.succs.append([])
+        self.ndeps.append(0)
+        return len(self.name) - 1
+
+    def edge(self, a: int, b: int) -> None:
+        self.succs[a].append(b)
+        self.ndeps[b] += 1
+
+    def __len__(self) -> int:
+        return len(self.name)
+
+
+def _links(topology: Topology, src: int, dst: int, offset: int) -> tuple[int, ...]:
+    return tuple(offset + l for l in topology.route(src, dst))
+
+
+def build_tasks(lowered: Lowered, topology: Topology, cost: CostModel, optimizer: str = "sgd") -> TaskGraph:
+    """The task graph of one iteration of ``lowered`` on ``topology`` timed by ``cost``."""
+    graph, strategy = lowered.graph, lowered.strategy
+    if strategy.num_devices > topology.num_devices:
+        raise ValueError(f"the plan uses {strategy.num_devices} devices but topology "
+                         f"{topology.name!r} has {topology.num_devices}")
+    n = topology.num_devices
+    tg = TaskGraph(n, len(topology.links))
+    fwd: dict[tuple[str, int, int], int] = {}
+    bwd: dict[tuple[str, int, int], int] = {}
+    for node in graph:
+        for parts in lowered.partitions[node.name]:
+            for p in parts:
+                f_s, b_s = cost.op_time(node, p.box, topology.devices[p.device])
+                key = (node.name, p.index, p.microbatch)
+                tag = f"{node.name}[{p.index}]@mb{p.microbatch}"
+                fwd[key] = tg.add(f"fwd {tag}", FORWARD, f_s, (p.device,), p.device)
+                bwd[key] = tg.add(f"bwd {tag}", BACKWARD, b_s, (p.device,), p.device)
+                tg.edge(fwd[key], bwd[key])
+    # A partition's output is final once its reductions are done: consumers wait on those.
+    fwd_done, bwd_done = dict(fwd), dict(bwd)
+    for g in lowered.reductions:
+        links = tuple(n + l for l in ring_links(topology, g.devices))
+        t = allreduce_time(topology, g.devices, g.nbytes)
+        rf = tg.add(f"reduce {g.name} {g.op}@mb{g.microbatch}", REDUCE, t, links, g.devices[0], g.nbytes)
+        rb = tg.add(f"reduce-grad {g.name} {g.op}@mb{g.microbatch}", REDUCE, t, links, g.devices[0], g.nbytes)
+        for k in g.partitions:
+            key = (g.op, k, g.microbatch)
+            tg.edge(fwd[key], rf)
+            tg.edge(bwd[key], rb)
+            fwd_done[key], bwd_done[key] = rf, rb
+    for t in lowered.transfers:
+        src = (t.src_op, t.src_index, t.microbatch)
+        dst = (t.dst_op, t.dst_index, t.microbatch)
+        if t.local:
+            tg.edge(fwd_done[src], fwd[dst])
+            tg.edge(bwd_done[dst], bwd[src])
+            continue
+        tag = f"{t.src_op}[{t.src_index}]->{t.dst_op}[{t.dst_index}]@mb{t.microbatch}"
+        tf = tg.add(f"send {tag}", TRANSFER, transfer_time(topology, t.src_device, t.dst_device, t.nbytes),
+                    _links(topology, t.src_device, t.dst_device, n), t.src_device, t.nbytes)
+        tb = tg.add(f"send-grad {tag}", GRAD_TRANSFER,
+                    transfer_time(topology, t.dst_device, t.src_device, t.nbytes),
+                    _links(topology, t.dst_device, t.src_device, n), t.dst_device, t.nbytes)
+        tg.edge(fwd_done[src], tf)
+        tg.edge(tf, fwd[dst])
+        tg.edge(bwd_done[dst], tb)
+        tg.edge(tb, bwd[src])
+    if strategy.microbatches > 1 and strategy.schedule == "gpipe":
+        _gpipe_flush(lowered, tg, fwd_done, bwd)
+    # Gradient all-reduce per replicated shard, then one optimizer update per device.
+    update_deps: dict[int, list[int]] = {d: [] for d in range(n)}
+    weight_bytes = [0] * n
+    for s in lowered.weight_shards:
+        for d in s.devices:
+            weight_bytes[d] += s.nbytes if s.trainable else 0
+        if not s.trainable:
+            continue
+        readers = [bwd[(op, p.index, p.microbatch)] for op in s.ops
+                   for parts in lowered.partitions[op] for p in parts if p.device in s.devices]
+        if len(s.devices) > 1:
+            links = tuple(n + l for l in ring_links(topology, s.devices))
+            ar = tg.add(f"allreduce {s.name}{list(s.region)}", ALLREDUCE,
+                        allreduce_time(topology, s.devices, s.nbytes), links, s.devices[0], s.nbytes)
+            for r in readers:
+                tg.edge(r, ar)
+            for d in s.devices:
+                update_deps[d].append(ar)
+        else:
+            update_deps[s.devices[0]].extend(readers)
+    traffic = _UPDATE_TRAFFIC.get(optimizer)
+    if traffic is None:
+        raise ValueError(f"optimizer {optimizer!r} is not one of {sorted(_UPDATE_TRAFFIC)}")
+    for d in range(n):
+        if weight_bytes[d]:
+            spec = topology.devices[d]
+            u = tg.add(f"update {optimizer} device {d}", UPDATE,
+                       traffic * weight_bytes[d] / spec.memory_bandwidth, (d,), d, weight_bytes[d])
+            for dep in dict.fromkeys(update_deps[d]):
+                tg.edge(dep, u)
+    return tg
+
+
+def _gpipe_flush(lowered: Lowered, tg: TaskGraph, fwd_done: dict, bwd: dict) -> None:
+    """GPipe (Huang et al. 2019): every micro-batch's forward ends before any backward starts.
+    1F1B (PipeDream-flush, Narayanan et al. 2021) needs no barrier: a micro-batch's backward
+    starts as soon as its forward is done."""
+    graph = lowered.graph
+    last = [node.name for node in graph if not graph.users(node.name)]
+    flush = tg.add("gpipe flush", UPDATE, 0.0, (), 0)
+    for op in last:
+        for parts in lowered.partitions[op]:
+            for p in parts:
+                key = (op, p.index, p.microbatch)
+                tg.edge(fwd_done[key], flush)
+                tg.edge(flush, bwd[key])

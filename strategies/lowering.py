@@ -1,0 +1,242 @@
+"""The lowering: (OpGraph, Strategy) -> every partition, transfer, weight shard and reduction.
+
+One function, used by the simulator (to time it) and the executor (to run it); neither
+re-derives any of it. Coordinates are global: a partition of micro-batch j covers rows
+[j·B/m + c·B/(m·d), ...) of the sample dim (B batch, m micro-batches, d the sample degree).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+from strategies.graph import DTYPE_BYTES, OpGraph, OpNode
+from strategies.region import Box, box_numel, intersect, partition_index
+from strategies.rules import get_rule
+from strategies.strategy import Strategy
+
+__all__ = ["Partition", "Transfer", "WeightShard", "ReductionGroup", "Lowered", "lower",
+           "partition_box_mb"]
+
+
+@dataclass(frozen=True)
+class Partition:
+    """Partition ``index`` of ``op`` for ``microbatch``: on ``device`` it computes ``box``,
+    reading ``input_regions`` (one per input; None: nothing) and ``weight_regions``."""
+
+    op: str
+    index: int
+    microbatch: int
+    device: int
+    box: Box
+    input_regions: tuple[Box | None, ...]
+    weight_regions: tuple[tuple[str, Box], ...]
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """Bytes of ``src_op``'s partition ``src_index`` that ``dst_op``'s partition ``dst_index``
+    reads as its input ``slot``. Backward moves the same region's gradient from dst to src.
+    ``src_device == dst_device`` marks a local read (a dependency, no bytes on a link)."""
+
+    src_op: str
+    src_index: int
+    dst_op: str
+    dst_index: int
+    slot: int
+    microbatch: int
+    src_device: int
+    dst_device: int
+    region: Box
+    nbytes: int
+
+    @property
+    def local(self) -> bool:
+        return self.src_device == self.dst_device
+
+
+@dataclass(frozen=True)
+class WeightShard:
+    """A region of one weight held on ``devices``; with several devices its gradient is
+    all-reduced over exactly them. ``ops`` are the ops reading it (a tied weight: several)."""
+
+    name: str
+    region: Box
+    devices: tuple[int, ...]
+    nbytes: int
+    ops: tuple[str, ...]
+    trainable: bool = True
+
+
+@dataclass(frozen=True)
+class ReductionGroup:
+    """Partitions of ``op`` (micro-batch ``microbatch``) whose rule asks for a sum across them
+    (batch statistics, a loss over a split batch), and the devices that hold them."""
+
+    op: str
+    name: str
+    microbatch: int
+    partitions: tuple[int, ...]
+    devices: tuple[int, ...]
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Lowered:
+    graph: OpGraph
+    strategy: Strategy
+    partitions: dict[str, tuple[tuple[Partition, ...], ...]]
+    """op -> micro-batch -> its partitions in partition order."""
+    transfers: tuple[Transfer, ...]
+    weight_shards: tuple[WeightShard, ...]
+    reductions: tuple[ReductionGroup, ...]
+
+    def transfers_into(self, op: str) -> list[Transfer]:
+        return [t for t in self.transfers if t.dst_op == op]
+
+    @property
+    def bytes_moved(self) -> int:
+        """Forward bytes crossing links (backward moves as many again)."""
+        return sum(t.nbytes for t in self.transfers if not t.local)
+
+
+def _mb_span(node: OpNode, microbatches: int) -> tuple[int | None, int]:
+    s = node.sample_dim
+    return s, (node.dims[s].size // microbatches if s is not None else 0)
+
+
+def partition_box_mb(node: OpNode, degrees: Sequence[int], k: int, microbatch: int,
+                     microbatches: int) -> Box:
+    """The global region partition ``k`` of ``node`` computes in ``microbatch``."""
+    s, span = _mb_span(node, microbatches)
+    coords = partition_index(k, degrees)
+    box = []
+    for i, (size, d, c) in enumerate(zip(node.shape, degrees, coords)):
+        if i == s and microbatches > 1:
+            step = span // d
+            box.append((microbatch * span + c * step, microbatch * span + (c + 1) * step))
+        else:
+            step = size // d
+            box.append((c * step, (c + 1) * step))
+    return tuple(box)
+
+
+def _overlapping(node: OpNode, degrees: Sequence[int], region: Box, microbatch: int,
+                 microbatches: int) -> list[int]:
+    """Partitions of ``node`` (in ``microbatch``) whose box overlaps ``region``: per dim the grid
+    is regular, so the overlapping coordinates are a range (no scan of every partition)."""
+    s, span = _mb_span(node, microbatches)
+    ranges = []
+    for i, ((lo, hi), size, d) in enumerate(zip(region, node.shape, degrees)):
+        if i == s and microbatches > 1:
+            base, step = microbatch * span, span // d
+        else:
+            base, step = 0, size // d
+        first = max(0, (lo - base) // step)
+        last = min(d - 1, (hi - 1 - base) // step)
+        if first > last:
+            return []
+        ranges.append(range(first, last + 1))
+    out = []
+    for coords in itertools.product(*ranges):
+        k = 0
+        for c, d in zip(coords, degrees):
+            k = k * d + c
+        out.append(k)
+    return out
+
+
+def _reduction_bytes(node: OpNode, name: str, box: Box) -> int:
+    """Size of one partition's contribution to a reduction: per-channel sums (twice, for mean
+    and variance) for batch statistics; a few scalars for a loss."""
+    if name == "batch_stats" and len(box) > 1:
+        return 2 * (box[1][1] - box[1][0]) * DTYPE_BYTES[node.output.dtype] + 8
+    return 16
+
+
+def lower(graph: OpGraph, strategy: Strategy) -> Lowered:
+    """Everything a plan does, derived once (DESIGN.md "The lowering")."""
+    strategy.validate(graph)
+    m = strategy.microbatches
+    partitions: dict[str, tuple[tuple[Partition, ...], ...]] = {}
+    transfers: list[Transfer] = []
+    reductions: list[ReductionGroup] = []
+    held: dict[str, dict[Box, set[int]]] = {}
+    readers: dict[str, list[str]] = {}
+    meta: dict[str, tuple[int, bool]] = {}
+    for node in graph:
+        cfg = strategy[node.name]
+        rule = get_rule(node.kind)
+        per_mb = []
+        for j in range(m):
+            parts = []
+            for k in range(cfg.parts):
+                box = partition_box_mb(node, cfg.degrees, k, j, m)
+                ins = rule.input_regions(node, box)
+                ws = rule.weight_regions(node, box)
+                parts.append(Partition(node.name, k, j, cfg.devices[k], box, tuple(ins),
+                                       tuple((w.role, ws[w.role]) for w in node.weights)))
+                for slot, (src, region) in enumerate(zip(node.inputs, ins)):
+                    if region is None:
+                        continue
+                    producer = graph[src]
+                    pcfg = strategy[src]
+                    for q in _overlapping(producer, pcfg.degrees, region, j, m):
+                        pbox = partition_box_mb(producer, pcfg.degrees, q, j, m)
+                        piece = intersect(region, pbox)
+                        if piece is None:
+                            continue
+                        transfers.append(Transfer(
+                            src, q, node.name, k, slot, j, pcfg.devices[q], cfg.devices[k], piece,
+                            box_numel(piece) * DTYPE_BYTES[producer.output.dtype]))
+            per_mb.append(tuple(parts))
+            reductions.extend(_groups(node, cfg.degrees, cfg.devices, rule.reductions(node, cfg.degrees),
+                                      parts, j))
+        partitions[node.name] = tuple(per_mb)
+        for w in node.weights:
+            regions = held.setdefault(w.name, {})
+            for p in per_mb[0]:
+                regions.setdefault(dict(p.weight_regions)[w.role], set()).add(p.device)
+            readers.setdefault(w.name, []).append(node.name)
+            meta[w.name] = (DTYPE_BYTES[w.spec.dtype], w.trainable)
+    shards = [s for name, regions in held.items()
+              for s in _shards(name, regions, *meta[name], tuple(dict.fromkeys(readers[name])))]
+    return Lowered(graph, strategy, partitions, tuple(transfers), tuple(shards), tuple(reductions))
+
+
+def _groups(node: OpNode, degrees: Sequence[int], devices: Sequence[int], reds, parts,
+            microbatch: int) -> list[ReductionGroup]:
+    out = []
+    for red in reds:
+        over = set(red.over)
+        groups: dict[tuple, list[int]] = {}
+        for k in range(len(parts)):
+            c = partition_index(k, degrees)
+            groups.setdefault(tuple(x for i, x in enumerate(c) if i not in over), []).append(k)
+        for members in groups.values():
+            if len(members) > 1:
+                out.append(ReductionGroup(node.name, red.name, microbatch, tuple(members),
+                                          tuple(devices[k] for k in members),
+                                          _reduction_bytes(node, red.name, parts[members[0]].box)))
+    return out
+
+
+def _shards(name: str, regions: dict[Box, set[int]], itemsize: int, trainable: bool,
+            ops: tuple[str, ...]) -> list[WeightShard]:
+    """Weight regions with the devices holding each. Regions that partly overlap are cut into
+    the cells their boundaries make, so each cell's replica group is exact."""
+    boxes = list(regions)
+    disjoint = all(a == b or intersect(a, b) is None for a, b in itertools.combinations(boxes, 2))
+    if not disjoint:
+        cuts = [sorted({x for b in boxes for x in b[i]}) for i in range(len(boxes[0]))]
+        cells: dict[Box, set[int]] = {}
+        for cell in itertools.product(*[list(zip(c, c[1:])) for c in cuts]):
+            devs = {d for b, ds in regions.items() if intersect(cell, b) == cell for d in ds}
+            if devs:
+                cells[tuple(cell)] = devs
+        regions = cells
+    return [WeightShard(name, box, tuple(sorted(devs)), math.prod(b - a for a, b in box) * itemsize,
+                        ops, trainable)
+            for box, devs in regions.items()]
