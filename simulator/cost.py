@@ -19,10 +19,20 @@ from strategies.region import Box, box_numel, box_shape
 from strategies.rules import get_rule
 
 __all__ = [
-    "CostModel", "AnalyticalCostModel", "get_cost_model", "is_cpu", "partition_regions",
-    "partition_flops", "partition_bytes", "has_trainable_params",
-    "COMPUTE_EFFICIENCY", "MEMORY_EFFICIENCY", "GPU_LAUNCH_OVERHEAD", "CPU_LAUNCH_OVERHEAD",
-    "LEAF_KINDS", "VIEW_KINDS",
+    "COMPUTE_EFFICIENCY",
+    "CPU_LAUNCH_OVERHEAD",
+    "GPU_LAUNCH_OVERHEAD",
+    "LEAF_KINDS",
+    "MEMORY_EFFICIENCY",
+    "VIEW_KINDS",
+    "AnalyticalCostModel",
+    "CostModel",
+    "get_cost_model",
+    "has_trainable_params",
+    "is_cpu",
+    "partition_bytes",
+    "partition_flops",
+    "partition_regions",
 ]
 
 COMPUTE_EFFICIENCY = 0.6
@@ -91,8 +101,10 @@ class CostModel(abc.ABC):
     """Time of one op partition: ``op_time(node, box, device) -> (forward s, backward s)``.
 
     ``box`` is the partition's region in the op's dims (a loss: its per-sample dims). Results
-    are memoized in memory per (op, box) and per (op, box shape, input region shapes, device
-    kind); subclasses implement ``_op_time``, called once per distinct shape key."""
+    are memoized in memory per (op, box, device kind) and per (op, box shape, input and weight
+    region shapes, device kind), which is exact; subclasses implement ``_op_time``, called once
+    per distinct shape key. An op is keyed by its name, kind, shape, input specs, weights and
+    FLOPs, so one instance serves several graphs."""
 
     def __init__(self) -> None:
         self._by_box: dict[Any, tuple[float, float]] = {}
@@ -198,7 +210,9 @@ def get_cost_model(name: str, **kw: Any) -> CostModel:
     if name == "analytical":
         model: CostModel = AnalyticalCostModel(**kw)
     else:
-        from simulator.profiled import ProfiledCostModel  # profiled builds on this module
+        from simulator.profiled import (
+            ProfiledCostModel,  # profiled builds on this module
+        )
         model = ProfiledCostModel(**kw)
     if key is not None:
         _SHARED[key] = model

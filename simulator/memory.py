@@ -6,21 +6,12 @@ from __future__ import annotations
 from strategies.graph import DTYPE_BYTES
 from strategies.lowering import Lowered
 from strategies.region import box_numel
+from strategies.schedule import warmup
 
 __all__ = ["peak_memory", "OPTIMIZER_STATE"]
 
 OPTIMIZER_STATE = {"sgd": 1, "adam": 2}
 """Optimizer state per trainable weight byte: SGD momentum one buffer, Adam two moments."""
-
-
-def _in_flight(lowered: Lowered) -> int:
-    """Micro-batches whose activations a device holds at once: all of them under GPipe; under
-    1F1B at most the pipeline depth (distinct device sets along the graph, bounded by m)."""
-    m = lowered.strategy.microbatches
-    if m == 1 or lowered.strategy.schedule == "gpipe":
-        return m
-    stages = len({lowered.strategy[n.name].devices for n in lowered.graph})
-    return max(1, min(m, stages))
 
 
 def peak_memory(lowered: Lowered, optimizer: str = "sgd") -> list[int]:
@@ -44,6 +35,6 @@ def peak_memory(lowered: Lowered, optimizer: str = "sgd") -> list[int]:
     for t in lowered.transfers:
         if t.microbatch == 0 and not t.local:
             act[t.dst_device] += t.nbytes
-    k = _in_flight(lowered)
-    return [mem[d] + k * act[d] for d in range(n)]
+    # a device holds the activations of the micro-batches it has warmed up (schedule.py)
+    return [mem[d] + warmup(lowered, d) * act[d] for d in range(n)]
 

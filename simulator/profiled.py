@@ -16,20 +16,33 @@ import tempfile
 import time
 import warnings
 import weakref
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import torch
 
-from simulator.cost import (LEAF_KINDS, AnalyticalCostModel, CostModel, is_cpu,
-                            partition_regions)
+from simulator.cost import (
+    LEAF_KINDS,
+    AnalyticalCostModel,
+    CostModel,
+    is_cpu,
+    partition_regions,
+)
 from simulator.devices import DeviceSpec
 from strategies.graph import OpNode
 from strategies.region import Box, box_shape
 from strategies.rules import OPAQUE, get_rule, no_reduce
 
-__all__ = ["ProfiledCostModel", "measure_partition", "partition_tensors", "default_cache_path",
-           "REPEATS", "WARMUP", "CACHE_FORMAT"]
+__all__ = [
+    "CACHE_FORMAT",
+    "REPEATS",
+    "WARMUP",
+    "ProfiledCostModel",
+    "default_cache_path",
+    "measure_partition",
+    "partition_tensors",
+]
 
 log = logging.getLogger(__name__)
 
@@ -99,27 +112,25 @@ def measure_partition(node: OpNode, box: Box, *, repeats: int = REPEATS, warmup:
 
     fwd, bwd = [], []
     with torch.enable_grad():
-        for i in range(warmup + max(repeats, 1)):
+        for i in range(warmup + repeats):
             sync()
             t0 = time.perf_counter()
             out = rule.forward(node, box, inputs, weights, no_reduce)
             sync()
-            t1 = time.perf_counter()
+            t_fwd, t_bwd = time.perf_counter() - t0, 0.0
             if out.requires_grad:
                 grad = torch.randn_like(out)
                 sync()
-                t1 = time.perf_counter()
+                t0 = time.perf_counter()
                 torch.autograd.backward(out, grad)
                 sync()
-                t2 = time.perf_counter()
-            else:
-                t2 = t1
+                t_bwd = time.perf_counter() - t0
             for t in (*inputs, *weights.values()):
                 if t is not None:
                     t.grad = None
             if i >= warmup:
-                fwd.append(t1_fwd := None or t1 - t0) if False else fwd.append(t1 - t0)
-                bwd.append(t2 - t1)
+                fwd.append(t_fwd)
+                bwd.append(t_bwd)
     return statistics.median(fwd), statistics.median(bwd)
 
 
@@ -152,7 +163,7 @@ class _Store:
     """The measurements (cache key -> [forward s, backward s]) and the file they live in."""
 
     def __init__(self, path: Path) -> None:
-        self.path, self.dirty, self.saved_at = path, False, 0.0
+        self.path, self.dirty, self.saved_at = path, False, float("-inf")
         self.entries: dict[str, list[float]] = self._read(warn=True)
 
     def _read(self, warn: bool) -> dict[str, list[float]]:
@@ -174,16 +185,19 @@ class _Store:
         if not self.dirty:
             return
         merged = {**self._read(warn=False), **self.entries}
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".profile-", suffix=".json", dir=self.path.parent)
+        tmp = None
         try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=".profile-", suffix=".json", dir=self.path.parent)
             with os.fdopen(fd, "w") as f:
                 json.dump({"format": CACHE_FORMAT, "version": 1, "entries": merged}, f,
                           indent=0, sort_keys=True)
             os.replace(tmp, self.path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        except OSError as e:  # an unwritable cache costs re-measuring later, not the search
+            log.warning("cannot write the profile cache %s: %s", self.path, e)
+            if tmp is not None:
+                Path(tmp).unlink(missing_ok=True)
+            return
         self.entries, self.dirty, self.saved_at = merged, False, time.monotonic()
 
 

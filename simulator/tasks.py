@@ -15,6 +15,7 @@ from simulator.comm import allreduce_time, ring_links, transfer_time
 from simulator.cost import CostModel
 from simulator.topology import Topology
 from strategies.lowering import Lowered
+from strategies.schedule import device_order
 
 __all__ = ["TaskGraph", "build_tasks", "FORWARD", "BACKWARD", "TRANSFER", "GRAD_TRANSFER",
            "REDUCE", "ALLREDUCE", "UPDATE"]
@@ -116,8 +117,9 @@ def build_tasks(lowered: Lowered, topology: Topology, cost: CostModel, optimizer
         tg.edge(tf, fwd[dst])
         tg.edge(bwd_done[dst], tb)
         tg.edge(tb, bwd[src])
-    if strategy.microbatches > 1 and strategy.schedule == "gpipe":
-        _gpipe_flush(lowered, tg, fwd_done, bwd)
+    for steps in device_order(lowered).values():  # each device runs the schedule's fixed order
+        for a, b in zip(steps, steps[1:]):
+            tg.edge((bwd if a.backward else fwd)[a[1:]], (bwd if b.backward else fwd)[b[1:]])
     # Gradient all-reduce per replicated shard, then one optimizer update per device.
     update_deps: dict[int, list[int]] = {d: [] for d in range(n)}
     weight_bytes = [0] * n
@@ -150,17 +152,3 @@ def build_tasks(lowered: Lowered, topology: Topology, cost: CostModel, optimizer
                 tg.edge(dep, u)
     return tg
 
-
-def _gpipe_flush(lowered: Lowered, tg: TaskGraph, fwd_done: dict, bwd: dict) -> None:
-    """GPipe (Huang et al. 2019): every micro-batch's forward ends before any backward starts.
-    1F1B (PipeDream-flush, Narayanan et al. 2021) needs no barrier: a micro-batch's backward
-    starts as soon as its forward is done."""
-    graph = lowered.graph
-    last = [node.name for node in graph if not graph.users(node.name)]
-    flush = tg.add("gpipe flush", UPDATE, 0.0, (), 0)
-    for op in last:
-        for parts in lowered.partitions[op]:
-            for p in parts:
-                key = (op, p.index, p.microbatch)
-                tg.edge(fwd_done[key], flush)
-                tg.edge(flush, bwd[key])

@@ -1,5 +1,5 @@
-"""The ``soapsearch`` command: ``zoo``, ``show`` and ``plan`` (search, simulate and run come
-with their issues)."""
+"""The ``soapsearch`` command: ``zoo``, ``show``, ``plan``, ``simulate`` and ``topology show``
+(search and run come with their issues)."""
 
 from __future__ import annotations
 
@@ -107,6 +107,46 @@ def _cmd_plan(args) -> int:
     return 0
 
 
+def _cmd_simulate(args) -> int:
+    from soapsearch.api import simulate
+    from simulator.presets import get_topology
+
+    graph = _graph(args)
+    topo = get_topology(args.topology)
+    if (args.plan is None) == (args.baseline is None):
+        raise ValueError("give exactly one of --plan plan.json and --baseline NAME")
+    result = simulate(graph, args.plan or args.baseline, topology=topo, cost_model=args.cost_model,
+                      optimizer=args.optimizer, microbatches=args.microbatches, trace=args.trace)
+    if args.json:
+        print(json.dumps(result.to_json()))
+        return 0
+    what = args.plan or f"baseline {args.baseline}"
+    print(f"{graph.name} ({what}) on {topo.name}, {args.cost_model} costs: "
+          f"{result.iteration_ms:.3f} ms per iteration, {result.num_tasks} tasks, "
+          f"{'fits' if result.fits else 'DOES NOT FIT'} in memory")
+    print(f"  {'device':>6s} {'busy ms':>9s} {'peak MiB':>9s} {'capacity MiB':>12s}")
+    for d, (busy, peak, cap) in enumerate(zip(result.busy_time, result.peak_memory_bytes,
+                                               result.memory_capacity)):
+        print(f"  {d:6d} {busy * 1e3:9.3f} {peak / 2**20:9.1f} {cap / 2**20:12.0f}"
+              f"{'  over' if peak > cap else ''}")
+    moved = ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in sorted(result.bytes_moved.items()))
+    print(f"  bytes moved: {moved or 'none'}")
+    if args.trace:
+        print(f"  timeline written to {args.trace} (Chrome trace; open in Perfetto)")
+    return 0
+
+
+def _cmd_topology(args) -> int:
+    from simulator.presets import get_topology
+
+    topo = get_topology(args.name)
+    if args.json:
+        print(json.dumps(topo.to_json()))
+    else:
+        print(topo.describe())
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="soapsearch", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -130,6 +170,24 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--topology", default=None, help="topology name recorded in the plan")
     plan.add_argument("-o", "--output", default="plan.json", help="where to write the plan")
     plan.set_defaults(fn=_cmd_plan)
+    sim = sub.add_parser("simulate", help="simulate one training iteration of a plan")
+    model_args(sim)
+    sim.add_argument("--plan", default=None, help="strategy JSON to simulate")
+    sim.add_argument("--baseline", default=None, choices=sorted(BASELINES),
+                     help="or a baseline plan for every device of the topology")
+    sim.add_argument("--topology", default="local-cpu-4",
+                     help="preset (p100-4x4, k80-16x4, a100-Nx8, h100-Nx8, local-cpu-N) or JSON file")
+    sim.add_argument("--cost-model", default="analytical", choices=["analytical", "profiled"])
+    sim.add_argument("--optimizer", default="sgd", choices=["sgd", "adam"])
+    sim.add_argument("--microbatches", type=int, default=4, help="micro-batches of --baseline pipeline")
+    sim.add_argument("--trace", default=None, help="write the timeline as a Chrome trace JSON")
+    sim.set_defaults(fn=_cmd_simulate)
+    topo = sub.add_parser("topology", help="topology tools")
+    tsub = topo.add_subparsers(dest="action", required=True)
+    tshow = tsub.add_parser("show", help="print a topology: preset name or JSON file")
+    tshow.add_argument("name")
+    tshow.add_argument("--json", action="store_true", help="print its JSON")
+    tshow.set_defaults(fn=_cmd_topology)
     return p
 
 
@@ -140,6 +198,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (PlanError, TraceError, ModelLoadError, ValueError) as e:
         print(f"soapsearch {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # output piped into head: not an error
+        sys.stderr.close()
+        return 0
     except KeyboardInterrupt:
         print("soapsearch: interrupted", file=sys.stderr)
         return 130

@@ -12,6 +12,7 @@ import hashlib
 import json
 import math
 from dataclasses import dataclass, field
+from functools import cached_property
 from types import MappingProxyType
 from typing import Any, Iterable, Iterator, Mapping
 
@@ -116,12 +117,12 @@ class OpNode:
                 f"shape {list(self.output.shape)}"
             )
 
-    @property
+    @cached_property
     def shape(self) -> tuple[int, ...]:
         """Sizes of the op's dims (its iteration space)."""
         return tuple(d.size for d in self.dims)
 
-    @property
+    @cached_property
     def sample_dim(self) -> int | None:
         """Index of the sample (batch) dim, or None when the op has none."""
         for i, d in enumerate(self.dims):

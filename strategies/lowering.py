@@ -1,7 +1,10 @@
 """The lowering: (OpGraph, Strategy) -> every partition, transfer, weight shard and reduction.
 
 One function, used by the simulator (to time it) and the executor (to run it); neither
-re-derives any of it. Coordinates are global: a partition of micro-batch j covers rows
+re-derives any of it. A ``parameter`` or ``constant`` op (a tensor the model reads with
+get_attr, e.g. GPT's position embedding) is a weight like any other: every partition that reads
+it holds a replica of the region it reads, no transfer brings it, and its gradient is
+all-reduced over those replicas (so data parallel stays data parallel). Coordinates are global: a partition of micro-batch j covers rows
 [j·B/m + c·B/(m·d), ...) of the sample dim (B batch, m micro-batches, d the sample degree).
 """
 
@@ -17,7 +20,9 @@ from strategies.region import Box, box_numel, intersect, partition_index
 from strategies.rules import get_rule
 from strategies.strategy import Strategy
 
-__all__ = ["Partition", "Transfer", "WeightShard", "ReductionGroup", "Lowered", "lower",
+WEIGHT_KINDS = ("parameter", "constant")
+
+__all__ = ["WEIGHT_KINDS", "Partition", "Transfer", "WeightShard", "ReductionGroup", "Lowered", "lower",
            "partition_box_mb"]
 
 
@@ -102,43 +107,46 @@ class Lowered:
         return sum(t.nbytes for t in self.transfers if not t.local)
 
 
-def _mb_span(node: OpNode, microbatches: int) -> tuple[int | None, int]:
+def _grid(node: OpNode, degrees: Sequence[int], microbatch: int,
+          microbatches: int) -> tuple[tuple[int, int], ...]:
+    """Per dim (base, step): coordinate c of that dim covers [base + c·step, base + (c+1)·step)."""
     s = node.sample_dim
-    return s, (node.dims[s].size // microbatches if s is not None else 0)
+    out = []
+    for i, (size, d) in enumerate(zip(node.shape, degrees)):
+        if i == s and microbatches > 1:
+            span = size // microbatches
+            out.append((microbatch * span, span // d))
+        else:
+            out.append((0, size // d))
+    return tuple(out)
+
+
+def _boxes(grid: Sequence[tuple[int, int]], degrees: Sequence[int]) -> list[Box]:
+    """Every partition's box in partition order (mixed radix, last dim fastest)."""
+    ranges = [[(b + c * st, b + (c + 1) * st) for c in range(d)] for (b, st), d in zip(grid, degrees)]
+    return [tuple(x) for x in itertools.product(*ranges)]
 
 
 def partition_box_mb(node: OpNode, degrees: Sequence[int], k: int, microbatch: int,
                      microbatches: int) -> Box:
     """The global region partition ``k`` of ``node`` computes in ``microbatch``."""
-    s, span = _mb_span(node, microbatches)
-    coords = partition_index(k, degrees)
-    box = []
-    for i, (size, d, c) in enumerate(zip(node.shape, degrees, coords)):
-        if i == s and microbatches > 1:
-            step = span // d
-            box.append((microbatch * span + c * step, microbatch * span + (c + 1) * step))
-        else:
-            step = size // d
-            box.append((c * step, (c + 1) * step))
-    return tuple(box)
+    grid = _grid(node, degrees, microbatch, microbatches)
+    return tuple((b + c * st, b + (c + 1) * st)
+                 for (b, st), c in zip(grid, partition_index(k, degrees)))
 
 
-def _overlapping(node: OpNode, degrees: Sequence[int], region: Box, microbatch: int,
-                 microbatches: int) -> list[int]:
-    """Partitions of ``node`` (in ``microbatch``) whose box overlaps ``region``: per dim the grid
-    is regular, so the overlapping coordinates are a range (no scan of every partition)."""
-    s, span = _mb_span(node, microbatches)
+def _overlapping(grid: Sequence[tuple[int, int]], degrees: Sequence[int], region: Box) -> list[int]:
+    """Partitions whose box overlaps ``region``: per dim the grid is regular, so the overlapping
+    coordinates are a range (no scan of every partition)."""
     ranges = []
-    for i, ((lo, hi), size, d) in enumerate(zip(region, node.shape, degrees)):
-        if i == s and microbatches > 1:
-            base, step = microbatch * span, span // d
-        else:
-            base, step = 0, size // d
+    for (lo, hi), (base, step), d in zip(region, grid, degrees):
         first = max(0, (lo - base) // step)
         last = min(d - 1, (hi - 1 - base) // step)
         if first > last:
             return []
         ranges.append(range(first, last + 1))
+    if len(ranges) == 1:
+        return list(ranges[0])
     out = []
     for coords in itertools.product(*ranges):
         k = 0
@@ -170,32 +178,42 @@ def lower(graph: OpGraph, strategy: Strategy) -> Lowered:
         cfg = strategy[node.name]
         rule = get_rule(node.kind)
         per_mb = []
+        sources = [(graph[src], strategy[src]) for src in node.inputs]
         for j in range(m):
             parts = []
-            for k in range(cfg.parts):
-                box = partition_box_mb(node, cfg.degrees, k, j, m)
+            grids = [(_grid(p, c.degrees, j, m), _boxes(_grid(p, c.degrees, j, m), c.degrees))
+                     for p, c in sources]
+            for k, box in enumerate(_boxes(_grid(node, cfg.degrees, j, m), cfg.degrees)):
                 ins = rule.input_regions(node, box)
                 ws = rule.weight_regions(node, box)
-                parts.append(Partition(node.name, k, j, cfg.devices[k], box, tuple(ins),
+                dev = cfg.devices[k]
+                parts.append(Partition(node.name, k, j, dev, box, tuple(ins),
                                        tuple((w.role, ws[w.role]) for w in node.weights)))
-                for slot, (src, region) in enumerate(zip(node.inputs, ins)):
+                for slot, region in enumerate(ins):
                     if region is None:
                         continue
-                    producer = graph[src]
-                    pcfg = strategy[src]
-                    for q in _overlapping(producer, pcfg.degrees, region, j, m):
-                        pbox = partition_box_mb(producer, pcfg.degrees, q, j, m)
-                        piece = intersect(region, pbox)
+                    producer, pcfg = sources[slot]
+                    if producer.kind in WEIGHT_KINDS:
+                        if j == 0:
+                            w = producer.weights[0]
+                            held.setdefault(w.name, {}).setdefault(region, set()).add(dev)
+                            readers.setdefault(w.name, []).append(node.name)
+                            meta[w.name] = (DTYPE_BYTES[w.spec.dtype], w.trainable)
+                        continue
+                    pgrid, pboxes = grids[slot]
+                    itemsize = DTYPE_BYTES[producer.output.dtype]
+                    for q in _overlapping(pgrid, pcfg.degrees, region):
+                        piece = intersect(region, pboxes[q])
                         if piece is None:
                             continue
                         transfers.append(Transfer(
-                            src, q, node.name, k, slot, j, pcfg.devices[q], cfg.devices[k], piece,
-                            box_numel(piece) * DTYPE_BYTES[producer.output.dtype]))
+                            producer.name, q, node.name, k, slot, j, pcfg.devices[q], dev, piece,
+                            box_numel(piece) * itemsize))
             per_mb.append(tuple(parts))
             reductions.extend(_groups(node, cfg.degrees, cfg.devices, rule.reductions(node, cfg.degrees),
                                       parts, j))
         partitions[node.name] = tuple(per_mb)
-        for w in node.weights:
+        for w in () if node.kind in WEIGHT_KINDS else node.weights:
             regions = held.setdefault(w.name, {})
             for p in per_mb[0]:
                 regions.setdefault(dict(p.weight_regions)[w.role], set()).add(p.device)

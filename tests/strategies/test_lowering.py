@@ -6,7 +6,7 @@ import torch.nn as nn
 
 from soapsearch import trace
 from strategies import ParallelConfig, Strategy, baseline, data_parallel, enumerate_configs, owt
-from strategies.lowering import lower
+from strategies.lowering import WEIGHT_KINDS, lower
 from strategies.region import box_numel, intersect
 from tests.conftest import traced
 
@@ -30,6 +30,15 @@ def assert_exact_cover(lowered):
             for p in parts:
                 for slot, region in enumerate(p.input_regions):
                     got = pieces.get((op, p.index, p.microbatch, slot), [])
+                    producer = lowered.graph[lowered.graph[op].inputs[slot]]
+                    if producer.kind in WEIGHT_KINDS and region is not None:
+                        # read from the device's own replica: shards on it cover the region
+                        assert not got
+                        mine = [sh for sh in lowered.weight_shards
+                                if sh.name == producer.weights[0].name and p.device in sh.devices]
+                        assert sum(box_numel(x) for sh in mine
+                                   for x in [intersect(sh.region, region)] if x) == box_numel(region)
+                        continue
                     if region is None:
                         assert not got
                         continue
@@ -108,6 +117,14 @@ class Tied(nn.Module):
 
     def forward(self, x):
         return self.fc(torch.relu(self.fc(x)))
+
+
+def test_parameter_ops_are_replicated_weights_under_data_parallel():
+    g = traced("gpt")
+    lowered = lower(g, data_parallel(g, 4))
+    wpe = [s for s in lowered.weight_shards if s.name == "wpe"]
+    assert len(wpe) == 1 and wpe[0].devices == (0, 1, 2, 3) and wpe[0].ops == ("add",)
+    assert lowered.bytes_moved == 0
 
 
 def test_partly_overlapping_weight_regions_become_exact_cells():

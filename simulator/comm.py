@@ -1,0 +1,64 @@
+"""Communication cost formulas over a Topology: point-to-point transfers and ring all-reduce.
+
+Pure functions of (topology, devices, bytes). They read the Topology's precomputed per-route
+latency sums and bottleneck bandwidths, and cache each all-reduce group's ring, so the search
+can call them many thousands of times per second.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+from simulator.topology import Topology
+
+__all__ = ["transfer_time", "allreduce_time", "ring_links"]
+
+
+def transfer_time(topology: Topology, src: int, dst: int, nbytes: float) -> float:
+    """Seconds to move ``nbytes`` from device ``src`` to ``dst``, alpha–beta (Hockney 1994,
+    "The communication challenge for MPP"): ``sum(link.latency for link in route) + nbytes /
+    min(link.bandwidth for link in route)``; 0 when ``src == dst`` or ``nbytes == 0``."""
+    if nbytes < 0:
+        raise ValueError(f"transfer {src}->{dst}: nbytes = {nbytes}: must be >= 0")
+    if src == dst or nbytes == 0:
+        return 0.0
+    return topology.route_latency(src, dst) + nbytes / topology.route_bandwidth(src, dst)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _ring(topology: Topology, devices: tuple[int, ...]) -> tuple[float, float, tuple[int, ...]]:
+    """(largest latency, smallest bandwidth, link indices) over the ring's neighbour routes."""
+    if len(set(devices)) != len(devices):
+        raise ValueError(f"all-reduce group {list(devices)}: a device appears twice; "
+                         "a replica group names each device once")
+    pairs = [(devices[i], devices[(i + 1) % len(devices)]) for i in range(len(devices))]
+    alpha = max(topology.route_latency(s, d) for s, d in pairs)
+    bandwidth = min(topology.route_bandwidth(s, d) for s, d in pairs)
+    links = tuple(sorted({j for s, d in pairs for j in topology.route(s, d)}))
+    return alpha, bandwidth, links
+
+
+def allreduce_time(topology: Topology, devices: Sequence[int], nbytes: float) -> float:
+    """Seconds for a ring all-reduce of ``nbytes`` over ``devices`` (Patarasuk & Yuan 2009,
+    "Bandwidth optimal all-reduce algorithms for clusters of workstations"):
+    ``2(n-1)/n * nbytes / B + 2(n-1) * alpha`` — n-1 reduce-scatter then n-1 all-gather steps,
+    each moving nbytes/n — with B the slowest bandwidth and alpha the largest latency among the
+    routes between ring neighbours (the given order, closing back to the first device).
+    0 for n <= 1 or nbytes == 0. The order is the caller's: listing a node's devices together
+    crosses fewer NICs (see ring_links), though the formula only sees the worst neighbour pair."""
+    n = len(devices)
+    if nbytes < 0:
+        raise ValueError(f"all-reduce over {list(devices)}: nbytes = {nbytes}: must be >= 0")
+    if n <= 1 or nbytes == 0:
+        return 0.0
+    alpha, bandwidth, _ = _ring(topology, tuple(devices))
+    return 2 * (n - 1) / n * nbytes / bandwidth + 2 * (n - 1) * alpha
+
+
+def ring_links(topology: Topology, devices: Sequence[int]) -> tuple[int, ...]:
+    """Indices of the links the ring over ``devices`` uses, ascending, each once (the simulator
+    occupies them for the all-reduce); () for fewer than two devices."""
+    if len(devices) <= 1:
+        return ()
+    return _ring(topology, tuple(devices))[2]

@@ -1,0 +1,320 @@
+"""The machine a plan runs on: devices, one-direction links, and the route between any two devices.
+
+JSON (format ``soapsearch.topology``, version 1), explicit form — what ``to_json`` writes::
+
+    {"format": "soapsearch.topology", "version": 1, "name": "two-p100",
+     "devices": [{"kind": "P100", "memory_bytes": 17179869184, "peak_flops": {"float32": 1.06e13},
+                  "memory_bandwidth": 7.32e11, "node": 0}, ...],
+     "links": [{"name": "nvlink:0->1", "kind": "nvlink", "latency": 2e-06, "bandwidth": 2e10}, ...],
+     "routes": [{"src": 0, "dst": 1, "links": [0]}, {"src": 1, "dst": 0, "links": [1]}]}
+
+Compact form, for hand-written homogeneous clusters: ``"cluster"`` in place of devices, links and
+routes, expanded by :func:`simulator.presets.cluster` (``inter`` may be left out when ``nodes`` is
+1; ``intra`` is unused when ``per_node`` is 1)::
+
+    {"format": "soapsearch.topology", "version": 1, "name": "my-a100s",
+     "cluster": {"nodes": 2, "per_node": 8, "device": {<a device as above, without "node">},
+                 "intra": {"shape": "switch", "kind": "nvswitch", "latency": 2e-06, "bandwidth": 3e11},
+                 "inter": {"shape": "device-nic", "kind": "ib", "latency": 5e-06, "bandwidth": 2.5e10}}}
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from simulator.devices import DeviceSpec, Link
+from strategies.serialize import atomic_write_text
+
+__all__ = ["FORMAT", "VERSION", "Topology"]
+
+FORMAT = "soapsearch.topology"
+VERSION = 1
+
+
+def _err(where: str, what: str, value: Any, rule: str) -> ValueError:
+    return ValueError(f"{where}: {what} = {value!r}: {rule}")
+
+
+@dataclass(frozen=True, repr=False)
+class Topology:
+    """Devices, links, and for every ordered pair of distinct devices the links a transfer
+    crosses. Immutable; per-route latency sums and bottleneck bandwidths are precomputed."""
+
+    name: str
+    """Preset name (``p100-4x4``) or the file's ``name``; recorded in plans."""
+    devices: tuple[DeviceSpec, ...]
+    """Device ``d`` is ``devices[d]``; ``devices[d].node`` is its machine."""
+    links: tuple[Link, ...]
+    """One direction of one physical link each; routes refer to them by index."""
+    routes: Mapping[tuple[int, int], tuple[int, ...]]
+    """``(src, dst)`` -> link indices crossed in order, for every ordered pair ``src != dst``."""
+    _route: tuple[tuple[int, ...], ...] = field(init=False, compare=False)
+    _lat: tuple[float, ...] = field(init=False, compare=False)
+    _bw: tuple[float, ...] = field(init=False, compare=False)
+    _nodes: tuple[tuple[int, ...], ...] = field(init=False, compare=False)
+    _hash: int = field(init=False, compare=False)
+
+    def __post_init__(self) -> None:
+        where, devices, links = f"topology {self.name!r}", tuple(self.devices), tuple(self.links)
+        if not devices:
+            raise _err(where, "devices", [], "a topology needs at least one device")
+        for d, dev in enumerate(devices):
+            if not isinstance(dev, DeviceSpec) or dev.node < 0:
+                raise _err(where, f"devices[{d}]", dev, "must be a DeviceSpec with node >= 0")
+        seen: dict[str, int] = {}
+        for j, link in enumerate(links):
+            if not isinstance(link, Link):
+                raise _err(where, f"links[{j}]", link, "must be a Link")
+            if link.name in seen:
+                raise _err(where, f"links[{j}].name", link.name, f"link names are unique; links[{seen[link.name]}] has it too")
+            seen[link.name] = j
+        n = len(devices)
+        table: list[tuple[int, ...]] = [()] * (n * n)
+        for key, hops in self.routes.items():
+            if not (isinstance(key, tuple) and len(key) == 2 and all(isinstance(k, int) and 0 <= k < n for k in key)):
+                raise _err(where, "routes key", key, f"must be a pair (src, dst) of device indices 0..{n - 1}")
+            src, dst = key
+            hops = tuple(hops)
+            what = f"route {src}->{dst}"
+            for j in hops:
+                if not isinstance(j, int) or not 0 <= j < len(links):
+                    raise _err(where, what, list(hops), f"link index {j!r} does not exist ({len(links)} links: 0..{len(links) - 1})")
+            if src == dst and hops:
+                raise _err(where, what, list(hops), "a device reaches itself over no link")
+            if src != dst and not hops:
+                raise _err(where, what, [], "a route between distinct devices crosses at least one link")
+            if len(set(hops)) != len(hops):
+                raise _err(where, what, list(hops), "a route crosses each link at most once")
+            table[src * n + dst] = hops
+        missing = [(s, d) for s in range(n) for d in range(n) if s != d and not table[s * n + d]]
+        if missing:
+            (s, d), more = missing[0], f" (and {len(missing) - 1} more pairs)" if len(missing) > 1 else ""
+            raise ValueError(f"{where}: routes: no route from device {s} to device {d}{more}: "
+                             "every ordered pair of distinct devices needs one")
+        inf = math.inf
+        by_node: dict[int, list[int]] = {}
+        for d, dev in enumerate(devices):
+            by_node.setdefault(dev.node, []).append(d)
+        set_ = object.__setattr__
+        set_(self, "devices", devices)
+        set_(self, "links", links)
+        set_(self, "routes", MappingProxyType({(s, d): table[s * n + d] for s in range(n) for d in range(n) if s != d}))
+        set_(self, "_route", tuple(table))
+        set_(self, "_lat", tuple(sum(links[j].latency for j in r) for r in table))
+        set_(self, "_bw", tuple(min((links[j].bandwidth for j in r), default=inf) for r in table))
+        set_(self, "_nodes", tuple(tuple(by_node[k]) for k in sorted(by_node)))
+        set_(self, "_hash", hash((self.name, n, tuple(link.name for link in links), self._route)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __repr__(self) -> str:
+        return f"Topology({self.name!r}: {self.num_devices} devices, {len(self._nodes)} nodes, {len(self.links)} links)"
+
+    def __reduce__(self):  # pickle through JSON: DeviceSpec's read-only mapping does not pickle
+        return (_from_json, (self.to_json(),))
+
+    @property
+    def num_devices(self) -> int:
+        return len(self.devices)
+
+    @property
+    def nodes(self) -> tuple[tuple[int, ...], ...]:
+        """Device indices of each node, nodes in ascending node id."""
+        return self._nodes
+
+    @property
+    def node_size(self) -> int | None:
+        """Devices per node when every node has as many, else None."""
+        sizes = {len(members) for members in self._nodes}
+        return sizes.pop() if len(sizes) == 1 else None
+
+    def node_of(self, device: int) -> int:
+        return self.devices[device].node
+
+    def _index(self, src: int, dst: int) -> int:
+        n = len(self.devices)
+        if not (0 <= src < n and 0 <= dst < n):
+            raise IndexError(f"topology {self.name!r}: device pair ({src}, {dst}) out of range 0..{n - 1}")
+        return src * n + dst
+
+    def route(self, src: int, dst: int) -> tuple[int, ...]:
+        """Indices into ``links`` a transfer from ``src`` to ``dst`` crosses, in order."""
+        return self._route[self._index(src, dst)]
+
+    def route_latency(self, src: int, dst: int) -> float:
+        """Sum of the route's link latencies (0 when src == dst); precomputed."""
+        return self._lat[self._index(src, dst)]
+
+    def route_bandwidth(self, src: int, dst: int) -> float:
+        """The route's slowest link bandwidth (inf when src == dst); precomputed."""
+        return self._bw[self._index(src, dst)]
+
+    # ---- JSON -------------------------------------------------------------------------------
+    def to_json(self) -> dict[str, Any]:
+        """The explicit JSON form (see the module docstring)."""
+        return {
+            "format": FORMAT, "version": VERSION, "name": self.name,
+            "devices": [{"kind": d.kind, "memory_bytes": d.memory_bytes, "peak_flops": dict(d.peak_flops),
+                         "memory_bandwidth": d.memory_bandwidth, "node": d.node} for d in self.devices],
+            "links": [{"name": k.name, "kind": k.kind, "latency": k.latency, "bandwidth": k.bandwidth}
+                      for k in self.links],
+            "routes": [{"src": s, "dst": d, "links": list(r)} for (s, d), r in sorted(self.routes.items())],
+        }
+
+    @classmethod
+    def from_json(cls, obj: Any, where: str = "topology JSON") -> Topology:
+        """Build from either JSON form; ValueError names the field, the value and the rule."""
+        return _from_json(obj, where)
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the explicit JSON form atomically (a temp file beside ``path``, then os.replace)."""
+        obj = self.to_json()
+        body = [f" {json.dumps(k)}: " + ("[\n  " + ",\n  ".join(json.dumps(x) for x in v) + "\n ]"
+                                         if isinstance(v, list) else json.dumps(v)) for k, v in obj.items()]
+        atomic_write_text(path, "{\n" + ",\n".join(body) + "\n}\n")
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> Topology:
+        where = f"topology file {str(path)!r}"
+        try:
+            text = Path(path).read_text()
+        except OSError as e:
+            raise ValueError(f"{where}: cannot read it: {e.strerror}") from None
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where}: line {e.lineno} column {e.colno}: not valid JSON: {e.msg}") from None
+        return _from_json(obj, where)
+
+    # ---- summary ----------------------------------------------------------------------------
+    def describe(self) -> str:
+        """A few lines for people: devices per node, link kinds, route classes."""
+        size = self.node_size
+        k = len(self._nodes)
+        shape = f"{k} node{'s' * (k > 1)}" + (f" x {size}" if size else " of unequal sizes")
+        lines = [f"topology {self.name!r}: {self.num_devices} devices in {shape}"]
+        groups: list[tuple[list[int], str]] = []
+        for members in self._nodes:
+            counts = Counter(_device_text(self.devices[d]) for d in members)
+            text = "; ".join(f"{c} x {t}" for t, c in counts.items())
+            if groups and groups[-1][1] == text:
+                groups[-1][0].append(self.devices[members[0]].node)
+            else:
+                groups.append(([self.devices[members[0]].node], text))
+        for ids, text in groups:
+            label = f"node {ids[0]}" if len(ids) == 1 else f"nodes {ids[0]}..{ids[-1]} (each)"
+            lines.append(f"  {label}: {text}")
+        kinds = Counter((k.kind, k.latency, k.bandwidth) for k in self.links)
+        lines.append(f"  links: {len(self.links)}" + ("" if kinds else " (a single device needs none)"))
+        for (kind, lat, bw), c in kinds.items():
+            lines.append(f"    {c:4d} x {kind}: {_us(lat)}, {_gbs(bw)} per direction")
+        n = self.num_devices
+        for label, same in (("inside a node", True), ("between nodes", False)):
+            pairs = [s * n + d for s in range(n) for d in range(n)
+                     if s != d and (self.devices[s].node == self.devices[d].node) == same]
+            if pairs:
+                hops = sorted({len(self._route[i]) for i in pairs})
+                lat = sorted({self._lat[i] for i in pairs})
+                bw = sorted({self._bw[i] for i in pairs})
+                hop_text = str(hops[0]) if len(hops) == 1 else f"{hops[0]}-{hops[-1]}"
+                lines.append(f"  route {label}: {hop_text} link(s), {_us(lat[-1])} latency, {_gbs(bw[0])} bottleneck"
+                             + (" (worst pair)" if len(lat) > 1 or len(bw) > 1 else ""))
+        return "\n".join(lines)
+
+
+def _device_text(d: DeviceSpec) -> str:
+    flops = ", ".join(f"{v / 1e12:.3g} TFLOP/s {k}" for k, v in d.peak_flops.items())
+    return f"{d.kind} ({d.memory_bytes / 2**30:.3g} GiB, {flops}, {_gbs(d.memory_bandwidth)} memory)"
+
+
+def _us(seconds: float) -> str:
+    return f"{seconds * 1e6:.3g} µs"
+
+
+def _gbs(bandwidth: float) -> str:
+    return f"{bandwidth / 1e9:.4g} GB/s"
+
+
+# ---- JSON reading ---------------------------------------------------------------------------
+_RULES = {
+    "str": (lambda v: isinstance(v, str) and v != "", "must be a non-empty string"),
+    "int>=0": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0, "must be an integer >= 0"),
+    "int>0": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0, "must be an integer > 0"),
+    "num>=0": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0,
+               "must be a finite number >= 0"),
+    "num>0": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0,
+              "must be a finite number > 0"),
+    "list": (lambda v: isinstance(v, list), "must be a JSON list"),
+    "object": (lambda v: isinstance(v, dict), "must be a JSON object"),
+}
+
+
+def _get(obj: Any, key: str, path: str, rule: str, where: str) -> Any:
+    if key not in obj:
+        raise ValueError(f"{where}: {path}{key}: missing: this field is required")
+    ok, text = _RULES[rule]
+    if not ok(obj[key]):
+        raise _err(where, f"{path}{key}", obj[key], text)
+    return obj[key]
+
+
+def _items(obj: Any, key: str, where: str, rule: str = "object") -> list[tuple[str, Any]]:
+    values = _get(obj, key, "", "list", where)
+    for i, v in enumerate(values):
+        if not _RULES[rule][0](v):
+            raise _err(where, f"{key}[{i}]", v, _RULES[rule][1])
+    return [(f"{key}[{i}].", v) for i, v in enumerate(values)]
+
+
+def _device(obj: Any, path: str, where: str, node: bool = True) -> DeviceSpec:
+    flops = _get(obj, "peak_flops", path, "object", where)
+    if not flops:
+        raise _err(where, f"{path}peak_flops", flops, "needs at least one dtype")
+    for dtype in flops:
+        _get(flops, dtype, f"{path}peak_flops.", "num>0", where)
+    return DeviceSpec(_get(obj, "kind", path, "str", where), _get(obj, "memory_bytes", path, "int>0", where),
+                      dict(flops), _get(obj, "memory_bandwidth", path, "num>0", where),
+                      _get(obj, "node", path, "int>=0", where) if node else 0)
+
+
+def _from_json(obj: Any, where: str = "topology JSON") -> Topology:
+    if not isinstance(obj, dict):
+        raise _err(where, "json", type(obj).__name__, "a topology is a JSON object")
+    if obj.get("format") != FORMAT:
+        raise _err(where, "format", obj.get("format"), f"must be {FORMAT!r}")
+    if obj.get("version") != VERSION:
+        raise _err(where, "version", obj.get("version"), f"this soapsearch reads version {VERSION} only")
+    name = _get(obj, "name", "", "str", where)
+    if "cluster" in obj:
+        from simulator.presets import cluster_from_json  # built there; imported late: presets imports us
+        extra = [k for k in ("devices", "links", "routes") if k in obj]
+        if extra:
+            raise _err(where, "cluster", "...", f"give either cluster or devices/links/routes, not both ({extra})")
+        return cluster_from_json(name, _get(obj, "cluster", "", "object", where), where)
+    devices = [_device(v, p, where) for p, v in _items(obj, "devices", where)]
+    links = [Link(_get(v, "name", p, "str", where), _get(v, "kind", p, "str", where),
+                  _get(v, "latency", p, "num>=0", where), _get(v, "bandwidth", p, "num>0", where))
+             for p, v in _items(obj, "links", where)]
+    routes: dict[tuple[int, int], tuple[int, ...]] = {}
+    for p, v in _items(obj, "routes", where):
+        key = (_get(v, "src", p, "int>=0", where), _get(v, "dst", p, "int>=0", where))
+        hops = _get(v, "links", p, "list", where)
+        for j in hops:
+            if not _RULES["int>=0"][0](j):
+                raise _err(where, f"{p}links", hops, f"link index {j!r} is not an integer >= 0")
+        if key in routes:
+            raise _err(where, p[:-1], v, f"a second route from device {key[0]} to device {key[1]}")
+        routes[key] = tuple(hops)
+    try:
+        return Topology(name, tuple(devices), tuple(links), routes)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None

@@ -1,0 +1,43 @@
+"""The Python door to the simulator: simulate a plan of a traced model on a topology."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from simulator.cost import CostModel
+from simulator.presets import get_topology
+from simulator.result import SimResult, write_trace
+from simulator.simulate import simulate_plan
+from simulator.topology import Topology
+from strategies import OpGraph, Strategy, baseline, load_strategy
+
+__all__ = ["simulate", "resolve_plan"]
+
+
+def resolve_plan(graph: OpGraph, plan: Strategy | str | os.PathLike, num_devices: int,
+                 microbatches: int = 4) -> Strategy:
+    """A Strategy, a baseline name (for ``num_devices`` devices) or a plan JSON path."""
+    if isinstance(plan, Strategy):
+        return plan
+    if isinstance(plan, str) and not plan.endswith(".json") and not os.path.exists(plan):
+        return baseline(plan, graph, num_devices, microbatches)
+    return load_strategy(plan, graph)
+
+
+def simulate(graph: OpGraph, plan: Strategy | str | os.PathLike, *,
+             topology: Topology | str = "local-cpu-4", cost_model: CostModel | str = "analytical",
+             optimizer: str = "sgd", microbatches: int = 4,
+             trace: str | os.PathLike | None = None, **_: Any) -> SimResult:
+    """Simulated cost of one training iteration of ``plan`` (a Strategy, a baseline name or a
+    plan file) for ``graph`` on ``topology``; ``trace`` writes the timeline (Chrome trace)."""
+    topo = get_topology(topology) if isinstance(topology, str) else topology
+    strategy = resolve_plan(graph, plan, topo.num_devices, microbatches)
+    if strategy.num_devices > topo.num_devices:
+        raise ValueError(f"the plan is for {strategy.num_devices} devices but topology "
+                         f"{topo.name!r} has {topo.num_devices}")
+    result = simulate_plan(graph, strategy, topo, cost_model, optimizer=optimizer,
+                           timeline=trace is not None)
+    if trace is not None:
+        write_trace(trace, result)
+    return result

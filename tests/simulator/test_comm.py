@@ -1,0 +1,92 @@
+import time
+
+import pytest
+
+from simulator.comm import allreduce_time, ring_links, transfer_time
+from simulator.devices import DeviceSpec, Link
+from simulator.presets import get_topology
+from simulator.topology import Topology
+
+MB = 1e6
+
+
+@pytest.fixture(scope="module")
+def line():
+    """Three devices in a line 0 - 1 - 2; 0 <-> 2 goes through both links of the line."""
+    dev = DeviceSpec("x", 1 << 30, {"float32": 1e12}, 1e11)
+    links = (Link("a:0->1", "nvlink", 1e-6, 10e9), Link("a:1->0", "nvlink", 1e-6, 10e9),
+             Link("b:1->2", "pcie", 3e-6, 4e9), Link("b:2->1", "pcie", 3e-6, 5e9))
+    routes = {(0, 1): (0,), (1, 0): (1,), (1, 2): (2,), (2, 1): (3,), (0, 2): (0, 2), (2, 0): (3, 1)}
+    return Topology("line", (dev, dev, dev), links, routes)
+
+
+def test_transfer_time_is_alpha_beta_over_the_route(line):
+    assert transfer_time(line, 0, 1, 8 * MB) == pytest.approx(1e-6 + 8e6 / 10e9)  # 0.801 ms
+    assert transfer_time(line, 0, 2, 8 * MB) == pytest.approx(4e-6 + 8e6 / 4e9)   # 2.004 ms: slowest link b
+    assert transfer_time(line, 2, 0, 8 * MB) == pytest.approx(4e-6 + 8e6 / 5e9)   # 1.604 ms: other direction
+    assert transfer_time(line, 1, 1, 8 * MB) == 0.0
+    assert transfer_time(line, 0, 2, 0) == 0.0
+    with pytest.raises(ValueError, match="nbytes = -1"):
+        transfer_time(line, 0, 1, -1)
+
+
+def test_transfer_on_presets_by_hand_and_inter_node_is_slower():
+    p100 = get_topology("p100-4x4")
+    assert transfer_time(p100, 0, 1, 100 * MB) == pytest.approx(2e-6 + 100e6 / 20e9)     # 5.002 ms NVLink
+    assert transfer_time(p100, 0, 4, 100 * MB) == pytest.approx(5e-6 + 100e6 / 12.5e9)   # 8.005 ms EDR
+    for name in ("k80-2x4", "a100-2x8", "h100-2x8"):
+        t = get_topology(name)
+        far = t.nodes[1][0]
+        assert transfer_time(t, 0, far, MB) > transfer_time(t, 0, 1, MB) > 0
+    h100 = get_topology("h100-2x8")
+    assert transfer_time(h100, 0, 9, 50 * MB) == pytest.approx(5e-6 + 50e6 / 50e9)       # 1.005 ms NDR
+
+
+def test_allreduce_matches_the_ring_formula_by_hand(line):
+    # ring 0 -> 1 -> 2 -> 0: neighbour routes (0,1) a, (1,2) b, (2,0) b+a; B = 4 GB/s, alpha = 4 µs
+    n, nbytes = 3, 12 * MB
+    expected = 2 * (n - 1) / n * nbytes / 4e9 + 2 * (n - 1) * 4e-6   # 4 ms + 16 µs
+    assert allreduce_time(line, [0, 1, 2], nbytes) == pytest.approx(expected)
+    assert allreduce_time(line, (0, 1, 2), nbytes) == pytest.approx(4.016e-3)
+    # two devices: ring 0 -> 1 -> 0 uses both directions of a
+    assert allreduce_time(line, (0, 1), 10 * MB) == pytest.approx(10e6 / 10e9 + 2 * 1e-6)
+    assert ring_links(line, (0, 1)) == (0, 1)
+    assert ring_links(line, (0, 1, 2)) == (0, 1, 2, 3)
+    assert ring_links(line, (1, 2)) == (2, 3)
+
+
+def test_allreduce_of_one_device_or_no_bytes_is_free(line):
+    assert allreduce_time(line, [2], 100 * MB) == 0.0
+    assert allreduce_time(line, [], 100 * MB) == 0.0
+    assert allreduce_time(line, [0, 1, 2], 0) == 0.0
+    assert ring_links(line, [2]) == ()
+    with pytest.raises(ValueError, match="a device appears twice"):
+        allreduce_time(line, [0, 1, 0], MB)
+
+
+def test_allreduce_on_presets_by_hand_and_across_nodes_is_slower():
+    a100 = get_topology("a100-2x8")
+    inside = allreduce_time(a100, range(8), 1e9)
+    assert inside == pytest.approx(2 * 7 / 8 * 1e9 / 300e9 + 2 * 7 * 2e-6)      # 5.86 ms
+    across = allreduce_time(a100, [0, 1, 2, 3, 8, 9, 10, 11], 1e9)
+    assert across == pytest.approx(2 * 7 / 8 * 1e9 / 25e9 + 2 * 7 * 5e-6)      # 70.07 ms
+    assert across > 10 * inside
+    p100 = get_topology("p100-4x4")
+    assert allreduce_time(p100, range(16), 1e9) > allreduce_time(p100, range(4), 1e9)
+    assert {a100.links[j].kind for j in ring_links(a100, range(8))} == {"nvswitch"}
+    names = {a100.links[j].name for j in ring_links(a100, [0, 1, 8, 9])}
+    assert names == {"nvswitch-up:0", "nvswitch-down:1", "nic-out:dev1", "nic-in:dev8",
+                     "nvswitch-up:8", "nvswitch-down:9", "nic-out:dev9", "nic-in:dev0"}
+    # the order is the caller's: interleaving nodes crosses the NICs of every device
+    assert len(ring_links(a100, [0, 8, 1, 9])) == 8 and all(
+        a100.links[j].kind == "ib" for j in ring_links(a100, [0, 8, 1, 9]))
+
+
+def test_calls_are_cheap():
+    t = get_topology("k80-16x4")
+    groups = [tuple(range(k, k + 8)) for k in range(0, 56, 4)]
+    start = time.perf_counter()
+    for i in range(20000):
+        transfer_time(t, i % 64, (i * 7) % 64, 1e6)
+        allreduce_time(t, groups[i % len(groups)], 1e6)
+    assert time.perf_counter() - start < 2.0  # ~40 ms here: thousands per second with room to spare

@@ -1,0 +1,254 @@
+"""Cost models: the roofline by hand, memoization, and real measurements with their disk cache."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from simulator import cost as cost_mod
+from simulator import profiled as profiled_mod
+from simulator.cost import (
+    CPU_LAUNCH_OVERHEAD,
+    GPU_LAUNCH_OVERHEAD,
+    AnalyticalCostModel,
+    CostModel,
+    get_cost_model,
+)
+from simulator.devices import DeviceSpec
+from simulator.profiled import ProfiledCostModel
+from soapsearch.trace import trace
+from strategies.graph import Dim, OpNode, TensorSpec, Weight
+from strategies.region import full_box, partition_box
+from strategies.rules import get_rule
+
+GPU = DeviceSpec("A100", 80 << 30, {"float32": 100e12}, 1e12)
+CPU = DeviceSpec("cpu", 64 << 30, {"float32": 1e12}, 50e9)
+ZOO = ("alexnet", "inception_v3", "resnet101", "rnntc", "rnnlm", "nmt", "mlp", "gpt")
+
+
+def linear(batch: int, fin: int, fout: int, name: str = "fc") -> OpNode:
+    return OpNode(name, "linear", ("x",), TensorSpec((batch, fout)),
+                  (Dim("sample", batch, "sample"), Dim("out_features", fout, "parameter")),
+                  weights=(Weight("weight", f"{name}.weight", TensorSpec((fout, fin))),
+                           Weight("bias", f"{name}.bias", TensorSpec((fout,)))),
+                  input_specs=(TensorSpec((batch, fin)),), flops=2 * batch * fin * fout)
+
+
+def relu(shape: tuple[int, ...]) -> OpNode:
+    return OpNode("relu", "elementwise", ("x",), TensorSpec(shape),
+                  tuple(Dim("sample" if i == 0 else f"d{i}", s, "sample" if i == 0 else "attribute")
+                        for i, s in enumerate(shape)),
+                  attrs={"fn": "torch.relu", "args": [{"input": 0}], "kwargs": {}},
+                  input_specs=(TensorSpec(shape),))
+
+
+@pytest.fixture(scope="module")
+def conv_graph():
+    torch.manual_seed(0)
+    return trace(nn.Sequential(nn.Conv2d(3, 8, 3, padding=1)), (torch.randn(2, 3, 16, 16),))
+
+
+def conv_node(graph) -> OpNode:
+    return next(n for n in graph if n.kind == "conv2d")
+
+
+# --- analytical ---------------------------------------------------------------------------
+def test_roofline_by_hand_compute_bound():
+    node = linear(4096, 4096, 4096)
+    box = ((0, 4096), (0, 2048))  # half the out features: half the FLOPs and half the weight
+    fwd, bwd = AnalyticalCostModel().op_time(node, box, GPU)
+    flops = 2 * 4096 * 4096 * 2048
+    nbytes = 4 * (4096 * 4096 + 2048 * 4096 + 2048 + 4096 * 2048)
+    compute, memory = flops / (100e12 * 0.6), nbytes / (1e12 * 0.8)
+    assert compute > memory
+    assert fwd == pytest.approx(compute + GPU_LAUNCH_OVERHEAD, rel=1e-12)
+    assert fwd == pytest.approx(1.1503e-3, rel=1e-4)  # 68.7 GFLOP at 60 TFLOP/s + 5 µs
+    assert bwd == pytest.approx(2 * compute + 2 * GPU_LAUNCH_OVERHEAD, rel=1e-12)
+
+
+def test_roofline_by_hand_memory_bound():
+    node = linear(1, 4096, 4096)  # a matrix-vector product: the weight read dominates
+    fwd, bwd = AnalyticalCostModel().op_time(node, full_box(node.shape), GPU)
+    nbytes = 4 * (4096 + 4096 * 4096 + 4096 + 4096)
+    compute, memory = 2 * 4096 * 4096 / (100e12 * 0.6), nbytes / (1e12 * 0.8)
+    assert memory > 100 * compute
+    assert fwd == pytest.approx(memory + GPU_LAUNCH_OVERHEAD, rel=1e-12)
+    assert bwd == pytest.approx(2 * memory + 2 * GPU_LAUNCH_OVERHEAD, rel=1e-12)
+
+
+def test_efficiency_and_launch_arguments():
+    node = linear(1, 4096, 4096)
+    model = AnalyticalCostModel(efficiency=0.5, launch_overhead=0.0)
+    nbytes = 4 * (4096 + 4096 * 4096 + 4096 + 4096)
+    assert model.op_time(node, full_box(node.shape), GPU)[0] == pytest.approx(nbytes / 0.5e12)
+    assert AnalyticalCostModel().launch(CPU) == CPU_LAUNCH_OVERHEAD
+    with pytest.raises(ValueError, match="efficiency"):
+        AnalyticalCostModel(efficiency=(0.0, 0.8))
+
+
+def test_four_way_split_is_a_quarter_when_compute_bound():
+    node = linear(8192, 4096, 4096)
+    model = AnalyticalCostModel()
+    whole = model.op_time(node, full_box(node.shape), GPU)
+    for degrees in ((4, 1), (1, 4), (2, 2)):
+        part = model.op_time(node, partition_box(node.shape, degrees, 3), GPU)
+        assert part[0] == pytest.approx(whole[0] / 4, rel=0.01)
+        assert part[1] == pytest.approx(whole[1] / 4, rel=0.01)
+
+
+def test_backward_twice_forward_for_a_weighted_op_and_unweighted_memory_bound():
+    model = AnalyticalCostModel()
+    node = linear(512, 1024, 1024)
+    fwd, bwd = model.op_time(node, full_box(node.shape), GPU)
+    assert bwd == pytest.approx(2 * fwd, rel=1e-12)
+    act = relu((64, 1024, 1024))  # 0 FLOPs: memory-bound, one kernel each way, 2x the bytes
+    fwd, bwd = model.op_time(act, full_box(act.shape), GPU)
+    assert fwd == pytest.approx(2 * 4 * 64 * 1024 * 1024 / 0.8e12 + GPU_LAUNCH_OVERHEAD, rel=1e-12)
+    assert bwd - GPU_LAUNCH_OVERHEAD == pytest.approx(2 * (fwd - GPU_LAUNCH_OVERHEAD), rel=1e-12)
+
+
+def test_leaf_and_view_ops_cost_nothing(graphs):
+    graph = graphs("mlp")
+    model = AnalyticalCostModel()
+    for node in graph:
+        if node.kind in ("input", "parameter", "flatten", "reshape"):
+            assert model.op_time(node, full_box(node.shape), GPU) == (0.0, 0.0)
+
+
+class Counting(AnalyticalCostModel):
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def _op_time(self, *args):
+        self.calls += 1
+        return super()._op_time(*args)
+
+
+def test_memo_by_shape_and_halo(conv_graph):
+    node, model = conv_node(conv_graph), Counting()
+    boxes = [partition_box(node.shape, (1, 1, 4, 1), k) for k in range(4)]
+    times = [model.op_time(node, b, GPU) for b in boxes]
+    # edges read 5 input rows (4 + one halo row), inner partitions 6: two distinct costs
+    assert model.calls == 2
+    assert times[0] == times[3] and times[1] == times[2] and times[0] != times[1]
+    assert times[0][0] < times[1][0]
+    again = model.op_time(node, boxes[1], GPU)
+    assert again is times[1] and model.calls == 2
+    model.op_time(node, boxes[1], CPU)  # another device kind is another entry
+    assert model.calls == 3
+
+
+def test_get_cost_model(tmp_path):
+    assert isinstance(get_cost_model("analytical"), AnalyticalCostModel)
+    assert get_cost_model("analytical") is get_cost_model("analytical")
+    assert isinstance(get_cost_model("profiled", cache_path=tmp_path / "p.json"), ProfiledCostModel)
+    with pytest.raises(ValueError, match="'analytical', 'profiled'"):
+        get_cost_model("roofline")
+    assert issubclass(AnalyticalCostModel, CostModel)
+
+
+# --- profiled -----------------------------------------------------------------------------
+def test_profiled_measures_linear_and_conv_on_cpu_then_caches(tmp_path, conv_graph, monkeypatch):
+    path = tmp_path / "profile.json"
+    model = ProfiledCostModel(cache_path=path, repeats=3, warmup=1)
+    node = linear(32, 64, 128)
+    cases = [(node, partition_box(node.shape, (1, 2), 1)),
+             (conv_node(conv_graph), partition_box(conv_node(conv_graph).shape, (1, 2, 2, 1), 1))]
+    measured = [model.op_time(n, b, CPU) for n, b in cases]
+    for fwd, bwd in measured:
+        assert 0 < fwd < 1 and 0 < bwd < 1 and math.isfinite(fwd + bwd)
+    model.flush()
+    data = json.loads(path.read_text())
+    assert data["format"] == "soapsearch.profile" and len(data["entries"]) == 2
+    assert all(k.startswith(f"cpu|torch {torch.__version__}|") for k in data["entries"])
+
+    def refuse(*a, **k):
+        raise AssertionError("measured again instead of reading the cache")
+
+    monkeypatch.setattr(profiled_mod, "measure_partition", refuse)
+    second = ProfiledCostModel(cache_path=path)
+    assert [second.op_time(n, b, CPU) for n, b in cases] == measured
+
+
+def test_profiled_tolerates_a_corrupt_cache(tmp_path):
+    path = tmp_path / "profile.json"
+    path.write_text("{not json")
+    with pytest.warns(RuntimeWarning, match="unreadable"):
+        model = ProfiledCostModel(cache_path=path, repeats=1, warmup=0)
+    assert len(model) == 0
+    node = linear(8, 16, 16)
+    assert model.op_time(node, full_box(node.shape), CPU)[0] > 0
+    model.flush()
+    assert len(json.loads(path.read_text())["entries"]) == 1
+
+
+def test_profiled_env_cache_dir_and_fallbacks(tmp_path, monkeypatch):
+    monkeypatch.setenv("SOAPSEARCH_CACHE_DIR", str(tmp_path))
+    model = ProfiledCostModel(repeats=1, warmup=0)
+    assert model.cache_path == tmp_path / "profile.json"
+    opaque = OpNode("mystery", "some_opaque_kind", ("x",), TensorSpec((4, 4)),
+                    (Dim("sample", 4, "sample"), Dim("d1", 4, "attribute")),
+                    input_specs=(TensorSpec((4, 4)),), flops=128)
+    box = full_box(opaque.shape)
+    assert model.op_time(opaque, box, CPU) == AnalyticalCostModel().op_time(opaque, box, CPU)
+    if not torch.cuda.is_available():  # a GPU kind cannot be measured here: analytical
+        node = linear(8, 16, 16)
+        assert model.op_time(node, full_box(node.shape), GPU) == \
+            AnalyticalCostModel().op_time(node, full_box(node.shape), GPU)
+    assert len(model) == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device to profile a GPU kind")
+def test_profiled_on_cuda(tmp_path):
+    node = linear(256, 512, 512)
+    fwd, bwd = ProfiledCostModel(cache_path=tmp_path / "p.json", repeats=3, warmup=2).op_time(
+        node, full_box(node.shape), GPU)
+    assert 0 < fwd < 0.1 and 0 < bwd < 0.1
+
+
+class Recording(AnalyticalCostModel):
+    def __init__(self):
+        super().__init__()
+        self.kinds: set[str] = set()
+
+    def _op_time(self, node, *args):
+        self.kinds.add(node.kind)
+        return super()._op_time(node, *args)
+
+
+def split_box(node: OpNode):
+    """The last partition of a 2-way split of the first splittable even dim, or None."""
+    rule = get_rule(node.kind)
+    for i, ok in enumerate(rule.splittable(node)):
+        degrees = tuple(2 if j == i else 1 for j in range(len(node.shape)))
+        if ok and node.shape[i] % 2 == 0 and rule.check_degrees(node, degrees) is None:
+            return partition_box(node.shape, degrees, 1)
+    return None
+
+
+@pytest.mark.parametrize("name", ZOO)
+def test_every_op_of_the_tiny_zoo(name, graphs, tmp_path):
+    fallback = Recording()
+    profiled = ProfiledCostModel(cache_path=tmp_path / "p.json", repeats=1, warmup=0,
+                                 fallback=fallback)
+    analytical = AnalyticalCostModel()
+    splits = 0
+    for node in graphs(name):
+        boxes = [full_box(node.shape)] + ([b] if (b := split_box(node)) is not None else [])
+        splits += len(boxes) - 1
+        for box in boxes:
+            for model in (profiled, analytical):
+                fwd, bwd = model.op_time(node, box, CPU)
+                assert math.isfinite(fwd) and math.isfinite(bwd) and fwd >= 0 and bwd >= 0, \
+                    (node.name, node.kind, box)
+            if node.kind not in cost_mod.LEAF_KINDS | cost_mod.VIEW_KINDS:
+                assert analytical.op_time(node, box, CPU)[0] > 0, node.name
+    assert splits > 0
+    assert fallback.kinds <= {"input", "parameter", "constant"}, \
+        f"ops of these kinds were not measured: {fallback.kinds}"
+    assert len(profiled) > 0
