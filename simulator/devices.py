@@ -3,7 +3,7 @@ seconds, FLOP/s, bytes/s)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Mapping
 
@@ -33,6 +33,10 @@ class DeviceSpec:
         if not self.peak_flops or min(self.peak_flops.values()) <= 0:
             raise ValueError(f"device {self.kind!r}: peak_flops {dict(self.peak_flops)} needs at "
                              "least one dtype, every figure > 0")
+
+    def __reduce__(self):  # the read-only mapping does not pickle; rebuild from a dict
+        return (DeviceSpec, (self.kind, self.memory_bytes, dict(self.peak_flops),
+                             self.memory_bandwidth, self.node))
 
     def flops_for(self, dtype: str) -> float:
         """Peak FLOP/s for ``dtype`` (float32's when the dtype has no figure of its own)."""

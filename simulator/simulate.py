@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
+
 from simulator.cost import CostModel, get_cost_model
 from simulator.engine import run_events
 from simulator.memory import peak_memory
@@ -23,7 +26,19 @@ def simulate_plan(graph: OpGraph, strategy: Strategy | Lowered, topology: Topolo
     and measure memory. Same inputs, same result, bit for bit."""
     topo = get_topology(topology) if isinstance(topology, str) else topology
     cost = get_cost_model(cost_model) if isinstance(cost_model, str) else cost_model
-    lowered = strategy if isinstance(strategy, Lowered) else lower(graph, strategy)
-    tg = build_tasks(lowered, topo, cost, optimizer)
-    start, end = run_events(tg)
-    return summarize(tg, topo, start, end, peak_memory(lowered, optimizer), timeline)
+    with _no_gc():  # tens of thousands of small tuples: the cyclic collector only adds pauses
+        lowered = strategy if isinstance(strategy, Lowered) else lower(graph, strategy)
+        tg = build_tasks(lowered, topo, cost, optimizer)
+        start, end = run_events(tg)
+        return summarize(tg, topo, start, end, peak_memory(lowered, optimizer), timeline)
+
+
+@contextlib.contextmanager
+def _no_gc():
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()

@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 from strategies.graph import DTYPE_BYTES, OpGraph, OpNode
 from strategies.region import Box, box_numel, intersect, partition_index
@@ -26,8 +26,7 @@ __all__ = ["WEIGHT_KINDS", "Partition", "Transfer", "WeightShard", "ReductionGro
            "partition_box_mb"]
 
 
-@dataclass(frozen=True)
-class Partition:
+class Partition(NamedTuple):
     """Partition ``index`` of ``op`` for ``microbatch``: on ``device`` it computes ``box``,
     reading ``input_regions`` (one per input; None: nothing) and ``weight_regions``."""
 
@@ -40,8 +39,7 @@ class Partition:
     weight_regions: tuple[tuple[str, Box], ...]
 
 
-@dataclass(frozen=True)
-class Transfer:
+class Transfer(NamedTuple):
     """Bytes of ``src_op``'s partition ``src_index`` that ``dst_op``'s partition ``dst_index``
     reads as its input ``slot``. Backward moves the same region's gradient from dst to src.
     ``src_device == dst_device`` marks a local read (a dependency, no bytes on a link)."""
@@ -139,14 +137,23 @@ def _overlapping(grid: Sequence[tuple[int, int]], degrees: Sequence[int], region
     """Partitions whose box overlaps ``region``: per dim the grid is regular, so the overlapping
     coordinates are a range (no scan of every partition)."""
     ranges = []
+    single = 0  # the partition index while every dim overlaps exactly one coordinate
     for (lo, hi), (base, step), d in zip(region, grid, degrees):
-        first = max(0, (lo - base) // step)
-        last = min(d - 1, (hi - 1 - base) // step)
+        first = (lo - base) // step
+        last = (hi - 1 - base) // step
+        if first < 0:
+            first = 0
+        if last > d - 1:
+            last = d - 1
         if first > last:
             return []
+        if single is not None and first == last:
+            single = single * d + first
+        else:
+            single = None
         ranges.append(range(first, last + 1))
-    if len(ranges) == 1:
-        return list(ranges[0])
+    if single is not None:
+        return [single]
     out = []
     for coords in itertools.product(*ranges):
         k = 0
@@ -203,7 +210,8 @@ def lower(graph: OpGraph, strategy: Strategy) -> Lowered:
                     pgrid, pboxes = grids[slot]
                     itemsize = DTYPE_BYTES[producer.output.dtype]
                     for q in _overlapping(pgrid, pcfg.degrees, region):
-                        piece = intersect(region, pboxes[q])
+                        pbox = pboxes[q]
+                        piece = region if pbox == region else intersect(region, pbox)
                         if piece is None:
                             continue
                         transfers.append(Transfer(

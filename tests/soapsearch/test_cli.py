@@ -72,3 +72,52 @@ def test_user_factory_file_and_opaque_warning(tmp_path, capsys):
 def test_console_script_entry_point():
     proc = subprocess.run([sys.executable, "-m", "soapsearch", "zoo"], capture_output=True, text=True)
     assert proc.returncode == 0 and "resnet101" in proc.stdout and "gpt" in proc.stdout
+
+
+def test_simulate_json_and_trace(tmp_path, capsys):
+    out = tmp_path / "trace.json"
+    assert main(["simulate", "alexnet", "--variant", "tiny", "--baseline", "owt", "--topology",
+                 "p100-1x2", "--trace", str(out), "--json"]) == 0
+    obj = json.loads(capsys.readouterr().out)
+    assert obj["iteration_ms"] > 0 and obj["fits"] is True and len(obj["peak_memory_bytes"]) == 2
+    from strategies import owt
+    from strategies.lowering import lower
+
+    lowered = lower(traced("alexnet"), owt(traced("alexnet"), 2))
+    allreduced = sum(s.nbytes for s in lowered.weight_shards if len(s.devices) > 1 and s.trainable)
+    reduced = sum(g.nbytes for g in lowered.reductions)  # the split loss's sum, both ways
+    # activations forward, their gradients backward, the replicated conv weights' gradients
+    assert obj["bytes_moved"] == {"nvlink": 2 * 20560 + allreduced + 2 * reduced}
+    events = json.loads(out.read_text())["traceEvents"]
+    assert {e["pid"] for e in events if e["ph"] == "X"} == {0, 1}
+
+
+def test_simulate_a_plan_file_matches_the_api(tmp_path, capsys):
+    import soapsearch
+
+    plan = tmp_path / "plan.json"
+    assert main(["plan", "mlp", "--variant", "tiny", "--baseline", "model_parallel", "--devices",
+                 "2", "-o", str(plan)]) == 0
+    capsys.readouterr()
+    assert main(["simulate", "mlp", "--variant", "tiny", "--plan", str(plan), "--topology",
+                 "local-cpu-2", "--json"]) == 0
+    obj = json.loads(capsys.readouterr().out)
+    want = soapsearch.simulate(traced("mlp"), str(plan), topology="local-cpu-2")
+    assert obj["iteration_ms"] == want.iteration_ms
+
+
+def test_simulate_needs_exactly_one_plan(capsys):
+    assert main(["simulate", "mlp", "--variant", "tiny", "--topology", "local-cpu-2"]) == 2
+    assert "exactly one of --plan" in capsys.readouterr().err
+
+
+def test_topology_show(capsys, tmp_path):
+    assert main(["topology", "show", "p100-4x4"]) == 0
+    out = capsys.readouterr().out
+    assert "16 devices in 4 nodes x 4" in out and "P100" in out and "ib" in out
+    assert main(["topology", "show", "p100-1x2", "--json"]) == 0
+    path = tmp_path / "t.json"
+    path.write_text(capsys.readouterr().out)
+    assert main(["topology", "show", str(path)]) == 0
+    assert main(["topology", "show", "tpu-9000"]) == 2
+    assert "tpu-9000" in capsys.readouterr().err
