@@ -9,6 +9,7 @@ search), then train it that way.
 
 from soapsearch import zoo
 from soapsearch.api import simulate
+from soapsearch.search import SearchResult, search
 from soapsearch.models import ModelLoadError, ModelSpec, load_model
 from soapsearch.trace import TraceError, trace
 from strategies import (BASELINES, OpGraph, ParallelConfig, PlanError, Strategy, baseline,
@@ -16,6 +17,6 @@ from strategies import (BASELINES, OpGraph, ParallelConfig, PlanError, Strategy,
 
 __all__ = [
     "BASELINES", "ModelLoadError", "ModelSpec", "OpGraph", "ParallelConfig", "PlanError",
-    "Strategy", "TraceError", "baseline", "enumerate_configs", "load_model", "load_strategy",
-    "read_plan", "save_strategy", "simulate", "trace", "zoo",
+    "SearchResult", "Strategy", "TraceError", "baseline", "enumerate_configs", "load_model", "load_strategy",
+    "read_plan", "save_strategy", "search", "simulate", "trace", "zoo",
 ]

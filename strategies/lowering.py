@@ -171,8 +171,20 @@ def _reduction_bytes(node: OpNode, name: str, box: Box) -> int:
     return 16
 
 
-def lower(graph: OpGraph, strategy: Strategy) -> Lowered:
-    """Everything a plan does, derived once (DESIGN.md "The lowering")."""
+class _OpPieces(NamedTuple):
+    """What one op contributes to a lowering; a function of its config, its producers' configs
+    and the micro-batch count only, so a search can reuse it for every unchanged op."""
+
+    partitions: tuple[tuple[Partition, ...], ...]
+    transfers: tuple[Transfer, ...]
+    reductions: tuple[ReductionGroup, ...]
+    weight_reads: tuple[tuple[str, Box, int, str, int, bool], ...]
+    """(weight name, region, device, reading op, itemsize, trainable) for microbatch 0."""
+
+
+def lower(graph: OpGraph, strategy: Strategy, cache: dict | None = None) -> Lowered:
+    """Everything a plan does, derived once (DESIGN.md "The lowering"). ``cache`` (any dict kept
+    across calls for one graph) memoizes each op's pieces by the configs they depend on."""
     strategy.validate(graph)
     m = strategy.microbatches
     partitions: dict[str, tuple[tuple[Partition, ...], ...]] = {}
@@ -182,54 +194,67 @@ def lower(graph: OpGraph, strategy: Strategy) -> Lowered:
     readers: dict[str, list[str]] = {}
     meta: dict[str, tuple[int, bool]] = {}
     for node in graph:
-        cfg = strategy[node.name]
-        rule = get_rule(node.kind)
-        per_mb = []
-        sources = [(graph[src], strategy[src]) for src in node.inputs]
-        for j in range(m):
-            parts = []
-            grids = [(_grid(p, c.degrees, j, m), _boxes(_grid(p, c.degrees, j, m), c.degrees))
-                     for p, c in sources]
-            for k, box in enumerate(_boxes(_grid(node, cfg.degrees, j, m), cfg.degrees)):
-                ins = rule.input_regions(node, box)
-                ws = rule.weight_regions(node, box)
-                dev = cfg.devices[k]
-                parts.append(Partition(node.name, k, j, dev, box, tuple(ins),
-                                       tuple((w.role, ws[w.role]) for w in node.weights)))
-                for slot, region in enumerate(ins):
-                    if region is None:
-                        continue
-                    producer, pcfg = sources[slot]
-                    if producer.kind in WEIGHT_KINDS:
-                        if j == 0:
-                            w = producer.weights[0]
-                            held.setdefault(w.name, {}).setdefault(region, set()).add(dev)
-                            readers.setdefault(w.name, []).append(node.name)
-                            meta[w.name] = (DTYPE_BYTES[w.spec.dtype], w.trainable)
-                        continue
-                    pgrid, pboxes = grids[slot]
-                    itemsize = DTYPE_BYTES[producer.output.dtype]
-                    for q in _overlapping(pgrid, pcfg.degrees, region):
-                        pbox = pboxes[q]
-                        piece = region if pbox == region else intersect(region, pbox)
-                        if piece is None:
-                            continue
-                        transfers.append(Transfer(
-                            producer.name, q, node.name, k, slot, j, pcfg.devices[q], dev, piece,
-                            box_numel(piece) * itemsize))
-            per_mb.append(tuple(parts))
-            reductions.extend(_groups(node, cfg.degrees, cfg.devices, rule.reductions(node, cfg.degrees),
-                                      parts, j))
-        partitions[node.name] = tuple(per_mb)
-        for w in () if node.kind in WEIGHT_KINDS else node.weights:
-            regions = held.setdefault(w.name, {})
-            for p in per_mb[0]:
-                regions.setdefault(dict(p.weight_regions)[w.role], set()).add(p.device)
-            readers.setdefault(w.name, []).append(node.name)
-            meta[w.name] = (DTYPE_BYTES[w.spec.dtype], w.trainable)
+        if cache is None:
+            pieces = _lower_op(graph, strategy, node, m)
+        else:
+            key = (node.name, m, strategy[node.name], tuple(strategy[src] for src in node.inputs))
+            pieces = cache.get(key)
+            if pieces is None:
+                pieces = cache[key] = _lower_op(graph, strategy, node, m)
+        partitions[node.name] = pieces.partitions
+        transfers.extend(pieces.transfers)
+        reductions.extend(pieces.reductions)
+        for name, region, device, reader, itemsize, trainable in pieces.weight_reads:
+            held.setdefault(name, {}).setdefault(region, set()).add(device)
+            readers.setdefault(name, []).append(reader)
+            meta[name] = (itemsize, trainable)
     shards = [s for name, regions in held.items()
               for s in _shards(name, regions, *meta[name], tuple(dict.fromkeys(readers[name])))]
     return Lowered(graph, strategy, partitions, tuple(transfers), tuple(shards), tuple(reductions))
+
+
+def _lower_op(graph: OpGraph, strategy: Strategy, node: OpNode, m: int) -> _OpPieces:
+    cfg = strategy[node.name]
+    rule = get_rule(node.kind)
+    per_mb, transfers, reductions, reads = [], [], [], []
+    sources = [(graph[src], strategy[src]) for src in node.inputs]
+    for j in range(m):
+        parts = []
+        grids = [(_grid(p, c.degrees, j, m), _boxes(_grid(p, c.degrees, j, m), c.degrees))
+                 for p, c in sources]
+        for k, box in enumerate(_boxes(_grid(node, cfg.degrees, j, m), cfg.degrees)):
+            ins = rule.input_regions(node, box)
+            ws = rule.weight_regions(node, box)
+            dev = cfg.devices[k]
+            parts.append(Partition(node.name, k, j, dev, box, tuple(ins),
+                                   tuple((w.role, ws[w.role]) for w in node.weights)))
+            if j == 0 and node.kind not in WEIGHT_KINDS:
+                reads.extend((w.name, ws[w.role], dev, node.name, DTYPE_BYTES[w.spec.dtype],
+                              w.trainable) for w in node.weights)
+            for slot, region in enumerate(ins):
+                if region is None:
+                    continue
+                producer, pcfg = sources[slot]
+                if producer.kind in WEIGHT_KINDS:
+                    if j == 0:
+                        w = producer.weights[0]
+                        reads.append((w.name, region, dev, node.name, DTYPE_BYTES[w.spec.dtype],
+                                      w.trainable))
+                    continue
+                pgrid, pboxes = grids[slot]
+                itemsize = DTYPE_BYTES[producer.output.dtype]
+                for q in _overlapping(pgrid, pcfg.degrees, region):
+                    pbox = pboxes[q]
+                    piece = region if pbox == region else intersect(region, pbox)
+                    if piece is None:
+                        continue
+                    transfers.append(Transfer(
+                        producer.name, q, node.name, k, slot, j, pcfg.devices[q], dev, piece,
+                        box_numel(piece) * itemsize))
+        per_mb.append(tuple(parts))
+        reductions.extend(_groups(node, cfg.degrees, cfg.devices, rule.reductions(node, cfg.degrees),
+                                  parts, j))
+    return _OpPieces(tuple(per_mb), tuple(transfers), tuple(reductions), tuple(reads))
 
 
 def _groups(node: OpNode, degrees: Sequence[int], devices: Sequence[int], reds, parts,

@@ -1,0 +1,108 @@
+"""Communication of the executor: process groups for every replica/reduction device set, the
+summing all-reduce as an autograd Function, and tagged point-to-point pieces with timeouts.
+
+Follows torch.distributed's rules: ``new_group`` is called by every rank, in the same order,
+for every group (https://pytorch.org/docs/stable/distributed.html#groups); a collective on one
+group is called by its members in the same order. Point-to-point pieces carry a tag unique
+within a step (gloo matches send and recv by peer and tag, so no order can mismatch).
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+
+from soapsearch.executor.errors import ExecutorError
+
+__all__ = ["ProcessGroups", "AllReduceSum", "all_reduce_sum", "P2P"]
+
+
+class ProcessGroups:
+    """One process group per device set (sorted), created once, in sorted order, on every
+    rank. ``get(devices)`` returns None for a set of one device (nothing to reduce)."""
+
+    def __init__(self, device_sets: Iterable[Iterable[int]], world_size: int):
+        self.world_size = world_size
+        self._groups: dict[tuple[int, ...], object] = {}
+        for devices in sorted({tuple(sorted(s)) for s in device_sets if len(set(s)) > 1}):
+            # every rank calls new_group for every set, members or not
+            self._groups[devices] = dist.new_group(list(devices))
+
+    def get(self, devices: Iterable[int]):
+        key = tuple(sorted(devices))
+        if len(key) < 2:
+            return None
+        return self._groups[key]
+
+    def __len__(self) -> int:
+        return len(self._groups)
+
+
+class AllReduceSum(torch.autograd.Function):
+    """y = Σ_group x; the gradient of every member's x is Σ_group dL/dy (the adjoint of a sum
+    that every member receives is a sum again: Megatron-LM's f/g operators, Shoeybi et al. 2019)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:  # type: ignore[override]
+        ctx.group = group
+        y = x.detach().clone().contiguous()
+        dist.all_reduce(y, op=dist.ReduceOp.SUM, group=group)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        g = grad.detach().clone().contiguous()
+        dist.all_reduce(g, op=dist.ReduceOp.SUM, group=ctx.group)
+        return g, None
+
+
+def all_reduce_sum(x: torch.Tensor, group) -> torch.Tensor:
+    return AllReduceSum.apply(x, group)
+
+
+class P2P:
+    """Tagged sends and receives on the default group. A piece's tag is its transfer's index
+    in the lowering, offset by direction (forward/backward) and the step's parity, so that a
+    piece of step i+1 cannot be taken for one of step i."""
+
+    def __init__(self, num_transfers: int, timeout_s: float, rank: int):
+        self.n = max(num_transfers, 1)
+        self.timeout = timedelta(seconds=timeout_s)
+        self.rank = rank
+        self.step = 0
+        self._pending: list[tuple[object, torch.Tensor]] = []
+
+    def tag(self, index: int, backward: bool) -> int:
+        return ((self.step % 2) * 2 + int(backward)) * self.n + index
+
+    def send(self, t: torch.Tensor, dst: int, index: int, backward: bool) -> None:
+        """Start sending ``t`` (kept alive until ``flush``)."""
+        buf = t.detach().contiguous()
+        self._pending.append((dist.isend(buf, dst, tag=self.tag(index, backward)), buf))
+
+    def recv(self, shape, dtype, device, src: int, index: int, backward: bool, what: str) -> torch.Tensor:
+        """Receive one piece, waiting at most the timeout; the error names the peer and ``what``."""
+        buf = torch.empty(shape, dtype=dtype, device=device)
+        work = dist.irecv(buf, src, tag=self.tag(index, backward))
+        try:
+            ok = work.wait(self.timeout)
+        except RuntimeError as e:
+            raise ExecutorError(f"rank {self.rank}: no {what} from rank {src} within "
+                                f"{self.timeout.total_seconds():.0f} s (is rank {src} alive?): {e}") from None
+        if ok is False:
+            raise ExecutorError(f"rank {self.rank}: no {what} from rank {src} within "
+                                f"{self.timeout.total_seconds():.0f} s")
+        return buf
+
+    def flush(self) -> None:
+        """Wait for every send of this step, then move to the next step's tags."""
+        for work, _ in self._pending:
+            try:
+                work.wait(self.timeout)
+            except RuntimeError as e:
+                raise ExecutorError(f"rank {self.rank}: a send did not complete: {e}") from None
+        self._pending.clear()
+        self.step += 1

@@ -1,0 +1,44 @@
+"""What a training run needs besides the plan: the optimizer and its settings, the timeout.
+One source of defaults; ``soapsearch.run`` maps its flags onto it (STYLE.md 6)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+
+__all__ = ["TrainConfig", "OPTIMIZERS", "make_optimizer"]
+
+OPTIMIZERS = ("sgd", "adam")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    optimizer: str = "sgd"
+    """``sgd`` (torch.optim.SGD with ``momentum``) or ``adam`` (torch.optim.Adam)."""
+    lr: float = 0.01
+    """Learning rate."""
+    momentum: float = 0.9
+    """SGD momentum."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """Adam's betas."""
+    weight_decay: float = 0.0
+    """L2 penalty of either optimizer (elementwise, so a shard's update is the full update's slice)."""
+    timeout_s: float = 300.0
+    """Longest wait for any receive or collective before the run fails naming the peer."""
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer {self.optimizer!r} is not one of {list(OPTIMIZERS)}")
+        if not self.lr > 0:
+            raise ValueError(f"lr = {self.lr}: the learning rate must be > 0")
+
+
+def make_optimizer(params: Iterable[torch.Tensor], cfg: TrainConfig) -> torch.optim.Optimizer:
+    """torch.optim on ``params``: SGD and Adam update each element from its own gradient and
+    state only, so the update of a shard equals that slice of the full model's update."""
+    params = list(params)
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    return torch.optim.Adam(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)

@@ -1,0 +1,43 @@
+"""Why a plan cannot run here, said before any work starts (DESIGN.md "Executor")."""
+
+from __future__ import annotations
+
+from strategies.lowering import Lowered
+from strategies.rules import OPAQUE, get_rule
+from strategies.schedule import warmup
+
+__all__ = ["ExecutorError", "check_runnable"]
+
+
+class ExecutorError(RuntimeError):
+    """A plan the executor cannot run, or a run that failed, naming the rank and the op."""
+
+
+def check_runnable(lowered: Lowered, world_size: int) -> None:
+    """Raise ExecutorError unless every rank can run ``lowered`` with ``world_size`` ranks:
+    one rank per device, no opaque op, one scalar loss output, and no reduction whose devices
+    disagree on the 1F1B warm-up (their collectives would wait on each other)."""
+    strategy, graph = lowered.strategy, lowered.graph
+    if world_size != strategy.num_devices:
+        raise ExecutorError(
+            f"the plan is for {strategy.num_devices} devices but WORLD_SIZE is {world_size}: "
+            f"start exactly {strategy.num_devices} processes (torchrun --nproc-per-node "
+            f"{strategy.num_devices}, or nnodes x nproc-per-node = {strategy.num_devices})")
+    opaque = [n.name for n in graph if get_rule(n.kind) is get_rule(OPAQUE)]
+    if opaque:
+        what = ", ".join(f"{n!r} ({graph[n].attrs.get('target', graph[n].kind)})" for n in opaque[:5])
+        raise ExecutorError(
+            f"{len(opaque)} opaque op(s) have no rule to compute a partition and cannot run: "
+            f"{what}; rewrite them with supported ops or wrap them in a traced module")
+    if len(graph.outputs) != 1 or graph[graph.outputs[0]].output.shape != ():
+        raise ExecutorError(
+            f"the model must return one scalar loss; its outputs are {list(graph.outputs)} "
+            f"with shapes {[list(graph[o].output.shape) for o in graph.outputs]}")
+    if strategy.microbatches > 1:
+        for red in lowered.reductions:
+            w = {d: warmup(lowered, d) for d in red.devices}
+            if len(set(w.values())) > 1:
+                raise ExecutorError(
+                    f"op {red.op!r}: its {red.name} reduction spans devices {list(red.devices)} "
+                    f"whose {strategy.schedule} warm-ups differ ({w}): their all-reduces would wait "
+                    "on each other; use schedule 'gpipe' or keep the op's devices in one stage")

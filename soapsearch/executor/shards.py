@@ -1,0 +1,97 @@
+"""The weights one rank holds: for each weight it reads, one tensor over the bounding box of
+the shard regions the lowering gives this device (``Lowered.weight_shards``), a leaf with
+``requires_grad`` when trainable. Partitions read views of it, so autograd accumulates every
+partition's weight gradient into the one leaf; each replicated shard's gradient is then summed
+over exactly its devices (data-parallel gradient sync, restricted to the shard's replicas).
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+import torch.distributed as dist
+
+from soapsearch.executor.comm import ProcessGroups
+from strategies.lowering import Lowered
+from strategies.region import Box, shift_box, slice_box
+
+__all__ = ["LocalWeights"]
+
+
+def _bounding(boxes: list[Box]) -> Box:
+    return tuple((min(b[i][0] for b in boxes), max(b[i][1] for b in boxes)) for i in range(len(boxes[0])))
+
+
+class LocalWeights:
+    """This rank's shards, cut from ``state`` (the full model's state_dict, the same on every
+    rank: same seed)."""
+
+    def __init__(self, lowered: Lowered, state: Mapping[str, torch.Tensor], rank: int,
+                 device: torch.device, dtype: torch.dtype | None = None):
+        self.lowered, self.rank, self.device = lowered, rank, device
+        self.mine = [s for s in lowered.weight_shards if rank in s.devices]
+        regions: dict[str, list[Box]] = {}
+        trainable: dict[str, bool] = {}
+        for s in self.mine:
+            regions.setdefault(s.name, []).append(s.region)
+            trainable[s.name] = s.trainable
+        self.origin: dict[str, Box] = {n: _bounding(bs) for n, bs in regions.items()}
+        self.tensors: dict[str, torch.Tensor] = {}
+        for name, box in self.origin.items():
+            if name not in state:
+                raise KeyError(f"weight {name!r} is not in the model's state_dict")
+            full = state[name]
+            t = full.detach()[slice_box(box)].to(device=device).clone()
+            if dtype is not None and t.is_floating_point():
+                t = t.to(dtype)
+            self.tensors[name] = t.requires_grad_(trainable[name] and t.is_floating_point())
+
+    def view(self, name: str, region: Box) -> torch.Tensor:
+        """``region`` (global coordinates) of weight ``name``, a view of the local leaf."""
+        return self.tensors[name][slice_box(shift_box(region, self.origin[name]))]
+
+    def parameters(self) -> list[torch.Tensor]:
+        """The trainable leaves, in a fixed order (for the optimizer)."""
+        return [t for _, t in sorted(self.tensors.items()) if t.requires_grad]
+
+    def sync_grads(self, groups: ProcessGroups) -> None:
+        """Sum each replicated trainable shard's gradient over its devices, in the lowering's
+        shard order on every rank (one global order of collectives: no cycle can wait)."""
+        for t in self.parameters():
+            if t.grad is None:
+                t.grad = torch.zeros_like(t)
+        pending = []
+        for s in self.mine:
+            if not s.trainable or len(s.devices) < 2:
+                continue
+            grad = self.tensors[s.name].grad
+            sl = slice_box(shift_box(s.region, self.origin[s.name]))
+            buf = grad[sl].contiguous()
+            pending.append((dist.all_reduce(buf, group=groups.get(s.devices), async_op=True), grad, sl, buf))
+        for work, grad, sl, buf in pending:
+            work.wait()
+            grad[sl].copy_(buf)
+
+    def gather(self, grads: bool = False) -> dict[str, torch.Tensor] | None:
+        """Every weight as a full tensor on rank 0 (None elsewhere): each shard is written by
+        the first device holding it, then one sum-reduce per weight to rank 0."""
+        specs = {w.name: w.spec for n in self.lowered.graph for w in n.weights}
+        owned: dict[str, list] = {}
+        for s in self.lowered.weight_shards:
+            if grads and not s.trainable:
+                continue
+            owned.setdefault(s.name, []).append(s)
+        out = {}
+        for name in sorted(owned):
+            like = self.tensors.get(name)
+            dtype = like.dtype if like is not None else getattr(torch, specs[name].dtype)
+            full = torch.zeros(specs[name].shape, dtype=dtype, device=self.device)
+            for s in owned[name]:
+                if s.devices[0] == self.rank:
+                    src = self.tensors[name].grad if grads else self.tensors[name]
+                    if src is not None:
+                        full[slice_box(s.region)] = src.detach()[slice_box(shift_box(s.region, self.origin[name]))]
+            dist.reduce(full, dst=0)
+            out[name] = full
+        return out if self.rank == 0 else None

@@ -1,0 +1,129 @@
+"""``soapsearch search`` and ``soapsearch show-plan``."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+from soapsearch.search.api import SearchResult, search
+from strategies.config import format_devices
+
+__all__ = ["add_search_parsers"]
+
+_LETTER = {"sample": "S", "attribute": "A", "parameter": "P"}
+
+
+def add_search_parsers(sub, model_args, graph_of) -> None:
+    sp = sub.add_parser("search", help="search a plan (MCMC scored by the simulator)")
+    model_args(sp)
+    sp.add_argument("--topology", default="p100-4x4", help="preset or topology JSON")
+    sp.add_argument("--budget", type=float, default=60.0, help="seconds (default 60)")
+    sp.add_argument("--proposals", type=int, default=None, help="also stop after this many proposals")
+    sp.add_argument("--init", default="data_parallel",
+                    help="comma list of initial plans: baseline names, 'random', plan JSON paths")
+    sp.add_argument("--seed", type=int, default=0)
+    sp.add_argument("--cost-model", default="analytical", choices=["analytical", "profiled"])
+    sp.add_argument("--microbatches", type=int, default=1)
+    sp.add_argument("--schedule", default="gpipe", choices=["gpipe", "1f1b"])
+    sp.add_argument("--devices", type=int, default=None, help="use only the first N devices")
+    sp.add_argument("-o", "--output", default="plan.json", help="where to write the plan")
+    sp.set_defaults(fn=lambda args: _cmd_search(args, graph_of))
+    show = sub.add_parser("show-plan", help="print a plan: per op its degrees and devices")
+    show.add_argument("plan")
+    show.add_argument("--png", default=None, help="also draw op x device placement (matplotlib)")
+    show.set_defaults(fn=_cmd_show_plan)
+
+
+def _cmd_search(args, graph_of) -> int:
+    graph = graph_of(args)
+    bar = None
+    if not args.json:
+        from tqdm import tqdm
+        bar = tqdm(total=args.proposals, unit="prop", file=sys.stderr, dynamic_ncols=True,
+                   desc=f"search {graph.name}")
+
+    def on_step(stats, cur_cost):
+        if bar is not None:
+            bar.update(stats.proposals - bar.n)
+            bar.set_postfix(best_ms=f"{stats.best_result.iteration_ms:.3f}",
+                            accept=f"{stats.accepted / max(1, stats.proposals):.2f}", refresh=False)
+
+    result = search(graph, topology=args.topology, budget_s=args.budget, proposals=args.proposals,
+                    cost_model=args.cost_model, init=tuple(args.init.split(",")), seed=args.seed,
+                    microbatches=args.microbatches, schedule=args.schedule,
+                    num_devices=args.devices, on_step=on_step)
+    if bar is not None:
+        bar.close()
+    result.save(args.output)
+    if args.json:
+        print(json.dumps({"iteration_ms": result.predicted_ms, "baselines": result.baselines,
+                          "plan": args.output, "proposals": result.proposals,
+                          "fits": result.result.fits, "interrupted": result.interrupted}))
+        return 0
+    print(table(result))
+    stop = "stopped by Ctrl-C; " if result.interrupted else ""
+    print(f"{stop}{result.proposals} proposals in {result.elapsed_s:.1f} s "
+          f"({result.proposals / max(result.elapsed_s, 1e-9):.0f}/s); wrote {args.output}")
+    return 0
+
+
+def table(result: SearchResult) -> str:
+    """Found plan vs each baseline: ms, speedup over data parallel, bytes moved, peak memory."""
+    rows = [("found", result.result)] + list(result.baseline_results.items())
+    dp = result.baselines.get("data_parallel")
+    lines = [f"{'plan':16s} {'iter ms':>10s} {'vs DP':>7s} {'moved MiB':>10s} {'peak MiB':>9s} fits"]
+    for name, r in rows:
+        speed = f"{dp / r.iteration_ms:6.2f}x" if dp else "     -"
+        lines.append(f"{name:16s} {r.iteration_ms:10.3f} {speed:>7s} "
+                     f"{sum(r.bytes_moved.values()) / 2**20:10.1f} "
+                     f"{max(r.peak_memory_bytes) / 2**20:9.1f} {'yes' if r.fits else 'NO'}")
+    return "\n".join(lines)
+
+
+def _cmd_show_plan(args) -> int:
+    try:
+        obj = json.loads(Path(args.plan).read_text())
+        ops = obj["ops"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{args.plan}: not a readable strategy JSON ({e})") from None
+    model = obj.get("model", {})
+    topo = obj.get("topology", {})
+    print(f"{model.get('name', '?')} on {topo.get('name', '?')} ({topo.get('num_devices', '?')} "
+          f"devices), {obj.get('microbatches', 1)} micro-batch(es), {obj.get('schedule', '?')}")
+    pred = obj.get("predicted") or {}
+    if "iteration_ms" in pred:
+        print(f"predicted {pred['iteration_ms']:.3f} ms per iteration")
+    width = max(len(o["name"]) for o in ops)
+    for o in ops:
+        cuts = [f"{d}={g}" for d, g in zip(o.get("dims", []), o["degrees"]) if g > 1]
+        print(f"  {o['name']:{width}s}  {o.get('kind', ''):12s} {'·'.join(cuts)} @ {format_devices(o['devices'])}")
+    if args.png:
+        _draw(ops, int(topo.get("num_devices") or 1 + max(max(o["devices"]) for o in ops)), args.png)
+        print(f"wrote {args.png}")
+    return 0
+
+
+def _draw(ops, num_devices: int, path: str) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ValueError("--png needs matplotlib: pip install 'soapsearch[plot]'") from None
+    grid = [[0.0] * num_devices for _ in ops]
+    for i, o in enumerate(ops):
+        for d in o["devices"]:
+            grid[i][d] = math.log2(1 + len(o["devices"]))
+    fig, ax = plt.subplots(figsize=(2 + 0.4 * num_devices, 1 + 0.18 * len(ops)))
+    ax.imshow(grid, aspect="auto", cmap="Blues", interpolation="nearest")
+    ax.set_yticks(range(len(ops)), [o["name"] for o in ops], fontsize=6)
+    ax.set_xticks(range(num_devices), [str(d) for d in range(num_devices)], fontsize=7)
+    ax.set_xlabel("device")
+    ax.set_title("op placement (darker: cut over more devices)")
+    fig.tight_layout()
+    tmp = f"{path}.tmp.png"
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    Path(tmp).replace(path)

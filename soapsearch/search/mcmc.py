@@ -1,0 +1,128 @@
+"""Metropolis–Hastings over strategies (FlexFlow, Jia et al. 2019, section 6).
+
+A proposal gives one random op one random valid config (of the same enumeration as everywhere:
+``strategies.config.enumerate_configs``); it is accepted with probability
+min(1, exp(−β · (cost(new) − cost(current)))) (Metropolis et al. 1953), cost in milliseconds.
+A plan that does not fit in device memory costs its time × (1 + 10 · overflow), overflow being
+the worst device's peak / capacity − 1, so chains can cross such plans but the best is always
+one that fits (when any does). A chain resets to the best plan every ``reset_every`` proposals,
+and stops early when the best has not improved for half its budget.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from simulator.result import SimResult
+from strategies.config import ParallelConfig, enumerate_configs
+from strategies.graph import OpGraph
+from strategies.strategy import Strategy
+
+__all__ = ["Budget", "ChainStats", "candidate_configs", "consider", "plan_cost", "run_chain"]
+
+OVERFLOW_PENALTY = 10.0
+
+
+def plan_cost(result: SimResult) -> float:
+    """Milliseconds, penalized when the plan does not fit (see the module docstring)."""
+    ms = result.iteration_ms
+    if result.fits:
+        return ms
+    overflow = max(p / c for p, c in zip(result.peak_memory_bytes, result.memory_capacity)) - 1
+    return ms * (1 + OVERFLOW_PENALTY * overflow)
+
+
+@dataclass
+class Budget:
+    """Stop after ``seconds`` or ``proposals`` (whichever comes first; None: no limit)."""
+
+    seconds: float | None = None
+    proposals: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.seconds is None and self.proposals is None:
+            raise ValueError("a search budget needs seconds or proposals (or both)")
+        for name in ("seconds", "proposals"):
+            v = getattr(self, name)
+            if v is not None and v <= 0:
+                raise ValueError(f"budget {name} = {v}: must be > 0")
+
+
+@dataclass
+class ChainStats:
+    proposals: int = 0
+    accepted: int = 0
+    best_cost: float = math.inf
+    best: Strategy | None = None
+    best_result: SimResult | None = None
+    history: list[tuple[float, int, float]] = field(default_factory=list)
+    """(seconds since the search started, proposals so far, best ms) at each improvement."""
+
+
+def candidate_configs(graph: OpGraph, num_devices: int, microbatches: int,
+                      node_size: int | None) -> dict[str, list[ParallelConfig]]:
+    """Every valid config of every op (computed once per search)."""
+    return {n.name: list(enumerate_configs(n, num_devices, microbatches, node_size)) for n in graph}
+
+
+def run_chain(init: Strategy, evaluate: Callable[[Strategy], SimResult],
+              candidates: dict[str, list[ParallelConfig]], budget: Budget, rng: random.Random,
+              beta: float | None = None, reset_every: int = 500, stats: ChainStats | None = None,
+              started: float | None = None, should_stop: Callable[[], bool] = lambda: False,
+              on_step: Callable[[ChainStats, float], None] | None = None) -> ChainStats:
+    """One chain from ``init``. ``beta`` (per ms) defaults to 20 / cost(init): a proposal 5 %
+    worse than the start is accepted with probability 1/e."""
+    stats = stats or ChainStats()
+    started = time.perf_counter() if started is None else started
+    t0 = time.perf_counter()
+    current = init
+    result = evaluate(current)
+    cur_cost = plan_cost(result)
+    beta = 20.0 / max(cur_cost, 1e-9) if beta is None else beta
+    consider(stats, current, result, cur_cost, started)
+    ops = [op for op, cfgs in candidates.items() if len(cfgs) > 1]
+    gain_n, gain_t, n = 0, 0.0, 0  # proposals and seconds at the last improvement
+    while ops and not should_stop():
+        elapsed = time.perf_counter() - t0
+        if budget.seconds is not None and (elapsed >= budget.seconds or elapsed - gain_t > budget.seconds / 2):
+            break
+        if budget.proposals is not None and (n >= budget.proposals or n - gain_n > budget.proposals / 2):
+            break
+        op = rng.choice(ops)
+        cfg = rng.choice(candidates[op])
+        n += 1
+        stats.proposals += 1
+        if cfg == current[op]:
+            continue
+        proposal = current.replace(op, cfg)
+        res = evaluate(proposal)
+        cost = plan_cost(res)
+        if cost <= cur_cost or rng.random() < math.exp(-beta * (cost - cur_cost)):
+            current, cur_cost = proposal, cost
+            stats.accepted += 1
+            if consider(stats, current, res, cost, started):
+                gain_n, gain_t = n, time.perf_counter() - t0
+        if reset_every and n % reset_every == 0 and stats.best is not None:
+            current, cur_cost = stats.best, stats.best_cost
+        if on_step:
+            on_step(stats, cur_cost)
+    return stats
+
+
+def consider(stats: ChainStats, plan: Strategy, result: SimResult, cost: float, started: float) -> bool:
+    """Record ``plan`` as the best if it is; fitting plans always beat ones that do not."""
+    best = stats.best_result
+    if best is None:
+        better = True
+    elif result.fits != best.fits:
+        better = result.fits
+    else:
+        better = cost < stats.best_cost
+    if better:
+        stats.best, stats.best_cost, stats.best_result = plan, cost, result
+        stats.history.append((time.perf_counter() - started, stats.proposals, result.iteration_ms))
+    return better

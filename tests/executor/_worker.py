@@ -1,0 +1,49 @@
+"""A gloo process group that runs many (model, plan) cases in one launch and saves what rank 0
+gathers (losses, full gradients, full state_dicts) for the parent to compare."""
+
+from __future__ import annotations
+
+import os
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from soapsearch.executor import Executor, TrainConfig, build_model
+from tests.executor.plans import make_plan
+
+STEPS = 2
+OPTIMIZERS = {"sgd": TrainConfig("sgd", lr=0.05, momentum=0.9), "adam": TrainConfig("adam", lr=0.01)}
+
+
+def run_cases(rank: int, world: int, port: int, cases: list[tuple[str, str]], out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    try:
+        for i, (model_name, plan) in enumerate(cases):
+            try:
+                built = build_model(model_name, "tiny", dtype="float64")
+                strategy = make_plan(built.graph, plan, world)
+                result = {}
+                for opt, cfg in OPTIMIZERS.items():
+                    cfg = TrainConfig(cfg.optimizer, lr=cfg.lr, momentum=cfg.momentum, timeout_s=60)
+                    ex = Executor(built.graph, strategy, built.model.state_dict(), built.inputs, cfg)
+                    losses, grads, states = [], [], []
+                    for s in range(STEPS):
+                        losses.append(ex.step(seed=s))
+                        grads.append(ex.gradients())
+                        states.append(ex.state_dict())
+                    result[opt] = {"losses": losses, "grads": grads, "states": states}
+                result["microbatches"] = strategy.microbatches
+            except Exception:
+                result = {"error": f"rank {rank}: {traceback.format_exc()}"}
+                if rank == 0 or True:
+                    torch.save(result, Path(out_dir) / f"{i}.rank{rank}.pt")
+                raise
+            if rank == 0:
+                torch.save(result, Path(out_dir) / f"{i}.pt")
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,74 @@
+"""Launch the parity worker for a batch of cases and compare each with the reference."""
+
+from __future__ import annotations
+
+import socket
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+from soapsearch.executor import TrainConfig, build_model
+from tests.executor import _worker
+from tests.executor.reference import reference_train
+
+RTOL, ATOL = 1e-5, 1e-8
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(cases: list[tuple[str, str]], world: int) -> dict[int, dict]:
+    """Run every case on ``world`` gloo processes in one launch; case index -> rank 0's result
+    (or {"error": ...})."""
+    with tempfile.TemporaryDirectory() as d:
+        failure = None
+        try:
+            mp.spawn(_worker.run_cases, args=(world, free_port(), cases, d), nprocs=world, join=True)
+        except Exception as e:  # a failed case stops the batch; later cases report it
+            failure = str(e)
+        out = {}
+        for i in range(len(cases)):
+            p = Path(d) / f"{i}.pt"
+            errs = sorted(Path(d).glob(f"{i}.rank*.pt"))
+            if errs:
+                out[i] = {"error": "\n".join(torch.load(e)["error"] for e in errs)}
+            elif p.exists():
+                out[i] = torch.load(p)
+            else:
+                out[i] = {"error": f"not run: the batch stopped earlier ({failure})"}
+        return out
+
+
+_REF: dict = {}
+
+
+def reference(model_name: str, opt: str, microbatches: int) -> dict:
+    key = (model_name, opt, microbatches)
+    if key not in _REF:
+        built = build_model(model_name, "tiny", dtype="float64")
+        cfg = _worker.OPTIMIZERS[opt]
+        _REF[key] = reference_train(built.model, built.inputs, built.graph, cfg, _worker.STEPS, microbatches)
+    return _REF[key]
+
+
+def compare(model_name: str, result: dict) -> None:
+    """Assert loss, gradients and state after each step equal the single-device reference."""
+    assert "error" not in result, result.get("error")
+    for opt in _worker.OPTIMIZERS:
+        ref, got = reference(model_name, opt, result["microbatches"]), result[opt]
+        for s in range(_worker.STEPS):
+            where = f"{opt} step {s + 1}"
+            torch.testing.assert_close(got["losses"][s], ref["losses"][s], rtol=RTOL, atol=ATOL,
+                                       msg=lambda m: f"{where} loss: {m}")
+            assert set(got["grads"][s]) == set(ref["grads"][s]), where
+            for k, g in ref["grads"][s].items():
+                torch.testing.assert_close(got["grads"][s][k], g, rtol=RTOL, atol=ATOL,
+                                           msg=lambda m: f"{where} grad {k}: {m}")
+            for k, v in ref["states"][s].items():
+                torch.testing.assert_close(got["states"][s][k], v, rtol=RTOL, atol=ATOL,
+                                           msg=lambda m: f"{where} state {k}: {m}")

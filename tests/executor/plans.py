@@ -1,0 +1,49 @@
+"""Plans the parity tests run: the baselines, a parameter split of the linears, a spatial
+(attribute) split of the convs, and seeded random plans from ``enumerate_configs``."""
+
+from __future__ import annotations
+
+import random
+
+from strategies.baselines import data_parallel, model_parallel, owt, pipeline
+from strategies.config import ParallelConfig, enumerate_configs
+from strategies.graph import OpGraph
+from strategies.rules import get_rule
+from strategies.strategy import Strategy
+
+
+def _cut(node, dim: int, n: int) -> ParallelConfig | None:
+    if not get_rule(node.kind).splittable(node)[dim] or node.shape[dim] % n:
+        return None
+    degrees = tuple(n if i == dim else 1 for i in range(len(node.dims)))
+    if get_rule(node.kind).check_degrees(node, degrees):
+        return None
+    return ParallelConfig(degrees, tuple(range(n)))
+
+
+def _with(graph: OpGraph, n: int, pick) -> Strategy:
+    base = data_parallel(graph, n)
+    return Strategy.of({node.name: pick(node) or base[node.name] for node in graph}, n)
+
+
+def make_plan(graph: OpGraph, name: str, n: int) -> Strategy:
+    """The plan ``name`` for ``graph`` on ``n`` devices (``random<seed>``, ``random_mb<seed>``:
+    a random config per op; the second with 2 GPipe micro-batches)."""
+    if name == "dp":
+        return data_parallel(graph, n)
+    if name == "mp":
+        return model_parallel(graph, n)
+    if name == "owt":
+        return owt(graph, n)
+    if name in ("gpipe", "1f1b"):
+        return pipeline(graph, n, 2, name)
+    if name == "param":  # every linear cut on out_features, the rest data parallel
+        return _with(graph, n, lambda node: _cut(node, len(node.dims) - 1, n) if node.kind == "linear" else None)
+    if name == "spatial":  # every conv cut on height (attribute), the rest data parallel
+        return _with(graph, n, lambda node: _cut(node, 2, n) if node.kind == "conv2d" else None)
+    if name.startswith("random"):
+        m = 2 if name.startswith("random_mb") else 1
+        rng = random.Random(int(name.rsplit("random_mb" if m == 2 else "random", 1)[1]))
+        configs = {node.name: rng.choice(list(enumerate_configs(node, n, microbatches=m))) for node in graph}
+        return Strategy.of(configs, n, m, "gpipe")
+    raise ValueError(f"unknown test plan {name!r}")

@@ -1,0 +1,60 @@
+"""The single-device truth the executor must equal: plain PyTorch training of the same model
+(torch.optim, autograd), with gradient accumulation over the plan's micro-batches, and the
+dropout masks the dropout rule draws (the only thing a split run cannot take from torch's
+global RNG)."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+import torch.fx as fx
+
+from soapsearch.executor.config import TrainConfig, make_optimizer
+from soapsearch.trace import _symbolic_trace
+from strategies.graph import OpGraph
+from strategies.lowering import partition_box_mb
+from strategies.rules import get_rule
+from strategies.rules.pointwise import set_dropout_seed
+
+
+class _Run(fx.Interpreter):
+    """Runs the traced model; dropout ops take the rule's mask for this micro-batch's rows."""
+
+    def __init__(self, gm: fx.GraphModule, graph: OpGraph, microbatch: int, microbatches: int):
+        super().__init__(gm)
+        self.graph, self.j, self.m = graph, microbatch, microbatches
+
+    def run_node(self, n: fx.Node) -> Any:
+        if n.name in self.graph and self.graph[n.name].kind == "dropout":
+            node = self.graph[n.name]
+            args, _ = self.fetch_args_kwargs_from_env(n)
+            box = partition_box_mb(node, (1,) * len(node.dims), 0, self.j, self.m)
+            return get_rule("dropout").forward(node, box, [args[0]], {})
+        return super().run_node(n)
+
+
+def reference_train(model: torch.nn.Module, inputs: Sequence[Any], graph: OpGraph, cfg: TrainConfig,
+                    steps: int, microbatches: int = 1) -> dict[str, list]:
+    """Per step: the loss, every parameter's gradient and the state_dict after the update."""
+    gm = _symbolic_trace(model)
+    opt = make_optimizer(model.parameters(), cfg)
+    out: dict[str, list] = {"losses": [], "grads": [], "states": []}
+    batch = inputs[0].shape[0]
+    span = batch // microbatches
+    for step in range(steps):
+        set_dropout_seed(step)
+        opt.zero_grad(set_to_none=True)
+        total = 0.0
+        for j in range(microbatches):
+            mb = [x[j * span:(j + 1) * span] if isinstance(x, torch.Tensor) and x.dim() > 0 else x
+                  for x in inputs]
+            loss = _Run(gm, graph, j, microbatches).run(*mb)
+            (loss / microbatches).backward()
+            total += loss.item() / microbatches
+        out["losses"].append(total)
+        out["grads"].append({k: p.grad.detach().clone() for k, p in model.named_parameters()
+                             if p.grad is not None})
+        opt.step()
+        out["states"].append({k: v.detach().clone() for k, v in model.state_dict().items()})
+    return out

@@ -1,0 +1,96 @@
+import itertools
+import json
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from simulator.presets import get_topology
+from simulator.simulate import simulate_plan
+from soapsearch import trace
+from soapsearch.cli import main
+from soapsearch.search import plan_cost, search
+from soapsearch.search.mcmc import candidate_configs
+from strategies import Strategy, baseline, load_strategy
+from tests.conftest import traced
+
+
+class Small(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(256, 512)
+
+    def forward(self, x, t):
+        return F.cross_entropy(self.fc(x), t)
+
+
+@pytest.fixture(scope="module")
+def small():
+    with torch.device("meta"):
+        model = Small()
+    x = torch.empty(64, 256, device="meta")
+    t = torch.empty(64, dtype=torch.long, device="meta")
+    return trace(model, (x, t))
+
+
+def test_finds_the_exhaustive_optimum_on_a_tiny_graph(small):
+    topo = get_topology("p100-1x2")
+    cands = candidate_configs(small, 2, 1, None)
+    sizes = [len(c) for c in cands.values()]
+    plans = [Strategy.of(dict(zip(cands, combo)), 2) for combo in itertools.product(*cands.values())]
+    assert len(plans) == sizes[0] * sizes[1] * sizes[2] * sizes[3] > 50
+    best = min(plan_cost(simulate_plan(small, p, topo)) for p in plans)
+    found = search(small, topology=topo, budget_s=None, proposals=3000, seed=1)
+    assert found.predicted_ms == pytest.approx(best, rel=1e-12)
+
+
+def test_same_seed_same_plan_and_never_worse_than_the_start(tmp_path):
+    g = traced("alexnet", "default")
+    runs = [search(g, topology="p100-1x4", budget_s=None, proposals=300, seed=7,
+                   init=("data_parallel", "owt")) for _ in range(2)]
+    assert runs[0].strategy == runs[1].strategy and runs[0].predicted_ms == runs[1].predicted_ms
+    best_so_far = [h[2] for h in runs[0].history]
+    assert best_so_far == sorted(best_so_far, reverse=True) and len(best_so_far) >= 2
+    best_init = min(runs[0].baselines["data_parallel"], runs[0].baselines["owt"])
+    assert runs[0].predicted_ms <= best_init
+    other = search(g, topology="p100-1x4", budget_s=None, proposals=300, seed=8,
+                   init=("data_parallel", "owt"))
+    assert other.predicted_ms <= best_init
+    path = tmp_path / "plan.json"
+    runs[0].save(path)
+    again = simulate_plan(g, load_strategy(path, g), get_topology("p100-1x4"))
+    assert again.iteration_ms == runs[0].predicted_ms
+    pred = json.loads(path.read_text())["predicted"]
+    assert pred["iteration_ms"] == runs[0].predicted_ms and set(pred["baselines"]) >= {"data_parallel", "owt"}
+
+
+def test_search_beats_data_parallel_where_tensor_parallel_wins():
+    g = traced("mlp", "default")  # 1.8 GiB of fully-connected weights: all-reduce dominates DP
+    r = search(g, topology="p100-1x4", budget_s=None, proposals=400, seed=0)
+    assert r.predicted_ms < 0.5 * r.baselines["data_parallel"]
+    assert r.result.fits
+
+
+def test_init_from_a_plan_file_and_bad_init(tmp_path):
+    g = traced("mlp")
+    from strategies import save_strategy
+    path = tmp_path / "start.json"
+    save_strategy(path, baseline("model_parallel", g, 2), g)
+    r = search(g, topology="p100-1x2", budget_s=None, proposals=50, init=(str(path),))
+    assert r.predicted_ms <= r.baselines["model_parallel"]
+    with pytest.raises(ValueError, match="init = 'nope'"):
+        search(g, topology="p100-1x2", budget_s=None, proposals=5, init=("nope",))
+
+
+def test_cli_search_json_and_show_plan(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert main(["search", "mlp", "--variant", "tiny", "--topology", "p100-1x2", "--budget", "30",
+                 "--proposals", "200", "--init", "data_parallel,owt", "-o", str(out), "--json"]) == 0
+    obj = json.loads(capsys.readouterr().out)
+    assert obj["plan"] == str(out) and obj["iteration_ms"] <= min(obj["baselines"].values())
+    plan = load_strategy(out, traced("mlp"))
+    assert plan.num_devices == 2
+    assert main(["show-plan", str(out)]) == 0
+    shown = capsys.readouterr().out
+    assert "layers_0" in shown and "@" in shown and "predicted" in shown
