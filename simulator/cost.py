@@ -101,7 +101,7 @@ class CostModel(abc.ABC):
     """Time of one op partition: ``op_time(node, box, device) -> (forward s, backward s)``.
 
     ``box`` is the partition's region in the op's dims (a loss: its per-sample dims). Results
-    are memoized in memory per (op, box, device kind) and per (op, box shape, input and weight
+    are memoized in memory per (op object, box, device kind) and per (op, box shape, input and weight
     region shapes, device kind), which is exact; subclasses implement ``_op_time``, called once
     per distinct shape key. An op is keyed by its name, kind, shape, input specs, weights and
     FLOPs, so one instance serves several graphs."""
@@ -109,13 +109,15 @@ class CostModel(abc.ABC):
     def __init__(self) -> None:
         self._by_box: dict[Any, tuple[float, float]] = {}
         self._by_shape: dict[Any, tuple[float, float]] = {}
+        self._nodes: dict[int, OpNode] = {}  # keeps every keyed node alive, so its id is unique
 
     def op_time(self, node: OpNode, box: Box, device: DeviceSpec) -> tuple[float, float]:
-        op = (node.name, node.kind, node.shape, node.input_specs, node.weights, node.flops)
-        exact = (op, box, device.kind)
+        exact = (id(node), box, device.kind)  # the hot path: one hash of small tuples
         hit = self._by_box.get(exact)
         if hit is not None:
             return hit
+        self._nodes.setdefault(id(node), node)
+        op = (node.name, node.kind, node.shape, node.input_specs, node.weights, node.flops)
         regions, weight_regions = partition_regions(node, box)
         key = (op, box_shape(box), tuple(None if r is None else box_shape(r) for r in regions),
                tuple(sorted((k, box_shape(r)) for k, r in weight_regions.items())), device.kind)

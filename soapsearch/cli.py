@@ -13,15 +13,14 @@ from soapsearch.models import ModelLoadError, load_model
 from soapsearch.search.cli import add_search_parsers
 from soapsearch.trace import TraceError, trace
 from strategies import BASELINES, OpGraph, PlanError, baseline, get_rule, save_strategy
+from strategies.config import ROLE_LETTER
 from strategies.rules import OPAQUE
 
 __all__ = ["main", "op_table", "graph_json"]
 
-_LETTER = {"sample": "S", "attribute": "A", "parameter": "P"}
-
 
 def _dims(node) -> str:
-    return "×".join(f"{_LETTER[d.role]}{d.size}" for d in node.dims) or "scalar"
+    return "×".join(f"{ROLE_LETTER[d.role]}{d.size}" for d in node.dims) or "scalar"
 
 
 def _weights(node) -> str:

@@ -11,10 +11,10 @@ from strategies.errors import PlanError
 from strategies.graph import Dim, OpNode
 from strategies.rules import get_rule
 
-__all__ = ["ParallelConfig", "validate_config", "enumerate_configs", "degree_grids",
+__all__ = ["ROLE_LETTER", "ParallelConfig", "validate_config", "enumerate_configs", "degree_grids",
            "device_blocks", "format_devices"]
 
-_LETTER = {"sample": "S", "attribute": "A", "parameter": "P"}
+ROLE_LETTER = {"sample": "S", "attribute": "A", "parameter": "P"}
 
 
 def format_devices(devices: Sequence[int]) -> str:
@@ -63,7 +63,7 @@ class ParallelConfig:
         cuts = []
         for i, d in enumerate(self.degrees):
             if d > 1:
-                cuts.append(f"{_LETTER[dims[i].role] if dims else 'd' + str(i) + '='}{d}")
+                cuts.append(f"{ROLE_LETTER[dims[i].role] if dims else 'd' + str(i) + '='}{d}")
         return f"{'·'.join(cuts)} @ {format_devices(self.devices)}".strip()
 
     def __str__(self) -> str:

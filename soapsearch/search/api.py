@@ -35,12 +35,13 @@ class Evaluator:
         self._cache: dict = {}
         self.calls = 0
 
-    def __call__(self, plan: Strategy) -> SimResult:
+    def __call__(self, plan: Strategy, summary: bool = False) -> SimResult:
+        """Iteration time and memory of ``plan`` (``summary``: also busy times, bytes moved)."""
         self.calls += 1
         if len(self._cache) > 200_000:
             self._cache.clear()
         return simulate_plan(self.graph, lower(self.graph, plan, self._cache), self.topology,
-                             self.cost, optimizer=self.optimizer)
+                             self.cost, optimizer=self.optimizer, summary=summary)
 
 
 @dataclass
@@ -73,7 +74,7 @@ class SearchResult:
                       predicted=predicted)
 
 
-def best_baselines(graph: OpGraph, num_devices: int, evaluate: Callable[[Strategy], SimResult]
+def best_baselines(graph: OpGraph, num_devices: int, evaluate: Evaluator
                    ) -> tuple[dict[str, Strategy], dict[str, SimResult]]:
     """Each baseline that is valid for this graph, simulated; ``pipeline`` is the best of
     GPipe and 1F1B over 2, 4 and 8 micro-batches."""
@@ -84,14 +85,14 @@ def best_baselines(graph: OpGraph, num_devices: int, evaluate: Callable[[Strateg
             plans[name] = baseline(name, graph, num_devices)
         except PlanError:
             continue
-        results[name] = evaluate(plans[name])
+        results[name] = evaluate(plans[name], summary=True)
     for m in PIPELINE_MICROBATCHES:
         for schedule in ("gpipe", "1f1b"):
             try:
                 plan = baseline("pipeline", graph, num_devices, m).with_microbatches(m, schedule)
             except PlanError:
                 continue
-            res = evaluate(plan)
+            res = evaluate(plan, summary=True)
             if "pipeline" not in results or res.iteration_time < results["pipeline"].iteration_time:
                 plans["pipeline"], results["pipeline"] = plan, res
     return plans, results
@@ -151,8 +152,9 @@ def search(model: torch.nn.Module | OpGraph, example_inputs: Sequence[Any] | Non
     except KeyboardInterrupt:
         interrupted = True
     if stats.best is None:  # interrupted before the first chain scored its start
-        stats.best, stats.best_result = inits[0], evaluate(inits[0])
-    return SearchResult(stats.best, stats.best_result, graph, topo,
+        stats.best = inits[0]
+    best = evaluate(stats.best, summary=True)  # chains score without busy times / bytes moved
+    return SearchResult(stats.best, best, graph, topo,
                         {k: r.iteration_ms for k, r in results.items()}, plans, results,
                         stats.history, stats.proposals, stats.accepted,
                         time.perf_counter() - started, interrupted)

@@ -12,8 +12,6 @@ from strategies.config import format_devices
 
 __all__ = ["add_search_parsers"]
 
-_LETTER = {"sample": "S", "attribute": "A", "parameter": "P"}
-
 
 def add_search_parsers(sub, model_args, graph_of) -> None:
     sp = sub.add_parser("search", help="search a plan (MCMC scored by the simulator)")

@@ -1,0 +1,267 @@
+"""study_search(): an optuna outer loop over the global knobs one per-op MCMC chain cannot move.
+
+Each trial picks the number of devices used, micro-batches, pipeline schedule, the MCMC β (as a
+factor of the default 20 / cost(init)) and the initial plan, runs one short chain from it
+(``mcmc.run_chain``) and reports the best plan's cost (``plan_cost``: ms, penalized when the plan
+does not fit). The sampler is TPE (Bergstra, Bardenet, Bengio, Kégl, "Algorithms for
+Hyper-Parameter Optimization", NeurIPS 2011). The expert baselines are the first trials.
+Every trial stores its plan (strategy JSON v1) as a user attribute, so a study kept in a
+storage resumes with its best plan.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import optuna
+
+from simulator.cost import CostModel, get_cost_model
+from simulator.presets import get_topology
+from simulator.result import SimResult
+from simulator.topology import Topology
+from soapsearch.search.api import Evaluator, best_baselines
+from soapsearch.search.mcmc import Budget, ChainStats, candidate_configs, plan_cost, run_chain
+from strategies import OpGraph, PlanError, Strategy, load_strategy, save_strategy
+from strategies.baselines import data_parallel, model_parallel, owt, pipeline
+from strategies.serialize import strategy_to_json
+
+__all__ = ["StudyResult", "TrialRecord", "study_search", "open_storage"]
+
+INITS = ("data_parallel", "owt", "model_parallel", "pipeline", "random")
+MICROBATCHES = (1, 2, 4, 8)
+SCHEDULES = ("gpipe", "1f1b")
+BETA_SCALE = (0.1, 10.0)
+"""β is drawn log-uniform in this range times the default 20 / cost(init) (mcmc.run_chain)."""
+DEFAULT_TRIAL_PROPOSALS = 200
+
+
+@dataclass(frozen=True)
+class TrialRecord:
+    number: int
+    params: dict[str, Any]
+    value: float | None
+    """plan_cost of the trial's best plan (ms; penalized when it does not fit); None if pruned."""
+    iteration_ms: float | None
+    proposals: int
+    baseline: str | None
+    """The expert plan this trial started from when it was one of the enqueued first trials."""
+
+
+@dataclass
+class StudyResult:
+    strategy: Strategy
+    result: SimResult
+    graph: OpGraph = field(repr=False)
+    topology: Topology = field(repr=False)
+    baselines: dict[str, float] = field(default_factory=dict)
+    """Simulated ms of data parallel, model parallel, OWT and the best pipeline (all devices)."""
+    baseline_results: dict[str, SimResult] = field(default_factory=dict, repr=False)
+    trials: list[TrialRecord] = field(default_factory=list)
+    study: optuna.Study | None = field(default=None, repr=False)
+    proposals: int = 0
+    """MCMC proposals made by this call's trials."""
+    elapsed_s: float = 0.0
+
+    @property
+    def predicted_ms(self) -> float:
+        return self.result.iteration_ms
+
+    @property
+    def best_params(self) -> dict[str, Any]:
+        return dict(self.study.best_params) if self.study is not None else {}
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Strategy JSON v1 with the predictions, as ``SearchResult.save``."""
+        predicted = {"iteration_ms": self.predicted_ms,
+                     "peak_memory_bytes": list(self.result.peak_memory_bytes),
+                     "fits": self.result.fits, "baselines": dict(self.baselines)}
+        save_strategy(path, self.strategy, self.graph, topology=self.topology.name,
+                      predicted=predicted)
+
+
+def open_storage(storage: Any) -> Any:
+    """None, an optuna storage, an RDB URL (``sqlite:///study.db``) or a journal file path
+    ending ``.log``/``.jsonl``; anything else is a ValueError naming it."""
+    if storage is None or isinstance(storage, optuna.storages.BaseStorage):
+        return storage
+    text = os.fspath(storage) if isinstance(storage, (str, os.PathLike)) else None
+    if text is None:
+        raise ValueError(f"storage {storage!r}: expected an 'sqlite:///path.db' URL, a journal "
+                         "path ending .log or .jsonl, or an optuna storage")
+    if "://" in text:
+        return text
+    if text.endswith((".log", ".jsonl")):
+        try:
+            from optuna.storages.journal import JournalFileBackend as backend
+        except ImportError:  # optuna < 4.0
+            from optuna.storages import JournalFileStorage as backend
+        try:
+            return optuna.storages.JournalStorage(backend(text))
+        except Exception as e:  # noqa: BLE001 (an unwritable path, a bad lock)
+            raise ValueError(f"storage {text!r}: cannot open the journal file: {e}") from e
+    raise ValueError(f"storage {text!r}: expected an 'sqlite:///path.db' URL or a journal path "
+                     "ending .log or .jsonl")
+
+
+def _device_choices(topo: Topology, given: Sequence[int] | None) -> list[int]:
+    if given:
+        bad = [n for n in given if not 1 <= n <= topo.num_devices]
+        if bad:
+            raise ValueError(f"num_devices_choices {bad}: each must be in 1..{topo.num_devices} "
+                             f"(the devices of {topo.name!r})")
+        return sorted(set(given))
+    out = [1 << k for k in range(topo.num_devices.bit_length()) if 1 << k <= topo.num_devices]
+    return out if out[-1] == topo.num_devices else out + [topo.num_devices]
+
+
+class _Trials:
+    """The objective: shared evaluators, baselines and candidate configs per device count."""
+
+    def __init__(self, graph: OpGraph, topo: Topology, cost: CostModel, seed: int,
+                 budget: tuple[float | None, int | None], deadline: float | None):
+        self.graph, self.topo, self.cost, self.seed = graph, topo, cost, seed
+        self.budget, self.deadline = budget, deadline
+        self._evaluators: dict[int, Evaluator] = {}
+        self._candidates: dict[tuple[int, int], dict] = {}
+        self.plans: dict[int, Strategy] = {}  # trial number -> its best plan (this process)
+        self.proposals = 0
+
+    def evaluator(self, n: int) -> Evaluator:
+        if n not in self._evaluators:
+            self._evaluators[n] = Evaluator(self.graph, self.topo, self.cost)
+        return self._evaluators[n]
+
+    def candidates(self, n: int, m: int) -> dict:
+        if (n, m) not in self._candidates:
+            node = self.topo.node_size if self.topo.node_size and self.topo.node_size < n else None
+            self._candidates[n, m] = candidate_configs(self.graph, n, m, node)
+        return self._candidates[n, m]
+
+    def initial(self, init: str, n: int, m: int, schedule: str, rng: random.Random) -> Strategy:
+        g = self.graph
+        if init == "random":
+            return Strategy.of({op: rng.choice(c) for op, c in self.candidates(n, m).items()},
+                               n, m, schedule)
+        if init == "pipeline":
+            return pipeline(g, n, m, schedule)
+        plan = {"data_parallel": data_parallel, "owt": owt, "model_parallel": model_parallel}[init](g, n)
+        return plan.with_microbatches(m, schedule)
+
+    def __call__(self, trial: optuna.Trial) -> float:
+        n = trial.suggest_categorical("num_devices", self.device_choices)
+        m = trial.suggest_categorical("microbatches", self.microbatch_choices)
+        schedule = trial.suggest_categorical("schedule", list(SCHEDULES))
+        init = trial.suggest_categorical("init", list(INITS))
+        scale = trial.suggest_float("beta_scale", *BETA_SCALE, log=True)
+        rng = random.Random(self.seed * 1_000_003 + trial.number)
+        try:
+            start = self.initial(init, n, m, schedule, rng)
+            start.validate(self.graph)
+        except PlanError as e:
+            raise optuna.TrialPruned(f"no {init} plan with {n} devices, {m} micro-batches: {e}")
+        evaluate = self.evaluator(n)
+        beta = scale * 20.0 / max(plan_cost(evaluate(start)), 1e-9)
+        seconds, proposals = self.budget
+        if self.deadline is not None:
+            left = self.deadline - time.perf_counter()
+            if left <= 0:
+                trial.study.stop()
+                raise optuna.TrialPruned("the study's time budget is spent")
+            seconds = left if seconds is None else min(seconds, left)
+        stats = run_chain(start, evaluate, self.candidates(n, m), Budget(seconds, proposals),
+                          rng, beta, stats=ChainStats())
+        self.proposals += stats.proposals
+        self.plans[trial.number] = stats.best
+        trial.set_user_attr("iteration_ms", stats.best_result.iteration_ms)
+        trial.set_user_attr("proposals", stats.proposals)
+        trial.set_user_attr("plan", strategy_to_json(stats.best, self.graph, topology=self.topo.name))
+        return stats.best_cost
+
+
+def study_search(graph: OpGraph, *, topology: Topology | str, budget_s: float | None = None,
+                 trials: int | None = None, trial_budget_s: float | None = None,
+                 trial_proposals: int | None = None, storage: Any = None,
+                 study_name: str | None = None, seed: int = 0,
+                 cost_model: CostModel | str = "analytical",
+                 num_devices_choices: Sequence[int] | None = None,
+                 verbose: bool = False) -> StudyResult:
+    """Run (or resume, with ``storage`` and ``study_name``) a TPE study of short MCMC chains;
+    stop after ``trials`` new trials or ``budget_s`` seconds, whichever comes first. Each trial
+    gets ``trial_budget_s`` seconds and/or ``trial_proposals`` proposals (default: an even share
+    of ``budget_s`` over ``trials``, else 200 proposals). Deterministic for a seed when no time
+    limit binds."""
+    if budget_s is None and trials is None:
+        raise ValueError("study_search needs budget_s or trials (or both)")
+    topo = get_topology(topology) if isinstance(topology, (str, os.PathLike)) else topology
+    cost = get_cost_model(cost_model) if isinstance(cost_model, str) else cost_model
+    if trial_budget_s is None and trial_proposals is None:
+        if budget_s is not None and trials:
+            trial_budget_s = budget_s / trials
+        elif budget_s is not None:
+            trial_budget_s = budget_s / 10
+        else:
+            trial_proposals = DEFAULT_TRIAL_PROPOSALS
+    started = time.perf_counter()
+    deadline = started + budget_s if budget_s is not None else None
+    objective = _Trials(graph, topo, cost, seed, (trial_budget_s, trial_proposals), deadline)
+    objective.device_choices = _device_choices(topo, num_devices_choices)
+    batch = graph.batch_size
+    objective.microbatch_choices = [m for m in MICROBATCHES if not batch or batch % m == 0]
+    full = topo.num_devices if num_devices_choices is None else max(objective.device_choices)
+    plans, results = best_baselines(graph, full, objective.evaluator(full))
+
+    log = optuna.logging.get_verbosity()
+    if not verbose:
+        optuna.logging.set_verbosity(logging.WARNING)
+    try:
+        try:
+            study = optuna.create_study(
+                storage=open_storage(storage), study_name=study_name, direction="minimize",
+                sampler=optuna.samplers.TPESampler(seed=seed), load_if_exists=True)
+        except Exception as e:  # noqa: BLE001 (optuna raises many kinds for a bad URL)
+            raise ValueError(f"storage {storage!r}: cannot open the study: {e}") from e
+        _check_same_problem(study, graph, topo)
+        if not study.trials:  # a fresh study: the experts go first
+            for name, plan in plans.items():
+                study.enqueue_trial({"num_devices": full, "microbatches": plan.microbatches,
+                                     "schedule": plan.schedule, "init": name, "beta_scale": 1.0},
+                                    user_attrs={"baseline": name})
+        done = len(study.trials)
+        study.optimize(objective, n_trials=trials, timeout=budget_s, gc_after_trial=False)
+    finally:
+        optuna.logging.set_verbosity(log)
+    return _result(study, objective, graph, topo, results, done, started)
+
+
+def _check_same_problem(study: optuna.Study, graph: OpGraph, topo: Topology) -> None:
+    attrs = study.user_attrs
+    mine = {"fingerprint": graph.fingerprint(), "topology": topo.name}
+    if not attrs:
+        for k, v in mine.items():
+            study.set_user_attr(k, v)
+        return
+    for k, v in mine.items():
+        if attrs.get(k) != v:
+            raise ValueError(f"study {study.study_name!r}: {k} is {attrs.get(k)!r} in the storage, "
+                             f"{v!r} here; resume a study only for the same model and topology")
+
+
+def _result(study: optuna.Study, objective: _Trials, graph: OpGraph, topo: Topology,
+            results: dict[str, SimResult], done_before: int, started: float) -> StudyResult:
+    complete = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+    if not complete:
+        raise RuntimeError(f"study {study.study_name!r} has no complete trial")
+    best = min(complete, key=lambda t: (t.value, t.number))
+    plan = objective.plans.get(best.number) or load_strategy(best.user_attrs["plan"], graph)
+    result = objective.evaluator(plan.num_devices)(plan)
+    records = [TrialRecord(t.number, dict(t.params), t.value, t.user_attrs.get("iteration_ms"),
+                           t.user_attrs.get("proposals", 0), t.user_attrs.get("baseline"))
+               for t in study.trials]
+    return StudyResult(plan, result, graph, topo, {k: r.iteration_ms for k, r in results.items()},
+                       results, records, study, objective.proposals,
+                       time.perf_counter() - started)
