@@ -6,7 +6,7 @@ from __future__ import annotations
 from strategies.graph import DTYPE_BYTES
 from strategies.lowering import Lowered
 from strategies.region import box_numel
-from strategies.schedule import warmup
+from strategies.schedule import warmups
 
 __all__ = ["peak_memory", "OPTIMIZER_STATE"]
 
@@ -36,5 +36,6 @@ def peak_memory(lowered: Lowered, optimizer: str = "sgd") -> list[int]:
         if t.microbatch == 0 and not t.local:
             act[t.dst_device] += t.nbytes
     # a device holds the activations of the micro-batches it has warmed up (schedule.py)
-    return [mem[d] + warmup(lowered, d) * act[d] for d in range(n)]
+    ws = warmups(lowered)
+    return [mem[d] + ws.get(d, 0) * act[d] for d in range(n)]
 

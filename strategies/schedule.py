@@ -6,11 +6,13 @@ A device's *step* for micro-batch j is every partition it computes for j, in the
 topological order (forward) or its reverse (backward).
 
 - GPipe (Huang et al. 2019): F0 F1 … F(m−1), then B0 B1 … B(m−1).
-- 1F1B (PipeDream-flush, Narayanan et al. 2021): w = min(m, S − s) warm-up forwards, then
-  alternate one backward and one forward, then the remaining backwards; S is the number of
-  pipeline stages (runs of consecutive ops on one device set) and s the device's stage. When a
-  device serves two stages that are not adjacent (an interleaved placement) no such w is safe
-  for every device, so those plans fall back to GPipe's order (w = m) on every device.
+- 1F1B (PipeDream-flush, Narayanan et al. 2021): w warm-up forwards, then alternate one
+  backward and one forward, then the remaining backwards. For a plain pipeline of S stages the
+  device of stage s warms up w = min(m, S − s). For any plan: devices that exchange data in
+  both directions (a split op across them, an interleaved placement, a shared reduction) are
+  one group and share one w; the groups form a DAG along the forward data flow, and a group's w
+  is min(m, 1 + the longest path from it to a sink). So w strictly falls along every edge and
+  is equal inside a group, which keeps the fixed orders deadlock-free.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import NamedTuple
 
 from strategies.lowering import Lowered
 
-__all__ = ["Step", "device_order", "stages", "warmup"]
+__all__ = ["Step", "device_order", "stages", "warmup", "warmups"]
 
 
 class Step(NamedTuple):
@@ -39,22 +41,74 @@ def stages(lowered: Lowered) -> list[tuple[int, ...]]:
     return out
 
 
+def warmups(lowered: Lowered) -> dict[int, int]:
+    """Device -> forwards it runs before its first backward (see the module docstring)."""
+    m = lowered.strategy.microbatches
+    devices = sorted({p.device for per_mb in lowered.partitions.values() for p in per_mb[0]})
+    if lowered.strategy.schedule == "gpipe" or m == 1:
+        return {d: m for d in devices}
+    succ: dict[int, set[int]] = {d: set() for d in devices}
+    for t in lowered.transfers:
+        if t.src_device != t.dst_device:
+            succ[t.src_device].add(t.dst_device)
+    for g in lowered.reductions:  # a collective couples its devices both ways
+        for a, b in zip(g.devices, g.devices[1:] + g.devices[:1]):
+            succ[a].add(b)
+    group = _components(devices, succ)
+    down: dict[int, set[int]] = {}
+    for a in devices:
+        for b in succ[a]:
+            if group[a] != group[b]:
+                down.setdefault(group[a], set()).add(group[b])
+    depth: dict[int, int] = {}
+
+    def longest(c: int) -> int:
+        if c not in depth:
+            depth[c] = 1 + max((longest(x) for x in down.get(c, ())), default=-1)
+        return depth[c]
+
+    return {d: max(1, min(m, 1 + longest(group[d]))) for d in devices}
+
+
 def warmup(lowered: Lowered, device: int) -> int:
     """Forwards ``device`` runs before its first backward."""
-    m = lowered.strategy.microbatches
-    if lowered.strategy.schedule == "gpipe" or m == 1:
-        return m
-    runs = stages(lowered)
-    first: dict[int, int] = {}
-    last: dict[int, int] = {}
-    for s, devices in enumerate(runs):
-        for d in devices:
-            first.setdefault(d, s)
-            last[d] = s
-    members = [{d for d in devs} for devs in runs]
-    if any(any(d not in members[s] for s in range(first[d], last[d] + 1)) for d in first):
-        return m  # a device in two stages that are not adjacent: GPipe's order is the safe one
-    return max(1, min(m, len(runs) - first.get(device, 0)))
+    return warmups(lowered).get(device, lowered.strategy.microbatches)
+
+
+def _components(nodes: list[int], succ: dict[int, set[int]]) -> dict[int, int]:
+    """Strongly connected components (Kosaraju): node -> component id."""
+    order: list[int] = []
+    seen: set[int] = set()
+    for root in nodes:
+        if root in seen:
+            continue
+        seen.add(root)
+        stack = [(root, iter(sorted(succ[root])))]
+        while stack:
+            node, it = stack[-1]
+            nxt = next((x for x in it if x not in seen), None)
+            if nxt is None:
+                stack.pop()
+                order.append(node)
+            else:
+                seen.add(nxt)
+                stack.append((nxt, iter(sorted(succ[nxt]))))
+    pred: dict[int, set[int]] = {n: set() for n in nodes}
+    for a in nodes:
+        for b in succ[a]:
+            pred[b].add(a)
+    comp: dict[int, int] = {}
+    for root in reversed(order):
+        if root in comp:
+            continue
+        comp[root] = root
+        todo = [root]
+        while todo:
+            for x in pred[todo.pop()]:
+                if x not in comp:
+                    comp[x] = root
+                    todo.append(x)
+    return comp
 
 
 def device_order(lowered: Lowered) -> dict[int, list[Step]]:
@@ -67,8 +121,9 @@ def device_order(lowered: Lowered) -> dict[int, list[Step]]:
                 fwd.setdefault(p.device, [[] for _ in range(m)])[j].append(
                     Step(False, node.name, p.index, j))
     order: dict[int, list[Step]] = {}
+    ws = warmups(lowered)
     for device, per_mb in sorted(fwd.items()):
-        w = warmup(lowered, device)
+        w = ws[device]
         bwd = [[Step(True, s.op, s.index, s.microbatch) for s in reversed(steps)] for steps in per_mb]
         seq: list[Step] = []
         for j in range(w):

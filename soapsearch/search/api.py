@@ -22,7 +22,7 @@ from soapsearch.trace import trace
 from strategies import (OpGraph, PlanError, Strategy, baseline, load_strategy, save_strategy)
 from strategies.lowering import lower
 
-__all__ = ["SearchResult", "search", "best_baselines", "Evaluator"]
+__all__ = ["SearchResult", "search", "best_baselines", "Evaluator", "save_found"]
 
 PIPELINE_MICROBATCHES = (2, 4, 8)
 
@@ -67,11 +67,16 @@ class SearchResult:
 
     def save(self, path: str | os.PathLike) -> None:
         """Strategy JSON v1 with the predictions (iteration ms, peak memory, baselines)."""
-        predicted = {"iteration_ms": self.predicted_ms,
-                     "peak_memory_bytes": list(self.result.peak_memory_bytes),
-                     "fits": self.result.fits, "baselines": dict(self.baselines)}
-        save_strategy(path, self.strategy, self.graph, topology=self.topology.name,
-                      predicted=predicted)
+        save_found(path, self)
+
+
+def save_found(path: str | os.PathLike, found: Any) -> None:
+    """Write a search's (or a study's) plan as strategy JSON v1 with its predictions."""
+    predicted = {"iteration_ms": found.result.iteration_ms,
+                 "peak_memory_bytes": list(found.result.peak_memory_bytes),
+                 "fits": found.result.fits, "baselines": dict(found.baselines)}
+    save_strategy(path, found.strategy, found.graph, topology=found.topology.name,
+                  predicted=predicted)
 
 
 def best_baselines(graph: OpGraph, num_devices: int, evaluate: Evaluator

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from soapsearch.search.api import SearchResult, search
+from soapsearch.search.study import study_search
 from strategies.config import format_devices
 
 __all__ = ["add_search_parsers"]
@@ -27,6 +28,14 @@ def add_search_parsers(sub, model_args, graph_of) -> None:
     sp.add_argument("--schedule", default="gpipe", choices=["gpipe", "1f1b"])
     sp.add_argument("--devices", type=int, default=None, help="use only the first N devices")
     sp.add_argument("-o", "--output", default="plan.json", help="where to write the plan")
+    sp.add_argument("--optuna", action="store_true",
+                    help="an optuna study over micro-batches, schedule, beta, initial plan and "
+                         "device count, each trial a short MCMC chain")
+    sp.add_argument("--trials", type=int, default=None, help="with --optuna: stop after N trials")
+    sp.add_argument("--study", default=None,
+                    help="optuna storage to resume from (sqlite:///x.db or a .log journal file); "
+                         "implies --optuna")
+    sp.add_argument("--study-name", default=None, help="name of the study in --study")
     sp.set_defaults(fn=lambda args: _cmd_search(args, graph_of))
     show = sub.add_parser("show-plan", help="print a plan: per op its degrees and devices")
     show.add_argument("plan")
@@ -48,10 +57,18 @@ def _cmd_search(args, graph_of) -> int:
             bar.set_postfix(best_ms=f"{stats.best_result.iteration_ms:.3f}",
                             accept=f"{stats.accepted / max(1, stats.proposals):.2f}", refresh=False)
 
-    result = search(graph, topology=args.topology, budget_s=args.budget, proposals=args.proposals,
-                    cost_model=args.cost_model, init=tuple(args.init.split(",")), seed=args.seed,
-                    microbatches=args.microbatches, schedule=args.schedule,
-                    num_devices=args.devices, on_step=on_step)
+    if args.optuna or args.study:
+        result = study_search(graph, topology=args.topology, budget_s=args.budget,
+                              trials=args.trials, trial_proposals=args.proposals,
+                              storage=args.study, study_name=args.study_name, seed=args.seed,
+                              cost_model=args.cost_model)
+        result.interrupted = False
+    else:
+        result = search(graph, topology=args.topology, budget_s=args.budget,
+                        proposals=args.proposals, cost_model=args.cost_model,
+                        init=tuple(args.init.split(",")), seed=args.seed,
+                        microbatches=args.microbatches, schedule=args.schedule,
+                        num_devices=args.devices, on_step=on_step)
     if bar is not None:
         bar.close()
     result.save(args.output)

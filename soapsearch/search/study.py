@@ -12,11 +12,13 @@ storage resumes with its best plan.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import random
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import optuna
 
@@ -24,13 +26,19 @@ from simulator.cost import CostModel, get_cost_model
 from simulator.presets import get_topology
 from simulator.result import SimResult
 from simulator.topology import Topology
-from soapsearch.search.api import Evaluator, best_baselines
-from soapsearch.search.mcmc import Budget, ChainStats, candidate_configs, plan_cost, run_chain
-from strategies import OpGraph, PlanError, Strategy, load_strategy, save_strategy
+from soapsearch.search.api import Evaluator, best_baselines, save_found
+from soapsearch.search.mcmc import (
+    Budget,
+    ChainStats,
+    candidate_configs,
+    plan_cost,
+    run_chain,
+)
+from strategies import OpGraph, PlanError, Strategy, load_strategy
 from strategies.baselines import data_parallel, model_parallel, owt, pipeline
 from strategies.serialize import strategy_to_json
 
-__all__ = ["StudyResult", "TrialRecord", "study_search", "open_storage"]
+__all__ = ["StudyResult", "TrialRecord", "open_storage", "study_search"]
 
 INITS = ("data_parallel", "owt", "model_parallel", "pipeline", "random")
 MICROBATCHES = (1, 2, 4, 8)
@@ -38,6 +46,7 @@ SCHEDULES = ("gpipe", "1f1b")
 BETA_SCALE = (0.1, 10.0)
 """β is drawn log-uniform in this range times the default 20 / cost(init) (mcmc.run_chain)."""
 DEFAULT_TRIAL_PROPOSALS = 200
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -77,11 +86,7 @@ class StudyResult:
 
     def save(self, path: str | os.PathLike) -> None:
         """Strategy JSON v1 with the predictions, as ``SearchResult.save``."""
-        predicted = {"iteration_ms": self.predicted_ms,
-                     "peak_memory_bytes": list(self.result.peak_memory_bytes),
-                     "fits": self.result.fits, "baselines": dict(self.baselines)}
-        save_strategy(path, self.strategy, self.graph, topology=self.topology.name,
-                      predicted=predicted)
+        save_found(path, self)
 
 
 def open_storage(storage: Any) -> Any:
@@ -102,7 +107,7 @@ def open_storage(storage: Any) -> Any:
             from optuna.storages import JournalFileStorage as backend
         try:
             return optuna.storages.JournalStorage(backend(text))
-        except Exception as e:  # noqa: BLE001 (an unwritable path, a bad lock)
+        except Exception as e:
             raise ValueError(f"storage {text!r}: cannot open the journal file: {e}") from e
     raise ValueError(f"storage {text!r}: expected an 'sqlite:///path.db' URL or a journal path "
                      "ending .log or .jsonl")
@@ -120,12 +125,15 @@ def _device_choices(topo: Topology, given: Sequence[int] | None) -> list[int]:
 
 
 class _Trials:
-    """The objective: shared evaluators, baselines and candidate configs per device count."""
+    """The objective, with an Evaluator per device count and candidate configs per (devices,
+    micro-batches) shared by all trials (so unchanged ops' lowerings are reused across trials)."""
 
     def __init__(self, graph: OpGraph, topo: Topology, cost: CostModel, seed: int,
-                 budget: tuple[float | None, int | None], deadline: float | None):
+                 budget: tuple[float | None, int | None], deadline: float | None,
+                 device_choices: list[int], microbatch_choices: list[int]):
         self.graph, self.topo, self.cost, self.seed = graph, topo, cost, seed
         self.budget, self.deadline = budget, deadline
+        self.device_choices, self.microbatch_choices = device_choices, microbatch_choices
         self._evaluators: dict[int, Evaluator] = {}
         self._candidates: dict[tuple[int, int], dict] = {}
         self.plans: dict[int, Strategy] = {}  # trial number -> its best plan (this process)
@@ -173,8 +181,16 @@ class _Trials:
                 trial.study.stop()
                 raise optuna.TrialPruned("the study's time budget is spent")
             seconds = left if seconds is None else min(seconds, left)
-        stats = run_chain(start, evaluate, self.candidates(n, m), Budget(seconds, proposals),
-                          rng, beta, stats=ChainStats())
+        stats = ChainStats()
+        try:
+            run_chain(start, evaluate, self.candidates(n, m), Budget(seconds, proposals), rng,
+                      beta, stats=stats)
+        except RuntimeError as e:  # a simulator error ends this chain, not the study
+            log.warning("trial %d: chain stopped after %d proposals: %s", trial.number,
+                        stats.proposals, str(e)[:200])
+            trial.set_user_attr("error", str(e)[:500])
+            if stats.best is None:
+                return math.nan  # optuna fails the trial
         self.proposals += stats.proposals
         self.plans[trial.number] = stats.best
         trial.set_user_attr("iteration_ms", stats.best_result.iteration_ms)
@@ -208,14 +224,14 @@ def study_search(graph: OpGraph, *, topology: Topology | str, budget_s: float | 
             trial_proposals = DEFAULT_TRIAL_PROPOSALS
     started = time.perf_counter()
     deadline = started + budget_s if budget_s is not None else None
-    objective = _Trials(graph, topo, cost, seed, (trial_budget_s, trial_proposals), deadline)
-    objective.device_choices = _device_choices(topo, num_devices_choices)
     batch = graph.batch_size
-    objective.microbatch_choices = [m for m in MICROBATCHES if not batch or batch % m == 0]
+    objective = _Trials(graph, topo, cost, seed, (trial_budget_s, trial_proposals), deadline,
+                        _device_choices(topo, num_devices_choices),
+                        [m for m in MICROBATCHES if not batch or batch % m == 0])
     full = topo.num_devices if num_devices_choices is None else max(objective.device_choices)
     plans, results = best_baselines(graph, full, objective.evaluator(full))
 
-    log = optuna.logging.get_verbosity()
+    verbosity = optuna.logging.get_verbosity()
     if not verbose:
         optuna.logging.set_verbosity(logging.WARNING)
     try:
@@ -223,7 +239,7 @@ def study_search(graph: OpGraph, *, topology: Topology | str, budget_s: float | 
             study = optuna.create_study(
                 storage=open_storage(storage), study_name=study_name, direction="minimize",
                 sampler=optuna.samplers.TPESampler(seed=seed), load_if_exists=True)
-        except Exception as e:  # noqa: BLE001 (optuna raises many kinds for a bad URL)
+        except Exception as e:
             raise ValueError(f"storage {storage!r}: cannot open the study: {e}") from e
         _check_same_problem(study, graph, topo)
         if not study.trials:  # a fresh study: the experts go first
@@ -234,7 +250,7 @@ def study_search(graph: OpGraph, *, topology: Topology | str, budget_s: float | 
         done = len(study.trials)
         study.optimize(objective, n_trials=trials, timeout=budget_s, gc_after_trial=False)
     finally:
-        optuna.logging.set_verbosity(log)
+        optuna.logging.set_verbosity(verbosity)
     return _result(study, objective, graph, topo, results, done, started)
 
 

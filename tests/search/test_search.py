@@ -94,3 +94,15 @@ def test_cli_search_json_and_show_plan(tmp_path, capsys):
     assert main(["show-plan", str(out)]) == 0
     shown = capsys.readouterr().out
     assert "layers_0" in shown and "@" in shown and "predicted" in shown
+
+
+def test_cli_optuna_study_resumes_from_its_storage(tmp_path, capsys):
+    store = tmp_path / "study.log"
+    args = ["search", "mlp", "--variant", "tiny", "--topology", "p100-1x2", "--budget", "60",
+            "--proposals", "40", "--study", str(store), "--json"]
+    first, second = [], []
+    for out, trials in ((first, "5"), (second, "9")):
+        assert main(args + ["--trials", trials, "-o", str(tmp_path / f"p{trials}.json")]) == 0
+        out.append(json.loads(capsys.readouterr().out))
+    assert store.exists()
+    assert second[0]["iteration_ms"] <= first[0]["iteration_ms"] <= min(first[0]["baselines"].values())
