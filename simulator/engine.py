@@ -48,6 +48,6 @@ def run_events(tg: TaskGraph) -> tuple[list[float], list[float]]:
             if remaining[u] == 0:
                 push(heap, (ready[u], u))
     if done != n:
-        stuck = [tg.name[t] for t in range(n) if remaining[t] > 0][:3]
+        stuck = [tg.label(t) for t in range(n) if remaining[t] > 0][:3]
         raise RuntimeError(f"task graph has a cycle: {n - done} tasks never became ready, e.g. {stuck}")
     return start, end

@@ -80,7 +80,7 @@ def summarize(tg: TaskGraph, topology: Topology, start: list[float], end: list[f
             moved[kind] = moved.get(kind, 0) + tg.nbytes[t]
         if keep_timeline and res:
             lane = "compute" if not links else names[links[0]]
-            timeline.append((tg.name[t], tg.device[t], lane, start[t], end[t], CATEGORY[tg.category[t]]))
+            timeline.append((tg.label(t), tg.device[t], lane, start[t], end[t], CATEGORY[tg.category[t]]))
     return SimResult(max(end, default=0.0), tuple(busy[:len(peak)]), tuple(peak),
                      tuple(d.memory_bytes for d in topology.devices[:len(peak)]),
                      moved, len(tg), tuple(timeline))

@@ -10,6 +10,7 @@ pass); one optimizer update per device.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from simulator.comm import allreduce_time, ring_links, transfer_time
 from simulator.cost import CostModel
@@ -34,7 +35,9 @@ class TaskGraph:
 
     num_devices: int
     num_links: int
-    name: list[str] = field(default_factory=list)
+    name: list[Any] = field(default_factory=list)
+    """A label per task: a string, or a tuple formatted by ``label`` only when shown (traces,
+    errors), which keeps building the graph cheap."""
     category: list[int] = field(default_factory=list)
     duration: list[float] = field(default_factory=list)
     resources: list[tuple[int, ...]] = field(default_factory=list)
@@ -56,6 +59,13 @@ class TaskGraph:
         self.succs.append([])
         self.ndeps.append(0)
         return len(self.name) - 1
+
+    def label(self, t: int) -> str:
+        name = self.name[t]
+        if isinstance(name, str):
+            return name
+        what, op, index, mb = name
+        return f"{what} {op}[{index}]@mb{mb}"
 
     def edge(self, a: int, b: int) -> None:
         self.succs[a].append(b)
@@ -79,15 +89,26 @@ def build_tasks(lowered: Lowered, topology: Topology, cost: CostModel, optimizer
     tg = TaskGraph(n, len(topology.links))
     fwd: dict[tuple[str, int, int], int] = {}
     bwd: dict[tuple[str, int, int], int] = {}
-    for node in graph:
+    devices = topology.devices
+    names, cats, durs, res, devs, nbytes, succs, ndeps = (
+        tg.name, tg.category, tg.duration, tg.resources, tg.device, tg.nbytes, tg.succs, tg.ndeps)
+    for node in graph:  # the hot loop: inlined appends, labels formatted only when shown
+        op_time = cost.op_time
         for parts in lowered.partitions[node.name]:
             for p in parts:
-                f_s, b_s = cost.op_time(node, p.box, topology.devices[p.device])
+                f_s, b_s = op_time(node, p.box, devices[p.device])
                 key = (node.name, p.index, p.microbatch)
-                tag = f"{node.name}[{p.index}]@mb{p.microbatch}"
-                fwd[key] = tg.add(f"fwd {tag}", FORWARD, f_s, (p.device,), p.device)
-                bwd[key] = tg.add(f"bwd {tag}", BACKWARD, b_s, (p.device,), p.device)
-                tg.edge(fwd[key], bwd[key])
+                t = len(durs)
+                fwd[key], bwd[key] = t, t + 1
+                d = p.device
+                names += (("fwd",) + key, ("bwd",) + key)
+                cats += (FORWARD, BACKWARD)
+                durs += (f_s, b_s)
+                res += ((d,), (d,))
+                devs += (d, d)
+                nbytes += (0, 0)
+                succs += ([t + 1], [])
+                ndeps += (0, 1)
     # A partition's output is final once its reductions are done: consumers wait on those.
     fwd_done, bwd_done = dict(fwd), dict(bwd)
     for g in lowered.reductions:

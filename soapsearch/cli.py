@@ -1,5 +1,5 @@
 """The ``soapsearch`` command: ``zoo``, ``show``, ``plan``, ``simulate``, ``search``,
-``show-plan`` and ``topology show``."""
+``show-plan``, ``run`` and ``topology show``."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from typing import Sequence
 
 from soapsearch import zoo
 from soapsearch.models import ModelLoadError, load_model
+from soapsearch.executor.cli import add_run_parser
 from soapsearch.search.cli import add_search_parsers
 from soapsearch.trace import TraceError, trace
 from strategies import BASELINES, OpGraph, PlanError, baseline, get_rule, save_strategy
@@ -183,6 +184,7 @@ def _parser() -> argparse.ArgumentParser:
     sim.add_argument("--trace", default=None, help="write the timeline as a Chrome trace JSON")
     sim.set_defaults(fn=_cmd_simulate)
     add_search_parsers(sub, model_args, _graph)
+    add_run_parser(sub)
     topo = sub.add_parser("topology", help="topology tools")
     tsub = topo.add_subparsers(dest="action", required=True)
     tshow = tsub.add_parser("show", help="print a topology: preset name or JSON file")

@@ -34,8 +34,10 @@ def check_runnable(lowered: Lowered, world_size: int) -> None:
             f"the model must return one scalar loss; its outputs are {list(graph.outputs)} "
             f"with shapes {[list(graph[o].output.shape) for o in graph.outputs]}")
     if strategy.microbatches > 1:
+        cache: dict[int, int] = {}
         for red in lowered.reductions:
-            w = {d: warmup(lowered, d) for d in red.devices}
+            w = {d: cache.setdefault(d, warmup(lowered, d)) if d not in cache else cache[d]
+                 for d in red.devices}
             if len(set(w.values())) > 1:
                 raise ExecutorError(
                     f"op {red.op!r}: its {red.name} reduction spans devices {list(red.devices)} "

@@ -56,22 +56,31 @@ class LocalWeights:
         return [t for _, t in sorted(self.tensors.items()) if t.requires_grad]
 
     def sync_grads(self, groups: ProcessGroups) -> None:
-        """Sum each replicated trainable shard's gradient over its devices, in the lowering's
-        shard order on every rank (one global order of collectives: no cycle can wait)."""
+        """Sum each replicated trainable shard's gradient over its devices: one flat bucket
+        per (device set, dtype), as DDP buckets its gradients, reduced in sorted order of the
+        device sets on every rank (one global order of collectives: no cycle can wait)."""
         for t in self.parameters():
             if t.grad is None:
                 t.grad = torch.zeros_like(t)
-        pending = []
+        buckets: dict[tuple, list] = {}
         for s in self.mine:
             if not s.trainable or len(s.devices) < 2:
                 continue
             grad = self.tensors[s.name].grad
             sl = slice_box(shift_box(s.region, self.origin[s.name]))
-            buf = grad[sl].contiguous()
-            pending.append((dist.all_reduce(buf, group=groups.get(s.devices), async_op=True), grad, sl, buf))
-        for work, grad, sl, buf in pending:
+            buckets.setdefault((s.devices, str(grad.dtype)), []).append((grad, sl))
+        pending = []
+        for key in sorted(buckets):
+            items = buckets[key]
+            flat = torch.cat([g[sl].reshape(-1) for g, sl in items])
+            pending.append((dist.all_reduce(flat, group=groups.get(key[0]), async_op=True), flat, items))
+        for work, flat, items in pending:
             work.wait()
-            grad[sl].copy_(buf)
+            offset = 0
+            for g, sl in items:
+                n = g[sl].numel()
+                g[sl].copy_(flat[offset:offset + n].view_as(g[sl]))
+                offset += n
 
     def gather(self, grads: bool = False) -> dict[str, torch.Tensor] | None:
         """Every weight as a full tensor on rank 0 (None elsewhere): each shard is written by

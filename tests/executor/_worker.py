@@ -15,21 +15,21 @@ from soapsearch.executor import Executor, TrainConfig, build_model
 from tests.executor.plans import make_plan
 
 STEPS = 2
-OPTIMIZERS = {"sgd": TrainConfig("sgd", lr=0.05, momentum=0.9), "adam": TrainConfig("adam", lr=0.01)}
+OPTIMIZERS = {"sgd": TrainConfig("sgd", lr=0.05, momentum=0.9, timeout_s=60),
+              "adam": TrainConfig("adam", lr=0.01, timeout_s=60)}
 
 
-def run_cases(rank: int, world: int, port: int, cases: list[tuple[str, str]], out_dir: str) -> None:
+def run_cases(rank: int, world: int, port: int, cases: list[tuple], out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
     try:
-        for i, (model_name, plan) in enumerate(cases):
+        for i, (model_name, plan, *batch) in enumerate(cases):
             try:
-                built = build_model(model_name, "tiny", dtype="float64")
+                built = build_model(model_name, "tiny", batch_size=(batch or [None])[0], dtype="float64")
                 strategy = make_plan(built.graph, plan, world)
                 result = {}
                 for opt, cfg in OPTIMIZERS.items():
-                    cfg = TrainConfig(cfg.optimizer, lr=cfg.lr, momentum=cfg.momentum, timeout_s=60)
                     ex = Executor(built.graph, strategy, built.model.state_dict(), built.inputs, cfg)
                     losses, grads, states = [], [], []
                     for s in range(STEPS):
@@ -40,8 +40,7 @@ def run_cases(rank: int, world: int, port: int, cases: list[tuple[str, str]], ou
                 result["microbatches"] = strategy.microbatches
             except Exception:
                 result = {"error": f"rank {rank}: {traceback.format_exc()}"}
-                if rank == 0 or True:
-                    torch.save(result, Path(out_dir) / f"{i}.rank{rank}.pt")
+                torch.save(result, Path(out_dir) / f"{i}.rank{rank}.pt")
                 raise
             if rank == 0:
                 torch.save(result, Path(out_dir) / f"{i}.pt")

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-from soapsearch.executor import TrainConfig, build_model
+from soapsearch.executor import build_model
 from tests.executor import _worker
 from tests.executor.reference import reference_train
 
@@ -22,7 +22,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(cases: list[tuple[str, str]], world: int) -> dict[int, dict]:
+def launch(cases: list[tuple], world: int) -> dict[int, dict]:
     """Run every case on ``world`` gloo processes in one launch; case index -> rank 0's result
     (or {"error": ...})."""
     with tempfile.TemporaryDirectory() as d:
@@ -47,20 +47,20 @@ def launch(cases: list[tuple[str, str]], world: int) -> dict[int, dict]:
 _REF: dict = {}
 
 
-def reference(model_name: str, opt: str, microbatches: int) -> dict:
-    key = (model_name, opt, microbatches)
+def reference(model_name: str, opt: str, microbatches: int, batch_size: int | None = None) -> dict:
+    key = (model_name, opt, microbatches, batch_size)
     if key not in _REF:
-        built = build_model(model_name, "tiny", dtype="float64")
+        built = build_model(model_name, "tiny", batch_size=batch_size, dtype="float64")
         cfg = _worker.OPTIMIZERS[opt]
         _REF[key] = reference_train(built.model, built.inputs, built.graph, cfg, _worker.STEPS, microbatches)
     return _REF[key]
 
 
-def compare(model_name: str, result: dict) -> None:
+def compare(model_name: str, result: dict, batch_size: int | None = None) -> None:
     """Assert loss, gradients and state after each step equal the single-device reference."""
     assert "error" not in result, result.get("error")
     for opt in _worker.OPTIMIZERS:
-        ref, got = reference(model_name, opt, result["microbatches"]), result[opt]
+        ref, got = reference(model_name, opt, result["microbatches"], batch_size), result[opt]
         for s in range(_worker.STEPS):
             where = f"{opt} step {s + 1}"
             torch.testing.assert_close(got["losses"][s], ref["losses"][s], rtol=RTOL, atol=ATOL,

@@ -5,6 +5,8 @@ global RNG)."""
 
 from __future__ import annotations
 
+import contextvars
+
 from typing import Any, Sequence
 
 import torch
@@ -23,11 +25,11 @@ class _Run(fx.Interpreter):
 
     def __init__(self, gm: fx.GraphModule, graph: OpGraph, microbatch: int, microbatches: int):
         super().__init__(gm)
-        self.graph, self.j, self.m = graph, microbatch, microbatches
+        self.ops, self.j, self.m = graph, microbatch, microbatches
 
     def run_node(self, n: fx.Node) -> Any:
-        if n.name in self.graph and self.graph[n.name].kind == "dropout":
-            node = self.graph[n.name]
+        if n.name in self.ops and self.ops[n.name].kind == "dropout":
+            node = self.ops[n.name]
             args, _ = self.fetch_args_kwargs_from_env(n)
             box = partition_box_mb(node, (1,) * len(node.dims), 0, self.j, self.m)
             return get_rule("dropout").forward(node, box, [args[0]], {})
@@ -36,7 +38,13 @@ class _Run(fx.Interpreter):
 
 def reference_train(model: torch.nn.Module, inputs: Sequence[Any], graph: OpGraph, cfg: TrainConfig,
                     steps: int, microbatches: int = 1) -> dict[str, list]:
-    """Per step: the loss, every parameter's gradient and the state_dict after the update."""
+    """Per step: the loss, every parameter's gradient and the state_dict after the update. Runs
+    in a copy of the caller's context, so the dropout seed it sets does not leak into it."""
+    return contextvars.copy_context().run(_train, model, inputs, graph, cfg, steps, microbatches)
+
+
+def _train(model: torch.nn.Module, inputs: Sequence[Any], graph: OpGraph, cfg: TrainConfig,
+           steps: int, microbatches: int) -> dict[str, list]:
     gm = _symbolic_trace(model)
     opt = make_optimizer(model.parameters(), cfg)
     out: dict[str, list] = {"losses": [], "grads": [], "states": []}

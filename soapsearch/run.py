@@ -1,0 +1,141 @@
+"""Per-rank entry point of the executor, for torchrun (single node or many):
+
+    torchrun --standalone --nproc-per-node 4 -m soapsearch.run plan.json --model alexnet --steps 10
+
+Reads RANK / WORLD_SIZE / LOCAL_RANK as every torchrun program does (rank = device of the
+plan), builds the model with the same seed on every rank, checks the plan against it (the
+fingerprint, the world size, runnable ops) before any work, then trains: rank 0 prints each
+step's loss and iteration time; ``--save`` writes the full state_dict atomically from rank 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from soapsearch.executor import OPTIMIZERS, Executor, ExecutorError, TrainConfig, build_model, check_runnable
+from strategies.errors import PlanError
+from strategies.lowering import lower
+from strategies.serialize import read_plan
+
+__all__ = ["add_arguments", "to_argv", "main"]
+
+_DEFAULTS = TrainConfig()
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of a run (shared by ``python -m soapsearch.run`` and ``soapsearch run``)."""
+    p.add_argument("plan", help="strategy JSON (soapsearch plan / search)")
+    p.add_argument("--model", required=True, help="zoo name, path/to/file.py:factory or package.module:factory")
+    p.add_argument("--variant", default="default", help="zoo variant (default, tiny)")
+    p.add_argument("--batch-size", type=int, default=None, help="global batch (must match the plan)")
+    p.add_argument("--steps", type=int, default=10, help="training iterations")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default=_DEFAULTS.optimizer)
+    p.add_argument("--lr", type=float, default=_DEFAULTS.lr)
+    p.add_argument("--momentum", type=float, default=_DEFAULTS.momentum, help="SGD momentum")
+    p.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
+    p.add_argument("--dtype", choices=("float32", "float64", "bfloat16", "float16"), default=None,
+                   help="cast the model's floating weights and inputs (default: as built)")
+    p.add_argument("--seed", type=int, default=0, help="weights, batch and dropout seed (same on every rank)")
+    p.add_argument("--timeout", type=float, default=_DEFAULTS.timeout_s,
+                   help="seconds any receive or collective may wait before the run fails")
+    p.add_argument("--save", default=None, help="write the trained state_dict here (rank 0, atomically)")
+    p.add_argument("--trace", default=None,
+                   help="Chrome trace of each rank's steps: out.json -> out.rank<R>.json")
+
+
+def to_argv(args: argparse.Namespace) -> list[str]:
+    """``args`` (parsed by ``add_arguments``) back into the flags of ``soapsearch.run``."""
+    out = [str(args.plan), "--model", args.model]
+    for flag in ("variant", "batch_size", "steps", "optimizer", "lr", "momentum", "backend", "dtype",
+                 "seed", "timeout", "save", "trace"):
+        v = getattr(args, flag)
+        if v is not None:
+            out += [f"--{flag.replace('_', '-')}", str(v)]
+    return out
+
+
+def _save(path: str, state: dict) -> None:
+    """torch.save to a temporary file beside ``path``, then rename it over ``path``."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        torch.save(state, tmp)
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _single_process_env() -> None:
+    """Without torchrun: a world of one on this machine."""
+    if "MASTER_ADDR" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m soapsearch.run", description=__doc__.split("\n\n")[0])
+    add_arguments(p)
+    args = p.parse_args(argv)
+    rank = int(os.environ.get("RANK", 0))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    try:
+        built = build_model(args.model, args.variant, args.batch_size, args.seed, args.dtype)
+        strategy = read_plan(args.plan, built.graph).strategy
+        check_runnable(lower(built.graph, strategy), world)
+        config = TrainConfig(args.optimizer, lr=args.lr, momentum=args.momentum, timeout_s=args.timeout)
+    except (PlanError, ExecutorError, ValueError) as e:
+        print(f"soapsearch run (rank {rank}): {e}", file=sys.stderr)
+        return 2
+    if world == 1:
+        _single_process_env()
+    device = torch.device(f"cuda:{local_rank}") if args.backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(args.backend, rank=rank, world_size=world,
+                            timeout=timedelta(seconds=args.timeout))
+    try:
+        ex = Executor(built.graph, strategy, built.model.state_dict(), built.inputs, config, device)
+        for step in range(args.steps):
+            t0 = time.perf_counter()
+            loss = ex.step(seed=args.seed * 1_000_003 + step)
+            ms = (time.perf_counter() - t0) * 1e3
+            if rank == 0:
+                print(f"step {step + 1}/{args.steps}  loss {loss:.6f}  time {ms:.1f} ms", flush=True)
+        if args.save:
+            state = ex.state_dict()
+            if rank == 0:
+                _save(args.save, state)
+                print(f"saved {len(state)} tensors to {args.save}", flush=True)
+        if args.trace:
+            out = Path(args.trace)
+            out = out.with_name(f"{out.stem}.rank{rank}{out.suffix or '.json'}")
+            t0 = min((e["ts"] for e in ex.events), default=0.0)
+            events = [dict(e, ts=e["ts"] - t0) for e in ex.events]
+            out.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
+    except ExecutorError as e:
+        print(f"soapsearch run: {e}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

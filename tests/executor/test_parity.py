@@ -1,0 +1,53 @@
+"""The executor's truth test (DESIGN.md "Executor"): after each of two steps with SGD (momentum)
+and with Adam, the loss, every weight's gradient (gathered to a full tensor) and the whole
+state_dict (weights, batchnorm running statistics) equal plain single-device PyTorch training
+of the same model, float64, rtol 1e-5. Every case of one world size runs in one launch."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.executor.harness import compare, launch
+
+pytestmark = pytest.mark.distributed
+
+CASES_2 = [
+    ("mlp", "dp"), ("mlp", "mp"), ("mlp", "owt"), ("mlp", "gpipe"), ("mlp", "1f1b"), ("mlp", "param"),
+    ("mlp", "random1"), ("mlp", "random_mb2"),
+    ("gpt", "dp"), ("gpt", "mp"), ("gpt", "owt"), ("gpt", "1f1b"), ("gpt", "param"), ("gpt", "random3"),
+    ("alexnet", "dp"), ("alexnet", "mp"), ("alexnet", "owt"), ("alexnet", "spatial"), ("alexnet", "random6"),
+    # batch 8: with 2 samples per micro-batch a 1x1 batchnorm's gradient is pure rounding noise
+    ("resnet101", "dp"), ("resnet101", "spatial"), ("resnet101", "gpipe", 8), ("resnet101", "1f1b", 8),
+    ("resnet101", "random5"),
+    ("rnnlm", "dp"), ("rnnlm", "mp"), ("rnnlm", "1f1b"), ("rnnlm", "random4"),
+]
+CASES_4 = [
+    ("mlp", "dp"), ("mlp", "random11"), ("gpt", "owt"), ("gpt", "random12"), ("alexnet", "owt"),
+    ("alexnet", "spatial"), ("resnet101", "dp"), ("rnnlm", "gpipe"),
+]
+
+
+def _id(case) -> str:
+    return "-".join(map(str, case))
+
+
+@pytest.fixture(scope="module")
+def results2():
+    return launch(CASES_2, 2)
+
+
+@pytest.fixture(scope="module")
+def results4():
+    return launch(CASES_4, 4)
+
+
+@pytest.mark.parametrize("i", range(len(CASES_2)), ids=[_id(c) for c in CASES_2])
+def test_parity_2_processes(results2, i):
+    model, _, *batch = CASES_2[i]
+    compare(model, results2[i], *batch)
+
+
+@pytest.mark.parametrize("i", range(len(CASES_4)), ids=[_id(c) for c in CASES_4])
+def test_parity_4_processes(results4, i):
+    model, _, *batch = CASES_4[i]
+    compare(model, results4[i], *batch)
