@@ -1,0 +1,98 @@
+"""Tensor parallelism: a plan that cuts every linear of an MLP on its parameter dim
+(out_features; the OWT baseline, whose ReLUs follow the cut) run by soapsearch's executor vs the
+same layout through torch.distributed.tensor.parallel.parallelize_module (ColwiseParallel on
+each linear, outputs gathered to Replicate so the next linear reads the whole input, as the
+plan's next linear does). 2 gloo processes, SGD, median of the measured steps. Prints a table;
+asserts nothing.
+
+    OMP_NUM_THREADS=1 python benchmarks/executor_vs_dtensor.py [--widths 256,1024] [--batch-size 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+from soapsearch import trace, zoo
+from soapsearch.executor import Executor, TrainConfig, make_optimizer
+from strategies import owt
+
+
+def _mlp(width: int, batch: int):
+    return zoo.build("mlp", "tiny", batch_size=batch, in_features=width, hidden=(width,) * 3,
+                     num_classes=width)
+
+
+def _timed(step, steps: int) -> float:
+    times = []
+    for s in range(steps + 2):
+        t0 = time.perf_counter()
+        step(s)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[2:]) * 1e3
+
+
+def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    mesh = init_device_mesh("cpu", (world,))
+    rows = []
+    for width in (int(w) for w in args.widths.split(",")):
+        model, inputs = _mlp(width, args.batch_size)
+        graph = trace(model, inputs, name=f"mlp{width}")
+        ex = Executor(graph, owt(graph, world), model.state_dict(), tuple(inputs), TrainConfig("sgd"))
+        ours = _timed(lambda s: ex.step(seed=s), args.steps)
+        model, inputs = _mlp(width, args.batch_size)
+        plan = {name: ColwiseParallel(output_layouts=Replicate())
+                for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+        tp = parallelize_module(model, mesh, plan)
+        opt = make_optimizer(tp.parameters(), TrainConfig("sgd"))
+
+        def step(_):
+            opt.zero_grad()
+            tp(*inputs).backward()
+            opt.step()
+
+        theirs = _timed(step, args.steps)
+        rows.append((width, ours, theirs))
+    if rank == 0:
+        torch.save(rows, Path(out) / "rows.pt")
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--widths", default="256,1024")
+    ap.add_argument("--batch-size", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=10)
+    args = ap.parse_args()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(_worker, args=(2, port, args, d), nprocs=2, join=True)
+        rows = torch.load(Path(d) / "rows.pt")
+    print(f"every linear cut on out_features, 2 gloo processes, MLP 4 linears, batch "
+          f"{args.batch_size}, median of {args.steps} steps")
+    print(f"{'width':>6s} {'executor ms':>12s} {'DTensor ms':>11s} {'ratio':>7s}")
+    for width, ours, theirs in rows:
+        print(f"{width:6d} {ours:12.1f} {theirs:11.1f} {ours / theirs:7.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,128 @@
+"""Simulator accuracy on this machine: predicted vs measured iteration time of many plans.
+
+    python benchmarks/simulator_accuracy.py --nproc 2 [--nproc 4] [--models mlp,gpt,rnntc]
+        [--topology calibrated.json] [--cost-model analytical|profiled] [--steps 5]
+
+Calibrates ``calibrated-cpu-N`` (unless --topology), then per model writes data parallel, model
+parallel, OWT, GPipe and 1F1B pipelines (2 micro-batches), a parameter split (every linear cut
+on out_features) and a plan searched with 200 proposals on the calibrated topology; runs each
+for real (median of --steps after 2 warm-up steps) and simulates it. Prints a table, the median
+and max |relative error| and Spearman's rank correlation. Asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from simulator.cost import get_cost_model  # noqa: E402
+from simulator.simulate import simulate_plan  # noqa: E402
+from simulator.topology import Topology  # noqa: E402
+from soapsearch.calibrate import calibrate, run_plans, spearman  # noqa: E402
+from soapsearch.executor import build_model  # noqa: E402
+from strategies import ParallelConfig, Strategy, baseline, save_strategy  # noqa: E402
+from strategies.lowering import lower  # noqa: E402
+from strategies.rules import get_rule  # noqa: E402
+
+
+def param_split(graph, n: int) -> Strategy:
+    """Every linear cut n ways on its last (parameter) dim, every other op whole on device 0."""
+    configs = {}
+    for node in graph:
+        dim, degrees = len(node.dims) - 1, None
+        if node.kind == "linear" and get_rule(node.kind).splittable(node)[dim] and node.shape[dim] % n == 0:
+            degrees = tuple(n if i == dim else 1 for i in range(len(node.dims)))
+            if get_rule(node.kind).check_degrees(node, degrees):
+                degrees = None
+        configs[node.name] = (ParallelConfig(degrees, tuple(range(n))) if degrees
+                              else ParallelConfig((1,) * len(node.dims), (0,)))
+    return Strategy.of(configs, n)
+
+
+def plans_for(graph, n: int, topo: Topology, cost) -> dict[str, Strategy]:
+    from soapsearch.search import search
+
+    makers = {
+        "data_parallel": lambda: baseline("data_parallel", graph, n),
+        "model_parallel": lambda: baseline("model_parallel", graph, n),
+        "owt": lambda: baseline("owt", graph, n),
+        "pipeline_gpipe_m2": lambda: baseline("pipeline", graph, n, microbatches=2),
+        "pipeline_1f1b_m2": lambda: baseline("pipeline", graph, n, microbatches=2).with_microbatches(2, "1f1b"),
+        "param_split": lambda: param_split(graph, n),
+        "searched": lambda: search(graph, topology=topo, budget_s=None, proposals=200, cost_model=cost,
+                                   init=("data_parallel", "owt"), seed=0).strategy,
+    }
+    out = {}
+    for name, make in makers.items():
+        try:
+            out[name] = make()
+        except Exception as e:  # noqa: BLE001 - a plan this model cannot take is reported, not fatal
+            print(f"  skip {name}: {type(e).__name__}: {e}")
+    return out
+
+
+def bench(n: int, models: list[str], topo: Topology, cost_name: str, steps: int, d: Path) -> list[tuple]:
+    cost = get_cost_model(cost_name)
+    rows = []
+    for model in models:
+        graph = build_model(model, "tiny", seed=0).graph
+        plans = plans_for(graph, n, topo, cost)
+        paths = []
+        for name, plan in plans.items():
+            paths.append(d / f"{model}-{n}-{name}.json")
+            save_strategy(paths[-1], plan, graph, topology=topo.name)
+        measured = run_plans(paths, model, n, variant="tiny", steps=steps, warmup=2)
+        for (name, plan), m in zip(plans.items(), measured):
+            low = lower(graph, plan)
+            sim = simulate_plan(graph, low, topo, cost)
+            tasks = max(sum(1 for per_mb in low.partitions.values() for ps in per_mb for p in ps if p.device == r)
+                        for r in range(n))
+            remote = sum(1 for t in low.transfers if not t.local)
+            rows.append((n, model, name, sim.iteration_ms, m.iteration_ms, max(sim.busy_time) * 1e3,
+                         max(m.busy_ms), max(m.wait_ms), tasks, remote))
+    return rows
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--nproc", type=int, action="append", help="process counts (default 2)")
+    p.add_argument("--models", default="mlp,gpt,rnntc")
+    p.add_argument("--topology", default=None, help="a calibrated topology JSON (one --nproc only)")
+    p.add_argument("--cost-model", choices=("analytical", "profiled"), default="analytical")
+    p.add_argument("--steps", type=int, default=5)
+    args = p.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        d = Path(tmp)
+        for n in args.nproc or [2]:
+            topo = Topology.load(args.topology) if args.topology else calibrate(n, out=d / f"cal{n}.json")
+            dev, link = topo.devices[0], topo.links[0] if topo.links else None
+            print(f"topology {topo.name}: kind {dev.kind}, {dev.peak_flops['float32'] / 1e9:.1f} GFLOP/s, "
+                  f"{dev.memory_bandwidth / 1e9:.1f} GB/s"
+                  + (f", link {link.latency * 1e6:.0f} µs + 1/{link.bandwidth / 1e9:.2f} GB/s" if link else ""))
+            rows += bench(n, args.models.split(","), topo, args.cost_model, args.steps, d)
+    head = ("N", "model", "plan", "pred ms", "meas ms", "error", "pred busy", "meas busy", "meas wait",
+            "tasks/dev", "remote xfers")
+    print("\n" + " | ".join(head))
+    print(" | ".join("---" for _ in head))
+    for n, model, name, pred, meas, pb, mb, mw, tasks, remote in rows:
+        print(f"{n} | {model} | {name} | {pred:.2f} | {meas:.2f} | {(pred - meas) / meas:+.1%} | {pb:.2f} | "
+              f"{mb:.2f} | {mw:.2f} | {tasks} | {remote}")
+    errs = [abs(r[3] - r[4]) / r[4] for r in rows]
+    print(f"\n{len(rows)} plans: median |error| {statistics.median(errs):.1%}, max |error| {max(errs):.1%}, "
+          f"Spearman rank correlation (predicted vs measured ms) {spearman([r[3] for r in rows], [r[4] for r in rows]):.3f}")
+    for n in sorted({r[0] for r in rows}):
+        sub = [r for r in rows if r[0] == n]
+        per_task = statistics.median((r[6] - r[5]) / r[8] * 1e3 for r in sub)
+        print(f"  N={n}: Spearman {spearman([r[3] for r in sub], [r[4] for r in sub]):.3f}; "
+              f"median unmodelled busy per task (meas - pred busy) / tasks = {per_task:.0f} µs")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
