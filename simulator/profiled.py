@@ -12,7 +12,6 @@ import json
 import logging
 import os
 import statistics
-import tempfile
 import time
 import warnings
 import weakref
@@ -32,6 +31,7 @@ from simulator.cost import (
 from simulator.devices import DeviceSpec
 from strategies.graph import OpNode
 from strategies.region import Box, box_shape
+from strategies.serialize import atomic_open
 from strategies.rules import OPAQUE, get_rule, no_reduce
 
 __all__ = [
@@ -185,18 +185,12 @@ class _Store:
         if not self.dirty:
             return
         merged = {**self._read(warn=False), **self.entries}
-        tmp = None
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=".profile-", suffix=".json", dir=self.path.parent)
-            with os.fdopen(fd, "w") as f:
+            with atomic_open(self.path) as f:
                 json.dump({"format": CACHE_FORMAT, "version": 1, "entries": merged}, f,
                           indent=0, sort_keys=True)
-            os.replace(tmp, self.path)
         except OSError as e:  # an unwritable cache costs re-measuring later, not the search
             log.warning("cannot write the profile cache %s: %s", self.path, e)
-            if tmp is not None:
-                Path(tmp).unlink(missing_ok=True)
             return
         self.entries, self.dirty, self.saved_at = merged, False, time.monotonic()
 

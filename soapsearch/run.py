@@ -15,7 +15,6 @@ import json
 import os
 import socket
 import sys
-import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -27,7 +26,7 @@ import torch.distributed as dist
 from soapsearch.executor import OPTIMIZERS, Executor, ExecutorError, TrainConfig, build_model, check_runnable
 from strategies.errors import PlanError
 from strategies.lowering import lower
-from strategies.serialize import read_plan
+from strategies.serialize import atomic_open, read_plan
 
 __all__ = ["add_arguments", "to_argv", "main"]
 
@@ -67,17 +66,9 @@ def to_argv(args: argparse.Namespace) -> list[str]:
 
 
 def _save(path: str, state: dict) -> None:
-    """torch.save to a temporary file beside ``path``, then rename it over ``path``."""
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        torch.save(state, tmp)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """torch.save, atomically (a temporary file beside ``path`` renamed over it)."""
+    with atomic_open(path, "wb") as f:
+        torch.save(state, f)
 
 
 def _single_process_env() -> None:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import IO, Any, Iterator, Mapping
 
 from strategies.config import ParallelConfig
 from strategies.errors import PlanError
@@ -15,7 +16,7 @@ from strategies.graph import OpGraph
 from strategies.strategy import Strategy
 
 __all__ = ["FORMAT", "VERSION", "PlanFile", "strategy_to_json", "save_strategy", "load_strategy",
-           "read_plan", "atomic_write_text"]
+           "read_plan", "atomic_open", "atomic_write_text"]
 
 FORMAT = "soapsearch.strategy"
 VERSION = 1
@@ -31,20 +32,31 @@ class PlanFile:
     predicted: Mapping[str, Any] = field(default_factory=dict)
 
 
-def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    """Write to a temporary file beside ``path``, then rename it over ``path``."""
+@contextlib.contextmanager
+def atomic_open(path: str | os.PathLike, mode: str = "w") -> Iterator[IO]:
+    """A file beside ``path`` to write; when the block ends without error it is flushed,
+    fsynced and renamed over ``path``, otherwise removed: readers never see half a file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.fchmod(fd, 0o666 & ~umask)  # mkstemp makes 0600; the result is an ordinary file
+        with os.fdopen(fd, mode) as f:
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """Write ``text`` to ``path`` atomically (``atomic_open``)."""
+    with atomic_open(path) as f:
+        f.write(text)
 
 
 def strategy_to_json(strategy: Strategy, graph: OpGraph, *, topology: str | Mapping[str, Any] = "local",
