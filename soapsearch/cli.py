@@ -1,5 +1,5 @@
 """The ``soapsearch`` command: ``zoo``, ``show``, ``plan``, ``simulate``, ``search``,
-``show-plan``, ``run`` and ``topology show``."""
+``show-plan``, ``run``, ``calibrate``, ``compare`` and ``topology show``."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from typing import Sequence
 
 from soapsearch import zoo
 from soapsearch.models import ModelLoadError, load_model
+from soapsearch.calibrate.cli import add_calibrate_parsers
 from soapsearch.executor.cli import add_run_parser
 from soapsearch.search.cli import add_search_parsers
 from soapsearch.trace import TraceError, trace
@@ -185,6 +186,7 @@ def _parser() -> argparse.ArgumentParser:
     sim.set_defaults(fn=_cmd_simulate)
     add_search_parsers(sub, model_args, _graph)
     add_run_parser(sub)
+    add_calibrate_parsers(sub)
     topo = sub.add_parser("topology", help="topology tools")
     tsub = topo.add_subparsers(dest="action", required=True)
     tshow = tsub.add_parser("show", help="print a topology: preset name or JSON file")

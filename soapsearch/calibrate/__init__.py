@@ -1,0 +1,9 @@
+"""Simulator fidelity: calibrate a topology from measurements of this machine's processes, and
+compare a plan's simulated iteration with the executor's measured one."""
+
+from soapsearch.calibrate.compare import CompareResult, Measured, compare, run_plans
+from soapsearch.calibrate.fit import build_topology, fit_alpha_beta, spearman
+from soapsearch.calibrate.measure import Calibration, calibrate, measure
+
+__all__ = ["Calibration", "CompareResult", "Measured", "build_topology", "calibrate", "compare",
+           "fit_alpha_beta", "measure", "run_plans", "spearman"]

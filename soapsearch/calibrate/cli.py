@@ -1,0 +1,61 @@
+"""``soapsearch calibrate`` and ``soapsearch compare`` (registered by ``add_calibrate_parsers``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+__all__ = ["add_calibrate_parsers"]
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    from soapsearch.calibrate.measure import calibrate, report_path
+
+    topo = calibrate(args.nproc, args.backend, model=args.model, out=args.output, variant=args.variant)
+    report = json.loads(report_path(args.output).read_text())
+    print(topo.describe())
+    print(f"alpha {report['alpha'] * 1e6:.1f} µs, bandwidth {report['bandwidth'] / 1e9:.3g} GB/s "
+          f"(r² {report['r2']:.3f}); all-reduce measured/ring {report['allreduce_ratio']:.2f}; "
+          f"FLOP/s per process {', '.join(f'{f / 1e9:.1f}G' for f in report['flops'])}; "
+          f"copy GB/s {', '.join(f'{b / 1e9:.1f}' for b in report['memory_bandwidth'])}; "
+          f"op overhead {report['op_overhead'] * 1e6:.1f} µs; kind {report['kind']}")
+    print(f"wrote {args.output} and {report_path(args.output)}")
+    return 0
+
+
+def _compare(args: argparse.Namespace) -> int:
+    from soapsearch.calibrate.compare import compare
+
+    try:
+        r = compare(args.plan, args.model, args.topology, variant=args.variant, steps=args.steps,
+                    warmup=args.warmup, cost_model=args.cost_model, trace_dir=args.trace_dir)
+    except (ValueError, RuntimeError) as e:
+        print(f"soapsearch compare: {e}")
+        return 2
+    print(json.dumps(r.to_json(), indent=1) if args.json else r.table())
+    if args.trace_dir and not args.json:
+        print(f"traces in {args.trace_dir}: side_by_side.json (open in https://ui.perfetto.dev)")
+    return 0
+
+
+def add_calibrate_parsers(subparsers) -> None:
+    """Add ``calibrate`` and ``compare`` to an argparse subparsers object; each sets ``fn``
+    (args -> exit status)."""
+    p = subparsers.add_parser("calibrate", help="measure this machine's processes into a topology JSON")
+    p.add_argument("--nproc", type=int, required=True, help="processes (devices) to calibrate")
+    p.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
+    p.add_argument("--model", default=None, help="also warm the profiled cost model's cache for this model")
+    p.add_argument("--variant", default="tiny", help="zoo variant of --model")
+    p.add_argument("-o", "--output", required=True, help="topology JSON to write (report beside it)")
+    p.set_defaults(fn=_calibrate)
+    c = subparsers.add_parser("compare", help="run a plan for real and compare with the simulator")
+    c.add_argument("plan", help="strategy JSON")
+    c.add_argument("--model", required=True)
+    c.add_argument("--variant", default="tiny")
+    c.add_argument("--topology", required=True, help="preset name or topology JSON (soapsearch calibrate)")
+    c.add_argument("--cost-model", choices=("analytical", "profiled"), default="analytical")
+    c.add_argument("--steps", type=int, default=5, help="measured steps (median)")
+    c.add_argument("--warmup", type=int, default=2)
+    c.add_argument("--trace-dir", default=None, help="write simulated and measured Chrome traces here")
+    c.add_argument("--json", action="store_true")
+    c.set_defaults(fn=_compare)

@@ -1,0 +1,193 @@
+"""Predicted vs measured: run a plan for real with the executor, simulate it, and line the two
+up (iteration ms, per-device busy ms, relative error), optionally as Chrome traces side by side.
+
+Measured iteration: every rank meets at a barrier, runs ``Executor.step``, and the step's time
+is the slowest rank's; the median over ``steps`` steps after ``warmup``. Measured busy: the
+executor's per-partition events of a device (forward/backward of one partition, which include
+gathering its inputs) minus the time its receives waited, averaged over the measured steps.
+Relative error = (predicted - measured) / measured.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+import torch
+
+from simulator.cost import CostModel, get_cost_model
+from simulator.presets import get_topology
+from simulator.simulate import simulate_plan
+from simulator.topology import Topology
+from soapsearch.calibrate._spawn import spawn
+from strategies.serialize import read_plan
+
+__all__ = ["CompareResult", "Measured", "compare", "run_plans", "simulate_file"]
+
+
+@dataclass
+class Measured:
+    """One plan run for real on ``nproc`` processes."""
+
+    step_ms: list[float]
+    """Each measured step, slowest rank."""
+    busy_ms: list[float]
+    """Per device: partition time minus receive waits, per step."""
+    wait_ms: list[float]
+    """Per device: time its receives waited, per step."""
+    events: list[list[dict[str, Any]]]
+    """Per rank: the last measured step's Chrome events, µs from that step's start."""
+
+    @property
+    def iteration_ms(self) -> float:
+        return statistics.median(self.step_ms)
+
+
+@dataclass
+class CompareResult:
+    plan: str
+    model: str
+    topology: str
+    cost_model: str
+    predicted_ms: float
+    measured_ms: float
+    step_ms: list[float]
+    predicted_busy_ms: list[float]
+    measured_busy_ms: list[float]
+    measured_wait_ms: list[float]
+
+    @property
+    def rel_error(self) -> float:
+        """(predicted - measured) / measured."""
+        return (self.predicted_ms - self.measured_ms) / self.measured_ms
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "rel_error": self.rel_error}
+
+    def table(self) -> str:
+        fmt = lambda xs: " ".join(f"{x:8.2f}" for x in xs)  # noqa: E731
+        return "\n".join([
+            f"plan {self.plan} ({self.model}) on {self.topology}, {self.cost_model} cost model",
+            f"  iteration ms   predicted {self.predicted_ms:8.2f}  measured {self.measured_ms:8.2f}"
+            f"  error {self.rel_error:+.1%}  (steps: {fmt(self.step_ms)})",
+            f"  busy ms/device predicted {fmt(self.predicted_busy_ms)}",
+            f"                 measured  {fmt(self.measured_busy_ms)}  (+ receive waits {fmt(self.measured_wait_ms)})"])
+
+
+def _worker(rank: int, world: int, plans: Sequence[str], model: str, variant: str, steps: int,
+            warmup: int) -> list[dict[str, Any]]:
+    from soapsearch.executor import Executor, TrainConfig, build_model
+
+    built = build_model(model, variant, seed=0)
+    out = []
+    for path in plans:
+        ex = Executor(built.graph, read_plan(path, built.graph).strategy, built.model.state_dict(),
+                      built.inputs, TrainConfig(), "cpu")
+        waits: list[float] = []
+        recv = ex.p2p.recv
+
+        def timed_recv(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return recv(*a, **kw)
+            finally:
+                waits.append(time.perf_counter() - t0)
+        ex.p2p.recv = timed_recv  # instance attribute: counts receive waits, changes nothing else
+        step_s, busy, wait, events = [], 0.0, 0.0, []
+        for k in range(warmup + steps):
+            ex.events.clear()
+            waits.clear()
+            dist.barrier()
+            t0 = time.perf_counter()
+            ex.step(seed=k)
+            t1 = time.perf_counter()
+            if k < warmup:
+                continue
+            step_s.append(t1 - t0)
+            busy += sum(e["dur"] for e in ex.events) * 1e-6 - sum(waits)
+            wait += sum(waits)
+            events = [dict(e, ts=e["ts"] - t0 * 1e6) for e in ex.events]
+            end = max((e["ts"] + e["dur"] for e in events), default=0.0)
+            events.append({"name": "grad all-reduce + update", "ph": "X", "pid": rank, "tid": 0,
+                           "ts": end, "dur": (t1 - t0) * 1e6 - end})
+        slowest = torch.tensor(step_s, dtype=torch.float64)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        out.append({"step_ms": (slowest * 1e3).tolist(), "busy_ms": busy * 1e3 / steps,
+                    "wait_ms": wait * 1e3 / steps, "events": events})
+    return out
+
+
+def run_plans(plans: Sequence[str | os.PathLike], model: str, nproc: int, *, variant: str = "tiny",
+              steps: int = 5, warmup: int = 2) -> list[Measured]:
+    """Run each plan file (all for ``nproc`` devices) for real, in one launch of ``nproc``
+    gloo processes (each with cores // nproc threads, as ``soapsearch run``)."""
+    if steps < 1 or warmup < 0:
+        raise ValueError(f"compare: steps ({steps}) must be >= 1 and warmup ({warmup}) >= 0")
+    ranks = spawn(_worker, nproc, ([str(p) for p in plans], model, variant, steps, warmup))
+    return [Measured(ranks[0][i]["step_ms"], [r[i]["busy_ms"] for r in ranks],
+                     [r[i]["wait_ms"] for r in ranks], [r[i]["events"] for r in ranks])
+            for i in range(len(plans))]
+
+
+def _cost(cost_model: CostModel | str, topology: Topology | str | os.PathLike) -> CostModel:
+    if not isinstance(cost_model, str):
+        return cost_model
+    if cost_model == "profiled" and not isinstance(topology, Topology) and Path(topology).is_file():
+        cache = Path(topology).with_name(f"{Path(topology).stem}.profile.json")  # calibrate --model's
+        return get_cost_model("profiled", cache_path=str(cache))
+    return get_cost_model(cost_model)
+
+
+def simulate_file(plan_path: str | os.PathLike, model: str, topology: Topology | str | os.PathLike,
+                  cost_model: CostModel | str = "analytical", variant: str = "tiny", graph=None):
+    """(SimResult with timeline, Topology) of a plan file on ``topology``."""
+    if graph is None:
+        from soapsearch.executor import build_model
+        graph = build_model(model, variant, seed=0).graph
+    topo = topology if isinstance(topology, Topology) else get_topology(topology)
+    plan = read_plan(plan_path, graph).strategy
+    return simulate_plan(graph, plan, topo, _cost(cost_model, topology), timeline=True), topo
+
+
+def write_traces(trace_dir: str | os.PathLike, sim, measured: Measured) -> Path:
+    """``simulated.json``, ``measured.rank<R>.json`` and ``side_by_side.json`` (simulated
+    devices as pids 0.., measured ranks as pids 1000+R) in ``trace_dir``; returns the last."""
+    d = Path(trace_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    simulated = sim.chrome_trace()
+    (d / "simulated.json").write_text(json.dumps(simulated))
+    merged = [dict(e, args={"name": f"simulated {e['args']['name']}"}) if e.get("name") == "process_name"
+              else e for e in simulated["traceEvents"]]
+    for rank, events in enumerate(measured.events):
+        (d / f"measured.rank{rank}.json").write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
+        merged += [dict(e, pid=1000 + rank) for e in events]
+        merged.append({"name": "process_name", "ph": "M", "pid": 1000 + rank, "args": {"name": f"measured rank {rank}"}})
+    out = d / "side_by_side.json"
+    out.write_text(json.dumps({"traceEvents": merged, "displayTimeUnit": "ms"}))
+    return out
+
+
+def compare(plan_path: str | os.PathLike, model_spec: str, topology: Topology | str | os.PathLike, *,
+            variant: str = "tiny", steps: int = 5, warmup: int = 2, cost_model: CostModel | str = "analytical",
+            trace_dir: str | os.PathLike | None = None, measured: Measured | None = None) -> CompareResult:
+    """Run ``plan_path`` for real on as many processes as it has devices (unless ``measured``
+    is given), simulate it on ``topology``, and line them up; ``trace_dir`` gets both timelines."""
+    from soapsearch.executor.launch import plan_devices
+
+    sim, topo = simulate_file(plan_path, model_spec, topology, cost_model, variant)
+    if measured is None:
+        measured = run_plans([plan_path], model_spec, plan_devices(plan_path), variant=variant,
+                             steps=steps, warmup=warmup)[0]
+    if trace_dir is not None:
+        write_traces(trace_dir, sim, measured)
+    n = len(measured.busy_ms)
+    name = cost_model if isinstance(cost_model, str) else type(cost_model).__name__
+    return CompareResult(str(plan_path), model_spec, topo.name, name, sim.iteration_ms, measured.iteration_ms,
+                         measured.step_ms, [b * 1e3 for b in sim.busy_time[:n]], measured.busy_ms, measured.wait_ms)

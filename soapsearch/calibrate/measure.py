@@ -1,0 +1,214 @@
+"""Measure this machine as N torch.distributed processes see it, and write ``calibrated-cpu-N``.
+
+* point-to-point: ping-pong between every rank pair (i < j) over message sizes, one-way time =
+  round trip / 2, median of ``repeats`` after ``warmup``; fitted to alpha + s/B (``fit.py``);
+* all-reduce over all ranks at the same sizes, against the ring formula on the fitted alpha, B;
+* compute, on all N processes at once (so processes sharing cores are measured sharing them):
+  float32 matmul FLOP/s (2·n³ per n×n product), copy bandwidth (read + write = 2·bytes), and the
+  eager dispatch overhead of one tiny op (what the analytical model calls launch overhead).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from simulator.topology import Topology
+from soapsearch.calibrate._spawn import spawn, threads_per_process
+from soapsearch.calibrate.fit import build_topology, device_kind, fit_alpha_beta, ring_allreduce_seconds
+from strategies.serialize import atomic_write_text
+
+__all__ = ["DEFAULT_SIZES", "Calibration", "calibrate", "measure", "report_path", "warm_profile"]
+
+DEFAULT_SIZES = tuple(1 << k for k in range(10, 25, 2))
+"""1 KiB, 4 KiB, ... 16 MiB (powers of 4)."""
+MATMUL_N = 384
+COPY_BYTES = 32 << 20
+
+
+@dataclass
+class Calibration:
+    """What ``measure`` found; ``to_json`` is the fit report written beside the topology."""
+
+    nproc: int
+    threads: int
+    cores: int
+    kind: str
+    alpha: float
+    """Fitted per-message latency, seconds."""
+    bandwidth: float
+    """Fitted point-to-point bandwidth, bytes/s."""
+    r2: float
+    allreduce_ratio: float
+    """Median over sizes of measured / ring-formula all-reduce time (nan for one process)."""
+    flops: list[float]
+    """float32 matmul FLOP/s of each process, all running at once."""
+    memory_bandwidth: list[float]
+    """Copy bandwidth of each process (2·bytes / s), all running at once."""
+    op_overhead: float
+    """Median seconds of one tiny eager op (dispatch only), worst process."""
+    p2p: dict[str, list[list[float]]] = field(default_factory=dict)
+    """"i-j" -> [[bytes, one-way seconds], ...]."""
+    allreduce: list[list[float]] = field(default_factory=list)
+    """[[bytes, measured s, ring formula s], ...]."""
+    profile_cache: str | None = None
+
+    @property
+    def shared(self) -> bool:
+        return self.kind != "cpu"
+
+    def topology(self) -> Topology:
+        """The calibrated topology: every process the slowest measured one (the plan must
+        run on any of them; the spread is in the report)."""
+        return build_topology(self.nproc, self.alpha, self.bandwidth, min(self.flops),
+                              min(self.memory_bandwidth), self.kind)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"format": "soapsearch.calibration", "version": 1, "shared_cores": self.shared, **asdict(self)}
+
+
+def _median_time(fn, repeats: int, warmup: int) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _worker(rank: int, world: int, sizes: Sequence[int], repeats: int, warmup: int) -> dict[str, Any]:
+    out: dict[str, Any] = {"p2p": {}, "allreduce": []}
+    for i in range(world):  # ping-pong: one pair at a time, the others wait at the barrier
+        for j in range(i + 1, world):
+            dist.barrier()
+            if rank not in (i, j):
+                continue
+            peer = j if rank == i else i
+            points = []
+            for size in sizes:
+                buf = torch.zeros(size, dtype=torch.uint8)
+
+                def ping() -> None:
+                    if rank == i:
+                        dist.send(buf, peer)
+                        dist.recv(buf, peer)
+                    else:
+                        dist.recv(buf, peer)
+                        dist.send(buf, peer)
+                points.append([size, _median_time(ping, repeats, warmup) / 2])
+            if rank == i:
+                out["p2p"][f"{i}-{j}"] = points
+    dist.barrier()
+    for size in sizes:
+        buf = torch.zeros(max(size // 4, 1), dtype=torch.float32)
+
+        def reduce() -> None:
+            dist.barrier()
+            t0 = time.perf_counter()
+            dist.all_reduce(buf)
+            times.append(time.perf_counter() - t0)
+        times: list[float] = []
+        for k in range(warmup + repeats):
+            reduce()
+        slowest = torch.tensor([statistics.median(times[warmup:])], dtype=torch.float64)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        out["allreduce"].append([size, float(slowest)])
+    a, b = torch.randn(MATMUL_N, MATMUL_N), torch.randn(MATMUL_N, MATMUL_N)
+    src, dst = torch.randn(COPY_BYTES // 4), torch.empty(COPY_BYTES // 4)
+    x, y = torch.ones(1), torch.ones(1)
+    dist.barrier()  # from here all processes compute at once
+    out["flops"] = 2 * MATMUL_N ** 3 / _median_time(lambda: torch.mm(a, b), max(repeats, 10), warmup)
+    out["memory_bandwidth"] = 2 * COPY_BYTES / _median_time(lambda: dst.copy_(src), max(repeats, 10), warmup)
+    out["op_overhead"] = _median_time(lambda: torch.add(x, y), 200, 20)
+    dist.barrier()
+    return out
+
+
+def measure(nproc: int, backend: str = "gloo", sizes: Sequence[int] = DEFAULT_SIZES, *,
+            repeats: int = 7, warmup: int = 2) -> Calibration:
+    """Start ``nproc`` processes and measure (see the module docstring); fit alpha and B over
+    the pooled points of every pair (one shared-memory mesh: one figure for all links)."""
+    if nproc < 1:
+        raise ValueError(f"calibrate: nproc = {nproc}: must be >= 1")
+    if backend != "gloo":
+        raise ValueError(f"calibrate: backend {backend!r}: only gloo (CPU processes) is calibrated here")
+    sizes = sorted(int(s) for s in sizes)
+    results = spawn(_worker, nproc, (tuple(sizes), repeats, warmup), backend)
+    threads, cores = threads_per_process(nproc), os.cpu_count() or 1
+    p2p = {k: v for r in results for k, v in r["p2p"].items()}
+    points = [pt for v in p2p.values() for pt in v]
+    if points:
+        alpha, bandwidth, r2 = fit_alpha_beta([p[0] for p in points], [p[1] for p in points])
+    else:  # one process: nothing to send; keep local-cpu-1's figures
+        alpha, bandwidth, r2 = 20e-6, 2e9, float("nan")
+    allreduce = [[s, t, ring_allreduce_seconds(nproc, s, alpha, bandwidth)] for s, t in results[0]["allreduce"]]
+    ratios = [t / f for _, t, f in allreduce if f > 0]
+    return Calibration(
+        nproc, threads, cores, device_kind(nproc, threads, cores), alpha, bandwidth, r2,
+        statistics.median(ratios) if ratios else float("nan"),
+        [r["flops"] for r in results], [r["memory_bandwidth"] for r in results],
+        max(r["op_overhead"] for r in results), p2p, allreduce)
+
+
+def warm_profile(model: str, topology: Topology, cache_path: str | os.PathLike, variant: str = "tiny") -> int:
+    """Measure every op partition of every baseline plan of ``model`` on ``topology`` into the
+    ProfiledCostModel cache at ``cache_path`` (with the threads one process gets); returns the
+    number of cached measurements. Measured in this one process: for a shared-cores topology
+    the times are of an uncontended process (see the report's flops spread for the sharing)."""
+    from simulator.profiled import ProfiledCostModel
+    from simulator.simulate import simulate_plan
+    from soapsearch.executor import build_model
+    from strategies import baseline
+    from strategies.baselines import BASELINES
+
+    graph = build_model(model, variant).graph
+    cost = ProfiledCostModel(cache_path=cache_path)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads_per_process(topology.num_devices))
+    try:
+        for name in BASELINES:
+            try:
+                plan = baseline(name, graph, topology.num_devices)
+            except ValueError:
+                continue  # e.g. a batch the device count does not divide
+            simulate_plan(graph, plan, topology, cost)
+    finally:
+        torch.set_num_threads(before)
+        cost.flush()
+    return len(cost)
+
+
+def report_path(topology_path: str | os.PathLike) -> Path:
+    """Where the fit report of ``topology.json`` lives: ``topology.report.json``."""
+    p = Path(topology_path)
+    return p.with_name(f"{p.stem}.report.json")
+
+
+def calibrate(nproc: int, backend: str = "gloo", sizes: Sequence[int] = DEFAULT_SIZES,
+              model: str | None = None, *, out: str | os.PathLike | None = None,
+              variant: str = "tiny", repeats: int = 7) -> Topology:
+    """Measure, build ``calibrated-cpu-N``; with ``out`` save it there and the fit report beside
+    it (``report_path``); with ``model`` also warm the profiled cache (``<out stem>.profile.json``
+    beside it, else the default cache) for that model's baseline plans."""
+    cal = measure(nproc, backend, sizes, repeats=repeats)
+    topo = cal.topology()
+    if model is not None:
+        cache = Path(out).with_name(f"{Path(out).stem}.profile.json") if out is not None else None
+        from simulator.profiled import default_cache_path
+        cal.profile_cache = str(cache or default_cache_path())
+        warm_profile(model, topo, cal.profile_cache, variant)
+    if out is not None:
+        topo.save(out)
+        atomic_write_text(report_path(out), json.dumps(cal.to_json(), indent=1) + "\n")
+    return topo

@@ -1,0 +1,44 @@
+"""A small real calibration on 2 gloo processes, and one real compare."""
+
+import json
+import math
+
+import pytest
+
+from simulator.simulate import simulate_plan
+from simulator.topology import Topology
+from soapsearch.calibrate import calibrate, compare
+from soapsearch.calibrate.measure import report_path
+from soapsearch.executor import build_model
+from strategies import baseline, save_strategy
+
+pytestmark = pytest.mark.distributed
+
+
+def test_calibrate_two_processes_gives_positive_finite_figures(tmp_path):
+    out = tmp_path / "topology.json"
+    topo = calibrate(2, sizes=(1 << 10, 1 << 14, 1 << 22, 1 << 24), out=out, repeats=3)
+    assert topo.name == "calibrated-cpu-2" and topo.num_devices == 2
+    report = json.loads(report_path(out).read_text())
+    for key in ("alpha", "bandwidth", "op_overhead", "allreduce_ratio"):
+        assert math.isfinite(report[key]) and report[key] >= 0, key
+    assert report["bandwidth"] > 1e6  # > 1 MB/s: even TCP loopback does better
+    assert len(report["flops"]) == 2 and all(1e8 < f < 1e13 for f in report["flops"])
+    assert all(1e8 < b < 1e12 for b in report["memory_bandwidth"])
+    assert Topology.load(out) == topo
+    dev = topo.devices[0]
+    assert dev.peak_flops["float32"] == min(report["flops"]) and dev.kind == report["kind"]
+
+
+def test_compare_runs_a_plan_and_writes_both_timelines(tmp_path):
+    graph = build_model("mlp", "tiny").graph
+    plan = tmp_path / "dp.json"
+    save_strategy(plan, baseline("data_parallel", graph, 2), graph, topology="local-cpu-2")
+    r = compare(plan, "mlp", "local-cpu-2", steps=3, warmup=1, trace_dir=tmp_path / "tr")
+    assert len(r.step_ms) == 3 and r.measured_ms > 0 and r.predicted_ms > 0
+    assert len(r.measured_busy_ms) == 2 and all(b > 0 for b in r.measured_busy_ms)
+    assert r.rel_error == pytest.approx((r.predicted_ms - r.measured_ms) / r.measured_ms)
+    trace = json.loads((tmp_path / "tr" / "side_by_side.json").read_text())["traceEvents"]
+    pids = {e["pid"] for e in trace}
+    assert {0, 1, 1000, 1001} <= pids
+    assert simulate_plan(graph, baseline("data_parallel", graph, 2), "local-cpu-2").iteration_ms == pytest.approx(r.predicted_ms)
