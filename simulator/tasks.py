@@ -2,9 +2,9 @@
 
 Tasks: forward and backward of every partition of every micro-batch (on its device); every
 transfer that crosses devices, forward and its mirrored gradient backward (on the links of its
-route); the small reductions op rules ask for; one gradient all-reduce per replicated weight
-shard (ready when the last backward reading it is done, so it overlaps the rest of the backward
-pass); one optimizer update per device.
+route); the small reductions op rules ask for; the gradient sync as the executor runs it — one
+all-reduce per device set holding replicated trainable shards (a DDP-style bucket), once every
+device of the set has finished its backward pass; one optimizer update per device.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import Any
 from simulator.comm import allreduce_time, ring_links, transfer_time
 from simulator.cost import CostModel
 from simulator.topology import Topology
+from strategies.config import format_devices
 from strategies.lowering import Lowered
 from strategies.schedule import device_order
 
@@ -138,33 +139,37 @@ def build_tasks(lowered: Lowered, topology: Topology, cost: CostModel, optimizer
         tg.edge(tf, fwd[dst])
         tg.edge(bwd_done[dst], tb)
         tg.edge(tb, bwd[src])
-    for steps in device_order(lowered).values():  # each device runs the schedule's fixed order
+    last: dict[int, int] = {}  # each device's last step: its backward pass is over after it
+    for device, steps in device_order(lowered).items():  # each device runs the schedule's order
         for a, b in zip(steps, steps[1:]):
             tg.edge((bwd if a.backward else fwd)[a[1:]], (bwd if b.backward else fwd)[b[1:]])
-    # Gradient all-reduce per replicated shard, then one optimizer update per device.
-    update_deps: dict[int, list[int]] = {d: [] for d in range(n)}
+        if steps:
+            b = steps[-1]
+            last[device] = (bwd if b.backward else fwd)[b[1:]]
+    # Gradient sync as the executor does it (DDP-style buckets): after its last backward each
+    # rank all-reduces one bucket per device set holding replicated trainable shards; then
+    # every device runs its optimizer update.
+    update_deps: dict[int, list[int]] = {d: [last[d]] for d in last}
     weight_bytes = [0] * n
+    buckets: dict[tuple[int, ...], int] = {}
     for s in lowered.weight_shards:
-        for d in s.devices:
-            weight_bytes[d] += s.nbytes if s.trainable else 0
         if not s.trainable:
             continue
-        readers = [bwd[(op, p.index, p.microbatch)] for op in s.ops
-                   for parts in lowered.partitions[op] for p in parts if p.device in s.devices]
+        for d in s.devices:
+            weight_bytes[d] += s.nbytes
         if len(s.devices) > 1:
-            links = tuple(n + l for l in ring_links(topology, s.devices))
-            ar = tg.add(f"allreduce {s.name}{list(s.region)}", ALLREDUCE,
-                        allreduce_time(topology, s.devices, s.nbytes), links, s.devices[0], s.nbytes)
-            for r in readers:
-                tg.edge(r, ar)
-            for d in s.devices:
-                update_deps[d].append(ar)
-        else:
-            update_deps[s.devices[0]].extend(readers)
+            buckets[s.devices] = buckets.get(s.devices, 0) + s.nbytes
+    for devs in sorted(buckets):
+        links = tuple(n + l for l in ring_links(topology, devs))
+        ar = tg.add(f"allreduce bucket {format_devices(devs)}", ALLREDUCE,
+                    allreduce_time(topology, devs, buckets[devs]), links, devs[0], buckets[devs])
+        for d in devs:
+            tg.edge(last[d], ar)
+            update_deps[d].append(ar)
     traffic = _UPDATE_TRAFFIC.get(optimizer)
     if traffic is None:
         raise ValueError(f"optimizer {optimizer!r} is not one of {sorted(_UPDATE_TRAFFIC)}")
-    for d in range(n):
+    for d in sorted(last):
         if weight_bytes[d]:
             spec = topology.devices[d]
             u = tg.add(f"update {optimizer} device {d}", UPDATE,
