@@ -9,27 +9,17 @@ machine. Prints the median iteration ms of each and their ratio. Asserts nothing
 from __future__ import annotations
 
 import argparse
-import os
-import socket
 import statistics
-import tempfile
 import time
-from datetime import timedelta
-from pathlib import Path
 
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 
+from _gloo import spawn_gloo  # benchmarks/_gloo.py: the process-group boilerplate
 from soapsearch.executor import Executor, TrainConfig, build_model, make_optimizer
 from strategies import data_parallel
 
 
-def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
+def _worker(rank: int, world: int, args: argparse.Namespace) -> list:
     rows = []
     for name in args.models.split(","):
         built = build_model(name, args.variant, args.batch_size)
@@ -52,9 +42,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
             opt.step()
             theirs.append(time.perf_counter() - t0)
         rows.append((name, statistics.median(ours[2:]) * 1e3, statistics.median(theirs[2:]) * 1e3))
-    if rank == 0:
-        torch.save(rows, Path(out) / "rows.pt")
-    dist.destroy_process_group()
+    return rows
 
 
 def main() -> None:
@@ -64,12 +52,7 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--steps", type=int, default=10)
     args = ap.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_worker, args=(2, port, args, d), nprocs=2, join=True)
-        rows = torch.load(Path(d) / "rows.pt")
+    rows = spawn_gloo(_worker, args)
     print(f"data parallel on 2 gloo processes, {args.variant} variant, batch {args.batch_size}, "
           f"median of {args.steps} steps")
     print(f"{'model':12s} {'executor ms':>12s} {'DDP ms':>9s} {'ratio':>7s}")

@@ -11,22 +11,15 @@ asserts nothing.
 from __future__ import annotations
 
 import argparse
-import os
-import socket
 import statistics
-import tempfile
 import time
-from datetime import timedelta
-from pathlib import Path
 
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
+from _gloo import spawn_gloo  # benchmarks/_gloo.py: the process-group boilerplate
 from soapsearch import trace, zoo
 from soapsearch.executor import Executor, TrainConfig, make_optimizer
 from strategies import owt
@@ -46,10 +39,7 @@ def _timed(step, steps: int) -> float:
     return statistics.median(times[2:]) * 1e3
 
 
-def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
+def _worker(rank: int, world: int, args: argparse.Namespace) -> list:
     mesh = init_device_mesh("cpu", (world,))
     rows = []
     for width in (int(w) for w in args.widths.split(",")):
@@ -70,9 +60,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
 
         theirs = _timed(step, args.steps)
         rows.append((width, ours, theirs))
-    if rank == 0:
-        torch.save(rows, Path(out) / "rows.pt")
-    dist.destroy_process_group()
+    return rows
 
 
 def main() -> None:
@@ -81,12 +69,7 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--steps", type=int, default=10)
     args = ap.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_worker, args=(2, port, args, d), nprocs=2, join=True)
-        rows = torch.load(Path(d) / "rows.pt")
+    rows = spawn_gloo(_worker, args)
     print(f"every linear cut on out_features, 2 gloo processes, MLP 4 linears, batch "
           f"{args.batch_size}, median of {args.steps} steps")
     print(f"{'width':>6s} {'executor ms':>12s} {'DTensor ms':>11s} {'ratio':>7s}")
