@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from typing import Any
 
 from simulator.cost import CostModel
 from simulator.presets import get_topology
@@ -28,7 +27,7 @@ def resolve_plan(graph: OpGraph, plan: Strategy | str | os.PathLike, num_devices
 def simulate(graph: OpGraph, plan: Strategy | str | os.PathLike, *,
              topology: Topology | str = "local-cpu-4", cost_model: CostModel | str = "analytical",
              optimizer: str = "sgd", microbatches: int = 4,
-             trace: str | os.PathLike | None = None, **_: Any) -> SimResult:
+             trace: str | os.PathLike | None = None) -> SimResult:
     """Simulated cost of one training iteration of ``plan`` (a Strategy, a baseline name or a
     plan file) for ``graph`` on ``topology``; ``trace`` writes the timeline (Chrome trace)."""
     topo = get_topology(topology) if isinstance(topology, str) else topology

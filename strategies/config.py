@@ -109,8 +109,8 @@ def validate_config(node: OpNode, config: ParallelConfig, num_devices: int,
 def degree_grids(node: OpNode, max_parts: int, microbatches: int = 1) -> list[tuple[int, ...]]:
     """Every grid of degrees valid for ``node`` with prod(degrees) <= max_parts, the unsplit
     grid first."""
-    ok = get_rule(node.kind).splittable(node)
     rule = get_rule(node.kind)
+    ok = rule.splittable(node)
     choices = []
     for i, dim in enumerate(node.dims):
         size = dim.size // microbatches if dim.role == "sample" and dim.size % microbatches == 0 else dim.size

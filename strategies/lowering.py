@@ -96,9 +96,6 @@ class Lowered:
     weight_shards: tuple[WeightShard, ...]
     reductions: tuple[ReductionGroup, ...]
 
-    def transfers_into(self, op: str) -> list[Transfer]:
-        return [t for t in self.transfers if t.dst_op == op]
-
     @property
     def bytes_moved(self) -> int:
         """Forward bytes crossing links (backward moves as many again)."""

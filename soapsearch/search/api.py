@@ -22,7 +22,7 @@ from soapsearch.trace import trace
 from strategies import (OpGraph, PlanError, Strategy, baseline, load_strategy, save_strategy)
 from strategies.lowering import lower
 
-__all__ = ["SearchResult", "search", "best_baselines", "Evaluator", "save_found"]
+__all__ = ["FoundPlan", "SearchResult", "search", "best_baselines", "Evaluator", "save_found"]
 
 PIPELINE_MICROBATCHES = (2, 4, 8)
 
@@ -45,19 +45,17 @@ class Evaluator:
 
 
 @dataclass
-class SearchResult:
+class FoundPlan:
+    """A plan a search found, simulated with its summary, next to the expert baselines."""
+
     strategy: Strategy
     result: SimResult
     graph: OpGraph = field(repr=False)
     topology: Topology = field(repr=False)
     baselines: dict[str, float] = field(default_factory=dict)
     """Simulated ms of data parallel, model parallel, OWT and the best pipeline."""
-    baseline_plans: dict[str, Strategy] = field(default_factory=dict, repr=False)
     baseline_results: dict[str, SimResult] = field(default_factory=dict, repr=False)
-    history: list[tuple[float, int, float]] = field(default_factory=list)
-    """(seconds, proposals, best ms) at each improvement."""
     proposals: int = 0
-    accepted: int = 0
     elapsed_s: float = 0.0
     interrupted: bool = False
 
@@ -70,7 +68,15 @@ class SearchResult:
         save_found(path, self)
 
 
-def save_found(path: str | os.PathLike, found: Any) -> None:
+@dataclass
+class SearchResult(FoundPlan):
+    baseline_plans: dict[str, Strategy] = field(default_factory=dict, repr=False)
+    history: list[tuple[float, int, float]] = field(default_factory=list)
+    """(seconds, proposals, best ms) at each improvement."""
+    accepted: int = 0
+
+
+def save_found(path: str | os.PathLike, found: FoundPlan) -> None:
     """Write a search's (or a study's) plan as strategy JSON v1 with its predictions."""
     predicted = {"iteration_ms": found.result.iteration_ms,
                  "peak_memory_bytes": list(found.result.peak_memory_bytes),
@@ -160,6 +166,7 @@ def search(model: torch.nn.Module | OpGraph, example_inputs: Sequence[Any] | Non
         stats.best = inits[0]
     best = evaluate(stats.best, summary=True)  # chains score without busy times / bytes moved
     return SearchResult(stats.best, best, graph, topo,
-                        {k: r.iteration_ms for k, r in results.items()}, plans, results,
-                        stats.history, stats.proposals, stats.accepted,
-                        time.perf_counter() - started, interrupted)
+                        baselines={k: r.iteration_ms for k, r in results.items()},
+                        baseline_results=results, proposals=stats.proposals,
+                        elapsed_s=time.perf_counter() - started, interrupted=interrupted,
+                        baseline_plans=plans, history=stats.history, accepted=stats.accepted)

@@ -7,7 +7,7 @@ import math
 import sys
 from pathlib import Path
 
-from soapsearch.search.api import SearchResult, search
+from soapsearch.search.api import FoundPlan, search
 from soapsearch.search.study import study_search
 from strategies.config import format_devices
 
@@ -62,7 +62,6 @@ def _cmd_search(args, graph_of) -> int:
                               trials=args.trials, trial_proposals=args.proposals,
                               storage=args.study, study_name=args.study_name, seed=args.seed,
                               cost_model=args.cost_model)
-        result.interrupted = False
     else:
         result = search(graph, topology=args.topology, budget_s=args.budget,
                         proposals=args.proposals, cost_model=args.cost_model,
@@ -84,7 +83,7 @@ def _cmd_search(args, graph_of) -> int:
     return 0
 
 
-def table(result: SearchResult) -> str:
+def table(result: FoundPlan) -> str:
     """Found plan vs each baseline: ms, speedup over data parallel, bytes moved, peak memory."""
     rows = [("found", result.result)] + list(result.baseline_results.items())
     dp = result.baselines.get("data_parallel")

@@ -26,7 +26,7 @@ from simulator.cost import CostModel, get_cost_model
 from simulator.presets import get_topology
 from simulator.result import SimResult
 from simulator.topology import Topology
-from soapsearch.search.api import Evaluator, best_baselines, save_found
+from soapsearch.search.api import Evaluator, FoundPlan, best_baselines
 from soapsearch.search.mcmc import (
     Budget,
     ChainStats,
@@ -62,31 +62,13 @@ class TrialRecord:
 
 
 @dataclass
-class StudyResult:
-    strategy: Strategy
-    result: SimResult
-    graph: OpGraph = field(repr=False)
-    topology: Topology = field(repr=False)
-    baselines: dict[str, float] = field(default_factory=dict)
-    """Simulated ms of data parallel, model parallel, OWT and the best pipeline (all devices)."""
-    baseline_results: dict[str, SimResult] = field(default_factory=dict, repr=False)
+class StudyResult(FoundPlan):
     trials: list[TrialRecord] = field(default_factory=list)
     study: optuna.Study | None = field(default=None, repr=False)
-    proposals: int = 0
-    """MCMC proposals made by this call's trials."""
-    elapsed_s: float = 0.0
-
-    @property
-    def predicted_ms(self) -> float:
-        return self.result.iteration_ms
 
     @property
     def best_params(self) -> dict[str, Any]:
         return dict(self.study.best_params) if self.study is not None else {}
-
-    def save(self, path: str | os.PathLike) -> None:
-        """Strategy JSON v1 with the predictions, as ``SearchResult.save``."""
-        save_found(path, self)
 
 
 def open_storage(storage: Any) -> Any:
@@ -274,10 +256,11 @@ def _result(study: optuna.Study, objective: _Trials, graph: OpGraph, topo: Topol
         raise RuntimeError(f"study {study.study_name!r} has no complete trial")
     best = min(complete, key=lambda t: (t.value, t.number))
     plan = objective.plans.get(best.number) or load_strategy(best.user_attrs["plan"], graph)
-    result = objective.evaluator(plan.num_devices)(plan)
+    result = objective.evaluator(plan.num_devices)(plan, summary=True)
     records = [TrialRecord(t.number, dict(t.params), t.value, t.user_attrs.get("iteration_ms"),
                            t.user_attrs.get("proposals", 0), t.user_attrs.get("baseline"))
                for t in study.trials]
-    return StudyResult(plan, result, graph, topo, {k: r.iteration_ms for k, r in results.items()},
-                       results, records, study, objective.proposals,
-                       time.perf_counter() - started)
+    return StudyResult(plan, result, graph, topo,
+                       baselines={k: r.iteration_ms for k, r in results.items()},
+                       baseline_results=results, proposals=objective.proposals,
+                       elapsed_s=time.perf_counter() - started, trials=records, study=study)

@@ -81,7 +81,7 @@ def test_no_cross_device_data_is_the_longest_device_chain():
     _, end = run_events(tg)
     per_device = [sum(d for d, dev, res in zip(tg.duration, tg.device, tg.resources)
                       if res == (k,)) for k in range(2)]
-    assert all(tr.dst_op == "cross_entropy_1" for tr in cross)
+    assert cross and all(tr.dst_op == "cross_entropy_1" and tr.src_op == "t" for tr in cross)
     assert max(end) == pytest.approx(max(per_device), rel=1e-9)
 
 

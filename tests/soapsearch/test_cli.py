@@ -13,8 +13,11 @@ def test_show_prints_op_table(capsys):
     assert main(["show", "alexnet", "--variant", "tiny"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("alexnet-tiny: ")
-    assert "conv2d" in out and "S4×P8×A15×A15" in out.replace(" ", "") or "S4×P" in out
-    assert "weight[" in out and "GFLOPs" in out
+    conv = next(n for n in traced("alexnet") if n.kind == "conv2d")
+    row = next(line for line in out.splitlines() if line.startswith(conv.name + " "))
+    n, c, h, w = conv.shape
+    assert row.split()[1:3] == ["conv2d", f"S{n}×P{c}×A{h}×A{w}"]
+    assert f"weight[{','.join(map(str, conv.weights[0].spec.shape))}]" in row
 
 
 def test_show_json_matches_graph(capsys):
