@@ -24,19 +24,29 @@ class DeviceSpec:
     """Device memory bandwidth in bytes/s (the roofline's slope)."""
     node: int = 0
     """Which machine the device sits in (devices of one node share its intra-node links)."""
+    task_overhead: float = 0.0
+    """Seconds of host work per forward or backward task of a partition beyond its kernels (the
+    executor's per-partition Python: slicing, dispatch, an autograd call); measured by
+    ``soapsearch calibrate``, 0 in the datasheet presets."""
+    message_overhead: float = 0.0
+    """Seconds of host work on this device per point-to-point piece it receives (posting and
+    waiting on the receive, copying it into place), beyond the link's time."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "peak_flops", MappingProxyType(dict(self.peak_flops)))
         if self.memory_bytes <= 0 or self.memory_bandwidth <= 0:
             raise ValueError(f"device {self.kind!r}: memory_bytes ({self.memory_bytes}) and "
                              f"memory_bandwidth ({self.memory_bandwidth}) must be > 0")
+        if self.task_overhead < 0 or self.message_overhead < 0:
+            raise ValueError(f"device {self.kind!r}: task_overhead ({self.task_overhead}) and "
+                             f"message_overhead ({self.message_overhead}) must be >= 0")
         if not self.peak_flops or min(self.peak_flops.values()) <= 0:
             raise ValueError(f"device {self.kind!r}: peak_flops {dict(self.peak_flops)} needs at "
                              "least one dtype, every figure > 0")
 
     def __reduce__(self):  # the read-only mapping does not pickle; rebuild from a dict
         return (DeviceSpec, (self.kind, self.memory_bytes, dict(self.peak_flops),
-                             self.memory_bandwidth, self.node))
+                             self.memory_bandwidth, self.node, self.task_overhead, self.message_overhead))
 
     def flops_for(self, dtype: str) -> float:
         """Peak FLOP/s for ``dtype`` (float32's when the dtype has no figure of its own)."""
