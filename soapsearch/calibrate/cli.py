@@ -11,7 +11,8 @@ __all__ = ["add_calibrate_parsers"]
 def _calibrate(args: argparse.Namespace) -> int:
     from soapsearch.calibrate.measure import calibrate, report_path
 
-    topo = calibrate(args.nproc, args.backend, model=args.model, out=args.output, variant=args.variant)
+    topo = calibrate(args.nproc, args.backend, model=args.model, out=args.output, variant=args.variant,
+                     overhead_rounds=args.overhead_rounds)
     report = json.loads(report_path(args.output).read_text())
     print(topo.describe())
     print(f"alpha {report['alpha'] * 1e6:.1f} µs, bandwidth {report['bandwidth'] / 1e9:.3g} GB/s "
@@ -19,6 +20,8 @@ def _calibrate(args: argparse.Namespace) -> int:
           f"FLOP/s per process {', '.join(f'{f / 1e9:.1f}G' for f in report['flops'])}; "
           f"copy GB/s {', '.join(f'{b / 1e9:.1f}' for b in report['memory_bandwidth'])}; "
           f"op overhead {report['op_overhead'] * 1e6:.1f} µs; kind {report['kind']}")
+    print(f"executor overheads: {report['task_overhead'] * 1e6:.0f} µs per partition task, "
+          f"{report['message_overhead'] * 1e6:.0f} µs per received piece (beyond the link)")
     print(f"wrote {args.output} and {report_path(args.output)}")
     return 0
 
@@ -47,6 +50,8 @@ def add_calibrate_parsers(subparsers) -> None:
     p.add_argument("--model", default=None, help="also warm the profiled cost model's cache for this model")
     p.add_argument("--variant", default="tiny", help="zoo variant of --model")
     p.add_argument("-o", "--output", required=True, help="topology JSON to write (report beside it)")
+    p.add_argument("--overhead-rounds", type=int, default=5,
+                   help="rounds of the executor-overhead probe (0: skip, overheads 0)")
     p.set_defaults(fn=_calibrate)
     c = subparsers.add_parser("compare", help="run a plan for real and compare with the simulator")
     c.add_argument("plan", help="strategy JSON")

@@ -4,7 +4,9 @@ calibrated Topology, rank correlation. No processes here (tests run it on synthe
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+import statistics
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -12,7 +14,8 @@ from simulator.devices import DeviceSpec
 from simulator.presets import Fabric, cluster
 from simulator.topology import Topology
 
-__all__ = ["fit_alpha_beta", "ring_allreduce_seconds", "device_kind", "build_topology", "spearman"]
+__all__ = ["OverheadFit", "fit_alpha_beta", "fit_overheads", "ring_allreduce_seconds", "device_kind",
+           "build_topology", "spearman"]
 
 
 def fit_alpha_beta(sizes: Sequence[float], times: Sequence[float]) -> tuple[float, float, float]:
@@ -45,6 +48,60 @@ def fit_alpha_beta(sizes: Sequence[float], times: Sequence[float]) -> tuple[floa
     return float(alpha), float(1.0 / beta), r2
 
 
+def _slope(x: Sequence[float], y: Sequence[float]) -> float:
+    """Least-squares slope of y on x."""
+    xs, ys = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
+    dx = xs - xs.mean()
+    return float(np.sum(dx * (ys - ys.mean())) / np.sum(dx * dx))
+
+
+class OverheadFit(NamedTuple):
+    task_overhead: float
+    """Seconds of executor host work per forward or backward task of a partition."""
+    message_overhead: float
+    """Seconds per point-to-point piece received, beyond the link's alpha + s/B."""
+    task_slopes: list[float]
+    """Per round: d(step - eager)/dK of the data-parallel chain, seconds per tanh op (2 tasks)."""
+    message_slopes: list[float]
+    """Per round: d(round robin - one device)/d(pieces), seconds per piece (link included)."""
+
+
+def fit_overheads(raw: Mapping[str, Any], alpha: float, bandwidth: float) -> OverheadFit:
+    """Fit the executor's host overheads to the probe chains' times (``overhead.py``).
+
+    Task overhead: each device of the data-parallel chain with K tanh ops runs 2K tanh tasks,
+    so step(K) - eager(K) = c + 2K·task_overhead, c the K-free rest (input, linear and loss
+    partitions, the gradient and loss all-reduces, the optimizer step):
+    task_overhead = median over rounds of the least-squares slope in K, / 2.
+
+    Message overhead: the round-robin chain differs from the one-device chain (same tasks, one
+    at a time) only in its P(K) pieces, each on the critical path: rr(K) - one(K) = c' +
+    P(K)·(alpha + s/B + message_overhead), so message_overhead = median over rounds of the
+    slope in P, minus the link's alpha + s/B (s the piece's bytes). 0 without pieces (N = 1).
+    Each is clamped at 0 (a negative figure is noise on a zero overhead). ``raw`` is
+    ``measure_overheads``' result: {"sizes", "pieces", "piece_bytes", "rounds": [{"eager",
+    "data_parallel", "one_device", "round_robin"?: [seconds per size]}]}."""
+    sizes, rounds = list(raw["sizes"]), list(raw["rounds"])
+    if len(set(sizes)) < 2 or not rounds:
+        raise ValueError(f"fit_overheads: need >= 2 distinct chain sizes and >= 1 round "
+                         f"(got sizes {sizes}, {len(rounds)} rounds)")
+    for i, r in enumerate(rounds):
+        for name, times in r.items():
+            if len(times) != len(sizes) or not all(np.isfinite(times)) or min(times) <= 0:
+                raise ValueError(f"fit_overheads: round {i} {name!r}: {list(times)} is not one "
+                                 f"finite time > 0 per size {sizes}")
+    task = [_slope(sizes, np.subtract(r["data_parallel"], r["eager"])) / 2 for r in rounds]
+    pieces = list(raw.get("pieces") or [])
+    message: list[float] = []
+    if pieces and "round_robin" in rounds[0]:
+        if len(pieces) != len(sizes) or len(set(pieces)) < 2:
+            raise ValueError(f"fit_overheads: pieces {pieces}: need one count per size {sizes}, >= 2 distinct")
+        message = [_slope(pieces, np.subtract(r["round_robin"], r["one_device"])) for r in rounds]
+    link = alpha + raw.get("piece_bytes", 0) / bandwidth
+    return OverheadFit(max(0.0, statistics.median(task)),
+                       max(0.0, statistics.median(message) - link) if message else 0.0, task, message)
+
+
 def ring_allreduce_seconds(n: int, nbytes: float, alpha: float, bandwidth: float) -> float:
     """Ring all-reduce (Patarasuk & Yuan 2009), as ``simulator.comm.allreduce_time``:
     2(n-1)/n · bytes / B + 2(n-1) · alpha."""
@@ -62,16 +119,18 @@ def device_kind(nproc: int, threads: int, cores: int | None = None) -> str:
 
 
 def build_topology(nproc: int, alpha: float, bandwidth: float, flops: float, memory_bandwidth: float,
-                   kind: str = "cpu", memory_bytes: int | None = None) -> Topology:
+                   kind: str = "cpu", memory_bytes: int | None = None, task_overhead: float = 0.0,
+                   message_overhead: float = 0.0) -> Topology:
     """``calibrated-cpu-N``: ``local-cpu-N``'s shape (one node, a shared-memory mesh link per
-    ordered process pair) with the measured alpha, bandwidth, per-process float32 FLOP/s and
-    memory bandwidth."""
+    ordered process pair) with the measured alpha, bandwidth, per-process float32 FLOP/s,
+    memory bandwidth and the executor's task and message overheads (``fit_overheads``)."""
     if memory_bytes is None:
         try:
             memory_bytes = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // nproc
         except (AttributeError, ValueError, OSError):
             memory_bytes = 16 << 30
-    device = DeviceSpec(kind, max(int(memory_bytes), 1), {"float32": float(flops)}, float(memory_bandwidth))
+    device = DeviceSpec(kind, max(int(memory_bytes), 1), {"float32": float(flops)}, float(memory_bandwidth),
+                        task_overhead=float(task_overhead), message_overhead=float(message_overhead))
     return cluster(f"calibrated-cpu-{nproc}", device, 1, nproc, Fabric("mesh", "shm", float(alpha), float(bandwidth)))
 
 

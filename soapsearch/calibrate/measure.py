@@ -5,7 +5,10 @@
 * all-reduce over all ranks at the same sizes, against the ring formula on the fitted alpha, B;
 * compute, on all N processes at once (so processes sharing cores are measured sharing them):
   float32 matmul FLOP/s (2·n³ per n×n product), copy bandwidth (read + write = 2·bytes), and the
-  eager dispatch overhead of one tiny op (what the analytical model calls launch overhead).
+  eager dispatch overhead of one tiny op (what the analytical model calls launch overhead);
+* the executor's host overheads, on all N processes: probe chains trained by the real
+  ``Executor`` (``overhead.py``), fitted to a per-task and a per-received-piece figure
+  (``fit.fit_overheads``) that every device of the topology carries.
 """
 
 from __future__ import annotations
@@ -24,7 +27,9 @@ import torch.distributed as dist
 
 from simulator.topology import Topology
 from soapsearch.calibrate._spawn import spawn, threads_per_process
-from soapsearch.calibrate.fit import build_topology, device_kind, fit_alpha_beta, ring_allreduce_seconds
+from soapsearch.calibrate.fit import (build_topology, device_kind, fit_alpha_beta, fit_overheads,
+                                     ring_allreduce_seconds)
+from soapsearch.calibrate.overhead import CHAIN_SIZES, measure_overheads
 from strategies.serialize import atomic_write_text
 
 __all__ = ["DEFAULT_SIZES", "Calibration", "calibrate", "measure", "report_path", "warm_profile"]
@@ -56,6 +61,12 @@ class Calibration:
     """Copy bandwidth of each process (2·bytes / s), all running at once."""
     op_overhead: float
     """Median seconds of one tiny eager op (dispatch only), worst process."""
+    task_overhead: float = 0.0
+    """Executor host seconds per forward or backward task of a partition (``fit_overheads``)."""
+    message_overhead: float = 0.0
+    """Executor host seconds per received point-to-point piece beyond alpha + s/B."""
+    overheads: dict[str, Any] = field(default_factory=dict)
+    """The probe chains' raw times and the per-round slopes of the overhead fit."""
     p2p: dict[str, list[list[float]]] = field(default_factory=dict)
     """"i-j" -> [[bytes, one-way seconds], ...]."""
     allreduce: list[list[float]] = field(default_factory=list)
@@ -70,7 +81,8 @@ class Calibration:
         """The calibrated topology: every process the slowest measured one (the plan must
         run on any of them; the spread is in the report)."""
         return build_topology(self.nproc, self.alpha, self.bandwidth, min(self.flops),
-                              min(self.memory_bandwidth), self.kind)
+                              min(self.memory_bandwidth), self.kind, task_overhead=self.task_overhead,
+                              message_overhead=self.message_overhead)
 
     def to_json(self) -> dict[str, Any]:
         return {"format": "soapsearch.calibration", "version": 1, "shared_cores": self.shared, **asdict(self)}
@@ -87,7 +99,8 @@ def _median_time(fn, repeats: int, warmup: int) -> float:
     return statistics.median(times)
 
 
-def _worker(rank: int, world: int, sizes: Sequence[int], repeats: int, warmup: int) -> dict[str, Any]:
+def _worker(rank: int, world: int, sizes: Sequence[int], repeats: int, warmup: int,
+            overhead_rounds: int) -> dict[str, Any]:
     out: dict[str, Any] = {"p2p": {}, "allreduce": []}
     for i in range(world):  # ping-pong: one pair at a time, the others wait at the barrier
         for j in range(i + 1, world):
@@ -132,19 +145,25 @@ def _worker(rank: int, world: int, sizes: Sequence[int], repeats: int, warmup: i
     out["memory_bandwidth"] = 2 * COPY_BYTES / _median_time(lambda: dst.copy_(src), max(repeats, 10), warmup)
     out["op_overhead"] = _median_time(lambda: torch.add(x, y), 200, 20)
     dist.barrier()
+    if overhead_rounds:
+        out["overheads"] = measure_overheads(rank, world, CHAIN_SIZES, rounds=overhead_rounds)
     return out
 
 
 def measure(nproc: int, backend: str = "gloo", sizes: Sequence[int] = DEFAULT_SIZES, *,
-            repeats: int = 7, warmup: int = 2) -> Calibration:
+            repeats: int = 7, warmup: int = 2, overhead_rounds: int = 5) -> Calibration:
     """Start ``nproc`` processes and measure (see the module docstring); fit alpha and B over
-    the pooled points of every pair (one shared-memory mesh: one figure for all links)."""
+    the pooled points of every pair (one shared-memory mesh: one figure for all links), then
+    the executor's overheads (``overhead_rounds`` rounds of the probe chains; 0: skip, leaving
+    both overheads 0)."""
     if nproc < 1:
         raise ValueError(f"calibrate: nproc = {nproc}: must be >= 1")
     if backend != "gloo":
         raise ValueError(f"calibrate: backend {backend!r}: only gloo (CPU processes) is calibrated here")
     sizes = sorted(int(s) for s in sizes)
-    results = spawn(_worker, nproc, (tuple(sizes), repeats, warmup), backend)
+    if overhead_rounds < 0:
+        raise ValueError(f"calibrate: overhead_rounds = {overhead_rounds}: must be >= 0")
+    results = spawn(_worker, nproc, (tuple(sizes), repeats, warmup, overhead_rounds), backend)
     threads, cores = threads_per_process(nproc), os.cpu_count() or 1
     p2p = {k: v for r in results for k, v in r["p2p"].items()}
     points = [pt for v in p2p.values() for pt in v]
@@ -154,11 +173,17 @@ def measure(nproc: int, backend: str = "gloo", sizes: Sequence[int] = DEFAULT_SI
         alpha, bandwidth, r2 = 20e-6, 2e9, float("nan")
     allreduce = [[s, t, ring_allreduce_seconds(nproc, s, alpha, bandwidth)] for s, t in results[0]["allreduce"]]
     ratios = [t / f for _, t, f in allreduce if f > 0]
-    return Calibration(
+    cal = Calibration(
         nproc, threads, cores, device_kind(nproc, threads, cores), alpha, bandwidth, r2,
         statistics.median(ratios) if ratios else float("nan"),
         [r["flops"] for r in results], [r["memory_bandwidth"] for r in results],
-        max(r["op_overhead"] for r in results), p2p, allreduce)
+        max(r["op_overhead"] for r in results), p2p=p2p, allreduce=allreduce)
+    if overhead_rounds:
+        raw = results[0]["overheads"]  # every time in it is already the slowest rank's
+        fit = fit_overheads(raw, alpha, bandwidth)
+        cal.task_overhead, cal.message_overhead = fit.task_overhead, fit.message_overhead
+        cal.overheads = {**raw, "task_slopes": fit.task_slopes, "message_slopes": fit.message_slopes}
+    return cal
 
 
 def warm_profile(model: str, topology: Topology, cache_path: str | os.PathLike, variant: str = "tiny") -> int:
@@ -197,11 +222,11 @@ def report_path(topology_path: str | os.PathLike) -> Path:
 
 def calibrate(nproc: int, backend: str = "gloo", sizes: Sequence[int] = DEFAULT_SIZES,
               model: str | None = None, *, out: str | os.PathLike | None = None,
-              variant: str = "tiny", repeats: int = 7) -> Topology:
+              variant: str = "tiny", repeats: int = 7, overhead_rounds: int = 5) -> Topology:
     """Measure, build ``calibrated-cpu-N``; with ``out`` save it there and the fit report beside
     it (``report_path``); with ``model`` also warm the profiled cache (``<out stem>.profile.json``
     beside it, else the default cache) for that model's baseline plans."""
-    cal = measure(nproc, backend, sizes, repeats=repeats)
+    cal = measure(nproc, backend, sizes, repeats=repeats, overhead_rounds=overhead_rounds)
     topo = cal.topology()
     if model is not None:
         cache = Path(out).with_name(f"{Path(out).stem}.profile.json") if out is not None else None

@@ -8,8 +8,8 @@ import pytest
 from simulator.comm import allreduce_time, transfer_time
 from simulator.simulate import simulate_plan
 from simulator.topology import Topology
-from soapsearch.calibrate.fit import (build_topology, device_kind, fit_alpha_beta, ring_allreduce_seconds,
-                                      spearman)
+from soapsearch.calibrate.fit import (build_topology, device_kind, fit_alpha_beta, fit_overheads,
+                                      ring_allreduce_seconds, spearman)
 from strategies import baseline
 
 SIZES = [1 << k for k in range(10, 25)]
@@ -64,3 +64,63 @@ def test_spearman():
     assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
     assert spearman([1, 2, 3], [1, 3, 2]) == pytest.approx(0.5)
     assert spearman([1, 1, 2], [1, 2, 3]) == pytest.approx(0.8660254, rel=1e-6)
+
+
+def _probe_times(task, message, alpha, bandwidth, rounds=7, noise=0.03, seed=0):
+    """Synthetic probe-chain times (the model ``fit_overheads`` states) with multiplicative
+    noise, and one round slowed 5x throughout (a burst of load from elsewhere)."""
+    rng = np.random.default_rng(seed)
+    sizes, piece_bytes = [4, 16, 32], 512
+    pieces = [2 * (k + 1) for k in sizes]
+    kernel = 20e-6  # eager fwd + bwd per tanh
+    out = []
+    for r in range(rounds):
+        slow = 5.0 if r == 2 else 1.0
+        jitter = lambda: 1 + rng.normal(0, noise)  # noqa: E731
+        eager = [(0.3e-3 + k * kernel) * jitter() for k in sizes]
+        dp = [(8e-3 + k * (kernel + 2 * task)) * slow * jitter() for k in sizes]
+        one = [(2e-3 + k * (kernel + 2 * task)) * slow * jitter() for k in sizes]
+        rr = [(one[i] / slow + 1e-3 + p * (alpha + piece_bytes / bandwidth + message)) * slow * jitter()
+              for i, p in enumerate(pieces)]
+        out.append({"eager": eager, "data_parallel": dp, "one_device": one, "round_robin": rr})
+    return {"sizes": sizes, "pieces": pieces, "piece_bytes": piece_bytes, "rounds": out}
+
+
+@pytest.mark.parametrize("task,message", [(150e-6, 60e-6), (600e-6, 1.2e-3), (40e-6, 0.0)])
+def test_fit_overheads_recovers_known_overheads_from_noisy_times(task, message):
+    alpha, bandwidth = 180e-6, 1.5e9
+    fit = fit_overheads(_probe_times(task, message, alpha, bandwidth), alpha, bandwidth)
+    assert fit.task_overhead == pytest.approx(task, rel=0.1)
+    assert fit.message_overhead == pytest.approx(message, rel=0.1, abs=15e-6)
+    assert len(fit.task_slopes) == len(fit.message_slopes) == 7
+    exact = fit_overheads(_probe_times(task, message, alpha, bandwidth, noise=0.0), alpha, bandwidth)
+    assert exact.task_overhead == pytest.approx(task, rel=1e-9)
+    assert exact.message_overhead == pytest.approx(message, rel=1e-9, abs=1e-12)
+
+
+def test_fit_overheads_one_process_clamps_and_rejects_bad_input():
+    raw = _probe_times(100e-6, 50e-6, 1e-4, 1e9)
+    for r in raw["rounds"]:
+        del r["round_robin"]
+    fit = fit_overheads({**raw, "pieces": []}, 1e-4, 1e9)  # one process: nothing is received
+    assert fit.message_overhead == 0.0 and fit.message_slopes == []
+    assert fit.task_overhead == pytest.approx(100e-6, rel=0.1)
+    # a link slower than the pieces' measured slope: no negative overhead
+    assert fit_overheads(_probe_times(100e-6, 0.0, 1e-4, 1e9), 5e-4, 1e9).message_overhead == 0.0
+    with pytest.raises(ValueError, match=r"need >= 2 distinct chain sizes"):
+        fit_overheads({**raw, "sizes": [4, 4, 4]}, 1e-4, 1e9)
+    bad = _probe_times(100e-6, 50e-6, 1e-4, 1e9)
+    bad["rounds"][1]["eager"] = [1e-3, float("nan"), 1e-3]
+    with pytest.raises(ValueError, match=r"round 1 'eager': \[0.001, nan, 0.001\] is not one finite time > 0"):
+        fit_overheads(bad, 1e-4, 1e9)
+    with pytest.raises(ValueError, match=r"pieces \[6, 6, 6\]: need one count per size"):
+        fit_overheads({**_probe_times(1e-4, 0, 1e-4, 1e9), "pieces": [6, 6, 6]}, 1e-4, 1e9)
+
+
+def test_calibrated_topology_carries_the_overheads_through_json(tmp_path):
+    topo = build_topology(4, 200e-6, 1.5e9, 2e10, 7e9, kind="cpu-shared-4on2", task_overhead=2.5e-4,
+                          message_overhead=8e-5)
+    assert all((d.task_overhead, d.message_overhead) == (2.5e-4, 8e-5) for d in topo.devices)
+    topo.save(tmp_path / "t.json")
+    back = Topology.load(tmp_path / "t.json")
+    assert back == topo and back.devices[3].task_overhead == 2.5e-4 and back.devices[3].message_overhead == 8e-5

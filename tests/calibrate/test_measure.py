@@ -17,10 +17,10 @@ pytestmark = pytest.mark.distributed
 
 def test_calibrate_two_processes_gives_positive_finite_figures(tmp_path):
     out = tmp_path / "topology.json"
-    topo = calibrate(2, sizes=(1 << 10, 1 << 14, 1 << 22, 1 << 24), out=out, repeats=3)
+    topo = calibrate(2, sizes=(1 << 10, 1 << 14, 1 << 22, 1 << 24), out=out, repeats=3, overhead_rounds=2)
     assert topo.name == "calibrated-cpu-2" and topo.num_devices == 2
     report = json.loads(report_path(out).read_text())
-    for key in ("alpha", "bandwidth", "op_overhead", "allreduce_ratio"):
+    for key in ("alpha", "bandwidth", "op_overhead", "allreduce_ratio", "task_overhead", "message_overhead"):
         assert math.isfinite(report[key]) and report[key] >= 0, key
     assert report["bandwidth"] > 1e6  # > 1 MB/s: even TCP loopback does better
     assert len(report["flops"]) == 2 and all(1e8 < f < 1e13 for f in report["flops"])
@@ -28,6 +28,13 @@ def test_calibrate_two_processes_gives_positive_finite_figures(tmp_path):
     assert Topology.load(out) == topo
     dev = topo.devices[0]
     assert dev.peak_flops["float32"] == min(report["flops"]) and dev.kind == report["kind"]
+    # the executor costs something per partition beyond its kernels (µs at least, not seconds)
+    assert 1e-6 < report["task_overhead"] < 0.1 and report["message_overhead"] < 0.1
+    assert all((d.task_overhead, d.message_overhead) == (report["task_overhead"], report["message_overhead"])
+               for d in topo.devices)
+    probe = report["overheads"]
+    assert probe["sizes"] == [4, 16, 32] and probe["pieces"] == [2 * (k + 1) for k in probe["sizes"]]
+    assert probe["piece_bytes"] == 2 * 4 * 16 * 4 and len(probe["rounds"]) == len(probe["task_slopes"]) == 2
 
 
 def test_compare_runs_a_plan_and_writes_both_timelines(tmp_path):

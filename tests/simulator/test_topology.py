@@ -217,3 +217,24 @@ def test_describe_summarises_devices_links_and_routes():
     assert "route inside a node: 1 link(s), 2 µs latency, 20 GB/s bottleneck" in text
     assert "route between nodes: 2 link(s), 5 µs latency, 12.5 GB/s bottleneck" in text
     assert "links: 0" in get_topology("local-cpu-1").describe()
+
+
+def test_device_overheads_round_trip_default_to_zero_and_are_checked(tmp_path):
+    base = get_topology("local-cpu-2")
+    devices = tuple(dataclasses.replace(d, task_overhead=1.5e-4, message_overhead=3e-5) for d in base.devices)
+    t = dataclasses.replace(base, devices=devices)
+    obj = t.to_json()
+    assert [(d["task_overhead"], d["message_overhead"]) for d in obj["devices"]] == [(1.5e-4, 3e-5)] * 2
+    back = Topology.from_json(json.loads(json.dumps(obj)))
+    assert back == t and back.devices[1].task_overhead == 1.5e-4 and back.devices[1].message_overhead == 3e-5
+    assert pickle.loads(pickle.dumps(t)).devices[0].task_overhead == 1.5e-4
+    t.save(tmp_path / "t.json")
+    assert Topology.load(tmp_path / "t.json") == t
+    assert "task_overhead" not in base.to_json()["devices"][0]  # a preset's JSON stays as it was
+    del obj["devices"][0]["message_overhead"]
+    assert Topology.from_json(obj).devices[0].message_overhead == 0.0
+    obj["devices"][1]["task_overhead"] = -1e-6
+    with pytest.raises(ValueError, match=r"devices\[1\].task_overhead = -1e-06: must be a finite number >= 0"):
+        Topology.from_json(obj)
+    with pytest.raises(ValueError, match=r"task_overhead \(0.0\) and message_overhead \(-1.0\) must be >= 0"):
+        dataclasses.replace(DEV, message_overhead=-1.0)
