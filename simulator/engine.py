@@ -19,14 +19,15 @@ def run_events(tg: TaskGraph) -> tuple[list[float], list[float]]:
     """Start and end time of every task; raises on a cycle (tasks that never become ready)."""
     n = len(tg)
     ready = [0.0] * n
-    remaining = list(tg.ndeps)
+    first, succ, ndeps = tg.adjacency()
+    remaining = list(ndeps)
     start = [0.0] * n
     end = [0.0] * n
     free = [0.0] * (tg.num_devices + tg.num_links)
     heap = [(0.0, t) for t in range(n) if remaining[t] == 0]
     heapq.heapify(heap)
     done = 0
-    duration, resources, succs = tg.duration, tg.resources, tg.succs
+    duration, resources = tg.duration, tg.resources
     push, pop = heapq.heappush, heapq.heappop
     while heap:
         r, t = pop(heap)
@@ -41,7 +42,8 @@ def run_events(tg: TaskGraph) -> tuple[list[float], list[float]]:
         start[t] = s
         end[t] = e
         done += 1
-        for u in succs[t]:
+        for i in range(first[t], first[t + 1]):
+            u = succ[i]
             if e > ready[u]:
                 ready[u] = e
             remaining[u] -= 1

@@ -3,9 +3,7 @@ kept for backward of the micro-batches in flight."""
 
 from __future__ import annotations
 
-from strategies.graph import DTYPE_BYTES
 from strategies.lowering import Lowered
-from strategies.region import box_numel
 from strategies.schedule import warmups
 
 __all__ = ["peak_memory", "OPTIMIZER_STATE"]
@@ -27,14 +25,9 @@ def peak_memory(lowered: Lowered, optimizer: str = "sgd") -> list[int]:
         for d in s.devices:
             mem[d] += s.nbytes * (per if s.trainable else 1)
     act = [0] * n
-    graph = lowered.graph
-    for node in graph:
-        itemsize = DTYPE_BYTES[node.output.dtype]
-        for p in lowered.partitions[node.name][0]:
-            act[p.device] += itemsize * box_numel(p.box) if node.kind != "loss" else 8
-    for t in lowered.transfers:
-        if t.microbatch == 0 and not t.local:
-            act[t.dst_device] += t.nbytes
+    for pieces in lowered.pieces.values():
+        for d, nbytes in pieces.activations:
+            act[d] += nbytes
     # a device holds the activations of the micro-batches it has warmed up (schedule.py)
     ws = warmups(lowered)
     return [mem[d] + ws.get(d, 0) * act[d] for d in range(n)]

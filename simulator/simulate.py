@@ -10,7 +10,7 @@ from simulator.engine import run_events
 from simulator.memory import peak_memory
 from simulator.presets import get_topology
 from simulator.result import SimResult, summarize
-from simulator.tasks import build_tasks
+from simulator.tasks import TaskCache, build_tasks
 from simulator.topology import Topology
 from strategies.graph import OpGraph
 from strategies.lowering import Lowered, lower
@@ -21,16 +21,17 @@ __all__ = ["simulate_plan"]
 
 def simulate_plan(graph: OpGraph, strategy: Strategy | Lowered, topology: Topology | str,
                   cost_model: CostModel | str = "analytical", *, optimizer: str = "sgd",
-                  timeline: bool = False, summary: bool = True) -> SimResult:
+                  timeline: bool = False, summary: bool = True, cache: TaskCache | None = None) -> SimResult:
     """Lower ``strategy`` (or take it lowered), build the task graph, run the event simulation
     and measure memory. Same inputs, same result, bit for bit. ``summary=False`` (for scoring
     many candidates) leaves busy times and bytes moved empty and skips their pass over the
-    tasks; iteration time and memory are the same."""
+    tasks; iteration time and memory are the same. ``cache`` reuses the task blocks of ops
+    whose lowered pieces are unchanged (delta simulation: see ``simulator.tasks``)."""
     topo = get_topology(topology) if isinstance(topology, str) else topology
     cost = get_cost_model(cost_model) if isinstance(cost_model, str) else cost_model
     with _no_gc():  # tens of thousands of small tuples: the cyclic collector only adds pauses
         lowered = strategy if isinstance(strategy, Lowered) else lower(graph, strategy)
-        tg = build_tasks(lowered, topo, cost, optimizer)
+        tg = build_tasks(lowered, topo, cost, optimizer, cache)
         start, end = run_events(tg)
         peak = peak_memory(lowered, optimizer)
         if not summary:

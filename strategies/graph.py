@@ -165,6 +165,18 @@ class OpGraph:
             for src in node.inputs:
                 users[src].append(node.name)
         self._users = {k: tuple(v) for k, v in users.items()}
+        self.needs_grad: dict[str, bool] = {}
+        """Whether an op's output carries a gradient in training: a floating output that depends
+        on a trainable weight (the executor runs, and the simulator times, a backward only then)."""
+        for n in self.nodes:
+            floating = n.output.dtype.startswith(("float", "bfloat"))
+            if n.kind in ("input", "constant"):
+                self.needs_grad[n.name] = False
+            elif n.kind == "parameter":
+                self.needs_grad[n.name] = floating and any(w.trainable for w in n.weights)
+            else:
+                self.needs_grad[n.name] = floating and (any(w.trainable for w in n.weights)
+                                                        or any(self.needs_grad[s] for s in n.inputs))
 
     def __getitem__(self, name: str) -> OpNode:
         try:

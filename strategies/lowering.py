@@ -22,8 +22,8 @@ from strategies.strategy import Strategy
 
 WEIGHT_KINDS = ("parameter", "constant")
 
-__all__ = ["WEIGHT_KINDS", "Partition", "Transfer", "WeightShard", "ReductionGroup", "Lowered", "lower",
-           "partition_box_mb"]
+__all__ = ["WEIGHT_KINDS", "Partition", "Transfer", "WeightShard", "ReductionGroup", "OpPieces", "Lowered",
+           "lower", "partition_box_mb"]
 
 
 class Partition(NamedTuple):
@@ -86,6 +86,25 @@ class ReductionGroup:
     nbytes: int
 
 
+class OpPieces(NamedTuple):
+    """What one op contributes to a lowering; a function of its config, its producers' configs
+    and the micro-batch count only, so a search can reuse it for every unchanged op."""
+
+    partitions: tuple[tuple[Partition, ...], ...]
+    transfers: tuple[Transfer, ...]
+    reductions: tuple[ReductionGroup, ...]
+    weight_reads: tuple[tuple[str, Box, int, str, int, bool], ...]
+    """(weight name, region, device, reading op, itemsize, trainable) for microbatch 0."""
+    weights_read: tuple[str, ...]
+    """The weight names in ``weight_reads``, once each."""
+    couples: frozenset[tuple[int, int]]
+    """Device pairs (a, b) where a's data flows to b: remote transfers into the op, and each
+    reduction's ring in both directions (``strategies.schedule.warmups`` reads them)."""
+    activations: tuple[tuple[int, int], ...]
+    """(device, bytes) kept for backward per micro-batch: each partition's output and each
+    remote piece it receives (``simulator.memory``)."""
+
+
 @dataclass(frozen=True)
 class Lowered:
     graph: OpGraph
@@ -95,6 +114,9 @@ class Lowered:
     transfers: tuple[Transfer, ...]
     weight_shards: tuple[WeightShard, ...]
     reductions: tuple[ReductionGroup, ...]
+    pieces: dict[str, OpPieces]
+    """op -> what it contributes (the same object for an unchanged op when lowered with a cache:
+    consumers of the lowering cache their own per-op work by its identity)."""
 
     @property
     def bytes_moved(self) -> int:
@@ -168,49 +190,60 @@ def _reduction_bytes(node: OpNode, name: str, box: Box) -> int:
     return 16
 
 
-class _OpPieces(NamedTuple):
-    """What one op contributes to a lowering; a function of its config, its producers' configs
-    and the micro-batch count only, so a search can reuse it for every unchanged op."""
-
-    partitions: tuple[tuple[Partition, ...], ...]
-    transfers: tuple[Transfer, ...]
-    reductions: tuple[ReductionGroup, ...]
-    weight_reads: tuple[tuple[str, Box, int, str, int, bool], ...]
-    """(weight name, region, device, reading op, itemsize, trainable) for microbatch 0."""
-
-
 def lower(graph: OpGraph, strategy: Strategy, cache: dict | None = None) -> Lowered:
     """Everything a plan does, derived once (DESIGN.md "The lowering"). ``cache`` (any dict kept
-    across calls for one graph) memoizes each op's pieces by the configs they depend on."""
-    strategy.validate(graph)
+    across calls for one graph) memoizes each op's pieces by the configs they depend on, and
+    each weight's shards by the pieces of the ops reading it; an op's config is validated when
+    its pieces are first derived."""
+    strategy.validate(graph, configs=cache is None)
     m = strategy.microbatches
     partitions: dict[str, tuple[tuple[Partition, ...], ...]] = {}
+    by_op: dict[str, OpPieces] = {}
     transfers: list[Transfer] = []
     reductions: list[ReductionGroup] = []
-    held: dict[str, dict[Box, set[int]]] = {}
-    readers: dict[str, list[str]] = {}
-    meta: dict[str, tuple[int, bool]] = {}
+    readers: dict[str, list[OpPieces]] = {}
     for node in graph:
         if cache is None:
             pieces = _lower_op(graph, strategy, node, m)
         else:
-            key = (node.name, m, strategy[node.name], tuple(strategy[src] for src in node.inputs))
+            key = (node.name, m, strategy.num_devices, strategy[node.name],
+                   tuple(strategy[src] for src in node.inputs))
             pieces = cache.get(key)
             if pieces is None:
+                strategy.validate_op(node)
                 pieces = cache[key] = _lower_op(graph, strategy, node, m)
+        by_op[node.name] = pieces
         partitions[node.name] = pieces.partitions
         transfers.extend(pieces.transfers)
         reductions.extend(pieces.reductions)
-        for name, region, device, reader, itemsize, trainable in pieces.weight_reads:
-            held.setdefault(name, {}).setdefault(region, set()).add(device)
-            readers.setdefault(name, []).append(reader)
-            meta[name] = (itemsize, trainable)
-    shards = [s for name, regions in held.items()
-              for s in _shards(name, regions, *meta[name], tuple(dict.fromkeys(readers[name])))]
-    return Lowered(graph, strategy, partitions, tuple(transfers), tuple(shards), tuple(reductions))
+        for name in pieces.weights_read:
+            readers.setdefault(name, []).append(pieces)
+    shards: list[WeightShard] = []
+    for name, read_by in readers.items():
+        hit = cache.get(("shards", name)) if cache is not None else None
+        if hit is not None and len(hit[0]) == len(read_by) and all(a is b for a, b in zip(hit[0], read_by)):
+            shards.extend(hit[1])
+            continue
+        mine = _weight_shards(name, read_by)
+        if cache is not None:
+            cache[("shards", name)] = (read_by, mine)  # holding the pieces keeps the test by identity sound
+        shards.extend(mine)
+    return Lowered(graph, strategy, partitions, tuple(transfers), tuple(shards), tuple(reductions), by_op)
 
 
-def _lower_op(graph: OpGraph, strategy: Strategy, node: OpNode, m: int) -> _OpPieces:
+def _weight_shards(name: str, read_by: list[OpPieces]) -> list[WeightShard]:
+    held: dict[Box, set[int]] = {}
+    ops: dict[str, None] = {}
+    for pieces in read_by:
+        for w, region, device, reader, itemsize, trainable in pieces.weight_reads:
+            if w == name:
+                held.setdefault(region, set()).add(device)
+                ops[reader] = None
+                meta = (itemsize, trainable)
+    return _shards(name, held, *meta, tuple(ops))
+
+
+def _lower_op(graph: OpGraph, strategy: Strategy, node: OpNode, m: int) -> OpPieces:
     cfg = strategy[node.name]
     rule = get_rule(node.kind)
     per_mb, transfers, reductions, reads = [], [], [], []
@@ -251,7 +284,18 @@ def _lower_op(graph: OpGraph, strategy: Strategy, node: OpNode, m: int) -> _OpPi
         per_mb.append(tuple(parts))
         reductions.extend(_groups(node, cfg.degrees, cfg.devices, rule.reductions(node, cfg.degrees),
                                   parts, j))
-    return _OpPieces(tuple(per_mb), tuple(transfers), tuple(reductions), tuple(reads))
+    couples = {(t.src_device, t.dst_device) for t in transfers if not t.local}
+    for g in reductions:  # a collective couples its devices both ways
+        couples.update(zip(g.devices, g.devices[1:] + g.devices[:1]))
+    kept: dict[int, int] = {}
+    itemsize = DTYPE_BYTES[node.output.dtype]
+    for p in per_mb[0]:
+        kept[p.device] = kept.get(p.device, 0) + (8 if node.kind == "loss" else itemsize * box_numel(p.box))
+    for t in transfers:
+        if t.microbatch == 0 and not t.local:
+            kept[t.dst_device] += t.nbytes
+    return OpPieces(tuple(per_mb), tuple(transfers), tuple(reductions), tuple(reads),
+                    tuple(dict.fromkeys(r[0] for r in reads)), frozenset(couples), tuple(sorted(kept.items())))
 
 
 def _groups(node: OpNode, degrees: Sequence[int], devices: Sequence[int], reds, parts,

@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 from strategies.lowering import Lowered
 
-__all__ = ["Step", "device_order", "stages", "warmup", "warmups"]
+__all__ = ["Step", "device_order", "passes", "stages", "warmup", "warmups"]
 
 
 class Step(NamedTuple):
@@ -44,17 +44,14 @@ def stages(lowered: Lowered) -> list[tuple[int, ...]]:
 def warmups(lowered: Lowered) -> dict[int, int]:
     """Device -> forwards it runs before its first backward (see the module docstring)."""
     m = lowered.strategy.microbatches
-    devices = sorted({p.device for per_mb in lowered.partitions.values() for p in per_mb[0]})
+    devices = lowered.strategy.devices_used
     if lowered.strategy.schedule == "gpipe" or m == 1:
         return {d: m for d in devices}
     succ: dict[int, set[int]] = {d: set() for d in devices}
-    for t in lowered.transfers:
-        if t.src_device != t.dst_device:
-            succ[t.src_device].add(t.dst_device)
-    for g in lowered.reductions:  # a collective couples its devices both ways
-        for a, b in zip(g.devices, g.devices[1:] + g.devices[:1]):
+    for pieces in lowered.pieces.values():
+        for a, b in pieces.couples:
             succ[a].add(b)
-    group = _components(devices, succ)
+    group = _components(list(devices), succ)
     down: dict[int, set[int]] = {}
     for a in devices:
         for b in succ[a]:
@@ -123,14 +120,19 @@ def device_order(lowered: Lowered) -> dict[int, list[Step]]:
     order: dict[int, list[Step]] = {}
     ws = warmups(lowered)
     for device, per_mb in sorted(fwd.items()):
-        w = ws[device]
-        bwd = [[Step(True, s.op, s.index, s.microbatch) for s in reversed(steps)] for steps in per_mb]
         seq: list[Step] = []
-        for j in range(w):
-            seq += per_mb[j]
-        for j in range(m - w):
-            seq += bwd[j] + per_mb[j + w]
-        for j in range(m - w, m):
-            seq += bwd[j]
+        for backward, j in passes(m, ws[device]):
+            seq += [Step(True, s.op, s.index, j) for s in reversed(per_mb[j])] if backward else per_mb[j]
         order[device] = seq
     return order
+
+
+def passes(microbatches: int, warmup: int) -> list[tuple[bool, int]]:
+    """One device's passes in order, (backward?, micro-batch): ``warmup`` forwards, then one
+    backward and one forward alternately, then the remaining backwards. A backward pass runs
+    the device's forward steps of that micro-batch in reverse."""
+    m, w = microbatches, warmup
+    out = [(False, j) for j in range(w)]
+    for j in range(m - w):
+        out += [(True, j), (False, j + w)]
+    return out + [(True, j) for j in range(m - w, m)]

@@ -7,7 +7,7 @@ from typing import Iterator, Mapping
 
 from strategies.config import ParallelConfig, validate_config
 from strategies.errors import PlanError
-from strategies.graph import OpGraph
+from strategies.graph import OpGraph, OpNode
 
 __all__ = ["Strategy", "SCHEDULES"]
 
@@ -74,9 +74,9 @@ class Strategy:
     def devices_used(self) -> tuple[int, ...]:
         return tuple(sorted({d for _, c in self.configs for d in c.devices}))
 
-    def validate(self, graph: OpGraph, where: str = "") -> None:
+    def validate(self, graph: OpGraph, where: str = "", configs: bool = True) -> None:
         """Raise PlanError unless this is a valid plan for ``graph``: every op has a config and
-        no other op does, and each config is valid for its op."""
+        no other op does, and (``configs``) each config is valid for its op."""
         missing = [n.name for n in graph if n.name not in self._index]
         if missing:
             raise PlanError(missing[0], "ops", missing[:5],
@@ -85,8 +85,13 @@ class Strategy:
         if extra:
             raise PlanError(extra[0], "ops", extra[:5],
                             f"{len(extra)} op(s) of the plan are not in the model", where)
-        for node in graph:
-            try:
-                validate_config(node, self._index[node.name], self.num_devices, self.microbatches)
-            except PlanError as e:
-                raise PlanError(node.name, e.field, e.value, e.rule, where) from None
+        if configs:
+            for node in graph:
+                self.validate_op(node, where)
+
+    def validate_op(self, node: OpNode, where: str = "") -> None:
+        """Raise PlanError unless this plan's config of ``node`` is valid for it."""
+        try:
+            validate_config(node, self._index[node.name], self.num_devices, self.microbatches)
+        except PlanError as e:
+            raise PlanError(node.name, e.field, e.value, e.rule, where) from None

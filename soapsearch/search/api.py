@@ -15,6 +15,7 @@ from simulator.cost import CostModel, get_cost_model
 from simulator.presets import get_topology
 from simulator.result import SimResult
 from simulator.simulate import simulate_plan
+from simulator.tasks import TaskCache
 from simulator.topology import Topology
 from soapsearch.search.mcmc import (Budget, ChainStats, candidate_configs, consider, plan_cost,
                                     run_chain)
@@ -33,6 +34,7 @@ class Evaluator:
     def __init__(self, graph: OpGraph, topology: Topology, cost: CostModel, optimizer: str = "sgd"):
         self.graph, self.topology, self.cost, self.optimizer = graph, topology, cost, optimizer
         self._cache: dict = {}
+        self._tasks = TaskCache(topology, cost)
         self.calls = 0
 
     def __call__(self, plan: Strategy, summary: bool = False) -> SimResult:
@@ -41,7 +43,7 @@ class Evaluator:
         if len(self._cache) > 200_000:
             self._cache.clear()
         return simulate_plan(self.graph, lower(self.graph, plan, self._cache), self.topology,
-                             self.cost, optimizer=self.optimizer, summary=summary)
+                             self.cost, optimizer=self.optimizer, summary=summary, cache=self._tasks)
 
 
 @dataclass
