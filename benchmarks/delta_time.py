@@ -1,0 +1,100 @@
+"""Delta vs full simulation per MCMC proposal: each model at paper scale (64 samples per device)
+on the 16 devices of p100-4x4, analytical costs. From data parallel, draws random one-op
+proposals (as the search does) and times, per proposal, (a) a full simulation from scratch and
+(b) the search's Evaluator, which re-derives only the changed op's and its consumers' lowering
+and task blocks (the chain's current plan is evaluated before each proposal, as MCMC does).
+Checks both give the same iteration time and prints the medians, by phase, and their ratio.
+Asserts nothing but that equality.
+
+    python benchmarks/delta_time.py [--models resnet101,inception_v3] [--proposals 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import random
+import statistics
+import time
+
+from simulator.cost import get_cost_model
+from simulator.engine import run_events
+from simulator.memory import peak_memory
+from simulator.presets import get_topology
+from simulator.tasks import TaskCache, build_tasks
+from soapsearch import trace, zoo
+from soapsearch.search.mcmc import candidate_configs
+from strategies import data_parallel
+from strategies.lowering import lower
+
+PHASES = ("lower", "tasks", "events", "memory", "total")
+
+
+def _timed(graph, plan, topo, cost, lowering_cache, task_cache) -> tuple[float, list[float]]:
+    t0 = time.perf_counter()
+    low = lower(graph, plan, lowering_cache)
+    t1 = time.perf_counter()
+    tg = build_tasks(low, topo, cost, "sgd", task_cache)
+    t2 = time.perf_counter()
+    _, end = run_events(tg)
+    t3 = time.perf_counter()
+    peak_memory(low)
+    t4 = time.perf_counter()
+    return max(end), [t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--models", default="resnet101,inception_v3")
+    ap.add_argument("--devices", type=int, default=16)
+    ap.add_argument("--topology", default="p100-4x4")
+    ap.add_argument("--proposals", type=int, default=30)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    topo = get_topology(args.topology)
+    cost = get_cost_model("analytical")
+    print(f"{'model':14s} {'tasks':>6s} {'mode':6s} " + " ".join(f"{p + ' ms':>10s}" for p in PHASES)
+          + f" {'proposals/s':>12s} {'full/delta':>10s}")
+    for name in args.models.split(","):
+        model, inputs = zoo.build(name, "default", device="meta")
+        batch = inputs[0].shape[0] * args.devices  # the zoo's batch is per device (FlexFlow's 64)
+        model, inputs = zoo.build(name, "default", device="meta", batch_size=batch)
+        graph = trace(model, inputs, name=name)
+        plan = data_parallel(graph, args.devices)
+        candidates = candidate_configs(graph, args.devices, 1, topo.node_size)
+        ops = [op for op, cfgs in candidates.items() if len(cfgs) > 1]
+        rng = random.Random(args.seed)
+        proposals = []
+        while len(proposals) < args.proposals:
+            op = rng.choice(ops)
+            cfg = rng.choice(candidates[op])
+            if cfg != plan[op]:
+                proposals.append(plan.replace(op, cfg))
+        lowering_cache: dict = {}
+        task_cache = TaskCache(topo, cost)
+        gc.collect()
+        gc.disable()  # as simulate_plan does
+        try:
+            _timed(graph, plan, topo, cost, None, None)  # fills the cost model's memo
+            rows: dict[str, list[list[float]]] = {"full": [], "delta": []}
+            for proposal in proposals:
+                full_ms, full_t = _timed(graph, proposal, topo, cost, None, None)
+                _timed(graph, plan, topo, cost, lowering_cache, task_cache)  # the chain's current plan
+                delta_ms, delta_t = _timed(graph, proposal, topo, cost, lowering_cache, task_cache)
+                if full_ms != delta_ms:
+                    raise SystemExit(f"{name}: delta {delta_ms} != full {full_ms} s")
+                rows["full"].append(full_t)
+                rows["delta"].append(delta_t)
+        finally:
+            gc.enable()
+        tasks = len(build_tasks(lower(graph, plan), topo, cost))
+        med = {mode: [statistics.median(r[i] for r in rs) * 1e3 for i in range(len(PHASES))]
+               for mode, rs in rows.items()}
+        for mode in ("full", "delta"):
+            ratio = f"{med['full'][-1] / med['delta'][-1]:10.1f}" if mode == "delta" else f"{'':10s}"
+            print(f"{name:14s} {tasks:6d} {mode:6s} " + " ".join(f"{x:10.1f}" for x in med[mode])
+                  + f" {1e3 / med[mode][-1]:12.1f} {ratio}")
+
+
+if __name__ == "__main__":
+    main()

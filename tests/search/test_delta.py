@@ -1,0 +1,64 @@
+"""Delta simulation equals full simulation: a chain of random one-op proposals (accepted at
+random, as MCMC walks) is scored by the search's Evaluator, which reuses every unchanged op's
+lowering and task block, and by a from-scratch simulation; every figure must be identical."""
+
+import random
+
+import pytest
+
+from simulator.cost import get_cost_model
+from simulator.devices import DeviceSpec
+from simulator.presets import get_topology
+from simulator.simulate import simulate_plan
+from simulator.topology import Topology
+from soapsearch.search.api import Evaluator
+from soapsearch.search.mcmc import candidate_configs
+from strategies import data_parallel, owt
+from tests.conftest import traced
+
+
+def _with_overheads(topo: Topology) -> Topology:
+    """``topo`` with host overheads set, so the receive tasks are in the graph too."""
+    devices = tuple(DeviceSpec(d.kind, d.memory_bytes, dict(d.peak_flops), d.memory_bandwidth, d.node,
+                               task_overhead=3e-5, message_overhead=2e-5) for d in topo.devices)
+    return Topology(topo.name + "+overheads", devices, topo.links, topo.routes)
+
+
+CASES = [  # model, topology, micro-batches, schedule, proposals
+    ("resnet101", "p100-2x2", 1, "gpipe", 250),
+    ("inception_v3", "p100-1x4", 2, "1f1b", 120),
+    ("gpt", "p100-2x2", 2, "1f1b", 180),
+    ("nmt", "k80-2x4", 1, "gpipe", 300),
+    ("rnntc", "p100-2x2", 4, "gpipe", 300),
+    ("mlp", "local-cpu-4", 4, "1f1b", 400),
+    ("alexnet", "overheads", 2, "1f1b", 300),
+]
+
+
+@pytest.mark.parametrize("name,topology,microbatches,schedule,proposals", CASES)
+def test_delta_equals_full(name, topology, microbatches, schedule, proposals):
+    graph = traced(name, batch_size=16)
+    topo = _with_overheads(get_topology("p100-2x2")) if topology == "overheads" else get_topology(topology)
+    n = topo.num_devices
+    cost = get_cost_model("analytical")
+    evaluate = Evaluator(graph, topo, cost)
+    candidates = candidate_configs(graph, n, microbatches, topo.node_size)
+    ops = [op for op, cfgs in candidates.items() if len(cfgs) > 1]
+    rng = random.Random(hash((name, topology)) & 0xFFFF)
+    start = data_parallel(graph, n) if rng.random() < 0.5 else owt(graph, n)
+    current = start.with_microbatches(microbatches, schedule)
+    changed = 0
+    for _ in range(proposals):
+        op = rng.choice(ops)
+        proposal = current.replace(op, rng.choice(candidates[op]))
+        delta = evaluate(proposal, summary=True)
+        full = simulate_plan(graph, proposal, topo, cost, summary=True)
+        assert delta.iteration_time == full.iteration_time, (name, op, proposal[op].show())
+        assert delta.peak_memory_bytes == full.peak_memory_bytes
+        assert delta.busy_time == full.busy_time
+        assert delta.bytes_moved == full.bytes_moved
+        assert delta.num_tasks == full.num_tasks
+        if rng.random() < 0.5:
+            changed += proposal[op] != current[op]
+            current = proposal
+    assert changed > proposals // 5  # the walk really moved
