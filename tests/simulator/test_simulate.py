@@ -159,3 +159,35 @@ def test_chrome_trace_has_a_lane_per_device_and_link(tmp_path):
     lanes = {e["args"]["name"] for e in tr["traceEvents"] if e["name"] == "thread_name"}
     assert "compute" in lanes and any(l.startswith("nvlink") for l in lanes)
     assert max(e["ts"] + e["dur"] for e in xs) == pytest.approx(result.iteration_time * 1e6, rel=1e-6)
+
+
+def test_host_overheads_add_to_busy_time_exactly():
+    """task_overhead o: each device's busy time grows by o per forward of a non-weight op and
+    per backward of an op carrying a gradient; message_overhead r: by r per piece it receives
+    (a forward piece on the consumer's device, its gradient on the producer's)."""
+    g = traced("mlp")
+    plan = model_parallel(g, 2)
+    base, o, r = mesh(2), 3e-4, 5e-5
+
+    def with_overheads(topo, task, message):
+        devices = tuple(DeviceSpec(d.kind, d.memory_bytes, dict(d.peak_flops), d.memory_bandwidth, d.node,
+                                   task_overhead=task, message_overhead=message) for d in topo.devices)
+        return Topology(topo.name, devices, topo.links, topo.routes)
+
+    lowered = lower(g, plan)
+    runs = {n.name for n in g if n.kind not in ("parameter", "constant")}
+    tasks = [0, 0]
+    for op, per_mb in lowered.partitions.items():
+        for p in per_mb[0]:
+            tasks[p.device] += (op in runs) + (op in runs and g.needs_grad[op])
+    received = [0, 0]
+    for t in lowered.transfers:
+        if not t.local:
+            received[t.dst_device] += 1
+            received[t.src_device] += 1
+    assert min(received) > 0 and min(tasks) > 0
+    plain = simulate_plan(g, plan, base, Perfect())
+    loaded = simulate_plan(g, plan, with_overheads(base, o, r), Perfect())
+    for d in range(2):
+        assert loaded.busy_time[d] - plain.busy_time[d] == pytest.approx(tasks[d] * o + received[d] * r, rel=1e-9)
+    assert loaded.iteration_time > plain.iteration_time
