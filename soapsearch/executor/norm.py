@@ -1,39 +1,109 @@
-"""Batchnorm's running statistics, which the op rule leaves alone (strategies/rules/norm.py):
-after each micro-batch's forward, every partition updates its channels' replica as torch's
-``F.batch_norm`` does in training (Ioffe & Szegedy 2015, eq. in Alg. 2; torch keeps the
-unbiased variance): r_mean = (1-f)·r_mean + f·mean, r_var = (1-f)·r_var + f·var·n/(n-1),
-with f = momentum, or 1/num_batches_tracked when momentum is None (a cumulative average).
-The statistics are read from the rule's two reductions (after the all-reduce): the first
-sums x per channel plus the element count n, the second sums (x - mean)² per channel."""
+"""Batchnorm partitions in training, run as torch runs them. The op rule
+(strategies/rules/norm.py) writes the same math as explicit sums and stays the ground truth;
+this is its fast form, which also keeps the running statistics.
+
+- A partition alone in its reduction group holds the whole batch of its channels: torch's
+  ``F.batch_norm`` in training mode gives its output and updates its running statistics, the
+  very call ``nn.BatchNorm2d`` makes.
+- A partition whose batch is split over a group runs torch.nn.SyncBatchNorm's algorithm (Ioffe
+  & Szegedy 2015 over the whole batch). Forward: each member's count n_i, mean μ_i and biased
+  variance σ_i² per channel, gathered in one all-reduce (each member fills its row) and combined
+  by the parallel variance formula (Chan, Golub & LeVeque 1979): N = Σn_i, μ = Σn_i·μ_i / N,
+  σ² = Σn_i·(σ_i² + (μ_i − μ)²) / N; then y = (x − μ)·invstd·w + b, invstd = 1/√(σ² + eps).
+  Backward: one all-reduce of the per-channel Σdy and Σdy·x̂ (x̂ = (x − μ)·invstd), then
+  dx = w·invstd·(dy − Σdy/N − x̂·Σ(dy·x̂)/N); dw = Σdy·x̂ and db = Σdy stay this member's own,
+  as the gradient sync sums the weight's replicas.
+
+Running statistics follow torch: r_mean = (1−f)·r_mean + f·μ, r_var = (1−f)·r_var +
+f·σ²·N/(N−1) (the unbiased variance), f = momentum, or 1/num_batches_tracked when momentum is
+None (a cumulative average).
+"""
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Mapping
 
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 
-from soapsearch.executor.shards import LocalWeights
 from strategies.graph import OpNode
-from strategies.region import Box
-from strategies.rules.norm import uses_batch_stats
 
-__all__ = ["update_running_stats"]
+__all__ = ["batch_norm"]
+
+_DIMS = (0, 2, 3)  # N, H, W of NCHW: what the batch statistics cover
 
 
-def update_running_stats(node: OpNode, box: Box, record: Sequence[torch.Tensor],
-                         weights: LocalWeights, batches_tracked: int) -> None:
-    """Update this partition's slice (channels ``box[1]``) of ``node``'s running statistics."""
-    rm, rv = node.weight("running_mean"), node.weight("running_var")
-    if rm is None or rv is None or not node.attrs["training"] or not uses_batch_stats(node):
-        return
-    if len(record) != 2:
-        raise RuntimeError(f"op {node.name!r}: expected the batchnorm rule's 2 reductions, saw {len(record)}")
-    total, squares = record
-    n = total[-1]
-    mean, var = total[:-1] / n, squares / n
-    momentum = node.attrs["momentum"]
-    f = 1.0 / batches_tracked if momentum is None else float(momentum)
+def _channel(t: torch.Tensor) -> torch.Tensor:
+    return t[None, :, None, None]
+
+
+def _stats_dtype(x: torch.Tensor) -> torch.Tensor:
+    return x if x.dtype in (torch.float32, torch.float64) else x.float()  # as torch: fp32 stats
+
+
+def batch_norm(node: OpNode, x: torch.Tensor, weights: Mapping[str, torch.Tensor], group,
+               member: int, members: int, batches_tracked: int) -> torch.Tensor:
+    """The output of a training-mode batchnorm partition (input ``x``, weight views by role),
+    updating its running statistics when it has them. ``group``: its reduction group's process
+    group (None when alone), where it is ``member`` of ``members``; ``batches_tracked``: the
+    op's num_batches_tracked including this batch."""
+    eps, momentum = node.attrs["eps"], node.attrs["momentum"]
+    w, b = weights.get("weight"), weights.get("bias")
+    r_mean, r_var = weights.get("running_mean"), weights.get("running_var")
+    f = 0.0 if r_mean is None else 1.0 / batches_tracked if momentum is None else float(momentum)
+    if group is None:
+        return F.batch_norm(x, r_mean, r_var, w, b, True, f, eps)
     with torch.no_grad():
-        r_mean, r_var = weights.view(rm.name, (box[1],)), weights.view(rv.name, (box[1],))
-        r_mean.mul_(1 - f).add_(f * mean.to(r_mean.dtype))
-        r_var.mul_(1 - f).add_(f * (var * n / (n - 1)).to(r_var.dtype))
+        mean, var, n = _group_stats(x, group, member, members)
+        if r_mean is not None and r_var is not None:
+            r_mean.mul_(1 - f).add_(f * mean.to(r_mean.dtype))
+            r_var.mul_(1 - f).add_(f * (var * n / (n - 1)).to(r_var.dtype))
+    return _SyncNorm.apply(x, w, b, mean, var, n, eps, group)
+
+
+def _group_stats(x: torch.Tensor, group, member: int, members: int):
+    """(μ, σ², N) per channel over the whole group's batch: one all-reduce of every member's
+    row (n_i, μ_i, σ_i²), combined by the parallel variance formula."""
+    acc = _stats_dtype(x)
+    c = x.shape[1]
+    var, mean = torch.var_mean(acc, dim=_DIMS, correction=0)
+    rows = acc.new_zeros(members, 2 * c + 1)
+    rows[member, :c], rows[member, c:2 * c], rows[member, -1] = mean, var, x.numel() // c
+    dist.all_reduce(rows, group=group)
+    counts, means, variances = rows[:, -1:], rows[:, :c], rows[:, c:2 * c]
+    n = counts.sum()
+    mean = (counts * means).sum(0) / n
+    var = (counts * (variances + (means - mean) ** 2)).sum(0) / n
+    return mean, var, n
+
+
+class _SyncNorm(torch.autograd.Function):
+    """y = (x − μ)·invstd·w + b with the group's (μ, σ²); its backward is SyncBatchNorm's (see
+    the module docstring): one all-reduce, the weight gradients local."""
+
+    @staticmethod
+    def forward(ctx, x, w, b, mean, var, n, eps, group):  # type: ignore[override]
+        ctx.save_for_backward(x, w, mean, var)
+        ctx.n, ctx.eps, ctx.group = n, eps, group
+        ctx.bias_dtype = b.dtype if b is not None else None
+        y = F.batch_norm(_stats_dtype(x), mean, var, w, b, False, 0.0, eps)
+        return y.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy):  # type: ignore[override]
+        x, w, mean, var = ctx.saved_tensors
+        acc, dy_acc = _stats_dtype(x), _stats_dtype(dy)
+        _, sum_dyx, sum_dy = torch.ops.aten.native_batch_norm_backward(
+            dy_acc, acc, w, mean, var, None, None, False, ctx.eps, [False, True, True])
+        c = x.shape[1]
+        total = torch.cat([sum_dy, sum_dyx])
+        dist.all_reduce(total, group=ctx.group)
+        invstd = torch.rsqrt(var + ctx.eps)
+        scale = invstd if w is None else invstd * w
+        k = invstd * total[c:] / ctx.n  # x̂·Σ(dy·x̂)/N = (x − μ)·k
+        dx = torch.addcmul(dy_acc - _channel(total[:c] / ctx.n), acc - _channel(mean), _channel(-k))
+        dx = (dx * _channel(scale)).to(x.dtype)
+        return (dx, sum_dyx.to(w.dtype) if w is not None else None,
+                sum_dy.to(ctx.bias_dtype) if ctx.bias_dtype is not None else None,
+                None, None, None, None, None)

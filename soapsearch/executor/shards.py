@@ -46,14 +46,33 @@ class LocalWeights:
             if dtype is not None and t.is_floating_point():
                 t = t.to(dtype)
             self.tensors[name] = t.requires_grad_(trainable[name] and t.is_floating_point())
+        self.buckets = self._buckets()
 
-    def view(self, name: str, region: Box) -> torch.Tensor:
-        """``region`` (global coordinates) of weight ``name``, a view of the local leaf."""
-        return self.tensors[name][slice_box(shift_box(region, self.origin[name]))]
+    def index(self, name: str, region: Box) -> tuple[slice, ...] | None:
+        """The view of weight ``name``'s local leaf that ``region`` (global coordinates) is; None
+        when it is the whole leaf."""
+        origin = self.origin[name]
+        return None if region == origin else slice_box(shift_box(region, origin))
+
+    def view(self, name: str, index: tuple[slice, ...] | None) -> torch.Tensor:
+        """The view ``index`` (from ``index``) of weight ``name``'s local leaf."""
+        t = self.tensors[name]
+        return t if index is None else t[index]
 
     def parameters(self) -> list[torch.Tensor]:
         """The trainable leaves, in a fixed order (for the optimizer)."""
         return [t for _, t in sorted(self.tensors.items()) if t.requires_grad]
+
+    def _buckets(self) -> list[tuple[tuple[int, ...], list[tuple[str, tuple[slice, ...]]]]]:
+        """The replicated trainable shards this rank holds, one bucket per (device set, dtype)
+        in sorted order: (devices, [(weight name, its slices)])."""
+        buckets: dict[tuple, list] = {}
+        for s in self.mine:
+            t = self.tensors[s.name]
+            if s.trainable and len(s.devices) > 1 and t.requires_grad:
+                sl = slice_box(shift_box(s.region, self.origin[s.name]))
+                buckets.setdefault((s.devices, str(t.dtype)), []).append((s.name, sl))
+        return [(key[0], items) for key, items in sorted(buckets.items())]
 
     def sync_grads(self, groups: ProcessGroups) -> None:
         """Sum each replicated trainable shard's gradient over its devices: one flat bucket
@@ -62,22 +81,15 @@ class LocalWeights:
         for t in self.parameters():
             if t.grad is None:
                 t.grad = torch.zeros_like(t)
-        buckets: dict[tuple, list] = {}
-        for s in self.mine:
-            if not s.trainable or len(s.devices) < 2:
-                continue
-            grad = self.tensors[s.name].grad
-            sl = slice_box(shift_box(s.region, self.origin[s.name]))
-            buckets.setdefault((s.devices, str(grad.dtype)), []).append((grad, sl))
         pending = []
-        for key in sorted(buckets):
-            items = buckets[key]
-            flat = torch.cat([g[sl].reshape(-1) for g, sl in items])
-            pending.append((dist.all_reduce(flat, group=groups.get(key[0]), async_op=True), flat, items))
-        for work, flat, items in pending:
+        for devices, items in self.buckets:
+            grads = [(self.tensors[name].grad, sl) for name, sl in items]
+            flat = torch.cat([g[sl].reshape(-1) for g, sl in grads])
+            pending.append((dist.all_reduce(flat, group=groups.get(devices), async_op=True), flat, grads))
+        for work, flat, grads in pending:
             work.wait()
             offset = 0
-            for g, sl in items:
+            for g, sl in grads:
                 n = g[sl].numel()
                 g[sl].copy_(flat[offset:offset + n].view_as(g[sl]))
                 offset += n

@@ -1,0 +1,263 @@
+"""What each partition of one rank does in a step, worked out once from the lowering, so that a
+step does no region arithmetic: where each input comes from (which slices of which tensors,
+which pieces arrive from which rank), what it sends, where its output gradient comes from and
+which partitions share one autograd graph. Plain data, no process group: ``recipes`` is pure.
+
+Autograd graphs (GPipe's per-stage graphs, Huang et al. 2019, cut only where they must be). A
+consumer reads a producer's output through a leaf copy (``x.detach().requires_grad_()``) and the
+producer's backward step calls autograd with the gradient its consumers' leaves collected,
+except where the producer is *linked*: its consumers read its output itself, so the backward
+call of the partition they lead to runs through it too (autograd sums a tensor's gradient over
+all its uses in one call). A partition is linked when its gradient can only arrive in one such
+call: its output is not the loss, every consumer that takes its gradient runs on this rank and
+reads the output as one whole input, it has no collective in its backward (a reduction group of
+more than one device, which must run at the partition's own step), and all those consumers lead
+to the same *root* (an unlinked partition; a linked one leads to its consumers' root). A root's
+backward step calls autograd once for itself and everything linked into it; a linked
+partition's backward step only sends its remote inputs' gradients, which that call filled. Its
+root consumes it on the same rank and micro-batch, and a rank's backward steps run in reverse
+topological order, so the root's step always comes first, and the order of sends and receives
+stays exactly that of ``device_order``. Data parallel thus runs one backward call per rank.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple, Sequence
+
+import torch
+
+from strategies.graph import OpGraph, OpNode
+from strategies.lowering import WEIGHT_KINDS, Lowered, Partition, Transfer
+from strategies.region import Box, box_shape, shift_box, slice_box
+from strategies.schedule import Step
+
+__all__ = ["Piece", "Slot", "Send", "Recipe", "recipes", "needs_grad", "loss_on_every_rank", "SKIP", "LINKED", "ROOT"]
+
+Index = "tuple[slice, ...] | None"  # None: the whole tensor
+SKIP, LINKED, ROOT = "skip", "linked", "root"
+
+
+class Piece(NamedTuple):
+    """One transfer's part of a buffer: received from rank ``peer`` (tag: the ``transfer``'s
+    index), or local (``peer`` None) from task ``task``'s tensor (its input ``slot`` leaf for a
+    gradient) at ``src``. It fills ``into`` of the buffer (None: all of it)."""
+
+    transfer: int
+    peer: int | None
+    task: int | None
+    slot: int
+    src: Index
+    into: Index
+    shape: tuple[int, ...]
+    what: str
+
+
+class Slot(NamedTuple):
+    """How an input of a partition is read: a view ``index`` of local ``weight``, or the
+    ``pieces`` of a producer's output (``shape``, ``dtype``); ``leaf`` cuts the graph there with a
+    leaf copy, ``link`` keeps it (the producer is linked); neither: no gradient, detached."""
+
+    weight: str | None
+    index: Index
+    pieces: tuple[Piece, ...]
+    shape: tuple[int, ...]
+    dtype: torch.dtype | None
+    leaf: bool
+    link: bool
+
+
+class Send(NamedTuple):
+    """Send ``src`` of the output (``slot`` None) or of input ``slot``'s leaf gradient (zeros
+    of ``shape``, ``dtype`` when it got none) to rank ``peer``, tagged by the ``transfer``."""
+
+    transfer: int
+    peer: int
+    src: Index
+    slot: int | None = None
+    shape: tuple[int, ...] = ()
+    dtype: torch.dtype | None = None
+
+
+class Recipe(NamedTuple):
+    """One partition of this rank: task ``id`` (its index in ``recipes``' list)."""
+
+    id: int
+    part: Partition
+    node: OpNode
+    forward_name: str
+    backward_name: str
+    box: tuple[slice, ...]
+    slots: tuple[Slot | None, ...]
+    weights: tuple[tuple[str, str, Index], ...]
+    """(role, local weight name, view index)."""
+    group: tuple[int, ...] | None
+    """The devices (sorted) of its reduction group when more than one: its collectives."""
+    sends: tuple[Send, ...]
+    loss: bool
+    """This rank counts its output in the step's loss (see ``loss_on_every_rank``)."""
+    backward: str
+    """SKIP (no gradient), LINKED (its root's call covers it) or ROOT (one autograd call)."""
+    seed: float | None
+    """A loss partition's output gradient (see the runtime's module docstring)."""
+    grad_pieces: tuple[Piece, ...]
+    grad_whole: bool
+    """Every gradient piece covers the whole output: sum them, no buffer."""
+    grad_sends: tuple[Send, ...]
+
+
+def needs_grad(graph: OpGraph) -> dict[str, bool]:
+    """Whether an op's output carries a gradient: a floating output that depends on a trainable
+    weight. Both ends of a transfer decide from this alone whether its gradient moves, so sends
+    and receives always pair."""
+    out: dict[str, bool] = {}
+    for n in graph:
+        floating = n.output.dtype.startswith(("float", "bfloat"))
+        if n.kind == "input" or n.kind == "constant":
+            out[n.name] = False
+        elif n.kind == "parameter":
+            out[n.name] = floating and any(w.trainable for w in n.weights)
+        else:
+            out[n.name] = floating and (any(w.trainable for w in n.weights)
+                                        or any(out[s] for s in n.inputs))
+    return out
+
+
+def loss_on_every_rank(low: Lowered) -> bool:
+    """Every device holds a partition of the loss op in every micro-batch. Each partition of
+    the loss holds the whole micro-batch loss (its rule sums over all of them), so every rank
+    then knows the step's loss without a collective; otherwise partition 0's rank counts it and
+    an all-reduce tells the others."""
+    everyone = set(range(low.strategy.num_devices))
+    return all({p.device for p in parts} == everyone for parts in low.partitions[low.graph.outputs[0]])
+
+
+def _index(region: Box, origin: Box) -> Index:
+    """The slices that cut ``region`` out of a tensor covering ``origin`` (None: all of it)."""
+    return None if region == origin else slice_box(shift_box(region, origin))
+
+
+class _Lowering:
+    """This rank's view of the lowering, indexed for building recipes."""
+
+    def __init__(self, low: Lowered, order: Sequence[Step], rank: int):
+        self.low, self.graph = low, low.graph
+        self.grad = needs_grad(low.graph)
+        self.keys = [(s.op, s.index, s.microbatch) for s in order if not s.backward]
+        self.ids = {k: i for i, k in enumerate(self.keys)}
+        self.parts = {k: low.partitions[k[0]][k[2]][k[1]] for k in self.keys}
+        self.into: dict[tuple, list[tuple[int, Transfer]]] = {}
+        self.out_of: dict[tuple, list[tuple[int, Transfer]]] = {}
+        for i, t in enumerate(low.transfers):
+            if t.dst_device == rank:
+                self.into.setdefault((t.dst_op, t.dst_index, t.microbatch), []).append((i, t))
+            if t.src_device == rank:
+                self.out_of.setdefault((t.src_op, t.src_index, t.microbatch), []).append((i, t))
+        self.grouped = {(r.op, k, r.microbatch): tuple(sorted(r.devices))
+                        for r in low.reductions if len(set(r.devices)) > 1 for k in r.partitions}
+
+    def carries(self, t: Transfer) -> bool:
+        return self.grad[t.src_op] and self.grad[t.dst_op]
+
+    def has_backward(self, k: tuple) -> bool:
+        return self.grad[k[0]] and self.graph[k[0]].kind not in (*WEIGHT_KINDS, "input")
+
+    def whole_slot(self, t: Transfer) -> bool:
+        """``t`` alone fills its consumer's input slot."""
+        dst = (t.dst_op, t.dst_index, t.microbatch)
+        pieces = [u for _, u in self.into[dst] if u.slot == t.slot]
+        return len(pieces) == 1 and t.region == self.parts[dst].input_regions[t.slot]
+
+    def linked(self) -> set[tuple]:
+        """The linked partitions (module docstring), deciding consumers before producers."""
+        root: dict[tuple, tuple] = {}
+        linked: set[tuple] = set()
+        for k in reversed(self.keys):
+            gout = [t for _, t in self.out_of.get(k, ()) if self.carries(t)]
+            leads = {root[(t.dst_op, t.dst_index, t.microbatch)] for t in gout if t.local}
+            if (self.has_backward(k) and k[0] not in self.graph.outputs and k not in self.grouped and gout
+                    and all(t.local and self.whole_slot(t) for t in gout) and len(leads) == 1):
+                root[k] = leads.pop()
+                linked.add(k)
+            else:
+                root[k] = k
+        return linked
+
+
+def recipes(low: Lowered, order: Sequence[Step], rank: int,
+            weight_index: Callable[[str, Box], Index]) -> list[Recipe]:
+    """The recipe of every partition in ``order`` (this rank's steps), in forward order;
+    ``weight_index(name, region)`` is the view of a local weight that ``region`` is."""
+    lw = _Lowering(low, order, rank)
+    graph, m, every_rank = low.graph, low.strategy.microbatches, loss_on_every_rank(low)
+    linked = lw.linked()
+    out = []
+    for k in lw.keys:
+        p, node = lw.parts[k], graph[k[0]]
+        kind = SKIP if not lw.has_backward(k) else LINKED if k in linked else ROOT
+        seed = 1.0 / (len(low.partitions[p.op][p.microbatch]) * m) if kind == ROOT and p.op in graph.outputs else None
+        grad_pieces = _grad_pieces(lw, p) if kind == ROOT and seed is None else ()
+        grad_sends = tuple(
+            Send(i, t.src_device, _index(t.region, p.input_regions[t.slot]), t.slot,
+                 box_shape(p.input_regions[t.slot]), getattr(torch, graph[t.src_op].output.dtype))
+            for i, t in lw.into.get(k, ()) if not t.local and lw.carries(t)) if kind != SKIP else ()
+        out.append(Recipe(
+            lw.ids[k], p, node, f"F {p.op}[{p.index}] mb{p.microbatch}", f"B {p.op}[{p.index}] mb{p.microbatch}",
+            slice_box(p.box), _slots(lw, p, linked, weight_index),
+            tuple((role, node.weight(role).name, weight_index(node.weight(role).name, region))
+                  for role, region in p.weight_regions),
+            lw.grouped.get(k),
+            tuple(Send(i, t.dst_device, _index(t.region, p.box)) for i, t in lw.out_of.get(k, ()) if not t.local),
+            p.op in graph.outputs and (every_rank or p.index == 0), kind, seed,
+            grad_pieces, bool(grad_pieces) and all(g.into is None for g in grad_pieces), grad_sends))
+    return out
+
+
+def _where(p: Partition) -> str:
+    return f"op {p.op!r} partition {p.index} (micro-batch {p.microbatch})"
+
+
+def _slots(lw: _Lowering, p: Partition, linked: set[tuple],
+           weight_index: Callable[[str, Box], Index]) -> tuple[Slot | None, ...]:
+    """How ``p`` reads each of its inputs."""
+    node = lw.graph[p.op]
+    slots: list[Slot | None] = []
+    for slot, region in enumerate(p.input_regions):
+        src = lw.graph[node.inputs[slot]]
+        if region is None:
+            slots.append(None)
+            continue
+        if src.kind in WEIGHT_KINDS:
+            name = src.weights[0].name
+            slots.append(Slot(name, weight_index(name, region), (), box_shape(region), None, False, False))
+            continue
+        pieces = []
+        for i, t in lw.into.get((p.op, p.index, p.microbatch), ()):
+            if t.slot == slot:
+                skey = (src.name, t.src_index, t.microbatch)
+                pieces.append(Piece(
+                    i, None if t.local else t.src_device, lw.ids[skey] if t.local else None, slot,
+                    _index(t.region, lw.parts[skey].box) if t.local else None, _index(t.region, region),
+                    box_shape(t.region),
+                    f"output of op {src.name!r} partition {t.src_index} (micro-batch {p.microbatch}) "
+                    f"for {_where(p)}"))
+        carry = lw.grad[src.name] and lw.grad[p.op]
+        link = carry and len(pieces) == 1 and pieces[0].peer is None and lw.keys[pieces[0].task] in linked
+        slots.append(Slot(None, None, tuple(pieces), box_shape(region), getattr(torch, src.output.dtype),
+                          carry and not link, link))
+    return tuple(slots)
+
+
+def _grad_pieces(lw: _Lowering, p: Partition) -> tuple[Piece, ...]:
+    """Where a root's output gradient comes from: each consumer's leaf on this rank, or a
+    piece received from its rank."""
+    out = []
+    for i, t in lw.out_of.get((p.op, p.index, p.microbatch), ()):
+        if not lw.carries(t):
+            continue
+        dst = (t.dst_op, t.dst_index, t.microbatch)
+        out.append(Piece(
+            i, None if t.local else t.dst_device, lw.ids[dst] if t.local else None, t.slot,
+            _index(t.region, lw.parts[dst].input_regions[t.slot]) if t.local else None,
+            _index(t.region, p.box), box_shape(t.region),
+            f"gradient for {_where(p)} from op {t.dst_op!r} partition {t.dst_index}"))
+    return tuple(out)
