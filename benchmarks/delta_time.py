@@ -22,8 +22,8 @@ from simulator.engine import run_events
 from simulator.memory import peak_memory
 from simulator.presets import get_topology
 from simulator.tasks import TaskCache, build_tasks
-from soapsearch import trace, zoo
 from soapsearch.search.mcmc import candidate_configs
+from _paper import paper_graph  # benchmarks/_paper.py
 from strategies import data_parallel
 from strategies.lowering import lower
 
@@ -56,10 +56,7 @@ def main() -> None:
     print(f"{'model':14s} {'tasks':>6s} {'mode':6s} " + " ".join(f"{p + ' ms':>10s}" for p in PHASES)
           + f" {'proposals/s':>12s} {'full/delta':>10s}")
     for name in args.models.split(","):
-        model, inputs = zoo.build(name, "default", device="meta")
-        batch = inputs[0].shape[0] * args.devices  # the zoo's batch is per device (FlexFlow's 64)
-        model, inputs = zoo.build(name, "default", device="meta", batch_size=batch)
-        graph = trace(model, inputs, name=name)
+        graph = paper_graph(name, args.devices)
         plan = data_parallel(graph, args.devices)
         candidates = candidate_configs(graph, args.devices, 1, topo.node_size)
         ops = [op for op, cfgs in candidates.items() if len(cfgs) > 1]

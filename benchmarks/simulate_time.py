@@ -19,7 +19,7 @@ from simulator.memory import peak_memory
 from simulator.presets import get_topology
 from simulator.result import summarize
 from simulator.tasks import build_tasks
-from soapsearch import trace, zoo
+from _paper import paper_graph  # benchmarks/_paper.py
 from strategies import data_parallel
 from strategies.lowering import lower
 
@@ -38,10 +38,7 @@ def main() -> None:
     print(f"{'model':14s} {'batch':>5s} {'tasks':>6s} {'lower ms':>9s} {'tasks ms':>9s} "
           f"{'events ms':>9s} {'memory ms':>9s} {'total ms':>9s} {'total/events':>12s} {'iter ms':>9s}")
     for name in args.models.split(","):
-        model, inputs = zoo.build(name, "default", device="meta")
-        batch = inputs[0].shape[0] * args.devices  # the zoo's batch is per device (FlexFlow's 64)
-        model, inputs = zoo.build(name, "default", device="meta", batch_size=batch)
-        graph = trace(model, inputs, name=name)
+        graph = paper_graph(name, args.devices)
         plan = data_parallel(graph, args.devices)
         phases = {"lower": [], "tasks": [], "events": [], "memory": [], "total": []}
         gc.collect()
