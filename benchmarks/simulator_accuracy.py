@@ -1,18 +1,21 @@
 """Simulator accuracy on this machine: predicted vs measured iteration time of many plans.
 
     python benchmarks/simulator_accuracy.py --nproc 2 [--nproc 4] [--models mlp,gpt,rnntc]
-        [--topology calibrated.json] [--cost-model analytical|profiled] [--steps 5]
+        [--topology calibrated.json] [--cost-model analytical|profiled] [--steps 7] [--out DIR]
 
 Calibrates ``calibrated-cpu-N`` (unless --topology), then per model writes data parallel, model
 parallel, OWT, GPipe and 1F1B pipelines (2 micro-batches), a parameter split (every linear cut
 on out_features) and a plan searched with 200 proposals on the calibrated topology; runs each
-for real (median of --steps after 2 warm-up steps) and simulates it. Prints a table, the median
-and max |relative error| and Spearman's rank correlation. Asserts nothing.
+for real (median of --steps after 2 warm-up steps; a model's plans take turns step by step)
+and simulates it. Prints a table, the median and max |relative error| and Spearman's rank
+correlation. With --out the topologies, their fit reports, the plans and ``results.json`` (every
+row) stay in DIR. Asserts nothing.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import tempfile
@@ -94,18 +97,26 @@ def main() -> int:
     p.add_argument("--models", default="mlp,gpt,rnntc")
     p.add_argument("--topology", default=None, help="a calibrated topology JSON (one --nproc only)")
     p.add_argument("--cost-model", choices=("analytical", "profiled"), default="analytical")
-    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--steps", type=int, default=7)
+    p.add_argument("--out", default=None, help="keep topologies, reports, plans and results.json here")
     args = p.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        d = Path(tmp)
+        d = Path(args.out or tmp)
+        d.mkdir(parents=True, exist_ok=True)
         for n in args.nproc or [2]:
             topo = Topology.load(args.topology) if args.topology else calibrate(n, out=d / f"cal{n}.json")
             dev, link = topo.devices[0], topo.links[0] if topo.links else None
             print(f"topology {topo.name}: kind {dev.kind}, {dev.peak_flops['float32'] / 1e9:.1f} GFLOP/s, "
                   f"{dev.memory_bandwidth / 1e9:.1f} GB/s"
-                  + (f", link {link.latency * 1e6:.0f} µs + 1/{link.bandwidth / 1e9:.2f} GB/s" if link else ""))
+                  + (f", link {link.latency * 1e6:.0f} µs + 1/{link.bandwidth / 1e9:.2f} GB/s" if link else "")
+                  + f"; executor overheads {dev.task_overhead * 1e6:.0f} µs/task, "
+                    f"{dev.message_overhead * 1e6:.0f} µs/received piece")
             rows += bench(n, args.models.split(","), topo, args.cost_model, args.steps, d)
+    if args.out:
+        keys = ("nproc", "model", "plan", "predicted_ms", "measured_ms", "predicted_busy_ms", "measured_busy_ms",
+                "measured_wait_ms", "tasks_per_device", "remote_transfers")
+        (d / "results.json").write_text(json.dumps([dict(zip(keys, r)) for r in rows], indent=1) + "\n")
     head = ("N", "model", "plan", "pred ms", "meas ms", "error", "pred busy", "meas busy", "meas wait",
             "tasks/dev", "remote xfers")
     print("\n" + " | ".join(head))

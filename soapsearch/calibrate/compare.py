@@ -2,7 +2,8 @@
 up (iteration ms, per-device busy ms, relative error), optionally as Chrome traces side by side.
 
 Measured iteration: every rank meets at a barrier, runs ``Executor.step``, and the step's time
-is the slowest rank's; the median over ``steps`` steps after ``warmup``. Measured busy: the
+is the slowest rank's; the median over ``steps`` steps after ``warmup`` (several plans take
+turns step by step). Measured busy: the
 executor's per-partition events of a device (forward/backward of one partition, which include
 gathering its inputs) minus the time its receives waited, averaged over the measured steps.
 Relative error = (predicted - measured) / measured.
@@ -86,22 +87,23 @@ def _worker(rank: int, world: int, plans: Sequence[str], model: str, variant: st
     from soapsearch.executor import Executor, TrainConfig, build_model
 
     built = build_model(model, variant, seed=0)
-    out = []
+    runs = []
     for path in plans:
         ex = Executor(built.graph, read_plan(path, built.graph).strategy, built.model.state_dict(),
                       built.inputs, TrainConfig(), "cpu")
         waits: list[float] = []
-        recv = ex.p2p.recv
 
-        def timed_recv(*a, **kw):
+        def timed_recv(*a, recv=ex.p2p.recv, waits=waits, **kw):
             t0 = time.perf_counter()
             try:
                 return recv(*a, **kw)
             finally:
                 waits.append(time.perf_counter() - t0)
         ex.p2p.recv = timed_recv  # instance attribute: counts receive waits, changes nothing else
-        step_s, busy, wait, events = [], 0.0, 0.0, []
-        for k in range(warmup + steps):
+        runs.append({"ex": ex, "waits": waits, "step_s": [], "busy": 0.0, "wait": 0.0, "events": []})
+    for k in range(warmup + steps):  # plans interleaved step by step: a burst of load from
+        for run in runs:             # elsewhere falls on every plan alike
+            ex, waits = run["ex"], run["waits"]
             ex.events.clear()
             waits.clear()
             dist.barrier()
@@ -110,24 +112,29 @@ def _worker(rank: int, world: int, plans: Sequence[str], model: str, variant: st
             t1 = time.perf_counter()
             if k < warmup:
                 continue
-            step_s.append(t1 - t0)
-            busy += sum(e["dur"] for e in ex.events) * 1e-6 - sum(waits)
-            wait += sum(waits)
+            run["step_s"].append(t1 - t0)
+            run["busy"] += sum(e["dur"] for e in ex.events) * 1e-6 - sum(waits)
+            run["wait"] += sum(waits)
             events = [dict(e, ts=e["ts"] - t0 * 1e6) for e in ex.events]
             end = max((e["ts"] + e["dur"] for e in events), default=0.0)
             events.append({"name": "grad all-reduce + update", "ph": "X", "pid": rank, "tid": 0,
                            "ts": end, "dur": (t1 - t0) * 1e6 - end})
-        slowest = torch.tensor(step_s, dtype=torch.float64)
+            run["events"] = events
+    out = []
+    for run in runs:
+        slowest = torch.tensor(run["step_s"], dtype=torch.float64)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-        out.append({"step_ms": (slowest * 1e3).tolist(), "busy_ms": busy * 1e3 / steps,
-                    "wait_ms": wait * 1e3 / steps, "events": events})
+        out.append({"step_ms": (slowest * 1e3).tolist(), "busy_ms": run["busy"] * 1e3 / steps,
+                    "wait_ms": run["wait"] * 1e3 / steps, "events": run["events"]})
     return out
 
 
 def run_plans(plans: Sequence[str | os.PathLike], model: str, nproc: int, *, variant: str = "tiny",
               steps: int = 5, warmup: int = 2) -> list[Measured]:
     """Run each plan file (all for ``nproc`` devices) for real, in one launch of ``nproc``
-    gloo processes (each with cores // nproc threads, as ``soapsearch run``)."""
+    gloo processes (each with cores // nproc threads, as ``soapsearch run``). The plans take
+    turns, one step each, so that load from other processes on shared cores falls on all
+    of them alike; each plan's steps are still timed one by one."""
     if steps < 1 or warmup < 0:
         raise ValueError(f"compare: steps ({steps}) must be >= 1 and warmup ({warmup}) >= 0")
     ranks = spawn(_worker, nproc, ([str(p) for p in plans], model, variant, steps, warmup))

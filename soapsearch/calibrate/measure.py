@@ -1,7 +1,8 @@
 """Measure this machine as N torch.distributed processes see it, and write ``calibrated-cpu-N``.
 
 * point-to-point: ping-pong between every rank pair (i < j) over message sizes, one-way time =
-  round trip / 2, median of ``repeats`` after ``warmup``; fitted to alpha + s/B (``fit.py``);
+  round trip / 2, median of ``repeats`` rounds after ``warmup`` (a round: one exchange of every
+  size for every pair, then a round of the overhead probe); fitted to alpha + s/B (``fit.py``);
 * all-reduce over all ranks at the same sizes, against the ring formula on the fitted alpha, B;
 * compute, on all N processes at once (so processes sharing cores are measured sharing them):
   float32 matmul FLOP/s (2·n³ per n×n product), copy bandwidth (read + write = 2·bytes), and the
@@ -29,7 +30,7 @@ from simulator.topology import Topology
 from soapsearch.calibrate._spawn import spawn, threads_per_process
 from soapsearch.calibrate.fit import (build_topology, device_kind, fit_alpha_beta, fit_overheads,
                                      ring_allreduce_seconds)
-from soapsearch.calibrate.overhead import CHAIN_SIZES, measure_overheads
+from soapsearch.calibrate.overhead import OverheadProbe
 from strategies.serialize import atomic_write_text
 
 __all__ = ["DEFAULT_SIZES", "Calibration", "calibrate", "measure", "report_path", "warm_profile"]
@@ -99,29 +100,43 @@ def _median_time(fn, repeats: int, warmup: int) -> float:
     return statistics.median(times)
 
 
+def _ping_pong(rank: int, i: int, j: int, buf: torch.Tensor) -> float:
+    """One round trip of ``buf`` between ranks i and j; seconds (on both)."""
+    t0 = time.perf_counter()
+    if rank == i:
+        dist.send(buf, j)
+        dist.recv(buf, j)
+    else:
+        dist.recv(buf, i)
+        dist.send(buf, i)
+    return time.perf_counter() - t0
+
+
 def _worker(rank: int, world: int, sizes: Sequence[int], repeats: int, warmup: int,
             overhead_rounds: int) -> dict[str, Any]:
     out: dict[str, Any] = {"p2p": {}, "allreduce": []}
-    for i in range(world):  # ping-pong: one pair at a time, the others wait at the barrier
-        for j in range(i + 1, world):
-            dist.barrier()
-            if rank not in (i, j):
-                continue
-            peer = j if rank == i else i
-            points = []
-            for size in sizes:
-                buf = torch.zeros(size, dtype=torch.uint8)
-
-                def ping() -> None:
-                    if rank == i:
-                        dist.send(buf, peer)
-                        dist.recv(buf, peer)
-                    else:
-                        dist.recv(buf, peer)
-                        dist.send(buf, peer)
-                points.append([size, _median_time(ping, repeats, warmup) / 2])
-            if rank == i:
-                out["p2p"][f"{i}-{j}"] = points
+    pairs = [(i, j) for i in range(world) for j in range(i + 1, world)]
+    bufs = {size: torch.zeros(size, dtype=torch.uint8) for size in sizes}
+    one_way: dict[tuple[int, int], dict[int, list[float]]] = {pair: {s: [] for s in sizes} for pair in pairs}
+    probe = OverheadProbe(world) if overhead_rounds else None
+    probe_rounds = []
+    # Rounds: one ping-pong of every size between every pair (one pair at a time, the others
+    # wait at the barrier), then one round of the overhead probe; load from elsewhere that
+    # comes and goes thus falls on every size and on both alike.
+    for r in range(warmup + max(repeats, overhead_rounds)):
+        if r < warmup + repeats:
+            for pair in pairs:
+                dist.barrier()
+                if rank in pair:
+                    for size in sizes:
+                        one_way[pair][size].append(_ping_pong(rank, *pair, bufs[size]) / 2)
+        if probe is not None and warmup <= r < warmup + overhead_rounds:
+            probe_rounds.append(probe.round())
+    for (i, j), per_size in one_way.items():
+        if rank == i:
+            out["p2p"][f"{i}-{j}"] = [[s, statistics.median(t[warmup:])] for s, t in per_size.items()]
+    if probe is not None:
+        out["overheads"] = probe.result(probe_rounds)
     dist.barrier()
     for size in sizes:
         buf = torch.zeros(max(size // 4, 1), dtype=torch.float32)
@@ -145,8 +160,6 @@ def _worker(rank: int, world: int, sizes: Sequence[int], repeats: int, warmup: i
     out["memory_bandwidth"] = 2 * COPY_BYTES / _median_time(lambda: dst.copy_(src), max(repeats, 10), warmup)
     out["op_overhead"] = _median_time(lambda: torch.add(x, y), 200, 20)
     dist.barrier()
-    if overhead_rounds:
-        out["overheads"] = measure_overheads(rank, world, CHAIN_SIZES, rounds=overhead_rounds)
     return out
 
 

@@ -16,7 +16,8 @@ plans, for several K:
 Beside them, the eager forward + backward of the same chain on one device's batch slice (all
 processes at once): the kernels the cost model charges. Each round times every (plan, K) once
 (median of ``steps`` steps, slowest rank), so a burst of load from elsewhere falls on one
-round's every point alike and the per-round slopes stay clean.
+round's every point alike and the per-round slopes stay clean; ``measure`` spreads the rounds
+over the calibration, between its ping-pong rounds.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from strategies import ParallelConfig, Strategy, baseline
 from strategies.graph import OpGraph
 from strategies.lowering import lower
 
-__all__ = ["CHAIN_SIZES", "PLANS", "Chain", "chain_plans", "measure_overheads"]
+__all__ = ["CHAIN_SIZES", "PLANS", "Chain", "OverheadProbe", "chain_plans", "measure_overheads"]
 
 CHAIN_SIZES = (4, 16, 32)
 """The K (tanh ops) of the probe chains: the fit is a slope over them."""
@@ -113,32 +114,49 @@ def _slowest_median(fn: Callable[[], Any], steps: int) -> float:
     return float(t)
 
 
+class OverheadProbe:
+    """The probe chains built on this rank (the default group initialized) and warmed up;
+    each ``round()`` times every (plan, K) and the eager chains once. ``result(rounds)`` is
+    what ``fit_overheads`` reads: {"sizes", "pieces", "piece_bytes", "rounds": [{plan or
+    "eager": [seconds per size]}]}."""
+
+    def __init__(self, world: int, sizes: Sequence[int] = CHAIN_SIZES, steps: int = 3, warmup: int = 2):
+        from soapsearch.executor import Executor, TrainConfig
+
+        self.sizes, self.steps = list(sizes), steps
+        self.runs: dict[str, list[Callable[[], Any]]] = {}
+        self.pieces: list[int] = []
+        self.piece_bytes = 0
+        for k in sizes:
+            model, batch, graph = build_chain(k, ROWS_PER_DEVICE * world)
+            for name, plan in chain_plans(graph, world).items():
+                ex = Executor(graph, plan, model.state_dict(), batch, TrainConfig(), "cpu")
+                self.runs.setdefault(name, []).append(ex.step)
+                if name == "round_robin":
+                    count, self.piece_bytes = received_pieces(graph, plan)
+                    self.pieces.append(count)
+            eager_model, (x, y), _ = build_chain(k, ROWS_PER_DEVICE)
+
+            def eager(m: Chain = eager_model, x: torch.Tensor = x, y: torch.Tensor = y) -> None:
+                m.zero_grad(set_to_none=True)
+                m(x, y).backward()
+            self.runs.setdefault("eager", []).append(eager)
+        for fns in self.runs.values():
+            for fn in fns:
+                for _ in range(warmup):
+                    fn()
+
+    def round(self) -> dict[str, list[float]]:
+        return {name: [_slowest_median(fn, self.steps) for fn in fns] for name, fns in self.runs.items()}
+
+    def result(self, rounds: Sequence[dict[str, list[float]]]) -> dict[str, Any]:
+        return {"sizes": self.sizes, "pieces": self.pieces, "piece_bytes": self.piece_bytes,
+                "rounds": list(rounds)}
+
+
 def measure_overheads(rank: int, world: int, sizes: Sequence[int] = CHAIN_SIZES, rounds: int = 5,
                       steps: int = 3, warmup: int = 2) -> dict[str, Any]:
-    """On every rank (the default group initialized): the raw times ``fit_overheads`` reads,
-    {"sizes", "pieces", "piece_bytes", "rounds": [{plan or "eager": [seconds per size]}]}."""
-    from soapsearch.executor import Executor, TrainConfig
-
-    runs: dict[str, list[Callable[[], Any]]] = {}
-    pieces, piece_bytes = [], 0
-    for k in sizes:
-        model, batch, graph = build_chain(k, ROWS_PER_DEVICE * world)
-        for name, plan in chain_plans(graph, world).items():
-            ex = Executor(graph, plan, model.state_dict(), batch, TrainConfig(), "cpu")
-            runs.setdefault(name, []).append(ex.step)
-            if name == "round_robin":
-                count, piece_bytes = received_pieces(graph, plan)
-                pieces.append(count)
-        eager_model, (x, y), _ = build_chain(k, ROWS_PER_DEVICE)
-
-        def eager(m: Chain = eager_model, x: torch.Tensor = x, y: torch.Tensor = y) -> None:
-            m.zero_grad(set_to_none=True)
-            m(x, y).backward()
-        runs.setdefault("eager", []).append(eager)
-    for fns in runs.values():
-        for fn in fns:
-            for _ in range(warmup):
-                fn()
-    rounds_out = [{name: [_slowest_median(fn, steps) for fn in fns] for name, fns in runs.items()}
-                  for _ in range(rounds)]
-    return {"sizes": list(sizes), "pieces": pieces, "piece_bytes": piece_bytes, "rounds": rounds_out}
+    """``rounds`` rounds of an ``OverheadProbe`` in a row (``measure`` interleaves them with
+    its ping-pong rounds instead); every rank returns the same times (the slowest rank's)."""
+    probe = OverheadProbe(world, sizes, steps, warmup)
+    return probe.result([probe.round() for _ in range(rounds)])
