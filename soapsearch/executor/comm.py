@@ -43,24 +43,28 @@ class ProcessGroups:
 
 class AllReduceSum(torch.autograd.Function):
     """y = Σ_group x; the gradient of every member's x is Σ_group dL/dy (the adjoint of a sum
-    that every member receives is a sum again: Megatron-LM's f/g operators, Shoeybi et al. 2019)."""
+    that every member receives is a sum again: Megatron-LM's f/g operators, Shoeybi et al. 2019).
+    With ``same_grad`` the caller promises dL/dy is the same on every member (each turns y into
+    the same output, seeded alike: the loss), so that sum is k·dL/dy, known without an all-reduce."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:  # type: ignore[override]
-        ctx.group = group
+    def forward(ctx, x: torch.Tensor, group, same_grad: bool) -> torch.Tensor:  # type: ignore[override]
+        ctx.group, ctx.same_grad = group, same_grad
         y = x.detach().clone().contiguous()
         dist.all_reduce(y, op=dist.ReduceOp.SUM, group=group)
         return y
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        if ctx.same_grad:
+            return grad * dist.get_world_size(ctx.group), None, None
         g = grad.detach().clone().contiguous()
         dist.all_reduce(g, op=dist.ReduceOp.SUM, group=ctx.group)
-        return g, None
+        return g, None, None
 
 
-def all_reduce_sum(x: torch.Tensor, group) -> torch.Tensor:
-    return AllReduceSum.apply(x, group)
+def all_reduce_sum(x: torch.Tensor, group, same_grad: bool = False) -> torch.Tensor:
+    return AllReduceSum.apply(x, group, same_grad)
 
 
 class P2P:

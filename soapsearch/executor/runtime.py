@@ -72,7 +72,11 @@ class Executor:
         by_key = {(r.part.op, r.part.index, r.part.microbatch): r for r in self.recipes}
         self.steps = [(s.backward, by_key[(s.op, s.index, s.microbatch)]) for s in order]
         self.pgs = [self.groups.get(r.group) if r.group else None for r in self.recipes]
-        self.reduce = [partial(all_reduce_sum, group=pg) if pg is not None else no_reduce for pg in self.pgs]
+        # the loss (the graph output) is the same on every partition and every one is seeded
+        # alike, so its sum's backward needs no all-reduce (comm.AllReduceSum's same_grad)
+        self.reduce = [no_reduce if pg is None else
+                       partial(all_reduce_sum, group=pg, same_grad=r.node.kind == "loss" and r.seed is not None)
+                       for r, pg in zip(self.recipes, self.pgs)]
         self.loss_everywhere = loss_on_every_rank(low)
         self.bn_steps: dict[str, int] = {}
         """Training batches each batchnorm op normalized on this rank (one per micro-batch)."""
