@@ -1,14 +1,22 @@
-"""Event simulation of a task graph: list scheduling in order of readiness.
+"""Event simulation of a task graph: list scheduling in order of readiness, with backfilling on links.
 
-Each resource (a device's compute stream, one direction of a link) runs one task at a time; a
-task starts when all its predecessors have ended and all its resources are free; among ready
-tasks, the one that became ready first goes first (ties: the task added first). This is
-FlexFlow's simulator (Jia et al. 2019, section 5), on an explicit heap.
+Tasks are placed one by one in the order they became ready (ties: the task added first), each
+at the earliest time at or after its ready time (all predecessors ended) at which its resources
+are free for its whole duration. A device's compute stream is free from the end of the last task
+placed on it: a device's tasks use no links, so its gaps open only before a task's ready time,
+which no task placed later can use; this is the backfilling rule already (and its tasks are
+chained in the schedule's order anyway). A link direction keeps its busy intervals, sorted, and a
+transfer takes the earliest gap that every link of its route has free: insertion, or
+conservative backfilling (Mu'alem and Feitelson 2001), where a task placed later never delays
+one placed before it. So a transfer held up by a busy destination NIC no longer blocks the idle
+source NIC for the transfers behind it. This is FlexFlow's simulator (Jia et al. 2019, section
+5), on an explicit heap, with the gaps on links used.
 """
 
 from __future__ import annotations
 
 import heapq
+from bisect import bisect_right
 
 from simulator.tasks import TaskGraph
 
@@ -18,12 +26,16 @@ __all__ = ["run_events"]
 def run_events(tg: TaskGraph) -> tuple[list[float], list[float]]:
     """Start and end time of every task; raises on a cycle (tasks that never become ready)."""
     n = len(tg)
+    nd = tg.num_devices
     ready = [0.0] * n
     first, succ, ndeps = tg.adjacency()
     remaining = list(ndeps)
     start = [0.0] * n
     end = [0.0] * n
-    free = [0.0] * (tg.num_devices + tg.num_links)
+    free = [0.0] * nd
+    # Busy intervals of each link direction: [starts[k][i], ends[k][i]), sorted, disjoint.
+    starts: list[list[float]] = [[] for _ in range(tg.num_links)]
+    ends: list[list[float]] = [[] for _ in range(tg.num_links)]
     heap = [(0.0, t) for t in range(n) if remaining[t] == 0]
     heapq.heapify(heap)
     done = 0
@@ -32,13 +44,13 @@ def run_events(tg: TaskGraph) -> tuple[list[float], list[float]]:
     while heap:
         r, t = pop(heap)
         res = resources[t]
-        s = r
-        for x in res:
-            if free[x] > s:
-                s = free[x]
-        e = s + duration[t]
-        for x in res:
-            free[x] = e
+        d = duration[t]
+        if len(res) == 1 and res[0] < nd:  # one compute stream: the common case
+            x = res[0]
+            s = free[x] if free[x] > r else r
+            e = free[x] = s + d
+        else:
+            s, e = _place(res, r, d, nd, free, starts, ends)
         start[t] = s
         end[t] = e
         done += 1
@@ -53,3 +65,41 @@ def run_events(tg: TaskGraph) -> tuple[list[float], list[float]]:
         stuck = [tg.label(t) for t in range(n) if remaining[t] > 0][:3]
         raise RuntimeError(f"task graph has a cycle: {n - done} tasks never became ready, e.g. {stuck}")
     return start, end
+
+
+def _place(res: tuple[int, ...], r: float, d: float, nd: int, free: list[float],
+           starts: list[list[float]], ends: list[list[float]]) -> tuple[float, float]:
+    """Place a task of duration ``d`` ready at ``r`` on resources ``res``: the earliest start
+    ``s >= r`` past every device's free time with ``[s, s + d)`` in a gap of every link; the
+    links' intervals and the devices' free times are updated. Returns (start, end)."""
+    s = r
+    links = []
+    for x in res:
+        if x < nd:
+            if free[x] > s:
+                s = free[x]
+        else:
+            links.append(x - nd)
+    moved = True
+    while moved:  # s only grows and each move passes an interval: this ends
+        moved = False
+        for k in links:
+            st, en = starts[k], ends[k]
+            i = bisect_right(en, s)  # the first interval ending after s
+            while i < len(st) and st[i] < s + d:  # it overlaps [s, s + d): start after it
+                s = en[i]
+                i += 1
+                moved = True
+    e = s + d
+    for x in res:
+        if x < nd:
+            free[x] = e
+    for k in links:
+        st, en = starts[k], ends[k]
+        i = bisect_right(en, s)
+        if i > 0 and en[i - 1] == s:  # touches the interval before: extend it
+            en[i - 1] = e
+        else:
+            st.insert(i, s)
+            en.insert(i, e)
+    return s, e
