@@ -10,14 +10,16 @@ except where the producer is *linked*: its consumers read its output itself, so 
 call of the partition they lead to runs through it too (autograd sums a tensor's gradient over
 all its uses in one call). A partition is linked when its gradient can only arrive in one such
 call: its output is not the loss, every consumer that takes its gradient runs on this rank and
-reads the output as one whole input, it has no collective in its backward (a reduction group of
-more than one device, which must run at the partition's own step), and all those consumers lead
-to the same *root* (an unlinked partition; a linked one leads to its consumers' root). A root's
-backward step calls autograd once for itself and everything linked into it; a linked
-partition's backward step only sends its remote inputs' gradients, which that call filled. Its
-root consumes it on the same rank and micro-batch, and a rank's backward steps run in reverse
-topological order, so the root's step always comes first, and the order of sends and receives
-stays exactly that of ``device_order``. Data parallel thus runs one backward call per rank.
+reads the output as one whole input, and all those consumers lead to the same *root* (an
+unlinked partition; a linked one leads to its consumers' root). A root's backward step calls
+autograd once for itself and everything linked into it; a linked partition's backward step only
+sends its remote inputs' gradients, which that call filled. Its root consumes it on the same
+rank and micro-batch, and a rank's backward steps run in reverse topological order, so the
+root's step always comes first. A partition with a collective in its backward (a reduction
+group of more than one device) is linked only when running that collective inside the root's
+call leaves this rank's sequence of sends, receives and collectives as ``device_order`` gives
+it (``_Lowering.quiet``), which is what keeps the ranks from waiting on each other. Data
+parallel thus runs one backward call per rank.
 """
 
 from __future__ import annotations
@@ -142,6 +144,8 @@ class _Lowering:
     def __init__(self, low: Lowered, order: Sequence[Step], rank: int):
         self.low, self.graph = low, low.graph
         self.grad = needs_grad(low.graph)
+        self.order = list(order)
+        self.position = {(s.op, s.index, s.microbatch): i for i, s in enumerate(order) if s.backward}
         self.keys = [(s.op, s.index, s.microbatch) for s in order if not s.backward]
         self.ids = {k: i for i, k in enumerate(self.keys)}
         self.parts = {k: low.partitions[k[0]][k[2]][k[1]] for k in self.keys}
@@ -167,20 +171,38 @@ class _Lowering:
         pieces = [u for _, u in self.into[dst] if u.slot == t.slot]
         return len(pieces) == 1 and t.region == self.parts[dst].input_regions[t.slot]
 
+    def talks(self, k: tuple) -> bool:
+        """The backward step of ``k`` receives or sends a gradient piece."""
+        return self.has_backward(k) and any(
+            not t.local and self.carries(t) for _, t in [*self.out_of.get(k, ()), *self.into.get(k, ())])
+
+    def quiet(self, r: tuple, k: tuple, root: dict[tuple, tuple]) -> bool:
+        """Moving grouped ``k``'s backward collective into root ``r``'s backward call keeps this
+        rank's sequence of communications: ``r`` sends nothing after its call, and every step
+        between theirs is a backward step that neither sends nor receives, whose own collective
+        (if any) moves into that call too, in the same order (autograd runs a graph's nodes in
+        reverse order of creation: the forward order)."""
+        if any(not t.local and self.carries(t) for _, t in self.into.get(r, ())):
+            return False
+        for s in self.order[self.position[r] + 1:self.position[k]]:
+            between = (s.op, s.index, s.microbatch)
+            if not s.backward or self.talks(between) or (between in self.grouped and root[between] != r):
+                return False
+        return True
+
     def linked(self) -> set[tuple]:
         """The linked partitions (module docstring), deciding consumers before producers."""
         root: dict[tuple, tuple] = {}
-        linked: set[tuple] = set()
         for k in reversed(self.keys):
             gout = [t for _, t in self.out_of.get(k, ()) if self.carries(t)]
             leads = {root[(t.dst_op, t.dst_index, t.microbatch)] for t in gout if t.local}
-            if (self.has_backward(k) and k[0] not in self.graph.outputs and k not in self.grouped and gout
+            root[k] = k
+            if (self.has_backward(k) and k[0] not in self.graph.outputs and gout
                     and all(t.local and self.whole_slot(t) for t in gout) and len(leads) == 1):
-                root[k] = leads.pop()
-                linked.add(k)
-            else:
-                root[k] = k
-        return linked
+                lead = leads.pop()
+                if k not in self.grouped or self.quiet(lead, k, root):
+                    root[k] = lead
+        return {k for k, r in root.items() if r != k}
 
 
 def recipes(low: Lowered, order: Sequence[Step], rank: int,

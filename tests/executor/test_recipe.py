@@ -1,0 +1,97 @@
+"""Recipes (pure, no process group): where autograd graphs are linked and cut, and that linking
+never changes a rank's sequence of sends, receives and collectives (what keeps the fixed
+orders deadlock-free)."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+from soapsearch.executor import build_model
+from soapsearch.executor.recipe import LINKED, ROOT, SKIP, Recipe, recipes
+from strategies.lowering import lower
+from strategies.schedule import device_order
+from tests.executor.plans import make_plan
+
+
+@functools.cache
+def _graph(model: str):
+    return build_model(model, "tiny").graph
+
+
+def _recipes(model: str, plan: str, n: int) -> dict[int, tuple[list, list[Recipe]]]:
+    graph = _graph(model)
+    low = lower(graph, make_plan(graph, plan, n))
+    return {rank: (order, recipes(low, order, rank, lambda name, region: None))
+            for rank, order in device_order(low).items()}
+
+
+@pytest.mark.parametrize("model", ["mlp", "gpt", "alexnet", "resnet101"])
+def test_data_parallel_runs_one_backward_call_per_rank(model):
+    for rank, (_, rs) in _recipes(model, "dp", 2).items():
+        roots = [r for r in rs if r.backward == ROOT]
+        assert [r.node.kind for r in roots] == ["loss"], rank
+        assert not any(s.leaf for r in rs for s in r.slots if s is not None)
+        # the batchnorms' collectives run inside that one call
+        assert all(r.backward == LINKED for r in rs if r.group and r.node.kind == "batchnorm2d")
+
+
+def test_a_gradient_that_crosses_ranks_cuts_the_graph():
+    """Model parallel: rank 0's last linear sends its output to rank 1, so it is a root that
+    receives its gradient, and rank 1 reads it through a leaf whose gradient it sends back (the
+    targets cross too, without a gradient)."""
+    rs = _recipes("mlp", "mp", 2)
+    (sender,) = [r for r in rs[0][1] if r.sends and r.backward != SKIP]
+    assert sender.backward == ROOT and [p.peer for p in sender.grad_pieces] == [1]
+    (reader,) = [r for r in rs[1][1] if r.grad_sends]
+    assert [(s.leaf, s.link, [p.peer for p in s.pieces]) for s in reader.slots] == [(True, False, [0])]
+    assert [(s.peer, s.slot, s.transfer) for s in reader.grad_sends] == [(0, 0, sender.sends[0].transfer)]
+    loss = next(r for r in rs[1][1] if r.node.kind == "loss")
+    assert [(s.leaf, s.link) for s in loss.slots] == [(False, True), (False, False)]
+
+
+def _collective_in_backward(r: Recipe) -> bool:
+    return r.group is not None and r.backward != SKIP and r.node.kind != "loss"
+
+
+def _communications(order, rs: list[Recipe], linked: bool) -> list[tuple]:
+    """This rank's communications in the order it makes them: every backward step at its own
+    place (``linked`` False: one backward call per partition), or as the recipes run them."""
+    by_key = {(r.part.op, r.part.index, r.part.microbatch): r for r in rs}
+    root = {}
+    for r in reversed(rs):  # consumers before producers: a linked partition leads to its root
+        for s in r.slots:
+            if s is not None and s.link:
+                q = s.pieces[0].task
+                assert root.setdefault(q, root.get(r.id, r.id)) == root.get(r.id, r.id)
+    out: list[tuple] = []
+    for step in order:
+        r = by_key[(step.op, step.index, step.microbatch)]
+        if not step.backward:
+            out += [("recv", p.transfer) for s in r.slots if s is not None for p in s.pieces if p.peer is not None]
+            out += [("collective", r.id, "forward")] if r.group is not None else []
+            out += [("send", s.transfer) for s in r.sends]
+            continue
+        if r.backward == SKIP:
+            continue
+        if not linked or r.backward == ROOT:
+            out += [("recv", p.transfer) for p in r.grad_pieces if p.peer is not None]
+            members = [q for q in rs if (q.id == r.id or (linked and root.get(q.id) == r.id))]
+            out += [("collective", q.id, "backward") for q in sorted(members, key=lambda q: -q.id)
+                    if _collective_in_backward(q)]
+        out += [("send", s.transfer) for s in r.grad_sends]
+    return out
+
+
+CASES = ([(m, "dp", 4) for m in ("resnet101", "gpt")] + [(m, p, 2) for m in ("resnet101", "mlp", "rnnlm")
+                                                           for p in ("spatial", "gpipe", "1f1b", "owt")]
+         + [(m, f"random{s}", n) for m in ("mlp", "gpt", "alexnet", "resnet101", "rnnlm")
+            for s in range(6) for n in (2, 4)]
+         + [(m, f"random_mb{s}", 2) for m in ("mlp", "gpt", "resnet101") for s in range(4)])
+
+
+@pytest.mark.parametrize("model,plan,n", CASES, ids=[f"{m}-{p}-{n}" for m, p, n in CASES])
+def test_linking_keeps_every_ranks_sequence_of_communications(model, plan, n):
+    for rank, (order, rs) in _recipes(model, plan, n).items():
+        assert _communications(order, rs, linked=True) == _communications(order, rs, linked=False), rank
