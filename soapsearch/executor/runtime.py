@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from functools import partial
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -72,11 +72,7 @@ class Executor:
         by_key = {(r.part.op, r.part.index, r.part.microbatch): r for r in self.recipes}
         self.steps = [(s.backward, by_key[(s.op, s.index, s.microbatch)]) for s in order]
         self.pgs = [self.groups.get(r.group) if r.group else None for r in self.recipes]
-        # the loss (the graph output) is the same on every partition and every one is seeded
-        # alike, so its sum's backward needs no all-reduce (comm.AllReduceSum's same_grad)
-        self.reduce = [no_reduce if pg is None else
-                       partial(all_reduce_sum, group=pg, same_grad=r.node.kind == "loss" and r.seed is not None)
-                       for r, pg in zip(self.recipes, self.pgs)]
+        self.compute = [self._compute(r, pg) for r, pg in zip(self.recipes, self.pgs)]
         self.loss_everywhere = loss_on_every_rank(low)
         self.bn_steps: dict[str, int] = {}
         """Training batches each batchnorm op normalized on this rank (one per micro-batch)."""
@@ -98,40 +94,43 @@ class Executor:
         try:
             if self.optimizer is not None:
                 self.optimizer.zero_grad(set_to_none=True)
+            clock, events, rank = time.perf_counter, self.events, self.rank
             for backward, r in self.steps:
-                t0 = time.perf_counter()
+                t0 = clock()
                 try:
-                    (self._backward if backward else self._forward)(r)
+                    if backward:
+                        self._backward(r)
+                    else:
+                        self._forward(r)
                 except ExecutorError:
                     raise
                 except Exception as e:
                     p = r.part
                     raise ExecutorError(
-                        f"rank {self.rank}: op {p.op!r} partition {p.index} micro-batch {p.microbatch} "
+                        f"rank {rank}: op {p.op!r} partition {p.index} micro-batch {p.microbatch} "
                         f"({'backward' if backward else 'forward'}): {type(e).__name__}: {e}") from e
-                self.events.append({"name": r.backward_name if backward else r.forward_name, "ph": "X",
-                                    "pid": self.rank, "tid": 0, "ts": t0 * 1e6,
-                                    "dur": (time.perf_counter() - t0) * 1e6})
+                events.append({"name": r.backward_name if backward else r.forward_name, "ph": "X",
+                               "pid": rank, "tid": 0, "ts": t0 * 1e6, "dur": (clock() - t0) * 1e6})
             self.weights.sync_grads(self.groups)
-            loss = torch.zeros(1, dtype=torch.float64, device=self.device)
-            for v in self.losses:
-                loss += v.to(torch.float64)
+            loss = sum(v.item() for v in self.losses)  # float64, as each L_j is exactly a double
             if not self.loss_everywhere:
-                dist.all_reduce(loss)
+                total = torch.tensor([loss], dtype=torch.float64, device=self.device)
+                dist.all_reduce(total)
+                loss = total.item()
             self.p2p.flush()
             if update and self.optimizer is not None:
                 self.optimizer.step()
-            return loss.item() / self.strategy.microbatches
+            return loss / self.strategy.microbatches
         finally:
             self._clear()
 
     # --- forward ------------------------------------------------------------------------------
     def _forward(self, r: Recipe) -> None:
-        node = r.node
-        if node.kind in WEIGHT_KINDS:
+        kind = r.node.kind
+        if kind in WEIGHT_KINDS:
             return  # consumers read their own replica of it
-        if node.kind == "input":
-            out = self.batch[node.attrs["index"]][r.box]
+        if kind == "input":
+            out = self.batch[r.node.attrs["index"]][r.box]
         else:
             inputs: list[torch.Tensor | None] = []
             leaves: list[torch.Tensor | None] = [None] * len(r.slots)
@@ -144,11 +143,7 @@ class Executor:
                     if s.leaf:
                         x = leaves[i] = x.requires_grad_()
                 inputs.append(x)
-            weights = {role: self.weights.view(name, index) for role, name, index in r.weights}
-            if node.kind == "batchnorm2d" and uses_batch_stats(node):
-                out = self._batch_norm(r, inputs[0], weights)
-            else:
-                out = get_rule(node.kind).forward(node, r.part.box, inputs, weights, self.reduce[r.id])
+            out = self.compute[r.id](inputs, {role: self.weights.view(name, index) for role, name, index in r.weights})
             self.leaves[r.id] = leaves
         self.outs[r.id] = out
         if r.loss:
@@ -158,13 +153,28 @@ class Executor:
             for s in r.sends:
                 self.p2p.send(data if s.src is None else data[s.src], s.peer, s.transfer, backward=False)
 
-    def _batch_norm(self, r: Recipe, x: torch.Tensor, weights: dict[str, torch.Tensor]) -> torch.Tensor:
+    def _compute(self, r: Recipe, pg) -> Callable | None:
+        """``(inputs, weights) -> output`` of ``r``'s partition: its op rule's forward with the
+        reduce of its group, or norm.batch_norm for a training batchnorm; None for a weight or
+        an input."""
+        node = r.node
+        if node.kind in (*WEIGHT_KINDS, "input"):
+            return None
+        if node.kind == "batchnorm2d" and uses_batch_stats(node):
+            return partial(self._batch_norm, r)
+        # the loss (the graph output) is the same on every partition and every one is seeded
+        # alike, so its sum's backward needs no all-reduce (comm.AllReduceSum's same_grad)
+        reduce = no_reduce if pg is None else partial(
+            all_reduce_sum, group=pg, same_grad=node.kind == "loss" and r.seed is not None)
+        return partial(get_rule(node.kind).forward, node, r.part.box, reduce=reduce)
+
+    def _batch_norm(self, r: Recipe, inputs: list[torch.Tensor], weights: dict[str, torch.Tensor]) -> torch.Tensor:
         """norm.batch_norm, counting the op's batches as torch's num_batches_tracked does."""
         tracked = r.node.attrs["training"] and "running_mean" in weights
         if tracked:
             self.bn_steps[r.part.op] = self.bn_steps.get(r.part.op, 0) + 1
         members = r.group or (self.rank,)
-        return batch_norm(r.node, x, weights, self.pgs[r.id], members.index(self.rank), len(members),
+        return batch_norm(r.node, inputs[0], weights, self.pgs[r.id], members.index(self.rank), len(members),
                           self.bn_base.get(r.part.op, 0) + self.bn_steps.get(r.part.op, 0))
 
     def _gather(self, s: Slot) -> torch.Tensor:
