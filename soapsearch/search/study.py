@@ -28,6 +28,7 @@ from simulator.result import SimResult
 from simulator.topology import Topology
 from soapsearch.search.api import Evaluator, FoundPlan, best_baselines
 from soapsearch.search.mcmc import (
+    BETA_C,
     Budget,
     ChainStats,
     candidate_configs,
@@ -44,7 +45,7 @@ INITS = ("data_parallel", "owt", "model_parallel", "pipeline", "random")
 MICROBATCHES = (1, 2, 4, 8)
 SCHEDULES = ("gpipe", "1f1b")
 BETA_SCALE = (0.1, 10.0)
-"""β is drawn log-uniform in this range times the default 20 / cost(init) (mcmc.run_chain)."""
+"""β is drawn log-uniform in this range times the default BETA_C / cost(init) (mcmc.run_chain)."""
 DEFAULT_TRIAL_PROPOSALS = 200
 log = logging.getLogger(__name__)
 
@@ -155,7 +156,7 @@ class _Trials:
         except PlanError as e:
             raise optuna.TrialPruned(f"no {init} plan with {n} devices, {m} micro-batches: {e}")
         evaluate = self.evaluator(n)
-        beta = scale * 20.0 / max(plan_cost(evaluate(start)), 1e-9)
+        beta = scale * BETA_C / max(plan_cost(evaluate(start)), 1e-9)
         seconds, proposals = self.budget
         if self.deadline is not None:
             left = self.deadline - time.perf_counter()
