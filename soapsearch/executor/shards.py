@@ -63,15 +63,14 @@ class LocalWeights:
         """The trainable leaves, in a fixed order (for the optimizer)."""
         return [t for _, t in sorted(self.tensors.items()) if t.requires_grad]
 
-    def _buckets(self) -> list[tuple[tuple[int, ...], list[tuple[str, tuple[slice, ...]]]]]:
+    def _buckets(self) -> list[tuple[tuple[int, ...], list[tuple[str, tuple[slice, ...] | None]]]]:
         """The replicated trainable shards this rank holds, one bucket per (device set, dtype)
-        in sorted order: (devices, [(weight name, its slices)])."""
+        in sorted order: (devices, [(weight name, its view ``index``)])."""
         buckets: dict[tuple, list] = {}
         for s in self.mine:
             t = self.tensors[s.name]
             if s.trainable and len(s.devices) > 1 and t.requires_grad:
-                sl = slice_box(shift_box(s.region, self.origin[s.name]))
-                buckets.setdefault((s.devices, str(t.dtype)), []).append((s.name, sl))
+                buckets.setdefault((s.devices, str(t.dtype)), []).append((s.name, self.index(s.name, s.region)))
         return [(key[0], items) for key, items in sorted(buckets.items())]
 
     def sync_grads(self, groups: ProcessGroups) -> None:
@@ -83,16 +82,14 @@ class LocalWeights:
                 t.grad = torch.zeros_like(t)
         pending = []
         for devices, items in self.buckets:
-            grads = [(self.tensors[name].grad, sl) for name, sl in items]
-            flat = torch.cat([g[sl].reshape(-1) for g, sl in grads])
+            grads = [self.tensors[name].grad if index is None else self.tensors[name].grad[index]
+                     for name, index in items]
+            flat = torch.cat([g.reshape(-1) for g in grads])
             pending.append((dist.all_reduce(flat, group=groups.get(devices), async_op=True), flat, grads))
         for work, flat, grads in pending:
             work.wait()
-            offset = 0
-            for g, sl in grads:
-                n = g[sl].numel()
-                g[sl].copy_(flat[offset:offset + n].view_as(g[sl]))
-                offset += n
+            for g, summed in zip(grads, flat.split([g.numel() for g in grads])):
+                g.copy_(summed.view_as(g))
 
     def gather(self, grads: bool = False) -> dict[str, torch.Tensor] | None:
         """Every weight as a full tensor on rank 0 (None elsewhere): each shard is written by
