@@ -14,7 +14,7 @@ from simulator.devices import DeviceSpec
 from simulator.presets import Fabric, cluster
 from simulator.topology import Topology
 
-__all__ = ["OverheadFit", "fit_alpha_beta", "fit_overheads", "ring_allreduce_seconds", "device_kind",
+__all__ = ["OverheadFit", "fit_alpha_beta", "fit_overheads", "trimmed_mean", "ring_allreduce_seconds", "device_kind",
            "build_topology", "spearman"]
 
 
@@ -48,6 +48,17 @@ def fit_alpha_beta(sizes: Sequence[float], times: Sequence[float]) -> tuple[floa
     return float(alpha), float(1.0 / beta), r2
 
 
+def trimmed_mean(xs: Sequence[float]) -> float:
+    """Mean of ``xs`` without its highest and lowest fifth (none of fewer than 5): the expected
+    value of a time whose wake-up delays come and go (a sum of many such times is their count
+    times the mean, which a median misses), without an odd stall."""
+    v = sorted(float(x) for x in xs)
+    if not v:
+        raise ValueError("trimmed_mean: no values")
+    cut = len(v) // 5
+    return float(np.mean(v[cut:len(v) - cut]))
+
+
 def _slope(x: Sequence[float], y: Sequence[float]) -> float:
     """Least-squares slope of y on x."""
     xs, ys = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
@@ -57,49 +68,76 @@ def _slope(x: Sequence[float], y: Sequence[float]) -> float:
 
 class OverheadFit(NamedTuple):
     task_overhead: float
-    """Seconds of executor host work per forward or backward task of a partition."""
+    """Seconds per forward or backward task of a partition beyond what the cost model charges
+    for its kernels (framework dispatch, autograd, the executor's own work)."""
     message_overhead: float
-    """Seconds per point-to-point piece received, beyond the link's alpha + s/B."""
-    task_slopes: list[float]
-    """Per round: d(step - eager)/dK of the data-parallel chain, seconds per tanh op (2 tasks)."""
-    message_slopes: list[float]
-    """Per round: d(round robin - one device)/d(pieces), seconds per piece (link included)."""
+    """Seconds per point-to-point piece received, beyond the link's one-way time."""
+    task_per_round: list[float]
+    """Per round: d(data-parallel step)/dK / 2 - kernel / 2."""
+    message_per_round: list[float]
+    """Per round: d(round robin - one device)/d(pieces) minus that round's one-way piece time
+    (the report's view of the spread; the fit differences the means)."""
 
 
-def fit_overheads(raw: Mapping[str, Any], alpha: float, bandwidth: float) -> OverheadFit:
-    """Fit the executor's host overheads to the probe chains' times (``overhead.py``).
+def _check_sizes(what: str, sizes: Sequence[int], rounds: list[Mapping[str, Any]], names: Sequence[str]) -> None:
+    if len(set(sizes)) < 2:
+        raise ValueError(f"fit_overheads: {what} {list(sizes)}: need >= 2 distinct chain sizes")
+    for i, r in enumerate(rounds):
+        for name in names:
+            times = r.get(name)
+            if times is None or len(times) != len(sizes):
+                raise ValueError(f"fit_overheads: round {i} {name!r}: {times!r} has not one time per "
+                                 f"size of {what} {list(sizes)}")
+            if not all(np.isfinite(times)) or min(times) <= 0:
+                raise ValueError(f"fit_overheads: round {i} {name!r}: {list(times)} is not finite and > 0")
+
+
+def fit_overheads(raw: Mapping[str, Any], kernel: float) -> OverheadFit:
+    """Fit the executor's overheads to the probe chains' times (``overhead.py``).
 
     Task overhead: each device of the data-parallel chain with K tanh ops runs 2K tanh tasks,
-    so step(K) - eager(K) = c + 2K·task_overhead, c the K-free rest (input, linear and loss
-    partitions, the gradient and loss all-reduces, the optimizer step):
-    task_overhead = median over rounds of the least-squares slope in K, / 2.
+    each costing its kernels (``kernel``: the cost model's forward + backward seconds of one
+    tanh partition) plus the overhead, and nothing else grows with K:
+    step(K) = c + K·(kernel + 2·task_overhead), so task_overhead = (median over rounds of the
+    least-squares slope in K - kernel) / 2.
 
     Message overhead: the round-robin chain differs from the one-device chain (same tasks, one
-    at a time) only in its P(K) pieces, each on the critical path: rr(K) - one(K) = c' +
-    P(K)·(alpha + s/B + message_overhead), so message_overhead = median over rounds of the
-    slope in P, minus the link's alpha + s/B (s the piece's bytes). 0 without pieces (N = 1).
+    at a time) only in its P(K) pieces, each on the critical path, each costing the link's
+    one-way time plus the overhead: rr(K) - one(K) = c' + P(K)·(one-way + message_overhead),
+    so message_overhead = trimmed mean over rounds of the slope of rr - one in P, minus the
+    trimmed mean of the rounds' one-way time of a piece (ping-pong). Means, as for alpha: a
+    wake-up delay of cores shared with other work comes and goes faster than a round, so one
+    round's slope and ping-pong may each catch it or not; the expected values still differ by
+    the overhead. 0 without pieces (one process).
+
     Each is clamped at 0 (a negative figure is noise on a zero overhead). ``raw`` is
-    ``measure_overheads``' result: {"sizes", "pieces", "piece_bytes", "rounds": [{"eager",
-    "data_parallel", "one_device", "round_robin"?: [seconds per size]}]}."""
-    sizes, rounds = list(raw["sizes"]), list(raw["rounds"])
-    if len(set(sizes)) < 2 or not rounds:
-        raise ValueError(f"fit_overheads: need >= 2 distinct chain sizes and >= 1 round "
-                         f"(got sizes {sizes}, {len(rounds)} rounds)")
-    for i, r in enumerate(rounds):
-        for name, times in r.items():
-            if len(times) != len(sizes) or not all(np.isfinite(times)) or min(times) <= 0:
-                raise ValueError(f"fit_overheads: round {i} {name!r}: {list(times)} is not one "
-                                 f"finite time > 0 per size {sizes}")
-    task = [_slope(sizes, np.subtract(r["data_parallel"], r["eager"])) / 2 for r in rounds]
+    ``OverheadProbe.result``."""
+    rounds = list(raw["rounds"])
+    if not rounds:
+        raise ValueError("fit_overheads: no rounds")
+    if not (np.isfinite(kernel) and kernel >= 0):
+        raise ValueError(f"fit_overheads: kernel = {kernel!r}: must be a finite number >= 0")
+    task_sizes = list(raw["task_sizes"])
+    _check_sizes("task_sizes", task_sizes, rounds, ["data_parallel"])
+    task = [(_slope(task_sizes, r["data_parallel"]) - kernel) / 2 for r in rounds]
     pieces = list(raw.get("pieces") or [])
     message: list[float] = []
-    if pieces and "round_robin" in rounds[0]:
-        if len(pieces) != len(sizes) or len(set(pieces)) < 2:
-            raise ValueError(f"fit_overheads: pieces {pieces}: need one count per size {sizes}, >= 2 distinct")
-        message = [_slope(pieces, np.subtract(r["round_robin"], r["one_device"])) for r in rounds]
-    link = alpha + raw.get("piece_bytes", 0) / bandwidth
-    return OverheadFit(max(0.0, statistics.median(task)),
-                       max(0.0, statistics.median(message) - link) if message else 0.0, task, message)
+    msg = 0.0
+    if pieces:
+        piece_sizes = list(raw["piece_sizes"])
+        _check_sizes("piece_sizes", piece_sizes, rounds, ["one_device", "round_robin"])
+        if len(pieces) != len(piece_sizes) or len(set(pieces)) < 2:
+            raise ValueError(f"fit_overheads: pieces {pieces}: need one count per size {piece_sizes}, "
+                             ">= 2 distinct")
+        for i, r in enumerate(rounds):
+            w = r.get("piece_one_way")
+            if not (isinstance(w, (int, float)) and np.isfinite(w) and w > 0):
+                raise ValueError(f"fit_overheads: round {i} 'piece_one_way': {w!r} is not finite and > 0")
+        slopes = [_slope(pieces, np.subtract(r["round_robin"], r["one_device"])) for r in rounds]
+        one_way = [r["piece_one_way"] for r in rounds]
+        message = [s - w for s, w in zip(slopes, one_way)]
+        msg = max(0.0, trimmed_mean(slopes) - trimmed_mean(one_way))
+    return OverheadFit(max(0.0, statistics.median(task)), msg, task, message)
 
 
 def ring_allreduce_seconds(n: int, nbytes: float, alpha: float, bandwidth: float) -> float:

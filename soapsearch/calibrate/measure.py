@@ -1,15 +1,19 @@
 """Measure this machine as N torch.distributed processes see it, and write ``calibrated-cpu-N``.
 
 * point-to-point: ping-pong between every rank pair (i < j) over message sizes, one-way time =
-  round trip / 2, median of ``repeats`` rounds after ``warmup`` (a round: one exchange of every
-  size for every pair, then a round of the overhead probe); fitted to alpha + s/B (``fit.py``);
+  round trip / 2, the trimmed mean (``fit.trimmed_mean``) of ``repeats`` rounds after
+  ``warmup`` (a round: one exchange of every size for every pair, then a round of the overhead
+  probe); fitted to alpha + s/B (``fit.py``). A mean, not a median: on cores shared with other
+  work a receiver's wake-up costs ~0.2 or ~2 ms by turns, and a plan's many messages cost their
+  count times the mean;
 * all-reduce over all ranks at the same sizes, against the ring formula on the fitted alpha, B;
 * compute, on all N processes at once (so processes sharing cores are measured sharing them):
   float32 matmul FLOP/s (2·n³ per n×n product), copy bandwidth (read + write = 2·bytes), and the
   eager dispatch overhead of one tiny op (what the analytical model calls launch overhead);
-* the executor's host overheads, on all N processes: probe chains trained by the real
-  ``Executor`` (``overhead.py``), fitted to a per-task and a per-received-piece figure
-  (``fit.fit_overheads``) that every device of the topology carries.
+* the executor's overheads, on all N processes: probe chains trained by the real ``Executor``
+  (``overhead.py``), fitted to a per-task figure beyond the analytical cost model's kernels and
+  a per-received-piece figure beyond the link (``fit.fit_overheads``) that every device of the
+  topology carries.
 """
 
 from __future__ import annotations
@@ -29,8 +33,8 @@ import torch.distributed as dist
 from simulator.topology import Topology
 from soapsearch.calibrate._spawn import spawn, threads_per_process
 from soapsearch.calibrate.fit import (build_topology, device_kind, fit_alpha_beta, fit_overheads,
-                                     ring_allreduce_seconds)
-from soapsearch.calibrate.overhead import OverheadProbe
+                                     ring_allreduce_seconds, trimmed_mean)
+from soapsearch.calibrate.overhead import OverheadProbe, tanh_kernel_seconds
 from strategies.serialize import atomic_write_text
 
 __all__ = ["DEFAULT_SIZES", "Calibration", "calibrate", "measure", "report_path", "warm_profile"]
@@ -63,7 +67,8 @@ class Calibration:
     op_overhead: float
     """Median seconds of one tiny eager op (dispatch only), worst process."""
     task_overhead: float = 0.0
-    """Executor host seconds per forward or backward task of a partition (``fit_overheads``)."""
+    """Seconds per forward or backward task of a partition beyond the analytical kernels
+    (framework dispatch, autograd, the executor's own work; ``fit_overheads``)."""
     message_overhead: float = 0.0
     """Executor host seconds per received point-to-point piece beyond alpha + s/B."""
     overheads: dict[str, Any] = field(default_factory=dict)
@@ -134,7 +139,7 @@ def _worker(rank: int, world: int, sizes: Sequence[int], repeats: int, warmup: i
             probe_rounds.append(probe.round())
     for (i, j), per_size in one_way.items():
         if rank == i:
-            out["p2p"][f"{i}-{j}"] = [[s, statistics.median(t[warmup:])] for s, t in per_size.items()]
+            out["p2p"][f"{i}-{j}"] = [[s, trimmed_mean(t[warmup:])] for s, t in per_size.items()]
     if probe is not None:
         out["overheads"] = probe.result(probe_rounds)
     dist.barrier()
@@ -192,10 +197,14 @@ def measure(nproc: int, backend: str = "gloo", sizes: Sequence[int] = DEFAULT_SI
         [r["flops"] for r in results], [r["memory_bandwidth"] for r in results],
         max(r["op_overhead"] for r in results), p2p=p2p, allreduce=allreduce)
     if overhead_rounds:
-        raw = results[0]["overheads"]  # every time in it is already the slowest rank's
-        fit = fit_overheads(raw, alpha, bandwidth)
+        from simulator.cost import get_cost_model
+
+        raw = results[0]["overheads"]  # every figure in it is already reduced over the ranks
+        kernel = tanh_kernel_seconds(nproc, cal.topology().devices[0], get_cost_model("analytical"))
+        fit = fit_overheads(raw, kernel)
         cal.task_overhead, cal.message_overhead = fit.task_overhead, fit.message_overhead
-        cal.overheads = {**raw, "task_slopes": fit.task_slopes, "message_slopes": fit.message_slopes}
+        cal.overheads = {**raw, "kernel": kernel, "task_per_round": fit.task_per_round,
+                         "message_per_round": fit.message_per_round}
     return cal
 
 

@@ -2,22 +2,25 @@
 processes sharing cores are measured sharing them); ``fit.fit_overheads`` turns the raw times
 into ``task_overhead`` and ``message_overhead``.
 
-The probe is a chain ``linear -> tanh x K -> cross-entropy`` on a tiny batch (every op a few µs
-of kernel, so what the executor adds stands out), trained by the real ``Executor`` under three
-plans, for several K:
+The probe is a chain ``linear -> tanh x K -> cross-entropy`` on a tiny batch (every tanh a few
+µs of arithmetic, so what the framework and the executor add stands out), trained by the real
+``Executor`` under three plans:
 
-* ``data_parallel``: every op cut N ways on the batch, all processes busy at once; each device
-  runs 2 tasks (forward, backward) per tanh, with no transfer between them;
-* ``one_device``: every op whole on device 0 (the control of the next);
-* ``round_robin``: the chain's ops whole, op i on device i mod N (N >= 2): every tanh reads its
-  input from another device and sends its gradient back, two point-to-point pieces per op on
-  the critical path (the inputs sit with their consumers, so they move nothing).
+* ``data_parallel``, K in ``TASK_SIZES``: every op cut N ways on the batch, all processes busy
+  at once, 2 tasks (forward, backward) per tanh on every device and nothing else that grows
+  with K. Long chains: the step's few collectives (the loss's reduction, the gradient sync),
+  each a wake-up on cores shared with other work, scatter it by milliseconds, so the slope in K
+  needs hundreds of tasks to stand clear of them;
+* ``one_device``, K in ``PIECE_SIZES``: every op whole on device 0 (the control of the next);
+* ``round_robin``, K in ``PIECE_SIZES`` (N >= 2): the chain's ops whole, op i on device i mod N:
+  every tanh reads its input from another device and sends its gradient back, two
+  point-to-point pieces per op on the critical path (the inputs sit with their consumers, so
+  they move nothing).
 
-Beside them, the eager forward + backward of the same chain on one device's batch slice (all
-processes at once): the kernels the cost model charges. Each round times every (plan, K) once
-(median of ``steps`` steps, slowest rank), so a burst of load from elsewhere falls on one
-round's every point alike and the per-round slopes stay clean; ``measure`` spreads the rounds
-over the calibration, between its ping-pong rounds.
+Beside them, a ping-pong of one piece's bytes between ranks 0 and 1: the link time the
+simulator charges a piece. Each round measures all of these once (a median of ``steps`` steps,
+slowest rank), so load from elsewhere that comes and goes falls on one round's every figure
+alike; ``measure`` spreads the rounds over the calibration, between its ping-pong rounds.
 """
 
 from __future__ import annotations
@@ -32,15 +35,19 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from simulator.cost import CostModel
+from simulator.devices import DeviceSpec
 from strategies import ParallelConfig, Strategy, baseline
 from strategies.graph import OpGraph
 from strategies.lowering import lower
 
-__all__ = ["CHAIN_SIZES", "PLANS", "Chain", "OverheadProbe", "chain_plans", "measure_overheads"]
+__all__ = ["PIECE_SIZES", "TASK_SIZES", "Chain", "OverheadProbe", "build_chain", "chain_plans",
+           "measure_overheads", "received_pieces", "tanh_kernel_seconds"]
 
-CHAIN_SIZES = (4, 16, 32)
-"""The K (tanh ops) of the probe chains: the fit is a slope over them."""
-PLANS = ("data_parallel", "one_device", "round_robin")
+TASK_SIZES = (16, 128, 256)
+"""K of the data-parallel chains: the task overhead is a slope over them."""
+PIECE_SIZES = (2, 8, 16)
+"""K of the one-device and round-robin chains: the message overhead is a slope over them."""
 ROWS_PER_DEVICE, WIDTH = 4, 16
 """The probe's batch slice per device and its width: a round-robin piece is the whole batch's
 activation, 4·N·16 float32 (512 bytes on 2 processes)."""
@@ -101,62 +108,95 @@ def received_pieces(graph: OpGraph, plan: Strategy) -> tuple[int, int]:
     return 2 * len(remote), (remote[0].nbytes if remote else 0)
 
 
-def _slowest_median(fn: Callable[[], Any], steps: int) -> float:
-    """Median over ``steps`` runs of ``fn`` (each after a barrier) of the slowest rank's time."""
+def tanh_kernel_seconds(nproc: int, device: DeviceSpec, cost: CostModel) -> float:
+    """Forward + backward seconds ``cost`` charges one tanh partition of the data-parallel
+    probe on ``device``: what the simulator already counts of each tanh's two tasks."""
+    _, _, graph = build_chain(2, ROWS_PER_DEVICE * nproc)
+    node = next(n for n in graph if n.kind == "elementwise")
+    part = lower(graph, baseline("data_parallel", graph, nproc)).partitions[node.name][0][0]
+    return sum(cost.op_time(node, part.box, device))
+
+
+def _slowest(times: Sequence[float]) -> float:
+    """The median of this rank's ``times``, then the largest over the ranks."""
+    t = torch.tensor([statistics.median(times)], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def _step_times(fn: Callable[[], Any], steps: int) -> list[float]:
+    """``steps`` runs of ``fn``, each after a barrier: this rank's seconds."""
     times = []
     for _ in range(steps):
         dist.barrier()
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    t = torch.tensor([statistics.median(times)], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t)
+    return times
 
 
 class OverheadProbe:
     """The probe chains built on this rank (the default group initialized) and warmed up;
-    each ``round()`` times every (plan, K) and the eager chains once. ``result(rounds)`` is
-    what ``fit_overheads`` reads: {"sizes", "pieces", "piece_bytes", "rounds": [{plan or
-    "eager": [seconds per size]}]}."""
+    each ``round()`` measures every figure once (see the module docstring). ``result(rounds)``
+    is what ``fit_overheads`` reads: {"task_sizes", "piece_sizes", "pieces", "piece_bytes",
+    "rounds": [{"data_parallel": [s per task size], "one_device", "round_robin": [s per piece
+    size], "piece_one_way": s}]} (one process: no round robin, no pieces)."""
 
-    def __init__(self, world: int, sizes: Sequence[int] = CHAIN_SIZES, steps: int = 3, warmup: int = 2):
+    def __init__(self, world: int, task_sizes: Sequence[int] = TASK_SIZES,
+                 piece_sizes: Sequence[int] = PIECE_SIZES, steps: int = 3, warmup: int = 2):
         from soapsearch.executor import Executor, TrainConfig
 
-        self.sizes, self.steps = list(sizes), steps
+        self.task_sizes, self.piece_sizes, self.steps = list(task_sizes), list(piece_sizes), steps
         self.runs: dict[str, list[Callable[[], Any]]] = {}
         self.pieces: list[int] = []
         self.piece_bytes = 0
-        for k in sizes:
+        wanted = {"data_parallel": set(task_sizes), "one_device": set(piece_sizes),
+                  "round_robin": set(piece_sizes)}
+        for k in sorted(set(task_sizes) | set(piece_sizes)):
             model, batch, graph = build_chain(k, ROWS_PER_DEVICE * world)
             for name, plan in chain_plans(graph, world).items():
+                if k not in wanted[name]:
+                    continue
                 ex = Executor(graph, plan, model.state_dict(), batch, TrainConfig(), "cpu")
                 self.runs.setdefault(name, []).append(ex.step)
                 if name == "round_robin":
                     count, self.piece_bytes = received_pieces(graph, plan)
                     self.pieces.append(count)
-            eager_model, (x, y), _ = build_chain(k, ROWS_PER_DEVICE)
-
-            def eager(m: Chain = eager_model, x: torch.Tensor = x, y: torch.Tensor = y) -> None:
-                m.zero_grad(set_to_none=True)
-                m(x, y).backward()
-            self.runs.setdefault("eager", []).append(eager)
+        self.buf = torch.zeros(max(self.piece_bytes, 1), dtype=torch.uint8)
         for fns in self.runs.values():
             for fn in fns:
                 for _ in range(warmup):
                     fn()
 
-    def round(self) -> dict[str, list[float]]:
-        return {name: [_slowest_median(fn, self.steps) for fn in fns] for name, fns in self.runs.items()}
+    def _piece_one_way(self, exchanges: int = 5, warmup: int = 2) -> float:
+        rank, times = dist.get_rank(), []
+        for _ in range(warmup + exchanges):
+            t0 = time.perf_counter()
+            if rank == 0:
+                dist.send(self.buf, 1)
+                dist.recv(self.buf, 1)
+            elif rank == 1:
+                dist.recv(self.buf, 0)
+                dist.send(self.buf, 0)
+            times.append((time.perf_counter() - t0) / 2)
+        return _slowest(times[warmup:])
 
-    def result(self, rounds: Sequence[dict[str, list[float]]]) -> dict[str, Any]:
-        return {"sizes": self.sizes, "pieces": self.pieces, "piece_bytes": self.piece_bytes,
-                "rounds": list(rounds)}
+    def round(self) -> dict[str, Any]:
+        out: dict[str, Any] = {name: [_slowest(_step_times(fn, self.steps)) for fn in fns]
+                               for name, fns in self.runs.items() if name != "round_robin"}
+        if "round_robin" in self.runs:
+            dist.barrier()
+            out["piece_one_way"] = self._piece_one_way()
+            out["round_robin"] = [_slowest(_step_times(fn, self.steps)) for fn in self.runs["round_robin"]]
+        return out
+
+    def result(self, rounds: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        return {"task_sizes": self.task_sizes, "piece_sizes": self.piece_sizes, "pieces": self.pieces,
+                "piece_bytes": self.piece_bytes, "rounds": list(rounds)}
 
 
-def measure_overheads(rank: int, world: int, sizes: Sequence[int] = CHAIN_SIZES, rounds: int = 5,
-                      steps: int = 3, warmup: int = 2) -> dict[str, Any]:
+def measure_overheads(rank: int, world: int, rounds: int = 5, steps: int = 3, warmup: int = 2) -> dict[str, Any]:
     """``rounds`` rounds of an ``OverheadProbe`` in a row (``measure`` interleaves them with
-    its ping-pong rounds instead); every rank returns the same times (the slowest rank's)."""
-    probe = OverheadProbe(world, sizes, steps, warmup)
+    its ping-pong rounds instead); every rank returns the same figures."""
+    probe = OverheadProbe(world, steps=steps, warmup=warmup)
     return probe.result([probe.round() for _ in range(rounds)])
