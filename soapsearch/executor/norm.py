@@ -7,10 +7,10 @@ this is its fast form, which also keeps the running statistics.
   very call ``nn.BatchNorm2d`` makes.
 - A partition whose batch is split over a group runs torch.nn.SyncBatchNorm's algorithm (Ioffe
   & Szegedy 2015 over the whole batch). Forward: each member's count n_i, mean μ_i and biased
-  variance σ_i² per channel, gathered in one all-reduce (each member fills its row) and combined
-  by the parallel variance formula (Chan, Golub & LeVeque 1979): N = Σn_i, μ = Σn_i·μ_i / N,
+  variance σ_i² per channel, gathered in one all-gather (comm.Group) and combined by
+  the parallel variance formula (Chan, Golub & LeVeque 1979): N = Σn_i, μ = Σn_i·μ_i / N,
   σ² = Σn_i·(σ_i² + (μ_i − μ)²) / N; then y = (x − μ)·invstd·w + b, invstd = 1/√(σ² + eps).
-  Backward: one all-reduce of the per-channel Σdy and Σdy·x̂ (x̂ = (x − μ)·invstd), then
+  Backward: one sum over the group of the per-channel Σdy and Σdy·x̂ (x̂ = (x − μ)·invstd), then
   dx = w·invstd·(dy − Σdy/N − x̂·Σ(dy·x̂)/N); dw = Σdy·x̂ and db = Σdy stay this member's own,
   as the gradient sync sums the weight's replicas.
 
@@ -24,9 +24,9 @@ from __future__ import annotations
 from typing import Mapping
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
+from soapsearch.executor.comm import Group
 from strategies.graph import OpNode
 
 __all__ = ["batch_norm"]
@@ -42,12 +42,11 @@ def _stats_dtype(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype in (torch.float32, torch.float64) else x.float()  # as torch: fp32 stats
 
 
-def batch_norm(node: OpNode, x: torch.Tensor, weights: Mapping[str, torch.Tensor], group,
-               member: int, members: int, batches_tracked: int) -> torch.Tensor:
+def batch_norm(node: OpNode, x: torch.Tensor, weights: Mapping[str, torch.Tensor], group: Group | None,
+               batches_tracked: int) -> torch.Tensor:
     """The output of a training-mode batchnorm partition (input ``x``, weight views by role),
-    updating its running statistics when it has them. ``group``: its reduction group's process
-    group (None when alone), where it is ``member`` of ``members``; ``batches_tracked``: the
-    op's num_batches_tracked including this batch."""
+    updating its running statistics when it has them. ``group``: its reduction group (None
+    when alone); ``batches_tracked``: the op's num_batches_tracked including this batch."""
     eps, momentum = node.attrs["eps"], node.attrs["momentum"]
     w, b = weights.get("weight"), weights.get("bias")
     r_mean, r_var = weights.get("running_mean"), weights.get("running_var")
@@ -55,22 +54,20 @@ def batch_norm(node: OpNode, x: torch.Tensor, weights: Mapping[str, torch.Tensor
     if group is None:
         return F.batch_norm(x, r_mean, r_var, w, b, True, f, eps)
     with torch.no_grad():
-        mean, var, n = _group_stats(x, group, member, members)
+        mean, var, n = _group_stats(x, group)
         if r_mean is not None and r_var is not None:
             r_mean.mul_(1 - f).add_(f * mean.to(r_mean.dtype))
             r_var.mul_(1 - f).add_(f * (var * n / (n - 1)).to(r_var.dtype))
     return _SyncNorm.apply(x, w, b, mean, var, n, eps, group)
 
 
-def _group_stats(x: torch.Tensor, group, member: int, members: int):
-    """(μ, σ², N) per channel over the whole group's batch: one all-reduce of every member's
-    row (n_i, μ_i, σ_i²), combined by the parallel variance formula."""
+def _group_stats(x: torch.Tensor, group: Group):
+    """(μ, σ², N) per channel over the whole group's batch: every member's row (μ_i, σ_i², n_i)
+    gathered, combined by the parallel variance formula."""
     acc = _stats_dtype(x)
     c = x.shape[1]
     var, mean = torch.var_mean(acc, dim=_DIMS, correction=0)
-    rows = acc.new_zeros(members, 2 * c + 1)
-    rows[member, :c], rows[member, c:2 * c], rows[member, -1] = mean, var, x.numel() // c
-    dist.all_reduce(rows, group=group)
+    rows = group.gather(torch.cat([mean, var, acc.new_full((1,), x.numel() // c)]))
     counts, means, variances = rows[:, -1:], rows[:, :c], rows[:, c:2 * c]
     n = counts.sum()
     mean = (counts * means).sum(0) / n
@@ -80,7 +77,7 @@ def _group_stats(x: torch.Tensor, group, member: int, members: int):
 
 class _SyncNorm(torch.autograd.Function):
     """y = (x − μ)·invstd·w + b with the group's (μ, σ²); its backward is SyncBatchNorm's (see
-    the module docstring): one all-reduce, the weight gradients local."""
+    the module docstring): one sum over the group, the weight gradients local."""
 
     @staticmethod
     def forward(ctx, x, w, b, mean, var, n, eps, group):  # type: ignore[override]
@@ -97,8 +94,7 @@ class _SyncNorm(torch.autograd.Function):
         _, sum_dyx, sum_dy = torch.ops.aten.native_batch_norm_backward(
             dy_acc, acc, w, mean, var, None, None, False, ctx.eps, [False, True, True])
         c = x.shape[1]
-        total = torch.cat([sum_dy, sum_dyx])
-        dist.all_reduce(total, group=ctx.group)
+        total = ctx.group.sum(torch.cat([sum_dy, sum_dyx]))
         invstd = torch.rsqrt(var + ctx.eps)
         scale = invstd if w is None else invstd * w
         k = invstd * total[c:] / ctx.n  # x̂·Σ(dy·x̂)/N = (x − μ)·k

@@ -21,7 +21,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from soapsearch.executor.comm import P2P, ProcessGroups, all_reduce_sum
+from soapsearch.executor.comm import P2P, Group, ProcessGroups, all_reduce_sum
 from soapsearch.executor.config import TrainConfig, make_optimizer
 from soapsearch.executor.errors import ExecutorError, check_runnable
 from soapsearch.executor.norm import batch_norm
@@ -71,8 +71,8 @@ class Executor:
         self.recipes = recipes(low, order, self.rank, self.weights.index)
         by_key = {(r.part.op, r.part.index, r.part.microbatch): r for r in self.recipes}
         self.steps = [(s.backward, by_key[(s.op, s.index, s.microbatch)]) for s in order]
-        self.pgs = [self.groups.get(r.group) if r.group else None for r in self.recipes]
-        self.compute = [self._compute(r, pg) for r, pg in zip(self.recipes, self.pgs)]
+        self.compute = [self._compute(r, self.groups.group(r.group, self.rank) if r.group else None)
+                        for r in self.recipes]
         self.loss_everywhere = loss_on_every_rank(low)
         self.bn_steps: dict[str, int] = {}
         """Training batches each batchnorm op normalized on this rank (one per micro-batch)."""
@@ -153,7 +153,7 @@ class Executor:
             for s in r.sends:
                 self.p2p.send(data if s.src is None else data[s.src], s.peer, s.transfer, backward=False)
 
-    def _compute(self, r: Recipe, pg) -> Callable | None:
+    def _compute(self, r: Recipe, group: Group | None) -> Callable | None:
         """``(inputs, weights) -> output`` of ``r``'s partition: its op rule's forward with the
         reduce of its group, or norm.batch_norm for a training batchnorm; None for a weight or
         an input."""
@@ -161,20 +161,19 @@ class Executor:
         if node.kind in (*WEIGHT_KINDS, "input"):
             return None
         if node.kind == "batchnorm2d" and uses_batch_stats(node):
-            return partial(self._batch_norm, r)
+            return partial(self._batch_norm, r, group)
         # the loss (the graph output) is the same on every partition and every one is seeded
         # alike, so its sum's backward needs no all-reduce (comm.AllReduceSum's same_grad)
-        reduce = no_reduce if pg is None else partial(
-            all_reduce_sum, group=pg, same_grad=node.kind == "loss" and r.seed is not None)
+        reduce = no_reduce if group is None else partial(
+            all_reduce_sum, group=group, same_grad=node.kind == "loss" and r.seed is not None)
         return partial(get_rule(node.kind).forward, node, r.part.box, reduce=reduce)
 
-    def _batch_norm(self, r: Recipe, inputs: list[torch.Tensor], weights: dict[str, torch.Tensor]) -> torch.Tensor:
+    def _batch_norm(self, r: Recipe, group: Group | None, inputs: list[torch.Tensor],
+                    weights: dict[str, torch.Tensor]) -> torch.Tensor:
         """norm.batch_norm, counting the op's batches as torch's num_batches_tracked does."""
-        tracked = r.node.attrs["training"] and "running_mean" in weights
-        if tracked:
+        if r.node.attrs["training"] and "running_mean" in weights:
             self.bn_steps[r.part.op] = self.bn_steps.get(r.part.op, 0) + 1
-        members = r.group or (self.rank,)
-        return batch_norm(r.node, inputs[0], weights, self.pgs[r.id], members.index(self.rank), len(members),
+        return batch_norm(r.node, inputs[0], weights, group,
                           self.bn_base.get(r.part.op, 0) + self.bn_steps.get(r.part.op, 0))
 
     def _gather(self, s: Slot) -> torch.Tensor:

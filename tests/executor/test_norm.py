@@ -14,6 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from soapsearch.executor import Executor, TrainConfig
+from soapsearch.executor.comm import Group
 from soapsearch.executor.norm import batch_norm
 from soapsearch.trace import trace
 from strategies.baselines import data_parallel
@@ -24,7 +25,7 @@ from tests.executor.reference import reference_train
 @pytest.fixture(scope="module")
 def world_of_one():
     dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
-    yield dist.group.WORLD
+    yield Group(dist.group.WORLD, (0,), 0)
     dist.destroy_process_group()
 
 
@@ -74,7 +75,7 @@ def test_split_batch_algorithm_equals_batch_norm(world_of_one):
         xs, ws, bs = (t.clone().requires_grad_() for t in (x, w, b))
         stats = {"running_mean": torch.zeros(3, dtype=torch.float64), "running_var": torch.ones(3, dtype=torch.float64)}
         if grouped:
-            y = batch_norm(node, xs, {"weight": ws, "bias": bs, **stats}, world_of_one, 0, 1, 1)
+            y = batch_norm(node, xs, {"weight": ws, "bias": bs, **stats}, world_of_one, 1)
         else:
             y = F.batch_norm(xs, stats["running_mean"], stats["running_var"], ws, bs, True, 0.3, node.attrs["eps"])
         y.backward(dy)
