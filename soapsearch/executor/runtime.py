@@ -9,7 +9,8 @@ The gradient of a partition's output is the sum of the gradient pieces its consu
 (or, on this rank, leave in the leaf copies they read); ``autograd.backward(out, grad)`` fills
 its inputs' ``.grad``, which go back to the producers. The loss op's partitions each return the
 whole micro-batch loss L_j; the step's loss is (1/m)·Σ_j L_j, so each of the k partitions is
-seeded with 1/(k·m), and the reduction's backward (a sum over the k) restores 1/m.
+seeded with 1/(k·m), and the reduction's backward (a sum over the k of equal gradients, taken
+as k times one: comm.AllReduceSum's ``same_grad``) restores 1/m.
 """
 
 from __future__ import annotations
