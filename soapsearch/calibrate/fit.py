@@ -73,10 +73,10 @@ class OverheadFit(NamedTuple):
     message_overhead: float
     """Seconds per point-to-point piece received, beyond the link's one-way time."""
     task_per_round: list[float]
-    """Per round: d(data-parallel step)/dK / 2 - kernel / 2."""
+    """Per round: (d(data-parallel step)/dK - kernel) / 4."""
     message_per_round: list[float]
-    """Per round: d(round robin - one device)/d(pieces) minus that round's one-way piece time
-    (the report's view of the spread; the fit differences the means)."""
+    """Per round: d(round robin - one device)/d(pieces) - alpha - s/B (the report's view of the
+    spread; the fit takes the trimmed mean of the slopes)."""
 
 
 def _check_sizes(what: str, sizes: Sequence[int], rounds: list[Mapping[str, Any]], names: Sequence[str]) -> None:
@@ -92,23 +92,25 @@ def _check_sizes(what: str, sizes: Sequence[int], rounds: list[Mapping[str, Any]
                 raise ValueError(f"fit_overheads: round {i} {name!r}: {list(times)} is not finite and > 0")
 
 
-def fit_overheads(raw: Mapping[str, Any], kernel: float) -> OverheadFit:
+def fit_overheads(raw: Mapping[str, Any], kernel: float, alpha: float, bandwidth: float) -> OverheadFit:
     """Fit the executor's overheads to the probe chains' times (``overhead.py``).
 
-    Task overhead: each device of the data-parallel chain with K tanh ops runs 2K tanh tasks,
-    each costing its kernels (``kernel``: the cost model's forward + backward seconds of one
-    tanh partition) plus the overhead, and nothing else grows with K:
-    step(K) = c + K·(kernel + 2·task_overhead), so task_overhead = (median over rounds of the
-    least-squares slope in K - kernel) / 2.
+    Task overhead: each device of the data-parallel chain of K units runs 4K tasks (forward and
+    backward of a linear and a tanh partition), each costing its kernels (``kernel``: the cost
+    model's forward + backward seconds of one unit's partitions) plus the overhead, and little
+    else grows with K (the optimizer's per-tensor work, which the simulator does not charge
+    either, lands in the overhead): step(K) = c + K·(kernel + 4·task_overhead), so
+    task_overhead = (median over rounds of the least-squares slope in K - kernel) / 4.
 
     Message overhead: the round-robin chain differs from the one-device chain (same tasks, one
     at a time) only in its P(K) pieces, each on the critical path, each costing the link's
-    one-way time plus the overhead: rr(K) - one(K) = c' + P(K)·(one-way + message_overhead),
-    so message_overhead = trimmed mean over rounds of the slope of rr - one in P, minus the
-    trimmed mean of the rounds' one-way time of a piece (ping-pong). Means, as for alpha: a
-    wake-up delay of cores shared with other work comes and goes faster than a round, so one
-    round's slope and ping-pong may each catch it or not; the expected values still differ by
-    the overhead. 0 without pieces (one process).
+    alpha + s/B plus the overhead: rr(K) - one(K) = c' + P(K)·(alpha + s/B + message_overhead),
+    so message_overhead = trimmed mean over rounds of the slope of rr - one in P, minus
+    alpha + s/B (s the piece's bytes; alpha and B the fitted link). A mean, as for alpha: on
+    cores shared with other work a piece costs ~0.2 or several ms by turns (a wake-up delay
+    that comes and goes faster than a round), and a plan's many pieces cost their count times
+    the mean. The executor's pieces cost more than a ping-pong's: its sends and receives are
+    posted when its tasks get to them, not in lock step. 0 without pieces (one process).
 
     Each is clamped at 0 (a negative figure is noise on a zero overhead). ``raw`` is
     ``OverheadProbe.result``."""
@@ -119,7 +121,7 @@ def fit_overheads(raw: Mapping[str, Any], kernel: float) -> OverheadFit:
         raise ValueError(f"fit_overheads: kernel = {kernel!r}: must be a finite number >= 0")
     task_sizes = list(raw["task_sizes"])
     _check_sizes("task_sizes", task_sizes, rounds, ["data_parallel"])
-    task = [(_slope(task_sizes, r["data_parallel"]) - kernel) / 2 for r in rounds]
+    task = [(_slope(task_sizes, r["data_parallel"]) - kernel) / 4 for r in rounds]
     pieces = list(raw.get("pieces") or [])
     message: list[float] = []
     msg = 0.0
@@ -129,14 +131,12 @@ def fit_overheads(raw: Mapping[str, Any], kernel: float) -> OverheadFit:
         if len(pieces) != len(piece_sizes) or len(set(pieces)) < 2:
             raise ValueError(f"fit_overheads: pieces {pieces}: need one count per size {piece_sizes}, "
                              ">= 2 distinct")
-        for i, r in enumerate(rounds):
-            w = r.get("piece_one_way")
-            if not (isinstance(w, (int, float)) and np.isfinite(w) and w > 0):
-                raise ValueError(f"fit_overheads: round {i} 'piece_one_way': {w!r} is not finite and > 0")
+        if not (alpha >= 0 and bandwidth > 0):
+            raise ValueError(f"fit_overheads: alpha {alpha!r} must be >= 0 and bandwidth {bandwidth!r} > 0")
+        link = alpha + raw["piece_bytes"] / bandwidth
         slopes = [_slope(pieces, np.subtract(r["round_robin"], r["one_device"])) for r in rounds]
-        one_way = [r["piece_one_way"] for r in rounds]
-        message = [s - w for s, w in zip(slopes, one_way)]
-        msg = max(0.0, trimmed_mean(slopes) - trimmed_mean(one_way))
+        message = [s - link for s in slopes]
+        msg = max(0.0, trimmed_mean(slopes) - link)
     return OverheadFit(max(0.0, statistics.median(task)), msg, task, message)
 
 

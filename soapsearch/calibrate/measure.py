@@ -34,7 +34,7 @@ from simulator.topology import Topology
 from soapsearch.calibrate._spawn import spawn, threads_per_process
 from soapsearch.calibrate.fit import (build_topology, device_kind, fit_alpha_beta, fit_overheads,
                                      ring_allreduce_seconds, trimmed_mean)
-from soapsearch.calibrate.overhead import OverheadProbe, tanh_kernel_seconds
+from soapsearch.calibrate.overhead import OverheadProbe, unit_kernel_seconds
 from strategies.serialize import atomic_write_text
 
 __all__ = ["DEFAULT_SIZES", "Calibration", "calibrate", "measure", "report_path", "warm_profile"]
@@ -200,8 +200,8 @@ def measure(nproc: int, backend: str = "gloo", sizes: Sequence[int] = DEFAULT_SI
         from simulator.cost import get_cost_model
 
         raw = results[0]["overheads"]  # every figure in it is already reduced over the ranks
-        kernel = tanh_kernel_seconds(nproc, cal.topology().devices[0], get_cost_model("analytical"))
-        fit = fit_overheads(raw, kernel)
+        kernel = unit_kernel_seconds(nproc, cal.topology().devices[0], get_cost_model("analytical"))
+        fit = fit_overheads(raw, kernel, alpha, bandwidth)
         cal.task_overhead, cal.message_overhead = fit.task_overhead, fit.message_overhead
         cal.overheads = {**raw, "kernel": kernel, "task_per_round": fit.task_per_round,
                          "message_per_round": fit.message_per_round}

@@ -2,25 +2,24 @@
 processes sharing cores are measured sharing them); ``fit.fit_overheads`` turns the raw times
 into ``task_overhead`` and ``message_overhead``.
 
-The probe is a chain ``linear -> tanh x K -> cross-entropy`` on a tiny batch (every tanh a few
-µs of arithmetic, so what the framework and the executor add stands out), trained by the real
+The probe is a chain ``(linear -> tanh) x K -> cross-entropy`` on a tiny batch (every op a few
+µs of arithmetic, so what the framework and the executor add stands out; a linear, with its
+weight gradient, and an elementwise op, as most models are made of), trained by the real
 ``Executor`` under three plans:
 
 * ``data_parallel``, K in ``TASK_SIZES``: every op cut N ways on the batch, all processes busy
-  at once, 2 tasks (forward, backward) per tanh on every device and nothing else that grows
-  with K. Long chains: the step's few collectives (the loss's reduction, the gradient sync),
-  each a wake-up on cores shared with other work, scatter it by milliseconds, so the slope in K
-  needs hundreds of tasks to stand clear of them;
+  at once, 4 tasks (forward, backward of the linear and the tanh) per unit on every device.
+  Long chains: the step's few collectives (the loss's reduction, the gradient sync), each a
+  wake-up on cores shared with other work, scatter it by milliseconds, so the slope in K needs
+  hundreds of tasks to stand clear of them;
 * ``one_device``, K in ``PIECE_SIZES``: every op whole on device 0 (the control of the next);
 * ``round_robin``, K in ``PIECE_SIZES`` (N >= 2): the chain's ops whole, op i on device i mod N:
-  every tanh reads its input from another device and sends its gradient back, two
+  every op reads its input from another device and sends its gradient back, two
   point-to-point pieces per op on the critical path (the inputs sit with their consumers, so
   they move nothing).
 
-Beside them, a ping-pong of one piece's bytes between ranks 0 and 1: the link time the
-simulator charges a piece. Each round measures all of these once (a median of ``steps`` steps,
-slowest rank), so load from elsewhere that comes and goes falls on one round's every figure
-alike; ``measure`` spreads the rounds over the calibration, between its ping-pong rounds.
+Each round measures all of these once (a median of ``steps`` steps, slowest rank);
+``measure`` spreads the rounds over the calibration, between its ping-pong rounds.
 """
 
 from __future__ import annotations
@@ -42,11 +41,11 @@ from strategies.graph import OpGraph
 from strategies.lowering import lower
 
 __all__ = ["PIECE_SIZES", "TASK_SIZES", "Chain", "OverheadProbe", "build_chain", "chain_plans",
-           "measure_overheads", "received_pieces", "tanh_kernel_seconds"]
+           "measure_overheads", "received_pieces", "unit_kernel_seconds"]
 
-TASK_SIZES = (16, 128, 256)
-"""K of the data-parallel chains: the task overhead is a slope over them."""
-PIECE_SIZES = (2, 8, 16)
+TASK_SIZES = (8, 64, 128)
+"""K (linear + tanh units) of the data-parallel chains: the task overhead is a slope over them."""
+PIECE_SIZES = (1, 4, 8)
 """K of the one-device and round-robin chains: the message overhead is a slope over them."""
 ROWS_PER_DEVICE, WIDTH = 4, 16
 """The probe's batch slice per device and its width: a round-robin piece is the whole batch's
@@ -54,23 +53,21 @@ activation, 4·N·16 float32 (512 bytes on 2 processes)."""
 
 
 class Chain(nn.Module):
-    """``cross_entropy(tanh^K(linear(x)), y)``: one trainable weight, so every op needs a gradient."""
+    """``cross_entropy((tanh ∘ linear)^K(x), y)``."""
 
     def __init__(self, width: int, k: int):
         super().__init__()
-        self.lin = nn.Linear(width, width)
-        self.k = k
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(k))
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        h = self.lin(x)
-        for _ in range(self.k):
-            h = torch.tanh(h)
-        return F.cross_entropy(h, y)
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return F.cross_entropy(x, y)
 
 
 def build_chain(k: int, batch: int, seed: int = 0) -> tuple[Chain, tuple[torch.Tensor, torch.Tensor], OpGraph]:
-    """The probe model with K tanh ops, its batch and its traced OpGraph (same seed: same on
-    every rank)."""
+    """The probe model with K linear + tanh units, its batch and its traced OpGraph (same seed:
+    same on every rank)."""
     from soapsearch.trace import trace
 
     gen = torch.Generator().manual_seed(seed)
@@ -108,13 +105,13 @@ def received_pieces(graph: OpGraph, plan: Strategy) -> tuple[int, int]:
     return 2 * len(remote), (remote[0].nbytes if remote else 0)
 
 
-def tanh_kernel_seconds(nproc: int, device: DeviceSpec, cost: CostModel) -> float:
-    """Forward + backward seconds ``cost`` charges one tanh partition of the data-parallel
-    probe on ``device``: what the simulator already counts of each tanh's two tasks."""
-    _, _, graph = build_chain(2, ROWS_PER_DEVICE * nproc)
-    node = next(n for n in graph if n.kind == "elementwise")
-    part = lower(graph, baseline("data_parallel", graph, nproc)).partitions[node.name][0][0]
-    return sum(cost.op_time(node, part.box, device))
+def unit_kernel_seconds(nproc: int, device: DeviceSpec, cost: CostModel) -> float:
+    """Forward + backward seconds ``cost`` charges one linear and one tanh partition of the
+    data-parallel probe on ``device``: what the simulator already counts of a unit's 4 tasks."""
+    _, _, graph = build_chain(1, ROWS_PER_DEVICE * nproc)
+    low = lower(graph, baseline("data_parallel", graph, nproc))
+    unit = [n for n in graph if n.kind in ("linear", "elementwise")]
+    return sum(sum(cost.op_time(n, low.partitions[n.name][0][0].box, device)) for n in unit)
 
 
 def _slowest(times: Sequence[float]) -> float:
@@ -140,7 +137,7 @@ class OverheadProbe:
     each ``round()`` measures every figure once (see the module docstring). ``result(rounds)``
     is what ``fit_overheads`` reads: {"task_sizes", "piece_sizes", "pieces", "piece_bytes",
     "rounds": [{"data_parallel": [s per task size], "one_device", "round_robin": [s per piece
-    size], "piece_one_way": s}]} (one process: no round robin, no pieces)."""
+    size]}]} (one process: no round robin, no pieces)."""
 
     def __init__(self, world: int, task_sizes: Sequence[int] = TASK_SIZES,
                  piece_sizes: Sequence[int] = PIECE_SIZES, steps: int = 3, warmup: int = 2):
@@ -162,33 +159,13 @@ class OverheadProbe:
                 if name == "round_robin":
                     count, self.piece_bytes = received_pieces(graph, plan)
                     self.pieces.append(count)
-        self.buf = torch.zeros(max(self.piece_bytes, 1), dtype=torch.uint8)
         for fns in self.runs.values():
             for fn in fns:
                 for _ in range(warmup):
                     fn()
 
-    def _piece_one_way(self, exchanges: int = 5, warmup: int = 2) -> float:
-        rank, times = dist.get_rank(), []
-        for _ in range(warmup + exchanges):
-            t0 = time.perf_counter()
-            if rank == 0:
-                dist.send(self.buf, 1)
-                dist.recv(self.buf, 1)
-            elif rank == 1:
-                dist.recv(self.buf, 0)
-                dist.send(self.buf, 0)
-            times.append((time.perf_counter() - t0) / 2)
-        return _slowest(times[warmup:])
-
-    def round(self) -> dict[str, Any]:
-        out: dict[str, Any] = {name: [_slowest(_step_times(fn, self.steps)) for fn in fns]
-                               for name, fns in self.runs.items() if name != "round_robin"}
-        if "round_robin" in self.runs:
-            dist.barrier()
-            out["piece_one_way"] = self._piece_one_way()
-            out["round_robin"] = [_slowest(_step_times(fn, self.steps)) for fn in self.runs["round_robin"]]
-        return out
+    def round(self) -> dict[str, list[float]]:
+        return {name: [_slowest(_step_times(fn, self.steps)) for fn in fns] for name, fns in self.runs.items()}
 
     def result(self, rounds: Sequence[dict[str, Any]]) -> dict[str, Any]:
         return {"task_sizes": self.task_sizes, "piece_sizes": self.piece_sizes, "pieces": self.pieces,

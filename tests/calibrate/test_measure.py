@@ -33,9 +33,10 @@ def test_calibrate_two_processes_gives_positive_finite_figures(tmp_path):
     assert all((d.task_overhead, d.message_overhead) == (report["task_overhead"], report["message_overhead"])
                for d in topo.devices)
     probe = report["overheads"]
-    assert probe["task_sizes"] == [16, 128, 256] and probe["pieces"] == [2 * (k + 1) for k in probe["piece_sizes"]]
+    # K linear + tanh units, whole, by turns on 2 devices: 2K remote transfers, a piece each way
+    assert probe["task_sizes"] == [8, 64, 128] and probe["pieces"] == [4 * k for k in probe["piece_sizes"]]
     assert probe["piece_bytes"] == 2 * 4 * 16 * 4 and len(probe["rounds"]) == len(probe["task_per_round"]) == 2
-    assert 0 < probe["kernel"] < 1e-3  # the roofline of a 4x16 tanh, forward + backward
+    assert 0 < probe["kernel"] < 1e-3  # the roofline of a 4x16 linear and tanh, forward + backward
 
 
 def test_compare_runs_a_plan_and_writes_both_timelines(tmp_path):
