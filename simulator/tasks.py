@@ -135,6 +135,7 @@ class _Block(TaskGraph):
     def seal(self) -> "_Block":
         """Freeze the edges collected so far into arrays (blocks are shared by the cache)."""
         self.local = (np.asarray(self.edge_src, dtype=np.int64), np.asarray(self.edge_dst, dtype=np.int64))
+        self.edge_src, self.edge_dst = [], []  # now in ``local``
         for pairs in (self.from_producer, self.to_producer):
             for op, (a, u) in pairs.items():
                 pairs[op] = (np.asarray(a, dtype=np.int64), np.asarray(u, dtype=np.int64))

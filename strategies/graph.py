@@ -167,7 +167,9 @@ class OpGraph:
         self._users = {k: tuple(v) for k, v in users.items()}
         self.needs_grad: dict[str, bool] = {}
         """Whether an op's output carries a gradient in training: a floating output that depends
-        on a trainable weight (the executor runs, and the simulator times, a backward only then)."""
+        on a trainable weight (the executor runs, and the simulator times, a backward only then).
+        Both ends of a transfer decide from this alone whether its gradient moves, so the
+        executor's sends and receives always pair."""
         for n in self.nodes:
             floating = n.output.dtype.startswith(("float", "bfloat"))
             if n.kind in ("input", "constant"):

@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from simulator.topology import Topology
 from soapsearch.calibrate._spawn import spawn, threads_per_process
+from soapsearch.calibrate.timing import slowest_median, step_times
 from soapsearch.calibrate.fit import (build_topology, device_kind, fit_alpha_beta, fit_overheads,
                                      ring_allreduce_seconds, trimmed_mean)
 from soapsearch.calibrate.overhead import OverheadProbe, unit_kernel_seconds
@@ -145,18 +146,8 @@ def _worker(rank: int, world: int, sizes: Sequence[int], repeats: int, warmup: i
     dist.barrier()
     for size in sizes:
         buf = torch.zeros(max(size // 4, 1), dtype=torch.float32)
-
-        def reduce() -> None:
-            dist.barrier()
-            t0 = time.perf_counter()
-            dist.all_reduce(buf)
-            times.append(time.perf_counter() - t0)
-        times: list[float] = []
-        for k in range(warmup + repeats):
-            reduce()
-        slowest = torch.tensor([statistics.median(times[warmup:])], dtype=torch.float64)
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-        out["allreduce"].append([size, float(slowest)])
+        times = step_times(lambda: dist.all_reduce(buf), warmup + repeats)
+        out["allreduce"].append([size, slowest_median(times[warmup:])])
     a, b = torch.randn(MATMUL_N, MATMUL_N), torch.randn(MATMUL_N, MATMUL_N)
     src, dst = torch.randn(COPY_BYTES // 4), torch.empty(COPY_BYTES // 4)
     x, y = torch.ones(1), torch.ones(1)

@@ -24,17 +24,15 @@ Each round measures all of these once (a median of ``steps`` steps, slowest rank
 
 from __future__ import annotations
 
-import statistics
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from simulator.cost import CostModel
+from soapsearch.calibrate.timing import slowest_median, step_times
 from simulator.devices import DeviceSpec
 from strategies import ParallelConfig, Strategy, baseline
 from strategies.graph import OpGraph
@@ -114,24 +112,6 @@ def unit_kernel_seconds(nproc: int, device: DeviceSpec, cost: CostModel) -> floa
     return sum(sum(cost.op_time(n, low.partitions[n.name][0][0].box, device)) for n in unit)
 
 
-def _slowest(times: Sequence[float]) -> float:
-    """The median of this rank's ``times``, then the largest over the ranks."""
-    t = torch.tensor([statistics.median(times)], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t)
-
-
-def _step_times(fn: Callable[[], Any], steps: int) -> list[float]:
-    """``steps`` runs of ``fn``, each after a barrier: this rank's seconds."""
-    times = []
-    for _ in range(steps):
-        dist.barrier()
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return times
-
-
 class OverheadProbe:
     """The probe chains built on this rank (the default group initialized) and warmed up;
     each ``round()`` measures every figure once (see the module docstring). ``result(rounds)``
@@ -165,7 +145,7 @@ class OverheadProbe:
                     fn()
 
     def round(self) -> dict[str, list[float]]:
-        return {name: [_slowest(_step_times(fn, self.steps)) for fn in fns] for name, fns in self.runs.items()}
+        return {name: [slowest_median(step_times(fn, self.steps)) for fn in fns] for name, fns in self.runs.items()}
 
     def result(self, rounds: Sequence[dict[str, Any]]) -> dict[str, Any]:
         return {"task_sizes": self.task_sizes, "piece_sizes": self.piece_sizes, "pieces": self.pieces,

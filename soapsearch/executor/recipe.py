@@ -28,12 +28,12 @@ from typing import Callable, NamedTuple, Sequence
 
 import torch
 
-from strategies.graph import OpGraph, OpNode
+from strategies.graph import OpNode
 from strategies.lowering import WEIGHT_KINDS, Lowered, Partition, Transfer
 from strategies.region import Box, box_shape, shift_box, slice_box
 from strategies.schedule import Step
 
-__all__ = ["Piece", "Slot", "Send", "Recipe", "recipes", "needs_grad", "loss_on_every_rank", "SKIP", "LINKED", "ROOT"]
+__all__ = ["Piece", "Slot", "Send", "Recipe", "recipes", "loss_on_every_rank", "SKIP", "LINKED", "ROOT"]
 
 Index = "tuple[slice, ...] | None"  # None: the whole tensor
 SKIP, LINKED, ROOT = "skip", "linked", "root"
@@ -107,23 +107,6 @@ class Recipe(NamedTuple):
     grad_sends: tuple[Send, ...]
 
 
-def needs_grad(graph: OpGraph) -> dict[str, bool]:
-    """Whether an op's output carries a gradient: a floating output that depends on a trainable
-    weight. Both ends of a transfer decide from this alone whether its gradient moves, so sends
-    and receives always pair."""
-    out: dict[str, bool] = {}
-    for n in graph:
-        floating = n.output.dtype.startswith(("float", "bfloat"))
-        if n.kind == "input" or n.kind == "constant":
-            out[n.name] = False
-        elif n.kind == "parameter":
-            out[n.name] = floating and any(w.trainable for w in n.weights)
-        else:
-            out[n.name] = floating and (any(w.trainable for w in n.weights)
-                                        or any(out[s] for s in n.inputs))
-    return out
-
-
 def loss_on_every_rank(low: Lowered) -> bool:
     """Every device holds a partition of the loss op in every micro-batch. Each partition of
     the loss holds the whole micro-batch loss (its rule sums over all of them), so every rank
@@ -143,7 +126,7 @@ class _Lowering:
 
     def __init__(self, low: Lowered, order: Sequence[Step], rank: int):
         self.low, self.graph = low, low.graph
-        self.grad = needs_grad(low.graph)
+        self.grad = low.graph.needs_grad
         self.order = list(order)
         self.position = {(s.op, s.index, s.microbatch): i for i, s in enumerate(order) if s.backward}
         self.keys = [(s.op, s.index, s.microbatch) for s in order if not s.backward]
