@@ -18,12 +18,13 @@ from typing import NamedTuple, Sequence
 from strategies.graph import DTYPE_BYTES, OpGraph, OpNode
 from strategies.region import Box, box_numel, intersect, partition_index
 from strategies.rules import get_rule
+from strategies.rules.base import Reduction
 from strategies.strategy import Strategy
 
 WEIGHT_KINDS = ("parameter", "constant")
 
 __all__ = ["WEIGHT_KINDS", "Partition", "Transfer", "WeightShard", "ReductionGroup", "OpPieces", "Lowered",
-           "lower", "partition_box_mb"]
+           "lower", "partition_box_mb", "gates", "FORWARD", "BACKWARD", "STEP"]
 
 
 class Partition(NamedTuple):
@@ -84,6 +85,9 @@ class ReductionGroup:
     partitions: tuple[int, ...]
     devices: tuple[int, ...]
     nbytes: int
+    """One member's contribution."""
+    gates: str = "forward"
+    """What waits on the sum (``gates``): FORWARD, BACKWARD or STEP."""
 
 
 class OpPieces(NamedTuple):
@@ -180,6 +184,26 @@ def _overlapping(grid: Sequence[tuple[int, int]], degrees: Sequence[int], region
             k = k * d + c
         out.append(k)
     return out
+
+
+FORWARD, BACKWARD, STEP = "forward", "backward", "step"
+
+
+def gates(node: OpNode, red: Reduction, parts: Sequence[Partition], m: int, num_devices: int) -> str:
+    """What must wait for reduction ``red`` of ``node``'s partitions ``parts`` (one micro-batch):
+
+    - FORWARD: the partitions' outputs (batch statistics); their backward sums again.
+    - STEP: only the end of the step. A deferred sum (a loss: Σ w_i·ℓ_i and Σ w_i) whose divisor
+      is known without data (``Loss.static_count``), or whose divisor C scales every gradient
+      after the backward pass: one micro-batch (m = 1) with the loss on every device, so each
+      device scales its own gradients by 1/C (gradients are linear in the seed).
+    - BACKWARD: the loss partitions' backward, seeded 1/(m·C_j) once C_j is known.
+    """
+    if not red.deferred:
+        return FORWARD
+    static = get_rule(node.kind).static_count(node) is not None  # deferred: a loss rule
+    everywhere = {p.device for p in parts} == set(range(num_devices))
+    return STEP if static or (m == 1 and everywhere) else BACKWARD
 
 
 def _reduction_bytes(node: OpNode, name: str, box: Box) -> int:
@@ -283,7 +307,7 @@ def _lower_op(graph: OpGraph, strategy: Strategy, node: OpNode, m: int) -> OpPie
                         box_numel(piece) * itemsize))
         per_mb.append(tuple(parts))
         reductions.extend(_groups(node, cfg.degrees, cfg.devices, rule.reductions(node, cfg.degrees),
-                                  parts, j))
+                                  parts, j, m, strategy.num_devices))
     couples = {(t.src_device, t.dst_device) for t in transfers if not t.local}
     for g in reductions:  # a collective couples its devices both ways
         couples.update(zip(g.devices, g.devices[1:] + g.devices[:1]))
@@ -299,9 +323,10 @@ def _lower_op(graph: OpGraph, strategy: Strategy, node: OpNode, m: int) -> OpPie
 
 
 def _groups(node: OpNode, degrees: Sequence[int], devices: Sequence[int], reds, parts,
-            microbatch: int) -> list[ReductionGroup]:
+            microbatch: int, m: int, num_devices: int) -> list[ReductionGroup]:
     out = []
     for red in reds:
+        when = gates(node, red, parts, m, num_devices)
         over = set(red.over)
         groups: dict[tuple, list[int]] = {}
         for k in range(len(parts)):
@@ -311,7 +336,8 @@ def _groups(node: OpNode, degrees: Sequence[int], devices: Sequence[int], reds, 
             if len(members) > 1:
                 out.append(ReductionGroup(node.name, red.name, microbatch, tuple(members),
                                           tuple(devices[k] for k in members),
-                                          _reduction_bytes(node, red.name, parts[members[0]].box)))
+                                          _reduction_bytes(node, red.name, parts[members[0]].box),
+                                          when))
     return out
 
 

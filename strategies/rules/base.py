@@ -42,6 +42,9 @@ class Reduction:
 
     name: str
     over: tuple[int, ...]
+    deferred: bool = False
+    """The partitions' outputs need not wait for it: a loss's sum and count, which only the
+    gradient's scale 1/count and the reported loss read (see ``strategies.lowering.gates``)."""
 
 
 class OpRule:

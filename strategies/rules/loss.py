@@ -29,7 +29,14 @@ class Loss(SplitAll):
 
     def reductions(self, node: OpNode, degrees: Sequence[int]) -> tuple[Reduction, ...]:
         over = tuple(i for i, d in enumerate(degrees) if d > 1)
-        return (Reduction("loss_sum", over),) if over else ()
+        return (Reduction("loss_sum", over, deferred=True),) if over else ()
+
+    def static_count(self, node: OpNode) -> float | None:
+        """The divisor of L known without the data: 1 for a sum, the element count N for a
+        mean MSE; None for a mean cross-entropy, whose Σ w_i depends on the targets."""
+        if node.attrs["reduction"] == "sum":
+            return 1.0
+        return float(math.prod(node.shape)) if node.attrs["fn"] == "mse_loss" else None
 
     def forward(self, node: OpNode, box: Box, inputs: Sequence[torch.Tensor],
                 weights: Mapping[str, torch.Tensor], reduce: Reduce = no_reduce) -> torch.Tensor:

@@ -138,3 +138,37 @@ def test_partly_overlapping_weight_regions_become_exact_cells():
     assert shards == [((0, 2), (0, 2)), ((2, 4), (0, 3)), ((4, 6), (0, 1)), ((6, 8), (1,))]
     assert sum(s.nbytes for s in lowered.weight_shards) == 8 * 8 * 4
     assert all(s.ops == (first, second) for s in lowered.weight_shards)
+
+
+class Regression(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 3)
+
+    def forward(self, x, y):
+        return nn.functional.mse_loss(self.fc(x), y)
+
+
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_what_waits_on_each_reduction(microbatches):
+    import dataclasses
+
+    from strategies.lowering import BACKWARD, FORWARD, STEP
+
+    def gates(graph, strategy):
+        return {(r.name, r.gates) for r in lower(graph, dataclasses.replace(strategy, microbatches=microbatches)).reductions}
+
+    # cross-entropy mean: the divisor Σ w_i needs the data; one micro-batch on every device
+    # scales the gradients by 1/C after the backward pass, several seed each backward with it
+    g = traced("mlp")
+    assert gates(g, data_parallel(g, 2)) == {("loss_sum", STEP if microbatches == 1 else BACKWARD)}
+    # the loss on 2 of 4 devices: the other two hold gradients it cannot scale
+    half = dataclasses.replace(data_parallel(g, 2), num_devices=4, microbatches=microbatches)
+    assert {r.gates for r in lower(g, half).reductions} == {BACKWARD}
+    # batch statistics gate the forward
+    r = traced("resnet101")
+    assert ("batch_stats", FORWARD) in gates(r, data_parallel(r, 2))
+    # a mean MSE divides by its element count, known without the data
+    x, y = torch.randn(4, 6), torch.randn(4, 3)
+    m = trace(Regression(), (x, y))
+    assert gates(m, data_parallel(m, 2)) == {("loss_sum", STEP)}
