@@ -15,16 +15,48 @@ source NIC for the transfers behind it. This is FlexFlow's simulator (Jia et al.
 
 from __future__ import annotations
 
+import ctypes
 import heapq
 from bisect import bisect_right
+from itertools import chain
 
+import numpy as np
+
+from simulator.native import library
 from simulator.tasks import TaskGraph
 
 __all__ = ["run_events"]
 
 
-def run_events(tg: TaskGraph) -> tuple[list[float], list[float]]:
-    """Start and end time of every task; raises on a cycle (tasks that never become ready)."""
+def run_events(tg: TaskGraph, native: bool = True) -> tuple[list[float], list[float]]:
+    """Start and end time of every task; raises on a cycle (tasks that never become ready).
+    ``native``: the compiled loop (``simulator.native``) where there is one; the same times."""
+    lib = library() if native else None
+    if lib is not None and len(tg):
+        result = _run_native(lib, tg)
+        if result is not None:
+            return result
+    return _run_python(tg)
+
+
+def _run_native(lib, tg: TaskGraph) -> tuple[list[float], list[float]] | None:
+    """The C loop on the graph's arrays; None when it did not place every task (a cycle: the
+    Python loop then names it) or ran out of memory."""
+    n = len(tg)
+    first, succ, ndeps = (np.asarray(a, dtype=np.int64) for a in tg.adjacency())
+    duration = np.asarray(tg.duration, dtype=np.float64)
+    res_first = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(np.fromiter(map(len, tg.resources), np.int64, n), out=res_first[1:])
+    res = np.fromiter(chain.from_iterable(tg.resources), np.int64, int(res_first[-1]))
+    start, end = np.empty(n), np.empty(n)
+    i64, f64 = ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_double)
+    placed = lib.run_events(n, tg.num_devices, tg.num_links, *(a.ctypes.data_as(i64) for a in (first, succ, ndeps)),
+                            duration.ctypes.data_as(f64), res_first.ctypes.data_as(i64), res.ctypes.data_as(i64),
+                            start.ctypes.data_as(f64), end.ctypes.data_as(f64))
+    return (start.tolist(), end.tolist()) if placed == n else None
+
+
+def _run_python(tg: TaskGraph) -> tuple[list[float], list[float]]:
     n = len(tg)
     nd = tg.num_devices
     ready = [0.0] * n

@@ -29,6 +29,7 @@ from simulator.cost import (
     partition_regions,
 )
 from simulator.devices import DeviceSpec
+from simulator.paths import cache_dir
 from strategies.graph import OpNode
 from strategies.region import Box, box_shape
 from strategies.serialize import atomic_open
@@ -55,8 +56,7 @@ CACHE_FORMAT = "soapsearch.profile"
 
 def default_cache_path() -> Path:
     """``$SOAPSEARCH_CACHE_DIR/profile.json``, else ``~/.cache/soapsearch/profile.json``."""
-    root = os.environ.get("SOAPSEARCH_CACHE_DIR")
-    return Path(root or Path.home() / ".cache" / "soapsearch") / "profile.json"
+    return cache_dir() / "profile.json"
 
 
 # --- random tensors of a partition --------------------------------------------------------

@@ -1,0 +1,142 @@
+/* The event loop of simulator/engine.py in C, step for step the same (same heap order, same
+ * floating-point operations in the same order), so both give identical start and end times.
+ * Built by simulator/native.py with the system C compiler and loaded through ctypes.
+ *
+ * run_events(n, nd, nl, first, succ, ndeps, duration, res_first, res, start, end)
+ *   first/succ: CSR successors; ndeps: predecessor counts; res_first/res: CSR resources
+ *   (device d is d, link l is nd + l). Returns the number of tasks placed (n unless a cycle),
+ *   or -1 when out of memory.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct { double key; int64_t t; } Item;
+
+static int less(Item a, Item b) { return a.key < b.key || (a.key == b.key && a.t < b.t); }
+
+static void push(Item *h, int64_t *size, Item x) {
+    int64_t i = (*size)++;
+    while (i > 0) {
+        int64_t p = (i - 1) / 2;
+        if (!less(x, h[p])) break;
+        h[i] = h[p];
+        i = p;
+    }
+    h[i] = x;
+}
+
+static Item pop(Item *h, int64_t *size) {
+    Item top = h[0], x = h[--(*size)];
+    int64_t i = 0, n = *size;
+    for (;;) {
+        int64_t c = 2 * i + 1;
+        if (c >= n) break;
+        if (c + 1 < n && less(h[c + 1], h[c])) c++;
+        if (!less(h[c], x)) break;
+        h[i] = h[c];
+        i = c;
+    }
+    if (n > 0) h[i] = x;
+    return top;
+}
+
+typedef struct { double *st, *en; int64_t len, cap; } Link;
+
+/* first index i with en[i] > s (Python's bisect_right) */
+static int64_t bisect_right(const double *en, int64_t len, double s) {
+    int64_t lo = 0, hi = len;
+    while (lo < hi) {
+        int64_t mid = (lo + hi) / 2;
+        if (s < en[mid]) hi = mid; else lo = mid + 1;
+    }
+    return lo;
+}
+
+static int insert(Link *L, int64_t i, double s, double e) {
+    if (L->len == L->cap) {
+        int64_t cap = L->cap ? 2 * L->cap : 16;
+        double *st = realloc(L->st, cap * sizeof(double)), *en;
+        if (!st) return -1;
+        L->st = st;
+        en = realloc(L->en, cap * sizeof(double));
+        if (!en) return -1;
+        L->en = en;
+        L->cap = cap;
+    }
+    memmove(L->st + i + 1, L->st + i, (L->len - i) * sizeof(double));
+    memmove(L->en + i + 1, L->en + i, (L->len - i) * sizeof(double));
+    L->st[i] = s;
+    L->en[i] = e;
+    L->len++;
+    return 0;
+}
+
+int64_t run_events(int64_t n, int64_t nd, int64_t nl, const int64_t *first, const int64_t *succ,
+                   const int64_t *ndeps, const double *duration, const int64_t *res_first,
+                   const int64_t *res, double *start, double *end) {
+    double *ready = calloc(n ? n : 1, sizeof(double)), *free_ = calloc(nd ? nd : 1, sizeof(double));
+    int64_t *remaining = malloc((n ? n : 1) * sizeof(int64_t));
+    Item *heap = malloc((n ? n : 1) * sizeof(Item));
+    Link *links = calloc(nl ? nl : 1, sizeof(Link));
+    int64_t size = 0, done = -1, placed = 0;
+    if (!ready || !free_ || !remaining || !heap || !links) goto out;
+    for (int64_t t = 0; t < n; t++) {
+        remaining[t] = ndeps[t];
+        if (remaining[t] == 0) push(heap, &size, (Item){0.0, t});
+    }
+    while (size > 0) {
+        Item it = pop(heap, &size);
+        double r = it.key, d = duration[it.t], s, e;
+        int64_t t = it.t, r0 = res_first[t], r1 = res_first[t + 1];
+        if (r1 - r0 == 1 && res[r0] < nd) {  /* one compute stream: the common case */
+            int64_t x = res[r0];
+            s = free_[x] > r ? free_[x] : r;
+            e = free_[x] = s + d;
+        } else {  /* engine._place */
+            int moved = 1;
+            s = r;
+            for (int64_t k = r0; k < r1; k++)
+                if (res[k] < nd && free_[res[k]] > s) s = free_[res[k]];
+            while (moved) {
+                moved = 0;
+                for (int64_t k = r0; k < r1; k++) {
+                    if (res[k] < nd) continue;
+                    Link *L = &links[res[k] - nd];
+                    int64_t i = bisect_right(L->en, L->len, s);
+                    while (i < L->len && L->st[i] < s + d) {
+                        s = L->en[i];
+                        i++;
+                        moved = 1;
+                    }
+                }
+            }
+            e = s + d;
+            for (int64_t k = r0; k < r1; k++) {
+                if (res[k] < nd) {
+                    free_[res[k]] = e;
+                    continue;
+                }
+                Link *L = &links[res[k] - nd];
+                int64_t i = bisect_right(L->en, L->len, s);
+                if (i > 0 && L->en[i - 1] == s) L->en[i - 1] = e;
+                else if (insert(L, i, s, e)) goto out;
+            }
+        }
+        start[t] = s;
+        end[t] = e;
+        placed++;
+        for (int64_t i = first[t]; i < first[t + 1]; i++) {
+            int64_t u = succ[i];
+            if (e > ready[u]) ready[u] = e;
+            if (--remaining[u] == 0) push(heap, &size, (Item){ready[u], u});
+        }
+    }
+    done = placed;
+out:
+    if (links) {
+        for (int64_t k = 0; k < nl; k++) { free(links[k].st); free(links[k].en); }
+    }
+    free(ready); free(free_); free(remaining); free(heap); free(links);
+    return done;
+}
