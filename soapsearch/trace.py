@@ -68,6 +68,18 @@ class _Propagate(ShapeProp):
         self.count_flops = count_flops
         self.values: dict[str, Any] = {}
 
+    def call_module(self, target: Any, args: Any, kwargs: Any) -> Any:
+        # BatchNorm(momentum=None) divides by float(num_batches_tracked), which a fake tensor
+        # has no value for; any momentum gives the same shapes and FLOPs
+        mod = self.fetch_attr(target)
+        if isinstance(mod, torch.nn.modules.batchnorm._BatchNorm) and mod.momentum is None:
+            mod.momentum = 0.0
+            try:
+                return super().call_module(target, args, kwargs)
+            finally:
+                mod.momentum = None
+        return super().call_module(target, args, kwargs)
+
     def run_node(self, n: fx.Node) -> Any:
         counter = FlopCounterMode(display=False) if self.count_flops else contextlib.nullcontext()
         with counter:

@@ -141,3 +141,19 @@ class UsesHidden(nn.Module):
 def test_second_tuple_item_is_a_clear_error():
     with pytest.raises(TraceError, match=r"(?s)reads an item other than the first of 'lstm''s tuple output.*out, \(h, c\) = self.lstm\(x\)"):
         trace(UsesHidden(), (torch.randn(2, 3, 4),))
+
+
+def test_batchnorm_with_cumulative_average_traces():
+    # momentum=None divides by float(num_batches_tracked): the tracer propagates with any
+    # momentum (same shapes, same FLOPs), records None and leaves the module as it was
+    def net(momentum):
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4, momentum=momentum), nn.ReLU())
+
+    x = torch.randn(2, 3, 8, 8)
+    model = net(None)
+    graph, reference = trace(model, (x,)), trace(net(0.1), (x,))
+    bn = next(n for n in graph if n.kind == "batchnorm2d")
+    assert bn.attrs["momentum"] is None and model[1].momentum is None
+    assert int(model[1].num_batches_tracked) == 0
+    assert [(n.kind, n.shape, n.flops) for n in graph] == [(n.kind, n.shape, n.flops) for n in reference]
