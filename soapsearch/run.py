@@ -102,7 +102,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     dist.init_process_group(args.backend, rank=rank, world_size=world,
                             timeout=timedelta(seconds=args.timeout))
     try:
-        ex = Executor(built.graph, strategy, built.model.state_dict(), built.inputs, config, device)
+        ex = Executor(built.graph, strategy, built.model.state_dict(), built.inputs, config, device,
+                      trace=bool(args.trace))
         for step in range(args.steps):
             t0 = time.perf_counter()
             loss = ex.step(seed=args.seed * 1_000_003 + step)

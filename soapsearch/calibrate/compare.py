@@ -90,7 +90,7 @@ def _worker(rank: int, world: int, plans: Sequence[str], model: str, variant: st
     runs = []
     for path in plans:
         ex = Executor(built.graph, read_plan(path, built.graph).strategy, built.model.state_dict(),
-                      built.inputs, TrainConfig(), "cpu")
+                      built.inputs, TrainConfig(), "cpu", trace=True)
         waits: list[float] = []
 
         def timed_recv(*a, recv=ex.p2p.recv, waits=waits, **kw):

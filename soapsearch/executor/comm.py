@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from soapsearch.executor.errors import ExecutorError
 
-__all__ = ["ProcessGroups", "Group", "AllReduceSum", "all_reduce_sum", "P2P"]
+__all__ = ["ProcessGroups", "Group", "PendingSum", "AllReduceSum", "all_reduce_sum", "P2P"]
 
 SMALL_SUM = 1 << 16
 """Elements (over all members) up to which ``Group.sum`` gathers instead of all-reducing."""
@@ -26,10 +26,12 @@ SMALL_SUM = 1 << 16
 class Group:
     """A process group with its members (global ranks, sorted) seen from member ``rank``.
 
-    Small sums (batch statistics, a loss) are all-gathered and added in member order, so every
-    member gets the same bits: on gloo an all-reduce of a few hundred floats takes several
-    round trips (2 local processes here, between small matmuls: all-reduce 1.5-2.4 ms,
-    all-gather 0.9-1.6 ms), and these sums sit on the critical path, one or two per batchnorm."""
+    Small sums (batch statistics, a loss's [s, c]) are all-gathered and added in member order,
+    so every member gets the same bits: on gloo an all-reduce of a few hundred floats takes
+    several round trips (2 local processes here, between small matmuls: all-reduce 1.5-2.4 ms,
+    all-gather 0.9-1.6 ms). Batch statistics sit on the critical path, one or two per
+    batchnorm; a loss's sum is started without waiting (``sum_async``) and waited only where
+    its reduction's gates say (``strategies.lowering.gates``)."""
 
     def __init__(self, pg, members: tuple[int, ...], rank: int):
         self.pg, self.members, self.rank = pg, members, rank
@@ -48,6 +50,29 @@ class Group:
         y = t.detach().clone().contiguous()
         dist.all_reduce(y, op=dist.ReduceOp.SUM, group=self.pg)
         return y
+
+    def sum_async(self, t: torch.Tensor) -> "PendingSum":
+        """Start Σ over the members of small ``t`` (one all-gather, ``async_op``); the sum, in
+        member order as ``sum`` takes it, is ``wait()``'s."""
+        t = t.detach().contiguous()
+        rows = [torch.empty_like(t) for _ in self.members]
+        return PendingSum(dist.all_gather(rows, t, group=self.pg, async_op=True), rows)
+
+
+class PendingSum:
+    """A sum over a group in flight (``Group.sum_async``), or one already known (``work`` None,
+    ``rows`` the one term). ``wait`` blocks once, then returns the same tensor."""
+
+    def __init__(self, work, rows: list[torch.Tensor]):
+        self.work, self.rows = work, rows
+        self.value: torch.Tensor | None = None
+
+    def wait(self) -> torch.Tensor:
+        if self.value is None:
+            if self.work is not None:
+                self.work.wait()
+            self.value = torch.stack(self.rows).sum(0)
+        return self.value
 
 
 class ProcessGroups:
@@ -79,23 +104,21 @@ class ProcessGroups:
 class AllReduceSum(torch.autograd.Function):
     """y = Σ_group x; the gradient of every member's x is Σ_group dL/dy (the adjoint of a sum
     that every member receives is a sum again: Megatron-LM's f/g operators, Shoeybi et al. 2019).
-    With ``same_grad`` the caller promises dL/dy is the same on every member (each turns y into
-    the same output, seeded alike: the loss), so that sum is k·dL/dy, known without communication."""
+    The reduce of a rule's forward whose reduction gates its output (``strategies.lowering.gates``
+    FORWARD) and that the executor does not run in a fast form of its own (batchnorm: norm.py)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: Group, same_grad: bool) -> torch.Tensor:  # type: ignore[override]
-        ctx.group, ctx.same_grad = group, same_grad
+    def forward(ctx, x: torch.Tensor, group: Group) -> torch.Tensor:  # type: ignore[override]
+        ctx.group = group
         return group.sum(x.detach())
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        if ctx.same_grad:
-            return grad * len(ctx.group.members), None, None
-        return ctx.group.sum(grad.detach()), None, None
+        return ctx.group.sum(grad.detach()), None
 
 
-def all_reduce_sum(x: torch.Tensor, group: Group, same_grad: bool = False) -> torch.Tensor:
-    return AllReduceSum.apply(x, group, same_grad)
+def all_reduce_sum(x: torch.Tensor, group: Group) -> torch.Tensor:
+    return AllReduceSum.apply(x, group)
 
 
 class P2P:

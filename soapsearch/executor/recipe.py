@@ -30,10 +30,12 @@ import torch
 
 from strategies.graph import OpNode
 from strategies.lowering import WEIGHT_KINDS, Lowered, Partition, Transfer
+from strategies.rules import get_rule
 from strategies.region import Box, box_shape, shift_box, slice_box
 from strategies.schedule import Step
 
-__all__ = ["Piece", "Slot", "Send", "Recipe", "recipes", "loss_on_every_rank", "SKIP", "LINKED", "ROOT"]
+__all__ = ["Piece", "Slot", "Send", "LossSum", "Recipe", "recipes", "loss_on_every_rank", "SKIP", "LINKED",
+           "ROOT"]
 
 Index = "tuple[slice, ...] | None"  # None: the whole tensor
 SKIP, LINKED, ROOT = "skip", "linked", "root"
@@ -80,6 +82,17 @@ class Send(NamedTuple):
     dtype: torch.dtype | None = None
 
 
+class LossSum(NamedTuple):
+    """How a partition of the loss op that is the graph's output is scaled (the runtime's
+    module docstring): it outputs s_p / ``count`` (the static C, ``Loss.static_count``) or s_p
+    (``count`` None: C = Σ c_p, known once its group's sum is); ``gates`` says what waits for
+    that sum (``strategies.lowering.gates``: STEP or BACKWARD; None: the partition is alone,
+    its own c_p is C)."""
+
+    count: float | None
+    gates: str | None
+
+
 class Recipe(NamedTuple):
     """One partition of this rank: task ``id`` (its index in ``recipes``' list)."""
 
@@ -96,11 +109,14 @@ class Recipe(NamedTuple):
     """The devices (sorted) of its reduction group when more than one: its collectives."""
     sends: tuple[Send, ...]
     loss: bool
-    """This rank counts its output in the step's loss (see ``loss_on_every_rank``)."""
+    """This rank counts its micro-batch's loss in the step's loss (see ``loss_on_every_rank``)."""
     backward: str
     """SKIP (no gradient), LINKED (its root's call covers it) or ROOT (one autograd call)."""
     seed: float | None
-    """A loss partition's output gradient (see the runtime's module docstring)."""
+    """The output gradient of a partition of the graph's output, 1/m (m micro-batches), before
+    a loss's dynamic divisor (see the runtime's module docstring)."""
+    loss_sum: LossSum | None
+    """Set on the partitions of a loss op that is the graph's output."""
     grad_pieces: tuple[Piece, ...]
     grad_whole: bool
     """Every gradient piece covers the whole output: sum them, no buffer."""
@@ -108,10 +124,10 @@ class Recipe(NamedTuple):
 
 
 def loss_on_every_rank(low: Lowered) -> bool:
-    """Every device holds a partition of the loss op in every micro-batch. Each partition of
-    the loss holds the whole micro-batch loss (its rule sums over all of them), so every rank
-    then knows the step's loss without a collective; otherwise partition 0's rank counts it and
-    an all-reduce tells the others."""
+    """Every device holds a partition of the loss op in every micro-batch. Each partition's
+    rank learns the whole micro-batch loss from its group's sum of [s_p, c_p], so every rank
+    then knows the step's loss without another collective; otherwise partition 0's rank counts
+    it and an all-reduce tells the others."""
     everyone = set(range(low.strategy.num_devices))
     return all({p.device for p in parts} == everyone for parts in low.partitions[low.graph.outputs[0]])
 
@@ -141,6 +157,7 @@ class _Lowering:
                 self.out_of.setdefault((t.src_op, t.src_index, t.microbatch), []).append((i, t))
         self.grouped = {(r.op, k, r.microbatch): tuple(sorted(r.devices))
                         for r in low.reductions if len(set(r.devices)) > 1 for k in r.partitions}
+        self.gates = {(r.op, k, r.microbatch): r.gates for r in low.reductions for k in r.partitions}
 
     def carries(self, t: Transfer) -> bool:
         return self.grad[t.src_op] and self.grad[t.dst_op]
@@ -199,7 +216,7 @@ def recipes(low: Lowered, order: Sequence[Step], rank: int,
     for k in lw.keys:
         p, node = lw.parts[k], graph[k[0]]
         kind = SKIP if not lw.has_backward(k) else LINKED if k in linked else ROOT
-        seed = 1.0 / (len(low.partitions[p.op][p.microbatch]) * m) if kind == ROOT and p.op in graph.outputs else None
+        seed = 1.0 / m if kind == ROOT and p.op in graph.outputs else None
         grad_pieces = _grad_pieces(lw, p) if kind == ROOT and seed is None else ()
         grad_sends = tuple(
             Send(i, t.src_device, _index(t.region, p.input_regions[t.slot]), t.slot,
@@ -212,9 +229,17 @@ def recipes(low: Lowered, order: Sequence[Step], rank: int,
                   for role, region in p.weight_regions),
             lw.grouped.get(k),
             tuple(Send(i, t.dst_device, _index(t.region, p.box)) for i, t in lw.out_of.get(k, ()) if not t.local),
-            p.op in graph.outputs and (every_rank or p.index == 0), kind, seed,
+            p.op in graph.outputs and (every_rank or p.index == 0), kind, seed, _loss_sum(lw, k),
             grad_pieces, bool(grad_pieces) and all(g.into is None for g in grad_pieces), grad_sends))
     return out
+
+
+def _loss_sum(lw: _Lowering, k: tuple) -> LossSum | None:
+    """The LossSum of partition ``k`` when its op is a loss and the graph's output, else None."""
+    node = lw.graph[k[0]]
+    if node.kind != "loss" or node.name not in lw.graph.outputs:
+        return None
+    return LossSum(get_rule("loss").static_count(node), lw.gates.get(k))
 
 
 def _where(p: Partition) -> str:

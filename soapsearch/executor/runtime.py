@@ -7,10 +7,25 @@ out once into its recipe (``recipe.py``, which also says where autograd graphs a
 
 The gradient of a partition's output is the sum of the gradient pieces its consumers send back
 (or, on this rank, leave in the leaf copies they read); ``autograd.backward(out, grad)`` fills
-its inputs' ``.grad``, which go back to the producers. The loss op's partitions each return the
-whole micro-batch loss L_j; the step's loss is (1/m)·Σ_j L_j, so each of the k partitions is
-seeded with 1/(k·m), and the reduction's backward (a sum over the k of equal gradients, taken
-as k times one: comm.AllReduceSum's ``same_grad``) restores 1/m.
+its inputs' ``.grad``, which go back to the producers.
+
+The loss. The step's loss is L = (1/m)·Σ_j S_j / C_j over the m micro-batches, S_j = Σ_p s_p
+and C_j = Σ_p c_p (or the static count C, ``Loss.static_count``) over the loss op's partitions
+p, each computing s_p = Σ_{i∈p} w_i·ℓ_i and c_p = Σ_{i∈p} w_i (``Loss.partial``). A partition
+outputs s_p / C when C is static, else s_p; right after its forward it starts the sum of
+[s_p, c_p] over its reduction group (``Group.sum_async``) and goes on. dL/ds_p = 1/(m·C_j), so
+what waits for that sum is what its reduction's gates say (``strategies.lowering.gates``):
+
+- STEP, static C: the seed is 1/m; nothing waits but the reported loss.
+- STEP, dynamic C (m = 1, a loss partition on every rank): the seed is 1/m, and after the
+  rank's last backward step, before the gradient sync, every local gradient is divided by C
+  (every gradient is linear in the seeds, and every seed was C times too large).
+- BACKWARD: the partition's backward step of micro-batch j waits for the sum; seed 1/(m·C_j).
+- a partition alone (no group) knows C_j itself; seed 1/(m·C_j).
+
+The loss's backward has no collective. The reported loss is (1/m)·Σ_j S_j / C_j from the sums;
+when some rank holds no loss partition, partition 0's rank counts it and an all-reduce after
+the gradient sync tells the others.
 """
 
 from __future__ import annotations
@@ -22,14 +37,14 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from soapsearch.executor.comm import P2P, Group, ProcessGroups, all_reduce_sum
+from soapsearch.executor.comm import P2P, Group, PendingSum, ProcessGroups, all_reduce_sum
 from soapsearch.executor.config import TrainConfig, make_optimizer
 from soapsearch.executor.errors import ExecutorError, check_runnable
 from soapsearch.executor.norm import batch_norm
 from soapsearch.executor.recipe import ROOT, SKIP, Piece, Recipe, Slot, loss_on_every_rank, recipes
 from soapsearch.executor.shards import LocalWeights
 from strategies.graph import OpGraph
-from strategies.lowering import WEIGHT_KINDS, lower
+from strategies.lowering import STEP, WEIGHT_KINDS, lower
 from strategies.rules import get_rule
 from strategies.rules.base import no_reduce
 from strategies.rules.norm import uses_batch_stats
@@ -49,11 +64,12 @@ def _batches_tracked(node) -> str | None:
 class Executor:
     """Runs ``strategy`` on this rank (``dist`` must be initialized; rank = device). ``state``
     is the full model's state_dict (same seed on every rank), ``batch`` the model's positional
-    inputs; each step trains on it."""
+    inputs; each step trains on it. With ``trace``, every step appends one Chrome event per
+    forward and backward step of this rank to ``events`` (the caller clears it)."""
 
     def __init__(self, graph: OpGraph, strategy: Strategy, state: Mapping[str, torch.Tensor],
                  batch: Sequence[Any], config: TrainConfig = TrainConfig(),
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", trace: bool = False):
         self.rank, world = dist.get_rank(), dist.get_world_size()
         self.lowered = lower(graph, strategy)
         check_runnable(self.lowered, world)
@@ -79,13 +95,18 @@ class Executor:
         """Training batches each batchnorm op normalized on this rank (one per micro-batch)."""
         self.bn_base = {n.name: int(state[_batches_tracked(n)]) for n in graph
                         if _batches_tracked(n) in state}
+        self.trace = trace
         self.events: list[dict[str, Any]] = []
+        """Chrome trace events ("ph": "X", µs of ``time.perf_counter``), recorded with ``trace``."""
         self._clear()
 
     def _clear(self) -> None:
         self.outs: list[torch.Tensor | None] = [None] * len(self.recipes)
         self.leaves: list[list[torch.Tensor | None] | None] = [None] * len(self.recipes)
         self.losses: list[torch.Tensor] = []
+        """The outputs counted in the step's loss (a graph output that is not a loss op)."""
+        self.sums: dict[int, tuple[Recipe, PendingSum]] = {}
+        """Loss partition (recipe id) -> its group's sum of [s_p, c_p], in flight or known."""
 
     # --- one step ---------------------------------------------------------------------------
     def step(self, seed: int = 0, update: bool = True) -> float:
@@ -95,9 +116,9 @@ class Executor:
         try:
             if self.optimizer is not None:
                 self.optimizer.zero_grad(set_to_none=True)
-            clock, events, rank = time.perf_counter, self.events, self.rank
+            clock, events, rank = time.perf_counter, self.events if self.trace else None, self.rank
             for backward, r in self.steps:
-                t0 = clock()
+                t0 = clock() if events is not None else 0.0
                 try:
                     if backward:
                         self._backward(r)
@@ -110,20 +131,43 @@ class Executor:
                     raise ExecutorError(
                         f"rank {rank}: op {p.op!r} partition {p.index} micro-batch {p.microbatch} "
                         f"({'backward' if backward else 'forward'}): {type(e).__name__}: {e}") from e
-                events.append({"name": r.backward_name if backward else r.forward_name, "ph": "X",
-                               "pid": rank, "tid": 0, "ts": t0 * 1e6, "dur": (clock() - t0) * 1e6})
+                if events is not None:
+                    events.append({"name": r.backward_name if backward else r.forward_name, "ph": "X",
+                                   "pid": rank, "tid": 0, "ts": t0 * 1e6, "dur": (clock() - t0) * 1e6})
+            self._divide_grads()
             self.weights.sync_grads(self.groups)
-            loss = sum(v.item() for v in self.losses)  # float64, as each L_j is exactly a double
-            if not self.loss_everywhere:
-                total = torch.tensor([loss], dtype=torch.float64, device=self.device)
-                dist.all_reduce(total)
-                loss = total.item()
+            loss = self._step_loss()
             self.p2p.flush()
             if update and self.optimizer is not None:
                 self.optimizer.step()
             return loss / self.strategy.microbatches
         finally:
             self._clear()
+
+    def _divide_grads(self) -> None:
+        """STEP with a dynamic C (m = 1, every rank a loss partition): wait for the loss's sum
+        and divide every local gradient by C = Σ c_p (the seed was 1/m, not 1/(m·C))."""
+        for r, pending in self.sums.values():
+            if r.loss_sum.count is None and r.loss_sum.gates == STEP:
+                count = pending.wait()[1]
+                for t in self.weights.parameters():
+                    if t.grad is not None:
+                        t.grad.div_(count)
+
+    def _step_loss(self) -> float:
+        """Σ_j S_j / C_j of the micro-batches this rank counts (float64: each term is exactly a
+        double), summed over the world when some rank holds no loss partition. Every sum this
+        rank started is waited here, counted or not (its buffers live until it is done)."""
+        loss = sum(v.item() for v in self.losses)
+        for r, pending in self.sums.values():
+            total = pending.wait()
+            if r.loss:
+                loss += (total[0] / (r.loss_sum.count if r.loss_sum.count is not None else total[1])).item()
+        if not self.loss_everywhere:
+            total = torch.tensor([loss], dtype=torch.float64, device=self.device)
+            dist.all_reduce(total)
+            loss = total.item()
+        return loss
 
     # --- forward ------------------------------------------------------------------------------
     def _forward(self, r: Recipe) -> None:
@@ -147,7 +191,7 @@ class Executor:
             out = self.compute[r.id](inputs, {role: self.weights.view(name, index) for role, name, index in r.weights})
             self.leaves[r.id] = leaves
         self.outs[r.id] = out
-        if r.loss:
+        if r.loss and r.loss_sum is None:
             self.losses.append(out.detach())
         if r.sends:
             data = out.detach()
@@ -163,11 +207,19 @@ class Executor:
             return None
         if node.kind == "batchnorm2d" and uses_batch_stats(node):
             return partial(self._batch_norm, r, group)
-        # the loss (the graph output) is the same on every partition and every one is seeded
-        # alike, so its sum's backward needs no all-reduce (comm.AllReduceSum's same_grad)
-        reduce = no_reduce if group is None else partial(
-            all_reduce_sum, group=group, same_grad=node.kind == "loss" and r.seed is not None)
+        if r.loss_sum is not None:
+            return partial(self._loss, r, group)
+        reduce = no_reduce if group is None else partial(all_reduce_sum, group=group)
         return partial(get_rule(node.kind).forward, node, r.part.box, reduce=reduce)
+
+    def _loss(self, r: Recipe, group: Group | None, inputs: list[torch.Tensor],
+              weights: dict[str, torch.Tensor]) -> torch.Tensor:
+        """A loss partition (module docstring): s_p / C (static C) or s_p, its group's sum of
+        [s_p, c_p] (of s_p alone for a static C) started, not waited."""
+        s, c = get_rule("loss").partial(r.node, r.part.box, inputs, weights)
+        terms = torch.stack([s.detach(), c]) if r.loss_sum.count is None else s.detach().reshape(1)
+        self.sums[r.id] = (r, group.sum_async(terms) if group is not None else PendingSum(None, [terms]))
+        return s / r.loss_sum.count if r.loss_sum.count is not None else s
 
     def _batch_norm(self, r: Recipe, group: Group | None, inputs: list[torch.Tensor],
                     weights: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -213,10 +265,15 @@ class Executor:
             self.p2p.send(g if s.src is None else g[s.src], s.peer, s.transfer, backward=True)
 
     def _output_grad(self, r: Recipe, out: torch.Tensor) -> torch.Tensor:
-        """The seed of a loss partition, else the sum of the gradient pieces of its consumers:
+        """The seed of a partition of the graph's output (module docstring: 1/m, or 1/(m·C_j)
+        once its loss's sum is known), else the sum of the gradient pieces of its consumers:
         their leaves' ``.grad`` on this rank, received from the others."""
         if r.seed is not None:
-            return torch.full_like(out, r.seed)
+            seed = torch.full_like(out, r.seed)
+            ls = r.loss_sum
+            if ls is not None and ls.count is None and ls.gates != STEP:
+                seed = seed / self.sums[r.id][1].wait()[1]
+            return seed
         grad = None if r.grad_whole else torch.zeros_like(out)
         for piece in r.grad_pieces:
             if piece.peer is None:

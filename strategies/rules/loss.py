@@ -38,20 +38,31 @@ class Loss(SplitAll):
             return 1.0
         return float(math.prod(node.shape)) if node.attrs["fn"] == "mse_loss" else None
 
-    def forward(self, node: OpNode, box: Box, inputs: Sequence[torch.Tensor],
-                weights: Mapping[str, torch.Tensor], reduce: Reduce = no_reduce) -> torch.Tensor:
-        # each partition sums its own w_i·ℓ_i (and w_i); one all-reduce of both gives the global L
+    def partial(self, node: OpNode, box: Box, inputs: Sequence[torch.Tensor],
+                weights: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(s_p, c_p) of the partition computing ``box``: s_p = Σ_{i∈p} w_i·ℓ_i (differentiable)
+        and c_p = Σ_{i∈p} w_i (no gradient), as torch sums them (cross-entropy: class weights,
+        ignore_index, label smoothing; MSE: w_i = 1 per element). L = Σ_p s_p / C, with
+        C = ``static_count`` when known, else Σ_p c_p."""
         x, target = inputs
         a = node.attrs
         if a["fn"] == "mse_loss":
-            total = reduce(F.mse_loss(x, target, reduction="sum"))
-            return total if a["reduction"] == "sum" else total / math.prod(node.shape)
+            s = F.mse_loss(x, target, reduction="sum")
+            return s, s.new_tensor(float(x.numel()))
         w = weights.get("class_weight")
-        local = F.cross_entropy(x, target, weight=w, ignore_index=a["ignore_index"], reduction="sum",
-                                label_smoothing=a.get("label_smoothing", 0.0))
-        if a["reduction"] == "sum":
-            return reduce(local)
-        kept = target[target != a["ignore_index"]]
-        count = w[kept].sum() if w is not None else torch.tensor(kept.numel(), device=x.device)
-        total = reduce(torch.stack([local, count.to(local.dtype)]))
+        s = F.cross_entropy(x, target, weight=w, ignore_index=a["ignore_index"], reduction="sum",
+                            label_smoothing=a.get("label_smoothing", 0.0))
+        with torch.no_grad():
+            kept = target[target != a["ignore_index"]]
+            count = w[kept].sum() if w is not None else torch.tensor(kept.numel(), device=x.device)
+        return s, count.to(s.dtype)
+
+    def forward(self, node: OpNode, box: Box, inputs: Sequence[torch.Tensor],
+                weights: Mapping[str, torch.Tensor], reduce: Reduce = no_reduce) -> torch.Tensor:
+        """L = Σ_p s_p / C (``partial``); ``reduce`` sums [s_p, c_p] over the partitions."""
+        s, c = self.partial(node, box, inputs, weights)
+        static = self.static_count(node)
+        if static is not None:
+            return reduce(s) / static
+        total = reduce(torch.stack([s, c]))
         return total[0] / total[1]

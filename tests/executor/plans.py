@@ -1,11 +1,13 @@
 """Plans the parity tests run: the baselines, a parameter split of the linears, a spatial
-(attribute) split of the convs, and seeded random plans from ``enumerate_configs``."""
+(attribute) split of the convs, plans that place the loss so that its sum gates the step or a
+backward step (``strategies.lowering.gates``), and seeded random plans from
+``enumerate_configs``."""
 
 from __future__ import annotations
 
 import random
 
-from strategies.baselines import data_parallel, model_parallel, owt, pipeline
+from strategies.baselines import balanced_stages, data_parallel, model_parallel, owt, pipeline
 from strategies.config import ParallelConfig, enumerate_configs
 from strategies.graph import OpGraph
 from strategies.rules import get_rule
@@ -26,11 +28,37 @@ def _with(graph: OpGraph, n: int, pick) -> Strategy:
     return Strategy.of({node.name: pick(node) or base[node.name] for node in graph}, n)
 
 
+def _sample_cut(node, devices: tuple[int, ...]) -> ParallelConfig:
+    """``node`` cut on its sample dim over ``devices``, or whole on the first of them."""
+    s = node.sample_dim
+    if s is not None and get_rule(node.kind).splittable(node)[s] and len(devices) > 1:
+        return ParallelConfig(tuple(len(devices) if i == s else 1 for i in range(len(node.dims))), devices)
+    return ParallelConfig((1,) * len(node.dims), devices[:1])
+
+
+def _stages_dp(graph: OpGraph, n: int) -> Strategy:
+    """Two pipeline stages (balanced by FLOPs), each data parallel over half the devices, two
+    GPipe micro-batches: the loss is split over the last stage only."""
+    half = n // 2
+    configs = {}
+    for s, run in enumerate(balanced_stages(graph, 2)):
+        for name in run:
+            configs[name] = _sample_cut(graph[name], tuple(range(s * half, (s + 1) * half)))
+    return Strategy.of({node.name: configs[node.name] for node in graph}, n, 2, "gpipe")
+
+
 def make_plan(graph: OpGraph, name: str, n: int) -> Strategy:
     """The plan ``name`` for ``graph`` on ``n`` devices (``random<seed>``, ``random_mb<seed>``:
     a random config per op; the second with 2 GPipe micro-batches)."""
     if name == "dp":
         return data_parallel(graph, n)
+    if name == "dp_mb2":  # the loss on every device, 2 micro-batches
+        return data_parallel(graph, n).with_microbatches(2, "gpipe")
+    if name == "loss_some":  # data parallel but the loss on the last n/2 devices only
+        loss = graph[graph.outputs[0]]
+        return _with(graph, n, lambda node: _sample_cut(node, tuple(range(n - n // 2, n))) if node is loss else None)
+    if name == "stages_dp":
+        return _stages_dp(graph, n)
     if name == "mp":
         return model_parallel(graph, n)
     if name == "owt":

@@ -1,15 +1,24 @@
 """The executor's truth test (DESIGN.md "Executor"): after each of two steps with SGD (momentum)
 and with Adam, the loss, every weight's gradient (gathered to a full tensor) and the whole
 state_dict (weights, batchnorm running statistics) equal plain single-device PyTorch training
-of the same model, float64, rtol 1e-5. Every case of one world size runs in one launch."""
+of the same model, float64, rtol 1e-5. Every case of one world size runs in one launch.
+
+The loss's sum is waited where its reduction's gates say (``strategies.lowering.gates``); the
+cases cover each (test_recipe.py asserts which case takes which): STEP with a dynamic count
+(data parallel, every gradient divided after the backward: mlp, gpt, weighted ``dp``), STEP
+with a static count (mean MSE, summed cross-entropy), BACKWARD (``dp_mb2``, ``random_mb2``,
+the pipeline ``stages_dp``, ``loss_some`` on 4), and a loss partition alone (``gpipe``,
+``loss_some`` on 2: rank 0 holds no loss partition)."""
 
 from __future__ import annotations
 
 import pytest
 
 from tests.executor.harness import compare, launch
+from tests.executor.models import SPEC as M  # losses the zoo lacks
 
 pytestmark = pytest.mark.distributed
+
 
 CASES_2 = [
     ("mlp", "dp"), ("mlp", "mp"), ("mlp", "owt"), ("mlp", "gpipe"), ("mlp", "1f1b"), ("mlp", "param"),
@@ -20,15 +29,19 @@ CASES_2 = [
     ("resnet101", "dp"), ("resnet101", "spatial"), ("resnet101", "gpipe", 8), ("resnet101", "1f1b", 8),
     ("resnet101", "random5"),
     ("rnnlm", "dp"), ("rnnlm", "mp"), ("rnnlm", "1f1b"), ("rnnlm", "random4"),
+    ("mlp", "dp_mb2"), ("mlp", "loss_some"), (M + "regression", "dp"), (M + "regression", "random1"),
+    (M + "weighted", "dp"), (M + "weighted", "dp_mb2"), (M + "summed", "dp_mb2"),
 ]
 CASES_4 = [
     ("mlp", "dp"), ("mlp", "random11"), ("gpt", "owt"), ("gpt", "random12"), ("alexnet", "owt"),
     ("alexnet", "spatial"), ("resnet101", "dp"), ("rnnlm", "gpipe"),
+    ("mlp", "loss_some"), ("mlp", "stages_dp"), (M + "regression", "loss_some"), (M + "weighted", "stages_dp"),
+    (M + "summed", "stages_dp"),
 ]
 
 
 def _id(case) -> str:
-    return "-".join(map(str, case))
+    return "-".join(map(str, case)).removeprefix(M)
 
 
 @pytest.fixture(scope="module")

@@ -9,10 +9,11 @@ import functools
 import pytest
 
 from soapsearch.executor import build_model
-from soapsearch.executor.recipe import LINKED, ROOT, SKIP, Recipe, recipes
-from strategies.lowering import lower
+from soapsearch.executor.recipe import LINKED, ROOT, SKIP, LossSum, Recipe, recipes
+from strategies.lowering import BACKWARD, STEP, lower
 from strategies.schedule import device_order
 from tests.executor.plans import make_plan
+from tests.executor.models import SPEC as M
 
 
 @functools.cache
@@ -95,3 +96,30 @@ CASES = ([(m, "dp", 4) for m in ("resnet101", "gpt")] + [(m, p, 2) for m in ("re
 def test_linking_keeps_every_ranks_sequence_of_communications(model, plan, n):
     for rank, (order, rs) in _recipes(model, plan, n).items():
         assert _communications(order, rs, linked=True) == _communications(order, rs, linked=False), rank
+
+
+# (model, plan, devices) -> every loss partition's (LossSum, seed) and the ranks counting the loss
+LOSS_CASES = [
+    ("mlp", "dp", 2, LossSum(None, STEP), 1.0, {0, 1}),  # every gradient divided by C after backward
+    ("gpt", "dp", 2, LossSum(None, STEP), 1.0, {0, 1}),
+    (M + "weighted", "dp", 2, LossSum(None, STEP), 1.0, {0, 1}),
+    (M + "regression", "dp", 2, LossSum(96.0, STEP), 1.0, {0, 1}),  # mean MSE: C = 8·3·4
+    (M + "summed", "dp_mb2", 2, LossSum(1.0, STEP), 0.5, {0, 1}),
+    ("mlp", "dp_mb2", 2, LossSum(None, BACKWARD), 0.5, {0, 1}),  # seed 1/(m·C_j) once C_j is summed
+    (M + "weighted", "dp_mb2", 2, LossSum(None, BACKWARD), 0.5, {0, 1}),
+    ("mlp", "stages_dp", 4, LossSum(None, BACKWARD), 0.5, {2}),  # pipeline: the loss on ranks 2, 3
+    (M + "summed", "stages_dp", 4, LossSum(1.0, STEP), 0.5, {2}),
+    ("mlp", "loss_some", 4, LossSum(None, BACKWARD), 1.0, {2}),
+    (M + "regression", "loss_some", 4, LossSum(96.0, STEP), 1.0, {2}),
+    ("mlp", "loss_some", 2, LossSum(None, None), 1.0, {1}),  # alone: C_j is its own c_p
+    ("mlp", "gpipe", 2, LossSum(None, None), 0.5, {1}),
+]
+
+
+@pytest.mark.parametrize("model,plan,n,loss_sum,seed,counting", LOSS_CASES,
+                         ids=[f"{c[0].removeprefix(M)}-{c[1]}-{c[2]}" for c in LOSS_CASES])
+def test_loss_partitions_seed_and_wait_as_their_gates_say(model, plan, n, loss_sum, seed, counting):
+    """The parity cases cover every way a loss's sum is waited (test_parity.py's docstring)."""
+    losses = [(rank, r) for rank, (_, rs) in _recipes(model, plan, n).items() for r in rs if r.loss_sum]
+    assert {(r.loss_sum, r.seed) for _, r in losses} == {(loss_sum, seed)}
+    assert {rank for rank, r in losses if r.loss} == counting

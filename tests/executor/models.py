@@ -1,0 +1,75 @@
+"""Small models whose losses the zoo lacks, for the parity tests: a mean MSE and a summed
+cross-entropy (static divisors: ``Loss.static_count``), and a mean cross-entropy with class
+weights, ignored targets and label smoothing (a divisor Σ w_i known only from the data).
+Factories for ``build_model("tests.executor.models:<name>")``: (model, example inputs)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+SPEC = f"{__name__}:"
+"""The prefix of this file's model specs (``SPEC + "weighted"``)."""
+CLASSES = 6
+IGNORE = 2
+
+
+class _Body(nn.Module):
+    def __init__(self, out: int):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(5, 8), nn.Linear(8, out)
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+class Regression(_Body):
+    """Mean squared error over a [batch, 3, 4] prediction: C = batch·12."""
+
+    def __init__(self):
+        super().__init__(4)
+
+    def forward(self, x, y):
+        return F.mse_loss(super().forward(x), y)
+
+
+class Weighted(_Body):
+    """Mean cross-entropy, class weights, targets equal to IGNORE skipped, label smoothing."""
+
+    def __init__(self):
+        super().__init__(CLASSES)
+        self.loss = nn.CrossEntropyLoss(weight=torch.rand(CLASSES) + 0.5, ignore_index=IGNORE,
+                                        label_smoothing=0.1)
+
+    def forward(self, x, t):
+        return self.loss(super().forward(x), t)
+
+
+class Summed(_Body):
+    """Summed cross-entropy with class weights: C = 1."""
+
+    def __init__(self):
+        super().__init__(CLASSES)
+        self.register_buffer("cw", torch.rand(CLASSES) + 0.5)
+
+    def forward(self, x, t):
+        return F.cross_entropy(super().forward(x), t, weight=self.cw, ignore_index=IGNORE, reduction="sum")
+
+
+def _targets(batch_size: int) -> torch.Tensor:
+    t = torch.randint(0, CLASSES, (batch_size,))
+    t[: batch_size // 4] = IGNORE  # the first quarter ignored: a whole partition may count 0
+    return t
+
+
+def regression(batch_size: int = 8):
+    return Regression(), (torch.randn(batch_size, 3, 5), torch.randn(batch_size, 3, 4))
+
+
+def weighted(batch_size: int = 8):
+    return Weighted(), (torch.randn(batch_size, 5), _targets(batch_size))
+
+
+def summed(batch_size: int = 8):
+    return Summed(), (torch.randn(batch_size, 5), _targets(batch_size))

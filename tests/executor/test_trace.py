@@ -1,0 +1,30 @@
+"""The executor records its per-step Chrome events only when asked (``trace``): a long run
+without a trace keeps no per-step state. A gloo world of one process, in this process."""
+
+from __future__ import annotations
+
+import pytest
+import torch.distributed as dist
+
+from soapsearch.executor import Executor, build_model
+from strategies.baselines import data_parallel
+
+
+@pytest.fixture(scope="module")
+def world_of_one():
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("trace", [False, True])
+def test_events_are_recorded_only_with_trace(world_of_one, trace):
+    built = build_model("mlp", "tiny")
+    ex = Executor(built.graph, data_parallel(built.graph, 1), built.model.state_dict(), built.inputs,
+                  trace=trace)
+    losses = [ex.step(seed=s) for s in range(3)]
+    assert len(ex.events) == (3 * len(ex.steps) if trace else 0)
+    if trace:
+        assert {e["ph"] for e in ex.events} == {"X"} and all(e["dur"] >= 0 for e in ex.events)
+        assert [e["name"] for e in ex.events[:2]] == [ex.steps[0][1].forward_name, ex.steps[1][1].forward_name]
+    assert losses[2] < losses[0]  # it trains either way
