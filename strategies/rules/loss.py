@@ -52,9 +52,9 @@ class Loss(SplitAll):
         w = weights.get("class_weight")
         s = F.cross_entropy(x, target, weight=w, ignore_index=a["ignore_index"], reduction="sum",
                             label_smoothing=a.get("label_smoothing", 0.0))
-        with torch.no_grad():
-            kept = target[target != a["ignore_index"]]
-            count = w[kept].sum() if w is not None else torch.tensor(kept.numel(), device=x.device)
+        with torch.no_grad():  # masks, not boolean indexing (which syncs on a data-dependent size)
+            keep = target != a["ignore_index"]
+            count = keep.sum() if w is None else (w[target.masked_fill(~keep, 0)] * keep).sum()
         return s, count.to(s.dtype)
 
     def forward(self, node: OpNode, box: Box, inputs: Sequence[torch.Tensor],
