@@ -1,6 +1,7 @@
 """Small models whose losses the zoo lacks, for the parity tests: a mean MSE and a summed
-cross-entropy (static divisors: ``Loss.static_count``), and a mean cross-entropy with class
-weights, ignored targets and label smoothing (a divisor Σ w_i known only from the data).
+cross-entropy (static divisors: ``Loss.static_count``), a mean cross-entropy with class
+weights, ignored targets and label smoothing (a divisor Σ w_i known only from the data), and a
+loss that is not the model's output (its sum gates the forward: the generic reduce path).
 Factories for ``build_model("tests.executor.models:<name>")``: (model, example inputs)."""
 
 from __future__ import annotations
@@ -57,6 +58,16 @@ class Summed(_Body):
         return F.cross_entropy(super().forward(x), t, weight=self.cw, ignore_index=IGNORE, reduction="sum")
 
 
+class Scaled(_Body):
+    """Half the mean cross-entropy: the loss op feeds an elementwise op, the graph's output."""
+
+    def __init__(self):
+        super().__init__(CLASSES)
+
+    def forward(self, x, t):
+        return F.cross_entropy(super().forward(x), t) * 0.5
+
+
 def _targets(batch_size: int) -> torch.Tensor:
     t = torch.randint(0, CLASSES, (batch_size,))
     t[: batch_size // 4] = IGNORE  # the first quarter ignored: a whole partition may count 0
@@ -73,3 +84,7 @@ def weighted(batch_size: int = 8):
 
 def summed(batch_size: int = 8):
     return Summed(), (torch.randn(batch_size, 5), _targets(batch_size))
+
+
+def scaled(batch_size: int = 8):
+    return Scaled(), (torch.randn(batch_size, 5), _targets(batch_size))

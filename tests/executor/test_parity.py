@@ -8,7 +8,8 @@ cases cover each (test_recipe.py asserts which case takes which): STEP with a dy
 (data parallel, every gradient divided after the backward: mlp, gpt, weighted ``dp``), STEP
 with a static count (mean MSE, summed cross-entropy), BACKWARD (``dp_mb2``, ``random_mb2``,
 the pipeline ``stages_dp``, ``loss_some`` on 4), and a loss partition alone (``gpipe``,
-``loss_some`` on 2: rank 0 holds no loss partition)."""
+``loss_some`` on 2: rank 0 holds no loss partition); a loss that is not the output
+(``scaled``) sums in its forward."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ CASES_2 = [
     ("resnet101", "random5"),
     ("rnnlm", "dp"), ("rnnlm", "mp"), ("rnnlm", "1f1b"), ("rnnlm", "random4"),
     ("mlp", "dp_mb2"), ("mlp", "loss_some"), (M + "regression", "dp"), (M + "regression", "random1"),
-    (M + "weighted", "dp"), (M + "weighted", "dp_mb2"), (M + "summed", "dp_mb2"),
+    (M + "weighted", "dp"), (M + "weighted", "dp_mb2"), (M + "summed", "dp_mb2"), (M + "scaled", "dp"),
 ]
 CASES_4 = [
     ("mlp", "dp"), ("mlp", "random11"), ("gpt", "owt"), ("gpt", "random12"), ("alexnet", "owt"),
