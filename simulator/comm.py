@@ -1,4 +1,5 @@
-"""Communication cost formulas over a Topology: point-to-point transfers and ring all-reduce.
+"""Communication cost formulas over a Topology: point-to-point transfers, ring all-reduce and
+ring all-gather, and the executor's choice between the last two for a small sum.
 
 Pure functions of (topology, devices, bytes). They read the Topology's precomputed per-route
 latency sums and bottleneck bandwidths, and cache each all-reduce group's ring, so the search
@@ -12,7 +13,12 @@ from collections.abc import Sequence
 
 from simulator.topology import Topology
 
-__all__ = ["transfer_time", "allreduce_time", "ring_links"]
+__all__ = ["transfer_time", "allreduce_time", "allgather_time", "group_sum_time", "ring_links", "SMALL_SUM"]
+
+SMALL_SUM = 1 << 16
+"""Elements (one member's count times the members) up to which the executor sums over a group
+by all-gathering every member's tensor and adding them in member order, instead of
+all-reducing (``soapsearch/executor/comm.py``, ``Group.sum``: the same figure)."""
 
 
 def transfer_time(topology: Topology, src: int, dst: int, nbytes: float) -> float:
@@ -54,6 +60,30 @@ def allreduce_time(topology: Topology, devices: Sequence[int], nbytes: float) ->
         return 0.0
     alpha, bandwidth, _ = _ring(topology, tuple(devices))
     return 2 * (n - 1) / n * nbytes / bandwidth + 2 * (n - 1) * alpha
+
+
+def allgather_time(topology: Topology, devices: Sequence[int], nbytes: float) -> float:
+    """Seconds for a ring all-gather of ``nbytes`` per member over ``devices`` (Thakur,
+    Rabenseifner & Gropp 2005, "Optimization of collective communication operations in MPICH",
+    ring algorithm): ``(n-1) * alpha + (n-1) * nbytes / B`` — n-1 steps, each passing one
+    member's block to the next device — with alpha and B as in ``allreduce_time`` (the ring's
+    largest neighbour latency and smallest neighbour bandwidth). 0 for n <= 1 or nbytes == 0."""
+    n = len(devices)
+    if nbytes < 0:
+        raise ValueError(f"all-gather over {list(devices)}: nbytes = {nbytes}: must be >= 0")
+    if n <= 1 or nbytes == 0:
+        return 0.0
+    alpha, bandwidth, _ = _ring(topology, tuple(devices))
+    return (n - 1) * alpha + (n - 1) * nbytes / bandwidth
+
+
+def group_sum_time(topology: Topology, devices: Sequence[int], nbytes: float, numel: int) -> float:
+    """Seconds for the executor's sum over ``devices`` of a tensor of ``numel`` elements
+    (``nbytes`` per member): an all-gather (``allgather_time``) when ``numel * n <= SMALL_SUM``,
+    else a ring all-reduce (``allreduce_time``)."""
+    if numel * len(devices) <= SMALL_SUM:
+        return allgather_time(topology, devices, nbytes)
+    return allreduce_time(topology, devices, nbytes)
 
 
 def ring_links(topology: Topology, devices: Sequence[int]) -> tuple[int, ...]:

@@ -4,9 +4,11 @@ Tasks: forward and backward of every partition of every micro-batch (on its devi
 charged the device's ``task_overhead`` of host work where the executor runs it); every transfer
 that crosses devices, forward and its mirrored gradient backward (on the links of its route),
 each followed by a receive of ``message_overhead`` on the receiving device when that is set; the
-small reductions op rules ask for; the gradient sync as the executor runs it — one all-reduce
-per device set holding replicated trainable shards (a DDP-style bucket), once every device of
-the set has finished its backward pass; one optimizer update per device.
+small sums op rules ask for, timed and ordered by what waits on each (``_add_reductions``); the
+end of the step as the executor runs it (``_link_step``) — the loss sums only the step waits
+on, one all-reduce per device set holding replicated trainable shards (a DDP-style bucket) once
+every device of the set has finished its backward pass, the loss value's all-reduce when not
+every device knows it, and one optimizer update per device.
 
 Delta simulation: the tasks of one op — its partitions, its reductions and the transfers into
 it — depend only on the op's lowered pieces (its config and its producers' configs). They are
@@ -24,12 +26,16 @@ from typing import Any
 
 import numpy as np
 
-from simulator.comm import allreduce_time, ring_links, transfer_time
+from simulator.comm import allgather_time, allreduce_time, group_sum_time, ring_links, transfer_time
 from simulator.cost import CostModel
+from simulator.devices import DeviceSpec
 from simulator.topology import Topology
 from strategies.config import format_devices
 from strategies.graph import OpNode
-from strategies.lowering import WEIGHT_KINDS, Lowered, OpPieces
+from strategies.lowering import BACKWARD as BY_BACKWARD
+from strategies.lowering import STEP as BY_STEP
+from strategies.lowering import WEIGHT_KINDS, Lowered, OpPieces, ReductionGroup
+from strategies.rules import get_rule
 from strategies.schedule import passes, warmups
 
 __all__ = ["TaskGraph", "TaskCache", "build_tasks", "FORWARD", "BACKWARD", "TRANSFER", "GRAD_TRANSFER",
@@ -128,7 +134,12 @@ class _Block(TaskGraph):
         self.to_producer: dict[str, tuple[Any, Any]] = {}
         """Producer op -> (our local tasks, its): our task -> the producer's backward."""
         self.steps: Any = ([], [], [])
-        """(forward task, its device, its micro-batch) of every partition, in partition order."""
+        """(forward task, its device, its micro-batch) of every partition, in partition order;
+        ``seal`` adds two rows, fwd_done and bwd_done: where each forward and backward step of
+        the device's schedule ends, its blocking sum included."""
+        self.step_reductions: list[tuple[int, tuple[int, ...], bool]] = []
+        """(task, devices, dynamic) of each sum only the end of the step waits on (a loss's;
+        dynamic: its divisor needs the data, so the gradients wait on it before their sync)."""
         self.local: tuple[np.ndarray, np.ndarray] = (np.empty(0, np.int64), np.empty(0, np.int64))
         """The edges inside the block (sources, targets)."""
 
@@ -139,7 +150,8 @@ class _Block(TaskGraph):
         for pairs in (self.from_producer, self.to_producer):
             for op, (a, u) in pairs.items():
                 pairs[op] = (np.asarray(a, dtype=np.int64), np.asarray(u, dtype=np.int64))
-        self.steps = tuple(np.asarray(x, dtype=np.int64) for x in self.steps)
+        done = ([t for ids in d for t in ids] for d in (self.fwd_done, self.bwd_done))
+        self.steps = np.asarray([*self.steps, *done], dtype=np.int64).reshape(5, -1)
         return self
 
 
@@ -186,15 +198,7 @@ def _op_block(node: OpNode, pieces: OpPieces, backward: bool, producers: dict[st
         b.fwd.append(ids)
         b.fwd_done.append(list(ids))
         b.bwd_done.append([t + 1 for t in ids])
-    for g in pieces.reductions:  # a partition's output is final once its reductions are done
-        links = tuple(n + l for l in ring_links(topology, g.devices))
-        t = allreduce_time(topology, g.devices, g.nbytes)
-        rf = b.add(f"reduce {g.name} {g.op}@mb{g.microbatch}", REDUCE, t, links, g.devices[0], g.nbytes)
-        rb = b.add(f"reduce-grad {g.name} {g.op}@mb{g.microbatch}", REDUCE, t, links, g.devices[0], g.nbytes)
-        for k in g.partitions:
-            b.edge(b.fwd[g.microbatch][k], rf)
-            b.edge(b.fwd[g.microbatch][k] + 1, rb)
-            b.fwd_done[g.microbatch][k], b.bwd_done[g.microbatch][k] = rf, rb
+    _add_reductions(b, node, pieces.reductions, backward, topology)
     for t in pieces.transfers:
         dst_f = b.fwd[t.microbatch][t.dst_index]
         dst_b = b.bwd_done[t.microbatch][t.dst_index]
@@ -226,6 +230,47 @@ def _op_block(node: OpNode, pieces: OpPieces, backward: bool, producers: dict[st
         b.edge(tf, dst_f)
         _pair(back, tb, src_b)
     return b.seal()
+
+
+def _add_reductions(b: _Block, node: OpNode, reductions: tuple[ReductionGroup, ...], backward: bool,
+                    topology: Topology) -> None:
+    """The sums of ``node``'s reduction groups, by what waits on each (``strategies.lowering
+    .gates``), each after its members' forwards, on the links of its ring:
+
+    - forward (batch statistics): an all-gather of every member's statistics that the
+      partitions' consumers and the device's next step wait on, and in backward (when the op
+      has one) a sum of the gradient statistics (``group_sum_time``: the executor's
+      ``Group.sum``) that the gradients sent back and the device's next step wait on;
+    - backward (a loss whose divisor needs the data, several micro-batches or not on every
+      device): an all-gather started without waiting that the loss partitions' backward of that
+      micro-batch wait on;
+    - step: an all-gather started without waiting; ``build_tasks`` links it to the end of the
+      step (``b.step_reductions``, with whether its divisor needs the data)."""
+    n = topology.num_devices
+    dynamic = node.kind == "loss" and get_rule(node.kind).static_count(node) is None
+    for g in reductions:
+        j = g.microbatch
+        fwd = b.fwd[j]
+        links = tuple(n + l for l in ring_links(topology, g.devices))
+        r = b.add(f"reduce {g.name} {g.op}@mb{j}", REDUCE, allgather_time(topology, g.devices, g.nbytes),
+                  links, g.devices[0], g.nbytes)
+        for k in g.partitions:
+            b.edge(fwd[k], r)
+        if g.gates == BY_STEP:
+            b.step_reductions.append((r, g.devices, dynamic))
+        elif g.gates == BY_BACKWARD:
+            for k in g.partitions:
+                b.edge(r, fwd[k] + 1)
+        else:
+            for k in g.partitions:
+                b.fwd_done[j][k] = r
+            if backward and g.grad_nbytes:
+                size = 8 if node.output.dtype == "float64" else 4  # batch statistics' float32
+                t = group_sum_time(topology, g.devices, g.grad_nbytes, g.grad_nbytes // size)
+                rb = b.add(f"reduce-grad {g.name} {g.op}@mb{j}", REDUCE, t, links, g.devices[0], g.grad_nbytes)
+                for k in g.partitions:
+                    b.edge(fwd[k] + 1, rb)
+                    b.bwd_done[j][k] = rb
 
 
 def _pair(pairs: tuple[list[int], list[int]], a: int, u: int) -> None:
@@ -268,7 +313,7 @@ def build_tasks(lowered: Lowered, topology: Topology, cost: CostModel, optimizer
     m = strategy.microbatches
     # Link the blocks: every edge array with the offsets to add to its ends, added at once.
     src, dst, src_off, dst_off = [], [], [], []
-    step_t, step_off, step_d, step_j = [], [], [], []
+    steps, step_off = [], []
     for op, b in blocks.items():
         off = offset[op]
         for a, u, aoff, uoff in ((*b.local, off, off),
@@ -278,52 +323,105 @@ def build_tasks(lowered: Lowered, topology: Topology, cost: CostModel, optimizer
             dst.append(u)
             src_off.append(aoff)
             dst_off.append(uoff)
-        step_t.append(b.steps[0])
+        steps.append(b.steps)
         step_off.append(off)
-        step_d.append(b.steps[1])
-        step_j.append(b.steps[2])
     sizes = [len(a) for a in src]
     tg.chunks.append((np.concatenate(src) + np.repeat(src_off, sizes),
                       np.concatenate(dst) + np.repeat(dst_off, sizes)))
     # Each device runs the schedule's order (strategies/schedule.py): per micro-batch its
-    # forwards in graph and partition order (a stable sort by device and micro-batch).
-    ts = np.concatenate(step_t) + np.repeat(step_off, [len(t) for t in step_t])
-    devs, mbs = np.concatenate(step_d), np.concatenate(step_j)
+    # forwards in graph and partition order (a stable sort by device and micro-batch). A step
+    # starts once the one before it is done, a blocking sum in it included (the executor's
+    # collectives run inside its forward and backward steps).
+    st = np.concatenate(steps, axis=1)
+    at = np.repeat(step_off, [x.shape[1] for x in steps])
+    devs, mbs = st[1], st[2]
     order = np.lexsort((mbs, devs))
-    ts = ts[order]
+    ts, fd, bd = ((st[r] + at)[order] for r in (0, 3, 4))
     bounds = np.concatenate([[0], np.cumsum(np.bincount(devs * m + mbs, minlength=n * m))]).tolist()
     last: dict[int, int] = {}  # each device's last step: its backward pass is over after it
     ws = warmups(lowered)
     for d in sorted(set(devs.tolist())):
-        fwd = [ts[bounds[d * m + j]:bounds[d * m + j + 1]] for j in range(m)]
-        seq = np.concatenate([fwd[j][::-1] + 1 if back else fwd[j] for back, j in passes(m, ws[d])])
-        tg.chunks.append((seq[:-1], seq[1:]))
-        last[d] = int(seq[-1])
-    # Gradient sync as the executor does it (DDP-style buckets): after its last backward each
-    # rank all-reduces one bucket per device set holding replicated trainable shards; then
-    # every device runs its optimizer update.
-    update_deps: dict[int, list[int]] = {d: [last[d]] for d in last}
-    weight_bytes = [0] * n
-    buckets: dict[tuple[int, ...], int] = {}
+        cut = [slice(bounds[d * m + j], bounds[d * m + j + 1]) for j in range(m)]
+        order_d = passes(m, ws[d])
+        seq = np.concatenate([ts[cut[j]][::-1] + 1 if back else ts[cut[j]] for back, j in order_d])
+        ends = np.concatenate([bd[cut[j]][::-1] if back else fd[cut[j]] for back, j in order_d])
+        tg.chunks.append((ends[:-1], seq[1:]))
+        last[d] = int(ends[-1])
+    _link_step(tg, lowered, topology, blocks, offset, last, optimizer, traffic)
+    return tg
+
+
+def _link_step(tg: TaskGraph, lowered: Lowered, topology: Topology, blocks: dict[str, _Block],
+               offset: dict[str, int], last: dict[int, int], optimizer: str, traffic: float) -> None:
+    """The end of the step as the executor runs it (``runtime.Executor.step``): each device,
+    after its last backward step, waits on the loss sums (gated STEP) it is a member of whose
+    divisor needs the data (it divides its gradients by it); all-reduces one DDP-style bucket
+    per device set holding replicated trainable shards; waits on its other STEP loss sums;
+    then, when the loss is not on every device in every micro-batch, one all-reduce of the loss
+    value (a float64) over every device; then its optimizer update."""
+    n = topology.num_devices
+    ready: dict[int, list[int]] = {d: [last[d]] for d in last}  # what its gradient sync waits on
+    later: dict[int, list[int]] = {d: [] for d in last}  # what only its update waits on
+    for op, b in blocks.items():
+        for r, devs, dynamic in b.step_reductions:
+            for d in devs:
+                (ready if dynamic else later)[d].append(offset[op] + r)
+    held: dict[tuple[int, ...], list] = {}  # device set -> [trainable bytes, weight names] it holds
     for s in lowered.weight_shards:
-        if not s.trainable:
-            continue
-        for d in s.devices:
-            weight_bytes[d] += s.nbytes
-        if len(s.devices) > 1:
-            buckets[s.devices] = buckets.get(s.devices, 0) + s.nbytes
+        if s.trainable:
+            entry = held.get(s.devices)
+            if entry is None:
+                entry = held[s.devices] = [0, set()]
+            entry[0] += s.nbytes
+            entry[1].add(s.name)
+    weight_bytes, tensors = [0] * n, [0] * n  # tensors: the trainable weights a device holds
+    for d in last:
+        sets = [(nbytes, names) for devs, (nbytes, names) in held.items() if d in devs]
+        weight_bytes[d] = sum(nbytes for nbytes, _ in sets)
+        tensors[d] = len(sets[0][1]) if len(sets) == 1 else len(set().union(*(names for _, names in sets)))
+    buckets = {devs: nbytes for devs, (nbytes, _) in held.items() if len(devs) > 1}
+    synced = {d: ready[d] + later[d] for d in last}
     for devs in sorted(buckets):
         links = tuple(n + l for l in ring_links(topology, devs))
         ar = tg.add(f"allreduce bucket {format_devices(devs)}", ALLREDUCE,
                     allreduce_time(topology, devs, buckets[devs]), links, devs[0], buckets[devs])
         for d in devs:
-            tg.edge(last[d], ar)
-            update_deps[d].append(ar)
+            for dep in ready[d]:
+                tg.edge(dep, ar)
+            synced[d].append(ar)
+    if not _loss_on_every_device(lowered):
+        everyone = tuple(range(lowered.strategy.num_devices))
+        rep = tg.add("allreduce loss", ALLREDUCE, allreduce_time(topology, everyone, _LOSS_BYTES),
+                     tuple(n + l for l in ring_links(topology, everyone)), 0, _LOSS_BYTES)
+        for d in sorted(synced):
+            for dep in dict.fromkeys(synced[d]):
+                tg.edge(dep, rep)
+            synced[d] = [rep]
     for d in sorted(last):
         if weight_bytes[d]:
-            spec = topology.devices[d]
             u = tg.add(f"update {optimizer} device {d}", UPDATE,
-                       traffic * weight_bytes[d] / spec.memory_bandwidth, (d,), d, weight_bytes[d])
-            for dep in dict.fromkeys(update_deps[d]):
+                       _update_time(topology.devices[d], traffic, weight_bytes[d], tensors[d]),
+                       (d,), d, weight_bytes[d])
+            for dep in dict.fromkeys(synced[d]):
                 tg.edge(dep, u)
-    return tg
+
+
+_LOSS_BYTES = 8
+"""The step's loss value the executor all-reduces when not every device knows it: one float64."""
+
+
+def _loss_on_every_device(lowered: Lowered) -> bool:
+    """Every device holds a partition of the loss op (the graph's first output) in every
+    micro-batch, so each knows the step's loss without a collective (the executor's
+    ``recipe.loss_on_every_rank``)."""
+    everyone = set(range(lowered.strategy.num_devices))
+    return all({p.device for p in parts} == everyone
+               for parts in lowered.partitions[lowered.graph.outputs[0]])
+
+
+def _update_time(spec: DeviceSpec, traffic: float, nbytes: int, tensors: int) -> float:
+    """Seconds of one device's optimizer update: memory-bound traffic plus host work per local
+    trainable tensor, ``traffic * nbytes / memory_bandwidth + tensors * task_overhead`` (torch's
+    optimizers on CPU step each tensor in turn: their ``foreach`` default is for CUDA-like
+    devices only; the executor holds one tensor per weight it reads, ``shards.LocalWeights``)."""
+    return traffic * nbytes / spec.memory_bandwidth + tensors * spec.task_overhead

@@ -85,9 +85,11 @@ class ReductionGroup:
     partitions: tuple[int, ...]
     devices: tuple[int, ...]
     nbytes: int
-    """One member's contribution."""
+    """One member's contribution to the forward sum."""
     gates: str = "forward"
     """What waits on the sum (``gates``): FORWARD, BACKWARD or STEP."""
+    grad_nbytes: int = 0
+    """One member's contribution to the backward sum (0: the backward sums nothing)."""
 
 
 class OpPieces(NamedTuple):
@@ -206,12 +208,19 @@ def gates(node: OpNode, red: Reduction, parts: Sequence[Partition], m: int, num_
     return STEP if static or (m == 1 and everywhere) else BACKWARD
 
 
-def _reduction_bytes(node: OpNode, name: str, box: Box) -> int:
-    """Size of one partition's contribution to a reduction: per-channel sums (twice, for mean
-    and variance) for batch statistics; a few scalars for a loss."""
+def _reduction_bytes(node: OpNode, name: str, box: Box) -> tuple[int, int]:
+    """(forward, backward) bytes of one partition's contribution to a reduction, as the
+    executor sends them. Batch statistics over C channels, in float32 (float64 for a float64
+    tensor, as torch's batchnorm): forward (2C + 1) elements — mean, variance and the count —
+    backward 2C — Σdy and Σdy·x̂ (SyncBatchNorm's). A loss, in its dtype: [s_p, c_p] (Σw·ℓ, Σw)
+    when its divisor needs the data, s_p alone when it is static (``Loss.static_count``);
+    nothing backward (the loss's backward has no collective)."""
     if name == "batch_stats" and len(box) > 1:
-        return 2 * (box[1][1] - box[1][0]) * DTYPE_BYTES[node.output.dtype] + 8
-    return 16
+        size = 8 if node.output.dtype == "float64" else 4
+        channels = box[1][1] - box[1][0]
+        return (2 * channels + 1) * size, 2 * channels * size
+    sums = 1 if get_rule(node.kind).static_count(node) is not None else 2
+    return sums * DTYPE_BYTES[node.output.dtype], 0
 
 
 def lower(graph: OpGraph, strategy: Strategy, cache: dict | None = None) -> Lowered:
@@ -334,10 +343,9 @@ def _groups(node: OpNode, degrees: Sequence[int], devices: Sequence[int], reds, 
             groups.setdefault(tuple(x for i, x in enumerate(c) if i not in over), []).append(k)
         for members in groups.values():
             if len(members) > 1:
+                sent, grad = _reduction_bytes(node, red.name, parts[members[0]].box)
                 out.append(ReductionGroup(node.name, red.name, microbatch, tuple(members),
-                                          tuple(devices[k] for k in members),
-                                          _reduction_bytes(node, red.name, parts[members[0]].box),
-                                          when))
+                                          tuple(devices[k] for k in members), sent, when, grad))
     return out
 
 

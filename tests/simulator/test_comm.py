@@ -2,7 +2,7 @@ import time
 
 import pytest
 
-from simulator.comm import allreduce_time, ring_links, transfer_time
+from simulator.comm import allgather_time, allreduce_time, group_sum_time, ring_links, transfer_time
 from simulator.devices import DeviceSpec, Link
 from simulator.presets import get_topology
 from simulator.topology import Topology
@@ -90,3 +90,15 @@ def test_calls_are_cheap():
         transfer_time(t, i % 64, (i * 7) % 64, 1e6)
         allreduce_time(t, groups[i % len(groups)], 1e6)
     assert time.perf_counter() - start < 2.0  # ~40 ms here: thousands per second with room to spare
+
+
+def test_allgather_is_the_ring_by_hand_and_a_small_sum_gathers(line):
+    # ring 0 -> 1 -> 2 -> 0: alpha = 4 µs, B = 4 GB/s; 2 steps of one member's 12 MB each
+    assert allgather_time(line, (0, 1, 2), 12 * MB) == pytest.approx(2 * 4e-6 + 2 * 12e6 / 4e9)   # 6.008 ms
+    assert allgather_time(line, (0, 1), 10 * MB) == pytest.approx(1e-6 + 10e6 / 10e9)            # 1.001 ms
+    assert allgather_time(line, [2], MB) == 0.0 and allgather_time(line, (0, 1), 0) == 0.0
+    # the executor gathers while elements × members <= 2^16, else all-reduces
+    assert group_sum_time(line, (0, 1, 2), 4 * 21845, 21845) == allgather_time(line, (0, 1, 2), 4 * 21845)
+    assert group_sum_time(line, (0, 1, 2), 4 * 21846, 21846) == allreduce_time(line, (0, 1, 2), 4 * 21846)
+    with pytest.raises(ValueError, match="nbytes = -1"):
+        allgather_time(line, (0, 1), -1)

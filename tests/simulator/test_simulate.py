@@ -163,8 +163,9 @@ def test_chrome_trace_has_a_lane_per_device_and_link(tmp_path):
 
 def test_host_overheads_add_to_busy_time_exactly():
     """task_overhead o: each device's busy time grows by o per forward of a non-weight op and
-    per backward of an op carrying a gradient; message_overhead r: by r per piece it receives
-    (a forward piece on the consumer's device, its gradient on the producer's)."""
+    per backward of an op carrying a gradient and per trainable tensor its optimizer update
+    steps; message_overhead r: by r per piece it receives (a forward piece on the consumer's
+    device, its gradient on the producer's)."""
     g = traced("mlp")
     plan = model_parallel(g, 2)
     base, o, r = mesh(2), 3e-4, 5e-5
@@ -180,6 +181,8 @@ def test_host_overheads_add_to_busy_time_exactly():
     for op, per_mb in lowered.partitions.items():
         for p in per_mb[0]:
             tasks[p.device] += (op in runs) + (op in runs and g.needs_grad[op])
+    for d in range(2):
+        tasks[d] += len({s.name for s in lowered.weight_shards if s.trainable and d in s.devices})
     received = [0, 0]
     for t in lowered.transfers:
         if not t.local:

@@ -1,0 +1,189 @@
+"""The task graph charges what the executor runs, on tiny graphs timed by hand: each small sum by
+what waits on it (forward statistics, a loss's sum gating its backward or only the step), the
+loss value's all-reduce when not every device knows it, the optimizer update's host work per
+tensor, and the blocking collectives inside a device's steps.
+
+Every test: 2 devices, a direct link each way with alpha = 2 ms and B = 40 kB/s (so 4 bytes
+take 0.1 ms), compute a fixed time per op kind (``Fixed``), in milliseconds below."""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from simulator.cost import CostModel
+from simulator.devices import DeviceSpec, Link
+from simulator.engine import run_events
+from simulator.tasks import ALLREDUCE, REDUCE, UPDATE, build_tasks
+from simulator.topology import Topology
+from soapsearch import trace
+from strategies import ParallelConfig, Strategy, data_parallel
+from strategies.lowering import BACKWARD, FORWARD, STEP, lower
+
+MS = 1e-3
+ALPHA, B = 2 * MS, 40e3
+
+
+class Fixed(CostModel):
+    """(forward, backward) ms by op kind; inputs, views and adds are free."""
+
+    TIMES = {"linear": (1.0, 0.5), "batchnorm2d": (1.0, 1.0), "loss": (0.5, 0.5)}
+
+    def _op_time(self, node, box, regions, weight_regions, device):
+        f, b = self.TIMES.get(node.kind, (0.0, 0.0))
+        return f * MS, b * MS
+
+
+def pair(memory_bandwidth, task_overhead=0.0):
+    dev = DeviceSpec("test", 1 << 40, {"float32": 1e12}, memory_bandwidth, task_overhead=task_overhead)
+    links = (Link("l0->1", "test", ALPHA, B), Link("l1->0", "test", ALPHA, B))
+    return Topology("pair", (dev, dev), links, {(0, 1): (0,), (1, 0): (1,)})
+
+
+class Linear(nn.Module):
+    def __init__(self, loss):
+        super().__init__()
+        self.fc, self.loss = nn.Linear(4, 2), loss
+
+    def forward(self, x, y):
+        return self.loss(self.fc(x), y)
+
+
+def mse_sum(out, y):
+    return F.mse_loss(out, y, reduction="sum")
+
+
+def regression():
+    return trace(Linear(mse_sum), (torch.randn(4, 4), torch.randn(4, 2)))
+
+
+def classifier():
+    return trace(Linear(F.cross_entropy), (torch.randn(4, 4), torch.randint(0, 2, (4,))))
+
+
+class Norm(nn.Module):
+    """bn, then lin (not reading bn: it runs while bn's statistics are gathered only if the
+    gather did not block), then fc over the normalized input; a sum MSE."""
+
+    def __init__(self):
+        super().__init__()
+        self.bn, self.lin, self.fc = nn.BatchNorm2d(3), nn.Linear(2, 2), nn.Linear(12, 2)
+
+    def forward(self, x, y, t):
+        h = self.bn(x)
+        z = self.lin(y)
+        return F.mse_loss(self.fc(torch.flatten(h, 1)) + z, t, reduction="sum")
+
+
+def simulate(graph, plan, topo):
+    tg = build_tasks(lower(graph, plan), topo, Fixed())
+    start, end = run_events(tg)
+    return tg, start, end
+
+
+def find(tg, prefix):
+    return [t for t in range(len(tg)) if tg.label(t).startswith(prefix)]
+
+
+def test_what_each_member_sends():
+    # batch statistics of C = 3 channels in float32: forward mean, var (3 each) and the count,
+    # 7 floats; backward Σdy and Σdy·x̂, 6 floats. A sum MSE: one float; a mean cross-entropy:
+    # [s_p, c_p], two; neither sums anything backward.
+    x, y, t = torch.randn(4, 3, 2, 2), torch.randn(4, 2), torch.randn(4, 2)
+    norm = trace(Norm(), (x, y, t))
+    sums = {(r.name, r.gates, r.nbytes, r.grad_nbytes) for r in lower(norm, data_parallel(norm, 2)).reductions}
+    assert sums == {("batch_stats", FORWARD, 28, 24), ("loss_sum", STEP, 4, 0)}
+    ce = classifier()
+    two = data_parallel(ce, 2).with_microbatches(2, "gpipe")
+    assert {(r.gates, r.nbytes, r.grad_nbytes) for r in lower(ce, two).reductions} == {(BACKWARD, 8, 0)}
+
+
+def test_a_loss_sum_only_the_step_waits_on():
+    # data parallel, sum MSE (a static divisor): the loss sum (alpha + 4 B / B = 2.1) starts
+    # after both loss forwards (1.5) and ends at 3.6, while each device's backward runs on: loss
+    # 1.5-2.0, fc 2.0-2.5. Only the update waits on it; the gradient bucket (40 B: 40/B +
+    # 2·alpha = 5) waits for the links it holds: 3.6-8.6; the update (5 · 40 B / 200 kB/s =
+    # 1): 8.6-9.6.
+    g = regression()
+    tg, start, end = simulate(g, data_parallel(g, 2), pair(200e3))
+    [r] = [t for t in range(len(tg)) if tg.category[t] == REDUCE]
+    assert (start[r], end[r]) == pytest.approx((1.5 * MS, 3.6 * MS), rel=1e-9)
+    assert not find(tg, "reduce-grad")
+    assert {tg.category[u] for u in tg.successors(r)} == {UPDATE}
+    assert [end[t] for t in find(tg, "bwd fc")] == pytest.approx([2.5 * MS] * 2, rel=1e-9)
+    [ar] = find(tg, "allreduce bucket")
+    assert (start[ar], end[ar]) == pytest.approx((3.6 * MS, 8.6 * MS), rel=1e-9)
+    assert max(end) == pytest.approx(9.6 * MS, rel=1e-9)
+
+
+def test_a_loss_sum_the_gradients_wait_on_before_their_sync():
+    # data parallel, mean cross-entropy, one micro-batch: each device divides its gradients by
+    # the sum's count before their sync. The sum (2 floats: alpha + 0.2 = 2.2) 1.5-3.7, while
+    # the backward ends at 2.5; the bucket waits on it: 3.7-8.7; the update 8.7-9.7.
+    g = classifier()
+    tg, start, end = simulate(g, data_parallel(g, 2), pair(200e3))
+    [r] = [t for t in range(len(tg)) if tg.category[t] == REDUCE]
+    assert (start[r], end[r]) == pytest.approx((1.5 * MS, 3.7 * MS), rel=1e-9)
+    assert {tg.category[u] for u in tg.successors(r)} == {ALLREDUCE, UPDATE}
+    assert not find(tg, "reduce-grad")
+    assert max(end) == pytest.approx(9.7 * MS, rel=1e-9)
+
+
+def test_a_loss_sum_the_backward_waits_on():
+    # mean cross-entropy, 2 micro-batches (GPipe): the sum of micro-batch j (2 floats: alpha +
+    # 0.2 = 2.2) gates the loss backward of j. F0: fc 0-1, loss 1-1.5; F1: fc 1.5-2.5, loss
+    # 2.5-3.0. Sum 0: 1.5-3.7; sum 1 waits for the links: 3.7-5.9. B0: loss 3.7-4.2, fc
+    # 4.2-4.7; B1: loss 5.9-6.4, fc 6.4-6.9. Bucket 6.9-11.9, update 11.9-12.9.
+    g = classifier()
+    tg, start, end = simulate(g, data_parallel(g, 2).with_microbatches(2, "gpipe"), pair(200e3))
+    sums = sorted((t for t in range(len(tg)) if tg.category[t] == REDUCE), key=lambda t: start[t])
+    assert [(start[t], end[t]) for t in sums] == pytest.approx([(1.5 * MS, 3.7 * MS), (3.7 * MS, 5.9 * MS)],
+                                                                rel=1e-9)
+    assert not find(tg, "reduce-grad")
+    assert sorted(start[t] for t in find(tg, "bwd cross_entropy")) == pytest.approx(
+        [3.7 * MS] * 2 + [5.9 * MS] * 2, rel=1e-9)
+    assert max(end) == pytest.approx(12.9 * MS, rel=1e-9)
+
+
+def test_batch_statistics_gather_forward_and_sum_backward_and_block_the_device():
+    # data parallel. bn 0-1; its statistics gathered (28 B: alpha + 0.7 = 2.7) 1-3.7, during
+    # which the device waits: lin 3.7-4.7 (not 1-2); fc 4.7-5.7, loss 5.7-6.2. The loss sum
+    # (4 B, 2.1) 6.2-8.3. Backward: loss 6.2-6.7, fc 6.7-7.2, lin 7.2-7.7, bn 7.7-8.7; its
+    # gradient sum (24 B, 2.6) waits for the links: 8.7-11.3. Bucket: 38 floats, 152 B:
+    # 3.8 + 2·alpha = 7.8, 11.3-19.1; update (5 · 152 B / 760 kB/s = 1) 19.1-20.1.
+    x, y, t = torch.randn(4, 3, 2, 2), torch.randn(4, 2), torch.randn(4, 2)
+    g = trace(Norm(), (x, y, t))
+    tg, start, end = simulate(g, data_parallel(g, 2), pair(760e3))
+    [fwd_sum] = find(tg, "reduce batch_stats")
+    [bwd_sum] = find(tg, "reduce-grad batch_stats")
+    assert (start[fwd_sum], end[fwd_sum]) == pytest.approx((1 * MS, 3.7 * MS), rel=1e-9)
+    assert (start[bwd_sum], end[bwd_sum]) == pytest.approx((8.7 * MS, 11.3 * MS), rel=1e-9)
+    assert tg.nbytes[fwd_sum] == 28 and tg.nbytes[bwd_sum] == 24
+    assert [start[t] for t in find(tg, "fwd lin")] == pytest.approx([3.7 * MS] * 2, rel=1e-9)
+    assert max(end) == pytest.approx(20.1 * MS, rel=1e-9)
+
+
+def test_the_loss_value_is_all_reduced_when_one_device_holds_the_loss():
+    # fc on device 0, the loss on device 1. fc 0-1; its output (32 B: alpha + 0.8 = 2.8) 1-3.8;
+    # loss 3.8-4.3 and 4.3-4.8; its gradient 4.8-7.6; fc backward 7.6-8.1. Then the loss value
+    # (8 B over both devices: 8/B + 2·alpha = 4.2) 8.1-12.3, before device 0's update (1):
+    # 12.3-13.3. Device 1 holds no trainable weight: no update.
+    g = regression()
+    on1 = {"y", "mse_loss"}
+    plan = Strategy.of({n.name: ParallelConfig((1,) * len(n.dims), (int(n.name in on1),)) for n in g}, 2)
+    tg, start, end = simulate(g, plan, pair(200e3))
+    [rep] = find(tg, "allreduce loss")
+    assert tg.nbytes[rep] == 8 and (start[rep], end[rep]) == pytest.approx((8.1 * MS, 12.3 * MS), rel=1e-9)
+    [u] = [t for t in range(len(tg)) if tg.category[t] == UPDATE]
+    assert tg.device[u] == 0 and start[u] == end[rep]
+    assert max(end) == pytest.approx(13.3 * MS, rel=1e-9)
+    # on every device (data parallel) the loss is known everywhere: no such all-reduce
+    assert not find(simulate(g, data_parallel(g, 2), pair(200e3))[0], "allreduce loss")
+
+
+def test_the_update_charges_host_work_per_trainable_tensor():
+    # each device holds fc.weight and fc.bias (40 B): 5 · 40 B / 200 kB/s + 2 · 0.3 ms = 1.6 ms
+    g = regression()
+    tg = build_tasks(lower(g, data_parallel(g, 2)), pair(200e3, task_overhead=0.3 * MS), Fixed())
+    updates = [t for t in range(len(tg)) if tg.category[t] == UPDATE]
+    assert [tg.duration[t] for t in updates] == pytest.approx([1.6 * MS] * 2, rel=1e-9)
