@@ -191,36 +191,40 @@ def _overlapping(grid: Sequence[tuple[int, int]], degrees: Sequence[int], region
 FORWARD, BACKWARD, STEP = "forward", "backward", "step"
 
 
-def gates(node: OpNode, red: Reduction, parts: Sequence[Partition], m: int, num_devices: int) -> str:
-    """What must wait for reduction ``red`` of ``node``'s partitions ``parts`` (one micro-batch):
+def gates(node: OpNode, red: Reduction, parts: Sequence[Partition], m: int, num_devices: int,
+          output: bool = True) -> str:
+    """What must wait for reduction ``red`` of ``node``'s partitions ``parts`` (one micro-batch);
+    ``output``: ``node`` is the graph's output (a loss feeding another op must be whole first):
 
-    - FORWARD: the partitions' outputs (batch statistics); their backward sums again.
+    - FORWARD: the partitions' outputs (batch statistics; a loss that is not the output);
+      their backward sums again.
     - STEP: only the end of the step. A deferred sum (a loss: Σ w_i·ℓ_i and Σ w_i) whose divisor
       is known without data (``Loss.static_count``), or whose divisor C scales every gradient
       after the backward pass: one micro-batch (m = 1) with the loss on every device, so each
       device scales its own gradients by 1/C (gradients are linear in the seed).
     - BACKWARD: the loss partitions' backward, seeded 1/(m·C_j) once C_j is known.
     """
-    if not red.deferred:
+    if not red.deferred or not output:
         return FORWARD
     static = get_rule(node.kind).static_count(node) is not None  # deferred: a loss rule
     everywhere = {p.device for p in parts} == set(range(num_devices))
     return STEP if static or (m == 1 and everywhere) else BACKWARD
 
 
-def _reduction_bytes(node: OpNode, name: str, box: Box) -> tuple[int, int]:
+def _reduction_bytes(node: OpNode, name: str, box: Box, when: str) -> tuple[int, int]:
     """(forward, backward) bytes of one partition's contribution to a reduction, as the
     executor sends them. Batch statistics over C channels, in float32 (float64 for a float64
     tensor, as torch's batchnorm): forward (2C + 1) elements — mean, variance and the count —
     backward 2C — Σdy and Σdy·x̂ (SyncBatchNorm's). A loss, in its dtype: [s_p, c_p] (Σw·ℓ, Σw)
     when its divisor needs the data, s_p alone when it is static (``Loss.static_count``);
-    nothing backward (the loss's backward has no collective)."""
+    nothing backward (the loss's backward has no collective), unless the sum gates the forward
+    (a loss that is not the output: its backward sums the same elements)."""
     if name == "batch_stats" and len(box) > 1:
         size = 8 if node.output.dtype == "float64" else 4
         channels = box[1][1] - box[1][0]
         return (2 * channels + 1) * size, 2 * channels * size
-    sums = 1 if get_rule(node.kind).static_count(node) is not None else 2
-    return sums * DTYPE_BYTES[node.output.dtype], 0
+    sums = (1 if get_rule(node.kind).static_count(node) is not None else 2) * DTYPE_BYTES[node.output.dtype]
+    return sums, sums if when == FORWARD else 0
 
 
 def lower(graph: OpGraph, strategy: Strategy, cache: dict | None = None) -> Lowered:
@@ -316,7 +320,7 @@ def _lower_op(graph: OpGraph, strategy: Strategy, node: OpNode, m: int) -> OpPie
                         box_numel(piece) * itemsize))
         per_mb.append(tuple(parts))
         reductions.extend(_groups(node, cfg.degrees, cfg.devices, rule.reductions(node, cfg.degrees),
-                                  parts, j, m, strategy.num_devices))
+                                  parts, j, m, strategy.num_devices, node.name in graph.outputs))
     couples = {(t.src_device, t.dst_device) for t in transfers if not t.local}
     for g in reductions:  # a collective couples its devices both ways
         couples.update(zip(g.devices, g.devices[1:] + g.devices[:1]))
@@ -332,10 +336,10 @@ def _lower_op(graph: OpGraph, strategy: Strategy, node: OpNode, m: int) -> OpPie
 
 
 def _groups(node: OpNode, degrees: Sequence[int], devices: Sequence[int], reds, parts,
-            microbatch: int, m: int, num_devices: int) -> list[ReductionGroup]:
+            microbatch: int, m: int, num_devices: int, output: bool) -> list[ReductionGroup]:
     out = []
     for red in reds:
-        when = gates(node, red, parts, m, num_devices)
+        when = gates(node, red, parts, m, num_devices, output)
         over = set(red.over)
         groups: dict[tuple, list[int]] = {}
         for k in range(len(parts)):
@@ -343,7 +347,7 @@ def _groups(node: OpNode, degrees: Sequence[int], devices: Sequence[int], reds, 
             groups.setdefault(tuple(x for i, x in enumerate(c) if i not in over), []).append(k)
         for members in groups.values():
             if len(members) > 1:
-                sent, grad = _reduction_bytes(node, red.name, parts[members[0]].box)
+                sent, grad = _reduction_bytes(node, red.name, parts[members[0]].box, when)
                 out.append(ReductionGroup(node.name, red.name, microbatch, tuple(members),
                                           tuple(devices[k] for k in members), sent, when, grad))
     return out

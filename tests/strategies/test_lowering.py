@@ -172,3 +172,17 @@ def test_what_waits_on_each_reduction(microbatches):
     x, y = torch.randn(4, 6), torch.randn(4, 3)
     m = trace(Regression(), (x, y))
     assert gates(m, data_parallel(m, 2)) == {("loss_sum", STEP)}
+    # a loss that feeds another op must be whole before it: summed in the forward, and the
+    # gradient of that sum summed in the backward (2 float32 elements each way, [Σw·ℓ, Σw])
+    s = trace(Scaled(), (x, torch.tensor([0, 1, 2, 1])))
+    assert gates(s, data_parallel(s, 2)) == {("loss_sum", FORWARD)}
+    assert {(r.nbytes, r.grad_nbytes) for r in lower(s, data_parallel(s, 2)).reductions} == {(8, 8)}
+
+
+class Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 3)
+
+    def forward(self, x, t):
+        return nn.functional.cross_entropy(self.fc(x), t) * 0.5
