@@ -18,12 +18,11 @@ from __future__ import annotations
 import ctypes
 import heapq
 from bisect import bisect_right
-from itertools import chain
 
 import numpy as np
 
 from simulator.native import library
-from simulator.tasks import TaskGraph
+from simulator.taskgraph import TaskGraph
 
 __all__ = ["run_events"]
 
@@ -43,11 +42,8 @@ def _run_native(lib, tg: TaskGraph) -> tuple[list[float], list[float]] | None:
     """The C loop on the graph's arrays; None when it did not place every task (a cycle: the
     Python loop then names it) or ran out of memory."""
     n = len(tg)
-    first, succ, ndeps = (np.asarray(a, dtype=np.int64) for a in tg.adjacency())
-    duration = np.asarray(tg.duration, dtype=np.float64)
-    res_first = np.zeros(n + 1, dtype=np.int64)
-    np.cumsum(np.fromiter(map(len, tg.resources), np.int64, n), out=res_first[1:])
-    res = np.fromiter(chain.from_iterable(tg.resources), np.int64, int(res_first[-1]))
+    first, succ, ndeps = tg.adjacency_arrays()
+    duration, res_first, res = tg.arrays()
     start, end = np.empty(n), np.empty(n)
     i64, f64 = ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_double)
     placed = lib.run_events(n, tg.num_devices, tg.num_links, *(a.ctypes.data_as(i64) for a in (first, succ, ndeps)),

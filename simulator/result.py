@@ -7,7 +7,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from simulator.tasks import CATEGORY, TaskGraph
+from simulator.taskgraph import CATEGORY, TaskGraph
 from simulator.topology import Topology
 from strategies.serialize import atomic_write_text
 
@@ -71,16 +71,17 @@ def summarize(tg: TaskGraph, topology: Topology, start: list[float], end: list[f
     timeline = []
     kinds = [l.kind for l in topology.links]
     names = [l.name for l in topology.links]
+    resources, nbytes, device, category = tg.resources, tg.nbytes, tg.device, tg.category
     for t in range(len(tg)):
-        res = tg.resources[t]
+        res = resources[t]
         links = [r - n for r in res if r >= n]
         if not links and res:
             busy[res[0]] += end[t] - start[t]
         for kind in {kinds[l] for l in links}:
-            moved[kind] = moved.get(kind, 0) + tg.nbytes[t]
+            moved[kind] = moved.get(kind, 0) + nbytes[t]
         if keep_timeline and res:
             lane = "compute" if not links else names[links[0]]
-            timeline.append((tg.label(t), tg.device[t], lane, start[t], end[t], CATEGORY[tg.category[t]]))
+            timeline.append((tg.label(t), device[t], lane, start[t], end[t], CATEGORY[category[t]]))
     return SimResult(max(end, default=0.0), tuple(busy[:len(peak)]), tuple(peak),
                      tuple(d.memory_bytes for d in topology.devices[:len(peak)]),
                      moved, len(tg), tuple(timeline))

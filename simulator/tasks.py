@@ -21,16 +21,16 @@ sync), so a graph built from cached blocks is the one built from scratch, task f
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from simulator.comm import allgather_time, allreduce_time, group_sum_time, ring_links, transfer_time
+from simulator.comm import allgather_time, group_sum_time, ring_links, transfer_time
 from simulator.cost import CostModel
-from simulator.devices import DeviceSpec
+from simulator.step import UPDATE_TRAFFIC, link_step
+from simulator.taskgraph import (ALLREDUCE, BACKWARD, CATEGORY, FORWARD, GRAD_TRANSFER, RECV, REDUCE, TRANSFER,
+                                  UPDATE, Columns, Segment, TaskGraph)
 from simulator.topology import Topology
-from strategies.config import format_devices
 from strategies.graph import OpNode
 from strategies.lowering import BACKWARD as BY_BACKWARD
 from strategies.lowering import STEP as BY_STEP
@@ -39,92 +39,25 @@ from strategies.rules import get_rule
 from strategies.schedule import passes, warmups
 
 __all__ = ["TaskGraph", "TaskCache", "build_tasks", "FORWARD", "BACKWARD", "TRANSFER", "GRAD_TRANSFER",
-           "REDUCE", "ALLREDUCE", "UPDATE", "RECV"]
+           "REDUCE", "ALLREDUCE", "UPDATE", "RECV", "CATEGORY"]
 
-FORWARD, BACKWARD, TRANSFER, GRAD_TRANSFER, REDUCE, ALLREDUCE, UPDATE, RECV = range(8)
-CATEGORY = ("forward", "backward", "transfer", "grad_transfer", "reduce", "allreduce", "update", "recv")
-
-# Optimizer update: read weight, gradient and state, write weight and state (bytes per weight
-# byte, memory-bound): SGD with momentum 2 reads + 2 writes + grad read = 5; Adam 7.
-_UPDATE_TRAFFIC = {"sgd": 5, "adam": 7}
-
-
-@dataclass
-class TaskGraph:
-    """Parallel lists, one entry per task (array layout keeps the event loop fast); edges are
-    collected as (source, target) arrays and turned into one adjacency (CSR) when first read."""
-
-    num_devices: int
-    num_links: int
-    name: list[Any] = field(default_factory=list)
-    """A label per task: a string, or a tuple formatted by ``label`` only when shown (traces,
-    errors), which keeps building the graph cheap."""
-    category: list[int] = field(default_factory=list)
-    duration: list[float] = field(default_factory=list)
-    resources: list[tuple[int, ...]] = field(default_factory=list)
-    """Resource ids: device d is d, link l is num_devices + l."""
-    device: list[int] = field(default_factory=list)
-    """The device a task belongs to (a transfer's source) for traces and busy time."""
-    nbytes: list[int] = field(default_factory=list)
-    edge_src: list[int] = field(default_factory=list)
-    edge_dst: list[int] = field(default_factory=list)
-    chunks: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
-    """Edges added in bulk: (sources, targets)."""
-    _adjacency: tuple[list[int], list[int], list[int]] | None = field(default=None, repr=False)
-
-    def add(self, name: str, category: int, duration: float, resources: tuple[int, ...],
-            device: int, nbytes: int = 0) -> int:
-        self.name.append(name)
-        self.category.append(category)
-        self.duration.append(duration)
-        self.resources.append(resources)
-        self.device.append(device)
-        self.nbytes.append(nbytes)
-        return len(self.name) - 1
-
-    def label(self, t: int) -> str:
-        name = self.name[t]
-        if isinstance(name, str):
-            return name
-        what, op, index, mb = name
-        return f"{what} {op}[{index}]@mb{mb}"
-
-    def edge(self, a: int, b: int) -> None:
-        self.edge_src.append(a)
-        self.edge_dst.append(b)
-
-    def adjacency(self) -> tuple[list[int], list[int], list[int]]:
-        """(first, succ, ndeps): task t's successors are succ[first[t]:first[t + 1]], in the
-        order their edges were added; ndeps[t] counts t's predecessors (with multiplicity)."""
-        if self._adjacency is None:
-            n = len(self.name)
-            src = np.concatenate([np.asarray(self.edge_src, dtype=np.int64)] + [c[0] for c in self.chunks])
-            dst = np.concatenate([np.asarray(self.edge_dst, dtype=np.int64)] + [c[1] for c in self.chunks])
-            order = np.argsort(src, kind="stable")
-            first = np.zeros(n + 1, dtype=np.int64)
-            np.cumsum(np.bincount(src, minlength=n), out=first[1:])
-            self._adjacency = (first.tolist(), dst[order].tolist(), np.bincount(dst, minlength=n).tolist())
-        return self._adjacency
-
-    def successors(self, t: int) -> list[int]:
-        first, succ, _ = self.adjacency()
-        return succ[first[t]:first[t + 1]]
-
-    def __len__(self) -> int:
-        return len(self.name)
 
 
 def _links(topology: Topology, src: int, dst: int, offset: int) -> tuple[int, ...]:
     return tuple(offset + l for l in topology.route(src, dst))
 
 
-class _Block(TaskGraph):
+class _Block:
     """The tasks of one op, ids local to the block: forward t and backward t + 1 of partition
     k of micro-batch j at t = ``fwd[j][k]``, then its reductions, then the transfers into it."""
 
-    def __init__(self, pieces: OpPieces, num_devices: int, num_links: int):
-        super().__init__(num_devices, num_links)
+    def __init__(self, pieces: OpPieces):
         self.pieces = pieces
+        self.cols = Columns()
+        self.add = self.cols.add
+        self.segment: Segment | None = None
+        self.edge_src: list[int] = []
+        self.edge_dst: list[int] = []
         self.fwd: list[list[int]] = []
         self.fwd_done: list[list[int]] = []
         """What a consumer's forward waits on: the forward, or the reduction completing it."""
@@ -143,8 +76,13 @@ class _Block(TaskGraph):
         self.local: tuple[np.ndarray, np.ndarray] = (np.empty(0, np.int64), np.empty(0, np.int64))
         """The edges inside the block (sources, targets)."""
 
+    def edge(self, a: int, b: int) -> None:
+        self.edge_src.append(a)
+        self.edge_dst.append(b)
+
     def seal(self) -> "_Block":
-        """Freeze the edges collected so far into arrays (blocks are shared by the cache)."""
+        """Freeze the tasks and edges collected so far into arrays (blocks are shared by the cache)."""
+        self.segment = Segment(self.cols)
         self.local = (np.asarray(self.edge_src, dtype=np.int64), np.asarray(self.edge_dst, dtype=np.int64))
         self.edge_src, self.edge_dst = [], []  # now in ``local``
         for pairs in (self.from_producer, self.to_producer):
@@ -169,12 +107,13 @@ def _op_block(node: OpNode, pieces: OpPieces, backward: bool, producers: dict[st
     """``producers``: the blocks of the ops ``node`` reads (their partitions' and reductions'
     local ids depend on their configs only, which ``pieces`` was derived from)."""
     n = topology.num_devices
-    b = _Block(pieces, n, len(topology.links))
+    b = _Block(pieces)
     devices = topology.devices
     op_time = cost.op_time
     runs = node.kind not in WEIGHT_KINDS  # the executor reads weights in place: no host work
+    c = b.cols
     names, cats, durs, res, devs, nbytes, esrc, edst = (
-        b.name, b.category, b.duration, b.resources, b.device, b.nbytes, b.edge_src, b.edge_dst)
+        c.name, c.category, c.duration, c.resources, c.device, c.nbytes, b.edge_src, b.edge_dst)
     for j, parts in enumerate(pieces.partitions):
         ids = []
         for p in parts:  # the hot loop: inlined appends, labels formatted only when shown
@@ -288,9 +227,9 @@ def build_tasks(lowered: Lowered, topology: Topology, cost: CostModel, optimizer
                          f"{topology.name!r} has {topology.num_devices}")
     if cache is not None and (cache.topology is not topology or cache.cost is not cost):
         raise ValueError("build_tasks: the TaskCache was made for another topology or cost model")
-    traffic = _UPDATE_TRAFFIC.get(optimizer)
+    traffic = UPDATE_TRAFFIC.get(optimizer)
     if traffic is None:
-        raise ValueError(f"optimizer {optimizer!r} is not one of {sorted(_UPDATE_TRAFFIC)}")
+        raise ValueError(f"optimizer {optimizer!r} is not one of {sorted(UPDATE_TRAFFIC)}")
     n = topology.num_devices
     tg = TaskGraph(n, len(topology.links))
     blocks: dict[str, _Block] = {}
@@ -303,13 +242,7 @@ def build_tasks(lowered: Lowered, topology: Topology, cost: CostModel, optimizer
             if cache is not None:
                 cache.blocks[node.name] = b
         blocks[node.name] = b
-        offset[node.name] = len(tg.duration)
-        tg.name += b.name
-        tg.category += b.category
-        tg.duration += b.duration
-        tg.resources += b.resources
-        tg.device += b.device
-        tg.nbytes += b.nbytes
+        offset[node.name] = tg.append(b.segment)
     m = strategy.microbatches
     # Link the blocks: every edge array with the offsets to add to its ends, added at once.
     src, dst, src_off, dst_off = [], [], [], []
@@ -347,81 +280,6 @@ def build_tasks(lowered: Lowered, topology: Topology, cost: CostModel, optimizer
         ends = np.concatenate([bd[cut[j]][::-1] if back else fd[cut[j]] for back, j in order_d])
         tg.chunks.append((ends[:-1], seq[1:]))
         last[d] = int(ends[-1])
-    _link_step(tg, lowered, topology, blocks, offset, last, optimizer, traffic)
+    link_step(tg, lowered, topology, [(offset[op], b.step_reductions) for op, b in blocks.items()], last,
+              optimizer, traffic)
     return tg
-
-
-def _link_step(tg: TaskGraph, lowered: Lowered, topology: Topology, blocks: dict[str, _Block],
-               offset: dict[str, int], last: dict[int, int], optimizer: str, traffic: float) -> None:
-    """The end of the step as the executor runs it (``runtime.Executor.step``): each device,
-    after its last backward step, waits on the loss sums (gated STEP) it is a member of whose
-    divisor needs the data (it divides its gradients by it); all-reduces one DDP-style bucket
-    per device set holding replicated trainable shards; waits on its other STEP loss sums;
-    then, when the loss is not on every device in every micro-batch, one all-reduce of the loss
-    value (a float64) over every device; then its optimizer update."""
-    n = topology.num_devices
-    ready: dict[int, list[int]] = {d: [last[d]] for d in last}  # what its gradient sync waits on
-    later: dict[int, list[int]] = {d: [] for d in last}  # what only its update waits on
-    for op, b in blocks.items():
-        for r, devs, dynamic in b.step_reductions:
-            for d in devs:
-                (ready if dynamic else later)[d].append(offset[op] + r)
-    held: dict[tuple[int, ...], list] = {}  # device set -> [trainable bytes, weight names] it holds
-    for s in lowered.weight_shards:
-        if s.trainable:
-            entry = held.get(s.devices)
-            if entry is None:
-                entry = held[s.devices] = [0, set()]
-            entry[0] += s.nbytes
-            entry[1].add(s.name)
-    weight_bytes, tensors = [0] * n, [0] * n  # tensors: the trainable weights a device holds
-    for d in last:
-        sets = [(nbytes, names) for devs, (nbytes, names) in held.items() if d in devs]
-        weight_bytes[d] = sum(nbytes for nbytes, _ in sets)
-        tensors[d] = len(sets[0][1]) if len(sets) == 1 else len(set().union(*(names for _, names in sets)))
-    buckets = {devs: nbytes for devs, (nbytes, _) in held.items() if len(devs) > 1}
-    synced = {d: ready[d] + later[d] for d in last}
-    for devs in sorted(buckets):
-        links = tuple(n + l for l in ring_links(topology, devs))
-        ar = tg.add(f"allreduce bucket {format_devices(devs)}", ALLREDUCE,
-                    allreduce_time(topology, devs, buckets[devs]), links, devs[0], buckets[devs])
-        for d in devs:
-            for dep in ready[d]:
-                tg.edge(dep, ar)
-            synced[d].append(ar)
-    if not _loss_on_every_device(lowered):
-        everyone = tuple(range(lowered.strategy.num_devices))
-        rep = tg.add("allreduce loss", ALLREDUCE, allreduce_time(topology, everyone, _LOSS_BYTES),
-                     tuple(n + l for l in ring_links(topology, everyone)), 0, _LOSS_BYTES)
-        for d in sorted(synced):
-            for dep in dict.fromkeys(synced[d]):
-                tg.edge(dep, rep)
-            synced[d] = [rep]
-    for d in sorted(last):
-        if weight_bytes[d]:
-            u = tg.add(f"update {optimizer} device {d}", UPDATE,
-                       _update_time(topology.devices[d], traffic, weight_bytes[d], tensors[d]),
-                       (d,), d, weight_bytes[d])
-            for dep in dict.fromkeys(synced[d]):
-                tg.edge(dep, u)
-
-
-_LOSS_BYTES = 8
-"""The step's loss value the executor all-reduces when not every device knows it: one float64."""
-
-
-def _loss_on_every_device(lowered: Lowered) -> bool:
-    """Every device holds a partition of the loss op (the graph's first output) in every
-    micro-batch, so each knows the step's loss without a collective (the executor's
-    ``recipe.loss_on_every_rank``)."""
-    everyone = set(range(lowered.strategy.num_devices))
-    return all({p.device for p in parts} == everyone
-               for parts in lowered.partitions[lowered.graph.outputs[0]])
-
-
-def _update_time(spec: DeviceSpec, traffic: float, nbytes: int, tensors: int) -> float:
-    """Seconds of one device's optimizer update: memory-bound traffic plus host work per local
-    trainable tensor, ``traffic * nbytes / memory_bandwidth + tensors * task_overhead`` (torch's
-    optimizers on CPU step each tensor in turn: their ``foreach`` default is for CUDA-like
-    devices only; the executor holds one tensor per weight it reads, ``shards.LocalWeights``)."""
-    return traffic * nbytes / spec.memory_bandwidth + tensors * spec.task_overhead

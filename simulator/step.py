@@ -1,0 +1,96 @@
+"""The end of a training step as the executor runs it (``runtime.Executor.step``), after each
+device's last backward step: the loss sums it waits on, the gradient sync (one all-reduce per
+device set holding replicated trainable shards, DDP-style buckets), the loss value's all-reduce
+when not every device knows it, and the optimizer update."""
+
+from __future__ import annotations
+
+from simulator.comm import allreduce_time, ring_links
+from simulator.devices import DeviceSpec
+from simulator.taskgraph import ALLREDUCE, UPDATE, TaskGraph
+from simulator.topology import Topology
+from strategies.config import format_devices
+from strategies.lowering import Lowered
+
+__all__ = ["link_step", "UPDATE_TRAFFIC"]
+
+UPDATE_TRAFFIC = {"sgd": 5, "adam": 7}
+"""Optimizer update bytes per weight byte (memory-bound: read weight, gradient and state, write
+weight and state): SGD with momentum 2 reads + 2 writes + the gradient's read = 5; Adam 7."""
+
+
+def link_step(tg: TaskGraph, lowered: Lowered, topology: Topology,
+              step_sums: list[tuple[int, list[tuple[int, tuple[int, ...], bool]]]], last: dict[int, int],
+              optimizer: str, traffic: float) -> None:
+    """The end of the step as the executor runs it (``runtime.Executor.step``): each device,
+    after its last backward step, waits on the loss sums (gated STEP) it is a member of whose
+    divisor needs the data (it divides its gradients by it); all-reduces one DDP-style bucket
+    per device set holding replicated trainable shards; waits on its other STEP loss sums;
+    then, when the loss is not on every device in every micro-batch, one all-reduce of the loss
+    value (a float64) over every device; then its optimizer update."""
+    n = topology.num_devices
+    ready: dict[int, list[int]] = {d: [last[d]] for d in last}  # what its gradient sync waits on
+    later: dict[int, list[int]] = {d: [] for d in last}  # what only its update waits on
+    for off, sums in step_sums:  # (a block's first id, its STEP sums: (local task, devices, dynamic))
+        for r, devs, dynamic in sums:
+            for d in devs:
+                (ready if dynamic else later)[d].append(off + r)
+    held: dict[tuple[int, ...], list] = {}  # device set -> [trainable bytes, weight names] it holds
+    for s in lowered.weight_shards:
+        if s.trainable:
+            entry = held.get(s.devices)
+            if entry is None:
+                entry = held[s.devices] = [0, set()]
+            entry[0] += s.nbytes
+            entry[1].add(s.name)
+    weight_bytes, tensors = [0] * n, [0] * n  # tensors: the trainable weights a device holds
+    for d in last:
+        sets = [(nbytes, names) for devs, (nbytes, names) in held.items() if d in devs]
+        weight_bytes[d] = sum(nbytes for nbytes, _ in sets)
+        tensors[d] = len(sets[0][1]) if len(sets) == 1 else len(set().union(*(names for _, names in sets)))
+    buckets = {devs: nbytes for devs, (nbytes, _) in held.items() if len(devs) > 1}
+    synced = {d: ready[d] + later[d] for d in last}
+    for devs in sorted(buckets):
+        links = tuple(n + l for l in ring_links(topology, devs))
+        ar = tg.add(f"allreduce bucket {format_devices(devs)}", ALLREDUCE,
+                    allreduce_time(topology, devs, buckets[devs]), links, devs[0], buckets[devs])
+        for d in devs:
+            for dep in ready[d]:
+                tg.edge(dep, ar)
+            synced[d].append(ar)
+    if not _loss_on_every_device(lowered):
+        everyone = tuple(range(lowered.strategy.num_devices))
+        rep = tg.add("allreduce loss", ALLREDUCE, allreduce_time(topology, everyone, _LOSS_BYTES),
+                     tuple(n + l for l in ring_links(topology, everyone)), 0, _LOSS_BYTES)
+        for d in sorted(synced):
+            for dep in dict.fromkeys(synced[d]):
+                tg.edge(dep, rep)
+            synced[d] = [rep]
+    for d in sorted(last):
+        if weight_bytes[d]:
+            u = tg.add(f"update {optimizer} device {d}", UPDATE,
+                       _update_time(topology.devices[d], traffic, weight_bytes[d], tensors[d]),
+                       (d,), d, weight_bytes[d])
+            for dep in dict.fromkeys(synced[d]):
+                tg.edge(dep, u)
+
+
+_LOSS_BYTES = 8
+"""The step's loss value the executor all-reduces when not every device knows it: one float64."""
+
+
+def _loss_on_every_device(lowered: Lowered) -> bool:
+    """Every device holds a partition of the loss op (the graph's first output) in every
+    micro-batch, so each knows the step's loss without a collective (the executor's
+    ``recipe.loss_on_every_rank``)."""
+    everyone = set(range(lowered.strategy.num_devices))
+    return all({p.device for p in parts} == everyone
+               for parts in lowered.partitions[lowered.graph.outputs[0]])
+
+
+def _update_time(spec: DeviceSpec, traffic: float, nbytes: int, tensors: int) -> float:
+    """Seconds of one device's optimizer update: memory-bound traffic plus host work per local
+    trainable tensor, ``traffic * nbytes / memory_bandwidth + tensors * task_overhead`` (torch's
+    optimizers on CPU step each tensor in turn: their ``foreach`` default is for CUDA-like
+    devices only; the executor holds one tensor per weight it reads, ``shards.LocalWeights``)."""
+    return traffic * nbytes / spec.memory_bandwidth + tensors * spec.task_overhead

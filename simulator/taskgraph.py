@@ -1,0 +1,167 @@
+"""The task graph's storage: columns of per-task facts, laid out as sealed segments (the cached
+blocks of ``simulator.tasks``, numpy arrays) followed by a tail of tasks added one by one.
+
+A search builds one graph per proposal from mostly unchanged blocks, so the graph never copies
+its segments task by task: the event loop reads them concatenated as arrays (``arrays``), and
+the per-task lists (``duration``, ``resources``...) are built only when something reads them
+(traces, busy times, the Python event loop, tests).
+"""
+
+from __future__ import annotations
+
+from itertools import chain
+from typing import Any
+
+import numpy as np
+
+__all__ = ["TaskGraph", "Columns", "Segment", "FORWARD", "BACKWARD", "TRANSFER", "GRAD_TRANSFER",
+           "REDUCE", "ALLREDUCE", "UPDATE", "RECV", "CATEGORY"]
+
+FORWARD, BACKWARD, TRANSFER, GRAD_TRANSFER, REDUCE, ALLREDUCE, UPDATE, RECV = range(8)
+CATEGORY = ("forward", "backward", "transfer", "grad_transfer", "reduce", "allreduce", "update", "recv")
+
+_FIELDS = ("name", "category", "duration", "resources", "device", "nbytes")
+
+
+class Columns:
+    """Per-task facts as parallel lists, one entry per task.
+
+    name: a label, a string or a tuple formatted by ``label`` only when shown (traces, errors);
+    category: FORWARD ... RECV; duration: seconds; resources: resource ids (device d is d, link
+    l is num_devices + l); device: the device a task belongs to (a transfer's source) for traces
+    and busy time; nbytes: bytes it moves."""
+
+    def __init__(self) -> None:
+        self.name: list[Any] = []
+        self.category: list[int] = []
+        self.duration: list[float] = []
+        self.resources: list[tuple[int, ...]] = []
+        self.device: list[int] = []
+        self.nbytes: list[int] = []
+
+    def add(self, name: Any, category: int, duration: float, resources: tuple[int, ...],
+            device: int, nbytes: int = 0) -> int:
+        """Append one task; returns its index among these columns."""
+        self.name.append(name)
+        self.category.append(category)
+        self.duration.append(duration)
+        self.resources.append(resources)
+        self.device.append(device)
+        self.nbytes.append(nbytes)
+        return len(self.duration) - 1
+
+    def __len__(self) -> int:
+        return len(self.duration)
+
+
+class Segment:
+    """Columns frozen as arrays (for the event loop) next to the lists (for readers)."""
+
+    def __init__(self, cols: Columns) -> None:
+        self.cols = cols
+        self.size = len(cols)
+        self.duration = np.asarray(cols.duration, dtype=np.float64)
+        self.res_len = np.fromiter(map(len, cols.resources), np.int64, self.size)
+        self.res = np.fromiter(chain.from_iterable(cols.resources), np.int64, int(self.res_len.sum()))
+
+
+def label(name: Any) -> str:
+    if isinstance(name, str):
+        return name
+    what, op, index, mb = name
+    return f"{what} {op}[{index}]@mb{mb}"
+
+
+class TaskGraph:
+    """Tasks in id order: the sealed segments (``append``), then the tail (``add``); edges
+    collected as (source, target) pairs or arrays and turned into one adjacency (CSR) when
+    first read."""
+
+    def __init__(self, num_devices: int, num_links: int) -> None:
+        self.num_devices, self.num_links = num_devices, num_links
+        self.segments: list[Segment] = []
+        self.tail = Columns()
+        self._head = 0  # tasks in the segments
+        self.edge_src: list[int] = []
+        self.edge_dst: list[int] = []
+        self.chunks: list[tuple[np.ndarray, np.ndarray]] = []
+        """Edges added in bulk: (sources, targets)."""
+        self._lists: dict[str, list] = {}
+        self._adjacency: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+        self._adjacency_lists: tuple[list[int], list[int], list[int]] | None = None
+
+    # --- tasks ----------------------------------------------------------------------------------
+    def append(self, segment: Segment) -> int:
+        """Lay ``segment``'s tasks out next (before any tail task); returns its first id."""
+        if len(self.tail):
+            raise ValueError("TaskGraph.append: segments go before the tasks added one by one")
+        first = self._head
+        self.segments.append(segment)
+        self._head += segment.size
+        self._lists.clear()
+        return first
+
+    def add(self, name: Any, category: int, duration: float, resources: tuple[int, ...],
+            device: int, nbytes: int = 0) -> int:
+        self._lists.clear()
+        return self._head + self.tail.add(name, category, duration, resources, device, nbytes)
+
+    def __len__(self) -> int:
+        return self._head + len(self.tail)
+
+    def _column(self, field: str) -> list:
+        got = self._lists.get(field)
+        if got is None:
+            got = self._lists[field] = list(chain.from_iterable(
+                [getattr(s.cols, field) for s in self.segments] + [getattr(self.tail, field)]))
+        return got
+
+    name = property(lambda self: self._column("name"))
+    category = property(lambda self: self._column("category"))
+    duration = property(lambda self: self._column("duration"))
+    resources = property(lambda self: self._column("resources"))
+    device = property(lambda self: self._column("device"))
+    nbytes = property(lambda self: self._column("nbytes"))
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(duration, res_first, res): durations, and every task's resources as CSR (task t's
+        are res[res_first[t]:res_first[t + 1]]), concatenated from the segments' arrays."""
+        tail = Segment(self.tail)
+        parts = self.segments + [tail]
+        lens = np.concatenate([s.res_len for s in parts])
+        res_first = np.zeros(len(lens) + 1, dtype=np.int64)
+        np.cumsum(lens, out=res_first[1:])
+        return (np.concatenate([s.duration for s in parts]), res_first,
+                np.concatenate([s.res for s in parts]))
+
+    def label(self, t: int) -> str:
+        return label(self.name[t])
+
+    # --- edges ----------------------------------------------------------------------------------
+    def edge(self, a: int, b: int) -> None:
+        self.edge_src.append(a)
+        self.edge_dst.append(b)
+        self._adjacency = self._adjacency_lists = None
+
+    def adjacency_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(first, succ, ndeps) as int64 arrays: task t's successors are succ[first[t]:first[t + 1]],
+        in the order their edges were added; ndeps[t] counts t's predecessors (with multiplicity)."""
+        if self._adjacency is None:
+            n = len(self)
+            src = np.concatenate([np.asarray(self.edge_src, dtype=np.int64)] + [c[0] for c in self.chunks])
+            dst = np.concatenate([np.asarray(self.edge_dst, dtype=np.int64)] + [c[1] for c in self.chunks])
+            order = np.argsort(src, kind="stable")
+            first = np.zeros(n + 1, dtype=np.int64)
+            np.cumsum(np.bincount(src, minlength=n), out=first[1:])
+            self._adjacency = (first, dst[order], np.bincount(dst, minlength=n))
+        return self._adjacency
+
+    def adjacency(self) -> tuple[list[int], list[int], list[int]]:
+        """``adjacency_arrays`` as lists (what the Python event loop indexes fastest)."""
+        if self._adjacency_lists is None:
+            self._adjacency_lists = tuple(a.tolist() for a in self.adjacency_arrays())  # type: ignore[assignment]
+        return self._adjacency_lists  # type: ignore[return-value]
+
+    def successors(self, t: int) -> list[int]:
+        first, succ, _ = self.adjacency()
+        return succ[first[t]:first[t + 1]]
