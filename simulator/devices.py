@@ -31,22 +31,29 @@ class DeviceSpec:
     message_overhead: float = 0.0
     """Seconds of host work on this device per point-to-point piece it receives (posting and
     waiting on the receive, copying it into place), beyond the link's time."""
+    collective_overhead: float = 0.0
+    """Seconds of host work on this device per collective it is a member of (a reduction's
+    all-gather or sum, a gradient bucket's all-reduce, the loss value's all-reduce), beyond the
+    ring formula: the call, and waking up to ranks that arrive apart on busy cores. Charged as
+    a task on the device after the collective ends, before anything that waits on it there
+    (``simulator.step.member_ends``)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "peak_flops", MappingProxyType(dict(self.peak_flops)))
         if self.memory_bytes <= 0 or self.memory_bandwidth <= 0:
             raise ValueError(f"device {self.kind!r}: memory_bytes ({self.memory_bytes}) and "
                              f"memory_bandwidth ({self.memory_bandwidth}) must be > 0")
-        if self.task_overhead < 0 or self.message_overhead < 0:
-            raise ValueError(f"device {self.kind!r}: task_overhead ({self.task_overhead}) and "
-                             f"message_overhead ({self.message_overhead}) must be >= 0")
+        for name in ("task_overhead", "message_overhead", "collective_overhead"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"device {self.kind!r}: {name} = {getattr(self, name)!r}: must be >= 0")
         if not self.peak_flops or min(self.peak_flops.values()) <= 0:
             raise ValueError(f"device {self.kind!r}: peak_flops {dict(self.peak_flops)} needs at "
                              "least one dtype, every figure > 0")
 
     def __reduce__(self):  # the read-only mapping does not pickle; rebuild from a dict
         return (DeviceSpec, (self.kind, self.memory_bytes, dict(self.peak_flops),
-                             self.memory_bandwidth, self.node, self.task_overhead, self.message_overhead))
+                             self.memory_bandwidth, self.node, self.task_overhead, self.message_overhead,
+                             self.collective_overhead))
 
     def flops_for(self, dtype: str) -> float:
         """Peak FLOP/s for ``dtype`` (float32's when the dtype has no figure of its own)."""

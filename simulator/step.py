@@ -1,9 +1,12 @@
 """The end of a training step as the executor runs it (``runtime.Executor.step``), after each
 device's last backward step: the loss sums it waits on, the gradient sync (one all-reduce per
 device set holding replicated trainable shards, DDP-style buckets), the loss value's all-reduce
-when not every device knows it, and the optimizer update."""
+when not every device knows it, and the optimizer update. Every collective is followed, on each
+member device, by that device's ``collective_overhead`` of host work (``member_ends``)."""
 
 from __future__ import annotations
+
+from collections.abc import Callable, Sequence
 
 from simulator.comm import allreduce_time, ring_links
 from simulator.devices import DeviceSpec
@@ -12,11 +15,32 @@ from simulator.topology import Topology
 from strategies.config import format_devices
 from strategies.lowering import Lowered
 
-__all__ = ["link_step", "UPDATE_TRAFFIC"]
+__all__ = ["link_step", "member_ends", "UPDATE_TRAFFIC"]
 
 UPDATE_TRAFFIC = {"sgd": 5, "adam": 7}
 """Optimizer update bytes per weight byte (memory-bound: read weight, gradient and state, write
 weight and state): SGD with momentum 2 reads + 2 writes + the gradient's read = 5; Adam 7."""
+
+
+def member_ends(add: Callable[..., int], edge: Callable[[int, int], None], topology: Topology, collective: int,
+                devices: Sequence[int], label: str, category: int) -> list[int]:
+    """Where ``collective`` (a task on the links of its ring) ends for each of its ``devices``:
+    a task of the device's ``collective_overhead`` on the device, after the collective, when
+    that is set, else the collective itself. So a member's next step (or whatever waits on the
+    collective there) starts at ``end(collective) + collective_overhead(d)``: the ring formula
+    times the wire, the overhead the call's host work and the wake-ups of ranks that arrive
+    apart, which the device pays even when the collective itself ran behind its compute.
+    ``add`` and ``edge``: a task graph's or a block's (the ids they return)."""
+    ends = []
+    for d in devices:
+        over = topology.devices[d].collective_overhead
+        if over and len(devices) > 1:
+            h = add(f"{label} host device {d}", category, over, (d,), d)
+            edge(collective, h)
+            ends.append(h)
+        else:
+            ends.append(collective)
+    return ends
 
 
 def link_step(tg: TaskGraph, lowered: Lowered, topology: Topology,
@@ -27,14 +51,16 @@ def link_step(tg: TaskGraph, lowered: Lowered, topology: Topology,
     divisor needs the data (it divides its gradients by it); all-reduces one DDP-style bucket
     per device set holding replicated trainable shards; waits on its other STEP loss sums;
     then, when the loss is not on every device in every micro-batch, one all-reduce of the loss
-    value (a float64) over every device; then its optimizer update."""
+    value (a float64) over every device; then its optimizer update. ``step_sums``: per block,
+    its first id and its STEP sums (each member's end task, devices, dynamic); each
+    collective here ends on each member with its ``member_ends``."""
     n = topology.num_devices
     ready: dict[int, list[int]] = {d: [last[d]] for d in last}  # what its gradient sync waits on
     later: dict[int, list[int]] = {d: [] for d in last}  # what only its update waits on
     for off, sums in step_sums:  # (a block's first id, its STEP sums: (local task, devices, dynamic))
-        for r, devs, dynamic in sums:
-            for d in devs:
-                (ready if dynamic else later)[d].append(off + r)
+        for ends, devs, dynamic in sums:
+            for e, d in zip(ends, devs):
+                (ready if dynamic else later)[d].append(off + e)
     held: dict[tuple[int, ...], list] = {}  # device set -> [trainable bytes, weight names] it holds
     for s in lowered.weight_shards:
         if s.trainable:
@@ -52,12 +78,13 @@ def link_step(tg: TaskGraph, lowered: Lowered, topology: Topology,
     synced = {d: ready[d] + later[d] for d in last}
     for devs in sorted(buckets):
         links = tuple(n + l for l in ring_links(topology, devs))
-        ar = tg.add(f"allreduce bucket {format_devices(devs)}", ALLREDUCE,
-                    allreduce_time(topology, devs, buckets[devs]), links, devs[0], buckets[devs])
+        label = f"allreduce bucket {format_devices(devs)}"
+        ar = tg.add(label, ALLREDUCE, allreduce_time(topology, devs, buckets[devs]), links, devs[0], buckets[devs])
         for d in devs:
             for dep in ready[d]:
                 tg.edge(dep, ar)
-            synced[d].append(ar)
+        for d, e in zip(devs, member_ends(tg.add, tg.edge, topology, ar, devs, label, ALLREDUCE)):
+            synced[d].append(e)
     if not _loss_on_every_device(lowered):
         everyone = tuple(range(lowered.strategy.num_devices))
         rep = tg.add("allreduce loss", ALLREDUCE, allreduce_time(topology, everyone, _LOSS_BYTES),
@@ -65,7 +92,9 @@ def link_step(tg: TaskGraph, lowered: Lowered, topology: Topology,
         for d in sorted(synced):
             for dep in dict.fromkeys(synced[d]):
                 tg.edge(dep, rep)
-            synced[d] = [rep]
+        ends = dict(zip(everyone, member_ends(tg.add, tg.edge, topology, rep, everyone, "allreduce loss", ALLREDUCE)))
+        for d in synced:
+            synced[d] = [ends[d]]
     for d in sorted(last):
         if weight_bytes[d]:
             u = tg.add(f"update {optimizer} device {d}", UPDATE,

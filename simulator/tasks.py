@@ -27,7 +27,7 @@ import numpy as np
 
 from simulator.comm import allgather_time, group_sum_time, ring_links, transfer_time
 from simulator.cost import CostModel
-from simulator.step import UPDATE_TRAFFIC, link_step
+from simulator.step import UPDATE_TRAFFIC, link_step, member_ends
 from simulator.taskgraph import (ALLREDUCE, BACKWARD, CATEGORY, FORWARD, GRAD_TRANSFER, RECV, REDUCE, TRANSFER,
                                   UPDATE, Columns, Segment, TaskGraph)
 from simulator.topology import Topology
@@ -70,9 +70,10 @@ class _Block:
         """(forward task, its device, its micro-batch) of every partition, in partition order;
         ``seal`` adds two rows, fwd_done and bwd_done: where each forward and backward step of
         the device's schedule ends, its blocking sum included."""
-        self.step_reductions: list[tuple[int, tuple[int, ...], bool]] = []
-        """(task, devices, dynamic) of each sum only the end of the step waits on (a loss's;
-        dynamic: its divisor needs the data, so the gradients wait on it before their sync)."""
+        self.step_reductions: list[tuple[list[int], tuple[int, ...], bool]] = []
+        """(each member's end task, devices, dynamic) of each sum only the end of the step waits
+        on (a loss's; dynamic: its divisor needs the data, so the gradients wait on it before
+        their sync); a member's end is ``step.member_ends``'s."""
         self.local: tuple[np.ndarray, np.ndarray] = (np.empty(0, np.int64), np.empty(0, np.int64))
         """The edges inside the block (sources, targets)."""
 
@@ -174,7 +175,9 @@ def _op_block(node: OpNode, pieces: OpPieces, backward: bool, producers: dict[st
 def _add_reductions(b: _Block, node: OpNode, reductions: tuple[ReductionGroup, ...], backward: bool,
                     topology: Topology) -> None:
     """The sums of ``node``'s reduction groups, by what waits on each (``strategies.lowering
-    .gates``), each after its members' forwards, on the links of its ring:
+    .gates``), each after its members' forwards, on the links of its ring, and each followed
+    on every member device by its ``collective_overhead`` (``step.member_ends``: what waits on
+    a sum on device d waits on d's end of it):
 
     - forward (batch statistics): an all-gather of every member's statistics that the
       partitions' consumers and the device's next step wait on, and in backward (when the op
@@ -190,26 +193,31 @@ def _add_reductions(b: _Block, node: OpNode, reductions: tuple[ReductionGroup, .
     for g in reductions:
         j = g.microbatch
         fwd = b.fwd[j]
+        device = [p.device for p in b.pieces.partitions[j]]
         links = tuple(n + l for l in ring_links(topology, g.devices))
-        r = b.add(f"reduce {g.name} {g.op}@mb{j}", REDUCE, allgather_time(topology, g.devices, g.nbytes),
-                  links, g.devices[0], g.nbytes)
+        label = f"reduce {g.name} {g.op}@mb{j}"
+        r = b.add(label, REDUCE, allgather_time(topology, g.devices, g.nbytes), links, g.devices[0], g.nbytes)
         for k in g.partitions:
             b.edge(fwd[k], r)
+        ends = member_ends(b.add, b.edge, topology, r, g.devices, label, REDUCE)
+        end = dict(zip(g.devices, ends))
         if g.gates == BY_STEP:
-            b.step_reductions.append((r, g.devices, dynamic))
+            b.step_reductions.append((ends, g.devices, dynamic))
         elif g.gates == BY_BACKWARD:
             for k in g.partitions:
-                b.edge(r, fwd[k] + 1)
+                b.edge(end[device[k]], fwd[k] + 1)
         else:
             for k in g.partitions:
-                b.fwd_done[j][k] = r
+                b.fwd_done[j][k] = end[device[k]]
             if backward and g.grad_nbytes:
                 size = 8 if node.output.dtype == "float64" else 4  # batch statistics' float32
                 t = group_sum_time(topology, g.devices, g.grad_nbytes, g.grad_nbytes // size)
-                rb = b.add(f"reduce-grad {g.name} {g.op}@mb{j}", REDUCE, t, links, g.devices[0], g.grad_nbytes)
+                label = f"reduce-grad {g.name} {g.op}@mb{j}"
+                rb = b.add(label, REDUCE, t, links, g.devices[0], g.grad_nbytes)
+                end = dict(zip(g.devices, member_ends(b.add, b.edge, topology, rb, g.devices, label, REDUCE)))
                 for k in g.partitions:
                     b.edge(fwd[k] + 1, rb)
-                    b.bwd_done[j][k] = rb
+                    b.bwd_done[j][k] = end[device[k]]
 
 
 def _pair(pairs: tuple[list[int], list[int]], a: int, u: int) -> None:

@@ -5,7 +5,8 @@ JSON (format ``soapsearch.topology``, version 1), explicit form — what ``to_js
     {"format": "soapsearch.topology", "version": 1, "name": "two-p100",
      "devices": [{"kind": "P100", "memory_bytes": 17179869184, "peak_flops": {"float32": 1.06e13},
                   "memory_bandwidth": 7.32e11, "node": 0}, ...],
-     (optional per device: "task_overhead" and "message_overhead", seconds, default 0)
+     (optional per device: "task_overhead", "message_overhead", "collective_overhead", seconds,
+      default 0)
      "links": [{"name": "nvlink:0->1", "kind": "nvlink", "latency": 2e-06, "bandwidth": 2e10}, ...],
      "routes": [{"src": 0, "dst": 1, "links": [0]}, {"src": 1, "dst": 0, "links": [1]}]}
 
@@ -166,8 +167,7 @@ class Topology:
             "format": FORMAT, "version": VERSION, "name": self.name,
             "devices": [{"kind": d.kind, "memory_bytes": d.memory_bytes, "peak_flops": dict(d.peak_flops),
                          "memory_bandwidth": d.memory_bandwidth, "node": d.node,
-                         **({"task_overhead": d.task_overhead, "message_overhead": d.message_overhead}
-                            if d.task_overhead or d.message_overhead else {})} for d in self.devices],
+                         **{k: getattr(d, k) for k in _OVERHEADS if getattr(d, k)}} for d in self.devices],
             "links": [{"name": k.name, "kind": k.kind, "latency": k.latency, "bandwidth": k.bandwidth}
                       for k in self.links],
             "routes": [{"src": s, "dst": d, "links": list(r)} for (s, d), r in sorted(self.routes.items())],
@@ -248,6 +248,9 @@ def _gbs(bandwidth: float) -> str:
 
 
 # ---- JSON reading ---------------------------------------------------------------------------
+_OVERHEADS = ("task_overhead", "message_overhead", "collective_overhead")
+"""A device's optional host-cost fields, seconds, 0 when left out (written only when set)."""
+
 _RULES = {
     "str": (lambda v: isinstance(v, str) and v != "", "must be a non-empty string"),
     "int>=0": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0, "must be an integer >= 0"),
@@ -288,7 +291,7 @@ def _device(obj: Any, path: str, where: str, node: bool = True) -> DeviceSpec:
                       dict(flops), _get(obj, "memory_bandwidth", path, "num>0", where),
                       _get(obj, "node", path, "int>=0", where) if node else 0,
                       *(_get(obj, k, path, "num>=0", where) if k in obj else 0.0
-                        for k in ("task_overhead", "message_overhead")))
+                        for k in _OVERHEADS))
 
 
 def _from_json(obj: Any, where: str = "topology JSON") -> Topology:

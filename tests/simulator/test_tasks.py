@@ -1,7 +1,8 @@
 """The task graph charges what the executor runs, on tiny graphs timed by hand: each small sum by
 what waits on it (forward statistics, a loss's sum gating its backward or only the step), the
 loss value's all-reduce when not every device knows it, the optimizer update's host work per
-tensor, and the blocking collectives inside a device's steps.
+tensor, the blocking collectives inside a device's steps, and each collective's host work on
+every member device.
 
 Every test: 2 devices, a direct link each way with alpha = 2 ms and B = 40 kB/s (so 4 bytes
 take 0.1 ms), compute a fixed time per op kind (``Fixed``), in milliseconds below."""
@@ -34,8 +35,9 @@ class Fixed(CostModel):
         return f * MS, b * MS
 
 
-def pair(memory_bandwidth, task_overhead=0.0):
-    dev = DeviceSpec("test", 1 << 40, {"float32": 1e12}, memory_bandwidth, task_overhead=task_overhead)
+def pair(memory_bandwidth, task_overhead=0.0, collective_overhead=0.0):
+    dev = DeviceSpec("test", 1 << 40, {"float32": 1e12}, memory_bandwidth, task_overhead=task_overhead,
+                     collective_overhead=collective_overhead)
     links = (Link("l0->1", "test", ALPHA, B), Link("l1->0", "test", ALPHA, B))
     return Topology("pair", (dev, dev), links, {(0, 1): (0,), (1, 0): (1,)})
 
@@ -187,3 +189,38 @@ def test_the_update_charges_host_work_per_trainable_tensor():
     tg = build_tasks(lower(g, data_parallel(g, 2)), pair(200e3, task_overhead=0.3 * MS), Fixed())
     updates = [t for t in range(len(tg)) if tg.category[t] == UPDATE]
     assert [tg.duration[t] for t in updates] == pytest.approx([1.6 * MS] * 2, rel=1e-9)
+
+
+def test_every_collective_costs_each_member_its_collective_overhead_after_it():
+    # as test_a_loss_sum_the_gradients_wait_on_before_their_sync, each collective followed by
+    # 0.4 ms on each member device: the loss sum 1.5-3.7, its host work 3.7-4.1 (the backward
+    # ended at 2.5); the bucket 4.1-9.1, its host work 9.1-9.5; the update 9.5-10.5.
+    g = classifier()
+    tg, start, end = simulate(g, data_parallel(g, 2), pair(200e3, collective_overhead=0.4 * MS))
+    host = sorted((start[t], tg.device[t], t) for t in find(tg, "") if "host" in tg.label(t))
+    assert [x for _, _, t in host for x in (start[t], end[t])] == pytest.approx(
+        [3.7 * MS, 4.1 * MS] * 2 + [9.1 * MS, 9.5 * MS] * 2, rel=1e-9)
+    assert [(d, tg.category[t]) for _, d, t in host] == [(0, REDUCE), (1, REDUCE), (0, ALLREDUCE), (1, ALLREDUCE)]
+    assert all(tg.resources[t] == (tg.device[t],) for t in find(tg, "") if "host" in tg.label(t))
+    [ar] = [t for t in find(tg, "allreduce bucket") if "host" not in tg.label(t)]
+    assert (start[ar], end[ar]) == pytest.approx((4.1 * MS, 9.1 * MS), rel=1e-9)
+    assert max(end) == pytest.approx(10.5 * MS, rel=1e-9)
+
+
+def test_collective_overhead_delays_what_waits_on_a_blocking_sum_on_its_device():
+    # as test_batch_statistics_gather_forward_and_sum_backward_and_block_the_device, 0.4 ms per
+    # collective per member. bn 0-1, gather 1-3.7, host 3.7-4.1; lin 4.1-5.1, fc 5.1-6.1, loss
+    # 6.1-6.6. Loss sum 6.6-8.7 (host work once the device is free). Backward: loss 6.6-7.1, fc
+    # 7.1-7.6, lin 7.6-8.1, bn 8.1-9.1; its gradient sum 9.1-11.7, host 11.7-12.1 (the loss
+    # sum's host work ran in the meantime). Bucket 12.1-19.9, host 19.9-20.3, update 20.3-21.3:
+    # three of the four collectives' 0.4 ms on the critical path.
+    x, y, t = torch.randn(4, 3, 2, 2), torch.randn(4, 2), torch.randn(4, 2)
+    g = trace(Norm(), (x, y, t))
+    tg, start, end = simulate(g, data_parallel(g, 2), pair(760e3, collective_overhead=0.4 * MS))
+    assert [start[t] for t in find(tg, "fwd lin")] == pytest.approx([4.1 * MS] * 2, rel=1e-9)
+    [bwd_sum] = [t for t in find(tg, "reduce-grad batch_stats") if "host" not in tg.label(t)]
+    assert (start[bwd_sum], end[bwd_sum]) == pytest.approx((9.1 * MS, 11.7 * MS), rel=1e-9)
+    [ar] = [t for t in find(tg, "allreduce bucket") if "host" not in tg.label(t)]
+    assert start[ar] == pytest.approx(12.1 * MS, rel=1e-9)
+    assert max(end) == pytest.approx(21.3 * MS, rel=1e-9)
+    assert sum(1 for t in range(len(tg)) if "host" in tg.label(t)) == 4 * 2

@@ -236,5 +236,24 @@ def test_device_overheads_round_trip_default_to_zero_and_are_checked(tmp_path):
     obj["devices"][1]["task_overhead"] = -1e-6
     with pytest.raises(ValueError, match=r"devices\[1\].task_overhead = -1e-06: must be a finite number >= 0"):
         Topology.from_json(obj)
-    with pytest.raises(ValueError, match=r"task_overhead \(0.0\) and message_overhead \(-1.0\) must be >= 0"):
+    with pytest.raises(ValueError, match=r"message_overhead = -1.0: must be >= 0"):
         dataclasses.replace(DEV, message_overhead=-1.0)
+
+
+def test_collective_overhead_round_trips_defaults_to_zero_and_is_checked(tmp_path):
+    base = get_topology("local-cpu-2")
+    t = dataclasses.replace(base, devices=(dataclasses.replace(base.devices[0], collective_overhead=7e-4),
+                                           base.devices[1]))
+    obj = t.to_json()
+    assert obj["devices"][0]["collective_overhead"] == 7e-4
+    assert "collective_overhead" not in obj["devices"][1] and "task_overhead" not in obj["devices"][0]
+    back = Topology.from_json(json.loads(json.dumps(obj)))
+    assert back == t and [d.collective_overhead for d in back.devices] == [7e-4, 0.0]
+    assert pickle.loads(pickle.dumps(t)).devices[0].collective_overhead == 7e-4
+    t.save(tmp_path / "t.json")
+    assert Topology.load(tmp_path / "t.json") == t
+    obj["devices"][1]["collective_overhead"] = -2e-4
+    with pytest.raises(ValueError, match=r"devices\[1\].collective_overhead = -0.0002: must be a finite number >= 0"):
+        Topology.from_json(obj)
+    with pytest.raises(ValueError, match=r"device 'cpu': collective_overhead = -1.0: must be >= 0"):
+        dataclasses.replace(base.devices[0], collective_overhead=-1.0)
