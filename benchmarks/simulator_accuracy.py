@@ -111,7 +111,8 @@ def main() -> int:
                   f"{dev.memory_bandwidth / 1e9:.1f} GB/s"
                   + (f", link {link.latency * 1e6:.0f} µs + 1/{link.bandwidth / 1e9:.2f} GB/s" if link else "")
                   + f"; executor overheads {dev.task_overhead * 1e6:.0f} µs/task, "
-                    f"{dev.message_overhead * 1e6:.0f} µs/received piece")
+                    f"{dev.message_overhead * 1e6:.0f} µs/received piece, "
+                    f"{dev.collective_overhead * 1e6:.0f} µs/collective")
             rows += bench(n, args.models.split(","), topo, args.cost_model, args.steps, d)
     if args.out:
         keys = ("nproc", "model", "plan", "predicted_ms", "measured_ms", "predicted_busy_ms", "measured_busy_ms",

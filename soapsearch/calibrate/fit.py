@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -14,7 +14,7 @@ from simulator.devices import DeviceSpec
 from simulator.presets import Fabric, cluster
 from simulator.topology import Topology
 
-__all__ = ["OverheadFit", "fit_alpha_beta", "fit_overheads", "trimmed_mean", "ring_allreduce_seconds", "device_kind",
+__all__ = ["OverheadFit", "ProbeSimulator", "UNIT_OVERHEADS", "fit_alpha_beta", "fit_overheads", "trimmed_mean", "ring_allreduce_seconds", "device_kind",
            "build_topology", "spearman"]
 
 
@@ -69,14 +69,35 @@ def _slope(x: Sequence[float], y: Sequence[float]) -> float:
 class OverheadFit(NamedTuple):
     task_overhead: float
     """Seconds per forward or backward task of a partition beyond what the cost model charges
-    for its kernels (framework dispatch, autograd, the executor's own work)."""
+    for its kernels (framework dispatch, autograd, the executor's own work); the simulator also
+    charges it per trainable tensor in the optimizer update."""
     message_overhead: float
     """Seconds per point-to-point piece received, beyond the link's one-way time."""
     task_per_round: list[float]
-    """Per round: (d(data-parallel step)/dK - kernel) / 4."""
+    """Per round: (d(data-parallel step)/dK - kernel) / UNIT_OVERHEADS."""
     message_per_round: list[float]
     """Per round: d(round robin - one device)/d(pieces) - alpha - s/B (the report's view of the
     spread; the fit takes the trimmed mean of the slopes)."""
+    collective_overhead: float
+    """Seconds of host work per collective on each member device, beyond the ring formula."""
+    collective_per_round: list[float]
+    """Per round: (its data-parallel intercept - the simulator's) / collectives."""
+    collectives: float
+    """Collectives on a device's critical path in the data-parallel probe, as the simulator
+    charges them: d(simulated intercept)/d(collective_overhead)."""
+
+
+UNIT_OVERHEADS = 4 + 2
+"""``task_overhead``s the simulator charges per unit of the data-parallel probe on each device:
+forward and backward of a linear and a tanh partition, and the update of the linear's 2
+trainable tensors (weight and bias; ``simulator.step._update_time``)."""
+PROBE_COLLECTIVE_OVERHEAD = 1e-3
+"""The collective overhead the fit simulates the probe with to count its collectives (the
+simulated step is linear in it: each is a task on the device)."""
+
+ProbeSimulator = Callable[[float, float], Sequence[float]]
+"""(task_overhead, collective_overhead) -> the simulated step seconds of the data-parallel probe
+at each of its task sizes, on the calibrated topology with those overheads."""
 
 
 def _check_sizes(what: str, sizes: Sequence[int], rounds: list[Mapping[str, Any]], names: Sequence[str]) -> None:
@@ -92,15 +113,30 @@ def _check_sizes(what: str, sizes: Sequence[int], rounds: list[Mapping[str, Any]
                 raise ValueError(f"fit_overheads: round {i} {name!r}: {list(times)} is not finite and > 0")
 
 
-def fit_overheads(raw: Mapping[str, Any], kernel: float, alpha: float, bandwidth: float) -> OverheadFit:
+def _intercept(x: Sequence[float], y: Sequence[float]) -> float:
+    """Least-squares intercept of y on x."""
+    return float(np.mean(y) - _slope(x, y) * np.mean(x))
+
+
+def fit_overheads(raw: Mapping[str, Any], kernel: float, alpha: float, bandwidth: float,
+                  simulate: ProbeSimulator | None = None) -> OverheadFit:
     """Fit the executor's overheads to the probe chains' times (``overhead.py``).
 
-    Task overhead: each device of the data-parallel chain of K units runs 4K tasks (forward and
-    backward of a linear and a tanh partition), each costing its kernels (``kernel``: the cost
-    model's forward + backward seconds of one unit's partitions) plus the overhead, and little
-    else grows with K (the optimizer's per-tensor work, which the simulator does not charge
-    either, lands in the overhead): step(K) = c + K·(kernel + 4·task_overhead), so
-    task_overhead = (median over rounds of the least-squares slope in K - kernel) / 4.
+    Task overhead: on each device the data-parallel chain of K units costs, per unit, what the
+    simulator charges beyond overheads (``kernel``: its 4 partitions' kernels, its 2 tensors'
+    update traffic and its share of the gradient bucket's ring all-reduce;
+    ``overhead.unit_kernel_seconds``) plus ``UNIT_OVERHEADS`` = 4 + 2 task overheads (4 tasks,
+    2 tensors updated): step(K) = c + K·(kernel + 6·task_overhead), so task_overhead =
+    (median over rounds of the least-squares slope in K - kernel) / 6.
+
+    Collective overhead (with ``simulate``): the intercept c holds the step's fixed costs, its
+    collectives among them (the loss's all-gather the executor waits on before the gradient
+    sync, and the gradient bucket's all-reduce). The simulator, given the fitted task overhead
+    and collective overhead 0, predicts the same chains with intercept c_sim; each second of
+    collective overhead adds m seconds to it, m = (c_sim(PROBE_COLLECTIVE_OVERHEAD) - c_sim) /
+    PROBE_COLLECTIVE_OVERHEAD (the collectives on a device's critical path, 2 on N >= 2), so
+    collective_overhead = (trimmed mean over rounds of the measured intercept - c_sim) / m.
+    A mean, as for the pieces: a collective's wake-ups come and go. 0 when m is 0 (one process).
 
     Message overhead: the round-robin chain differs from the one-device chain (same tasks, one
     at a time) only in its P(K) pieces, each on the critical path, each costing the link's
@@ -121,7 +157,8 @@ def fit_overheads(raw: Mapping[str, Any], kernel: float, alpha: float, bandwidth
         raise ValueError(f"fit_overheads: kernel = {kernel!r}: must be a finite number >= 0")
     task_sizes = list(raw["task_sizes"])
     _check_sizes("task_sizes", task_sizes, rounds, ["data_parallel"])
-    task = [(_slope(task_sizes, r["data_parallel"]) - kernel) / 4 for r in rounds]
+    task = [(_slope(task_sizes, r["data_parallel"]) - kernel) / UNIT_OVERHEADS for r in rounds]
+    task_overhead = max(0.0, statistics.median(task))
     pieces = list(raw.get("pieces") or [])
     message: list[float] = []
     msg = 0.0
@@ -137,7 +174,24 @@ def fit_overheads(raw: Mapping[str, Any], kernel: float, alpha: float, bandwidth
         slopes = [_slope(pieces, np.subtract(r["round_robin"], r["one_device"])) for r in rounds]
         message = [s - link for s in slopes]
         msg = max(0.0, trimmed_mean(slopes) - link)
-    return OverheadFit(max(0.0, statistics.median(task)), msg, task, message)
+    coll, per_round, count = 0.0, [], 0.0
+    if simulate is not None:
+        base = _intercept(task_sizes, _simulated(simulate, task_overhead, 0.0, task_sizes))
+        probe = _intercept(task_sizes, _simulated(simulate, task_overhead, PROBE_COLLECTIVE_OVERHEAD, task_sizes))
+        count = (probe - base) / PROBE_COLLECTIVE_OVERHEAD
+        if count > 1e-6:
+            measured = [_intercept(task_sizes, r["data_parallel"]) for r in rounds]
+            per_round = [(c - base) / count for c in measured]
+            coll = max(0.0, (trimmed_mean(measured) - base) / count)
+    return OverheadFit(task_overhead, msg, task, message, coll, per_round, count)
+
+
+def _simulated(simulate: ProbeSimulator, task: float, collective: float, sizes: Sequence[int]) -> list[float]:
+    times = [float(t) for t in simulate(task, collective)]
+    if len(times) != len(sizes) or not all(np.isfinite(times)):
+        raise ValueError(f"fit_overheads: the simulated probe gave {times} for task sizes {list(sizes)}: "
+                         "need one finite time per size")
+    return times
 
 
 def ring_allreduce_seconds(n: int, nbytes: float, alpha: float, bandwidth: float) -> float:
@@ -158,17 +212,18 @@ def device_kind(nproc: int, threads: int, cores: int | None = None) -> str:
 
 def build_topology(nproc: int, alpha: float, bandwidth: float, flops: float, memory_bandwidth: float,
                    kind: str = "cpu", memory_bytes: int | None = None, task_overhead: float = 0.0,
-                   message_overhead: float = 0.0) -> Topology:
+                   message_overhead: float = 0.0, collective_overhead: float = 0.0) -> Topology:
     """``calibrated-cpu-N``: ``local-cpu-N``'s shape (one node, a shared-memory mesh link per
     ordered process pair) with the measured alpha, bandwidth, per-process float32 FLOP/s,
-    memory bandwidth and the executor's task and message overheads (``fit_overheads``)."""
+    memory bandwidth and the executor's task, message and collective overheads (``fit_overheads``)."""
     if memory_bytes is None:
         try:
             memory_bytes = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // nproc
         except (AttributeError, ValueError, OSError):
             memory_bytes = 16 << 30
     device = DeviceSpec(kind, max(int(memory_bytes), 1), {"float32": float(flops)}, float(memory_bandwidth),
-                        task_overhead=float(task_overhead), message_overhead=float(message_overhead))
+                        task_overhead=float(task_overhead), message_overhead=float(message_overhead),
+                        collective_overhead=float(collective_overhead))
     return cluster(f"calibrated-cpu-{nproc}", device, 1, nproc, Fabric("mesh", "shm", float(alpha), float(bandwidth)))
 
 

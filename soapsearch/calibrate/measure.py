@@ -11,9 +11,9 @@
   float32 matmul FLOP/s (2·n³ per n×n product), copy bandwidth (read + write = 2·bytes), and the
   eager dispatch overhead of one tiny op (what the analytical model calls launch overhead);
 * the executor's overheads, on all N processes: probe chains trained by the real ``Executor``
-  (``overhead.py``), fitted to a per-task figure beyond the analytical cost model's kernels and
-  a per-received-piece figure beyond the link (``fit.fit_overheads``) that every device of the
-  topology carries.
+  (``overhead.py``), fitted to a per-task figure beyond the analytical cost model's kernels, a
+  per-received-piece figure beyond the link and a per-collective figure beyond the ring formula
+  (``fit.fit_overheads``) that every device of the topology carries.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from soapsearch.calibrate._spawn import spawn, threads_per_process
 from soapsearch.calibrate.timing import slowest_median, step_times
 from soapsearch.calibrate.fit import (build_topology, device_kind, fit_alpha_beta, fit_overheads,
                                      ring_allreduce_seconds, trimmed_mean)
-from soapsearch.calibrate.overhead import OverheadProbe, unit_kernel_seconds
+from soapsearch.calibrate.overhead import OverheadProbe, probe_simulator, unit_kernel_seconds
 from strategies.serialize import atomic_write_text
 
 __all__ = ["DEFAULT_SIZES", "Calibration", "calibrate", "measure", "report_path", "warm_profile"]
@@ -72,6 +72,8 @@ class Calibration:
     (framework dispatch, autograd, the executor's own work; ``fit_overheads``)."""
     message_overhead: float = 0.0
     """Executor host seconds per received point-to-point piece beyond alpha + s/B."""
+    collective_overhead: float = 0.0
+    """Executor host seconds per collective on each member device beyond the ring formula."""
     overheads: dict[str, Any] = field(default_factory=dict)
     """The probe chains' raw times and the per-round slopes of the overhead fit."""
     p2p: dict[str, list[list[float]]] = field(default_factory=dict)
@@ -87,9 +89,14 @@ class Calibration:
     def topology(self) -> Topology:
         """The calibrated topology: every process the slowest measured one (the plan must
         run on any of them; the spread is in the report)."""
+        return self.with_overheads(self.task_overhead, self.collective_overhead)
+
+    def with_overheads(self, task_overhead: float, collective_overhead: float) -> Topology:
+        """The calibrated topology with these task and collective overheads (the fit simulates
+        its probe on it)."""
         return build_topology(self.nproc, self.alpha, self.bandwidth, min(self.flops),
-                              min(self.memory_bandwidth), self.kind, task_overhead=self.task_overhead,
-                              message_overhead=self.message_overhead)
+                              min(self.memory_bandwidth), self.kind, task_overhead=task_overhead,
+                              message_overhead=self.message_overhead, collective_overhead=collective_overhead)
 
     def to_json(self) -> dict[str, Any]:
         return {"format": "soapsearch.calibration", "version": 1, "shared_cores": self.shared, **asdict(self)}
@@ -191,11 +198,15 @@ def measure(nproc: int, backend: str = "gloo", sizes: Sequence[int] = DEFAULT_SI
         from simulator.cost import get_cost_model
 
         raw = results[0]["overheads"]  # every figure in it is already reduced over the ranks
-        kernel = unit_kernel_seconds(nproc, cal.topology().devices[0], get_cost_model("analytical"))
-        fit = fit_overheads(raw, kernel, alpha, bandwidth)
+        cost = get_cost_model("analytical")
+        kernel = unit_kernel_seconds(cal.topology(), cost)
+        simulate = probe_simulator(cal.with_overheads, cost, raw["task_sizes"]) if nproc > 1 else None
+        fit = fit_overheads(raw, kernel, alpha, bandwidth, simulate)
         cal.task_overhead, cal.message_overhead = fit.task_overhead, fit.message_overhead
+        cal.collective_overhead = fit.collective_overhead
         cal.overheads = {**raw, "kernel": kernel, "task_per_round": fit.task_per_round,
-                         "message_per_round": fit.message_per_round}
+                         "message_per_round": fit.message_per_round, "collectives": fit.collectives,
+                         "collective_per_round": fit.collective_per_round}
     return cal
 
 

@@ -1,6 +1,6 @@
 """Measure the executor's host overheads on N processes (run inside ``measure``'s spawn, so
 processes sharing cores are measured sharing them); ``fit.fit_overheads`` turns the raw times
-into ``task_overhead`` and ``message_overhead``.
+into ``task_overhead``, ``message_overhead`` and ``collective_overhead``.
 
 The probe is a chain ``(linear -> tanh) x K -> cross-entropy`` on a tiny batch (every op a few
 µs of arithmetic, so what the framework and the executor add stands out; a linear, with its
@@ -11,7 +11,8 @@ weight gradient, and an elementwise op, as most models are made of), trained by 
   at once, 4 tasks (forward, backward of the linear and the tanh) per unit on every device.
   Long chains: the step's few collectives (the loss's reduction, the gradient sync), each a
   wake-up on cores shared with other work, scatter it by milliseconds, so the slope in K needs
-  hundreds of tasks to stand clear of them;
+  hundreds of tasks to stand clear of them; the intercept, against the simulator's for the same
+  chains, gives the collective overhead;
 * ``one_device``, K in ``PIECE_SIZES``: every op whole on device 0 (the control of the next);
 * ``round_robin``, K in ``PIECE_SIZES`` (N >= 2): the chain's ops whole, op i on device i mod N:
   every op reads its input from another device and sends its gradient back, two
@@ -31,15 +32,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from simulator.comm import allreduce_time
 from simulator.cost import CostModel
+from simulator.simulate import simulate_plan
+from simulator.step import UPDATE_TRAFFIC
+from simulator.topology import Topology
 from soapsearch.calibrate.timing import slowest_median, step_times
-from simulator.devices import DeviceSpec
 from strategies import ParallelConfig, Strategy, baseline
 from strategies.graph import OpGraph
 from strategies.lowering import lower
 
 __all__ = ["PIECE_SIZES", "TASK_SIZES", "Chain", "OverheadProbe", "build_chain", "chain_plans",
-           "measure_overheads", "received_pieces", "unit_kernel_seconds"]
+           "measure_overheads", "probe_simulator", "received_pieces",
+           "unit_kernel_seconds"]
 
 TASK_SIZES = (8, 64, 128)
 """K (linear + tanh units) of the data-parallel chains: the task overhead is a slope over them."""
@@ -103,13 +108,40 @@ def received_pieces(graph: OpGraph, plan: Strategy) -> tuple[int, int]:
     return 2 * len(remote), (remote[0].nbytes if remote else 0)
 
 
-def unit_kernel_seconds(nproc: int, device: DeviceSpec, cost: CostModel) -> float:
-    """Forward + backward seconds ``cost`` charges one linear and one tanh partition of the
-    data-parallel probe on ``device``: what the simulator already counts of a unit's 4 tasks."""
+def unit_kernel_seconds(topology: Topology, cost: CostModel, optimizer: str = "sgd") -> float:
+    """Seconds the simulator charges one linear + tanh unit of the data-parallel probe on
+    ``topology``'s device 0 beyond task overheads (what ``fit.fit_overheads`` takes off the
+    measured slope in K): forward + backward of its 2 partitions (``cost``), the update traffic
+    of its trainable bytes u (``UPDATE_TRAFFIC · u / memory_bandwidth``) and its share of the
+    gradient bucket's ring all-reduce (``allreduce_time(2u) - allreduce_time(u)`` = 2(n-1)/n ·
+    u / B: the latency terms cancel)."""
+    nproc, device = topology.num_devices, topology.devices[0]
     _, _, graph = build_chain(1, ROWS_PER_DEVICE * nproc)
     low = lower(graph, baseline("data_parallel", graph, nproc))
     unit = [n for n in graph if n.kind in ("linear", "elementwise")]
-    return sum(sum(cost.op_time(n, low.partitions[n.name][0][0].box, device)) for n in unit)
+    kernels = sum(sum(cost.op_time(n, low.partitions[n.name][0][0].box, device)) for n in unit)
+    u = sum(s.nbytes for s in low.weight_shards if s.trainable and 0 in s.devices)
+    everyone = tuple(range(nproc))
+    bucket = allreduce_time(topology, everyone, 2 * u) - allreduce_time(topology, everyone, u)
+    return kernels + UPDATE_TRAFFIC[optimizer] * u / device.memory_bandwidth + bucket
+
+
+def probe_simulator(make_topology: Callable[[float, float], Topology], cost: CostModel,
+                    task_sizes: Sequence[int] = TASK_SIZES) -> Callable[[float, float], list[float]]:
+    """``fit.ProbeSimulator`` of the data-parallel probe: (task_overhead, collective_overhead)
+    -> simulated step seconds of the chain of each of ``task_sizes`` units, on
+    ``make_topology(task_overhead, collective_overhead)`` (the chains are lowered once)."""
+    nproc = make_topology(0.0, 0.0).num_devices
+    lowered = []
+    for k in task_sizes:
+        _, _, graph = build_chain(k, ROWS_PER_DEVICE * nproc)
+        lowered.append((graph, lower(graph, baseline("data_parallel", graph, nproc))))
+
+    def simulate(task_overhead: float, collective_overhead: float) -> list[float]:
+        topo = make_topology(task_overhead, collective_overhead)
+        return [simulate_plan(g, low, topo, cost, summary=False).iteration_ms / 1e3 for g, low in lowered]
+
+    return simulate
 
 
 class OverheadProbe:

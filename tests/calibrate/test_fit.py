@@ -9,7 +9,7 @@ import pytest
 from simulator.comm import allreduce_time, transfer_time
 from simulator.simulate import simulate_plan
 from simulator.topology import Topology
-from soapsearch.calibrate.fit import (build_topology, device_kind, fit_alpha_beta, fit_overheads,
+from soapsearch.calibrate.fit import (UNIT_OVERHEADS, build_topology, device_kind, fit_alpha_beta, fit_overheads,
                                       ring_allreduce_seconds, spearman, trimmed_mean)
 from strategies import baseline
 
@@ -71,7 +71,16 @@ KERNEL = 12e-6  # what the cost model charges one linear + tanh unit's partition
 ALPHA, BANDWIDTH, PIECE = 200e-6, 1.5e9, 512
 
 
-def _probe_times(task, message, rounds=7, noise=0.03, seed=0):
+BASE = 6e-3  # the simulator's data-parallel intercept without collective overhead
+COLLECTIVES = 2  # on a device's critical path per step: the loss's all-gather, the gradient bucket
+
+
+def _simulate(task, collective):
+    """A synthetic ``ProbeSimulator``: the model ``fit_overheads`` states, no noise."""
+    return [BASE + COLLECTIVES * collective + k * (KERNEL + UNIT_OVERHEADS * task) for k in [8, 64, 128]]
+
+
+def _probe_times(task, message, rounds=7, noise=0.03, seed=0, collective=0.0):
     """Synthetic probe times (the model ``fit_overheads`` states) with multiplicative noise,
     and one round slowed 5x throughout (a burst of load from elsewhere)."""
     rng = np.random.default_rng(seed)
@@ -82,16 +91,16 @@ def _probe_times(task, message, rounds=7, noise=0.03, seed=0):
     for r in range(rounds):
         slow = 5.0 if r == 2 else 1.0
         jitter = lambda: 1 + rng.normal(0, noise)  # noqa: E731
-        dp = [(6e-3 + k * (KERNEL + 4 * task)) * slow * jitter() for k in task_sizes]
-        one = [(2e-3 + k * (KERNEL + 4 * task)) * jitter() for k in piece_sizes]
+        dp = [t * slow * jitter() for t in _simulate(task, collective)]
+        one = [(2e-3 + k * (KERNEL + UNIT_OVERHEADS * task)) * jitter() for k in piece_sizes]
         rr = [one[i] + (1e-3 + p * per_piece) * jitter() for i, p in enumerate(pieces)]
         out.append({"data_parallel": dp, "one_device": one, "round_robin": rr})
     return {"task_sizes": task_sizes, "piece_sizes": piece_sizes, "pieces": pieces, "piece_bytes": PIECE,
             "rounds": out}
 
 
-def _fit(raw, kernel=KERNEL):
-    return fit_overheads(raw, kernel, ALPHA, BANDWIDTH)
+def _fit(raw, kernel=KERNEL, simulate=None):
+    return fit_overheads(raw, kernel, ALPHA, BANDWIDTH, simulate)
 
 
 @pytest.mark.parametrize("task,message", [(150e-6, 60e-6), (20e-6, 1.2e-3), (80e-6, 0.0)])
@@ -103,6 +112,49 @@ def test_fit_overheads_recovers_known_overheads_from_noisy_times(task, message):
     exact = _fit(_probe_times(task, message, noise=0.0))
     assert exact.task_overhead == pytest.approx(task, rel=1e-9)
     assert exact.message_overhead == pytest.approx(message, rel=1e-9, abs=1e-12)
+
+
+@pytest.mark.parametrize("task,collective", [(60e-6, 2.5e-3), (150e-6, 4e-4), (80e-6, 0.0)])
+def test_fit_overheads_recovers_the_collective_overhead_from_the_intercept(task, collective):
+    # step(K) = BASE + 2·collective + K·(KERNEL + 6·task): the intercept's excess over the
+    # simulator's, per collective the simulator counts on the critical path
+    exact = _fit(_probe_times(task, 50e-6, noise=0.0, collective=collective), simulate=_simulate)
+    assert exact.task_overhead == pytest.approx(task, rel=1e-9)
+    assert exact.collectives == pytest.approx(COLLECTIVES, rel=1e-6)
+    assert exact.collective_overhead == pytest.approx(collective, rel=1e-6, abs=1e-9)
+    assert exact.collective_per_round[2] == pytest.approx((5 * (BASE + 2 * collective) - BASE) / 2, rel=1e-6)
+    noisy = _fit(_probe_times(task, 50e-6, noise=0.01, collective=collective), simulate=_simulate)
+    assert noisy.collective_overhead == pytest.approx(collective, abs=4e-4)  # 1 % of a 45 ms step
+    assert len(noisy.collective_per_round) == 7
+    # no simulator (or nothing collective in it, one process): no collective overhead
+    assert _fit(_probe_times(task, 50e-6, collective=collective)).collective_overhead == 0.0
+    flat = _fit(_probe_times(task, 50e-6, collective=collective), simulate=lambda t, c: _simulate(t, 0.0))
+    assert (flat.collective_overhead, flat.collectives, flat.collective_per_round) == (0.0, 0.0, [])
+    # a measured intercept below the simulator's: clamped at 0
+    assert _fit(_probe_times(task, 50e-6, noise=0.0), simulate=lambda t, c: [x + 1e-3 for x in _simulate(t, c)]
+                ).collective_overhead == 0.0
+    with pytest.raises(ValueError, match=r"simulated probe gave \[1.0\] for task sizes \[8, 64, 128\]"):
+        _fit(_probe_times(task, 50e-6), simulate=lambda t, c: [1.0])
+
+
+def test_fit_overheads_inverts_the_simulator_on_the_real_probe():
+    # "measured" times are the simulator's own for the data-parallel probe on a calibrated
+    # topology with known overheads: the fit gives them back (unit_kernel_seconds is what the
+    # simulator charges a unit beyond overheads, and the probe's collectives are counted)
+    from simulator.cost import get_cost_model
+    from soapsearch.calibrate.overhead import probe_simulator, unit_kernel_seconds
+
+    sizes, cost = [2, 4, 8], get_cost_model("analytical")
+
+    def topo(task, collective):
+        return build_topology(2, 30e-6, 1.5e9, 5e10, 8e9, task_overhead=task, collective_overhead=collective)
+
+    simulate = probe_simulator(topo, cost, sizes)
+    raw = {"task_sizes": sizes, "rounds": [{"data_parallel": simulate(90e-6, 700e-6)}] * 3}
+    fit = fit_overheads(raw, unit_kernel_seconds(topo(0.0, 0.0), cost), 30e-6, 1.5e9, simulate)
+    assert fit.task_overhead == pytest.approx(90e-6, rel=1e-6)
+    assert fit.collectives == pytest.approx(2.0, rel=1e-6)
+    assert fit.collective_overhead == pytest.approx(700e-6, rel=1e-6)
 
 
 def test_fit_overheads_means_the_pieces_when_wakeups_come_and_go():
@@ -154,8 +206,10 @@ def test_trimmed_mean_drops_a_fifth_at_each_end():
 
 def test_calibrated_topology_carries_the_overheads_through_json(tmp_path):
     topo = build_topology(4, 200e-6, 1.5e9, 2e10, 7e9, kind="cpu-shared-4on2", task_overhead=2.5e-4,
-                          message_overhead=8e-5)
-    assert all((d.task_overhead, d.message_overhead) == (2.5e-4, 8e-5) for d in topo.devices)
+                          message_overhead=8e-5, collective_overhead=1.2e-3)
+    assert all((d.task_overhead, d.message_overhead, d.collective_overhead) == (2.5e-4, 8e-5, 1.2e-3)
+               for d in topo.devices)
     topo.save(tmp_path / "t.json")
     back = Topology.load(tmp_path / "t.json")
     assert back == topo and back.devices[3].task_overhead == 2.5e-4 and back.devices[3].message_overhead == 8e-5
+    assert back.devices[3].collective_overhead == 1.2e-3
