@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Iterator, Mapping
 
 from strategies.config import ParallelConfig, validate_config
@@ -70,8 +71,9 @@ class Strategy:
     def with_microbatches(self, microbatches: int, schedule: str | None = None) -> "Strategy":
         return Strategy(self.configs, self.num_devices, microbatches, schedule or self.schedule)
 
-    @property
+    @cached_property
     def devices_used(self) -> tuple[int, ...]:
+        """Every device some op runs on, sorted (computed once: plans are immutable)."""
         return tuple(sorted({d for _, c in self.configs for d in c.devices}))
 
     def validate(self, graph: OpGraph, where: str = "", configs: bool = True) -> None:
