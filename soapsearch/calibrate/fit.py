@@ -81,7 +81,7 @@ class OverheadFit(NamedTuple):
     collective_overhead: float
     """Seconds of host work per collective on each member device, beyond the ring formula."""
     collective_per_round: list[float]
-    """Per round: (its data-parallel intercept - the simulator's) / collectives."""
+    """Per round: (its smallest data-parallel chain's step - the simulator's) / collectives."""
     collectives: float
     """Collectives on a device's critical path in the data-parallel probe, as the simulator
     charges them: d(simulated intercept)/d(collective_overhead)."""
@@ -113,11 +113,6 @@ def _check_sizes(what: str, sizes: Sequence[int], rounds: list[Mapping[str, Any]
                 raise ValueError(f"fit_overheads: round {i} {name!r}: {list(times)} is not finite and > 0")
 
 
-def _intercept(x: Sequence[float], y: Sequence[float]) -> float:
-    """Least-squares intercept of y on x."""
-    return float(np.mean(y) - _slope(x, y) * np.mean(x))
-
-
 def fit_overheads(raw: Mapping[str, Any], kernel: float, alpha: float, bandwidth: float,
                   simulate: ProbeSimulator | None = None) -> OverheadFit:
     """Fit the executor's overheads to the probe chains' times (``overhead.py``).
@@ -132,11 +127,14 @@ def fit_overheads(raw: Mapping[str, Any], kernel: float, alpha: float, bandwidth
     Collective overhead (with ``simulate``): the intercept c holds the step's fixed costs, its
     collectives among them (the loss's all-gather the executor waits on before the gradient
     sync, and the gradient bucket's all-reduce). The simulator, given the fitted task overhead
-    and collective overhead 0, predicts the same chains with intercept c_sim; each second of
-    collective overhead adds m seconds to it, m = (c_sim(PROBE_COLLECTIVE_OVERHEAD) - c_sim) /
-    PROBE_COLLECTIVE_OVERHEAD (the collectives on a device's critical path, 2 on N >= 2), so
-    collective_overhead = (trimmed mean over rounds of the measured intercept - c_sim) / m.
-    A mean, as for the pieces: a collective's wake-ups come and go. 0 when m is 0 (one process).
+    and collective overhead 0, predicts the same chains as c_sim + K·s (s = kernel +
+    6·task_overhead); each second of collective overhead adds m seconds to its step, m =
+    (sim(PROBE_COLLECTIVE_OVERHEAD) - sim(0)) / PROBE_COLLECTIVE_OVERHEAD (the collectives on a
+    device's critical path, 2 on N >= 2). A round's intercept is read at the smallest chain K0,
+    c_r = t_r(K0) - K0·s (the least-squares intercept would carry the largest chain's
+    milliseconds of noise), so c_r - c_sim = t_r(K0) - sim(K0) and collective_overhead =
+    (trimmed mean over rounds of t_r(K0) - sim(K0)) / m. A mean, as for the pieces: a
+    collective's wake-ups come and go. 0 when m is 0 (one process).
 
     Message overhead: the round-robin chain differs from the one-device chain (same tasks, one
     at a time) only in its P(K) pieces, each on the critical path, each costing the link's
@@ -176,13 +174,14 @@ def fit_overheads(raw: Mapping[str, Any], kernel: float, alpha: float, bandwidth
         msg = max(0.0, trimmed_mean(slopes) - link)
     coll, per_round, count = 0.0, [], 0.0
     if simulate is not None:
-        base = _intercept(task_sizes, _simulated(simulate, task_overhead, 0.0, task_sizes))
-        probe = _intercept(task_sizes, _simulated(simulate, task_overhead, PROBE_COLLECTIVE_OVERHEAD, task_sizes))
+        k0 = task_sizes.index(min(task_sizes))
+        base = _simulated(simulate, task_overhead, 0.0, task_sizes)[k0]
+        probe = _simulated(simulate, task_overhead, PROBE_COLLECTIVE_OVERHEAD, task_sizes)[k0]
         count = (probe - base) / PROBE_COLLECTIVE_OVERHEAD
         if count > 1e-6:
-            measured = [_intercept(task_sizes, r["data_parallel"]) for r in rounds]
-            per_round = [(c - base) / count for c in measured]
-            coll = max(0.0, (trimmed_mean(measured) - base) / count)
+            excess = [r["data_parallel"][k0] - base for r in rounds]
+            per_round = [e / count for e in excess]
+            coll = max(0.0, trimmed_mean(excess) / count)
     return OverheadFit(task_overhead, msg, task, message, coll, per_round, count)
 
 
