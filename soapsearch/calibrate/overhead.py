@@ -19,7 +19,8 @@ weight gradient, and an elementwise op, as most models are made of), trained by 
   point-to-point pieces per op on the critical path (the inputs sit with their consumers, so
   they move nothing).
 
-Each round measures all of these once (a median of ``steps`` steps, slowest rank);
+Each round measures all of these once (the median over ``steps`` steps of the slowest rank,
+as ``compare.run_plans`` times a plan);
 ``measure`` spreads the rounds over the calibration, between its ping-pong rounds.
 """
 
@@ -37,7 +38,7 @@ from simulator.cost import CostModel
 from simulator.simulate import simulate_plan
 from simulator.step import UPDATE_TRAFFIC
 from simulator.topology import Topology
-from soapsearch.calibrate.timing import slowest_median, step_times
+from soapsearch.calibrate.timing import median_slowest, step_times
 from strategies import ParallelConfig, Strategy, baseline
 from strategies.graph import OpGraph
 from strategies.lowering import lower
@@ -177,7 +178,7 @@ class OverheadProbe:
                     fn()
 
     def round(self) -> dict[str, list[float]]:
-        return {name: [slowest_median(step_times(fn, self.steps)) for fn in fns] for name, fns in self.runs.items()}
+        return {name: [median_slowest(step_times(fn, self.steps)) for fn in fns] for name, fns in self.runs.items()}
 
     def result(self, rounds: Sequence[dict[str, Any]]) -> dict[str, Any]:
         return {"task_sizes": self.task_sizes, "piece_sizes": self.piece_sizes, "pieces": self.pieces,
