@@ -24,7 +24,7 @@ from strategies.strategy import Strategy
 WEIGHT_KINDS = ("parameter", "constant")
 
 __all__ = ["WEIGHT_KINDS", "Partition", "Transfer", "WeightShard", "ReductionGroup", "OpPieces", "Lowered",
-           "lower", "partition_box_mb", "gates", "FORWARD", "BACKWARD", "STEP"]
+           "lower", "partition_box_mb", "gates", "bucket_sums", "FORWARD", "BACKWARD", "STEP"]
 
 
 class Partition(NamedTuple):
@@ -209,6 +209,27 @@ def gates(node: OpNode, red: Reduction, parts: Sequence[Partition], m: int, num_
     static = get_rule(node.kind).static_count(node) is not None  # deferred: a loss rule
     everywhere = {p.device for p in parts} == set(range(num_devices))
     return STEP if static or (m == 1 and everywhere) else BACKWARD
+
+
+def bucket_sums(lowered: "Lowered") -> dict[ReductionGroup, tuple[int, ...]]:
+    """The STEP sums that travel in a gradient bucket, with the bucket's device set.
+
+    A sum gated STEP (a loss's Σ w_i·ℓ_i and Σ w_i) is read only at the end of the step, where
+    the gradient sync all-reduces one flat bucket per (device set, dtype) of replicated
+    trainable shards. When its members are exactly such a device set and its dtype the
+    bucket's, the executor appends each member's contribution to that bucket (a sum is a sum:
+    one all-reduce for both) and divides the summed gradients by C afterwards (1/C·Σ g = Σ g/C);
+    the simulator adds its bytes to that bucket instead of timing a collective of its own."""
+    dtypes = {w.name: w.spec.dtype for n in lowered.graph for w in n.weights}
+    buckets = {(s.devices, dtypes[s.name]) for s in lowered.weight_shards
+               if s.trainable and len(s.devices) > 1}
+    out = {}
+    for g in lowered.reductions:
+        if g.gates == STEP:
+            key = (tuple(sorted(g.devices)), lowered.graph[g.op].output.dtype)
+            if key in buckets:
+                out[g] = key[0]
+    return out
 
 
 def _reduction_bytes(node: OpNode, name: str, box: Box, when: str) -> tuple[int, int]:

@@ -186,3 +186,26 @@ class Scaled(nn.Module):
 
     def forward(self, x, t):
         return nn.functional.cross_entropy(self.fc(x), t) * 0.5
+
+
+def test_step_sums_ride_the_gradient_bucket_of_their_devices():
+    import dataclasses
+
+    from strategies.lowering import bucket_sums
+
+    g = traced("mlp")
+    dp = data_parallel(g, 2)
+    # one micro-batch, the loss on both devices, every weight replicated on (0, 1): its bucket
+    [(group, devices)] = bucket_sums(lower(g, dp)).items()
+    assert (group.op, group.gates, devices) == (g.outputs[0], "step", (0, 1))
+    # two micro-batches: each sum gates its micro-batch's backward, none is left for the bucket
+    assert bucket_sums(lower(g, dataclasses.replace(dp, microbatches=2))) == {}
+    # a mean MSE's sums are read at the end of the step whatever the micro-batches: both ride
+    x, y = torch.randn(4, 6), torch.randn(4, 3)
+    m = trace(Regression(), (x, y))
+    low = lower(m, dataclasses.replace(data_parallel(m, 2), microbatches=2))
+    assert sorted(r.microbatch for r in bucket_sums(low)) == [0, 1]
+    # OWT cuts every linear on its outputs: no replicated weight, so no bucket for the loss's
+    # STEP sum, which keeps its own collective
+    low = lower(g, owt(g, 2))
+    assert [r.gates for r in low.reductions] == ["step"] and bucket_sums(low) == {}
