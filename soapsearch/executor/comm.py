@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from soapsearch.executor.errors import ExecutorError
 
-__all__ = ["ProcessGroups", "Group", "PendingSum", "AllReduceSum", "all_reduce_sum", "P2P"]
+__all__ = ["ProcessGroups", "Group", "PendingSum", "BucketSum", "AllReduceSum", "all_reduce_sum", "P2P"]
 
 SMALL_SUM = 1 << 16
 """Elements (over all members) up to which ``Group.sum`` gathers instead of all-reducing."""
@@ -72,6 +72,20 @@ class PendingSum:
             if self.work is not None:
                 self.work.wait()
             self.value = torch.stack(self.rows).sum(0)
+        return self.value
+
+
+class BucketSum:
+    """A sum that rides a gradient bucket (``LocalWeights.sync_grads``): ``terms`` is this
+    member's contribution; the gradient sync sets ``value``, which ``wait`` returns."""
+
+    def __init__(self, terms: torch.Tensor):
+        self.terms = terms
+        self.value: torch.Tensor | None = None
+
+    def wait(self) -> torch.Tensor:
+        if self.value is None:
+            raise ExecutorError("a loss sum riding a gradient bucket was read before the gradient sync")
         return self.value
 
 

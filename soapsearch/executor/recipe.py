@@ -29,7 +29,7 @@ from typing import Callable, NamedTuple, Sequence
 import torch
 
 from strategies.graph import OpNode
-from strategies.lowering import WEIGHT_KINDS, Lowered, Partition, Transfer
+from strategies.lowering import WEIGHT_KINDS, Lowered, Partition, Transfer, bucket_sums
 from strategies.rules import get_rule
 from strategies.region import Box, box_shape, shift_box, slice_box
 from strategies.schedule import Step
@@ -91,6 +91,10 @@ class LossSum(NamedTuple):
 
     count: float | None
     gates: str | None
+    bucket: tuple[int, ...] | None = None
+    """The device set of the gradient bucket its STEP sum rides (``strategies.lowering.
+    bucket_sums``: appended to that bucket's flat all-reduce, no collective of its own); None:
+    the sum has its own collective (or none: alone)."""
 
 
 class Recipe(NamedTuple):
@@ -158,6 +162,8 @@ class _Lowering:
         self.grouped = {(r.op, k, r.microbatch): tuple(sorted(r.devices))
                         for r in low.reductions if len(set(r.devices)) > 1 for k in r.partitions}
         self.gates = {(r.op, k, r.microbatch): r.gates for r in low.reductions for k in r.partitions}
+        self.rides = {(r.op, k, r.microbatch): devices for r, devices in bucket_sums(low).items()
+                      for k in r.partitions}
 
     def carries(self, t: Transfer) -> bool:
         return self.grad[t.src_op] and self.grad[t.dst_op]
@@ -239,7 +245,7 @@ def _loss_sum(lw: _Lowering, k: tuple) -> LossSum | None:
     node = lw.graph[k[0]]
     if node.kind != "loss" or node.name not in lw.graph.outputs:
         return None
-    return LossSum(get_rule("loss").static_count(node), lw.gates.get(k))
+    return LossSum(get_rule("loss").static_count(node), lw.gates.get(k), lw.rides.get(k))
 
 
 def _where(p: Partition) -> str:

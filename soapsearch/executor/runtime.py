@@ -13,13 +13,18 @@ The loss. The step's loss is L = (1/m)·Σ_j S_j / C_j over the m micro-batches,
 and C_j = Σ_p c_p (or the static count C, ``Loss.static_count``) over the loss op's partitions
 p, each computing s_p = Σ_{i∈p} w_i·ℓ_i and c_p = Σ_{i∈p} w_i (``Loss.partial``). A partition
 outputs s_p / C when C is static, else s_p; right after its forward it starts the sum of
-[s_p, c_p] over its reduction group (``Group.sum_async``) and goes on. dL/ds_p = 1/(m·C_j), so
+[s_p, c_p] (s_p alone for a static C) over its reduction group (``Group.sum_async``) and goes
+on — unless that sum rides a gradient bucket (``strategies.lowering.bucket_sums``: a STEP sum
+whose devices and dtype are a bucket's): then its terms are appended to that bucket's flat
+all-reduce in the gradient sync (``LocalWeights.sync_grads``; on every member in (op,
+micro-batch) order), one collective for both, as DDP's one per step. dL/ds_p = 1/(m·C_j), so
 what waits for that sum is what its reduction's gates say (``strategies.lowering.gates``):
 
 - STEP, static C: the seed is 1/m; nothing waits but the reported loss.
-- STEP, dynamic C (m = 1, a loss partition on every rank): the seed is 1/m, and after the
-  rank's last backward step, before the gradient sync, every local gradient is divided by C
-  (every gradient is linear in the seeds, and every seed was C times too large).
+- STEP, dynamic C (m = 1, a loss partition on every rank): the seed is 1/m, and every local
+  gradient is divided by C (every gradient is linear in the seeds, and every seed was C times
+  too large): before the gradient sync when the sum has its own collective, after it when the
+  sum rides a bucket (1/C·Σ_r g_r = Σ_r g_r/C), shards in no bucket included.
 - BACKWARD: the partition's backward step of micro-batch j waits for the sum; seed 1/(m·C_j).
 - a partition alone (no group) knows C_j itself; seed 1/(m·C_j).
 
@@ -37,7 +42,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from soapsearch.executor.comm import P2P, Group, PendingSum, ProcessGroups, all_reduce_sum
+from soapsearch.executor.comm import P2P, BucketSum, Group, PendingSum, ProcessGroups, all_reduce_sum
 from soapsearch.executor.config import TrainConfig, make_optimizer
 from soapsearch.executor.errors import ExecutorError, check_runnable
 from soapsearch.executor.norm import batch_norm
@@ -105,8 +110,9 @@ class Executor:
         self.leaves: list[list[torch.Tensor | None] | None] = [None] * len(self.recipes)
         self.losses: list[torch.Tensor] = []
         """The outputs counted in the step's loss (a graph output that is not a loss op)."""
-        self.sums: dict[int, tuple[Recipe, PendingSum]] = {}
-        """Loss partition (recipe id) -> its group's sum of [s_p, c_p], in flight or known."""
+        self.sums: dict[int, tuple[Recipe, PendingSum | BucketSum]] = {}
+        """Loss partition (recipe id) -> its group's sum of [s_p, c_p], in flight, riding a
+        bucket or known."""
 
     # --- one step ---------------------------------------------------------------------------
     def step(self, seed: int = 0, update: bool = True) -> float:
@@ -134,8 +140,8 @@ class Executor:
                 if events is not None:
                     events.append({"name": r.backward_name if backward else r.forward_name, "ph": "X",
                                    "pid": rank, "tid": 0, "ts": t0 * 1e6, "dur": (clock() - t0) * 1e6})
-            self._divide_grads()
-            self.weights.sync_grads(self.groups)
+            self._divide_grads(riding=False)
+            self._sync_grads()
             loss = self._step_loss()
             self.p2p.flush()
             if update and self.optimizer is not None:
@@ -144,15 +150,34 @@ class Executor:
         finally:
             self._clear()
 
-    def _divide_grads(self) -> None:
+    def _divide_grads(self, riding: bool) -> None:
         """STEP with a dynamic C (m = 1, every rank a loss partition): wait for the loss's sum
-        and divide every local gradient by C = Σ c_p (the seed was 1/m, not 1/(m·C))."""
+        and divide every local gradient by C = Σ c_p (the seed was 1/m, not 1/(m·C)); only
+        the sums that ride a bucket (``riding``, after the sync) or only the others (before)."""
         for r, pending in self.sums.values():
-            if r.loss_sum.count is None and r.loss_sum.gates == STEP:
+            ls = r.loss_sum
+            if ls.count is None and ls.gates == STEP and (ls.bucket is not None) == riding:
                 count = pending.wait()[1]
                 for t in self.weights.parameters():
                     if t.grad is not None:
                         t.grad.div_(count)
+
+    def _sync_grads(self) -> None:
+        """The gradient sync (``LocalWeights.sync_grads``) carrying the loss sums that ride a
+        bucket, appended in (op, micro-batch) order (every member of a bucket holds one
+        partition of each such sum: its devices are the bucket's), then the division by their
+        dynamic C."""
+        riding = sorted((r.part.op, r.part.microbatch, r.id) for r, p in self.sums.values()
+                        if isinstance(p, BucketSum))
+        riders: dict[tuple[tuple[int, ...], str], list[BucketSum]] = {}
+        for _, _, i in riding:
+            r, pending = self.sums[i]
+            riders.setdefault((r.loss_sum.bucket, str(pending.terms.dtype)), []).append(pending)
+        sums = self.weights.sync_grads(self.groups, {k: [p.terms for p in ps] for k, ps in riders.items()})
+        for key, pendings in riders.items():
+            for pending, total in zip(pendings, sums[key]):
+                pending.value = total
+        self._divide_grads(riding=True)
 
     def _step_loss(self) -> float:
         """Σ_j S_j / C_j of the micro-batches this rank counts (float64: each term is exactly a
@@ -215,10 +240,14 @@ class Executor:
     def _loss(self, r: Recipe, group: Group | None, inputs: list[torch.Tensor],
               weights: dict[str, torch.Tensor]) -> torch.Tensor:
         """A loss partition (module docstring): s_p / C (static C) or s_p, its group's sum of
-        [s_p, c_p] (of s_p alone for a static C) started, not waited."""
+        [s_p, c_p] (of s_p alone for a static C) started, not waited, or left to ride its
+        gradient bucket."""
         s, c = get_rule("loss").partial(r.node, r.part.box, inputs, weights)
         terms = torch.stack([s.detach(), c]) if r.loss_sum.count is None else s.detach().reshape(1)
-        self.sums[r.id] = (r, group.sum_async(terms) if group is not None else PendingSum(None, [terms]))
+        if r.loss_sum.bucket is not None:
+            self.sums[r.id] = (r, BucketSum(terms))
+        else:
+            self.sums[r.id] = (r, group.sum_async(terms) if group is not None else PendingSum(None, [terms]))
         return s / r.loss_sum.count if r.loss_sum.count is not None else s
 
     def _batch_norm(self, r: Recipe, group: Group | None, inputs: list[torch.Tensor],

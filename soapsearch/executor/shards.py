@@ -7,7 +7,7 @@ over exactly its devices (data-parallel gradient sync, restricted to the shard's
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -63,33 +63,45 @@ class LocalWeights:
         """The trainable leaves, in a fixed order (for the optimizer)."""
         return [t for _, t in sorted(self.tensors.items()) if t.requires_grad]
 
-    def _buckets(self) -> list[tuple[tuple[int, ...], list[tuple[str, tuple[slice, ...] | None]]]]:
-        """The replicated trainable shards this rank holds, one bucket per (device set, dtype)
-        in sorted order: (devices, [(weight name, its view ``index``)])."""
+    def _buckets(self) -> dict[tuple[tuple[int, ...], str], list[tuple[str, tuple[slice, ...] | None]]]:
+        """The replicated trainable shards this rank holds, one bucket per (device set, dtype):
+        (devices, str(dtype)) -> [(weight name, its view ``index``)]."""
         buckets: dict[tuple, list] = {}
         for s in self.mine:
             t = self.tensors[s.name]
             if s.trainable and len(s.devices) > 1 and t.requires_grad:
                 buckets.setdefault((s.devices, str(t.dtype)), []).append((s.name, self.index(s.name, s.region)))
-        return [(key[0], items) for key, items in sorted(buckets.items())]
+        return buckets
 
-    def sync_grads(self, groups: ProcessGroups) -> None:
+    def sync_grads(self, groups: ProcessGroups,
+                   riders: Mapping[tuple[tuple[int, ...], str], Sequence[torch.Tensor]] | None = None,
+                   ) -> dict[tuple[tuple[int, ...], str], list[torch.Tensor]]:
         """Sum each replicated trainable shard's gradient over its devices: one flat bucket
         per (device set, dtype), as DDP buckets its gradients, reduced in sorted order of the
-        device sets on every rank (one global order of collectives: no cycle can wait)."""
+        keys on every rank (one global order of collectives: no cycle can wait). ``riders``
+        (bucket key -> small tensors, in one order on every member: the STEP sums of
+        ``strategies.lowering.bucket_sums``) are appended to their bucket's flat tensor, so one
+        all-reduce sums both; returns their sums, key -> tensors in the order given."""
+        riders = riders or {}
         for t in self.parameters():
             if t.grad is None:
                 t.grad = torch.zeros_like(t)
         pending = []
-        for devices, items in self.buckets:
+        for key in sorted(set(self.buckets) | set(riders)):
             grads = [self.tensors[name].grad if index is None else self.tensors[name].grad[index]
-                     for name, index in items]
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            pending.append((dist.all_reduce(flat, group=groups.get(devices), async_op=True), flat, grads))
-        for work, flat, grads in pending:
+                     for name, index in self.buckets.get(key, ())]
+            extra = list(riders.get(key, ()))
+            flat = torch.cat([g.reshape(-1) for g in grads] + [t.reshape(-1) for t in extra])
+            work = dist.all_reduce(flat, group=groups.get(key[0]), async_op=True)
+            pending.append((key, work, flat, grads, extra))
+        sums = {}
+        for key, work, flat, grads, extra in pending:
             work.wait()
-            for g, summed in zip(grads, flat.split([g.numel() for g in grads])):
+            parts = flat.split([g.numel() for g in grads] + [t.numel() for t in extra])
+            for g, summed in zip(grads, parts):
                 g.copy_(summed.view_as(g))
+            sums[key] = [summed.view_as(t) for t, summed in zip(extra, parts[len(grads):])]
+        return sums
 
     def gather(self, grads: bool = False) -> dict[str, torch.Tensor] | None:
         """Every weight as a full tensor on rank 0 (None elsewhere): each shard is written by

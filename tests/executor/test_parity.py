@@ -5,8 +5,11 @@ of the same model, float64, rtol 1e-5. Every case of one world size runs in one 
 
 The loss's sum is waited where its reduction's gates say (``strategies.lowering.gates``); the
 cases cover each (test_recipe.py asserts which case takes which): STEP with a dynamic count
-(data parallel, every gradient divided after the backward: mlp, gpt, weighted ``dp``), STEP
-with a static count (mean MSE, summed cross-entropy), BACKWARD (``dp_mb2``, ``random_mb2``,
+riding the gradient bucket (data parallel, every gradient divided after the bucket's
+all-reduce: mlp, gpt, weighted ``dp``; gpt, alexnet ``owt``) or with a collective of its own
+(mlp ``owt``: no replicated weight), STEP with a static count riding the bucket (mean MSE
+``dp`` and ``dp_mb2``, summed cross-entropy ``dp_mb2`` and ``stages_dp``) or not (mean MSE
+``loss_some`` on 4), BACKWARD (``dp_mb2``, ``random_mb2``,
 the pipeline ``stages_dp``, ``loss_some`` on 4), and a loss partition alone (``gpipe``,
 ``loss_some`` on 2: rank 0 holds no loss partition); a loss that is not the output
 (``scaled``) sums in its forward."""
@@ -31,7 +34,7 @@ CASES_2 = [
     ("resnet101", "random5"),
     ("rnnlm", "dp"), ("rnnlm", "mp"), ("rnnlm", "1f1b"), ("rnnlm", "random4"),
     ("mlp", "dp_mb2"), ("mlp", "loss_some"), (M + "regression", "dp"), (M + "regression", "random1"),
-    (M + "weighted", "dp"), (M + "weighted", "dp_mb2"), (M + "summed", "dp_mb2"), (M + "scaled", "dp"),
+    (M + "regression", "dp_mb2"), (M + "weighted", "dp"), (M + "weighted", "dp_mb2"), (M + "summed", "dp_mb2"), (M + "scaled", "dp"),
 ]
 CASES_4 = [
     ("mlp", "dp"), ("mlp", "random11"), ("gpt", "owt"), ("gpt", "random12"), ("alexnet", "owt"),
@@ -55,7 +58,19 @@ def results4():
     return launch(CASES_4, 4)
 
 
-@pytest.mark.parametrize("i", range(len(CASES_2)), ids=[_id(c) for c in CASES_2])
+KNOWN_WRONG = {
+    (M + "regression", "dp_mb2"): "a mean MSE's static count is the whole batch's element count "
+    "(strategies/rules/loss.py static_count: prod(node.shape)), not a micro-batch's: with m = 2 the "
+    "loss and every gradient come out m times too small (as before the loss sums rode the bucket)",
+}
+
+
+def _params(cases):
+    return [pytest.param(i, marks=pytest.mark.xfail(reason=KNOWN_WRONG[c], strict=True)) if c in KNOWN_WRONG
+            else i for i, c in enumerate(cases)]
+
+
+@pytest.mark.parametrize("i", _params(CASES_2), ids=[_id(c) for c in CASES_2])
 def test_parity_2_processes(results2, i):
     model, _, *batch = CASES_2[i]
     compare(model, results2[i], *batch)
