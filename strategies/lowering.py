@@ -237,14 +237,16 @@ def _reduction_bytes(node: OpNode, name: str, box: Box, when: str) -> tuple[int,
     executor sends them. Batch statistics over C channels, in float32 (float64 for a float64
     tensor, as torch's batchnorm): forward (2C + 1) elements — mean, variance and the count —
     backward 2C — Σdy and Σdy·x̂ (SyncBatchNorm's). A loss, in its dtype: [s_p, c_p] (Σw·ℓ, Σw)
-    when its divisor needs the data, s_p alone when it is static (``Loss.static_count``);
+    when its divisor needs the data, s_p alone when it is static (``Loss.static_count``; a loss
+    summed in the forward, ``Loss.forward``, sends s_p alone only for reduction="sum");
     nothing backward (the loss's backward has no collective), unless the sum gates the forward
     (a loss that is not the output: its backward sums the same elements)."""
     if name == "batch_stats" and len(box) > 1:
         size = 8 if node.output.dtype == "float64" else 4
         channels = box[1][1] - box[1][0]
         return (2 * channels + 1) * size, 2 * channels * size
-    sums = (1 if get_rule(node.kind).static_count(node) is not None else 2) * DTYPE_BYTES[node.output.dtype]
+    one = node.attrs["reduction"] == "sum" if when == FORWARD else get_rule(node.kind).static_count(node) is not None
+    sums = (1 if one else 2) * DTYPE_BYTES[node.output.dtype]
     return sums, sums if when == FORWARD else 0
 
 

@@ -31,12 +31,14 @@ class Loss(SplitAll):
         over = tuple(i for i, d in enumerate(degrees) if d > 1)
         return (Reduction("loss_sum", over, deferred=True),) if over else ()
 
-    def static_count(self, node: OpNode) -> float | None:
-        """The divisor of L known without the data: 1 for a sum, the element count N for a
-        mean MSE; None for a mean cross-entropy, whose Σ w_i depends on the targets."""
+    def static_count(self, node: OpNode, microbatches: int = 1) -> float | None:
+        """The divisor C_j of one micro-batch's L_j known without the data: 1 for a sum, the
+        micro-batch's element count N/m for a mean MSE (the step's (1/m)·Σ_j S_j/(N/m) is then
+        Σ S/N, one device's mean); None for a mean cross-entropy, whose Σ w_i depends on the
+        targets."""
         if node.attrs["reduction"] == "sum":
             return 1.0
-        return float(math.prod(node.shape)) if node.attrs["fn"] == "mse_loss" else None
+        return math.prod(node.shape) / microbatches if node.attrs["fn"] == "mse_loss" else None
 
     def partial(self, node: OpNode, box: Box, inputs: Sequence[torch.Tensor],
                 weights: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,10 +61,10 @@ class Loss(SplitAll):
 
     def forward(self, node: OpNode, box: Box, inputs: Sequence[torch.Tensor],
                 weights: Mapping[str, torch.Tensor], reduce: Reduce = no_reduce) -> torch.Tensor:
-        """L = Σ_p s_p / C (``partial``); ``reduce`` sums [s_p, c_p] over the partitions."""
+        """L = Σ_p s_p / Σ_p c_p (``partial``) over the partitions ``reduce`` sums, which may be
+        one micro-batch's: the count is summed with the losses (a sum: C = 1, s_p alone)."""
         s, c = self.partial(node, box, inputs, weights)
-        static = self.static_count(node)
-        if static is not None:
-            return reduce(s) / static
+        if node.attrs["reduction"] == "sum":
+            return reduce(s)
         total = reduce(torch.stack([s, c]))
         return total[0] / total[1]

@@ -115,6 +115,9 @@ def test_mse():
     assert dict(total.attrs) == {"fn": "mse_loss", "reduction": "sum"}
     box = ((0, 2), (3, 6), (0, 6))
     assert get_rule("loss").input_regions(mean, box) == (box, box)
+    # a micro-batch's mean divides by its own element count: 4·6·6 / m
+    assert [get_rule("loss").static_count(mean, m) for m in (1, 2, 4)] == [144.0, 72.0, 36.0]
+    assert get_rule("loss").static_count(total, 2) == 1.0
 
 
 def _adapt(model, inputs, target):
