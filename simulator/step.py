@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from simulator.comm import allreduce_time, ring_links
+from simulator.comm import allgather_time, allreduce_time, ring_links
 from simulator.devices import DeviceSpec
-from simulator.taskgraph import ALLREDUCE, UPDATE, TaskGraph
+from simulator.taskgraph import ALLREDUCE, REDUCE, UPDATE, TaskGraph
 from simulator.topology import Topology
 from strategies.config import format_devices
-from strategies.lowering import Lowered
+from strategies.lowering import Lowered, ReductionGroup, bucket_sums
 
 __all__ = ["link_step", "member_ends", "UPDATE_TRAFFIC"]
 
@@ -44,23 +44,39 @@ def member_ends(add: Callable[..., int], edge: Callable[[int, int], None], topol
 
 
 def link_step(tg: TaskGraph, lowered: Lowered, topology: Topology,
-              step_sums: list[tuple[int, list[tuple[int, tuple[int, ...], bool]]]], last: dict[int, int],
+              step_sums: list[tuple[int, list[tuple[ReductionGroup, list[int], bool]]]], last: dict[int, int],
               optimizer: str, traffic: float) -> None:
-    """The end of the step as the executor runs it (``runtime.Executor.step``): each device,
-    after its last backward step, waits on the loss sums (gated STEP) it is a member of whose
-    divisor needs the data (it divides its gradients by it); all-reduces one DDP-style bucket
-    per device set holding replicated trainable shards; waits on its other STEP loss sums;
-    then, when the loss is not on every device in every micro-batch, one all-reduce of the loss
-    value (a float64) over every device; then its optimizer update. ``step_sums``: per block,
-    its first id and its STEP sums (each member's end task, devices, dynamic); each
-    collective here ends on each member with its ``member_ends``."""
+    """The end of the step as the executor runs it (``runtime.Executor.step``). The loss sums
+    gated STEP (``step_sums``: per block, its first id and its sums with their members'
+    forward tasks and whether the divisor needs the data) travel in the gradient bucket of
+    their device set where ``strategies.lowering.bucket_sums`` says so (their bytes added to
+    it); the others are ring all-gathers of their own, started after the members' forwards.
+    Each device, after its last backward step, waits on its own-collective sums whose divisor
+    needs the data (it divides its gradients by C before the sync); all-reduces one DDP-style
+    bucket per device set holding replicated trainable shards; waits on its other STEP sums;
+    then, when the loss is not on every device in every micro-batch, one all-reduce of the
+    loss value (a float64) over every device; then its optimizer update. Each collective here
+    ends on each member with its ``member_ends``."""
     n = topology.num_devices
     ready: dict[int, list[int]] = {d: [last[d]] for d in last}  # what its gradient sync waits on
     later: dict[int, list[int]] = {d: [] for d in last}  # what only its update waits on
-    for off, sums in step_sums:  # (a block's first id, its STEP sums: (local task, devices, dynamic))
-        for ends, devs, dynamic in sums:
-            for e, d in zip(ends, devs):
-                (ready if dynamic else later)[d].append(off + e)
+    rides = bucket_sums(lowered)
+    riders: dict[tuple[int, ...], list] = {}  # bucket device set -> [bytes, forward tasks] of its sums
+    for off, sums in step_sums:
+        for g, fwds, dynamic in sums:
+            fwds = [off + f for f in fwds]
+            if g in rides:
+                entry = riders.setdefault(rides[g], [0, []])
+                entry[0] += g.nbytes
+                entry[1] += fwds
+                continue
+            label = f"reduce {g.name} {g.op}@mb{g.microbatch}"
+            r = tg.add(label, REDUCE, allgather_time(topology, g.devices, g.nbytes),
+                       tuple(n + l for l in ring_links(topology, g.devices)), g.devices[0], g.nbytes)
+            for f in fwds:
+                tg.edge(f, r)
+            for e, d in zip(member_ends(tg.add, tg.edge, topology, r, g.devices, label, REDUCE), g.devices):
+                (ready if dynamic else later)[d].append(e)
     held: dict[tuple[int, ...], list] = {}  # device set -> [trainable bytes, weight names] it holds
     for s in lowered.weight_shards:
         if s.trainable:
@@ -79,7 +95,11 @@ def link_step(tg: TaskGraph, lowered: Lowered, topology: Topology,
     for devs in sorted(buckets):
         links = tuple(n + l for l in ring_links(topology, devs))
         label = f"allreduce bucket {format_devices(devs)}"
-        ar = tg.add(label, ALLREDUCE, allreduce_time(topology, devs, buckets[devs]), links, devs[0], buckets[devs])
+        extra, fwds = riders.get(devs, (0, []))
+        nbytes = buckets[devs] + extra
+        ar = tg.add(label, ALLREDUCE, allreduce_time(topology, devs, nbytes), links, devs[0], nbytes)
+        for f in fwds:
+            tg.edge(f, ar)
         for d in devs:
             for dep in ready[d]:
                 tg.edge(dep, ar)

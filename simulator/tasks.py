@@ -70,10 +70,10 @@ class _Block:
         """(forward task, its device, its micro-batch) of every partition, in partition order;
         ``seal`` adds two rows, fwd_done and bwd_done: where each forward and backward step of
         the device's schedule ends, its blocking sum included."""
-        self.step_reductions: list[tuple[list[int], tuple[int, ...], bool]] = []
-        """(each member's end task, devices, dynamic) of each sum only the end of the step waits
-        on (a loss's; dynamic: its divisor needs the data, so the gradients wait on it before
-        their sync); a member's end is ``step.member_ends``'s."""
+        self.step_reductions: list[tuple[ReductionGroup, list[int], bool]] = []
+        """(group, its members' forward tasks, dynamic) of each sum only the end of the step
+        waits on (a loss's; dynamic: its divisor needs the data). Its tasks are made by
+        ``step.link_step``, which knows whether it rides a gradient bucket."""
         self.local: tuple[np.ndarray, np.ndarray] = (np.empty(0, np.int64), np.empty(0, np.int64))
         """The edges inside the block (sources, targets)."""
 
@@ -186,13 +186,16 @@ def _add_reductions(b: _Block, node: OpNode, reductions: tuple[ReductionGroup, .
     - backward (a loss whose divisor needs the data, several micro-batches or not on every
       device): an all-gather started without waiting that the loss partitions' backward of that
       micro-batch wait on;
-    - step: an all-gather started without waiting; ``build_tasks`` links it to the end of the
-      step (``b.step_reductions``, with whether its divisor needs the data)."""
+    - step: left to ``step.link_step`` (``b.step_reductions``, with whether its divisor needs
+      the data): it rides a gradient bucket or is an all-gather of its own."""
     n = topology.num_devices
     dynamic = node.kind == "loss" and get_rule(node.kind).static_count(node) is None
     for g in reductions:
         j = g.microbatch
         fwd = b.fwd[j]
+        if g.gates == BY_STEP:
+            b.step_reductions.append((g, [fwd[k] for k in g.partitions], dynamic))
+            continue
         device = [p.device for p in b.pieces.partitions[j]]
         links = tuple(n + l for l in ring_links(topology, g.devices))
         label = f"reduce {g.name} {g.op}@mb{j}"
@@ -201,9 +204,7 @@ def _add_reductions(b: _Block, node: OpNode, reductions: tuple[ReductionGroup, .
             b.edge(fwd[k], r)
         ends = member_ends(b.add, b.edge, topology, r, g.devices, label, REDUCE)
         end = dict(zip(g.devices, ends))
-        if g.gates == BY_STEP:
-            b.step_reductions.append((ends, g.devices, dynamic))
-        elif g.gates == BY_BACKWARD:
+        if g.gates == BY_BACKWARD:
             for k in g.partitions:
                 b.edge(end[device[k]], fwd[k] + 1)
         else:

@@ -20,7 +20,8 @@ from tests.conftest import traced
 def _with_overheads(topo: Topology) -> Topology:
     """``topo`` with host overheads set, so the receive tasks are in the graph too."""
     devices = tuple(DeviceSpec(d.kind, d.memory_bytes, dict(d.peak_flops), d.memory_bandwidth, d.node,
-                               task_overhead=3e-5, message_overhead=2e-5) for d in topo.devices)
+                               task_overhead=3e-5, message_overhead=2e-5,
+                               collective_overhead=4e-5) for d in topo.devices)
     return Topology(topo.name + "+overheads", devices, topo.links, topo.routes)
 
 
