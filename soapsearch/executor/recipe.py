@@ -84,9 +84,9 @@ class Send(NamedTuple):
 
 class LossSum(NamedTuple):
     """How a partition of the loss op that is the graph's output is scaled (the runtime's
-    module docstring): it outputs s_p / ``count`` (the static C, ``Loss.static_count``) or s_p
-    (``count`` None: C = Σ c_p, known once its group's sum is); ``gates`` says what waits for
-    that sum (``strategies.lowering.gates``: STEP or BACKWARD; None: the partition is alone,
+    module docstring): it outputs s_p / ``count`` (the static C_j of its micro-batch,
+    ``Loss.static_count``) or s_p (``count`` None: C = Σ c_p, known once its group's sum is);
+    ``gates`` says what waits for that sum (``strategies.lowering.gates``: STEP or BACKWARD; None: the partition is alone,
     its own c_p is C)."""
 
     count: float | None
@@ -245,7 +245,8 @@ def _loss_sum(lw: _Lowering, k: tuple) -> LossSum | None:
     node = lw.graph[k[0]]
     if node.kind != "loss" or node.name not in lw.graph.outputs:
         return None
-    return LossSum(get_rule("loss").static_count(node), lw.gates.get(k), lw.rides.get(k))
+    count = get_rule("loss").static_count(node, lw.low.strategy.microbatches)
+    return LossSum(count, lw.gates.get(k), lw.rides.get(k))
 
 
 def _where(p: Partition) -> str:

@@ -58,19 +58,7 @@ def results4():
     return launch(CASES_4, 4)
 
 
-KNOWN_WRONG = {
-    (M + "regression", "dp_mb2"): "a mean MSE's static count is the whole batch's element count "
-    "(strategies/rules/loss.py static_count: prod(node.shape)), not a micro-batch's: with m = 2 the "
-    "loss and every gradient come out m times too small (as before the loss sums rode the bucket)",
-}
-
-
-def _params(cases):
-    return [pytest.param(i, marks=pytest.mark.xfail(reason=KNOWN_WRONG[c], strict=True)) if c in KNOWN_WRONG
-            else i for i, c in enumerate(cases)]
-
-
-@pytest.mark.parametrize("i", _params(CASES_2), ids=[_id(c) for c in CASES_2])
+@pytest.mark.parametrize("i", range(len(CASES_2)), ids=[_id(c) for c in CASES_2])
 def test_parity_2_processes(results2, i):
     model, _, *batch = CASES_2[i]
     compare(model, results2[i], *batch)

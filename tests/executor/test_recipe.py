@@ -108,7 +108,7 @@ LOSS_CASES = [
     ("gpt", "owt", 2, LossSum(None, STEP, (0, 1)), 1.0, {0, 1}),  # its embeddings are replicated
     ("mlp", "owt", 2, LossSum(None, STEP), 1.0, {0, 1}),  # no replicated weight: its own collective
     (M + "regression", "dp", 2, LossSum(96.0, STEP, (0, 1)), 1.0, {0, 1}),  # mean MSE: C = 8·3·4
-    (M + "regression", "dp_mb2", 2, LossSum(96.0, STEP, (0, 1)), 0.5, {0, 1}),  # both micro-batches ride
+    (M + "regression", "dp_mb2", 2, LossSum(48.0, STEP, (0, 1)), 0.5, {0, 1}),  # C_j = 96/2; both ride
     (M + "summed", "dp_mb2", 2, LossSum(1.0, STEP, (0, 1)), 0.5, {0, 1}),
     ("mlp", "dp_mb2", 2, LossSum(None, BACKWARD), 0.5, {0, 1}),  # seed 1/(m·C_j) once C_j is summed
     (M + "weighted", "dp_mb2", 2, LossSum(None, BACKWARD), 0.5, {0, 1}),
