@@ -53,12 +53,10 @@ def allreduce_time(topology: Topology, devices: Sequence[int], nbytes: float) ->
     routes between ring neighbours (the given order, closing back to the first device).
     0 for n <= 1 or nbytes == 0. The order is the caller's: listing a node's devices together
     crosses fewer NICs (see ring_links), though the formula only sees the worst neighbour pair."""
-    n = len(devices)
-    if nbytes < 0:
-        raise ValueError(f"all-reduce over {list(devices)}: nbytes = {nbytes}: must be >= 0")
-    if n <= 1 or nbytes == 0:
+    ring = _collective("all-reduce", topology, devices, nbytes)
+    if ring is None:
         return 0.0
-    alpha, bandwidth, _ = _ring(topology, tuple(devices))
+    n, alpha, bandwidth = ring
     return 2 * (n - 1) / n * nbytes / bandwidth + 2 * (n - 1) * alpha
 
 
@@ -68,13 +66,22 @@ def allgather_time(topology: Topology, devices: Sequence[int], nbytes: float) ->
     ring algorithm): ``(n-1) * alpha + (n-1) * nbytes / B`` — n-1 steps, each passing one
     member's block to the next device — with alpha and B as in ``allreduce_time`` (the ring's
     largest neighbour latency and smallest neighbour bandwidth). 0 for n <= 1 or nbytes == 0."""
-    n = len(devices)
-    if nbytes < 0:
-        raise ValueError(f"all-gather over {list(devices)}: nbytes = {nbytes}: must be >= 0")
-    if n <= 1 or nbytes == 0:
+    ring = _collective("all-gather", topology, devices, nbytes)
+    if ring is None:
         return 0.0
-    alpha, bandwidth, _ = _ring(topology, tuple(devices))
+    n, alpha, bandwidth = ring
     return (n - 1) * alpha + (n - 1) * nbytes / bandwidth
+
+
+def _collective(what: str, topology: Topology, devices: Sequence[int],
+                nbytes: float) -> tuple[int, float, float] | None:
+    """(n, alpha, B) of a collective's ring, None when it moves nothing (n <= 1 or no bytes)."""
+    if nbytes < 0:
+        raise ValueError(f"{what} over {list(devices)}: nbytes = {nbytes}: must be >= 0")
+    if len(devices) <= 1 or nbytes == 0:
+        return None
+    alpha, bandwidth, _ = _ring(topology, tuple(devices))
+    return len(devices), alpha, bandwidth
 
 
 def group_sum_time(topology: Topology, devices: Sequence[int], nbytes: float, numel: int) -> float:
