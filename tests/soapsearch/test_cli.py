@@ -88,9 +88,10 @@ def test_simulate_json_and_trace(tmp_path, capsys):
 
     lowered = lower(traced("alexnet"), owt(traced("alexnet"), 2))
     allreduced = sum(s.nbytes for s in lowered.weight_shards if len(s.devices) > 1 and s.trainable)
-    reduced = sum(g.nbytes for g in lowered.reductions)  # the split loss's sum, both ways
+    reduced = sum(g.nbytes for g in lowered.reductions)  # the split loss's sum, in the bucket
     # activations forward, their gradients backward, the replicated conv weights' gradients
-    assert obj["bytes_moved"] == {"nvlink": 2 * 20560 + allreduced + 2 * reduced}
+    # and the loss's [s_p, c_p] riding their all-reduce (strategies.lowering.bucket_sums)
+    assert obj["bytes_moved"] == {"nvlink": 2 * 20560 + allreduced + reduced}
     events = json.loads(out.read_text())["traceEvents"]
     assert {e["pid"] for e in events if e["ph"] == "X"} == {0, 1}
 
