@@ -12,13 +12,9 @@ import functools
 from collections.abc import Sequence
 
 from simulator.topology import Topology
+from strategies.lowering import SMALL_SUM
 
-__all__ = ["transfer_time", "allreduce_time", "allgather_time", "group_sum_time", "ring_links", "SMALL_SUM"]
-
-SMALL_SUM = 1 << 16
-"""Elements (one member's count times the members) up to which the executor sums over a group
-by all-gathering every member's tensor and adding them in member order, instead of
-all-reducing (``soapsearch/executor/comm.py``, ``Group.sum``: the same figure)."""
+__all__ = ["transfer_time", "allreduce_time", "allgather_time", "group_sum_time", "ring_links"]
 
 
 def transfer_time(topology: Topology, src: int, dst: int, nbytes: float) -> float:

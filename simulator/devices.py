@@ -7,7 +7,11 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Mapping
 
-__all__ = ["DeviceSpec", "Link"]
+__all__ = ["DeviceSpec", "Link", "OVERHEAD_FIELDS"]
+
+
+OVERHEAD_FIELDS = ("task_overhead", "message_overhead", "collective_overhead")
+"""A device's host-cost fields, seconds, 0 unless measured (optional in topology JSON)."""
 
 
 @dataclass(frozen=True)
@@ -43,7 +47,7 @@ class DeviceSpec:
         if self.memory_bytes <= 0 or self.memory_bandwidth <= 0:
             raise ValueError(f"device {self.kind!r}: memory_bytes ({self.memory_bytes}) and "
                              f"memory_bandwidth ({self.memory_bandwidth}) must be > 0")
-        for name in ("task_overhead", "message_overhead", "collective_overhead"):
+        for name in OVERHEAD_FIELDS:
             if not getattr(self, name) >= 0:
                 raise ValueError(f"device {self.kind!r}: {name} = {getattr(self, name)!r}: must be >= 0")
         if not self.peak_flops or min(self.peak_flops.values()) <= 0:

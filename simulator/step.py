@@ -13,7 +13,7 @@ from simulator.devices import DeviceSpec
 from simulator.taskgraph import ALLREDUCE, REDUCE, UPDATE, TaskGraph
 from simulator.topology import Topology
 from strategies.config import format_devices
-from strategies.lowering import Lowered, ReductionGroup, bucket_sums
+from strategies.lowering import Lowered, ReductionGroup, bucket_sums, loss_on_every_device
 
 __all__ = ["link_step", "member_ends", "UPDATE_TRAFFIC"]
 
@@ -60,7 +60,7 @@ def link_step(tg: TaskGraph, lowered: Lowered, topology: Topology,
     n = topology.num_devices
     ready: dict[int, list[int]] = {d: [last[d]] for d in last}  # what its gradient sync waits on
     later: dict[int, list[int]] = {d: [] for d in last}  # what only its update waits on
-    rides = bucket_sums(lowered)
+    rides = bucket_sums(lowered) if any(sums for _, sums in step_sums) else {}
     riders: dict[tuple[int, ...], list] = {}  # bucket device set -> [bytes, forward tasks] of its sums
     for off, sums in step_sums:
         for g, fwds, dynamic in sums:
@@ -105,7 +105,7 @@ def link_step(tg: TaskGraph, lowered: Lowered, topology: Topology,
                 tg.edge(dep, ar)
         for d, e in zip(devs, member_ends(tg.add, tg.edge, topology, ar, devs, label, ALLREDUCE)):
             synced[d].append(e)
-    if not _loss_on_every_device(lowered):
+    if not loss_on_every_device(lowered):
         everyone = tuple(range(lowered.strategy.num_devices))
         rep = tg.add("allreduce loss", ALLREDUCE, allreduce_time(topology, everyone, _LOSS_BYTES),
                      tuple(n + l for l in ring_links(topology, everyone)), 0, _LOSS_BYTES)
@@ -126,15 +126,6 @@ def link_step(tg: TaskGraph, lowered: Lowered, topology: Topology,
 
 _LOSS_BYTES = 8
 """The step's loss value the executor all-reduces when not every device knows it: one float64."""
-
-
-def _loss_on_every_device(lowered: Lowered) -> bool:
-    """Every device holds a partition of the loss op (the graph's first output) in every
-    micro-batch, so each knows the step's loss without a collective (the executor's
-    ``recipe.loss_on_every_rank``)."""
-    everyone = set(range(lowered.strategy.num_devices))
-    return all({p.device for p in parts} == everyone
-               for parts in lowered.partitions[lowered.graph.outputs[0]])
 
 
 def _update_time(spec: DeviceSpec, traffic: float, nbytes: int, tensors: int) -> float:

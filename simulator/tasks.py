@@ -42,7 +42,6 @@ __all__ = ["TaskGraph", "TaskCache", "build_tasks", "FORWARD", "BACKWARD", "TRAN
            "REDUCE", "ALLREDUCE", "UPDATE", "RECV", "CATEGORY"]
 
 
-
 def _links(topology: Topology, src: int, dst: int, offset: int) -> tuple[int, ...]:
     return tuple(offset + l for l in topology.route(src, dst))
 

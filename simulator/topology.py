@@ -32,7 +32,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from simulator.devices import DeviceSpec, Link
+from simulator.devices import OVERHEAD_FIELDS, DeviceSpec, Link
 from strategies.serialize import atomic_write_text
 
 __all__ = ["FORMAT", "VERSION", "Topology"]
@@ -167,7 +167,7 @@ class Topology:
             "format": FORMAT, "version": VERSION, "name": self.name,
             "devices": [{"kind": d.kind, "memory_bytes": d.memory_bytes, "peak_flops": dict(d.peak_flops),
                          "memory_bandwidth": d.memory_bandwidth, "node": d.node,
-                         **{k: getattr(d, k) for k in _OVERHEADS if getattr(d, k)}} for d in self.devices],
+                         **{k: getattr(d, k) for k in OVERHEAD_FIELDS if getattr(d, k)}} for d in self.devices],
             "links": [{"name": k.name, "kind": k.kind, "latency": k.latency, "bandwidth": k.bandwidth}
                       for k in self.links],
             "routes": [{"src": s, "dst": d, "links": list(r)} for (s, d), r in sorted(self.routes.items())],
@@ -248,9 +248,6 @@ def _gbs(bandwidth: float) -> str:
 
 
 # ---- JSON reading ---------------------------------------------------------------------------
-_OVERHEADS = ("task_overhead", "message_overhead", "collective_overhead")
-"""A device's optional host-cost fields, seconds, 0 when left out (written only when set)."""
-
 _RULES = {
     "str": (lambda v: isinstance(v, str) and v != "", "must be a non-empty string"),
     "int>=0": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0, "must be an integer >= 0"),
@@ -291,7 +288,7 @@ def _device(obj: Any, path: str, where: str, node: bool = True) -> DeviceSpec:
                       dict(flops), _get(obj, "memory_bandwidth", path, "num>0", where),
                       _get(obj, "node", path, "int>=0", where) if node else 0,
                       *(_get(obj, k, path, "num>=0", where) if k in obj else 0.0
-                        for k in _OVERHEADS))
+                        for k in OVERHEAD_FIELDS))
 
 
 def _from_json(obj: Any, where: str = "topology JSON") -> Topology:

@@ -24,7 +24,8 @@ from strategies.strategy import Strategy
 WEIGHT_KINDS = ("parameter", "constant")
 
 __all__ = ["WEIGHT_KINDS", "Partition", "Transfer", "WeightShard", "ReductionGroup", "OpPieces", "Lowered",
-           "lower", "partition_box_mb", "gates", "bucket_sums", "FORWARD", "BACKWARD", "STEP"]
+           "lower", "partition_box_mb", "gates", "bucket_sums", "loss_on_every_device", "SMALL_SUM", "FORWARD",
+           "BACKWARD", "STEP"]
 
 
 class Partition(NamedTuple):
@@ -209,6 +210,20 @@ def gates(node: OpNode, red: Reduction, parts: Sequence[Partition], m: int, num_
     static = get_rule(node.kind).static_count(node) is not None  # deferred: a loss rule
     everywhere = {p.device for p in parts} == set(range(num_devices))
     return STEP if static or (m == 1 and everywhere) else BACKWARD
+
+
+SMALL_SUM = 1 << 16
+"""Elements (one member's count times the members) up to which a group's sum is an all-gather
+of every member's tensor added in member order (the same bits on every member) rather than an
+all-reduce: the executor's ``Group.sum``, the simulator's ``group_sum_time``."""
+
+
+def loss_on_every_device(lowered: "Lowered") -> bool:
+    """Every device holds a partition of the loss op (the graph's first output) in every
+    micro-batch: each then learns the step's loss from its group's sum, and no all-reduce of
+    the loss value is needed (the executor runs one otherwise, the simulator charges it)."""
+    everyone = set(range(lowered.strategy.num_devices))
+    return all({p.device for p in parts} == everyone for parts in lowered.partitions[lowered.graph.outputs[0]])
 
 
 def bucket_sums(lowered: "Lowered") -> dict[ReductionGroup, tuple[int, ...]]:

@@ -8,7 +8,7 @@ from typing import Sequence
 
 __all__ = [
     "Box", "full_box", "box_shape", "box_numel", "intersect", "partition_box", "partition_boxes",
-    "partition_index", "slice_box", "shift_box",
+    "partition_index", "slice_box", "shift_box", "index_in",
 ]
 
 Box = tuple[tuple[int, int], ...]
@@ -61,3 +61,9 @@ def slice_box(box: Box) -> tuple[slice, ...]:
 def shift_box(box: Box, origin: Box) -> Box:
     """``box`` in the coordinates of a tensor that holds only ``origin`` (box within origin)."""
     return tuple((a - o, b - o) for (a, b), (o, _) in zip(box, origin))
+
+
+def index_in(box: Box, origin: Box) -> tuple[slice, ...] | None:
+    """The index that cuts ``box`` out of a tensor holding only ``origin``; None when it is all
+    of it (the tensor itself, no view)."""
+    return None if box == origin else slice_box(shift_box(box, origin))

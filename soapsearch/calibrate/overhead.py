@@ -44,7 +44,7 @@ from strategies.graph import OpGraph
 from strategies.lowering import lower
 
 __all__ = ["PIECE_SIZES", "TASK_SIZES", "Chain", "OverheadProbe", "build_chain", "chain_plans",
-           "measure_overheads", "probe_simulator", "received_pieces",
+           "probe_simulator", "received_pieces",
            "unit_kernel_seconds"]
 
 TASK_SIZES = (8, 64, 128)
@@ -183,10 +183,3 @@ class OverheadProbe:
     def result(self, rounds: Sequence[dict[str, Any]]) -> dict[str, Any]:
         return {"task_sizes": self.task_sizes, "piece_sizes": self.piece_sizes, "pieces": self.pieces,
                 "piece_bytes": self.piece_bytes, "rounds": list(rounds)}
-
-
-def measure_overheads(rank: int, world: int, rounds: int = 5, steps: int = 3, warmup: int = 2) -> dict[str, Any]:
-    """``rounds`` rounds of an ``OverheadProbe`` in a row (``measure`` interleaves them with
-    its ping-pong rounds instead); every rank returns the same figures."""
-    probe = OverheadProbe(world, steps=steps, warmup=warmup)
-    return probe.result([probe.round() for _ in range(rounds)])

@@ -16,12 +16,9 @@ import torch
 import torch.distributed as dist
 
 from soapsearch.executor.errors import ExecutorError
+from strategies.lowering import SMALL_SUM
 
 __all__ = ["ProcessGroups", "Group", "PendingSum", "BucketSum", "AllReduceSum", "all_reduce_sum", "P2P"]
-
-SMALL_SUM = 1 << 16
-"""Elements (over all members) up to which ``Group.sum`` gathers instead of all-reducing."""
-
 
 class Group:
     """A process group with its members (global ranks, sorted) seen from member ``rank``.
@@ -33,8 +30,8 @@ class Group:
     batchnorm; a loss's sum is started without waiting (``sum_async``) and waited only where
     its reduction's gates say (``strategies.lowering.gates``)."""
 
-    def __init__(self, pg, members: tuple[int, ...], rank: int):
-        self.pg, self.members, self.rank = pg, members, rank
+    def __init__(self, pg, members: tuple[int, ...]):
+        self.pg, self.members = pg, members
 
     def gather(self, t: torch.Tensor) -> torch.Tensor:
         """Every member's ``t``, stacked in member order (one all-gather)."""
@@ -106,10 +103,10 @@ class ProcessGroups:
             return None
         return self._groups[key]
 
-    def group(self, devices: Iterable[int], rank: int) -> Group | None:
-        """The group of ``devices`` seen from member ``rank`` (None for one device)."""
+    def group(self, devices: Iterable[int]) -> Group | None:
+        """The group of ``devices`` (None for one device)."""
         pg = self.get(devices)
-        return Group(pg, tuple(sorted(devices)), rank) if pg is not None else None
+        return Group(pg, tuple(sorted(devices))) if pg is not None else None
 
     def __len__(self) -> int:
         return len(self._groups)

@@ -29,12 +29,12 @@ from typing import Callable, NamedTuple, Sequence
 import torch
 
 from strategies.graph import OpNode
-from strategies.lowering import WEIGHT_KINDS, Lowered, Partition, Transfer, bucket_sums
+from strategies.lowering import WEIGHT_KINDS, Lowered, Partition, Transfer, bucket_sums, loss_on_every_device
 from strategies.rules import get_rule
-from strategies.region import Box, box_shape, shift_box, slice_box
+from strategies.region import Box, box_shape, index_in, slice_box
 from strategies.schedule import Step
 
-__all__ = ["Piece", "Slot", "Send", "LossSum", "Recipe", "recipes", "loss_on_every_rank", "SKIP", "LINKED",
+__all__ = ["Piece", "Slot", "Send", "LossSum", "Recipe", "recipes", "SKIP", "LINKED",
            "ROOT"]
 
 Index = "tuple[slice, ...] | None"  # None: the whole tensor
@@ -113,7 +113,7 @@ class Recipe(NamedTuple):
     """The devices (sorted) of its reduction group when more than one: its collectives."""
     sends: tuple[Send, ...]
     loss: bool
-    """This rank counts its micro-batch's loss in the step's loss (see ``loss_on_every_rank``)."""
+    """This rank counts its micro-batch's loss in the step's loss (``strategies.lowering.loss_on_every_device``; otherwise partition 0's rank counts it and an all-reduce tells the others)."""
     backward: str
     """SKIP (no gradient), LINKED (its root's call covers it) or ROOT (one autograd call)."""
     seed: float | None
@@ -125,20 +125,6 @@ class Recipe(NamedTuple):
     grad_whole: bool
     """Every gradient piece covers the whole output: sum them, no buffer."""
     grad_sends: tuple[Send, ...]
-
-
-def loss_on_every_rank(low: Lowered) -> bool:
-    """Every device holds a partition of the loss op in every micro-batch. Each partition's
-    rank learns the whole micro-batch loss from its group's sum of [s_p, c_p], so every rank
-    then knows the step's loss without another collective; otherwise partition 0's rank counts
-    it and an all-reduce tells the others."""
-    everyone = set(range(low.strategy.num_devices))
-    return all({p.device for p in parts} == everyone for parts in low.partitions[low.graph.outputs[0]])
-
-
-def _index(region: Box, origin: Box) -> Index:
-    """The slices that cut ``region`` out of a tensor covering ``origin`` (None: all of it)."""
-    return None if region == origin else slice_box(shift_box(region, origin))
 
 
 class _Lowering:
@@ -216,7 +202,7 @@ def recipes(low: Lowered, order: Sequence[Step], rank: int,
     """The recipe of every partition in ``order`` (this rank's steps), in forward order;
     ``weight_index(name, region)`` is the view of a local weight that ``region`` is."""
     lw = _Lowering(low, order, rank)
-    graph, m, every_rank = low.graph, low.strategy.microbatches, loss_on_every_rank(low)
+    graph, m, every_rank = low.graph, low.strategy.microbatches, loss_on_every_device(low)
     linked = lw.linked()
     out = []
     for k in lw.keys:
@@ -225,7 +211,7 @@ def recipes(low: Lowered, order: Sequence[Step], rank: int,
         seed = 1.0 / m if kind == ROOT and p.op in graph.outputs else None
         grad_pieces = _grad_pieces(lw, p) if kind == ROOT and seed is None else ()
         grad_sends = tuple(
-            Send(i, t.src_device, _index(t.region, p.input_regions[t.slot]), t.slot,
+            Send(i, t.src_device, index_in(t.region, p.input_regions[t.slot]), t.slot,
                  box_shape(p.input_regions[t.slot]), getattr(torch, graph[t.src_op].output.dtype))
             for i, t in lw.into.get(k, ()) if not t.local and lw.carries(t)) if kind != SKIP else ()
         out.append(Recipe(
@@ -234,7 +220,7 @@ def recipes(low: Lowered, order: Sequence[Step], rank: int,
             tuple((role, node.weight(role).name, weight_index(node.weight(role).name, region))
                   for role, region in p.weight_regions),
             lw.grouped.get(k),
-            tuple(Send(i, t.dst_device, _index(t.region, p.box)) for i, t in lw.out_of.get(k, ()) if not t.local),
+            tuple(Send(i, t.dst_device, index_in(t.region, p.box)) for i, t in lw.out_of.get(k, ()) if not t.local),
             p.op in graph.outputs and (every_rank or p.index == 0), kind, seed, _loss_sum(lw, k),
             grad_pieces, bool(grad_pieces) and all(g.into is None for g in grad_pieces), grad_sends))
     return out
@@ -273,7 +259,7 @@ def _slots(lw: _Lowering, p: Partition, linked: set[tuple],
                 skey = (src.name, t.src_index, t.microbatch)
                 pieces.append(Piece(
                     i, None if t.local else t.src_device, lw.ids[skey] if t.local else None, slot,
-                    _index(t.region, lw.parts[skey].box) if t.local else None, _index(t.region, region),
+                    index_in(t.region, lw.parts[skey].box) if t.local else None, index_in(t.region, region),
                     box_shape(t.region),
                     f"output of op {src.name!r} partition {t.src_index} (micro-batch {p.microbatch}) "
                     f"for {_where(p)}"))
@@ -294,7 +280,7 @@ def _grad_pieces(lw: _Lowering, p: Partition) -> tuple[Piece, ...]:
         dst = (t.dst_op, t.dst_index, t.microbatch)
         out.append(Piece(
             i, None if t.local else t.dst_device, lw.ids[dst] if t.local else None, t.slot,
-            _index(t.region, lw.parts[dst].input_regions[t.slot]) if t.local else None,
-            _index(t.region, p.box), box_shape(t.region),
+            index_in(t.region, lw.parts[dst].input_regions[t.slot]) if t.local else None,
+            index_in(t.region, p.box), box_shape(t.region),
             f"gradient for {_where(p)} from op {t.dst_op!r} partition {t.dst_index}"))
     return tuple(out)

@@ -46,10 +46,10 @@ from soapsearch.executor.comm import P2P, BucketSum, Group, PendingSum, ProcessG
 from soapsearch.executor.config import TrainConfig, make_optimizer
 from soapsearch.executor.errors import ExecutorError, check_runnable
 from soapsearch.executor.norm import batch_norm
-from soapsearch.executor.recipe import ROOT, SKIP, Piece, Recipe, Slot, loss_on_every_rank, recipes
+from soapsearch.executor.recipe import ROOT, SKIP, Piece, Recipe, Slot, recipes
 from soapsearch.executor.shards import LocalWeights
 from strategies.graph import OpGraph
-from strategies.lowering import STEP, WEIGHT_KINDS, lower
+from strategies.lowering import STEP, WEIGHT_KINDS, loss_on_every_device, lower
 from strategies.rules import get_rule
 from strategies.rules.base import no_reduce
 from strategies.rules.norm import uses_batch_stats
@@ -93,9 +93,9 @@ class Executor:
         self.recipes = recipes(low, order, self.rank, self.weights.index)
         by_key = {(r.part.op, r.part.index, r.part.microbatch): r for r in self.recipes}
         self.steps = [(s.backward, by_key[(s.op, s.index, s.microbatch)]) for s in order]
-        self.compute = [self._compute(r, self.groups.group(r.group, self.rank) if r.group else None)
+        self.compute = [self._compute(r, self.groups.group(r.group) if r.group else None)
                         for r in self.recipes]
-        self.loss_everywhere = loss_on_every_rank(low)
+        self.loss_everywhere = loss_on_every_device(low)
         self.bn_steps: dict[str, int] = {}
         """Training batches each batchnorm op normalized on this rank (one per micro-batch)."""
         self.bn_base = {n.name: int(state[_batches_tracked(n)]) for n in graph

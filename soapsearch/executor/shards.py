@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from soapsearch.executor.comm import ProcessGroups
 from strategies.lowering import Lowered
-from strategies.region import Box, shift_box, slice_box
+from strategies.region import Box, index_in, shift_box, slice_box
 
 __all__ = ["LocalWeights"]
 
@@ -46,13 +46,13 @@ class LocalWeights:
             if dtype is not None and t.is_floating_point():
                 t = t.to(dtype)
             self.tensors[name] = t.requires_grad_(trainable[name] and t.is_floating_point())
+        self.params = [t for _, t in sorted(self.tensors.items()) if t.requires_grad]
         self.buckets = self._buckets()
 
     def index(self, name: str, region: Box) -> tuple[slice, ...] | None:
         """The view of weight ``name``'s local leaf that ``region`` (global coordinates) is; None
         when it is the whole leaf."""
-        origin = self.origin[name]
-        return None if region == origin else slice_box(shift_box(region, origin))
+        return index_in(region, self.origin[name])
 
     def view(self, name: str, index: tuple[slice, ...] | None) -> torch.Tensor:
         """The view ``index`` (from ``index``) of weight ``name``'s local leaf."""
@@ -60,8 +60,8 @@ class LocalWeights:
         return t if index is None else t[index]
 
     def parameters(self) -> list[torch.Tensor]:
-        """The trainable leaves, in a fixed order (for the optimizer)."""
-        return [t for _, t in sorted(self.tensors.items()) if t.requires_grad]
+        """The trainable leaves, in a fixed order (for the optimizer), listed once."""
+        return self.params
 
     def _buckets(self) -> dict[tuple[tuple[int, ...], str], list[tuple[str, tuple[slice, ...] | None]]]:
         """The replicated trainable shards this rank holds, one bucket per (device set, dtype):

@@ -213,5 +213,4 @@ def test_calibrated_topology_carries_the_overheads_through_json(tmp_path):
                for d in topo.devices)
     topo.save(tmp_path / "t.json")
     back = Topology.load(tmp_path / "t.json")
-    assert back == topo and back.devices[3].task_overhead == 2.5e-4 and back.devices[3].message_overhead == 8e-5
-    assert back.devices[3].collective_overhead == 1.2e-3
+    assert back == topo  # DeviceSpec equality covers the overhead fields

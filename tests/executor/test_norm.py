@@ -23,7 +23,7 @@ from tests.executor.reference import reference_train
 @pytest.fixture(scope="module")
 def world_of_one():
     dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
-    yield Group(dist.group.WORLD, (0,), 0)
+    yield Group(dist.group.WORLD, (0,))
     dist.destroy_process_group()
 
 

@@ -145,7 +145,6 @@ def test_every_member_of_a_bucket_appends_the_same_sums_in_the_same_order(model,
                for rank, (_, rs) in _recipes(model, plan, n).items()}
     riding = bucket_sums(low)
     for group, devices in riding.items():
-        assert tuple(sorted(group.devices)) == devices and group.gates == STEP
         for rank in devices:
             assert (group.op, group.microbatch, devices) in by_rank[rank]
     for rank, rides in by_rank.items():
