@@ -1,5 +1,6 @@
 """Per-device peak memory of a plan: weights + gradients + optimizer state + the activations
-kept for backward of the micro-batches in flight."""
+kept for backward of the micro-batches in flight + the receive buffers the executor posts
+ahead."""
 
 from __future__ import annotations
 
@@ -14,8 +15,11 @@ OPTIMIZER_STATE = {"sgd": 1, "adam": 2}
 
 def peak_memory(lowered: Lowered, optimizer: str = "sgd") -> list[int]:
     """Bytes per device: Σ held weight shards × (1 weight + 1 gradient + optimizer state) for
-    trainable ones, plus, per micro-batch in flight, every output a partition on that device
-    computes and every input region it receives from another device (both kept for backward)."""
+    trainable ones, plus, per micro-batch in flight (w, ``schedule.warmups``), every output a
+    partition on that device computes and every input region it receives from another device
+    (both kept for backward), plus the receive buffers posted a micro-batch ahead
+    (``soapsearch.executor.recipe.receives_ahead``): the forward pieces of one more micro-batch
+    when w < m, and the gradient pieces of min(2, m) micro-batches."""
     if optimizer not in OPTIMIZER_STATE:
         raise ValueError(f"optimizer {optimizer!r} is not one of {sorted(OPTIMIZER_STATE)}")
     n = lowered.strategy.num_devices
@@ -24,11 +28,16 @@ def peak_memory(lowered: Lowered, optimizer: str = "sgd") -> list[int]:
     for s in lowered.weight_shards:
         for d in s.devices:
             mem[d] += s.nbytes * (per if s.trainable else 1)
-    act = [0] * n
+    act, fwd, grad = [0] * n, [0] * n, [0] * n
     for pieces in lowered.pieces.values():
         for d, nbytes in pieces.activations:
             act[d] += nbytes
+        for d, f, g in pieces.receives:
+            fwd[d] += f
+            grad[d] += g
     # a device holds the activations of the micro-batches it has warmed up (schedule.py)
+    m = lowered.strategy.microbatches
     ws = warmups(lowered)
-    return [mem[d] + ws.get(d, 0) * act[d] for d in range(n)]
+    return [mem[d] + ws.get(d, 0) * act[d] + (fwd[d] if ws.get(d, 0) < m else 0) + min(2, m) * grad[d]
+            for d in range(n)]
 

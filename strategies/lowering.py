@@ -110,6 +110,10 @@ class OpPieces(NamedTuple):
     activations: tuple[tuple[int, int], ...]
     """(device, bytes) kept for backward per micro-batch: each partition's output and each
     remote piece it receives (``simulator.memory``)."""
+    receives: tuple[tuple[int, int, int], ...]
+    """(device, forward bytes, gradient bytes) it receives per micro-batch: the remote pieces
+    into the op on their consumer's device, and their gradients on the producer's device when
+    both ops need one (the executor posts them a micro-batch ahead; ``simulator.memory``)."""
 
 
 @dataclass(frozen=True)
@@ -366,11 +370,16 @@ def _lower_op(graph: OpGraph, strategy: Strategy, node: OpNode, m: int) -> OpPie
     itemsize = DTYPE_BYTES[node.output.dtype]
     for p in per_mb[0]:
         kept[p.device] = kept.get(p.device, 0) + (8 if node.kind == "loss" else itemsize * box_numel(p.box))
+    received: dict[int, list[int]] = {}
     for t in transfers:
         if t.microbatch == 0 and not t.local:
             kept[t.dst_device] += t.nbytes
+            received.setdefault(t.dst_device, [0, 0])[0] += t.nbytes
+            if graph.needs_grad[t.src_op] and graph.needs_grad[t.dst_op]:
+                received.setdefault(t.src_device, [0, 0])[1] += t.nbytes
     return OpPieces(tuple(per_mb), tuple(transfers), tuple(reductions), tuple(reads),
-                    tuple(dict.fromkeys(r[0] for r in reads)), frozenset(couples), tuple(sorted(kept.items())))
+                    tuple(dict.fromkeys(r[0] for r in reads)), frozenset(couples), tuple(sorted(kept.items())),
+                    tuple(sorted((d, f, g) for d, (f, g) in received.items())))
 
 
 def _groups(node: OpNode, degrees: Sequence[int], devices: Sequence[int], reds, parts,

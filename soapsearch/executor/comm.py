@@ -135,7 +135,8 @@ def all_reduce_sum(x: torch.Tensor, group: Group) -> torch.Tensor:
 class P2P:
     """Tagged sends and receives on the default group. A piece's tag is its transfer's index
     in the lowering, offset by direction (forward/backward) and the step's parity, so that a
-    piece of step i+1 cannot be taken for one of step i."""
+    piece of step i+1 cannot be taken for one of step i. A receive is posted ahead (``post``)
+    or when it is needed (``recv``), which takes a posted one first."""
 
     def __init__(self, num_transfers: int, timeout_s: float, rank: int):
         self.n = max(num_transfers, 1)
@@ -143,6 +144,7 @@ class P2P:
         self.rank = rank
         self.step = 0
         self._pending: list[tuple[object, torch.Tensor]] = []
+        self._posted: dict[tuple[int, int, bool], tuple[object, torch.Tensor]] = {}
 
     def tag(self, index: int, backward: bool) -> int:
         return ((self.step % 2) * 2 + int(backward)) * self.n + index
@@ -152,10 +154,20 @@ class P2P:
         buf = t.detach().contiguous()
         self._pending.append((dist.isend(buf, dst, tag=self.tag(index, backward)), buf))
 
-    def recv(self, shape, dtype, device, src: int, index: int, backward: bool, what: str) -> torch.Tensor:
-        """Receive one piece, waiting at most the timeout; the error names the peer and ``what``."""
+    def post(self, shape, dtype, device, src: int, index: int, backward: bool) -> None:
+        """Start receiving a piece of this step that ``recv`` will take."""
         buf = torch.empty(shape, dtype=dtype, device=device)
-        work = dist.irecv(buf, src, tag=self.tag(index, backward))
+        self._posted[(src, index, backward)] = (dist.irecv(buf, src, tag=self.tag(index, backward)), buf)
+
+    def recv(self, shape, dtype, device, src: int, index: int, backward: bool, what: str) -> torch.Tensor:
+        """Receive one piece (posted ahead or now), waiting at most the timeout; the error names
+        the peer and ``what``."""
+        posted = self._posted.pop((src, index, backward), None)
+        if posted is None:
+            buf = torch.empty(shape, dtype=dtype, device=device)
+            work = dist.irecv(buf, src, tag=self.tag(index, backward))
+        else:
+            work, buf = posted
         try:
             ok = work.wait(self.timeout)
         except RuntimeError as e:
@@ -167,7 +179,12 @@ class P2P:
         return buf
 
     def flush(self) -> None:
-        """Wait for every send of this step, then move to the next step's tags."""
+        """Wait for every send of this step, then move to the next step's tags. Every posted
+        receive must have been taken."""
+        if self._posted:
+            src, index, backward = next(iter(self._posted))
+            raise ExecutorError(f"rank {self.rank}: {len(self._posted)} posted receive(s) not taken this step, "
+                                f"e.g. transfer {index} ({'backward' if backward else 'forward'}) from rank {src}")
         for work, _ in self._pending:
             try:
                 work.wait(self.timeout)

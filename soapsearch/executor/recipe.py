@@ -34,8 +34,8 @@ from strategies.rules import get_rule
 from strategies.region import Box, box_shape, index_in, slice_box
 from strategies.schedule import Step
 
-__all__ = ["Piece", "Slot", "Send", "LossSum", "Recipe", "recipes", "SKIP", "LINKED",
-           "ROOT"]
+__all__ = ["Piece", "Slot", "Send", "LossSum", "Recipe", "Receive", "recipes", "receives_ahead", "SKIP",
+           "LINKED", "ROOT"]
 
 Index = "tuple[slice, ...] | None"  # None: the whole tensor
 SKIP, LINKED, ROOT = "skip", "linked", "root"
@@ -284,3 +284,45 @@ def _grad_pieces(lw: _Lowering, p: Partition) -> tuple[Piece, ...]:
             index_in(t.region, p.box), box_shape(t.region),
             f"gradient for {_where(p)} from op {t.dst_op!r} partition {t.dst_index}"))
     return tuple(out)
+
+
+class Receive(NamedTuple):
+    """A piece this rank receives in a step: from rank ``peer``, tagged by ``transfer`` and
+    direction, into a buffer of ``shape`` and ``dtype``."""
+
+    peer: int
+    transfer: int
+    backward: bool
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def receives_ahead(steps: Sequence[tuple[bool, Recipe]]) -> list[tuple[Receive, ...]]:
+    """Per step of this rank's order, the receives to post (``P2P.post``) before running it:
+    at its first forward step of micro-batch j, every forward piece of micro-batches j and
+    j + 1; at its first backward step of j, every gradient piece of j and j + 1. A piece whose
+    receive is posted before its sender sends moves as soon as it is sent (gloo pairs a send
+    with a posted receive at once; otherwise the receiver's late receive asks the sender for
+    the data, a round trip that waits on the sender's process getting a core). One micro-batch
+    ahead keeps a pipeline stage's next input moving while it computes the current one;
+    ``simulator.memory`` counts the buffers."""
+    pieces: dict[tuple[bool, int], list[Receive]] = {}
+    for r in {r.id: r for _, r in steps}.values():
+        j = r.part.microbatch
+        for s in r.slots:
+            if s is not None and s.weight is None:
+                pieces.setdefault((False, j), []).extend(
+                    Receive(p.peer, p.transfer, False, p.shape, s.dtype) for p in s.pieces if p.peer is not None)
+        dtype = getattr(torch, r.node.output.dtype)
+        pieces.setdefault((True, j), []).extend(
+            Receive(p.peer, p.transfer, True, p.shape, dtype) for p in r.grad_pieces if p.peer is not None)
+    posted: set[tuple[bool, int]] = set()
+    out = []
+    for backward, r in steps:
+        ahead = []
+        for j in (r.part.microbatch, r.part.microbatch + 1):
+            if (backward, j) not in posted:
+                posted.add((backward, j))
+                ahead.extend(pieces.get((backward, j), ()))
+        out.append(tuple(ahead))
+    return out

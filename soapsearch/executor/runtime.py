@@ -9,6 +9,11 @@ The gradient of a partition's output is the sum of the gradient pieces its consu
 (or, on this rank, leave in the leaf copies they read); ``autograd.backward(out, grad)`` fills
 its inputs' ``.grad``, which go back to the producers.
 
+Receives are posted ahead (``recipe.receives_ahead``): at this rank's first step of micro-batch
+j in a direction, every piece of j and j + 1 it will receive in that direction, so a piece moves
+as soon as its sender sends it (a receive posted late makes gloo ask the sender for it, a round
+trip through the sender's process while it computes).
+
 The loss. The step's loss is L = (1/m)·Σ_j S_j / C_j over the m micro-batches, S_j = Σ_p s_p
 and C_j = Σ_p c_p (or the static count C, ``Loss.static_count``) over the loss op's partitions
 p, each computing s_p = Σ_{i∈p} w_i·ℓ_i and c_p = Σ_{i∈p} w_i (``Loss.partial``). A partition
@@ -46,7 +51,7 @@ from soapsearch.executor.comm import P2P, BucketSum, Group, PendingSum, ProcessG
 from soapsearch.executor.config import TrainConfig, make_optimizer
 from soapsearch.executor.errors import ExecutorError, check_runnable
 from soapsearch.executor.norm import batch_norm
-from soapsearch.executor.recipe import ROOT, SKIP, Piece, Recipe, Slot, recipes
+from soapsearch.executor.recipe import ROOT, SKIP, Piece, Recipe, Slot, receives_ahead, recipes
 from soapsearch.executor.shards import LocalWeights
 from strategies.graph import OpGraph
 from strategies.lowering import STEP, WEIGHT_KINDS, loss_on_every_device, lower
@@ -93,6 +98,7 @@ class Executor:
         self.recipes = recipes(low, order, self.rank, self.weights.index)
         by_key = {(r.part.op, r.part.index, r.part.microbatch): r for r in self.recipes}
         self.steps = [(s.backward, by_key[(s.op, s.index, s.microbatch)]) for s in order]
+        self.ahead = receives_ahead(self.steps)
         self.compute = [self._compute(r, self.groups.group(r.group) if r.group else None)
                         for r in self.recipes]
         self.loss_everywhere = loss_on_every_device(low)
@@ -123,8 +129,11 @@ class Executor:
             if self.optimizer is not None:
                 self.optimizer.zero_grad(set_to_none=True)
             clock, events, rank = time.perf_counter, self.events if self.trace else None, self.rank
-            for backward, r in self.steps:
+            p2p, device = self.p2p, self.device
+            for (backward, r), ahead in zip(self.steps, self.ahead):
                 t0 = clock() if events is not None else 0.0
+                for a in ahead:
+                    p2p.post(a.shape, a.dtype, device, a.peer, a.transfer, a.backward)
                 try:
                     if backward:
                         self._backward(r)

@@ -9,7 +9,7 @@ import functools
 import pytest
 
 from soapsearch.executor import build_model
-from soapsearch.executor.recipe import LINKED, ROOT, SKIP, LossSum, Recipe, recipes
+from soapsearch.executor.recipe import LINKED, ROOT, SKIP, LossSum, Recipe, receives_ahead, recipes
 from strategies.lowering import BACKWARD, STEP, bucket_sums, lower
 from strategies.schedule import device_order
 from tests.executor.plans import make_plan
@@ -152,3 +152,29 @@ def test_every_member_of_a_bucket_appends_the_same_sums_in_the_same_order(model,
         for bucket in {d for _, _, d in rides}:
             assert all([x for x in by_rank[o] if x[2] == bucket] == [x for x in rides if x[2] == bucket]
                        for o in bucket)
+
+
+@pytest.mark.parametrize("model,plan,n", [("mlp", "1f1b", 2), ("gpt", "gpipe", 2), ("mlp", "owt", 2),
+                                          ("gpt", "random_mb3", 3), ("alexnet", "stages_dp", 4)])
+def test_every_receive_is_posted_once_a_micro_batch_ahead(model, plan, n):
+    """Every remote piece a rank's steps read (forward) or take as a gradient (a root's
+    backward) is posted exactly once, at its first step of the piece's micro-batch j - 1 or j
+    in that direction, and never after the step that reads it."""
+    for rank, (order, rs) in _recipes(model, plan, n).items():
+        by_key = {(r.part.op, r.part.index, r.part.microbatch): r for r in rs}
+        steps = [(s.backward, by_key[(s.op, s.index, s.microbatch)]) for s in order]
+        posted_at = {}
+        for i, ahead in enumerate(receives_ahead(steps)):
+            for a in ahead:
+                assert (a.peer, a.transfer, a.backward) not in posted_at, (rank, a)
+                posted_at[(a.peer, a.transfer, a.backward)] = i
+        read = {}
+        for i, (backward, r) in enumerate(steps):
+            pieces = r.grad_pieces if backward else [p for s in r.slots if s is not None for p in s.pieces]
+            read.update({(p.peer, p.transfer, backward): (i, r.part.microbatch) for p in pieces if p.peer is not None})
+        assert posted_at.keys() == read.keys(), rank
+        firsts = {}
+        for i, (backward, r) in enumerate(steps):
+            firsts.setdefault((backward, r.part.microbatch), i)
+        for key, (i, j) in read.items():
+            assert posted_at[key] <= i and posted_at[key] in (firsts.get((key[2], j - 1)), firsts[(key[2], j)]), key

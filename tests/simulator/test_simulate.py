@@ -150,6 +150,23 @@ def test_memory_counts_weights_grads_state_and_activations():
     assert not small.fits and one.fits
 
 
+def test_memory_counts_receive_buffers_posted_a_micro_batch_ahead():
+    """Two stages, 2 micro-batches: stage 1 receives layers_1's output (512 B / 2) and the
+    targets (32 B / 2) per micro-batch, stage 0 their gradient (layers_1's only: targets need
+    none). Stage 0 holds the gradient buffers of 2 micro-batches; under 1F1B stage 1 warms up
+    1 < 2 micro-batches and holds the next one's forward buffers too."""
+    g = traced("mlp")
+    w = {d: sum(x.spec.nbytes for n in g if n.name in ops for x in n.weights)
+         for d, ops in {0: ("layers_0",), 1: ("layers_2", "layers_4")}.items()}
+    acts0 = (256 + 32 + 512 + 512) // 2
+    received1 = 512 // 2 + 32 // 2
+    acts1 = (512 + 512 + 160) // 2 + 8 + received1
+    gp = simulate_plan(g, pipeline(g, 2, microbatches=2), mesh(2))
+    assert gp.peak_memory_bytes == (3 * w[0] + 2 * acts0 + 2 * (512 // 2), 3 * w[1] + 2 * acts1)
+    ofob = simulate_plan(g, pipeline(g, 2, microbatches=2, schedule="1f1b"), mesh(2))
+    assert ofob.peak_memory_bytes == (3 * w[0] + 2 * acts0 + 2 * (512 // 2), 3 * w[1] + acts1 + received1)
+
+
 def test_chrome_trace_has_a_lane_per_device_and_link(tmp_path):
     g = traced("alexnet")
     result = simulate_plan(g, baseline("owt", g, 2), "p100-1x2", timeline=True)
