@@ -112,6 +112,7 @@ def main() -> int:
                   + (f", link {link.latency * 1e6:.0f} µs + 1/{link.bandwidth / 1e9:.2f} GB/s" if link else "")
                   + f"; executor overheads {dev.task_overhead * 1e6:.0f} µs/task, "
                     f"{dev.message_overhead * 1e6:.0f} µs/received piece, "
+                    f"{dev.exchange_overhead * 1e6:.0f} µs/exchanged piece, "
                     f"{dev.collective_overhead * 1e6:.0f} µs/collective")
             rows += bench(n, args.models.split(","), topo, args.cost_model, args.steps, d)
     if args.out:

@@ -10,7 +10,7 @@ from typing import Mapping
 __all__ = ["DeviceSpec", "Link", "OVERHEAD_FIELDS"]
 
 
-OVERHEAD_FIELDS = ("task_overhead", "message_overhead", "collective_overhead")
+OVERHEAD_FIELDS = ("task_overhead", "message_overhead", "exchange_overhead", "collective_overhead")
 """A device's host-cost fields, seconds, 0 unless measured (optional in topology JSON)."""
 
 
@@ -35,6 +35,11 @@ class DeviceSpec:
     message_overhead: float = 0.0
     """Seconds of host work on this device per point-to-point piece it receives (posting and
     waiting on the receive, copying it into place), beyond the link's time."""
+    exchange_overhead: float = 0.0
+    """``message_overhead`` of a piece exchanged: received from a device to which the same op
+    (in the same micro-batch) sends a piece back, as in OWT's or a tensor-parallel op's
+    all-to-all, where both processes compute, send and receive at once and contend for the
+    cores that one-way pieces (pipelines, model parallel) leave to the waiting receiver."""
     collective_overhead: float = 0.0
     """Seconds of host work on this device per collective it is a member of (a reduction's
     all-gather or sum, a gradient bucket's all-reduce, the loss value's all-reduce), beyond the
@@ -57,7 +62,7 @@ class DeviceSpec:
     def __reduce__(self):  # the read-only mapping does not pickle; rebuild from a dict
         return (DeviceSpec, (self.kind, self.memory_bytes, dict(self.peak_flops),
                              self.memory_bandwidth, self.node, self.task_overhead, self.message_overhead,
-                             self.collective_overhead))
+                             self.exchange_overhead, self.collective_overhead))
 
     def flops_for(self, dtype: str) -> float:
         """Peak FLOP/s for ``dtype`` (float32's when the dtype has no figure of its own)."""

@@ -5,7 +5,7 @@ JSON (format ``soapsearch.topology``, version 1), explicit form — what ``to_js
     {"format": "soapsearch.topology", "version": 1, "name": "two-p100",
      "devices": [{"kind": "P100", "memory_bytes": 17179869184, "peak_flops": {"float32": 1.06e13},
                   "memory_bandwidth": 7.32e11, "node": 0}, ...],
-     (optional per device: "task_overhead", "message_overhead", "collective_overhead", seconds,
+     (optional per device: "task_overhead", "message_overhead", "exchange_overhead", "collective_overhead", seconds,
       default 0)
      "links": [{"name": "nvlink:0->1", "kind": "nvlink", "latency": 2e-06, "bandwidth": 2e10}, ...],
      "routes": [{"src": 0, "dst": 1, "links": [0]}, {"src": 1, "dst": 0, "links": [1]}]}

@@ -22,6 +22,7 @@ def _calibrate(args: argparse.Namespace) -> int:
           f"op overhead {report['op_overhead'] * 1e6:.1f} µs; kind {report['kind']}")
     print(f"executor overheads: {report['task_overhead'] * 1e6:.0f} µs per partition task, "
           f"{report['message_overhead'] * 1e6:.0f} µs per received piece (beyond the link), "
+          f"{report['exchange_overhead'] * 1e6:.0f} µs per exchanged piece, "
           f"{report['collective_overhead'] * 1e6:.0f} µs per collective per member (beyond the ring)")
     print(f"wrote {args.output} and {report_path(args.output)}")
     return 0

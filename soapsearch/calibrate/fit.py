@@ -72,12 +72,12 @@ class OverheadFit(NamedTuple):
     for its kernels (framework dispatch, autograd, the executor's own work); the simulator also
     charges it per trainable tensor in the optimizer update."""
     message_overhead: float
-    """Seconds per point-to-point piece received, beyond the link's one-way time."""
+    """Seconds per one-way point-to-point piece received, beyond the link's one-way time, as the
+    simulator charges it (a task on the receiving device after the transfer)."""
     task_per_round: list[float]
     """Per round: (d(data-parallel step)/dK - kernel) / UNIT_OVERHEADS."""
     message_per_round: list[float]
-    """Per round: d(round robin - one device)/d(pieces) - alpha - s/B (the report's view of the
-    spread; the fit takes the trimmed mean of the slopes)."""
+    """Per round: the pipeline chain's message overhead (``_fit_pieces``)."""
     collective_overhead: float
     """Seconds of host work per collective on each member device, beyond the ring formula."""
     collective_per_round: list[float]
@@ -85,6 +85,15 @@ class OverheadFit(NamedTuple):
     collectives: float
     """Collectives on a device's critical path in the data-parallel probe, as the simulator
     charges them: d(simulated intercept)/d(collective_overhead)."""
+    pieces: float = 0.0
+    """Pipeline pieces on the critical path (mean over its micro-batch counts), as the simulator
+    charges them."""
+    exchange_overhead: float = 0.0
+    """``message_overhead`` of an exchanged piece (the op sends one back: ``DeviceSpec``)."""
+    exchange_per_round: list[float] = []
+    """Per round: the exchange chain's exchange overhead (``_fit_pieces``)."""
+    exchanged: float = 0.0
+    """Exchange-chain pieces per unit on the critical path, as the simulator charges them."""
 
 
 UNIT_OVERHEADS = 4 + 2
@@ -95,9 +104,15 @@ PROBE_COLLECTIVE_OVERHEAD = 1e-3
 """The collective overhead the fit simulates the probe with to count its collectives (the
 simulated step is linear in it: each is a task on the device)."""
 
-ProbeSimulator = Callable[[float, float], Sequence[float]]
-"""(task_overhead, collective_overhead) -> the simulated step seconds of the data-parallel probe
-at each of its task sizes, on the calibrated topology with those overheads."""
+PROBE_MESSAGE_OVERHEAD = 1e-4
+"""The per-piece overhead the fit first simulates a piece probe with to count its pieces on the
+critical path (then again at the fitted figure: which path is critical may change)."""
+
+ProbeSimulator = Callable[[str, Mapping[str, float]], Sequence[float]]
+"""(plan, overheads by ``DeviceSpec`` field name, absent: 0) -> the simulated step seconds of
+the probe's ``data_parallel`` chain at each of its task sizes, its ``exchange`` chain at each of
+its piece sizes or its ``pipeline`` at each micro-batch count, on the calibrated topology with
+those overheads."""
 
 
 def _check_sizes(what: str, sizes: Sequence[int], rounds: list[Mapping[str, Any]], names: Sequence[str]) -> None:
@@ -113,8 +128,7 @@ def _check_sizes(what: str, sizes: Sequence[int], rounds: list[Mapping[str, Any]
                 raise ValueError(f"fit_overheads: round {i} {name!r}: {list(times)} is not finite and > 0")
 
 
-def fit_overheads(raw: Mapping[str, Any], kernel: float, alpha: float, bandwidth: float,
-                  simulate: ProbeSimulator | None = None) -> OverheadFit:
+def fit_overheads(raw: Mapping[str, Any], kernel: float, simulate: ProbeSimulator | None = None) -> OverheadFit:
     """Fit the executor's overheads to the probe chains' times (``overhead.py``).
 
     Task overhead: on each device the data-parallel chain of K units costs, per unit, what the
@@ -124,30 +138,23 @@ def fit_overheads(raw: Mapping[str, Any], kernel: float, alpha: float, bandwidth
     2 tensors updated): step(K) = c + K·(kernel + 6·task_overhead), so task_overhead =
     (median over rounds of the least-squares slope in K - kernel) / 6.
 
-    Collective overhead (with ``simulate``): the intercept c holds the step's fixed costs, its
-    collectives among them (the loss's all-gather the executor waits on before the gradient
-    sync, and the gradient bucket's all-reduce). The simulator, given the fitted task overhead
-    and collective overhead 0, predicts the same chains as c_sim + K·s (s = kernel +
-    6·task_overhead); each second of collective overhead adds m seconds to its step, m =
-    (sim(PROBE_COLLECTIVE_OVERHEAD) - sim(0)) / PROBE_COLLECTIVE_OVERHEAD (the collectives on a
-    device's critical path, 2 on N >= 2). A round's intercept is read at the smallest chain K0,
-    c_r = t_r(K0) - K0·s (the least-squares intercept would carry the largest chain's
-    milliseconds of noise), so c_r - c_sim = t_r(K0) - sim(K0) and collective_overhead =
-    (trimmed mean over rounds of t_r(K0) - sim(K0)) / m. A mean, as for the pieces: a
-    collective's wake-ups come and go. 0 when m is 0 (one process).
+    With ``simulate`` (N >= 2) the others invert the simulator on the probe, each in turn with
+    the figures before it, so that each is charged where the simulator charges it:
 
-    Message overhead: the round-robin chain differs from the one-device chain (same tasks, one
-    at a time) only in its P(K) pieces, each on the critical path, each costing the link's
-    alpha + s/B plus the overhead: rr(K) - one(K) = c' + P(K)·(alpha + s/B + message_overhead),
-    so message_overhead = trimmed mean over rounds of the slope of rr - one in P, minus
-    alpha + s/B (s the piece's bytes; alpha and B the fitted link). A mean, as for alpha: on
-    cores shared with other work a piece costs ~0.2 or several ms by turns (a wake-up delay
-    that comes and goes faster than a round), and a plan's many pieces cost their count times
-    the mean. The executor's pieces cost more than a ping-pong's: its sends and receives are
-    posted when its tasks get to them, not in lock step. 0 without pieces (one process).
+    - Collective overhead: the intercept c holds the step's fixed costs, its collectives among
+      them. The simulator, given the fitted task overhead and collective overhead 0, predicts
+      the same chains as c_sim + K·s; each second of collective overhead adds m seconds to its
+      step, m = (sim(PROBE_COLLECTIVE_OVERHEAD) - sim(0)) / PROBE_COLLECTIVE_OVERHEAD (the
+      collectives on a device's critical path). A round's intercept is read at the smallest
+      chain K0 (the least-squares intercept would carry the largest chain's milliseconds of
+      noise): collective_overhead = (trimmed mean over rounds of t_r(K0) - sim(K0)) / m.
+    - Message overhead from the pipeline chain (the mean step over its micro-batch counts), then
+      exchange overhead from the exchange chain (the slope in K; ``_fit_pieces``).
 
-    Each is clamped at 0 (a negative figure is noise on a zero overhead). ``raw`` is
-    ``OverheadProbe.result``."""
+    Means, not medians: a piece's or a collective's wake-up on cores shared with other work
+    costs ~0.2 or several ms by turns, and a plan's many of them cost their count times the
+    mean. Each figure is clamped at 0 (a negative figure is noise on a zero overhead); without
+    ``simulate`` all but the task overhead are 0. ``raw`` is ``OverheadProbe.result``."""
     rounds = list(raw["rounds"])
     if not rounds:
         raise ValueError("fit_overheads: no rounds")
@@ -157,38 +164,70 @@ def fit_overheads(raw: Mapping[str, Any], kernel: float, alpha: float, bandwidth
     _check_sizes("task_sizes", task_sizes, rounds, ["data_parallel"])
     task = [(_slope(task_sizes, r["data_parallel"]) - kernel) / UNIT_OVERHEADS for r in rounds]
     task_overhead = max(0.0, statistics.median(task))
-    pieces = list(raw.get("pieces") or [])
-    message: list[float] = []
-    msg = 0.0
-    if pieces:
-        piece_sizes = list(raw["piece_sizes"])
-        _check_sizes("piece_sizes", piece_sizes, rounds, ["one_device", "round_robin"])
-        if len(pieces) != len(piece_sizes) or len(set(pieces)) < 2:
-            raise ValueError(f"fit_overheads: pieces {pieces}: need one count per size {piece_sizes}, "
-                             ">= 2 distinct")
-        if not (alpha >= 0 and bandwidth > 0):
-            raise ValueError(f"fit_overheads: alpha {alpha!r} must be >= 0 and bandwidth {bandwidth!r} > 0")
-        link = alpha + raw["piece_bytes"] / bandwidth
-        slopes = [_slope(pieces, np.subtract(r["round_robin"], r["one_device"])) for r in rounds]
-        message = [s - link for s in slopes]
-        msg = max(0.0, trimmed_mean(slopes) - link)
+    if simulate is None:
+        return OverheadFit(task_overhead, 0.0, task, [], 0.0, [], 0.0)
     coll, per_round, count = 0.0, [], 0.0
-    if simulate is not None:
-        k0 = task_sizes.index(min(task_sizes))
-        base = _simulated(simulate, task_overhead, 0.0, task_sizes)[k0]
-        probe = _simulated(simulate, task_overhead, PROBE_COLLECTIVE_OVERHEAD, task_sizes)[k0]
-        count = (probe - base) / PROBE_COLLECTIVE_OVERHEAD
-        if count > 1e-6:
-            excess = [r["data_parallel"][k0] - base for r in rounds]
-            per_round = [e / count for e in excess]
-            coll = max(0.0, trimmed_mean(excess) / count)
-    return OverheadFit(task_overhead, msg, task, message, coll, per_round, count)
+    k0 = task_sizes.index(min(task_sizes))
+    fitted = {"task_overhead": task_overhead}
+    base = _simulated(simulate, "data_parallel", fitted, task_sizes)[k0]
+    probe = _simulated(simulate, "data_parallel", {**fitted, "collective_overhead": PROBE_COLLECTIVE_OVERHEAD},
+                       task_sizes)[k0]
+    count = (probe - base) / PROBE_COLLECTIVE_OVERHEAD
+    if count > 1e-6:
+        excess = [r["data_parallel"][k0] - base for r in rounds]
+        per_round = [e / count for e in excess]
+        coll = max(0.0, trimmed_mean(excess) / count)
+    fitted["collective_overhead"] = coll
+    piece_sizes = list(raw.get("piece_sizes") or [])
+    microbatches = list(raw.get("microbatches") or [])
+    msg, message, pieces = _fit_pieces(simulate, "pipeline", "message_overhead", fitted, microbatches, rounds,
+                                       level=True)
+    fitted["message_overhead"] = msg
+    xchg, exchange, exchanged = _fit_pieces(simulate, "exchange", "exchange_overhead", fitted, piece_sizes, rounds)
+    return OverheadFit(task_overhead, msg, task, message, coll, per_round, count, pieces, xchg, exchange, exchanged)
 
 
-def _simulated(simulate: ProbeSimulator, task: float, collective: float, sizes: Sequence[int]) -> list[float]:
-    times = [float(t) for t in simulate(task, collective)]
+def _fit_pieces(simulate: ProbeSimulator, plan: str, field: str, fitted: Mapping[str, float],
+                sizes: list[int], rounds: list[Mapping[str, Any]], level: bool = False) -> tuple[float, list[float], float]:
+    """(overhead, per round, pieces) of ``field`` from ``plan``'s chains of ``sizes`` (units K,
+    or micro-batches): the x at which g(x), the simulated steps' slope in K (``level``: their
+    mean) with the ``fitted`` figures and ``field`` = x, equals the measured one's trimmed mean
+    over rounds (g grows with x: bisection). Slopes cancel what the chain's fixed costs miss;
+    a pipeline's pieces overlap the other stages' work but at its ends, so the slope in m
+    hardly moves with them and its level is fitted. pieces = (g(x) - g(0)) / x, the pieces on
+    the critical path (per size for a slope); a round's figure is (its statistic - g(0)) /
+    pieces. (0, [], 0) when the rounds have no such chain (one process); 0 when even x = 0 is as
+    slow as measured."""
+    if not sizes or not all(plan in r for r in rounds):
+        return 0.0, [], 0.0
+    stat = (lambda ts: float(np.mean(ts))) if level else (lambda ts: _slope(sizes, ts))
+
+    def g(x: float) -> float:
+        return stat(_simulated(simulate, plan, {**fitted, field: x}, sizes))
+
+    _check_sizes(f"{plan} sizes", sizes, rounds, [plan])
+    measured = [stat(r[plan]) for r in rounds]
+    target, g0 = trimmed_mean(measured), g(0.0)
+    pieces = (g(PROBE_MESSAGE_OVERHEAD) - g0) / PROBE_MESSAGE_OVERHEAD
+    if pieces <= 1e-9:
+        return 0.0, [], pieces
+    lo, hi = 0.0, PROBE_MESSAGE_OVERHEAD
+    while g(hi) < target and hi < 10.0:
+        lo, hi = hi, hi * 4
+    if target <= g0:
+        hi = 0.0
+    else:
+        for _ in range(60):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if g(mid) < target else (lo, mid)
+        pieces = (g(hi) - g0) / hi
+    return hi, [(x - g0) / pieces for x in measured], pieces
+
+
+def _simulated(simulate: ProbeSimulator, plan: str, overheads: Mapping[str, float], sizes: Sequence[int]) -> list[float]:
+    times = [float(t) for t in simulate(plan, overheads)]
     if len(times) != len(sizes) or not all(np.isfinite(times)):
-        raise ValueError(f"fit_overheads: the simulated probe gave {times} for task sizes {list(sizes)}: "
+        raise ValueError(f"fit_overheads: the simulated {plan} probe gave {times} for sizes {list(sizes)}: "
                          "need one finite time per size")
     return times
 
@@ -211,10 +250,12 @@ def device_kind(nproc: int, threads: int, cores: int | None = None) -> str:
 
 def build_topology(nproc: int, alpha: float, bandwidth: float, flops: float, memory_bandwidth: float,
                    kind: str = "cpu", memory_bytes: int | None = None, task_overhead: float = 0.0,
-                   message_overhead: float = 0.0, collective_overhead: float = 0.0) -> Topology:
+                   message_overhead: float = 0.0, collective_overhead: float = 0.0,
+                   exchange_overhead: float = 0.0) -> Topology:
     """``calibrated-cpu-N``: ``local-cpu-N``'s shape (one node, a shared-memory mesh link per
     ordered process pair) with the measured alpha, bandwidth, per-process float32 FLOP/s,
-    memory bandwidth and the executor's task, message and collective overheads (``fit_overheads``)."""
+    memory bandwidth and the executor's task, message, exchange and collective overheads
+    (``fit_overheads``)."""
     if memory_bytes is None:
         try:
             memory_bytes = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // nproc
@@ -222,7 +263,7 @@ def build_topology(nproc: int, alpha: float, bandwidth: float, flops: float, mem
             memory_bytes = 16 << 30
     device = DeviceSpec(kind, max(int(memory_bytes), 1), {"float32": float(flops)}, float(memory_bandwidth),
                         task_overhead=float(task_overhead), message_overhead=float(message_overhead),
-                        collective_overhead=float(collective_overhead))
+                        exchange_overhead=float(exchange_overhead), collective_overhead=float(collective_overhead))
     return cluster(f"calibrated-cpu-{nproc}", device, 1, nproc, Fabric("mesh", "shm", float(alpha), float(bandwidth)))
 
 

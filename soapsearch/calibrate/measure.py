@@ -12,7 +12,8 @@
   eager dispatch overhead of one tiny op (what the analytical model calls launch overhead);
 * the executor's overheads, on all N processes: probe chains trained by the real ``Executor``
   (``overhead.py``), fitted to a per-task figure beyond the analytical cost model's kernels, a
-  per-received-piece figure beyond the link and a per-collective figure beyond the ring formula
+  per-received-piece figure beyond the link (one for one-way pieces, one for pieces exchanged
+  between processes that all compute) and a per-collective figure beyond the ring formula
   (``fit.fit_overheads``) that every device of the topology carries.
 """
 
@@ -22,7 +23,7 @@ import json
 import os
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -71,7 +72,10 @@ class Calibration:
     """Seconds per forward or backward task of a partition beyond the analytical kernels
     (framework dispatch, autograd, the executor's own work; ``fit_overheads``)."""
     message_overhead: float = 0.0
-    """Executor host seconds per received point-to-point piece beyond alpha + s/B."""
+    """Executor seconds per received one-way point-to-point piece beyond alpha + s/B
+    (``fit_overheads``)."""
+    exchange_overhead: float = 0.0
+    """The same per exchanged piece (its op sends one back: ``DeviceSpec.exchange_overhead``)."""
     collective_overhead: float = 0.0
     """Executor host seconds per collective on each member device beyond the ring formula."""
     overheads: dict[str, Any] = field(default_factory=dict)
@@ -89,14 +93,15 @@ class Calibration:
     def topology(self) -> Topology:
         """The calibrated topology: every process the slowest measured one (the plan must
         run on any of them; the spread is in the report)."""
-        return self.with_overheads(self.task_overhead, self.collective_overhead)
+        return self.with_overheads({"task_overhead": self.task_overhead, "message_overhead": self.message_overhead,
+                                    "exchange_overhead": self.exchange_overhead,
+                                    "collective_overhead": self.collective_overhead})
 
-    def with_overheads(self, task_overhead: float, collective_overhead: float) -> Topology:
-        """The calibrated topology with these task and collective overheads (the fit simulates
-        its probe on it)."""
+    def with_overheads(self, overheads: Mapping[str, float]) -> Topology:
+        """The calibrated topology with these overheads (by ``DeviceSpec`` field name, absent:
+        0; the fit simulates its probe on it)."""
         return build_topology(self.nproc, self.alpha, self.bandwidth, min(self.flops),
-                              min(self.memory_bandwidth), self.kind, task_overhead=task_overhead,
-                              message_overhead=self.message_overhead, collective_overhead=collective_overhead)
+                              min(self.memory_bandwidth), self.kind, **overheads)
 
     def to_json(self) -> dict[str, Any]:
         return {"format": "soapsearch.calibration", "version": 1, "shared_cores": self.shared, **asdict(self)}
@@ -200,12 +205,15 @@ def measure(nproc: int, backend: str = "gloo", sizes: Sequence[int] = DEFAULT_SI
         raw = results[0]["overheads"]  # every figure in it is already reduced over the ranks
         cost = get_cost_model("analytical")
         kernel = unit_kernel_seconds(cal.topology(), cost)
-        simulate = probe_simulator(cal.with_overheads, cost, raw["task_sizes"]) if nproc > 1 else None
-        fit = fit_overheads(raw, kernel, alpha, bandwidth, simulate)
+        simulate = (probe_simulator(cal.with_overheads, cost, raw["task_sizes"], raw["piece_sizes"],
+                                    raw["microbatches"]) if nproc > 1 else None)
+        fit = fit_overheads(raw, kernel, simulate)
         cal.task_overhead, cal.message_overhead = fit.task_overhead, fit.message_overhead
-        cal.collective_overhead = fit.collective_overhead
+        cal.exchange_overhead, cal.collective_overhead = fit.exchange_overhead, fit.collective_overhead
         cal.overheads = {**raw, "kernel": kernel, "task_per_round": fit.task_per_round,
-                         "message_per_round": fit.message_per_round, "collectives": fit.collectives,
+                         "message_per_round": fit.message_per_round, "pieces": fit.pieces,
+                         "exchange_per_round": fit.exchange_per_round, "exchanged": fit.exchanged,
+                         "collectives": fit.collectives,
                          "collective_per_round": fit.collective_per_round}
     return cal
 

@@ -9,15 +9,21 @@ weight gradient, and an elementwise op, as most models are made of), trained by 
 
 * ``data_parallel``, K in ``TASK_SIZES``: every op cut N ways on the batch, all processes busy
   at once, 4 tasks (forward, backward of the linear and the tanh) per unit on every device.
-  Long chains: the step's few collectives (the loss's reduction, the gradient sync), each a
-  wake-up on cores shared with other work, scatter it by milliseconds, so the slope in K needs
-  hundreds of tasks to stand clear of them; the intercept, against the simulator's for the same
+  Long chains: the step's collective (the gradient bucket, the loss's sum riding it), a
+  wake-up on cores shared with other work, scatters it by milliseconds, so the slope in K needs
+  hundreds of tasks to stand clear of it; the intercept, against the simulator's for the same
   chains, gives the collective overhead;
-* ``one_device``, K in ``PIECE_SIZES``: every op whole on device 0 (the control of the next);
-* ``round_robin``, K in ``PIECE_SIZES`` (N >= 2): the chain's ops whole, op i on device i mod N:
-  every op reads its input from another device and sends its gradient back, two
-  point-to-point pieces per op on the critical path (the inputs sit with their consumers, so
-  they move nothing).
+* ``pipeline``, m in ``PIPELINE_MICROBATCHES`` (N >= 2): a chain of ``PIPELINE_UNITS`` units
+  in N stages (``strategies.baselines.pipeline``, GPipe) fed m micro-batches: the pieces
+  crossing each stage boundary, one per micro-batch each way, are one-way pieces between a
+  computing sender and a waiting receiver, as in any pipeline or model-parallel plan;
+* ``exchange``, K in ``PIECE_SIZES`` (N >= 2): every linear cut N ways on its output features,
+  every other op on the batch (OWT's tensor parallelism): each unit's linear reads the whole
+  batch and its tanh all of its rows' features, so every device receives 2(N - 1) pieces per
+  unit forward and as many gradients back, each op sending pieces both ways while every device
+  computes. Pieces between busy processes cost more than one-way pieces (the sender's
+  ``isend`` and the receiver's wake-up compete with the other process's compute for the cores);
+  the simulator charges them ``exchange_overhead``.
 
 Each round measures all of these once (the median over ``steps`` steps of the slowest rank,
 as ``compare.run_plans`` times a plan);
@@ -26,7 +32,7 @@ as ``compare.run_plans`` times a plan);
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -44,16 +50,18 @@ from strategies.graph import OpGraph
 from strategies.lowering import lower
 
 __all__ = ["PIECE_SIZES", "TASK_SIZES", "Chain", "OverheadProbe", "build_chain", "chain_plans",
-           "probe_simulator", "received_pieces",
-           "unit_kernel_seconds"]
+           "probe_simulator", "unit_kernel_seconds"]
 
 TASK_SIZES = (8, 64, 128)
 """K (linear + tanh units) of the data-parallel chains: the task overhead is a slope over them."""
-PIECE_SIZES = (1, 4, 8)
-"""K of the one-device and round-robin chains: the message overhead is a slope over them."""
+PIECE_SIZES = (2, 8, 16)
+"""K of the exchange chains: the exchange overhead is a slope over them."""
+PIPELINE_UNITS, PIPELINE_MICROBATCHES = 8, (1, 4, 8)
+"""K of the pipeline chain, and its micro-batch counts: the message overhead is a slope over
+them (its batch: 8·N rows)."""
 ROWS_PER_DEVICE, WIDTH = 4, 16
-"""The probe's batch slice per device and its width: a round-robin piece is the whole batch's
-activation, 4·N·16 float32 (512 bytes on 2 processes)."""
+"""The probe's batch slice per device and its width (an exchange piece: 4 rows × 16 / N
+features, or 4·N rows × 16 / N, float32)."""
 
 
 class Chain(nn.Module):
@@ -84,29 +92,26 @@ def build_chain(k: int, batch: int, seed: int = 0) -> tuple[Chain, tuple[torch.T
 
 
 def chain_plans(graph: OpGraph, n: int) -> dict[str, Strategy]:
-    """The probe's plans on ``n`` devices (see the module docstring); ``round_robin`` only
-    for n >= 2."""
-    whole = {node.name: (1,) * len(node.dims) for node in graph}
-    plans = {"data_parallel": baseline("data_parallel", graph, n),
-             "one_device": Strategy.of({op: ParallelConfig(d, (0,)) for op, d in whole.items()}, n)}
+    """The probe's plans on ``n`` devices for a chain of K units (see the module docstring);
+    ``exchange`` only for n >= 2."""
+    plans = {"data_parallel": baseline("data_parallel", graph, n)}
     if n >= 2:
-        device: dict[str, int] = {}
-        for i, node in enumerate(x for x in graph if x.kind != "input"):
-            device[node.name] = i % n
-        for node in graph:
-            if node.kind == "input":  # with its first consumer: inputs never move
-                device[node.name] = device[next(c.name for c in graph if node.name in c.inputs)]
-        plans["round_robin"] = Strategy.of({op: ParallelConfig(d, (device[op],)) for op, d in whole.items()}, n)
+        everyone = tuple(range(n))
+        plans["exchange"] = Strategy.of({
+            node.name: ParallelConfig(tuple(n if i == (len(node.dims) - 1 if node.kind == "linear" else 0) else 1
+                                            for i in range(len(node.dims))), everyone)
+            for node in graph}, n)
     return plans
 
 
-def received_pieces(graph: OpGraph, plan: Strategy) -> tuple[int, int]:
-    """(pieces received per step over all devices, bytes of each): every remote transfer of
-    the chain moves its activation forward and its gradient back (no input is remote)."""
-    remote = [t for t in lower(graph, plan).transfers if not t.local]
-    if any(graph[t.src_op].kind == "input" for t in remote):
-        raise AssertionError("calibrate probe: an input moves between devices; it must sit with its consumer")
-    return 2 * len(remote), (remote[0].nbytes if remote else 0)
+def pipeline_chain(n: int, seed: int = 0) -> tuple[Chain, tuple[torch.Tensor, torch.Tensor], OpGraph]:
+    """The pipeline probe's chain: ``PIPELINE_UNITS`` units, 8·n rows."""
+    return build_chain(PIPELINE_UNITS, 8 * n, seed)
+
+
+def pipeline_plans(graph: OpGraph, n: int, microbatches: Sequence[int] = PIPELINE_MICROBATCHES) -> list[Strategy]:
+    """The pipeline probe's plans: n GPipe stages, each of ``microbatches`` micro-batches."""
+    return [baseline("pipeline", graph, n, microbatches=m) for m in microbatches]
 
 
 def unit_kernel_seconds(topology: Topology, cost: CostModel, optimizer: str = "sgd") -> float:
@@ -127,20 +132,27 @@ def unit_kernel_seconds(topology: Topology, cost: CostModel, optimizer: str = "s
     return kernels + UPDATE_TRAFFIC[optimizer] * u / device.memory_bandwidth + bucket
 
 
-def probe_simulator(make_topology: Callable[[float, float], Topology], cost: CostModel,
-                    task_sizes: Sequence[int] = TASK_SIZES) -> Callable[[float, float], list[float]]:
-    """``fit.ProbeSimulator`` of the data-parallel probe: (task_overhead, collective_overhead)
-    -> simulated step seconds of the chain of each of ``task_sizes`` units, on
-    ``make_topology(task_overhead, collective_overhead)`` (the chains are lowered once)."""
-    nproc = make_topology(0.0, 0.0).num_devices
-    lowered = []
-    for k in task_sizes:
+def probe_simulator(make_topology: Callable[[Mapping[str, float]], Topology], cost: CostModel,
+                    task_sizes: Sequence[int] = TASK_SIZES, piece_sizes: Sequence[int] = PIECE_SIZES,
+                    microbatches: Sequence[int] = PIPELINE_MICROBATCHES) -> Callable[[str, Mapping[str, float]], list[float]]:
+    """``fit.ProbeSimulator`` of the probe: (plan, overheads) -> simulated step seconds of that
+    plan's chains (``task_sizes`` for data parallel, ``piece_sizes`` for the exchange,
+    ``microbatches`` for the pipeline), on ``make_topology(overheads)`` (overheads by
+    ``DeviceSpec`` field name, absent: 0; the chains are lowered once)."""
+    nproc = make_topology({}).num_devices
+    lowered: dict[str, list] = {}
+    for k in sorted(set(task_sizes) | set(piece_sizes)):
         _, _, graph = build_chain(k, ROWS_PER_DEVICE * nproc)
-        lowered.append((graph, lower(graph, baseline("data_parallel", graph, nproc))))
+        for name, plan in chain_plans(graph, nproc).items():
+            if k in (task_sizes if name == "data_parallel" else piece_sizes):
+                lowered.setdefault(name, []).append((graph, lower(graph, plan)))
+    if nproc >= 2:
+        _, _, graph = pipeline_chain(nproc)
+        lowered["pipeline"] = [(graph, lower(graph, plan)) for plan in pipeline_plans(graph, nproc, microbatches)]
 
-    def simulate(task_overhead: float, collective_overhead: float) -> list[float]:
-        topo = make_topology(task_overhead, collective_overhead)
-        return [simulate_plan(g, low, topo, cost, summary=False).iteration_ms / 1e3 for g, low in lowered]
+    def simulate(plan: str, overheads: Mapping[str, float]) -> list[float]:
+        topo = make_topology(overheads)
+        return [simulate_plan(g, low, topo, cost, summary=False).iteration_ms / 1e3 for g, low in lowered[plan]]
 
     return simulate
 
@@ -148,30 +160,28 @@ def probe_simulator(make_topology: Callable[[float, float], Topology], cost: Cos
 class OverheadProbe:
     """The probe chains built on this rank (the default group initialized) and warmed up;
     each ``round()`` measures every figure once (see the module docstring). ``result(rounds)``
-    is what ``fit_overheads`` reads: {"task_sizes", "piece_sizes", "pieces", "piece_bytes",
-    "rounds": [{"data_parallel": [s per task size], "one_device", "round_robin": [s per piece
-    size]}]} (one process: no round robin, no pieces)."""
+    is what ``fit_overheads`` reads: {"task_sizes", "piece_sizes", "microbatches", "rounds":
+    [{"data_parallel": [s per task size], "exchange": [s per piece size], "pipeline": [s per
+    micro-batch count]}]} (one process: data parallel only)."""
 
     def __init__(self, world: int, task_sizes: Sequence[int] = TASK_SIZES,
-                 piece_sizes: Sequence[int] = PIECE_SIZES, steps: int = 3, warmup: int = 2):
+                 piece_sizes: Sequence[int] = PIECE_SIZES, microbatches: Sequence[int] = PIPELINE_MICROBATCHES,
+                 steps: int = 3, warmup: int = 2):
         from soapsearch.executor import Executor, TrainConfig
 
-        self.task_sizes, self.piece_sizes, self.steps = list(task_sizes), list(piece_sizes), steps
+        self.task_sizes, self.piece_sizes, self.microbatches = list(task_sizes), list(piece_sizes), list(microbatches)
+        self.steps = steps
         self.runs: dict[str, list[Callable[[], Any]]] = {}
-        self.pieces: list[int] = []
-        self.piece_bytes = 0
-        wanted = {"data_parallel": set(task_sizes), "one_device": set(piece_sizes),
-                  "round_robin": set(piece_sizes)}
         for k in sorted(set(task_sizes) | set(piece_sizes)):
             model, batch, graph = build_chain(k, ROWS_PER_DEVICE * world)
             for name, plan in chain_plans(graph, world).items():
-                if k not in wanted[name]:
-                    continue
-                ex = Executor(graph, plan, model.state_dict(), batch, TrainConfig(), "cpu")
-                self.runs.setdefault(name, []).append(ex.step)
-                if name == "round_robin":
-                    count, self.piece_bytes = received_pieces(graph, plan)
-                    self.pieces.append(count)
+                if k in (task_sizes if name == "data_parallel" else piece_sizes):
+                    ex = Executor(graph, plan, model.state_dict(), batch, TrainConfig(), "cpu")
+                    self.runs.setdefault(name, []).append(ex.step)
+        if world >= 2:
+            model, batch, graph = pipeline_chain(world)
+            self.runs["pipeline"] = [Executor(graph, plan, model.state_dict(), batch, TrainConfig(), "cpu").step
+                                     for plan in pipeline_plans(graph, world, microbatches)]
         for fns in self.runs.values():
             for fn in fns:
                 for _ in range(warmup):
@@ -181,5 +191,5 @@ class OverheadProbe:
         return {name: [median_slowest(step_times(fn, self.steps)) for fn in fns] for name, fns in self.runs.items()}
 
     def result(self, rounds: Sequence[dict[str, Any]]) -> dict[str, Any]:
-        return {"task_sizes": self.task_sizes, "piece_sizes": self.piece_sizes, "pieces": self.pieces,
-                "piece_bytes": self.piece_bytes, "rounds": list(rounds)}
+        return {"task_sizes": self.task_sizes, "piece_sizes": self.piece_sizes, "microbatches": self.microbatches,
+                "rounds": list(rounds)}

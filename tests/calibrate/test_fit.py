@@ -68,119 +68,145 @@ def test_spearman():
 
 
 KERNEL = 12e-6  # what the cost model charges one linear + tanh unit's partitions, forward + backward
-ALPHA, BANDWIDTH, PIECE = 200e-6, 1.5e9, 512
+ALPHA = 200e-6
+TASK_SIZES, PIECE_SIZES, MICROBATCHES = [8, 64, 128], [2, 8, 16], [1, 4, 8]
 
 
 BASE = 6e-3  # the simulator's data-parallel intercept without collective overhead
-COLLECTIVES = 2  # on a device's critical path per step: the loss's all-gather, the gradient bucket
+COLLECTIVES = 2  # on a device's critical path per data-parallel step
+# the piece chains: sizes, intercept, cost per size (unit or micro-batch), pieces per size on the
+# critical path, the overhead they cost
+CHAINS = {"pipeline": (MICROBATCHES, 3e-3, 150e-6, 2, "message_overhead"),
+          "exchange": (PIECE_SIZES, 4e-3, 20e-6, 4, "exchange_overhead")}
 
 
-def _simulate(task, collective):
+def _simulate(plan, overheads):
     """A synthetic ``ProbeSimulator``: the model ``fit_overheads`` states, no noise."""
-    return [BASE + COLLECTIVES * collective + k * (KERNEL + UNIT_OVERHEADS * task) for k in [8, 64, 128]]
+    task, collective = overheads.get("task_overhead", 0.0), overheads.get("collective_overhead", 0.0)
+    if plan == "data_parallel":
+        return [BASE + COLLECTIVES * collective + k * (KERNEL + UNIT_OVERHEADS * task) for k in TASK_SIZES]
+    sizes, base, kernel, pieces, field = CHAINS[plan]
+    return [base + collective + k * (kernel + UNIT_OVERHEADS * task + pieces * (ALPHA + overheads.get(field, 0.0)))
+            for k in sizes]
 
 
-def _probe_times(task, message, rounds=7, noise=0.03, seed=0, collective=0.0):
-    """Synthetic probe times (the model ``fit_overheads`` states) with multiplicative noise,
-    and one round slowed 5x throughout (a burst of load from elsewhere)."""
+def _probe_times(task, message, rounds=7, noise=0.03, seed=0, collective=0.0, exchange=None):
+    """Synthetic probe times (the synthetic simulator's) with multiplicative noise, and one
+    round slowed 5x throughout (a burst of load from elsewhere); exchanged pieces cost 3x the
+    one-way ones unless ``exchange`` says."""
     rng = np.random.default_rng(seed)
-    task_sizes, piece_sizes = [8, 64, 128], [1, 4, 8]
-    pieces = [2 * (2 * k) for k in piece_sizes]
-    per_piece = ALPHA + PIECE / BANDWIDTH + message
+    overheads = {"task_overhead": task, "collective_overhead": collective, "message_overhead": message,
+                 "exchange_overhead": 3 * message if exchange is None else exchange}
     out = []
     for r in range(rounds):
         slow = 5.0 if r == 2 else 1.0
         jitter = lambda: 1 + rng.normal(0, noise)  # noqa: E731
-        dp = [t * slow * jitter() for t in _simulate(task, collective)]
-        one = [(2e-3 + k * (KERNEL + UNIT_OVERHEADS * task)) * jitter() for k in piece_sizes]
-        rr = [one[i] + (1e-3 + p * per_piece) * jitter() for i, p in enumerate(pieces)]
-        out.append({"data_parallel": dp, "one_device": one, "round_robin": rr})
-    return {"task_sizes": task_sizes, "piece_sizes": piece_sizes, "pieces": pieces, "piece_bytes": PIECE,
-            "rounds": out}
+        out.append({plan: [t * slow * jitter() for t in _simulate(plan, overheads)]
+                    for plan in ("data_parallel", "pipeline", "exchange")})
+    return {"task_sizes": TASK_SIZES, "piece_sizes": PIECE_SIZES, "microbatches": MICROBATCHES, "rounds": out}
 
 
-def _fit(raw, kernel=KERNEL, simulate=None):
-    return fit_overheads(raw, kernel, ALPHA, BANDWIDTH, simulate)
+def _fit(raw, kernel=KERNEL, simulate=_simulate):
+    return fit_overheads(raw, kernel, simulate)
 
 
-@pytest.mark.parametrize("task,message", [(150e-6, 60e-6), (20e-6, 1.2e-3), (80e-6, 0.0)])
-def test_fit_overheads_recovers_known_overheads_from_noisy_times(task, message):
-    fit = _fit(_probe_times(task, message))
+@pytest.mark.parametrize("task,message,exchange", [(150e-6, 60e-6, 900e-6), (20e-6, 1.2e-3, 1.2e-3),
+                                                   (80e-6, 0.0, 300e-6)])
+def test_fit_overheads_recovers_known_overheads_from_noisy_times(task, message, exchange):
+    fit = _fit(_probe_times(task, message, exchange=exchange))
     assert fit.task_overhead == pytest.approx(task, rel=0.1)
     assert fit.message_overhead == pytest.approx(message, rel=0.1, abs=30e-6)
-    assert len(fit.task_per_round) == len(fit.message_per_round) == 7
-    exact = _fit(_probe_times(task, message, noise=0.0))
+    assert fit.exchange_overhead == pytest.approx(exchange, rel=0.1, abs=30e-6)
+    # the pipeline's level: 2 pieces per micro-batch at the mean count; the exchange's slope: 4 per unit
+    assert (fit.pieces, fit.exchanged) == (pytest.approx(2 * np.mean(MICROBATCHES), rel=1e-6), pytest.approx(4, rel=1e-6))
+    assert len(fit.task_per_round) == len(fit.message_per_round) == len(fit.exchange_per_round) == 7
+    exact = _fit(_probe_times(task, message, noise=0.0, exchange=exchange))
     assert exact.task_overhead == pytest.approx(task, rel=1e-9)
-    assert exact.message_overhead == pytest.approx(message, rel=1e-9, abs=1e-12)
+    assert exact.message_overhead == pytest.approx(message, rel=1e-6, abs=1e-12)
+    assert exact.exchange_overhead == pytest.approx(exchange, rel=1e-6, abs=1e-12)
 
 
 @pytest.mark.parametrize("task,collective", [(60e-6, 2.5e-3), (150e-6, 4e-4), (80e-6, 0.0)])
 def test_fit_overheads_recovers_the_collective_overhead_from_the_intercept(task, collective):
     # step(K) = BASE + 2·collective + K·(KERNEL + 6·task): the smallest chain's excess over the
     # simulator's, per collective the simulator counts on the critical path
-    exact = _fit(_probe_times(task, 50e-6, noise=0.0, collective=collective), simulate=_simulate)
+    exact = _fit(_probe_times(task, 50e-6, noise=0.0, collective=collective))
     assert exact.task_overhead == pytest.approx(task, rel=1e-9)
     assert exact.collectives == pytest.approx(COLLECTIVES, rel=1e-6)
     assert exact.collective_overhead == pytest.approx(collective, rel=1e-6, abs=1e-9)
-    slow = (5 * _simulate(task, collective)[0] - _simulate(task, 0.0)[0]) / 2  # the round 5x slower
+    assert exact.message_overhead == pytest.approx(50e-6, rel=1e-6)
+    dp = _simulate("data_parallel", {"task_overhead": task, "collective_overhead": collective})[0]
+    slow = (5 * dp - _simulate("data_parallel", {"task_overhead": task})[0]) / 2  # the round 5x slower
     assert exact.collective_per_round[2] == pytest.approx(slow, rel=1e-6)
-    noisy = _fit(_probe_times(task, 50e-6, noise=0.03, collective=collective), simulate=_simulate)
+    noisy = _fit(_probe_times(task, 50e-6, noise=0.03, collective=collective))
     assert noisy.collective_overhead == pytest.approx(collective, abs=3e-4)  # 3 % of a 7-12 ms step
     assert len(noisy.collective_per_round) == 7
-    # no simulator (or nothing collective in it, one process): no collective overhead
-    assert _fit(_probe_times(task, 50e-6, collective=collective)).collective_overhead == 0.0
-    flat = _fit(_probe_times(task, 50e-6, collective=collective), simulate=lambda t, c: _simulate(t, 0.0))
+    # no simulator (one process): only the task overhead
+    alone = _fit(_probe_times(task, 50e-6, collective=collective), simulate=None)
+    assert (alone.collective_overhead, alone.message_overhead, alone.exchange_overhead) == (0.0, 0.0, 0.0)
+    flat = _fit(_probe_times(task, 50e-6, collective=collective),
+                simulate=lambda p, o: _simulate(p, {**o, "collective_overhead": 0.0} if p == "data_parallel" else o))
     assert (flat.collective_overhead, flat.collectives, flat.collective_per_round) == (0.0, 0.0, [])
     # a measured intercept below the simulator's: clamped at 0
-    assert _fit(_probe_times(task, 50e-6, noise=0.0), simulate=lambda t, c: [x + 1e-3 for x in _simulate(t, c)]
-                ).collective_overhead == 0.0
-    with pytest.raises(ValueError, match=r"simulated probe gave \[1.0\] for task sizes \[8, 64, 128\]"):
-        _fit(_probe_times(task, 50e-6), simulate=lambda t, c: [1.0])
+    assert _fit(_probe_times(task, 50e-6, noise=0.0),
+                simulate=lambda p, o: [x + 1e-3 for x in _simulate(p, o)]).collective_overhead == 0.0
+    with pytest.raises(ValueError, match=r"simulated data_parallel probe gave \[1.0\] for sizes \[8, 64, 128\]"):
+        _fit(_probe_times(task, 50e-6), simulate=lambda p, o: [1.0])
 
 
 def test_fit_overheads_inverts_the_simulator_on_the_real_probe():
-    # "measured" times are the simulator's own for the data-parallel probe on a calibrated
+    # "measured" times are the simulator's own for the three probe chains on a calibrated
     # topology with known overheads: the fit gives them back (unit_kernel_seconds is what the
-    # simulator charges a unit beyond overheads, and the probe's collectives are counted)
+    # simulator charges a unit beyond overheads; the collectives and the pieces are counted)
     from simulator.cost import get_cost_model
     from soapsearch.calibrate.overhead import probe_simulator, unit_kernel_seconds
 
-    sizes, cost = [2, 4, 8], get_cost_model("analytical")
+    cost = get_cost_model("analytical")
 
-    def topo(task, collective):
-        return build_topology(2, 30e-6, 1.5e9, 5e10, 8e9, task_overhead=task, collective_overhead=collective)
+    def topo(overheads):
+        return build_topology(2, 30e-6, 1.5e9, 5e10, 8e9, **overheads)
 
-    simulate = probe_simulator(topo, cost, sizes)
-    raw = {"task_sizes": sizes, "rounds": [{"data_parallel": simulate(90e-6, 700e-6)}] * 3}
-    fit = fit_overheads(raw, unit_kernel_seconds(topo(0.0, 0.0), cost), 30e-6, 1.5e9, simulate)
+    simulate = probe_simulator(topo, cost, [2, 4, 8], [2, 4, 8], [1, 2, 4])
+    truth = {"task_overhead": 90e-6, "collective_overhead": 700e-6, "message_overhead": 150e-6,
+             "exchange_overhead": 600e-6}
+    raw = {"task_sizes": [2, 4, 8], "piece_sizes": [2, 4, 8], "microbatches": [1, 2, 4],
+           "rounds": [{plan: simulate(plan, truth) for plan in ("data_parallel", "pipeline", "exchange")}] * 3}
+    fit = fit_overheads(raw, unit_kernel_seconds(topo({}), cost), simulate)
     assert fit.task_overhead == pytest.approx(90e-6, rel=1e-6)
     # one collective per step: the loss's sum rides the gradient bucket (bucket_sums)
     assert fit.collectives == pytest.approx(1.0, rel=1e-6)
     assert fit.collective_overhead == pytest.approx(700e-6, rel=1e-6)
+    # pipeline: per micro-batch, the stage boundary's activation and the targets forward, a
+    # gradient back; exchange: each unit's linear and tanh read a piece and send a gradient
+    # back each way
+    assert fit.exchanged == pytest.approx(4.0, rel=1e-6)
+    assert 0 < fit.pieces < 3 * 4  # at most 3 a micro-batch (the targets move too, without a gradient)
+    assert fit.message_overhead == pytest.approx(150e-6, rel=1e-6)
+    assert fit.exchange_overhead == pytest.approx(600e-6, rel=1e-6)
 
 
 def test_fit_overheads_means_the_pieces_when_wakeups_come_and_go():
     # pieces cost 2 ms more in two rounds of seven (a wake-up delay of shared cores): the
     # figure is the trimmed mean's, which a plan's many pieces add up to, not the median's
     raw = _probe_times(30e-6, 100e-6, noise=0.0)
+    pieces = CHAINS["exchange"][3]
     for i in (0, 3):
         r = raw["rounds"][i]
-        r["round_robin"] = [t + p * 2e-3 for t, p in zip(r["round_robin"], raw["pieces"])]
+        r["exchange"] = [t + k * pieces * 2e-3 for t, k in zip(r["exchange"], PIECE_SIZES)]
+    raw["rounds"][2] = {**raw["rounds"][2], "exchange": _simulate(
+        "exchange", {"task_overhead": 30e-6, "message_overhead": 100e-6, "exchange_overhead": 300e-6})}
     fit = _fit(raw)
-    assert fit.message_overhead == pytest.approx(100e-6 + 2e-3 / 5, rel=1e-9)
-    assert statistics.median(fit.message_per_round) == pytest.approx(100e-6, rel=1e-9)
+    assert fit.exchange_overhead == pytest.approx(300e-6 + 2e-3 / 5, rel=1e-6)
+    assert statistics.median(fit.exchange_per_round) == pytest.approx(300e-6, rel=1e-6)
 
 
-def test_fit_overheads_one_process_clamps_and_rejects_bad_input():
+def test_fit_overheads_clamps_and_rejects_bad_input():
     raw = _probe_times(100e-6, 50e-6)
-    for r in raw["rounds"]:
-        del r["round_robin"], r["one_device"]
-    fit = _fit({**raw, "pieces": []})  # one process: nothing is received
-    assert fit.message_overhead == 0.0 and fit.message_per_round == []
-    assert fit.task_overhead == pytest.approx(100e-6, rel=0.1)
     # a kernel dearer than the whole slope, pieces no slower than the link: no negative overhead
-    assert _fit({**raw, "pieces": []}, kernel=1e-2).task_overhead == 0.0
-    assert fit_overheads(_probe_times(100e-6, 0.0), KERNEL, 3 * ALPHA, BANDWIDTH).message_overhead == 0.0
+    assert _fit(raw, kernel=1e-2).task_overhead == 0.0
+    slow = lambda p, o: [x * (1.5 if p != "data_parallel" else 1.0) for x in _simulate(p, o)]  # noqa: E731
+    fit = _fit(_probe_times(100e-6, 0.0, exchange=0.0), simulate=slow)
+    assert (fit.message_overhead, fit.exchange_overhead) == (0.0, 0.0)
     with pytest.raises(ValueError, match=r"task_sizes \[4, 4, 4\]: need >= 2 distinct chain sizes"):
         _fit({**raw, "task_sizes": [4, 4, 4]})
     bad = _probe_times(100e-6, 50e-6)
@@ -191,12 +217,13 @@ def test_fit_overheads_one_process_clamps_and_rejects_bad_input():
     with pytest.raises(ValueError, match=r"round 1 'data_parallel': \[0.001, 0.001\] has not one time per size "
                                          r"of task_sizes \[8, 64, 128\]"):
         _fit(bad)
-    with pytest.raises(ValueError, match=r"pieces \[6, 6, 6\]: need one count per size"):
-        _fit({**_probe_times(1e-4, 0), "pieces": [6, 6, 6]})
+    bad = _probe_times(100e-6, 50e-6)
+    bad["rounds"][0]["exchange"] = [1e-3]
+    with pytest.raises(ValueError, match=r"round 0 'exchange': \[0.001\] has not one time per size "
+                                         r"of exchange sizes \[2, 8, 16\]"):
+        _fit(bad)
     with pytest.raises(ValueError, match=r"kernel = -1.0: must be a finite number >= 0"):
         _fit(raw, kernel=-1.0)
-    with pytest.raises(ValueError, match=r"alpha 0.0002 must be >= 0 and bandwidth 0 > 0"):
-        fit_overheads(_probe_times(1e-4, 0), KERNEL, ALPHA, 0)
 
 
 def test_trimmed_mean_drops_a_fifth_at_each_end():
@@ -208,8 +235,9 @@ def test_trimmed_mean_drops_a_fifth_at_each_end():
 
 def test_calibrated_topology_carries_the_overheads_through_json(tmp_path):
     topo = build_topology(4, 200e-6, 1.5e9, 2e10, 7e9, kind="cpu-shared-4on2", task_overhead=2.5e-4,
-                          message_overhead=8e-5, collective_overhead=1.2e-3)
-    assert all((d.task_overhead, d.message_overhead, d.collective_overhead) == (2.5e-4, 8e-5, 1.2e-3)
+                          message_overhead=8e-5, collective_overhead=1.2e-3, exchange_overhead=6e-4)
+    assert all((d.task_overhead, d.message_overhead, d.collective_overhead, d.exchange_overhead)
+               == (2.5e-4, 8e-5, 1.2e-3, 6e-4)
                for d in topo.devices)
     topo.save(tmp_path / "t.json")
     back = Topology.load(tmp_path / "t.json")

@@ -20,7 +20,8 @@ def test_calibrate_two_processes_gives_positive_finite_figures(tmp_path):
     topo = calibrate(2, sizes=(1 << 10, 1 << 14, 1 << 22, 1 << 24), out=out, repeats=3, overhead_rounds=2)
     assert topo.name == "calibrated-cpu-2" and topo.num_devices == 2
     report = json.loads(report_path(out).read_text())
-    for key in ("alpha", "bandwidth", "op_overhead", "allreduce_ratio", "task_overhead", "message_overhead"):
+    for key in ("alpha", "bandwidth", "op_overhead", "allreduce_ratio", "task_overhead", "message_overhead",
+                "exchange_overhead"):
         assert math.isfinite(report[key]) and report[key] >= 0, key
     assert report["bandwidth"] > 1e6  # > 1 MB/s: even TCP loopback does better
     assert len(report["flops"]) == 2 and all(1e8 < f < 1e13 for f in report["flops"])
@@ -34,9 +35,13 @@ def test_calibrate_two_processes_gives_positive_finite_figures(tmp_path):
     assert all((d.task_overhead, d.message_overhead) == (report["task_overhead"], report["message_overhead"])
                for d in topo.devices)
     probe = report["overheads"]
-    # K linear + tanh units, whole, by turns on 2 devices: 2K remote transfers, a piece each way
-    assert probe["task_sizes"] == [8, 64, 128] and probe["pieces"] == [4 * k for k in probe["piece_sizes"]]
-    assert probe["piece_bytes"] == 2 * 4 * 16 * 4 and len(probe["rounds"]) == len(probe["task_per_round"]) == 2
+    # K linear + tanh units exchanged between 2 devices: per unit 2 pieces in and 2 gradients
+    # back on the critical path; the pipeline's pieces (1, 4, 8 micro-batches) overlap its stages
+    assert probe["task_sizes"] == [8, 64, 128] and probe["piece_sizes"] == [2, 8, 16]
+    assert probe["microbatches"] == [1, 4, 8] and probe["exchanged"] == pytest.approx(4.0)
+    assert 0 < probe["pieces"] < 3 * 8
+    assert len(probe["message_per_round"]) == len(probe["exchange_per_round"]) == 2
+    assert len(probe["rounds"]) == len(probe["task_per_round"]) == 2
     assert 0 < probe["kernel"] < 1e-3  # the roofline of a 4x16 linear and tanh, forward + backward
 
 

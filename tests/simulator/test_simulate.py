@@ -1,3 +1,4 @@
+import dataclasses
 import json
 import math
 
@@ -165,6 +166,38 @@ def test_memory_counts_receive_buffers_posted_a_micro_batch_ahead():
     assert gp.peak_memory_bytes == (3 * w[0] + 2 * acts0 + 2 * (512 // 2), 3 * w[1] + 2 * acts1)
     ofob = simulate_plan(g, pipeline(g, 2, microbatches=2, schedule="1f1b"), mesh(2))
     assert ofob.peak_memory_bytes == (3 * w[0] + 2 * acts0 + 2 * (512 // 2), 3 * w[1] + acts1 + received1)
+
+
+@pytest.mark.parametrize("plan_name", ["owt", "model_parallel", "param"])
+def test_exchanged_pieces_cost_the_exchange_overhead(plan_name):
+    """A piece whose op moves another piece back between the same two devices in the same
+    micro-batch (each unit of OWT's or a tensor-parallel op's all-to-all) costs the receiver
+    ``exchange_overhead`` instead of ``message_overhead``, its gradient likewise on the
+    producer's device: busy time grows by x per exchanged piece and r per other one."""
+    g = traced("mlp")
+    if plan_name == "param":  # every linear cut on out_features, the rest on the batch: all exchanged
+        plan = Strategy.of({n.name: ParallelConfig(tuple(2 if i == (len(n.dims) - 1 if n.kind == "linear" else 0)
+                                                         else 1 for i in range(len(n.dims))), (0, 1)) for n in g}, 2)
+    else:
+        plan = baseline(plan_name, g, 2)
+    base, r, x = mesh(2), 5e-5, 7e-4
+    loaded_topo = Topology(base.name, tuple(dataclasses.replace(d, message_overhead=r, exchange_overhead=x)
+                                            for d in base.devices), base.links, base.routes)
+    remote = [t for t in lower(g, plan).transfers if not t.local]
+    pairs = {(t.dst_op, t.microbatch, t.src_device, t.dst_device) for t in remote}
+    grows = [0.0, 0.0]
+    for t in remote:
+        cost = x if (t.dst_op, t.microbatch, t.dst_device, t.src_device) in pairs else r
+        grows[t.dst_device] += cost
+        grows[t.src_device] += cost
+    plain = simulate_plan(g, plan, base, Perfect())
+    loaded = simulate_plan(g, plan, loaded_topo, Perfect())
+    for d in range(2):
+        assert loaded.busy_time[d] - plain.busy_time[d] == pytest.approx(grows[d], rel=1e-9)
+    exchanged = sum(1 for t in remote if (t.dst_op, t.microbatch, t.dst_device, t.src_device) in pairs)
+    assert (exchanged > 0) == (plan_name != "model_parallel")
+    if plan_name == "param":
+        assert exchanged == len(remote)
 
 
 def test_chrome_trace_has_a_lane_per_device_and_link(tmp_path):
