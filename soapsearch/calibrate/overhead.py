@@ -57,8 +57,8 @@ TASK_SIZES = (8, 64, 128)
 PIECE_SIZES = (2, 8, 16)
 """K of the exchange chains: the exchange overhead is a slope over them."""
 PIPELINE_UNITS, PIPELINE_MICROBATCHES = 8, (1, 4, 8)
-"""K of the pipeline chain, and its micro-batch counts: the message overhead is a slope over
-them (its batch: 8·N rows)."""
+"""K of the pipeline chain, and its micro-batch counts: the message overhead is fitted to its
+mean step over them (its batch: 8·N rows)."""
 ROWS_PER_DEVICE, WIDTH = 4, 16
 """The probe's batch slice per device and its width (an exchange piece: 4 rows × 16 / N
 features, or 4·N rows × 16 / N, float32)."""
