@@ -2,10 +2,11 @@
  * floating-point operations in the same order), so both give identical start and end times.
  * Built by simulator/native.py with the system C compiler and loaded through ctypes.
  *
- * run_events(n, nd, nl, first, succ, ndeps, duration, res_first, res, start, end)
- *   first/succ: CSR successors; ndeps: predecessor counts; res_first/res: CSR resources
- *   (device d is d, link l is nd + l). Returns the number of tasks placed (n unless a cycle),
- *   or -1 when out of memory.
+ * run_events(n, nd, nl, ne, src, dst, duration, res_first, res, start, end)
+ *   src/dst: the ne edges, turned here into the CSR of TaskGraph.adjacency_arrays (a counting
+ *   sort by source, stable: each task's successors in edge order); res_first/res: CSR
+ *   resources (device d is d, link l is nd + l). Returns the number of tasks placed (n unless
+ *   a cycle), or -1 when out of memory.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -72,19 +73,33 @@ static int insert(Link *L, int64_t i, double s, double e) {
     return 0;
 }
 
-int64_t run_events(int64_t n, int64_t nd, int64_t nl, const int64_t *first, const int64_t *succ,
-                   const int64_t *ndeps, const double *duration, const int64_t *res_first,
-                   const int64_t *res, double *start, double *end) {
+/* first/succ: the CSR of the edges by source, in edge order; remaining: predecessor counts */
+static void adjacency(int64_t n, int64_t ne, const int64_t *src, const int64_t *dst, int64_t *first,
+                      int64_t *fill, int64_t *succ, int64_t *remaining) {
+    memset(first, 0, (n + 1) * sizeof(int64_t));
+    memset(remaining, 0, n * sizeof(int64_t));
+    for (int64_t i = 0; i < ne; i++) {
+        first[src[i] + 1]++;
+        remaining[dst[i]]++;
+    }
+    for (int64_t t = 0; t < n; t++) first[t + 1] += first[t];
+    memcpy(fill, first, n * sizeof(int64_t));
+    for (int64_t i = 0; i < ne; i++) succ[fill[src[i]]++] = dst[i];
+}
+
+int64_t run_events(int64_t n, int64_t nd, int64_t nl, int64_t ne, const int64_t *src, const int64_t *dst,
+                   const double *duration, const int64_t *res_first, const int64_t *res, double *start,
+                   double *end) {
     double *ready = calloc(n ? n : 1, sizeof(double)), *free_ = calloc(nd ? nd : 1, sizeof(double));
-    int64_t *remaining = malloc((n ? n : 1) * sizeof(int64_t));
+    int64_t *remaining = malloc((n ? n : 1) * sizeof(int64_t)), *first = malloc((n + 1) * sizeof(int64_t));
+    int64_t *fill = malloc((n ? n : 1) * sizeof(int64_t)), *succ = malloc((ne ? ne : 1) * sizeof(int64_t));
     Item *heap = malloc((n ? n : 1) * sizeof(Item));
     Link *links = calloc(nl ? nl : 1, sizeof(Link));
     int64_t size = 0, done = -1, placed = 0;
-    if (!ready || !free_ || !remaining || !heap || !links) goto out;
-    for (int64_t t = 0; t < n; t++) {
-        remaining[t] = ndeps[t];
+    if (!ready || !free_ || !remaining || !first || !fill || !succ || !heap || !links) goto out;
+    adjacency(n, ne, src, dst, first, fill, succ, remaining);
+    for (int64_t t = 0; t < n; t++)
         if (remaining[t] == 0) push(heap, &size, (Item){0.0, t});
-    }
     while (size > 0) {
         Item it = pop(heap, &size);
         double r = it.key, d = duration[it.t], s, e;
@@ -137,6 +152,6 @@ out:
     if (links) {
         for (int64_t k = 0; k < nl; k++) { free(links[k].st); free(links[k].en); }
     }
-    free(ready); free(free_); free(remaining); free(heap); free(links);
+    free(ready); free(free_); free(remaining); free(first); free(fill); free(succ); free(heap); free(links);
     return done;
 }

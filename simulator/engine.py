@@ -24,32 +24,39 @@ import numpy as np
 from simulator.native import library
 from simulator.taskgraph import TaskGraph
 
-__all__ = ["run_events"]
+__all__ = ["run_events", "event_times"]
 
 
 def run_events(tg: TaskGraph, native: bool = True) -> tuple[list[float], list[float]]:
     """Start and end time of every task; raises on a cycle (tasks that never become ready).
     ``native``: the compiled loop (``simulator.native``) where there is one; the same times."""
+    start, end = event_times(tg, native)
+    return start.tolist(), end.tolist()
+
+
+def event_times(tg: TaskGraph, native: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """``run_events``' times as float64 arrays (a search reads the makespan only, no per-task floats)."""
     lib = library() if native else None
     if lib is not None and len(tg):
         result = _run_native(lib, tg)
         if result is not None:
             return result
-    return _run_python(tg)
+    start, end = _run_python(tg)
+    return np.array(start, dtype=np.float64), np.array(end, dtype=np.float64)
 
 
-def _run_native(lib, tg: TaskGraph) -> tuple[list[float], list[float]] | None:
+def _run_native(lib, tg: TaskGraph) -> tuple[np.ndarray, np.ndarray] | None:
     """The C loop on the graph's arrays; None when it did not place every task (a cycle: the
     Python loop then names it) or ran out of memory."""
     n = len(tg)
-    first, succ, ndeps = tg.adjacency_arrays()
+    src, dst = tg.edge_arrays()
     duration, res_first, res = tg.arrays()
     start, end = np.empty(n), np.empty(n)
     i64, f64 = ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_double)
-    placed = lib.run_events(n, tg.num_devices, tg.num_links, *(a.ctypes.data_as(i64) for a in (first, succ, ndeps)),
-                            duration.ctypes.data_as(f64), res_first.ctypes.data_as(i64), res.ctypes.data_as(i64),
-                            start.ctypes.data_as(f64), end.ctypes.data_as(f64))
-    return (start.tolist(), end.tolist()) if placed == n else None
+    placed = lib.run_events(n, tg.num_devices, tg.num_links, len(src), src.ctypes.data_as(i64),
+                            dst.ctypes.data_as(i64), duration.ctypes.data_as(f64), res_first.ctypes.data_as(i64),
+                            res.ctypes.data_as(i64), start.ctypes.data_as(f64), end.ctypes.data_as(f64))
+    return (start, end) if placed == n else None
 
 
 def _run_python(tg: TaskGraph) -> tuple[list[float], list[float]]:

@@ -61,5 +61,5 @@ def library() -> ctypes.CDLL | None:
         return None
     i64, f64 = ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_double)
     lib.run_events.restype = ctypes.c_int64
-    lib.run_events.argtypes = [ctypes.c_int64] * 3 + [i64] * 3 + [f64] + [i64] * 2 + [f64] * 2
+    lib.run_events.argtypes = [ctypes.c_int64] * 4 + [i64] * 2 + [f64] + [i64] * 2 + [f64] * 2
     return lib

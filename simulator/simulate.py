@@ -6,7 +6,7 @@ import contextlib
 import gc
 
 from simulator.cost import CostModel, get_cost_model
-from simulator.engine import run_events
+from simulator.engine import event_times
 from simulator.memory import peak_memory
 from simulator.presets import get_topology
 from simulator.result import SimResult, summarize
@@ -32,12 +32,12 @@ def simulate_plan(graph: OpGraph, strategy: Strategy | Lowered, topology: Topolo
     with _no_gc():  # tens of thousands of small tuples: the cyclic collector only adds pauses
         lowered = strategy if isinstance(strategy, Lowered) else lower(graph, strategy)
         tg = build_tasks(lowered, topo, cost, optimizer, cache)
-        start, end = run_events(tg)
+        start, end = event_times(tg)
         peak = peak_memory(lowered, optimizer)
         if not summary:
-            return SimResult(max(end, default=0.0), (), tuple(peak),
+            return SimResult(float(end.max(initial=0.0)), (), tuple(peak),
                              tuple(d.memory_bytes for d in topo.devices[:len(peak)]), {}, len(tg))
-        return summarize(tg, topo, start, end, peak, timeline)
+        return summarize(tg, topo, start.tolist(), end.tolist(), peak, timeline)
 
 
 @contextlib.contextmanager

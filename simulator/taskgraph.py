@@ -65,15 +65,25 @@ class Segment:
         self.res = np.fromiter(chain.from_iterable(cols.resources), np.int64, int(self.res_len.sum()))
 
 
+def join(parts: list[tuple[np.ndarray, ...]]) -> tuple[np.ndarray, ...]:
+    """Field by field, the parts' arrays concatenated along their last axis."""
+    return tuple(np.concatenate(field, axis=-1) for field in zip(*parts))
+
+
 def label(name: Any) -> str:
+    """A task's name as shown: a string as is; (what, op, index, micro-batch) of a partition's
+    task; (what, transfer) of a transfer's task (``strategies.lowering.Transfer``)."""
     if isinstance(name, str):
         return name
+    if len(name) == 2:
+        what, t = name
+        return f"{what} {t.src_op}[{t.src_index}]->{t.dst_op}[{t.dst_index}]@mb{t.microbatch}"
     what, op, index, mb = name
     return f"{what} {op}[{index}]@mb{mb}"
 
 
 class TaskGraph:
-    """Tasks in id order: the sealed segments (``append``), then the tail (``add``); edges
+    """Tasks in id order: the sealed segments (``extend``), then the tail (``add``); edges
     collected as (source, target) pairs or arrays and turned into one adjacency (CSR) when
     first read."""
 
@@ -82,6 +92,7 @@ class TaskGraph:
         self.segments: list[Segment] = []
         self.tail = Columns()
         self._head = 0  # tasks in the segments
+        self._joined: tuple[np.ndarray, ...] | None = None
         self.edge_src: list[int] = []
         self.edge_dst: list[int] = []
         self.chunks: list[tuple[np.ndarray, np.ndarray]] = []
@@ -91,15 +102,19 @@ class TaskGraph:
         self._adjacency_lists: tuple[list[int], list[int], list[int]] | None = None
 
     # --- tasks ----------------------------------------------------------------------------------
-    def append(self, segment: Segment) -> int:
-        """Lay ``segment``'s tasks out next (before any tail task); returns its first id."""
-        if len(self.tail):
-            raise ValueError("TaskGraph.append: segments go before the tasks added one by one")
-        first = self._head
-        self.segments.append(segment)
-        self._head += segment.size
+    def place(self, segments: list[Segment], joined: tuple[np.ndarray, ...] | None = None) -> np.ndarray:
+        """Lay ``segments``' tasks out first, in order (once, before any task is added); returns
+        each one's first id. ``joined``: their (duration, res_len, res) concatenated, where the
+        caller keeps them (``arrays`` reads them instead of joining the segments' again)."""
+        if self.segments or len(self.tail):
+            raise ValueError("TaskGraph.place: segments are laid out once, before any task is added")
+        first = np.zeros(len(segments) + 1, dtype=np.int64)
+        np.cumsum(np.fromiter((s.size for s in segments), np.int64, len(segments)), out=first[1:])
+        self.segments = list(segments)
+        self._joined = joined
+        self._head = int(first[-1])
         self._lists.clear()
-        return first
+        return first[:-1]
 
     def add(self, name: Any, category: int, duration: float, resources: tuple[int, ...],
             device: int, nbytes: int = 0) -> int:
@@ -125,14 +140,13 @@ class TaskGraph:
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(duration, res_first, res): durations, and every task's resources as CSR (task t's
-        are res[res_first[t]:res_first[t + 1]]), concatenated from the segments' arrays."""
+        are res[res_first[t]:res_first[t + 1]]), the segments' arrays joined, then the tail's."""
         tail = Segment(self.tail)
-        parts = self.segments + [tail]
-        lens = np.concatenate([s.res_len for s in parts])
+        head = [self._joined] if self._joined is not None else [(s.duration, s.res_len, s.res) for s in self.segments]
+        duration, lens, res = join(head + [(tail.duration, tail.res_len, tail.res)])
         res_first = np.zeros(len(lens) + 1, dtype=np.int64)
         np.cumsum(lens, out=res_first[1:])
-        return (np.concatenate([s.duration for s in parts]), res_first,
-                np.concatenate([s.res for s in parts]))
+        return duration, res_first, res
 
     def label(self, t: int) -> str:
         return label(self.name[t])
@@ -143,13 +157,17 @@ class TaskGraph:
         self.edge_dst.append(b)
         self._adjacency = self._adjacency_lists = None
 
+    def edge_arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """(sources, targets) of every edge as int64 arrays: those added one by one, then the chunks."""
+        return (np.concatenate([np.asarray(self.edge_src, dtype=np.int64)] + [c[0] for c in self.chunks]),
+                np.concatenate([np.asarray(self.edge_dst, dtype=np.int64)] + [c[1] for c in self.chunks]))
+
     def adjacency_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(first, succ, ndeps) as int64 arrays: task t's successors are succ[first[t]:first[t + 1]],
-        in the order their edges were added; ndeps[t] counts t's predecessors (with multiplicity)."""
+        in the order of ``edge_arrays``; ndeps[t] counts t's predecessors (with multiplicity)."""
         if self._adjacency is None:
             n = len(self)
-            src = np.concatenate([np.asarray(self.edge_src, dtype=np.int64)] + [c[0] for c in self.chunks])
-            dst = np.concatenate([np.asarray(self.edge_dst, dtype=np.int64)] + [c[1] for c in self.chunks])
+            src, dst = self.edge_arrays()
             order = np.argsort(src, kind="stable")
             first = np.zeros(n + 1, dtype=np.int64)
             np.cumsum(np.bincount(src, minlength=n), out=first[1:])

@@ -3,7 +3,8 @@
 Tasks: forward and backward of every partition of every micro-batch (on its device, each
 charged the device's ``task_overhead`` of host work where the executor runs it); every transfer
 that crosses devices, forward and its mirrored gradient backward (on the links of its route),
-each followed by a receive of ``message_overhead`` on the receiving device when that is set; the
+each followed by a receive of ``message_overhead`` (``exchange_overhead`` for a piece the op
+also moves the other way) on the receiving device when that is set; the
 small sums op rules ask for, timed and ordered by what waits on each (``_add_reductions``); the
 end of the step as the executor runs it (``_link_step``) — the loss sums only the step waits
 on, one all-reduce per device set holding replicated trainable shards (a DDP-style bucket) once
@@ -29,12 +30,12 @@ from simulator.comm import allgather_time, group_sum_time, ring_links, transfer_
 from simulator.cost import CostModel
 from simulator.step import UPDATE_TRAFFIC, link_step, member_ends
 from simulator.taskgraph import (ALLREDUCE, BACKWARD, CATEGORY, FORWARD, GRAD_TRANSFER, RECV, REDUCE, TRANSFER,
-                                  UPDATE, Columns, Segment, TaskGraph)
+                                  UPDATE, Columns, Segment, TaskGraph, join)
 from simulator.topology import Topology
-from strategies.graph import OpNode
+from strategies.graph import OpGraph, OpNode
 from strategies.lowering import BACKWARD as BY_BACKWARD
 from strategies.lowering import STEP as BY_STEP
-from strategies.lowering import WEIGHT_KINDS, Lowered, OpPieces, ReductionGroup
+from strategies.lowering import WEIGHT_KINDS, Lowered, OpPieces, ReductionGroup, Transfer
 from strategies.rules import get_rule
 from strategies.schedule import passes, warmups
 
@@ -48,33 +49,36 @@ def _links(topology: Topology, src: int, dst: int, offset: int) -> tuple[int, ..
 
 class _Block:
     """The tasks of one op, ids local to the block: forward t and backward t + 1 of partition
-    k of micro-batch j at t = ``fwd[j][k]``, then its reductions, then the transfers into it."""
+    k of micro-batch j at t = ``fwd[j][k]``, then its reductions, then the transfers into it.
+    ``position``: the op's index in graph order, the block's place in the task graph."""
 
-    def __init__(self, pieces: OpPieces):
-        self.pieces = pieces
+    def __init__(self, pieces: OpPieces, position: int):
+        self.pieces, self.position = pieces, position
         self.cols = Columns()
         self.add = self.cols.add
         self.segment: Segment | None = None
         self.edge_src: list[int] = []
         self.edge_dst: list[int] = []
+        self.cross: list[int] = []
+        """Edges to or from a producer's tasks, flat: source, its block's position, target, its."""
         self.fwd: list[list[int]] = []
         self.fwd_done: list[list[int]] = []
         """What a consumer's forward waits on: the forward, or the reduction completing it."""
         self.bwd_done: list[list[int]] = []
-        self.from_producer: dict[str, tuple[Any, Any]] = {}
-        """Producer op -> (its local tasks, ours): the producer's fwd_done[j][k] -> our task."""
-        self.to_producer: dict[str, tuple[Any, Any]] = {}
-        """Producer op -> (our local tasks, its): our task -> the producer's backward."""
         self.steps: Any = ([], [], [])
         """(forward task, its device, its micro-batch) of every partition, in partition order;
-        ``seal`` adds two rows, fwd_done and bwd_done: where each forward and backward step of
-        the device's schedule ends, its blocking sum included."""
+        ``seal`` adds three rows, fwd_done, bwd_done (where each forward and backward step of
+        the device's schedule ends, its blocking sum included) and the block's position."""
         self.step_reductions: list[tuple[ReductionGroup, list[int], bool]] = []
         """(group, its members' forward tasks, dynamic) of each sum only the end of the step
         waits on (a loss's; dynamic: its divisor needs the data). Its tasks are made by
         ``step.link_step``, which knows whether it rides a gradient bucket."""
-        self.local: tuple[np.ndarray, np.ndarray] = (np.empty(0, np.int64), np.empty(0, np.int64))
-        """The edges inside the block (sources, targets)."""
+        self.edges = np.empty((4, 0), dtype=np.int64)
+        """Every edge of the block, its own and its producers': rows (source, its block's
+        position, target, its); a task's id in the graph is its local id plus its block's first."""
+        self.arrays: tuple[np.ndarray, ...] = ()
+        """What ``build_tasks`` joins block after block: edges, steps, and the segment's
+        duration, res_len and res."""
 
     def edge(self, a: int, b: int) -> None:
         self.edge_src.append(a)
@@ -83,13 +87,15 @@ class _Block:
     def seal(self) -> "_Block":
         """Freeze the tasks and edges collected so far into arrays (blocks are shared by the cache)."""
         self.segment = Segment(self.cols)
-        self.local = (np.asarray(self.edge_src, dtype=np.int64), np.asarray(self.edge_dst, dtype=np.int64))
-        self.edge_src, self.edge_dst = [], []  # now in ``local``
-        for pairs in (self.from_producer, self.to_producer):
-            for op, (a, u) in pairs.items():
-                pairs[op] = (np.asarray(a, dtype=np.int64), np.asarray(u, dtype=np.int64))
+        own = len(self.edge_src)
+        self.edges = np.empty((4, own + len(self.cross) // 4), dtype=np.int64)
+        self.edges[0, :own], self.edges[2, :own], self.edges[1::2, :own] = self.edge_src, self.edge_dst, self.position
+        self.edges[:, own:] = np.fromiter(self.cross, np.int64, len(self.cross)).reshape(-1, 4).T
+        self.edge_src, self.edge_dst, self.cross = [], [], []  # now in ``edges``
         done = ([t for ids in d for t in ids] for d in (self.fwd_done, self.bwd_done))
-        self.steps = np.asarray([*self.steps, *done], dtype=np.int64).reshape(5, -1)
+        rows = [*self.steps, *done]
+        self.steps = np.asarray(rows + [[self.position] * len(rows[0])], dtype=np.int64).reshape(6, -1)
+        self.arrays = (self.edges, self.steps, self.segment.duration, self.segment.res_len, self.segment.res)
         return self
 
 
@@ -100,14 +106,67 @@ class TaskCache:
     def __init__(self, topology: Topology, cost: CostModel):
         self.topology, self.cost = topology, cost
         self.blocks: dict[str, _Block] = {}
+        self.wires: dict[tuple[int, int, int], tuple] = {}
+        """(source, target, bytes) -> ``_wire``'s times and resources (a pure function of them)."""
+        self._graph: OpGraph | None = None
+        self._positions: dict[str, int] = {}
+        self._joined: _Joined | None = None
+
+    def positions(self, graph: OpGraph) -> dict[str, int]:
+        """Op name -> index in ``graph``'s order; a new graph empties the cache."""
+        if graph is not self._graph:
+            self._graph, self._positions, self.blocks, self._joined = graph, _positions(graph), {}, None
+        return self._positions
+
+    def join(self, blocks: list[_Block]) -> tuple[np.ndarray, ...]:
+        """``blocks``' arrays joined, from the last graph's (``_Joined``)."""
+        if self._joined is None:
+            self._joined = _Joined(blocks)
+        else:
+            self._joined.update(blocks)
+        return self._joined.arrays
+
+
+class _Joined:
+    """The blocks of the last task graph built and their ``arrays`` joined block after block.
+    A search's next graph has mostly the same blocks: the changed blocks' slices are replaced
+    (one concatenation of 2k + 1 pieces per field for k changed blocks) rather than every
+    block's arrays joined again."""
+
+    def __init__(self, blocks: list[_Block]):
+        self.blocks = blocks
+        self.arrays = join([b.arrays for b in blocks])
+        self.sizes = np.array([[a.shape[-1] for a in b.arrays] for b in blocks], dtype=np.int64)
+        """Block x field: the length of the block's slice."""
+
+    def update(self, blocks: list[_Block]) -> None:
+        changed = [i for i, (a, b) in enumerate(zip(blocks, self.blocks)) if a is not b]
+        if not changed:
+            return
+        bounds = np.zeros((len(blocks) + 1, self.sizes.shape[1]), dtype=np.int64)
+        np.cumsum(self.sizes, axis=0, out=bounds[1:])
+        starts, stops = bounds[changed].T.tolist(), bounds[[i + 1 for i in changed]].T.tolist()
+        joined = []
+        for f, whole in enumerate(self.arrays):
+            pieces, at = [], 0
+            for i, start, stop in zip(changed, starts[f], stops[f]):
+                pieces += (whole[..., at:start], blocks[i].arrays[f])
+                at = stop
+            joined.append(np.concatenate(pieces + [whole[..., at:]], axis=-1))
+        for i in changed:
+            self.sizes[i] = [a.shape[-1] for a in blocks[i].arrays]
+        self.blocks, self.arrays = blocks, tuple(joined)
+
+
+def _positions(graph: OpGraph) -> dict[str, int]:
+    return {node.name: i for i, node in enumerate(graph)}
 
 
 def _op_block(node: OpNode, pieces: OpPieces, backward: bool, producers: dict[str, _Block],
-              topology: Topology, cost: CostModel) -> _Block:
+              position: int, topology: Topology, cost: CostModel, wires: dict) -> _Block:
     """``producers``: the blocks of the ops ``node`` reads (their partitions' and reductions'
     local ids depend on their configs only, which ``pieces`` was derived from)."""
-    n = topology.num_devices
-    b = _Block(pieces)
+    b = _Block(pieces, position)
     devices = topology.devices
     op_time = cost.op_time
     runs = node.kind not in WEIGHT_KINDS  # the executor reads weights in place: no host work
@@ -138,37 +197,69 @@ def _op_block(node: OpNode, pieces: OpPieces, backward: bool, producers: dict[st
         b.fwd_done.append(list(ids))
         b.bwd_done.append([t + 1 for t in ids])
     _add_reductions(b, node, pieces.reductions, backward, topology)
-    for t in pieces.transfers:
-        dst_f = b.fwd[t.microbatch][t.dst_index]
-        dst_b = b.bwd_done[t.microbatch][t.dst_index]
-        p = producers[t.src_op]
-        src_f, src_b = p.fwd_done[t.microbatch][t.src_index], p.fwd[t.microbatch][t.src_index] + 1
-        into = b.from_producer.setdefault(t.src_op, ([], []))
-        back = b.to_producer.setdefault(t.src_op, ([], []))
-        if t.local:
-            _pair(into, src_f, dst_f)
-            _pair(back, dst_b, src_b)
-            continue
-        tag = f"{t.src_op}[{t.src_index}]->{t.dst_op}[{t.dst_index}]@mb{t.microbatch}"
-        tf = b.add(f"send {tag}", TRANSFER, transfer_time(topology, t.src_device, t.dst_device, t.nbytes),
-                   _links(topology, t.src_device, t.dst_device, n), t.src_device, t.nbytes)
-        tb = b.add(f"send-grad {tag}", GRAD_TRANSFER,
-                   transfer_time(topology, t.dst_device, t.src_device, t.nbytes),
-                   _links(topology, t.dst_device, t.src_device, n), t.dst_device, t.nbytes)
-        _pair(into, src_f, tf)
-        b.edge(dst_b, tb)
-        recv_f, recv_b = devices[t.dst_device].message_overhead, devices[t.src_device].message_overhead
-        if recv_f:
-            r = b.add(f"recv {tag}", RECV, recv_f, (t.dst_device,), t.dst_device)
-            b.edge(tf, r)
-            tf = r
-        if recv_b:
-            r = b.add(f"recv-grad {tag}", RECV, recv_b, (t.src_device,), t.src_device)
-            b.edge(tb, r)
-            tb = r
-        b.edge(tf, dst_f)
-        _pair(back, tb, src_b)
+    _add_transfers(b, pieces.transfers, producers, topology, wires)
     return b.seal()
+
+
+def _add_transfers(b: _Block, transfers: tuple[Transfer, ...], producers: dict[str, _Block],
+                   topology: Topology, wires: dict) -> None:
+    """Each transfer into the op that crosses devices: its send after the producer's forward
+    (or the sum completing it) and before the partition's forward, its gradient's send back
+    after the partition's backward, each followed by a receive of the receiving device's
+    ``message_overhead`` when that is set (its ``exchange_overhead`` when the op also moves a
+    piece the other way between the two devices in that micro-batch); a local read: the same
+    edges, no tasks. Labels are (kind, transfer), formatted only when shown."""
+    devices, position = topology.devices, b.position
+    c = b.cols
+    names, cats, durs, res, devs, nbytes = c.name, c.category, c.duration, c.resources, c.device, c.nbytes
+    esrc, edst, cross = b.edge_src, b.edge_dst, b.cross
+    crossed = {(t.src_device, t.dst_device, t.microbatch) for t in transfers if not t.local}
+    for t in transfers:  # the hot loop of a changed op: inlined appends, as the partitions'
+        src_op, src_index, _, dst_index, _, j, src_device, dst_device, _, size = t
+        dst_f, dst_b = b.fwd[j][dst_index], b.bwd_done[j][dst_index]
+        p = producers[src_op]
+        src_f, src_b, at = p.fwd_done[j][src_index], p.fwd[j][src_index] + 1, p.position
+        if src_device == dst_device:  # a local read
+            cross += (src_f, at, dst_f, position, dst_b, position, src_b, at)
+            continue
+        key = (src_device, dst_device, size)
+        wire = wires.get(key)
+        if wire is None:
+            wire = wires[key] = _wire(topology, *key)
+        tf = len(durs)  # the send, then its gradient's
+        tb = tf + 1
+        names += (("send", t), ("send-grad", t))
+        cats += (TRANSFER, GRAD_TRANSFER)
+        durs += (wire[0], wire[2])
+        res += (wire[1], wire[3])
+        devs += (src_device, dst_device)
+        nbytes += (size, size)
+        if (dst_device, src_device, j) in crossed:  # exchanged: both ways in this op
+            recv_f, recv_b = devices[dst_device].exchange_overhead, devices[src_device].exchange_overhead
+        else:
+            recv_f, recv_b = devices[dst_device].message_overhead, devices[src_device].message_overhead
+        if recv_f:
+            r = b.add(("recv", t), RECV, recv_f, (dst_device,), dst_device)
+            b.edge(tf, r)
+            tf_end = r
+        else:
+            tf_end = tf
+        if recv_b:
+            r = b.add(("recv-grad", t), RECV, recv_b, (src_device,), src_device)
+            b.edge(tb, r)
+            tb_end = r
+        else:
+            tb_end = tb
+        esrc += (dst_b, tf_end)
+        edst += (tb, dst_f)
+        cross += (src_f, at, tf, position, tb_end, position, src_b, at)
+
+
+def _wire(topology: Topology, src: int, dst: int, nbytes: int) -> tuple[float, tuple[int, ...], float, tuple[int, ...]]:
+    """(seconds, resources) of ``nbytes`` sent ``src`` -> ``dst`` and of its gradient sent back."""
+    n = topology.num_devices
+    return (transfer_time(topology, src, dst, nbytes), _links(topology, src, dst, n),
+            transfer_time(topology, dst, src, nbytes), _links(topology, dst, src, n))
 
 
 def _add_reductions(b: _Block, node: OpNode, reductions: tuple[ReductionGroup, ...], backward: bool,
@@ -220,16 +311,11 @@ def _add_reductions(b: _Block, node: OpNode, reductions: tuple[ReductionGroup, .
                     b.bwd_done[j][k] = end[device[k]]
 
 
-def _pair(pairs: tuple[list[int], list[int]], a: int, u: int) -> None:
-    pairs[0].append(a)
-    pairs[1].append(u)
-
-
 def build_tasks(lowered: Lowered, topology: Topology, cost: CostModel, optimizer: str = "sgd",
                 cache: TaskCache | None = None) -> TaskGraph:
     """The task graph of one iteration of ``lowered`` on ``topology`` timed by ``cost``;
     ``cache`` (for this graph, topology and cost model) reuses unchanged ops' blocks."""
-    graph, strategy = lowered.graph, lowered.strategy
+    strategy = lowered.strategy
     if strategy.num_devices > topology.num_devices:
         raise ValueError(f"the plan uses {strategy.num_devices} devices but topology "
                          f"{topology.name!r} has {topology.num_devices}")
@@ -238,56 +324,59 @@ def build_tasks(lowered: Lowered, topology: Topology, cost: CostModel, optimizer
     traffic = UPDATE_TRAFFIC.get(optimizer)
     if traffic is None:
         raise ValueError(f"optimizer {optimizer!r} is not one of {sorted(UPDATE_TRAFFIC)}")
-    n = topology.num_devices
-    tg = TaskGraph(n, len(topology.links))
-    blocks: dict[str, _Block] = {}
-    offset: dict[str, int] = {}
-    for node in graph:  # lay the blocks out in graph order
-        pieces = lowered.pieces[node.name]
-        b = cache.blocks.get(node.name) if cache is not None else None
-        if b is None or b.pieces is not pieces:
-            b = _op_block(node, pieces, graph.needs_grad[node.name], blocks, topology, cost)
-            if cache is not None:
-                cache.blocks[node.name] = b
-        blocks[node.name] = b
-        offset[node.name] = tg.append(b.segment)
-    m = strategy.microbatches
-    # Link the blocks: every edge array with the offsets to add to its ends, added at once.
-    src, dst, src_off, dst_off = [], [], [], []
-    steps, step_off = [], []
-    for op, b in blocks.items():
-        off = offset[op]
-        for a, u, aoff, uoff in ((*b.local, off, off),
-                                 *((a, u, offset[p], off) for p, (a, u) in b.from_producer.items()),
-                                 *((a, u, off, offset[p]) for p, (a, u) in b.to_producer.items())):
-            src.append(a)
-            dst.append(u)
-            src_off.append(aoff)
-            dst_off.append(uoff)
-        steps.append(b.steps)
-        step_off.append(off)
-    sizes = [len(a) for a in src]
-    tg.chunks.append((np.concatenate(src) + np.repeat(src_off, sizes),
-                      np.concatenate(dst) + np.repeat(dst_off, sizes)))
-    # Each device runs the schedule's order (strategies/schedule.py): per micro-batch its
-    # forwards in graph and partition order (a stable sort by device and micro-batch). A step
-    # starts once the one before it is done, a blocking sum in it included (the executor's
-    # collectives run inside its forward and backward steps).
-    st = np.concatenate(steps, axis=1)
-    at = np.repeat(step_off, [x.shape[1] for x in steps])
-    devs, mbs = st[1], st[2]
-    order = np.lexsort((mbs, devs))
-    ts, fd, bd = ((st[r] + at)[order] for r in (0, 3, 4))
-    bounds = np.concatenate([[0], np.cumsum(np.bincount(devs * m + mbs, minlength=n * m))]).tolist()
-    last: dict[int, int] = {}  # each device's last step: its backward pass is over after it
-    ws = warmups(lowered)
-    for d in sorted(set(devs.tolist())):
-        cut = [slice(bounds[d * m + j], bounds[d * m + j + 1]) for j in range(m)]
-        order_d = passes(m, ws[d])
-        seq = np.concatenate([ts[cut[j]][::-1] + 1 if back else ts[cut[j]] for back, j in order_d])
-        ends = np.concatenate([bd[cut[j]][::-1] if back else fd[cut[j]] for back, j in order_d])
-        tg.chunks.append((ends[:-1], seq[1:]))
-        last[d] = int(ends[-1])
-    link_step(tg, lowered, topology, [(offset[op], b.step_reductions) for op, b in blocks.items()], last,
-              optimizer, traffic)
+    tg = TaskGraph(topology.num_devices, len(topology.links))
+    blocks = _blocks(lowered, topology, cost, cache)
+    edges, steps, *tasks = cache.join(blocks) if cache is not None else join([b.arrays for b in blocks])
+    first = tg.place([b.segment for b in blocks], tuple(tasks))
+    tg.chunks.append((edges[0] + first[edges[1]], edges[2] + first[edges[3]]))
+    last = _link_schedule(tg, lowered, steps, first)
+    step_sums = [(int(first[i]), b.step_reductions) for i, b in enumerate(blocks) if b.step_reductions]
+    link_step(tg, lowered, topology, step_sums, last, optimizer, traffic)
     return tg
+
+
+def _blocks(lowered: Lowered, topology: Topology, cost: CostModel, cache: TaskCache | None) -> list[_Block]:
+    """Every op's block in graph order: the cache's while the op's pieces are the same object,
+    else built (and kept in the cache)."""
+    graph = lowered.graph
+    position = cache.positions(graph) if cache is not None else _positions(graph)
+    kept = cache.blocks if cache is not None else {}
+    wires = cache.wires if cache is not None else {}
+    blocks: dict[str, _Block] = {}
+    for node in graph:
+        pieces = lowered.pieces[node.name]
+        b = kept.get(node.name)
+        if b is None or b.pieces is not pieces:
+            b = kept[node.name] = _op_block(node, pieces, graph.needs_grad[node.name], blocks,
+                                            position[node.name], topology, cost, wires)
+        blocks[node.name] = b
+    return list(blocks.values())
+
+
+def _link_schedule(tg: TaskGraph, lowered: Lowered, steps: np.ndarray, first: np.ndarray) -> dict[int, int]:
+    """Each device runs the schedule's order (strategies/schedule.py): per micro-batch its
+    forwards in graph and partition order (a stable sort by device and micro-batch), a backward
+    pass running them in reverse. A step starts once the one before it is done, a blocking sum
+    in it included (the executor's collectives run inside its forward and backward steps).
+    ``steps``: the blocks' ``steps`` rows; returns each device's last step (its backward pass is
+    over after it)."""
+    n, m = tg.num_devices, lowered.strategy.microbatches
+    key = steps[1] * m + steps[2]
+    order = np.argsort(key.astype(np.min_scalar_type(n * m)), kind="stable")  # small ints: a radix sort
+    ts, fd, bd = (steps[[0, 3, 4]] + first[steps[5]])[:, order]
+    rts, rbd, size = ts[::-1] + 1, bd[::-1], len(ts)  # a backward pass: its forwards' slice reversed
+    bounds = np.concatenate([[0], np.cumsum(np.bincount(key, minlength=n * m))]).tolist()
+    ws = warmups(lowered)
+    devices = [d for d in range(n) if bounds[d * m + m] > bounds[d * m]]
+    seq, ends = [], []
+    for d in devices:
+        for backward, j in passes(m, ws[d]):
+            lo, hi = bounds[d * m + j], bounds[d * m + j + 1]
+            seq.append(rts[size - hi:size - lo] if backward else ts[lo:hi])
+            ends.append(rbd[size - hi:size - lo] if backward else fd[lo:hi])
+    seq, ends = np.concatenate(seq), np.concatenate(ends)
+    device_ends = np.cumsum(2 * (np.array(bounds[m::m]) - np.array(bounds[:-1:m])))[devices] - 1
+    chained = np.ones(len(seq) - 1, dtype=bool)
+    chained[device_ends[:-1]] = False
+    tg.chunks.append((ends[:-1][chained], seq[1:][chained]))
+    return dict(zip(devices, ends[device_ends].tolist()))

@@ -10,6 +10,7 @@ from simulator.cost import get_cost_model
 from simulator.devices import DeviceSpec
 from simulator.presets import get_topology
 from simulator.simulate import simulate_plan
+from simulator.tasks import TaskCache
 from simulator.topology import Topology
 from soapsearch.search.api import Evaluator
 from soapsearch.search.mcmc import candidate_configs
@@ -63,3 +64,15 @@ def test_delta_equals_full(name, topology, microbatches, schedule, proposals):
             changed += proposal[op] != current[op]
             current = proposal
     assert changed > proposals // 5  # the walk really moved
+
+
+def test_a_task_cache_handed_another_graph_starts_over():
+    # one TaskCache, two graphs in turn (the blocks' positions are a graph's): each equals its
+    # from-scratch simulation.
+    topo, cost = get_topology("p100-2x2"), get_cost_model("analytical")
+    cache = TaskCache(topo, cost)
+    graphs = [traced(name, batch_size=16) for name in ("mlp", "alexnet", "mlp")]
+    for graph in graphs + graphs[::-1]:
+        for plan in (data_parallel(graph, 4), owt(graph, 4)):
+            delta = simulate_plan(graph, plan, topo, cost, cache=cache)
+            assert delta == simulate_plan(graph, plan, topo, cost)

@@ -133,6 +133,9 @@ def test_a_loss_sum_with_no_bucket_is_its_own_collective_the_gradients_wait_on()
         if n.kind not in ("loss",) and n.name != "y":
             plan = plan.replace(n.name, ParallelConfig((1,) * len(n.dims), (0,)))
     tg, start, end = simulate(g, plan, pair(200e3))
+    sends = [(tg.label(t), start[t], end[t]) for t in find(tg, "send")]
+    assert sends == [("send fc[0]->cross_entropy[1]@mb0", pytest.approx(1.0 * MS), pytest.approx(3.4 * MS)),
+                     ("send-grad fc[0]->cross_entropy[1]@mb0", pytest.approx(6.1 * MS), pytest.approx(8.5 * MS))]
     [r] = [t for t in range(len(tg)) if tg.category[t] == REDUCE]
     assert (start[r], end[r]) == pytest.approx((3.9 * MS, 6.1 * MS), rel=1e-9)
     assert {tg.category[u] for u in tg.successors(r)} == {UPDATE}
