@@ -23,21 +23,14 @@ def peak_memory(lowered: Lowered, optimizer: str = "sgd") -> list[int]:
     if optimizer not in OPTIMIZER_STATE:
         raise ValueError(f"optimizer {optimizer!r} is not one of {sorted(OPTIMIZER_STATE)}")
     n = lowered.strategy.num_devices
-    mem = [0] * n
     per = 2 + OPTIMIZER_STATE[optimizer]
-    for s in lowered.weight_shards:
-        for d in s.devices:
-            mem[d] += s.nbytes * (per if s.trainable else 1)
-    act, fwd, grad = [0] * n, [0] * n, [0] * n
-    for pieces in lowered.pieces.values():
-        for d, nbytes in pieces.activations:
-            act[d] += nbytes
-        for d, f, g in pieces.receives:
-            fwd[d] += f
-            grad[d] += g
+    trainable, frozen = lowered.weight_bytes
+    pieces = lowered.pieces.values()
+    act = list(map(sum, zip(*(p.activations for p in pieces))))
+    fwd = list(map(sum, zip(*(p.receives[0] for p in pieces))))
+    grad = list(map(sum, zip(*(p.receives[1] for p in pieces))))
     # a device holds the activations of the micro-batches it has warmed up (schedule.py)
     m = lowered.strategy.microbatches
     ws = warmups(lowered)
-    return [mem[d] + ws.get(d, 0) * act[d] + (fwd[d] if ws.get(d, 0) < m else 0) + min(2, m) * grad[d]
-            for d in range(n)]
-
+    return [trainable[d] * per + frozen[d] + ws.get(d, 0) * act[d] + (fwd[d] if ws.get(d, 0) < m else 0)
+            + min(2, m) * grad[d] for d in range(n)]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
+from functools import cached_property
 from typing import NamedTuple, Sequence
 
 from strategies.graph import DTYPE_BYTES, OpGraph, OpNode
@@ -107,13 +108,14 @@ class OpPieces(NamedTuple):
     couples: frozenset[tuple[int, int]]
     """Device pairs (a, b) where a's data flows to b: remote transfers into the op, and each
     reduction's ring in both directions (``strategies.schedule.warmups`` reads them)."""
-    activations: tuple[tuple[int, int], ...]
-    """(device, bytes) kept for backward per micro-batch: each partition's output and each
-    remote piece it receives (``simulator.memory``)."""
-    receives: tuple[tuple[int, int, int], ...]
-    """(device, forward bytes, gradient bytes) it receives per micro-batch: the remote pieces
-    into the op on their consumer's device, and their gradients on the producer's device when
-    both ops need one (the executor posts them a micro-batch ahead; ``simulator.memory``)."""
+    activations: tuple[int, ...]
+    """Bytes each device keeps for backward per micro-batch (one entry per device): each
+    partition's output and each remote piece it receives (``simulator.memory``)."""
+    receives: tuple[tuple[int, ...], tuple[int, ...]]
+    """(forward, gradient) bytes each device receives per micro-batch (one entry per device):
+    the remote pieces into the op on their consumer's device, and their gradients on the
+    producer's device when both ops need one (the executor posts them a micro-batch ahead;
+    ``simulator.memory``)."""
 
 
 @dataclass(frozen=True)
@@ -122,12 +124,22 @@ class Lowered:
     strategy: Strategy
     partitions: dict[str, tuple[tuple[Partition, ...], ...]]
     """op -> micro-batch -> its partitions in partition order."""
-    transfers: tuple[Transfer, ...]
     weight_shards: tuple[WeightShard, ...]
-    reductions: tuple[ReductionGroup, ...]
     pieces: dict[str, OpPieces]
     """op -> what it contributes (the same object for an unchanged op when lowered with a cache:
     consumers of the lowering cache their own per-op work by its identity)."""
+    weight_bytes: tuple[tuple[int, ...], tuple[int, ...]]
+    """(trainable, frozen) bytes of the weight shards each device holds (one entry per device)."""
+
+    @cached_property
+    def transfers(self) -> tuple[Transfer, ...]:
+        """Every op's transfers, in graph order (gathered when first read)."""
+        return tuple(t for p in self.pieces.values() for t in p.transfers)
+
+    @cached_property
+    def reductions(self) -> tuple[ReductionGroup, ...]:
+        """Every op's reduction groups, in graph order (gathered when first read)."""
+        return tuple(g for p in self.pieces.values() for g in p.reductions)
 
     @property
     def bytes_moved(self) -> int:
@@ -273,44 +285,55 @@ def lower(graph: OpGraph, strategy: Strategy, cache: dict | None = None) -> Lowe
     """Everything a plan does, derived once (DESIGN.md "The lowering"). ``cache`` (any dict kept
     across calls for one graph) memoizes each op's pieces by the configs they depend on, and
     each weight's shards by the pieces of the ops reading it; an op's config is validated when
-    its pieces are first derived."""
-    strategy.validate(graph, configs=cache is None)
-    m = strategy.microbatches
+    its pieces are first derived. An op whose config and whose producers' configs are the very
+    objects of the previous call (a search's proposal shares every unchanged config) takes
+    that call's pieces without hashing them."""
+    ops = tuple(strategy)
+    if cache is None or cache.get("ops") != ops:  # a search's plans all name the same ops
+        strategy.validate(graph, configs=cache is None)
+        if cache is not None:
+            cache["ops"] = ops
+    m, n = strategy.microbatches, strategy.num_devices
     partitions: dict[str, tuple[tuple[Partition, ...], ...]] = {}
     by_op: dict[str, OpPieces] = {}
-    transfers: list[Transfer] = []
-    reductions: list[ReductionGroup] = []
     readers: dict[str, list[OpPieces]] = {}
+    last = cache.setdefault(("last", m, n), {}) if cache is not None else None
+    config = strategy.__getitem__
     for node in graph:
         if cache is None:
             pieces = _lower_op(graph, strategy, node, m)
         else:
-            key = (node.name, m, strategy.num_devices, strategy[node.name],
-                   tuple(strategy[src] for src in node.inputs))
-            pieces = cache.get(key)
-            if pieces is None:
-                strategy.validate_op(node)
-                pieces = cache[key] = _lower_op(graph, strategy, node, m)
+            cfg, prev = config(node.name), last.get(node.name)
+            inputs = tuple(map(config, node.inputs))
+            if prev is not None and prev[0] is cfg and prev[1] == inputs:  # == tries `is` first
+                pieces = prev[2]
+            else:
+                key = (node.name, m, n, cfg, inputs)
+                pieces = cache.get(key)
+                if pieces is None:
+                    strategy.validate_op(node)
+                    pieces = cache[key] = _lower_op(graph, strategy, node, m)
+                last[node.name] = (cfg, inputs, pieces)
         by_op[node.name] = pieces
         partitions[node.name] = pieces.partitions
-        transfers.extend(pieces.transfers)
-        reductions.extend(pieces.reductions)
         for name in pieces.weights_read:
             readers.setdefault(name, []).append(pieces)
     shards: list[WeightShard] = []
+    trainable, frozen = [], []
     for name, read_by in readers.items():
         hit = cache.get(("shards", name)) if cache is not None else None
-        if hit is not None and len(hit[0]) == len(read_by) and all(a is b for a, b in zip(hit[0], read_by)):
-            shards.extend(hit[1])
-            continue
-        mine = _weight_shards(name, read_by)
-        if cache is not None:
-            cache[("shards", name)] = (read_by, mine)  # holding the pieces keeps the test by identity sound
-        shards.extend(mine)
-    return Lowered(graph, strategy, partitions, tuple(transfers), tuple(shards), tuple(reductions), by_op)
+        if hit is None or hit[0] != read_by:  # == tries `is` first: the same pieces, the same shards
+            hit = (read_by, *_weight_shards(name, read_by, n))  # holding the pieces keeps the test by identity sound
+            if cache is not None:
+                cache[("shards", name)] = hit
+        shards.extend(hit[1])
+        (trainable if hit[1][0].trainable else frozen).append(hit[2])
+    weight_bytes = tuple(tuple(map(sum, zip(*vs))) if vs else (0,) * n for vs in (trainable, frozen))
+    return Lowered(graph, strategy, partitions, tuple(shards), by_op, weight_bytes)
 
 
-def _weight_shards(name: str, read_by: list[OpPieces]) -> list[WeightShard]:
+def _weight_shards(name: str, read_by: list[OpPieces], n: int) -> tuple[list[WeightShard], tuple[int, ...]]:
+    """The shards of weight ``name`` and the bytes of them each of the ``n`` devices holds."""
     held: dict[Box, set[int]] = {}
     ops: dict[str, None] = {}
     for pieces in read_by:
@@ -319,7 +342,12 @@ def _weight_shards(name: str, read_by: list[OpPieces]) -> list[WeightShard]:
                 held.setdefault(region, set()).add(device)
                 ops[reader] = None
                 meta = (itemsize, trainable)
-    return _shards(name, held, *meta, tuple(ops))
+    shards = _shards(name, held, *meta, tuple(ops))
+    per_device = [0] * n
+    for s in shards:
+        for d in s.devices:
+            per_device[d] += s.nbytes
+    return shards, tuple(per_device)
 
 
 def _lower_op(graph: OpGraph, strategy: Strategy, node: OpNode, m: int) -> OpPieces:
@@ -366,20 +394,20 @@ def _lower_op(graph: OpGraph, strategy: Strategy, node: OpNode, m: int) -> OpPie
     couples = {(t.src_device, t.dst_device) for t in transfers if not t.local}
     for g in reductions:  # a collective couples its devices both ways
         couples.update(zip(g.devices, g.devices[1:] + g.devices[:1]))
-    kept: dict[int, int] = {}
+    n = strategy.num_devices
+    kept, fwd, grad = [0] * n, [0] * n, [0] * n
     itemsize = DTYPE_BYTES[node.output.dtype]
     for p in per_mb[0]:
-        kept[p.device] = kept.get(p.device, 0) + (8 if node.kind == "loss" else itemsize * box_numel(p.box))
-    received: dict[int, list[int]] = {}
+        kept[p.device] += 8 if node.kind == "loss" else itemsize * box_numel(p.box)
     for t in transfers:
         if t.microbatch == 0 and not t.local:
             kept[t.dst_device] += t.nbytes
-            received.setdefault(t.dst_device, [0, 0])[0] += t.nbytes
+            fwd[t.dst_device] += t.nbytes
             if graph.needs_grad[t.src_op] and graph.needs_grad[t.dst_op]:
-                received.setdefault(t.src_device, [0, 0])[1] += t.nbytes
+                grad[t.src_device] += t.nbytes
     return OpPieces(tuple(per_mb), tuple(transfers), tuple(reductions), tuple(reads),
-                    tuple(dict.fromkeys(r[0] for r in reads)), frozenset(couples), tuple(sorted(kept.items())),
-                    tuple(sorted((d, f, g) for d, (f, g) in received.items())))
+                    tuple(dict.fromkeys(r[0] for r in reads)), frozenset(couples), tuple(kept),
+                    (tuple(fwd), tuple(grad)))
 
 
 def _groups(node: OpNode, degrees: Sequence[int], devices: Sequence[int], reds, parts,
