@@ -215,6 +215,11 @@ class OpGraph:
     def weight_bytes(self) -> int:
         return sum(w.spec.nbytes for w in {w.name: w for n in self.nodes for w in n.weights}.values())
 
+    @cached_property
+    def weight_dtypes(self) -> dict[str, str]:
+        """Weight name -> its dtype (a tied weight once)."""
+        return {w.name: w.spec.dtype for n in self.nodes for w in n.weights}
+
     def fingerprint(self) -> str:
         """sha256 over (name, kind, inputs, output shape and dtype, dims, weight shapes) of
         every op, in order: equal for the same model and batch, different when any changes."""

@@ -251,15 +251,18 @@ def bucket_sums(lowered: "Lowered") -> dict[ReductionGroup, tuple[int, ...]]:
     bucket's, the executor appends each member's contribution to that bucket (a sum is a sum:
     one all-reduce for both) and divides the summed gradients by C afterwards (1/C·Σ g = Σ g/C);
     the simulator adds its bytes to that bucket instead of timing a collective of its own."""
-    dtypes = {w.name: w.spec.dtype for n in lowered.graph for w in n.weights}
-    buckets = {(s.devices, dtypes[s.name]) for s in lowered.weight_shards
-               if s.trainable and len(s.devices) > 1}
-    out = {}
+    wanted = {}
     for g in lowered.reductions:
         if g.gates == STEP:
-            key = (tuple(sorted(g.devices)), lowered.graph[g.op].output.dtype)
-            if key in buckets:
-                out[g] = key[0]
+            wanted.setdefault((tuple(sorted(g.devices)), lowered.graph[g.op].output.dtype), []).append(g)
+    out = {}
+    dtypes = lowered.graph.weight_dtypes
+    for s in lowered.weight_shards:  # until every wanted bucket is found (data parallel: the first)
+        if not wanted:
+            break
+        if s.trainable and len(s.devices) > 1:
+            for g in wanted.pop((s.devices, dtypes[s.name]), ()):
+                out[g] = s.devices
     return out
 
 
