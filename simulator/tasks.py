@@ -105,18 +105,17 @@ class TaskCache:
 
     def __init__(self, topology: Topology, cost: CostModel):
         self.topology, self.cost = topology, cost
-        self.blocks: dict[str, _Block] = {}
         self.wires: dict[tuple[int, int, int], tuple] = {}
         """(source, target, bytes) -> ``_wire``'s times and resources (a pure function of them)."""
         self._graph: OpGraph | None = None
-        self._positions: dict[str, int] = {}
+        self._layout: tuple[list[OpNode], dict[str, int], list[_Block | None]] = ([], {}, [])
         self._joined: _Joined | None = None
 
-    def positions(self, graph: OpGraph) -> dict[str, int]:
-        """Op name -> index in ``graph``'s order; a new graph empties the cache."""
+    def layout(self, graph: OpGraph) -> tuple[list[OpNode], dict[str, int], list[_Block | None]]:
+        """``_layout(graph)``, its blocks kept from the graphs built before; a new graph empties it."""
         if graph is not self._graph:
-            self._graph, self._positions, self.blocks, self._joined = graph, _positions(graph), {}, None
-        return self._positions
+            self._graph, self._layout, self._joined = graph, _layout(graph), None
+        return self._layout
 
     def join(self, blocks: list[_Block]) -> tuple[np.ndarray, ...]:
         """``blocks``' arrays joined, from the last graph's (``_Joined``)."""
@@ -158,8 +157,11 @@ class _Joined:
         self.blocks, self.arrays = blocks, tuple(joined)
 
 
-def _positions(graph: OpGraph) -> dict[str, int]:
-    return {node.name: i for i, node in enumerate(graph)}
+def _layout(graph: OpGraph) -> tuple[list[OpNode], dict[str, int], list[_Block | None]]:
+    """``graph``'s nodes in order, op name -> its index (its block's position), and a slot for
+    each op's block."""
+    nodes = list(graph)
+    return nodes, {node.name: i for i, node in enumerate(nodes)}, [None] * len(nodes)
 
 
 def _op_block(node: OpNode, pieces: OpPieces, backward: bool, producers: dict[str, _Block],
@@ -339,18 +341,14 @@ def _blocks(lowered: Lowered, topology: Topology, cost: CostModel, cache: TaskCa
     """Every op's block in graph order: the cache's while the op's pieces are the same object,
     else built (and kept in the cache)."""
     graph = lowered.graph
-    position = cache.positions(graph) if cache is not None else _positions(graph)
-    kept = cache.blocks if cache is not None else {}
+    nodes, position, kept = cache.layout(graph) if cache is not None else _layout(graph)
     wires = cache.wires if cache is not None else {}
-    blocks: dict[str, _Block] = {}
-    for node in graph:
-        pieces = lowered.pieces[node.name]
-        b = kept.get(node.name)
-        if b is None or b.pieces is not pieces:
-            b = kept[node.name] = _op_block(node, pieces, graph.needs_grad[node.name], blocks,
-                                            position[node.name], topology, cost, wires)
-        blocks[node.name] = b
-    return list(blocks.values())
+    pieces = [lowered.pieces[node.name] for node in nodes]
+    for i in [i for i, (p, b) in enumerate(zip(pieces, kept)) if b is None or b.pieces is not p]:
+        node = nodes[i]  # in graph order: its producers' blocks are current
+        producers = {src: kept[position[src]] for src in node.inputs}
+        kept[i] = _op_block(node, pieces[i], graph.needs_grad[node.name], producers, i, topology, cost, wires)
+    return list(kept)  # type: ignore[arg-type]
 
 
 def _link_schedule(tg: TaskGraph, lowered: Lowered, steps: np.ndarray, first: np.ndarray) -> dict[int, int]:
