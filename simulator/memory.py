@@ -24,13 +24,9 @@ def peak_memory(lowered: Lowered, optimizer: str = "sgd") -> list[int]:
         raise ValueError(f"optimizer {optimizer!r} is not one of {sorted(OPTIMIZER_STATE)}")
     n = lowered.strategy.num_devices
     per = 2 + OPTIMIZER_STATE[optimizer]
-    trainable, frozen = lowered.weight_bytes
-    pieces = lowered.pieces.values()
-    act = list(map(sum, zip(*(p.activations for p in pieces))))
-    fwd = list(map(sum, zip(*(p.receives[0] for p in pieces))))
-    grad = list(map(sum, zip(*(p.receives[1] for p in pieces))))
+    b = lowered.device_bytes
     # a device holds the activations of the micro-batches it has warmed up (schedule.py)
     m = lowered.strategy.microbatches
     ws = warmups(lowered)
-    return [trainable[d] * per + frozen[d] + ws.get(d, 0) * act[d] + (fwd[d] if ws.get(d, 0) < m else 0)
-            + min(2, m) * grad[d] for d in range(n)]
+    return [b.trainable[d] * per + b.frozen[d] + ws.get(d, 0) * b.kept[d] + (b.received[d] if ws.get(d, 0) < m else 0)
+            + min(2, m) * b.received_grad[d] for d in range(n)]

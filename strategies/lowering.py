@@ -118,6 +118,21 @@ class OpPieces(NamedTuple):
     ``simulator.memory``)."""
 
 
+class DeviceBytes(NamedTuple):
+    """Per-device totals over a plan's ops and weights (one entry per device each)."""
+
+    kept: tuple[int, ...]
+    """Σ ``OpPieces.activations``: bytes kept for backward per micro-batch."""
+    received: tuple[int, ...]
+    """Σ forward ``OpPieces.receives``: bytes received per micro-batch."""
+    received_grad: tuple[int, ...]
+    """Σ gradient ``OpPieces.receives``: gradient bytes received per micro-batch."""
+    trainable: tuple[int, ...]
+    """Bytes of the trainable weight shards held."""
+    frozen: tuple[int, ...]
+    """Bytes of the other weight shards held."""
+
+
 @dataclass(frozen=True)
 class Lowered:
     graph: OpGraph
@@ -128,8 +143,8 @@ class Lowered:
     pieces: dict[str, OpPieces]
     """op -> what it contributes (the same object for an unchanged op when lowered with a cache:
     consumers of the lowering cache their own per-op work by its identity)."""
-    weight_bytes: tuple[tuple[int, ...], tuple[int, ...]]
-    """(trainable, frozen) bytes of the weight shards each device holds (one entry per device)."""
+    device_bytes: "DeviceBytes"
+    """Per-device byte totals of the plan (``simulator.memory`` reads them)."""
 
     @cached_property
     def transfers(self) -> tuple[Transfer, ...]:
@@ -290,7 +305,8 @@ def lower(graph: OpGraph, strategy: Strategy, cache: dict | None = None) -> Lowe
     each weight's shards by the pieces of the ops reading it; an op's config is validated when
     its pieces are first derived. An op whose config and whose producers' configs are the very
     objects of the previous call (a search's proposal shares every unchanged config) takes
-    that call's pieces without hashing them."""
+    that call's pieces without hashing them, and the per-device totals (``DeviceBytes``) are
+    the previous call's patched by the ops and weights that changed."""
     ops = tuple(strategy)
     if cache is None or cache.get("ops") != ops:  # a search's plans all name the same ops
         strategy.validate(graph, configs=cache is None)
@@ -300,29 +316,37 @@ def lower(graph: OpGraph, strategy: Strategy, cache: dict | None = None) -> Lowe
     partitions: dict[str, tuple[tuple[Partition, ...], ...]] = {}
     by_op: dict[str, OpPieces] = {}
     readers: dict[str, list[OpPieces]] = {}
-    last = cache.setdefault(("last", m, n), {}) if cache is not None else None
+    last = cache.setdefault(("last", m, n), {}) if cache is not None else {}
+    totals = cache.setdefault(("totals", m, n), [[0] * n for _ in DeviceBytes._fields]) if cache is not None \
+        else [[0] * n for _ in DeviceBytes._fields]
+    kept, received, received_grad, trainable, frozen = totals
     config = strategy.__getitem__
     for node in graph:
-        if cache is None:
-            pieces = _lower_op(graph, strategy, node, m)
+        cfg, prev = config(node.name), last.get(node.name)
+        inputs = tuple(map(config, node.inputs))
+        if prev is not None and prev[0] is cfg and prev[1] == inputs:  # == tries `is` first
+            pieces = prev[2]
         else:
-            cfg, prev = config(node.name), last.get(node.name)
-            inputs = tuple(map(config, node.inputs))
-            if prev is not None and prev[0] is cfg and prev[1] == inputs:  # == tries `is` first
-                pieces = prev[2]
-            else:
-                key = (node.name, m, n, cfg, inputs)
-                pieces = cache.get(key)
-                if pieces is None:
+            key = (node.name, m, n, cfg, inputs)
+            pieces = cache.get(key) if cache is not None else None
+            if pieces is None:
+                if cache is not None:
                     strategy.validate_op(node)
-                    pieces = cache[key] = _lower_op(graph, strategy, node, m)
-                last[node.name] = (cfg, inputs, pieces)
+                pieces = _lower_op(graph, strategy, node, m)
+                if cache is not None:
+                    cache[key] = pieces
+            old = prev[2] if prev is not None else None
+            if old is not pieces:
+                _patch(kept, old and old.activations, pieces.activations)
+                _patch(received, old and old.receives[0], pieces.receives[0])
+                _patch(received_grad, old and old.receives[1], pieces.receives[1])
+            last[node.name] = (cfg, inputs, pieces)
         by_op[node.name] = pieces
         partitions[node.name] = pieces.partitions
         for name in pieces.weights_read:
             readers.setdefault(name, []).append(pieces)
     shards: list[WeightShard] = []
-    trainable, frozen = [], []
+    held = cache.setdefault(("held", m, n), {}) if cache is not None else {}
     for name, read_by in readers.items():
         hit = cache.get(("shards", name)) if cache is not None else None
         if hit is None or hit[0] != read_by:  # == tries `is` first: the same pieces, the same shards
@@ -330,9 +354,23 @@ def lower(graph: OpGraph, strategy: Strategy, cache: dict | None = None) -> Lowe
             if cache is not None:
                 cache[("shards", name)] = hit
         shards.extend(hit[1])
-        (trainable if hit[1][0].trainable else frozen).append(hit[2])
-    weight_bytes = tuple(tuple(map(sum, zip(*vs))) if vs else (0,) * n for vs in (trainable, frozen))
-    return Lowered(graph, strategy, partitions, tuple(shards), by_op, weight_bytes)
+        old = held.get(name)
+        if old is not hit[2]:
+            _patch(trainable if hit[1][0].trainable else frozen, old, hit[2])
+            held[name] = hit[2]
+    return Lowered(graph, strategy, partitions, tuple(shards), by_op, DeviceBytes(*map(tuple, totals)))
+
+
+def _patch(total: list[int], old: tuple[int, ...] | None, new: tuple[int, ...]) -> None:
+    """total += new - old, per device (old None: nothing to take back)."""
+    if old is None:
+        for d, b in enumerate(new):
+            if b:
+                total[d] += b
+        return
+    for d, (a, b) in enumerate(zip(old, new)):
+        if a != b:
+            total[d] += b - a
 
 
 def _weight_shards(name: str, read_by: list[OpPieces], n: int) -> tuple[list[WeightShard], tuple[int, ...]]:
