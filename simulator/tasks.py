@@ -361,7 +361,8 @@ def _link_schedule(tg: TaskGraph, lowered: Lowered, steps: np.ndarray, first: np
     n, m = tg.num_devices, lowered.strategy.microbatches
     key = steps[1] * m + steps[2]
     order = np.argsort(key.astype(np.min_scalar_type(n * m)), kind="stable")  # small ints: a radix sort
-    ts, fd, bd = (steps[[0, 3, 4]] + first[steps[5]])[:, order]
+    at = first[steps[5]]
+    ts, fd, bd = ((steps[r] + at)[order] for r in (0, 3, 4))
     rts, rbd, size = ts[::-1] + 1, bd[::-1], len(ts)  # a backward pass: its forwards' slice reversed
     bounds = np.concatenate([[0], np.cumsum(np.bincount(key, minlength=n * m))]).tolist()
     ws = warmups(lowered)
