@@ -108,10 +108,10 @@ class TaskCache:
         self.wires: dict[tuple[int, int, int], tuple] = {}
         """(source, target, bytes) -> ``_wire``'s times and resources (a pure function of them)."""
         self._graph: OpGraph | None = None
-        self._layout: tuple[list[OpNode], dict[str, int], list[_Block | None]] = ([], {}, [])
+        self._layout: _Layout = ([], {}, [], [])
         self._joined: _Joined | None = None
 
-    def layout(self, graph: OpGraph) -> tuple[list[OpNode], dict[str, int], list[_Block | None]]:
+    def layout(self, graph: OpGraph) -> _Layout:
         """``_layout(graph)``, its blocks kept from the graphs built before; a new graph empties it."""
         if graph is not self._graph:
             self._graph, self._layout, self._joined = graph, _layout(graph), None
@@ -157,11 +157,15 @@ class _Joined:
         self.blocks, self.arrays = blocks, tuple(joined)
 
 
-def _layout(graph: OpGraph) -> tuple[list[OpNode], dict[str, int], list[_Block | None]]:
-    """``graph``'s nodes in order, op name -> its index (its block's position), and a slot for
-    each op's block."""
+_Layout = tuple[list[OpNode], dict[str, int], list[Any], list[Any]]
+
+
+def _layout(graph: OpGraph) -> _Layout:
+    """``graph``'s nodes in order, op name -> its index (its block's position), and two slots
+    for each op's blocks: the last graph's and the one it replaced (a search's rejected
+    proposal is followed by its current plan's ops again: a revert rebuilds nothing)."""
     nodes = list(graph)
-    return nodes, {node.name: i for i, node in enumerate(nodes)}, [None] * len(nodes)
+    return nodes, {node.name: i for i, node in enumerate(nodes)}, [None] * len(nodes), [None] * len(nodes)
 
 
 def _op_block(node: OpNode, pieces: OpPieces, backward: bool, producers: dict[str, _Block],
@@ -341,14 +345,18 @@ def _blocks(lowered: Lowered, topology: Topology, cost: CostModel, cache: TaskCa
     """Every op's block in graph order: the cache's while the op's pieces are the same object,
     else built (and kept in the cache)."""
     graph = lowered.graph
-    nodes, position, kept = cache.layout(graph) if cache is not None else _layout(graph)
+    nodes, position, kept, replaced = cache.layout(graph) if cache is not None else _layout(graph)
     wires = cache.wires if cache is not None else {}
     pieces = [lowered.pieces[node.name] for node in nodes]
     for i in [i for i, (p, b) in enumerate(zip(pieces, kept)) if b is None or b.pieces is not p]:
-        node = nodes[i]  # in graph order: its producers' blocks are current
-        producers = {src: kept[position[src]] for src in node.inputs}
-        kept[i] = _op_block(node, pieces[i], graph.needs_grad[node.name], producers, i, topology, cost, wires)
-    return list(kept)  # type: ignore[arg-type]
+        b = replaced[i]
+        replaced[i] = kept[i]
+        if b is None or b.pieces is not pieces[i]:
+            node = nodes[i]  # in graph order: its producers' blocks are current
+            producers = {src: kept[position[src]] for src in node.inputs}
+            b = _op_block(node, pieces[i], graph.needs_grad[node.name], producers, i, topology, cost, wires)
+        kept[i] = b
+    return list(kept)
 
 
 def _link_schedule(tg: TaskGraph, lowered: Lowered, steps: np.ndarray, first: np.ndarray) -> dict[int, int]:

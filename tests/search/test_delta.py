@@ -10,6 +10,7 @@ from simulator.cost import get_cost_model
 from simulator.devices import DeviceSpec
 from simulator.presets import get_topology
 from simulator.simulate import simulate_plan
+from simulator import tasks
 from simulator.tasks import TaskCache
 from simulator.topology import Topology
 from soapsearch.search.api import Evaluator
@@ -76,3 +77,21 @@ def test_a_task_cache_handed_another_graph_starts_over():
         for plan in (data_parallel(graph, 4), owt(graph, 4)):
             delta = simulate_plan(graph, plan, topo, cost, cache=cache)
             assert delta == simulate_plan(graph, plan, topo, cost)
+
+
+def test_a_rejected_proposal_then_the_current_plan_again_rebuilds_no_block(monkeypatch):
+    # MCMC evaluates current + change, rejects it, then current + another change: the changed
+    # ops get back from the cache the blocks their proposal's replaced, and nothing is built.
+    graph, topo, cost = traced("mlp", batch_size=16), get_topology("p100-2x2"), get_cost_model("analytical")
+    candidates = candidate_configs(graph, 4, 1, topo.node_size)
+    current = data_parallel(graph, 4)
+    op = next(op for op, cfgs in candidates.items() if len(cfgs) > 1)
+    proposal = current.replace(op, next(c for c in candidates[op] if c != current[op]))
+    evaluate = Evaluator(graph, topo, cost)
+    evaluate(current)
+    evaluate(proposal)
+    full = simulate_plan(graph, current, topo, cost)
+    real, built = tasks._op_block, []
+    monkeypatch.setattr(tasks, "_op_block", lambda node, *rest: built.append(node.name) or real(node, *rest))
+    assert evaluate(current, summary=True) == full
+    assert built == []
