@@ -13,11 +13,14 @@ every device knows it, and one optimizer update per device.
 
 Delta simulation: the tasks of one op — its partitions, its reductions and the transfers into
 it — depend only on the op's lowered pieces (its config and its producers' configs). They are
-built as one block with local task ids and references to the producers' tasks, and a
+built as one block with local task ids and references to the producers' tasks, its edges
+and schedule steps held as arrays (each end a local id and its block's position). A
 ``TaskCache`` keeps each op's block while the op's pieces are the same object (the lowering's
-cache hands back the same object for an unchanged op). ``build_tasks`` lays the blocks out in
-graph order and then links them (producer references, each device's schedule order, gradient
-sync), so a graph built from cached blocks is the one built from scratch, task for task.
+cache hands back the same object for an unchanged op), and the block it replaced (a rejected
+proposal's ops go back to it). ``build_tasks`` lays the blocks out in graph order and links
+them with a few numpy calls over their arrays joined (the cache splices the changed blocks'
+into the last graph's): producer references, each device's schedule order, then gradient
+sync, so a graph built from cached blocks is the one built from scratch, task for task.
 """
 
 from __future__ import annotations
