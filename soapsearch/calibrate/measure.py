@@ -8,7 +8,8 @@
   count times the mean;
 * all-reduce over all ranks at the same sizes, against the ring formula on the fitted alpha, B;
 * compute, on all N processes at once (so processes sharing cores are measured sharing them):
-  float32 matmul FLOP/s (2·n³ per n×n product), copy bandwidth (read + write = 2·bytes), and the
+  float32 matmul FLOP/s (2·n³ per n×n product) and copy bandwidth (read + write = 2·bytes), each
+  from blocks of back-to-back calls long enough to span many scheduler slices, and the
   eager dispatch overhead of one tiny op (what the analytical model calls launch overhead);
 * the executor's overheads, on all N processes: probe chains trained by the real ``Executor``
   (``overhead.py``), fitted to a per-task figure beyond the analytical cost model's kernels, a
@@ -45,6 +46,8 @@ DEFAULT_SIZES = tuple(1 << k for k in range(10, 25, 2))
 """1 KiB, 4 KiB, ... 16 MiB (powers of 4)."""
 MATMUL_N = 384
 COPY_BYTES = 32 << 20
+BLOCK_S = 0.05
+"""Seconds of back-to-back calls per throughput block (``_per_call_time``): many scheduler slices."""
 
 
 @dataclass
@@ -107,6 +110,26 @@ class Calibration:
         return {"format": "soapsearch.calibration", "version": 1, "shared_cores": self.shared, **asdict(self)}
 
 
+def _per_call_time(fn, blocks: int, warmup: int) -> float:
+    """Seconds per call of ``fn`` run back to back: the median over ``blocks`` blocks of at
+    least ``BLOCK_S`` each of elapsed / calls. All processes run their blocks at once, each
+    spanning many scheduler slices, so processes sharing cores measure their share; a single
+    call of a few ms can run whole inside one slice, uncontended, and time the unshared speed."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(blocks):
+        calls, t0 = 0, time.perf_counter()
+        while True:
+            fn()
+            calls += 1
+            elapsed = time.perf_counter() - t0
+            if elapsed >= BLOCK_S:
+                break
+        times.append(elapsed / calls)
+    return statistics.median(times)
+
+
 def _median_time(fn, repeats: int, warmup: int) -> float:
     for _ in range(warmup):
         fn()
@@ -164,8 +187,8 @@ def _worker(rank: int, world: int, sizes: Sequence[int], repeats: int, warmup: i
     src, dst = torch.randn(COPY_BYTES // 4), torch.empty(COPY_BYTES // 4)
     x, y = torch.ones(1), torch.ones(1)
     dist.barrier()  # from here all processes compute at once
-    out["flops"] = 2 * MATMUL_N ** 3 / _median_time(lambda: torch.mm(a, b), max(repeats, 10), warmup)
-    out["memory_bandwidth"] = 2 * COPY_BYTES / _median_time(lambda: dst.copy_(src), max(repeats, 10), warmup)
+    out["flops"] = 2 * MATMUL_N ** 3 / _per_call_time(lambda: torch.mm(a, b), max(repeats, 5), warmup)
+    out["memory_bandwidth"] = 2 * COPY_BYTES / _per_call_time(lambda: dst.copy_(src), max(repeats, 5), warmup)
     out["op_overhead"] = _median_time(lambda: torch.add(x, y), 200, 20)
     dist.barrier()
     return out
