@@ -12,7 +12,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 def test_three_plans_ranked_as_measured(tmp_path):
     # gpt tiny on 2 processes: OWT moves ~10x the pieces of a 2-stage pipeline, which moves
-    # 2x those of model parallel (benchmarks/simulator_accuracy.py: ~90, ~45, ~25 ms measured).
+    # 2x those of model parallel (benchmarks/simulator_accuracy.py run F: ~59, ~15, ~10 ms measured).
     topo = calibrate(2, sizes=(1 << 10, 1 << 14, 1 << 18, 1 << 22, 1 << 24), repeats=5)
     graph = build_model("gpt", "tiny").graph
     plans = {"owt": baseline("owt", graph, 2), "pipeline": baseline("pipeline", graph, 2, microbatches=2),
