@@ -33,12 +33,15 @@ class Group:
     def __init__(self, pg, members: tuple[int, ...]):
         self.pg, self.members = pg, members
 
-    def gather(self, t: torch.Tensor) -> torch.Tensor:
-        """Every member's ``t``, stacked in member order (one all-gather)."""
+    def _all_gather(self, t: torch.Tensor, async_op: bool = False):
+        """(work or None, every member's ``t`` in member order): one all-gather."""
         t = t.contiguous()
         rows = [torch.empty_like(t) for _ in self.members]
-        dist.all_gather(rows, t, group=self.pg)
-        return torch.stack(rows)
+        return dist.all_gather(rows, t, group=self.pg, async_op=async_op), rows
+
+    def gather(self, t: torch.Tensor) -> torch.Tensor:
+        """Every member's ``t``, stacked in member order (one all-gather)."""
+        return torch.stack(self._all_gather(t)[1])
 
     def sum(self, t: torch.Tensor) -> torch.Tensor:
         """Σ over the members of ``t`` (a new tensor), the same on every member."""
@@ -51,9 +54,7 @@ class Group:
     def sum_async(self, t: torch.Tensor) -> "PendingSum":
         """Start Σ over the members of small ``t`` (one all-gather, ``async_op``); the sum, in
         member order as ``sum`` takes it, is ``wait()``'s."""
-        t = t.detach().contiguous()
-        rows = [torch.empty_like(t) for _ in self.members]
-        return PendingSum(dist.all_gather(rows, t, group=self.pg, async_op=True), rows)
+        return PendingSum(*self._all_gather(t.detach(), async_op=True))
 
 
 class PendingSum:

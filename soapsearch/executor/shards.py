@@ -27,8 +27,7 @@ class LocalWeights:
     """This rank's shards, cut from ``state`` (the full model's state_dict, the same on every
     rank: same seed)."""
 
-    def __init__(self, lowered: Lowered, state: Mapping[str, torch.Tensor], rank: int,
-                 device: torch.device, dtype: torch.dtype | None = None):
+    def __init__(self, lowered: Lowered, state: Mapping[str, torch.Tensor], rank: int, device: torch.device):
         self.lowered, self.rank, self.device = lowered, rank, device
         self.mine = [s for s in lowered.weight_shards if rank in s.devices]
         regions: dict[str, list[Box]] = {}
@@ -43,8 +42,6 @@ class LocalWeights:
                 raise KeyError(f"weight {name!r} is not in the model's state_dict")
             full = state[name]
             t = full.detach()[slice_box(box)].to(device=device).clone()
-            if dtype is not None and t.is_floating_point():
-                t = t.to(dtype)
             self.tensors[name] = t.requires_grad_(trainable[name] and t.is_floating_point())
         self.params = [t for _, t in sorted(self.tensors.items()) if t.requires_grad]
         self.buckets = self._buckets()

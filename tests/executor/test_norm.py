@@ -8,23 +8,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
 from soapsearch.executor import Executor, TrainConfig
-from soapsearch.executor.comm import Group
 from soapsearch.executor.norm import batch_norm
 from soapsearch.trace import trace
 from strategies.baselines import data_parallel
 from tests.executor.reference import reference_train
-
-
-@pytest.fixture(scope="module")
-def world_of_one():
-    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
-    yield Group(dist.group.WORLD, (0,))
-    dist.destroy_process_group()
 
 
 class ConvBN(nn.Module):

@@ -4,17 +4,9 @@ without a trace keeps no per-step state. A gloo world of one process, in this pr
 from __future__ import annotations
 
 import pytest
-import torch.distributed as dist
 
 from soapsearch.executor import Executor, build_model
 from strategies.baselines import data_parallel
-
-
-@pytest.fixture(scope="module")
-def world_of_one():
-    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
-    yield
-    dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("trace", [False, True])
