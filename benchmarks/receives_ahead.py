@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -25,27 +24,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _gloo import spawn_gloo  # noqa: E402
 
-PLANS = ("model_parallel", "owt", "pipeline_gpipe_m2", "pipeline_1f1b_m2", "param_split")
-
-
 def _plans(graph, n: int) -> dict:
-    from simulator_accuracy import param_split
-    from strategies import baseline
+    """simulator_accuracy's plans that move point-to-point pieces."""
+    from simulator_accuracy import plan_makers
 
-    makers = {
-        "model_parallel": lambda: baseline("model_parallel", graph, n),
-        "owt": lambda: baseline("owt", graph, n),
-        "pipeline_gpipe_m2": lambda: baseline("pipeline", graph, n, microbatches=2),
-        "pipeline_1f1b_m2": lambda: baseline("pipeline", graph, n, microbatches=2).with_microbatches(2, "1f1b"),
-        "param_split": lambda: param_split(graph, n),
-    }
-    return {name: makers[name]() for name in PLANS}
+    return {name: make() for name, make in plan_makers(graph, n).items() if name != "data_parallel"}
 
 
 def _body(rank: int, world: int, args) -> list[tuple]:
-    import torch
-    import torch.distributed as dist
-
+    from soapsearch.calibrate.timing import median_slowest, step_times
     from soapsearch.executor import Executor, TrainConfig, build_model
 
     models, steps, warmup = args
@@ -59,17 +46,12 @@ def _body(rank: int, world: int, args) -> list[tuple]:
                 if not ahead:
                     ex.ahead = [()] * len(ex.steps)  # every receive posted by the step that reads it
                 runs.append((name, ahead, ex, []))
-        for k in range(warmup + steps):
+        for k in range(warmup + steps):  # the variants take turns step by step
             for _, _, ex, times in runs:
-                dist.barrier()
-                t0 = time.perf_counter()
-                ex.step(seed=k)
+                t = step_times(lambda: ex.step(seed=k), 1)  # noqa: B023 - called at once
                 if k >= warmup:
-                    times.append(time.perf_counter() - t0)
-        for name, ahead, _, times in runs:
-            slowest = torch.tensor(times, dtype=torch.float64)
-            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-            rows.append((model, name, ahead, statistics.median(slowest.tolist()) * 1e3))
+                    times += t
+        rows += [(model, name, ahead, median_slowest(times) * 1e3) for name, ahead, _, times in runs]
     return rows
 
 

@@ -20,6 +20,7 @@ import statistics
 import sys
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -47,19 +48,24 @@ def param_split(graph, n: int) -> Strategy:
     return Strategy.of(configs, n)
 
 
-def plans_for(graph, n: int, topo: Topology, cost) -> dict[str, Strategy]:
-    from soapsearch.search import search
-
-    makers = {
+def plan_makers(graph, n: int) -> dict[str, Callable[[], Strategy]]:
+    """The fixed plans of the table, each made when called (a model may not take one)."""
+    return {
         "data_parallel": lambda: baseline("data_parallel", graph, n),
         "model_parallel": lambda: baseline("model_parallel", graph, n),
         "owt": lambda: baseline("owt", graph, n),
         "pipeline_gpipe_m2": lambda: baseline("pipeline", graph, n, microbatches=2),
         "pipeline_1f1b_m2": lambda: baseline("pipeline", graph, n, microbatches=2).with_microbatches(2, "1f1b"),
         "param_split": lambda: param_split(graph, n),
-        "searched": lambda: search(graph, topology=topo, budget_s=None, proposals=200, cost_model=cost,
-                                   init=("data_parallel", "owt"), seed=0).strategy,
     }
+
+
+def plans_for(graph, n: int, topo: Topology, cost) -> dict[str, Strategy]:
+    from soapsearch.search import search
+
+    makers = {**plan_makers(graph, n),
+              "searched": lambda: search(graph, topology=topo, budget_s=None, proposals=200, cost_model=cost,
+                                         init=("data_parallel", "owt"), seed=0).strategy}
     out = {}
     for name, make in makers.items():
         try:

@@ -60,9 +60,8 @@ class DeviceSpec:
                              "least one dtype, every figure > 0")
 
     def __reduce__(self):  # the read-only mapping does not pickle; rebuild from a dict
-        return (DeviceSpec, (self.kind, self.memory_bytes, dict(self.peak_flops),
-                             self.memory_bandwidth, self.node, self.task_overhead, self.message_overhead,
-                             self.exchange_overhead, self.collective_overhead))
+        return (DeviceSpec, (self.kind, self.memory_bytes, dict(self.peak_flops), self.memory_bandwidth,
+                             self.node, *(getattr(self, f) for f in OVERHEAD_FIELDS)))
 
     def flops_for(self, dtype: str) -> float:
         """Peak FLOP/s for ``dtype`` (float32's when the dtype has no figure of its own)."""

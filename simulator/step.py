@@ -47,7 +47,7 @@ def link_step(tg: TaskGraph, lowered: Lowered, topology: Topology,
               step_sums: list[tuple[int, list[tuple[ReductionGroup, list[int], bool]]]], last: dict[int, int],
               optimizer: str, traffic: float) -> None:
     """The end of the step as the executor runs it (``runtime.Executor.step``). The loss sums
-    gated STEP (``step_sums``: per block, its first id and its sums with their members'
+    gated STEP (``step_sums``: per block with such sums, its first id and its sums with their members'
     forward tasks and whether the divisor needs the data) travel in the gradient bucket of
     their device set where ``strategies.lowering.bucket_sums`` says so (their bytes added to
     it); the others are ring all-gathers of their own, started after the members' forwards.
@@ -60,7 +60,7 @@ def link_step(tg: TaskGraph, lowered: Lowered, topology: Topology,
     n = topology.num_devices
     ready: dict[int, list[int]] = {d: [last[d]] for d in last}  # what its gradient sync waits on
     later: dict[int, list[int]] = {d: [] for d in last}  # what only its update waits on
-    rides = bucket_sums(lowered) if any(sums for _, sums in step_sums) else {}
+    rides = bucket_sums(lowered) if step_sums else {}
     riders: dict[tuple[int, ...], list] = {}  # bucket device set -> [bytes, forward tasks] of its sums
     for off, sums in step_sums:
         for g, fwds, dynamic in sums:

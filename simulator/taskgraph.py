@@ -83,7 +83,7 @@ def label(name: Any) -> str:
 
 
 class TaskGraph:
-    """Tasks in id order: the sealed segments (``extend``), then the tail (``add``); edges
+    """Tasks in id order: the sealed segments (``place``), then the tail (``add``); edges
     collected as (source, target) pairs or arrays and turned into one adjacency (CSR) when
     first read."""
 
@@ -102,10 +102,10 @@ class TaskGraph:
         self._adjacency_lists: tuple[list[int], list[int], list[int]] | None = None
 
     # --- tasks ----------------------------------------------------------------------------------
-    def place(self, segments: list[Segment], joined: tuple[np.ndarray, ...] | None = None) -> np.ndarray:
+    def place(self, segments: list[Segment], joined: tuple[np.ndarray, ...]) -> np.ndarray:
         """Lay ``segments``' tasks out first, in order (once, before any task is added); returns
-        each one's first id. ``joined``: their (duration, res_len, res) concatenated, where the
-        caller keeps them (``arrays`` reads them instead of joining the segments' again)."""
+        each one's first id. ``joined``: their (duration, res_len, res) concatenated, which the
+        caller keeps across graphs (``arrays`` reads them)."""
         if self.segments or len(self.tail):
             raise ValueError("TaskGraph.place: segments are laid out once, before any task is added")
         first = np.zeros(len(segments) + 1, dtype=np.int64)
@@ -142,7 +142,7 @@ class TaskGraph:
         """(duration, res_first, res): durations, and every task's resources as CSR (task t's
         are res[res_first[t]:res_first[t + 1]]), the segments' arrays joined, then the tail's."""
         tail = Segment(self.tail)
-        head = [self._joined] if self._joined is not None else [(s.duration, s.res_len, s.res) for s in self.segments]
+        head = [self._joined] if self._joined is not None else []
         duration, lens, res = join(head + [(tail.duration, tail.res_len, tail.res)])
         res_first = np.zeros(len(lens) + 1, dtype=np.int64)
         np.cumsum(lens, out=res_first[1:])

@@ -46,10 +46,6 @@ __all__ = ["TaskGraph", "TaskCache", "build_tasks", "FORWARD", "BACKWARD", "TRAN
            "REDUCE", "ALLREDUCE", "UPDATE", "RECV", "CATEGORY"]
 
 
-def _links(topology: Topology, src: int, dst: int, offset: int) -> tuple[int, ...]:
-    return tuple(offset + l for l in topology.route(src, dst))
-
-
 class _Block:
     """The tasks of one op, ids local to the block: forward t and backward t + 1 of partition
     k of micro-batch j at t = ``fwd[j][k]``, then its reductions, then the transfers into it.
@@ -267,8 +263,8 @@ def _add_transfers(b: _Block, transfers: tuple[Transfer, ...], producers: dict[s
 def _wire(topology: Topology, src: int, dst: int, nbytes: int) -> tuple[float, tuple[int, ...], float, tuple[int, ...]]:
     """(seconds, resources) of ``nbytes`` sent ``src`` -> ``dst`` and of its gradient sent back."""
     n = topology.num_devices
-    return (transfer_time(topology, src, dst, nbytes), _links(topology, src, dst, n),
-            transfer_time(topology, dst, src, nbytes), _links(topology, dst, src, n))
+    return (transfer_time(topology, src, dst, nbytes), tuple(n + l for l in topology.route(src, dst)),
+            transfer_time(topology, dst, src, nbytes), tuple(n + l for l in topology.route(dst, src)))
 
 
 def _add_reductions(b: _Block, node: OpNode, reductions: tuple[ReductionGroup, ...], backward: bool,
@@ -378,14 +374,15 @@ def _link_schedule(tg: TaskGraph, lowered: Lowered, steps: np.ndarray, first: np
     bounds = np.concatenate([[0], np.cumsum(np.bincount(key, minlength=n * m))]).tolist()
     ws = warmups(lowered)
     devices = [d for d in range(n) if bounds[d * m + m] > bounds[d * m]]
-    seq, ends = [], []
+    seq, ends, device_ends, total = [], [], [], 0
     for d in devices:
         for backward, j in passes(m, ws[d]):
             lo, hi = bounds[d * m + j], bounds[d * m + j + 1]
             seq.append(rts[size - hi:size - lo] if backward else ts[lo:hi])
             ends.append(rbd[size - hi:size - lo] if backward else fd[lo:hi])
+            total += hi - lo
+        device_ends.append(total - 1)  # the position of its last step in ``seq``
     seq, ends = np.concatenate(seq), np.concatenate(ends)
-    device_ends = np.cumsum(2 * (np.array(bounds[m::m]) - np.array(bounds[:-1:m])))[devices] - 1
     chained = np.ones(len(seq) - 1, dtype=bool)
     chained[device_ends[:-1]] = False
     tg.chunks.append((ends[:-1][chained], seq[1:][chained]))

@@ -143,7 +143,7 @@ class Lowered:
     pieces: dict[str, OpPieces]
     """op -> what it contributes (the same object for an unchanged op when lowered with a cache:
     consumers of the lowering cache their own per-op work by its identity)."""
-    device_bytes: "DeviceBytes"
+    device_bytes: DeviceBytes
     """Per-device byte totals of the plan (``simulator.memory`` reads them)."""
 
     @cached_property
@@ -307,18 +307,17 @@ def lower(graph: OpGraph, strategy: Strategy, cache: dict | None = None) -> Lowe
     objects of the previous call (a search's proposal shares every unchanged config) takes
     that call's pieces without hashing them, and the per-device totals (``DeviceBytes``) are
     the previous call's patched by the ops and weights that changed."""
+    cache = {} if cache is None else cache  # none given: one used for this call only
     ops = tuple(strategy)
-    if cache is None or cache.get("ops") != ops:  # a search's plans all name the same ops
-        strategy.validate(graph, configs=cache is None)
-        if cache is not None:
-            cache["ops"] = ops
+    if cache.get("ops") != ops:  # a search's plans all name the same ops
+        strategy.validate(graph, configs=False)
+        cache["ops"] = ops
     m, n = strategy.microbatches, strategy.num_devices
     partitions: dict[str, tuple[tuple[Partition, ...], ...]] = {}
     by_op: dict[str, OpPieces] = {}
     readers: dict[str, list[OpPieces]] = {}
-    last = cache.setdefault(("last", m, n), {}) if cache is not None else {}
-    totals = cache.setdefault(("totals", m, n), [[0] * n for _ in DeviceBytes._fields]) if cache is not None \
-        else [[0] * n for _ in DeviceBytes._fields]
+    last = cache.setdefault(("last", m, n), {})
+    totals = cache.setdefault(("totals", m, n), [[0] * n for _ in DeviceBytes._fields])
     kept, received, received_grad, trainable, frozen = totals
     config = strategy.__getitem__
     for node in graph:
@@ -328,13 +327,10 @@ def lower(graph: OpGraph, strategy: Strategy, cache: dict | None = None) -> Lowe
             pieces = prev[2]
         else:
             key = (node.name, m, n, cfg, inputs)
-            pieces = cache.get(key) if cache is not None else None
+            pieces = cache.get(key)
             if pieces is None:
-                if cache is not None:
-                    strategy.validate_op(node)
-                pieces = _lower_op(graph, strategy, node, m)
-                if cache is not None:
-                    cache[key] = pieces
+                strategy.validate_op(node)
+                pieces = cache[key] = _lower_op(graph, strategy, node, m)
             old = prev[2] if prev is not None else None
             if old is not pieces:
                 _patch(kept, old and old.activations, pieces.activations)
@@ -346,13 +342,12 @@ def lower(graph: OpGraph, strategy: Strategy, cache: dict | None = None) -> Lowe
         for name in pieces.weights_read:
             readers.setdefault(name, []).append(pieces)
     shards: list[WeightShard] = []
-    held = cache.setdefault(("held", m, n), {}) if cache is not None else {}
+    held = cache.setdefault(("held", m, n), {})
     for name, read_by in readers.items():
-        hit = cache.get(("shards", name)) if cache is not None else None
+        hit = cache.get(("shards", name))
         if hit is None or hit[0] != read_by:  # == tries `is` first: the same pieces, the same shards
-            hit = (read_by, *_weight_shards(name, read_by, n))  # holding the pieces keeps the test by identity sound
-            if cache is not None:
-                cache[("shards", name)] = hit
+            # holding the pieces keeps the test by identity sound
+            hit = cache[("shards", name)] = (read_by, *_weight_shards(name, read_by, n))
         shards.extend(hit[1])
         old = held.get(name)
         if old is not hit[2]:

@@ -85,14 +85,14 @@ class OverheadFit(NamedTuple):
     collectives: float
     """Collectives on a device's critical path in the data-parallel probe, as the simulator
     charges them: d(simulated intercept)/d(collective_overhead)."""
-    pieces: float = 0.0
+    pieces: float
     """Pipeline pieces on the critical path (mean over its micro-batch counts), as the simulator
     charges them."""
-    exchange_overhead: float = 0.0
+    exchange_overhead: float
     """``message_overhead`` of an exchanged piece (the op sends one back: ``DeviceSpec``)."""
-    exchange_per_round: list[float] = []
+    exchange_per_round: list[float]
     """Per round: the exchange chain's exchange overhead (``_fit_pieces``)."""
-    exchanged: float = 0.0
+    exchanged: float
     """Exchange-chain pieces per unit on the critical path, as the simulator charges them."""
 
 
@@ -165,8 +165,8 @@ def fit_overheads(raw: Mapping[str, Any], kernel: float, simulate: ProbeSimulato
     task = [(_slope(task_sizes, r["data_parallel"]) - kernel) / UNIT_OVERHEADS for r in rounds]
     task_overhead = max(0.0, statistics.median(task))
     if simulate is None:
-        return OverheadFit(task_overhead, 0.0, task, [], 0.0, [], 0.0)
-    coll, per_round, count = 0.0, [], 0.0
+        return OverheadFit(task_overhead, 0.0, task, [], 0.0, [], 0.0, 0.0, 0.0, [], 0.0)
+    coll, per_round = 0.0, []
     k0 = task_sizes.index(min(task_sizes))
     fitted = {"task_overhead": task_overhead}
     base = _simulated(simulate, "data_parallel", fitted, task_sizes)[k0]
@@ -178,12 +178,11 @@ def fit_overheads(raw: Mapping[str, Any], kernel: float, simulate: ProbeSimulato
         per_round = [e / count for e in excess]
         coll = max(0.0, trimmed_mean(excess) / count)
     fitted["collective_overhead"] = coll
-    piece_sizes = list(raw.get("piece_sizes") or [])
-    microbatches = list(raw.get("microbatches") or [])
-    msg, message, pieces = _fit_pieces(simulate, "pipeline", "message_overhead", fitted, microbatches, rounds,
-                                       level=True)
+    msg, message, pieces = _fit_pieces(simulate, "pipeline", "message_overhead", fitted, list(raw["microbatches"]),
+                                       rounds, level=True)
     fitted["message_overhead"] = msg
-    xchg, exchange, exchanged = _fit_pieces(simulate, "exchange", "exchange_overhead", fitted, piece_sizes, rounds)
+    xchg, exchange, exchanged = _fit_pieces(simulate, "exchange", "exchange_overhead", fitted,
+                                            list(raw["piece_sizes"]), rounds)
     return OverheadFit(task_overhead, msg, task, message, coll, per_round, count, pieces, xchg, exchange, exchanged)
 
 
@@ -195,33 +194,35 @@ def _fit_pieces(simulate: ProbeSimulator, plan: str, field: str, fitted: Mapping
     over rounds (g grows with x: bisection). Slopes cancel what the chain's fixed costs miss;
     a pipeline's pieces overlap the other stages' work but at its ends, so the slope in m
     hardly moves with them and its level is fitted. pieces = (g(x) - g(0)) / x, the pieces on
-    the critical path (per size for a slope); a round's figure is (its statistic - g(0)) /
-    pieces. (0, [], 0) when the rounds have no such chain (one process); 0 when even x = 0 is as
-    slow as measured."""
-    if not sizes or not all(plan in r for r in rounds):
-        return 0.0, [], 0.0
-    stat = (lambda ts: float(np.mean(ts))) if level else (lambda ts: _slope(sizes, ts))
-
-    def g(x: float) -> float:
-        return stat(_simulated(simulate, plan, {**fitted, field: x}, sizes))
-
+    the critical path (per size for a slope; at x = PROBE_MESSAGE_OVERHEAD when the fit is 0);
+    a round's figure is (its statistic - g(0)) / pieces. (0, [], pieces) when the simulator does
+    not charge ``field`` on this chain; 0 when even x = 0 is as slow as measured."""
     _check_sizes(f"{plan} sizes", sizes, rounds, [plan])
+    stat = (lambda ts: float(np.mean(ts))) if level else (lambda ts: _slope(sizes, ts))
+    seen: dict[float, float] = {}
+
+    def g(x: float) -> float:  # the simulator is deterministic: each x once
+        if x not in seen:
+            seen[x] = stat(_simulated(simulate, plan, {**fitted, field: x}, sizes))
+        return seen[x]
+
     measured = [stat(r[plan]) for r in rounds]
     target, g0 = trimmed_mean(measured), g(0.0)
     pieces = (g(PROBE_MESSAGE_OVERHEAD) - g0) / PROBE_MESSAGE_OVERHEAD
     if pieces <= 1e-9:
         return 0.0, [], pieces
-    lo, hi = 0.0, PROBE_MESSAGE_OVERHEAD
-    while g(hi) < target and hi < 10.0:
-        lo, hi = hi, hi * 4
-    if target <= g0:
-        hi = 0.0
-    else:
+    fit = 0.0
+    if target > g0:
+        lo, hi = 0.0, PROBE_MESSAGE_OVERHEAD
+        while g(hi) < target and hi < 10.0:
+            lo, hi = hi, hi * 4
         for _ in range(60):
             mid = (lo + hi) / 2
+            if mid in (lo, hi):  # converged to the last bit
+                break
             lo, hi = (mid, hi) if g(mid) < target else (lo, mid)
-        pieces = (g(hi) - g0) / hi
-    return hi, [(x - g0) / pieces for x in measured], pieces
+        fit, pieces = hi, (g(hi) - g0) / hi
+    return fit, [(x - g0) / pieces for x in measured], pieces
 
 
 def _simulated(simulate: ProbeSimulator, plan: str, overheads: Mapping[str, float], sizes: Sequence[int]) -> list[float]:

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from simulator.devices import OVERHEAD_FIELDS
 from simulator.topology import Topology
 from soapsearch.calibrate._spawn import spawn, threads_per_process
 from soapsearch.calibrate.timing import slowest_median, step_times
@@ -82,7 +83,8 @@ class Calibration:
     collective_overhead: float = 0.0
     """Executor host seconds per collective on each member device beyond the ring formula."""
     overheads: dict[str, Any] = field(default_factory=dict)
-    """The probe chains' raw times and the per-round slopes of the overhead fit."""
+    """The probe chains' raw times, and the overhead fit's per-round figures and counts
+    (``OverheadFit``'s fields but the overheads)."""
     p2p: dict[str, list[list[float]]] = field(default_factory=dict)
     """"i-j" -> [[bytes, one-way seconds], ...]."""
     allreduce: list[list[float]] = field(default_factory=list)
@@ -96,9 +98,7 @@ class Calibration:
     def topology(self) -> Topology:
         """The calibrated topology: every process the slowest measured one (the plan must
         run on any of them; the spread is in the report)."""
-        return self.with_overheads({"task_overhead": self.task_overhead, "message_overhead": self.message_overhead,
-                                    "exchange_overhead": self.exchange_overhead,
-                                    "collective_overhead": self.collective_overhead})
+        return self.with_overheads({f: getattr(self, f) for f in OVERHEAD_FIELDS})
 
     def with_overheads(self, overheads: Mapping[str, float]) -> Topology:
         """The calibrated topology with these overheads (by ``DeviceSpec`` field name, absent:
@@ -199,7 +199,7 @@ def measure(nproc: int, backend: str = "gloo", sizes: Sequence[int] = DEFAULT_SI
     """Start ``nproc`` processes and measure (see the module docstring); fit alpha and B over
     the pooled points of every pair (one shared-memory mesh: one figure for all links), then
     the executor's overheads (``overhead_rounds`` rounds of the probe chains; 0: skip, leaving
-    both overheads 0)."""
+    every overhead 0)."""
     if nproc < 1:
         raise ValueError(f"calibrate: nproc = {nproc}: must be >= 1")
     if backend != "gloo":
@@ -231,13 +231,10 @@ def measure(nproc: int, backend: str = "gloo", sizes: Sequence[int] = DEFAULT_SI
         simulate = (probe_simulator(cal.with_overheads, cost, raw["task_sizes"], raw["piece_sizes"],
                                     raw["microbatches"]) if nproc > 1 else None)
         fit = fit_overheads(raw, kernel, simulate)
-        cal.task_overhead, cal.message_overhead = fit.task_overhead, fit.message_overhead
-        cal.exchange_overhead, cal.collective_overhead = fit.exchange_overhead, fit.collective_overhead
-        cal.overheads = {**raw, "kernel": kernel, "task_per_round": fit.task_per_round,
-                         "message_per_round": fit.message_per_round, "pieces": fit.pieces,
-                         "exchange_per_round": fit.exchange_per_round, "exchanged": fit.exchanged,
-                         "collectives": fit.collectives,
-                         "collective_per_round": fit.collective_per_round}
+        figures = fit._asdict()
+        for f in OVERHEAD_FIELDS:
+            setattr(cal, f, figures.pop(f))
+        cal.overheads = {**raw, "kernel": kernel, **figures}  # the per-round figures and counts
     return cal
 
 

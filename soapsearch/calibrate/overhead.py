@@ -1,6 +1,6 @@
 """Measure the executor's host overheads on N processes (run inside ``measure``'s spawn, so
 processes sharing cores are measured sharing them); ``fit.fit_overheads`` turns the raw times
-into ``task_overhead``, ``message_overhead`` and ``collective_overhead``.
+into ``task_overhead``, ``collective_overhead``, ``message_overhead`` and ``exchange_overhead``.
 
 The probe is a chain ``(linear -> tanh) x K -> cross-entropy`` on a tiny batch (every op a few
 µs of arithmetic, so what the framework and the executor add stands out; a linear, with its
@@ -18,7 +18,7 @@ weight gradient, and an elementwise op, as most models are made of), trained by 
   crossing each stage boundary, one per micro-batch each way, are one-way pieces between a
   computing sender and a waiting receiver, as in any pipeline or model-parallel plan;
 * ``exchange``, K in ``PIECE_SIZES`` (N >= 2): every linear cut N ways on its output features,
-  every other op on the batch (OWT's tensor parallelism): each unit's linear reads the whole
+  every other op on the batch (OWT cuts the tanh after a linear on features too): each unit's linear reads the whole
   batch and its tanh all of its rows' features, so every device receives 2(N - 1) pieces per
   unit forward and as many gradients back, each op sending pieces both ways while every device
   computes. Pieces between busy processes cost more than one-way pieces (the sender's
@@ -45,12 +45,12 @@ from simulator.simulate import simulate_plan
 from simulator.step import UPDATE_TRAFFIC
 from simulator.topology import Topology
 from soapsearch.calibrate.timing import median_slowest, step_times
-from strategies import ParallelConfig, Strategy, baseline
+from strategies import ParallelConfig, baseline
 from strategies.graph import OpGraph
 from strategies.lowering import lower
 
-__all__ = ["PIECE_SIZES", "TASK_SIZES", "Chain", "OverheadProbe", "build_chain", "chain_plans",
-           "probe_simulator", "unit_kernel_seconds"]
+__all__ = ["PIECE_SIZES", "PIPELINE_MICROBATCHES", "PIPELINE_UNITS", "TASK_SIZES", "Chain", "OverheadProbe",
+           "build_chain", "probe_chains", "probe_simulator", "unit_kernel_seconds"]
 
 TASK_SIZES = (8, 64, 128)
 """K (linear + tanh units) of the data-parallel chains: the task overhead is a slope over them."""
@@ -91,27 +91,31 @@ def build_chain(k: int, batch: int, seed: int = 0) -> tuple[Chain, tuple[torch.T
     return model, (x, y), trace(model, (x, y), name=f"calibrate-chain-{k}")
 
 
-def chain_plans(graph: OpGraph, n: int) -> dict[str, Strategy]:
-    """The probe's plans on ``n`` devices for a chain of K units (see the module docstring);
-    ``exchange`` only for n >= 2."""
-    plans = {"data_parallel": baseline("data_parallel", graph, n)}
-    if n >= 2:
-        everyone = tuple(range(n))
-        plans["exchange"] = Strategy.of({
-            node.name: ParallelConfig(tuple(n if i == (len(node.dims) - 1 if node.kind == "linear" else 0) else 1
-                                            for i in range(len(node.dims))), everyone)
-            for node in graph}, n)
-    return plans
-
-
-def pipeline_chain(n: int, seed: int = 0) -> tuple[Chain, tuple[torch.Tensor, torch.Tensor], OpGraph]:
-    """The pipeline probe's chain: ``PIPELINE_UNITS`` units, 8·n rows."""
-    return build_chain(PIPELINE_UNITS, 8 * n, seed)
-
-
-def pipeline_plans(graph: OpGraph, n: int, microbatches: Sequence[int] = PIPELINE_MICROBATCHES) -> list[Strategy]:
-    """The pipeline probe's plans: n GPipe stages, each of ``microbatches`` micro-batches."""
-    return [baseline("pipeline", graph, n, microbatches=m) for m in microbatches]
+def probe_chains(n: int, task_sizes: Sequence[int] = TASK_SIZES, piece_sizes: Sequence[int] = PIECE_SIZES,
+                 microbatches: Sequence[int] = PIPELINE_MICROBATCHES):
+    """(plan name, model, batch, graph, plan) of every chain of the probe on ``n`` devices (see
+    the module docstring), per name in the order of its sizes: ``data_parallel`` over
+    ``task_sizes``, and for n >= 2 ``exchange`` over ``piece_sizes`` (data parallel with every
+    linear cut on out_features) and ``pipeline`` over ``microbatches`` (n GPipe stages of
+    ``PIPELINE_UNITS`` units, 8·n rows). The probe runs them, ``probe_simulator`` simulates
+    them, and the fit pairs the two by this order."""
+    everyone = tuple(range(n))
+    for k in task_sizes:
+        model, batch, graph = build_chain(k, ROWS_PER_DEVICE * n)
+        yield "data_parallel", model, batch, graph, baseline("data_parallel", graph, n)
+    if n < 2:
+        return
+    for k in piece_sizes:
+        model, batch, graph = build_chain(k, ROWS_PER_DEVICE * n)
+        plan = baseline("data_parallel", graph, n)
+        for node in graph:
+            if node.kind == "linear":
+                plan = plan.replace(node.name, ParallelConfig(
+                    tuple(n if i == len(node.dims) - 1 else 1 for i in range(len(node.dims))), everyone))
+        yield "exchange", model, batch, graph, plan
+    model, batch, graph = build_chain(PIPELINE_UNITS, 8 * n)
+    for m in microbatches:
+        yield "pipeline", model, batch, graph, baseline("pipeline", graph, n, microbatches=m)
 
 
 def unit_kernel_seconds(topology: Topology, cost: CostModel, optimizer: str = "sgd") -> float:
@@ -139,16 +143,9 @@ def probe_simulator(make_topology: Callable[[Mapping[str, float]], Topology], co
     plan's chains (``task_sizes`` for data parallel, ``piece_sizes`` for the exchange,
     ``microbatches`` for the pipeline), on ``make_topology(overheads)`` (overheads by
     ``DeviceSpec`` field name, absent: 0; the chains are lowered once)."""
-    nproc = make_topology({}).num_devices
     lowered: dict[str, list] = {}
-    for k in sorted(set(task_sizes) | set(piece_sizes)):
-        _, _, graph = build_chain(k, ROWS_PER_DEVICE * nproc)
-        for name, plan in chain_plans(graph, nproc).items():
-            if k in (task_sizes if name == "data_parallel" else piece_sizes):
-                lowered.setdefault(name, []).append((graph, lower(graph, plan)))
-    if nproc >= 2:
-        _, _, graph = pipeline_chain(nproc)
-        lowered["pipeline"] = [(graph, lower(graph, plan)) for plan in pipeline_plans(graph, nproc, microbatches)]
+    for name, _, _, graph, plan in probe_chains(make_topology({}).num_devices, task_sizes, piece_sizes, microbatches):
+        lowered.setdefault(name, []).append((graph, lower(graph, plan)))
 
     def simulate(plan: str, overheads: Mapping[str, float]) -> list[float]:
         topo = make_topology(overheads)
@@ -172,16 +169,9 @@ class OverheadProbe:
         self.task_sizes, self.piece_sizes, self.microbatches = list(task_sizes), list(piece_sizes), list(microbatches)
         self.steps = steps
         self.runs: dict[str, list[Callable[[], Any]]] = {}
-        for k in sorted(set(task_sizes) | set(piece_sizes)):
-            model, batch, graph = build_chain(k, ROWS_PER_DEVICE * world)
-            for name, plan in chain_plans(graph, world).items():
-                if k in (task_sizes if name == "data_parallel" else piece_sizes):
-                    ex = Executor(graph, plan, model.state_dict(), batch, TrainConfig(), "cpu")
-                    self.runs.setdefault(name, []).append(ex.step)
-        if world >= 2:
-            model, batch, graph = pipeline_chain(world)
-            self.runs["pipeline"] = [Executor(graph, plan, model.state_dict(), batch, TrainConfig(), "cpu").step
-                                     for plan in pipeline_plans(graph, world, microbatches)]
+        for name, model, batch, graph, plan in probe_chains(world, task_sizes, piece_sizes, microbatches):
+            ex = Executor(graph, plan, model.state_dict(), batch, TrainConfig(), "cpu")
+            self.runs.setdefault(name, []).append(ex.step)
         for fns in self.runs.values():
             for fn in fns:
                 for _ in range(warmup):

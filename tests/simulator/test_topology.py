@@ -221,13 +221,15 @@ def test_describe_summarises_devices_links_and_routes():
 
 def test_device_overheads_round_trip_default_to_zero_and_are_checked(tmp_path):
     base = get_topology("local-cpu-2")
-    devices = tuple(dataclasses.replace(d, task_overhead=1.5e-4, message_overhead=3e-5) for d in base.devices)
+    figures = {"task_overhead": 1.5e-4, "message_overhead": 3e-5, "exchange_overhead": 7e-5,
+               "collective_overhead": 9e-4}  # distinct: a field read into another's place shows
+    devices = tuple(dataclasses.replace(d, **figures) for d in base.devices)
     t = dataclasses.replace(base, devices=devices)
     obj = t.to_json()
-    assert [(d["task_overhead"], d["message_overhead"]) for d in obj["devices"]] == [(1.5e-4, 3e-5)] * 2
+    assert [{k: d[k] for k in figures} for d in obj["devices"]] == [figures] * 2
     back = Topology.from_json(json.loads(json.dumps(obj)))
-    assert back == t and back.devices[1].task_overhead == 1.5e-4 and back.devices[1].message_overhead == 3e-5
-    assert pickle.loads(pickle.dumps(t)).devices[0].task_overhead == 1.5e-4
+    assert back == t and {k: getattr(back.devices[1], k) for k in figures} == figures
+    assert pickle.loads(pickle.dumps(t)) == t  # DeviceSpec.__reduce__ passes every field in order
     t.save(tmp_path / "t.json")
     assert Topology.load(tmp_path / "t.json") == t
     assert "task_overhead" not in base.to_json()["devices"][0]  # a preset's JSON stays as it was
