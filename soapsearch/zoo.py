@@ -8,6 +8,9 @@ traceable by ``torch.fx.symbolic_trace``.  Two variants exist per model:
   the networks, datasets and layer counts; the sizes it does not spell out are taken from the
   FlexFlow reference code (github.com/flexflow/FlexFlow: ``nmt/nmt.cc``, ``README`` and
   ``examples/cpp/MLP_Unify/mlp.cc``) or the canonical architecture, as noted next to each entry.
+* ``"small"`` -- a model of 0.4-2.4M parameters whose training step (batch 16) takes 15-110
+  ms on one CPU core: big enough that compute, not per-call framework overhead, dominates a
+  step (``benchmarks/simulator_accuracy.py --variant small``), small enough for a laptop.
 * ``"tiny"`` -- a KB-sized model with small inputs for fast tests.
 
 Example::
@@ -47,13 +50,14 @@ from soapsearch._models import (
 
 __all__ = ["VARIANTS", "names", "describe", "config", "build"]
 
-VARIANTS: tuple[str, ...] = ("default", "tiny")
+VARIANTS: tuple[str, ...] = ("default", "small", "tiny")
 """Known variants, in order."""
 
 # FlexFlow's reference code trains with 64 samples per GPU (nmt/nmt.cc: bs_per_worker = 64;
 # README: "-b ... (default: 64)").  The zoo's default batch is that per-GPU figure; pass
 # ``batch_size=64 * n_gpus`` to build() for a weak-scaling global batch.
 _PAPER_BATCH = 64
+_SMALL_BATCH = 16
 _TINY_BATCH = 4
 
 Inputs = tuple[torch.Tensor, torch.Tensor]
@@ -94,7 +98,7 @@ class _Entry:
     inputs: Callable[[Any, int], Inputs]
 
 
-_PAPER = {"default": _PAPER_BATCH, "tiny": _TINY_BATCH}
+_PAPER = {"default": _PAPER_BATCH, "small": _SMALL_BATCH, "tiny": _TINY_BATCH}
 
 _REGISTRY: dict[str, _Entry] = {
     # Paper Table 3: AlexNet on ImageNet (3x224x224, 1000 classes); layout = torchvision's
@@ -104,6 +108,7 @@ _REGISTRY: dict[str, _Entry] = {
         AlexNet,
         {
             "default": AlexNetConfig(),
+            "small": AlexNetConfig(num_classes=64, image_size=64, width=0.25, hidden=512),
             "tiny": AlexNetConfig(num_classes=10, image_size=64, width=0.125, hidden=64),
         },
         _PAPER,
@@ -116,6 +121,7 @@ _REGISTRY: dict[str, _Entry] = {
         InceptionV3,
         {
             "default": InceptionConfig(),
+            "small": InceptionConfig(num_classes=64, image_size=75, width=0.125),
             "tiny": InceptionConfig(num_classes=10, image_size=75, width=0.125),
         },
         _PAPER,
@@ -127,6 +133,7 @@ _REGISTRY: dict[str, _Entry] = {
         ResNet,
         {
             "default": ResNetConfig(),
+            "small": ResNetConfig(layers=(1, 1, 1, 1), width=16, num_classes=64, image_size=32),
             "tiny": ResNetConfig(layers=(1, 1, 1, 1), width=8, num_classes=10, image_size=32),
         },
         _PAPER,
@@ -140,6 +147,8 @@ _REGISTRY: dict[str, _Entry] = {
         RNNTC,
         {
             "default": RNNTCConfig(),
+            "small": RNNTCConfig(vocab_size=1024, embed_size=128, hidden_size=128, num_layers=2,
+                                 num_classes=4, seq_len=16),
             "tiny": RNNTCConfig(vocab_size=50, embed_size=16, hidden_size=16, num_layers=2,
                                 num_classes=4, seq_len=8),
         },
@@ -153,6 +162,8 @@ _REGISTRY: dict[str, _Entry] = {
         RNNLM,
         {
             "default": RNNLMConfig(),
+            "small": RNNLMConfig(vocab_size=1024, embed_size=128, hidden_size=128, num_layers=2,
+                                 seq_len=16),
             "tiny": RNNLMConfig(vocab_size=50, embed_size=16, hidden_size=16, num_layers=2,
                                 seq_len=8),
         },
@@ -167,6 +178,8 @@ _REGISTRY: dict[str, _Entry] = {
         NMT,
         {
             "default": NMTConfig(),
+            "small": NMTConfig(src_vocab_size=1024, tgt_vocab_size=1024, embed_size=128, hidden_size=128,
+                               num_layers=2, src_len=12, tgt_len=12),
             "tiny": NMTConfig(src_vocab_size=50, tgt_vocab_size=40, embed_size=16, hidden_size=16,
                               num_layers=2, src_len=6, tgt_len=7),
         },
@@ -180,6 +193,7 @@ _REGISTRY: dict[str, _Entry] = {
         MLP,
         {
             "default": MLPConfig(),
+            "small": MLPConfig(in_features=256, hidden=(1024, 1024, 1024), num_classes=64),
             "tiny": MLPConfig(in_features=16, hidden=(32, 32), num_classes=10),
         },
         _PAPER,
@@ -193,9 +207,10 @@ _REGISTRY: dict[str, _Entry] = {
         GPT,
         {
             "default": GPTConfig(),
+            "small": GPTConfig(n_layer=2, n_head=4, n_embd=128, seq_len=32, vocab_size=1024),
             "tiny": GPTConfig(n_layer=2, n_head=2, n_embd=16, seq_len=8, vocab_size=50),
         },
-        {"default": 12, "tiny": _TINY_BATCH},
+        {"default": 12, "small": _SMALL_BATCH, "tiny": _TINY_BATCH},
         _lm_inputs,
     ),
 }

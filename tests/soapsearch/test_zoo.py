@@ -33,13 +33,15 @@ def test_names_and_describe() -> None:
     for name in NAMES:
         text = zoo.describe(name)
         assert isinstance(text, str) and text and "\n" not in text
-    assert zoo.VARIANTS == ("default", "tiny")
+    assert zoo.VARIANTS == ("default", "small", "tiny")
 
 
+@pytest.mark.parametrize("variant, params", [("tiny", (0, 1_000_000)), ("small", (300_000, 3_000_000))])
 @pytest.mark.parametrize("name", NAMES)
-def test_tiny_trains_and_traces(name: str) -> None:
-    model, (inputs, targets) = zoo.build(name, "tiny")
-    assert sum(p.numel() for p in model.parameters()) < 1_000_000
+def test_trains_and_traces(name: str, variant: str, params: tuple[int, int]) -> None:
+    model, (inputs, targets) = zoo.build(name, variant)
+    assert params[0] <= sum(p.numel() for p in model.parameters()) < params[1]
+    assert len(inputs) == (16 if variant == "small" else 4)
     loss = _loss(model, inputs, targets)
     assert loss.dim() == 0 and torch.isfinite(loss)
     loss.backward()
