@@ -1,15 +1,19 @@
 """Simulator accuracy on this machine: predicted vs measured iteration time of many plans.
 
     python benchmarks/simulator_accuracy.py --nproc 2 [--nproc 4] [--models mlp,gpt,rnntc]
-        [--topology calibrated.json] [--cost-model analytical|profiled] [--steps 7] [--out DIR]
+        [--variant small|tiny] [--topology calibrated.json] [--cost-model analytical|profiled]
+        [--steps 7] [--out DIR]
 
-Calibrates ``calibrated-cpu-N`` (unless --topology), then per model writes data parallel, model
-parallel, OWT, GPipe and 1F1B pipelines (2 micro-batches), a parameter split (every linear cut
-on out_features) and a plan searched with 200 proposals on the calibrated topology; runs each
-for real (median of --steps after 2 warm-up steps; a model's plans take turns step by step)
-and simulates it. Prints a table, the median and max |relative error| and Spearman's rank
-correlation. With --out the topologies, their fit reports, the plans and ``results.json`` (every
-row) stay in DIR. Asserts nothing.
+Calibrates ``calibrated-cpu-N`` (unless --topology), then per model (its ``--variant``) writes
+data parallel, model parallel, OWT, GPipe and 1F1B pipelines (2 micro-batches), a parameter
+split (every linear cut on out_features) and a plan searched with 200 proposals on the
+calibrated topology; runs each for real (median of --steps after 2 warm-up steps; a model's
+plans take turns step by step) and simulates it. ``--cost-model profiled`` first times every
+baseline partition of each model into ``calN.profile.json`` with the threads one rank has
+(``calibrate.warm_profile``), and the searched plan's others as the search meets them, at that
+thread count. Prints a table, the median and max |relative error| and Spearman's rank
+correlation. With --out the topologies, their fit reports, the profiles, the plans and
+``results.json`` (every row) stay in DIR. Asserts nothing.
 """
 
 from __future__ import annotations
@@ -22,12 +26,16 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from simulator.cost import get_cost_model  # noqa: E402
 from simulator.simulate import simulate_plan  # noqa: E402
 from simulator.topology import Topology  # noqa: E402
 from soapsearch.calibrate import calibrate, run_plans, spearman  # noqa: E402
+from soapsearch.calibrate._spawn import threads_per_process  # noqa: E402
+from soapsearch.calibrate.measure import warm_profile  # noqa: E402
 from soapsearch.executor import build_model  # noqa: E402
 from strategies import ParallelConfig, Strategy, baseline, save_strategy  # noqa: E402
 from strategies.lowering import lower  # noqa: E402
@@ -75,17 +83,22 @@ def plans_for(graph, n: int, topo: Topology, cost) -> dict[str, Strategy]:
     return out
 
 
-def bench(n: int, models: list[str], topo: Topology, cost_name: str, steps: int, d: Path) -> list[tuple]:
-    cost = get_cost_model(cost_name)
+def bench(n: int, models: list[str], variant: str, topo: Topology, cost_name: str, steps: int,
+          d: Path) -> list[tuple]:
+    cache = d / f"cal{n}.profile.json"
+    if cost_name == "profiled":  # every baseline's partitions, timed with one process's threads
+        for model in models:
+            print(f"  {model}: {warm_profile(model, topo, cache, variant)} partitions profiled")
+    cost = get_cost_model(cost_name, **({"cache_path": str(cache)} if cost_name == "profiled" else {}))
     rows = []
     for model in models:
-        graph = build_model(model, "tiny", seed=0).graph
+        graph = build_model(model, variant, seed=0).graph
         plans = plans_for(graph, n, topo, cost)
         paths = []
         for name, plan in plans.items():
             paths.append(d / f"{model}-{n}-{name}.json")
             save_strategy(paths[-1], plan, graph, topology=topo.name)
-        measured = run_plans(paths, model, n, variant="tiny", steps=steps, warmup=2)
+        measured = run_plans(paths, model, n, variant=variant, steps=steps, warmup=2)
         for (name, plan), m in zip(plans.items(), measured):
             low = lower(graph, plan)
             sim = simulate_plan(graph, low, topo, cost)
@@ -101,6 +114,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--nproc", type=int, action="append", help="process counts (default 2)")
     p.add_argument("--models", default="mlp,gpt,rnntc")
+    p.add_argument("--variant", default="tiny", choices=("tiny", "small"), help="zoo variant of the models")
     p.add_argument("--topology", default=None, help="a calibrated topology JSON (one --nproc only)")
     p.add_argument("--cost-model", choices=("analytical", "profiled"), default="analytical")
     p.add_argument("--steps", type=int, default=7)
@@ -115,12 +129,14 @@ def main() -> int:
             dev, link = topo.devices[0], topo.links[0] if topo.links else None
             print(f"topology {topo.name}: kind {dev.kind}, {dev.peak_flops['float32'] / 1e9:.1f} GFLOP/s, "
                   f"{dev.memory_bandwidth / 1e9:.1f} GB/s"
-                  + (f", link {link.latency * 1e6:.0f} µs + 1/{link.bandwidth / 1e9:.2f} GB/s" if link else "")
+                  + (f", link {link.latency * 1e6:.0f} µs + 1/{link.bandwidth / 1e9:.2f} GB/s, "
+                     f"in a ring 1/{link.ring_bandwidth / 1e9:.2f} GB/s" if link else "")
                   + f"; executor overheads {dev.task_overhead * 1e6:.0f} µs/task, "
                     f"{dev.message_overhead * 1e6:.0f} µs/received piece, "
                     f"{dev.exchange_overhead * 1e6:.0f} µs/exchanged piece, "
                     f"{dev.collective_overhead * 1e6:.0f} µs/collective")
-            rows += bench(n, args.models.split(","), topo, args.cost_model, args.steps, d)
+            torch.set_num_threads(threads_per_process(n))  # a profiled partition is timed as a rank runs it
+            rows += bench(n, args.models.split(","), args.variant, topo, args.cost_model, args.steps, d)
     if args.out:
         keys = ("nproc", "model", "plan", "predicted_ms", "measured_ms", "predicted_busy_ms", "measured_busy_ms",
                 "measured_wait_ms", "tasks_per_device", "remote_transfers")

@@ -30,13 +30,14 @@ def transfer_time(topology: Topology, src: int, dst: int, nbytes: float) -> floa
 
 @functools.lru_cache(maxsize=1 << 16)
 def _ring(topology: Topology, devices: tuple[int, ...]) -> tuple[float, float, tuple[int, ...]]:
-    """(largest latency, smallest bandwidth, link indices) over the ring's neighbour routes."""
+    """(largest latency, smallest ring bandwidth, link indices) over the ring's neighbour routes
+    (``Topology.route_ring_bandwidth``: a link's ``collective_bandwidth`` where it has one)."""
     if len(set(devices)) != len(devices):
         raise ValueError(f"all-reduce group {list(devices)}: a device appears twice; "
                          "a replica group names each device once")
     pairs = [(devices[i], devices[(i + 1) % len(devices)]) for i in range(len(devices))]
     alpha = max(topology.route_latency(s, d) for s, d in pairs)
-    bandwidth = min(topology.route_bandwidth(s, d) for s, d in pairs)
+    bandwidth = min(topology.route_ring_bandwidth(s, d) for s, d in pairs)
     links = tuple(sorted({j for s, d in pairs for j in topology.route(s, d)}))
     return alpha, bandwidth, links
 
@@ -45,8 +46,8 @@ def allreduce_time(topology: Topology, devices: Sequence[int], nbytes: float) ->
     """Seconds for a ring all-reduce of ``nbytes`` over ``devices`` (Patarasuk & Yuan 2009,
     "Bandwidth optimal all-reduce algorithms for clusters of workstations"):
     ``2(n-1)/n * nbytes / B + 2(n-1) * alpha`` — n-1 reduce-scatter then n-1 all-gather steps,
-    each moving nbytes/n — with B the slowest bandwidth and alpha the largest latency among the
-    routes between ring neighbours (the given order, closing back to the first device).
+    each moving nbytes/n — with B the slowest ring bandwidth (``Link.collective_bandwidth``, else
+    its bandwidth) and alpha the largest latency among the routes between ring neighbours (the given order, closing back to the first device).
     0 for n <= 1 or nbytes == 0. The order is the caller's: listing a node's devices together
     crosses fewer NICs (see ring_links), though the formula only sees the worst neighbour pair."""
     ring = _collective("all-reduce", topology, devices, nbytes)
@@ -61,7 +62,7 @@ def allgather_time(topology: Topology, devices: Sequence[int], nbytes: float) ->
     Rabenseifner & Gropp 2005, "Optimization of collective communication operations in MPICH",
     ring algorithm): ``(n-1) * alpha + (n-1) * nbytes / B`` — n-1 steps, each passing one
     member's block to the next device — with alpha and B as in ``allreduce_time`` (the ring's
-    largest neighbour latency and smallest neighbour bandwidth). 0 for n <= 1 or nbytes == 0."""
+    largest neighbour latency and smallest neighbour ring bandwidth). 0 for n <= 1 or nbytes == 0."""
     ring = _collective("all-gather", topology, devices, nbytes)
     if ring is None:
         return 0.0

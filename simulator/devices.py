@@ -80,8 +80,22 @@ class Link:
     """Seconds per message (alpha)."""
     bandwidth: float
     """Bytes per second (1 / beta)."""
+    collective_bandwidth: float | None = None
+    """Bytes per second the link carries inside a ring collective, every link of the ring busy
+    at once and the receiver reducing what arrives; None: ``bandwidth``. Fabrics with their own
+    copy engines (NVLink, InfiniBand) lose nothing; shared-memory links between CPU processes
+    do (the cores that copy and add are the ones that send: ``soapsearch calibrate`` fits it
+    from the measured all-reduce's slope)."""
 
     def __post_init__(self) -> None:
         if self.latency < 0 or self.bandwidth <= 0:
             raise ValueError(f"link {self.name!r}: latency {self.latency} must be >= 0 and "
                              f"bandwidth {self.bandwidth} > 0")
+        if self.collective_bandwidth is not None and not self.collective_bandwidth > 0:
+            raise ValueError(f"link {self.name!r}: collective_bandwidth {self.collective_bandwidth} must be > 0 "
+                             "(or None: the link's bandwidth)")
+
+    @property
+    def ring_bandwidth(self) -> float:
+        """``collective_bandwidth``, else ``bandwidth``: what a ring collective gets."""
+        return self.bandwidth if self.collective_bandwidth is None else self.collective_bandwidth

@@ -43,6 +43,8 @@ class Fabric:
     """Seconds per transfer at this level, split evenly over the route's hops (alpha)."""
     bandwidth: float
     """Bytes/s of each link, per direction (1 / beta)."""
+    collective_bandwidth: float | None = None
+    """Bytes/s of each link inside a ring collective (``Link.collective_bandwidth``; None: ``bandwidth``)."""
 
 
 def cluster(name: str, device: DeviceSpec, nodes: int, per_node: int, intra: Fabric,
@@ -67,7 +69,7 @@ def cluster(name: str, device: DeviceSpec, nodes: int, per_node: int, intra: Fab
 
     def add(link_name: str, fabric: Fabric, hops: int) -> None:
         index[link_name] = len(links)
-        links.append(Link(link_name, fabric.kind, fabric.latency / hops, fabric.bandwidth))
+        links.append(Link(link_name, fabric.kind, fabric.latency / hops, fabric.bandwidth, fabric.collective_bandwidth))
 
     mesh, k = intra.shape == "mesh", intra.kind
     if per_node > 1:
@@ -101,7 +103,8 @@ def _fabric(obj: Any, path: str, where: str, shapes: tuple[str, ...]) -> Fabric:
     if shape not in shapes:
         raise _err(where, f"{path}shape", shape, f"must be one of {shapes}")
     return Fabric(shape, _get(obj, "kind", path, "str", where), _get(obj, "latency", path, "num>=0", where),
-                  _get(obj, "bandwidth", path, "num>0", where))
+                  _get(obj, "bandwidth", path, "num>0", where),
+                  _get(obj, "collective_bandwidth", path, "num>0", where) if "collective_bandwidth" in obj else None)
 
 
 def cluster_from_json(name: str, obj: Mapping[str, Any], where: str = "topology JSON") -> Topology:

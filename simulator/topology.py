@@ -8,6 +8,7 @@ JSON (format ``soapsearch.topology``, version 1), explicit form — what ``to_js
      (optional per device: "task_overhead", "message_overhead", "exchange_overhead", "collective_overhead", seconds,
       default 0)
      "links": [{"name": "nvlink:0->1", "kind": "nvlink", "latency": 2e-06, "bandwidth": 2e10}, ...],
+     (optional per link: "collective_bandwidth", bytes/s inside a ring collective, default bandwidth)
      "routes": [{"src": 0, "dst": 1, "links": [0]}, {"src": 1, "dst": 0, "links": [1]}]}
 
 Compact form, for hand-written homogeneous clusters: ``"cluster"`` in place of devices, links and
@@ -112,6 +113,7 @@ class Topology:
         set_(self, "_route", tuple(table))
         set_(self, "_lat", tuple(sum(links[j].latency for j in r) for r in table))
         set_(self, "_bw", tuple(min((links[j].bandwidth for j in r), default=inf) for r in table))
+        set_(self, "_ring_bw", tuple(min((links[j].ring_bandwidth for j in r), default=inf) for r in table))
         set_(self, "_nodes", tuple(tuple(by_node[k]) for k in sorted(by_node)))
         set_(self, "_hash", hash((self.name, n, tuple(link.name for link in links), self._route)))
 
@@ -160,6 +162,11 @@ class Topology:
         """The route's slowest link bandwidth (inf when src == dst); precomputed."""
         return self._bw[self._index(src, dst)]
 
+    def route_ring_bandwidth(self, src: int, dst: int) -> float:
+        """The route's slowest ``Link.ring_bandwidth``: what a ring collective's step between
+        the two gets (inf when src == dst); precomputed."""
+        return self._ring_bw[self._index(src, dst)]
+
     # ---- JSON -------------------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
         """The explicit JSON form (see the module docstring)."""
@@ -168,7 +175,8 @@ class Topology:
             "devices": [{"kind": d.kind, "memory_bytes": d.memory_bytes, "peak_flops": dict(d.peak_flops),
                          "memory_bandwidth": d.memory_bandwidth, "node": d.node,
                          **{k: getattr(d, k) for k in OVERHEAD_FIELDS if getattr(d, k)}} for d in self.devices],
-            "links": [{"name": k.name, "kind": k.kind, "latency": k.latency, "bandwidth": k.bandwidth}
+            "links": [{"name": k.name, "kind": k.kind, "latency": k.latency, "bandwidth": k.bandwidth,
+                       **({"collective_bandwidth": k.collective_bandwidth} if k.collective_bandwidth is not None else {})}
                       for k in self.links],
             "routes": [{"src": s, "dst": d, "links": list(r)} for (s, d), r in sorted(self.routes.items())],
         }
@@ -216,10 +224,11 @@ class Topology:
         for ids, text in groups:
             label = f"node {ids[0]}" if len(ids) == 1 else f"nodes {ids[0]}..{ids[-1]} (each)"
             lines.append(f"  {label}: {text}")
-        kinds = Counter((k.kind, k.latency, k.bandwidth) for k in self.links)
+        kinds = Counter((k.kind, k.latency, k.bandwidth, k.collective_bandwidth) for k in self.links)
         lines.append(f"  links: {len(self.links)}" + ("" if kinds else " (a single device needs none)"))
-        for (kind, lat, bw), c in kinds.items():
-            lines.append(f"    {c:4d} x {kind}: {_us(lat)}, {_gbs(bw)} per direction")
+        for (kind, lat, bw, ring), c in kinds.items():
+            lines.append(f"    {c:4d} x {kind}: {_us(lat)}, {_gbs(bw)} per direction"
+                         + (f", {_gbs(ring)} in a ring collective" if ring is not None else ""))
         n = self.num_devices
         for label, same in (("inside a node", True), ("between nodes", False)):
             pairs = [s * n + d for s in range(n) for d in range(n)
@@ -307,7 +316,8 @@ def _from_json(obj: Any, where: str = "topology JSON") -> Topology:
         return cluster_from_json(name, _get(obj, "cluster", "", "object", where), where)
     devices = [_device(v, p, where) for p, v in _items(obj, "devices", where)]
     links = [Link(_get(v, "name", p, "str", where), _get(v, "kind", p, "str", where),
-                  _get(v, "latency", p, "num>=0", where), _get(v, "bandwidth", p, "num>0", where))
+                  _get(v, "latency", p, "num>=0", where), _get(v, "bandwidth", p, "num>0", where),
+                  _get(v, "collective_bandwidth", p, "num>0", where) if "collective_bandwidth" in v else None)
              for p, v in _items(obj, "links", where)]
     routes: dict[tuple[int, int], tuple[int, ...]] = {}
     for p, v in _items(obj, "routes", where):

@@ -14,7 +14,7 @@ from simulator.devices import DeviceSpec
 from simulator.presets import Fabric, cluster
 from simulator.topology import Topology
 
-__all__ = ["OverheadFit", "ProbeSimulator", "UNIT_OVERHEADS", "fit_alpha_beta", "fit_overheads", "trimmed_mean", "ring_allreduce_seconds", "device_kind",
+__all__ = ["OverheadFit", "ProbeSimulator", "UNIT_OVERHEADS", "fit_alpha_beta", "fit_collective_bandwidth", "fit_overheads", "trimmed_mean", "ring_allreduce_seconds", "device_kind",
            "build_topology", "spearman"]
 
 
@@ -233,6 +233,18 @@ def _simulated(simulate: ProbeSimulator, plan: str, overheads: Mapping[str, floa
     return times
 
 
+def fit_collective_bandwidth(n: int, sizes: Sequence[float], times: Sequence[float]) -> tuple[float, float]:
+    """The bandwidth B_c a ring all-reduce of ``n`` members gets per link, from its measured
+    times: ``fit_alpha_beta`` on t(s) = a + (2(n-1)/n · s) / B_c, the bytes each member sends
+    (Patarasuk & Yuan 2009). Returns (B_c bytes/s, r²). Where the links' copies and the sums
+    share the cores with each other B_c is below the one-way bandwidth B; the intercept is
+    left to the ring's 2(n-1)·alpha."""
+    if n < 2:
+        raise ValueError(f"fit_collective_bandwidth: n = {n}: a collective needs >= 2 members")
+    _, bandwidth, r2 = fit_alpha_beta([2 * (n - 1) / n * s for s in sizes], times)
+    return bandwidth, r2
+
+
 def ring_allreduce_seconds(n: int, nbytes: float, alpha: float, bandwidth: float) -> float:
     """Ring all-reduce (Patarasuk & Yuan 2009), as ``simulator.comm.allreduce_time``:
     2(n-1)/n · bytes / B + 2(n-1) · alpha."""
@@ -252,11 +264,11 @@ def device_kind(nproc: int, threads: int, cores: int | None = None) -> str:
 def build_topology(nproc: int, alpha: float, bandwidth: float, flops: float, memory_bandwidth: float,
                    kind: str = "cpu", memory_bytes: int | None = None, task_overhead: float = 0.0,
                    message_overhead: float = 0.0, collective_overhead: float = 0.0,
-                   exchange_overhead: float = 0.0) -> Topology:
+                   exchange_overhead: float = 0.0, collective_bandwidth: float | None = None) -> Topology:
     """``calibrated-cpu-N``: ``local-cpu-N``'s shape (one node, a shared-memory mesh link per
-    ordered process pair) with the measured alpha, bandwidth, per-process float32 FLOP/s,
-    memory bandwidth and the executor's task, message, exchange and collective overheads
-    (``fit_overheads``)."""
+    ordered process pair) with the measured alpha, bandwidth, collective bandwidth
+    (``fit_collective_bandwidth``), per-process float32 FLOP/s, memory bandwidth and the
+    executor's task, message, exchange and collective overheads (``fit_overheads``)."""
     if memory_bytes is None:
         try:
             memory_bytes = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // nproc
@@ -265,7 +277,9 @@ def build_topology(nproc: int, alpha: float, bandwidth: float, flops: float, mem
     device = DeviceSpec(kind, max(int(memory_bytes), 1), {"float32": float(flops)}, float(memory_bandwidth),
                         task_overhead=float(task_overhead), message_overhead=float(message_overhead),
                         exchange_overhead=float(exchange_overhead), collective_overhead=float(collective_overhead))
-    return cluster(f"calibrated-cpu-{nproc}", device, 1, nproc, Fabric("mesh", "shm", float(alpha), float(bandwidth)))
+    ring = None if collective_bandwidth is None else float(collective_bandwidth)
+    return cluster(f"calibrated-cpu-{nproc}", device, 1, nproc,
+                   Fabric("mesh", "shm", float(alpha), float(bandwidth), ring))
 
 
 def _ranks(x: np.ndarray) -> np.ndarray:

@@ -6,7 +6,9 @@
   probe); fitted to alpha + s/B (``fit.py``). A mean, not a median: on cores shared with other
   work a receiver's wake-up costs ~0.2 or ~2 ms by turns, and a plan's many messages cost their
   count times the mean;
-* all-reduce over all ranks at the same sizes, against the ring formula on the fitted alpha, B;
+* all-reduce over all ranks at the same sizes, against the ring formula on the fitted alpha, B,
+  and fitted to that formula's slope on its own: the links' ``collective_bandwidth`` (sending
+  both ways at once and summing on the cores that copy, gloo's ring moves ~half as fast);
 * compute, on all N processes at once (so processes sharing cores are measured sharing them):
   float32 matmul FLOP/s (2·n³ per n×n product) and copy bandwidth (read + write = 2·bytes), each
   from blocks of back-to-back calls long enough to span many scheduler slices, and the
@@ -36,8 +38,8 @@ from simulator.devices import OVERHEAD_FIELDS
 from simulator.topology import Topology
 from soapsearch.calibrate._spawn import spawn, threads_per_process
 from soapsearch.calibrate.timing import slowest_median, step_times
-from soapsearch.calibrate.fit import (build_topology, device_kind, fit_alpha_beta, fit_overheads,
-                                     ring_allreduce_seconds, trimmed_mean)
+from soapsearch.calibrate.fit import (build_topology, device_kind, fit_alpha_beta, fit_collective_bandwidth,
+                                     fit_overheads, ring_allreduce_seconds, trimmed_mean)
 from soapsearch.calibrate.overhead import OverheadProbe, probe_simulator, unit_kernel_seconds
 from strategies.serialize import atomic_write_text
 
@@ -65,7 +67,12 @@ class Calibration:
     """Fitted point-to-point bandwidth, bytes/s."""
     r2: float
     allreduce_ratio: float
-    """Median over sizes of measured / ring-formula all-reduce time (nan for one process)."""
+    """Median over sizes of measured / ring-formula all-reduce time with the point-to-point
+    alpha and B (nan for one process)."""
+    collective_bandwidth: float | None
+    """The ring bandwidth fitted to the measured all-reduce (``fit_collective_bandwidth``;
+    None for one process): the calibrated links' ``collective_bandwidth``."""
+    collective_r2: float
     flops: list[float]
     """float32 matmul FLOP/s of each process, all running at once."""
     memory_bandwidth: list[float]
@@ -104,7 +111,8 @@ class Calibration:
         """The calibrated topology with these overheads (by ``DeviceSpec`` field name, absent:
         0; the fit simulates its probe on it)."""
         return build_topology(self.nproc, self.alpha, self.bandwidth, min(self.flops),
-                              min(self.memory_bandwidth), self.kind, **overheads)
+                              min(self.memory_bandwidth), self.kind, collective_bandwidth=self.collective_bandwidth,
+                              **overheads)
 
     def to_json(self) -> dict[str, Any]:
         return {"format": "soapsearch.calibration", "version": 1, "shared_cores": self.shared, **asdict(self)}
@@ -217,9 +225,11 @@ def measure(nproc: int, backend: str = "gloo", sizes: Sequence[int] = DEFAULT_SI
         alpha, bandwidth, r2 = 20e-6, 2e9, float("nan")
     allreduce = [[s, t, ring_allreduce_seconds(nproc, s, alpha, bandwidth)] for s, t in results[0]["allreduce"]]
     ratios = [t / f for _, t, f in allreduce if f > 0]
+    ring, ring_r2 = (fit_collective_bandwidth(nproc, [s for s, _, _ in allreduce], [t for _, t, _ in allreduce])
+                     if nproc > 1 and len(allreduce) > 1 else (None, float("nan")))
     cal = Calibration(
         nproc, threads, cores, device_kind(nproc, threads, cores), alpha, bandwidth, r2,
-        statistics.median(ratios) if ratios else float("nan"),
+        statistics.median(ratios) if ratios else float("nan"), ring, ring_r2,
         [r["flops"] for r in results], [r["memory_bandwidth"] for r in results],
         max(r["op_overhead"] for r in results), p2p=p2p, allreduce=allreduce)
     if overhead_rounds:

@@ -9,8 +9,9 @@ import pytest
 from simulator.comm import allreduce_time, transfer_time
 from simulator.simulate import simulate_plan
 from simulator.topology import Topology
-from soapsearch.calibrate.fit import (UNIT_OVERHEADS, build_topology, device_kind, fit_alpha_beta, fit_overheads,
-                                      ring_allreduce_seconds, spearman, trimmed_mean)
+from soapsearch.calibrate.fit import (UNIT_OVERHEADS, build_topology, device_kind, fit_alpha_beta,
+                                      fit_collective_bandwidth, fit_overheads, ring_allreduce_seconds, spearman,
+                                      trimmed_mean)
 from strategies import baseline
 
 SIZES = [1 << k for k in range(10, 25)]
@@ -40,6 +41,26 @@ def test_ring_formula_matches_simulator():
     topo = build_topology(4, 30e-6, 1.5e9, 5e10, 8e9)
     for nbytes in (1e3, 1e6, 1.6e7):
         assert ring_allreduce_seconds(4, nbytes, 30e-6, 1.5e9) == pytest.approx(allreduce_time(topo, [0, 1, 2, 3], nbytes))
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_collective_bandwidth_is_fitted_from_the_all_reduce_and_reaches_the_ring(n, tmp_path):
+    rng = np.random.default_rng(1)
+    alpha, bandwidth, ring = 250e-6, 1.8e9, 0.9e9  # gloo's ring at half the one-way bandwidth
+    times = [ring_allreduce_seconds(n, s, alpha, ring) * (1 + rng.normal(0, 0.03)) for s in SIZES]
+    fitted, r2 = fit_collective_bandwidth(n, SIZES, times)
+    assert fitted == pytest.approx(ring, rel=0.05) and r2 > 0.99
+    exact, _ = fit_collective_bandwidth(n, SIZES, [ring_allreduce_seconds(n, s, alpha, ring) for s in SIZES])
+    assert exact == pytest.approx(ring, rel=1e-9)
+    topo = build_topology(n, alpha, bandwidth, 5e10, 8e9, collective_bandwidth=exact)
+    everyone = list(range(n))
+    for s in (1e4, 1.6e7):  # the simulator's all-reduce is the measured one; a one-way piece is not
+        assert allreduce_time(topo, everyone, s) == pytest.approx(ring_allreduce_seconds(n, s, alpha, ring))
+        assert transfer_time(topo, 0, 1, s) == pytest.approx(alpha + s / bandwidth)
+    topo.save(tmp_path / "t.json")
+    assert Topology.load(tmp_path / "t.json") == topo
+    with pytest.raises(ValueError, match="n = 1: a collective needs >= 2 members"):
+        fit_collective_bandwidth(1, SIZES, times)
 
 
 def test_device_kind_says_when_cores_are_shared():

@@ -26,6 +26,9 @@ def test_calibrate_two_processes_gives_positive_finite_figures(tmp_path):
                 "exchange_overhead"):
         assert math.isfinite(report[key]) and report[key] >= 0, key
     assert report["bandwidth"] > 1e6  # > 1 MB/s: even TCP loopback does better
+    # the ring's own bandwidth, fitted on the all-reduce (4 sizes up to 16 MiB), is what the links carry
+    assert report["collective_bandwidth"] > 1e6 and math.isfinite(report["collective_r2"])
+    assert all(k.collective_bandwidth == report["collective_bandwidth"] for k in topo.links)
     assert len(report["flops"]) == 2 and all(1e8 < f < 1e13 for f in report["flops"])
     assert all(1e8 < b < 1e12 for b in report["memory_bandwidth"])
     assert Topology.load(out) == topo

@@ -1,3 +1,4 @@
+import dataclasses
 import time
 
 import pytest
@@ -102,3 +103,19 @@ def test_allgather_is_the_ring_by_hand_and_a_small_sum_gathers(line):
     assert group_sum_time(line, (0, 1, 2), 4 * 21846, 21846) == allreduce_time(line, (0, 1, 2), 4 * 21846)
     with pytest.raises(ValueError, match="nbytes = -1"):
         allgather_time(line, (0, 1), -1)
+
+
+def test_ring_collectives_take_the_links_collective_bandwidth(line):
+    # link a carries 10 GB/s one way, 4 GB/s inside a ring; b keeps its bandwidth in a ring
+    links = tuple(dataclasses.replace(k, collective_bandwidth=4e9) if k.name.startswith("a:") else k
+                  for k in line.links)
+    slow = Topology("line-ring", line.devices, links, line.routes)
+    assert transfer_time(slow, 0, 1, 8 * MB) == transfer_time(line, 0, 1, 8 * MB)  # one-way pieces unchanged
+    assert allreduce_time(slow, (0, 1), 10 * MB) == pytest.approx(10e6 / 4e9 + 2 * 1e-6)       # 2.502 ms, not 1.002
+    assert allgather_time(slow, (0, 1), 10 * MB) == pytest.approx(1e-6 + 10e6 / 4e9)
+    assert allreduce_time(slow, (1, 2), 10 * MB) == allreduce_time(line, (1, 2), 10 * MB)      # b: no figure
+    # ring 0 -> 1 -> 2 -> 0: the slowest ring bandwidth is still b's 4 GB/s (and a's, now)
+    assert allreduce_time(slow, (0, 1, 2), 12 * MB) == pytest.approx(4.016e-3)
+    assert slow.route_ring_bandwidth(0, 2) == 4e9 and slow.route_bandwidth(0, 1) == 10e9
+    with pytest.raises(ValueError, match=r"link 'a:0->1': collective_bandwidth 0.0 must be > 0"):
+        dataclasses.replace(line.links[0], collective_bandwidth=0.0)

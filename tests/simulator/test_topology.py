@@ -259,3 +259,32 @@ def test_collective_overhead_round_trips_defaults_to_zero_and_is_checked(tmp_pat
         Topology.from_json(obj)
     with pytest.raises(ValueError, match=r"device 'cpu': collective_overhead = -1.0: must be >= 0"):
         dataclasses.replace(base.devices[0], collective_overhead=-1.0)
+
+
+def test_collective_bandwidth_round_trips_in_both_forms_and_is_checked(tmp_path):
+    base = get_topology("local-cpu-2")
+    t = dataclasses.replace(base, links=(dataclasses.replace(base.links[0], collective_bandwidth=1e9),
+                                         base.links[1]))
+    obj = t.to_json()
+    assert obj["links"][0]["collective_bandwidth"] == 1e9 and "collective_bandwidth" not in obj["links"][1]
+    back = Topology.from_json(json.loads(json.dumps(obj)))
+    assert back == t and back.route_ring_bandwidth(0, 1) == 1e9
+    assert back.route_ring_bandwidth(1, 0) == back.route_bandwidth(1, 0) == base.links[1].bandwidth
+    assert pickle.loads(pickle.dumps(t)) == t
+    t.save(tmp_path / "t.json")
+    assert Topology.load(tmp_path / "t.json") == t
+    assert "1 GB/s in a ring collective" in t.describe()
+    obj["links"][1]["collective_bandwidth"] = -5
+    with pytest.raises(ValueError, match=r"links\[1\].collective_bandwidth = -5: must be a finite number > 0"):
+        Topology.from_json(obj)
+    compact = {"format": "soapsearch.topology", "version": 1, "name": "c",
+               "cluster": {"nodes": 1, "per_node": 2,
+                           "device": {"kind": "cpu", "memory_bytes": 1 << 30, "peak_flops": {"float32": 1e10},
+                                      "memory_bandwidth": 1e10},
+                           "intra": {"shape": "mesh", "kind": "shm", "latency": 1e-4, "bandwidth": 2e9,
+                                     "collective_bandwidth": 8e8}}}
+    c = Topology.from_json(compact)
+    assert [k.collective_bandwidth for k in c.links] == [8e8, 8e8] and c.route_bandwidth(0, 1) == 2e9
+    compact["cluster"]["intra"]["collective_bandwidth"] = 0
+    with pytest.raises(ValueError, match=r"cluster.intra.collective_bandwidth = 0: must be a finite number > 0"):
+        Topology.from_json(compact)
