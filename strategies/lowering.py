@@ -24,6 +24,7 @@ from strategies.rules.base import Reduction
 from strategies.strategy import Strategy
 
 WEIGHT_KINDS = ("parameter", "constant")
+_new = tuple.__new__
 
 __all__ = ["WEIGHT_KINDS", "Partition", "Transfer", "WeightShard", "ReductionGroup", "OpPieces", "Lowered",
            "GradientSync", "lower", "partition_box_mb", "gates", "bucket_sums", "loss_on_every_device", "SMALL_SUM", "FORWARD",
@@ -203,11 +204,13 @@ def partition_box_mb(node: OpNode, degrees: Sequence[int], k: int, microbatch: i
                  for (b, st), c in zip(grid, partition_index(k, degrees)))
 
 
-def _overlapping(grid: Sequence[tuple[int, int]], degrees: Sequence[int], region: Box) -> list[int]:
-    """Partitions whose box overlaps ``region``: per dim the grid is regular, so the overlapping
-    coordinates are a range (no scan of every partition)."""
-    ranges = []
-    single = 0  # the partition index while every dim overlaps exactly one coordinate
+def _overlaps(grid: Sequence[tuple[int, int]], degrees: Sequence[int],
+              region: Box) -> list[tuple[int, Box, int]]:
+    """(index, the part of ``region`` it holds, that part's elements) of each partition whose
+    box overlaps ``region``, in partition order. Per dim the grid is regular: the overlapping
+    coordinates are a range and each one's cut of the region an interval, so no box is
+    intersected (coordinate c of a dim covers [base + c·step, base + (c+1)·step), ``_grid``)."""
+    axes = []
     for (lo, hi), (base, step), d in zip(region, grid, degrees):
         first = (lo - base) // step
         last = (hi - 1 - base) // step
@@ -217,19 +220,20 @@ def _overlapping(grid: Sequence[tuple[int, int]], degrees: Sequence[int], region
             last = d - 1
         if first > last:
             return []
-        if single is not None and first == last:
-            single = single * d + first
-        else:
-            single = None
-        ranges.append(range(first, last + 1))
-    if single is not None:
-        return [single]
+        cells = []
+        for c in range(first, last + 1):  # each overlaps: base + c·step < hi and base + (c+1)·step > lo
+            a = base + c * step
+            b = a + step
+            a, b = (lo if lo > a else a), (hi if hi < b else b)
+            cells.append((c, (a, b), b - a))
+        axes.append(cells)
     out = []
-    for coords in itertools.product(*ranges):
-        k = 0
-        for c, d in zip(coords, degrees):
+    for combo in itertools.product(*axes):
+        k, numel = 0, 1
+        for (c, _, size), d in zip(combo, degrees):
             k = k * d + c
-        out.append(k)
+            numel *= size
+        out.append((k, tuple([iv for _, iv, _ in combo]), numel))
     return out
 
 
@@ -490,21 +494,27 @@ def _weight_shards(name: str, read_by: tuple[OpPieces, ...], n: int) -> _Held:
 def _lower_op(graph: OpGraph, strategy: Strategy, node: OpNode, m: int) -> OpPieces:
     cfg = strategy[node.name]
     rule = get_rule(node.kind)
+    n = strategy.num_devices
     per_mb, transfers, reductions, reads = [], [], [], []
+    couples: set[tuple[int, int]] = set()
+    kept, fwd, grad = [0] * n, [0] * n, [0] * n
     sources = [(graph[src], strategy[src]) for src in node.inputs]
+    moves_grad = [graph.needs_grad[src] and graph.needs_grad[node.name] for src in node.inputs]
+    itemsize, loss, reads_weights = DTYPE_BYTES[node.output.dtype], node.kind == "loss", node.kind not in WEIGHT_KINDS
     for j in range(m):
         parts = []
-        grids = [(_grid(p, c.degrees, j, m), _boxes(_grid(p, c.degrees, j, m), c.degrees))
-                 for p, c in sources]
+        grids = [_grid(p, c.degrees, j, m) for p, c in sources]
         for k, box in enumerate(_boxes(_grid(node, cfg.degrees, j, m), cfg.degrees)):
             ins = rule.input_regions(node, box)
             ws = rule.weight_regions(node, box)
             dev = cfg.devices[k]
             parts.append(Partition(node.name, k, j, dev, box, tuple(ins),
                                    tuple((w.role, ws[w.role]) for w in node.weights)))
-            if j == 0 and node.kind not in WEIGHT_KINDS:
-                reads.extend((w.name, ws[w.role], dev, node.name, DTYPE_BYTES[w.spec.dtype],
-                              w.trainable) for w in node.weights)
+            if j == 0:
+                kept[dev] += 8 if loss else itemsize * box_numel(box)  # kept for backward
+                if reads_weights:
+                    reads.extend((w.name, ws[w.role], dev, node.name, DTYPE_BYTES[w.spec.dtype],
+                                  w.trainable) for w in node.weights)
             for slot, region in enumerate(ins):
                 if region is None:
                     continue
@@ -515,33 +525,23 @@ def _lower_op(graph: OpGraph, strategy: Strategy, node: OpNode, m: int) -> OpPie
                         reads.append((w.name, region, dev, node.name, DTYPE_BYTES[w.spec.dtype],
                                       w.trainable))
                     continue
-                pgrid, pboxes = grids[slot]
-                itemsize = DTYPE_BYTES[producer.output.dtype]
-                for q in _overlapping(pgrid, pcfg.degrees, region):
-                    pbox = pboxes[q]
-                    piece = region if pbox == region else intersect(region, pbox)
-                    if piece is None:
-                        continue
-                    transfers.append(Transfer(
-                        producer.name, q, node.name, k, slot, j, pcfg.devices[q], dev, piece,
-                        box_numel(piece) * itemsize))
+                size, src, devices = DTYPE_BYTES[producer.output.dtype], producer.name, pcfg.devices
+                for q, piece, numel in _overlaps(grids[slot], pcfg.degrees, region):
+                    src_dev, nbytes = devices[q], numel * size
+                    # the hot loop: a Transfer made as the tuple it is (no Python-level __new__)
+                    transfers.append(_new(Transfer, (src, q, node.name, k, slot, j, src_dev, dev, piece, nbytes)))
+                    if src_dev != dev:
+                        couples.add((src_dev, dev))
+                        if j == 0:  # a remote piece: received, kept for backward, its gradient sent back
+                            kept[dev] += nbytes
+                            fwd[dev] += nbytes
+                            if moves_grad[slot]:
+                                grad[src_dev] += nbytes
         per_mb.append(tuple(parts))
         reductions.extend(_groups(node, cfg.degrees, cfg.devices, rule.reductions(node, cfg.degrees),
-                                  parts, j, m, strategy.num_devices, node.name in graph.outputs))
-    couples = {(t.src_device, t.dst_device) for t in transfers if not t.local}
+                                  parts, j, m, n, node.name in graph.outputs))
     for g in reductions:  # a collective couples its devices both ways
         couples.update(zip(g.devices, g.devices[1:] + g.devices[:1]))
-    n = strategy.num_devices
-    kept, fwd, grad = [0] * n, [0] * n, [0] * n
-    itemsize = DTYPE_BYTES[node.output.dtype]
-    for p in per_mb[0]:
-        kept[p.device] += 8 if node.kind == "loss" else itemsize * box_numel(p.box)
-    for t in transfers:
-        if t.microbatch == 0 and not t.local:
-            kept[t.dst_device] += t.nbytes
-            fwd[t.dst_device] += t.nbytes
-            if graph.needs_grad[t.src_op] and graph.needs_grad[t.dst_op]:
-                grad[t.src_device] += t.nbytes
     return OpPieces(tuple(per_mb), tuple(transfers), tuple(reductions), tuple(reads),
                     tuple(dict.fromkeys(r[0] for r in reads)), frozenset(couples), tuple(kept),
                     (tuple(fwd), tuple(grad)))
