@@ -15,7 +15,6 @@ source NIC for the transfers behind it. This is FlexFlow's simulator (Jia et al.
 
 from __future__ import annotations
 
-import ctypes
 import heapq
 from bisect import bisect_right
 
@@ -52,10 +51,8 @@ def _run_native(lib, tg: TaskGraph) -> tuple[np.ndarray, np.ndarray] | None:
     src, dst = tg.edge_arrays()
     duration, res_first, res = tg.arrays()
     start, end = np.empty(n), np.empty(n)
-    i64, f64 = ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_double)
-    placed = lib.run_events(n, tg.num_devices, tg.num_links, len(src), src.ctypes.data_as(i64),
-                            dst.ctypes.data_as(i64), duration.ctypes.data_as(f64), res_first.ctypes.data_as(i64),
-                            res.ctypes.data_as(i64), start.ctypes.data_as(f64), end.ctypes.data_as(f64))
+    arrays = (src, dst, duration, res_first, res, start, end)  # contiguous int64 / float64, alive till return
+    placed = lib.run_events(n, tg.num_devices, tg.num_links, len(src), *[a.ctypes.data for a in arrays])
     return (start, end) if placed == n else None
 
 

@@ -59,7 +59,8 @@ def library() -> ctypes.CDLL | None:
         detail = getattr(e, "stderr", b"") or b""
         log.info("no compiled event loop (%s %s); the Python loop runs", e, detail.decode(errors="replace")[:500])
         return None
-    i64, f64 = ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_double)
     lib.run_events.restype = ctypes.c_int64
-    lib.run_events.argtypes = [ctypes.c_int64] * 4 + [i64] * 2 + [f64] + [i64] * 2 + [f64] * 2
+    # the arrays go as their addresses: numpy's ``ctypes.data_as`` makes a reference cycle per
+    # pointer, garbage the cyclic collector would have to find after every call
+    lib.run_events.argtypes = [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 7
     return lib

@@ -77,20 +77,8 @@ def link_step(tg: TaskGraph, lowered: Lowered, topology: Topology,
                 tg.edge(f, r)
             for e, d in zip(member_ends(tg.add, tg.edge, topology, r, g.devices, label, REDUCE), g.devices):
                 (ready if dynamic else later)[d].append(e)
-    held: dict[tuple[int, ...], list] = {}  # device set -> [trainable bytes, weight names] it holds
-    for s in lowered.weight_shards:
-        if s.trainable:
-            entry = held.get(s.devices)
-            if entry is None:
-                entry = held[s.devices] = [0, set()]
-            entry[0] += s.nbytes
-            entry[1].add(s.name)
-    weight_bytes, tensors = [0] * n, [0] * n  # tensors: the trainable weights a device holds
-    for d in last:
-        sets = [(nbytes, names) for devs, (nbytes, names) in held.items() if d in devs]
-        weight_bytes[d] = sum(nbytes for nbytes, _ in sets)
-        tensors[d] = len(sets[0][1]) if len(sets) == 1 else len(set().union(*(names for _, names in sets)))
-    buckets = {devs: nbytes for devs, (nbytes, _) in held.items() if len(devs) > 1}
+    weight_bytes, tensors = lowered.device_bytes.trainable, lowered.gradient_sync.tensors
+    buckets = lowered.gradient_sync.buckets
     synced = {d: ready[d] + later[d] for d in last}
     for devs in sorted(buckets):
         links = tuple(n + l for l in ring_links(topology, devs))

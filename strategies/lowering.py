@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import operator
 from dataclasses import dataclass
 from functools import cached_property
 from typing import NamedTuple, Sequence
@@ -23,9 +24,10 @@ from strategies.rules.base import Reduction
 from strategies.strategy import Strategy
 
 WEIGHT_KINDS = ("parameter", "constant")
+_new = tuple.__new__
 
 __all__ = ["WEIGHT_KINDS", "Partition", "Transfer", "WeightShard", "ReductionGroup", "OpPieces", "Lowered",
-           "lower", "partition_box_mb", "gates", "bucket_sums", "loss_on_every_device", "SMALL_SUM", "FORWARD",
+           "GradientSync", "lower", "partition_box_mb", "gates", "bucket_sums", "loss_on_every_device", "SMALL_SUM", "FORWARD",
            "BACKWARD", "STEP"]
 
 
@@ -133,6 +135,16 @@ class DeviceBytes(NamedTuple):
     """Bytes of the other weight shards held."""
 
 
+class GradientSync(NamedTuple):
+    """What the gradient sync of a plan's trainable weight shards amounts to."""
+
+    buckets: dict[tuple[int, ...], int]
+    """Device set of > 1 devices -> bytes of the trainable shards replicated on exactly it (one
+    DDP-style bucket each, ``simulator.step``)."""
+    tensors: tuple[int, ...]
+    """Trainable weights each device holds a shard of (one entry per device)."""
+
+
 @dataclass(frozen=True)
 class Lowered:
     graph: OpGraph
@@ -145,6 +157,8 @@ class Lowered:
     consumers of the lowering cache their own per-op work by its identity)."""
     device_bytes: DeviceBytes
     """Per-device byte totals of the plan (``simulator.memory`` reads them)."""
+    gradient_sync: GradientSync
+    """The buckets and per-device tensor counts of ``weight_shards``' sync (``simulator.step``)."""
 
     @cached_property
     def transfers(self) -> tuple[Transfer, ...]:
@@ -190,11 +204,13 @@ def partition_box_mb(node: OpNode, degrees: Sequence[int], k: int, microbatch: i
                  for (b, st), c in zip(grid, partition_index(k, degrees)))
 
 
-def _overlapping(grid: Sequence[tuple[int, int]], degrees: Sequence[int], region: Box) -> list[int]:
-    """Partitions whose box overlaps ``region``: per dim the grid is regular, so the overlapping
-    coordinates are a range (no scan of every partition)."""
-    ranges = []
-    single = 0  # the partition index while every dim overlaps exactly one coordinate
+def _overlaps(grid: Sequence[tuple[int, int]], degrees: Sequence[int],
+              region: Box) -> list[tuple[int, Box, int]]:
+    """(index, the part of ``region`` it holds, that part's elements) of each partition whose
+    box overlaps ``region``, in partition order. Per dim the grid is regular: the overlapping
+    coordinates are a range and each one's cut of the region an interval, so no box is
+    intersected (coordinate c of a dim covers [base + c·step, base + (c+1)·step), ``_grid``)."""
+    axes = []
     for (lo, hi), (base, step), d in zip(region, grid, degrees):
         first = (lo - base) // step
         last = (hi - 1 - base) // step
@@ -204,19 +220,20 @@ def _overlapping(grid: Sequence[tuple[int, int]], degrees: Sequence[int], region
             last = d - 1
         if first > last:
             return []
-        if single is not None and first == last:
-            single = single * d + first
-        else:
-            single = None
-        ranges.append(range(first, last + 1))
-    if single is not None:
-        return [single]
+        cells = []
+        for c in range(first, last + 1):  # each overlaps: base + c·step < hi and base + (c+1)·step > lo
+            a = base + c * step
+            b = a + step
+            a, b = (lo if lo > a else a), (hi if hi < b else b)
+            cells.append((c, (a, b), b - a))
+        axes.append(cells)
     out = []
-    for coords in itertools.product(*ranges):
-        k = 0
-        for c, d in zip(coords, degrees):
+    for combo in itertools.product(*axes):
+        k, numel = 0, 1
+        for (c, _, size), d in zip(combo, degrees):
             k = k * d + c
-        out.append(k)
+            numel *= size
+        out.append((k, tuple([iv for _, iv, _ in combo]), numel))
     return out
 
 
@@ -303,57 +320,140 @@ def lower(graph: OpGraph, strategy: Strategy, cache: dict | None = None) -> Lowe
     """Everything a plan does, derived once (DESIGN.md "The lowering"). ``cache`` (any dict kept
     across calls for one graph) memoizes each op's pieces by the configs they depend on, and
     each weight's shards by the pieces of the ops reading it; an op's config is validated when
-    its pieces are first derived. An op whose config and whose producers' configs are the very
-    objects of the previous call (a search's proposal shares every unchanged config) takes
-    that call's pieces without hashing them, and the per-device totals (``DeviceBytes``) are
-    the previous call's patched by the ops and weights that changed."""
+    its pieces are first derived. The cache also keeps the previous call's lowering (``_Last``):
+    only the ops whose config is not the very object of that call's plan (a search's proposal
+    shares every unchanged config) and their consumers are looked at again, and the
+    per-device totals (``DeviceBytes``, ``GradientSync``) are patched by what changed."""
     cache = {} if cache is None else cache  # none given: one used for this call only
-    ops = tuple(strategy)
-    if cache.get("ops") != ops:  # a search's plans all name the same ops
-        strategy.validate(graph, configs=False)
-        cache["ops"] = ops
     m, n = strategy.microbatches, strategy.num_devices
-    partitions: dict[str, tuple[tuple[Partition, ...], ...]] = {}
-    by_op: dict[str, OpPieces] = {}
-    readers: dict[str, list[OpPieces]] = {}
-    last = cache.setdefault(("last", m, n), {})
-    totals = cache.setdefault(("totals", m, n), [[0] * n for _ in DeviceBytes._fields])
-    kept, received, received_grad, trainable, frozen = totals
+    last = cache.get(("last", m, n))
+    ops = tuple(strategy)
+    if last is None or last.ops != ops:  # a search's plans all name the same ops
+        strategy.validate(graph, configs=False)
+        last = cache[("last", m, n)] = _Last(graph, ops, n)
+        affected = list(graph)
+    elif last.configs is strategy.configs:
+        affected = []
+    else:
+        changed = [name for (name, a), (_, b) in zip(last.configs, strategy.configs) if a is not b]
+        touched = set(changed).union(*map(graph.users, changed))
+        affected = [graph[name] for name in sorted(touched, key=last.position.__getitem__)]
+    try:
+        _update(graph, strategy, cache, last, affected)
+    except BaseException:  # a config found invalid half way: the next call starts over
+        cache.pop(("last", m, n), None)
+        raise
+    last.configs = strategy.configs
+    shards = tuple(itertools.chain.from_iterable(h.shards for h in last.held.values()))
+    sync = GradientSync({devs: b for devs, (b, _) in last.buckets.items()}, tuple(last.tensors))
+    return Lowered(graph, strategy, dict(last.partitions), shards, dict(last.by_op),
+                   DeviceBytes(*map(tuple, last.totals)), sync)
+
+
+def _update(graph: OpGraph, strategy: Strategy, cache: dict, last: "_Last", affected: list[OpNode]) -> None:
+    """``last`` made ``strategy``'s lowering: the ``affected`` ops' pieces, in graph order, the
+    shards of every weight they read (before or now) and the totals."""
+    m = strategy.microbatches
+    kept, received, received_grad = last.totals[:3]
     config = strategy.__getitem__
-    for node in graph:
-        cfg, prev = config(node.name), last.get(node.name)
-        inputs = tuple(map(config, node.inputs))
-        if prev is not None and prev[0] is cfg and prev[1] == inputs:  # == tries `is` first
-            pieces = prev[2]
+    weights: set[str] = set()  # read by an affected op, before or now
+    regroup = last.readers is None  # an op reads other weights than before: readers are gathered again
+    for node in affected:
+        key = (node.name, m, strategy.num_devices, config(node.name), tuple(map(config, node.inputs)))
+        pieces = cache.get(key)
+        if pieces is None:
+            strategy.validate_op(node)
+            pieces = cache[key] = _lower_op(graph, strategy, node, m)
+        old = last.by_op.get(node.name)
+        if old is pieces:
+            continue
+        _patch(kept, old and old.activations, pieces.activations)
+        _patch(received, old and old.receives[0], pieces.receives[0])
+        _patch(received_grad, old and old.receives[1], pieces.receives[1])
+        last.by_op[node.name] = pieces
+        last.partitions[node.name] = pieces.partitions
+        weights.update(pieces.weights_read)
+        if old is not None:
+            weights.update(old.weights_read)
+            regroup = regroup or old.weights_read != pieces.weights_read
+    if regroup:
+        last.regroup(graph)
+        weights = set(last.readers) | set(last.held)
+    for name in weights:
+        last.hold(name, cache)
+    if regroup:
+        last.held = {name: last.held[name] for name in last.readers}  # the readers' order
+
+
+class _Held(NamedTuple):
+    """One weight's shards, given the pieces of the ops reading it (``read_by``, kept so the
+    cache's key by their ids stays sound), and what they add to the per-device totals."""
+
+    read_by: tuple[OpPieces, ...]
+    shards: list[WeightShard]
+    per_device: tuple[int, ...]
+    """Bytes of the shards each device holds."""
+    buckets: dict[tuple[int, ...], int]
+    """Trainable only: bytes of the shards replicated on exactly each device set of > 1 devices."""
+    holders: tuple[int, ...]
+    """Trainable only: the devices holding a shard."""
+
+
+class _Last:
+    """The previous call's lowering of one graph (per micro-batch and device count), which the
+    next call patches: each op's pieces, each weight's shards (in the order their first reader
+    comes in the graph) and the per-device totals over them."""
+
+    def __init__(self, graph: OpGraph, ops: tuple[str, ...], n: int):
+        self.ops, self.configs = ops, None
+        self.position = {node.name: i for i, node in enumerate(graph)}
+        self.by_op: dict[str, OpPieces] = {}
+        self.partitions: dict[str, tuple[tuple[Partition, ...], ...]] = {}
+        self.readers: dict[str, list[str]] | None = None
+        """Weight -> the ops reading it, in graph order."""
+        self.held: dict[str, _Held] = {}
+        self.totals = [[0] * n for _ in DeviceBytes._fields]
+        self.buckets: dict[tuple[int, ...], list[int]] = {}
+        """Device set -> [bytes, weights with a shard there] (``GradientSync.buckets``)."""
+        self.tensors = [0] * n
+
+    def regroup(self, graph: OpGraph) -> None:
+        self.readers = {}
+        for node in graph:
+            for name in self.by_op[node.name].weights_read:
+                self.readers.setdefault(name, []).append(node.name)
+
+    def hold(self, name: str, cache: dict) -> None:
+        """Weight ``name``'s shards for its readers' current pieces, the totals patched."""
+        read_by = tuple(self.by_op[op] for op in self.readers.get(name, ()))
+        old = self.held.get(name)
+        if old is not None and len(old.read_by) == len(read_by) and all(map(operator.is_, old.read_by, read_by)):
+            return
+        new = None
+        if read_by:
+            key = ("shards", name, *map(id, read_by))
+            new = cache.get(key)
+            if new is None:
+                new = cache[key] = _weight_shards(name, read_by, len(self.tensors))
+        trainable, frozen = self.totals[3:]
+        for h, sign in ((old, -1), (new, 1)):
+            if h is None:
+                continue
+            total = trainable if h.shards[0].trainable else frozen
+            for d, b in enumerate(h.per_device):
+                total[d] += sign * b
+            for d in h.holders:
+                self.tensors[d] += sign
+            for devs, b in h.buckets.items():
+                entry = self.buckets.setdefault(devs, [0, 0])
+                entry[0] += sign * b
+                entry[1] += sign
+                if not entry[1]:
+                    del self.buckets[devs]
+        if new is None:
+            self.held.pop(name, None)
         else:
-            key = (node.name, m, n, cfg, inputs)
-            pieces = cache.get(key)
-            if pieces is None:
-                strategy.validate_op(node)
-                pieces = cache[key] = _lower_op(graph, strategy, node, m)
-            old = prev[2] if prev is not None else None
-            if old is not pieces:
-                _patch(kept, old and old.activations, pieces.activations)
-                _patch(received, old and old.receives[0], pieces.receives[0])
-                _patch(received_grad, old and old.receives[1], pieces.receives[1])
-            last[node.name] = (cfg, inputs, pieces)
-        by_op[node.name] = pieces
-        partitions[node.name] = pieces.partitions
-        for name in pieces.weights_read:
-            readers.setdefault(name, []).append(pieces)
-    shards: list[WeightShard] = []
-    held = cache.setdefault(("held", m, n), {})
-    for name, read_by in readers.items():
-        hit = cache.get(("shards", name))
-        if hit is None or hit[0] != read_by:  # == tries `is` first: the same pieces, the same shards
-            # holding the pieces keeps the test by identity sound
-            hit = cache[("shards", name)] = (read_by, *_weight_shards(name, read_by, n))
-        shards.extend(hit[1])
-        old = held.get(name)
-        if old is not hit[2]:
-            _patch(trainable if hit[1][0].trainable else frozen, old, hit[2])
-            held[name] = hit[2]
-    return Lowered(graph, strategy, partitions, tuple(shards), by_op, DeviceBytes(*map(tuple, totals)))
+            self.held[name] = new
 
 
 def _patch(total: list[int], old: tuple[int, ...] | None, new: tuple[int, ...]) -> None:
@@ -368,8 +468,9 @@ def _patch(total: list[int], old: tuple[int, ...] | None, new: tuple[int, ...]) 
             total[d] += b - a
 
 
-def _weight_shards(name: str, read_by: list[OpPieces], n: int) -> tuple[list[WeightShard], tuple[int, ...]]:
-    """The shards of weight ``name`` and the bytes of them each of the ``n`` devices holds."""
+def _weight_shards(name: str, read_by: tuple[OpPieces, ...], n: int) -> _Held:
+    """The shards of weight ``name`` read by ``read_by`` and what they add to the totals of the
+    ``n`` devices."""
     held: dict[Box, set[int]] = {}
     ops: dict[str, None] = {}
     for pieces in read_by:
@@ -380,30 +481,40 @@ def _weight_shards(name: str, read_by: list[OpPieces], n: int) -> tuple[list[Wei
                 meta = (itemsize, trainable)
     shards = _shards(name, held, *meta, tuple(ops))
     per_device = [0] * n
+    buckets: dict[tuple[int, ...], int] = {}
     for s in shards:
         for d in s.devices:
             per_device[d] += s.nbytes
-    return shards, tuple(per_device)
+        if s.trainable and len(s.devices) > 1:
+            buckets[s.devices] = buckets.get(s.devices, 0) + s.nbytes
+    holders = tuple(sorted({d for s in shards for d in s.devices})) if meta[1] else ()
+    return _Held(read_by, shards, tuple(per_device), buckets, holders)
 
 
 def _lower_op(graph: OpGraph, strategy: Strategy, node: OpNode, m: int) -> OpPieces:
     cfg = strategy[node.name]
     rule = get_rule(node.kind)
+    n = strategy.num_devices
     per_mb, transfers, reductions, reads = [], [], [], []
+    couples: set[tuple[int, int]] = set()
+    kept, fwd, grad = [0] * n, [0] * n, [0] * n
     sources = [(graph[src], strategy[src]) for src in node.inputs]
+    moves_grad = [graph.needs_grad[src] and graph.needs_grad[node.name] for src in node.inputs]
+    itemsize, loss, reads_weights = DTYPE_BYTES[node.output.dtype], node.kind == "loss", node.kind not in WEIGHT_KINDS
     for j in range(m):
         parts = []
-        grids = [(_grid(p, c.degrees, j, m), _boxes(_grid(p, c.degrees, j, m), c.degrees))
-                 for p, c in sources]
+        grids = [_grid(p, c.degrees, j, m) for p, c in sources]
         for k, box in enumerate(_boxes(_grid(node, cfg.degrees, j, m), cfg.degrees)):
             ins = rule.input_regions(node, box)
             ws = rule.weight_regions(node, box)
             dev = cfg.devices[k]
             parts.append(Partition(node.name, k, j, dev, box, tuple(ins),
                                    tuple((w.role, ws[w.role]) for w in node.weights)))
-            if j == 0 and node.kind not in WEIGHT_KINDS:
-                reads.extend((w.name, ws[w.role], dev, node.name, DTYPE_BYTES[w.spec.dtype],
-                              w.trainable) for w in node.weights)
+            if j == 0:
+                kept[dev] += 8 if loss else itemsize * box_numel(box)  # kept for backward
+                if reads_weights:
+                    reads.extend((w.name, ws[w.role], dev, node.name, DTYPE_BYTES[w.spec.dtype],
+                                  w.trainable) for w in node.weights)
             for slot, region in enumerate(ins):
                 if region is None:
                     continue
@@ -414,33 +525,23 @@ def _lower_op(graph: OpGraph, strategy: Strategy, node: OpNode, m: int) -> OpPie
                         reads.append((w.name, region, dev, node.name, DTYPE_BYTES[w.spec.dtype],
                                       w.trainable))
                     continue
-                pgrid, pboxes = grids[slot]
-                itemsize = DTYPE_BYTES[producer.output.dtype]
-                for q in _overlapping(pgrid, pcfg.degrees, region):
-                    pbox = pboxes[q]
-                    piece = region if pbox == region else intersect(region, pbox)
-                    if piece is None:
-                        continue
-                    transfers.append(Transfer(
-                        producer.name, q, node.name, k, slot, j, pcfg.devices[q], dev, piece,
-                        box_numel(piece) * itemsize))
+                size, src, devices = DTYPE_BYTES[producer.output.dtype], producer.name, pcfg.devices
+                for q, piece, numel in _overlaps(grids[slot], pcfg.degrees, region):
+                    src_dev, nbytes = devices[q], numel * size
+                    # the hot loop: a Transfer made as the tuple it is (no Python-level __new__)
+                    transfers.append(_new(Transfer, (src, q, node.name, k, slot, j, src_dev, dev, piece, nbytes)))
+                    if src_dev != dev:
+                        couples.add((src_dev, dev))
+                        if j == 0:  # a remote piece: received, kept for backward, its gradient sent back
+                            kept[dev] += nbytes
+                            fwd[dev] += nbytes
+                            if moves_grad[slot]:
+                                grad[src_dev] += nbytes
         per_mb.append(tuple(parts))
         reductions.extend(_groups(node, cfg.degrees, cfg.devices, rule.reductions(node, cfg.degrees),
-                                  parts, j, m, strategy.num_devices, node.name in graph.outputs))
-    couples = {(t.src_device, t.dst_device) for t in transfers if not t.local}
+                                  parts, j, m, n, node.name in graph.outputs))
     for g in reductions:  # a collective couples its devices both ways
         couples.update(zip(g.devices, g.devices[1:] + g.devices[:1]))
-    n = strategy.num_devices
-    kept, fwd, grad = [0] * n, [0] * n, [0] * n
-    itemsize = DTYPE_BYTES[node.output.dtype]
-    for p in per_mb[0]:
-        kept[p.device] += 8 if node.kind == "loss" else itemsize * box_numel(p.box)
-    for t in transfers:
-        if t.microbatch == 0 and not t.local:
-            kept[t.dst_device] += t.nbytes
-            fwd[t.dst_device] += t.nbytes
-            if graph.needs_grad[t.src_op] and graph.needs_grad[t.dst_op]:
-                grad[t.src_device] += t.nbytes
     return OpPieces(tuple(per_mb), tuple(transfers), tuple(reductions), tuple(reads),
                     tuple(dict.fromkeys(r[0] for r in reads)), frozenset(couples), tuple(kept),
                     (tuple(fwd), tuple(grad)))

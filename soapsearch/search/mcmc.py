@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from simulator.result import SimResult
+from simulator.simulate import paused_gc
 from strategies.config import ParallelConfig, enumerate_configs
 from strategies.graph import OpGraph
 from strategies.strategy import Strategy
@@ -82,7 +83,15 @@ def run_chain(init: Strategy, evaluate: Callable[[Strategy], SimResult],
               started: float | None = None, should_stop: Callable[[], bool] = lambda: False,
               on_step: Callable[[ChainStats, float], None] | None = None) -> ChainStats:
     """One chain from ``init``. ``beta`` (per ms) defaults to BETA_C / cost(init) (200: a
-    proposal 0.5 % worse than the start is accepted with probability 1/e)."""
+    proposal 0.5 % worse than the start is accepted with probability 1/e). Runs with the
+    cyclic collector paused (``paused_gc``)."""
+    with paused_gc():
+        return _run_chain(init, evaluate, candidates, budget, rng, beta, reset_every, stats, started,
+                          should_stop, on_step)
+
+
+def _run_chain(init, evaluate, candidates, budget, rng, beta, reset_every, stats, started, should_stop,
+               on_step) -> ChainStats:
     stats = stats or ChainStats()
     started = time.perf_counter() if started is None else started
     t0 = time.perf_counter()

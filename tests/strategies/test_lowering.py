@@ -209,3 +209,30 @@ def test_step_sums_ride_the_gradient_bucket_of_their_devices():
     # STEP sum, which keeps its own collective
     low = lower(g, owt(g, 2))
     assert [r.gates for r in low.reductions] == ["step"] and bucket_sums(low) == {}
+
+
+@pytest.mark.parametrize("name,microbatches", [("gpt", 2), ("alexnet", 1), ("rnntc", 1)])
+def test_a_cached_lowering_patched_plan_by_plan_equals_one_from_scratch(name, microbatches):
+    # a walk of one-op changes (some accepted, as MCMC's), and a plan with an invalid config
+    # on the way: each lowering through one cache (the previous call's patched) is the one
+    # derived from scratch, weight shards in order, totals and gradient-sync buckets included.
+    graph = traced(name, batch_size=16)
+    rng = random.Random(7)
+    configs = {node.name: list(enumerate_configs(node, 4, microbatches)) for node in graph}
+    ops = [op for op, cfgs in configs.items() if len(cfgs) > 1]
+    current = data_parallel(graph, 4).with_microbatches(microbatches)
+    cache: dict = {}
+    for i in range(60):
+        op = rng.choice(ops)
+        proposal = current.replace(op, rng.choice(configs[op]))
+        if i == 30:  # a degree that does not divide the dim: raises, and the cache starts over
+            bad = current.replace(op, ParallelConfig((3,) + (1,) * (len(current[op].degrees) - 1), (0, 1, 2)))
+            with pytest.raises(Exception):
+                lower(graph, bad, cache)
+        got, want = lower(graph, proposal, cache), lower(graph, proposal)
+        assert got.weight_shards == want.weight_shards
+        assert got.device_bytes == want.device_bytes and got.gradient_sync == want.gradient_sync
+        assert got.partitions == want.partitions and got.transfers == want.transfers
+        assert got.reductions == want.reductions
+        if rng.random() < 0.5:
+            current = proposal
