@@ -54,9 +54,10 @@ def link_step(tg: TaskGraph, lowered: Lowered, topology: Topology,
     Each device, after its last backward step, waits on its own-collective sums whose divisor
     needs the data (it divides its gradients by C before the sync); all-reduces one DDP-style
     bucket per device set holding replicated trainable shards; waits on its other STEP sums;
-    then, when the loss is not on every device in every micro-batch, one all-reduce of the
-    loss value (a float64) over every device; then its optimizer update. Each collective here
-    ends on each member with its ``member_ends``."""
+    then its optimizer update; and, when the loss is not on every device in every micro-batch,
+    one all-reduce of the loss value (a float64) over every device, started when every device
+    is that far and overlapping the updates (nothing in them reads it; the step ends when it
+    has). Each collective here ends on each member with its ``member_ends``."""
     n = topology.num_devices
     ready: dict[int, list[int]] = {d: [last[d]] for d in last}  # what its gradient sync waits on
     later: dict[int, list[int]] = {d: [] for d in last}  # what only its update waits on
@@ -100,9 +101,7 @@ def link_step(tg: TaskGraph, lowered: Lowered, topology: Topology,
         for d in sorted(synced):
             for dep in dict.fromkeys(synced[d]):
                 tg.edge(dep, rep)
-        ends = dict(zip(everyone, member_ends(tg.add, tg.edge, topology, rep, everyone, "allreduce loss", ALLREDUCE)))
-        for d in synced:
-            synced[d] = [ends[d]]
+        member_ends(tg.add, tg.edge, topology, rep, everyone, "allreduce loss", ALLREDUCE)
     for d in sorted(last):
         if weight_bytes[d]:
             u = tg.add(f"update {optimizer} device {d}", UPDATE,

@@ -34,8 +34,8 @@ what waits for that sum is what its reduction's gates say (``strategies.lowering
 - a partition alone (no group) knows C_j itself; seed 1/(m·C_j).
 
 The loss's backward has no collective. The reported loss is (1/m)·Σ_j S_j / C_j from the sums;
-when some rank holds no loss partition, partition 0's rank counts it and an all-reduce after
-the gradient sync tells the others.
+when some rank holds no loss partition, partition 0's rank counts it and an all-reduce started
+after the gradient sync, and waited after the optimizer update it overlaps, tells the others.
 """
 
 from __future__ import annotations
@@ -155,7 +155,7 @@ class Executor:
             self.p2p.flush()
             if update and self.optimizer is not None:
                 self.optimizer.step()
-            return loss / self.strategy.microbatches
+            return loss() / self.strategy.microbatches
         finally:
             self._clear()
 
@@ -188,20 +188,26 @@ class Executor:
                 pending.value = total
         self._divide_grads(riding=True)
 
-    def _step_loss(self) -> float:
+    def _step_loss(self) -> Callable[[], float]:
         """Σ_j S_j / C_j of the micro-batches this rank counts (float64: each term is exactly a
-        double), summed over the world when some rank holds no loss partition. Every sum this
+        double), summed over the world when some rank holds no loss partition: that all-reduce
+        is started here and waited by the returned call, which ``step`` makes after the
+        optimizer update (nothing in it reads the value), so the two overlap. Every sum this
         rank started is waited here, counted or not (its buffers live until it is done)."""
         loss = sum(v.item() for v in self.losses)
         for r, pending in self.sums.values():
             total = pending.wait()
             if r.loss:
                 loss += (total[0] / (r.loss_sum.count if r.loss_sum.count is not None else total[1])).item()
-        if not self.loss_everywhere:
-            total = torch.tensor([loss], dtype=torch.float64, device=self.device)
-            dist.all_reduce(total)
-            loss = total.item()
-        return loss
+        if self.loss_everywhere:
+            return lambda: loss
+        total = torch.tensor([loss], dtype=torch.float64, device=self.device)
+        work = dist.all_reduce(total, async_op=True)
+
+        def value() -> float:
+            work.wait()
+            return total.item()
+        return value
 
     # --- forward ------------------------------------------------------------------------------
     def _forward(self, r: Recipe) -> None:

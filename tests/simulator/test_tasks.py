@@ -180,8 +180,9 @@ def test_batch_statistics_gather_forward_and_sum_backward_and_block_the_device()
 def test_the_loss_value_is_all_reduced_when_one_device_holds_the_loss():
     # fc on device 0, the loss on device 1. fc 0-1; its output (32 B: alpha + 0.8 = 2.8) 1-3.8;
     # loss 3.8-4.3 and 4.3-4.8; its gradient 4.8-7.6; fc backward 7.6-8.1. Then the loss value
-    # (8 B over both devices: 8/B + 2·alpha = 4.2) 8.1-12.3, before device 0's update (1):
-    # 12.3-13.3. Device 1 holds no trainable weight: no update.
+    # (8 B over both devices: 8/B + 2·alpha = 4.2) 8.1-12.3, overlapping device 0's update (1)
+    # 8.1-9.1, which does not read it: the step ends with the all-reduce. Device 1 holds no
+    # trainable weight: no update.
     g = regression()
     on1 = {"y", "mse_loss"}
     plan = Strategy.of({n.name: ParallelConfig((1,) * len(n.dims), (int(n.name in on1),)) for n in g}, 2)
@@ -189,8 +190,14 @@ def test_the_loss_value_is_all_reduced_when_one_device_holds_the_loss():
     [rep] = find(tg, "allreduce loss")
     assert tg.nbytes[rep] == 8 and (start[rep], end[rep]) == pytest.approx((8.1 * MS, 12.3 * MS), rel=1e-9)
     [u] = [t for t in range(len(tg)) if tg.category[t] == UPDATE]
-    assert tg.device[u] == 0 and start[u] == end[rep]
-    assert max(end) == pytest.approx(13.3 * MS, rel=1e-9)
+    assert tg.device[u] == 0 and (start[u], end[u]) == pytest.approx((8.1 * MS, 9.1 * MS), rel=1e-9)
+    assert max(end) == pytest.approx(12.3 * MS, rel=1e-9)
+    # with 2 ms of host work per collective: device 0's lands after its update, 12.3-14.3
+    tg, start, end = simulate(g, plan, pair(200e3, collective_overhead=2 * MS))
+    host = {tg.device[t]: (start[t], end[t]) for t in find(tg, "allreduce loss host")}
+    assert host == {0: pytest.approx((12.3 * MS, 14.3 * MS), rel=1e-9), 1: pytest.approx((12.3 * MS, 14.3 * MS), rel=1e-9)}
+    [u] = [t for t in range(len(tg)) if tg.category[t] == UPDATE]
+    assert end[u] == pytest.approx(9.1 * MS, rel=1e-9) and max(end) == pytest.approx(14.3 * MS, rel=1e-9)
     # on every device (data parallel) the loss is known everywhere: no such all-reduce
     assert not find(simulate(g, data_parallel(g, 2), pair(200e3))[0], "allreduce loss")
 
