@@ -15,11 +15,14 @@ from simulator.topology import Topology
 from strategies.config import format_devices
 from strategies.lowering import Lowered, ReductionGroup, bucket_sums, loss_on_every_device
 
-__all__ = ["link_step", "member_ends", "UPDATE_TRAFFIC"]
+__all__ = ["COPY_TRAFFIC", "link_step", "member_ends", "UPDATE_TRAFFIC"]
 
 UPDATE_TRAFFIC = {"sgd": 5, "adam": 7}
 """Optimizer update bytes per weight byte (memory-bound: read weight, gradient and state, write
 weight and state): SGD with momentum 2 reads + 2 writes + the gradient's read = 5; Adam 7."""
+COPY_TRAFFIC = 2
+"""Bytes moved per byte copied (read + write): a gradient bucket is packed into one flat tensor
+before its all-reduce and copied back after it (``_copy_time``)."""
 
 
 def member_ends(add: Callable[..., int], edge: Callable[[int, int], None], topology: Topology, collective: int,
@@ -53,7 +56,8 @@ def link_step(tg: TaskGraph, lowered: Lowered, topology: Topology,
     it); the others are ring all-gathers of their own, started after the members' forwards.
     Each device, after its last backward step, waits on its own-collective sums whose divisor
     needs the data (it divides its gradients by C before the sync); all-reduces one DDP-style
-    bucket per device set holding replicated trainable shards; waits on its other STEP sums;
+    bucket per device set holding replicated trainable shards (packed into one flat tensor
+    first and copied back after, ``_copy_time`` each); waits on its other STEP sums;
     then its optimizer update; and, when the loss is not on every device in every micro-batch,
     one all-reduce of the loss value (a float64) over every device, started when every device
     is that far and overlapping the updates (nothing in them reads it; the step ends when it
@@ -90,10 +94,15 @@ def link_step(tg: TaskGraph, lowered: Lowered, topology: Topology,
         for f in fwds:
             tg.edge(f, ar)
         for d in devs:
+            pack = tg.add(f"pack {label} device {d}", ALLREDUCE, _copy_time(topology.devices[d], nbytes), (d,), d)
             for dep in ready[d]:
-                tg.edge(dep, ar)
+                tg.edge(dep, pack)
+            tg.edge(pack, ar)
         for d, e in zip(devs, member_ends(tg.add, tg.edge, topology, ar, devs, label, ALLREDUCE)):
-            synced[d].append(e)
+            unpack = tg.add(f"unpack {label} device {d}", ALLREDUCE,
+                            _copy_time(topology.devices[d], buckets[devs]), (d,), d)
+            tg.edge(e, unpack)
+            synced[d].append(unpack)
     if not loss_on_every_device(lowered):
         everyone = tuple(range(lowered.strategy.num_devices))
         rep = tg.add("allreduce loss", ALLREDUCE, allreduce_time(topology, everyone, _LOSS_BYTES),
@@ -113,6 +122,13 @@ def link_step(tg: TaskGraph, lowered: Lowered, topology: Topology,
 
 _LOSS_BYTES = 8
 """The step's loss value the executor all-reduces when not every device knows it: one float64."""
+
+
+def _copy_time(spec: DeviceSpec, nbytes: int) -> float:
+    """Seconds to copy ``nbytes`` on the device, ``COPY_TRAFFIC * nbytes / memory_bandwidth``:
+    a bucket's gradients packed into one flat tensor before its all-reduce and the sums copied
+    back after it, as ``shards.LocalWeights.sync_grads`` (and DDP's buckets) do."""
+    return COPY_TRAFFIC * nbytes / spec.memory_bandwidth
 
 
 def _update_time(spec: DeviceSpec, traffic: float, nbytes: int, tensors: int) -> float:

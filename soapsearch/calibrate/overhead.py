@@ -42,7 +42,7 @@ from torch import nn
 from simulator.comm import allreduce_time
 from simulator.cost import CostModel
 from simulator.simulate import simulate_plan
-from simulator.step import UPDATE_TRAFFIC
+from simulator.step import COPY_TRAFFIC, UPDATE_TRAFFIC
 from simulator.topology import Topology
 from soapsearch.calibrate.timing import median_slowest, step_times
 from strategies import ParallelConfig, baseline
@@ -121,8 +121,9 @@ def probe_chains(n: int, task_sizes: Sequence[int] = TASK_SIZES, piece_sizes: Se
 def unit_kernel_seconds(topology: Topology, cost: CostModel, optimizer: str = "sgd") -> float:
     """Seconds the simulator charges one linear + tanh unit of the data-parallel probe on
     ``topology``'s device 0 beyond task overheads (what ``fit.fit_overheads`` takes off the
-    measured slope in K): forward + backward of its 2 partitions (``cost``), the update traffic
-    of its trainable bytes u (``UPDATE_TRAFFIC · u / memory_bandwidth``) and its share of the
+    measured slope in K): forward + backward of its 2 partitions (``cost``), the update and
+    bucket copy traffic of its trainable bytes u (``(UPDATE_TRAFFIC + 2·COPY_TRAFFIC) · u /
+    memory_bandwidth``: the update, the bucket packed and copied back) and its share of the
     gradient bucket's ring all-reduce (``allreduce_time(2u) - allreduce_time(u)`` = 2(n-1)/n ·
     u / B: the latency terms cancel)."""
     nproc, device = topology.num_devices, topology.devices[0]
@@ -133,7 +134,7 @@ def unit_kernel_seconds(topology: Topology, cost: CostModel, optimizer: str = "s
     u = sum(s.nbytes for s in low.weight_shards if s.trainable and 0 in s.devices)
     everyone = tuple(range(nproc))
     bucket = allreduce_time(topology, everyone, 2 * u) - allreduce_time(topology, everyone, u)
-    return kernels + UPDATE_TRAFFIC[optimizer] * u / device.memory_bandwidth + bucket
+    return kernels + (UPDATE_TRAFFIC[optimizer] + 2 * COPY_TRAFFIC) * u / device.memory_bandwidth + bucket
 
 
 def probe_simulator(make_topology: Callable[[Mapping[str, float]], Topology], cost: CostModel,

@@ -106,12 +106,20 @@ def test_transfer_and_allreduce_tasks_follow_their_formulas():
         src, dst = tg.device[t], 1 - tg.device[t]
         assert tg.duration[t] == transfer_time(topo, src, dst, tg.nbytes[t])
         assert tg.duration[t] == pytest.approx(2e-6 + tg.nbytes[t] / 20e9, rel=1e-9)
-    ars = [t for t in range(len(tg)) if tg.category[t] == ALLREDUCE]
+    ars = [t for t in range(len(tg)) if tg.category[t] == ALLREDUCE and tg.label(t).startswith("allreduce")]
     replicated = [s for s in lowered.weight_shards if len(s.devices) > 1 and s.trainable]
     # one bucket per device set, as the executor syncs: here every replicated shard is on (0, 1),
     # and the loss's [s_p, c_p] (two float32, gated STEP) ride it (strategies.lowering.bucket_sums)
     assert len(ars) == 1 and tg.nbytes[ars[0]] == sum(s.nbytes for s in replicated) + 8 > 8
     assert tg.duration[ars[0]] == allreduce_time(topo, (0, 1), tg.nbytes[ars[0]])
+    # each member packs the bucket into one tensor before and copies the gradients back after:
+    # 2 · bytes / memory bandwidth each (read + write)
+    bw = topo.devices[0].memory_bandwidth
+    for d in (0, 1):
+        [pack] = [t for t in range(len(tg)) if tg.label(t) == f"pack allreduce bucket 0-1 device {d}"]
+        [unpack] = [t for t in range(len(tg)) if tg.label(t) == f"unpack allreduce bucket 0-1 device {d}"]
+        assert tg.duration[pack] == pytest.approx(2 * tg.nbytes[ars[0]] / bw, rel=1e-12)
+        assert tg.duration[unpack] == pytest.approx(2 * (tg.nbytes[ars[0]] - 8) / bw, rel=1e-12)
 
 
 def test_route_across_nodes_is_slower():

@@ -103,20 +103,28 @@ def test_what_each_member_sends():
 def test_a_loss_sum_only_the_step_waits_on_rides_the_gradient_bucket():
     # data parallel, sum MSE (a static divisor): the loss sum travels in the gradient bucket of
     # its devices (strategies.lowering.bucket_sums), no collective of its own. Backward: loss
-    # 1.5-2.0, fc 2.0-2.5; the bucket (40 B of gradients + 4 B of loss: 44/B + 2·alpha = 5.1)
-    # 2.5-7.6; the update (5 · 40 B / 200 kB/s = 1) 7.6-8.6.
+    # 1.5-2.0, fc 2.0-2.5; the bucket (40 B of gradients + 4 B of loss) packed into one tensor
+    # (2 · 44 B / 200 kB/s = 0.44) 2.5-2.94, all-reduced (44/B + 2·alpha = 5.1) 2.94-8.04, the
+    # gradients copied back (2 · 40 B / 200 kB/s = 0.4) 8.04-8.44; the update (5 · 40 B /
+    # 200 kB/s = 1) 8.44-9.44.
     g = regression()
     tg, start, end = simulate(g, data_parallel(g, 2), pair(200e3))
     assert not [t for t in range(len(tg)) if tg.category[t] == REDUCE]
     [ar] = find(tg, "allreduce bucket")
-    assert tg.nbytes[ar] == 44 and (start[ar], end[ar]) == pytest.approx((2.5 * MS, 7.6 * MS), rel=1e-9)
-    assert max(end) == pytest.approx(8.6 * MS, rel=1e-9)
-    # mean cross-entropy (C needs the data): [s_p, c_p] ride, 48 B: 2.5-7.7, update 7.7-8.7
+    assert tg.nbytes[ar] == 44 and (start[ar], end[ar]) == pytest.approx((2.94 * MS, 8.04 * MS), rel=1e-9)
+    for d in (0, 1):
+        [pack], [unpack] = find(tg, f"pack allreduce bucket 0-1 device {d}"), find(tg, f"unpack allreduce bucket 0-1 device {d}")
+        assert (start[pack], end[pack], start[unpack], end[unpack]) == pytest.approx(
+            (2.5 * MS, 2.94 * MS, 8.04 * MS, 8.44 * MS), rel=1e-9)
+        assert tg.resources[pack] == tg.resources[unpack] == (d,)
+    assert max(end) == pytest.approx(9.44 * MS, rel=1e-9)
+    # mean cross-entropy (C needs the data): [s_p, c_p] ride, 48 B: packed 2.5-2.98, all-reduced
+    # 2.98-8.18, copied back 8.18-8.58, update 8.58-9.58
     g = classifier()
     tg, start, end = simulate(g, data_parallel(g, 2), pair(200e3))
     [ar] = find(tg, "allreduce bucket")
-    assert tg.nbytes[ar] == 48 and (start[ar], end[ar]) == pytest.approx((2.5 * MS, 7.7 * MS), rel=1e-9)
-    assert max(end) == pytest.approx(8.7 * MS, rel=1e-9)
+    assert tg.nbytes[ar] == 48 and (start[ar], end[ar]) == pytest.approx((2.98 * MS, 8.18 * MS), rel=1e-9)
+    assert max(end) == pytest.approx(9.58 * MS, rel=1e-9)
 
 
 def test_a_loss_sum_with_no_bucket_is_its_own_collective_the_gradients_wait_on():
@@ -147,7 +155,8 @@ def test_a_loss_sum_the_backward_waits_on():
     # mean cross-entropy, 2 micro-batches (GPipe): the sum of micro-batch j (2 floats: alpha +
     # 0.2 = 2.2) gates the loss backward of j. F0: fc 0-1, loss 1-1.5; F1: fc 1.5-2.5, loss
     # 2.5-3.0. Sum 0: 1.5-3.7; sum 1 waits for the links: 3.7-5.9. B0: loss 3.7-4.2, fc
-    # 4.2-4.7; B1: loss 5.9-6.4, fc 6.4-6.9. Bucket 6.9-11.9, update 11.9-12.9.
+    # 4.2-4.7; B1: loss 5.9-6.4, fc 6.4-6.9. Bucket (40 B) packed 6.9-7.3, all-reduced 7.3-12.3,
+    # copied back 12.3-12.7; update 12.7-13.7.
     g = classifier()
     tg, start, end = simulate(g, data_parallel(g, 2).with_microbatches(2, "gpipe"), pair(200e3))
     sums = sorted((t for t in range(len(tg)) if tg.category[t] == REDUCE), key=lambda t: start[t])
@@ -156,15 +165,16 @@ def test_a_loss_sum_the_backward_waits_on():
     assert not find(tg, "reduce-grad")
     assert sorted(start[t] for t in find(tg, "bwd cross_entropy")) == pytest.approx(
         [3.7 * MS] * 2 + [5.9 * MS] * 2, rel=1e-9)
-    assert max(end) == pytest.approx(12.9 * MS, rel=1e-9)
+    assert max(end) == pytest.approx(13.7 * MS, rel=1e-9)
 
 
 def test_batch_statistics_gather_forward_and_sum_backward_and_block_the_device():
     # data parallel. bn 0-1; its statistics gathered (28 B: alpha + 0.7 = 2.7) 1-3.7, during
     # which the device waits: lin 3.7-4.7 (not 1-2); fc 4.7-5.7, loss 5.7-6.2. Backward: loss
     # 6.2-6.7, fc 6.7-7.2, lin 7.2-7.7, bn 7.7-8.7; its gradient sum (24 B, 2.6) 8.7-11.3.
-    # Bucket: 38 floats, 152 B, and the loss sum's 4 B riding it: 3.9 + 2·alpha = 7.9,
-    # 11.3-19.2; update (5 · 152 B / 760 kB/s = 1) 19.2-20.2.
+    # Bucket: 38 floats, 152 B, and the loss sum's 4 B riding it: packed (2 · 156 B / 760 kB/s
+    # = 0.41) 11.3-11.71, all-reduced (3.9 + 2·alpha = 7.9) 11.71-19.61, copied back (2 · 152 B
+    # / 760 kB/s = 0.4) 19.61-20.01; update (5 · 152 B / 760 kB/s = 1) 20.01-21.01.
     x, y, t = torch.randn(4, 3, 2, 2), torch.randn(4, 2), torch.randn(4, 2)
     g = trace(Norm(), (x, y, t))
     tg, start, end = simulate(g, data_parallel(g, 2), pair(760e3))
@@ -174,7 +184,8 @@ def test_batch_statistics_gather_forward_and_sum_backward_and_block_the_device()
     assert (start[bwd_sum], end[bwd_sum]) == pytest.approx((8.7 * MS, 11.3 * MS), rel=1e-9)
     assert tg.nbytes[fwd_sum] == 28 and tg.nbytes[bwd_sum] == 24
     assert [start[t] for t in find(tg, "fwd lin")] == pytest.approx([3.7 * MS] * 2, rel=1e-9)
-    assert max(end) == pytest.approx(20.2 * MS, rel=1e-9)
+    pack = 2 * 156 / 760e3
+    assert max(end) == pytest.approx(20.6 * MS + pack, rel=1e-9)
 
 
 def test_the_loss_value_is_all_reduced_when_one_device_holds_the_loss():
@@ -213,24 +224,26 @@ def test_the_update_charges_host_work_per_trainable_tensor():
 def test_every_collective_costs_each_member_its_collective_overhead_after_it():
     # as the classifier of test_a_loss_sum_only_the_step_waits_on_rides_the_gradient_bucket,
     # each collective followed by 0.4 ms on each member device: the bucket (the loss sum in it)
-    # 2.5-7.7, its host work 7.7-8.1 on each device; the update 8.1-9.1.
+    # packed 2.5-2.98, all-reduced 2.98-8.18, its host work 8.18-8.58 on each device, copied
+    # back 8.58-8.98; the update 8.98-9.98.
     g = classifier()
     tg, start, end = simulate(g, data_parallel(g, 2), pair(200e3, collective_overhead=0.4 * MS))
     host = sorted((start[t], tg.device[t], t) for t in find(tg, "") if "host" in tg.label(t))
-    assert [x for _, _, t in host for x in (start[t], end[t])] == pytest.approx([7.7 * MS, 8.1 * MS] * 2, rel=1e-9)
+    assert [x for _, _, t in host for x in (start[t], end[t])] == pytest.approx([8.18 * MS, 8.58 * MS] * 2, rel=1e-9)
     assert [(d, tg.category[t]) for _, d, t in host] == [(0, ALLREDUCE), (1, ALLREDUCE)]
     assert all(tg.resources[t] == (tg.device[t],) for t in find(tg, "") if "host" in tg.label(t))
     [ar] = [t for t in find(tg, "allreduce bucket") if "host" not in tg.label(t)]
-    assert (start[ar], end[ar]) == pytest.approx((2.5 * MS, 7.7 * MS), rel=1e-9)
-    assert max(end) == pytest.approx(9.1 * MS, rel=1e-9)
+    assert (start[ar], end[ar]) == pytest.approx((2.98 * MS, 8.18 * MS), rel=1e-9)
+    assert max(end) == pytest.approx(9.98 * MS, rel=1e-9)
 
 
 def test_collective_overhead_delays_what_waits_on_a_blocking_sum_on_its_device():
     # as test_batch_statistics_gather_forward_and_sum_backward_and_block_the_device, 0.4 ms per
     # collective per member. bn 0-1, gather 1-3.7, host 3.7-4.1; lin 4.1-5.1, fc 5.1-6.1, loss
     # 6.1-6.6. Backward: loss 6.6-7.1, fc 7.1-7.6, lin 7.6-8.1, bn 8.1-9.1; its gradient sum
-    # 9.1-11.7, host 11.7-12.1. Bucket (the loss sum in it) 12.1-20.0, host 20.0-20.4, update
-    # 20.4-21.4: each of the three collectives' 0.4 ms on the critical path.
+    # 9.1-11.7, host 11.7-12.1. Bucket (the loss sum in it) packed 12.1-12.51, all-reduced
+    # 12.51-20.41, host 20.41-20.81, copied back 20.81-21.21, update 21.21-22.21: each of the
+    # three collectives' 0.4 ms on the critical path.
     x, y, t = torch.randn(4, 3, 2, 2), torch.randn(4, 2), torch.randn(4, 2)
     g = trace(Norm(), (x, y, t))
     tg, start, end = simulate(g, data_parallel(g, 2), pair(760e3, collective_overhead=0.4 * MS))
@@ -238,6 +251,7 @@ def test_collective_overhead_delays_what_waits_on_a_blocking_sum_on_its_device()
     [bwd_sum] = [t for t in find(tg, "reduce-grad batch_stats") if "host" not in tg.label(t)]
     assert (start[bwd_sum], end[bwd_sum]) == pytest.approx((9.1 * MS, 11.7 * MS), rel=1e-9)
     [ar] = [t for t in find(tg, "allreduce bucket") if "host" not in tg.label(t)]
-    assert start[ar] == pytest.approx(12.1 * MS, rel=1e-9)
-    assert max(end) == pytest.approx(21.4 * MS, rel=1e-9)
+    pack = 2 * 156 / 760e3
+    assert start[ar] == pytest.approx(12.1 * MS + pack, rel=1e-9)
+    assert max(end) == pytest.approx(21.8 * MS + pack, rel=1e-9)
     assert sum(1 for t in range(len(tg)) if "host" in tg.label(t)) == 3 * 2
