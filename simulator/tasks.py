@@ -335,10 +335,11 @@ def build_tasks(lowered: Lowered, topology: Topology, cost: CostModel, optimizer
     tg = TaskGraph(topology.num_devices, len(topology.links))
     blocks = _blocks(lowered, topology, cost, cache)
     edges, steps, *tasks = cache.join(blocks) if cache is not None else join([b.arrays for b in blocks])
-    first = tg.place([b.segment for b in blocks], tuple(tasks))
+    first = tg.place(list(map(operator.attrgetter("segment"), blocks)), tuple(tasks))
     tg.chunks.append((edges[0] + first[edges[1]], edges[2] + first[edges[3]]))
     last = _link_schedule(tg, lowered, steps, first)
-    step_sums = [(int(first[i]), b.step_reductions) for i, b in enumerate(blocks) if b.step_reductions]
+    sums = map(operator.attrgetter("step_reductions"), blocks)
+    step_sums = [(int(first[i]), blocks[i].step_reductions) for i in itertools.compress(range(len(blocks)), sums)]
     link_step(tg, lowered, topology, step_sums, last, optimizer, traffic)
     return tg
 

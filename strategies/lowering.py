@@ -163,12 +163,12 @@ class Lowered:
     @cached_property
     def transfers(self) -> tuple[Transfer, ...]:
         """Every op's transfers, in graph order (gathered when first read)."""
-        return tuple(t for p in self.pieces.values() for t in p.transfers)
+        return tuple(itertools.chain.from_iterable(map(operator.itemgetter(1), self.pieces.values())))  # .transfers
 
     @cached_property
     def reductions(self) -> tuple[ReductionGroup, ...]:
         """Every op's reduction groups, in graph order (gathered when first read)."""
-        return tuple(g for p in self.pieces.values() for g in p.reductions)
+        return tuple(itertools.chain.from_iterable(map(operator.itemgetter(2), self.pieces.values())))  # .reductions
 
     @property
     def bytes_moved(self) -> int:
