@@ -6,7 +6,8 @@
  *   src/dst: the ne edges, turned here into the CSR of TaskGraph.adjacency_arrays (a counting
  *   sort by source, stable: each task's successors in edge order); res_first/res: CSR
  *   resources (device d is d, link l is nd + l). Returns the number of tasks placed (n unless
- *   a cycle), or -1 when out of memory.
+ *   a cycle), or -1 when out of memory or
+ *   past 2^31 - 1 tasks or edges (its indices are 32-bit; the Python loop then runs).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -73,31 +74,33 @@ static int insert(Link *L, int64_t i, double s, double e) {
     return 0;
 }
 
-/* first/succ: the CSR of the edges by source, in edge order; remaining: predecessor counts */
-static void adjacency(int64_t n, int64_t ne, const int64_t *src, const int64_t *dst, int64_t *first,
-                      int64_t *fill, int64_t *succ, int64_t *remaining) {
-    memset(first, 0, (n + 1) * sizeof(int64_t));
-    memset(remaining, 0, n * sizeof(int64_t));
+/* first/succ: the CSR of the edges by source, in edge order; remaining: predecessor counts.
+ * 32-bit indices (run_events checks they fit): the loop is bound by memory traffic. first[t]
+ * is filled from first[t + 1]'s slot and shifted back, so no second cursor array is needed. */
+static void adjacency(int64_t n, int64_t ne, const int64_t *src, const int64_t *dst, int32_t *first,
+                      int32_t *succ, int32_t *remaining) {
+    memset(first, 0, (n + 2) * sizeof(int32_t));
+    memset(remaining, 0, n * sizeof(int32_t));
     for (int64_t i = 0; i < ne; i++) {
-        first[src[i] + 1]++;
+        first[src[i] + 2]++;
         remaining[dst[i]]++;
     }
-    for (int64_t t = 0; t < n; t++) first[t + 1] += first[t];
-    memcpy(fill, first, n * sizeof(int64_t));
-    for (int64_t i = 0; i < ne; i++) succ[fill[src[i]]++] = dst[i];
+    for (int64_t t = 1; t <= n; t++) first[t + 1] += first[t];  /* first[t + 1]: where t's run starts */
+    for (int64_t i = 0; i < ne; i++) succ[first[src[i] + 1]++] = (int32_t)dst[i];  /* ... and ends */
 }
 
 int64_t run_events(int64_t n, int64_t nd, int64_t nl, int64_t ne, const int64_t *src, const int64_t *dst,
                    const double *duration, const int64_t *res_first, const int64_t *res, double *start,
                    double *end) {
+    if (n >= INT32_MAX || ne >= INT32_MAX) return -1;  /* 32-bit indices: the Python loop runs */
     double *ready = calloc(n ? n : 1, sizeof(double)), *free_ = calloc(nd ? nd : 1, sizeof(double));
-    int64_t *remaining = malloc((n ? n : 1) * sizeof(int64_t)), *first = malloc((n + 1) * sizeof(int64_t));
-    int64_t *fill = malloc((n ? n : 1) * sizeof(int64_t)), *succ = malloc((ne ? ne : 1) * sizeof(int64_t));
+    int32_t *remaining = malloc((n ? n : 1) * sizeof(int32_t)), *first = malloc((n + 2) * sizeof(int32_t));
+    int32_t *succ = malloc((ne ? ne : 1) * sizeof(int32_t));
     Item *heap = malloc((n ? n : 1) * sizeof(Item));
     Link *links = calloc(nl ? nl : 1, sizeof(Link));
     int64_t size = 0, done = -1, placed = 0;
-    if (!ready || !free_ || !remaining || !first || !fill || !succ || !heap || !links) goto out;
-    adjacency(n, ne, src, dst, first, fill, succ, remaining);
+    if (!ready || !free_ || !remaining || !first || !succ || !heap || !links) goto out;
+    adjacency(n, ne, src, dst, first, succ, remaining);
     for (int64_t t = 0; t < n; t++)
         if (remaining[t] == 0) push(heap, &size, (Item){0.0, t});
     while (size > 0) {
@@ -141,8 +144,8 @@ int64_t run_events(int64_t n, int64_t nd, int64_t nl, int64_t ne, const int64_t 
         start[t] = s;
         end[t] = e;
         placed++;
-        for (int64_t i = first[t]; i < first[t + 1]; i++) {
-            int64_t u = succ[i];
+        for (int32_t i = first[t], stop = first[t + 1]; i < stop; i++) {
+            int32_t u = succ[i];
             if (e > ready[u]) ready[u] = e;
             if (--remaining[u] == 0) push(heap, &size, (Item){ready[u], u});
         }
@@ -152,6 +155,6 @@ out:
     if (links) {
         for (int64_t k = 0; k < nl; k++) { free(links[k].st); free(links[k].en); }
     }
-    free(ready); free(free_); free(remaining); free(first); free(fill); free(succ); free(heap); free(links);
+    free(ready); free(free_); free(remaining); free(first); free(succ); free(heap); free(links);
     return done;
 }

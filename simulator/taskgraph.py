@@ -10,6 +10,7 @@ the per-task lists (``duration``, ``resources``...) are built only when somethin
 from __future__ import annotations
 
 from itertools import chain
+from operator import attrgetter
 from typing import Any
 
 import numpy as np
@@ -109,7 +110,7 @@ class TaskGraph:
         if self.segments or len(self.tail):
             raise ValueError("TaskGraph.place: segments are laid out once, before any task is added")
         first = np.zeros(len(segments) + 1, dtype=np.int64)
-        np.cumsum(np.fromiter((s.size for s in segments), np.int64, len(segments)), out=first[1:])
+        np.cumsum(np.fromiter(map(attrgetter("size"), segments), np.int64, len(segments)), out=first[1:])
         self.segments = list(segments)
         self._joined = joined
         self._head = int(first[-1])

@@ -25,6 +25,8 @@ sync, so a graph built from cached blocks is the one built from scratch, task fo
 
 from __future__ import annotations
 
+import itertools
+import operator
 from typing import Any
 
 import numpy as np
@@ -107,7 +109,7 @@ class TaskCache:
         self.wires: dict[tuple[int, int, int], tuple] = {}
         """(source, target, bytes) -> ``_wire``'s times and resources (a pure function of them)."""
         self._graph: OpGraph | None = None
-        self._layout: _Layout = ([], {}, [], [])
+        self._layout: _Layout = ([], {}, [], [], [])
         self._joined: _Joined | None = None
 
     def layout(self, graph: OpGraph) -> _Layout:
@@ -138,7 +140,7 @@ class _Joined:
         """Block x field: the length of the block's slice."""
 
     def update(self, blocks: list[_Block]) -> None:
-        changed = [i for i, (a, b) in enumerate(zip(blocks, self.blocks)) if a is not b]
+        changed = list(itertools.compress(range(len(blocks)), map(operator.is_not, blocks, self.blocks)))
         if not changed:
             return
         bounds = np.zeros((len(blocks) + 1, self.sizes.shape[1]), dtype=np.int64)
@@ -156,15 +158,16 @@ class _Joined:
         self.blocks, self.arrays = blocks, tuple(joined)
 
 
-_Layout = tuple[list[OpNode], dict[str, int], list[Any], list[Any]]
+_Layout = tuple[list[OpNode], dict[str, int], list[Any], list[Any], list[Any]]
 
 
 def _layout(graph: OpGraph) -> _Layout:
     """``graph``'s nodes in order, op name -> its index (its block's position), and two slots
     for each op's blocks: the last graph's and the one it replaced (a search's rejected
-    proposal is followed by its current plan's ops again: a revert rebuilds nothing)."""
+    proposal is followed by its current plan's ops again: a revert rebuilds nothing); then the
+    pieces of the last graph's blocks (compared with a new lowering's in one C-level pass)."""
     nodes = list(graph)
-    return nodes, {node.name: i for i, node in enumerate(nodes)}, [None] * len(nodes), [None] * len(nodes)
+    return nodes, {node.name: i for i, node in enumerate(nodes)}, *([None] * len(nodes) for _ in range(3))
 
 
 def _op_block(node: OpNode, pieces: OpPieces, backward: bool, producers: dict[str, _Block],
@@ -332,10 +335,11 @@ def build_tasks(lowered: Lowered, topology: Topology, cost: CostModel, optimizer
     tg = TaskGraph(topology.num_devices, len(topology.links))
     blocks = _blocks(lowered, topology, cost, cache)
     edges, steps, *tasks = cache.join(blocks) if cache is not None else join([b.arrays for b in blocks])
-    first = tg.place([b.segment for b in blocks], tuple(tasks))
+    first = tg.place(list(map(operator.attrgetter("segment"), blocks)), tuple(tasks))
     tg.chunks.append((edges[0] + first[edges[1]], edges[2] + first[edges[3]]))
     last = _link_schedule(tg, lowered, steps, first)
-    step_sums = [(int(first[i]), b.step_reductions) for i, b in enumerate(blocks) if b.step_reductions]
+    sums = map(operator.attrgetter("step_reductions"), blocks)
+    step_sums = [(int(first[i]), blocks[i].step_reductions) for i in itertools.compress(range(len(blocks)), sums)]
     link_step(tg, lowered, topology, step_sums, last, optimizer, traffic)
     return tg
 
@@ -344,17 +348,17 @@ def _blocks(lowered: Lowered, topology: Topology, cost: CostModel, cache: TaskCa
     """Every op's block in graph order: the cache's while the op's pieces are the same object,
     else built (and kept in the cache)."""
     graph = lowered.graph
-    nodes, position, kept, replaced = cache.layout(graph) if cache is not None else _layout(graph)
+    nodes, position, kept, replaced, was = cache.layout(graph) if cache is not None else _layout(graph)
     wires = cache.wires if cache is not None else {}
-    pieces = [lowered.pieces[node.name] for node in nodes]
-    for i in [i for i, (p, b) in enumerate(zip(pieces, kept)) if b is None or b.pieces is not p]:
+    pieces = list(map(lowered.pieces.__getitem__, position))  # position: the op names in graph order
+    for i in list(itertools.compress(range(len(pieces)), map(operator.is_not, pieces, was))):
         b = replaced[i]
         replaced[i] = kept[i]
         if b is None or b.pieces is not pieces[i]:
             node = nodes[i]  # in graph order: its producers' blocks are current
             producers = {src: kept[position[src]] for src in node.inputs}
             b = _op_block(node, pieces[i], graph.needs_grad[node.name], producers, i, topology, cost, wires)
-        kept[i] = b
+        kept[i], was[i] = b, pieces[i]
     return list(kept)
 
 

@@ -15,7 +15,7 @@ import math
 import operator
 from dataclasses import dataclass
 from functools import cached_property
-from typing import NamedTuple, Sequence
+from typing import Any, NamedTuple, Sequence
 
 from strategies.graph import DTYPE_BYTES, OpGraph, OpNode
 from strategies.region import Box, box_numel, intersect, partition_index
@@ -163,12 +163,12 @@ class Lowered:
     @cached_property
     def transfers(self) -> tuple[Transfer, ...]:
         """Every op's transfers, in graph order (gathered when first read)."""
-        return tuple(t for p in self.pieces.values() for t in p.transfers)
+        return tuple(itertools.chain.from_iterable(map(operator.itemgetter(1), self.pieces.values())))  # .transfers
 
     @cached_property
     def reductions(self) -> tuple[ReductionGroup, ...]:
         """Every op's reduction groups, in graph order (gathered when first read)."""
-        return tuple(g for p in self.pieces.values() for g in p.reductions)
+        return tuple(itertools.chain.from_iterable(map(operator.itemgetter(2), self.pieces.values())))  # .reductions
 
     @property
     def bytes_moved(self) -> int:
@@ -327,15 +327,12 @@ def lower(graph: OpGraph, strategy: Strategy, cache: dict | None = None) -> Lowe
     cache = {} if cache is None else cache  # none given: one used for this call only
     m, n = strategy.microbatches, strategy.num_devices
     last = cache.get(("last", m, n))
-    ops = tuple(strategy)
-    if last is None or last.ops != ops:  # a search's plans all name the same ops
+    changed = _changed(last, strategy.configs)
+    if changed is None:  # another list of ops than the last call's (a search's plans all name the same)
         strategy.validate(graph, configs=False)
-        last = cache[("last", m, n)] = _Last(graph, ops, n)
+        last = cache[("last", m, n)] = _Last(graph, n)
         affected = list(graph)
-    elif last.configs is strategy.configs:
-        affected = []
     else:
-        changed = [name for (name, a), (_, b) in zip(last.configs, strategy.configs) if a is not b]
         touched = set(changed).union(*map(graph.users, changed))
         affected = [graph[name] for name in sorted(touched, key=last.position.__getitem__)]
     try:
@@ -344,10 +341,27 @@ def lower(graph: OpGraph, strategy: Strategy, cache: dict | None = None) -> Lowe
         cache.pop(("last", m, n), None)
         raise
     last.configs = strategy.configs
-    shards = tuple(itertools.chain.from_iterable(h.shards for h in last.held.values()))
+    shards = tuple(itertools.chain.from_iterable(map(operator.itemgetter(1), last.held.values())))  # _Held.shards
     sync = GradientSync({devs: b for devs, (b, _) in last.buckets.items()}, tuple(last.tensors))
     return Lowered(graph, strategy, dict(last.partitions), shards, dict(last.by_op),
                    DeviceBytes(*map(tuple, last.totals)), sync)
+
+
+def _changed(last: "_Last | None", configs: tuple[tuple[str, Any], ...]) -> list[str] | None:
+    """The ops whose config is not the very object of the last call's plan, or None when
+    the plans do not name the same ops in the same order. One C-level pass finds the
+    (name, config) pairs that are not the last plan's (``Strategy.replace`` makes one)."""
+    if last is None or len(last.configs) != len(configs):
+        return None
+    before = last.configs
+    out = []
+    for i in itertools.compress(range(len(configs)), map(operator.is_not, before, configs)):
+        (name, a), (other, b) = before[i], configs[i]
+        if name != other:
+            return None
+        if a is not b:
+            out.append(name)
+    return out
 
 
 def _update(graph: OpGraph, strategy: Strategy, cache: dict, last: "_Last", affected: list[OpNode]) -> None:
@@ -404,8 +418,8 @@ class _Last:
     next call patches: each op's pieces, each weight's shards (in the order their first reader
     comes in the graph) and the per-device totals over them."""
 
-    def __init__(self, graph: OpGraph, ops: tuple[str, ...], n: int):
-        self.ops, self.configs = ops, None
+    def __init__(self, graph: OpGraph, n: int):
+        self.configs: tuple = ()
         self.position = {node.name: i for i, node in enumerate(graph)}
         self.by_op: dict[str, OpPieces] = {}
         self.partitions: dict[str, tuple[tuple[Partition, ...], ...]] = {}

@@ -62,11 +62,28 @@ class Strategy:
         return self._index.items()
 
     def replace(self, op: str, config: ParallelConfig) -> "Strategy":
-        """The same plan with ``op`` given ``config`` (one MCMC proposal)."""
-        if op not in self._index:
+        """The same plan with ``op`` given ``config`` (one MCMC proposal). Made without
+        ``__post_init__``'s pass over every op (nothing it checks changes): the configs are
+        spliced at the op's position, and the device uses patched when already counted."""
+        at = self._positions.get(op)
+        if at is None:
             raise KeyError(f"the plan has no config for op {op!r}")
-        return Strategy(tuple((k, config if k == op else v) for k, v in self.configs),
-                        self.num_devices, self.microbatches, self.schedule)
+        name, old = self.configs[at]
+        new = object.__new__(Strategy)
+        for f, value in (("configs", self.configs[:at] + ((name, config),) + self.configs[at + 1:]),
+                         ("num_devices", self.num_devices), ("microbatches", self.microbatches),
+                         ("schedule", self.schedule), ("_index", {**self._index, name: config})):
+            object.__setattr__(new, f, value)
+        new.__dict__["_positions"] = self._positions  # cached properties live in __dict__
+        uses = self.__dict__.get("_uses")
+        if uses is not None:
+            uses = dict(uses)
+            for d in old.devices:
+                uses[d] -= 1
+            for d in config.devices:
+                uses[d] = uses.get(d, 0) + 1
+            new.__dict__["_uses"] = {d: c for d, c in uses.items() if c}
+        return new
 
     def with_microbatches(self, microbatches: int, schedule: str | None = None) -> "Strategy":
         return Strategy(self.configs, self.num_devices, microbatches, schedule or self.schedule)
@@ -74,7 +91,21 @@ class Strategy:
     @cached_property
     def devices_used(self) -> tuple[int, ...]:
         """Every device some op runs on, sorted (computed once: plans are immutable)."""
-        return tuple(sorted({d for _, c in self.configs for d in c.devices}))
+        return tuple(sorted(self._uses))
+
+    @cached_property
+    def _uses(self) -> dict[int, int]:
+        """Device -> how many ops run on it (``replace`` patches it)."""
+        uses: dict[int, int] = {}
+        for _, c in self.configs:
+            for d in c.devices:
+                uses[d] = uses.get(d, 0) + 1
+        return uses
+
+    @cached_property
+    def _positions(self) -> dict[str, int]:
+        """Op -> its index in ``configs`` (shared by the plans ``replace`` makes)."""
+        return {name: i for i, (name, _) in enumerate(self.configs)}
 
     def validate(self, graph: OpGraph, where: str = "", configs: bool = True) -> None:
         """Raise PlanError unless this is a valid plan for ``graph``: every op has a config and

@@ -236,3 +236,20 @@ def test_a_cached_lowering_patched_plan_by_plan_equals_one_from_scratch(name, mi
         assert got.reductions == want.reductions
         if rng.random() < 0.5:
             current = proposal
+
+
+def test_replace_makes_the_plan_built_anew_and_patches_its_devices():
+    # replace() splices one config in (no pass over the ops): equal, hashed and used alike as
+    # the plan made from scratch, down a chain of replacements.
+    graph = traced("alexnet", batch_size=16)
+    rng = random.Random(3)
+    plan = data_parallel(graph, 4)
+    assert plan.devices_used == (0, 1, 2, 3)
+    for _ in range(40):
+        op = rng.choice([node.name for node in graph])
+        plan = plan.replace(op, rng.choice(list(enumerate_configs(graph[op], 4))))
+        anew = Strategy.of(dict(plan.configs), 4)
+        assert plan == anew and hash(plan) == hash(anew) and plan[op] is anew[op]
+        assert plan.devices_used == anew.devices_used == tuple(sorted({d for _, c in anew.configs for d in c.devices}))
+    with pytest.raises(KeyError, match="no config for op 'nope'"):
+        plan.replace("nope", plan[graph.outputs[0]])
