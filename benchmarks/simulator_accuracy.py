@@ -131,6 +131,7 @@ def main() -> int:
                   f"{dev.memory_bandwidth / 1e9:.1f} GB/s"
                   + (f", link {link.latency * 1e6:.0f} µs + 1/{link.bandwidth / 1e9:.2f} GB/s, "
                      f"in a ring 1/{link.ring_bandwidth / 1e9:.2f} GB/s" if link else "")
+                  + f", {dev.contention:.2f}x slower all at once"
                   + f"; executor overheads {dev.task_overhead * 1e6:.0f} µs/task, "
                     f"{dev.message_overhead * 1e6:.0f} µs/received piece, "
                     f"{dev.exchange_overhead * 1e6:.0f} µs/exchanged piece, "

@@ -46,6 +46,12 @@ class DeviceSpec:
     ring formula: the call, and waking up to ranks that arrive apart on busy cores. Charged as
     a task on the device after the collective ends, before anything that waits on it there
     (``simulator.step.member_ends``)."""
+    contention: float = 1.0
+    """How many times slower this device computes when every device of its node computes at
+    once than when it computes alone (>= 1; 1: nothing shared, as GPUs). CPU processes share
+    cores, caches and memory bandwidth: ``soapsearch calibrate`` measures it, and the
+    simulator slows each compute task by how many devices of the node compute with it
+    (``simulator.contention``)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "peak_flops", MappingProxyType(dict(self.peak_flops)))
@@ -55,13 +61,16 @@ class DeviceSpec:
         for name in OVERHEAD_FIELDS:
             if not getattr(self, name) >= 0:
                 raise ValueError(f"device {self.kind!r}: {name} = {getattr(self, name)!r}: must be >= 0")
+        if not self.contention >= 1:
+            raise ValueError(f"device {self.kind!r}: contention = {self.contention!r}: must be >= 1 "
+                             "(the slowdown when its node's devices compute at once)")
         if not self.peak_flops or min(self.peak_flops.values()) <= 0:
             raise ValueError(f"device {self.kind!r}: peak_flops {dict(self.peak_flops)} needs at "
                              "least one dtype, every figure > 0")
 
     def __reduce__(self):  # the read-only mapping does not pickle; rebuild from a dict
         return (DeviceSpec, (self.kind, self.memory_bytes, dict(self.peak_flops), self.memory_bandwidth,
-                             self.node, *(getattr(self, f) for f in OVERHEAD_FIELDS)))
+                             self.node, *(getattr(self, f) for f in OVERHEAD_FIELDS), self.contention))
 
     def flops_for(self, dtype: str) -> float:
         """Peak FLOP/s for ``dtype`` (float32's when the dtype has no figure of its own)."""

@@ -33,30 +33,34 @@ def run_events(tg: TaskGraph, native: bool = True) -> tuple[list[float], list[fl
     return start.tolist(), end.tolist()
 
 
-def event_times(tg: TaskGraph, native: bool = True) -> tuple[np.ndarray, np.ndarray]:
-    """``run_events``' times as float64 arrays (a search reads the makespan only, no per-task floats)."""
+def event_times(tg: TaskGraph, native: bool = True,
+                duration: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """``run_events``' times as float64 arrays (a search reads the makespan only, no per-task
+    floats); ``duration``: every task's seconds in place of the graph's (``simulator.contention``)."""
     lib = library() if native else None
     if lib is not None and len(tg):
-        result = _run_native(lib, tg)
+        result = _run_native(lib, tg, duration)
         if result is not None:
             return result
-    start, end = _run_python(tg)
+    start, end = _run_python(tg, None if duration is None else duration.tolist())
     return np.array(start, dtype=np.float64), np.array(end, dtype=np.float64)
 
 
-def _run_native(lib, tg: TaskGraph) -> tuple[np.ndarray, np.ndarray] | None:
+def _run_native(lib, tg: TaskGraph, override: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray] | None:
     """The C loop on the graph's arrays; None when it did not place every task (a cycle: the
     Python loop then names it) or ran out of memory."""
     n = len(tg)
     src, dst = tg.edge_arrays()
     duration, res_first, res = tg.arrays()
+    if override is not None:
+        duration = np.ascontiguousarray(override, dtype=np.float64)
     start, end = np.empty(n), np.empty(n)
     arrays = (src, dst, duration, res_first, res, start, end)  # contiguous int64 / float64, alive till return
     placed = lib.run_events(n, tg.num_devices, tg.num_links, len(src), *[a.ctypes.data for a in arrays])
     return (start, end) if placed == n else None
 
 
-def _run_python(tg: TaskGraph) -> tuple[list[float], list[float]]:
+def _run_python(tg: TaskGraph, override: list[float] | None = None) -> tuple[list[float], list[float]]:
     n = len(tg)
     nd = tg.num_devices
     ready = [0.0] * n
@@ -71,7 +75,7 @@ def _run_python(tg: TaskGraph) -> tuple[list[float], list[float]]:
     heap = [(0.0, t) for t in range(n) if remaining[t] == 0]
     heapq.heapify(heap)
     done = 0
-    duration, resources = tg.duration, tg.resources
+    duration, resources = tg.duration if override is None else override, tg.resources
     push, pop = heapq.heappush, heapq.heappop
     while heap:
         r, t = pop(heap)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import gc
 
+from simulator.contention import contended_times
 from simulator.cost import CostModel, get_cost_model
 from simulator.engine import event_times
 from simulator.memory import peak_memory
@@ -23,7 +24,8 @@ def simulate_plan(graph: OpGraph, strategy: Strategy | Lowered, topology: Topolo
                   cost_model: CostModel | str = "analytical", *, optimizer: str = "sgd",
                   timeline: bool = False, summary: bool = True, cache: TaskCache | None = None) -> SimResult:
     """Lower ``strategy`` (or take it lowered), build the task graph, run the event simulation
-    and measure memory. Same inputs, same result, bit for bit. ``summary=False`` (for scoring
+    (with ``simulator.contention``'s passes on devices that slow when computing together) and
+    measure memory. Same inputs, same result, bit for bit. ``summary=False`` (for scoring
     many candidates) leaves busy times and bytes moved empty and skips their pass over the
     tasks; iteration time and memory are the same. ``cache`` reuses the task blocks of ops
     whose lowered pieces are unchanged (delta simulation: see ``simulator.tasks``)."""
@@ -32,7 +34,7 @@ def simulate_plan(graph: OpGraph, strategy: Strategy | Lowered, topology: Topolo
     with paused_gc():  # tens of thousands of small tuples: the cyclic collector only adds pauses
         lowered = strategy if isinstance(strategy, Lowered) else lower(graph, strategy)
         tg = build_tasks(lowered, topo, cost, optimizer, cache)
-        start, end = event_times(tg)
+        start, end = contended_times(tg, topo, *event_times(tg))
         peak = peak_memory(lowered, optimizer)
         if not summary:
             return SimResult(float(end.max(initial=0.0)), (), tuple(peak),

@@ -136,7 +136,10 @@ def fit_overheads(raw: Mapping[str, Any], kernel: float, simulate: ProbeSimulato
     update traffic and its share of the gradient bucket's ring all-reduce;
     ``overhead.unit_kernel_seconds``) plus ``UNIT_OVERHEADS`` = 4 + 2 task overheads (4 tasks,
     2 tensors updated): step(K) = c + K·(kernel + 6·task_overhead), so task_overhead =
-    (median over rounds of the least-squares slope in K - kernel) / 6.
+    (median over rounds of the least-squares slope in K - kernel) / 6. With ``simulate`` it is
+    instead the figure at which the simulated slope is the measured one (``_fit_pieces``): the
+    same where devices do not slow each other, and right where they do (``contention``: the
+    simulator slows the task overheads of devices computing at once with their kernels).
 
     With ``simulate`` (N >= 2) the others invert the simulator on the probe, each in turn with
     the figures before it, so that each is charged where the simulator charges it:
@@ -166,6 +169,9 @@ def fit_overheads(raw: Mapping[str, Any], kernel: float, simulate: ProbeSimulato
     task_overhead = max(0.0, statistics.median(task))
     if simulate is None:
         return OverheadFit(task_overhead, 0.0, task, [], 0.0, [], 0.0, 0.0, 0.0, [], 0.0)
+    # the simulator slows each task by the devices computing with it (DeviceSpec.contention):
+    # the figure at which its slope in K is the measured one, as for the pieces below
+    task_overhead, task, _ = _fit_pieces(simulate, "data_parallel", "task_overhead", {}, task_sizes, rounds)
     coll, per_round = 0.0, []
     k0 = task_sizes.index(min(task_sizes))
     fitted = {"task_overhead": task_overhead}
@@ -264,11 +270,13 @@ def device_kind(nproc: int, threads: int, cores: int | None = None) -> str:
 def build_topology(nproc: int, alpha: float, bandwidth: float, flops: float, memory_bandwidth: float,
                    kind: str = "cpu", memory_bytes: int | None = None, task_overhead: float = 0.0,
                    message_overhead: float = 0.0, collective_overhead: float = 0.0,
-                   exchange_overhead: float = 0.0, collective_bandwidth: float | None = None) -> Topology:
+                   exchange_overhead: float = 0.0, collective_bandwidth: float | None = None,
+                   contention: float = 1.0) -> Topology:
     """``calibrated-cpu-N``: ``local-cpu-N``'s shape (one node, a shared-memory mesh link per
     ordered process pair) with the measured alpha, bandwidth, collective bandwidth
-    (``fit_collective_bandwidth``), per-process float32 FLOP/s, memory bandwidth and the
-    executor's task, message, exchange and collective overheads (``fit_overheads``)."""
+    (``fit_collective_bandwidth``), per-process float32 FLOP/s, memory bandwidth, contention
+    (the slowdown when all compute at once) and the executor's task, message, exchange and
+    collective overheads (``fit_overheads``)."""
     if memory_bytes is None:
         try:
             memory_bytes = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // nproc
@@ -276,7 +284,8 @@ def build_topology(nproc: int, alpha: float, bandwidth: float, flops: float, mem
             memory_bytes = 16 << 30
     device = DeviceSpec(kind, max(int(memory_bytes), 1), {"float32": float(flops)}, float(memory_bandwidth),
                         task_overhead=float(task_overhead), message_overhead=float(message_overhead),
-                        exchange_overhead=float(exchange_overhead), collective_overhead=float(collective_overhead))
+                        exchange_overhead=float(exchange_overhead), collective_overhead=float(collective_overhead),
+                        contention=float(contention))
     ring = None if collective_bandwidth is None else float(collective_bandwidth)
     return cluster(f"calibrated-cpu-{nproc}", device, 1, nproc,
                    Fabric("mesh", "shm", float(alpha), float(bandwidth), ring))

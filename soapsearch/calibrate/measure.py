@@ -9,10 +9,13 @@
 * all-reduce over all ranks at the same sizes, against the ring formula on the fitted alpha, B,
   and fitted to that formula's slope on its own: the links' ``collective_bandwidth`` (sending
   both ways at once and summing on the cores that copy, gloo's ring moves ~half as fast);
-* compute, on all N processes at once (so processes sharing cores are measured sharing them):
-  float32 matmul FLOP/s (2·n³ per n×n product) and copy bandwidth (read + write = 2·bytes), each
-  from blocks of back-to-back calls long enough to span many scheduler slices, and the
-  eager dispatch overhead of one tiny op (what the analytical model calls launch overhead);
+* compute: float32 matmul FLOP/s (2·n³ per n×n product) and copy bandwidth (read + write =
+  2·bytes), each from blocks of back-to-back calls long enough to span many scheduler slices,
+  on all N processes at once and then on each alone: the topology's devices get the slowest
+  solo figures and, as ``contention``, how much slower they run all at once (processes sharing
+  cores, caches and memory bandwidth; the simulator slows each compute task by how many of
+  them compute with it); and the eager dispatch overhead of one tiny op (what the analytical
+  model calls launch overhead);
 * the executor's overheads, on all N processes: probe chains trained by the real ``Executor``
   (``overhead.py``), fitted to a per-task figure beyond the analytical cost model's kernels, a
   per-received-piece figure beyond the link (one for one-way pieces, one for pieces exchanged
@@ -23,6 +26,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import time
@@ -77,6 +81,10 @@ class Calibration:
     """float32 matmul FLOP/s of each process, all running at once."""
     memory_bandwidth: list[float]
     """Copy bandwidth of each process (2·bytes / s), all running at once."""
+    solo_flops: list[float]
+    """float32 matmul FLOP/s of each process running alone (the others waiting)."""
+    solo_memory_bandwidth: list[float]
+    """Copy bandwidth of each process running alone."""
     op_overhead: float
     """Median seconds of one tiny eager op (dispatch only), worst process."""
     task_overhead: float = 0.0
@@ -102,6 +110,15 @@ class Calibration:
     def shared(self) -> bool:
         return self.kind != "cpu"
 
+    @property
+    def contention(self) -> float:
+        """How much slower a process computes with all running at once than alone: the
+        geometric mean of the slowest processes' FLOP/s and copy-bandwidth ratios, solo /
+        together (>= 1; ``DeviceSpec.contention``)."""
+        ratio = math.sqrt(min(self.solo_flops) / min(self.flops)
+                          * min(self.solo_memory_bandwidth) / min(self.memory_bandwidth))
+        return max(1.0, ratio)
+
     def topology(self) -> Topology:
         """The calibrated topology: every process the slowest measured one (the plan must
         run on any of them; the spread is in the report)."""
@@ -110,12 +127,13 @@ class Calibration:
     def with_overheads(self, overheads: Mapping[str, float]) -> Topology:
         """The calibrated topology with these overheads (by ``DeviceSpec`` field name, absent:
         0; the fit simulates its probe on it)."""
-        return build_topology(self.nproc, self.alpha, self.bandwidth, min(self.flops),
-                              min(self.memory_bandwidth), self.kind, collective_bandwidth=self.collective_bandwidth,
-                              **overheads)
+        return build_topology(self.nproc, self.alpha, self.bandwidth, min(self.solo_flops),
+                              min(self.solo_memory_bandwidth), self.kind, collective_bandwidth=self.collective_bandwidth,
+                              contention=self.contention, **overheads)
 
     def to_json(self) -> dict[str, Any]:
-        return {"format": "soapsearch.calibration", "version": 1, "shared_cores": self.shared, **asdict(self)}
+        return {"format": "soapsearch.calibration", "version": 1, "shared_cores": self.shared,
+                "contention": self.contention, **asdict(self)}
 
 
 def _per_call_time(fn, blocks: int, warmup: int) -> float:
@@ -194,10 +212,15 @@ def _worker(rank: int, world: int, sizes: Sequence[int], repeats: int, warmup: i
     a, b = torch.randn(MATMUL_N, MATMUL_N), torch.randn(MATMUL_N, MATMUL_N)
     src, dst = torch.randn(COPY_BYTES // 4), torch.empty(COPY_BYTES // 4)
     x, y = torch.ones(1), torch.ones(1)
+    flops = lambda: 2 * MATMUL_N ** 3 / _per_call_time(lambda: torch.mm(a, b), max(repeats, 5), warmup)  # noqa: E731
+    copy = lambda: 2 * COPY_BYTES / _per_call_time(lambda: dst.copy_(src), max(repeats, 5), warmup)  # noqa: E731
     dist.barrier()  # from here all processes compute at once
-    out["flops"] = 2 * MATMUL_N ** 3 / _per_call_time(lambda: torch.mm(a, b), max(repeats, 5), warmup)
-    out["memory_bandwidth"] = 2 * COPY_BYTES / _per_call_time(lambda: dst.copy_(src), max(repeats, 5), warmup)
+    out["flops"], out["memory_bandwidth"] = flops(), copy()
     out["op_overhead"] = _median_time(lambda: torch.add(x, y), 200, 20)
+    for r in range(world):  # then each alone, the others waiting
+        dist.barrier()
+        if r == rank:
+            out["solo_flops"], out["solo_memory_bandwidth"] = flops(), copy()
     dist.barrier()
     return out
 
@@ -231,6 +254,7 @@ def measure(nproc: int, backend: str = "gloo", sizes: Sequence[int] = DEFAULT_SI
         nproc, threads, cores, device_kind(nproc, threads, cores), alpha, bandwidth, r2,
         statistics.median(ratios) if ratios else float("nan"), ring, ring_r2,
         [r["flops"] for r in results], [r["memory_bandwidth"] for r in results],
+        [r["solo_flops"] for r in results], [r["solo_memory_bandwidth"] for r in results],
         max(r["op_overhead"] for r in results), p2p=p2p, allreduce=allreduce)
     if overhead_rounds:
         from simulator.cost import get_cost_model
@@ -248,28 +272,35 @@ def measure(nproc: int, backend: str = "gloo", sizes: Sequence[int] = DEFAULT_SI
     return cal
 
 
-def warm_profile(model: str, topology: Topology, cache_path: str | os.PathLike, variant: str = "tiny") -> int:
-    """Measure every op partition of every baseline plan of ``model`` on ``topology`` into the
-    ProfiledCostModel cache at ``cache_path`` (with the threads one process gets); returns the
-    number of cached measurements. Measured in this one process: for a shared-cores topology
-    the times are of an uncontended process (see the report's flops spread for the sharing)."""
-    from simulator.profiled import ProfiledCostModel
+def _simulate_baselines(model: str, variant: str, topology: Topology, cost) -> None:
+    """Simulate every baseline plan of ``model`` on ``topology`` with ``cost`` (a profiled cost
+    model then times each of their partitions once)."""
     from simulator.simulate import simulate_plan
     from soapsearch.executor import build_model
     from strategies import baseline
     from strategies.baselines import BASELINES
 
     graph = build_model(model, variant).graph
+    for name in BASELINES:
+        try:
+            plan = baseline(name, graph, topology.num_devices)
+        except ValueError:
+            continue  # e.g. a batch the device count does not divide
+        simulate_plan(graph, plan, topology, cost)
+
+
+def warm_profile(model: str, topology: Topology, cache_path: str | os.PathLike, variant: str = "tiny") -> int:
+    """Time every op partition of every baseline plan of ``model`` on ``topology`` into the
+    ProfiledCostModel cache at ``cache_path`` (in this process, alone, with the threads one
+    process gets: a device's solo speed, which the simulator slows by its ``contention`` while
+    its node's other devices compute); returns the number of cached measurements."""
+    from simulator.profiled import ProfiledCostModel
+
     cost = ProfiledCostModel(cache_path=cache_path)
     before = torch.get_num_threads()
     torch.set_num_threads(threads_per_process(topology.num_devices))
     try:
-        for name in BASELINES:
-            try:
-                plan = baseline(name, graph, topology.num_devices)
-            except ValueError:
-                continue  # e.g. a batch the device count does not divide
-            simulate_plan(graph, plan, topology, cost)
+        _simulate_baselines(model, variant, topology, cost)
     finally:
         torch.set_num_threads(before)
         cost.flush()

@@ -224,10 +224,28 @@ def test_fit_overheads_means_the_pieces_when_wakeups_come_and_go():
     assert statistics.median(fit.exchange_per_round) == pytest.approx(300e-6, rel=1e-6)
 
 
+def test_fit_overheads_inverts_a_simulator_that_slows_tasks_computing_at_once():
+    # every data-parallel task 1.5x slower (DeviceSpec.contention: all devices compute at once),
+    # its task overhead with it: the closed form (slope - kernel) / 6 would read the slowdown of
+    # the kernels as task overhead, and the simulator would slow it once more
+    def shared(plan, overheads):
+        if plan != "data_parallel":
+            return _simulate(plan, overheads)
+        task = overheads.get("task_overhead", 0.0)
+        return [BASE + k * 1.5 * (KERNEL + UNIT_OVERHEADS * task) for k in TASK_SIZES]
+    raw = {**_probe_times(0, 0, noise=0.0), "rounds": [
+        {**r, "data_parallel": shared("data_parallel", {"task_overhead": 40e-6})}
+        for r in _probe_times(0, 0, noise=0.0)["rounds"]]}
+    assert _fit(raw, simulate=shared).task_overhead == pytest.approx(40e-6, rel=1e-6)
+    closed = _fit(raw, simulate=None).task_overhead
+    assert closed == pytest.approx((1.5 * (KERNEL + UNIT_OVERHEADS * 40e-6) - KERNEL) / UNIT_OVERHEADS, rel=1e-9)
+
+
 def test_fit_overheads_clamps_and_rejects_bad_input():
     raw = _probe_times(100e-6, 50e-6)
     # a kernel dearer than the whole slope, pieces no slower than the link: no negative overhead
-    assert _fit(raw, kernel=1e-2).task_overhead == 0.0
+    assert _fit(raw, kernel=1e-2, simulate=None).task_overhead == 0.0
+    assert _fit(raw, simulate=lambda p, o: [100 * x for x in _simulate(p, o)]).task_overhead == 0.0
     slow = lambda p, o: [x * (1.5 if p != "data_parallel" else 1.0) for x in _simulate(p, o)]  # noqa: E731
     fit = _fit(_probe_times(100e-6, 0.0, exchange=0.0), simulate=slow)
     assert (fit.message_overhead, fit.exchange_overhead) == (0.0, 0.0)

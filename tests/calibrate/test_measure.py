@@ -29,11 +29,16 @@ def test_calibrate_two_processes_gives_positive_finite_figures(tmp_path):
     # the ring's own bandwidth, fitted on the all-reduce (4 sizes up to 16 MiB), is what the links carry
     assert report["collective_bandwidth"] > 1e6 and math.isfinite(report["collective_r2"])
     assert all(k.collective_bandwidth == report["collective_bandwidth"] for k in topo.links)
-    assert len(report["flops"]) == 2 and all(1e8 < f < 1e13 for f in report["flops"])
-    assert all(1e8 < b < 1e12 for b in report["memory_bandwidth"])
+    assert len(report["flops"]) == 2 and all(1e8 < f < 1e13 for f in report["flops"] + report["solo_flops"])
+    assert all(1e8 < b < 1e12 for b in report["memory_bandwidth"] + report["solo_memory_bandwidth"])
+    # the devices compute at the slowest solo speed, slowed by the measured ratio when all compute
+    assert report["contention"] == pytest.approx(max(1.0, math.sqrt(
+        min(report["solo_flops"]) / min(report["flops"])
+        * min(report["solo_memory_bandwidth"]) / min(report["memory_bandwidth"]))))
+    assert all(d.contention == report["contention"] for d in topo.devices)
     assert Topology.load(out) == topo
     dev = topo.devices[0]
-    assert dev.peak_flops["float32"] == min(report["flops"]) and dev.kind == report["kind"]
+    assert dev.peak_flops["float32"] == min(report["solo_flops"]) and dev.kind == report["kind"]
     # the executor's host work per partition and per piece: far below a second (a fit on loaded
     # cores may clamp to 0)
     assert all(0 <= report[f] < 0.1 for f in OVERHEAD_FIELDS)
@@ -50,6 +55,21 @@ def test_calibrate_two_processes_gives_positive_finite_figures(tmp_path):
         report["exchange_overhead"], rel=1e-3)
     assert len(probe["rounds"]) == len(probe["task_per_round"]) == 2
     assert 0 < probe["kernel"] < 1e-3  # the roofline of a 4x16 linear and tanh, forward + backward
+
+
+def test_warm_profile_times_every_baseline_partition_once(tmp_path, monkeypatch):
+    from simulator import profiled
+    from simulator.presets import get_topology
+    from soapsearch.calibrate.measure import warm_profile
+
+    topo = get_topology("local-cpu-2")
+    count = warm_profile("mlp", topo, tmp_path / "p.json", variant="tiny")
+    cached = profiled.ProfiledCostModel(cache_path=tmp_path / "p.json")
+    assert len(cached) == count > 0
+    monkeypatch.setattr(profiled, "measure_partition", lambda *a, **k: pytest.fail("a baseline partition was not cached"))
+    graph = build_model("mlp", "tiny").graph
+    for name in ("data_parallel", "model_parallel", "owt", "pipeline"):
+        simulate_plan(graph, baseline(name, graph, 2), topo, cached)
 
 
 def test_compare_runs_a_plan_and_writes_both_timelines(tmp_path):

@@ -1,0 +1,76 @@
+"""Compute that slows when the devices of a node compute at once: CPU processes sharing cores
+or memory bandwidth (``DeviceSpec.contention``).
+
+A device of contention c runs a compute task (a forward, a backward, an optimizer update) c
+times slower when all n devices of its node compute with it than when it computes alone; with
+k of them computing (itself included) the slowdown is interpolated, f(k) = 1 + (c - 1)(k - 1)
+/ (n - 1). The event loop places tasks with fixed durations, so the sharing is found in passes
+(``contended_times``): from a timeline, each compute task's k̄ is the mean number of its node's
+devices computing while it runs; its base duration times f(k̄) gives the next timeline.
+``PASSES`` is fixed, so the same inputs give the same times. Data parallel, where every device
+computes at once, gets the whole slowdown; pipeline stages and model-parallel devices that
+take turns get little of it, which one calibrated FLOP/s for all plans cannot express.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from simulator.engine import event_times
+from simulator.taskgraph import BACKWARD, FORWARD, UPDATE, TaskGraph
+from simulator.topology import Topology
+
+__all__ = ["PASSES", "contended", "contended_times", "slowed_durations"]
+
+PASSES = 2
+"""Timelines re-run after the first, each with the durations the previous one implies."""
+_COMPUTE = (FORWARD, BACKWARD, UPDATE)
+
+
+def contended(topology: Topology) -> bool:
+    """Whether any device of ``topology`` slows when its node's devices compute at once."""
+    return any(d.contention != 1.0 for d in topology.devices)
+
+
+def slowed_durations(tg: TaskGraph, topology: Topology, base: np.ndarray, start: np.ndarray,
+                     end: np.ndarray) -> np.ndarray:
+    """``base`` durations with every compute task of a node of n >= 2 devices scaled by
+    f(k̄) = 1 + (c - 1)(k̄ - 1)/(n - 1), k̄ = (1 / (e - s)) ∫ₛᵉ k(t) dt over the timeline
+    (``start``, ``end``), k(t) the node's compute tasks running at t, c its device's contention."""
+    out = base.copy()
+    device = np.asarray(tg.device, dtype=np.int64)
+    compute = np.isin(np.asarray(tg.category, dtype=np.int64), _COMPUTE) & (end > start)
+    c = np.array([d.contention for d in topology.devices])
+    for members in topology.nodes:
+        n = len(members)
+        if n < 2 or np.all(c[list(members)] == 1.0):
+            continue
+        idx = np.flatnonzero(compute & np.isin(device, members))
+        if not len(idx):
+            continue
+        s, e = start[idx], end[idx]
+        times = np.concatenate([s, e])
+        steps = np.concatenate([np.ones(len(idx)), -np.ones(len(idx))])
+        order = np.lexsort((steps, times))  # at one instant ends before starts: touching is not overlapping
+        t, level = times[order], np.cumsum(steps[order])
+        area = np.concatenate([[0.0], np.cumsum(np.diff(t) * level[:-1])])  # ∫ k dt up to each event
+
+        def integral(x: np.ndarray) -> np.ndarray:
+            j = np.searchsorted(t, x, side="right") - 1
+            return area[j] + level[j] * (x - t[j])
+
+        k = np.clip((integral(e) - integral(s)) / (e - s), 1.0, n)
+        out[idx] = base[idx] * (1.0 + (c[device[idx]] - 1.0) * (k - 1.0) / (n - 1))
+    return out
+
+
+def contended_times(tg: TaskGraph, topology: Topology, start: np.ndarray,
+                    end: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The timeline (``start``, ``end``: the event loop's on the base durations) after
+    ``PASSES`` passes of ``slowed_durations``; unchanged where no device has contention."""
+    if not contended(topology):
+        return start, end
+    base = tg.arrays()[0]
+    for _ in range(PASSES):
+        start, end = event_times(tg, duration=slowed_durations(tg, topology, base, start, end))
+    return start, end
