@@ -114,7 +114,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--nproc", type=int, action="append", help="process counts (default 2)")
     p.add_argument("--models", default="mlp,gpt,rnntc")
-    p.add_argument("--variant", default="tiny", choices=("tiny", "small"), help="zoo variant of the models")
+    p.add_argument("--variant", default="small", choices=("small", "tiny"),
+                   help="zoo variant of the models (small: steps of 10-200 ms, where compute rather than "
+                        "the host's jitter of a few ms per sync dominates)")
     p.add_argument("--topology", default=None, help="a calibrated topology JSON (one --nproc only)")
     p.add_argument("--cost-model", choices=("analytical", "profiled"), default="analytical")
     p.add_argument("--steps", type=int, default=7)
