@@ -19,8 +19,11 @@ def _calibrate(args: argparse.Namespace) -> int:
           f"(r² {report['r2']:.3f}); all-reduce measured/ring {report['allreduce_ratio']:.2f}"
           + (f", ring bandwidth {report['collective_bandwidth'] / 1e9:.3g} GB/s (r² {report['collective_r2']:.3f}); "
              if report["collective_bandwidth"] else "; ")
-          + f"FLOP/s per process {', '.join(f'{f / 1e9:.1f}G' for f in report['flops'])}; "
-          f"copy GB/s {', '.join(f'{b / 1e9:.1f}' for b in report['memory_bandwidth'])}; "
+          + f"FLOP/s per process alone {', '.join(f'{f / 1e9:.1f}G' for f in report['solo_flops'])}, "
+          f"all at once {', '.join(f'{f / 1e9:.1f}G' for f in report['flops'])}; "
+          f"copy GB/s alone {', '.join(f'{b / 1e9:.1f}' for b in report['solo_memory_bandwidth'])}, "
+          f"all at once {', '.join(f'{b / 1e9:.1f}' for b in report['memory_bandwidth'])} "
+          f"(contention {report['contention']:.2f}x); "
           f"op overhead {report['op_overhead'] * 1e6:.1f} µs; kind {report['kind']}")
     print(f"executor overheads: {report['task_overhead'] * 1e6:.0f} µs per partition task, "
           f"{report['message_overhead'] * 1e6:.0f} µs per received piece (beyond the link), "
