@@ -1,0 +1,167 @@
+"""What a lowering produces: the records of a plan's partitions, transfers, weight shards and
+reductions, each op's ``OpPieces`` and the ``Lowered`` plan that gathers them
+(``strategies.lowering.lower`` makes it)."""
+
+from __future__ import annotations
+
+import itertools
+import operator
+from dataclasses import dataclass
+from functools import cached_property
+from typing import NamedTuple
+
+from strategies.graph import OpGraph
+from strategies.region import Box
+from strategies.strategy import Strategy
+
+__all__ = ["WEIGHT_KINDS", "FORWARD", "BACKWARD", "STEP", "Partition", "Transfer", "WeightShard",
+           "ReductionGroup", "OpPieces", "DeviceBytes", "GradientSync", "Lowered"]
+
+WEIGHT_KINDS = ("parameter", "constant")
+FORWARD, BACKWARD, STEP = "forward", "backward", "step"
+"""What waits on a reduction's sum (``ReductionGroup.gates``; ``strategies.pieces.gates``)."""
+
+
+class Partition(NamedTuple):
+    """Partition ``index`` of ``op`` for ``microbatch``: on ``device`` it computes ``box``,
+    reading ``input_regions`` (one per input; None: nothing) and ``weight_regions``."""
+
+    op: str
+    index: int
+    microbatch: int
+    device: int
+    box: Box
+    input_regions: tuple[Box | None, ...]
+    weight_regions: tuple[tuple[str, Box], ...]
+
+
+class Transfer(NamedTuple):
+    """Bytes of ``src_op``'s partition ``src_index`` that ``dst_op``'s partition ``dst_index``
+    reads as its input ``slot``. Backward moves the same region's gradient from dst to src.
+    ``src_device == dst_device`` marks a local read (a dependency, no bytes on a link)."""
+
+    src_op: str
+    src_index: int
+    dst_op: str
+    dst_index: int
+    slot: int
+    microbatch: int
+    src_device: int
+    dst_device: int
+    region: Box
+    nbytes: int
+
+    @property
+    def local(self) -> bool:
+        return self.src_device == self.dst_device
+
+
+@dataclass(frozen=True)
+class WeightShard:
+    """A region of one weight held on ``devices``; with several devices its gradient is
+    all-reduced over exactly them. ``ops`` are the ops reading it (a tied weight: several)."""
+
+    name: str
+    region: Box
+    devices: tuple[int, ...]
+    nbytes: int
+    ops: tuple[str, ...]
+    trainable: bool = True
+
+
+@dataclass(frozen=True)
+class ReductionGroup:
+    """Partitions of ``op`` (micro-batch ``microbatch``) whose rule asks for a sum across them
+    (batch statistics, a loss over a split batch), and the devices that hold them."""
+
+    op: str
+    name: str
+    microbatch: int
+    partitions: tuple[int, ...]
+    devices: tuple[int, ...]
+    nbytes: int
+    """One member's contribution to the forward sum."""
+    gates: str = "forward"
+    """What waits on the sum (``gates``): FORWARD, BACKWARD or STEP."""
+    grad_nbytes: int = 0
+    """One member's contribution to the backward sum (0: the backward sums nothing)."""
+
+
+class OpPieces(NamedTuple):
+    """What one op contributes to a lowering; a function of its config, its producers' configs
+    and the micro-batch count only, so a search can reuse it for every unchanged op."""
+
+    partitions: tuple[tuple[Partition, ...], ...]
+    transfers: tuple[Transfer, ...]
+    reductions: tuple[ReductionGroup, ...]
+    weight_reads: tuple[tuple[str, Box, int, str, int, bool], ...]
+    """(weight name, region, device, reading op, itemsize, trainable) for microbatch 0."""
+    weights_read: tuple[str, ...]
+    """The weight names in ``weight_reads``, once each."""
+    couples: frozenset[tuple[int, int]]
+    """Device pairs (a, b) where a's data flows to b: remote transfers into the op, and each
+    reduction's ring in both directions (``strategies.schedule.warmups`` reads them)."""
+    activations: tuple[int, ...]
+    """Bytes each device keeps for backward per micro-batch (one entry per device): each
+    partition's output and each remote piece it receives (``simulator.memory``)."""
+    receives: tuple[tuple[int, ...], tuple[int, ...]]
+    """(forward, gradient) bytes each device receives per micro-batch (one entry per device):
+    the remote pieces into the op on their consumer's device, and their gradients on the
+    producer's device when both ops need one (the executor posts them a micro-batch ahead;
+    ``simulator.memory``)."""
+
+
+class DeviceBytes(NamedTuple):
+    """Per-device totals over a plan's ops and weights (one entry per device each)."""
+
+    kept: tuple[int, ...]
+    """Σ ``OpPieces.activations``: bytes kept for backward per micro-batch."""
+    received: tuple[int, ...]
+    """Σ forward ``OpPieces.receives``: bytes received per micro-batch."""
+    received_grad: tuple[int, ...]
+    """Σ gradient ``OpPieces.receives``: gradient bytes received per micro-batch."""
+    trainable: tuple[int, ...]
+    """Bytes of the trainable weight shards held."""
+    frozen: tuple[int, ...]
+    """Bytes of the other weight shards held."""
+
+
+class GradientSync(NamedTuple):
+    """What the gradient sync of a plan's trainable weight shards amounts to."""
+
+    buckets: dict[tuple[int, ...], int]
+    """Device set of > 1 devices -> bytes of the trainable shards replicated on exactly it (one
+    DDP-style bucket each, ``simulator.step``)."""
+    tensors: tuple[int, ...]
+    """Trainable weights each device holds a shard of (one entry per device)."""
+
+
+@dataclass(frozen=True)
+class Lowered:
+    graph: OpGraph
+    strategy: Strategy
+    partitions: dict[str, tuple[tuple[Partition, ...], ...]]
+    """op -> micro-batch -> its partitions in partition order."""
+    weight_shards: tuple[WeightShard, ...]
+    pieces: dict[str, OpPieces]
+    """op -> what it contributes (the same object for an unchanged op when lowered with a cache:
+    consumers of the lowering cache their own per-op work by its identity)."""
+    device_bytes: DeviceBytes
+    """Per-device byte totals of the plan (``simulator.memory`` reads them)."""
+    gradient_sync: GradientSync
+    """The buckets and per-device tensor counts of ``weight_shards``' sync (``simulator.step``)."""
+
+    @cached_property
+    def transfers(self) -> tuple[Transfer, ...]:
+        """Every op's transfers, in graph order (gathered when first read)."""
+        return tuple(itertools.chain.from_iterable(map(operator.itemgetter(1), self.pieces.values())))  # .transfers
+
+    @cached_property
+    def reductions(self) -> tuple[ReductionGroup, ...]:
+        """Every op's reduction groups, in graph order (gathered when first read)."""
+        return tuple(itertools.chain.from_iterable(map(operator.itemgetter(2), self.pieces.values())))  # .reductions
+
+    @property
+    def bytes_moved(self) -> int:
+        """Forward bytes crossing links (backward moves as many again)."""
+        return sum(t.nbytes for t in self.transfers if not t.local)

@@ -1,0 +1,196 @@
+"""The state ``strategies.lowering.lower`` keeps in its cache between calls: the previous
+call's lowering (``Last``), which the next call patches where configs changed, and each
+weight's shards. Invariant: a patched lowering equals one lowered from scratch
+(tests/strategies/test_lowering.py checks it plan by plan)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import operator
+from typing import Any, NamedTuple
+
+from strategies.graph import OpGraph, OpNode
+from strategies.lowered import DeviceBytes, OpPieces, Partition, WeightShard
+from strategies.pieces import lower_op
+from strategies.region import Box, intersect
+from strategies.strategy import Strategy
+
+__all__ = ["Last", "changed_ops", "update"]
+
+
+def changed_ops(last: "Last | None", configs: tuple[tuple[str, Any], ...]) -> list[str] | None:
+    """The ops whose config is not the very object of the last call's plan, or None when
+    the plans do not name the same ops in the same order. One C-level pass finds the
+    (name, config) pairs that are not the last plan's (``Strategy.replace`` makes one)."""
+    if last is None or len(last.configs) != len(configs):
+        return None
+    before = last.configs
+    out = []
+    for i in itertools.compress(range(len(configs)), map(operator.is_not, before, configs)):
+        (name, a), (other, b) = before[i], configs[i]
+        if name != other:
+            return None
+        if a is not b:
+            out.append(name)
+    return out
+
+
+def update(graph: OpGraph, strategy: Strategy, cache: dict, last: "Last", affected: list[OpNode]) -> None:
+    """``last`` made ``strategy``'s lowering: the ``affected`` ops' pieces, in graph order, the
+    shards of every weight they read (before or now) and the totals."""
+    m = strategy.microbatches
+    kept, received, received_grad = last.totals[:3]
+    config = strategy.__getitem__
+    weights: set[str] = set()  # read by an affected op, before or now
+    regroup = last.readers is None  # an op reads other weights than before: readers are gathered again
+    for node in affected:
+        key = (node.name, m, strategy.num_devices, config(node.name), tuple(map(config, node.inputs)))
+        pieces = cache.get(key)
+        if pieces is None:
+            strategy.validate_op(node)
+            pieces = cache[key] = lower_op(graph, strategy, node, m)
+        old = last.by_op.get(node.name)
+        if old is pieces:
+            continue
+        _patch(kept, old and old.activations, pieces.activations)
+        _patch(received, old and old.receives[0], pieces.receives[0])
+        _patch(received_grad, old and old.receives[1], pieces.receives[1])
+        last.by_op[node.name] = pieces
+        last.partitions[node.name] = pieces.partitions
+        weights.update(pieces.weights_read)
+        if old is not None:
+            weights.update(old.weights_read)
+            regroup = regroup or old.weights_read != pieces.weights_read
+    if regroup:
+        last.regroup(graph)
+        weights = set(last.readers) | set(last.held)
+    for name in weights:
+        last.hold(name, cache)
+    if regroup:
+        last.held = {name: last.held[name] for name in last.readers}  # the readers' order
+
+
+class _Held(NamedTuple):
+    """One weight's shards, given the pieces of the ops reading it (``read_by``, kept so the
+    cache's key by their ids stays sound), and what they add to the per-device totals."""
+
+    read_by: tuple[OpPieces, ...]
+    shards: list[WeightShard]
+    per_device: tuple[int, ...]
+    """Bytes of the shards each device holds."""
+    buckets: dict[tuple[int, ...], int]
+    """Trainable only: bytes of the shards replicated on exactly each device set of > 1 devices."""
+    holders: tuple[int, ...]
+    """Trainable only: the devices holding a shard."""
+
+
+class Last:
+    """The previous call's lowering of one graph (per micro-batch and device count), which the
+    next call patches: each op's pieces, each weight's shards (in the order their first reader
+    comes in the graph) and the per-device totals over them."""
+
+    def __init__(self, graph: OpGraph, n: int):
+        self.configs: tuple = ()
+        self.position = {node.name: i for i, node in enumerate(graph)}
+        self.by_op: dict[str, OpPieces] = {}
+        self.partitions: dict[str, tuple[tuple[Partition, ...], ...]] = {}
+        self.readers: dict[str, list[str]] | None = None
+        """Weight -> the ops reading it, in graph order."""
+        self.held: dict[str, _Held] = {}
+        self.totals = [[0] * n for _ in DeviceBytes._fields]
+        self.buckets: dict[tuple[int, ...], list[int]] = {}
+        """Device set -> [bytes, weights with a shard there] (``GradientSync.buckets``)."""
+        self.tensors = [0] * n
+
+    def regroup(self, graph: OpGraph) -> None:
+        self.readers = {}
+        for node in graph:
+            for name in self.by_op[node.name].weights_read:
+                self.readers.setdefault(name, []).append(node.name)
+
+    def hold(self, name: str, cache: dict) -> None:
+        """Weight ``name``'s shards for its readers' current pieces, the totals patched."""
+        read_by = tuple(self.by_op[op] for op in self.readers.get(name, ()))
+        old = self.held.get(name)
+        if old is not None and len(old.read_by) == len(read_by) and all(map(operator.is_, old.read_by, read_by)):
+            return
+        new = None
+        if read_by:
+            key = ("shards", name, *map(id, read_by))
+            new = cache.get(key)
+            if new is None:
+                new = cache[key] = _weight_shards(name, read_by, len(self.tensors))
+        trainable, frozen = self.totals[3:]
+        for h, sign in ((old, -1), (new, 1)):
+            if h is None:
+                continue
+            total = trainable if h.shards[0].trainable else frozen
+            for d, b in enumerate(h.per_device):
+                total[d] += sign * b
+            for d in h.holders:
+                self.tensors[d] += sign
+            for devs, b in h.buckets.items():
+                entry = self.buckets.setdefault(devs, [0, 0])
+                entry[0] += sign * b
+                entry[1] += sign
+                if not entry[1]:
+                    del self.buckets[devs]
+        if new is None:
+            self.held.pop(name, None)
+        else:
+            self.held[name] = new
+
+
+def _patch(total: list[int], old: tuple[int, ...] | None, new: tuple[int, ...]) -> None:
+    """total += new - old, per device (old None: nothing to take back)."""
+    if old is None:
+        for d, b in enumerate(new):
+            if b:
+                total[d] += b
+        return
+    for d, (a, b) in enumerate(zip(old, new)):
+        if a != b:
+            total[d] += b - a
+
+
+def _weight_shards(name: str, read_by: tuple[OpPieces, ...], n: int) -> _Held:
+    """The shards of weight ``name`` read by ``read_by`` and what they add to the totals of the
+    ``n`` devices."""
+    held: dict[Box, set[int]] = {}
+    ops: dict[str, None] = {}
+    for pieces in read_by:
+        for w, region, device, reader, itemsize, trainable in pieces.weight_reads:
+            if w == name:
+                held.setdefault(region, set()).add(device)
+                ops[reader] = None
+                meta = (itemsize, trainable)
+    shards = _shards(name, held, *meta, tuple(ops))
+    per_device = [0] * n
+    buckets: dict[tuple[int, ...], int] = {}
+    for s in shards:
+        for d in s.devices:
+            per_device[d] += s.nbytes
+        if s.trainable and len(s.devices) > 1:
+            buckets[s.devices] = buckets.get(s.devices, 0) + s.nbytes
+    holders = tuple(sorted({d for s in shards for d in s.devices})) if meta[1] else ()
+    return _Held(read_by, shards, tuple(per_device), buckets, holders)
+
+
+def _shards(name: str, regions: dict[Box, set[int]], itemsize: int, trainable: bool,
+            ops: tuple[str, ...]) -> list[WeightShard]:
+    """Weight regions with the devices holding each. Regions that partly overlap are cut into
+    the cells their boundaries make, so each cell's replica group is exact."""
+    boxes = list(regions)
+    disjoint = all(a == b or intersect(a, b) is None for a, b in itertools.combinations(boxes, 2))
+    if not disjoint:
+        cuts = [sorted({x for b in boxes for x in b[i]}) for i in range(len(boxes[0]))]
+        cells: dict[Box, set[int]] = {}
+        for cell in itertools.product(*[list(zip(c, c[1:])) for c in cuts]):
+            devs = {d for b, ds in regions.items() if intersect(cell, b) == cell for d in ds}
+            if devs:
+                cells[tuple(cell)] = devs
+        regions = cells
+    return [WeightShard(name, box, tuple(sorted(devs)), math.prod(b - a for a, b in box) * itemsize,
+                        ops, trainable)
+            for box, devs in regions.items()]

@@ -1,0 +1,195 @@
+"""One op's share of a lowering (``OpPieces``): its partitions, the transfers into them, its
+reduction groups and the weight regions it reads, from its config, its producers' configs and
+the micro-batch count only. Coordinates are global: a partition of micro-batch j covers rows
+[j·B/m + c·B/(m·d), ...) of the sample dim (B batch, m micro-batches, d the sample degree)."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Sequence
+
+from strategies.graph import DTYPE_BYTES, OpGraph, OpNode
+from strategies.lowered import (BACKWARD, FORWARD, STEP, WEIGHT_KINDS, OpPieces, Partition,
+                                ReductionGroup, Transfer)
+from strategies.region import Box, box_numel, partition_index
+from strategies.rules import get_rule
+from strategies.rules.base import Reduction
+from strategies.strategy import Strategy
+
+__all__ = ["lower_op", "partition_box_mb", "gates"]
+
+_new = tuple.__new__
+
+
+def _grid(node: OpNode, degrees: Sequence[int], microbatch: int,
+          microbatches: int) -> tuple[tuple[int, int], ...]:
+    """Per dim (base, step): coordinate c of that dim covers [base + c·step, base + (c+1)·step)."""
+    s = node.sample_dim
+    out = []
+    for i, (size, d) in enumerate(zip(node.shape, degrees)):
+        if i == s and microbatches > 1:
+            span = size // microbatches
+            out.append((microbatch * span, span // d))
+        else:
+            out.append((0, size // d))
+    return tuple(out)
+
+
+def _boxes(grid: Sequence[tuple[int, int]], degrees: Sequence[int]) -> list[Box]:
+    """Every partition's box in partition order (mixed radix, last dim fastest)."""
+    ranges = [[(b + c * st, b + (c + 1) * st) for c in range(d)] for (b, st), d in zip(grid, degrees)]
+    return [tuple(x) for x in itertools.product(*ranges)]
+
+
+def partition_box_mb(node: OpNode, degrees: Sequence[int], k: int, microbatch: int,
+                     microbatches: int) -> Box:
+    """The global region partition ``k`` of ``node`` computes in ``microbatch``."""
+    grid = _grid(node, degrees, microbatch, microbatches)
+    return tuple((b + c * st, b + (c + 1) * st)
+                 for (b, st), c in zip(grid, partition_index(k, degrees)))
+
+
+def _overlaps(grid: Sequence[tuple[int, int]], degrees: Sequence[int],
+              region: Box) -> list[tuple[int, Box, int]]:
+    """(index, the part of ``region`` it holds, that part's elements) of each partition whose
+    box overlaps ``region``, in partition order. Per dim the grid is regular: the overlapping
+    coordinates are a range and each one's cut of the region an interval, so no box is
+    intersected (coordinate c of a dim covers [base + c·step, base + (c+1)·step), ``_grid``)."""
+    axes = []
+    for (lo, hi), (base, step), d in zip(region, grid, degrees):
+        first = (lo - base) // step
+        last = (hi - 1 - base) // step
+        if first < 0:
+            first = 0
+        if last > d - 1:
+            last = d - 1
+        if first > last:
+            return []
+        cells = []
+        for c in range(first, last + 1):  # each overlaps: base + c·step < hi and base + (c+1)·step > lo
+            a = base + c * step
+            b = a + step
+            a, b = (lo if lo > a else a), (hi if hi < b else b)
+            cells.append((c, (a, b), b - a))
+        axes.append(cells)
+    out = []
+    for combo in itertools.product(*axes):
+        k, numel = 0, 1
+        for (c, _, size), d in zip(combo, degrees):
+            k = k * d + c
+            numel *= size
+        out.append((k, tuple([iv for _, iv, _ in combo]), numel))
+    return out
+
+
+def gates(node: OpNode, red: Reduction, parts: Sequence[Partition], m: int, num_devices: int,
+          output: bool = True) -> str:
+    """What must wait for reduction ``red`` of ``node``'s partitions ``parts`` (one micro-batch);
+    ``output``: ``node`` is the graph's output (a loss feeding another op must be whole first):
+
+    - FORWARD: the partitions' outputs (batch statistics; a loss that is not the output);
+      their backward sums again.
+    - STEP: only the end of the step. A deferred sum (a loss: Σ w_i·ℓ_i and Σ w_i) whose divisor
+      is known without data (``Loss.static_count``), or whose divisor C scales every gradient
+      after the backward pass: one micro-batch (m = 1) with the loss on every device, so each
+      device scales its own gradients by 1/C (gradients are linear in the seed).
+    - BACKWARD: the loss partitions' backward, seeded 1/(m·C_j) once C_j is known.
+    """
+    if not red.deferred or not output:
+        return FORWARD
+    static = get_rule(node.kind).static_count(node) is not None  # deferred: a loss rule
+    everywhere = {p.device for p in parts} == set(range(num_devices))
+    return STEP if static or (m == 1 and everywhere) else BACKWARD
+
+
+def lower_op(graph: OpGraph, strategy: Strategy, node: OpNode, m: int) -> OpPieces:
+    """What ``node`` contributes to ``strategy``'s lowering with ``m`` micro-batches."""
+    cfg = strategy[node.name]
+    rule = get_rule(node.kind)
+    n = strategy.num_devices
+    per_mb, transfers, reductions, reads = [], [], [], []
+    couples: set[tuple[int, int]] = set()
+    kept, fwd, grad = [0] * n, [0] * n, [0] * n
+    sources = [(graph[src], strategy[src]) for src in node.inputs]
+    moves_grad = [graph.needs_grad[src] and graph.needs_grad[node.name] for src in node.inputs]
+    itemsize, loss, reads_weights = DTYPE_BYTES[node.output.dtype], node.kind == "loss", node.kind not in WEIGHT_KINDS
+    for j in range(m):
+        parts = []
+        grids = [_grid(p, c.degrees, j, m) for p, c in sources]
+        for k, box in enumerate(_boxes(_grid(node, cfg.degrees, j, m), cfg.degrees)):
+            ins = rule.input_regions(node, box)
+            ws = rule.weight_regions(node, box)
+            dev = cfg.devices[k]
+            parts.append(Partition(node.name, k, j, dev, box, tuple(ins),
+                                   tuple((w.role, ws[w.role]) for w in node.weights)))
+            if j == 0:
+                kept[dev] += 8 if loss else itemsize * box_numel(box)  # kept for backward
+                if reads_weights:
+                    reads.extend((w.name, ws[w.role], dev, node.name, DTYPE_BYTES[w.spec.dtype],
+                                  w.trainable) for w in node.weights)
+            for slot, region in enumerate(ins):
+                if region is None:
+                    continue
+                producer, pcfg = sources[slot]
+                if producer.kind in WEIGHT_KINDS:
+                    if j == 0:
+                        w = producer.weights[0]
+                        reads.append((w.name, region, dev, node.name, DTYPE_BYTES[w.spec.dtype],
+                                      w.trainable))
+                    continue
+                size, src, devices = DTYPE_BYTES[producer.output.dtype], producer.name, pcfg.devices
+                for q, piece, numel in _overlaps(grids[slot], pcfg.degrees, region):
+                    src_dev, nbytes = devices[q], numel * size
+                    # the hot loop: a Transfer made as the tuple it is (no Python-level __new__)
+                    transfers.append(_new(Transfer, (src, q, node.name, k, slot, j, src_dev, dev, piece, nbytes)))
+                    if src_dev != dev:
+                        couples.add((src_dev, dev))
+                        if j == 0:  # a remote piece: received, kept for backward, its gradient sent back
+                            kept[dev] += nbytes
+                            fwd[dev] += nbytes
+                            if moves_grad[slot]:
+                                grad[src_dev] += nbytes
+        per_mb.append(tuple(parts))
+        reductions.extend(_groups(node, cfg.degrees, cfg.devices, rule.reductions(node, cfg.degrees),
+                                  parts, j, m, n, node.name in graph.outputs))
+    for g in reductions:  # a collective couples its devices both ways
+        couples.update(zip(g.devices, g.devices[1:] + g.devices[:1]))
+    return OpPieces(tuple(per_mb), tuple(transfers), tuple(reductions), tuple(reads),
+                    tuple(dict.fromkeys(r[0] for r in reads)), frozenset(couples), tuple(kept),
+                    (tuple(fwd), tuple(grad)))
+
+
+def _groups(node: OpNode, degrees: Sequence[int], devices: Sequence[int], reds, parts,
+            microbatch: int, m: int, num_devices: int, output: bool) -> list[ReductionGroup]:
+    out = []
+    for red in reds:
+        when = gates(node, red, parts, m, num_devices, output)
+        over = set(red.over)
+        groups: dict[tuple, list[int]] = {}
+        for k in range(len(parts)):
+            c = partition_index(k, degrees)
+            groups.setdefault(tuple(x for i, x in enumerate(c) if i not in over), []).append(k)
+        for members in groups.values():
+            if len(members) > 1:
+                sent, grad = _reduction_bytes(node, red.name, parts[members[0]].box, when)
+                out.append(ReductionGroup(node.name, red.name, microbatch, tuple(members),
+                                          tuple(devices[k] for k in members), sent, when, grad))
+    return out
+
+
+def _reduction_bytes(node: OpNode, name: str, box: Box, when: str) -> tuple[int, int]:
+    """(forward, backward) bytes of one partition's contribution to a reduction, as the
+    executor sends them. Batch statistics over C channels, in float32 (float64 for a float64
+    tensor, as torch's batchnorm): forward (2C + 1) elements — mean, variance and the count —
+    backward 2C — Σdy and Σdy·x̂ (SyncBatchNorm's). A loss, in its dtype: [s_p, c_p] (Σw·ℓ, Σw)
+    when its divisor needs the data, s_p alone when it is static (``Loss.static_count``; a loss
+    summed in the forward, ``Loss.forward``, sends s_p alone only for reduction="sum");
+    nothing backward (the loss's backward has no collective), unless the sum gates the forward
+    (a loss that is not the output: its backward sums the same elements)."""
+    if name == "batch_stats" and len(box) > 1:
+        size = 8 if node.output.dtype == "float64" else 4
+        channels = box[1][1] - box[1][0]
+        return (2 * channels + 1) * size, 2 * channels * size
+    one = node.attrs["reduction"] == "sum" if when == FORWARD else get_rule(node.kind).static_count(node) is not None
+    sums = (1 if one else 2) * DTYPE_BYTES[node.output.dtype]
+    return sums, sums if when == FORWARD else 0
