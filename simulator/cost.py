@@ -137,12 +137,10 @@ class CostModel(abc.ABC):
 class AnalyticalCostModel(CostModel):
     """Roofline (Williams et al. 2009): t = max(F / (peak(dtype)·e_c), B / (bw·e_m)) + n·launch.
 
-    Forward: F = the partition's FLOPs, B = ``partition_bytes``, n kernels (1 on a GPU, where
-    cuDNN runs a recurrent layer as one call; on a CPU the rule's ``kernels``: 1, or a
-    recurrent op's steps × its cell's eager calls). Backward: 2F and 2n kernels (input
-    grad + parameter grad) for an op with trainable parameters, else F and n kernels; 2B either
-    way (it reads the output grad and what forward read, writes the grads); an embedding's
-    backward also writes its whole dense table gradient. Leaf and view ops cost 0.
+    Forward: F = the partition's FLOPs, B = ``partition_bytes``, one kernel. Backward: 2F and 2
+    kernels (input grad + parameter grad) for an op with trainable parameters, else F and one
+    kernel; 2B either way (it reads the output grad and what forward read, writes the grads); an
+    embedding's backward also writes its whole dense table gradient. Leaf and view ops cost 0.
 
     ``efficiency``: (compute, memory) fractions, or one float for both. ``launch_overhead``:
     seconds per kernel; None picks ``GPU_LAUNCH_OVERHEAD`` or ``CPU_LAUNCH_OVERHEAD`` per device.
@@ -184,15 +182,14 @@ class AnalyticalCostModel(CostModel):
         flops = partition_flops(node, box)
         nbytes = partition_bytes(node, box, regions, weight_regions)
         dtype = node.output.dtype
-        kernels = get_rule(node.kind).kernels(node) if is_cpu(device) else 1
-        fwd = self.roofline(flops, nbytes, dtype, device, kernels)
+        fwd = self.roofline(flops, nbytes, dtype, device)
         weighted = has_trainable_params(node)
         bwd_bytes = 2 * nbytes
         if node.kind in _GATHER_KINDS:  # the dense gradient of the table is zeroed and written
             bwd_bytes += sum(box_numel(r) * DTYPE_BYTES[w.spec.dtype]
                              for w in node.weights if (r := weight_regions.get(w.role)) is not None)
         bwd = self.roofline(2 * flops if weighted else flops, bwd_bytes, dtype, device,
-                            kernels=(2 if weighted else 1) * kernels)
+                            kernels=2 if weighted else 1)
         return fwd, bwd
 
 

@@ -81,11 +81,6 @@ class OpRule:
         """The sums across partitions this grid needs (none for most ops)."""
         return ()
 
-    def kernels(self, node: OpNode) -> int:
-        """Eager calls one forward of a partition makes on a CPU: 1 for most ops; a recurrent
-        op runs its cell once per step (the analytical cost model charges each a launch)."""
-        return 1
-
     # --- compute --------------------------------------------------------------------------
     def forward(self, node: OpNode, box: Box, inputs: Sequence[torch.Tensor | None],
                 weights: Mapping[str, torch.Tensor], reduce: Reduce = no_reduce) -> torch.Tensor:

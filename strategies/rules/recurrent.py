@@ -25,10 +25,6 @@ def _meta_module(kind: str, config: tuple) -> nn.Module:
         return _MODULES[kind](**dict(config), dropout=0.0)
 
 
-_CELL_KERNELS = {"lstm": 11, "gru": 12, "rnn": 3}
-"""Eager calls per step of each cell (``Recurrent.kernels``)."""
-
-
 def _batch_dim(node: OpNode) -> int | None:
     if len(node.shape) != 3:
         return None  # an unbatched sequence [T, F]
@@ -52,17 +48,6 @@ class Recurrent(OpRule):
     def splittable(self, node: OpNode) -> tuple[bool, ...]:
         b = _batch_dim(node)
         return tuple(i == b for i in range(len(node.shape)))
-
-    def kernels(self, node: OpNode) -> int:
-        """T steps × layers × the cell's calls: PyTorch's CPU cells run the hidden projection
-        and each gate's pointwise op eagerly per step (LSTM: matmul, add, 3 sigmoid, 2 tanh, 3
-        mul, add = 11; GRU: 2 matmuls, 2 add, 2 sigmoid, tanh, 3 mul, sub, add = 12; RNN:
-        matmul, add, nonlinearity = 3), the input projection once per layer (+1), each
-        direction of a bidirectional op."""
-        b = _batch_dim(node)
-        steps = node.shape[1 if b == 0 else 0]
-        directions = 2 if node.attrs.get("bidirectional") else 1
-        return node.attrs.get("num_layers", 1) * directions * (steps * _CELL_KERNELS[node.kind] + 1)
 
     def input_regions(self, node: OpNode, box: Box) -> tuple[Box, ...]:
         return (box[:-1] + ((0, node.input_specs[0].shape[-1]),),)

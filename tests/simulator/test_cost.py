@@ -111,30 +111,6 @@ def test_backward_twice_forward_for_a_weighted_op_and_unweighted_memory_bound():
     assert bwd - GPU_LAUNCH_OVERHEAD == pytest.approx(2 * (fwd - GPU_LAUNCH_OVERHEAD), rel=1e-12)
 
 
-def test_a_recurrent_op_launches_its_cell_every_step():
-    # an LSTM of 12 steps: 12 · 11 + 1 = 133 eager calls forward, 266 backward (it has weights)
-    lstm = nn.LSTM(8, 16, batch_first=True)
-    node = next(n for n in trace(_Seq(lstm), (torch.randn(4, 12, 8),)) if n.kind == "lstm")
-    model = AnalyticalCostModel(launch_overhead=0.0)
-    lean = model.op_time(node, full_box(node.shape), CPU)
-    fwd, bwd = AnalyticalCostModel(launch_overhead=1e-5).op_time(node, full_box(node.shape), CPU)
-    assert get_rule("lstm").kernels(node) == 133
-    assert (fwd - lean[0], bwd - lean[1]) == pytest.approx((133e-5, 266e-5), rel=1e-9)
-    # on a GPU cuDNN runs the layer as one call
-    gpu = AnalyticalCostModel(launch_overhead=1e-5).op_time(node, full_box(node.shape), GPU)
-    gpu_lean = model.op_time(node, full_box(node.shape), GPU)
-    assert (gpu[0] - gpu_lean[0], gpu[1] - gpu_lean[1]) == pytest.approx((1e-5, 2e-5), rel=1e-9)
-
-
-class _Seq(nn.Module):
-    def __init__(self, rnn):
-        super().__init__()
-        self.rnn = rnn
-
-    def forward(self, x):
-        return self.rnn(x)[0]
-
-
 def test_leaf_and_view_ops_cost_nothing(graphs):
     graph = graphs("mlp")
     model = AnalyticalCostModel()
