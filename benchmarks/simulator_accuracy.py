@@ -10,10 +10,11 @@ split (every linear cut on out_features) and a plan searched with 200 proposals 
 calibrated topology; runs each for real (median of --steps after 2 warm-up steps; a model's
 plans take turns step by step) and simulates it. ``--cost-model profiled`` first times every
 baseline partition of each model into ``calN.profile.json`` with the threads one rank has
-(``calibrate.warm_profile``), and the searched plan's others as the search meets them, at that
-thread count. Prints a table, the median and max |relative error| and Spearman's rank
-correlation. With --out the topologies, their fit reports, the profiles, the plans and
-``results.json`` (every row) stay in DIR. Asserts nothing.
+(``calibrate.warm_profile``); any other partition (the searched plan's, the 2-micro-batch
+pipelines', the parameter split's) is timed when first simulated, at that thread count.
+Prints a table, the median and max |relative error| and Spearman's rank correlation. With
+--out the topologies, their fit reports, the profiles, the plans and ``results.json`` (every
+row) stay in DIR. Asserts nothing.
 """
 
 from __future__ import annotations
@@ -115,8 +116,8 @@ def main() -> int:
     p.add_argument("--nproc", type=int, action="append", help="process counts (default 2)")
     p.add_argument("--models", default="mlp,gpt,rnntc")
     p.add_argument("--variant", default="small", choices=("small", "tiny"),
-                   help="zoo variant of the models (small: steps of 10-200 ms, where compute rather than "
-                        "the host's jitter of a few ms per sync dominates)")
+                   help="zoo variant of the models (small: 15-110 ms a step on one core, where compute "
+                        "rather than the host's jitter of a few ms per sync dominates)")
     p.add_argument("--topology", default=None, help="a calibrated topology JSON (one --nproc only)")
     p.add_argument("--cost-model", choices=("analytical", "profiled"), default="analytical")
     p.add_argument("--steps", type=int, default=7)

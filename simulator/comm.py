@@ -47,9 +47,10 @@ def allreduce_time(topology: Topology, devices: Sequence[int], nbytes: float) ->
     "Bandwidth optimal all-reduce algorithms for clusters of workstations"):
     ``2(n-1)/n * nbytes / B + 2(n-1) * alpha`` — n-1 reduce-scatter then n-1 all-gather steps,
     each moving nbytes/n — with B the slowest ring bandwidth (``Link.collective_bandwidth``, else
-    its bandwidth) and alpha the largest latency among the routes between ring neighbours (the given order, closing back to the first device).
-    0 for n <= 1 or nbytes == 0. The order is the caller's: listing a node's devices together
-    crosses fewer NICs (see ring_links), though the formula only sees the worst neighbour pair."""
+    its bandwidth) and alpha the largest latency among the routes between ring neighbours (the
+    given order, closing back to the first device). 0 for n <= 1 or nbytes == 0. The order is
+    the caller's: listing a node's devices together crosses fewer NICs (see ring_links), though
+    the formula only sees the worst neighbour pair."""
     ring = _collective("all-reduce", topology, devices, nbytes)
     if ring is None:
         return 0.0

@@ -28,8 +28,10 @@ _COMPUTE = (FORWARD, BACKWARD, UPDATE)
 
 
 def contended(topology: Topology) -> bool:
-    """Whether any device of ``topology`` slows when its node's devices compute at once."""
-    return any(d.contention != 1.0 for d in topology.devices)
+    """Whether a device of ``topology`` slows when its node's devices compute at once (a node
+    of one device has nothing to share)."""
+    return any(len(members) > 1 and any(topology.devices[d].contention != 1.0 for d in members)
+               for members in topology.nodes)
 
 
 def slowed_durations(tg: TaskGraph, topology: Topology, base: np.ndarray, start: np.ndarray,
@@ -51,7 +53,7 @@ def slowed_durations(tg: TaskGraph, topology: Topology, base: np.ndarray, start:
         s, e = start[idx], end[idx]
         times = np.concatenate([s, e])
         steps = np.concatenate([np.ones(len(idx)), -np.ones(len(idx))])
-        order = np.lexsort((steps, times))  # at one instant ends before starts: touching is not overlapping
+        order = np.argsort(times, kind="stable")  # ties add no area: their order does not matter
         t, level = times[order], np.cumsum(steps[order])
         area = np.concatenate([[0.0], np.cumsum(np.diff(t) * level[:-1])])  # ∫ k dt up to each event
 

@@ -3,6 +3,7 @@ seconds, FLOP/s, bytes/s)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Mapping
@@ -61,8 +62,8 @@ class DeviceSpec:
         for name in OVERHEAD_FIELDS:
             if not getattr(self, name) >= 0:
                 raise ValueError(f"device {self.kind!r}: {name} = {getattr(self, name)!r}: must be >= 0")
-        if not self.contention >= 1:
-            raise ValueError(f"device {self.kind!r}: contention = {self.contention!r}: must be >= 1 "
+        if not (math.isfinite(self.contention) and self.contention >= 1):
+            raise ValueError(f"device {self.kind!r}: contention = {self.contention!r}: must be finite and >= 1 "
                              "(the slowdown when its node's devices compute at once)")
         if not self.peak_flops or min(self.peak_flops.values()) <= 0:
             raise ValueError(f"device {self.kind!r}: peak_flops {dict(self.peak_flops)} needs at "
@@ -100,9 +101,10 @@ class Link:
         if self.latency < 0 or self.bandwidth <= 0:
             raise ValueError(f"link {self.name!r}: latency {self.latency} must be >= 0 and "
                              f"bandwidth {self.bandwidth} > 0")
-        if self.collective_bandwidth is not None and not self.collective_bandwidth > 0:
-            raise ValueError(f"link {self.name!r}: collective_bandwidth {self.collective_bandwidth} must be > 0 "
-                             "(or None: the link's bandwidth)")
+        if self.collective_bandwidth is not None and not (
+                math.isfinite(self.collective_bandwidth) and self.collective_bandwidth > 0):
+            raise ValueError(f"link {self.name!r}: collective_bandwidth {self.collective_bandwidth} must be finite "
+                             "and > 0 (or None: the link's bandwidth)")
 
     @property
     def ring_bandwidth(self) -> float:

@@ -37,6 +37,9 @@ def event_times(tg: TaskGraph, native: bool = True,
                 duration: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """``run_events``' times as float64 arrays (a search reads the makespan only, no per-task
     floats); ``duration``: every task's seconds in place of the graph's (``simulator.contention``)."""
+    if duration is not None and len(duration) != len(tg):
+        raise ValueError(f"event_times: duration has {len(duration)} entries, the graph {len(tg)} tasks: "
+                         "one per task")
     lib = library() if native else None
     if lib is not None and len(tg):
         result = _run_native(lib, tg, duration)

@@ -1,7 +1,8 @@
 """The end of a training step as the executor runs it (``runtime.Executor.step``), after each
 device's last backward step: the loss sums it waits on, the gradient sync (one all-reduce per
-device set holding replicated trainable shards, DDP-style buckets), the loss value's all-reduce
-when not every device knows it, and the optimizer update. Every collective is followed, on each
+device set holding replicated trainable shards, DDP-style buckets, each packed into one tensor
+and copied back), the loss value's all-reduce when not every device knows it (overlapping the
+update), and the optimizer update. Every collective is followed, on each
 member device, by that device's ``collective_overhead`` of host work (``member_ends``)."""
 
 from __future__ import annotations

@@ -62,6 +62,7 @@ class Topology:
     _route: tuple[tuple[int, ...], ...] = field(init=False, compare=False)
     _lat: tuple[float, ...] = field(init=False, compare=False)
     _bw: tuple[float, ...] = field(init=False, compare=False)
+    _ring_bw: tuple[float, ...] = field(init=False, compare=False)
     _nodes: tuple[tuple[int, ...], ...] = field(init=False, compare=False)
     _hash: int = field(init=False, compare=False)
 
@@ -177,7 +178,8 @@ class Topology:
                          **{k: getattr(d, k) for k in OVERHEAD_FIELDS if getattr(d, k)},
                          **({"contention": d.contention} if d.contention != 1.0 else {})} for d in self.devices],
             "links": [{"name": k.name, "kind": k.kind, "latency": k.latency, "bandwidth": k.bandwidth,
-                       **({"collective_bandwidth": k.collective_bandwidth} if k.collective_bandwidth is not None else {})}
+                       **({"collective_bandwidth": k.collective_bandwidth}
+                          if k.collective_bandwidth is not None else {})}
                       for k in self.links],
             "routes": [{"src": s, "dst": d, "links": list(r)} for (s, d), r in sorted(self.routes.items())],
         }

@@ -1,14 +1,14 @@
 """Model zoo: the FlexFlow benchmark DNNs (plus an MLP and a GPT) as plain PyTorch.
 
 Every model's ``forward(inputs, targets)`` returns the scalar mean cross-entropy loss and is
-traceable by ``torch.fx.symbolic_trace``.  Two variants exist per model:
+traceable by ``torch.fx.symbolic_trace``.  Three variants exist per model:
 
 * ``"default"`` -- the scale used in the FlexFlow paper (Jia, Zaharia, Aiken, "Beyond Data and
   Model Parallelism for Deep Neural Networks", SysML 2019, Section 8 / Table 3).  The paper names
   the networks, datasets and layer counts; the sizes it does not spell out are taken from the
   FlexFlow reference code (github.com/flexflow/FlexFlow: ``nmt/nmt.cc``, ``README`` and
   ``examples/cpp/MLP_Unify/mlp.cc``) or the canonical architecture, as noted next to each entry.
-* ``"small"`` -- a model of 0.4-2.4M parameters whose training step (batch 16) takes 15-110
+* ``"small"`` -- a model of 0.36-2.4M parameters whose training step (batch 16) takes 15-110
   ms on one CPU core: big enough that compute, not per-call framework overhead, dominates a
   step (``benchmarks/simulator_accuracy.py --variant small``), small enough for a laptop.
 * ``"tiny"`` -- a KB-sized model with small inputs for fast tests.

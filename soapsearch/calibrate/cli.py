@@ -5,14 +5,23 @@ from __future__ import annotations
 import argparse
 import json
 
+from soapsearch.zoo import VARIANTS
+
 __all__ = ["add_calibrate_parsers"]
 
 
 def _calibrate(args: argparse.Namespace) -> int:
+    from soapsearch import zoo
     from soapsearch.calibrate.measure import calibrate, report_path
 
-    topo = calibrate(args.nproc, args.backend, model=args.model, out=args.output, variant=args.variant,
-                     overhead_rounds=args.overhead_rounds)
+    if args.model is not None and args.model in zoo.names():
+        zoo.config(args.model, args.variant)  # a bad variant fails now, not after minutes of measuring
+    try:
+        topo = calibrate(args.nproc, args.backend, model=args.model, out=args.output, variant=args.variant,
+                         overhead_rounds=args.overhead_rounds)
+    except (ValueError, RuntimeError) as e:
+        print(f"soapsearch calibrate: {e}")
+        return 2
     report = json.loads(report_path(args.output).read_text())
     print(topo.describe())
     print(f"alpha {report['alpha'] * 1e6:.1f} µs, bandwidth {report['bandwidth'] / 1e9:.3g} GB/s "
@@ -53,9 +62,10 @@ def add_calibrate_parsers(subparsers) -> None:
     (args -> exit status)."""
     p = subparsers.add_parser("calibrate", help="measure this machine's processes into a topology JSON")
     p.add_argument("--nproc", type=int, required=True, help="processes (devices) to calibrate")
-    p.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
+    p.add_argument("--backend", choices=("gloo",), default="gloo",
+                   help="gloo: CPU processes (the only backend calibrated here)")
     p.add_argument("--model", default=None, help="also warm the profiled cost model's cache for this model")
-    p.add_argument("--variant", default="tiny", help="zoo variant of --model")
+    p.add_argument("--variant", default="tiny", choices=VARIANTS, help="zoo variant of --model")
     p.add_argument("-o", "--output", required=True, help="topology JSON to write (report beside it)")
     p.add_argument("--overhead-rounds", type=int, default=5,
                    help="rounds of the executor-overhead probe (0: skip, overheads 0)")
@@ -63,7 +73,7 @@ def add_calibrate_parsers(subparsers) -> None:
     c = subparsers.add_parser("compare", help="run a plan for real and compare with the simulator")
     c.add_argument("plan", help="strategy JSON")
     c.add_argument("--model", required=True)
-    c.add_argument("--variant", default="tiny")
+    c.add_argument("--variant", default="tiny", choices=VARIANTS)
     c.add_argument("--topology", required=True, help="preset name or topology JSON (soapsearch calibrate)")
     c.add_argument("--cost-model", choices=("analytical", "profiled"), default="analytical")
     c.add_argument("--steps", type=int, default=5, help="measured steps (median)")

@@ -75,7 +75,8 @@ class OverheadFit(NamedTuple):
     """Seconds per one-way point-to-point piece received, beyond the link's one-way time, as the
     simulator charges it (a task on the receiving device after the transfer)."""
     task_per_round: list[float]
-    """Per round: (d(data-parallel step)/dK - kernel) / UNIT_OVERHEADS."""
+    """Per round: the data-parallel chain's task overhead (with a simulator: ``_fit_pieces`` on
+    the slope in K; without: (d(step)/dK - kernel) / UNIT_OVERHEADS)."""
     message_per_round: list[float]
     """Per round: the pipeline chain's message overhead (``_fit_pieces``)."""
     collective_overhead: float
@@ -136,10 +137,12 @@ def fit_overheads(raw: Mapping[str, Any], kernel: float, simulate: ProbeSimulato
     update traffic and its share of the gradient bucket's ring all-reduce;
     ``overhead.unit_kernel_seconds``) plus ``UNIT_OVERHEADS`` = 4 + 2 task overheads (4 tasks,
     2 tensors updated): step(K) = c + K·(kernel + 6·task_overhead), so task_overhead =
-    (median over rounds of the least-squares slope in K - kernel) / 6. With ``simulate`` it is
-    instead the figure at which the simulated slope is the measured one (``_fit_pieces``): the
-    same where devices do not slow each other, and right where they do (``contention``: the
-    simulator slows the task overheads of devices computing at once with their kernels).
+    (median over rounds of the least-squares slope in K - kernel) / 6: the closed form, used
+    without ``simulate`` (one process; ``kernel`` is read only then). With ``simulate`` it is
+    the figure at which the simulated slope equals the measured one's trimmed mean over rounds
+    (``_fit_pieces``): the closed form's arithmetic where devices do not slow each other, and
+    right where they do (``contention``: the simulator slows the task overheads of devices
+    computing at once with their kernels).
 
     With ``simulate`` (N >= 2) the others invert the simulator on the probe, each in turn with
     the figures before it, so that each is charged where the simulator charges it:
@@ -165,10 +168,9 @@ def fit_overheads(raw: Mapping[str, Any], kernel: float, simulate: ProbeSimulato
         raise ValueError(f"fit_overheads: kernel = {kernel!r}: must be a finite number >= 0")
     task_sizes = list(raw["task_sizes"])
     _check_sizes("task_sizes", task_sizes, rounds, ["data_parallel"])
-    task = [(_slope(task_sizes, r["data_parallel"]) - kernel) / UNIT_OVERHEADS for r in rounds]
-    task_overhead = max(0.0, statistics.median(task))
     if simulate is None:
-        return OverheadFit(task_overhead, 0.0, task, [], 0.0, [], 0.0, 0.0, 0.0, [], 0.0)
+        task = [(_slope(task_sizes, r["data_parallel"]) - kernel) / UNIT_OVERHEADS for r in rounds]
+        return OverheadFit(max(0.0, statistics.median(task)), 0.0, task, [], 0.0, [], 0.0, 0.0, 0.0, [], 0.0)
     # the simulator slows each task by the devices computing with it (DeviceSpec.contention):
     # the figure at which its slope in K is the measured one, as for the pieces below
     task_overhead, task, _ = _fit_pieces(simulate, "data_parallel", "task_overhead", {}, task_sizes, rounds)

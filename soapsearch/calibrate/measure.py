@@ -30,6 +30,7 @@ import math
 import os
 import statistics
 import time
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -114,7 +115,9 @@ class Calibration:
     def contention(self) -> float:
         """How much slower a process computes with all running at once than alone: the
         geometric mean of the slowest processes' FLOP/s and copy-bandwidth ratios, solo /
-        together (>= 1; ``DeviceSpec.contention``)."""
+        together (>= 1; ``DeviceSpec.contention``); 1 for one process (nothing to share)."""
+        if self.nproc == 1:
+            return 1.0
         ratio = math.sqrt(min(self.solo_flops) / min(self.flops)
                           * min(self.solo_memory_bandwidth) / min(self.memory_bandwidth))
         return max(1.0, ratio)
@@ -215,7 +218,9 @@ def _worker(rank: int, world: int, sizes: Sequence[int], repeats: int, warmup: i
     flops = lambda: 2 * MATMUL_N ** 3 / _per_call_time(lambda: torch.mm(a, b), max(repeats, 5), warmup)  # noqa: E731
     copy = lambda: 2 * COPY_BYTES / _per_call_time(lambda: dst.copy_(src), max(repeats, 5), warmup)  # noqa: E731
     dist.barrier()  # from here all processes compute at once
-    out["flops"], out["memory_bandwidth"] = flops(), copy()
+    out["flops"] = flops()
+    dist.barrier()
+    out["memory_bandwidth"] = copy()
     out["op_overhead"] = _median_time(lambda: torch.add(x, y), 200, 20)
     for r in range(world):  # then each alone, the others waiting
         dist.barrier()
@@ -248,8 +253,13 @@ def measure(nproc: int, backend: str = "gloo", sizes: Sequence[int] = DEFAULT_SI
         alpha, bandwidth, r2 = 20e-6, 2e9, float("nan")
     allreduce = [[s, t, ring_allreduce_seconds(nproc, s, alpha, bandwidth)] for s, t in results[0]["allreduce"]]
     ratios = [t / f for _, t, f in allreduce if f > 0]
-    ring, ring_r2 = (fit_collective_bandwidth(nproc, [s for s, _, _ in allreduce], [t for _, t, _ in allreduce])
-                     if nproc > 1 and len(allreduce) > 1 else (None, float("nan")))
+    ring, ring_r2 = None, float("nan")
+    if nproc > 1 and len(allreduce) > 1:
+        try:
+            ring, ring_r2 = fit_collective_bandwidth(nproc, [s for s, _, _ in allreduce], [t for _, t, _ in allreduce])
+        except ValueError as e:  # e.g. times that do not grow with the size on a loaded machine
+            warnings.warn(f"calibrate: no ring bandwidth fitted ({e}); ring collectives use the link bandwidth",
+                          RuntimeWarning, stacklevel=2)
     cal = Calibration(
         nproc, threads, cores, device_kind(nproc, threads, cores), alpha, bandwidth, r2,
         statistics.median(ratios) if ratios else float("nan"), ring, ring_r2,

@@ -123,7 +123,7 @@ def unit_kernel_seconds(topology: Topology, cost: CostModel, optimizer: str = "s
     ``topology``'s device 0 beyond task overheads (what ``fit.fit_overheads`` takes off the
     measured slope in K): forward + backward of its 2 partitions (``cost``), the update and
     bucket copy traffic of its trainable bytes u (``(UPDATE_TRAFFIC + 2·COPY_TRAFFIC) · u /
-    memory_bandwidth``: the update, the bucket packed and copied back) and its share of the
+    memory_bandwidth``: the update, the bucket packed and copied back, with N > 1) and its share of the
     gradient bucket's ring all-reduce (``allreduce_time(2u) - allreduce_time(u)`` = 2(n-1)/n ·
     u / B: the latency terms cancel)."""
     nproc, device = topology.num_devices, topology.devices[0]
@@ -134,7 +134,8 @@ def unit_kernel_seconds(topology: Topology, cost: CostModel, optimizer: str = "s
     u = sum(s.nbytes for s in low.weight_shards if s.trainable and 0 in s.devices)
     everyone = tuple(range(nproc))
     bucket = allreduce_time(topology, everyone, 2 * u) - allreduce_time(topology, everyone, u)
-    return kernels + (UPDATE_TRAFFIC[optimizer] + 2 * COPY_TRAFFIC) * u / device.memory_bandwidth + bucket
+    copies = 2 * COPY_TRAFFIC if nproc > 1 else 0  # one process holds no bucket to pack
+    return kernels + (UPDATE_TRAFFIC[optimizer] + copies) * u / device.memory_bandwidth + bucket
 
 
 def probe_simulator(make_topology: Callable[[Mapping[str, float]], Topology], cost: CostModel,

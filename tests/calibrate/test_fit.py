@@ -63,6 +63,23 @@ def test_collective_bandwidth_is_fitted_from_the_all_reduce_and_reaches_the_ring
         fit_collective_bandwidth(1, SIZES, times)
 
 
+def test_contention_is_the_slowest_processes_solo_over_together_ratio():
+    from soapsearch.calibrate.measure import Calibration
+
+    def cal(nproc, flops, solo_flops, bw, solo_bw):
+        return Calibration(nproc, 1, 2, "cpu", 2e-4, 2e9, 1.0, 1.0, 1e9, 1.0, flops, bw, solo_flops, solo_bw, 3e-6)
+    # slowest together 30 GFLOP/s, alone 75: 2.5x; copy 6 against 15 GB/s: 2.5x; geometric mean 2.5
+    four = cal(4, [30e9, 40e9, 35e9, 33e9], [75e9, 80e9, 78e9, 76e9], [6e9, 7e9, 6.5e9, 8e9], [15e9, 16e9, 15e9, 16e9])
+    assert four.contention == pytest.approx(2.5)
+    assert cal(2, [60e9, 70e9], [72e9, 70e9], [10e9, 10e9], [12e9, 13e9]).contention == pytest.approx(
+        math.sqrt(70 / 60 * 12 / 10))
+    assert cal(2, [80e9, 80e9], [70e9, 70e9], [10e9, 10e9], [10e9, 10e9]).contention == 1.0  # never below 1
+    assert cal(1, [50e9], [60e9], [10e9], [12e9]).contention == 1.0  # one process shares nothing
+    topo = four.topology()
+    assert topo.devices[0].contention == pytest.approx(2.5) and topo.devices[0].peak_flops["float32"] == 75e9
+    assert topo.devices[0].memory_bandwidth == 15e9 and topo.links[0].collective_bandwidth == 1e9
+
+
 def test_device_kind_says_when_cores_are_shared():
     assert device_kind(2, 1, cores=2) == "cpu"
     assert device_kind(4, 1, cores=2) == "cpu-shared-4on2"

@@ -32,10 +32,8 @@ def test_calibrate_two_processes_gives_positive_finite_figures(tmp_path):
     assert len(report["flops"]) == 2 and all(1e8 < f < 1e13 for f in report["flops"] + report["solo_flops"])
     assert all(1e8 < b < 1e12 for b in report["memory_bandwidth"] + report["solo_memory_bandwidth"])
     # the devices compute at the slowest solo speed, slowed by the measured ratio when all compute
-    assert report["contention"] == pytest.approx(max(1.0, math.sqrt(
-        min(report["solo_flops"]) / min(report["flops"])
-        * min(report["solo_memory_bandwidth"]) / min(report["memory_bandwidth"]))))
-    assert all(d.contention == report["contention"] for d in topo.devices)
+    # (its arithmetic: test_fit.test_contention_is_the_slowest_processes_solo_over_together_ratio)
+    assert report["contention"] >= 1.0 and all(d.contention == report["contention"] for d in topo.devices)
     assert Topology.load(out) == topo
     dev = topo.devices[0]
     assert dev.peak_flops["float32"] == min(report["solo_flops"]) and dev.kind == report["kind"]

@@ -116,6 +116,7 @@ def test_ring_collectives_take_the_links_collective_bandwidth(line):
     assert allreduce_time(slow, (1, 2), 10 * MB) == allreduce_time(line, (1, 2), 10 * MB)      # b: no figure
     # ring 0 -> 1 -> 2 -> 0: the slowest ring bandwidth is still b's 4 GB/s (and a's, now)
     assert allreduce_time(slow, (0, 1, 2), 12 * MB) == pytest.approx(4.016e-3)
-    assert slow.route_ring_bandwidth(0, 2) == 4e9 and slow.route_bandwidth(0, 1) == 10e9
-    with pytest.raises(ValueError, match=r"link 'a:0->1': collective_bandwidth 0.0 must be > 0"):
+    assert slow.route_ring_bandwidth(1, 0) == 4e9 and slow.route_bandwidth(1, 0) == 10e9
+    assert slow.route_ring_bandwidth(2, 0) == 4e9 and slow.route_bandwidth(2, 0) == 5e9  # a's ring figure binds
+    with pytest.raises(ValueError, match=r"link 'a:0->1': collective_bandwidth 0.0 must be finite and > 0"):
         dataclasses.replace(line.links[0], collective_bandwidth=0.0)

@@ -89,6 +89,15 @@ def test_data_parallel_slows_more_than_model_parallel(graphs):
     assert max(r.busy_time) > max(simulate_plan(g, baseline("data_parallel", g, 2), plain).busy_time)
 
 
+def test_a_node_of_one_device_has_nothing_to_share():
+    from simulator.contention import contended
+
+    assert not contended(node_of(2, 1.0))
+    one = get_topology("p100-4x1")  # 4 nodes of one device each
+    alone = dataclasses.replace(one, devices=tuple(dataclasses.replace(d, contention=1.5) for d in one.devices))
+    assert not contended(alone) and contended(node_of(2, 1.5))
+
+
 def test_contention_round_trips_and_is_checked(tmp_path):
     t = node_of(2, 1.4)
     obj = t.to_json()
@@ -102,6 +111,7 @@ def test_contention_round_trips_and_is_checked(tmp_path):
     obj["devices"][0]["contention"] = 0.9
     with pytest.raises(ValueError, match=r"devices\[0\].contention = 0.9: must be a finite number >= 1"):
         Topology.from_json(obj)
-    with pytest.raises(ValueError, match=r"device 'x': contention = 0.5: must be >= 1"):
-        DeviceSpec("x", 1 << 30, {"float32": 1e12}, 1e11, contention=0.5)
+    for bad in (0.5, float("inf")):
+        with pytest.raises(ValueError, match=rf"device 'x': contention = {bad}: must be finite and >= 1"):
+            DeviceSpec("x", 1 << 30, {"float32": 1e12}, 1e11, contention=bad)
     assert "1.4x slower when its node's devices compute at once" in t.describe()
