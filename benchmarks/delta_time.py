@@ -22,6 +22,7 @@ from simulator.cost import get_cost_model
 from simulator.engine import event_times
 from simulator.memory import peak_memory
 from simulator.presets import get_topology
+from simulator.simulate import paused_gc
 from simulator.tasks import TaskCache, build_tasks
 from soapsearch.search.mcmc import candidate_configs
 from _paper import paper_graph  # benchmarks/_paper.py
@@ -73,8 +74,7 @@ def main() -> None:
         chain_lowering: dict = {}
         chain_tasks = TaskCache(topo, cost)
         gc.collect()
-        gc.disable()  # as simulate_plan does
-        try:
+        with paused_gc():  # as simulate_plan and the search's chains do
             _timed(graph, plan, topo, cost, None, None)  # fills the cost model's memo
             _timed(graph, plan, topo, cost, chain_lowering, chain_tasks)  # the chain's start
             rows: dict[str, list[list[float]]] = {"full": [], "delta": [], "chain": []}
@@ -88,8 +88,6 @@ def main() -> None:
                 rows["full"].append(full_t)
                 rows["delta"].append(delta_t)
                 rows["chain"].append(chain_t)
-        finally:
-            gc.enable()
         tasks = len(build_tasks(lower(graph, plan), topo, cost))
         med = {mode: [statistics.median(r[i] for r in rs) * 1e3 for i in range(len(PHASES))]
                for mode, rs in rows.items()}

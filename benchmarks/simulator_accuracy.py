@@ -38,23 +38,9 @@ from soapsearch.calibrate import calibrate, run_plans, spearman  # noqa: E402
 from soapsearch.calibrate._spawn import threads_per_process  # noqa: E402
 from soapsearch.calibrate.measure import warm_profile  # noqa: E402
 from soapsearch.executor import build_model  # noqa: E402
-from strategies import ParallelConfig, Strategy, baseline, save_strategy  # noqa: E402
+from strategies import Strategy, baseline, save_strategy  # noqa: E402
+from strategies.baselines import param_split  # noqa: E402
 from strategies.lowering import lower  # noqa: E402
-from strategies.rules import get_rule  # noqa: E402
-
-
-def param_split(graph, n: int) -> Strategy:
-    """Every linear cut n ways on its last (parameter) dim, every other op whole on device 0."""
-    configs = {}
-    for node in graph:
-        dim, degrees = len(node.dims) - 1, None
-        if node.kind == "linear" and get_rule(node.kind).splittable(node)[dim] and node.shape[dim] % n == 0:
-            degrees = tuple(n if i == dim else 1 for i in range(len(node.dims)))
-            if get_rule(node.kind).check_degrees(node, degrees):
-                degrees = None
-        configs[node.name] = (ParallelConfig(degrees, tuple(range(n))) if degrees
-                              else ParallelConfig((1,) * len(node.dims), (0,)))
-    return Strategy.of(configs, n)
 
 
 def plan_makers(graph, n: int) -> dict[str, Callable[[], Strategy]]:

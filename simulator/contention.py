@@ -20,7 +20,7 @@ from simulator.engine import event_times
 from simulator.taskgraph import BACKWARD, FORWARD, UPDATE, TaskGraph
 from simulator.topology import Topology
 
-__all__ = ["PASSES", "contended", "contended_times", "slowed_durations"]
+__all__ = ["PASSES", "contended", "contended_times", "node_tasks", "slowed_durations"]
 
 PASSES = 2
 """Timelines re-run after the first, each with the durations the previous one implies."""
@@ -34,22 +34,30 @@ def contended(topology: Topology) -> bool:
                for members in topology.nodes)
 
 
-def slowed_durations(tg: TaskGraph, topology: Topology, base: np.ndarray, start: np.ndarray,
+def node_tasks(tg: TaskGraph, topology: Topology, base: np.ndarray) -> list[tuple[np.ndarray, int, np.ndarray]]:
+    """Per node of n >= 2 devices, some of contention != 1: (its compute tasks of nonzero
+    ``base`` duration, n, each task's device contention c): what ``slowed_durations`` reads,
+    the same on every pass."""
+    device = np.asarray(tg.device, dtype=np.int64)
+    compute = np.isin(np.asarray(tg.category, dtype=np.int64), _COMPUTE) & (base > 0)
+    c = np.array([d.contention for d in topology.devices])
+    groups = []
+    for members in topology.nodes:
+        if len(members) < 2 or np.all(c[list(members)] == 1.0):
+            continue
+        idx = np.flatnonzero(compute & np.isin(device, members))
+        if len(idx):
+            groups.append((idx, len(members), c[device[idx]]))
+    return groups
+
+
+def slowed_durations(groups: list[tuple[np.ndarray, int, np.ndarray]], base: np.ndarray, start: np.ndarray,
                      end: np.ndarray) -> np.ndarray:
-    """``base`` durations with every compute task of a node of n >= 2 devices scaled by
+    """``base`` durations with every compute task of ``groups`` (``node_tasks``) scaled by
     f(k̄) = 1 + (c - 1)(k̄ - 1)/(n - 1), k̄ = (1 / (e - s)) ∫ₛᵉ k(t) dt over the timeline
     (``start``, ``end``), k(t) the node's compute tasks running at t, c its device's contention."""
     out = base.copy()
-    device = np.asarray(tg.device, dtype=np.int64)
-    compute = np.isin(np.asarray(tg.category, dtype=np.int64), _COMPUTE) & (end > start)
-    c = np.array([d.contention for d in topology.devices])
-    for members in topology.nodes:
-        n = len(members)
-        if n < 2 or np.all(c[list(members)] == 1.0):
-            continue
-        idx = np.flatnonzero(compute & np.isin(device, members))
-        if not len(idx):
-            continue
+    for idx, n, c in groups:
         s, e = start[idx], end[idx]
         times = np.concatenate([s, e])
         steps = np.concatenate([np.ones(len(idx)), -np.ones(len(idx))])
@@ -62,7 +70,7 @@ def slowed_durations(tg: TaskGraph, topology: Topology, base: np.ndarray, start:
             return area[j] + level[j] * (x - t[j])
 
         k = np.clip((integral(e) - integral(s)) / (e - s), 1.0, n)
-        out[idx] = base[idx] * (1.0 + (c[device[idx]] - 1.0) * (k - 1.0) / (n - 1))
+        out[idx] = base[idx] * (1.0 + (c - 1.0) * (k - 1.0) / (n - 1))
     return out
 
 
@@ -73,6 +81,7 @@ def contended_times(tg: TaskGraph, topology: Topology, start: np.ndarray,
     if not contended(topology):
         return start, end
     base = tg.arrays()[0]
+    groups = node_tasks(tg, topology, base)
     for _ in range(PASSES):
-        start, end = event_times(tg, duration=slowed_durations(tg, topology, base, start, end))
+        start, end = event_times(tg, duration=slowed_durations(groups, base, start, end))
     return start, end

@@ -327,14 +327,16 @@ def build_tasks(lowered: Lowered, topology: Topology, cost: CostModel, optimizer
     if strategy.num_devices > topology.num_devices:
         raise ValueError(f"the plan uses {strategy.num_devices} devices but topology "
                          f"{topology.name!r} has {topology.num_devices}")
-    if cache is not None and (cache.topology is not topology or cache.cost is not cost):
+    if cache is None:
+        cache = TaskCache(topology, cost)  # a fresh one builds every block
+    elif cache.topology is not topology or cache.cost is not cost:
         raise ValueError("build_tasks: the TaskCache was made for another topology or cost model")
     traffic = UPDATE_TRAFFIC.get(optimizer)
     if traffic is None:
         raise ValueError(f"optimizer {optimizer!r} is not one of {sorted(UPDATE_TRAFFIC)}")
     tg = TaskGraph(topology.num_devices, len(topology.links))
     blocks = _blocks(lowered, topology, cost, cache)
-    edges, steps, *tasks = cache.join(blocks) if cache is not None else join([b.arrays for b in blocks])
+    edges, steps, *tasks = cache.join(blocks)
     first = tg.place(list(map(operator.attrgetter("segment"), blocks)), tuple(tasks))
     tg.chunks.append((edges[0] + first[edges[1]], edges[2] + first[edges[3]]))
     last = _link_schedule(tg, lowered, steps, first)
@@ -344,12 +346,12 @@ def build_tasks(lowered: Lowered, topology: Topology, cost: CostModel, optimizer
     return tg
 
 
-def _blocks(lowered: Lowered, topology: Topology, cost: CostModel, cache: TaskCache | None) -> list[_Block]:
+def _blocks(lowered: Lowered, topology: Topology, cost: CostModel, cache: TaskCache) -> list[_Block]:
     """Every op's block in graph order: the cache's while the op's pieces are the same object,
     else built (and kept in the cache)."""
     graph = lowered.graph
-    nodes, position, kept, replaced, was = cache.layout(graph) if cache is not None else _layout(graph)
-    wires = cache.wires if cache is not None else {}
+    nodes, position, kept, replaced, was = cache.layout(graph)
+    wires = cache.wires
     pieces = list(map(lowered.pieces.__getitem__, position))  # position: the op names in graph order
     for i in list(itertools.compress(range(len(pieces)), map(operator.is_not, pieces, was))):
         b = replaced[i]

@@ -10,7 +10,7 @@ from strategies.graph import OpGraph, OpNode
 from strategies.rules import get_rule
 from strategies.strategy import Strategy
 
-__all__ = ["BASELINES", "baseline", "data_parallel", "model_parallel", "owt", "pipeline",
+__all__ = ["BASELINES", "baseline", "data_parallel", "model_parallel", "owt", "param_split", "pipeline",
            "balanced_stages"]
 
 _WHOLE = {"input", "parameter", "constant"}
@@ -113,6 +113,18 @@ def owt(graph: OpGraph, num_devices: int) -> Strategy:
         else:
             cfg = _split_one(n, n.sample_dim, num_devices, devices) or _whole(n)
         configs[n.name] = cfg
+    return Strategy.of(configs, num_devices)
+
+
+def param_split(graph: OpGraph, num_devices: int) -> Strategy:
+    """Every linear cut ``num_devices`` ways on its parameter dim (out_features), every other op
+    whole on device 0: tensor parallelism of the linears alone (not one of ``BASELINES``: the
+    simulator-accuracy benchmark and its ranking test measure it as a plan of their own)."""
+    devices = tuple(range(num_devices))
+    configs = {}
+    for n in graph:
+        cut = _split_one(n, len(n.dims) - 1, num_devices, devices) if n.kind == "linear" else None
+        configs[n.name] = cut or _whole(n)
     return Strategy.of(configs, num_devices)
 
 

@@ -282,35 +282,28 @@ def measure(nproc: int, backend: str = "gloo", sizes: Sequence[int] = DEFAULT_SI
     return cal
 
 
-def _simulate_baselines(model: str, variant: str, topology: Topology, cost) -> None:
-    """Simulate every baseline plan of ``model`` on ``topology`` with ``cost`` (a profiled cost
-    model then times each of their partitions once)."""
-    from simulator.simulate import simulate_plan
-    from soapsearch.executor import build_model
-    from strategies import baseline
-    from strategies.baselines import BASELINES
-
-    graph = build_model(model, variant).graph
-    for name in BASELINES:
-        try:
-            plan = baseline(name, graph, topology.num_devices)
-        except ValueError:
-            continue  # e.g. a batch the device count does not divide
-        simulate_plan(graph, plan, topology, cost)
-
-
 def warm_profile(model: str, topology: Topology, cache_path: str | os.PathLike, variant: str = "tiny") -> int:
     """Time every op partition of every baseline plan of ``model`` on ``topology`` into the
     ProfiledCostModel cache at ``cache_path`` (in this process, alone, with the threads one
     process gets: a device's solo speed, which the simulator slows by its ``contention`` while
     its node's other devices compute); returns the number of cached measurements."""
     from simulator.profiled import ProfiledCostModel
+    from simulator.simulate import simulate_plan
+    from soapsearch.executor import build_model
+    from strategies import baseline
+    from strategies.baselines import BASELINES
 
+    graph = build_model(model, variant).graph
     cost = ProfiledCostModel(cache_path=cache_path)
     before = torch.get_num_threads()
     torch.set_num_threads(threads_per_process(topology.num_devices))
     try:
-        _simulate_baselines(model, variant, topology, cost)
+        for name in BASELINES:  # simulating a plan times each of its partitions once
+            try:
+                plan = baseline(name, graph, topology.num_devices)
+            except ValueError:
+                continue  # e.g. a batch the device count does not divide
+            simulate_plan(graph, plan, topology, cost)
     finally:
         torch.set_num_threads(before)
         cost.flush()

@@ -77,6 +77,7 @@ def candidate_configs(graph: OpGraph, num_devices: int, microbatches: int,
     return {n.name: list(enumerate_configs(n, num_devices, microbatches, node_size)) for n in graph}
 
 
+@paused_gc()
 def run_chain(init: Strategy, evaluate: Callable[[Strategy], SimResult],
               candidates: dict[str, list[ParallelConfig]], budget: Budget, rng: random.Random,
               beta: float | None = None, reset_every: int = 500, stats: ChainStats | None = None,
@@ -85,13 +86,6 @@ def run_chain(init: Strategy, evaluate: Callable[[Strategy], SimResult],
     """One chain from ``init``. ``beta`` (per ms) defaults to BETA_C / cost(init) (200: a
     proposal 0.5 % worse than the start is accepted with probability 1/e). Runs with the
     cyclic collector paused (``paused_gc``)."""
-    with paused_gc():
-        return _run_chain(init, evaluate, candidates, budget, rng, beta, reset_every, stats, started,
-                          should_stop, on_step)
-
-
-def _run_chain(init, evaluate, candidates, budget, rng, beta, reset_every, stats, started, should_stop,
-               on_step) -> ChainStats:
     stats = stats or ChainStats()
     started = time.perf_counter() if started is None else started
     t0 = time.perf_counter()

@@ -2,13 +2,11 @@
 
 import pytest
 
-from benchmarks.simulator_accuracy import (
-    param_split,  # the plan the accuracy benchmark measures
-)
 from simulator.simulate import simulate_plan
 from soapsearch.calibrate import calibrate, run_plans
 from soapsearch.executor import build_model
 from strategies import baseline, save_strategy
+from strategies.baselines import param_split
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 

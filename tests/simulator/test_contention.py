@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from simulator.contention import contended_times, slowed_durations
+from simulator.contention import contended_times, node_tasks, slowed_durations
 from simulator.devices import DeviceSpec
 from simulator.engine import event_times
 from simulator.presets import get_topology
@@ -58,7 +58,8 @@ def test_partial_overlap_by_hand_over_the_passes():
     tg.edge(r, b)
     topo = node_of(2, 2.0)
     start, end = event_times(tg)
-    once = slowed_durations(tg, topo, tg.arrays()[0], start, end)
+    base = tg.arrays()[0]
+    once = slowed_durations(node_tasks(tg, topo, base), base, start, end)
     assert once.tolist() == pytest.approx([3 * MS, 1 * MS, 2 * MS], rel=1e-12)
     start, end = run(tg, topo)
     assert end.tolist() == pytest.approx([10 / 3 * MS, 1 * MS, 3 * MS], rel=1e-12)

@@ -6,6 +6,7 @@ import torch.nn as nn
 
 from soapsearch import trace
 from strategies import ParallelConfig, Strategy, baseline, data_parallel, enumerate_configs, owt
+from strategies.errors import PlanError
 from strategies.lowering import WEIGHT_KINDS, lower
 from strategies.region import box_numel, intersect
 from tests.conftest import traced
@@ -225,9 +226,13 @@ def test_a_cached_lowering_patched_plan_by_plan_equals_one_from_scratch(name, mi
     for i in range(60):
         op = rng.choice(ops)
         proposal = current.replace(op, rng.choice(configs[op]))
-        if i == 30:  # a degree that does not divide the dim: raises, and the cache starts over
-            bad = current.replace(op, ParallelConfig((3,) + (1,) * (len(current[op].degrees) - 1), (0, 1, 2)))
-            with pytest.raises(Exception):
+        if i == 30:  # the first op changed, a later one given a degree that does not divide its
+            # dim: the first is patched before the second raises, and the cache starts over
+            order = [node.name for node in graph]
+            first, later = min(ops, key=order.index), max(ops, key=order.index)
+            bad = current.replace(first, next(c for c in configs[first] if c != current[first])).replace(
+                later, ParallelConfig((3,) + (1,) * (len(current[later].degrees) - 1), (0, 1, 2)))
+            with pytest.raises(PlanError, match=rf"op '{later}'.*degree 3 .* does not divide it"):
                 lower(graph, bad, cache)
         got, want = lower(graph, proposal, cache), lower(graph, proposal)
         assert got.weight_shards == want.weight_shards
