@@ -8,7 +8,8 @@ Calibrates ``calibrated-cpu-N`` (unless --topology), then per model (its ``--var
 data parallel, model parallel, OWT, GPipe and 1F1B pipelines (2 micro-batches), a parameter
 split (every linear cut on out_features) and a plan searched with 200 proposals on the
 calibrated topology; runs each for real (median of --steps after 2 warm-up steps; a model's
-plans take turns step by step) and simulates it. ``--cost-model profiled`` first times every
+plans take turns step by step) and simulates it. The calibration fits the executor's overheads
+beyond the same cost model's kernel times. ``--cost-model profiled`` first times every
 baseline partition of each model into ``calN.profile.json`` with the threads one rank has
 (``calibrate.warm_profile``); any other partition (the searched plan's, the 2-micro-batch
 pipelines', the parameter split's) is timed when first simulated, at that thread count.
@@ -114,7 +115,8 @@ def main() -> int:
         d = Path(args.out or tmp)
         d.mkdir(parents=True, exist_ok=True)
         for n in args.nproc or [2]:
-            topo = Topology.load(args.topology) if args.topology else calibrate(n, out=d / f"cal{n}.json")
+            topo = (Topology.load(args.topology) if args.topology  # overheads fitted beyond the same cost model
+                    else calibrate(n, out=d / f"cal{n}.json", cost_model=args.cost_model))
             dev, link = topo.devices[0], topo.links[0] if topo.links else None
             print(f"topology {topo.name}: kind {dev.kind}, {dev.peak_flops['float32'] / 1e9:.1f} GFLOP/s, "
                   f"{dev.memory_bandwidth / 1e9:.1f} GB/s"

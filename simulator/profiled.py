@@ -3,7 +3,10 @@ measurement in a JSON file on disk, so a second model or search reuses it instan
 
 A partition runs exactly as the executor would run it: the op rule's ``forward`` on random
 tensors of the shapes of the regions it reads, under autograd, then its backward; the time is
-the median of ``repeats`` runs after ``warmup`` runs (CUDA: synchronized around each).
+the median of ``repeats`` runs after ``warmup`` runs (CUDA: synchronized around each), less
+what the same harness times of a call that computes nothing (``harness_overhead``: ~6 µs
+forward, ~50 µs backward on this project's CPU, most of a small op's measurement). The
+executor's own per-task costs are calibrated apart (``DeviceSpec.task_overhead``).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import statistics
 import time
 import warnings
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +44,7 @@ __all__ = [
     "WARMUP",
     "ProfiledCostModel",
     "default_cache_path",
+    "harness_overhead",
     "measure_partition",
     "partition_tensors",
 ]
@@ -101,9 +105,31 @@ def measure_partition(node: OpNode, box: Box, *, repeats: int = REPEATS, warmup:
                       device: str = "cpu") -> tuple[float, float]:
     """Median (forward, backward) seconds of the partition ``box`` of ``node`` on ``device``:
     the rule's forward under autograd, then backward of a random output gradient (0 when the
-    output needs no gradient). Raises whatever the rule raises."""
+    output needs no gradient). Raises whatever the rule raises. The harness's own cost per
+    call is in it (``harness_overhead``)."""
     rule = get_rule(node.kind)
     inputs, weights = partition_tensors(node, box, device)
+    return _time_calls(lambda: rule.forward(node, box, inputs, weights, no_reduce),
+                       [*inputs, *weights.values()], repeats, warmup, device)
+
+
+def harness_overhead(*, repeats: int = 4 * REPEATS, warmup: int = WARMUP,
+                     device: str = "cpu") -> tuple[float, float]:
+    """What ``measure_partition`` times of a call that computes nothing (a tanh of one element):
+    the (forward, backward) seconds of dispatch, autograd's bookkeeping and one
+    ``autograd.backward`` call. The executor pays its own such costs per task (runs a
+    device's backward steps in fewer autograd calls), which calibration fits as
+    ``DeviceSpec.task_overhead``; ``ProfiledCostModel`` subtracts this from every measurement
+    so they are not counted twice."""
+    x = torch.zeros(1, device=device, requires_grad=True)
+    return _time_calls(x.tanh, [x], repeats, warmup, device)
+
+
+def _time_calls(forward: Callable[[], torch.Tensor], leaves: Sequence[torch.Tensor | None], repeats: int,
+                warmup: int, device: str) -> tuple[float, float]:
+    """Median (forward, backward) seconds of ``forward()`` under autograd and of the backward
+    of a random gradient of its output (0 when it needs none), after ``warmup`` untimed runs;
+    CUDA synchronized around each. The ``leaves``' gradients are dropped after each run."""
     cuda = torch.device(device).type == "cuda"
 
     def sync() -> None:
@@ -115,7 +141,7 @@ def measure_partition(node: OpNode, box: Box, *, repeats: int = REPEATS, warmup:
         for i in range(warmup + repeats):
             sync()
             t0 = time.perf_counter()
-            out = rule.forward(node, box, inputs, weights, no_reduce)
+            out = forward()
             sync()
             t_fwd, t_bwd = time.perf_counter() - t0, 0.0
             if out.requires_grad:
@@ -125,7 +151,7 @@ def measure_partition(node: OpNode, box: Box, *, repeats: int = REPEATS, warmup:
                 torch.autograd.backward(out, grad)
                 sync()
                 t_bwd = time.perf_counter() - t0
-            for t in (*inputs, *weights.values()):
+            for t in leaves:
                 if t is not None:
                     t.grad = None
             if i >= warmup:
@@ -196,8 +222,9 @@ class _Store:
 
 
 class ProfiledCostModel(CostModel):
-    """Measured op times (see ``measure_partition``), cached on disk at ``cache_path`` (default
-    ``default_cache_path()``) keyed by ``cache_key``. A GPU device kind is measured on the local
+    """Measured op times (see ``measure_partition``) less the harness's own cost per call
+    (``harness_overhead``, measured once per device kind: t = max(0, t_measured − t_harness)),
+    cached on disk at ``cache_path`` (default ``default_cache_path()``) keyed by ``cache_key``. A GPU device kind is measured on the local
     CUDA device (assumed to be of that kind), a CPU kind on the CPU. Leaf ops, opaque ops, ops
     that fail to run and GPU kinds with no CUDA here fall back to ``fallback`` (analytical).
 
@@ -250,17 +277,23 @@ class ProfiledCostModel(CostModel):
         local = self._local_device(device)
         if local is None:
             return self.fallback.op_time(node, box, device)
-        key = cache_key(node, box, device)
-        hit = self._store.entries.get(key)
-        if hit is not None:
-            return hit[0], hit[1]
         try:
-            fwd, bwd = measure_partition(node, box, repeats=self.repeats, warmup=self.warmup,
-                                         device=local)
+            fwd, bwd = self._measured(cache_key(node, box, device), lambda: measure_partition(
+                node, box, repeats=self.repeats, warmup=self.warmup, device=local))
         except Exception as e:  # noqa: BLE001 - any failure to run falls back, with its reason
             log.debug("op %r (kind %r) box %s failed to run (%s: %s); using the %s", node.name,
                       node.kind, box, type(e).__name__, e, type(self.fallback).__name__)
             return self.fallback.op_time(node, box, device)
+        h_fwd, h_bwd = self._measured(f"{device.kind}|torch {torch.__version__}|harness",
+                                      lambda: harness_overhead(warmup=self.warmup, device=local))
+        return max(0.0, fwd - h_fwd), (max(0.0, bwd - h_bwd) if bwd > 0 else 0.0)
+
+    def _measured(self, key: str, measure: Callable[[], tuple[float, float]]) -> tuple[float, float]:
+        """The cached (forward, backward) seconds at ``key``, else ``measure()``'s, cached."""
+        hit = self._store.entries.get(key)
+        if hit is not None:
+            return hit[0], hit[1]
+        fwd, bwd = measure()
         self._store.entries[key] = [fwd, bwd]
         self._store.dirty = True
         if time.monotonic() - self._store.saved_at >= self.save_interval:

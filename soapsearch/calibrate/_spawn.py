@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import os
 import pickle
 import socket
@@ -16,13 +18,25 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["spawn", "threads_per_process"]
+__all__ = ["rank_threads", "spawn", "threads_per_process"]
 
 
 def threads_per_process(nproc: int) -> int:
     """Intra-op threads each of ``nproc`` processes gets, as ``soapsearch run`` sets
     OMP_NUM_THREADS: cores // nproc, at least 1 (so more processes than cores share them)."""
     return max(1, (os.cpu_count() or 1) // nproc)
+
+
+@contextlib.contextmanager
+def rank_threads(nproc: int):
+    """This process runs with the intra-op threads one of ``nproc`` ranks gets (restored after):
+    what a profiled partition is timed with."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads_per_process(nproc))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _free_port() -> int:

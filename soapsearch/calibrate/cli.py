@@ -18,7 +18,7 @@ def _calibrate(args: argparse.Namespace) -> int:
         zoo.config(args.model, args.variant)  # a bad variant fails now, not after minutes of measuring
     try:
         topo = calibrate(args.nproc, args.backend, model=args.model, out=args.output, variant=args.variant,
-                         overhead_rounds=args.overhead_rounds)
+                         overhead_rounds=args.overhead_rounds, cost_model=args.cost_model)
     except (ValueError, RuntimeError) as e:
         print(f"soapsearch calibrate: {e}")
         return 2
@@ -37,7 +37,9 @@ def _calibrate(args: argparse.Namespace) -> int:
     print(f"executor overheads: {report['task_overhead'] * 1e6:.0f} µs per partition task, "
           f"{report['message_overhead'] * 1e6:.0f} µs per received piece (beyond the link), "
           f"{report['exchange_overhead'] * 1e6:.0f} µs per exchanged piece, "
-          f"{report['collective_overhead'] * 1e6:.0f} µs per collective per member (beyond the ring)")
+          f"{report['collective_overhead'] * 1e6:.0f} µs per collective per member (beyond the ring), "
+          f"beyond the {report['cost_model']} cost model's kernel times"
+          + (f" (profile cache {report['profile_cache']})" if report["profile_cache"] else ""))
     print(f"wrote {args.output} and {report_path(args.output)}")
     return 0
 
@@ -69,6 +71,9 @@ def add_calibrate_parsers(subparsers) -> None:
     p.add_argument("-o", "--output", required=True, help="topology JSON to write (report beside it)")
     p.add_argument("--overhead-rounds", type=int, default=5,
                    help="rounds of the executor-overhead probe (0: skip, overheads 0)")
+    p.add_argument("--cost-model", choices=("analytical", "profiled"), default="analytical",
+                   help="fit the executor's overheads beyond this cost model's kernel times (profiled: "
+                        "timed into <output stem>.profile.json; simulate with the same model and cache)")
     p.set_defaults(fn=_calibrate)
     c = subparsers.add_parser("compare", help="run a plan for real and compare with the simulator")
     c.add_argument("plan", help="strategy JSON")

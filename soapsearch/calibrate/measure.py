@@ -39,9 +39,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from simulator.cost import CostModel, get_cost_model
 from simulator.devices import OVERHEAD_FIELDS
 from simulator.topology import Topology
-from soapsearch.calibrate._spawn import spawn, threads_per_process
+from soapsearch.calibrate._spawn import rank_threads, spawn, threads_per_process
 from soapsearch.calibrate.timing import slowest_median, step_times
 from soapsearch.calibrate.fit import (build_topology, device_kind, fit_alpha_beta, fit_collective_bandwidth,
                                      fit_overheads, ring_allreduce_seconds, trimmed_mean)
@@ -106,6 +107,9 @@ class Calibration:
     allreduce: list[list[float]] = field(default_factory=list)
     """[[bytes, measured s, ring formula s], ...]."""
     profile_cache: str | None = None
+    """The ProfiledCostModel cache the overheads were fitted with and warmed for ``model``."""
+    cost_model: str = "analytical"
+    """The cost model the overheads are beyond: simulate the plans with the same one."""
 
     @property
     def shared(self) -> bool:
@@ -231,11 +235,13 @@ def _worker(rank: int, world: int, sizes: Sequence[int], repeats: int, warmup: i
 
 
 def measure(nproc: int, backend: str = "gloo", sizes: Sequence[int] = DEFAULT_SIZES, *,
-            repeats: int = 7, warmup: int = 2, overhead_rounds: int = 5) -> Calibration:
+            repeats: int = 7, warmup: int = 2, overhead_rounds: int = 5,
+            cost: CostModel | None = None) -> Calibration:
     """Start ``nproc`` processes and measure (see the module docstring); fit alpha and B over
     the pooled points of every pair (one shared-memory mesh: one figure for all links), then
     the executor's overheads (``overhead_rounds`` rounds of the probe chains; 0: skip, leaving
-    every overhead 0)."""
+    every overhead 0) beyond what ``cost`` (default analytical) charges the probe's kernels:
+    fit them with the cost model the plans will be simulated with."""
     if nproc < 1:
         raise ValueError(f"calibrate: nproc = {nproc}: must be >= 1")
     if backend != "gloo":
@@ -267,14 +273,13 @@ def measure(nproc: int, backend: str = "gloo", sizes: Sequence[int] = DEFAULT_SI
         [r["solo_flops"] for r in results], [r["solo_memory_bandwidth"] for r in results],
         max(r["op_overhead"] for r in results), p2p=p2p, allreduce=allreduce)
     if overhead_rounds:
-        from simulator.cost import get_cost_model
-
         raw = results[0]["overheads"]  # every figure in it is already reduced over the ranks
-        cost = get_cost_model("analytical")
-        kernel = unit_kernel_seconds(cal.topology(), cost)
-        simulate = (probe_simulator(cal.with_overheads, cost, raw["task_sizes"], raw["piece_sizes"],
-                                    raw["microbatches"]) if nproc > 1 else None)
-        fit = fit_overheads(raw, kernel, simulate)
+        cost = get_cost_model("analytical") if cost is None else cost  # (a profiled one with an empty cache is falsy)
+        with rank_threads(nproc):  # a profiled cost model times the probe's partitions as a rank
+            kernel = unit_kernel_seconds(cal.topology(), cost)
+            simulate = (probe_simulator(cal.with_overheads, cost, raw["task_sizes"], raw["piece_sizes"],
+                                        raw["microbatches"]) if nproc > 1 else None)
+            fit = fit_overheads(raw, kernel, simulate)
         figures = fit._asdict()
         for f in OVERHEAD_FIELDS:
             setattr(cal, f, figures.pop(f))
@@ -295,17 +300,15 @@ def warm_profile(model: str, topology: Topology, cache_path: str | os.PathLike, 
 
     graph = build_model(model, variant).graph
     cost = ProfiledCostModel(cache_path=cache_path)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads_per_process(topology.num_devices))
     try:
-        for name in BASELINES:  # simulating a plan times each of its partitions once
-            try:
-                plan = baseline(name, graph, topology.num_devices)
-            except ValueError:
-                continue  # e.g. a batch the device count does not divide
-            simulate_plan(graph, plan, topology, cost)
+        with rank_threads(topology.num_devices):
+            for name in BASELINES:  # simulating a plan times each of its partitions once
+                try:
+                    plan = baseline(name, graph, topology.num_devices)
+                except ValueError:
+                    continue  # e.g. a batch the device count does not divide
+                simulate_plan(graph, plan, topology, cost)
     finally:
-        torch.set_num_threads(before)
         cost.flush()
     return len(cost)
 
@@ -318,17 +321,31 @@ def report_path(topology_path: str | os.PathLike) -> Path:
 
 def calibrate(nproc: int, backend: str = "gloo", sizes: Sequence[int] = DEFAULT_SIZES,
               model: str | None = None, *, out: str | os.PathLike | None = None,
-              variant: str = "tiny", repeats: int = 7, overhead_rounds: int = 5) -> Topology:
+              variant: str = "tiny", repeats: int = 7, overhead_rounds: int = 5,
+              cost_model: str = "analytical") -> Topology:
     """Measure, build ``calibrated-cpu-N``; with ``out`` save it there and the fit report beside
-    it (``report_path``); with ``model`` also warm the profiled cache (``<out stem>.profile.json``
-    beside it, else the default cache) for that model's baseline plans."""
-    cal = measure(nproc, backend, sizes, repeats=repeats, overhead_rounds=overhead_rounds)
+    it (``report_path``). The executor's overheads are fitted beyond ``cost_model``'s kernel
+    times; "profiled" times the probe's partitions into the profile cache
+    (``<out stem>.profile.json`` beside ``out``, else the default cache), which plans on this
+    topology should then be simulated with. With ``model`` that cache is also warmed for the
+    model's baseline plans."""
+    from simulator.profiled import ProfiledCostModel, default_cache_path
+
+    if cost_model not in ("analytical", "profiled"):
+        raise ValueError(f"calibrate: cost_model {cost_model!r}: choose 'analytical' or 'profiled'")
+    cache = None
+    if cost_model == "profiled" or model is not None:
+        cache = str(Path(out).with_name(f"{Path(out).stem}.profile.json") if out is not None else default_cache_path())
+    cost = ProfiledCostModel(cache_path=cache) if cost_model == "profiled" else get_cost_model("analytical")
+    try:
+        cal = measure(nproc, backend, sizes, repeats=repeats, overhead_rounds=overhead_rounds, cost=cost)
+    finally:
+        if isinstance(cost, ProfiledCostModel):
+            cost.flush()
+    cal.profile_cache, cal.cost_model = cache, cost_model
     topo = cal.topology()
     if model is not None:
-        cache = Path(out).with_name(f"{Path(out).stem}.profile.json") if out is not None else None
-        from simulator.profiled import default_cache_path
-        cal.profile_cache = str(cache or default_cache_path())
-        warm_profile(model, topo, cal.profile_cache, variant)
+        warm_profile(model, topo, cache, variant)
     if out is not None:
         topo.save(out)
         atomic_write_text(report_path(out), json.dumps(cal.to_json(), indent=1) + "\n")

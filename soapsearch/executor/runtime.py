@@ -74,8 +74,11 @@ def _batches_tracked(node) -> str | None:
 class Executor:
     """Runs ``strategy`` on this rank (``dist`` must be initialized; rank = device). ``state``
     is the full model's state_dict (same seed on every rank), ``batch`` the model's positional
-    inputs; each step trains on it. With ``trace``, every step appends one Chrome event per
-    forward and backward step of this rank to ``events`` (the caller clears it)."""
+    inputs; each step trains on it. With ``trace``, every step appends to ``events`` (the
+    caller clears it) one Chrome event per forward and backward step of this rank (category
+    "forward" / "backward"), then the step end's: "gradient sync" (the buckets packed,
+    all-reduced and copied back, the wait included), "update" (the optimizer step) and "loss"
+    (the loss value's sum over ranks: started before the update, waited after it)."""
 
     def __init__(self, graph: OpGraph, strategy: Strategy, state: Mapping[str, torch.Tensor],
                  batch: Sequence[Any], config: TrainConfig = TrainConfig(),
@@ -148,14 +151,25 @@ class Executor:
                         f"({'backward' if backward else 'forward'}): {type(e).__name__}: {e}") from e
                 if events is not None:
                     events.append({"name": r.backward_name if backward else r.forward_name, "ph": "X",
-                                   "pid": rank, "tid": 0, "ts": t0 * 1e6, "dur": (clock() - t0) * 1e6})
+                                   "cat": "backward" if backward else "forward", "pid": rank, "tid": 0,
+                                   "ts": t0 * 1e6, "dur": (clock() - t0) * 1e6})
+            t0 = clock()
             self._divide_grads(riding=False)
             self._sync_grads()
+            t1 = clock()
             loss = self._step_loss()
             self.p2p.flush()
+            t2 = clock()
             if update and self.optimizer is not None:
                 self.optimizer.step()
-            return loss() / self.strategy.microbatches
+            t3 = clock()
+            value = loss() / self.strategy.microbatches
+            if events is not None:
+                events += [{"name": name, "ph": "X", "cat": name, "pid": rank, "tid": 0, "ts": a * 1e6,
+                            "dur": (b - a) * 1e6}
+                           for name, a, b in (("gradient sync", t0, t1), ("loss", t1, t2), ("update", t2, t3),
+                                              ("loss", t3, clock()))]
+            return value
         finally:
             self._clear()
 

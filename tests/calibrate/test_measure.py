@@ -55,6 +55,23 @@ def test_calibrate_two_processes_gives_positive_finite_figures(tmp_path):
     assert 0 < probe["kernel"] < 1e-3  # the roofline of a 4x16 linear and tanh, forward + backward
 
 
+def test_calibrate_fits_the_overheads_beyond_the_cost_model_it_is_given(tmp_path):
+    from simulator.cost import get_cost_model
+    from simulator.profiled import ProfiledCostModel
+    from soapsearch.calibrate.overhead import unit_kernel_seconds
+
+    out = tmp_path / "cal.json"
+    topo = calibrate(1, sizes=(1 << 10,), out=out, repeats=2, overhead_rounds=1, cost_model="profiled")
+    report = json.loads(report_path(out).read_text())
+    assert report["cost_model"] == "profiled" and report["profile_cache"] == str(tmp_path / "cal.profile.json")
+    cached = ProfiledCostModel(cache_path=report["profile_cache"])
+    assert len(cached) > 1  # the probe unit's partitions and the harness, timed while fitting
+    kernel = report["overheads"]["kernel"]
+    assert kernel == unit_kernel_seconds(topo, cached) != unit_kernel_seconds(topo, get_cost_model("analytical"))
+    with pytest.raises(ValueError, match="cost_model 'roofline'"):
+        calibrate(1, out=tmp_path / "x.json", cost_model="roofline")
+
+
 def test_warm_profile_times_every_baseline_partition_once(tmp_path, monkeypatch):
     from simulator import profiled
     from simulator.presets import get_topology
@@ -81,4 +98,7 @@ def test_compare_runs_a_plan_and_writes_both_timelines(tmp_path):
     trace = json.loads((tmp_path / "tr" / "side_by_side.json").read_text())["traceEvents"]
     pids = {e["pid"] for e in trace}
     assert {0, 1, 1000, 1001} <= pids
+    for rank in (0, 1):  # the measured step end, phase by phase
+        cats = [e["cat"] for e in json.loads((tmp_path / "tr" / f"measured.rank{rank}.json").read_text())["traceEvents"]]
+        assert cats[-4:] == ["gradient sync", "loss", "update", "loss"] and {"forward", "backward"} <= set(cats)
     assert simulate_plan(graph, baseline("data_parallel", graph, 2), "local-cpu-2").iteration_ms == pytest.approx(r.predicted_ms)

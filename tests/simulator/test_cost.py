@@ -164,7 +164,7 @@ def test_profiled_measures_linear_and_conv_on_cpu_then_caches(tmp_path, conv_gra
         assert 0 < fwd < 1 and 0 < bwd < 1 and math.isfinite(fwd + bwd)
     model.flush()
     data = json.loads(path.read_text())
-    assert data["format"] == "soapsearch.profile" and len(data["entries"]) == 2
+    assert data["format"] == "soapsearch.profile" and len(data["entries"]) == 3  # + the harness's
     assert all(k.startswith(f"cpu|torch {torch.__version__}|") for k in data["entries"])
 
     def refuse(*a, **k):
@@ -182,9 +182,22 @@ def test_profiled_tolerates_a_corrupt_cache(tmp_path):
         model = ProfiledCostModel(cache_path=path, repeats=1, warmup=0)
     assert len(model) == 0
     node = linear(8, 16, 16)
-    assert model.op_time(node, full_box(node.shape), CPU)[0] > 0
+    assert model.op_time(node, full_box(node.shape), CPU)[0] >= 0
     model.flush()
-    assert len(json.loads(path.read_text())["entries"]) == 1
+    assert len(json.loads(path.read_text())["entries"]) == 2  # the partition and the harness
+
+
+def test_profiled_subtracts_the_harness_once_per_device_kind(tmp_path, monkeypatch):
+    raw = {(8, 16): (50e-6, 120e-6), (8, 32): (5e-6, 30e-6), (8, 64): (40e-6, 0.0)}
+    monkeypatch.setattr(profiled_mod, "measure_partition", lambda node, box, **kw: raw[node.shape])
+    harness = []
+    monkeypatch.setattr(profiled_mod, "harness_overhead", lambda **kw: harness.append(1) or (10e-6, 50e-6))
+    model = ProfiledCostModel(cache_path=tmp_path / "p.json")
+    got = [model.op_time(n, full_box(n.shape), CPU) for n in (linear(8, 16, 16), linear(8, 16, 32), linear(8, 16, 64))]
+    assert got == [(pytest.approx(40e-6), pytest.approx(70e-6)), (0.0, 0.0), (pytest.approx(30e-6), 0.0)]
+    assert len(harness) == 1 and len(model) == 4  # measured once, cached with the raw figures
+    fwd, bwd = profiled_mod.harness_overhead(repeats=3, warmup=1)
+    assert 0 < fwd < 0.01 and 0 < bwd < 0.01
 
 
 def test_profiled_env_cache_dir_and_fallbacks(tmp_path, monkeypatch):
