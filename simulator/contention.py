@@ -74,13 +74,14 @@ def slowed_durations(groups: list[tuple[np.ndarray, int, np.ndarray]], base: np.
     return out
 
 
-def contended_times(tg: TaskGraph, topology: Topology, start: np.ndarray,
-                    end: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The timeline (``start``, ``end``: the event loop's on the base durations) after
-    ``PASSES`` passes of ``slowed_durations``; unchanged where no device has contention."""
+def contended_times(tg: TaskGraph, topology: Topology, start: np.ndarray, end: np.ndarray,
+                    base: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """The timeline (``start``, ``end``: the event loop's on the ``base`` durations, default
+    the graph's) after ``PASSES`` passes of ``slowed_durations``; unchanged where no device
+    has contention."""
     if not contended(topology):
         return start, end
-    base = tg.arrays()[0]
+    base = tg.arrays()[0] if base is None else base
     groups = node_tasks(tg, topology, base)
     for _ in range(PASSES):
         start, end = event_times(tg, duration=slowed_durations(groups, base, start, end))

@@ -6,6 +6,7 @@ import contextlib
 import gc
 
 from simulator.contention import contended_times
+from simulator.stragglers import straggler_durations
 from simulator.cost import CostModel, get_cost_model
 from simulator.engine import event_times
 from simulator.memory import peak_memory
@@ -24,8 +25,9 @@ def simulate_plan(graph: OpGraph, strategy: Strategy | Lowered, topology: Topolo
                   cost_model: CostModel | str = "analytical", *, optimizer: str = "sgd",
                   timeline: bool = False, summary: bool = True, cache: TaskCache | None = None) -> SimResult:
     """Lower ``strategy`` (or take it lowered), build the task graph, run the event simulation
-    (with ``simulator.contention``'s passes on devices that slow when computing together) and
-    measure memory. Same inputs, same result, bit for bit. ``summary=False`` (for scoring
+    (again where ``simulator.stragglers`` scales a step-end collective's overhead by the members
+    arriving together, then ``simulator.contention``'s passes on devices that slow when
+    computing together) and measure memory. Same inputs, same result, bit for bit. ``summary=False`` (for scoring
     many candidates) leaves busy times and bytes moved empty and skips their pass over the
     tasks; iteration time and memory are the same. ``cache`` reuses the task blocks of ops
     whose lowered pieces are unchanged (delta simulation: see ``simulator.tasks``)."""
@@ -34,7 +36,11 @@ def simulate_plan(graph: OpGraph, strategy: Strategy | Lowered, topology: Topolo
     with paused_gc():  # tens of thousands of small tuples: the cyclic collector only adds pauses
         lowered = strategy if isinstance(strategy, Lowered) else lower(graph, strategy)
         tg = build_tasks(lowered, topo, cost, optimizer, cache)
-        start, end = contended_times(tg, topo, *event_times(tg))
+        start, end = event_times(tg)
+        base = straggler_durations(tg, topo, end)
+        if base is not None:
+            start, end = event_times(tg, duration=base)
+        start, end = contended_times(tg, topo, start, end, base)
         peak = peak_memory(lowered, optimizer)
         if not summary:
             return SimResult(float(end.max(initial=0.0)), (), tuple(peak),

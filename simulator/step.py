@@ -3,7 +3,9 @@ device's last backward step: the loss sums it waits on, the gradient sync (one a
 device set holding replicated trainable shards, DDP-style buckets, each packed into one tensor
 and copied back), the loss value's all-reduce when not every device knows it (overlapping the
 update), and the optimizer update. Every collective is followed, on each
-member device, by that device's ``collective_overhead`` of host work (``member_ends``)."""
+member device, by that device's ``collective_overhead`` of host work (``member_ends``); the step
+end's are recorded in ``TaskGraph.syncs``, whose overheads ``simulator.stragglers`` scales by
+how many members arrive together."""
 
 from __future__ import annotations
 
@@ -32,8 +34,9 @@ def member_ends(add: Callable[..., int], edge: Callable[[int, int], None], topol
     a task of the device's ``collective_overhead`` on the device, after the collective, when
     that is set, else the collective itself. So a member's next step (or whatever waits on the
     collective there) starts at ``end(collective) + collective_overhead(d)``: the ring formula
-    times the wire, the overhead the call's host work and the wake-ups of ranks that arrive
-    apart, which the device pays even when the collective itself ran behind its compute.
+    times the wire, the overhead the call's host work and the wait for the member that arrives
+    last by the host's jitter (``simulator.stragglers``), which the device pays even when the
+    collective itself ran behind its compute.
     ``add`` and ``edge``: a task graph's or a block's (the ids they return)."""
     ends = []
     for d in devices:
@@ -81,7 +84,7 @@ def link_step(tg: TaskGraph, lowered: Lowered, topology: Topology,
                        tuple(n + l for l in ring_links(topology, g.devices)), g.devices[0], g.nbytes)
             for f in fwds:
                 tg.edge(f, r)
-            for e, d in zip(member_ends(tg.add, tg.edge, topology, r, g.devices, label, REDUCE), g.devices):
+            for e, d in zip(_synced_ends(tg, topology, r, g.devices, label, REDUCE, fwds), g.devices):
                 (ready if dynamic else later)[d].append(e)
     weight_bytes, tensors = lowered.device_bytes.trainable, lowered.gradient_sync.tensors
     buckets = lowered.gradient_sync.buckets
@@ -94,12 +97,14 @@ def link_step(tg: TaskGraph, lowered: Lowered, topology: Topology,
         ar = tg.add(label, ALLREDUCE, allreduce_time(topology, devs, nbytes), links, devs[0], nbytes)
         for f in fwds:
             tg.edge(f, ar)
+        packs = []
         for d in devs:
             pack = tg.add(f"pack {label} device {d}", ALLREDUCE, _copy_time(topology.devices[d], nbytes), (d,), d)
             for dep in ready[d]:
                 tg.edge(dep, pack)
             tg.edge(pack, ar)
-        for d, e in zip(devs, member_ends(tg.add, tg.edge, topology, ar, devs, label, ALLREDUCE)):
+            packs.append(pack)
+        for d, e in zip(devs, _synced_ends(tg, topology, ar, devs, label, ALLREDUCE, packs + fwds)):
             unpack = tg.add(f"unpack {label} device {d}", ALLREDUCE,
                             _copy_time(topology.devices[d], buckets[devs]), (d,), d)
             tg.edge(e, unpack)
@@ -108,10 +113,10 @@ def link_step(tg: TaskGraph, lowered: Lowered, topology: Topology,
         everyone = tuple(range(lowered.strategy.num_devices))
         rep = tg.add("allreduce loss", ALLREDUCE, allreduce_time(topology, everyone, _LOSS_BYTES),
                      tuple(n + l for l in ring_links(topology, everyone)), 0, _LOSS_BYTES)
-        for d in sorted(synced):
-            for dep in dict.fromkeys(synced[d]):
-                tg.edge(dep, rep)
-        member_ends(tg.add, tg.edge, topology, rep, everyone, "allreduce loss", ALLREDUCE)
+        deps = [dep for d in sorted(synced) for dep in dict.fromkeys(synced[d])]
+        for dep in deps:
+            tg.edge(dep, rep)
+        _synced_ends(tg, topology, rep, everyone, "allreduce loss", ALLREDUCE, deps)
     for d in sorted(last):
         if weight_bytes[d]:
             u = tg.add(f"update {optimizer} device {d}", UPDATE,
@@ -119,6 +124,17 @@ def link_step(tg: TaskGraph, lowered: Lowered, topology: Topology,
                        (d,), d, weight_bytes[d])
             for dep in dict.fromkeys(synced[d]):
                 tg.edge(dep, u)
+
+
+def _synced_ends(tg: TaskGraph, topology: Topology, collective: int, devices: Sequence[int], label: str,
+                 category: int, waits_on: Sequence[int]) -> list[int]:
+    """``member_ends`` of a step-end collective, recorded in ``tg.syncs`` with what it waits on
+    (``simulator.stragglers`` scales its overhead by the members arriving together)."""
+    ends = member_ends(tg.add, tg.edge, topology, collective, devices, label, category)
+    hosts = tuple(e for e in ends if e != collective)
+    if hosts:
+        tg.syncs.append((collective, hosts, tuple(waits_on)))
+    return ends
 
 
 _LOSS_BYTES = 8
