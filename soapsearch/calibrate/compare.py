@@ -7,7 +7,8 @@ turns step by step). Measured busy: the
 executor's events of a device (forward/backward of one partition, which include gathering its
 inputs, and the optimizer update) minus the time its receives waited, averaged over the
 measured steps; the gradient sync and the loss value's sum (waits in them included) are in the
-measured timeline but not in busy.
+measured timeline but not in busy. Both are also split by phase (``PHASES``: forward, backward,
+receives, sync+update), per device, to show where the two timelines part.
 Relative error = (predicted - measured) / measured.
 """
 
@@ -36,6 +37,16 @@ __all__ = ["BUSY", "CompareResult", "Measured", "compare", "run_plans", "simulat
 
 BUSY = ("forward", "backward", "update")
 """The categories of the executor's events that count as a device's busy time."""
+PHASES = ("forward", "backward", "receives", "sync+update")
+"""The columns of ``CompareResult``'s phases. Simulated, a device's compute lane: its forward and
+backward tasks, its message and exchange overheads, and its collectives' host work (bucket
+copies, collective overheads; mid-step sums' too) and update. Measured, per step: the
+executor's forward and backward steps (mid-step sums and receive waits in them), those waits,
+and its gradient sync, loss sum and update."""
+_SIMULATED = {"forward": "forward", "backward": "backward", "recv": "receives", "reduce": "sync+update",
+              "allreduce": "sync+update", "update": "sync+update"}
+_MEASURED = {"forward": "forward", "backward": "backward", "gradient sync": "sync+update", "loss": "sync+update",
+             "update": "sync+update"}
 
 
 @dataclass
@@ -50,6 +61,8 @@ class Measured:
     """Per device: time its receives waited, per step."""
     events: list[list[dict[str, Any]]]
     """Per rank: the last measured step's Chrome events, µs from that step's start."""
+    phase_ms: list[dict[str, float]] | None = None
+    """Per rank: ms per step in each of ``PHASES``."""
 
     @property
     def iteration_ms(self) -> float:
@@ -68,6 +81,10 @@ class CompareResult:
     predicted_busy_ms: list[float]
     measured_busy_ms: list[float]
     measured_wait_ms: list[float]
+    predicted_phase_ms: list[dict[str, float]]
+    """Per device: simulated ms in each of ``PHASES`` (its compute lane)."""
+    measured_phase_ms: list[dict[str, float]]
+    """Per device: measured ms per step in each of ``PHASES``."""
 
     @property
     def rel_error(self) -> float:
@@ -84,7 +101,11 @@ class CompareResult:
             f"  iteration ms   predicted {self.predicted_ms:8.2f}  measured {self.measured_ms:8.2f}"
             f"  error {self.rel_error:+.1%}  (steps: {fmt(self.step_ms)})",
             f"  busy ms/device predicted {fmt(self.predicted_busy_ms)}",
-            f"                 measured  {fmt(self.measured_busy_ms)}  (+ receive waits {fmt(self.measured_wait_ms)})"])
+            f"                 measured  {fmt(self.measured_busy_ms)}  (+ receive waits {fmt(self.measured_wait_ms)})",
+            "  ms by phase        " + "".join(f"{p:>12s}" for p in PHASES)]
+            + [f"  {side} device {d:<2d}" + "".join(f"{phases[d].get(p, 0.0):12.2f}" for p in PHASES)
+               for d in range(len(self.measured_phase_ms))
+               for side, phases in (("predicted", self.predicted_phase_ms), ("measured ", self.measured_phase_ms))])
 
 
 def _worker(rank: int, world: int, plans: Sequence[str], model: str, variant: str, steps: int,
@@ -105,7 +126,8 @@ def _worker(rank: int, world: int, plans: Sequence[str], model: str, variant: st
             finally:
                 waits.append(time.perf_counter() - t0)
         ex.p2p.recv = timed_recv  # instance attribute: counts receive waits, changes nothing else
-        runs.append({"ex": ex, "waits": waits, "step_s": [], "busy": 0.0, "wait": 0.0, "events": []})
+        runs.append({"ex": ex, "waits": waits, "step_s": [], "busy": 0.0, "wait": 0.0, "events": [],
+                     "phases": dict.fromkeys(PHASES, 0.0)})
     for k in range(warmup + steps):  # plans interleaved step by step: a burst of load from
         for run in runs:             # elsewhere falls on every plan alike
             ex, waits = run["ex"], run["waits"]
@@ -120,13 +142,17 @@ def _worker(rank: int, world: int, plans: Sequence[str], model: str, variant: st
             run["step_s"].append(t1 - t0)
             run["busy"] += sum(e["dur"] for e in ex.events if e["cat"] in BUSY) * 1e-6 - sum(waits)
             run["wait"] += sum(waits)
+            run["phases"]["receives"] += sum(waits) * 1e6
+            for e in ex.events:
+                run["phases"][_MEASURED[e["cat"]]] += e["dur"]
             run["events"] = [dict(e, ts=e["ts"] - t0 * 1e6) for e in ex.events]
     out = []
     for run in runs:
         slowest = torch.tensor(run["step_s"], dtype=torch.float64)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
         out.append({"step_ms": (slowest * 1e3).tolist(), "busy_ms": run["busy"] * 1e3 / steps,
-                    "wait_ms": run["wait"] * 1e3 / steps, "events": run["events"]})
+                    "wait_ms": run["wait"] * 1e3 / steps, "events": run["events"],
+                    "phase_ms": {p: us * 1e-3 / steps for p, us in run["phases"].items()}})
     return out
 
 
@@ -140,8 +166,19 @@ def run_plans(plans: Sequence[str | os.PathLike], model: str, nproc: int, *, var
         raise ValueError(f"compare: steps ({steps}) must be >= 1 and warmup ({warmup}) >= 0")
     ranks = spawn(_worker, nproc, ([str(p) for p in plans], model, variant, steps, warmup))
     return [Measured(ranks[0][i]["step_ms"], [r[i]["busy_ms"] for r in ranks],
-                     [r[i]["wait_ms"] for r in ranks], [r[i]["events"] for r in ranks])
+                     [r[i]["wait_ms"] for r in ranks], [r[i]["events"] for r in ranks],
+                     [r[i]["phase_ms"] for r in ranks])
             for i in range(len(plans))]
+
+
+def simulated_phases(sim, num_devices: int) -> list[dict[str, float]]:
+    """Per device: ms of its compute lane's tasks in each of ``PHASES`` (a timeline's)."""
+    out = [dict.fromkeys(PHASES, 0.0) for _ in range(num_devices)]
+    for _, device, lane, start, end, category in sim.timeline:
+        phase = _SIMULATED.get(category)
+        if lane == "compute" and phase is not None and device < num_devices:
+            out[device][phase] += (end - start) * 1e3
+    return out
 
 
 def _cost(cost_model: CostModel | str, topology: Topology | str | os.PathLike) -> CostModel:
@@ -198,4 +235,5 @@ def compare(plan_path: str | os.PathLike, model_spec: str, topology: Topology | 
     n = len(measured.busy_ms)
     name = cost_model if isinstance(cost_model, str) else type(cost_model).__name__
     return CompareResult(str(plan_path), model_spec, topo.name, name, sim.iteration_ms, measured.iteration_ms,
-                         measured.step_ms, [b * 1e3 for b in sim.busy_time[:n]], measured.busy_ms, measured.wait_ms)
+                         measured.step_ms, [b * 1e3 for b in sim.busy_time[:n]], measured.busy_ms, measured.wait_ms,
+                         simulated_phases(sim, n), measured.phase_ms or [dict.fromkeys(PHASES, 0.0)] * n)

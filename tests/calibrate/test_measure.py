@@ -10,6 +10,7 @@ from simulator.devices import OVERHEAD_FIELDS
 from simulator.simulate import simulate_plan
 from simulator.topology import Topology
 from soapsearch.calibrate import calibrate, compare
+from soapsearch.calibrate.compare import PHASES
 from soapsearch.calibrate.measure import report_path
 from soapsearch.executor import build_model
 from strategies import baseline, save_strategy
@@ -95,6 +96,14 @@ def test_compare_runs_a_plan_and_writes_both_timelines(tmp_path):
     assert len(r.step_ms) == 3 and r.measured_ms > 0 and r.predicted_ms > 0
     assert len(r.measured_busy_ms) == 2 and all(b > 0 for b in r.measured_busy_ms)
     assert r.rel_error == pytest.approx((r.predicted_ms - r.measured_ms) / r.measured_ms)
+    # by phase: data parallel receives nothing; the simulated phases are its compute lane's tasks
+    sim = simulate_plan(graph, baseline("data_parallel", graph, 2), "local-cpu-2")
+    for d in (0, 1):
+        assert set(r.measured_phase_ms[d]) == set(r.predicted_phase_ms[d]) == set(PHASES)
+        assert r.measured_phase_ms[d]["receives"] == r.predicted_phase_ms[d]["receives"] == 0
+        assert all(r.measured_phase_ms[d][p] > 0 for p in ("forward", "backward", "sync+update"))
+        assert sum(r.predicted_phase_ms[d].values()) == pytest.approx(sim.busy_time[d] * 1e3)
+    assert "ms by phase" in r.table() and "measured  device 1" in r.table()
     trace = json.loads((tmp_path / "tr" / "side_by_side.json").read_text())["traceEvents"]
     pids = {e["pid"] for e in trace}
     assert {0, 1, 1000, 1001} <= pids
