@@ -5,7 +5,7 @@ MCMC from data parallel and OWT (FlexFlow, Jia et al. 2019, section 6) in ``--bu
 its speedup over data parallel, data parallel's busy time on its busiest device (forward, backward and
 update: the same work split evenly takes at least this long on some device, so "bound" = DP ms /
 DP busy caps the speedup over data parallel of any plan that does not cut the work itself), and
-proposals per second. ``--optuna`` adds, at equal time, the
+proposals per second; a plan that does not fit in device memory is marked. ``--optuna`` adds, at equal time, the
 TPE outer loop (``study_search``; Bergstra et al. 2011) next to plain MCMC. Asserts nothing.
 
     python benchmarks/search_vs_experts.py [--models alexnet,rnnlm] [--topologies p100-4x4]
@@ -18,18 +18,13 @@ import argparse
 import time
 
 from simulator.presets import get_topology
-from soapsearch import trace, zoo
 from soapsearch.search import search
 from soapsearch.search.study import study_search
+from _paper import paper_graph  # benchmarks/_paper.py
 
 MODELS = ["alexnet", "inception_v3", "resnet101", "rnntc", "rnnlm", "nmt"]
 TOPOLOGIES = ["p100-4x4", "k80-16x4"]
 EXPERTS = ["data_parallel", "model_parallel", "owt", "pipeline"]
-
-
-def paper_graph(name: str, num_devices: int):
-    model, inputs = zoo.build(name, "default", device="meta", batch_size=64 * num_devices)
-    return trace(model, inputs, name=name)
 
 
 def fmt(ms: float | None) -> str:
@@ -65,6 +60,8 @@ def main() -> None:
             # split evenly cannot be faster, so DP ms / busy bounds the speedup over DP
             busy = max(found.baseline_results["data_parallel"].busy_time)
             fits = "" if found.result.fits else " (does not fit)"
+            overflow = [k for k in EXPERTS if k in found.baseline_results and not found.baseline_results[k].fits]
+            fits += f" (baselines that do not fit: {', '.join(overflow)})" if overflow else ""
             row = (f"{name:13s} {topo_name:9s} {n:3d} {graph.batch_size:5d} "
                    + " ".join(fmt(b.get(k)) for k in EXPERTS)
                    + f" {found.predicted_ms:9.1f} {dp / found.predicted_ms if dp else float('nan'):5.2f}x"
