@@ -136,6 +136,9 @@ class CostModel(abc.ABC):
 
 class AnalyticalCostModel(CostModel):
     """Roofline (Williams et al. 2009): t = max(F / (peak(dtype)·e_c), B / (bw·e_m)) + n·launch.
+    On a device with a half-performance length n½ (``DeviceSpec.gemm_half``: calibrated, its
+    peak a measured product's rate), an op of matrix products whose smallest dimension is m
+    (``OpRule.gemm_size``) takes e_c = m / (m + n½) instead (Hockney & Jesshope 1988).
 
     Forward: F = the partition's FLOPs, B = ``partition_bytes``, one kernel. Backward: 2F and 2
     kernels (input grad + parameter grad) for an op with trainable parameters, else F and one
@@ -169,9 +172,11 @@ class AnalyticalCostModel(CostModel):
         return CPU_LAUNCH_OVERHEAD if is_cpu(device) else GPU_LAUNCH_OVERHEAD
 
     def roofline(self, flops: float, nbytes: float, dtype: str, device: DeviceSpec,
-                 kernels: int = 1) -> float:
-        """max(flops / (peak(dtype)·e_c), bytes / (bandwidth·e_m)) + kernels × launch."""
-        compute = flops / (device.flops_for(dtype) * self.compute_efficiency)
+                 kernels: int = 1, efficiency: float | None = None) -> float:
+        """max(flops / (peak(dtype)·e_c), bytes / (bandwidth·e_m)) + kernels × launch;
+        ``efficiency`` in place of e_c when given."""
+        e_c = self.compute_efficiency if efficiency is None else efficiency
+        compute = flops / (device.flops_for(dtype) * e_c)
         memory = nbytes / (device.memory_bandwidth * self.memory_efficiency)
         return max(compute, memory) + kernels * self.launch(device)
 
@@ -182,14 +187,16 @@ class AnalyticalCostModel(CostModel):
         flops = partition_flops(node, box)
         nbytes = partition_bytes(node, box, regions, weight_regions)
         dtype = node.output.dtype
-        fwd = self.roofline(flops, nbytes, dtype, device)
+        m = get_rule(node.kind).gemm_size(node, box) if device.gemm_half else None
+        eff = m / (m + device.gemm_half) if m else None  # Hockney's r∞·m/(m + n½), r∞ the peak
+        fwd = self.roofline(flops, nbytes, dtype, device, efficiency=eff)
         weighted = has_trainable_params(node)
         bwd_bytes = 2 * nbytes
         if node.kind in _GATHER_KINDS:  # the dense gradient of the table is zeroed and written
             bwd_bytes += sum(box_numel(r) * DTYPE_BYTES[w.spec.dtype]
                              for w in node.weights if (r := weight_regions.get(w.role)) is not None)
         bwd = self.roofline(2 * flops if weighted else flops, bwd_bytes, dtype, device,
-                            kernels=2 if weighted else 1)
+                            kernels=2 if weighted else 1, efficiency=eff)
         return fwd, bwd
 
 

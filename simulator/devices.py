@@ -53,6 +53,12 @@ class DeviceSpec:
     cores, caches and memory bandwidth: ``soapsearch calibrate`` measures it, and the
     simulator slows each compute task by how many devices of the node compute with it
     (``simulator.contention``)."""
+    gemm_half: float = 0.0
+    """Hockney's half-performance length n½ of the device's matrix products (Hockney & Jesshope
+    1988): a product whose smallest dimension is m runs at peak · m / (m + n½), so half the peak
+    at m = n½ (a few rows of a batch split across devices and micro-batches: 8 rows here run at
+    ~40 % of a 384² product's rate). 0: not modelled, the cost model's constant compute
+    efficiency applies (the datasheet presets). ``soapsearch calibrate`` fits it."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "peak_flops", MappingProxyType(dict(self.peak_flops)))
@@ -65,13 +71,17 @@ class DeviceSpec:
         if not (math.isfinite(self.contention) and self.contention >= 1):
             raise ValueError(f"device {self.kind!r}: contention = {self.contention!r}: must be finite and >= 1 "
                              "(the slowdown when its node's devices compute at once)")
+        if not (math.isfinite(self.gemm_half) and self.gemm_half >= 0):
+            raise ValueError(f"device {self.kind!r}: gemm_half = {self.gemm_half!r}: must be finite and >= 0 "
+                             "(the smallest product dimension at half the peak; 0: not modelled)")
         if not self.peak_flops or min(self.peak_flops.values()) <= 0:
             raise ValueError(f"device {self.kind!r}: peak_flops {dict(self.peak_flops)} needs at "
                              "least one dtype, every figure > 0")
 
     def __reduce__(self):  # the read-only mapping does not pickle; rebuild from a dict
         return (DeviceSpec, (self.kind, self.memory_bytes, dict(self.peak_flops), self.memory_bandwidth,
-                             self.node, *(getattr(self, f) for f in OVERHEAD_FIELDS), self.contention))
+                             self.node, *(getattr(self, f) for f in OVERHEAD_FIELDS), self.contention,
+                             self.gemm_half))
 
     def flops_for(self, dtype: str) -> float:
         """Peak FLOP/s for ``dtype`` (float32's when the dtype has no figure of its own)."""

@@ -6,7 +6,8 @@ JSON (format ``soapsearch.topology``, version 1), explicit form — what ``to_js
      "devices": [{"kind": "P100", "memory_bytes": 17179869184, "peak_flops": {"float32": 1.06e13},
                   "memory_bandwidth": 7.32e11, "node": 0}, ...],
      (optional per device: "task_overhead", "message_overhead", "exchange_overhead", "collective_overhead", seconds,
-      default 0; "contention", the slowdown when its node's devices compute at once, default 1)
+      default 0; "contention", the slowdown when its node's devices compute at once, default 1;
+      "gemm_half", the smallest matrix-product dimension at half the peak, default 0: not modelled)
      "links": [{"name": "nvlink:0->1", "kind": "nvlink", "latency": 2e-06, "bandwidth": 2e10}, ...],
      (optional per link: "collective_bandwidth", bytes/s inside a ring collective, default bandwidth)
      "routes": [{"src": 0, "dst": 1, "links": [0]}, {"src": 1, "dst": 0, "links": [1]}]}
@@ -176,7 +177,8 @@ class Topology:
             "devices": [{"kind": d.kind, "memory_bytes": d.memory_bytes, "peak_flops": dict(d.peak_flops),
                          "memory_bandwidth": d.memory_bandwidth, "node": d.node,
                          **{k: getattr(d, k) for k in OVERHEAD_FIELDS if getattr(d, k)},
-                         **({"contention": d.contention} if d.contention != 1.0 else {})} for d in self.devices],
+                         **({"contention": d.contention} if d.contention != 1.0 else {}),
+                         **({"gemm_half": d.gemm_half} if d.gemm_half else {})} for d in self.devices],
             "links": [{"name": k.name, "kind": k.kind, "latency": k.latency, "bandwidth": k.bandwidth,
                        **({"collective_bandwidth": k.collective_bandwidth}
                           if k.collective_bandwidth is not None else {})}
@@ -249,6 +251,7 @@ class Topology:
 def _device_text(d: DeviceSpec) -> str:
     flops = ", ".join(f"{v / 1e12:.3g} TFLOP/s {k}" for k, v in d.peak_flops.items())
     shared = f", {d.contention:.3g}x slower when its node's devices compute at once" if d.contention != 1.0 else ""
+    shared += f", half its peak at products of {d.gemm_half:.3g} rows" if d.gemm_half else ""
     return f"{d.kind} ({d.memory_bytes / 2**30:.3g} GiB, {flops}, {_gbs(d.memory_bandwidth)} memory{shared})"
 
 
@@ -304,7 +307,8 @@ def _device(obj: Any, path: str, where: str, node: bool = True) -> DeviceSpec:
                       _get(obj, "node", path, "int>=0", where) if node else 0,
                       *(_get(obj, k, path, "num>=0", where) if k in obj else 0.0
                         for k in OVERHEAD_FIELDS),
-                      _get(obj, "contention", path, "num>=1", where) if "contention" in obj else 1.0)
+                      _get(obj, "contention", path, "num>=1", where) if "contention" in obj else 1.0,
+                      _get(obj, "gemm_half", path, "num>=0", where) if "gemm_half" in obj else 0.0)
 
 
 def _from_json(obj: Any, where: str = "topology JSON") -> Topology:

@@ -32,7 +32,8 @@ def _calibrate(args: argparse.Namespace) -> int:
           f"all at once {', '.join(f'{f / 1e9:.1f}G' for f in report['flops'])}; "
           f"copy GB/s alone {', '.join(f'{b / 1e9:.1f}' for b in report['solo_memory_bandwidth'])}, "
           f"all at once {', '.join(f'{b / 1e9:.1f}' for b in report['memory_bandwidth'])} "
-          f"(contention {report['contention']:.2f}x); "
+          f"(contention {report['contention']:.2f}x); products at half the peak at "
+          f"{report['gemm_half']:.3g} rows (r² {report['gemm_r2']:.3f}); "
           f"op overhead {report['op_overhead'] * 1e6:.1f} µs; kind {report['kind']}")
     print(f"executor overheads: {report['task_overhead'] * 1e6:.0f} µs per partition task, "
           f"{report['message_overhead'] * 1e6:.0f} µs per received piece (beyond the link), "

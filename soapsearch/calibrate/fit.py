@@ -14,7 +14,7 @@ from simulator.devices import DeviceSpec
 from simulator.presets import Fabric, cluster
 from simulator.topology import Topology
 
-__all__ = ["OverheadFit", "ProbeSimulator", "UNIT_OVERHEADS", "fit_alpha_beta", "fit_collective_bandwidth", "fit_overheads", "trimmed_mean", "ring_allreduce_seconds", "device_kind",
+__all__ = ["OverheadFit", "ProbeSimulator", "UNIT_OVERHEADS", "fit_alpha_beta", "fit_collective_bandwidth", "fit_gemm_half", "fit_overheads", "trimmed_mean", "ring_allreduce_seconds", "device_kind",
            "build_topology", "spearman"]
 
 
@@ -253,6 +253,15 @@ def fit_collective_bandwidth(n: int, sizes: Sequence[float], times: Sequence[flo
     return bandwidth, r2
 
 
+def fit_gemm_half(rows: Sequence[float], seconds: Sequence[float]) -> tuple[float, float]:
+    """Hockney's half-performance length n½ of [m, K] × [K, N] products from their times: at
+    rate r∞ · m / (m + n½) a product of 2mKN FLOPs takes t(m) = 2KN (m + n½) / r∞, a line in m
+    (Hockney & Jesshope 1988), fitted as ``fit_alpha_beta`` fits t = alpha + m / B: n½ =
+    alpha · B. Returns (n½ rows, r²)."""
+    alpha, per_row, r2 = fit_alpha_beta(rows, seconds)
+    return alpha * per_row, r2
+
+
 def ring_allreduce_seconds(n: int, nbytes: float, alpha: float, bandwidth: float) -> float:
     """Ring all-reduce (Patarasuk & Yuan 2009), as ``simulator.comm.allreduce_time``:
     2(n-1)/n · bytes / B + 2(n-1) · alpha."""
@@ -273,12 +282,13 @@ def build_topology(nproc: int, alpha: float, bandwidth: float, flops: float, mem
                    kind: str = "cpu", memory_bytes: int | None = None, task_overhead: float = 0.0,
                    message_overhead: float = 0.0, collective_overhead: float = 0.0,
                    exchange_overhead: float = 0.0, collective_bandwidth: float | None = None,
-                   contention: float = 1.0) -> Topology:
+                   contention: float = 1.0, gemm_half: float = 0.0) -> Topology:
     """``calibrated-cpu-N``: ``local-cpu-N``'s shape (one node, a shared-memory mesh link per
     ordered process pair) with the measured alpha, bandwidth, collective bandwidth
     (``fit_collective_bandwidth``), per-process float32 FLOP/s, memory bandwidth, contention
-    (the slowdown when all compute at once) and the executor's task, message, exchange and
-    collective overheads (``fit_overheads``)."""
+    (the slowdown when all compute at once), the products' half-performance length
+    (``fit_gemm_half``) and the executor's task, message, exchange and collective overheads
+    (``fit_overheads``)."""
     if memory_bytes is None:
         try:
             memory_bytes = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // nproc
@@ -287,7 +297,7 @@ def build_topology(nproc: int, alpha: float, bandwidth: float, flops: float, mem
     device = DeviceSpec(kind, max(int(memory_bytes), 1), {"float32": float(flops)}, float(memory_bandwidth),
                         task_overhead=float(task_overhead), message_overhead=float(message_overhead),
                         exchange_overhead=float(exchange_overhead), collective_overhead=float(collective_overhead),
-                        contention=float(contention))
+                        contention=float(contention), gemm_half=float(gemm_half))
     ring = None if collective_bandwidth is None else float(collective_bandwidth)
     return cluster(f"calibrated-cpu-{nproc}", device, 1, nproc,
                    Fabric("mesh", "shm", float(alpha), float(bandwidth), ring))

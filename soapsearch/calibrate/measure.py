@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from simulator.cost import CostModel, get_cost_model
 from simulator.devices import OVERHEAD_FIELDS
@@ -45,7 +46,7 @@ from simulator.topology import Topology
 from soapsearch.calibrate._spawn import rank_threads, spawn, threads_per_process
 from soapsearch.calibrate.timing import slowest_median, step_times
 from soapsearch.calibrate.fit import (build_topology, device_kind, fit_alpha_beta, fit_collective_bandwidth,
-                                     fit_overheads, ring_allreduce_seconds, trimmed_mean)
+                                     fit_gemm_half, fit_overheads, ring_allreduce_seconds, trimmed_mean)
 from soapsearch.calibrate.overhead import OverheadProbe, probe_simulator, unit_kernel_seconds
 from strategies.serialize import atomic_write_text
 
@@ -54,6 +55,10 @@ __all__ = ["DEFAULT_SIZES", "Calibration", "calibrate", "measure", "report_path"
 DEFAULT_SIZES = tuple(1 << k for k in range(10, 25, 2))
 """1 KiB, 4 KiB, ... 16 MiB (powers of 4)."""
 MATMUL_N = 384
+GEMM_ROWS = (4, 8, 16, 32, 64)
+"""Rows of the [m, GEMM_K] × [GEMM_K, GEMM_K] products (a linear layer's forward) timed alone
+per process to fit the half-performance length n½ (``fit.fit_gemm_half``)."""
+GEMM_K = 1024
 COPY_BYTES = 32 << 20
 BLOCK_S = 0.05
 """Seconds of back-to-back calls per throughput block (``_per_call_time``): many scheduler slices."""
@@ -89,6 +94,12 @@ class Calibration:
     """Copy bandwidth of each process running alone."""
     op_overhead: float
     """Median seconds of one tiny eager op (dispatch only), worst process."""
+    gemm_seconds: list[list[float]] = field(default_factory=list)
+    """[[rows m, seconds], ...]: a [m, 1024] × [1024, 1024] product alone, slowest process."""
+    gemm_half: float = 0.0
+    """The products' half-performance length n½ fitted on ``gemm_seconds`` (``fit_gemm_half``;
+    0 when no fit: ``DeviceSpec.gemm_half``)."""
+    gemm_r2: float = float("nan")
     task_overhead: float = 0.0
     """Seconds per forward or backward task of a partition beyond the analytical kernels
     (framework dispatch, autograd, the executor's own work; ``fit_overheads``)."""
@@ -136,7 +147,7 @@ class Calibration:
         0; the fit simulates its probe on it)."""
         return build_topology(self.nproc, self.alpha, self.bandwidth, min(self.solo_flops),
                               min(self.solo_memory_bandwidth), self.kind, collective_bandwidth=self.collective_bandwidth,
-                              contention=self.contention, **overheads)
+                              contention=self.contention, gemm_half=self.gemm_half, **overheads)
 
     def to_json(self) -> dict[str, Any]:
         return {"format": "soapsearch.calibration", "version": 1, "shared_cores": self.shared,
@@ -226,10 +237,14 @@ def _worker(rank: int, world: int, sizes: Sequence[int], repeats: int, warmup: i
     dist.barrier()
     out["memory_bandwidth"] = copy()
     out["op_overhead"] = _median_time(lambda: torch.add(x, y), 200, 20)
+    weight = torch.randn(GEMM_K, GEMM_K)
+    rows = [torch.randn(m, GEMM_K) for m in GEMM_ROWS]
     for r in range(world):  # then each alone, the others waiting
         dist.barrier()
         if r == rank:
             out["solo_flops"], out["solo_memory_bandwidth"] = flops(), copy()
+            out["gemm_seconds"] = [_per_call_time(lambda x=x: F.linear(x, weight), max(repeats, 5), warmup)
+                                   for x in rows]
     dist.barrier()
     return out
 
@@ -272,6 +287,12 @@ def measure(nproc: int, backend: str = "gloo", sizes: Sequence[int] = DEFAULT_SI
         [r["flops"] for r in results], [r["memory_bandwidth"] for r in results],
         [r["solo_flops"] for r in results], [r["solo_memory_bandwidth"] for r in results],
         max(r["op_overhead"] for r in results), p2p=p2p, allreduce=allreduce)
+    cal.gemm_seconds = [[m, max(r["gemm_seconds"][i] for r in results)] for i, m in enumerate(GEMM_ROWS)]
+    try:
+        cal.gemm_half, cal.gemm_r2 = fit_gemm_half([m for m, _ in cal.gemm_seconds], [t for _, t in cal.gemm_seconds])
+    except ValueError as e:
+        warnings.warn(f"calibrate: no half-performance length fitted ({e}); products of every size run at "
+                      "the cost model's constant efficiency", RuntimeWarning, stacklevel=2)
     if overhead_rounds:
         raw = results[0]["overheads"]  # every figure in it is already reduced over the ranks
         cost = get_cost_model("analytical") if cost is None else cost  # (a profiled one with an empty cache is falsy)

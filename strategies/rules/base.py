@@ -81,6 +81,11 @@ class OpRule:
         """The sums across partitions this grid needs (none for most ops)."""
         return ()
 
+    def gemm_size(self, node: OpNode, box: Box) -> int | None:
+        """The smallest dimension of the matrix products the partition computing ``box`` runs
+        (where its FLOPs go; ``simulator.devices.DeviceSpec.gemm_half``), or None: no product."""
+        return None
+
     # --- compute --------------------------------------------------------------------------
     def forward(self, node: OpNode, box: Box, inputs: Sequence[torch.Tensor | None],
                 weights: Mapping[str, torch.Tensor], reduce: Reduce = no_reduce) -> torch.Tensor:

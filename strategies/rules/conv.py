@@ -8,13 +8,14 @@ a conv or an average, -inf for a max) and runs the op with padding 0, which is e
 
 from __future__ import annotations
 
+import math
 from typing import Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from strategies.graph import Dim, OpNode
-from strategies.region import Box
+from strategies.region import Box, box_shape
 from strategies.rules.base import Reduce, SplitAll, dim_named, no_reduce, register
 
 __all__ = ["halo", "param_tensors", "param_shape"]
@@ -127,6 +128,13 @@ class Conv2d(_Window):
         else:
             x = (box[0], cin) + tuple((0, s) for s in node.input_specs[0].shape[2:])
         return (x,) + tuple(self._param_region(node, role, box) for role in node.attrs.get("param_inputs", ()))
+
+    def gemm_size(self, node: OpNode, box: Box) -> int | None:
+        """min(batch·pixels, out channels per group, in channels per group · kernel) of the
+        products a convolution lowers to (im2col)."""
+        shape, w = box_shape(box), param_shape(node, "weight")
+        return min(shape[0] * math.prod(shape[2:]), min(shape[1], node.shape[1] // node.attrs["groups"]),
+                   math.prod(w[1:]))
 
     def _param_region(self, node: OpNode, role: str, box: Box) -> Box:
         return (box[1],) + tuple((0, s) for s in param_shape(node, role)[1:])

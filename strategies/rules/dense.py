@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from typing import Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from strategies.graph import Dim, OpNode
-from strategies.region import Box
+from strategies.region import Box, box_shape
 from strategies.rules.base import (Reduce, SplitAll, broadcast_region, dim_named, no_reduce,
                                    register)
 
@@ -34,6 +35,11 @@ class Linear(SplitAll):
             out["bias"] = (box[-1],)
         return out
 
+    def gemm_size(self, node: OpNode, box: Box) -> int | None:
+        """min(rows, out_features, in_features) of [rows, in] × [in, out]."""
+        shape = box_shape(box)
+        return min(math.prod(shape[:-1]), shape[-1], node.input_specs[0].shape[-1])
+
     def forward(self, node: OpNode, box: Box, inputs: Sequence[torch.Tensor],
                 weights: Mapping[str, torch.Tensor], reduce: Reduce = no_reduce) -> torch.Tensor:
         return F.linear(inputs[0], weights["weight"], weights.get("bias"))
@@ -54,6 +60,11 @@ class MatMul(SplitAll):
         lead = box[:-2]
         return (broadcast_region(lead, a[:-2], len(lead)) + (box[-2], (0, a[-1])),
                 broadcast_region(lead, b[:-2], len(lead)) + ((0, b[-2]), box[-1]))
+
+    def gemm_size(self, node: OpNode, box: Box) -> int | None:
+        """min(rows, cols, inner) of each [rows, inner] × [inner, cols] product."""
+        shape = box_shape(box)
+        return min(shape[-2], shape[-1], node.input_specs[0].shape[-1])
 
     def forward(self, node: OpNode, box: Box, inputs: Sequence[torch.Tensor],
                 weights: Mapping[str, torch.Tensor], reduce: Reduce = no_reduce) -> torch.Tensor:

@@ -52,6 +52,12 @@ class Recurrent(OpRule):
     def input_regions(self, node: OpNode, box: Box) -> tuple[Box, ...]:
         return (box[:-1] + ((0, node.input_specs[0].shape[-1]),),)
 
+    def gemm_size(self, node: OpNode, box: Box) -> int | None:
+        """min(batch, hidden, input size) of each step's [batch, in] × [in, gates·hidden] products."""
+        b = _batch_dim(node)
+        batch = box[b][1] - box[b][0] if b is not None else 1
+        return min(batch, node.shape[-1], node.input_specs[0].shape[-1])
+
     def forward(self, node: OpNode, box: Box, inputs: Sequence[torch.Tensor],
                 weights: Mapping[str, torch.Tensor], reduce: Reduce = no_reduce) -> torch.Tensor:
         config = tuple(sorted((k, v) for k, v in node.attrs.items()))

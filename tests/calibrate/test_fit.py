@@ -9,7 +9,7 @@ import pytest
 from simulator.comm import allreduce_time, transfer_time
 from simulator.simulate import simulate_plan
 from simulator.topology import Topology
-from soapsearch.calibrate.fit import (UNIT_OVERHEADS, build_topology, device_kind, fit_alpha_beta,
+from soapsearch.calibrate.fit import (UNIT_OVERHEADS, build_topology, device_kind, fit_alpha_beta, fit_gemm_half,
                                       fit_collective_bandwidth, fit_overheads, ring_allreduce_seconds, spearman,
                                       trimmed_mean)
 from strategies import baseline
@@ -35,6 +35,21 @@ def test_fit_exact_and_rejects_bad_input():
         fit_alpha_beta([1e3, 1e3], [1e-5, 1e-5])
     with pytest.raises(ValueError, match="not > 0"):
         fit_alpha_beta([1e3, 1e6], [1e-3, 1e-6])
+
+
+@pytest.mark.parametrize("r_inf, n_half", [(80e9, 11.0), (2e13, 64.0)])
+def test_fit_gemm_half_recovers_hockneys_n_half_from_product_times(r_inf, n_half):
+    # [m, 1024] x [1024, 1024] at r_inf * m / (m + n_half): t = 2 * 1024^2 * (m + n_half) / r_inf
+    rows = [4, 8, 16, 32, 64]
+    rng = np.random.default_rng(1)
+    times = [2 * 1024 ** 2 * (m + n_half) / r_inf * (1 + 0.01 * rng.standard_normal()) for m in rows]
+    fitted, r2 = fit_gemm_half(rows, times)
+    assert fitted == pytest.approx(n_half, rel=0.1) and r2 > 0.99
+    exact, _ = fit_gemm_half(rows, [2 * 1024 ** 2 * (m + n_half) / r_inf for m in rows])
+    assert exact == pytest.approx(n_half, rel=1e-9)
+    assert fit_gemm_half(rows, [2 * 1024 ** 2 * m / r_inf for m in rows])[0] == pytest.approx(0, abs=1e-9)
+    with pytest.raises(ValueError, match="need >= 2 distinct sizes"):
+        fit_gemm_half([8], [1e-4])
 
 
 def test_ring_formula_matches_simulator():

@@ -35,6 +35,10 @@ def test_calibrate_two_processes_gives_positive_finite_figures(tmp_path):
     # the devices compute at the slowest solo speed, slowed by the measured ratio when all compute
     # (its arithmetic: test_fit.test_contention_is_the_slowest_processes_solo_over_together_ratio)
     assert report["contention"] >= 1.0 and all(d.contention == report["contention"] for d in topo.devices)
+    # a [m, 1024] x [1024, 1024] product per m alone (slowest process), and n_half fitted on them
+    assert [m for m, _ in report["gemm_seconds"]] == [4, 8, 16, 32, 64]
+    assert all(0 < t < 1 for _, t in report["gemm_seconds"])
+    assert report["gemm_half"] >= 0 and all(d.gemm_half == report["gemm_half"] for d in topo.devices)
     assert Topology.load(out) == topo
     dev = topo.devices[0]
     assert dev.peak_flops["float32"] == min(report["solo_flops"]) and dev.kind == report["kind"]

@@ -265,3 +265,38 @@ def test_every_op_of_the_tiny_zoo(name, graphs, tmp_path):
     assert fallback.kinds <= {"input", "parameter", "constant"}, \
         f"ops of these kinds were not measured: {fallback.kinds}"
     assert len(profiled) > 0
+
+
+def test_gemm_size_is_the_smallest_product_dimension(conv_graph, graphs):
+    from strategies.rules import get_rule
+
+    fc = linear(8, 1024, 512)
+    assert get_rule("linear").gemm_size(fc, full_box(fc.shape)) == 8
+    assert get_rule("linear").gemm_size(fc, partition_box(fc.shape, (1, 128), 0)) == 4  # 512 / 128 columns
+    conv = conv_node(conv_graph)  # [2, 8, 16, 16] from 3 channels, 3x3: min(2*16*16, 8, 3*9)
+    assert get_rule("conv2d").gemm_size(conv, full_box(conv.shape)) == 8
+    assert get_rule("conv2d").gemm_size(conv, partition_box(conv.shape, (2, 4, 2, 2), 0)) == 2  # 2 channels
+    assert get_rule("conv2d").gemm_size(conv, partition_box(conv.shape, (2, 1, 8, 8), 0)) == 1 * 2 * 2  # pixels
+    lstm = next(n for n in graphs("rnntc") if n.kind == "lstm")  # [batch 4, seq 8, hidden 16]
+    assert get_rule("lstm").gemm_size(lstm, full_box(lstm.shape)) == 4
+    assert get_rule("lstm").gemm_size(lstm, partition_box(lstm.shape, (2, 1, 1), 1)) == 2
+    assert get_rule("elementwise").gemm_size(relu((4, 4)), full_box((4, 4))) is None
+
+
+def test_a_half_performance_length_slows_thin_products_only():
+    # [8, 1024] x [1024, 1024] on 1 TFLOP/s, 500 GB/s, n_half = 24: the compute side at 8 / 32
+    # of the peak, 16.8 MFLOP / 0.25 TFLOP/s = 67.1 us, over the memory side (4.3 MB / 400 GB/s)
+    half = DeviceSpec("cpu-half", 64 << 30, {"float32": 1e12}, 500e9, gemm_half=24.0)
+    fast = DeviceSpec("cpu-fast", 64 << 30, {"float32": 1e12}, 500e9)
+    model = AnalyticalCostModel()
+    thin, wide = linear(8, 1024, 1024), linear(4096, 1024, 1024)
+    flops = 2 * 8 * 1024 * 1024
+    fwd, bwd = model.op_time(thin, full_box(thin.shape), half)
+    assert fwd == pytest.approx(flops / (1e12 * 8 / 32) + model.launch(half), rel=1e-12)
+    assert bwd == pytest.approx(2 * flops / (1e12 * 8 / 32) + 2 * model.launch(half), rel=1e-12)
+    assert model.op_time(thin, full_box(thin.shape), fast)[0] == pytest.approx(  # e_c = 0.6 without n_half
+        flops / (1e12 * 0.6) + model.launch(fast), rel=1e-12)
+    w_fwd, _ = model.op_time(wide, full_box(wide.shape), half)
+    assert w_fwd == pytest.approx(2 * 4096 * 1024 ** 2 / (1e12 * 1024 / 1048) + model.launch(half), rel=1e-12)  # m = 1024
+    r = relu((64, 64))  # no product: the constant efficiency either way
+    assert model.op_time(r, full_box(r.shape), half) == model.op_time(r, full_box(r.shape), fast)

@@ -288,3 +288,19 @@ def test_collective_bandwidth_round_trips_in_both_forms_and_is_checked(tmp_path)
     compact["cluster"]["intra"]["collective_bandwidth"] = 0
     with pytest.raises(ValueError, match=r"cluster.intra.collective_bandwidth = 0: must be a finite number > 0"):
         Topology.from_json(compact)
+
+
+def test_gemm_half_round_trips_defaults_to_zero_and_is_checked(tmp_path):
+    base = get_topology("local-cpu-2")
+    t = dataclasses.replace(base, devices=(dataclasses.replace(base.devices[0], gemm_half=11.5), base.devices[1]))
+    obj = t.to_json()
+    assert obj["devices"][0]["gemm_half"] == 11.5 and "gemm_half" not in obj["devices"][1]
+    back = Topology.from_json(json.loads(json.dumps(obj)))
+    assert back == t and [d.gemm_half for d in back.devices] == [11.5, 0.0]
+    assert pickle.loads(pickle.dumps(t)).devices[0].gemm_half == 11.5
+    assert "half its peak at products of 11.5 rows" in t.describe()
+    obj["devices"][1]["gemm_half"] = float("inf")
+    with pytest.raises(ValueError, match=r"devices\[1\].gemm_half = inf: must be a finite number >= 0"):
+        Topology.from_json(obj)
+    with pytest.raises(ValueError, match=r"device 'cpu': gemm_half = -1.0: must be finite and >= 0"):
+        dataclasses.replace(base.devices[0], gemm_half=-1.0)
