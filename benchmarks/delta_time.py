@@ -38,7 +38,7 @@ def _timed(graph, plan, topo, cost, lowering_cache, task_cache) -> tuple[float, 
     t1 = time.perf_counter()
     tg = build_tasks(low, topo, cost, "sgd", task_cache)
     t2 = time.perf_counter()
-    _, end = event_times(tg)  # as simulate_plan: arrays, the makespan read off them
+    _, end = event_times(tg)  # as simulate_plan on a preset (no straggler or contention pass): the makespan
     t3 = time.perf_counter()
     peak_memory(low)
     t4 = time.perf_counter()

@@ -112,7 +112,7 @@ class CostModel(abc.ABC):
         self._nodes: dict[int, OpNode] = {}  # keeps every keyed node alive, so its id is unique
 
     def op_time(self, node: OpNode, box: Box, device: DeviceSpec) -> tuple[float, float]:
-        exact = (id(node), box, device.kind)  # the hot path: one hash of small tuples
+        exact = (id(node), box, device.cost_key)  # the hot path: one hash of small tuples
         hit = self._by_box.get(exact)
         if hit is not None:
             return hit
@@ -120,7 +120,7 @@ class CostModel(abc.ABC):
         op = (node.name, node.kind, node.shape, node.input_specs, node.weights, node.flops)
         regions, weight_regions = partition_regions(node, box)
         key = (op, box_shape(box), tuple(None if r is None else box_shape(r) for r in regions),
-               tuple(sorted((k, box_shape(r)) for k, r in weight_regions.items())), device.kind)
+               tuple(sorted((k, box_shape(r)) for k, r in weight_regions.items())), device.cost_key)
         hit = self._by_shape.get(key)
         if hit is None:
             f, b = self._op_time(node, box, regions, weight_regions, device)

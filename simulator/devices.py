@@ -4,7 +4,7 @@ seconds, FLOP/s, bytes/s)."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Mapping
 
@@ -20,7 +20,8 @@ class DeviceSpec:
     """One device: a GPU, or a CPU process slot."""
 
     kind: str
-    """Device kind, the key of cost-model caches: ``P100``, ``A100-SXM4-80GB``, ``cpu``."""
+    """Device kind: ``P100``, ``A100-SXM4-80GB``, ``cpu`` (the profiled cost model's cache key:
+    what was measured on one device of a kind holds for all)."""
     memory_bytes: int
     """Memory capacity; a plan whose peak exceeds it does not fit."""
     peak_flops: Mapping[str, float]
@@ -59,6 +60,10 @@ class DeviceSpec:
     at m = n½ (a few rows of a batch split across devices and micro-batches: 8 rows here run at
     ~40 % of a 384² product's rate). 0: not modelled, the cost model's constant compute
     efficiency applies (the datasheet presets). ``soapsearch calibrate`` fits it."""
+    cost_key: str = field(init=False, repr=False, compare=False)
+    """The figures an op's time depends on (kind, peak FLOP/s, memory bandwidth, n½), as one
+    string: cost models memoize by it, so two devices of one kind but other figures (a preset
+    and a calibration of this machine, both ``cpu``) never share a time."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "peak_flops", MappingProxyType(dict(self.peak_flops)))
@@ -77,6 +82,8 @@ class DeviceSpec:
         if not self.peak_flops or min(self.peak_flops.values()) <= 0:
             raise ValueError(f"device {self.kind!r}: peak_flops {dict(self.peak_flops)} needs at "
                              "least one dtype, every figure > 0")
+        object.__setattr__(self, "cost_key", repr((self.kind, sorted(self.peak_flops.items()),
+                                                   self.memory_bandwidth, self.gemm_half)))
 
     def __reduce__(self):  # the read-only mapping does not pickle; rebuild from a dict
         return (DeviceSpec, (self.kind, self.memory_bytes, dict(self.peak_flops), self.memory_bandwidth,

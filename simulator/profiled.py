@@ -28,6 +28,7 @@ from simulator.cost import (
     LEAF_KINDS,
     AnalyticalCostModel,
     CostModel,
+    get_cost_model,
     is_cpu,
     partition_regions,
 )
@@ -43,6 +44,8 @@ __all__ = [
     "REPEATS",
     "WARMUP",
     "ProfiledCostModel",
+    "cache_beside",
+    "cost_model_for",
     "default_cache_path",
     "harness_overhead",
     "measure_partition",
@@ -56,6 +59,22 @@ REPEATS = 5
 WARMUP = 2
 """Untimed runs first: the first call pays allocator growth, kernel selection and lazy init."""
 CACHE_FORMAT = "soapsearch.profile"
+
+
+def cache_beside(topology_path: str | os.PathLike) -> Path:
+    """The profile cache ``soapsearch calibrate`` writes beside a topology JSON:
+    ``<dir>/<stem>.profile.json``."""
+    p = Path(topology_path)
+    return p.with_name(f"{p.stem}.profile.json")
+
+
+def cost_model_for(name: str, topology: Any) -> CostModel:
+    """The cost model ``name`` for plans on ``topology`` (a preset name, a JSON path or a
+    Topology): "profiled" on a topology JSON reads the cache calibrated beside it
+    (``cache_beside``), where its overheads were fitted; else the shared model of that name."""
+    if name == "profiled" and isinstance(topology, (str, os.PathLike)) and Path(topology).is_file():
+        return get_cost_model("profiled", cache_path=str(cache_beside(topology)))
+    return get_cost_model(name)
 
 
 def default_cache_path() -> Path:
@@ -224,8 +243,9 @@ class _Store:
 class ProfiledCostModel(CostModel):
     """Measured op times (see ``measure_partition``) less the harness's own cost per call
     (``harness_overhead``, measured once per device kind: t = max(0, t_measured − t_harness)),
-    cached on disk at ``cache_path`` (default ``default_cache_path()``) keyed by ``cache_key``. A GPU device kind is measured on the local
-    CUDA device (assumed to be of that kind), a CPU kind on the CPU. Leaf ops, opaque ops, ops
+    cached on disk at ``cache_path`` (default ``default_cache_path()``) keyed by ``cache_key``.
+    A GPU device kind is measured on the local CUDA device (assumed to be of that kind), a CPU
+    kind on the CPU. Leaf ops, opaque ops, ops
     that fail to run and GPU kinds with no CUDA here fall back to ``fallback`` (analytical).
 
     New measurements are written at most every ``save_interval`` seconds, by ``flush()``, and
@@ -280,12 +300,12 @@ class ProfiledCostModel(CostModel):
         try:
             fwd, bwd = self._measured(cache_key(node, box, device), lambda: measure_partition(
                 node, box, repeats=self.repeats, warmup=self.warmup, device=local))
+            h_fwd, h_bwd = self._measured(f"{device.kind}|torch {torch.__version__}|harness",
+                                          lambda: harness_overhead(warmup=self.warmup, device=local))
         except Exception as e:  # noqa: BLE001 - any failure to run falls back, with its reason
             log.debug("op %r (kind %r) box %s failed to run (%s: %s); using the %s", node.name,
                       node.kind, box, type(e).__name__, e, type(self.fallback).__name__)
             return self.fallback.op_time(node, box, device)
-        h_fwd, h_bwd = self._measured(f"{device.kind}|torch {torch.__version__}|harness",
-                                      lambda: harness_overhead(warmup=self.warmup, device=local))
         return max(0.0, fwd - h_fwd), (max(0.0, bwd - h_bwd) if bwd > 0 else 0.0)
 
     def _measured(self, key: str, measure: Callable[[], tuple[float, float]]) -> tuple[float, float]:

@@ -84,7 +84,7 @@ def link_step(tg: TaskGraph, lowered: Lowered, topology: Topology,
                        tuple(n + l for l in ring_links(topology, g.devices)), g.devices[0], g.nbytes)
             for f in fwds:
                 tg.edge(f, r)
-            for e, d in zip(_synced_ends(tg, topology, r, g.devices, label, REDUCE, fwds), g.devices):
+            for e, d in zip(member_ends(tg.add, tg.edge, topology, r, g.devices, label, REDUCE), g.devices):
                 (ready if dynamic else later)[d].append(e)
     weight_bytes, tensors = lowered.device_bytes.trainable, lowered.gradient_sync.tensors
     buckets = lowered.gradient_sync.buckets
@@ -104,7 +104,7 @@ def link_step(tg: TaskGraph, lowered: Lowered, topology: Topology,
                 tg.edge(dep, pack)
             tg.edge(pack, ar)
             packs.append(pack)
-        for d, e in zip(devs, _synced_ends(tg, topology, ar, devs, label, ALLREDUCE, packs + fwds)):
+        for d, e in zip(devs, _synced_ends(tg, topology, ar, devs, label, ALLREDUCE, list(zip(devs, packs)))):
             unpack = tg.add(f"unpack {label} device {d}", ALLREDUCE,
                             _copy_time(topology.devices[d], buckets[devs]), (d,), d)
             tg.edge(e, unpack)
@@ -113,10 +113,10 @@ def link_step(tg: TaskGraph, lowered: Lowered, topology: Topology,
         everyone = tuple(range(lowered.strategy.num_devices))
         rep = tg.add("allreduce loss", ALLREDUCE, allreduce_time(topology, everyone, _LOSS_BYTES),
                      tuple(n + l for l in ring_links(topology, everyone)), 0, _LOSS_BYTES)
-        deps = [dep for d in sorted(synced) for dep in dict.fromkeys(synced[d])]
-        for dep in deps:
+        arrivals = [(d, dep) for d in sorted(synced) for dep in dict.fromkeys(synced[d])]
+        for _, dep in arrivals:
             tg.edge(dep, rep)
-        _synced_ends(tg, topology, rep, everyone, "allreduce loss", ALLREDUCE, deps)
+        _synced_ends(tg, topology, rep, everyone, "allreduce loss", ALLREDUCE, arrivals)
     for d in sorted(last):
         if weight_bytes[d]:
             u = tg.add(f"update {optimizer} device {d}", UPDATE,
@@ -127,13 +127,14 @@ def link_step(tg: TaskGraph, lowered: Lowered, topology: Topology,
 
 
 def _synced_ends(tg: TaskGraph, topology: Topology, collective: int, devices: Sequence[int], label: str,
-                 category: int, waits_on: Sequence[int]) -> list[int]:
-    """``member_ends`` of a step-end collective, recorded in ``tg.syncs`` with what it waits on
-    (``simulator.stragglers`` scales its overhead by the members arriving together)."""
+                 category: int, arrivals: Sequence[tuple[int, int]]) -> list[int]:
+    """``member_ends`` of a step-end collective, recorded in ``tg.syncs`` with its members'
+    overhead tasks and what it waits on, as (device, task) pairs (``simulator.stragglers``
+    scales the overheads by the members arriving together)."""
     ends = member_ends(tg.add, tg.edge, topology, collective, devices, label, category)
-    hosts = tuple(e for e in ends if e != collective)
+    hosts = tuple((d, e) for d, e in zip(devices, ends) if e != collective)
     if hosts:
-        tg.syncs.append((collective, hosts, tuple(waits_on)))
+        tg.syncs.append((collective, hosts, tuple(arrivals)))
     return ends
 
 

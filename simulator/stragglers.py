@@ -50,25 +50,22 @@ def straggler_durations(tg: TaskGraph, topology: Topology, end: np.ndarray) -> n
     ``end``; None when every factor is 1 (nothing to re-run)."""
     if not tg.syncs:
         return None
-    device = tg.device
     duration = None
-    for _, hosts, preds in tg.syncs:
+    for _, hosts, waits_on in tg.syncs:
         m = len(hosts)
         if m < 2:
             continue
         arrival: dict[int, float] = {}
-        for p in preds:
-            d = device[p]
-            arrival[d] = max(arrival.get(d, -math.inf), float(end[p]))
-        members = [device[h] for h in hosts]
-        last = max((arrival.get(d, -math.inf) for d in members), default=-math.inf)
-        window = max(topology.devices[d].collective_overhead for d in members)
-        k = max(1, sum(1 for d in members if arrival.get(d, -math.inf) >= last - window))
+        for d, t in waits_on:
+            arrival[d] = max(arrival.get(d, -math.inf), float(end[t]))
+        last = max((arrival.get(d, -math.inf) for d, _ in hosts), default=-math.inf)
+        window = max(topology.devices[d].collective_overhead for d, _ in hosts)
+        k = max(1, sum(1 for d, _ in hosts if arrival.get(d, -math.inf) >= last - window))
         if k == m:
             continue
         factor = expected_max(k) / expected_max(m)
         if duration is None:
             duration = tg.arrays()[0].copy()
-        for h, d in zip(hosts, members):
+        for d, h in hosts:
             duration[h] = topology.devices[d].collective_overhead * factor
     return duration

@@ -101,9 +101,10 @@ class TaskGraph:
         self._lists: dict[str, list] = {}
         self._adjacency: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         self._adjacency_lists: tuple[list[int], list[int], list[int]] | None = None
-        self.syncs: list[tuple[int, tuple[int, ...], tuple[int, ...]]] = []
-        """The step end's collectives with per-member overhead tasks: (collective, its overhead
-        tasks, what it waits on), which ``simulator.stragglers`` scales."""
+        self.syncs: list[tuple[int, tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]]] = []
+        """The step end's collectives with per-member overhead tasks: (collective, its (device,
+        overhead task) pairs, the (device, task) pairs it waits on), which
+        ``simulator.stragglers`` scales."""
 
     # --- tasks ----------------------------------------------------------------------------------
     def place(self, segments: list[Segment], joined: tuple[np.ndarray, ...]) -> np.ndarray:

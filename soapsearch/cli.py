@@ -117,7 +117,10 @@ def _cmd_simulate(args) -> int:
     topo = get_topology(args.topology)
     if (args.plan is None) == (args.baseline is None):
         raise ValueError("give exactly one of --plan plan.json and --baseline NAME")
-    result = simulate(graph, args.plan or args.baseline, topology=topo, cost_model=args.cost_model,
+    from simulator.profiled import cost_model_for
+
+    result = simulate(graph, args.plan or args.baseline, topology=topo,
+                      cost_model=cost_model_for(args.cost_model, args.topology),
                       optimizer=args.optimizer, microbatches=args.microbatches, trace=args.trace)
     if args.json:
         print(json.dumps(result.to_json()))

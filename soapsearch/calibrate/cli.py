@@ -33,7 +33,7 @@ def _calibrate(args: argparse.Namespace) -> int:
           f"copy GB/s alone {', '.join(f'{b / 1e9:.1f}' for b in report['solo_memory_bandwidth'])}, "
           f"all at once {', '.join(f'{b / 1e9:.1f}' for b in report['memory_bandwidth'])} "
           f"(contention {report['contention']:.2f}x); products at half the peak at "
-          f"{report['gemm_half']:.3g} rows (r² {report['gemm_r2']:.3f}); "
+          f"{report['gemm_half']:.3g} rows; "
           f"op overhead {report['op_overhead'] * 1e6:.1f} µs; kind {report['kind']}")
     print(f"executor overheads: {report['task_overhead'] * 1e6:.0f} µs per partition task, "
           f"{report['message_overhead'] * 1e6:.0f} µs per received piece (beyond the link), "
@@ -74,7 +74,8 @@ def add_calibrate_parsers(subparsers) -> None:
                    help="rounds of the executor-overhead probe (0: skip, overheads 0)")
     p.add_argument("--cost-model", choices=("analytical", "profiled"), default="analytical",
                    help="fit the executor's overheads beyond this cost model's kernel times (profiled: "
-                        "timed into <output stem>.profile.json; simulate with the same model and cache)")
+                        "timed into <output stem>.profile.json, which simulate, search and compare "
+                        "--cost-model profiled read for this topology)")
     p.set_defaults(fn=_calibrate)
     c = subparsers.add_parser("compare", help="run a plan for real and compare with the simulator")
     c.add_argument("plan", help="strategy JSON")

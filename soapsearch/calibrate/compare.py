@@ -14,6 +14,7 @@ Relative error = (predicted - measured) / measured.
 
 from __future__ import annotations
 
+import bisect
 import json
 import os
 import statistics
@@ -26,14 +27,15 @@ from typing import Any
 import torch.distributed as dist
 import torch
 
-from simulator.cost import CostModel, get_cost_model
+from simulator.cost import CostModel
 from simulator.presets import get_topology
+from simulator.result import SimResult
 from simulator.simulate import simulate_plan
 from simulator.topology import Topology
 from soapsearch.calibrate._spawn import spawn
 from strategies.serialize import read_plan
 
-__all__ = ["BUSY", "CompareResult", "Measured", "compare", "run_plans", "simulate_file"]
+__all__ = ["BUSY", "PHASES", "CompareResult", "Measured", "compare", "run_plans", "simulate_file", "simulated_phases"]
 
 BUSY = ("forward", "backward", "update")
 """The categories of the executor's events that count as a device's busy time."""
@@ -41,8 +43,8 @@ PHASES = ("forward", "backward", "receives", "sync+update")
 """The columns of ``CompareResult``'s phases. Simulated, a device's compute lane: its forward and
 backward tasks, its message and exchange overheads, and its collectives' host work (bucket
 copies, collective overheads; mid-step sums' too) and update. Measured, per step: the
-executor's forward and backward steps (mid-step sums and receive waits in them), those waits,
-and its gradient sync, loss sum and update."""
+executor's forward and backward steps (mid-step sums in them), less the receive waits inside
+them, which are the receives column, and its gradient sync, loss sum and update."""
 _SIMULATED = {"forward": "forward", "backward": "backward", "recv": "receives", "reduce": "sync+update",
               "allreduce": "sync+update", "update": "sync+update"}
 _MEASURED = {"forward": "forward", "backward": "backward", "gradient sync": "sync+update", "loss": "sync+update",
@@ -117,14 +119,14 @@ def _worker(rank: int, world: int, plans: Sequence[str], model: str, variant: st
     for path in plans:
         ex = Executor(built.graph, read_plan(path, built.graph).strategy, built.model.state_dict(),
                       built.inputs, TrainConfig(), "cpu", trace=True)
-        waits: list[float] = []
+        waits: list[tuple[float, float]] = []  # (start µs, seconds) of each receive's wait
 
         def timed_recv(*a, recv=ex.p2p.recv, waits=waits, **kw):
             t0 = time.perf_counter()
             try:
                 return recv(*a, **kw)
             finally:
-                waits.append(time.perf_counter() - t0)
+                waits.append((t0 * 1e6, time.perf_counter() - t0))
         ex.p2p.recv = timed_recv  # instance attribute: counts receive waits, changes nothing else
         runs.append({"ex": ex, "waits": waits, "step_s": [], "busy": 0.0, "wait": 0.0, "events": [],
                      "phases": dict.fromkeys(PHASES, 0.0)})
@@ -139,12 +141,11 @@ def _worker(rank: int, world: int, plans: Sequence[str], model: str, variant: st
             t1 = time.perf_counter()
             if k < warmup:
                 continue
+            waited = sum(dt for _, dt in waits)
             run["step_s"].append(t1 - t0)
-            run["busy"] += sum(e["dur"] for e in ex.events if e["cat"] in BUSY) * 1e-6 - sum(waits)
-            run["wait"] += sum(waits)
-            run["phases"]["receives"] += sum(waits) * 1e6
-            for e in ex.events:
-                run["phases"][_MEASURED[e["cat"]]] += e["dur"]
+            run["busy"] += sum(e["dur"] for e in ex.events if e["cat"] in BUSY) * 1e-6 - waited
+            run["wait"] += waited
+            _add_phases(run["phases"], ex.events, waits)
             run["events"] = [dict(e, ts=e["ts"] - t0 * 1e6) for e in ex.events]
     out = []
     for run in runs:
@@ -171,7 +172,22 @@ def run_plans(plans: Sequence[str | os.PathLike], model: str, nproc: int, *, var
             for i in range(len(plans))]
 
 
-def simulated_phases(sim, num_devices: int) -> list[dict[str, float]]:
+def _add_phases(phases: dict[str, float], events: Sequence[dict[str, Any]],
+                waits: Sequence[tuple[float, float]]) -> None:
+    """Add one step's µs per phase: each event's time to its phase, less the receive waits
+    (start µs, seconds) that fell inside it, which go to "receives"."""
+    starts = [e["ts"] for e in events]
+    inside = [0.0] * len(events)
+    for t0, dt in waits:
+        i = bisect.bisect_right(starts, t0) - 1  # the event running when the wait began
+        if i >= 0:
+            inside[i] += dt * 1e6
+        phases["receives"] += dt * 1e6
+    for e, w in zip(events, inside):
+        phases[_MEASURED[e["cat"]]] += e["dur"] - w
+
+
+def simulated_phases(sim: SimResult, num_devices: int) -> list[dict[str, float]]:
     """Per device: ms of its compute lane's tasks in each of ``PHASES`` (a timeline's)."""
     out = [dict.fromkeys(PHASES, 0.0) for _ in range(num_devices)]
     for _, device, lane, start, end, category in sim.timeline:
@@ -182,12 +198,9 @@ def simulated_phases(sim, num_devices: int) -> list[dict[str, float]]:
 
 
 def _cost(cost_model: CostModel | str, topology: Topology | str | os.PathLike) -> CostModel:
-    if not isinstance(cost_model, str):
-        return cost_model
-    if cost_model == "profiled" and not isinstance(topology, Topology) and Path(topology).is_file():
-        cache = Path(topology).with_name(f"{Path(topology).stem}.profile.json")  # calibrate --model's
-        return get_cost_model("profiled", cache_path=str(cache))
-    return get_cost_model(cost_model)
+    from simulator.profiled import cost_model_for
+
+    return cost_model if not isinstance(cost_model, str) else cost_model_for(cost_model, topology)
 
 
 def simulate_file(plan_path: str | os.PathLike, model: str, topology: Topology | str | os.PathLike,
@@ -236,4 +249,5 @@ def compare(plan_path: str | os.PathLike, model_spec: str, topology: Topology | 
     name = cost_model if isinstance(cost_model, str) else type(cost_model).__name__
     return CompareResult(str(plan_path), model_spec, topo.name, name, sim.iteration_ms, measured.iteration_ms,
                          measured.step_ms, [b * 1e3 for b in sim.busy_time[:n]], measured.busy_ms, measured.wait_ms,
-                         simulated_phases(sim, n), measured.phase_ms or [dict.fromkeys(PHASES, 0.0)] * n)
+                         simulated_phases(sim, n),
+                         measured.phase_ms or [dict.fromkeys(PHASES, 0.0) for _ in range(n)])

@@ -3,6 +3,7 @@ calibrated Topology, rank correlation. No processes here (tests run it on synthe
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 from collections.abc import Callable, Mapping, Sequence
@@ -253,13 +254,16 @@ def fit_collective_bandwidth(n: int, sizes: Sequence[float], times: Sequence[flo
     return bandwidth, r2
 
 
-def fit_gemm_half(rows: Sequence[float], seconds: Sequence[float]) -> tuple[float, float]:
-    """Hockney's half-performance length n½ of [m, K] × [K, N] products from their times: at
-    rate r∞ · m / (m + n½) a product of 2mKN FLOPs takes t(m) = 2KN (m + n½) / r∞, a line in m
-    (Hockney & Jesshope 1988), fitted as ``fit_alpha_beta`` fits t = alpha + m / B: n½ =
-    alpha · B. Returns (n½ rows, r²)."""
-    alpha, per_row, r2 = fit_alpha_beta(rows, seconds)
-    return alpha * per_row, r2
+def fit_gemm_half(rows: Sequence[float], seconds: Sequence[float], peak: float, k: int, n: int) -> float:
+    """Hockney's half-performance length n½ of [m, k] × [k, n] products from their times, the
+    rate r∞ held at the device's ``peak`` (the one the cost model divides by): at r∞ · m /
+    (m + n½) a product takes t(m) = 2kn (m + n½) / r∞ (Hockney & Jesshope 1988), so each time
+    implies n½ = t · r∞ / (2kn) − m; the median of those, >= 0."""
+    if len(rows) != len(seconds) or not rows:
+        raise ValueError(f"fit_gemm_half: need one time per row count (got {len(rows)} rows, {len(seconds)} times)")
+    if not (peak > 0 and all(t > 0 and math.isfinite(t) for t in seconds)):
+        raise ValueError(f"fit_gemm_half: peak ({peak}) and times ({list(seconds)}) must be finite and > 0")
+    return max(0.0, statistics.median(t * peak / (2 * k * n) - m for m, t in zip(rows, seconds)))
 
 
 def ring_allreduce_seconds(n: int, nbytes: float, alpha: float, bandwidth: float) -> float:

@@ -14,10 +14,12 @@
   on all N processes at once and then on each alone: the topology's devices get the slowest
   solo figures and, as ``contention``, how much slower they run all at once (processes sharing
   cores, caches and memory bandwidth; the simulator slows each compute task by how many of
-  them compute with it); and the eager dispatch overhead of one tiny op (what the analytical
-  model calls launch overhead);
+  them compute with it); the time of [m, 1024] × [1024, 1024] products of m = 4..64 rows
+  alone, whose half-performance length n½ the devices carry (``fit.fit_gemm_half``); and the
+  eager dispatch overhead of one tiny op (what the analytical model calls launch overhead);
 * the executor's overheads, on all N processes: probe chains trained by the real ``Executor``
-  (``overhead.py``), fitted to a per-task figure beyond the analytical cost model's kernels, a
+  (``overhead.py``), fitted to a per-task figure beyond the kernels of the cost model the plans
+  will be simulated with (analytical or profiled), a
   per-received-piece figure beyond the link (one for one-way pieces, one for pieces exchanged
   between processes that all compute) and a per-collective figure beyond the ring formula
   (``fit.fit_overheads``) that every device of the topology carries.
@@ -97,11 +99,10 @@ class Calibration:
     gemm_seconds: list[list[float]] = field(default_factory=list)
     """[[rows m, seconds], ...]: a [m, 1024] × [1024, 1024] product alone, slowest process."""
     gemm_half: float = 0.0
-    """The products' half-performance length n½ fitted on ``gemm_seconds`` (``fit_gemm_half``;
-    0 when no fit: ``DeviceSpec.gemm_half``)."""
-    gemm_r2: float = float("nan")
+    """The products' half-performance length n½ fitted on ``gemm_seconds`` against the slowest
+    solo peak (``fit_gemm_half``; ``DeviceSpec.gemm_half``)."""
     task_overhead: float = 0.0
-    """Seconds per forward or backward task of a partition beyond the analytical kernels
+    """Seconds per forward or backward task of a partition beyond the cost model's kernels
     (framework dispatch, autograd, the executor's own work; ``fit_overheads``)."""
     message_overhead: float = 0.0
     """Executor seconds per received one-way point-to-point piece beyond alpha + s/B
@@ -288,11 +289,7 @@ def measure(nproc: int, backend: str = "gloo", sizes: Sequence[int] = DEFAULT_SI
         [r["solo_flops"] for r in results], [r["solo_memory_bandwidth"] for r in results],
         max(r["op_overhead"] for r in results), p2p=p2p, allreduce=allreduce)
     cal.gemm_seconds = [[m, max(r["gemm_seconds"][i] for r in results)] for i, m in enumerate(GEMM_ROWS)]
-    try:
-        cal.gemm_half, cal.gemm_r2 = fit_gemm_half([m for m, _ in cal.gemm_seconds], [t for _, t in cal.gemm_seconds])
-    except ValueError as e:
-        warnings.warn(f"calibrate: no half-performance length fitted ({e}); products of every size run at "
-                      "the cost model's constant efficiency", RuntimeWarning, stacklevel=2)
+    cal.gemm_half = fit_gemm_half(GEMM_ROWS, [t for _, t in cal.gemm_seconds], min(cal.solo_flops), GEMM_K, GEMM_K)
     if overhead_rounds:
         raw = results[0]["overheads"]  # every figure in it is already reduced over the ranks
         cost = get_cost_model("analytical") if cost is None else cost  # (a profiled one with an empty cache is falsy)
@@ -350,13 +347,13 @@ def calibrate(nproc: int, backend: str = "gloo", sizes: Sequence[int] = DEFAULT_
     (``<out stem>.profile.json`` beside ``out``, else the default cache), which plans on this
     topology should then be simulated with. With ``model`` that cache is also warmed for the
     model's baseline plans."""
-    from simulator.profiled import ProfiledCostModel, default_cache_path
+    from simulator.profiled import ProfiledCostModel, cache_beside, default_cache_path
 
     if cost_model not in ("analytical", "profiled"):
         raise ValueError(f"calibrate: cost_model {cost_model!r}: choose 'analytical' or 'profiled'")
     cache = None
     if cost_model == "profiled" or model is not None:
-        cache = str(Path(out).with_name(f"{Path(out).stem}.profile.json") if out is not None else default_cache_path())
+        cache = str(cache_beside(out) if out is not None else default_cache_path())
     cost = ProfiledCostModel(cache_path=cache) if cost_model == "profiled" else get_cost_model("analytical")
     try:
         cal = measure(nproc, backend, sizes, repeats=repeats, overhead_rounds=overhead_rounds, cost=cost)

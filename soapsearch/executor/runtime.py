@@ -78,7 +78,8 @@ class Executor:
     caller clears it) one Chrome event per forward and backward step of this rank (category
     "forward" / "backward"), then the step end's: "gradient sync" (the buckets packed,
     all-reduced and copied back, the wait included), "update" (the optimizer step) and "loss"
-    (the loss value's sum over ranks: started before the update, waited after it)."""
+    twice: before the update, the waits on every loss sum still in flight, the loss value's sum
+    over ranks started and the step's sends flushed; after it, that sum waited)."""
 
     def __init__(self, graph: OpGraph, strategy: Strategy, state: Mapping[str, torch.Tensor],
                  batch: Sequence[Any], config: TrainConfig = TrainConfig(),

@@ -111,7 +111,7 @@ def best_baselines(graph: OpGraph, num_devices: int, evaluate: Evaluator
     return plans, results
 
 
-def accumulate(graph: OpGraph, n: int, evaluate: Evaluator, stats: ChainStats, started: float) -> None:
+def _accumulate(graph: OpGraph, n: int, evaluate: Evaluator, stats: ChainStats, started: float) -> None:
     """When no expert plan fits: data parallel with gradient accumulation, 1F1B over 2, 4, 8
     micro-batches (one micro-batch's activations held at a time), the fewest that fits
     considered as the answer (it is not a chain's start: the chains keep their micro-batches)."""
@@ -153,7 +153,7 @@ def search(model: torch.nn.Module | OpGraph, example_inputs: Sequence[Any] | Non
     One MCMC chain per initial plan, the budget split evenly between them; the result is never
     worse than the best initial plan nor than any baseline (they are scored first), and when no
     baseline fits in device memory, data parallel with gradient accumulation is tried too
-    (``accumulate``). Deterministic for a seed under a proposal budget."""
+    (``_accumulate``). Deterministic for a seed under a proposal budget."""
     graph = model if isinstance(model, OpGraph) else trace(model, example_inputs)
     topo = get_topology(topology) if isinstance(topology, (str, os.PathLike)) else topology
     n = num_devices or topo.num_devices
@@ -170,7 +170,7 @@ def search(model: torch.nn.Module | OpGraph, example_inputs: Sequence[Any] | Non
     for name, plan in plans.items():  # the answer is never worse than an expert's plan
         consider(stats, plan, results[name], plan_cost(results[name]), started)
     if stats.best_result is not None and not stats.best_result.fits:
-        accumulate(graph, n, evaluate, stats, started)
+        _accumulate(graph, n, evaluate, stats, started)
     inits = [_initial(i, graph, n, rng, candidates, microbatches, schedule, plans) for i in init]
     if not inits:
         raise ValueError("search needs at least one initial plan (init)")

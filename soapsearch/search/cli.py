@@ -57,14 +57,17 @@ def _cmd_search(args, graph_of) -> int:
             bar.set_postfix(best_ms=f"{stats.best_result.iteration_ms:.3f}",
                             accept=f"{stats.accepted / max(1, stats.proposals):.2f}", refresh=False)
 
+    from simulator.profiled import cost_model_for
+
+    cost = cost_model_for(args.cost_model, args.topology)  # profiled: the cache calibrated beside a topology JSON
     if args.optuna or args.study:
         result = study_search(graph, topology=args.topology, budget_s=args.budget,
                               trials=args.trials, trial_proposals=args.proposals,
                               storage=args.study, study_name=args.study_name, seed=args.seed,
-                              cost_model=args.cost_model)
+                              cost_model=cost)
     else:
         result = search(graph, topology=args.topology, budget_s=args.budget,
-                        proposals=args.proposals, cost_model=args.cost_model,
+                        proposals=args.proposals, cost_model=cost,
                         init=tuple(args.init.split(",")), seed=args.seed,
                         microbatches=args.microbatches, schedule=args.schedule,
                         num_devices=args.devices, on_step=on_step)

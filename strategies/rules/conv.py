@@ -131,10 +131,13 @@ class Conv2d(_Window):
 
     def gemm_size(self, node: OpNode, box: Box) -> int | None:
         """min(batch·pixels, out channels per group, in channels per group · kernel) of the
-        products a convolution lowers to (im2col)."""
+        products a convolution lowers to (im2col); None for a depthwise one (one channel per
+        group: a direct, memory-bound kernel, not a product)."""
         shape, w = box_shape(box), param_shape(node, "weight")
-        return min(shape[0] * math.prod(shape[2:]), min(shape[1], node.shape[1] // node.attrs["groups"]),
-                   math.prod(w[1:]))
+        per_group = node.shape[1] // node.attrs["groups"]
+        if per_group == 1 or w[1] == 1:
+            return None
+        return min(shape[0] * math.prod(shape[2:]), min(shape[1], per_group), math.prod(w[1:]))
 
     def _param_region(self, node: OpNode, role: str, box: Box) -> Box:
         return (box[1],) + tuple((0, s) for s in param_shape(node, role)[1:])

@@ -122,6 +122,10 @@ class Attention(SplitAll):
                 broadcast_region(lead, k[:-2], len(lead)) + (keys, (0, k[-1])),
                 broadcast_region(lead, v[:-2], len(lead)) + (keys, (0, v[-1])))
 
+    def gemm_size(self, node: OpNode, box: Box) -> int | None:
+        """min(queries, keys, head_dim) of q·kᵀ and of its product with v."""
+        return min(box[-2][1] - box[-2][0], node.input_specs[1].shape[-2], node.shape[-1])
+
     def forward(self, node: OpNode, box: Box, inputs: Sequence[torch.Tensor],
                 weights: Mapping[str, torch.Tensor], reduce: Reduce = no_reduce) -> torch.Tensor:
         q, k, v = inputs

@@ -115,3 +115,14 @@ def test_compare_runs_a_plan_and_writes_both_timelines(tmp_path):
         cats = [e["cat"] for e in json.loads((tmp_path / "tr" / f"measured.rank{rank}.json").read_text())["traceEvents"]]
         assert cats[-4:] == ["gradient sync", "loss", "update", "loss"] and {"forward", "backward"} <= set(cats)
     assert simulate_plan(graph, baseline("data_parallel", graph, 2), "local-cpu-2").iteration_ms == pytest.approx(r.predicted_ms)
+
+
+def test_receive_waits_leave_the_phase_of_the_event_they_fell_in():
+    from soapsearch.calibrate.compare import _add_phases
+
+    events = [{"cat": "forward", "ts": 0.0, "dur": 100.0}, {"cat": "backward", "ts": 100.0, "dur": 200.0},
+              {"cat": "gradient sync", "ts": 300.0, "dur": 50.0}]
+    phases = dict.fromkeys(PHASES, 0.0)
+    _add_phases(phases, events, [(120.0, 50e-6), (10.0, 20e-6)])  # 50 µs inside backward, 20 inside forward
+    assert phases == pytest.approx({"forward": 80.0, "backward": 150.0, "receives": 70.0, "sync+update": 50.0})
+    assert sum(phases.values()) == pytest.approx(350.0)  # the step, each µs counted once

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -267,6 +268,12 @@ def test_every_op_of_the_tiny_zoo(name, graphs, tmp_path):
     assert len(profiled) > 0
 
 
+def traced_gpt():
+    from tests.conftest import traced
+
+    return traced("gpt")
+
+
 def test_gemm_size_is_the_smallest_product_dimension(conv_graph, graphs):
     from strategies.rules import get_rule
 
@@ -300,3 +307,29 @@ def test_a_half_performance_length_slows_thin_products_only():
     assert w_fwd == pytest.approx(2 * 4096 * 1024 ** 2 / (1e12 * 1024 / 1048) + model.launch(half), rel=1e-12)  # m = 1024
     r = relu((64, 64))  # no product: the constant efficiency either way
     assert model.op_time(r, full_box(r.shape), half) == model.op_time(r, full_box(r.shape), fast)
+    # one kind, other figures: the memo keeps them apart (a preset and a calibration, both "cpu")
+    same_kind = dataclasses.replace(fast, kind="cpu-half")
+    assert model.op_time(thin, full_box(thin.shape), same_kind)[0] < fwd / 2
+
+
+def test_depthwise_convs_are_not_products_and_attention_is():
+    from strategies.rules import get_rule
+
+    g = trace(nn.Sequential(nn.Conv2d(8, 8, 3, padding=1, groups=8)), (torch.randn(2, 8, 6, 6),))
+    dw = next(n for n in g if n.kind == "conv2d")
+    assert get_rule("conv2d").gemm_size(dw, full_box(dw.shape)) is None
+    att = next(n for n in traced_gpt() if n.kind == "attention")
+    q, k = att.input_specs[0].shape, att.input_specs[1].shape
+    assert get_rule("attention").gemm_size(att, full_box(att.shape)) == min(q[-2], k[-2], att.shape[-1])
+
+
+def test_profiled_on_a_topology_json_reads_the_cache_calibrated_beside_it(tmp_path):
+    from simulator.presets import get_topology
+
+    path = tmp_path / "cal2.json"
+    get_topology("local-cpu-2").save(path)
+    model = profiled_mod.cost_model_for("profiled", str(path))
+    assert isinstance(model, ProfiledCostModel) and model.cache_path == tmp_path / "cal2.profile.json"
+    assert profiled_mod.cache_beside(path) == tmp_path / "cal2.profile.json"
+    assert profiled_mod.cost_model_for("profiled", "local-cpu-2") is get_cost_model("profiled")
+    assert profiled_mod.cost_model_for("analytical", str(path)) is get_cost_model("analytical")

@@ -298,6 +298,8 @@ def test_gemm_half_round_trips_defaults_to_zero_and_is_checked(tmp_path):
     back = Topology.from_json(json.loads(json.dumps(obj)))
     assert back == t and [d.gemm_half for d in back.devices] == [11.5, 0.0]
     assert pickle.loads(pickle.dumps(t)).devices[0].gemm_half == 11.5
+    dev = pickle.loads(pickle.dumps(t.devices[0]))  # DeviceSpec.__reduce__
+    assert dev == t.devices[0] and dev.gemm_half == 11.5 and dev.cost_key == t.devices[0].cost_key
     assert "half its peak at products of 11.5 rows" in t.describe()
     obj["devices"][1]["gemm_half"] = float("inf")
     with pytest.raises(ValueError, match=r"devices\[1\].gemm_half = inf: must be a finite number >= 0"):
