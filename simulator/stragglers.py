@@ -7,12 +7,14 @@ member whose compute ran late by the host's jitter (2 processes computing the sa
 p10–p90 30–49 ms; a 1 MB all-reduce right after took 6.5 ms median against 1.3 ms started
 together). Where only some members compute up to the collective and the others wait for it idle
 (the loss value's all-reduce of a pipeline, summed after stage 0's last backward), only the busy
-ones can be late. With k of a collective's m members arriving within w of the last (w = its
-overhead: the jitter's scale), the expected wait for the slowest of k i.i.d. normal jitters is
-σ·e(k), e(k) = E[max of k standard normals] (e(1) = 0, e(2) = 1/√π ≈ 0.564, e(4) ≈ 1.029), so
-the overhead charged is scaled by e(k) / e(m): the fitted figure when all m arrive together,
-none when one arrives last alone. Found from the uncontended timeline in one pass
-(``straggler_durations``), before ``simulator.contention``'s passes.
+ones can be late. The expected wait for the slowest of k i.i.d. normal jitters is σ·e(k),
+e(k) = E[max of k standard normals] (e(1) = 0, e(2) = 1/√π ≈ 0.564, e(4) ≈ 1.029), so the
+overhead charged is scaled by e(k) / e(m) for k of the collective's m members arriving together:
+the fitted figure when all m do, none when one arrives last alone. A member arriving δ before
+the last counts max(0, 1 − δ/w), w = the overhead (the jitter's scale), and e is interpolated
+between whole k, so the charge moves continuously with the arrivals (no step for a search to
+fall over). Found from the uncontended timeline in one pass (``straggler_durations``), before
+``simulator.contention``'s passes.
 """
 
 from __future__ import annotations
@@ -25,7 +27,13 @@ import numpy as np
 from simulator.taskgraph import TaskGraph
 from simulator.topology import Topology
 
-__all__ = ["expected_max", "straggler_durations"]
+__all__ = ["expected_max", "straggler_durations", "together"]
+
+
+def together(k: float) -> float:
+    """e(k) for a real k >= 1: ``expected_max`` interpolated linearly between whole k."""
+    lo = math.floor(k)
+    return expected_max(lo) + (k - lo) * (expected_max(lo + 1) - expected_max(lo)) if k > lo else expected_max(lo)
 
 
 @lru_cache(maxsize=None)
@@ -46,7 +54,7 @@ def expected_max(k: int) -> float:
 
 def straggler_durations(tg: TaskGraph, topology: Topology, end: np.ndarray) -> np.ndarray | None:
     """The graph's durations with each collective's overhead tasks (``TaskGraph.syncs``)
-    scaled by e(k) / e(m) (the module docstring), k counted on the timeline whose task ends are
+    scaled by e(k) / e(m) (the module docstring), k weighed on the timeline whose task ends are
     ``end``; None when every factor is 1 (nothing to re-run)."""
     if not tg.syncs:
         return None
@@ -60,10 +68,10 @@ def straggler_durations(tg: TaskGraph, topology: Topology, end: np.ndarray) -> n
             arrival[d] = max(arrival.get(d, -math.inf), float(end[t]))
         last = max((arrival.get(d, -math.inf) for d, _ in hosts), default=-math.inf)
         window = max(topology.devices[d].collective_overhead for d, _ in hosts)
-        k = max(1, sum(1 for d, _ in hosts if arrival.get(d, -math.inf) >= last - window))
+        k = max(1.0, sum(max(0.0, 1.0 - (last - arrival.get(d, -math.inf)) / window) for d, _ in hosts))
         if k == m:
             continue
-        factor = expected_max(k) / expected_max(m)
+        factor = together(k) / expected_max(m)
         if duration is None:
             duration = tg.arrays()[0].copy()
         for d, h in hosts:
