@@ -34,8 +34,8 @@ import numpy as np
 from simulator.comm import allgather_time, group_sum_time, ring_links, transfer_time
 from simulator.cost import CostModel
 from simulator.step import UPDATE_TRAFFIC, link_step, member_ends
-from simulator.taskgraph import (ALLREDUCE, BACKWARD, CATEGORY, FORWARD, GRAD_TRANSFER, RECV, REDUCE, TRANSFER,
-                                  UPDATE, Columns, Segment, TaskGraph, join)
+from simulator.taskgraph import (ALLREDUCE, BACKWARD, CATEGORY, FORWARD, GRAD_TRANSFER, INDEX, RECV, REDUCE,
+                                  TRANSFER, UPDATE, Columns, Segment, TaskGraph, join)
 from simulator.topology import Topology
 from strategies.graph import OpGraph, OpNode
 from strategies.lowering import BACKWARD as BY_BACKWARD
@@ -74,7 +74,7 @@ class _Block:
         """(group, its members' forward tasks, dynamic) of each sum only the end of the step
         waits on (a loss's; dynamic: its divisor needs the data). Its tasks are made by
         ``step.link_step``, which knows whether it rides a gradient bucket."""
-        self.edges = np.empty((4, 0), dtype=np.int64)
+        self.edges = np.empty((4, 0), dtype=INDEX)
         """Every edge of the block, its own and its producers': rows (source, its block's
         position, target, its); a task's id in the graph is its local id plus its block's first."""
         self.arrays: tuple[np.ndarray, ...] = ()
@@ -89,13 +89,13 @@ class _Block:
         """Freeze the tasks and edges collected so far into arrays (blocks are shared by the cache)."""
         self.segment = Segment(self.cols)
         own = len(self.edge_src)
-        self.edges = np.empty((4, own + len(self.cross) // 4), dtype=np.int64)
+        self.edges = np.empty((4, own + len(self.cross) // 4), dtype=INDEX)
         self.edges[0, :own], self.edges[2, :own], self.edges[1::2, :own] = self.edge_src, self.edge_dst, self.position
-        self.edges[:, own:] = np.fromiter(self.cross, np.int64, len(self.cross)).reshape(-1, 4).T
+        self.edges[:, own:] = np.fromiter(self.cross, INDEX, len(self.cross)).reshape(-1, 4).T
         self.edge_src, self.edge_dst, self.cross = [], [], []  # now in ``edges``
         done = ([t for ids in d for t in ids] for d in (self.fwd_done, self.bwd_done))
         rows = [*self.steps, *done]
-        self.steps = np.asarray(rows + [[self.position] * len(rows[0])], dtype=np.int64).reshape(6, -1)
+        self.steps = np.asarray(rows + [[self.position] * len(rows[0])], dtype=INDEX).reshape(6, -1)
         self.arrays = (self.edges, self.steps, self.segment.duration, self.segment.res_len, self.segment.res)
         return self
 
