@@ -107,14 +107,18 @@ class TaskGraph:
         self._adjacency_lists: tuple[list[int], list[int], list[int]] | None = None
 
     # --- tasks ----------------------------------------------------------------------------------
-    def place(self, segments: list[Segment], joined: tuple[np.ndarray, ...]) -> np.ndarray:
+    def place(self, segments: list[Segment], joined: tuple[np.ndarray, ...],
+              first: np.ndarray | None = None) -> np.ndarray:
         """Lay ``segments``' tasks out first, in order (once, before any task is added); returns
         each one's first id. ``joined``: their (duration, res_len, res) concatenated, which the
-        caller keeps across graphs (``arrays`` reads them)."""
+        caller keeps across graphs (``arrays`` reads them); ``first``: each one's first id and
+        the task count last, when the caller keeps those too."""
         if self.segments or len(self.tail):
             raise ValueError("TaskGraph.place: segments are laid out once, before any task is added")
-        first = np.zeros(len(segments) + 1, dtype=INDEX)
-        np.cumsum(np.fromiter(map(attrgetter("size"), segments), INDEX, len(segments)), dtype=INDEX, out=first[1:])
+        if first is None:
+            first = np.zeros(len(segments) + 1, dtype=INDEX)
+            np.cumsum(np.fromiter(map(attrgetter("size"), segments), INDEX, len(segments)), dtype=INDEX,
+                      out=first[1:])
         self.segments = list(segments)
         self._joined = joined
         self._head = int(first[-1])

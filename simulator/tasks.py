@@ -118,26 +118,37 @@ class TaskCache:
             self._graph, self._layout, self._joined = graph, _layout(graph), None
         return self._layout
 
-    def join(self, blocks: list[_Block]) -> tuple[np.ndarray, ...]:
+    def join(self, blocks: list[_Block]) -> "_Joined":
         """``blocks``' arrays joined, from the last graph's (``_Joined``)."""
         if self._joined is None:
             self._joined = _Joined(blocks)
         else:
             self._joined.update(blocks)
-        return self._joined.arrays
+        return self._joined
 
 
 class _Joined:
     """The blocks of the last task graph built and their ``arrays`` joined block after block.
     A search's next graph has mostly the same blocks: the changed blocks' slices are replaced
     (one concatenation of 2k + 1 pieces per field for k changed blocks) rather than every
-    block's arrays joined again."""
+    block's arrays joined again, and what a graph reads of every block is kept beside them
+    (patched at the changed blocks), so no pass over the blocks visits each one."""
 
     def __init__(self, blocks: list[_Block]):
         self.blocks = blocks
         self.arrays = join([b.arrays for b in blocks])
         self.sizes = np.array([[a.shape[-1] for a in b.arrays] for b in blocks], dtype=np.int64)
         """Block x field: the length of the block's slice."""
+        self.segments = [b.segment for b in blocks]
+        self.summing = [i for i, b in enumerate(blocks) if b.step_reductions]
+        """The positions of the blocks with sums only the end of the step waits on."""
+        self.first = self._first()
+
+    def _first(self) -> np.ndarray:
+        """Each block's first task id (its tasks' place in the graph), and the task count last."""
+        first = np.zeros(len(self.sizes) + 1, dtype=INDEX)
+        np.cumsum(self.sizes[:, 2], dtype=INDEX, out=first[1:])  # field 2: durations, one per task
+        return first
 
     def update(self, blocks: list[_Block]) -> None:
         changed = list(itertools.compress(range(len(blocks)), map(operator.is_not, blocks, self.blocks)))
@@ -155,7 +166,10 @@ class _Joined:
             joined.append(np.concatenate(pieces + [whole[..., at:]], axis=-1))
         for i in changed:
             self.sizes[i] = [a.shape[-1] for a in blocks[i].arrays]
-        self.blocks, self.arrays = blocks, tuple(joined)
+            self.segments[i] = blocks[i].segment
+            if (i in self.summing) != bool(blocks[i].step_reductions):
+                self.summing = sorted(set(self.summing) ^ {i})
+        self.blocks, self.arrays, self.first = blocks, tuple(joined), self._first()
 
 
 _Layout = tuple[list[OpNode], dict[str, int], list[Any], list[Any], list[Any]]
@@ -336,12 +350,12 @@ def build_tasks(lowered: Lowered, topology: Topology, cost: CostModel, optimizer
         raise ValueError(f"optimizer {optimizer!r} is not one of {sorted(UPDATE_TRAFFIC)}")
     tg = TaskGraph(topology.num_devices, len(topology.links))
     blocks = _blocks(lowered, topology, cost, cache)
-    edges, steps, *tasks = cache.join(blocks)
-    first = tg.place(list(map(operator.attrgetter("segment"), blocks)), tuple(tasks))
+    joined = cache.join(blocks)
+    edges, steps, *tasks = joined.arrays
+    first = tg.place(joined.segments, tuple(tasks), joined.first)
     tg.chunks.append((edges[0] + first[edges[1]], edges[2] + first[edges[3]]))
     last = _link_schedule(tg, lowered, steps, first)
-    sums = map(operator.attrgetter("step_reductions"), blocks)
-    step_sums = [(int(first[i]), blocks[i].step_reductions) for i in itertools.compress(range(len(blocks)), sums)]
+    step_sums = [(int(first[i]), blocks[i].step_reductions) for i in joined.summing]
     link_step(tg, lowered, topology, step_sums, last, optimizer, traffic)
     return tg
 
