@@ -125,7 +125,7 @@ def link_step(tg: TaskGraph, lowered: Lowered, topology: Topology,
 
 class _Tail:
     """The end of the step's tasks and edges, collected apart and added to the graph at once
-    (``TaskGraph.extend``): ids from ``base`` on, one call per task or edge."""
+    (``TaskGraph.extend``): ids from ``base`` on, none of the graph's bookkeeping per task or edge."""
 
     __slots__ = ("base", "cols", "src", "dst")
 
@@ -134,14 +134,7 @@ class _Tail:
 
     def add(self, name: str, category: int, duration: float, resources: tuple[int, ...], device: int,
             nbytes: int = 0) -> int:
-        c = self.cols
-        c.name.append(name)
-        c.category.append(category)
-        c.duration.append(duration)
-        c.resources.append(resources)
-        c.device.append(device)
-        c.nbytes.append(nbytes)
-        return self.base + len(c.duration) - 1
+        return self.base + self.cols.add(name, category, duration, resources, device, nbytes)
 
     def edge(self, a: int, b: int) -> None:
         self.src.append(a)
