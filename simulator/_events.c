@@ -5,9 +5,10 @@
  * run_events(n, nd, nl, ne, src, dst, duration, res_first, res, start, end)
  *   src/dst: the ne edges, turned here into the CSR of TaskGraph.adjacency_arrays (a counting
  *   sort by source, stable: each task's successors in edge order); res_first/res: CSR
- *   resources (device d is d, link l is nd + l). Returns the number of tasks placed (n unless
+ *   resources (device d is d, link l is nd + l). Indices are int32 (the task graph's arrays
+ *   are: half the memory traffic of int64). Returns the number of tasks placed (n unless
  *   a cycle), or -1 when out of memory or
- *   past 2^31 - 1 tasks or edges (its indices are 32-bit; the Python loop then runs).
+ *   past 2^31 - 1 tasks or edges (the Python loop then runs).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -77,7 +78,7 @@ static int insert(Link *L, int64_t i, double s, double e) {
 /* first/succ: the CSR of the edges by source, in edge order; remaining: predecessor counts.
  * 32-bit indices (run_events checks they fit): the loop is bound by memory traffic. first[t]
  * is filled from first[t + 1]'s slot and shifted back, so no second cursor array is needed. */
-static void adjacency(int64_t n, int64_t ne, const int64_t *src, const int64_t *dst, int32_t *first,
+static void adjacency(int64_t n, int64_t ne, const int32_t *src, const int32_t *dst, int32_t *first,
                       int32_t *succ, int32_t *remaining) {
     memset(first, 0, (n + 2) * sizeof(int32_t));
     memset(remaining, 0, n * sizeof(int32_t));
@@ -86,11 +87,11 @@ static void adjacency(int64_t n, int64_t ne, const int64_t *src, const int64_t *
         remaining[dst[i]]++;
     }
     for (int64_t t = 1; t <= n; t++) first[t + 1] += first[t];  /* first[t + 1]: where t's run starts */
-    for (int64_t i = 0; i < ne; i++) succ[first[src[i] + 1]++] = (int32_t)dst[i];  /* ... and ends */
+    for (int64_t i = 0; i < ne; i++) succ[first[src[i] + 1]++] = dst[i];  /* ... and ends */
 }
 
-int64_t run_events(int64_t n, int64_t nd, int64_t nl, int64_t ne, const int64_t *src, const int64_t *dst,
-                   const double *duration, const int64_t *res_first, const int64_t *res, double *start,
+int64_t run_events(int64_t n, int64_t nd, int64_t nl, int64_t ne, const int32_t *src, const int32_t *dst,
+                   const double *duration, const int32_t *res_first, const int32_t *res, double *start,
                    double *end) {
     if (n >= INT32_MAX || ne >= INT32_MAX) return -1;  /* 32-bit indices: the Python loop runs */
     double *ready = calloc(n ? n : 1, sizeof(double)), *free_ = calloc(nd ? nd : 1, sizeof(double));

@@ -21,7 +21,9 @@ from bisect import bisect_right
 import numpy as np
 
 from simulator.native import library
-from simulator.taskgraph import TaskGraph
+from simulator.taskgraph import INDEX, TaskGraph
+
+_INDEX_LIMIT = np.iinfo(INDEX).max
 
 __all__ = ["run_events", "event_times"]
 
@@ -51,14 +53,17 @@ def event_times(tg: TaskGraph, native: bool = True,
 
 def _run_native(lib, tg: TaskGraph, override: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray] | None:
     """The C loop on the graph's arrays; None when it did not place every task (a cycle: the
-    Python loop then names it) or ran out of memory."""
+    Python loop then names it), ran out of memory or has more than its 32-bit indices hold."""
     n = len(tg)
     src, dst = tg.edge_arrays()
     duration, res_first, res = tg.arrays()
+    if len(res) >= _INDEX_LIMIT:
+        return None
+    src, dst, res_first, res = (np.ascontiguousarray(a, dtype=INDEX) for a in (src, dst, res_first, res))  # as is
     if override is not None:
         duration = np.ascontiguousarray(override, dtype=np.float64)
     start, end = np.empty(n), np.empty(n)
-    arrays = (src, dst, duration, res_first, res, start, end)  # contiguous int64 / float64, alive till return
+    arrays = (src, dst, duration, res_first, res, start, end)  # contiguous int32 / float64, alive till return
     placed = lib.run_events(n, tg.num_devices, tg.num_links, len(src), *[a.ctypes.data for a in arrays])
     return (start, end) if placed == n else None
 

@@ -15,11 +15,15 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["TaskGraph", "Columns", "Segment", "FORWARD", "BACKWARD", "TRANSFER", "GRAD_TRANSFER",
+__all__ = ["TaskGraph", "Columns", "Segment", "INDEX", "FORWARD", "BACKWARD", "TRANSFER", "GRAD_TRANSFER",
            "REDUCE", "ALLREDUCE", "UPDATE", "RECV", "CATEGORY"]
 
 FORWARD, BACKWARD, TRANSFER, GRAD_TRANSFER, REDUCE, ALLREDUCE, UPDATE, RECV = range(8)
 CATEGORY = ("forward", "backward", "transfer", "grad_transfer", "reduce", "allreduce", "update", "recv")
+
+INDEX = np.int32
+"""The dtype of task ids, edges and resource ids in the graph's arrays: the compiled event
+loop's (``simulator/_events.c``), half the memory traffic of int64 for every join and gather."""
 
 _FIELDS = ("name", "category", "duration", "resources", "device", "nbytes")
 
@@ -62,8 +66,8 @@ class Segment:
         self.cols = cols
         self.size = len(cols)
         self.duration = np.asarray(cols.duration, dtype=np.float64)
-        self.res_len = np.fromiter(map(len, cols.resources), np.int64, self.size)
-        self.res = np.fromiter(chain.from_iterable(cols.resources), np.int64, int(self.res_len.sum()))
+        self.res_len = np.fromiter(map(len, cols.resources), INDEX, self.size)
+        self.res = np.fromiter(chain.from_iterable(cols.resources), INDEX, int(self.res_len.sum()))
 
 
 def join(parts: list[tuple[np.ndarray, ...]]) -> tuple[np.ndarray, ...]:
@@ -107,14 +111,18 @@ class TaskGraph:
         ``simulator.stragglers`` scales."""
 
     # --- tasks ----------------------------------------------------------------------------------
-    def place(self, segments: list[Segment], joined: tuple[np.ndarray, ...]) -> np.ndarray:
+    def place(self, segments: list[Segment], joined: tuple[np.ndarray, ...],
+              first: np.ndarray | None = None) -> np.ndarray:
         """Lay ``segments``' tasks out first, in order (once, before any task is added); returns
         each one's first id. ``joined``: their (duration, res_len, res) concatenated, which the
-        caller keeps across graphs (``arrays`` reads them)."""
+        caller keeps across graphs (``arrays`` reads them); ``first``: each one's first id and
+        the task count last, when the caller keeps those too."""
         if self.segments or len(self.tail):
             raise ValueError("TaskGraph.place: segments are laid out once, before any task is added")
-        first = np.zeros(len(segments) + 1, dtype=np.int64)
-        np.cumsum(np.fromiter(map(attrgetter("size"), segments), np.int64, len(segments)), out=first[1:])
+        if first is None:
+            first = np.zeros(len(segments) + 1, dtype=INDEX)
+            np.cumsum(np.fromiter(map(attrgetter("size"), segments), INDEX, len(segments)), dtype=INDEX,
+                      out=first[1:])
         self.segments = list(segments)
         self._joined = joined
         self._head = int(first[-1])
@@ -125,6 +133,16 @@ class TaskGraph:
             device: int, nbytes: int = 0) -> int:
         self._lists.clear()
         return self._head + self.tail.add(name, category, duration, resources, device, nbytes)
+
+    def extend(self, cols: Columns, src: list[int], dst: list[int]) -> None:
+        """Append ``cols``' tasks to the tail (their ids: ``len(self)`` on, in order) and the
+        edges ``src[i] -> dst[i]``: ``add`` and ``edge`` for many at once."""
+        for field in _FIELDS:
+            getattr(self.tail, field).extend(getattr(cols, field))
+        self.edge_src += src
+        self.edge_dst += dst
+        self._lists.clear()
+        self._adjacency = self._adjacency_lists = None
 
     def __len__(self) -> int:
         return self._head + len(self.tail)
@@ -149,8 +167,8 @@ class TaskGraph:
         tail = Segment(self.tail)
         head = [self._joined] if self._joined is not None else []
         duration, lens, res = join(head + [(tail.duration, tail.res_len, tail.res)])
-        res_first = np.zeros(len(lens) + 1, dtype=np.int64)
-        np.cumsum(lens, out=res_first[1:])
+        res_first = np.zeros(len(lens) + 1, dtype=INDEX)
+        np.cumsum(lens, dtype=INDEX, out=res_first[1:])
         return duration, res_first, res
 
     def label(self, t: int) -> str:
@@ -163,12 +181,12 @@ class TaskGraph:
         self._adjacency = self._adjacency_lists = None
 
     def edge_arrays(self) -> tuple[np.ndarray, np.ndarray]:
-        """(sources, targets) of every edge as int64 arrays: those added one by one, then the chunks."""
-        return (np.concatenate([np.asarray(self.edge_src, dtype=np.int64)] + [c[0] for c in self.chunks]),
-                np.concatenate([np.asarray(self.edge_dst, dtype=np.int64)] + [c[1] for c in self.chunks]))
+        """(sources, targets) of every edge as ``INDEX`` arrays: those added one by one, then the chunks."""
+        return (np.concatenate([np.asarray(self.edge_src, dtype=INDEX)] + [c[0] for c in self.chunks]),
+                np.concatenate([np.asarray(self.edge_dst, dtype=INDEX)] + [c[1] for c in self.chunks]))
 
     def adjacency_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(first, succ, ndeps) as int64 arrays: task t's successors are succ[first[t]:first[t + 1]],
+        """(first, succ, ndeps) as integer arrays: task t's successors are succ[first[t]:first[t + 1]],
         in the order of ``edge_arrays``; ndeps[t] counts t's predecessors (with multiplicity)."""
         if self._adjacency is None:
             n = len(self)

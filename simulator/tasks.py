@@ -34,10 +34,11 @@ import numpy as np
 from simulator.comm import allgather_time, group_sum_time, ring_links, transfer_time
 from simulator.cost import CostModel
 from simulator.step import UPDATE_TRAFFIC, link_step, member_ends
-from simulator.taskgraph import (ALLREDUCE, BACKWARD, CATEGORY, FORWARD, GRAD_TRANSFER, RECV, REDUCE, TRANSFER,
-                                  UPDATE, Columns, Segment, TaskGraph, join)
+from simulator.taskcache import TaskCache
+from simulator.taskgraph import (ALLREDUCE, BACKWARD, CATEGORY, FORWARD, GRAD_TRANSFER, INDEX, RECV, REDUCE,
+                                  TRANSFER, UPDATE, Columns, Segment, TaskGraph)
 from simulator.topology import Topology
-from strategies.graph import OpGraph, OpNode
+from strategies.graph import OpNode
 from strategies.lowering import BACKWARD as BY_BACKWARD
 from strategies.lowering import STEP as BY_STEP
 from strategies.lowering import WEIGHT_KINDS, Lowered, OpPieces, ReductionGroup, Transfer
@@ -74,7 +75,7 @@ class _Block:
         """(group, its members' forward tasks, dynamic) of each sum only the end of the step
         waits on (a loss's; dynamic: its divisor needs the data). Its tasks are made by
         ``step.link_step``, which knows whether it rides a gradient bucket."""
-        self.edges = np.empty((4, 0), dtype=np.int64)
+        self.edges = np.empty((4, 0), dtype=INDEX)
         """Every edge of the block, its own and its producers': rows (source, its block's
         position, target, its); a task's id in the graph is its local id plus its block's first."""
         self.arrays: tuple[np.ndarray, ...] = ()
@@ -89,85 +90,22 @@ class _Block:
         """Freeze the tasks and edges collected so far into arrays (blocks are shared by the cache)."""
         self.segment = Segment(self.cols)
         own = len(self.edge_src)
-        self.edges = np.empty((4, own + len(self.cross) // 4), dtype=np.int64)
-        self.edges[0, :own], self.edges[2, :own], self.edges[1::2, :own] = self.edge_src, self.edge_dst, self.position
-        self.edges[:, own:] = np.fromiter(self.cross, np.int64, len(self.cross)).reshape(-1, 4).T
+        self.edges = np.empty((4, own + len(self.cross) // 4), dtype=INDEX)
+        self.edges[0, :own] = np.fromiter(self.edge_src, INDEX, own)  # fromiter: no nested-list discovery
+        self.edges[2, :own] = np.fromiter(self.edge_dst, INDEX, own)
+        self.edges[1::2, :own] = self.position
+        self.edges[:, own:] = np.fromiter(self.cross, INDEX, len(self.cross)).reshape(-1, 4).T
         self.edge_src, self.edge_dst, self.cross = [], [], []  # now in ``edges``
-        done = ([t for ids in d for t in ids] for d in (self.fwd_done, self.bwd_done))
-        rows = [*self.steps, *done]
-        self.steps = np.asarray(rows + [[self.position] * len(rows[0])], dtype=np.int64).reshape(6, -1)
+        size = len(self.steps[0])
+        steps = np.empty((6, size), dtype=INDEX)
+        for r, row in enumerate(self.steps):
+            steps[r] = np.fromiter(row, INDEX, size)
+        for r, done in ((3, self.fwd_done), (4, self.bwd_done)):
+            steps[r] = np.fromiter(itertools.chain.from_iterable(done), INDEX, size)
+        steps[5] = self.position
+        self.steps = steps
         self.arrays = (self.edges, self.steps, self.segment.duration, self.segment.res_len, self.segment.res)
         return self
-
-
-class TaskCache:
-    """Task blocks of one graph's ops on one topology timed by one cost model, reused while an
-    op's lowered pieces are the same object (see the module docstring)."""
-
-    def __init__(self, topology: Topology, cost: CostModel):
-        self.topology, self.cost = topology, cost
-        self.wires: dict[tuple[int, int, int], tuple] = {}
-        """(source, target, bytes) -> ``_wire``'s times and resources (a pure function of them)."""
-        self._graph: OpGraph | None = None
-        self._layout: _Layout = ([], {}, [], [], [])
-        self._joined: _Joined | None = None
-
-    def layout(self, graph: OpGraph) -> _Layout:
-        """``_layout(graph)``, its blocks kept from the graphs built before; a new graph empties it."""
-        if graph is not self._graph:
-            self._graph, self._layout, self._joined = graph, _layout(graph), None
-        return self._layout
-
-    def join(self, blocks: list[_Block]) -> tuple[np.ndarray, ...]:
-        """``blocks``' arrays joined, from the last graph's (``_Joined``)."""
-        if self._joined is None:
-            self._joined = _Joined(blocks)
-        else:
-            self._joined.update(blocks)
-        return self._joined.arrays
-
-
-class _Joined:
-    """The blocks of the last task graph built and their ``arrays`` joined block after block.
-    A search's next graph has mostly the same blocks: the changed blocks' slices are replaced
-    (one concatenation of 2k + 1 pieces per field for k changed blocks) rather than every
-    block's arrays joined again."""
-
-    def __init__(self, blocks: list[_Block]):
-        self.blocks = blocks
-        self.arrays = join([b.arrays for b in blocks])
-        self.sizes = np.array([[a.shape[-1] for a in b.arrays] for b in blocks], dtype=np.int64)
-        """Block x field: the length of the block's slice."""
-
-    def update(self, blocks: list[_Block]) -> None:
-        changed = list(itertools.compress(range(len(blocks)), map(operator.is_not, blocks, self.blocks)))
-        if not changed:
-            return
-        bounds = np.zeros((len(blocks) + 1, self.sizes.shape[1]), dtype=np.int64)
-        np.cumsum(self.sizes, axis=0, out=bounds[1:])
-        starts, stops = bounds[changed].T.tolist(), bounds[[i + 1 for i in changed]].T.tolist()
-        joined = []
-        for f, whole in enumerate(self.arrays):
-            pieces, at = [], 0
-            for i, start, stop in zip(changed, starts[f], stops[f]):
-                pieces += (whole[..., at:start], blocks[i].arrays[f])
-                at = stop
-            joined.append(np.concatenate(pieces + [whole[..., at:]], axis=-1))
-        for i in changed:
-            self.sizes[i] = [a.shape[-1] for a in blocks[i].arrays]
-        self.blocks, self.arrays = blocks, tuple(joined)
-
-
-_Layout = tuple[list[OpNode], dict[str, int], list[Any], list[Any], list[Any]]
-
-
-def _layout(graph: OpGraph) -> _Layout:
-    """``graph``'s nodes in order, op name -> its index (its block's position), and two slots
-    for each op's blocks: the last graph's and the one it replaced (a search's rejected
-    proposal is followed by its current plan's ops again: a revert rebuilds nothing); then the
-    pieces of the last graph's blocks (compared with a new lowering's in one C-level pass)."""
-    nodes = list(graph)
-    return nodes, {node.name: i for i, node in enumerate(nodes)}, *([None] * len(nodes) for _ in range(3))
 
 
 def _op_block(node: OpNode, pieces: OpPieces, backward: bool, producers: dict[str, _Block],
@@ -221,7 +159,8 @@ def _add_transfers(b: _Block, transfers: tuple[Transfer, ...], producers: dict[s
     c = b.cols
     names, cats, durs, res, devs, nbytes = c.name, c.category, c.duration, c.resources, c.device, c.nbytes
     esrc, edst, cross = b.edge_src, b.edge_dst, b.cross
-    crossed = {(t.src_device, t.dst_device, t.microbatch) for t in transfers if not t.local}
+    received = any(d.message_overhead or d.exchange_overhead for d in devices)  # else no receive tasks
+    crossed = {(t.src_device, t.dst_device, t.microbatch) for t in transfers if not t.local} if received else ()
     for t in transfers:  # the hot loop of a changed op: inlined appends, as the partitions'
         src_op, src_index, _, dst_index, _, j, src_device, dst_device, _, size = t
         dst_f, dst_b = b.fwd[j][dst_index], b.bwd_done[j][dst_index]
@@ -242,7 +181,9 @@ def _add_transfers(b: _Block, transfers: tuple[Transfer, ...], producers: dict[s
         res += (wire[1], wire[3])
         devs += (src_device, dst_device)
         nbytes += (size, size)
-        if (dst_device, src_device, j) in crossed:  # exchanged: both ways in this op
+        if not received:
+            recv_f = recv_b = 0.0
+        elif (dst_device, src_device, j) in crossed:  # exchanged: both ways in this op
             recv_f, recv_b = devices[dst_device].exchange_overhead, devices[src_device].exchange_overhead
         else:
             recv_f, recv_b = devices[dst_device].message_overhead, devices[src_device].message_overhead
@@ -336,12 +277,12 @@ def build_tasks(lowered: Lowered, topology: Topology, cost: CostModel, optimizer
         raise ValueError(f"optimizer {optimizer!r} is not one of {sorted(UPDATE_TRAFFIC)}")
     tg = TaskGraph(topology.num_devices, len(topology.links))
     blocks = _blocks(lowered, topology, cost, cache)
-    edges, steps, *tasks = cache.join(blocks)
-    first = tg.place(list(map(operator.attrgetter("segment"), blocks)), tuple(tasks))
+    joined = cache.join(blocks)
+    edges, steps, *tasks = joined.arrays
+    first = tg.place(joined.segments, tuple(tasks), joined.first)
     tg.chunks.append((edges[0] + first[edges[1]], edges[2] + first[edges[3]]))
     last = _link_schedule(tg, lowered, steps, first)
-    sums = map(operator.attrgetter("step_reductions"), blocks)
-    step_sums = [(int(first[i]), blocks[i].step_reductions) for i in itertools.compress(range(len(blocks)), sums)]
+    step_sums = [(int(first[i]), blocks[i].step_reductions) for i in joined.summing]
     link_step(tg, lowered, topology, step_sums, last, optimizer, traffic)
     return tg
 

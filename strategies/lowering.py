@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import operator
+from typing import Iterable
 
 from strategies.graph import OpGraph
 from strategies.lowered import (BACKWARD, FORWARD, STEP, WEIGHT_KINDS, DeviceBytes, GradientSync,
@@ -40,8 +41,10 @@ def loss_on_every_device(lowered: "Lowered") -> bool:
     return all({p.device for p in parts} == everyone for parts in lowered.partitions[lowered.graph.outputs[0]])
 
 
-def bucket_sums(lowered: "Lowered") -> dict[ReductionGroup, tuple[int, ...]]:
-    """The STEP sums that travel in a gradient bucket, with the bucket's device set.
+def bucket_sums(lowered: "Lowered", groups: "Iterable[ReductionGroup] | None" = None
+                ) -> dict[ReductionGroup, tuple[int, ...]]:
+    """The STEP sums that travel in a gradient bucket, with the bucket's device set. ``groups``:
+    the plan's STEP sums in graph order, when the caller has them (else every reduction is looked at).
 
     A sum gated STEP (a loss's Σ w_i·ℓ_i and Σ w_i) is read only at the end of the step, where
     the gradient sync all-reduces one flat bucket per (device set, dtype) of replicated
@@ -50,7 +53,7 @@ def bucket_sums(lowered: "Lowered") -> dict[ReductionGroup, tuple[int, ...]]:
     one all-reduce for both) and divides the summed gradients by C afterwards (1/C·Σ g = Σ g/C);
     the simulator adds its bytes to that bucket instead of timing a collective of its own."""
     wanted = {}
-    for g in lowered.reductions:
+    for g in lowered.reductions if groups is None else groups:
         if g.gates == STEP:
             wanted.setdefault((tuple(sorted(g.devices)), lowered.graph[g.op].output.dtype), []).append(g)
     out = {}

@@ -5,6 +5,7 @@ the micro-batch count only. Coordinates are global: a partition of micro-batch j
 
 from __future__ import annotations
 
+import functools
 import itertools
 from typing import Sequence
 
@@ -49,12 +50,14 @@ def partition_box_mb(node: OpNode, degrees: Sequence[int], k: int, microbatch: i
                  for (b, st), c in zip(grid, partition_index(k, degrees)))
 
 
-def _overlaps(grid: Sequence[tuple[int, int]], degrees: Sequence[int],
-              region: Box) -> list[tuple[int, Box, int]]:
+@functools.lru_cache(maxsize=1 << 16)
+def _overlaps(grid: tuple[tuple[int, int], ...], degrees: tuple[int, ...],
+              region: Box) -> tuple[tuple[int, Box, int], ...]:
     """(index, the part of ``region`` it holds, that part's elements) of each partition whose
     box overlaps ``region``, in partition order. Per dim the grid is regular: the overlapping
     coordinates are a range and each one's cut of the region an interval, so no box is
-    intersected (coordinate c of a dim covers [base + c·step, base + (c+1)·step), ``_grid``)."""
+    intersected (coordinate c of a dim covers [base + c·step, base + (c+1)·step), ``_grid``).
+    Memoized: a search asks again for the same producer grid and region (op shapes repeat)."""
     axes = []
     for (lo, hi), (base, step), d in zip(region, grid, degrees):
         first = (lo - base) // step
@@ -64,7 +67,7 @@ def _overlaps(grid: Sequence[tuple[int, int]], degrees: Sequence[int],
         if last > d - 1:
             last = d - 1
         if first > last:
-            return []
+            return ()
         cells = []
         for c in range(first, last + 1):  # each overlaps: base + c·step < hi and base + (c+1)·step > lo
             a = base + c * step
@@ -79,7 +82,7 @@ def _overlaps(grid: Sequence[tuple[int, int]], degrees: Sequence[int],
             k = k * d + c
             numel *= size
         out.append((k, tuple([iv for _, iv, _ in combo]), numel))
-    return out
+    return tuple(out)
 
 
 def gates(node: OpNode, red: Reduction, parts: Sequence[Partition], m: int, num_devices: int,

@@ -1,0 +1,102 @@
+"""The state ``simulator.tasks.build_tasks`` keeps between task graphs of one op graph (delta
+simulation, see ``simulator.tasks``): each op's task block of the last graph and the one it
+replaced, and the blocks' arrays joined (``_Joined``), patched where blocks changed."""
+
+from __future__ import annotations
+
+import itertools
+import operator
+from typing import Any
+
+import numpy as np
+
+from simulator.cost import CostModel
+from simulator.taskgraph import INDEX, join
+from simulator.topology import Topology
+from strategies.graph import OpGraph, OpNode
+
+__all__ = ["TaskCache"]
+
+
+class TaskCache:
+    """Task blocks of one graph's ops on one topology timed by one cost model, reused while an
+    op's lowered pieces are the same object (see ``simulator.tasks``' docstring)."""
+
+    def __init__(self, topology: Topology, cost: CostModel):
+        self.topology, self.cost = topology, cost
+        self.wires: dict[tuple[int, int, int], tuple] = {}
+        """(source, target, bytes) -> ``simulator.tasks._wire``'s times and resources (a pure function of them)."""
+        self._graph: OpGraph | None = None
+        self._layout: _Layout = ([], {}, [], [], [])
+        self._joined: _Joined | None = None
+
+    def layout(self, graph: OpGraph) -> _Layout:
+        """``_layout(graph)``, its blocks kept from the graphs built before; a new graph empties it."""
+        if graph is not self._graph:
+            self._graph, self._layout, self._joined = graph, _layout(graph), None
+        return self._layout
+
+    def join(self, blocks: list[Any]) -> "_Joined":
+        """``blocks``' arrays joined, from the last graph's (``_Joined``)."""
+        if self._joined is None:
+            self._joined = _Joined(blocks)
+        else:
+            self._joined.update(blocks)
+        return self._joined
+
+
+class _Joined:
+    """The blocks of the last task graph built and their ``arrays`` joined block after block.
+    A search's next graph has mostly the same blocks: the changed blocks' slices are replaced
+    (one concatenation of 2k + 1 pieces per field for k changed blocks) rather than every
+    block's arrays joined again, and what a graph reads of every block is kept beside them
+    (patched at the changed blocks), so no pass over the blocks visits each one."""
+
+    def __init__(self, blocks: list[Any]):
+        self.blocks = blocks
+        self.arrays = join([b.arrays for b in blocks])
+        self.sizes = np.array([[a.shape[-1] for a in b.arrays] for b in blocks], dtype=np.int64)
+        """Block x field: the length of the block's slice."""
+        self.segments = [b.segment for b in blocks]
+        self.summing = [i for i, b in enumerate(blocks) if b.step_reductions]
+        """The positions of the blocks with sums only the end of the step waits on."""
+        self.first = self._first()
+
+    def _first(self) -> np.ndarray:
+        """Each block's first task id (its tasks' place in the graph), and the task count last."""
+        first = np.zeros(len(self.sizes) + 1, dtype=INDEX)
+        np.cumsum(self.sizes[:, 2], dtype=INDEX, out=first[1:])  # field 2: durations, one per task
+        return first
+
+    def update(self, blocks: list[Any]) -> None:
+        changed = list(itertools.compress(range(len(blocks)), map(operator.is_not, blocks, self.blocks)))
+        if not changed:
+            return
+        bounds = np.zeros((len(blocks) + 1, self.sizes.shape[1]), dtype=np.int64)
+        np.cumsum(self.sizes, axis=0, out=bounds[1:])
+        starts, stops = bounds[changed].T.tolist(), bounds[[i + 1 for i in changed]].T.tolist()
+        joined = []
+        for f, whole in enumerate(self.arrays):
+            pieces, at = [], 0
+            for i, start, stop in zip(changed, starts[f], stops[f]):
+                pieces += (whole[..., at:start], blocks[i].arrays[f])
+                at = stop
+            joined.append(np.concatenate(pieces + [whole[..., at:]], axis=-1))
+        for i in changed:
+            self.sizes[i] = [a.shape[-1] for a in blocks[i].arrays]
+            self.segments[i] = blocks[i].segment
+            if (i in self.summing) != bool(blocks[i].step_reductions):
+                self.summing = sorted(set(self.summing) ^ {i})
+        self.blocks, self.arrays, self.first = blocks, tuple(joined), self._first()
+
+
+_Layout = tuple[list[OpNode], dict[str, int], list[Any], list[Any], list[Any]]
+
+
+def _layout(graph: OpGraph) -> _Layout:
+    """``graph``'s nodes in order, op name -> its index (its block's position), and two slots
+    for each op's blocks: the last graph's and the one it replaced (a search's rejected
+    proposal is followed by its current plan's ops again: a revert rebuilds nothing); then the
+    pieces of the last graph's blocks (compared with a new lowering's in one C-level pass)."""
+    nodes = list(graph)
+    return nodes, {node.name: i for i, node in enumerate(nodes)}, *([None] * len(nodes) for _ in range(3))
