@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 
 from simulator.comm import allgather_time, allreduce_time, ring_links
 from simulator.devices import DeviceSpec
-from simulator.taskgraph import ALLREDUCE, REDUCE, UPDATE, Columns, TaskGraph
+from simulator.taskgraph import ALLREDUCE, REDUCE, UPDATE, TaskGraph
 from simulator.topology import Topology
 from strategies.config import format_devices
 from strategies.lowering import Lowered, ReductionGroup, bucket_sums, loss_on_every_device
@@ -67,7 +67,6 @@ def link_step(tg: TaskGraph, lowered: Lowered, topology: Topology,
     is that far and overlapping the updates (nothing in them reads it; the step ends when it
     has). Each collective here ends on each member with its ``member_ends``."""
     n = topology.num_devices
-    tail = _Tail(len(tg))
     ready: dict[int, list[int]] = {d: [last[d]] for d in last}  # what its gradient sync waits on
     later: dict[int, list[int]] = {d: [] for d in last}  # what only its update waits on
     rides = bucket_sums(lowered, [g for _, sums in step_sums for g, _, _ in sums]) if step_sums else {}
@@ -81,11 +80,11 @@ def link_step(tg: TaskGraph, lowered: Lowered, topology: Topology,
                 entry[1] += fwds
                 continue
             label = f"reduce {g.name} {g.op}@mb{g.microbatch}"
-            r = tail.add(label, REDUCE, allgather_time(topology, g.devices, g.nbytes),
+            r = tg.add(label, REDUCE, allgather_time(topology, g.devices, g.nbytes),
                          tuple(n + l for l in ring_links(topology, g.devices)), g.devices[0], g.nbytes)
             for f in fwds:
-                tail.edge(f, r)
-            for e, d in zip(member_ends(tail.add, tail.edge, topology, r, g.devices, label, REDUCE), g.devices):
+                tg.edge(f, r)
+            for e, d in zip(member_ends(tg.add, tg.edge, topology, r, g.devices, label, REDUCE), g.devices):
                 (ready if dynamic else later)[d].append(e)
     weight_bytes, tensors = lowered.device_bytes.trainable, lowered.gradient_sync.tensors
     buckets = lowered.gradient_sync.buckets
@@ -95,63 +94,44 @@ def link_step(tg: TaskGraph, lowered: Lowered, topology: Topology,
         label = f"allreduce bucket {format_devices(devs)}"
         extra, fwds = riders.get(devs, (0, []))
         nbytes = buckets[devs] + extra
-        ar = tail.add(label, ALLREDUCE, allreduce_time(topology, devs, nbytes), links, devs[0], nbytes)
+        ar = tg.add(label, ALLREDUCE, allreduce_time(topology, devs, nbytes), links, devs[0], nbytes)
         for f in fwds:
-            tail.edge(f, ar)
+            tg.edge(f, ar)
         packs = []
         for d in devs:
-            pack = tail.add(f"pack {label} device {d}", ALLREDUCE, _copy_time(topology.devices[d], nbytes), (d,), d)
+            pack = tg.add(f"pack {label} device {d}", ALLREDUCE, _copy_time(topology.devices[d], nbytes), (d,), d)
             for dep in ready[d]:
-                tail.edge(dep, pack)
-            tail.edge(pack, ar)
+                tg.edge(dep, pack)
+            tg.edge(pack, ar)
             packs.append(pack)
-        for d, e in zip(devs, _synced_ends(tg, tail, topology, ar, devs, label, ALLREDUCE, list(zip(devs, packs)))):
-            unpack = tail.add(f"unpack {label} device {d}", ALLREDUCE,
+        for d, e in zip(devs, _synced_ends(tg, topology, ar, devs, label, ALLREDUCE, list(zip(devs, packs)))):
+            unpack = tg.add(f"unpack {label} device {d}", ALLREDUCE,
                               _copy_time(topology.devices[d], buckets[devs]), (d,), d)
-            tail.edge(e, unpack)
+            tg.edge(e, unpack)
             synced[d].append(unpack)
     if not loss_on_every_device(lowered):
         everyone = tuple(range(lowered.strategy.num_devices))
-        rep = tail.add("allreduce loss", ALLREDUCE, allreduce_time(topology, everyone, _LOSS_BYTES),
+        rep = tg.add("allreduce loss", ALLREDUCE, allreduce_time(topology, everyone, _LOSS_BYTES),
                        tuple(n + l for l in ring_links(topology, everyone)), 0, _LOSS_BYTES)
         arrivals = [(d, dep) for d in sorted(synced) for dep in dict.fromkeys(synced[d])]
         for _, dep in arrivals:
-            tail.edge(dep, rep)
-        _synced_ends(tg, tail, topology, rep, everyone, "allreduce loss", ALLREDUCE, arrivals)
+            tg.edge(dep, rep)
+        _synced_ends(tg, topology, rep, everyone, "allreduce loss", ALLREDUCE, arrivals)
     for d in sorted(last):
         if weight_bytes[d]:
-            u = tail.add(f"update {optimizer} device {d}", UPDATE,
+            u = tg.add(f"update {optimizer} device {d}", UPDATE,
                          _update_time(topology.devices[d], traffic, weight_bytes[d], tensors[d]),
                          (d,), d, weight_bytes[d])
             for dep in dict.fromkeys(synced[d]):
-                tail.edge(dep, u)
-    tg.extend(tail.cols, tail.src, tail.dst)
+                tg.edge(dep, u)
 
 
-class _Tail:
-    """The end of the step's tasks and edges, collected apart and added to the graph at once
-    (``TaskGraph.extend``): ids from ``base`` on, none of the graph's bookkeeping per task or edge."""
-
-    __slots__ = ("base", "cols", "src", "dst")
-
-    def __init__(self, base: int) -> None:
-        self.base, self.cols, self.src, self.dst = base, Columns(), [], []
-
-    def add(self, name: str, category: int, duration: float, resources: tuple[int, ...], device: int,
-            nbytes: int = 0) -> int:
-        return self.base + self.cols.add(name, category, duration, resources, device, nbytes)
-
-    def edge(self, a: int, b: int) -> None:
-        self.src.append(a)
-        self.dst.append(b)
-
-
-def _synced_ends(tg: TaskGraph, tail: _Tail, topology: Topology, collective: int, devices: Sequence[int],
+def _synced_ends(tg: TaskGraph, topology: Topology, collective: int, devices: Sequence[int],
                  label: str, category: int, arrivals: Sequence[tuple[int, int]]) -> list[int]:
-    """``member_ends`` of a step-end collective (added to ``tail``), recorded in ``tg.syncs``
+    """``member_ends`` of a step-end collective, recorded in ``tg.syncs``
     with its members' overhead tasks and what it waits on, as (device, task) pairs
     (``simulator.stragglers`` scales the overheads by the members arriving together)."""
-    ends = member_ends(tail.add, tail.edge, topology, collective, devices, label, category)
+    ends = member_ends(tg.add, tg.edge, topology, collective, devices, label, category)
     hosts = tuple((d, e) for d, e in zip(devices, ends) if e != collective)
     if hosts:
         tg.syncs.append((collective, hosts, tuple(arrivals)))

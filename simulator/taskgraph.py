@@ -90,7 +90,9 @@ def label(name: Any) -> str:
 class TaskGraph:
     """Tasks in id order: the sealed segments (``place``), then the tail (``add``); edges
     collected as (source, target) pairs or arrays and turned into one adjacency (CSR) when
-    first read."""
+    first read. Tasks and edges are only ever appended, so what is built from them (the
+    per-task lists, the adjacency) is stamped with the counts it saw and rebuilt when they have
+    grown: ``add`` and ``edge`` do no bookkeeping."""
 
     def __init__(self, num_devices: int, num_links: int) -> None:
         self.num_devices, self.num_links = num_devices, num_links
@@ -103,8 +105,10 @@ class TaskGraph:
         self.chunks: list[tuple[np.ndarray, np.ndarray]] = []
         """Edges added in bulk: (sources, targets)."""
         self._lists: dict[str, list] = {}
+        self._lists_at = 0  # the task count the per-task lists hold
         self._adjacency: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         self._adjacency_lists: tuple[list[int], list[int], list[int]] | None = None
+        self._adjacency_at: tuple[int, int, int] | None = None  # (tasks, edges, chunks) it holds
         self.syncs: list[tuple[int, tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]]] = []
         """The step end's collectives with per-member overhead tasks: (collective, its (device,
         overhead task) pairs, the (device, task) pairs it waits on), which
@@ -126,28 +130,19 @@ class TaskGraph:
         self.segments = list(segments)
         self._joined = joined
         self._head = int(first[-1])
-        self._lists.clear()
         return first[:-1]
 
     def add(self, name: Any, category: int, duration: float, resources: tuple[int, ...],
             device: int, nbytes: int = 0) -> int:
-        self._lists.clear()
         return self._head + self.tail.add(name, category, duration, resources, device, nbytes)
-
-    def extend(self, cols: Columns, src: list[int], dst: list[int]) -> None:
-        """Append ``cols``' tasks to the tail (their ids: ``len(self)`` on, in order) and the
-        edges ``src[i] -> dst[i]``: ``add`` and ``edge`` for many at once."""
-        for field in _FIELDS:
-            getattr(self.tail, field).extend(getattr(cols, field))
-        self.edge_src += src
-        self.edge_dst += dst
-        self._lists.clear()
-        self._adjacency = self._adjacency_lists = None
 
     def __len__(self) -> int:
         return self._head + len(self.tail)
 
     def _column(self, field: str) -> list:
+        if self._lists_at != len(self):
+            self._lists.clear()
+            self._lists_at = len(self)
         got = self._lists.get(field)
         if got is None:
             got = self._lists[field] = list(chain.from_iterable(
@@ -178,7 +173,6 @@ class TaskGraph:
     def edge(self, a: int, b: int) -> None:
         self.edge_src.append(a)
         self.edge_dst.append(b)
-        self._adjacency = self._adjacency_lists = None
 
     def edge_arrays(self) -> tuple[np.ndarray, np.ndarray]:
         """(sources, targets) of every edge as ``INDEX`` arrays: those added one by one, then the chunks."""
@@ -188,7 +182,9 @@ class TaskGraph:
     def adjacency_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(first, succ, ndeps) as integer arrays: task t's successors are succ[first[t]:first[t + 1]],
         in the order of ``edge_arrays``; ndeps[t] counts t's predecessors (with multiplicity)."""
-        if self._adjacency is None:
+        at = (len(self), len(self.edge_src), len(self.chunks))
+        if self._adjacency_at != at:
+            self._adjacency_at, self._adjacency_lists = at, None
             n = len(self)
             src, dst = self.edge_arrays()
             order = np.argsort(src, kind="stable")
@@ -199,8 +195,9 @@ class TaskGraph:
 
     def adjacency(self) -> tuple[list[int], list[int], list[int]]:
         """``adjacency_arrays`` as lists (what the Python event loop indexes fastest)."""
+        arrays = self.adjacency_arrays()  # first: it drops lists of an older adjacency
         if self._adjacency_lists is None:
-            self._adjacency_lists = tuple(a.tolist() for a in self.adjacency_arrays())  # type: ignore[assignment]
+            self._adjacency_lists = tuple(a.tolist() for a in arrays)  # type: ignore[assignment]
         return self._adjacency_lists  # type: ignore[return-value]
 
     def successors(self, t: int) -> list[int]:

@@ -63,7 +63,7 @@ class Measured:
     """Per device: time its receives waited, per step."""
     events: list[list[dict[str, Any]]]
     """Per rank: the last measured step's Chrome events, µs from that step's start."""
-    phase_ms: list[dict[str, float]] | None = None
+    phase_ms: list[dict[str, float]]
     """Per rank: ms per step in each of ``PHASES``."""
 
     @property
@@ -176,15 +176,14 @@ def _add_phases(phases: dict[str, float], events: Sequence[dict[str, Any]],
                 waits: Sequence[tuple[float, float]]) -> None:
     """Add one step's µs per phase: each event's time to its phase, less the receive waits
     (start µs, seconds) that fell inside it, which go to "receives"."""
+    for e in events:
+        phases[_MEASURED[e["cat"]]] += e["dur"]
     starts = [e["ts"] for e in events]
-    inside = [0.0] * len(events)
     for t0, dt in waits:
         i = bisect.bisect_right(starts, t0) - 1  # the event running when the wait began
         if i >= 0:
-            inside[i] += dt * 1e6
+            phases[_MEASURED[events[i]["cat"]]] -= dt * 1e6
         phases["receives"] += dt * 1e6
-    for e, w in zip(events, inside):
-        phases[_MEASURED[e["cat"]]] += e["dur"] - w
 
 
 def simulated_phases(sim: SimResult, num_devices: int) -> list[dict[str, float]]:
@@ -249,5 +248,4 @@ def compare(plan_path: str | os.PathLike, model_spec: str, topology: Topology | 
     name = cost_model if isinstance(cost_model, str) else type(cost_model).__name__
     return CompareResult(str(plan_path), model_spec, topo.name, name, sim.iteration_ms, measured.iteration_ms,
                          measured.step_ms, [b * 1e3 for b in sim.busy_time[:n]], measured.busy_ms, measured.wait_ms,
-                         simulated_phases(sim, n),
-                         measured.phase_ms or [dict.fromkeys(PHASES, 0.0) for _ in range(n)])
+                         simulated_phases(sim, n), measured.phase_ms)

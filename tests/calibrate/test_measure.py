@@ -11,6 +11,7 @@ from simulator.simulate import simulate_plan
 from simulator.topology import Topology
 from soapsearch.calibrate import calibrate, compare
 from soapsearch.calibrate.compare import PHASES
+from soapsearch.calibrate.fit import fit_gemm_half
 from soapsearch.calibrate.measure import report_path
 from soapsearch.executor import build_model
 from strategies import baseline, save_strategy
@@ -38,7 +39,10 @@ def test_calibrate_two_processes_gives_positive_finite_figures(tmp_path):
     # a [m, 1024] x [1024, 1024] product per m alone (slowest process), and n_half fitted on them
     assert [m for m, _ in report["gemm_seconds"]] == [4, 8, 16, 32, 64]
     assert all(0 < t < 1 for _, t in report["gemm_seconds"])
-    assert report["gemm_half"] >= 0 and all(d.gemm_half == report["gemm_half"] for d in topo.devices)
+    assert report["gemm_half"] == fit_gemm_half([m for m, _ in report["gemm_seconds"]],  # against the solo peak
+                                                [t for _, t in report["gemm_seconds"]], min(report["solo_flops"]),
+                                                1024, 1024)
+    assert all(d.gemm_half == report["gemm_half"] for d in topo.devices)
     assert Topology.load(out) == topo
     dev = topo.devices[0]
     assert dev.peak_flops["float32"] == min(report["solo_flops"]) and dev.kind == report["kind"]
