@@ -10,12 +10,13 @@ split (every linear cut on out_features) and a plan searched with 200 proposals 
 calibrated topology; runs each for real (median of --steps after 2 warm-up steps; a model's
 plans take turns step by step) and simulates it. The calibration fits the executor's overheads
 beyond the same cost model's kernel times. ``--cost-model profiled`` first times every
-baseline partition of each model into ``calN.profile.json`` with the threads one rank has
-(``calibrate.warm_profile``); any other partition (the searched plan's, the 2-micro-batch
-pipelines', the parameter split's) is timed when first simulated, at that thread count.
+fixed plan's partitions of each model into ``calN.profile.json`` with the threads one rank has,
+in interleaved rounds (``calibrate.warm_profile``); the searched plan's other partitions are
+timed when first simulated, at that thread count.
 Prints a table, the median and max |relative error| and Spearman's rank correlation. With
 --out the topologies, their fit reports, the profiles, the plans and ``results.json`` (every
-row) stay in DIR. Asserts nothing.
+row) stay in DIR; ``--repredict DIR`` runs nothing and predicts such a run's plans again with
+the current code against its measurements (``repredict``). Asserts nothing.
 """
 
 from __future__ import annotations
@@ -36,10 +37,11 @@ from simulator.cost import get_cost_model  # noqa: E402
 from simulator.simulate import simulate_plan  # noqa: E402
 from simulator.topology import Topology  # noqa: E402
 from soapsearch.calibrate import calibrate, run_plans, spearman  # noqa: E402
-from soapsearch.calibrate._spawn import threads_per_process  # noqa: E402
-from soapsearch.calibrate.measure import warm_profile  # noqa: E402
+from simulator.devices import OVERHEAD_FIELDS  # noqa: E402
+from soapsearch.calibrate._spawn import rank_threads, threads_per_process  # noqa: E402
+from soapsearch.calibrate.measure import Calibration, fit_executor_overheads, warm_profile  # noqa: E402
 from soapsearch.executor import build_model  # noqa: E402
-from strategies import Strategy, baseline, save_strategy  # noqa: E402
+from strategies import Strategy, baseline, load_strategy, save_strategy  # noqa: E402
 from strategies.baselines import param_split  # noqa: E402
 from strategies.lowering import lower  # noqa: E402
 
@@ -74,9 +76,16 @@ def plans_for(graph, n: int, topo: Topology, cost) -> dict[str, Strategy]:
 def bench(n: int, models: list[str], variant: str, topo: Topology, cost_name: str, steps: int,
           d: Path) -> list[tuple]:
     cache = d / f"cal{n}.profile.json"
-    if cost_name == "profiled":  # every baseline's partitions, timed with one process's threads
+    if cost_name == "profiled":  # the fixed plans' partitions, in rounds, with one process's threads
         for model in models:
-            print(f"  {model}: {warm_profile(model, topo, cache, variant)} partitions profiled")
+            graph = build_model(model, variant, seed=0).graph
+            fixed = []
+            for make in plan_makers(graph, n).values():
+                try:
+                    fixed.append(make())
+                except Exception:  # noqa: BLE001 - a plan this model cannot take (reported below)
+                    pass
+            print(f"  {model}: {warm_profile(model, topo, cache, variant, plans=fixed)} partitions profiled")
     cost = get_cost_model(cost_name, **({"cache_path": str(cache)} if cost_name == "profiled" else {}))
     rows = []
     for model in models:
@@ -88,13 +97,45 @@ def bench(n: int, models: list[str], variant: str, topo: Topology, cost_name: st
             save_strategy(paths[-1], plan, graph, topology=topo.name)
         measured = run_plans(paths, model, n, variant=variant, steps=steps, warmup=2)
         for (name, plan), m in zip(plans.items(), measured):
-            low = lower(graph, plan)
-            sim = simulate_plan(graph, low, topo, cost)
-            tasks = max(sum(1 for per_mb in low.partitions.values() for ps in per_mb for p in ps if p.device == r)
-                        for r in range(n))
-            remote = sum(1 for t in low.transfers if not t.local)
-            rows.append((n, model, name, sim.iteration_ms, m.iteration_ms, max(sim.busy_time) * 1e3,
-                         max(m.busy_ms), max(m.wait_ms), tasks, remote))
+            rows.append(_row(n, model, name, graph, plan, topo, cost, m.iteration_ms, max(m.busy_ms), max(m.wait_ms)))
+    return rows
+
+
+def _row(n: int, model: str, name: str, graph, plan: Strategy, topo: Topology, cost, measured_ms: float,
+         measured_busy_ms: float, measured_wait_ms: float) -> tuple:
+    """One table row: the plan simulated on ``topo`` beside its measured figures."""
+    low = lower(graph, plan)
+    sim = simulate_plan(graph, low, topo, cost)
+    tasks = max(sum(1 for per_mb in low.partitions.values() for ps in per_mb for p in ps if p.device == r)
+                for r in range(n))
+    remote = sum(1 for t in low.transfers if not t.local)
+    return (n, model, name, sim.iteration_ms, measured_ms, max(sim.busy_time) * 1e3, measured_busy_ms,
+            measured_wait_ms, tasks, remote)
+
+
+def repredict(d: Path, variant: str) -> list[tuple]:
+    """The rows of a run kept with --out DIR, predicted again by this code: each N's calibration
+    report read back, its executor overheads refitted on the run's own probe times under the
+    current simulator (``fit_executor_overheads``), every plan of the run simulated again (with
+    the run's profile cache when it was profiled). The measured figures are the run's: a model
+    change is judged on the same measurements, free of run-to-run noise."""
+    stored = json.loads((d / "results.json").read_text())
+    graphs = {}
+    rows = []
+    for n in sorted({r["nproc"] for r in stored}):
+        report = d / f"cal{n}.report.json"
+        cal = Calibration.from_json(json.loads(report.read_text()), str(report))
+        cost = get_cost_model(cal.cost_model, **({"cache_path": str(d / f"cal{n}.profile.json")}
+                                                 if cal.cost_model == "profiled" else {}))
+        fit_executor_overheads(cal, cal.overheads, cost)
+        topo = cal.topology()
+        print(f"N={n}: refitted overheads " + ", ".join(f"{f} {getattr(cal, f) * 1e6:.0f} µs" for f in OVERHEAD_FIELDS))
+        with rank_threads(n):  # a partition the run's profile lacks is timed as a rank
+            for r in (r for r in stored if r["nproc"] == n):
+                graph = graphs.get(r["model"]) or graphs.setdefault(r["model"], build_model(r["model"], variant, seed=0).graph)
+                plan = load_strategy(d / f"{r['model']}-{n}-{r['plan']}.json", graph)
+                rows.append(_row(n, r["model"], r["plan"], graph, plan, topo, cost, r["measured_ms"],
+                                 r["measured_busy_ms"], r["measured_wait_ms"]))
     return rows
 
 
@@ -109,8 +150,15 @@ def main() -> int:
     p.add_argument("--cost-model", choices=("analytical", "profiled"), default="analytical")
     p.add_argument("--steps", type=int, default=7)
     p.add_argument("--out", default=None, help="keep topologies, reports, plans and results.json here")
+    p.add_argument("--repredict", default=None, metavar="DIR",
+                   help="run nothing: predict the plans of a run kept with --out DIR again with this code, "
+                        "against that run's measurements (overheads refitted on its probe times)")
     args = p.parse_args()
     rows = []
+    if args.repredict:
+        rows = repredict(Path(args.repredict), args.variant)
+        print_table(rows)
+        return 0
     with tempfile.TemporaryDirectory() as tmp:
         d = Path(args.out or tmp)
         d.mkdir(parents=True, exist_ok=True)
@@ -133,6 +181,12 @@ def main() -> int:
         keys = ("nproc", "model", "plan", "predicted_ms", "measured_ms", "predicted_busy_ms", "measured_busy_ms",
                 "measured_wait_ms", "tasks_per_device", "remote_transfers")
         (d / "results.json").write_text(json.dumps([dict(zip(keys, r)) for r in rows], indent=1) + "\n")
+    print_table(rows)
+    return 0
+
+
+def print_table(rows: list[tuple]) -> None:
+    """The table, the median and max |error|, Spearman's rank correlation overall and per N."""
     head = ("N", "model", "plan", "pred ms", "meas ms", "error", "pred busy", "meas busy", "meas wait",
             "tasks/dev", "remote xfers")
     print("\n" + " | ".join(head))
@@ -146,9 +200,10 @@ def main() -> int:
     for n in sorted({r[0] for r in rows}):
         sub = [r for r in rows if r[0] == n]
         per_task = statistics.median((r[6] - r[5]) / r[8] * 1e3 for r in sub)
-        print(f"  N={n}: Spearman {spearman([r[3] for r in sub], [r[4] for r in sub]):.3f}; "
+        errs = [abs(r[3] - r[4]) / r[4] for r in sub]
+        print(f"  N={n}: median |error| {statistics.median(errs):.1%}, max {max(errs):.1%}, "
+              f"Spearman {spearman([r[3] for r in sub], [r[4] for r in sub]):.3f}; "
               f"median unmodelled busy per task (meas - pred busy) / tasks = {per_task:.0f} µs")
-    return 0
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ import statistics
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +34,9 @@ from simulator.cost import (
 )
 from simulator.devices import DeviceSpec
 from simulator.paths import cache_dir
-from strategies.graph import OpNode
+from simulator.topology import Topology
+from strategies.graph import OpGraph, OpNode
+from strategies.lowered import Lowered
 from strategies.region import Box, box_shape
 from strategies.serialize import atomic_open
 from strategies.rules import OPAQUE, get_rule, no_reduce
@@ -42,6 +44,7 @@ from strategies.rules import OPAQUE, get_rule, no_reduce
 __all__ = [
     "CACHE_FORMAT",
     "REPEATS",
+    "ROUNDS",
     "WARMUP",
     "ProfiledCostModel",
     "cache_beside",
@@ -50,6 +53,7 @@ __all__ = [
     "harness_overhead",
     "measure_partition",
     "partition_tensors",
+    "plan_partitions",
 ]
 
 log = logging.getLogger(__name__)
@@ -58,6 +62,8 @@ REPEATS = 5
 """Timed runs per partition (the median is kept): enough to shed one outlier at ~ms per op."""
 WARMUP = 2
 """Untimed runs first: the first call pays allocator growth, kernel selection and lazy init."""
+ROUNDS = 5
+"""Interleaved rounds of ``ProfiledCostModel.profile`` (the median of the rounds is kept)."""
 CACHE_FORMAT = "soapsearch.profile"
 
 
@@ -180,6 +186,16 @@ def _time_calls(forward: Callable[[], torch.Tensor], leaves: Sequence[torch.Tens
 
 
 # --- the on-disk cache --------------------------------------------------------------------
+def plan_partitions(graph: OpGraph, lowered: Lowered, topology: Topology) -> Iterator[tuple[OpNode, Box, DeviceSpec]]:
+    """(op, box, device) of every partition of every micro-batch of a lowered plan: what
+    ``ProfiledCostModel.profile`` takes to time a plan ahead of simulating it."""
+    for name, per_mb in lowered.partitions.items():
+        node = graph[name]
+        for parts in per_mb:
+            for p in parts:
+                yield node, p.box, topology.devices[p.device]
+
+
 def _plain(v: Any) -> Any:
     """``v`` as plain JSON data (mappings sorted, tuples as lists, anything else by repr)."""
     if isinstance(v, Mapping):
@@ -287,21 +303,63 @@ class ProfiledCostModel(CostModel):
                         type(self.fallback).__name__)
         return None
 
-    def _op_time(self, node: OpNode, box: Box, regions: tuple[Box | None, ...],
-                 weight_regions: dict[str, Box], device: DeviceSpec) -> tuple[float, float]:
+    def _measurable(self, node: OpNode, device: DeviceSpec) -> str | None:
+        """The local device that times ``node``'s partitions for ``device``, or None where the
+        fallback answers (leaf and opaque ops, a GPU kind with no CUDA here)."""
         if node.kind in LEAF_KINDS or get_rule(node.kind).kind == OPAQUE:
             log.debug("op %r (kind %r): %s; using the %s", node.name, node.kind,
                       "not computed" if node.kind in LEAF_KINDS else "no rule to run it",
                       type(self.fallback).__name__)
-            return self.fallback.op_time(node, box, device)
-        local = self._local_device(device)
+            return None
+        return self._local_device(device)
+
+    def _harness(self, device: DeviceSpec, local: str) -> tuple[float, float]:
+        return self._measured(f"{device.kind}|torch {torch.__version__}|harness",
+                              lambda: harness_overhead(warmup=self.warmup, device=local))
+
+    def profile(self, partitions: Iterable[tuple[OpNode, Box, DeviceSpec]], rounds: int = ROUNDS) -> int:
+        """Time every partition not cached yet in ``rounds`` interleaved rounds -- each round
+        runs ``measure_partition`` (median of ``repeats``) of each in turn -- and cache the
+        median of its rounds, forward and backward apart. On a shared host an op's speed moves
+        by 20-40 % from one second to the next (gpt small's dropout here: 0.41-0.89 ms, the
+        same call); timed in one burst, a partition keeps whatever state that burst caught,
+        and two partitions of one plan can be timed in different states. Rounds spread each
+        partition's samples over the whole profile. Partitions that fail to run are left to
+        the fallback (``op_time``). Returns how many were timed."""
+        if rounds < 1:
+            raise ValueError(f"ProfiledCostModel.profile: rounds ({rounds}) must be >= 1")
+        todo: dict[str, tuple[OpNode, Box, str]] = {}
+        for node, box, device in partitions:
+            local = self._measurable(node, device)
+            key = cache_key(node, box, device) if local is not None else None
+            if key is not None and key not in self._store.entries and key not in todo:
+                self._harness(device, local)
+                todo[key] = (node, box, local)
+        samples: dict[str, list[tuple[float, float]]] = {key: [] for key in todo}
+        for _ in range(rounds):
+            for key in [k for k in todo if k in samples]:
+                node, box, local = todo[key]
+                try:
+                    samples[key].append(measure_partition(node, box, repeats=self.repeats,
+                                                          warmup=self.warmup, device=local))
+                except Exception as e:  # noqa: BLE001 - op_time falls back for it, with the reason
+                    log.debug("op %r box %s failed to run (%s: %s)", node.name, box, type(e).__name__, e)
+                    del samples[key]
+        for key, runs in samples.items():
+            self._store.entries[key] = [statistics.median(f for f, _ in runs), statistics.median(b for _, b in runs)]
+            self._store.dirty = True
+        self._store.flush()
+        return len(samples)
+
+    def _op_time(self, node: OpNode, box: Box, regions: tuple[Box | None, ...],
+                 weight_regions: dict[str, Box], device: DeviceSpec) -> tuple[float, float]:
+        local = self._measurable(node, device)
         if local is None:
             return self.fallback.op_time(node, box, device)
         try:
             fwd, bwd = self._measured(cache_key(node, box, device), lambda: measure_partition(
                 node, box, repeats=self.repeats, warmup=self.warmup, device=local))
-            h_fwd, h_bwd = self._measured(f"{device.kind}|torch {torch.__version__}|harness",
-                                          lambda: harness_overhead(warmup=self.warmup, device=local))
+            h_fwd, h_bwd = self._harness(device, local)
         except Exception as e:  # noqa: BLE001 - any failure to run falls back, with its reason
             log.debug("op %r (kind %r) box %s failed to run (%s: %s); using the %s", node.name,
                       node.kind, box, type(e).__name__, e, type(self.fallback).__name__)

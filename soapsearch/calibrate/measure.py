@@ -34,7 +34,7 @@ import statistics
 import time
 import warnings
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -44,15 +44,19 @@ import torch.nn.functional as F
 
 from simulator.cost import CostModel, get_cost_model
 from simulator.devices import OVERHEAD_FIELDS
+from simulator.profiled import ROUNDS, ProfiledCostModel, cache_beside, default_cache_path, plan_partitions
 from simulator.topology import Topology
 from soapsearch.calibrate._spawn import rank_threads, spawn, threads_per_process
 from soapsearch.calibrate.timing import slowest_median, step_times
 from soapsearch.calibrate.fit import (build_topology, device_kind, fit_alpha_beta, fit_collective_bandwidth,
                                      fit_gemm_half, fit_overheads, ring_allreduce_seconds, trimmed_mean)
-from soapsearch.calibrate.overhead import OverheadProbe, probe_simulator, unit_kernel_seconds
+from soapsearch.calibrate.overhead import OverheadProbe, probe_chains, probe_simulator, unit_kernel_seconds
+from strategies import Strategy, baseline
+from strategies.lowering import lower
 from strategies.serialize import atomic_write_text
 
-__all__ = ["DEFAULT_SIZES", "Calibration", "calibrate", "measure", "report_path", "warm_profile"]
+__all__ = ["DEFAULT_SIZES", "Calibration", "calibrate", "fit_executor_overheads", "measure", "report_path",
+           "warm_profile"]
 
 DEFAULT_SIZES = tuple(1 << k for k in range(10, 25, 2))
 """1 KiB, 4 KiB, ... 16 MiB (powers of 4)."""
@@ -153,6 +157,19 @@ class Calibration:
     def to_json(self) -> dict[str, Any]:
         return {"format": "soapsearch.calibration", "version": 1, "shared_cores": self.shared,
                 "contention": self.contention, **asdict(self)}
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any], where: str = "calibration report") -> Calibration:
+        """The calibration ``to_json`` wrote (its fit report)."""
+        if not isinstance(obj, Mapping) or obj.get("format") != "soapsearch.calibration":
+            raise ValueError(f"{where}: format {obj.get('format') if isinstance(obj, Mapping) else obj!r}: "
+                             "not a soapsearch.calibration report")
+        names = {f.name for f in fields(cls)}
+        missing = [f.name for f in fields(cls) if f.name not in obj and f.default is MISSING
+                   and f.default_factory is MISSING]
+        if missing:
+            raise ValueError(f"{where}: missing {missing}: a report written by soapsearch calibrate has them")
+        return cls(**{k: v for k, v in obj.items() if k in names})
 
 
 def _per_call_time(fn, blocks: int, warmup: int) -> float:
@@ -290,42 +307,56 @@ def measure(nproc: int, backend: str = "gloo", sizes: Sequence[int] = DEFAULT_SI
         max(r["op_overhead"] for r in results), p2p=p2p, allreduce=allreduce)
     cal.gemm_seconds = [[m, max(r["gemm_seconds"][i] for r in results)] for i, m in enumerate(GEMM_ROWS)]
     cal.gemm_half = fit_gemm_half(GEMM_ROWS, [t for _, t in cal.gemm_seconds], min(cal.solo_flops), GEMM_K, GEMM_K)
-    if overhead_rounds:
-        raw = results[0]["overheads"]  # every figure in it is already reduced over the ranks
-        cost = get_cost_model("analytical") if cost is None else cost  # (a profiled one with an empty cache is falsy)
-        with rank_threads(nproc):  # a profiled cost model times the probe's partitions as a rank
-            kernel = unit_kernel_seconds(cal.topology(), cost)
-            simulate = (probe_simulator(cal.with_overheads, cost, raw["task_sizes"], raw["piece_sizes"],
-                                        raw["microbatches"]) if nproc > 1 else None)
-            fit = fit_overheads(raw, kernel, simulate)
-        figures = fit._asdict()
-        for f in OVERHEAD_FIELDS:
-            setattr(cal, f, figures.pop(f))
-        cal.overheads = {**raw, "kernel": kernel, **figures}  # the per-round figures and counts
+    if overhead_rounds:  # every figure in the probe's result is already reduced over the ranks
+        fit_executor_overheads(cal, results[0]["overheads"], get_cost_model("analytical") if cost is None else cost)
     return cal
 
 
-def warm_profile(model: str, topology: Topology, cache_path: str | os.PathLike, variant: str = "tiny") -> int:
-    """Time every op partition of every baseline plan of ``model`` on ``topology`` into the
-    ProfiledCostModel cache at ``cache_path`` (in this process, alone, with the threads one
+def fit_executor_overheads(cal: Calibration, raw: Mapping[str, Any], cost: CostModel) -> None:
+    """Fit ``cal``'s executor overheads (``OVERHEAD_FIELDS``) to the probe's measured ``raw``
+    times beyond ``cost``'s kernels (``fit.fit_overheads``), simulating the probe on ``cal``'s
+    own topology; the per-round figures and counts go to ``cal.overheads``. A profiled ``cost``
+    times the probe's partitions first, in rounds, as a rank. Re-running it on a saved report
+    (``Calibration.from_json``) refits the same measurements under the current simulator."""
+    raw = {k: raw[k] for k in ("task_sizes", "piece_sizes", "microbatches", "rounds") if k in raw}
+    with rank_threads(cal.nproc):
+        if isinstance(cost, ProfiledCostModel):
+            cost.profile(part for *_, graph, plan in probe_chains(cal.nproc, raw["task_sizes"], raw["piece_sizes"],
+                                                                   raw["microbatches"])
+                         for part in plan_partitions(graph, lower(graph, plan), cal.topology()))
+        kernel = unit_kernel_seconds(cal.topology(), cost)
+        simulate = (probe_simulator(cal.with_overheads, cost, raw["task_sizes"], raw["piece_sizes"],
+                                    raw["microbatches"]) if cal.nproc > 1 else None)
+        fit = fit_overheads(raw, kernel, simulate)
+    figures = fit._asdict()
+    for f in OVERHEAD_FIELDS:
+        setattr(cal, f, figures.pop(f))
+    cal.overheads = {**raw, "kernel": kernel, **figures}
+
+
+def warm_profile(model: str, topology: Topology, cache_path: str | os.PathLike, variant: str = "tiny",
+                 plans: Sequence[Strategy] | None = None, rounds: int = ROUNDS) -> int:
+    """Time every op partition of ``plans`` (default: every baseline plan) of ``model`` on
+    ``topology`` into the ProfiledCostModel cache at ``cache_path``, in ``rounds`` interleaved
+    rounds (``ProfiledCostModel.profile``), in this process, alone, with the threads one
     process gets: a device's solo speed, which the simulator slows by its ``contention`` while
-    its node's other devices compute); returns the number of cached measurements."""
-    from simulator.profiled import ProfiledCostModel
-    from simulator.simulate import simulate_plan
+    its node's other devices compute. Returns the number of cached measurements."""
     from soapsearch.executor import build_model
-    from strategies import baseline
     from strategies.baselines import BASELINES
 
     graph = build_model(model, variant).graph
+    if plans is None:
+        plans = []
+        for name in BASELINES:
+            try:
+                plans.append(baseline(name, graph, topology.num_devices))
+            except ValueError:
+                continue  # e.g. a batch the device count does not divide
     cost = ProfiledCostModel(cache_path=cache_path)
     try:
         with rank_threads(topology.num_devices):
-            for name in BASELINES:  # simulating a plan times each of its partitions once
-                try:
-                    plan = baseline(name, graph, topology.num_devices)
-                except ValueError:
-                    continue  # e.g. a batch the device count does not divide
-                simulate_plan(graph, plan, topology, cost)
+            cost.profile((part for plan in plans for part in plan_partitions(graph, lower(graph, plan), topology)),
+                         rounds)
     finally:
         cost.flush()
     return len(cost)
@@ -347,8 +378,6 @@ def calibrate(nproc: int, backend: str = "gloo", sizes: Sequence[int] = DEFAULT_
     (``<out stem>.profile.json`` beside ``out``, else the default cache), which plans on this
     topology should then be simulated with. With ``model`` that cache is also warmed for the
     model's baseline plans."""
-    from simulator.profiled import ProfiledCostModel, cache_beside, default_cache_path
-
     if cost_model not in ("analytical", "profiled"):
         raise ValueError(f"calibrate: cost_model {cost_model!r}: choose 'analytical' or 'profiled'")
     cache = None

@@ -12,7 +12,8 @@ from simulator.topology import Topology
 from soapsearch.calibrate import calibrate, compare
 from soapsearch.calibrate.compare import PHASES
 from soapsearch.calibrate.fit import fit_gemm_half
-from soapsearch.calibrate.measure import report_path
+from simulator.cost import get_cost_model
+from soapsearch.calibrate.measure import Calibration, fit_executor_overheads, report_path
 from soapsearch.executor import build_model
 from strategies import baseline, save_strategy
 
@@ -62,6 +63,16 @@ def test_calibrate_two_processes_gives_positive_finite_figures(tmp_path):
         report["exchange_overhead"], rel=1e-3)
     assert len(probe["rounds"]) == len(probe["task_per_round"]) == 2
     assert 0 < probe["kernel"] < 1e-3  # the roofline of a 4x16 linear and tanh, forward + backward
+    # the report reads back; refitting its own probe times under the same code gives its figures
+    cal = Calibration.from_json(json.loads(json.dumps(report)))
+    fit_executor_overheads(cal, cal.overheads, get_cost_model("analytical"))
+    assert {f: getattr(cal, f) for f in OVERHEAD_FIELDS} == pytest.approx({f: report[f] for f in OVERHEAD_FIELDS},
+                                                                         rel=1e-12, abs=1e-15)
+    assert cal.topology() == topo
+    with pytest.raises(ValueError, match="not a soapsearch.calibration report"):
+        Calibration.from_json({"format": "soapsearch.topology"})
+    with pytest.raises(ValueError, match=r"missing \['nproc'"):
+        Calibration.from_json({"format": "soapsearch.calibration"})
 
 
 def test_calibrate_fits_the_overheads_beyond_the_cost_model_it_is_given(tmp_path):
