@@ -113,6 +113,14 @@ class Link:
     copy engines (NVLink, InfiniBand) lose nothing; shared-memory links between CPU processes
     do (the cores that copy and add are the ones that send: ``soapsearch calibrate`` fits it
     from the measured all-reduce's slope)."""
+    send_bandwidth: float | None = None
+    """Bytes per second the sending device's host copies a message onto this link at, computing
+    nothing else meanwhile, where the first link of a route holds the sender so (gloo between
+    CPU processes: ``isend`` writes into the socket in the calling thread once the receive is
+    posted); None: the sender's host is free while its message moves (copy engines)."""
+    send_latency: float = 0.0
+    """Seconds of the sender's host per message besides the copy (with ``send_bandwidth``):
+    a send holds it ``send_latency + bytes / send_bandwidth``."""
 
     def __post_init__(self) -> None:
         if self.latency < 0 or self.bandwidth <= 0:
@@ -122,6 +130,16 @@ class Link:
                 math.isfinite(self.collective_bandwidth) and self.collective_bandwidth > 0):
             raise ValueError(f"link {self.name!r}: collective_bandwidth {self.collective_bandwidth} must be finite "
                              "and > 0 (or None: the link's bandwidth)")
+        if self.send_bandwidth is not None and not (math.isfinite(self.send_bandwidth) and self.send_bandwidth > 0):
+            raise ValueError(f"link {self.name!r}: send_bandwidth {self.send_bandwidth} must be finite and > 0 "
+                             "(or None: the sender's host is not held)")
+        if not (math.isfinite(self.send_latency) and self.send_latency >= 0):
+            raise ValueError(f"link {self.name!r}: send_latency {self.send_latency} must be finite and >= 0")
+
+    def send_time(self, nbytes: float) -> float:
+        """Seconds a message of ``nbytes`` holds the sender's host: send_latency + bytes /
+        send_bandwidth; 0 without a send bandwidth."""
+        return 0.0 if self.send_bandwidth is None else self.send_latency + nbytes / self.send_bandwidth
 
     @property
     def ring_bandwidth(self) -> float:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from simulator.devices import DeviceSpec, Link
-from simulator.topology import Topology, _device, _err, _get
+from simulator.topology import Topology, _device, _err, _get, _link_extras
 
 __all__ = ["PRESETS", "PATTERNS", "MAX_DEVICES", "INTRA_SHAPES", "INTER_SHAPES", "Fabric", "cluster",
            "cluster_from_json", "get_topology"]
@@ -45,6 +45,10 @@ class Fabric:
     """Bytes/s of each link, per direction (1 / beta)."""
     collective_bandwidth: float | None = None
     """Bytes/s of each link inside a ring collective (``Link.collective_bandwidth``; None: ``bandwidth``)."""
+    send_bandwidth: float | None = None
+    """Bytes/s the sender's host copies a message at (``Link.send_bandwidth``; None: not held)."""
+    send_latency: float = 0.0
+    """The sender's host seconds per message besides the copy (``Link.send_latency``)."""
 
 
 def cluster(name: str, device: DeviceSpec, nodes: int, per_node: int, intra: Fabric,
@@ -69,7 +73,8 @@ def cluster(name: str, device: DeviceSpec, nodes: int, per_node: int, intra: Fab
 
     def add(link_name: str, fabric: Fabric, hops: int) -> None:
         index[link_name] = len(links)
-        links.append(Link(link_name, fabric.kind, fabric.latency / hops, fabric.bandwidth, fabric.collective_bandwidth))
+        links.append(Link(link_name, fabric.kind, fabric.latency / hops, fabric.bandwidth, fabric.collective_bandwidth,
+                          fabric.send_bandwidth, fabric.send_latency))
 
     mesh, k = intra.shape == "mesh", intra.kind
     if per_node > 1:
@@ -104,7 +109,7 @@ def _fabric(obj: Any, path: str, where: str, shapes: tuple[str, ...]) -> Fabric:
         raise _err(where, f"{path}shape", shape, f"must be one of {shapes}")
     return Fabric(shape, _get(obj, "kind", path, "str", where), _get(obj, "latency", path, "num>=0", where),
                   _get(obj, "bandwidth", path, "num>0", where),
-                  _get(obj, "collective_bandwidth", path, "num>0", where) if "collective_bandwidth" in obj else None)
+                  *_link_extras(obj, path, where))
 
 
 def cluster_from_json(name: str, obj: Mapping[str, Any], where: str = "topology JSON") -> Topology:

@@ -16,10 +16,11 @@ from typing import Any
 import numpy as np
 
 __all__ = ["TaskGraph", "Columns", "Segment", "INDEX", "FORWARD", "BACKWARD", "TRANSFER", "GRAD_TRANSFER",
-           "REDUCE", "ALLREDUCE", "UPDATE", "RECV", "CATEGORY"]
+           "REDUCE", "ALLREDUCE", "UPDATE", "RECV", "SEND", "GRAD_SEND", "CATEGORY"]
 
-FORWARD, BACKWARD, TRANSFER, GRAD_TRANSFER, REDUCE, ALLREDUCE, UPDATE, RECV = range(8)
-CATEGORY = ("forward", "backward", "transfer", "grad_transfer", "reduce", "allreduce", "update", "recv")
+FORWARD, BACKWARD, TRANSFER, GRAD_TRANSFER, REDUCE, ALLREDUCE, UPDATE, RECV, SEND, GRAD_SEND = range(10)
+CATEGORY = ("forward", "backward", "transfer", "grad_transfer", "reduce", "allreduce", "update", "recv", "send",
+            "grad_send")
 
 INDEX = np.int32
 """The dtype of task ids, edges and resource ids in the graph's arrays: the compiled event

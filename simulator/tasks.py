@@ -35,8 +35,8 @@ from simulator.comm import allgather_time, group_sum_time, ring_links, transfer_
 from simulator.cost import CostModel
 from simulator.step import UPDATE_TRAFFIC, link_step, member_ends
 from simulator.taskcache import TaskCache
-from simulator.taskgraph import (ALLREDUCE, BACKWARD, CATEGORY, FORWARD, GRAD_TRANSFER, INDEX, RECV, REDUCE,
-                                  TRANSFER, UPDATE, Columns, Segment, TaskGraph)
+from simulator.taskgraph import (ALLREDUCE, BACKWARD, CATEGORY, FORWARD, GRAD_SEND, GRAD_TRANSFER, INDEX, RECV,
+                                 REDUCE, SEND, TRANSFER, UPDATE, Columns, Segment, TaskGraph)
 from simulator.topology import Topology
 from strategies.graph import OpNode
 from strategies.lowering import BACKWARD as BY_BACKWARD
@@ -199,16 +199,28 @@ def _add_transfers(b: _Block, transfers: tuple[Transfer, ...], producers: dict[s
             tb_end = r
         else:
             tb_end = tb
+        if wire[4]:  # the senders' hosts copy (Link.send_bandwidth): after the producer, beside the wire
+            h = b.add(("send-host", t), SEND, wire[4], (src_device,), src_device)
+            cross += (src_f, at, h, position)
+            h = b.add(("send-host-grad", t), GRAD_SEND, wire[5], (dst_device,), dst_device)
+            esrc.append(dst_b)
+            edst.append(h)
         esrc += (dst_b, tf_end)
         edst += (tb, dst_f)
         cross += (src_f, at, tf, position, tb_end, position, src_b, at)
 
 
-def _wire(topology: Topology, src: int, dst: int, nbytes: int) -> tuple[float, tuple[int, ...], float, tuple[int, ...]]:
-    """(seconds, resources) of ``nbytes`` sent ``src`` -> ``dst`` and of its gradient sent back."""
+def _wire(topology: Topology, src: int, dst: int, nbytes: int
+          ) -> tuple[float, tuple[int, ...], float, tuple[int, ...], float, float]:
+    """(seconds, resources) of ``nbytes`` sent ``src`` -> ``dst`` and of its gradient sent back,
+    then the seconds each send holds its sender's host (``Link.send_time`` of the route's first
+    link; 0: not held)."""
     n = topology.num_devices
-    return (transfer_time(topology, src, dst, nbytes), tuple(n + l for l in topology.route(src, dst)),
-            transfer_time(topology, dst, src, nbytes), tuple(n + l for l in topology.route(dst, src)))
+    there, back = topology.route(src, dst), topology.route(dst, src)
+    return (transfer_time(topology, src, dst, nbytes), tuple(n + l for l in there),
+            transfer_time(topology, dst, src, nbytes), tuple(n + l for l in back),
+            topology.links[there[0]].send_time(nbytes) if there else 0.0,
+            topology.links[back[0]].send_time(nbytes) if back else 0.0)
 
 
 def _add_reductions(b: _Block, node: OpNode, reductions: tuple[ReductionGroup, ...], backward: bool,

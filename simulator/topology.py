@@ -9,7 +9,9 @@ JSON (format ``soapsearch.topology``, version 1), explicit form — what ``to_js
       default 0; "contention", the slowdown when its node's devices compute at once, default 1;
       "gemm_half", the smallest matrix-product dimension at half the peak, default 0: not modelled)
      "links": [{"name": "nvlink:0->1", "kind": "nvlink", "latency": 2e-06, "bandwidth": 2e10}, ...],
-     (optional per link: "collective_bandwidth", bytes/s inside a ring collective, default bandwidth)
+     (optional per link: "collective_bandwidth", bytes/s inside a ring collective, default bandwidth;
+      "send_bandwidth" and "send_latency": a message holds the sender's host send_latency + bytes /
+      send_bandwidth seconds (gloo on CPU), default: not held)
      "routes": [{"src": 0, "dst": 1, "links": [0]}, {"src": 1, "dst": 0, "links": [1]}]}
 
 Compact form, for hand-written homogeneous clusters: ``"cluster"`` in place of devices, links and
@@ -181,7 +183,9 @@ class Topology:
                          **({"gemm_half": d.gemm_half} if d.gemm_half else {})} for d in self.devices],
             "links": [{"name": k.name, "kind": k.kind, "latency": k.latency, "bandwidth": k.bandwidth,
                        **({"collective_bandwidth": k.collective_bandwidth}
-                          if k.collective_bandwidth is not None else {})}
+                          if k.collective_bandwidth is not None else {}),
+                       **({"send_bandwidth": k.send_bandwidth, "send_latency": k.send_latency}
+                          if k.send_bandwidth is not None else {})}
                       for k in self.links],
             "routes": [{"src": s, "dst": d, "links": list(r)} for (s, d), r in sorted(self.routes.items())],
         }
@@ -229,11 +233,14 @@ class Topology:
         for ids, text in groups:
             label = f"node {ids[0]}" if len(ids) == 1 else f"nodes {ids[0]}..{ids[-1]} (each)"
             lines.append(f"  {label}: {text}")
-        kinds = Counter((k.kind, k.latency, k.bandwidth, k.collective_bandwidth) for k in self.links)
+        kinds = Counter((k.kind, k.latency, k.bandwidth, k.collective_bandwidth, k.send_bandwidth, k.send_latency)
+                        for k in self.links)
         lines.append(f"  links: {len(self.links)}" + ("" if kinds else " (a single device needs none)"))
-        for (kind, lat, bw, ring), c in kinds.items():
+        for (kind, lat, bw, ring, send_bw, send_lat), c in kinds.items():
             lines.append(f"    {c:4d} x {kind}: {_us(lat)}, {_gbs(bw)} per direction"
-                         + (f", {_gbs(ring)} in a ring collective" if ring is not None else ""))
+                         + (f", {_gbs(ring)} in a ring collective" if ring is not None else "")
+                         + (f"; a send holds the sender {_us(send_lat)} + bytes at {_gbs(send_bw)}"
+                            if send_bw is not None else ""))
         n = self.num_devices
         for label, same in (("inside a node", True), ("between nodes", False)):
             pairs = [s * n + d for s in range(n) for d in range(n)
@@ -296,6 +303,13 @@ def _items(obj: Any, key: str, where: str, rule: str = "object") -> list[tuple[s
     return [(f"{key}[{i}].", v) for i, v in enumerate(values)]
 
 
+def _link_extras(obj: Any, path: str, where: str) -> tuple[float | None, float | None, float]:
+    """A link's (or fabric's) optional collective_bandwidth, send_bandwidth and send_latency."""
+    return (_get(obj, "collective_bandwidth", path, "num>0", where) if "collective_bandwidth" in obj else None,
+            _get(obj, "send_bandwidth", path, "num>0", where) if "send_bandwidth" in obj else None,
+            _get(obj, "send_latency", path, "num>=0", where) if "send_latency" in obj else 0.0)
+
+
 def _device(obj: Any, path: str, where: str, node: bool = True) -> DeviceSpec:
     flops = _get(obj, "peak_flops", path, "object", where)
     if not flops:
@@ -328,7 +342,7 @@ def _from_json(obj: Any, where: str = "topology JSON") -> Topology:
     devices = [_device(v, p, where) for p, v in _items(obj, "devices", where)]
     links = [Link(_get(v, "name", p, "str", where), _get(v, "kind", p, "str", where),
                   _get(v, "latency", p, "num>=0", where), _get(v, "bandwidth", p, "num>0", where),
-                  _get(v, "collective_bandwidth", p, "num>0", where) if "collective_bandwidth" in v else None)
+                  *_link_extras(v, p, where))
              for p, v in _items(obj, "links", where)]
     routes: dict[tuple[int, int], tuple[int, ...]] = {}
     for p, v in _items(obj, "routes", where):

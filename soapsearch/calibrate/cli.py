@@ -25,7 +25,10 @@ def _calibrate(args: argparse.Namespace) -> int:
     report = json.loads(report_path(args.output).read_text())
     print(topo.describe())
     print(f"alpha {report['alpha'] * 1e6:.1f} µs, bandwidth {report['bandwidth'] / 1e9:.3g} GB/s "
-          f"(r² {report['r2']:.3f}); all-reduce measured/ring {report['allreduce_ratio']:.2f}"
+          f"(r² {report['r2']:.3f}); "
+          + (f"a send holds the sender {report['send_latency'] * 1e6:.0f} µs + bytes at "
+             f"{report['send_bandwidth'] / 1e9:.3g} GB/s; " if report.get("send_bandwidth") else "")
+          + f"all-reduce measured/ring {report['allreduce_ratio']:.2f}"
           + (f", ring bandwidth {report['collective_bandwidth'] / 1e9:.3g} GB/s (r² {report['collective_r2']:.3f}); "
              if report["collective_bandwidth"] else "; ")
           + f"FLOP/s per process alone {', '.join(f'{f / 1e9:.1f}G' for f in report['solo_flops'])}, "

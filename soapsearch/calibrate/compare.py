@@ -41,12 +41,13 @@ BUSY = ("forward", "backward", "update")
 """The categories of the executor's events that count as a device's busy time."""
 PHASES = ("forward", "backward", "receives", "sync+update")
 """The columns of ``CompareResult``'s phases. Simulated, a device's compute lane: its forward and
-backward tasks, its message and exchange overheads, and its collectives' host work (bucket
+backward tasks and its sends' host time, its message and exchange overheads, and its collectives' host work (bucket
 copies, collective overheads; mid-step sums' too) and update. Measured, per step: the
 executor's forward and backward steps (mid-step sums in them), less the receive waits inside
 them, which are the receives column, and its gradient sync, loss sum and update."""
 _SIMULATED = {"forward": "forward", "backward": "backward", "recv": "receives", "reduce": "sync+update",
-              "allreduce": "sync+update", "update": "sync+update"}
+              "allreduce": "sync+update", "update": "sync+update", "send": "forward", "grad_send": "backward"}
+"""A send's host time is in the executor's forward or backward step that sends."""
 _MEASURED = {"forward": "forward", "backward": "backward", "gradient sync": "sync+update", "loss": "sync+update",
              "update": "sync+update"}
 

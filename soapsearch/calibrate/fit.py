@@ -286,13 +286,15 @@ def build_topology(nproc: int, alpha: float, bandwidth: float, flops: float, mem
                    kind: str = "cpu", memory_bytes: int | None = None, task_overhead: float = 0.0,
                    message_overhead: float = 0.0, collective_overhead: float = 0.0,
                    exchange_overhead: float = 0.0, collective_bandwidth: float | None = None,
-                   contention: float = 1.0, gemm_half: float = 0.0) -> Topology:
+                   contention: float = 1.0, gemm_half: float = 0.0, send_bandwidth: float | None = None,
+                   send_latency: float = 0.0) -> Topology:
     """``calibrated-cpu-N``: ``local-cpu-N``'s shape (one node, a shared-memory mesh link per
     ordered process pair) with the measured alpha, bandwidth, collective bandwidth
     (``fit_collective_bandwidth``), per-process float32 FLOP/s, memory bandwidth, contention
     (the slowdown when all compute at once), the products' half-performance length
-    (``fit_gemm_half``) and the executor's task, message, exchange and collective overheads
-    (``fit_overheads``)."""
+    (``fit_gemm_half``), the time a send holds the sender's host (``Link.send_bandwidth``,
+    ``send_latency``: ``fit_alpha_beta`` on the send calls) and the executor's task, message,
+    exchange and collective overheads (``fit_overheads``)."""
     if memory_bytes is None:
         try:
             memory_bytes = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // nproc
@@ -304,7 +306,8 @@ def build_topology(nproc: int, alpha: float, bandwidth: float, flops: float, mem
                         contention=float(contention), gemm_half=float(gemm_half))
     ring = None if collective_bandwidth is None else float(collective_bandwidth)
     return cluster(f"calibrated-cpu-{nproc}", device, 1, nproc,
-                   Fabric("mesh", "shm", float(alpha), float(bandwidth), ring))
+                   Fabric("mesh", "shm", float(alpha), float(bandwidth), ring,
+                          None if send_bandwidth is None else float(send_bandwidth), float(send_latency)))
 
 
 def _ranks(x: np.ndarray) -> np.ndarray:

@@ -6,6 +6,11 @@
   probe); fitted to alpha + s/B (``fit.py``). A mean, not a median: on cores shared with other
   work a receiver's wake-up costs ~0.2 or ~2 ms by turns, and a plan's many messages cost their
   count times the mean;
+* sending: the seconds rank 0 spends inside ``isend`` to rank 1 with the receive posted first
+  (as the executor posts its receives ahead), up to 4 MiB, fitted to send_latency + s /
+  send_bandwidth (``fit.fit_alpha_beta``): gloo copies the message into the socket in the
+  calling thread, so a sending process computes nothing meanwhile (~0.1 ms + s / 2.3 GB/s
+  here), which the simulator charges the sender (``Link.send_bandwidth``);
 * all-reduce over all ranks at the same sizes, against the ring formula on the fitted alpha, B,
   and fitted to that formula's slope on its own: the links' ``collective_bandwidth`` (sending
   both ways at once and summing on the cores that copy, gloo's ring moves ~half as fast);
@@ -65,6 +70,9 @@ GEMM_ROWS = (4, 8, 16, 32, 64)
 """Rows of the [m, GEMM_K] × [GEMM_K, GEMM_K] products (a linear layer's forward) timed alone
 per process to fit the half-performance length n½ (``fit.fit_gemm_half``)."""
 GEMM_K = 1024
+SEND_FIT_MAX_BYTES = 4 << 20
+"""The largest message whose send call is timed: beyond, the socket's buffer fills and gloo's own
+thread writes the rest (16 MiB here: 3.7 ms in the call, ~7 ms by the line of the smaller ones)."""
 COPY_BYTES = 32 << 20
 BLOCK_S = 0.05
 """Seconds of back-to-back calls per throughput block (``_per_call_time``): many scheduler slices."""
@@ -120,6 +128,12 @@ class Calibration:
     (``OverheadFit``'s fields but the overheads)."""
     p2p: dict[str, list[list[float]]] = field(default_factory=dict)
     """"i-j" -> [[bytes, one-way seconds], ...]."""
+    send_call: list[list[float]] = field(default_factory=list)
+    """[[bytes, seconds rank 0 spends inside isend to rank 1, the receive posted], ...]."""
+    send_latency: float = 0.0
+    send_bandwidth: float | None = None
+    """``fit_alpha_beta`` of ``send_call``: a send holds the sender's host send_latency + bytes
+    / send_bandwidth (the links' ``Link.send_latency``, ``send_bandwidth``; None: one process)."""
     allreduce: list[list[float]] = field(default_factory=list)
     """[[bytes, measured s, ring formula s], ...]."""
     profile_cache: str | None = None
@@ -152,7 +166,8 @@ class Calibration:
         0; the fit simulates its probe on it)."""
         return build_topology(self.nproc, self.alpha, self.bandwidth, min(self.solo_flops),
                               min(self.solo_memory_bandwidth), self.kind, collective_bandwidth=self.collective_bandwidth,
-                              contention=self.contention, gemm_half=self.gemm_half, **overheads)
+                              contention=self.contention, gemm_half=self.gemm_half,
+                              send_bandwidth=self.send_bandwidth, send_latency=self.send_latency, **overheads)
 
     def to_json(self) -> dict[str, Any]:
         return {"format": "soapsearch.calibration", "version": 1, "shared_cores": self.shared,
@@ -215,6 +230,23 @@ def _ping_pong(rank: int, i: int, j: int, buf: torch.Tensor) -> float:
     return time.perf_counter() - t0
 
 
+def _send_call(rank: int, buf: torch.Tensor, repeats: int, warmup: int) -> float:
+    """Median seconds rank 0 spends inside ``isend`` of ``buf`` to rank 1, whose receive is
+    posted first (the executor posts its receives ahead); 0 on the other ranks."""
+    times = []
+    for _ in range(warmup + repeats):
+        work = dist.irecv(buf, 0) if rank == 1 else None
+        dist.barrier()
+        if rank == 0:
+            time.sleep(1e-3)  # the receive is posted
+            t0 = time.perf_counter()
+            work = dist.isend(buf, 1)
+            times.append(time.perf_counter() - t0)
+        if work is not None:
+            work.wait()
+    return statistics.median(times[warmup:]) if rank == 0 else 0.0
+
+
 def _worker(rank: int, world: int, sizes: Sequence[int], repeats: int, warmup: int,
             overhead_rounds: int) -> dict[str, Any]:
     out: dict[str, Any] = {"p2p": {}, "allreduce": []}
@@ -238,6 +270,8 @@ def _worker(rank: int, world: int, sizes: Sequence[int], repeats: int, warmup: i
     for (i, j), per_size in one_way.items():
         if rank == i:
             out["p2p"][f"{i}-{j}"] = [[s, trimmed_mean(t[warmup:])] for s, t in per_size.items()]
+    if world > 1:
+        out["send_call"] = [[s, _send_call(rank, bufs[s], repeats, warmup)] for s in sizes if s <= SEND_FIT_MAX_BYTES]
     if probe is not None:
         out["overheads"] = probe.result(probe_rounds)
     dist.barrier()
@@ -305,6 +339,14 @@ def measure(nproc: int, backend: str = "gloo", sizes: Sequence[int] = DEFAULT_SI
         [r["flops"] for r in results], [r["memory_bandwidth"] for r in results],
         [r["solo_flops"] for r in results], [r["solo_memory_bandwidth"] for r in results],
         max(r["op_overhead"] for r in results), p2p=p2p, allreduce=allreduce)
+    if nproc > 1:
+        cal.send_call = results[0]["send_call"]
+        try:
+            cal.send_latency, cal.send_bandwidth, _ = fit_alpha_beta([s for s, _ in cal.send_call],
+                                                                     [t for _, t in cal.send_call])
+        except ValueError as e:  # e.g. send times that do not grow with the size on a loaded machine
+            warnings.warn(f"calibrate: no send time fitted ({e}); sends do not hold the sender",
+                          RuntimeWarning, stacklevel=2)
     cal.gemm_seconds = [[m, max(r["gemm_seconds"][i] for r in results)] for i, m in enumerate(GEMM_ROWS)]
     cal.gemm_half = fit_gemm_half(GEMM_ROWS, [t for _, t in cal.gemm_seconds], min(cal.solo_flops), GEMM_K, GEMM_K)
     if overhead_rounds:  # every figure in the probe's result is already reduced over the ranks

@@ -11,7 +11,7 @@ from simulator.simulate import simulate_plan
 from simulator.topology import Topology
 from soapsearch.calibrate import calibrate, compare
 from soapsearch.calibrate.compare import PHASES
-from soapsearch.calibrate.fit import fit_gemm_half
+from soapsearch.calibrate.fit import fit_alpha_beta, fit_gemm_half
 from simulator.cost import get_cost_model
 from soapsearch.calibrate.measure import Calibration, fit_executor_overheads, report_path
 from soapsearch.executor import build_model
@@ -32,6 +32,12 @@ def test_calibrate_two_processes_gives_positive_finite_figures(tmp_path):
     # the ring's own bandwidth, fitted on the all-reduce (4 sizes up to 16 MiB), is what the links carry
     assert report["collective_bandwidth"] > 1e6 and math.isfinite(report["collective_r2"])
     assert all(k.collective_bandwidth == report["collective_bandwidth"] for k in topo.links)
+    # a send holds the sender: isend's call times up to 4 MiB, fitted to the line the links carry
+    assert [s for s, _ in report["send_call"]] == [1 << 10, 1 << 14, 1 << 22]
+    if report["send_bandwidth"] is not None:  # (None, with a warning, where a loaded host's times do not grow)
+        lat, bw, _ = fit_alpha_beta([s for s, _ in report["send_call"]], [t for _, t in report["send_call"]])
+        assert (report["send_latency"], report["send_bandwidth"]) == (lat, bw)
+        assert all((k.send_latency, k.send_bandwidth) == (lat, bw) for k in topo.links)
     assert len(report["flops"]) == 2 and all(1e8 < f < 1e13 for f in report["flops"] + report["solo_flops"])
     assert all(1e8 < b < 1e12 for b in report["memory_bandwidth"] + report["solo_memory_bandwidth"])
     # the devices compute at the slowest solo speed, slowed by the measured ratio when all compute

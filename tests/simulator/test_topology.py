@@ -261,32 +261,44 @@ def test_collective_overhead_round_trips_defaults_to_zero_and_is_checked(tmp_pat
         dataclasses.replace(base.devices[0], collective_overhead=-1.0)
 
 
-def test_collective_bandwidth_round_trips_in_both_forms_and_is_checked(tmp_path):
+@pytest.mark.parametrize("fields,text", [
+    ({"collective_bandwidth": 1e9}, "1 GB/s in a ring collective"),
+    ({"send_bandwidth": 2e9, "send_latency": 1e-4}, "a send holds the sender 100 µs + bytes at 2 GB/s")])
+def test_optional_link_fields_round_trip_and_are_checked(fields, text, tmp_path):
+    base = get_topology("local-cpu-2")
+    t = dataclasses.replace(base, links=(dataclasses.replace(base.links[0], **fields), base.links[1]))
+    obj = t.to_json()
+    assert {k: obj["links"][0][k] for k in fields} == fields and not set(fields) & set(obj["links"][1])
+    assert Topology.from_json(json.loads(json.dumps(obj))) == t and pickle.loads(pickle.dumps(t)) == t
+    t.save(tmp_path / "t.json")
+    assert Topology.load(tmp_path / "t.json") == t
+    assert text in t.describe()
+    field = next(iter(fields))
+    obj["links"][1][field] = -5
+    with pytest.raises(ValueError, match=rf"links\[1\].{field} = -5: must be a finite number > 0"):
+        Topology.from_json(obj)
+
+
+def test_collective_bandwidth_is_the_rings_in_both_forms():
     base = get_topology("local-cpu-2")
     t = dataclasses.replace(base, links=(dataclasses.replace(base.links[0], collective_bandwidth=1e9),
                                          base.links[1]))
-    obj = t.to_json()
-    assert obj["links"][0]["collective_bandwidth"] == 1e9 and "collective_bandwidth" not in obj["links"][1]
-    back = Topology.from_json(json.loads(json.dumps(obj)))
-    assert back == t and back.route_ring_bandwidth(0, 1) == 1e9
-    assert back.route_ring_bandwidth(1, 0) == back.route_bandwidth(1, 0) == base.links[1].bandwidth
-    assert pickle.loads(pickle.dumps(t)) == t
-    t.save(tmp_path / "t.json")
-    assert Topology.load(tmp_path / "t.json") == t
-    assert "1 GB/s in a ring collective" in t.describe()
-    obj["links"][1]["collective_bandwidth"] = -5
-    with pytest.raises(ValueError, match=r"links\[1\].collective_bandwidth = -5: must be a finite number > 0"):
-        Topology.from_json(obj)
+    assert t.route_ring_bandwidth(0, 1) == 1e9
+    assert t.route_ring_bandwidth(1, 0) == t.route_bandwidth(1, 0) == base.links[1].bandwidth
     compact = {"format": "soapsearch.topology", "version": 1, "name": "c",
                "cluster": {"nodes": 1, "per_node": 2,
                            "device": {"kind": "cpu", "memory_bytes": 1 << 30, "peak_flops": {"float32": 1e10},
                                       "memory_bandwidth": 1e10},
                            "intra": {"shape": "mesh", "kind": "shm", "latency": 1e-4, "bandwidth": 2e9,
-                                     "collective_bandwidth": 8e8}}}
+                                     "collective_bandwidth": 8e8, "send_bandwidth": 3e9, "send_latency": 5e-5}}}
     c = Topology.from_json(compact)
     assert [k.collective_bandwidth for k in c.links] == [8e8, 8e8] and c.route_bandwidth(0, 1) == 2e9
+    assert [(k.send_bandwidth, k.send_latency) for k in c.links] == [(3e9, 5e-5)] * 2  # test_send_hold.py
     compact["cluster"]["intra"]["collective_bandwidth"] = 0
     with pytest.raises(ValueError, match=r"cluster.intra.collective_bandwidth = 0: must be a finite number > 0"):
+        Topology.from_json(compact)
+    compact["cluster"]["intra"].update(collective_bandwidth=8e8, send_latency="x")
+    with pytest.raises(ValueError, match=r"cluster.intra.send_latency = 'x': must be a finite number >= 0"):
         Topology.from_json(compact)
 
 
