@@ -3,6 +3,7 @@
     python benchmarks/simulator_accuracy.py --nproc 2 [--nproc 4] [--models mlp,gpt,rnntc]
         [--variant small|tiny] [--topology calibrated.json] [--cost-model analytical|profiled]
         [--steps 7] [--out DIR]
+    python benchmarks/simulator_accuracy.py --repredict DIR [--send 107e-6,2.09e9]
 
 Calibrates ``calibrated-cpu-N`` (unless --topology), then per model (its ``--variant``) writes
 data parallel, model parallel, OWT, GPipe and 1F1B pipelines (2 micro-batches), a parameter
@@ -15,14 +16,16 @@ in interleaved rounds (``calibrate.warm_profile``); the searched plan's other pa
 timed when first simulated, at that thread count.
 Prints a table, the median and max |relative error| and Spearman's rank correlation. With
 --out the topologies, their fit reports, the profiles, the plans and ``results.json`` (every
-row) stay in DIR; ``--repredict DIR`` runs nothing and predicts such a run's plans again with
-the current code against its measurements (``repredict``). Asserts nothing.
+row) stay in DIR; ``--repredict DIR [--send LATENCY,BANDWIDTH]`` runs nothing and predicts
+such a run's plans again with the current code against its measurements (``repredict``).
+Asserts nothing.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import sys
 import tempfile
@@ -113,21 +116,30 @@ def _row(n: int, model: str, name: str, graph, plan: Strategy, topo: Topology, c
             measured_wait_ms, tasks, remote)
 
 
-def repredict(d: Path, variant: str) -> list[tuple]:
+def repredict(d: Path, variant: str, send: tuple[float, float] | None = None) -> list[tuple]:
     """The rows of a run kept with --out DIR, predicted again by this code: each N's calibration
     report read back, its executor overheads refitted on the run's own probe times under the
     current simulator (``fit_executor_overheads``), every plan of the run simulated again (with
-    the run's profile cache when it was profiled). The measured figures are the run's: a model
-    change is judged on the same measurements, free of run-to-run noise."""
+    a copy of the run's profile cache when it was profiled: the kept run is not written). The
+    measured figures are the run's: a model change is judged on the same measurements, free of
+    run-to-run noise. ``send``: (latency s, bandwidth B/s) for reports from before sends were
+    measured (they hold no sender otherwise)."""
     stored = json.loads((d / "results.json").read_text())
+    variant = stored[0].get("variant", variant) if stored else variant
     graphs = {}
     rows = []
+    tmp = Path(tempfile.mkdtemp(prefix="repredict-"))
     for n in sorted({r["nproc"] for r in stored}):
         report = d / f"cal{n}.report.json"
         cal = Calibration.from_json(json.loads(report.read_text()), str(report))
-        cost = get_cost_model(cal.cost_model, **({"cache_path": str(d / f"cal{n}.profile.json")}
-                                                 if cal.cost_model == "profiled" else {}))
-        fit_executor_overheads(cal, cal.overheads, cost)
+        if send is not None and cal.send_bandwidth is None and n > 1:
+            cal.send_latency, cal.send_bandwidth = send
+        cache = tmp / f"cal{n}.profile.json"
+        if (d / cache.name).exists():
+            shutil.copyfile(d / cache.name, cache)
+        cost = get_cost_model(cal.cost_model, **({"cache_path": str(cache)} if cal.cost_model == "profiled" else {}))
+        if cal.overheads:  # else the run was calibrated without overhead rounds: its overheads stand
+            fit_executor_overheads(cal, cal.overheads, cost)
         topo = cal.topology()
         print(f"N={n}: refitted overheads " + ", ".join(f"{f} {getattr(cal, f) * 1e6:.0f} µs" for f in OVERHEAD_FIELDS))
         with rank_threads(n):  # a partition the run's profile lacks is timed as a rank
@@ -153,10 +165,22 @@ def main() -> int:
     p.add_argument("--repredict", default=None, metavar="DIR",
                    help="run nothing: predict the plans of a run kept with --out DIR again with this code, "
                         "against that run's measurements (overheads refitted on its probe times)")
+    p.add_argument("--send", default=None, metavar="LATENCY,BANDWIDTH",
+                   help="with --repredict: the send figures (seconds, bytes/s) for reports written before "
+                        "calibrate measured them, e.g. 107e-6,2.09e9")
     args = p.parse_args()
     rows = []
     if args.repredict:
-        rows = repredict(Path(args.repredict), args.variant)
+        send = None
+        if args.send:
+            try:
+                lat, bw = (float(x) for x in args.send.split(","))
+            except ValueError:
+                p.error(f"--send {args.send!r}: give LATENCY,BANDWIDTH, e.g. 107e-6,2.09e9")
+            if not (lat >= 0 and bw > 0):
+                p.error(f"--send {args.send!r}: latency must be >= 0 and bandwidth > 0")
+            send = (lat, bw)
+        rows = repredict(Path(args.repredict), args.variant, send)
         print_table(rows)
         return 0
     with tempfile.TemporaryDirectory() as tmp:
@@ -180,7 +204,8 @@ def main() -> int:
     if args.out:
         keys = ("nproc", "model", "plan", "predicted_ms", "measured_ms", "predicted_busy_ms", "measured_busy_ms",
                 "measured_wait_ms", "tasks_per_device", "remote_transfers")
-        (d / "results.json").write_text(json.dumps([dict(zip(keys, r)) for r in rows], indent=1) + "\n")
+        (d / "results.json").write_text(json.dumps([{**dict(zip(keys, r)), "variant": args.variant} for r in rows],
+                                                   indent=1) + "\n")
     print_table(rows)
     return 0
 

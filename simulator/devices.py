@@ -135,6 +135,9 @@ class Link:
                              "(or None: the sender's host is not held)")
         if not (math.isfinite(self.send_latency) and self.send_latency >= 0):
             raise ValueError(f"link {self.name!r}: send_latency {self.send_latency} must be finite and >= 0")
+        if self.send_latency and self.send_bandwidth is None:
+            raise ValueError(f"link {self.name!r}: send_latency {self.send_latency} needs a send_bandwidth "
+                             "(a send holds its sender only where the link has one)")
 
     def send_time(self, nbytes: float) -> float:
         """Seconds a message of ``nbytes`` holds the sender's host: send_latency + bytes /

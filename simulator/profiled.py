@@ -331,10 +331,15 @@ class ProfiledCostModel(CostModel):
         todo: dict[str, tuple[OpNode, Box, str]] = {}
         for node, box, device in partitions:
             local = self._measurable(node, device)
-            key = cache_key(node, box, device) if local is not None else None
-            if key is not None and key not in self._store.entries and key not in todo:
-                self._harness(device, local)
-                todo[key] = (node, box, local)
+            if local is None:
+                continue
+            try:
+                key = cache_key(node, box, device)
+                if key not in self._store.entries and key not in todo:
+                    self._harness(device, local)
+                    todo[key] = (node, box, local)
+            except Exception as e:  # noqa: BLE001 - op_time falls back for it, with the reason
+                log.debug("op %r box %s cannot be timed (%s: %s)", node.name, box, type(e).__name__, e)
         samples: dict[str, list[tuple[float, float]]] = {key: [] for key in todo}
         for _ in range(rounds):
             for key in [k for k in todo if k in samples]:

@@ -33,7 +33,7 @@ class Columns:
     """Per-task facts as parallel lists, one entry per task.
 
     name: a label, a string or a tuple formatted by ``label`` only when shown (traces, errors);
-    category: FORWARD ... RECV; duration: seconds; resources: resource ids (device d is d, link
+    category: FORWARD ... GRAD_SEND; duration: seconds; resources: resource ids (device d is d, link
     l is num_devices + l); device: the device a task belongs to (a transfer's source) for traces
     and busy time; nbytes: bytes it moves."""
 

@@ -4,7 +4,8 @@ Tasks: forward and backward of every partition of every micro-batch (on its devi
 charged the device's ``task_overhead`` of host work where the executor runs it); every transfer
 that crosses devices, forward and its mirrored gradient backward (on the links of its route),
 each followed by a receive of ``message_overhead`` (``exchange_overhead`` for a piece the op
-also moves the other way) on the receiving device when that is set; the
+also moves the other way) on the receiving device when that is set, and beside it a send on
+the sending device where the link holds its sender's host (``Link.send_bandwidth``); the
 small sums op rules ask for, timed and ordered by what waits on each (``_add_reductions``); the
 end of the step as the executor runs it (``_link_step``) — the loss sums only the step waits
 on, one all-reduce per device set holding replicated trainable shards (a DDP-style bucket) once
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import itertools
 import operator
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -46,7 +48,7 @@ from strategies.rules import get_rule
 from strategies.schedule import passes, warmups
 
 __all__ = ["TaskGraph", "TaskCache", "build_tasks", "FORWARD", "BACKWARD", "TRANSFER", "GRAD_TRANSFER",
-           "REDUCE", "ALLREDUCE", "UPDATE", "RECV", "CATEGORY"]
+           "REDUCE", "ALLREDUCE", "UPDATE", "RECV", "SEND", "GRAD_SEND", "CATEGORY"]
 
 
 class _Block:
@@ -108,10 +110,12 @@ class _Block:
         return self
 
 
-def _op_block(node: OpNode, pieces: OpPieces, backward: bool, producers: dict[str, _Block],
+def _op_block(node: OpNode, pieces: OpPieces, needs_grad: Mapping[str, bool], producers: dict[str, _Block],
               position: int, topology: Topology, cost: CostModel, wires: dict) -> _Block:
     """``producers``: the blocks of the ops ``node`` reads (their partitions' and reductions'
-    local ids depend on their configs only, which ``pieces`` was derived from)."""
+    local ids depend on their configs only, which ``pieces`` was derived from); ``needs_grad``:
+    the graph's (``OpGraph.needs_grad``)."""
+    backward = needs_grad[node.name]
     b = _Block(pieces, position)
     devices = topology.devices
     op_time = cost.op_time
@@ -143,18 +147,21 @@ def _op_block(node: OpNode, pieces: OpPieces, backward: bool, producers: dict[st
         b.fwd_done.append(list(ids))
         b.bwd_done.append([t + 1 for t in ids])
     _add_reductions(b, node, pieces.reductions, backward, topology)
-    _add_transfers(b, pieces.transfers, producers, topology, wires)
+    _add_transfers(b, pieces.transfers, producers, topology, wires, needs_grad, backward)
     return b.seal()
 
 
 def _add_transfers(b: _Block, transfers: tuple[Transfer, ...], producers: dict[str, _Block],
-                   topology: Topology, wires: dict) -> None:
+                   topology: Topology, wires: dict, needs_grad: Mapping[str, bool], backward: bool) -> None:
     """Each transfer into the op that crosses devices: its send after the producer's forward
     (or the sum completing it) and before the partition's forward, its gradient's send back
     after the partition's backward, each followed by a receive of the receiving device's
     ``message_overhead`` when that is set (its ``exchange_overhead`` when the op also moves a
-    piece the other way between the two devices in that micro-batch); a local read: the same
-    edges, no tasks. Labels are (kind, transfer), formatted only when shown."""
+    piece the other way between the two devices in that micro-batch); where the route's first
+    link holds its sender's host (``Link.send_bandwidth``), a send task on the sender beside
+    the transfer, after the producer's forward, and one for the gradient after the partition's
+    backward when both ops carry a gradient (the executor sends it only then); a local read:
+    the same edges, no tasks. Labels are (kind, transfer), formatted only when shown."""
     devices, position = topology.devices, b.position
     c = b.cols
     names, cats, durs, res, devs, nbytes = c.name, c.category, c.duration, c.resources, c.device, c.nbytes
@@ -199,9 +206,10 @@ def _add_transfers(b: _Block, transfers: tuple[Transfer, ...], producers: dict[s
             tb_end = r
         else:
             tb_end = tb
-        if wire[4]:  # the senders' hosts copy (Link.send_bandwidth): after the producer, beside the wire
+        if wire[4]:  # the sender's host copies (Link.send_bandwidth): after the producer, beside the wire
             h = b.add(("send-host", t), SEND, wire[4], (src_device,), src_device)
             cross += (src_f, at, h, position)
+        if wire[5] and backward and needs_grad[src_op]:
             h = b.add(("send-host-grad", t), GRAD_SEND, wire[5], (dst_device,), dst_device)
             esrc.append(dst_b)
             edst.append(h)
@@ -312,7 +320,7 @@ def _blocks(lowered: Lowered, topology: Topology, cost: CostModel, cache: TaskCa
         if b is None or b.pieces is not pieces[i]:
             node = nodes[i]  # in graph order: its producers' blocks are current
             producers = {src: kept[position[src]] for src in node.inputs}
-            b = _op_block(node, pieces[i], graph.needs_grad[node.name], producers, i, topology, cost, wires)
+            b = _op_block(node, pieces[i], graph.needs_grad, producers, i, topology, cost, wires)
         kept[i], was[i] = b, pieces[i]
     return list(kept)
 

@@ -175,15 +175,23 @@ class Calibration:
 
     @classmethod
     def from_json(cls, obj: Mapping[str, Any], where: str = "calibration report") -> Calibration:
-        """The calibration ``to_json`` wrote (its fit report)."""
-        if not isinstance(obj, Mapping) or obj.get("format") != "soapsearch.calibration":
-            raise ValueError(f"{where}: format {obj.get('format') if isinstance(obj, Mapping) else obj!r}: "
-                             "not a soapsearch.calibration report")
+        """The calibration ``to_json`` wrote (its fit report); older reports lack the send
+        figures (sends then do not hold the sender)."""
+        if not isinstance(obj, Mapping):
+            raise ValueError(f"{where}: a {type(obj).__name__}: a calibration report is a JSON object")
+        if obj.get("format") != "soapsearch.calibration" or obj.get("version") != 1:
+            raise ValueError(f"{where}: format {obj.get('format')!r} version {obj.get('version')!r}: "
+                             "not a soapsearch.calibration report of version 1")
         names = {f.name for f in fields(cls)}
         missing = [f.name for f in fields(cls) if f.name not in obj and f.default is MISSING
                    and f.default_factory is MISSING]
         if missing:
             raise ValueError(f"{where}: missing {missing}: a report written by soapsearch calibrate has them")
+        bw, lat = obj.get("send_bandwidth"), obj.get("send_latency", 0.0)
+        if bw is not None and not (isinstance(bw, (int, float)) and math.isfinite(bw) and bw > 0):
+            raise ValueError(f"{where}: send_bandwidth = {bw!r}: must be a finite number > 0 or null")
+        if not (isinstance(lat, (int, float)) and math.isfinite(lat) and lat >= 0):
+            raise ValueError(f"{where}: send_latency = {lat!r}: must be a finite number >= 0")
         return cls(**{k: v for k, v in obj.items() if k in names})
 
 
@@ -244,7 +252,7 @@ def _send_call(rank: int, buf: torch.Tensor, repeats: int, warmup: int) -> float
             times.append(time.perf_counter() - t0)
         if work is not None:
             work.wait()
-    return statistics.median(times[warmup:]) if rank == 0 else 0.0
+    return trimmed_mean(times[warmup:]) if rank == 0 else 0.0  # a plan's sends cost their count times the mean
 
 
 def _worker(rank: int, world: int, sizes: Sequence[int], repeats: int, warmup: int,

@@ -34,6 +34,7 @@ def test_calibrate_two_processes_gives_positive_finite_figures(tmp_path):
     assert all(k.collective_bandwidth == report["collective_bandwidth"] for k in topo.links)
     # a send holds the sender: isend's call times up to 4 MiB, fitted to the line the links carry
     assert [s for s, _ in report["send_call"]] == [1 << 10, 1 << 14, 1 << 22]
+    assert all(0 < t < 1 for _, t in report["send_call"])
     if report["send_bandwidth"] is not None:  # (None, with a warning, where a loaded host's times do not grow)
         lat, bw, _ = fit_alpha_beta([s for s, _ in report["send_call"]], [t for _, t in report["send_call"]])
         assert (report["send_latency"], report["send_bandwidth"]) == (lat, bw)
@@ -75,10 +76,12 @@ def test_calibrate_two_processes_gives_positive_finite_figures(tmp_path):
     assert {f: getattr(cal, f) for f in OVERHEAD_FIELDS} == pytest.approx({f: report[f] for f in OVERHEAD_FIELDS},
                                                                          rel=1e-12, abs=1e-15)
     assert cal.topology() == topo
-    with pytest.raises(ValueError, match="not a soapsearch.calibration report"):
-        Calibration.from_json({"format": "soapsearch.topology"})
+    with pytest.raises(ValueError, match="not a soapsearch.calibration report of version 1"):
+        Calibration.from_json({"format": "soapsearch.topology", "version": 1})
     with pytest.raises(ValueError, match=r"missing \['nproc'"):
-        Calibration.from_json({"format": "soapsearch.calibration"})
+        Calibration.from_json({"format": "soapsearch.calibration", "version": 1})
+    with pytest.raises(ValueError, match=r"send_bandwidth = -1: must be a finite number > 0 or null"):
+        Calibration.from_json({**report, "send_bandwidth": -1})
 
 
 def test_calibrate_fits_the_overheads_beyond_the_cost_model_it_is_given(tmp_path):

@@ -48,22 +48,43 @@ def test_each_send_holds_its_sender_for_latency_plus_bytes_over_bandwidth(plan):
     tg = build_tasks(low, held(base), cost)
     start, end = run_events(tg)
     remote = [t for t in low.transfers if not t.local]
+    # a gradient goes back only where both ops carry one (the executor's rule): not for the targets
+    back = [t for t in remote if graph.needs_grad[t.src_op] and graph.needs_grad[t.dst_op]]
+    assert 0 < len(back) < len(remote)
     sends = [i for i in range(len(tg)) if tg.category[i] == SEND]
     grads = [i for i in range(len(tg)) if tg.category[i] == GRAD_SEND]
-    assert len(sends) == len(grads) == len(remote) > 0
+    assert sorted(tg.name[i][1] for i in sends) == sorted(remote)
+    assert sorted(tg.name[i][1] for i in grads) == sorted(back)
+    task = {tg.name[i]: i for i in range(len(tg))}
     for i in sends + grads:
-        kind, t = tg.name[i]
-        sender = t.src_device if tg.category[i] == SEND else t.dst_device
+        t = tg.name[i][1]
+        forward = tg.category[i] == SEND
+        sender = t.src_device if forward else t.dst_device
         assert tg.resources[i] == (sender,) and tg.device[i] == sender
         assert end[i] - start[i] == pytest.approx(LAT + t.nbytes / BW, rel=1e-12)
-    for i in sends:  # after the producer's forward: no earlier than the transfer it sits beside
-        transfer = next(j for j in range(len(tg)) if tg.name[j] == ("send", tg.name[i][1]))
-        assert start[i] >= start[transfer] - 1e-15
+        # after the producer's forward, or after the consumer's backward for the gradient
+        after = task[("fwd", t.src_op, t.src_index, t.microbatch) if forward
+                     else ("bwd", t.dst_op, t.dst_index, t.microbatch)]
+        assert start[i] >= end[after]
     # each device's busy time grows by exactly its sends' holds; no other task's duration changes
     plain, hold = simulate_plan(graph, low, base, cost), simulate_plan(graph, low, held(base), cost)
     for d in range(2):
         mine = sum(LAT + t.nbytes / BW for t in remote if t.src_device == d) + \
-               sum(LAT + t.nbytes / BW for t in remote if t.dst_device == d)
+               sum(LAT + t.nbytes / BW for t in back if t.dst_device == d)
         assert hold.busy_time[d] - plain.busy_time[d] == pytest.approx(mine, rel=1e-9)
     assert hold.iteration_time > plain.iteration_time
     assert run_events(tg) == run_events(tg, native=False)
+
+
+def test_each_direction_follows_its_own_first_link():
+    graph = build_model("mlp", "tiny").graph
+    base = get_topology("local-cpu-2")  # links: shm:0->1, shm:1->0
+    one_way = dataclasses.replace(base, links=(base.links[0], dataclasses.replace(
+        base.links[1], send_bandwidth=BW, send_latency=LAT)))
+    low = lower(graph, baseline("model_parallel", graph, 2))
+    tg = build_tasks(low, one_way, get_cost_model("analytical"))
+    held_sends = {(tg.category[i], tg.device[i]) for i in range(len(tg)) if tg.category[i] in (SEND, GRAD_SEND)}
+    # model parallel sends activations 0 -> 1 (free) and gradients 1 -> 0 (held): only the latter
+    assert held_sends == {(GRAD_SEND, 1)}
+    with pytest.raises(ValueError, match=r"send_latency 0.0001 needs a send_bandwidth"):
+        Link("x", "shm", 0.0, 1e9, send_latency=1e-4)
