@@ -126,28 +126,30 @@ def repredict(d: Path, variant: str, send: tuple[float, float] | None = None) ->
     measured (they hold no sender otherwise)."""
     stored = json.loads((d / "results.json").read_text())
     variant = stored[0].get("variant", variant) if stored else variant
-    graphs = {}
+    graphs: dict[str, object] = {}
     rows = []
-    tmp = Path(tempfile.mkdtemp(prefix="repredict-"))
-    for n in sorted({r["nproc"] for r in stored}):
-        report = d / f"cal{n}.report.json"
-        cal = Calibration.from_json(json.loads(report.read_text()), str(report))
-        if send is not None and cal.send_bandwidth is None and n > 1:
-            cal.send_latency, cal.send_bandwidth = send
-        cache = tmp / f"cal{n}.profile.json"
-        if (d / cache.name).exists():
-            shutil.copyfile(d / cache.name, cache)
-        cost = get_cost_model(cal.cost_model, **({"cache_path": str(cache)} if cal.cost_model == "profiled" else {}))
-        if cal.overheads:  # else the run was calibrated without overhead rounds: its overheads stand
-            fit_executor_overheads(cal, cal.overheads, cost)
-        topo = cal.topology()
-        print(f"N={n}: refitted overheads " + ", ".join(f"{f} {getattr(cal, f) * 1e6:.0f} µs" for f in OVERHEAD_FIELDS))
-        with rank_threads(n):  # a partition the run's profile lacks is timed as a rank
-            for r in (r for r in stored if r["nproc"] == n):
-                graph = graphs.get(r["model"]) or graphs.setdefault(r["model"], build_model(r["model"], variant, seed=0).graph)
-                plan = load_strategy(d / f"{r['model']}-{n}-{r['plan']}.json", graph)
-                rows.append(_row(n, r["model"], r["plan"], graph, plan, topo, cost, r["measured_ms"],
-                                 r["measured_busy_ms"], r["measured_wait_ms"]))
+    with tempfile.TemporaryDirectory(prefix="repredict-") as tmp:
+        for n in sorted({r["nproc"] for r in stored}):
+            report = d / f"cal{n}.report.json"
+            cal = Calibration.from_json(json.loads(report.read_text()), str(report))
+            if send is not None and cal.send_bandwidth is None and n > 1:
+                cal.send_latency, cal.send_bandwidth = send
+            cache = Path(tmp) / f"cal{n}.profile.json"
+            if (d / cache.name).exists():
+                shutil.copyfile(d / cache.name, cache)
+            cost = get_cost_model(cal.cost_model, **({"cache_path": str(cache)} if cal.cost_model == "profiled" else {}))
+            if cal.overheads:  # else the run was calibrated without overhead rounds: its overheads stand
+                fit_executor_overheads(cal, cal.overheads, cost)
+            topo = cal.topology()
+            print(f"N={n}: refitted overheads " + ", ".join(f"{f} {getattr(cal, f) * 1e6:.0f} µs" for f in OVERHEAD_FIELDS))
+            with rank_threads(n):  # a partition the run's profile lacks is timed as a rank
+                for r in (r for r in stored if r["nproc"] == n):
+                    if r["model"] not in graphs:
+                        graphs[r["model"]] = build_model(r["model"], variant, seed=0).graph
+                    graph = graphs[r["model"]]
+                    plan = load_strategy(d / f"{r['model']}-{n}-{r['plan']}.json", graph)
+                    rows.append(_row(n, r["model"], r["plan"], graph, plan, topo, cost, r["measured_ms"],
+                                     r["measured_busy_ms"], r["measured_wait_ms"]))
     return rows
 
 

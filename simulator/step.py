@@ -81,7 +81,7 @@ def link_step(tg: TaskGraph, lowered: Lowered, topology: Topology,
                 continue
             label = f"reduce {g.name} {g.op}@mb{g.microbatch}"
             r = tg.add(label, REDUCE, allgather_time(topology, g.devices, g.nbytes),
-                         tuple(n + l for l in ring_links(topology, g.devices)), g.devices[0], g.nbytes)
+                       tuple(n + l for l in ring_links(topology, g.devices)), g.devices[0], g.nbytes)
             for f in fwds:
                 tg.edge(f, r)
             for e, d in zip(member_ends(tg.add, tg.edge, topology, r, g.devices, label, REDUCE), g.devices):
@@ -106,13 +106,13 @@ def link_step(tg: TaskGraph, lowered: Lowered, topology: Topology,
             packs.append(pack)
         for d, e in zip(devs, _synced_ends(tg, topology, ar, devs, label, ALLREDUCE, list(zip(devs, packs)))):
             unpack = tg.add(f"unpack {label} device {d}", ALLREDUCE,
-                              _copy_time(topology.devices[d], buckets[devs]), (d,), d)
+                            _copy_time(topology.devices[d], buckets[devs]), (d,), d)
             tg.edge(e, unpack)
             synced[d].append(unpack)
     if not loss_on_every_device(lowered):
         everyone = tuple(range(lowered.strategy.num_devices))
         rep = tg.add("allreduce loss", ALLREDUCE, allreduce_time(topology, everyone, _LOSS_BYTES),
-                       tuple(n + l for l in ring_links(topology, everyone)), 0, _LOSS_BYTES)
+                     tuple(n + l for l in ring_links(topology, everyone)), 0, _LOSS_BYTES)
         arrivals = [(d, dep) for d in sorted(synced) for dep in dict.fromkeys(synced[d])]
         for _, dep in arrivals:
             tg.edge(dep, rep)
@@ -120,8 +120,8 @@ def link_step(tg: TaskGraph, lowered: Lowered, topology: Topology,
     for d in sorted(last):
         if weight_bytes[d]:
             u = tg.add(f"update {optimizer} device {d}", UPDATE,
-                         _update_time(topology.devices[d], traffic, weight_bytes[d], tensors[d]),
-                         (d,), d, weight_bytes[d])
+                       _update_time(topology.devices[d], traffic, weight_bytes[d], tensors[d]),
+                       (d,), d, weight_bytes[d])
             for dep in dict.fromkeys(synced[d]):
                 tg.edge(dep, u)
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import itertools
 import operator
-from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -40,7 +39,7 @@ from simulator.taskcache import TaskCache
 from simulator.taskgraph import (ALLREDUCE, BACKWARD, CATEGORY, FORWARD, GRAD_SEND, GRAD_TRANSFER, INDEX, RECV,
                                  REDUCE, SEND, TRANSFER, UPDATE, Columns, Segment, TaskGraph)
 from simulator.topology import Topology
-from strategies.graph import OpNode
+from strategies.graph import OpGraph, OpNode
 from strategies.lowering import BACKWARD as BY_BACKWARD
 from strategies.lowering import STEP as BY_STEP
 from strategies.lowering import WEIGHT_KINDS, Lowered, OpPieces, ReductionGroup, Transfer
@@ -110,12 +109,11 @@ class _Block:
         return self
 
 
-def _op_block(node: OpNode, pieces: OpPieces, needs_grad: Mapping[str, bool], producers: dict[str, _Block],
+def _op_block(node: OpNode, pieces: OpPieces, graph: OpGraph, producers: dict[str, _Block],
               position: int, topology: Topology, cost: CostModel, wires: dict) -> _Block:
     """``producers``: the blocks of the ops ``node`` reads (their partitions' and reductions'
-    local ids depend on their configs only, which ``pieces`` was derived from); ``needs_grad``:
-    the graph's (``OpGraph.needs_grad``)."""
-    backward = needs_grad[node.name]
+    local ids depend on their configs only, which ``pieces`` was derived from)."""
+    backward = graph.needs_grad[node.name]
     b = _Block(pieces, position)
     devices = topology.devices
     op_time = cost.op_time
@@ -147,12 +145,12 @@ def _op_block(node: OpNode, pieces: OpPieces, needs_grad: Mapping[str, bool], pr
         b.fwd_done.append(list(ids))
         b.bwd_done.append([t + 1 for t in ids])
     _add_reductions(b, node, pieces.reductions, backward, topology)
-    _add_transfers(b, pieces.transfers, producers, topology, wires, needs_grad, backward)
+    _add_transfers(b, pieces.transfers, producers, topology, wires, graph)
     return b.seal()
 
 
 def _add_transfers(b: _Block, transfers: tuple[Transfer, ...], producers: dict[str, _Block],
-                   topology: Topology, wires: dict, needs_grad: Mapping[str, bool], backward: bool) -> None:
+                   topology: Topology, wires: dict, graph: OpGraph) -> None:
     """Each transfer into the op that crosses devices: its send after the producer's forward
     (or the sum completing it) and before the partition's forward, its gradient's send back
     after the partition's backward, each followed by a receive of the receiving device's
@@ -160,7 +158,7 @@ def _add_transfers(b: _Block, transfers: tuple[Transfer, ...], producers: dict[s
     piece the other way between the two devices in that micro-batch); where the route's first
     link holds its sender's host (``Link.send_bandwidth``), a send task on the sender beside
     the transfer, after the producer's forward, and one for the gradient after the partition's
-    backward when both ops carry a gradient (the executor sends it only then); a local read:
+    backward where the gradient moves (``OpGraph.moves_grad``: the executor sends it only then); a local read:
     the same edges, no tasks. Labels are (kind, transfer), formatted only when shown."""
     devices, position = topology.devices, b.position
     c = b.cols
@@ -209,7 +207,7 @@ def _add_transfers(b: _Block, transfers: tuple[Transfer, ...], producers: dict[s
         if wire[4]:  # the sender's host copies (Link.send_bandwidth): after the producer, beside the wire
             h = b.add(("send-host", t), SEND, wire[4], (src_device,), src_device)
             cross += (src_f, at, h, position)
-        if wire[5] and backward and needs_grad[src_op]:
+        if wire[5] and graph.moves_grad(src_op, t.dst_op):
             h = b.add(("send-host-grad", t), GRAD_SEND, wire[5], (dst_device,), dst_device)
             esrc.append(dst_b)
             edst.append(h)
@@ -320,7 +318,7 @@ def _blocks(lowered: Lowered, topology: Topology, cost: CostModel, cache: TaskCa
         if b is None or b.pieces is not pieces[i]:
             node = nodes[i]  # in graph order: its producers' blocks are current
             producers = {src: kept[position[src]] for src in node.inputs}
-            b = _op_block(node, pieces[i], graph.needs_grad, producers, i, topology, cost, wires)
+            b = _op_block(node, pieces[i], graph, producers, i, topology, cost, wires)
         kept[i], was[i] = b, pieces[i]
     return list(kept)
 

@@ -180,6 +180,12 @@ class OpGraph:
                 self.needs_grad[n.name] = floating and (any(w.trainable for w in n.weights)
                                                         or any(self.needs_grad[s] for s in n.inputs))
 
+    def moves_grad(self, src: str, dst: str) -> bool:
+        """Whether the gradient of what ``dst`` reads from ``src`` goes back: both carry one
+        (``needs_grad``). The executor's sends and receives, the lowering's receive buffers and
+        the simulator's sends all decide by this."""
+        return self.needs_grad[src] and self.needs_grad[dst]
+
     def __getitem__(self, name: str) -> OpNode:
         try:
             return self._by_name[name]

@@ -114,7 +114,7 @@ def lower_op(graph: OpGraph, strategy: Strategy, node: OpNode, m: int) -> OpPiec
     couples: set[tuple[int, int]] = set()
     kept, fwd, grad = [0] * n, [0] * n, [0] * n
     sources = [(graph[src], strategy[src]) for src in node.inputs]
-    moves_grad = [graph.needs_grad[src] and graph.needs_grad[node.name] for src in node.inputs]
+    moves_grad = [graph.moves_grad(src, node.name) for src in node.inputs]
     itemsize, loss, reads_weights = DTYPE_BYTES[node.output.dtype], node.kind == "loss", node.kind not in WEIGHT_KINDS
     for j in range(m):
         parts = []

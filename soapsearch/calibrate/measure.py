@@ -239,7 +239,7 @@ def _ping_pong(rank: int, i: int, j: int, buf: torch.Tensor) -> float:
 
 
 def _send_call(rank: int, buf: torch.Tensor, repeats: int, warmup: int) -> float:
-    """Median seconds rank 0 spends inside ``isend`` of ``buf`` to rank 1, whose receive is
+    """Seconds rank 0 spends inside ``isend`` of ``buf`` to rank 1 (trimmed mean), whose receive is
     posted first (the executor posts its receives ahead); 0 on the other ranks."""
     times = []
     for _ in range(warmup + repeats):
@@ -369,12 +369,13 @@ def fit_executor_overheads(cal: Calibration, raw: Mapping[str, Any], cost: CostM
     times the probe's partitions first, in rounds, as a rank. Re-running it on a saved report
     (``Calibration.from_json``) refits the same measurements under the current simulator."""
     raw = {k: raw[k] for k in ("task_sizes", "piece_sizes", "microbatches", "rounds") if k in raw}
+    topo = cal.topology()
     with rank_threads(cal.nproc):
         if isinstance(cost, ProfiledCostModel):
             cost.profile(part for *_, graph, plan in probe_chains(cal.nproc, raw["task_sizes"], raw["piece_sizes"],
                                                                    raw["microbatches"])
-                         for part in plan_partitions(graph, lower(graph, plan), cal.topology()))
-        kernel = unit_kernel_seconds(cal.topology(), cost)
+                         for part in plan_partitions(graph, lower(graph, plan), topo))
+        kernel = unit_kernel_seconds(topo, cost)
         simulate = (probe_simulator(cal.with_overheads, cost, raw["task_sizes"], raw["piece_sizes"],
                                     raw["microbatches"]) if cal.nproc > 1 else None)
         fit = fit_overheads(raw, kernel, simulate)

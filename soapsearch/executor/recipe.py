@@ -152,7 +152,7 @@ class _Lowering:
                       for k in r.partitions}
 
     def carries(self, t: Transfer) -> bool:
-        return self.grad[t.src_op] and self.grad[t.dst_op]
+        return self.graph.moves_grad(t.src_op, t.dst_op)
 
     def has_backward(self, k: tuple) -> bool:
         return self.grad[k[0]] and self.graph[k[0]].kind not in (*WEIGHT_KINDS, "input")
