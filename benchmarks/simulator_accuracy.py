@@ -122,8 +122,8 @@ def repredict(d: Path, variant: str, send: tuple[float, float] | None = None) ->
     current simulator (``fit_executor_overheads``), every plan of the run simulated again (with
     a copy of the run's profile cache when it was profiled: the kept run is not written). The
     measured figures are the run's: a model change is judged on the same measurements, free of
-    run-to-run noise. ``send``: (latency s, bandwidth B/s) for reports from before sends were
-    measured (they hold no sender otherwise)."""
+    run-to-run noise. ``send``: hold each sender for its sends, at (latency s, bandwidth B/s)
+    where the report has no measured figures (``Calibration.hold_sends``)."""
     stored = json.loads((d / "results.json").read_text())
     variant = stored[0].get("variant", variant) if stored else variant
     graphs: dict[str, object] = {}
@@ -132,8 +132,10 @@ def repredict(d: Path, variant: str, send: tuple[float, float] | None = None) ->
         for n in sorted({r["nproc"] for r in stored}):
             report = d / f"cal{n}.report.json"
             cal = Calibration.from_json(json.loads(report.read_text()), str(report))
-            if send is not None and cal.send_bandwidth is None and n > 1:
-                cal.send_latency, cal.send_bandwidth = send
+            if send is not None and n > 1:  # sends held: the measured figures, else these
+                if cal.send_bandwidth is None:
+                    cal.send_latency, cal.send_bandwidth = send
+                cal.hold_sends = True
             cache = Path(tmp) / f"cal{n}.profile.json"
             if (d / cache.name).exists():
                 shutil.copyfile(d / cache.name, cache)
@@ -168,8 +170,9 @@ def main() -> int:
                    help="run nothing: predict the plans of a run kept with --out DIR again with this code, "
                         "against that run's measurements (overheads refitted on its probe times)")
     p.add_argument("--send", default=None, metavar="LATENCY,BANDWIDTH",
-                   help="with --repredict: the send figures (seconds, bytes/s) for reports written before "
-                        "calibrate measured them, e.g. 107e-6,2.09e9")
+                   help="with --repredict: hold each sender for its sends (Calibration.hold_sends), at the "
+                        "report's measured figures or, for reports from before they were measured, these "
+                        "(seconds, bytes/s), e.g. 107e-6,2.09e9")
     args = p.parse_args()
     rows = []
     if args.repredict:

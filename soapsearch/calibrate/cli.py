@@ -27,7 +27,9 @@ def _calibrate(args: argparse.Namespace) -> int:
     print(f"alpha {report['alpha'] * 1e6:.1f} µs, bandwidth {report['bandwidth'] / 1e9:.3g} GB/s "
           f"(r² {report['r2']:.3f}); "
           + (f"a send holds the sender {report['send_latency'] * 1e6:.0f} µs + bytes at "
-             f"{report['send_bandwidth'] / 1e9:.3g} GB/s; " if report.get("send_bandwidth") else "")
+             f"{report['send_bandwidth'] / 1e9:.3g} GB/s"
+             + ("" if report.get("hold_sends") else " (reported, not on the links)") + "; "
+             if report.get("send_bandwidth") else "")
           + f"all-reduce measured/ring {report['allreduce_ratio']:.2f}"
           + (f", ring bandwidth {report['collective_bandwidth'] / 1e9:.3g} GB/s (r² {report['collective_r2']:.3f}); "
              if report["collective_bandwidth"] else "; ")
