@@ -79,9 +79,14 @@ class _Block:
         self.edges = np.empty((4, 0), dtype=INDEX)
         """Every edge of the block, its own and its producers': rows (source, its block's
         position, target, its); a task's id in the graph is its local id plus its block's first."""
+        self.slots: list[int] = []
+        """Host tasks with a place in a device's schedule, flat: the task, its block's position,
+        the schedule step (its forward or backward task), its block's position, and 1 for a
+        receive inside the step (after the step before it) or 0 for a send after it (before the
+        step after it)."""
         self.arrays: tuple[np.ndarray, ...] = ()
-        """What ``build_tasks`` joins block after block: edges, steps, and the segment's
-        duration, res_len and res."""
+        """What ``build_tasks`` joins block after block: edges, steps, the segment's duration,
+        res_len and res, and ``slots`` as rows."""
 
     def edge(self, a: int, b: int) -> None:
         self.edge_src.append(a)
@@ -105,7 +110,9 @@ class _Block:
             steps[r] = np.fromiter(itertools.chain.from_iterable(done), INDEX, size)
         steps[5] = self.position
         self.steps = steps
-        self.arrays = (self.edges, self.steps, self.segment.duration, self.segment.res_len, self.segment.res)
+        slots = np.fromiter(self.slots, INDEX, len(self.slots)).reshape(-1, 5).T
+        self.slots = []
+        self.arrays = (self.edges, self.steps, self.segment.duration, self.segment.res_len, self.segment.res, slots)
         return self
 
 
@@ -153,13 +160,17 @@ def _add_transfers(b: _Block, transfers: tuple[Transfer, ...], producers: dict[s
                    topology: Topology, wires: dict, graph: OpGraph) -> None:
     """Each transfer into the op that crosses devices: its send after the producer's forward
     (or the sum completing it) and before the partition's forward, its gradient's send back
-    after the partition's backward, each followed by a receive of the receiving device's
+    after the partition's backward where the gradient moves (``OpGraph.moves_grad``: the
+    executor sends it only then), each followed by a receive of the receiving device's
     ``message_overhead`` when that is set (its ``exchange_overhead`` when the op also moves a
     piece the other way between the two devices in that micro-batch); where the route's first
     link holds its sender's host (``Link.send_bandwidth``), a send task on the sender beside
     the transfer, after the producer's forward, and one for the gradient after the partition's
-    backward where the gradient moves (``OpGraph.moves_grad``: the executor sends it only then); a local read:
-    the same edges, no tasks. Labels are (kind, transfer), formatted only when shown."""
+    backward. Each receive and send has its place in its device's schedule (``b.slots``,
+    chained by ``_link_schedule``) where the executor spends it: a receive in its reader's step
+    (the executor waits on a piece when the step reads it), a send at the end of its writer's
+    step. A local read: the same edges, no tasks. Labels are (kind, transfer), formatted only
+    when shown."""
     devices, position = topology.devices, b.position
     c = b.cols
     names, cats, durs, res, devs, nbytes = c.name, c.category, c.duration, c.resources, c.device, c.nbytes
@@ -178,14 +189,14 @@ def _add_transfers(b: _Block, transfers: tuple[Transfer, ...], producers: dict[s
         wire = wires.get(key)
         if wire is None:
             wire = wires[key] = _wire(topology, *key)
-        tf = len(durs)  # the send, then its gradient's
-        tb = tf + 1
-        names += (("send", t), ("send-grad", t))
-        cats += (TRANSFER, GRAD_TRANSFER)
-        durs += (wire[0], wire[2])
-        res += (wire[1], wire[3])
-        devs += (src_device, dst_device)
-        nbytes += (size, size)
+        grad = graph.moves_grad(src_op, t.dst_op)  # else the executor sends no gradient back
+        tf, tb, k = len(durs), len(durs) + 1, 1 + grad  # the send, then its gradient's where it moves
+        names += (("send", t), ("send-grad", t))[:k]
+        cats += (TRANSFER, GRAD_TRANSFER)[:k]
+        durs += (wire[0], wire[2])[:k]
+        res += (wire[1], wire[3])[:k]
+        devs += (src_device, dst_device)[:k]
+        nbytes += (size, size)[:k]
         if not received:
             recv_f = recv_b = 0.0
         elif (dst_device, src_device, j) in crossed:  # exchanged: both ways in this op
@@ -195,25 +206,34 @@ def _add_transfers(b: _Block, transfers: tuple[Transfer, ...], producers: dict[s
         if recv_f:
             r = b.add(("recv", t), RECV, recv_f, (dst_device,), dst_device)
             b.edge(tf, r)
+            b.slots += (r, position, dst_f, position, 1)
             tf_end = r
         else:
             tf_end = tf
-        if recv_b:
-            r = b.add(("recv-grad", t), RECV, recv_b, (src_device,), src_device)
-            b.edge(tb, r)
-            tb_end = r
-        else:
-            tb_end = tb
         if wire[4]:  # the sender's host copies (Link.send_bandwidth): after the producer, beside the wire
             h = b.add(("send-host", t), SEND, wire[4], (src_device,), src_device)
             cross += (src_f, at, h, position)
-        if wire[5] and graph.moves_grad(src_op, t.dst_op):
+            b.slots += (h, position, src_b - 1, at, 0)
+        esrc.append(tf_end)
+        edst.append(dst_f)
+        cross += (src_f, at, tf, position)
+        if not grad:
+            continue
+        if recv_b:
+            r = b.add(("recv-grad", t), RECV, recv_b, (src_device,), src_device)
+            b.edge(tb, r)
+            b.slots += (r, position, src_b, at, 1)
+            tb_end = r
+        else:
+            tb_end = tb
+        if wire[5]:
             h = b.add(("send-host-grad", t), GRAD_SEND, wire[5], (dst_device,), dst_device)
             esrc.append(dst_b)
             edst.append(h)
-        esrc += (dst_b, tf_end)
-        edst += (tb, dst_f)
-        cross += (src_f, at, tf, position, tb_end, position, src_b, at)
+            b.slots += (h, position, dst_f + 1, position, 0)
+        esrc.append(dst_b)
+        edst.append(tb)
+        cross += (tb_end, position, src_b, at)
 
 
 def _wire(topology: Topology, src: int, dst: int, nbytes: int
@@ -296,10 +316,10 @@ def build_tasks(lowered: Lowered, topology: Topology, cost: CostModel, optimizer
     tg = TaskGraph(topology.num_devices, len(topology.links))
     blocks = _blocks(lowered, topology, cost, cache)
     joined = cache.join(blocks)
-    edges, steps, *tasks = joined.arrays
+    edges, steps, *tasks, slots = joined.arrays
     first = tg.place(joined.segments, tuple(tasks), joined.first)
     tg.chunks.append((edges[0] + first[edges[1]], edges[2] + first[edges[3]]))
-    last = _link_schedule(tg, lowered, steps, first)
+    last = _link_schedule(tg, lowered, steps, first, slots)
     step_sums = [(int(first[i]), blocks[i].step_reductions) for i in joined.summing]
     link_step(tg, lowered, topology, step_sums, last, optimizer, traffic)
     return tg
@@ -323,13 +343,15 @@ def _blocks(lowered: Lowered, topology: Topology, cost: CostModel, cache: TaskCa
     return list(kept)
 
 
-def _link_schedule(tg: TaskGraph, lowered: Lowered, steps: np.ndarray, first: np.ndarray) -> dict[int, int]:
+def _link_schedule(tg: TaskGraph, lowered: Lowered, steps: np.ndarray, first: np.ndarray,
+                   slots: np.ndarray) -> dict[int, int]:
     """Each device runs the schedule's order (strategies/schedule.py): per micro-batch its
     forwards in graph and partition order (a stable sort by device and micro-batch), a backward
     pass running them in reverse. A step starts once the one before it is done, a blocking sum
-    in it included (the executor's collectives run inside its forward and backward steps).
-    ``steps``: the blocks' ``steps`` rows; returns each device's last step (its backward pass is
-    over after it)."""
+    in it included (the executor's collectives run inside its forward and backward steps), and
+    the sends at the end of the step before; a receive in a step starts once the step before
+    it is done. ``steps``, ``slots``: the blocks' rows (``_Block``); returns each device's last
+    step (its backward pass is over after it)."""
     n, m = tg.num_devices, lowered.strategy.microbatches
     key = steps[1] * m + steps[2]
     order = np.argsort(key.astype(np.min_scalar_type(n * m)), kind="stable")  # small ints: a radix sort
@@ -351,4 +373,17 @@ def _link_schedule(tg: TaskGraph, lowered: Lowered, steps: np.ndarray, first: np
     chained = np.ones(len(seq) - 1, dtype=bool)
     chained[device_ends[:-1]] = False
     tg.chunks.append((ends[:-1][chained], seq[1:][chained]))
+    if slots.shape[1]:
+        task, step = slots[0] + first[slots[1]], slots[2] + first[slots[3]]
+        before = slots[4].astype(bool)
+        link = np.full(len(tg), -1, dtype=INDEX)
+        link[seq[:-1][chained]] = seq[1:][chained]  # a step's first task -> the next step's
+        after = link[step[~before]]
+        has = after >= 0  # no step after a device's last
+        tg.chunks.append((task[~before][has], after[has]))
+        link[:] = -1
+        link[seq[1:][chained]] = ends[:-1][chained]  # a step's first task -> the end of the one before
+        prior = link[step[before]]
+        has = prior >= 0  # no step before a device's first
+        tg.chunks.append((prior[has], task[before][has]))
     return dict(zip(devices, ends[device_ends].tolist()))

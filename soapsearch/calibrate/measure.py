@@ -10,7 +10,7 @@
   (as the executor posts its receives ahead), up to 4 MiB, fitted to send_latency + s /
   send_bandwidth (``fit.fit_alpha_beta``): gloo copies the message into the socket in the
   calling thread, so a sending process computes nothing meanwhile (~0.1 ms + s / 2.3 GB/s
-  here); reported, not yet put on the links (``Calibration.hold_sends``);
+  here); put on the links (``Calibration.hold_sends``);
 * all-reduce over all ranks at the same sizes, against the ring formula on the fitted alpha, B,
   and fitted to that formula's slope on its own: the links' ``collective_bandwidth`` (sending
   both ways at once and summing on the cores that copy, gloo's ring moves ~half as fast);
@@ -134,11 +134,10 @@ class Calibration:
     send_bandwidth: float | None = None
     """``fit_alpha_beta`` of ``send_call``: a send holds the sender's host send_latency + bytes
     / send_bandwidth (``Link.send_latency``, ``send_bandwidth``; None: one process)."""
-    hold_sends: bool = False
-    """Whether the calibrated links carry the send figures. Off: with sends held, the simulated
-    pipeline probe is not monotone in the message overhead (a send is placed beside its
-    sender's next compute by readiness, not right after its producer as the executor runs it),
-    which the overhead fit's bisection assumes; the figures are measured and reported."""
+    hold_sends: bool = True
+    """Whether the calibrated links carry the send figures (reports of the seventh session
+    say false: their figures were reported only, until each send had its place in its
+    sender's schedule and the simulated probe was monotone in the message overhead again)."""
     allreduce: list[list[float]] = field(default_factory=list)
     """[[bytes, measured s, ring formula s], ...]."""
     profile_cache: str | None = None

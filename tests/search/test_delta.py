@@ -2,6 +2,7 @@
 random, as MCMC walks) is scored by the search's Evaluator, which reuses every unchanged op's
 lowering and task block, and by a from-scratch simulation; every figure must be identical."""
 
+import dataclasses
 import random
 
 import pytest
@@ -20,11 +21,13 @@ from tests.conftest import traced
 
 
 def _with_overheads(topo: Topology) -> Topology:
-    """``topo`` with host overheads set, so the receive tasks are in the graph too."""
+    """``topo`` with host overheads set and sends holding their senders, so the receive and
+    send tasks (chained into the senders' schedules) are in the graph too."""
     devices = tuple(DeviceSpec(d.kind, d.memory_bytes, dict(d.peak_flops), d.memory_bandwidth, d.node,
                                task_overhead=3e-5, message_overhead=2e-5,
                                collective_overhead=4e-5) for d in topo.devices)
-    return Topology(topo.name + "+overheads", devices, topo.links, topo.routes)
+    links = tuple(dataclasses.replace(k, send_bandwidth=5e9, send_latency=1e-5) for k in topo.links)
+    return Topology(topo.name + "+overheads", devices, links, topo.routes)
 
 
 CASES = [  # model, topology, micro-batches, schedule, proposals

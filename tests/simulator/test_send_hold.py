@@ -14,7 +14,7 @@ from simulator.engine import run_events
 from simulator.presets import get_topology
 from simulator.simulate import simulate_plan
 from simulator.tasks import build_tasks
-from simulator.taskgraph import GRAD_SEND, SEND
+from simulator.taskgraph import BACKWARD, FORWARD, GRAD_SEND, RECV, SEND
 from simulator.topology import Topology
 from soapsearch.executor import build_model
 from strategies import baseline
@@ -88,3 +88,40 @@ def test_each_direction_follows_its_own_first_link():
     assert held_sends == {(GRAD_SEND, 1)}
     with pytest.raises(ValueError, match=r"send_latency 0.0001 needs a send_bandwidth"):
         Link("x", "shm", 0.0, 1e9, send_latency=1e-4)
+
+
+@pytest.mark.parametrize("plan,microbatches", [("model_parallel", 1), ("pipeline", 2), ("owt", 1)])
+def test_receives_and_sends_run_in_their_steps(plan, microbatches):
+    # the executor waits on a piece inside the step that reads it and sends at the end of the
+    # step that wrote it: each receive runs after the step before its reader's on the device,
+    # and the step after a send's writer starts once the send is done (however early the piece
+    # arrives or however late a step of another op becomes ready)
+    graph = build_model("mlp", "tiny").graph
+    base = held(get_topology("local-cpu-2"))
+    topo = dataclasses.replace(base, devices=tuple(dataclasses.replace(d, message_overhead=3e-4, exchange_overhead=5e-4)
+                                                  for d in base.devices))
+    strategy = baseline(plan, graph, 2, **({"microbatches": microbatches} if plan == "pipeline" else {}))
+    tg = build_tasks(lower(graph, strategy), topo, get_cost_model("analytical"))
+    start, end = run_events(tg)
+    task = {tg.name[i]: i for i in range(len(tg))}
+    steps = {d: [i for i in range(len(tg)) if tg.device[i] == d and tg.category[i] in (FORWARD, BACKWARD)
+                 and end[i] > start[i]] for d in range(2)}  # (a step of no time has no place to check)
+    checked = {RECV: 0, SEND: 0, GRAD_SEND: 0}
+    for i in range(len(tg)):
+        cat = tg.category[i]
+        if cat not in checked:
+            continue
+        t, d = tg.name[i][1], tg.device[i]
+        if cat == RECV:  # in the reader's step (the consumer's forward or the producer's backward)
+            step = task[("fwd", t.dst_op, t.dst_index, t.microbatch) if tg.name[i][0] == "recv"
+                        else ("bwd", t.src_op, t.src_index, t.microbatch)]
+            assert end[i] <= start[step]
+            assert start[i] >= max((end[s] for s in steps[d] if end[s] <= start[step]), default=0.0)
+        else:  # at the end of the writer's step (the producer's forward or the consumer's backward)
+            step = task[("fwd", t.src_op, t.src_index, t.microbatch) if cat == SEND
+                        else ("bwd", t.dst_op, t.dst_index, t.microbatch)]
+            assert start[i] >= end[step]
+            assert end[i] <= min((start[s] for s in steps[d] if start[s] >= end[step] and s != step), default=1.0)
+        checked[cat] += 1
+    assert all(checked.values()), checked
+    assert run_events(tg) == run_events(tg, native=False)

@@ -181,7 +181,8 @@ def test_exchanged_pieces_cost_the_exchange_overhead(plan_name):
     """A piece whose op moves another piece back between the same two devices in the same
     micro-batch (each unit of OWT's or a tensor-parallel op's all-to-all) costs the receiver
     ``exchange_overhead`` instead of ``message_overhead``, its gradient likewise on the
-    producer's device: busy time grows by x per exchanged piece and r per other one."""
+    producer's device where the gradient moves (not the targets'): busy time grows by x per
+    exchanged piece and r per other one."""
     g = traced("mlp")
     if plan_name == "param":  # every linear cut on out_features, the rest on the batch: all exchanged
         plan = Strategy.of({n.name: ParallelConfig(tuple(2 if i == (len(n.dims) - 1 if n.kind == "linear" else 0)
@@ -197,11 +198,12 @@ def test_exchanged_pieces_cost_the_exchange_overhead(plan_name):
     for t in remote:
         cost = x if (t.dst_op, t.microbatch, t.dst_device, t.src_device) in pairs else r
         grows[t.dst_device] += cost
-        grows[t.src_device] += cost
+        grows[t.src_device] += cost if g.moves_grad(t.src_op, t.dst_op) else 0.0
     plain = simulate_plan(g, plan, base, Perfect())
     loaded = simulate_plan(g, plan, loaded_topo, Perfect())
     for d in range(2):
         assert loaded.busy_time[d] - plain.busy_time[d] == pytest.approx(grows[d], rel=1e-9)
+    assert any(not g.moves_grad(t.src_op, t.dst_op) for t in remote)  # the targets' pieces: no gradient back
     exchanged = sum(1 for t in remote if (t.dst_op, t.microbatch, t.dst_device, t.src_device) in pairs)
     assert (exchanged > 0) == (plan_name != "model_parallel")
     if plan_name == "param":
@@ -225,7 +227,7 @@ def test_host_overheads_add_to_busy_time_exactly():
     """task_overhead o: each device's busy time grows by o per forward of a non-weight op and
     per backward of an op carrying a gradient and per trainable tensor its optimizer update
     steps; message_overhead r: by r per piece it receives (a forward piece on the consumer's
-    device, its gradient on the producer's)."""
+    device, its gradient on the producer's where the gradient moves)."""
     g = traced("mlp")
     plan = model_parallel(g, 2)
     base, o, r = mesh(2), 3e-4, 5e-5
@@ -247,7 +249,7 @@ def test_host_overheads_add_to_busy_time_exactly():
     for t in lowered.transfers:
         if not t.local:
             received[t.dst_device] += 1
-            received[t.src_device] += 1
+            received[t.src_device] += g.moves_grad(t.src_op, t.dst_op)  # the executor's rule
     assert min(received) > 0 and min(tasks) > 0
     plain = simulate_plan(g, plan, base, Perfect())
     loaded = simulate_plan(g, plan, with_overheads(base, o, r), Perfect())
