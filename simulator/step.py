@@ -51,14 +51,14 @@ def member_ends(add: Callable[..., int], edge: Callable[[int, int], None], topol
 
 
 def link_step(tg: TaskGraph, lowered: Lowered, topology: Topology,
-              step_sums: list[tuple[int, list[tuple[ReductionGroup, list[int], bool]]]], last: dict[int, int],
+              step_sums: list[tuple[int, list[tuple[ReductionGroup, list[int], bool]]]], last: dict[int, list[int]],
               optimizer: str, traffic: float) -> None:
     """The end of the step as the executor runs it (``runtime.Executor.step``). The loss sums
     gated STEP (``step_sums``: per block with such sums, its first id and its sums with their members'
     forward tasks and whether the divisor needs the data) travel in the gradient bucket of
     their device set where ``strategies.lowering.bucket_sums`` says so (their bytes added to
     it); the others are ring all-gathers of their own, started after the members' forwards.
-    Each device, after its last backward step, waits on its own-collective sums whose divisor
+    Each device, after its last backward step and the sends after it (``last``), waits on its own-collective sums whose divisor
     needs the data (it divides its gradients by C before the sync); all-reduces one DDP-style
     bucket per device set holding replicated trainable shards (packed into one flat tensor
     first and copied back after, ``_copy_time`` each); waits on its other STEP sums;
@@ -67,7 +67,7 @@ def link_step(tg: TaskGraph, lowered: Lowered, topology: Topology,
     is that far and overlapping the updates (nothing in them reads it; the step ends when it
     has). Each collective here ends on each member with its ``member_ends``."""
     n = topology.num_devices
-    ready: dict[int, list[int]] = {d: [last[d]] for d in last}  # what its gradient sync waits on
+    ready: dict[int, list[int]] = {d: list(last[d]) for d in last}  # what its gradient sync waits on
     later: dict[int, list[int]] = {d: [] for d in last}  # what only its update waits on
     rides = bucket_sums(lowered, [g for _, sums in step_sums for g, _, _ in sums]) if step_sums else {}
     riders: dict[tuple[int, ...], list] = {}  # bucket device set -> [bytes, forward tasks] of its sums

@@ -2,7 +2,8 @@
 
 Tasks: forward and backward of every partition of every micro-batch (on its device, each
 charged the device's ``task_overhead`` of host work where the executor runs it); every transfer
-that crosses devices, forward and its mirrored gradient backward (on the links of its route),
+that crosses devices, forward and its mirrored gradient backward where the gradient moves
+(``OpGraph.moves_grad``; on the links of its route),
 each followed by a receive of ``message_overhead`` (``exchange_overhead`` for a piece the op
 also moves the other way) on the receiving device when that is set, and beside it a send on
 the sending device where the link holds its sender's host (``Link.send_bandwidth``); the
@@ -177,6 +178,8 @@ def _add_transfers(b: _Block, transfers: tuple[Transfer, ...], producers: dict[s
     esrc, edst, cross = b.edge_src, b.edge_dst, b.cross
     received = any(d.message_overhead or d.exchange_overhead for d in devices)  # else no receive tasks
     crossed = {(t.src_device, t.dst_device, t.microbatch) for t in transfers if not t.local} if received else ()
+    crossed_grad = {(t.src_device, t.dst_device, t.microbatch) for t in transfers
+                    if not t.local and graph.moves_grad(t.src_op, t.dst_op)} if received else ()
     for t in transfers:  # the hot loop of a changed op: inlined appends, as the partitions'
         src_op, src_index, _, dst_index, _, j, src_device, dst_device, _, size = t
         dst_f, dst_b = b.fwd[j][dst_index], b.bwd_done[j][dst_index]
@@ -190,7 +193,7 @@ def _add_transfers(b: _Block, transfers: tuple[Transfer, ...], producers: dict[s
         if wire is None:
             wire = wires[key] = _wire(topology, *key)
         grad = graph.moves_grad(src_op, t.dst_op)  # else the executor sends no gradient back
-        tf, tb, k = len(durs), len(durs) + 1, 1 + grad  # the send, then its gradient's where it moves
+        tf, k = len(durs), 1 + grad  # the send, then its gradient's (tf + 1) where it moves
         names += (("send", t), ("send-grad", t))[:k]
         cats += (TRANSFER, GRAD_TRANSFER)[:k]
         durs += (wire[0], wire[2])[:k]
@@ -199,10 +202,10 @@ def _add_transfers(b: _Block, transfers: tuple[Transfer, ...], producers: dict[s
         nbytes += (size, size)[:k]
         if not received:
             recv_f = recv_b = 0.0
-        elif (dst_device, src_device, j) in crossed:  # exchanged: both ways in this op
-            recv_f, recv_b = devices[dst_device].exchange_overhead, devices[src_device].exchange_overhead
-        else:
-            recv_f, recv_b = devices[dst_device].message_overhead, devices[src_device].message_overhead
+        else:  # exchanged: a piece (a gradient) moves the other way in this op too
+            to, back = devices[dst_device], devices[src_device]
+            recv_f = to.exchange_overhead if (dst_device, src_device, j) in crossed else to.message_overhead
+            recv_b = back.exchange_overhead if (dst_device, src_device, j) in crossed_grad else back.message_overhead
         if recv_f:
             r = b.add(("recv", t), RECV, recv_f, (dst_device,), dst_device)
             b.edge(tf, r)
@@ -219,6 +222,7 @@ def _add_transfers(b: _Block, transfers: tuple[Transfer, ...], producers: dict[s
         cross += (src_f, at, tf, position)
         if not grad:
             continue
+        tb = tf + 1
         if recv_b:
             r = b.add(("recv-grad", t), RECV, recv_b, (src_device,), src_device)
             b.edge(tb, r)
@@ -344,14 +348,14 @@ def _blocks(lowered: Lowered, topology: Topology, cost: CostModel, cache: TaskCa
 
 
 def _link_schedule(tg: TaskGraph, lowered: Lowered, steps: np.ndarray, first: np.ndarray,
-                   slots: np.ndarray) -> dict[int, int]:
+                   slots: np.ndarray) -> dict[int, list[int]]:
     """Each device runs the schedule's order (strategies/schedule.py): per micro-batch its
     forwards in graph and partition order (a stable sort by device and micro-batch), a backward
     pass running them in reverse. A step starts once the one before it is done, a blocking sum
     in it included (the executor's collectives run inside its forward and backward steps), and
     the sends at the end of the step before; a receive in a step starts once the step before
     it is done. ``steps``, ``slots``: the blocks' rows (``_Block``); returns each device's last
-    step (its backward pass is over after it)."""
+    step and the sends after it (its backward pass is over after them)."""
     n, m = tg.num_devices, lowered.strategy.microbatches
     key = steps[1] * m + steps[2]
     order = np.argsort(key.astype(np.min_scalar_type(n * m)), kind="stable")  # small ints: a radix sort
@@ -373,17 +377,22 @@ def _link_schedule(tg: TaskGraph, lowered: Lowered, steps: np.ndarray, first: np
     chained = np.ones(len(seq) - 1, dtype=bool)
     chained[device_ends[:-1]] = False
     tg.chunks.append((ends[:-1][chained], seq[1:][chained]))
+    last = {d: [e] for d, e in zip(devices, ends[device_ends].tolist())}
     if slots.shape[1]:
         task, step = slots[0] + first[slots[1]], slots[2] + first[slots[3]]
         before = slots[4].astype(bool)
         link = np.full(len(tg), -1, dtype=INDEX)
         link[seq[:-1][chained]] = seq[1:][chained]  # a step's first task -> the next step's
-        after = link[step[~before]]
-        has = after >= 0  # no step after a device's last
-        tg.chunks.append((task[~before][has], after[has]))
+        sends, after = task[~before], link[step[~before]]
+        has = after >= 0  # else after a device's last step: the step's end waits on it
+        tg.chunks.append((sends[has], after[has]))
+        if not has.all():
+            link[seq] = np.repeat(devices, np.diff([0] + [e + 1 for e in device_ends]))  # a step's device
+            for d, t in zip(link[step[~before][~has]].tolist(), sends[~has].tolist()):
+                last[d].append(t)
         link[:] = -1
         link[seq[1:][chained]] = ends[:-1][chained]  # a step's first task -> the end of the one before
         prior = link[step[before]]
         has = prior >= 0  # no step before a device's first
         tg.chunks.append((prior[has], task[before][has]))
-    return dict(zip(devices, ends[device_ends].tolist()))
+    return last

@@ -37,7 +37,8 @@ class Partition(NamedTuple):
 
 class Transfer(NamedTuple):
     """Bytes of ``src_op``'s partition ``src_index`` that ``dst_op``'s partition ``dst_index``
-    reads as its input ``slot``. Backward moves the same region's gradient from dst to src.
+    reads as its input ``slot``. Backward moves the same region's gradient from dst to src
+    where both ops carry one (``OpGraph.moves_grad``).
     ``src_device == dst_device`` marks a local read (a dependency, no bytes on a link)."""
 
     src_op: str
@@ -163,5 +164,6 @@ class Lowered:
 
     @property
     def bytes_moved(self) -> int:
-        """Forward bytes crossing links (backward moves as many again)."""
+        """Forward bytes crossing links (backward moves as many again, less the pieces whose
+        gradient does not move: ``OpGraph.moves_grad``)."""
         return sum(t.nbytes for t in self.transfers if not t.local)

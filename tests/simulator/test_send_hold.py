@@ -14,7 +14,7 @@ from simulator.engine import run_events
 from simulator.presets import get_topology
 from simulator.simulate import simulate_plan
 from simulator.tasks import build_tasks
-from simulator.taskgraph import BACKWARD, FORWARD, GRAD_SEND, RECV, SEND
+from simulator.taskgraph import ALLREDUCE, BACKWARD, FORWARD, GRAD_SEND, RECV, SEND, UPDATE
 from simulator.topology import Topology
 from soapsearch.executor import build_model
 from strategies import baseline
@@ -90,22 +90,27 @@ def test_each_direction_follows_its_own_first_link():
         Link("x", "shm", 0.0, 1e9, send_latency=1e-4)
 
 
-@pytest.mark.parametrize("plan,microbatches", [("model_parallel", 1), ("pipeline", 2), ("owt", 1)])
-def test_receives_and_sends_run_in_their_steps(plan, microbatches):
+@pytest.mark.parametrize("plan,microbatches,schedule", [("model_parallel", 1, "gpipe"), ("pipeline", 2, "gpipe"),
+                                                         ("pipeline", 4, "1f1b")])
+def test_receives_and_sends_run_in_their_steps(plan, microbatches, schedule):
     # the executor waits on a piece inside the step that reads it and sends at the end of the
     # step that wrote it: each receive runs after the step before its reader's on the device,
-    # and the step after a send's writer starts once the send is done (however early the piece
-    # arrives or however late a step of another op becomes ready)
+    # and the step after a send's writer (or, after a device's last step, its step end: update
+    # and collectives) starts once the send is done (however early the piece arrives or however
+    # late a step of another op becomes ready)
     graph = build_model("mlp", "tiny").graph
     base = held(get_topology("local-cpu-2"))
     topo = dataclasses.replace(base, devices=tuple(dataclasses.replace(d, message_overhead=3e-4, exchange_overhead=5e-4)
                                                   for d in base.devices))
-    strategy = baseline(plan, graph, 2, **({"microbatches": microbatches} if plan == "pipeline" else {}))
+    strategy = baseline(plan, graph, 2, microbatches).with_microbatches(microbatches, schedule)
     tg = build_tasks(lower(graph, strategy), topo, get_cost_model("analytical"))
     start, end = run_events(tg)
     task = {tg.name[i]: i for i in range(len(tg))}
     steps = {d: [i for i in range(len(tg)) if tg.device[i] == d and tg.category[i] in (FORWARD, BACKWARD)
                  and end[i] > start[i]] for d in range(2)}  # (a step of no time has no place to check)
+    step_end = {d: [i for i in range(len(tg)) if tg.resources[i] == (d,) and tg.category[i] in (UPDATE, ALLREDUCE)]
+                for d in range(2)}  # on the device: bucket packing, collectives' host work, update
+    assert all(step_end.values())
     checked = {RECV: 0, SEND: 0, GRAD_SEND: 0}
     for i in range(len(tg)):
         cat = tg.category[i]
@@ -121,7 +126,11 @@ def test_receives_and_sends_run_in_their_steps(plan, microbatches):
             step = task[("fwd", t.src_op, t.src_index, t.microbatch) if cat == SEND
                         else ("bwd", t.dst_op, t.dst_index, t.microbatch)]
             assert start[i] >= end[step]
-            assert end[i] <= min((start[s] for s in steps[d] if start[s] >= end[step] and s != step), default=1.0)
+            after = [s for s in steps[d] if start[s] >= end[step] and s != step]
+            if not after:  # after the device's last step: its step end waits on it (not a tie's luck)
+                after = step_end[d]
+                assert {tg.category[k] for k in tg.successors(i)} & {UPDATE, ALLREDUCE}
+            assert end[i] <= min(start[s] for s in after)
         checked[cat] += 1
     assert all(checked.values()), checked
     assert run_events(tg) == run_events(tg, native=False)

@@ -176,17 +176,22 @@ def test_memory_counts_receive_buffers_posted_a_micro_batch_ahead():
     assert ofob.peak_memory_bytes == (3 * w[0] + 2 * acts0 + 2 * (512 // 2), 3 * w[1] + acts1 + received1)
 
 
-@pytest.mark.parametrize("plan_name", ["owt", "model_parallel", "param"])
+@pytest.mark.parametrize("plan_name", ["owt", "model_parallel", "param", "loss_across"])
 def test_exchanged_pieces_cost_the_exchange_overhead(plan_name):
     """A piece whose op moves another piece back between the same two devices in the same
     micro-batch (each unit of OWT's or a tensor-parallel op's all-to-all) costs the receiver
-    ``exchange_overhead`` instead of ``message_overhead``, its gradient likewise on the
-    producer's device where the gradient moves (not the targets'): busy time grows by x per
-    exchanged piece and r per other one."""
+    ``exchange_overhead`` instead of ``message_overhead``; its gradient, where it moves (not
+    the targets'), likewise on the producer's device when a gradient moves the other way too:
+    busy time grows by x per exchanged piece and r per other one. ``loss_across``: the logits
+    go 0 -> 1 and a targets piece 1 -> 0, so the logits are exchanged forward, not backward."""
     g = traced("mlp")
     if plan_name == "param":  # every linear cut on out_features, the rest on the batch: all exchanged
         plan = Strategy.of({n.name: ParallelConfig(tuple(2 if i == (len(n.dims) - 1 if n.kind == "linear" else 0)
                                                          else 1 for i in range(len(n.dims))), (0, 1)) for n in g}, 2)
+    elif plan_name == "loss_across":
+        last, targets = [n for n in g if n.kind == "linear"][-1], [n for n in g if n.kind == "input"][-1]
+        plan = data_parallel(g, 2).replace(last.name, ParallelConfig((1,) * len(last.dims), (0,)))
+        plan = plan.replace(targets.name, ParallelConfig((2,) + (1,) * (len(targets.dims) - 1), (1, 0)))
     else:
         plan = baseline(plan_name, g, 2)
     base, r, x = mesh(2), 5e-5, 7e-4
@@ -194,11 +199,13 @@ def test_exchanged_pieces_cost_the_exchange_overhead(plan_name):
                                             for d in base.devices), base.links, base.routes)
     remote = [t for t in lower(g, plan).transfers if not t.local]
     pairs = {(t.dst_op, t.microbatch, t.src_device, t.dst_device) for t in remote}
+    grads = {(t.dst_op, t.microbatch, t.src_device, t.dst_device) for t in remote if g.moves_grad(t.src_op, t.dst_op)}
     grows = [0.0, 0.0]
     for t in remote:
-        cost = x if (t.dst_op, t.microbatch, t.dst_device, t.src_device) in pairs else r
-        grows[t.dst_device] += cost
-        grows[t.src_device] += cost if g.moves_grad(t.src_op, t.dst_op) else 0.0
+        back = (t.dst_op, t.microbatch, t.dst_device, t.src_device)
+        grows[t.dst_device] += x if back in pairs else r
+        if g.moves_grad(t.src_op, t.dst_op):
+            grows[t.src_device] += x if back in grads else r
     plain = simulate_plan(g, plan, base, Perfect())
     loaded = simulate_plan(g, plan, loaded_topo, Perfect())
     for d in range(2):
@@ -206,6 +213,10 @@ def test_exchanged_pieces_cost_the_exchange_overhead(plan_name):
     assert any(not g.moves_grad(t.src_op, t.dst_op) for t in remote)  # the targets' pieces: no gradient back
     exchanged = sum(1 for t in remote if (t.dst_op, t.microbatch, t.dst_device, t.src_device) in pairs)
     assert (exchanged > 0) == (plan_name != "model_parallel")
+    if plan_name == "loss_across":  # the logits: exchanged forward, their gradient back a message
+        logits = [t for t in remote if g[t.dst_op].kind == "loss" and g.moves_grad(t.src_op, t.dst_op)]
+        assert logits and all((t.dst_op, t.microbatch, t.dst_device, t.src_device) in pairs for t in logits)
+        assert not any((t.dst_op, t.microbatch, t.dst_device, t.src_device) in grads for t in logits)
     if plan_name == "param":
         assert exchanged == len(remote)
 
