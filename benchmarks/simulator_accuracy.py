@@ -11,9 +11,10 @@ split (every linear cut on out_features) and a plan searched with 200 proposals 
 calibrated topology; runs each for real (median of --steps after 2 warm-up steps; a model's
 plans take turns step by step) and simulates it. The calibration fits the executor's overheads
 beyond the same cost model's kernel times. ``--cost-model profiled`` first times every
-fixed plan's partitions of each model into ``calN.profile.json`` with the threads one rank has,
-in interleaved rounds (``calibrate.warm_profile``); the searched plan's other partitions are
-timed when first simulated, at that thread count.
+fixed plan's partitions of the model about to run into ``calN.profile.json`` with the threads
+one rank has, in interleaved rounds (``calibrate.warm_profile``), right before its plans run
+(this host's speed drifts by 15-20 % from one minute to the next); the searched plan's other
+partitions are timed when first simulated, at that thread count.
 Prints a table, the median and max |relative error| and Spearman's rank correlation. With
 --out the topologies, their fit reports, the profiles, the plans and ``results.json`` (every
 row) stay in DIR; ``--repredict DIR [--send LATENCY,BANDWIDTH]`` runs nothing and predicts
@@ -78,10 +79,14 @@ def plans_for(graph, n: int, topo: Topology, cost) -> dict[str, Strategy]:
 
 def bench(n: int, models: list[str], variant: str, topo: Topology, cost_name: str, steps: int,
           d: Path) -> list[tuple]:
+    """Each model in turn: (profiled: its fixed plans' partitions timed, in rounds, with one
+    process's threads, right before its plans run, so the two see the host in one state) its
+    plans written, run for real and simulated."""
     cache = d / f"cal{n}.profile.json"
-    if cost_name == "profiled":  # the fixed plans' partitions, in rounds, with one process's threads
-        for model in models:
-            graph = build_model(model, variant, seed=0).graph
+    rows = []
+    for model in models:
+        graph = build_model(model, variant, seed=0).graph
+        if cost_name == "profiled":
             fixed = []
             for make in plan_makers(graph, n).values():
                 try:
@@ -89,10 +94,7 @@ def bench(n: int, models: list[str], variant: str, topo: Topology, cost_name: st
                 except Exception:  # noqa: BLE001 - a plan this model cannot take (reported below)
                     pass
             print(f"  {model}: {warm_profile(model, topo, cache, variant, plans=fixed)} partitions profiled")
-    cost = get_cost_model(cost_name, **({"cache_path": str(cache)} if cost_name == "profiled" else {}))
-    rows = []
-    for model in models:
-        graph = build_model(model, variant, seed=0).graph
+        cost = get_cost_model(cost_name, **({"cache_path": str(cache)} if cost_name == "profiled" else {}))
         plans = plans_for(graph, n, topo, cost)
         paths = []
         for name, plan in plans.items():
