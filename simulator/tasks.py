@@ -177,9 +177,10 @@ def _add_transfers(b: _Block, transfers: tuple[Transfer, ...], producers: dict[s
     names, cats, durs, res, devs, nbytes = c.name, c.category, c.duration, c.resources, c.device, c.nbytes
     esrc, edst, cross = b.edge_src, b.edge_dst, b.cross
     received = any(d.message_overhead or d.exchange_overhead for d in devices)  # else no receive tasks
+    grads = {src: graph.moves_grad(src, transfers[0].dst_op) for src in producers} if transfers else {}
     crossed = {(t.src_device, t.dst_device, t.microbatch) for t in transfers if not t.local} if received else ()
     crossed_grad = {(t.src_device, t.dst_device, t.microbatch) for t in transfers
-                    if not t.local and graph.moves_grad(t.src_op, t.dst_op)} if received else ()
+                    if not t.local and grads[t.src_op]} if received else ()
     for t in transfers:  # the hot loop of a changed op: inlined appends, as the partitions'
         src_op, src_index, _, dst_index, _, j, src_device, dst_device, _, size = t
         dst_f, dst_b = b.fwd[j][dst_index], b.bwd_done[j][dst_index]
@@ -192,14 +193,17 @@ def _add_transfers(b: _Block, transfers: tuple[Transfer, ...], producers: dict[s
         wire = wires.get(key)
         if wire is None:
             wire = wires[key] = _wire(topology, *key)
-        grad = graph.moves_grad(src_op, t.dst_op)  # else the executor sends no gradient back
-        tf, k = len(durs), 1 + grad  # the send, then its gradient's (tf + 1) where it moves
-        names += (("send", t), ("send-grad", t))[:k]
-        cats += (TRANSFER, GRAD_TRANSFER)[:k]
-        durs += (wire[0], wire[2])[:k]
-        res += (wire[1], wire[3])[:k]
-        devs += (src_device, dst_device)[:k]
-        nbytes += (size, size)[:k]
+        grad = grads[src_op]
+        tf = len(durs)  # the send, then its gradient's (tf + 1) where it moves
+        if grad:
+            names += (("send", t), ("send-grad", t))
+            cats += (TRANSFER, GRAD_TRANSFER)
+            durs += (wire[0], wire[2])
+            res += (wire[1], wire[3])
+            devs += (src_device, dst_device)
+            nbytes += (size, size)
+        else:  # the executor sends no gradient back (e.g. the targets')
+            b.add(("send", t), TRANSFER, wire[0], wire[1], src_device, size)
         if not received:
             recv_f = recv_b = 0.0
         else:  # exchanged: a piece (a gradient) moves the other way in this op too
