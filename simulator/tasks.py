@@ -210,38 +210,39 @@ def _add_transfers(b: _Block, transfers: tuple[Transfer, ...], producers: dict[s
             to, back = devices[dst_device], devices[src_device]
             recv_f = to.exchange_overhead if (dst_device, src_device, j) in crossed else to.message_overhead
             recv_b = back.exchange_overhead if (dst_device, src_device, j) in crossed_grad else back.message_overhead
-        if recv_f:
-            r = b.add(("recv", t), RECV, recv_f, (dst_device,), dst_device)
-            b.edge(tf, r)
-            b.slots += (r, position, dst_f, position, 1)
-            tf_end = r
-        else:
-            tf_end = tf
-        if wire[4]:  # the sender's host copies (Link.send_bandwidth): after the producer, beside the wire
-            h = b.add(("send-host", t), SEND, wire[4], (src_device,), src_device)
-            cross += (src_f, at, h, position)
-            b.slots += (h, position, src_b - 1, at, 0)
-        esrc.append(tf_end)
+        esrc.append(_receive(b, ("recv", t), recv_f, dst_device, tf, dst_f, position) if recv_f else tf)
         edst.append(dst_f)
         cross += (src_f, at, tf, position)
+        if wire[4]:  # the sender's host copies (Link.send_bandwidth): after the producer, beside the wire
+            cross += (src_f, at, _send(b, ("send-host", t), SEND, wire[4], src_device, src_b - 1, at), position)
         if not grad:
             continue
         tb = tf + 1
-        if recv_b:
-            r = b.add(("recv-grad", t), RECV, recv_b, (src_device,), src_device)
-            b.edge(tb, r)
-            b.slots += (r, position, src_b, at, 1)
-            tb_end = r
-        else:
-            tb_end = tb
-        if wire[5]:
-            h = b.add(("send-host-grad", t), GRAD_SEND, wire[5], (dst_device,), dst_device)
-            esrc.append(dst_b)
-            edst.append(h)
-            b.slots += (h, position, dst_f + 1, position, 0)
+        cross += (_receive(b, ("recv-grad", t), recv_b, src_device, tb, src_b, at) if recv_b else tb,
+                  position, src_b, at)
         esrc.append(dst_b)
         edst.append(tb)
-        cross += (tb_end, position, src_b, at)
+        if wire[5]:
+            esrc.append(dst_b)
+            edst.append(_send(b, ("send-host-grad", t), GRAD_SEND, wire[5], dst_device, dst_f + 1, position))
+
+
+def _receive(b: _Block, name: tuple, seconds: float, device: int, wire: int, step: int, at: int) -> int:
+    """A receive of ``seconds`` on ``device`` after the ``wire`` task, inside the schedule step
+    whose first task is ``step`` of the block at ``at`` (``_Block.slots``); returns it."""
+    r = b.add(name, RECV, seconds, (device,), device)
+    b.edge(wire, r)
+    b.slots += (r, b.position, step, at, 1)
+    return r
+
+
+def _send(b: _Block, name: tuple, category: int, seconds: float, device: int, step: int, at: int) -> int:
+    """A send holding ``device``'s host ``seconds`` at the end of the schedule step whose first
+    task is ``step`` of the block at ``at`` (``_Block.slots``); returns it (the caller adds
+    what it waits on)."""
+    h = b.add(name, category, seconds, (device,), device)
+    b.slots += (h, b.position, step, at, 0)
+    return h
 
 
 def _wire(topology: Topology, src: int, dst: int, nbytes: int
@@ -388,12 +389,11 @@ def _link_schedule(tg: TaskGraph, lowered: Lowered, steps: np.ndarray, first: np
         link = np.full(len(tg), -1, dtype=INDEX)
         link[seq[:-1][chained]] = seq[1:][chained]  # a step's first task -> the next step's
         sends, after = task[~before], link[step[~before]]
-        has = after >= 0  # else after a device's last step: the step's end waits on it
+        has = after >= 0
         tg.chunks.append((sends[has], after[has]))
-        if not has.all():
-            link[seq] = np.repeat(devices, np.diff([0] + [e + 1 for e in device_ends]))  # a step's device
-            for d, t in zip(link[step[~before][~has]].tolist(), sends[~has].tolist()):
-                last[d].append(t)
+        device_of_last = dict(zip(seq[device_ends].tolist(), devices))
+        for s, t in zip(step[~before][~has].tolist(), sends[~has].tolist()):  # after a device's last step
+            last[device_of_last[s]].append(t)  # its step end waits on it
         link[:] = -1
         link[seq[1:][chained]] = ends[:-1][chained]  # a step's first task -> the end of the one before
         prior = link[step[before]]
