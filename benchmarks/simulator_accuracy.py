@@ -2,7 +2,7 @@
 
     python benchmarks/simulator_accuracy.py --nproc 2 [--nproc 4] [--models mlp,gpt,rnntc]
         [--variant small|tiny] [--topology calibrated.json] [--cost-model analytical|profiled]
-        [--steps 7] [--out DIR]
+        [--steps 7] [--repeat] [--out DIR]
     python benchmarks/simulator_accuracy.py --repredict DIR [--send 107e-6,2.09e9]
 
 Calibrates ``calibrated-cpu-N`` (unless --topology), then per model (its ``--variant``) writes
@@ -15,6 +15,10 @@ fixed plan's partitions of the model about to run into ``calN.profile.json`` wit
 one rank has, in interleaved rounds (``calibrate.warm_profile``), right before its plans run
 (this host's speed drifts by 15-20 % from one minute to the next); the searched plan's other
 partitions are timed when first simulated, at that thread count.
+``--repeat`` runs each model's plans a second time, in a new launch right after the first, and
+scores that second measurement as if it were a prediction of the first: the agreement of this
+host with itself seconds later, the floor under the simulator's figures (a perfect model
+of the first launch scores no better against the second).
 Prints a table, the median and max |relative error| and Spearman's rank correlation. With
 --out the topologies, their fit reports, the profiles, the plans and ``results.json`` (every
 row) stay in DIR; ``--repredict DIR [--send LATENCY,BANDWIDTH]`` runs nothing and predicts
@@ -78,10 +82,11 @@ def plans_for(graph, n: int, topo: Topology, cost) -> dict[str, Strategy]:
 
 
 def bench(n: int, models: list[str], variant: str, topo: Topology, cost_name: str, steps: int,
-          d: Path) -> list[tuple]:
+          d: Path, repeat: bool = False) -> list[tuple]:
     """Each model in turn: (profiled: its fixed plans' partitions timed, in rounds, with one
     process's threads, right before its plans run, so the two see the host in one state) its
-    plans written, run for real and simulated."""
+    plans written, run for real (``repeat``: again, in a second launch right after) and
+    simulated."""
     cache = d / f"cal{n}.profile.json"
     rows = []
     for model in models:
@@ -101,21 +106,29 @@ def bench(n: int, models: list[str], variant: str, topo: Topology, cost_name: st
             paths.append(d / f"{model}-{n}-{name}.json")
             save_strategy(paths[-1], plan, graph, topology=topo.name)
         measured = run_plans(paths, model, n, variant=variant, steps=steps, warmup=2)
-        for (name, plan), m in zip(plans.items(), measured):
-            rows.append(_row(n, model, name, graph, plan, topo, cost, m.iteration_ms, max(m.busy_ms), max(m.wait_ms)))
+        again = ([m.iteration_ms for m in run_plans(paths, model, n, variant=variant, steps=steps, warmup=2)]
+                 if repeat else [None] * len(measured))
+        for (name, plan), m, a in zip(plans.items(), measured, again):
+            rows.append(_row(n, model, name, graph, plan, topo, cost, m.iteration_ms, max(m.busy_ms),
+                             max(m.wait_ms), a))
     return rows
 
 
 def _row(n: int, model: str, name: str, graph, plan: Strategy, topo: Topology, cost, measured_ms: float,
-         measured_busy_ms: float, measured_wait_ms: float) -> tuple:
-    """One table row: the plan simulated on ``topo`` beside its measured figures."""
+         measured_busy_ms: float, measured_wait_ms: float, measured_again_ms: float | None) -> tuple:
+    """One table row: the plan simulated on ``topo`` beside its measured figures (``KEYS``)."""
     low = lower(graph, plan)
     sim = simulate_plan(graph, low, topo, cost)
     tasks = max(sum(1 for per_mb in low.partitions.values() for ps in per_mb for p in ps if p.device == r)
                 for r in range(n))
     remote = sum(1 for t in low.transfers if not t.local)
     return (n, model, name, sim.iteration_ms, measured_ms, max(sim.busy_time) * 1e3, measured_busy_ms,
-            measured_wait_ms, tasks, remote)
+            measured_wait_ms, tasks, remote, measured_again_ms)
+
+
+KEYS = ("nproc", "model", "plan", "predicted_ms", "measured_ms", "predicted_busy_ms", "measured_busy_ms",
+        "measured_wait_ms", "tasks_per_device", "remote_transfers", "measured_again_ms")
+"""A row's fields, as results.json names them (``measured_again_ms``: --repeat's second launch, else null)."""
 
 
 def repredict(d: Path, variant: str, send: tuple[float, float] | None = None) -> list[tuple]:
@@ -153,7 +166,7 @@ def repredict(d: Path, variant: str, send: tuple[float, float] | None = None) ->
                     graph = graphs[r["model"]]
                     plan = load_strategy(d / f"{r['model']}-{n}-{r['plan']}.json", graph)
                     rows.append(_row(n, r["model"], r["plan"], graph, plan, topo, cost, r["measured_ms"],
-                                     r["measured_busy_ms"], r["measured_wait_ms"]))
+                                     r["measured_busy_ms"], r["measured_wait_ms"], r.get("measured_again_ms")))
     return rows
 
 
@@ -167,6 +180,9 @@ def main() -> int:
     p.add_argument("--topology", default=None, help="a calibrated topology JSON (one --nproc only)")
     p.add_argument("--cost-model", choices=("analytical", "profiled"), default="analytical")
     p.add_argument("--steps", type=int, default=7)
+    p.add_argument("--repeat", action="store_true",
+                   help="run each model's plans again in a second launch and score that against the first "
+                        "(this host's agreement with itself: the floor under the simulator's errors)")
     p.add_argument("--out", default=None, help="keep topologies, reports, plans and results.json here")
     p.add_argument("--repredict", default=None, metavar="DIR",
                    help="run nothing: predict the plans of a run kept with --out DIR again with this code, "
@@ -207,35 +223,49 @@ def main() -> int:
                     f"{dev.exchange_overhead * 1e6:.0f} µs/exchanged piece, "
                     f"{dev.collective_overhead * 1e6:.0f} µs/collective")
             torch.set_num_threads(threads_per_process(n))  # a profiled partition is timed as a rank runs it
-            rows += bench(n, args.models.split(","), args.variant, topo, args.cost_model, args.steps, d)
+            rows += bench(n, args.models.split(","), args.variant, topo, args.cost_model, args.steps, d,
+                          args.repeat)
     if args.out:
-        keys = ("nproc", "model", "plan", "predicted_ms", "measured_ms", "predicted_busy_ms", "measured_busy_ms",
-                "measured_wait_ms", "tasks_per_device", "remote_transfers")
-        (d / "results.json").write_text(json.dumps([{**dict(zip(keys, r)), "variant": args.variant} for r in rows],
+        (d / "results.json").write_text(json.dumps([{**dict(zip(KEYS, r)), "variant": args.variant} for r in rows],
                                                    indent=1) + "\n")
     print_table(rows)
     return 0
 
 
+def _score(pred: list[float], meas: list[float]) -> tuple[float, float, float]:
+    """Median and max |pred - meas| / meas, and Spearman's rank correlation of the two."""
+    errs = [abs(p - m) / m for p, m in zip(pred, meas)]
+    return statistics.median(errs), max(errs), spearman(pred, meas)
+
+
 def print_table(rows: list[tuple]) -> None:
-    """The table, the median and max |error|, Spearman's rank correlation overall and per N."""
-    head = ("N", "model", "plan", "pred ms", "meas ms", "error", "pred busy", "meas busy", "meas wait",
-            "tasks/dev", "remote xfers")
+    """The table, the median and max |error|, Spearman's rank correlation overall and per N;
+    with a second measurement (--repeat), the same three for it scored against the first."""
+    again = all(r[10] is not None for r in rows)
+    head = ("N", "model", "plan", "pred ms", "meas ms", "error", *(("again ms", "again Δ") if again else ()),
+            "pred busy", "meas busy", "meas wait", "tasks/dev", "remote xfers")
     print("\n" + " | ".join(head))
     print(" | ".join("---" for _ in head))
-    for n, model, name, pred, meas, pb, mb, mw, tasks, remote in rows:
-        print(f"{n} | {model} | {name} | {pred:.2f} | {meas:.2f} | {(pred - meas) / meas:+.1%} | {pb:.2f} | "
-              f"{mb:.2f} | {mw:.2f} | {tasks} | {remote}")
-    errs = [abs(r[3] - r[4]) / r[4] for r in rows]
-    print(f"\n{len(rows)} plans: median |error| {statistics.median(errs):.1%}, max |error| {max(errs):.1%}, "
-          f"Spearman rank correlation (predicted vs measured ms) {spearman([r[3] for r in rows], [r[4] for r in rows]):.3f}")
+    for n, model, name, pred, meas, pb, mb, mw, tasks, remote, meas2 in rows:
+        print(f"{n} | {model} | {name} | {pred:.2f} | {meas:.2f} | {(pred - meas) / meas:+.1%} | "
+              + (f"{meas2:.2f} | {(meas2 - meas) / meas:+.1%} | " if again else "")
+              + f"{pb:.2f} | {mb:.2f} | {mw:.2f} | {tasks} | {remote}")
+    med, mx, rho = _score([r[3] for r in rows], [r[4] for r in rows])
+    print(f"\n{len(rows)} plans: median |error| {med:.1%}, max |error| {mx:.1%}, "
+          f"Spearman rank correlation (predicted vs measured ms) {rho:.3f}")
+    if again:
+        med, mx, rho = _score([r[10] for r in rows], [r[4] for r in rows])
+        print(f"  the second launch as the prediction (the host against itself): median {med:.1%}, max {mx:.1%}, "
+              f"Spearman {rho:.3f}")
     for n in sorted({r[0] for r in rows}):
         sub = [r for r in rows if r[0] == n]
         per_task = statistics.median((r[6] - r[5]) / r[8] * 1e3 for r in sub)
-        errs = [abs(r[3] - r[4]) / r[4] for r in sub]
-        print(f"  N={n}: median |error| {statistics.median(errs):.1%}, max {max(errs):.1%}, "
-              f"Spearman {spearman([r[3] for r in sub], [r[4] for r in sub]):.3f}; "
+        med, mx, rho = _score([r[3] for r in sub], [r[4] for r in sub])
+        print(f"  N={n}: median |error| {med:.1%}, max {mx:.1%}, Spearman {rho:.3f}; "
               f"median unmodelled busy per task (meas - pred busy) / tasks = {per_task:.0f} µs")
+        if again:
+            med, mx, rho = _score([r[10] for r in sub], [r[4] for r in sub])
+            print(f"    second launch: median {med:.1%}, max {mx:.1%}, Spearman {rho:.3f}")
 
 
 if __name__ == "__main__":
