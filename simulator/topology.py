@@ -22,10 +22,15 @@ routes, expanded by :func:`simulator.presets.cluster` (``inter`` may be left out
      "cluster": {"nodes": 2, "per_node": 8, "device": {<a device as above, without "node">},
                  "intra": {"shape": "switch", "kind": "nvswitch", "latency": 2e-06, "bandwidth": 3e11},
                  "inter": {"shape": "device-nic", "kind": "ib", "latency": 5e-06, "bandwidth": 2.5e10}}}
+
+A key not named here is an error, not ignored: a typo in an optional field (``"contension"``) would
+otherwise leave its default in place unseen. ``peak_flops`` keys are the dtypes of
+``strategies.graph.DTYPE_BYTES`` and ``tfloat32`` (a datasheet figure; no tensor has that dtype).
 """
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
 import os
@@ -37,6 +42,7 @@ from types import MappingProxyType
 from typing import Any
 
 from simulator.devices import OVERHEAD_FIELDS, DeviceSpec, Link
+from strategies.graph import DTYPE_BYTES
 from strategies.serialize import atomic_write_text
 
 __all__ = ["FORMAT", "VERSION", "Topology"]
@@ -286,6 +292,29 @@ _RULES = {
 }
 
 
+_DEVICE = ("kind", "memory_bytes", "peak_flops", "memory_bandwidth", *OVERHEAD_FIELDS, "contention", "gemm_half")
+_LINK_EXTRAS = ("collective_bandwidth", "send_bandwidth", "send_latency")
+_KEYS = {  # the keys each object of the JSON may hold (the module docstring's)
+    "a topology": ("format", "version", "name", "devices", "links", "routes", "cluster"),
+    "a device": (*_DEVICE[:4], "node", *_DEVICE[4:]),
+    "a cluster's device": _DEVICE,
+    "a link": ("name", "kind", "latency", "bandwidth", *_LINK_EXTRAS),
+    "a route": ("src", "dst", "links"),
+    "a cluster": ("nodes", "per_node", "device", "intra", "inter"),
+    "a fabric": ("shape", "kind", "latency", "bandwidth", *_LINK_EXTRAS),
+    "peak_flops": (*DTYPE_BYTES, "tfloat32"),
+}
+
+
+def _known(obj: Mapping[str, Any], what: str, path: str, where: str) -> None:
+    """ValueError naming the first key of ``obj`` that ``what`` (a ``_KEYS`` entry) does not take."""
+    for key in (k for k in obj if k not in _KEYS[what]):
+        near, value = difflib.get_close_matches(str(key), _KEYS[what], n=1), repr(obj[key])
+        noun, hint = "dtype" if what == "peak_flops" else "key", f" (did you mean {near[0]!r}?)" if near else ""
+        raise ValueError(f"{where}: {path}{key} = {value if len(value) <= 40 else value[:37] + '...'}: "
+                         f"unknown {noun}{hint}; {what} takes only {', '.join(_KEYS[what])}")
+
+
 def _get(obj: Any, key: str, path: str, rule: str, where: str) -> Any:
     if key not in obj:
         raise ValueError(f"{where}: {path}{key}: missing: this field is required")
@@ -311,9 +340,13 @@ def _link_extras(obj: Any, path: str, where: str) -> tuple[float | None, float |
 
 
 def _device(obj: Any, path: str, where: str, node: bool = True) -> DeviceSpec:
+    if not node and "node" in obj:
+        raise _err(where, f"{path}node", obj["node"], "a cluster's devices take their node from per_node: leave it out")
+    _known(obj, "a device" if node else "a cluster's device", path, where)
     flops = _get(obj, "peak_flops", path, "object", where)
     if not flops:
         raise _err(where, f"{path}peak_flops", flops, "needs at least one dtype")
+    _known(flops, "peak_flops", f"{path}peak_flops.", where)
     for dtype in flops:
         _get(flops, dtype, f"{path}peak_flops.", "num>0", where)
     return DeviceSpec(_get(obj, "kind", path, "str", where), _get(obj, "memory_bytes", path, "int>0", where),
@@ -325,6 +358,13 @@ def _device(obj: Any, path: str, where: str, node: bool = True) -> DeviceSpec:
                       _get(obj, "gemm_half", path, "num>=0", where) if "gemm_half" in obj else 0.0)
 
 
+def _link(obj: Any, path: str, where: str) -> Link:
+    _known(obj, "a link", path, where)
+    return Link(_get(obj, "name", path, "str", where), _get(obj, "kind", path, "str", where),
+                _get(obj, "latency", path, "num>=0", where), _get(obj, "bandwidth", path, "num>0", where),
+                *_link_extras(obj, path, where))
+
+
 def _from_json(obj: Any, where: str = "topology JSON") -> Topology:
     if not isinstance(obj, dict):
         raise _err(where, "json", type(obj).__name__, "a topology is a JSON object")
@@ -332,20 +372,24 @@ def _from_json(obj: Any, where: str = "topology JSON") -> Topology:
         raise _err(where, "format", obj.get("format"), f"must be {FORMAT!r}")
     if obj.get("version") != VERSION:
         raise _err(where, "version", obj.get("version"), f"this soapsearch reads version {VERSION} only")
+    _known(obj, "a topology", "", where)
     name = _get(obj, "name", "", "str", where)
     if "cluster" in obj:
         from simulator.presets import cluster_from_json  # built there; imported late: presets imports us
         extra = [k for k in ("devices", "links", "routes") if k in obj]
         if extra:
             raise _err(where, "cluster", "...", f"give either cluster or devices/links/routes, not both ({extra})")
-        return cluster_from_json(name, _get(obj, "cluster", "", "object", where), where)
+        spec = _get(obj, "cluster", "", "object", where)
+        _known(spec, "a cluster", "cluster.", where)
+        for level in ("intra", "inter"):  # the rest of the cluster's fields are read in presets
+            if isinstance(spec.get(level), dict):
+                _known(spec[level], "a fabric", f"cluster.{level}.", where)
+        return cluster_from_json(name, spec, where)
     devices = [_device(v, p, where) for p, v in _items(obj, "devices", where)]
-    links = [Link(_get(v, "name", p, "str", where), _get(v, "kind", p, "str", where),
-                  _get(v, "latency", p, "num>=0", where), _get(v, "bandwidth", p, "num>0", where),
-                  *_link_extras(v, p, where))
-             for p, v in _items(obj, "links", where)]
+    links = [_link(v, p, where) for p, v in _items(obj, "links", where)]
     routes: dict[tuple[int, int], tuple[int, ...]] = {}
     for p, v in _items(obj, "routes", where):
+        _known(v, "a route", p, where)
         key = (_get(v, "src", p, "int>=0", where), _get(v, "dst", p, "int>=0", where))
         hops = _get(v, "links", p, "list", where)
         for j in hops:

@@ -30,7 +30,9 @@ def simulate(graph: OpGraph, plan: Strategy | str | os.PathLike, *,
              trace: str | os.PathLike | None = None) -> SimResult:
     """Simulated cost of one training iteration of ``plan`` (a Strategy, a baseline name or a
     plan file) for ``graph`` on ``topology``; ``trace`` writes the timeline (Chrome trace)."""
-    topo = get_topology(topology) if isinstance(topology, str) else topology
+    topo = get_topology(topology) if isinstance(topology, (str, os.PathLike)) else topology
+    if not isinstance(topo, Topology):
+        raise ValueError(f"topology = {topology!r}: must be a preset name, a topology JSON path or a Topology")
     strategy = resolve_plan(graph, plan, topo.num_devices, microbatches)
     if strategy.num_devices > topo.num_devices:
         raise ValueError(f"the plan is for {strategy.num_devices} devices but topology "

@@ -209,6 +209,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # output piped into head: not an error
         sys.stderr.close()
         return 0
+    except OSError as e:  # a file that cannot be read or written: its name and why, no traceback
+        print(f"soapsearch {args.command}: error: {e}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("soapsearch: interrupted", file=sys.stderr)
         return 130

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from soapsearch.executor import OPTIMIZERS, Executor, ExecutorError, TrainConfig, build_model, check_runnable
 from strategies.errors import PlanError
 from strategies.lowering import lower
+from soapsearch.zoo import VARIANTS
 from strategies.serialize import atomic_open, read_plan
 
 __all__ = ["add_arguments", "to_argv", "main"]
@@ -37,7 +38,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of a run (shared by ``python -m soapsearch.run`` and ``soapsearch run``)."""
     p.add_argument("plan", help="strategy JSON (soapsearch plan / search)")
     p.add_argument("--model", required=True, help="zoo name, path/to/file.py:factory or package.module:factory")
-    p.add_argument("--variant", default="default", help="zoo variant (default, small, tiny)")
+    p.add_argument("--variant", default="default", choices=VARIANTS, help="zoo variant")
     p.add_argument("--batch-size", type=int, default=None, help="global batch (must match the plan)")
     p.add_argument("--steps", type=int, default=10, help="training iterations")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default=_DEFAULTS.optimizer)

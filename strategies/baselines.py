@@ -30,13 +30,23 @@ def _whole(node: OpNode, device: int = 0) -> ParallelConfig:
     return ParallelConfig((1,) * len(node.dims), (device,))
 
 
+def _check_counts(num_devices: int, microbatches: int = 1) -> None:
+    for name, v in (("num_devices", num_devices), ("microbatches", microbatches)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise PlanError(None, name, v, "must be a whole number >= 1")
+
+
 def _check_batch(graph: OpGraph, n: int, microbatches: int = 1) -> int:
+    """The batch, divisible by ``n`` devices x ``microbatches`` (the error blames the one that
+    is not 1)."""
+    _check_counts(n, microbatches)
     batch = graph.batch_size
     if batch is None:
         raise PlanError(None, "batch_size", None, "the model has no op with a sample dim to split")
     if batch % (n * microbatches):
-        raise PlanError(None, "num_devices", n,
-                        f"batch {batch} is not divisible by {n} devices x {microbatches} "
+        field, value = (("num_devices", n) if microbatches == 1 else ("microbatches", microbatches) if n == 1
+                        else ("num_devices x microbatches", n * microbatches))
+        raise PlanError(None, field, value, f"batch {batch} is not divisible by {n} devices x {microbatches} "
                         f"micro-batches = {n * microbatches}")
     return batch
 
@@ -140,6 +150,7 @@ def baseline(name: str, graph: OpGraph, num_devices: int, microbatches: int = 4)
     """The baseline plan ``name`` (one of BASELINES) for ``graph`` on ``num_devices``."""
     if name not in BASELINES:
         raise PlanError(None, "baseline", name, f"must be one of {sorted(BASELINES)}")
+    _check_counts(num_devices, microbatches)
     if name == "pipeline":
         return pipeline(graph, num_devices, microbatches)
     return BASELINES[name](graph, num_devices)

@@ -15,7 +15,7 @@ from strategies.errors import PlanError
 from strategies.graph import OpGraph
 from strategies.strategy import Strategy
 
-__all__ = ["FORMAT", "VERSION", "PlanFile", "strategy_to_json", "save_strategy", "load_strategy",
+__all__ = ["FORMAT", "VERSION", "PlanFile", "parse_plan", "strategy_to_json", "save_strategy", "load_strategy",
            "read_plan", "atomic_open", "atomic_write_text"]
 
 FORMAT = "soapsearch.strategy"
@@ -84,19 +84,28 @@ def save_strategy(path: str | os.PathLike, strategy: Strategy, graph: OpGraph, *
     atomic_write_text(path, json.dumps(strategy_to_json(strategy, graph, **kw), indent=1) + "\n")
 
 
+_JSON_TYPES = {dict: "object", list: "array", str: "string", int: "integer", float: "number"}
+
+
 def _need(obj: Mapping[str, Any], key: str, types: type | tuple, where: str, op: str | None = None) -> Any:
     if key not in obj:
         raise PlanError(op, key, None, "this field is missing", where)
     v = obj[key]
     if not isinstance(v, types) or isinstance(v, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
-        want = types.__name__ if isinstance(types, type) else "/".join(t.__name__ for t in types)
+        want = "/".join(_JSON_TYPES.get(t, t.__name__) for t in (types if isinstance(types, tuple) else (types,)))
         raise PlanError(op, key, v, f"must be a JSON {want}", where)
     return v
 
 
-def read_plan(source: str | os.PathLike | Mapping[str, Any], graph: OpGraph) -> PlanFile:
-    """Load a plan file (or its parsed JSON) for ``graph``, checking format, version,
-    fingerprint, every op, degree and device; PlanError names op, field, value and rule."""
+def parse_plan(source: str | os.PathLike | Mapping[str, Any], devices_in_range: bool = True
+               ) -> tuple[Mapping[str, Any], str, Strategy]:
+    """A plan file (or its parsed JSON) checked as far as it can be without the model: format,
+    version, the model and topology objects, every op's name, degrees and devices (each device
+    below the plan's device count unless not ``devices_in_range``: ``read_plan`` checks it
+    with the op's degrees), micro-batches and schedule. Returns (the JSON object, where it came
+    from, the plan); PlanError names op, field, value and rule."""
+    if not isinstance(source, (str, os.PathLike, Mapping)):
+        raise PlanError(None, "path", source, "a plan is a file path or its parsed JSON object")
     where = "<plan>" if isinstance(source, Mapping) else str(source)
     if isinstance(source, Mapping):
         obj = source
@@ -105,6 +114,8 @@ def read_plan(source: str | os.PathLike | Mapping[str, Any], graph: OpGraph) -> 
             text = Path(source).read_text()
         except OSError as e:
             raise PlanError(None, "path", where, f"cannot read the plan file: {e.strerror}") from None
+        except UnicodeDecodeError as e:
+            raise PlanError(None, "path", where, f"not a text file: {e.reason}") from None
         try:
             obj = json.loads(text)
         except json.JSONDecodeError as e:
@@ -117,18 +128,14 @@ def read_plan(source: str | os.PathLike | Mapping[str, Any], graph: OpGraph) -> 
     if obj.get("version") != VERSION:
         raise PlanError(None, "version", obj.get("version"),
                         f"this soapsearch reads version {VERSION} only", where)
-    model = _need(obj, "model", dict, where)
-    fp = model.get("fingerprint")
-    if fp != graph.fingerprint():
-        raise PlanError(None, "model.fingerprint", fp,
-                        f"the plan was made for another model or batch size: the model given "
-                        f"({graph.name}, batch {graph.batch_size}) has fingerprint "
-                        f"{graph.fingerprint()!r}", where)
+    _need(obj, "model", dict, where)
     topology = _need(obj, "topology", dict, where)
     num_devices = _need(topology, "num_devices", int, where)
     microbatches = _need(obj, "microbatches", int, where)
     schedule = _need(obj, "schedule", str, where)
     ops = _need(obj, "ops", list, where)
+    if not ops:
+        raise PlanError(None, "ops", ops, "a plan has a config for every op of its model", where)
     configs: dict[str, ParallelConfig] = {}
     for i, op in enumerate(ops):
         if not isinstance(op, dict):
@@ -136,24 +143,44 @@ def read_plan(source: str | os.PathLike | Mapping[str, Any], graph: OpGraph) -> 
         name = _need(op, "name", str, where)
         if name in configs:
             raise PlanError(name, "name", name, "the op appears twice in the plan", where)
-        if name not in graph:
-            raise PlanError(name, "name", name, "the model has no op of this name", where)
-        node = graph[name]
-        for key, want in (("kind", node.kind), ("dims", [d.name for d in node.dims])):
-            if key in op and op[key] != want:
-                raise PlanError(name, key, op[key], f"the model's op has {key} {want!r}", where)
         degrees = _need(op, "degrees", list, where, name)
         devices = _need(op, "devices", list, where, name)
         try:
             configs[name] = ParallelConfig(tuple(degrees), tuple(devices))
         except PlanError as e:
             raise PlanError(name, e.field, e.value, e.rule, where) from None
+        bad = [d for d in devices if not 0 <= d < num_devices] if devices_in_range else []
+        if bad:
+            raise PlanError(name, "devices", devices, f"device {bad[0]} is out of range for "
+                            f"{num_devices} devices (0-{num_devices - 1})", where)
     try:
         strategy = Strategy(tuple(configs.items()), num_devices, microbatches, schedule)
     except PlanError as e:
         raise PlanError(e.op, e.field, e.value, e.rule, where) from None
+    return obj, where, strategy
+
+
+def read_plan(source: str | os.PathLike | Mapping[str, Any], graph: OpGraph) -> PlanFile:
+    """Load a plan file (or its parsed JSON) for ``graph``: ``parse_plan``'s checks, then the
+    fingerprint, every op against the model's, every degree and device; PlanError names op,
+    field, value and rule."""
+    obj, where, strategy = parse_plan(source, devices_in_range=False)
+    fp = obj["model"].get("fingerprint")
+    if fp != graph.fingerprint():
+        raise PlanError(None, "model.fingerprint", fp,
+                        f"the plan was made for another model or batch size: the model given "
+                        f"({graph.name}, batch {graph.batch_size}) has fingerprint "
+                        f"{graph.fingerprint()!r}", where)
+    for op in obj["ops"]:
+        name = op["name"]
+        if name not in graph:
+            raise PlanError(name, "name", name, "the model has no op of this name", where)
+        node = graph[name]
+        for key, want in (("kind", node.kind), ("dims", [d.name for d in node.dims])):
+            if key in op and op[key] != want:
+                raise PlanError(name, key, op[key], f"the model's op has {key} {want!r}", where)
     strategy.validate(graph, where)
-    return PlanFile(strategy, dict(model), dict(topology), dict(obj.get("predicted") or {}))
+    return PlanFile(strategy, dict(obj["model"]), dict(obj["topology"]), dict(obj.get("predicted") or {}))
 
 
 def load_strategy(source: str | os.PathLike | Mapping[str, Any], graph: OpGraph) -> Strategy:

@@ -1,20 +1,38 @@
-"""The ``soapsearch run`` subcommand: ``soapsearch run plan.json --model MODEL ...`` starts
-torchrun on this machine with one process per device of the plan (``launch``)."""
+"""The ``soapsearch run`` subcommand: ``soapsearch run plan.json --model MODEL ...`` checks the
+flags, the plan and the model once here (``check_plan``), then starts torchrun on this machine
+with one process per device of the plan (``launch``)."""
 
 from __future__ import annotations
 
 import argparse
 
-from soapsearch.executor.launch import launch
+from soapsearch.executor.config import TrainConfig
+from soapsearch.executor.launch import check_plan, launch
 
 __all__ = ["add_run_parser"]
+
+
+def _check_flags(args: argparse.Namespace) -> None:
+    """ValueError for a flag no run can use, before anything is built or started."""
+    if args.nproc is not None and args.nproc < 1:
+        raise ValueError(f"--nproc = {args.nproc}: must be >= 1 (one process per device of the plan)")
+    if args.batch_size is not None and args.batch_size < 1:
+        raise ValueError(f"--batch-size = {args.batch_size}: must be >= 1 (the global batch)")
+    if args.steps < 1:
+        raise ValueError(f"--steps = {args.steps}: must be >= 1 (training iterations)")
+    if not 0 < args.timeout <= 1e9:  # false for nan too; inf would overflow the c10d timedelta
+        raise ValueError(f"--timeout = {args.timeout}: must be a number of seconds > 0 (and <= 1e9)")
+    # as each rank builds it: rejects an unknown optimizer or a learning rate <= 0
+    TrainConfig(args.optimizer, lr=args.lr, momentum=args.momentum, timeout_s=args.timeout)
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from soapsearch.run import to_argv
 
-    argv = to_argv(args)
-    return launch(args.plan, argv[1:], args.nproc)
+    _check_flags(args)
+    nproc = check_plan(args.plan, args.model, variant=args.variant, batch_size=args.batch_size,
+                       seed=args.seed, dtype=args.dtype, nproc=args.nproc)
+    return launch(args.plan, to_argv(args)[1:], nproc)
 
 
 def add_run_parser(subparsers) -> argparse.ArgumentParser:
@@ -24,6 +42,7 @@ def add_run_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("run", help="train a model with a plan on local processes (torchrun)")
     add_arguments(p)
     p.add_argument("--nproc", type=int, default=None,
-                   help="processes to start (default: the plan's number of devices)")
+                   help="processes to start (default: the plan's number of devices, the only "
+                        "number that runs)")
     p.set_defaults(fn=_cmd_run)
     return p

@@ -1,28 +1,67 @@
 """Start a plan on this machine: torchrun (``torch.distributed.run``) with ``--standalone``
 and one process per device of the plan, each running ``python -m soapsearch.run``. For many
-nodes, run torchrun yourself with its rendezvous flags and ``-m soapsearch.run``."""
+nodes, run torchrun yourself with its rendezvous flags and ``-m soapsearch.run``.
+
+``check_plan`` runs, in the launching process, the checks every rank runs before any work
+(same model build, same plan reader, same runnability check), so a bad plan or flag is one
+error line here instead of one per rank followed by torchrun's traceback."""
 
 from __future__ import annotations
 
-import json
+import gc
 import os
 import subprocess
 import sys
-from pathlib import Path
 from typing import Sequence
 
-__all__ = ["launch", "plan_devices"]
+from soapsearch.executor.errors import ExecutorError, check_runnable
+from soapsearch.executor.model import build_model
+from strategies.lowering import lower
+from strategies.serialize import parse_plan, read_plan
+
+__all__ = ["check_plan", "launch", "plan_devices"]
 
 
 def plan_devices(plan_path: str | os.PathLike) -> int:
-    """The number of devices a plan file is for (``topology.num_devices``)."""
-    return int(json.loads(Path(plan_path).read_text())["topology"]["num_devices"])
+    """The number of devices a plan file is for (``topology.num_devices``), the file checked as
+    far as it can be without the model (``parse_plan``: PlanError naming the file)."""
+    return parse_plan(plan_path)[2].num_devices
+
+
+def check_plan(plan_path: str | os.PathLike, model: str, *, variant: str = "default",
+               batch_size: int | None = None, seed: int = 0, dtype: str | None = None,
+               nproc: int | None = None) -> int:
+    """What each rank checks before any work, done once here: the plan's device count against
+    ``nproc``, then the model built as the ranks build it (``build_model``), the plan read
+    against it (``read_plan``: fingerprint, ops, degrees, devices) and ``check_runnable``.
+    Returns the number of processes to start; raises PlanError / ModelLoadError / TraceError
+    / ValueError naming the file, field and value."""
+    devices = plan_devices(plan_path)  # the cheap checks first: no model is built for these
+    if nproc is not None and nproc != devices:
+        raise ValueError(f"--nproc = {nproc}: the plan {str(plan_path)!r} has topology.num_devices = "
+                         f"{devices} and runs one process per device; leave out --nproc or give "
+                         f"--nproc {devices}")
+    built = build_model(model, variant, batch_size, seed, dtype)
+    strategy = read_plan(plan_path, built.graph).strategy
+    try:
+        check_runnable(lower(built.graph, strategy), devices)
+    except ExecutorError as e:
+        raise ValueError(f"{plan_path}: {e}") from None
+    # the traced GraphModule's reference cycles would keep the weights in this process for the
+    # whole run; a collection costs ~0.2 s, worth it for big models only
+    big = built.graph.weight_bytes > 64 * 2**20
+    del built, strategy
+    if big:
+        gc.collect()
+    return devices
 
 
 def launch(plan_path: str | os.PathLike, argv: Sequence[str], nproc: int | None = None) -> int:
     """Run ``soapsearch.run plan_path *argv`` on ``nproc`` local processes (default: the plan's
     device count); returns torchrun's exit status."""
     nproc = plan_devices(plan_path) if nproc is None else nproc
+    if nproc < 1:
+        raise ValueError(f"nproc = {nproc}: start at least 1 process")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "-m", "soapsearch.run", str(plan_path), *argv]
     env = dict(os.environ)

@@ -51,21 +51,25 @@ def test_bad_inputs_are_one_line_errors(capsys, tmp_path):
     assert not (tmp_path / "p.json").exists()
 
 
+OPAQUE_NET = textwrap.dedent("""
+    import torch, torch.nn as nn, torch.nn.functional as F
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(6, 3)
+        def forward(self, x, y):
+            return F.cross_entropy(self.fc(torch.cumsum(x, 1)), y)
+
+    def make(batch_size=4):
+        return Net(), (torch.randn(batch_size, 6), torch.randint(0, 3, (batch_size,)))
+""")
+"""A user's model file whose cumsum no rule covers (an opaque op)."""
+
+
 def test_user_factory_file_and_opaque_warning(tmp_path, capsys):
     src = tmp_path / "mymodel.py"
-    src.write_text(textwrap.dedent("""
-        import torch, torch.nn as nn, torch.nn.functional as F
-
-        class Net(nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.fc = nn.Linear(6, 3)
-            def forward(self, x, y):
-                return F.cross_entropy(self.fc(torch.cumsum(x, 1)), y)
-
-        def make(batch_size=4):
-            return Net(), (torch.randn(batch_size, 6), torch.randint(0, 3, (batch_size,)))
-    """))
+    src.write_text(OPAQUE_NET)
     assert main(["show", f"{src}:make", "--batch-size", "8"]) == 0
     captured = capsys.readouterr()
     assert "batch 8" in captured.out

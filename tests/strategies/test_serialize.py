@@ -62,7 +62,7 @@ def _mutations():
         (missing, r"op 'layers_2': ops = \['layers_2'\]: 1 op\(s\) of the model have no config"),
         (extra, r"op 'ghost': name = 'ghost': the model has no op of this name"),
         (bad_kind, r"op 'layers_0': kind = 'conv2d': the model's op has kind 'linear'"),
-        (bad_type, r"op 'layers_0': degrees = '2,1': must be a JSON list"),
+        (bad_type, r"op 'layers_0': degrees = '2,1': must be a JSON array"),
         (duplicate, r"op 'layers_0': name = 'layers_0': the op appears twice"),
         (microbatches, r"3 micro-batches do not divide dim 'sample'\(4\)"),
         (schedule, r"schedule = 'zigzag': must be one of"),
