@@ -106,6 +106,10 @@ class CostModel(abc.ABC):
     per distinct shape key. An op is keyed by its name, kind, shape, input specs, weights and
     FLOPs, so one instance serves several graphs."""
 
+    measures = False
+    """Whether it times kernels on this host when asked for a partition it has not seen (then
+    nothing else should run on the cores meanwhile: a search runs its chains one at a time)."""
+
     def __init__(self) -> None:
         self._by_box: dict[Any, tuple[float, float]] = {}
         self._by_shape: dict[Any, tuple[float, float]] = {}

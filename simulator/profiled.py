@@ -267,6 +267,8 @@ class ProfiledCostModel(CostModel):
     New measurements are written at most every ``save_interval`` seconds, by ``flush()``, and
     when the model is garbage collected or the process exits."""
 
+    measures = True
+
     def __init__(self, cache_path: str | os.PathLike | None = None, repeats: int = REPEATS,
                  warmup: int = WARMUP, fallback: CostModel | None = None,
                  save_interval: float = 2.0) -> None:

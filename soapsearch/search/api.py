@@ -3,6 +3,7 @@ configs scored by the simulator, with the expert baselines it must beat."""
 
 from __future__ import annotations
 
+import math
 import os
 import random
 import time
@@ -17,10 +18,12 @@ from simulator.result import SimResult
 from simulator.simulate import simulate_plan
 from simulator.tasks import TaskCache
 from simulator.topology import Topology
-from soapsearch.search.mcmc import (Budget, ChainStats, candidate_configs, consider, plan_cost,
-                                    run_chain)
+from soapsearch.search.chains import Chain, Progress, default_workers, run_chains
+from soapsearch.search.mcmc import Budget, ChainStats, candidate_configs, consider, neighbor_ops, plan_cost
 from soapsearch.trace import trace
 from strategies import (OpGraph, PlanError, Strategy, baseline, load_strategy, save_strategy)
+from strategies.baselines import BASELINES
+from strategies.strategy import SCHEDULES
 from strategies.lowering import lower
 
 __all__ = ["FoundPlan", "SearchResult", "search", "best_baselines", "Evaluator", "save_found"]
@@ -74,8 +77,10 @@ class FoundPlan:
 class SearchResult(FoundPlan):
     baseline_plans: dict[str, Strategy] = field(default_factory=dict, repr=False)
     history: list[tuple[float, int, float]] = field(default_factory=list)
-    """(seconds, proposals, best ms) at each improvement."""
+    """(seconds, proposals of the chain that improved, best ms) at each improvement."""
     accepted: int = 0
+    workers: int = 1
+    """Chains run side by side (forked processes)."""
 
 
 def save_found(path: str | os.PathLike, found: FoundPlan) -> None:
@@ -128,18 +133,36 @@ def _accumulate(graph: OpGraph, n: int, evaluate: Evaluator, stats: ChainStats, 
 
 def _initial(item: Any, graph: OpGraph, n: int, rng: random.Random, candidates, microbatches: int,
              schedule: str, baselines: dict[str, Strategy]) -> Strategy:
-    if isinstance(item, Strategy):
-        return item
     if item == "random":
         return Strategy.of({op: rng.choice(cfgs) for op, cfgs in candidates.items()}, n,
                            microbatches, schedule)
     if item in baselines:
         plan = baselines[item]
         return plan if item == "pipeline" else plan.with_microbatches(microbatches, schedule)
-    if isinstance(item, (str, os.PathLike)) and (str(item).endswith(".json") or os.path.exists(item)):
-        return load_strategy(item, graph)
-    raise PlanError(None, "init", item, "must be a baseline name (data_parallel, model_parallel, "
-                    "owt, pipeline), 'random', a plan JSON path or a Strategy")
+    if item in BASELINES:  # a baseline this graph cannot take: its own reason
+        baseline(item, graph, n, *((max(microbatches, 2),) if item == "pipeline" else ()))
+    if isinstance(item, Strategy):
+        plan, where = item, "init"
+    elif isinstance(item, (str, os.PathLike)) and (str(item).endswith(".json") or os.path.exists(item)):
+        plan, where = load_strategy(item, graph), f"init {os.fspath(item)}"
+    else:
+        raise PlanError(None, "init", item, "must be a baseline name (data_parallel, model_parallel, "
+                        "owt, pipeline), 'random', a plan JSON path or a Strategy")
+    if plan.num_devices != n:
+        raise PlanError(None, "num_devices", plan.num_devices, f"the search uses {n} devices", where)
+    if plan.microbatches != microbatches:
+        raise PlanError(None, "microbatches", plan.microbatches,
+                        f"the search's chains run {microbatches} micro-batch(es) (give microbatches="
+                        f"{plan.microbatches} to search from this plan)", where)
+    return plan
+
+
+def _check(name: str, value: Any, least: int, optional: bool = True) -> None:
+    """``value`` is a whole number >= ``least`` (or None where ``optional``)."""
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ValueError(f"search {name} = {value!r}: must be a whole number >= {least}")
 
 
 def search(model: torch.nn.Module | OpGraph, example_inputs: Sequence[Any] | None = None, *,
@@ -147,18 +170,34 @@ def search(model: torch.nn.Module | OpGraph, example_inputs: Sequence[Any] | Non
            proposals: int | None = None, cost_model: CostModel | str = "analytical",
            init: Sequence[Any] = ("data_parallel",), seed: int = 0, microbatches: int = 1,
            schedule: str = "gpipe", beta: float | None = None, optimizer: str = "sgd",
-           num_devices: int | None = None, reset_every: int = 500,
-           on_step: Callable[[ChainStats, float], None] | None = None) -> SearchResult:
+           num_devices: int | None = None, reset_every: int = 500, chains: int | None = None,
+           workers: int | None = None, on_step: Callable[[Progress], None] | None = None) -> SearchResult:
     """Search a plan for ``model`` (with ``example_inputs``) or an OpGraph on ``topology``.
-    One MCMC chain per initial plan, the budget split evenly between them; the result is never
-    worse than the best initial plan nor than any baseline (they are scored first), and when no
-    baseline fits in device memory, data parallel with gradient accumulation is tried too
-    (``_accumulate``). Deterministic for a seed under a proposal budget."""
+    ``chains`` MCMC chains (default one per initial plan; chain i starts from ``init[i % len]``,
+    each with its own random stream), ``workers`` of them side by side in forked processes
+    (default one per chain up to the cores, one when the cost model times kernels here). The
+    seconds are split evenly between the rounds of ``workers`` chains, the proposals between
+    the chains. The result is never worse than the best initial plan nor than any baseline
+    (they are scored first), and when no baseline fits in device memory, data parallel with
+    gradient accumulation is tried too (``_accumulate``). Deterministic for a seed under a
+    proposal budget, with any number of workers. ``on_step`` gets a ``Progress`` as it goes."""
+    budget = Budget(budget_s, proposals)  # checks them
+    for name, value, least in (("num_devices", num_devices, 1), ("chains", chains, 1), ("workers", workers, 1)):
+        _check(name, value, least)
+    _check("microbatches", microbatches, 1, optional=False)
+    _check("reset_every", reset_every, 0, optional=False)  # 0: never
+    _check("seed", seed, -2**63, optional=False)
+    if schedule not in SCHEDULES:
+        raise ValueError(f"search schedule = {schedule!r}: must be one of {list(SCHEDULES)}")
+    if beta is not None and not (isinstance(beta, (int, float)) and math.isfinite(beta) and beta > 0):
+        raise ValueError(f"search beta = {beta!r}: must be a finite number > 0 (per ms) or None")
+    if isinstance(init, (str, os.PathLike, Strategy)):
+        init = (init,)
     graph = model if isinstance(model, OpGraph) else trace(model, example_inputs)
     topo = get_topology(topology) if isinstance(topology, (str, os.PathLike)) else topology
-    n = num_devices or topo.num_devices
+    n = topo.num_devices if num_devices is None else num_devices
     if n > topo.num_devices:
-        raise ValueError(f"num_devices {n} > the {topo.num_devices} devices of {topo.name!r}")
+        raise ValueError(f"search num_devices = {n}: more than the {topo.num_devices} devices of {topo.name!r}")
     cost = get_cost_model(cost_model) if isinstance(cost_model, str) else cost_model
     evaluate = Evaluator(graph, topo, cost, optimizer)
     rng = random.Random(seed)
@@ -174,15 +213,19 @@ def search(model: torch.nn.Module | OpGraph, example_inputs: Sequence[Any] | Non
     inits = [_initial(i, graph, n, rng, candidates, microbatches, schedule, plans) for i in init]
     if not inits:
         raise ValueError("search needs at least one initial plan (init)")
-    share = Budget(budget_s / len(inits) if budget_s else None,
-                   proposals // len(inits) if proposals else None)
-    interrupted = False
-    try:
-        for plan in inits:
-            run_chain(plan, evaluate, candidates, share, rng, beta, reset_every, stats, started,
-                      on_step=on_step)
-    except KeyboardInterrupt:
-        interrupted = True
+    count = len(inits) if chains is None else chains
+    measures = getattr(cost, "measures", False)
+    workers = default_workers(count, measures) if workers is None else workers
+    if workers > 1 and measures:
+        raise ValueError(f"search workers = {workers} with a cost model that times kernels on this host: "
+                         "chains timing at once would time each other; use workers=1")
+    rounds = -(-count // workers)
+    share = Budget(None if budget.seconds is None else budget.seconds / rounds,
+                   None if budget.proposals is None else max(1, budget.proposals // count))
+    work = [Chain(inits[i % len(inits)], seed, share) for i in range(count)]
+    stats, interrupted = run_chains(work, evaluate, candidates, stats, started, beta=beta,
+                                    reset_every=reset_every, workers=workers, on_step=on_step,
+                                    neighbors=neighbor_ops(graph, candidates))
     if stats.best is None:  # interrupted before the first chain scored its start
         stats.best = inits[0]
     best = evaluate(stats.best, summary=True)  # chains score without busy times / bytes moved
@@ -190,4 +233,5 @@ def search(model: torch.nn.Module | OpGraph, example_inputs: Sequence[Any] | Non
                         baselines={k: r.iteration_ms for k, r in results.items()},
                         baseline_results=results, proposals=stats.proposals,
                         elapsed_s=time.perf_counter() - started, interrupted=interrupted,
-                        baseline_plans=plans, history=stats.history, accepted=stats.accepted)
+                        baseline_plans=plans, history=stats.history, accepted=stats.accepted,
+                      workers=min(workers, count))

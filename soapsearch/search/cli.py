@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
 from soapsearch.search.api import FoundPlan, search
 from soapsearch.search.study import study_search
 from strategies.config import format_devices
+from strategies.serialize import parse_plan
 
 __all__ = ["add_search_parsers"]
 
@@ -27,6 +30,11 @@ def add_search_parsers(sub, model_args, graph_of) -> None:
     sp.add_argument("--microbatches", type=int, default=1)
     sp.add_argument("--schedule", default="gpipe", choices=["gpipe", "1f1b"])
     sp.add_argument("--devices", type=int, default=None, help="use only the first N devices")
+    sp.add_argument("--chains", type=int, default=None,
+                    help="MCMC chains (default one per --init plan; chain i starts from the i-th, cycling)")
+    sp.add_argument("--workers", type=int, default=None,
+                    help="chains run side by side in processes (default one per chain up to the cores; "
+                         "1 with the profiled cost model)")
     sp.add_argument("-o", "--output", default="plan.json", help="where to write the plan")
     sp.add_argument("--optuna", action="store_true",
                     help="an optuna study over micro-batches, schedule, beta, initial plan and "
@@ -44,46 +52,68 @@ def add_search_parsers(sub, model_args, graph_of) -> None:
 
 
 def _cmd_search(args, graph_of) -> int:
+    check_output(args.output)
     graph = graph_of(args)
     bar = None
-    if not args.json:
-        from tqdm import tqdm
-        bar = tqdm(total=args.proposals, unit="prop", file=sys.stderr, dynamic_ncols=True,
-                   desc=f"search {graph.name}")
 
-    def on_step(stats, cur_cost):
+    def on_step(progress):
+        nonlocal bar
+        if bar is None and not args.json:  # made at the first proposal: an error before it prints alone
+            from tqdm import tqdm
+            bar = tqdm(total=args.proposals, unit="prop", file=sys.stderr, dynamic_ncols=True,
+                       desc=f"search {graph.name}")
         if bar is not None:
-            bar.update(stats.proposals - bar.n)
-            bar.set_postfix(best_ms=f"{stats.best_result.iteration_ms:.3f}",
-                            accept=f"{stats.accepted / max(1, stats.proposals):.2f}", refresh=False)
+            bar.update(progress.proposals - bar.n)
+            bar.set_postfix(best_ms=f"{progress.best_ms:.3f}",
+                            accept=f"{progress.accepted / max(1, progress.proposals):.2f}", refresh=False)
 
     from simulator.profiled import cost_model_for
 
     cost = cost_model_for(args.cost_model, args.topology)  # profiled: the cache calibrated beside a topology JSON
-    if args.optuna or args.study:
-        result = study_search(graph, topology=args.topology, budget_s=args.budget,
-                              trials=args.trials, trial_proposals=args.proposals,
-                              storage=args.study, study_name=args.study_name, seed=args.seed,
-                              cost_model=cost)
-    else:
-        result = search(graph, topology=args.topology, budget_s=args.budget,
-                        proposals=args.proposals, cost_model=cost,
-                        init=tuple(args.init.split(",")), seed=args.seed,
-                        microbatches=args.microbatches, schedule=args.schedule,
-                        num_devices=args.devices, on_step=on_step)
-    if bar is not None:
-        bar.close()
+    try:
+        if args.optuna or args.study:
+            result = study_search(graph, topology=args.topology, budget_s=args.budget,
+                                  trials=args.trials, trial_proposals=args.proposals,
+                                  storage=args.study, study_name=args.study_name, seed=args.seed,
+                                  cost_model=cost)
+        else:
+            result = search(graph, topology=args.topology, budget_s=args.budget,
+                            proposals=args.proposals, cost_model=cost,
+                            init=tuple(args.init.split(",")), seed=args.seed,
+                            microbatches=args.microbatches, schedule=args.schedule,
+                            num_devices=args.devices, chains=args.chains, workers=args.workers,
+                            on_step=on_step)
+    finally:
+        if bar is not None:
+            bar.close()
     result.save(args.output)
     if args.json:
         print(json.dumps({"iteration_ms": result.predicted_ms, "baselines": result.baselines,
                           "plan": args.output, "proposals": result.proposals,
-                          "fits": result.result.fits, "interrupted": result.interrupted}))
+                          "fits": result.result.fits, "interrupted": result.interrupted,
+                          "workers": getattr(result, "workers", 1)}))
         return 0
     print(table(result))
     stop = "stopped by Ctrl-C; " if result.interrupted else ""
+    side = f", {result.workers} chains side by side" if getattr(result, "workers", 1) > 1 else ""
     print(f"{stop}{result.proposals} proposals in {result.elapsed_s:.1f} s "
-          f"({result.proposals / max(result.elapsed_s, 1e-9):.0f}/s); wrote {args.output}")
+          f"({result.proposals / max(result.elapsed_s, 1e-9):.0f}/s{side}); wrote {args.output}")
     return 0
+
+
+def check_output(path: str) -> None:
+    """Fail before the work, not after it, where ``path`` cannot be written: a directory, or
+    under a path that is a file."""
+    p = Path(path)
+    if p.is_dir():
+        raise ValueError(f"-o {path}: is a directory; give a file name, e.g. {p / 'plan.json'}")
+    for parent in p.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ValueError(f"-o {path}: {parent} is a file, not a directory")
+            if not os.access(parent, os.W_OK):
+                raise ValueError(f"-o {path}: cannot write in {parent}")
+            break
 
 
 def table(result: FoundPlan) -> str:
@@ -100,24 +130,23 @@ def table(result: FoundPlan) -> str:
 
 
 def _cmd_show_plan(args) -> int:
-    try:
-        obj = json.loads(Path(args.plan).read_text())
-        ops = obj["ops"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"{args.plan}: not a readable strategy JSON ({e})") from None
-    model = obj.get("model", {})
-    topo = obj.get("topology", {})
-    print(f"{model.get('name', '?')} on {topo.get('name', '?')} ({topo.get('num_devices', '?')} "
-          f"devices), {obj.get('microbatches', 1)} micro-batch(es), {obj.get('schedule', '?')}")
-    pred = obj.get("predicted") or {}
-    if "iteration_ms" in pred:
-        print(f"predicted {pred['iteration_ms']:.3f} ms per iteration")
-    width = max(len(o["name"]) for o in ops)
-    for o in ops:
-        cuts = [f"{d}={g}" for d, g in zip(o.get("dims", []), o["degrees"]) if g > 1]
-        print(f"  {o['name']:{width}s}  {o.get('kind', ''):12s} {'·'.join(cuts)} @ {format_devices(o['devices'])}")
+    obj, _, plan = parse_plan(args.plan)  # checked as far as it can be without the model
+    model, topo, pred = obj["model"], obj["topology"], obj.get("predicted") or {}
+    print(f"{model.get('name', '?')} on {topo.get('name', '?')} ({plan.num_devices} devices), "
+          f"{plan.microbatches} micro-batch(es), {plan.schedule}")
+    ms = pred.get("iteration_ms") if isinstance(pred, dict) else None
+    if isinstance(ms, (int, float)) and not isinstance(ms, bool):
+        print(f"predicted {ms:.3f} ms per iteration")
+    width = max(len(name) for name in plan)
+    for o, (name, cfg) in zip(obj["ops"], plan.configs):
+        dims = o.get("dims") if isinstance(o.get("dims"), list) else []
+        cuts = [f"{d}={g}" if dims else f"{g}" for d, g in itertools.zip_longest(dims, cfg.degrees, fillvalue="?")
+                if isinstance(g, int) and g > 1]
+        kind = o.get("kind") if isinstance(o.get("kind"), str) else ""
+        print(f"  {name:{width}s}  {kind:12s} {'·'.join(cuts)} @ {format_devices(cfg.devices)}")
     if args.png:
-        _draw(ops, int(topo.get("num_devices") or 1 + max(max(o["devices"]) for o in ops)), args.png)
+        _draw([{"name": name, "devices": list(cfg.devices)} for name, cfg in plan.configs], plan.num_devices,
+              args.png)
         print(f"wrote {args.png}")
     return 0
 

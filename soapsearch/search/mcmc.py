@@ -1,7 +1,10 @@
 """Metropolis–Hastings over strategies (FlexFlow, Jia et al. 2019, section 6).
 
 A proposal gives one random op one random valid config (of the same enumeration as everywhere:
-``strategies.config.enumerate_configs``); it is accepted with probability
+``strategies.config.enumerate_configs``); with probability ``GROUP`` it also gives each of the
+op's producers and consumers a random config on the same devices, where it has one (a layout
+several ops share, e.g. all on one device, is reached in one move instead of through the costly
+redistributions between them that single-op moves must cross). It is accepted with probability
 min(1, exp(−β · (cost(new) − cost(current)))) (Metropolis et al. 1953), cost in milliseconds.
 A plan that does not fit in device memory costs its time × (1 + 10 · overflow), overflow being
 the worst device's peak / capacity − 1, so chains can cross such plans but the best is always
@@ -23,9 +26,10 @@ from strategies.config import ParallelConfig, enumerate_configs
 from strategies.graph import OpGraph
 from strategies.strategy import Strategy
 
-__all__ = ["Budget", "ChainStats", "candidate_configs", "consider", "plan_cost", "run_chain"]
+__all__ = ["Budget", "ChainStats", "candidate_configs", "consider", "neighbor_ops", "plan_cost", "run_chain"]
 
 OVERFLOW_PENALTY = 10.0
+GROUP = 0.2
 BETA_C = 200.0
 """The default inverse temperature is β = BETA_C / cost(init) per ms: a proposal 0.5 % worse
 than the start is accepted with probability 1/e. Chosen by measurement (2000 proposals from data
@@ -54,10 +58,11 @@ class Budget:
     def __post_init__(self) -> None:
         if self.seconds is None and self.proposals is None:
             raise ValueError("a search budget needs seconds or proposals (or both)")
-        for name in ("seconds", "proposals"):
-            v = getattr(self, name)
-            if v is not None and v <= 0:
-                raise ValueError(f"budget {name} = {v}: must be > 0")
+        s, p = self.seconds, self.proposals
+        if s is not None and not (isinstance(s, (int, float)) and not isinstance(s, bool) and math.isfinite(s) and s > 0):
+            raise ValueError(f"budget seconds = {s!r}: must be a finite number > 0")
+        if p is not None and (isinstance(p, bool) or not isinstance(p, int) or p < 1):
+            raise ValueError(f"budget proposals = {p!r}: must be a whole number >= 1")
 
 
 @dataclass
@@ -82,10 +87,12 @@ def run_chain(init: Strategy, evaluate: Callable[[Strategy], SimResult],
               candidates: dict[str, list[ParallelConfig]], budget: Budget, rng: random.Random,
               beta: float | None = None, reset_every: int = 500, stats: ChainStats | None = None,
               started: float | None = None, should_stop: Callable[[], bool] = lambda: False,
-              on_step: Callable[[ChainStats, float], None] | None = None) -> ChainStats:
+              on_step: Callable[[ChainStats, float], None] | None = None,
+              neighbors: dict[str, tuple[str, ...]] | None = None) -> ChainStats:
     """One chain from ``init``. ``beta`` (per ms) defaults to BETA_C / cost(init) (200: a
     proposal 0.5 % worse than the start is accepted with probability 1/e). Runs with the
-    cyclic collector paused (``paused_gc``)."""
+    cyclic collector paused (``paused_gc``). ``neighbors`` (op -> its producers and consumers,
+    ``neighbor_ops``) enables the group moves."""
     stats = stats or ChainStats()
     started = time.perf_counter() if started is None else started
     t0 = time.perf_counter()
@@ -95,6 +102,10 @@ def run_chain(init: Strategy, evaluate: Callable[[Strategy], SimResult],
     beta = BETA_C / max(cur_cost, 1e-9) if beta is None else beta
     consider(stats, current, result, cur_cost, started)
     ops = [op for op, cfgs in candidates.items() if len(cfgs) > 1]
+    on_devices: dict[tuple[str, tuple[int, ...]], list[ParallelConfig]] = {}
+    for name, cfgs in candidates.items():
+        for c in cfgs:
+            on_devices.setdefault((name, c.devices), []).append(c)
     gain_n, gain_t, n = 0, 0.0, 0  # proposals and seconds at the last improvement
     while ops and not should_stop():
         elapsed = time.perf_counter() - t0
@@ -109,6 +120,11 @@ def run_chain(init: Strategy, evaluate: Callable[[Strategy], SimResult],
         if cfg == current[op]:
             continue
         proposal = current.replace(op, cfg)
+        if neighbors and rng.random() < GROUP:
+            for other in neighbors.get(op, ()):
+                same = on_devices.get((other, cfg.devices))
+                if same:
+                    proposal = proposal.replace(other, rng.choice(same))
         res = evaluate(proposal)
         cost = plan_cost(res)
         if cost <= cur_cost or rng.random() < math.exp(-beta * (cost - cur_cost)):
@@ -121,6 +137,13 @@ def run_chain(init: Strategy, evaluate: Callable[[Strategy], SimResult],
         if on_step:
             on_step(stats, cur_cost)
     return stats
+
+
+def neighbor_ops(graph: OpGraph, candidates: dict[str, list[ParallelConfig]]) -> dict[str, tuple[str, ...]]:
+    """Op -> its producers and consumers that have a choice of config (the group moves')."""
+    return {node.name: tuple(n for n in dict.fromkeys((*node.inputs, *graph.users(node.name)))
+                             if len(candidates.get(n, ())) > 1)
+            for node in graph}
 
 
 def consider(stats: ChainStats, plan: Strategy, result: SimResult, cost: float, started: float) -> bool:

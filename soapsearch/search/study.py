@@ -27,11 +27,13 @@ from simulator.presets import get_topology
 from simulator.result import SimResult
 from simulator.topology import Topology
 from soapsearch.search.api import Evaluator, FoundPlan, best_baselines
+from soapsearch.search.chains import chain_rng
 from soapsearch.search.mcmc import (
     BETA_C,
     Budget,
     ChainStats,
     candidate_configs,
+    neighbor_ops,
     plan_cost,
     run_chain,
 )
@@ -149,7 +151,7 @@ class _Trials:
         schedule = trial.suggest_categorical("schedule", list(SCHEDULES))
         init = trial.suggest_categorical("init", list(INITS))
         scale = trial.suggest_float("beta_scale", *BETA_SCALE, log=True)
-        rng = random.Random(self.seed * 1_000_003 + trial.number)
+        rng = chain_rng(self.seed, trial.number)
         try:
             start = self.initial(init, n, m, schedule, rng)
             start.validate(self.graph)
@@ -166,8 +168,9 @@ class _Trials:
             seconds = left if seconds is None else min(seconds, left)
         stats = ChainStats()
         try:
-            run_chain(start, evaluate, self.candidates(n, m), Budget(seconds, proposals), rng,
-                      beta, stats=stats)
+            candidates = self.candidates(n, m)
+            run_chain(start, evaluate, candidates, Budget(seconds, proposals), rng, beta, stats=stats,
+                      neighbors=neighbor_ops(self.graph, candidates))
         except RuntimeError as e:  # a simulator error ends this chain, not the study
             log.warning("trial %d: chain stopped after %d proposals: %s", trial.number,
                         stats.proposals, str(e)[:200])
@@ -196,6 +199,11 @@ def study_search(graph: OpGraph, *, topology: Topology | str, budget_s: float | 
     limit binds."""
     if budget_s is None and trials is None:
         raise ValueError("study_search needs budget_s or trials (or both)")
+    if trials is not None and (isinstance(trials, bool) or not isinstance(trials, int) or trials < 1):
+        raise ValueError(f"study_search trials = {trials!r}: must be a whole number >= 1")
+    for name, value in (("budget_s", budget_s), ("trial_budget_s", trial_budget_s), ("trial_proposals", trial_proposals)):
+        if value is not None:
+            Budget(**{"proposals" if name == "trial_proposals" else "seconds": value})  # the same rules as a chain's
     topo = get_topology(topology) if isinstance(topology, (str, os.PathLike)) else topology
     cost = get_cost_model(cost_model) if isinstance(cost_model, str) else cost_model
     if trial_budget_s is None and trial_proposals is None:

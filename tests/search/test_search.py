@@ -126,3 +126,56 @@ def test_when_no_expert_plan_fits_gradient_accumulation_is_the_answer():
     assert r.result.fits and (r.strategy.microbatches, r.strategy.schedule) == (2, "1f1b")
     assert r.strategy.configs == baseline("data_parallel", g, 2).configs
     assert max(r.result.peak_memory_bytes) == 134_472
+
+
+def test_chains_side_by_side_find_what_they_find_in_turn():
+    g = traced("alexnet", "default")
+    kw = dict(topology="p100-1x4", budget_s=None, proposals=400, seed=3, init=("data_parallel", "owt"), chains=4)
+    in_turn, side = (search(g, workers=w, **kw) for w in (1, 2))
+    assert (in_turn.workers, side.workers) == (1, 2)
+    assert side.strategy == in_turn.strategy and side.predicted_ms == in_turn.predicted_ms
+    assert (side.proposals, side.accepted) == (in_turn.proposals, in_turn.accepted) and side.proposals >= 4 * 50
+    assert side.predicted_ms <= min(side.baselines.values())
+    best = [h[2] for h in side.history]
+    assert best == sorted(best, reverse=True) and best[-1] == side.predicted_ms
+
+
+def test_ctrl_c_stops_every_chain_and_keeps_their_best():
+    from soapsearch.search.api import Evaluator
+    from soapsearch.search.chains import Chain, run_chains
+    from soapsearch.search.mcmc import Budget, ChainStats, consider, plan_cost
+    from simulator.cost import get_cost_model
+    import time
+    g = traced("alexnet", "default")
+    topo = get_topology("p100-1x4")
+    evaluate = Evaluator(g, topo, get_cost_model("analytical"))
+    base = ChainStats()
+    dp = baseline("data_parallel", g, 4)
+    consider(base, dp, evaluate(dp), plan_cost(evaluate(dp)), time.perf_counter())
+    chains = [Chain(dp, 0, Budget(seconds=60)) for _ in range(2)]
+    seen = []
+
+    def interrupt(progress):  # as Ctrl-C in the parent once the chains have made proposals
+        seen.append(progress)
+        if progress.proposals > 20:
+            raise KeyboardInterrupt
+
+    for workers in (1, 2):
+        t0 = time.perf_counter()
+        stats, interrupted = run_chains(chains, evaluate, candidate_configs(g, 4, 1, None), base, t0,
+                                        beta=None, reset_every=500, workers=workers, on_step=interrupt)
+        assert interrupted and time.perf_counter() - t0 < 30
+        assert 20 < stats.proposals < 10_000 and stats.best_cost <= base.best_cost
+        assert seen[-1].best_ms <= base.best_result.iteration_ms
+        seen.clear()
+
+
+def test_bad_chains_and_workers(small):
+    from simulator.profiled import ProfiledCostModel
+    with pytest.raises(ValueError, match="chains = 0"):
+        search(small, topology="p100-1x2", budget_s=None, proposals=10, chains=0)
+    with pytest.raises(ValueError, match="workers = 0"):
+        search(small, topology="p100-1x2", budget_s=None, proposals=10, workers=0)
+    with pytest.raises(ValueError, match="times kernels"):
+        search(small, topology="p100-1x2", budget_s=None, proposals=10, chains=2, workers=2,
+               cost_model=ProfiledCostModel(cache_path=None))

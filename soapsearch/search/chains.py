@@ -1,0 +1,215 @@
+"""The MCMC chains of one search, run one after another or side by side in forked worker
+processes, one per core. Each chain draws from its own random stream (``chain_rng``) and starts
+from a copy of the same scored baselines, so no chain depends on another: the same seed and
+proposal budget give the same plan with any number of workers. The merged result keeps the
+best plan by ``mcmc.consider``'s rule, the first chain winning ties."""
+
+from __future__ import annotations
+
+import copy
+import math
+import multiprocessing
+import multiprocessing.connection
+import os
+import random
+import signal
+import traceback
+from dataclasses import dataclass
+from typing import Callable, NamedTuple
+
+from simulator.result import SimResult
+from soapsearch.search.mcmc import Budget, ChainStats, run_chain
+from strategies.config import ParallelConfig
+from strategies.strategy import Strategy
+
+__all__ = ["Chain", "Progress", "chain_rng", "default_workers", "run_chains"]
+
+POLL_S = 0.1
+"""How often the parent reports the workers' progress."""
+
+
+class Progress(NamedTuple):
+    """What a search's ``on_step`` sees: proposals and acceptances over all chains so far, and
+    the least of the chains' best plans' ms."""
+
+    proposals: int
+    accepted: int
+    best_ms: float
+
+
+@dataclass(frozen=True)
+class Chain:
+    start: Strategy
+    seed: int
+    budget: Budget
+
+
+def chain_rng(seed: int, index: int) -> random.Random:
+    """Chain ``index``'s own stream for a search seeded ``seed`` (independent of the others)."""
+    return random.Random(seed * 1_000_003 + index)
+
+
+def default_workers(chains: int, measures: bool) -> int:
+    """One worker per chain up to the cores this process may use; one where the cost model
+    times kernels on this host (two chains timing at once would time each other)."""
+    if measures:
+        return 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(chains, cores))
+
+
+def run_chains(chains: list[Chain], evaluate: Callable[[Strategy], SimResult],
+               candidates: dict[str, list[ParallelConfig]], base: ChainStats, started: float, *,
+               beta: float | None, reset_every: int, workers: int,
+               on_step: Callable[[Progress], None] | None = None,
+               neighbors: dict[str, tuple[str, ...]] | None = None) -> tuple[ChainStats, bool]:
+    """Every chain from a copy of ``base`` (the scored baselines), ``workers`` at a time; the
+    merged stats (``merge``) and whether Ctrl-C stopped the search. ``workers`` > 1 forks (where
+    the platform can; else one at a time)."""
+    if workers < 1:
+        raise ValueError(f"search workers = {workers}: must be >= 1")
+    if workers > 1 and len(chains) > 1 and "fork" in multiprocessing.get_all_start_methods():
+        results, interrupted = _forked(chains, evaluate, candidates, base, started, beta, reset_every,
+                                       workers, on_step, neighbors)
+    else:
+        results, interrupted = _in_turn(chains, evaluate, candidates, base, started, beta, reset_every,
+                                        on_step, neighbors)
+    return merge(base, results), interrupted
+
+
+def _in_turn(chains, evaluate, candidates, base, started, beta, reset_every, on_step, neighbors):
+    results: list[ChainStats] = []
+    done = [0, 0]  # proposals, accepted of the chains finished
+    best = [_best_ms(base)]
+
+    def step(stats: ChainStats, _cost: float) -> None:
+        if on_step is not None:
+            on_step(Progress(done[0] + stats.proposals - base.proposals,
+                             done[1] + stats.accepted - base.accepted, min(best[0], _best_ms(stats))))
+
+    for chain in chains:
+        stats = _fresh(base)
+        try:
+            run_chain(chain.start, evaluate, candidates, chain.budget, chain_rng(chain.seed, len(results)),
+                      beta, reset_every, stats, started, on_step=step, neighbors=neighbors)
+        except KeyboardInterrupt:
+            results.append(stats)
+            return results, True
+        results.append(stats)
+        done[0] += stats.proposals - base.proposals
+        done[1] += stats.accepted - base.accepted
+        best[0] = min(best[0], _best_ms(stats))
+    return results, False
+
+
+_FIELDS = 4  # per chain in the shared array: proposals, accepted, best ms, running (1) or not
+
+
+def _forked(chains, evaluate, candidates, base, started, beta, reset_every, workers, on_step, neighbors):
+    ctx = multiprocessing.get_context("fork")
+    shared = ctx.RawArray("d", _FIELDS * len(chains))
+    stop = ctx.RawValue("b", 0)
+    for i in range(len(chains)):
+        shared[_FIELDS * i:_FIELDS * (i + 1)] = [0, 0, _best_ms(base), 0]
+    results: list[ChainStats | None] = [None] * len(chains)
+    pending = list(range(len(chains)))
+    running: dict[object, tuple[int, object]] = {}  # connection -> (chain index, process)
+    interrupted = False
+    errors: list[str] = []
+    while pending or running:
+        try:
+            while pending and len(running) < workers and not interrupted:
+                i = pending.pop(0)
+                recv, send = ctx.Pipe(duplex=False)
+                proc = ctx.Process(target=_worker, daemon=True,
+                                   args=(send, i, chains[i], evaluate, candidates, base, started, beta,
+                                         reset_every, shared, stop, neighbors))
+                proc.start()
+                send.close()
+                running[recv] = (i, proc)
+            for conn in multiprocessing.connection.wait(list(running), timeout=POLL_S):
+                i, proc = running.pop(conn)
+                try:
+                    kind, payload = conn.recv()
+                except EOFError:
+                    kind, payload = "error", f"chain {i}'s worker exited with code {proc.exitcode} and no result"
+                conn.close()
+                proc.join()
+                if kind == "ok":
+                    results[i] = payload
+                else:
+                    errors.append(payload)
+                    stop.value = 1
+            if on_step is not None:
+                _report(shared, len(chains), base, on_step)
+        except KeyboardInterrupt:
+            interrupted = True
+            stop.value = 1  # the workers ignore SIGINT and stop at their next proposal
+            pending = []
+    if errors:
+        raise RuntimeError("a search worker failed:\n" + "\n".join(errors))
+    return [r for r in results if r is not None], interrupted
+
+
+def _worker(conn, i, chain, evaluate, candidates, base, started, beta, reset_every, shared, stop,
+            neighbors) -> None:
+    """A forked chain: runs until its budget or the parent's stop flag, then sends its stats."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides: it raises the stop flag
+    at = _FIELDS * i
+
+    def step(stats: ChainStats, _cost: float) -> None:
+        shared[at:at + _FIELDS] = [stats.proposals - base.proposals, stats.accepted - base.accepted,
+                                   _best_ms(stats), 1]
+
+    try:
+        stats = _fresh(base)
+        run_chain(chain.start, evaluate, candidates, chain.budget, chain_rng(chain.seed, i), beta,
+                  reset_every, stats, started, should_stop=lambda: bool(stop.value), on_step=step,
+                  neighbors=neighbors)
+        step(stats, 0.0)
+        conn.send(("ok", stats))
+    except BaseException as e:  # noqa: BLE001 - reported by the parent with the chain's traceback
+        conn.send(("error", f"chain {i}: {type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    finally:
+        conn.close()
+
+
+def _report(shared, n: int, base: ChainStats, on_step: Callable[[Progress], None]) -> None:
+    rows = [shared[_FIELDS * i:_FIELDS * (i + 1)] for i in range(n)]
+    on_step(Progress(int(sum(r[0] for r in rows)), int(sum(r[1] for r in rows)),
+                     min([_best_ms(base)] + [r[2] for r in rows])))
+
+
+def _fresh(base: ChainStats) -> ChainStats:
+    """A chain's own stats, starting from ``base``'s (its plans shared: a lowering cache knows
+    an unchanged config by its identity)."""
+    out = copy.copy(base)
+    out.history = list(base.history)
+    return out
+
+
+def _best_ms(stats: ChainStats) -> float:
+    return stats.best_result.iteration_ms if stats.best_result is not None else math.inf
+
+
+def merge(base: ChainStats, results: list[ChainStats]) -> ChainStats:
+    """One ChainStats for the search: ``base`` plus every chain's proposals and acceptances,
+    the best plan by ``consider``'s rule (fits first, then cost; the earlier chain on a tie)
+    and the improvements of all chains in time order, each kept where it beats the best ms
+    before it."""
+    out = _fresh(base)
+    events = []
+    for stats in results:
+        out.proposals += stats.proposals - base.proposals
+        out.accepted += stats.accepted - base.accepted
+        events += stats.history[len(base.history):]
+        if stats.best_result is not None and (
+                out.best_result is None
+                or (stats.best_result.fits, -stats.best_cost) > (out.best_result.fits, -out.best_cost)):
+            out.best, out.best_cost, out.best_result = stats.best, stats.best_cost, stats.best_result
+    best = min((h[2] for h in out.history), default=math.inf)
+    for event in sorted(events, key=lambda h: h[0]):
+        if event[2] < best:
+            out.history.append(event)
+            best = event[2]
+    return out

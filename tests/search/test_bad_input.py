@@ -1,0 +1,140 @@
+"""Bad input to the search, its CLI and show-plan: one clear error naming the field, the value
+and the rule, raised before any work, never a traceback or a silently ignored value."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from soapsearch import simulate
+from soapsearch.cli import main
+from soapsearch.search import Budget, search, study_search
+from strategies import PlanError, baseline, load_strategy, save_strategy
+from tests.conftest import traced
+
+
+@pytest.mark.parametrize("seconds, proposals, message", [
+    (math.nan, None, r"budget seconds = nan: must be a finite number > 0"),
+    (math.inf, None, r"budget seconds = inf"),
+    (0, None, r"budget seconds = 0"),
+    (None, 0, r"budget proposals = 0: must be a whole number >= 1"),
+    (None, 2.5, r"budget proposals = 2.5"),
+    (None, None, r"needs seconds or proposals"),
+])
+def test_budget_rules(seconds, proposals, message):
+    with pytest.raises(ValueError, match=message):
+        Budget(seconds, proposals)
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(proposals=0), r"budget proposals = 0"),
+    (dict(budget_s=math.nan), r"budget seconds = nan"),
+    (dict(num_devices=0), r"search num_devices = 0: must be a whole number >= 1"),
+    (dict(num_devices=3), r"search num_devices = 3: more than the 2 devices of 'p100-1x2'"),
+    (dict(microbatches=0), r"search microbatches = 0"),
+    (dict(reset_every=-1), r"search reset_every = -1"),
+    (dict(beta=-1.0), r"search beta = -1.0: must be a finite number > 0"),
+    (dict(beta=math.nan), r"search beta = nan"),
+    (dict(schedule="zigzag"), r"search schedule = 'zigzag'"),
+    (dict(chains=0), r"search chains = 0"),
+    (dict(workers=0), r"search workers = 0"),
+])
+def test_search_arguments_are_checked(kw, message):
+    with pytest.raises(ValueError, match=message):
+        search(traced("mlp"), topology="p100-1x2", **{"budget_s": None, "proposals": 10, **kw})
+
+
+def test_init_that_does_not_match_the_search(tmp_path):
+    g = traced("mlp")  # batch 4
+    two = tmp_path / "dp2.json"
+    save_strategy(two, baseline("data_parallel", g, 2), g)
+    with pytest.raises(PlanError, match=r"dp2.json: num_devices = 2: the search uses 4 devices"):
+        search(g, topology="local-cpu-4", budget_s=None, proposals=10, init=(str(two),))
+    with pytest.raises(PlanError, match=r"dp2.json: microbatches = 1: the search's chains run 2 micro-batch"):
+        search(g, topology="p100-1x2", budget_s=None, proposals=10, init=(str(two),), microbatches=2)
+    # a baseline this graph cannot take: its own reason, not "must be a baseline name"
+    with pytest.raises(PlanError, match=r"num_devices = 3: batch 4 is not divisible by 3 devices"):
+        search(g, topology="local-cpu-4", budget_s=None, proposals=10, num_devices=3, init=("owt",))
+    r = search(g, topology="p100-1x2", budget_s=None, proposals=20, init="owt")  # one init, not 'o', 'w', 't'
+    assert r.predicted_ms <= r.baselines["owt"]
+
+
+def test_baselines_name_the_count_at_fault():
+    g = traced("mlp")  # batch 4
+    with pytest.raises(PlanError, match=r"microbatches = 0: must be a whole number >= 1"):
+        baseline("pipeline", g, 2, 0)
+    with pytest.raises(PlanError, match=r"microbatches = 3: batch 4 is not divisible by 1 devices x 3"):
+        baseline("pipeline", g, 2, 3)
+    with pytest.raises(PlanError, match=r"num_devices = 0: must be a whole number >= 1"):
+        baseline("model_parallel", g, 0)
+
+
+def test_api_takes_a_topology_path_and_refuses_a_non_path_plan(tmp_path):
+    from simulator.presets import get_topology
+    g = traced("mlp")
+    path = tmp_path / "topo.json"
+    get_topology("local-cpu-2").save(path)
+    assert simulate(g, "data_parallel", topology=Path(path)).iteration_ms > 0
+    with pytest.raises(ValueError, match=r"topology = 4: must be a preset name"):
+        simulate(g, "data_parallel", topology=4)
+    with pytest.raises(PlanError, match=r"path = None: a plan is a file path or its parsed JSON object"):
+        load_strategy(None, g)
+
+
+def test_study_arguments_are_checked():
+    with pytest.raises(ValueError, match=r"study_search trials = 0"):
+        study_search(traced("mlp"), topology="p100-1x2", trials=0)
+
+
+def test_cli_output_checked_before_searching(tmp_path, capsys):
+    args = ["search", "mlp", "--variant", "tiny", "--topology", "p100-1x2", "--proposals", "20"]
+    assert main(args + ["-o", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "is a directory" in err and "Traceback" not in err and "prop" not in err  # no progress bar either
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert main(args + ["-o", str(blocker / "plan.json")]) == 2
+    assert f"{blocker} is a file, not a directory" in capsys.readouterr().err
+    assert main(args + ["--proposals", "0", "-o", str(tmp_path / "p.json")]) == 2
+    assert "budget proposals = 0" in capsys.readouterr().err and not (tmp_path / "p.json").exists()
+
+
+def _plan_json(tmp_path):
+    g = traced("mlp")
+    path = tmp_path / "plan.json"
+    save_strategy(path, baseline("data_parallel", g, 2), g)
+    return json.loads(path.read_text())
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda o: o["ops"][2].pop("degrees"), r"op 'layers_0': degrees = None: this field is missing"),
+    (lambda o: o["ops"][2].update(degrees=["a", 1]), r"degrees\[0\] = 'a'"),
+    (lambda o: o["ops"][2].update(devices=5), r"op 'layers_0': devices = 5: must be a JSON array"),
+    (lambda o: o["ops"][2].update(devices=[0, 99]), r"op 'layers_0': devices = \[0, 99\]: device 99 is out of range"),
+    (lambda o: o.update(model="mlp"), r"model = 'mlp': must be a JSON object"),
+    (lambda o: o.update(ops=[]), r"ops = \[\]: a plan has a config for every op"),
+    (lambda o: o["ops"].__setitem__(0, []), r"ops\[0\] = \[\]: each op is a JSON object"),
+    (lambda o: o["ops"][0].update(name=None), r"name = None: must be a JSON string"),
+    (lambda o: o.update(version=2), r"version = 2: this soapsearch reads version 1 only"),
+    (lambda o: o.update(format="other"), r"format = 'other'"),
+])
+def test_show_plan_checks_the_file(tmp_path, capsys, mutate, message):
+    import re
+    obj = _plan_json(tmp_path)
+    mutate(obj)
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(obj))
+    assert main(["show-plan", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert re.search(message, err) and "Traceback" not in err, err
+
+
+def test_show_plan_prints_a_plan_with_odd_predictions(tmp_path, capsys):
+    obj = _plan_json(tmp_path)
+    obj["predicted"] = {"iteration_ms": "fast"}
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(obj))
+    assert main(["show-plan", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "layers_0" in out and "sample=2 @ 0-1" in out and "predicted" not in out
