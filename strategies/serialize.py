@@ -131,6 +131,8 @@ def parse_plan(source: str | os.PathLike | Mapping[str, Any], devices_in_range: 
     _need(obj, "model", dict, where)
     topology = _need(obj, "topology", dict, where)
     num_devices = _need(topology, "num_devices", int, where)
+    if num_devices < 1:
+        raise PlanError(None, "topology.num_devices", num_devices, "must be >= 1", where)
     microbatches = _need(obj, "microbatches", int, where)
     schedule = _need(obj, "schedule", str, where)
     ops = _need(obj, "ops", list, where)

@@ -19,7 +19,8 @@ from simulator.simulate import simulate_plan
 from simulator.tasks import TaskCache
 from simulator.topology import Topology
 from soapsearch.search.chains import Chain, Progress, default_workers, run_chains
-from soapsearch.search.mcmc import Budget, ChainStats, candidate_configs, consider, neighbor_ops, plan_cost
+from soapsearch.search.mcmc import (Budget, ChainStats, candidate_configs, consider, neighbor_ops, plan_cost,
+                                    whole)
 from soapsearch.trace import trace
 from strategies import (OpGraph, PlanError, Strategy, baseline, load_strategy, save_strategy)
 from strategies.baselines import BASELINES
@@ -139,8 +140,9 @@ def _initial(item: Any, graph: OpGraph, n: int, rng: random.Random, candidates, 
     if item in baselines:
         plan = baselines[item]
         return plan if item == "pipeline" else plan.with_microbatches(microbatches, schedule)
-    if item in BASELINES:  # a baseline this graph cannot take: its own reason
-        baseline(item, graph, n, *((max(microbatches, 2),) if item == "pipeline" else ()))
+    if item in BASELINES:  # not among the experts' plans scored: made here, or its own reason why not
+        m = microbatches if microbatches > 1 or item != "pipeline" else 2
+        return baseline(item, graph, n, m).with_microbatches(m, schedule)
     if isinstance(item, Strategy):
         plan, where = item, "init"
     elif isinstance(item, (str, os.PathLike)) and (str(item).endswith(".json") or os.path.exists(item)):
@@ -161,7 +163,7 @@ def _check(name: str, value: Any, least: int, optional: bool = True) -> None:
     """``value`` is a whole number >= ``least`` (or None where ``optional``)."""
     if value is None and optional:
         return
-    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+    if not whole(value) or value < least:
         raise ValueError(f"search {name} = {value!r}: must be a whole number >= {least}")
 
 
@@ -214,15 +216,18 @@ def search(model: torch.nn.Module | OpGraph, example_inputs: Sequence[Any] | Non
     if not inits:
         raise ValueError("search needs at least one initial plan (init)")
     count = len(inits) if chains is None else chains
+    if budget.proposals is not None:  # every chain makes a proposal at least
+        count = min(count, budget.proposals)
     measures = getattr(cost, "measures", False)
     workers = default_workers(count, measures) if workers is None else workers
     if workers > 1 and measures:
         raise ValueError(f"search workers = {workers} with a cost model that times kernels on this host: "
                          "chains timing at once would time each other; use workers=1")
-    rounds = -(-count // workers)
-    share = Budget(None if budget.seconds is None else budget.seconds / rounds,
-                   None if budget.proposals is None else max(1, budget.proposals // count))
-    work = [Chain(inits[i % len(inits)], seed, share) for i in range(count)]
+    seconds = None if budget.seconds is None else budget.seconds / -(-count // workers)  # per round
+    work = [Chain(inits[i % len(inits)], seed,  # the proposals handed out, the first chains taking the rest
+                  Budget(seconds, None if budget.proposals is None
+                         else budget.proposals // count + (i < budget.proposals % count)))
+            for i in range(count)]
     stats, interrupted = run_chains(work, evaluate, candidates, stats, started, beta=beta,
                                     reset_every=reset_every, workers=workers, on_step=on_step,
                                     neighbors=neighbor_ops(graph, candidates))

@@ -15,7 +15,7 @@ import random
 import signal
 import traceback
 from dataclasses import dataclass
-from typing import Callable, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 from simulator.result import SimResult
 from soapsearch.search.mcmc import Budget, ChainStats, run_chain
@@ -51,8 +51,9 @@ def chain_rng(seed: int, index: int) -> random.Random:
 
 def default_workers(chains: int, measures: bool) -> int:
     """One worker per chain up to the cores this process may use; one where the cost model
-    times kernels on this host (two chains timing at once would time each other)."""
-    if measures:
+    times kernels on this host (two chains timing at once would time each other) or where
+    processes cannot be forked."""
+    if measures or "fork" not in multiprocessing.get_all_start_methods():
         return 1
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, min(chains, cores))
@@ -64,11 +65,14 @@ def run_chains(chains: list[Chain], evaluate: Callable[[Strategy], SimResult],
                on_step: Callable[[Progress], None] | None = None,
                neighbors: dict[str, tuple[str, ...]] | None = None) -> tuple[ChainStats, bool]:
     """Every chain from a copy of ``base`` (the scored baselines), ``workers`` at a time; the
-    merged stats (``merge``) and whether Ctrl-C stopped the search. ``workers`` > 1 forks (where
-    the platform can; else one at a time)."""
+    merged stats (``merge``) and whether Ctrl-C stopped the search. ``workers`` > 1 forks; a
+    chain's error is raised here as it was raised there."""
     if workers < 1:
         raise ValueError(f"search workers = {workers}: must be >= 1")
-    if workers > 1 and len(chains) > 1 and "fork" in multiprocessing.get_all_start_methods():
+    if workers > 1 and len(chains) > 1:
+        if "fork" not in multiprocessing.get_all_start_methods():
+            raise ValueError(f"search workers = {workers}: this platform cannot fork worker processes; "
+                             "use workers=1")
         results, interrupted = _forked(chains, evaluate, candidates, base, started, beta, reset_every,
                                        workers, on_step, neighbors)
     else:
@@ -113,42 +117,67 @@ def _forked(chains, evaluate, candidates, base, started, beta, reset_every, work
         shared[_FIELDS * i:_FIELDS * (i + 1)] = [0, 0, _best_ms(base), 0]
     results: list[ChainStats | None] = [None] * len(chains)
     pending = list(range(len(chains)))
-    running: dict[object, tuple[int, object]] = {}  # connection -> (chain index, process)
-    interrupted = False
-    errors: list[str] = []
-    while pending or running:
-        try:
-            while pending and len(running) < workers and not interrupted:
-                i = pending.pop(0)
-                recv, send = ctx.Pipe(duplex=False)
-                proc = ctx.Process(target=_worker, daemon=True,
-                                   args=(send, i, chains[i], evaluate, candidates, base, started, beta,
-                                         reset_every, shared, stop, neighbors))
-                proc.start()
-                send.close()
-                running[recv] = (i, proc)
-            for conn in multiprocessing.connection.wait(list(running), timeout=POLL_S):
-                i, proc = running.pop(conn)
-                try:
-                    kind, payload = conn.recv()
-                except EOFError:
-                    kind, payload = "error", f"chain {i}'s worker exited with code {proc.exitcode} and no result"
-                conn.close()
-                proc.join()
-                if kind == "ok":
-                    results[i] = payload
-                else:
-                    errors.append(payload)
-                    stop.value = 1
-            if on_step is not None:
-                _report(shared, len(chains), base, on_step)
-        except KeyboardInterrupt:
-            interrupted = True
-            stop.value = 1  # the workers ignore SIGINT and stop at their next proposal
-            pending = []
+    running: dict[Any, tuple[int, Any]] = {}  # connection -> (chain index, process), from before its start
+    interrupts = 0
+    errors: list[BaseException] = []
+    try:
+        while running or (pending and not stop.value):
+            try:
+                while pending and len(running) < workers and not stop.value:
+                    i = pending.pop(0)
+                    recv, send = ctx.Pipe(duplex=False)
+                    proc = ctx.Process(target=_worker, daemon=True,
+                                       args=(send, i, chains[i], evaluate, candidates, base, started, beta,
+                                             reset_every, shared, stop, neighbors))
+                    running[recv] = (i, proc)
+                    try:
+                        proc.start()
+                    finally:
+                        send.close()  # the parent's end: a worker that dies leaves EOF, not a hang
+                for conn in multiprocessing.connection.wait(list(running), timeout=POLL_S):
+                    i, proc = running[conn]
+                    try:
+                        kind, payload = conn.recv()
+                    except EOFError:
+                        kind, payload = "lost", None
+                    del running[conn]
+                    _close(conn, proc)
+                    if kind == "ok":
+                        results[i] = payload
+                    elif kind == "error":
+                        errors.append(payload)
+                        stop.value = 1
+                    elif not interrupts:  # a worker killed under Ctrl-C has nothing to say
+                        errors.append(RuntimeError(f"chain {i}'s worker exited with code {proc.exitcode} "
+                                                   "and no result"))
+                        stop.value = 1
+                if on_step is not None:
+                    _report(shared, len(chains), base, on_step)
+            except KeyboardInterrupt:
+                interrupts += 1
+                stop.value = 1  # the workers ignore SIGINT and stop at their next proposal
+                if interrupts > 1:  # a second Ctrl-C: no more waiting
+                    break
+    finally:
+        stop.value = 1
+        for conn, (_, proc) in running.items():
+            _close(conn, proc, terminate=interrupts > 1)
     if errors:
-        raise RuntimeError("a search worker failed:\n" + "\n".join(errors))
-    return [r for r in results if r is not None], interrupted
+        raise errors[0]
+    return [r for r in results if r is not None], interrupts > 0
+
+
+def _close(conn, proc, terminate: bool = False) -> None:
+    """The pipe closed and the process reaped (terminated if asked or if it does not stop)."""
+    conn.close()
+    if proc.pid is None:  # never started
+        return
+    if terminate:
+        proc.terminate()
+    proc.join(timeout=10)
+    if proc.is_alive():
+        proc.terminate()
+        proc.join()
 
 
 def _worker(conn, i, chain, evaluate, candidates, base, started, beta, reset_every, shared, stop,
@@ -168,8 +197,11 @@ def _worker(conn, i, chain, evaluate, candidates, base, started, beta, reset_eve
                   neighbors=neighbors)
         step(stats, 0.0)
         conn.send(("ok", stats))
-    except BaseException as e:  # noqa: BLE001 - reported by the parent with the chain's traceback
-        conn.send(("error", f"chain {i}: {type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    except BaseException as e:  # noqa: BLE001 - raised again in the parent, as with one worker
+        try:
+            conn.send(("error", e))
+        except Exception:  # noqa: BLE001 - an exception that does not pickle: its text
+            conn.send(("error", RuntimeError(f"chain {i}: {type(e).__name__}: {e}\n{traceback.format_exc()}")))
     finally:
         conn.close()
 
@@ -184,7 +216,7 @@ def _fresh(base: ChainStats) -> ChainStats:
     """A chain's own stats, starting from ``base``'s (its plans shared: a lowering cache knows
     an unchanged config by its identity)."""
     out = copy.copy(base)
-    out.history = list(base.history)
+    out.history, out.ranks = list(base.history), list(base.ranks)
     return out
 
 
@@ -195,21 +227,22 @@ def _best_ms(stats: ChainStats) -> float:
 def merge(base: ChainStats, results: list[ChainStats]) -> ChainStats:
     """One ChainStats for the search: ``base`` plus every chain's proposals and acceptances,
     the best plan by ``consider``'s rule (fits first, then cost; the earlier chain on a tie)
-    and the improvements of all chains in time order, each kept where it beats the best ms
-    before it."""
+    and the improvements of all chains in time order, each kept where it beats, by that rule,
+    every one before it."""
     out = _fresh(base)
     events = []
     for stats in results:
         out.proposals += stats.proposals - base.proposals
         out.accepted += stats.accepted - base.accepted
-        events += stats.history[len(base.history):]
+        events += zip(stats.history[len(base.history):], stats.ranks[len(base.ranks):])
         if stats.best_result is not None and (
                 out.best_result is None
                 or (stats.best_result.fits, -stats.best_cost) > (out.best_result.fits, -out.best_cost)):
             out.best, out.best_cost, out.best_result = stats.best, stats.best_cost, stats.best_result
-    best = min((h[2] for h in out.history), default=math.inf)
-    for event in sorted(events, key=lambda h: h[0]):
-        if event[2] < best:
-            out.history.append(event)
-            best = event[2]
+    best = max(((fits, -cost) for fits, cost in out.ranks), default=None)
+    for entry, (fits, cost) in sorted(events, key=lambda e: e[0][0]):
+        if best is None or (fits, -cost) > best:
+            out.history.append(entry)
+            out.ranks.append((fits, cost))
+            best = (fits, -cost)
     return out

@@ -21,7 +21,8 @@ def add_search_parsers(sub, model_args, graph_of) -> None:
     sp = sub.add_parser("search", help="search a plan (MCMC scored by the simulator)")
     model_args(sp)
     sp.add_argument("--topology", default="p100-4x4", help="preset or topology JSON")
-    sp.add_argument("--budget", type=float, default=60.0, help="seconds (default 60)")
+    sp.add_argument("--budget", type=float, default=60.0,
+                    help="seconds (default 60; 0: no time limit, stop after --proposals)")
     sp.add_argument("--proposals", type=int, default=None, help="also stop after this many proposals")
     sp.add_argument("--init", default="data_parallel",
                     help="comma list of initial plans: baseline names, 'random', plan JSON paths")
@@ -72,12 +73,12 @@ def _cmd_search(args, graph_of) -> int:
     cost = cost_model_for(args.cost_model, args.topology)  # profiled: the cache calibrated beside a topology JSON
     try:
         if args.optuna or args.study:
-            result = study_search(graph, topology=args.topology, budget_s=args.budget,
+            result = study_search(graph, topology=args.topology, budget_s=args.budget or None,
                                   trials=args.trials, trial_proposals=args.proposals,
                                   storage=args.study, study_name=args.study_name, seed=args.seed,
                                   cost_model=cost)
         else:
-            result = search(graph, topology=args.topology, budget_s=args.budget,
+            result = search(graph, topology=args.topology, budget_s=args.budget or None,
                             proposals=args.proposals, cost_model=cost,
                             init=tuple(args.init.split(",")), seed=args.seed,
                             microbatches=args.microbatches, schedule=args.schedule,

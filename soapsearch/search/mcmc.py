@@ -4,7 +4,8 @@ A proposal gives one random op one random valid config (of the same enumeration 
 ``strategies.config.enumerate_configs``); with probability ``GROUP`` it also gives each of the
 op's producers and consumers a random config on the same devices, where it has one (a layout
 several ops share, e.g. all on one device, is reached in one move instead of through the costly
-redistributions between them that single-op moves must cross). It is accepted with probability
+redistributions between them that single-op moves must cross; the reverse of such a move is
+not always one, so the chain is a search, not an exact sampler). It is accepted with probability
 min(1, exp(−β · (cost(new) − cost(current)))) (Metropolis et al. 1953), cost in milliseconds.
 A plan that does not fit in device memory costs its time × (1 + 10 · overflow), overflow being
 the worst device's peak / capacity − 1, so chains can cross such plans but the best is always
@@ -15,6 +16,8 @@ and stops early when the best has not improved for half its budget.
 from __future__ import annotations
 
 import math
+import numbers
+import operator
 import random
 import time
 from dataclasses import dataclass, field
@@ -39,6 +42,17 @@ parallel and OWT, paper scale on p100-4x4, 2026-11-22): c = 20 / 100 / 200 / 500
 alexnet's 84 ms half the time and drifts, at 500 it stalls on nmt."""
 
 
+def whole(value: object) -> bool:
+    """An integer (numpy's too), not a bool."""
+    if isinstance(value, bool):
+        return False
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return True
+
+
 def plan_cost(result: SimResult) -> float:
     """Milliseconds, penalized when the plan does not fit (see the module docstring)."""
     ms = result.iteration_ms
@@ -59,9 +73,9 @@ class Budget:
         if self.seconds is None and self.proposals is None:
             raise ValueError("a search budget needs seconds or proposals (or both)")
         s, p = self.seconds, self.proposals
-        if s is not None and not (isinstance(s, (int, float)) and not isinstance(s, bool) and math.isfinite(s) and s > 0):
+        if s is not None and not (isinstance(s, numbers.Real) and not isinstance(s, bool) and math.isfinite(s) and s > 0):
             raise ValueError(f"budget seconds = {s!r}: must be a finite number > 0")
-        if p is not None and (isinstance(p, bool) or not isinstance(p, int) or p < 1):
+        if p is not None and not (whole(p) and p >= 1):
             raise ValueError(f"budget proposals = {p!r}: must be a whole number >= 1")
 
 
@@ -74,6 +88,8 @@ class ChainStats:
     best_result: SimResult | None = None
     history: list[tuple[float, int, float]] = field(default_factory=list)
     """(seconds since the search started, proposals so far, best ms) at each improvement."""
+    ranks: list[tuple[bool, float]] = field(default_factory=list)
+    """(fits, cost) of each ``history`` entry: what ``consider`` compared (chains.merge)."""
 
 
 def candidate_configs(graph: OpGraph, num_devices: int, microbatches: int,
@@ -158,4 +174,5 @@ def consider(stats: ChainStats, plan: Strategy, result: SimResult, cost: float, 
     if better:
         stats.best, stats.best_cost, stats.best_result = plan, cost, result
         stats.history.append((time.perf_counter() - started, stats.proposals, result.iteration_ms))
+        stats.ranks.append((result.fits, cost))
     return better

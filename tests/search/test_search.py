@@ -179,3 +179,66 @@ def test_bad_chains_and_workers(small):
     with pytest.raises(ValueError, match="times kernels"):
         search(small, topology="p100-1x2", budget_s=None, proposals=10, chains=2, workers=2,
                cost_model=ProfiledCostModel(cache_path=None))
+
+
+def test_merge_keeps_consider_s_rule_in_the_history():
+    from soapsearch.search.chains import merge
+    from soapsearch.search.mcmc import ChainStats, consider
+    from simulator.result import SimResult
+
+    def res(ms, fits):
+        return SimResult(ms / 1e3, (), (2.0 if not fits else 0.5,), (1.0,), {}, 1)
+
+    base = ChainStats()
+    consider(base, "baseline", res(10.0, False), 10.0 * 11, 0.0)  # does not fit: penalized cost
+    a, b = ChainStats(), ChainStats()
+    for st in (a, b):
+        st.history, st.ranks, st.best, st.best_cost, st.best_result = (
+            list(base.history), list(base.ranks), base.best, base.best_cost, base.best_result)
+    consider(a, "fits, slower", res(15.0, True), 15.0, 2.0)  # fits: better although more ms
+    consider(b, "fits, faster", res(12.0, True), 12.0, 1.0)  # (found 1 s later)
+    out = merge(base, [a, b])
+    assert out.best == "fits, faster" and [h[2] for h in out.history] == [10.0, 15.0, 12.0]
+    assert out.history[-1][2] == out.best_result.iteration_ms
+
+
+def test_a_chain_s_error_is_the_same_with_workers_and_leaves_no_process():
+    import multiprocessing
+    from soapsearch.search.api import Evaluator
+    from soapsearch.search.chains import Chain, run_chains
+    from soapsearch.search.mcmc import Budget, ChainStats
+    from simulator.cost import get_cost_model
+    g = traced("mlp")
+    evaluate = Evaluator(g, get_topology("p100-1x2"), get_cost_model("analytical"))
+    calls = []
+
+    def failing(plan, summary=False):
+        calls.append(plan)
+        if len(calls) > 3:
+            raise ValueError("op 'fc': a rule broke")
+        return evaluate(plan, summary)
+
+    dp = baseline("data_parallel", g, 2)
+    chains = [Chain(dp, 0, Budget(proposals=50)) for _ in range(2)]
+    for workers in (1, 2):
+        with pytest.raises(ValueError, match="a rule broke"):
+            run_chains(chains, failing, candidate_configs(g, 2, 1, None), ChainStats(), 0.0, beta=None,
+                       reset_every=500, workers=workers)
+
+    def broken_bar(progress):
+        raise RuntimeError("the progress bar broke")
+
+    with pytest.raises(RuntimeError, match="bar broke"):
+        run_chains([Chain(dp, 0, Budget(seconds=30)) for _ in range(2)], evaluate, candidate_configs(g, 2, 1, None),
+                   ChainStats(), 0.0, beta=None, reset_every=500, workers=2, on_step=broken_bar)
+    assert multiprocessing.active_children() == []
+
+
+def test_budget_split_numpy_counts_and_a_pipeline_start():
+    import numpy as np
+    g = traced("mlp")
+    r = search(g, topology="p100-1x2", budget_s=None, proposals=np.int64(3), chains=np.int64(4), workers=1)
+    assert r.proposals == 3  # 1 + 1 + 1: a fourth chain would have had none
+    g3 = traced("mlp", batch_size=3)  # a pipeline only over the search's own 3 micro-batches
+    r = search(g3, topology="p100-1x2", budget_s=None, proposals=20, microbatches=3, init=("pipeline",))
+    assert "pipeline" not in r.baselines and r.result.fits
