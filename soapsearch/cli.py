@@ -15,6 +15,7 @@ from soapsearch.executor.cli import add_run_parser
 from soapsearch.search.cli import add_search_parsers
 from soapsearch.trace import TraceError, trace
 from strategies import BASELINES, OpGraph, PlanError, baseline, get_rule, save_strategy
+from strategies.serialize import check_writable
 from strategies.config import ROLE_LETTER
 from strategies.rules import OPAQUE
 
@@ -94,6 +95,7 @@ def _cmd_show(args) -> int:
 
 
 def _cmd_plan(args) -> int:
+    check_writable(args.output)
     graph = _graph(args)
     plan = baseline(args.baseline, graph, args.devices, args.microbatches)
     topology = args.topology or f"local-cpu-{args.devices}"
@@ -113,6 +115,8 @@ def _cmd_simulate(args) -> int:
     from soapsearch.api import simulate
     from simulator.presets import get_topology
 
+    if args.trace:
+        check_writable(args.trace, "--trace")
     graph = _graph(args)
     topo = get_topology(args.topology)
     if (args.plan is None) == (args.baseline is None):

@@ -27,7 +27,7 @@ from soapsearch.executor import OPTIMIZERS, Executor, ExecutorError, TrainConfig
 from strategies.errors import PlanError
 from strategies.lowering import lower
 from soapsearch.zoo import VARIANTS
-from strategies.serialize import atomic_open, read_plan
+from strategies.serialize import atomic_open, atomic_write_text, read_plan
 
 __all__ = ["add_arguments", "to_argv", "main"]
 
@@ -92,6 +92,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         strategy = read_plan(args.plan, built.graph).strategy
         check_runnable(lower(built.graph, strategy), world)
         config = TrainConfig(args.optimizer, lr=args.lr, momentum=args.momentum, timeout_s=args.timeout)
+        if args.steps < 1:
+            raise ValueError(f"--steps = {args.steps}: must be >= 1 (training iterations)")
     except (PlanError, ExecutorError, ValueError) as e:
         print(f"soapsearch run (rank {rank}): {e}", file=sys.stderr)
         return 2
@@ -121,7 +123,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             out = out.with_name(f"{out.stem}.rank{rank}{out.suffix or '.json'}")
             t0 = min((e["ts"] for e in ex.events), default=0.0)
             events = [dict(e, ts=e["ts"] - t0) for e in ex.events]
-            out.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
+            atomic_write_text(out, json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
     except ExecutorError as e:
         print(f"soapsearch run: {e}", file=sys.stderr, flush=True)
         return 1

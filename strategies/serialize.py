@@ -15,7 +15,7 @@ from strategies.errors import PlanError
 from strategies.graph import OpGraph
 from strategies.strategy import Strategy
 
-__all__ = ["FORMAT", "VERSION", "PlanFile", "parse_plan", "strategy_to_json", "save_strategy", "load_strategy",
+__all__ = ["FORMAT", "VERSION", "PlanFile", "check_writable", "parse_plan", "strategy_to_json", "save_strategy", "load_strategy",
            "read_plan", "atomic_open", "atomic_write_text"]
 
 FORMAT = "soapsearch.strategy"
@@ -51,6 +51,22 @@ def atomic_open(path: str | os.PathLike, mode: str = "w") -> Iterator[IO]:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def check_writable(path: str | os.PathLike, flag: str = "-o") -> None:
+    """ValueError, before the work, where ``path`` cannot be written (``atomic_open`` makes
+    missing folders): it is a directory, a folder on its way is a file, or the nearest existing
+    folder is not writable. ``flag`` names the option in the message."""
+    p = Path(path)
+    if p.is_dir():
+        raise ValueError(f"{flag} {path}: is a directory; give a file name, e.g. {p / 'out.json'}")
+    for parent in p.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ValueError(f"{flag} {path}: {parent} is a file, not a directory")
+            if not os.access(parent, os.W_OK):
+                raise ValueError(f"{flag} {path}: cannot write in {parent}")
+            return
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:

@@ -8,6 +8,7 @@ import argparse
 
 from soapsearch.executor.config import TrainConfig
 from soapsearch.executor.launch import check_plan, launch
+from strategies.serialize import check_writable
 
 __all__ = ["add_run_parser"]
 
@@ -20,9 +21,10 @@ def _check_flags(args: argparse.Namespace) -> None:
         raise ValueError(f"--batch-size = {args.batch_size}: must be >= 1 (the global batch)")
     if args.steps < 1:
         raise ValueError(f"--steps = {args.steps}: must be >= 1 (training iterations)")
-    if not 0 < args.timeout <= 1e9:  # false for nan too; inf would overflow the c10d timedelta
-        raise ValueError(f"--timeout = {args.timeout}: must be a number of seconds > 0 (and <= 1e9)")
-    # as each rank builds it: rejects an unknown optimizer or a learning rate <= 0
+    for flag, path in (("--save", args.save), ("--trace", args.trace)):
+        if path:
+            check_writable(path, flag)  # not after the training
+    # as each rank builds it: rejects an unknown optimizer, a learning rate <= 0, a bad timeout
     TrainConfig(args.optimizer, lr=args.lr, momentum=args.momentum, timeout_s=args.timeout)
 
 

@@ -33,6 +33,8 @@ class TrainConfig:
             raise ValueError(f"optimizer {self.optimizer!r} is not one of {list(OPTIMIZERS)}")
         if not self.lr > 0:
             raise ValueError(f"lr = {self.lr}: the learning rate must be > 0")
+        if not 0 < self.timeout_s <= 1e9:  # false for nan too; inf would overflow the c10d timedelta
+            raise ValueError(f"timeout = {self.timeout_s}: must be a number of seconds > 0 (and <= 1e9)")
 
 
 def make_optimizer(params: Iterable[torch.Tensor], cfg: TrainConfig) -> torch.optim.Optimizer:

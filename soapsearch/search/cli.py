@@ -5,14 +5,13 @@ from __future__ import annotations
 import itertools
 import json
 import math
-import os
 import sys
 from pathlib import Path
 
 from soapsearch.search.api import FoundPlan, search
 from soapsearch.search.study import study_search
 from strategies.config import format_devices
-from strategies.serialize import parse_plan
+from strategies.serialize import check_writable, parse_plan
 
 __all__ = ["add_search_parsers"]
 
@@ -53,7 +52,7 @@ def add_search_parsers(sub, model_args, graph_of) -> None:
 
 
 def _cmd_search(args, graph_of) -> int:
-    check_output(args.output)
+    check_writable(args.output)
     graph = graph_of(args)
     bar = None
 
@@ -100,21 +99,6 @@ def _cmd_search(args, graph_of) -> int:
     print(f"{stop}{result.proposals} proposals in {result.elapsed_s:.1f} s "
           f"({result.proposals / max(result.elapsed_s, 1e-9):.0f}/s{side}); wrote {args.output}")
     return 0
-
-
-def check_output(path: str) -> None:
-    """Fail before the work, not after it, where ``path`` cannot be written: a directory, or
-    under a path that is a file."""
-    p = Path(path)
-    if p.is_dir():
-        raise ValueError(f"-o {path}: is a directory; give a file name, e.g. {p / 'plan.json'}")
-    for parent in p.parents:
-        if parent.exists():
-            if not parent.is_dir():
-                raise ValueError(f"-o {path}: {parent} is a file, not a directory")
-            if not os.access(parent, os.W_OK):
-                raise ValueError(f"-o {path}: cannot write in {parent}")
-            break
 
 
 def table(result: FoundPlan) -> str:

@@ -88,8 +88,10 @@ def test_nproc_must_match_the_plan(plans, capsys, spawned):
     ("--nproc", "0", "--nproc = 0: must be >= 1"),
     ("--steps", "-1", "--steps = -1: must be >= 1"),
     ("--steps", "0", "--steps = 0: must be >= 1"),
-    ("--timeout", "-1", "--timeout = -1.0: must be a number of seconds > 0"),
-    ("--timeout", "nan", "--timeout = nan: must be"),
+    ("--timeout", "-1", "timeout = -1.0: must be a number of seconds > 0"),
+    ("--timeout", "nan", "timeout = nan: must be"),
+    ("--save", "/", "--save /: is a directory"),
+    ("--trace", "/", "--trace /: is a directory"),
     ("--batch-size", "0", "--batch-size = 0: must be >= 1"),
     ("--lr", "-1", "lr = -1.0: the learning rate must be > 0"),
 ])

@@ -138,3 +138,14 @@ def test_show_plan_prints_a_plan_with_odd_predictions(tmp_path, capsys):
     assert main(["show-plan", str(path)]) == 0
     out = capsys.readouterr().out
     assert "layers_0" in out and "sample=2 @ 0-1" in out and "predicted" not in out
+
+
+def test_every_output_flag_is_checked_before_the_work(tmp_path, capsys):
+    tiny = ["mlp", "--variant", "tiny"]
+    for args, message in ((["plan", *tiny, "--baseline", "data_parallel", "--devices", "2", "-o", str(tmp_path)],
+                           f"-o {tmp_path}: is a directory"),
+                          (["simulate", *tiny, "--baseline", "data_parallel", "--topology", "local-cpu-2",
+                            "--trace", str(tmp_path)], f"--trace {tmp_path}: is a directory")):
+        assert main(args) == 2
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err, err
