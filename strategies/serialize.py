@@ -183,10 +183,12 @@ def read_plan(source: str | os.PathLike | Mapping[str, Any], graph: OpGraph) -> 
     fingerprint, every op against the model's, every degree and device; PlanError names op,
     field, value and rule."""
     obj, where, strategy = parse_plan(source, devices_in_range=False)
-    fp = obj["model"].get("fingerprint")
+    made_for = obj["model"]
+    fp = made_for.get("fingerprint")
     if fp != graph.fingerprint():
         raise PlanError(None, "model.fingerprint", fp,
-                        f"the plan was made for another model or batch size: the model given "
+                        f"the plan was made for another model or batch size ({made_for.get('name', '?')}, "
+                        f"batch {made_for.get('batch_size', '?')}): the model given "
                         f"({graph.name}, batch {graph.batch_size}) has fingerprint "
                         f"{graph.fingerprint()!r}", where)
     for op in obj["ops"]:

@@ -73,6 +73,7 @@ def test_a_broken_plan_file_is_one_line_naming_the_file(plans, capsys, spawned, 
 def test_a_plan_for_another_model_or_batch_is_refused_before_spawning(plans, capsys, spawned):
     err = _error(capsys, ["run", str(plans / "dp2.json"), "--model", "alexnet", "--variant", "tiny"])
     assert "dp2.json: model.fingerprint = " in err and "(alexnet, batch 4)" in err
+    assert "another model or batch size (mlp, batch 4)" in err  # what the plan was made for
     err = _error(capsys, ["run", str(plans / "dp2.json"), *TINY_MLP, "--batch-size", "2"])
     assert "model.fingerprint" in err and "(mlp, batch 2)" in err
     assert spawned == []
