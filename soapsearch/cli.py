@@ -10,6 +10,7 @@ from typing import Sequence
 
 from soapsearch import zoo
 from soapsearch.models import ModelLoadError, load_model
+from soapsearch.calibrate._spawn import SpawnError
 from soapsearch.calibrate.cli import add_calibrate_parsers
 from soapsearch.executor.cli import add_run_parser
 from soapsearch.search.cli import add_search_parsers
@@ -207,7 +208,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         return args.fn(args)
-    except (PlanError, TraceError, ModelLoadError, ValueError) as e:
+    except (PlanError, TraceError, ModelLoadError, ValueError, SpawnError) as e:
         print(f"soapsearch {args.command}: error: {e}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # output piped into head: not an error

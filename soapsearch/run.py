@@ -23,11 +23,11 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from soapsearch.executor import OPTIMIZERS, Executor, ExecutorError, TrainConfig, build_model, check_runnable
-from strategies.errors import PlanError
-from strategies.lowering import lower
+from soapsearch.executor import OPTIMIZERS, Executor, ExecutorError, TrainConfig
+from soapsearch.executor.launch import prepare
 from soapsearch.zoo import VARIANTS
-from strategies.serialize import atomic_open, atomic_write_text, read_plan
+from strategies.errors import PlanError
+from strategies.serialize import atomic_open, atomic_write_text
 
 __all__ = ["add_arguments", "to_argv", "main"]
 
@@ -66,6 +66,14 @@ def to_argv(args: argparse.Namespace) -> list[str]:
     return out
 
 
+def train_config(args: argparse.Namespace) -> TrainConfig:
+    """The run's training config from its flags; ValueError for a step count or a config no run
+    can use (checked by the launcher too, before any process starts)."""
+    if args.steps < 1:
+        raise ValueError(f"--steps = {args.steps}: must be >= 1 (training iterations)")
+    return TrainConfig(args.optimizer, lr=args.lr, momentum=args.momentum, timeout_s=args.timeout)
+
+
 def _save(path: str, state: dict) -> None:
     """torch.save, atomically (a temporary file beside ``path`` renamed over it)."""
     with atomic_open(path, "wb") as f:
@@ -88,12 +96,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     world = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     try:
-        built = build_model(args.model, args.variant, args.batch_size, args.seed, args.dtype)
-        strategy = read_plan(args.plan, built.graph).strategy
-        check_runnable(lower(built.graph, strategy), world)
-        config = TrainConfig(args.optimizer, lr=args.lr, momentum=args.momentum, timeout_s=args.timeout)
-        if args.steps < 1:
-            raise ValueError(f"--steps = {args.steps}: must be >= 1 (training iterations)")
+        built, strategy = prepare(args.plan, args.model, args.variant, args.batch_size, args.seed, args.dtype,
+                                  world)
+        config = train_config(args)
     except (PlanError, ExecutorError, ValueError) as e:
         print(f"soapsearch run (rank {rank}): {e}", file=sys.stderr)
         return 2

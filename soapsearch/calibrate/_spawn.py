@@ -17,7 +17,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["rank_threads", "spawn", "threads_per_process"]
+__all__ = ["SpawnError", "rank_threads", "spawn", "threads_per_process"]
+
+
+class SpawnError(RuntimeError):
+    """Processes ``spawn`` started failed; the message has each rank's error."""
 
 
 def threads_per_process(nproc: int) -> int:
@@ -79,5 +83,5 @@ def spawn(fn: Callable, nproc: int, args: tuple = (), backend: str = "gloo", tim
             results.append(pickle.loads(p.read_bytes()) if p.exists() else {"__error__": f"rank {r}: no result"})
         errors = [x["__error__"] for x in results if isinstance(x, dict) and "__error__" in x]
         if failure is not None or errors:
-            raise RuntimeError("calibration processes failed:\n" + "\n".join(errors or [str(failure)]))
+            raise SpawnError("calibration processes failed:\n" + "\n".join(errors or [str(failure)]))
         return results

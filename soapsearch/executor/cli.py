@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 
-from soapsearch.executor.config import TrainConfig
 from soapsearch.executor.launch import check_plan, launch
 from strategies.serialize import check_writable
 
@@ -15,17 +14,15 @@ __all__ = ["add_run_parser"]
 
 def _check_flags(args: argparse.Namespace) -> None:
     """ValueError for a flag no run can use, before anything is built or started."""
+    from soapsearch.run import train_config
     if args.nproc is not None and args.nproc < 1:
         raise ValueError(f"--nproc = {args.nproc}: must be >= 1 (one process per device of the plan)")
     if args.batch_size is not None and args.batch_size < 1:
         raise ValueError(f"--batch-size = {args.batch_size}: must be >= 1 (the global batch)")
-    if args.steps < 1:
-        raise ValueError(f"--steps = {args.steps}: must be >= 1 (training iterations)")
     for flag, path in (("--save", args.save), ("--trace", args.trace)):
         if path:
             check_writable(path, flag)  # not after the training
-    # as each rank builds it: rejects an unknown optimizer, a learning rate <= 0, a bad timeout
-    TrainConfig(args.optimizer, lr=args.lr, momentum=args.momentum, timeout_s=args.timeout)
+    train_config(args)  # as each rank makes it: steps, optimizer, learning rate, timeout
 
 
 def _cmd_run(args: argparse.Namespace) -> int:

@@ -12,14 +12,15 @@ import gc
 import os
 import subprocess
 import sys
-from typing import Sequence
+from typing import Any, Sequence
 
 from soapsearch.executor.errors import ExecutorError, check_runnable
 from soapsearch.executor.model import build_model
 from strategies.lowering import lower
 from strategies.serialize import parse_plan, read_plan
+from strategies.strategy import Strategy
 
-__all__ = ["check_plan", "launch", "plan_devices"]
+__all__ = ["check_plan", "launch", "plan_devices", "prepare"]
 
 
 def plan_devices(plan_path: str | os.PathLike) -> int:
@@ -28,23 +29,30 @@ def plan_devices(plan_path: str | os.PathLike) -> int:
     return parse_plan(plan_path)[2].num_devices
 
 
+def prepare(plan_path: str | os.PathLike, model: str, variant: str, batch_size: int | None, seed: int,
+            dtype: str | None, devices: int) -> tuple[Any, Strategy]:
+    """What a rank does before any work: the model built (``build_model``), the plan read
+    against it (``read_plan``: fingerprint, ops, degrees, devices) and checked runnable on
+    ``devices`` processes (``check_runnable``). Returns (the built model, the plan)."""
+    built = build_model(model, variant, batch_size, seed, dtype)
+    strategy = read_plan(plan_path, built.graph).strategy
+    check_runnable(lower(built.graph, strategy), devices)
+    return built, strategy
+
+
 def check_plan(plan_path: str | os.PathLike, model: str, *, variant: str = "default",
                batch_size: int | None = None, seed: int = 0, dtype: str | None = None,
                nproc: int | None = None) -> int:
     """What each rank checks before any work, done once here: the plan's device count against
-    ``nproc``, then the model built as the ranks build it (``build_model``), the plan read
-    against it (``read_plan``: fingerprint, ops, degrees, devices) and ``check_runnable``.
-    Returns the number of processes to start; raises PlanError / ModelLoadError / TraceError
+    ``nproc``, then ``prepare``. Returns the number of processes to start; raises PlanError / ModelLoadError / TraceError
     / ValueError naming the file, field and value."""
     devices = plan_devices(plan_path)  # the cheap checks first: no model is built for these
     if nproc is not None and nproc != devices:
         raise ValueError(f"--nproc = {nproc}: the plan {str(plan_path)!r} has topology.num_devices = "
                          f"{devices} and runs one process per device; leave out --nproc or give "
                          f"--nproc {devices}")
-    built = build_model(model, variant, batch_size, seed, dtype)
-    strategy = read_plan(plan_path, built.graph).strategy
     try:
-        check_runnable(lower(built.graph, strategy), devices)
+        built, strategy = prepare(plan_path, model, variant, batch_size, seed, dtype, devices)
     except ExecutorError as e:
         raise ValueError(f"{plan_path}: {e}") from None
     # the traced GraphModule's reference cycles would keep the weights in this process for the

@@ -3,7 +3,6 @@ configs scored by the simulator, with the expert baselines it must beat."""
 
 from __future__ import annotations
 
-import math
 import os
 import random
 import time
@@ -20,7 +19,7 @@ from simulator.tasks import TaskCache
 from simulator.topology import Topology
 from soapsearch.search.chains import Chain, Progress, default_workers, run_chains
 from soapsearch.search.mcmc import (Budget, ChainStats, candidate_configs, consider, neighbor_ops, plan_cost,
-                                    whole)
+                                    positive, whole)
 from soapsearch.trace import trace
 from strategies import (OpGraph, PlanError, Strategy, baseline, load_strategy, save_strategy)
 from strategies.baselines import BASELINES
@@ -188,10 +187,11 @@ def search(model: torch.nn.Module | OpGraph, example_inputs: Sequence[Any] | Non
         _check(name, value, least)
     _check("microbatches", microbatches, 1, optional=False)
     _check("reset_every", reset_every, 0, optional=False)  # 0: never
-    _check("seed", seed, -2**63, optional=False)
+    if not whole(seed):
+        raise ValueError(f"search seed = {seed!r}: must be a whole number")
     if schedule not in SCHEDULES:
         raise ValueError(f"search schedule = {schedule!r}: must be one of {list(SCHEDULES)}")
-    if beta is not None and not (isinstance(beta, (int, float)) and math.isfinite(beta) and beta > 0):
+    if beta is not None and not positive(beta):
         raise ValueError(f"search beta = {beta!r}: must be a finite number > 0 (per ms) or None")
     if isinstance(init, (str, os.PathLike, Strategy)):
         init = (init,)
@@ -239,4 +239,4 @@ def search(model: torch.nn.Module | OpGraph, example_inputs: Sequence[Any] | Non
                         baseline_results=results, proposals=stats.proposals,
                         elapsed_s=time.perf_counter() - started, interrupted=interrupted,
                         baseline_plans=plans, history=stats.history, accepted=stats.accepted,
-                      workers=min(workers, count))
+                        workers=min(workers, count))

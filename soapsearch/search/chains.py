@@ -82,39 +82,59 @@ def run_chains(chains: list[Chain], evaluate: Callable[[Strategy], SimResult],
 
 
 def _in_turn(chains, evaluate, candidates, base, started, beta, reset_every, on_step, neighbors):
+    rows = _rows([0.0] * (_FIELDS * len(chains)), base)
     results: list[ChainStats] = []
-    done = [0, 0]  # proposals, accepted of the chains finished
-    best = [_best_ms(base)]
-
-    def step(stats: ChainStats, _cost: float) -> None:
-        if on_step is not None:
-            on_step(Progress(done[0] + stats.proposals - base.proposals,
-                             done[1] + stats.accepted - base.accepted, min(best[0], _best_ms(stats))))
-
-    for chain in chains:
+    for i, chain in enumerate(chains):
         stats = _fresh(base)
+        write = _writer(rows, i, base)
+
+        def step(stats: ChainStats, _cost: float) -> None:
+            write(stats)
+            if on_step is not None:
+                on_step(_progress(rows, base))
+
         try:
-            run_chain(chain.start, evaluate, candidates, chain.budget, chain_rng(chain.seed, len(results)),
+            run_chain(chain.start, evaluate, candidates, chain.budget, chain_rng(chain.seed, i),
                       beta, reset_every, stats, started, on_step=step, neighbors=neighbors)
         except KeyboardInterrupt:
             results.append(stats)
             return results, True
         results.append(stats)
-        done[0] += stats.proposals - base.proposals
-        done[1] += stats.accepted - base.accepted
-        best[0] = min(best[0], _best_ms(stats))
     return results, False
 
 
-_FIELDS = 4  # per chain in the shared array: proposals, accepted, best ms, running (1) or not
+_FIELDS = 3
+"""Per chain in the progress rows: proposals, acceptances, the best plan's ms."""
+
+
+def _rows(rows, base: ChainStats):
+    """``rows`` (a list, or shared memory for forked chains) set to no proposal yet, each chain
+    at ``base``'s best."""
+    for i in range(0, len(rows), _FIELDS):
+        rows[i:i + _FIELDS] = [0.0, 0.0, _best_ms(base)]
+    return rows
+
+
+def _writer(rows, i: int, base: ChainStats) -> Callable[[ChainStats], None]:
+    """Writes chain ``i``'s stats (beyond ``base``'s) into its row."""
+    at = _FIELDS * i
+
+    def write(stats: ChainStats) -> None:
+        rows[at:at + _FIELDS] = [stats.proposals - base.proposals, stats.accepted - base.accepted,
+                                 _best_ms(stats)]
+    return write
+
+
+def _progress(rows, base: ChainStats) -> Progress:
+    """The rows summed: proposals and acceptances, and the least best ms."""
+    return Progress(int(sum(rows[0::_FIELDS])), int(sum(rows[1::_FIELDS])),
+                    min([_best_ms(base), *rows[2::_FIELDS]]))
 
 
 def _forked(chains, evaluate, candidates, base, started, beta, reset_every, workers, on_step, neighbors):
     ctx = multiprocessing.get_context("fork")
-    shared = ctx.RawArray("d", _FIELDS * len(chains))
+    shared = _rows(ctx.RawArray("d", _FIELDS * len(chains)), base)
     stop = ctx.RawValue("b", 0)
-    for i in range(len(chains)):
-        shared[_FIELDS * i:_FIELDS * (i + 1)] = [0, 0, _best_ms(base), 0]
     results: list[ChainStats | None] = [None] * len(chains)
     pending = list(range(len(chains)))
     running: dict[Any, tuple[int, Any]] = {}  # connection -> (chain index, process), from before its start
@@ -152,7 +172,7 @@ def _forked(chains, evaluate, candidates, base, started, beta, reset_every, work
                                                    "and no result"))
                         stop.value = 1
                 if on_step is not None:
-                    _report(shared, len(chains), base, on_step)
+                    on_step(_progress(shared, base))
             except KeyboardInterrupt:
                 interrupts += 1
                 stop.value = 1  # the workers ignore SIGINT and stop at their next proposal
@@ -184,18 +204,13 @@ def _worker(conn, i, chain, evaluate, candidates, base, started, beta, reset_eve
             neighbors) -> None:
     """A forked chain: runs until its budget or the parent's stop flag, then sends its stats."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides: it raises the stop flag
-    at = _FIELDS * i
-
-    def step(stats: ChainStats, _cost: float) -> None:
-        shared[at:at + _FIELDS] = [stats.proposals - base.proposals, stats.accepted - base.accepted,
-                                   _best_ms(stats), 1]
-
+    write = _writer(shared, i, base)
     try:
         stats = _fresh(base)
         run_chain(chain.start, evaluate, candidates, chain.budget, chain_rng(chain.seed, i), beta,
-                  reset_every, stats, started, should_stop=lambda: bool(stop.value), on_step=step,
-                  neighbors=neighbors)
-        step(stats, 0.0)
+                  reset_every, stats, started, should_stop=lambda: bool(stop.value),
+                  on_step=lambda s, _cost: write(s), neighbors=neighbors)
+        write(stats)
         conn.send(("ok", stats))
     except BaseException as e:  # noqa: BLE001 - raised again in the parent, as with one worker
         try:
@@ -204,12 +219,6 @@ def _worker(conn, i, chain, evaluate, candidates, base, started, beta, reset_eve
             conn.send(("error", RuntimeError(f"chain {i}: {type(e).__name__}: {e}\n{traceback.format_exc()}")))
     finally:
         conn.close()
-
-
-def _report(shared, n: int, base: ChainStats, on_step: Callable[[Progress], None]) -> None:
-    rows = [shared[_FIELDS * i:_FIELDS * (i + 1)] for i in range(n)]
-    on_step(Progress(int(sum(r[0] for r in rows)), int(sum(r[1] for r in rows)),
-                     min([_best_ms(base)] + [r[2] for r in rows])))
 
 
 def _fresh(base: ChainStats) -> ChainStats:

@@ -53,6 +53,11 @@ def whole(value: object) -> bool:
     return True
 
 
+def positive(value: object) -> bool:
+    """A finite real number > 0 (numpy's too), not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+
 def plan_cost(result: SimResult) -> float:
     """Milliseconds, penalized when the plan does not fit (see the module docstring)."""
     ms = result.iteration_ms
@@ -73,7 +78,7 @@ class Budget:
         if self.seconds is None and self.proposals is None:
             raise ValueError("a search budget needs seconds or proposals (or both)")
         s, p = self.seconds, self.proposals
-        if s is not None and not (isinstance(s, numbers.Real) and not isinstance(s, bool) and math.isfinite(s) and s > 0):
+        if s is not None and not positive(s):
             raise ValueError(f"budget seconds = {s!r}: must be a finite number > 0")
         if p is not None and not (whole(p) and p >= 1):
             raise ValueError(f"budget proposals = {p!r}: must be a whole number >= 1")

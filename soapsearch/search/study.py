@@ -120,7 +120,7 @@ class _Trials:
         self.budget, self.deadline = budget, deadline
         self.device_choices, self.microbatch_choices = device_choices, microbatch_choices
         self._evaluators: dict[int, Evaluator] = {}
-        self._candidates: dict[tuple[int, int], dict] = {}
+        self._candidates: dict[tuple[int, int], tuple[dict, dict]] = {}
         self.plans: dict[int, Strategy] = {}  # trial number -> its best plan (this process)
         self.proposals = 0
 
@@ -129,16 +129,18 @@ class _Trials:
             self._evaluators[n] = Evaluator(self.graph, self.topo, self.cost)
         return self._evaluators[n]
 
-    def candidates(self, n: int, m: int) -> dict:
+    def candidates(self, n: int, m: int) -> tuple[dict, dict]:
+        """Every op's configs and the ops the group moves pair (``neighbor_ops``), per (n, m)."""
         if (n, m) not in self._candidates:
             node = self.topo.node_size if self.topo.node_size and self.topo.node_size < n else None
-            self._candidates[n, m] = candidate_configs(self.graph, n, m, node)
+            configs = candidate_configs(self.graph, n, m, node)
+            self._candidates[n, m] = configs, neighbor_ops(self.graph, configs)
         return self._candidates[n, m]
 
     def initial(self, init: str, n: int, m: int, schedule: str, rng: random.Random) -> Strategy:
         g = self.graph
         if init == "random":
-            return Strategy.of({op: rng.choice(c) for op, c in self.candidates(n, m).items()},
+            return Strategy.of({op: rng.choice(c) for op, c in self.candidates(n, m)[0].items()},
                                n, m, schedule)
         if init == "pipeline":
             return pipeline(g, n, m, schedule)
@@ -168,9 +170,9 @@ class _Trials:
             seconds = left if seconds is None else min(seconds, left)
         stats = ChainStats()
         try:
-            candidates = self.candidates(n, m)
+            candidates, neighbors = self.candidates(n, m)
             run_chain(start, evaluate, candidates, Budget(seconds, proposals), rng, beta, stats=stats,
-                      neighbors=neighbor_ops(self.graph, candidates))
+                      neighbors=neighbors)
         except RuntimeError as e:  # a simulator error ends this chain, not the study
             log.warning("trial %d: chain stopped after %d proposals: %s", trial.number,
                         stats.proposals, str(e)[:200])

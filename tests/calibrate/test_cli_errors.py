@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from soapsearch.calibrate._spawn import SpawnError
 from soapsearch.cli import main
 from soapsearch.executor import build_model
 from strategies import baseline, save_strategy
@@ -57,7 +58,7 @@ def test_calibrate_bad_nproc(tmp_path, capsys):
                                   ["calibrate", "--nproc", "2", "-o", "t.json"]])
 def test_failing_processes_are_reported_the_same_way(argv, capsys, monkeypatch):
     def failed(*args, **kwargs):
-        raise RuntimeError("calibration processes failed: rank 0: no result")
+        raise SpawnError("calibration processes failed: rank 0: no result")
     module = importlib.import_module("soapsearch.calibrate." + ("compare" if argv[0] == "compare" else "measure"))
     monkeypatch.setattr(module, argv[0], failed)  # (the package's own `compare` is the function)
     _fails(capsys, argv, "calibration processes failed: rank 0: no result")

@@ -165,7 +165,7 @@ def test_ctrl_c_stops_every_chain_and_keeps_their_best():
         stats, interrupted = run_chains(chains, evaluate, candidate_configs(g, 4, 1, None), base, t0,
                                         beta=None, reset_every=500, workers=workers, on_step=interrupt)
         assert interrupted and time.perf_counter() - t0 < 30
-        assert 20 < stats.proposals < 10_000 and stats.best_cost <= base.best_cost
+        assert stats.proposals > 20 and stats.best_cost <= base.best_cost  # stopped well inside 60 s: above
         assert seen[-1].best_ms <= base.best_result.iteration_ms
         seen.clear()
 
