@@ -25,11 +25,13 @@ class TrainModel:
 
 
 def build_model(spec: str, variant: str = "default", batch_size: int | None = None, seed: int = 0,
-                dtype: str | None = None) -> TrainModel:
+                dtype: str | None = None, device: str = "cpu") -> TrainModel:
     """Build MODEL (a zoo name or ``file.py:factory`` / ``module:factory``) for real on the CPU
-    with ``seed``, cast its floating weights and inputs to ``dtype`` if given, and trace it."""
+    with ``seed``, cast its floating weights and inputs to ``dtype`` if given, and trace it.
+    ``device="meta"`` builds a zoo model without its weights (the same graph, for checks only);
+    a factory builds where it builds."""
     if spec in zoo.names():
-        model, inputs = zoo.build(spec, variant, batch_size=batch_size, device="cpu", seed=seed)
+        model, inputs = zoo.build(spec, variant, batch_size=batch_size, device=device, seed=seed)
         inputs = tuple(inputs)
     else:
         with torch.random.fork_rng():
