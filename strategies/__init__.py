@@ -1,7 +1,7 @@
 """What a plan is: the OpGraph IR and op rules, ParallelConfig and Strategy, their JSON, and the
 baseline plans. The bottom layer: imports neither ``simulator`` nor ``soapsearch``."""
 
-from strategies.baselines import (BASELINES, balanced_stages, baseline, data_parallel,
+from strategies.baselines import (BASELINES, balanced_stages, baseline, data_parallel, hybrid,
                                   model_parallel, owt, pipeline)
 from strategies.config import ParallelConfig, enumerate_configs, validate_config
 from strategies.errors import PlanError
@@ -14,7 +14,7 @@ from strategies.strategy import SCHEDULES, Strategy
 __all__ = [
     "BASELINES", "Box", "Dim", "OpGraph", "OpNode", "OpRule", "ParallelConfig", "PlanError",
     "PlanFile", "Reduction", "SCHEDULES", "Strategy", "TensorSpec", "Weight", "balanced_stages",
-    "baseline", "data_parallel", "enumerate_configs", "get_rule", "load_strategy",
+    "baseline", "data_parallel", "enumerate_configs", "get_rule", "hybrid", "load_strategy",
     "model_parallel", "owt", "pipeline", "read_plan", "save_strategy", "strategy_to_json",
     "validate_config",
 ]

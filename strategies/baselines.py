@@ -1,16 +1,19 @@
-"""Baseline plans an expert would write: data parallel, model parallel, OWT and pipeline."""
+"""Baseline plans an expert would write: data parallel, model parallel, OWT, pipeline, and
+data x tensor parallel (``hybrid``) for a batch the devices do not divide."""
 
 from __future__ import annotations
 
+import itertools
 from typing import Callable, Sequence
 
 from strategies.config import ParallelConfig
 from strategies.errors import PlanError
 from strategies.graph import OpGraph, OpNode
+from strategies.region import partition_index
 from strategies.rules import get_rule
 from strategies.strategy import Strategy
 
-__all__ = ["BASELINES", "baseline", "data_parallel", "model_parallel", "owt", "param_split", "pipeline",
+__all__ = ["BASELINES", "baseline", "data_parallel", "hybrid", "model_parallel", "owt", "param_split", "pipeline",
            "balanced_stages"]
 
 _WHOLE = {"input", "parameter", "constant"}
@@ -58,6 +61,42 @@ def data_parallel(graph: OpGraph, num_devices: int) -> Strategy:
     devices = tuple(range(num_devices))
     return Strategy.of({n.name: _split_one(n, n.sample_dim, num_devices, devices) or _whole(n)
                         for n in graph}, num_devices)
+
+
+def hybrid(graph: OpGraph, num_devices: int) -> Strategy:
+    """Data parallel as far as the batch allows, the rest tensor parallel (DP x TP): s = the
+    largest divisor of num_devices that divides the batch, t = num_devices / s; every op cut s
+    ways on its sample dim and t ways on its first parameter dim that takes t, else its first
+    attribute dim. Partition (sample i, other j) runs on device i·t + j, so each sample
+    shard's t-way group is t consecutive devices. An op no other dim of which takes t runs s
+    ways on devices 0, t, 2t...; one with no sample dim (or one s does not divide) whole on
+    device 0. With a batch divisible by num_devices (t = 1) it is ``data_parallel``."""
+    _check_counts(num_devices)
+    batch = graph.batch_size
+    if batch is None:
+        raise PlanError(None, "batch_size", None, "the model has no op with a sample dim to split")
+    s = max(d for d in range(1, num_devices + 1) if num_devices % d == 0 and batch % d == 0)
+    return Strategy.of({n.name: _hybrid_one(n, s, num_devices // s) for n in graph}, num_devices)
+
+
+def _hybrid_one(node: OpNode, s: int, t: int) -> ParallelConfig:
+    i = node.sample_dim
+    rule = get_rule(node.kind)
+    ok = rule.splittable(node)
+    if i is None or not ok[i] or node.shape[i] % s:
+        return _whole(node)
+    for k in [k for role in ("parameter", "attribute") for k, dim in enumerate(node.dims)
+              if dim.role == role and t > 1 and ok[k] and node.shape[k] % t == 0]:
+        degrees = tuple(s if d == i else t if d == k else 1 for d in range(len(node.dims)))
+        if rule.check_degrees(node, degrees) is None:
+            step = {i: t, k: 1}  # the device of partition (sample c_i, dim k c_k) is c_i·t + c_k
+            devices = tuple(sum(c * step[d] for d, c in enumerate(idx) if d in step)
+                            for idx in map(partition_index, range(s * t), itertools.repeat(degrees)))
+            return ParallelConfig(degrees, devices)
+    degrees = tuple(s if d == i else 1 for d in range(len(node.dims)))
+    if s > 1 and rule.check_degrees(node, degrees):
+        return _whole(node)
+    return ParallelConfig(degrees, tuple(range(0, s * t, t)))
 
 
 def balanced_stages(graph: OpGraph, stages: int) -> list[list[str]]:
@@ -140,6 +179,7 @@ def param_split(graph: OpGraph, num_devices: int) -> Strategy:
 
 BASELINES: dict[str, Callable[..., Strategy]] = {
     "data_parallel": data_parallel,
+    "hybrid": hybrid,
     "model_parallel": model_parallel,
     "owt": owt,
     "pipeline": pipeline,

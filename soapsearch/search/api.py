@@ -95,10 +95,13 @@ def save_found(path: str | os.PathLike, found: FoundPlan) -> None:
 def best_baselines(graph: OpGraph, num_devices: int, evaluate: Evaluator
                    ) -> tuple[dict[str, Strategy], dict[str, SimResult]]:
     """Each baseline that is valid for this graph, simulated; ``pipeline`` is the best of
-    GPipe and 1F1B over 2, 4 and 8 micro-batches."""
+    GPipe and 1F1B over 2, 4 and 8 micro-batches; ``hybrid`` (data x tensor parallel) only
+    where the batch does not divide by the devices (else it is data parallel)."""
     plans: dict[str, Strategy] = {}
     results: dict[str, SimResult] = {}
-    for name in ("data_parallel", "model_parallel", "owt"):
+    for name in ("data_parallel", "hybrid", "model_parallel", "owt"):
+        if name == "hybrid" and "data_parallel" in plans:  # it is data parallel then
+            continue
         try:
             plans[name] = baseline(name, graph, num_devices)
         except PlanError:
@@ -147,8 +150,8 @@ def _initial(item: Any, graph: OpGraph, n: int, rng: random.Random, candidates, 
     elif isinstance(item, (str, os.PathLike)) and (str(item).endswith(".json") or os.path.exists(item)):
         plan, where = load_strategy(item, graph), f"init {os.fspath(item)}"
     else:
-        raise PlanError(None, "init", item, "must be a baseline name (data_parallel, model_parallel, "
-                        "owt, pipeline), 'random', a plan JSON path or a Strategy")
+        raise PlanError(None, "init", item, f"must be a baseline name ({', '.join(BASELINES)}), 'random', a plan "
+                        "JSON path or a Strategy")
     if plan.num_devices != n:
         raise PlanError(None, "num_devices", plan.num_devices, f"the search uses {n} devices", where)
     if plan.microbatches != microbatches:
@@ -169,12 +172,13 @@ def _check(name: str, value: Any, least: int, optional: bool = True) -> None:
 def search(model: torch.nn.Module | OpGraph, example_inputs: Sequence[Any] | None = None, *,
            topology: Topology | str = "p100-4x4", budget_s: float | None = 60.0,
            proposals: int | None = None, cost_model: CostModel | str = "analytical",
-           init: Sequence[Any] = ("data_parallel",), seed: int = 0, microbatches: int = 1,
+           init: Sequence[Any] | None = None, seed: int = 0, microbatches: int = 1,
            schedule: str = "gpipe", beta: float | None = None, optimizer: str = "sgd",
            num_devices: int | None = None, reset_every: int = 500, chains: int | None = None,
            workers: int | None = None, on_step: Callable[[Progress], None] | None = None) -> SearchResult:
     """Search a plan for ``model`` (with ``example_inputs``) or an OpGraph on ``topology``.
-    ``chains`` MCMC chains (default one per initial plan; chain i starts from ``init[i % len]``,
+    ``init``: the chains' initial plans (default data parallel, or ``hybrid`` data x tensor
+    parallel where the batch does not divide by the devices). ``chains`` MCMC chains (default one per initial plan; chain i starts from ``init[i % len]``,
     each with its own random stream), ``workers`` of them side by side in forked processes
     (default one per chain up to the cores, one when the cost model times kernels here). The
     seconds are split evenly between the rounds of ``workers`` chains, the proposals between
@@ -212,6 +216,8 @@ def search(model: torch.nn.Module | OpGraph, example_inputs: Sequence[Any] | Non
         consider(stats, plan, results[name], plan_cost(results[name]), started)
     if stats.best_result is not None and not stats.best_result.fits:
         _accumulate(graph, n, evaluate, stats, started)
+    if init is None:  # data parallel, or data x tensor parallel where the batch does not divide by n
+        init = ("data_parallel",) if "data_parallel" in plans or "hybrid" not in plans else ("hybrid",)
     inits = [_initial(i, graph, n, rng, candidates, microbatches, schedule, plans) for i in init]
     if not inits:
         raise ValueError("search needs at least one initial plan (init)")

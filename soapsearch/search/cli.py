@@ -23,8 +23,9 @@ def add_search_parsers(sub, model_args, graph_of) -> None:
     sp.add_argument("--budget", type=float, default=60.0,
                     help="seconds (default 60; 0: no time limit, stop after --proposals)")
     sp.add_argument("--proposals", type=int, default=None, help="also stop after this many proposals")
-    sp.add_argument("--init", default="data_parallel",
-                    help="comma list of initial plans: baseline names, 'random', plan JSON paths")
+    sp.add_argument("--init", default=None,
+                    help="comma list of initial plans: baseline names, 'random', plan JSON paths "
+                         "(default data_parallel, or hybrid where the batch does not divide by the devices)")
     sp.add_argument("--seed", type=int, default=0)
     sp.add_argument("--cost-model", default="analytical", choices=["analytical", "profiled"])
     sp.add_argument("--microbatches", type=int, default=1)
@@ -79,7 +80,7 @@ def _cmd_search(args, graph_of) -> int:
         else:
             result = search(graph, topology=args.topology, budget_s=args.budget or None,
                             proposals=args.proposals, cost_model=cost,
-                            init=tuple(args.init.split(",")), seed=args.seed,
+                            init=None if args.init is None else tuple(args.init.split(",")), seed=args.seed,
                             microbatches=args.microbatches, schedule=args.schedule,
                             num_devices=args.devices, chains=args.chains, workers=args.workers,
                             on_step=on_step)

@@ -38,12 +38,12 @@ from soapsearch.search.mcmc import (
     run_chain,
 )
 from strategies import OpGraph, PlanError, Strategy, load_strategy
-from strategies.baselines import data_parallel, model_parallel, owt, pipeline
+from strategies.baselines import BASELINES, pipeline
 from strategies.serialize import strategy_to_json
 
 __all__ = ["StudyResult", "TrialRecord", "open_storage", "study_search"]
 
-INITS = ("data_parallel", "owt", "model_parallel", "pipeline", "random")
+INITS = ("data_parallel", "hybrid", "owt", "model_parallel", "pipeline", "random")
 MICROBATCHES = (1, 2, 4, 8)
 SCHEDULES = ("gpipe", "1f1b")
 BETA_SCALE = (0.1, 10.0)
@@ -144,7 +144,7 @@ class _Trials:
                                n, m, schedule)
         if init == "pipeline":
             return pipeline(g, n, m, schedule)
-        plan = {"data_parallel": data_parallel, "owt": owt, "model_parallel": model_parallel}[init](g, n)
+        plan = BASELINES[init](g, n)
         return plan.with_microbatches(m, schedule)
 
     def __call__(self, trial: optuna.Trial) -> float:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import random
 
-from strategies.baselines import balanced_stages, data_parallel, model_parallel, owt, pipeline
+from strategies.baselines import balanced_stages, data_parallel, hybrid, model_parallel, owt, pipeline
 from strategies.config import ParallelConfig, enumerate_configs
 from strategies.graph import OpGraph
 from strategies.rules import get_rule
@@ -63,6 +63,8 @@ def make_plan(graph: OpGraph, name: str, n: int) -> Strategy:
         return model_parallel(graph, n)
     if name == "owt":
         return owt(graph, n)
+    if name == "hybrid":
+        return hybrid(graph, n)
     if name in ("gpipe", "1f1b"):
         return pipeline(graph, n, 2, name)
     if name == "param":  # every linear cut on out_features, the rest data parallel

@@ -41,6 +41,8 @@ CASES_4 = [
     ("alexnet", "spatial"), ("resnet101", "dp"), ("rnnlm", "gpipe"),
     ("mlp", "loss_some"), ("mlp", "stages_dp"), (M + "regression", "loss_some"), (M + "weighted", "stages_dp"),
     (M + "summed", "stages_dp"),
+    # batch 2 on 4 devices: data parallel 2 ways x tensor parallel 2 ways
+    ("mlp", "hybrid", 2), ("gpt", "hybrid", 2), ("alexnet", "hybrid", 2),
 ]
 
 

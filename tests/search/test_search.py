@@ -83,6 +83,26 @@ def test_init_from_a_plan_file_and_bad_init(tmp_path):
         search(g, topology="p100-1x2", budget_s=None, proposals=5, init=("nope",))
 
 
+def test_default_start_where_the_batch_does_not_divide_by_the_devices(tmp_path, capsys):
+    """Batch 2 on 4 devices: no data parallel (nor OWT) plan; the chains start from ``hybrid``
+    (data parallel 2 ways x tensor parallel 2 ways), which the closing table lists; data
+    parallel asked for by name is still refused with its reason."""
+    g = traced("gpt", batch_size=2)
+    r = search(g, topology="p100-1x4", budget_s=None, proposals=100, seed=0)
+    assert "data_parallel" not in r.baselines and "owt" not in r.baselines
+    hybrid_ms = simulate_plan(g, baseline("hybrid", g, 4), get_topology("p100-1x4")).iteration_ms
+    assert r.baselines["hybrid"] == hybrid_ms and r.predicted_ms <= min(r.baselines.values())
+    with pytest.raises(ValueError, match=r"batch 2 is not divisible by 4 devices"):
+        search(g, topology="p100-1x4", budget_s=None, proposals=5, init=("data_parallel",))
+    assert "hybrid" not in search(traced("gpt"), topology="p100-1x4", budget_s=None, proposals=5).baselines
+    out = tmp_path / "plan.json"
+    assert main(["search", "gpt", "--variant", "tiny", "--batch-size", "2", "--topology", "p100-1x4",
+                 "--budget", "0", "--proposals", "50", "-o", str(out)]) == 0
+    shown = capsys.readouterr().out
+    assert "\nhybrid " in shown and "data_parallel" not in shown
+    assert load_strategy(out, g).num_devices == 4
+
+
 def test_cli_search_json_and_show_plan(tmp_path, capsys):
     out = tmp_path / "plan.json"
     assert main(["search", "mlp", "--variant", "tiny", "--topology", "p100-1x2", "--budget", "30",

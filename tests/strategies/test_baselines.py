@@ -1,13 +1,16 @@
 import pytest
 
-from strategies import PlanError, baseline, balanced_stages, data_parallel, model_parallel, owt, pipeline
+from strategies import (PlanError, baseline, balanced_stages, data_parallel, hybrid, model_parallel, owt,
+                        pipeline)
+from strategies.region import partition_index
+from strategies.rules import get_rule
 from tests.conftest import traced
 
 ZOO = ["alexnet", "inception_v3", "resnet101", "rnntc", "rnnlm", "nmt", "mlp", "gpt"]
 
 
 @pytest.mark.parametrize("name", ZOO)
-@pytest.mark.parametrize("kind", ["data_parallel", "model_parallel", "owt", "pipeline"])
+@pytest.mark.parametrize("kind", ["data_parallel", "hybrid", "model_parallel", "owt", "pipeline"])
 def test_every_baseline_is_valid(name, kind):
     g = traced(name)
     plan = baseline(kind, g, 2, microbatches=2)
@@ -70,3 +73,43 @@ def test_pipeline_micro_batches():
 def test_unknown_baseline():
     with pytest.raises(PlanError, match=r"baseline = 'zero': must be one of"):
         baseline("zero", traced("mlp"), 2)
+
+
+@pytest.mark.parametrize("name", ZOO)
+def test_hybrid_is_data_parallel_when_the_batch_divides(name):
+    g = traced(name)  # batch 4
+    assert hybrid(g, 4) == data_parallel(g, 4)
+    assert hybrid(g, 2) == data_parallel(g, 2)
+
+
+@pytest.mark.parametrize("name", ZOO)
+def test_hybrid_cuts_the_rest_of_the_devices(name):
+    """Batch 2 on 4 devices: data parallel 2 ways x 2 ways on the first parameter dim that
+    takes it (else the first attribute dim); partition (sample i, other j) on device 2i + j."""
+    g = traced(name, batch_size=2)
+    plan = hybrid(g, 4)
+    plan.validate(g)
+    cut_p = 0
+    for n in g:
+        cfg, i = plan[n.name], n.sample_dim
+        if i is None:
+            assert cfg.parts == 1, n.name
+            continue
+        assert cfg.degrees[i] == 2, (n.name, cfg)
+        rule = get_rule(n.kind)
+
+        def takes(k):
+            degrees = tuple(2 if x == i else 2 if x == k else 1 for x in range(len(n.dims)))
+            return k != i and rule.splittable(n)[k] and n.shape[k] % 2 == 0 and rule.check_degrees(n, degrees) is None
+
+        first = [k for role in ("parameter", "attribute") for k, d in enumerate(n.dims) if d.role == role and takes(k)]
+        others = [k for k, d in enumerate(cfg.degrees) if d > 1 and k != i]
+        if not first:  # no other dim takes 2: on the first device of each sample shard's pair
+            assert others == [] and cfg.devices == (0, 2), (n.name, cfg)
+            continue
+        assert others == first[:1] and cfg.degrees[first[0]] == 2, (n.name, cfg)
+        cut_p += n.dims[first[0]].role == "parameter"
+        for p, dev in enumerate(cfg.devices):
+            c = partition_index(p, cfg.degrees)
+            assert dev == 2 * c[i] + c[first[0]], (n.name, cfg)
+    assert cut_p > 0
