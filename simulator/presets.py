@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from simulator.devices import DeviceSpec, Link
-from simulator.topology import Topology, _device, _err, _get, _link_extras
+from simulator.topology import Topology, _err
+from simulator.topology_json import _device, _get, _link_extras
 
 __all__ = ["PRESETS", "PATTERNS", "MAX_DEVICES", "INTRA_SHAPES", "INTER_SHAPES", "Fabric", "cluster",
            "cluster_from_json", "get_topology"]
