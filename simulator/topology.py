@@ -275,3 +275,8 @@ def _us(seconds: float) -> str:
 
 def _gbs(bandwidth: float) -> str:
     return f"{bandwidth / 1e9:.4g} GB/s"
+
+
+def _from_json(obj: Any, where: str = "topology JSON") -> Topology:
+    """``Topology.from_json``, by the name pickles made before ``topology_json.py`` refer to."""
+    return Topology.from_json(obj, where)

@@ -63,18 +63,19 @@ def data_parallel(graph: OpGraph, num_devices: int) -> Strategy:
                         for n in graph}, num_devices)
 
 
-def hybrid(graph: OpGraph, num_devices: int) -> Strategy:
+def hybrid(graph: OpGraph, num_devices: int, microbatches: int = 1) -> Strategy:
     """Data parallel as far as the batch allows, the rest tensor parallel (DP x TP): s = the
-    largest divisor of num_devices that divides the batch, t = num_devices / s; every op cut s
-    ways on its sample dim and t ways on its first parameter dim that takes t, else its first
-    attribute dim. Partition (sample i, other j) runs on device i·t + j, so each sample
-    shard's t-way group is t consecutive devices. An op no other dim of which takes t runs s
-    ways on devices 0, t, 2t...; one with no sample dim (or one s does not divide) whole on
-    device 0. With a batch divisible by num_devices (t = 1) it is ``data_parallel``."""
+    largest divisor of num_devices that divides the micro-batch (batch / ``microbatches``),
+    t = num_devices / s; every op cut s ways on its sample dim and t ways on its first
+    parameter dim that takes t, else its first attribute dim. Partition (sample i, other j)
+    runs on device i·t + j, so each sample shard's t-way group is t consecutive devices. An op
+    no other dim of which takes t runs s ways on devices 0, t, 2t...; one that cannot be cut
+    s ways on its sample dim (none, or one s does not divide or its rule refuses) whole on
+    device 0 (with s = 1 only its other dim is cut). Where the micro-batch divides by
+    num_devices (t = 1) it is ``data_parallel``. The plan has one micro-batch
+    (``with_microbatches`` sets them)."""
+    batch = _check_batch(graph, 1, microbatches) // microbatches
     _check_counts(num_devices)
-    batch = graph.batch_size
-    if batch is None:
-        raise PlanError(None, "batch_size", None, "the model has no op with a sample dim to split")
     s = max(d for d in range(1, num_devices + 1) if num_devices % d == 0 and batch % d == 0)
     return Strategy.of({n.name: _hybrid_one(n, s, num_devices // s) for n in graph}, num_devices)
 
@@ -83,10 +84,10 @@ def _hybrid_one(node: OpNode, s: int, t: int) -> ParallelConfig:
     i = node.sample_dim
     rule = get_rule(node.kind)
     ok = rule.splittable(node)
-    if i is None or not ok[i] or node.shape[i] % s:
+    if s > 1 and (i is None or not ok[i] or node.shape[i] % s):
         return _whole(node)
     for k in [k for role in ("parameter", "attribute") for k, dim in enumerate(node.dims)
-              if dim.role == role and t > 1 and ok[k] and node.shape[k] % t == 0]:
+              if dim.role == role and k != i and t > 1 and ok[k] and node.shape[k] % t == 0]:
         degrees = tuple(s if d == i else t if d == k else 1 for d in range(len(node.dims)))
         if rule.check_degrees(node, degrees) is None:
             step = {i: t, k: 1}  # the device of partition (sample c_i, dim k c_k) is c_i·t + c_k

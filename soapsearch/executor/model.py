@@ -29,7 +29,7 @@ def build_model(spec: str, variant: str = "default", batch_size: int | None = No
     """Build MODEL (a zoo name or ``file.py:factory`` / ``module:factory``) for real on the CPU
     with ``seed``, cast its floating weights and inputs to ``dtype`` if given, and trace it.
     ``device="meta"`` builds a zoo model without its weights (the same graph, for checks only);
-    a factory builds where it builds."""
+    a factory's model is built on the CPU whatever ``device`` says (the factory makes it)."""
     if spec in zoo.names():
         model, inputs = zoo.build(spec, variant, batch_size=batch_size, device=device, seed=seed)
         inputs = tuple(inputs)

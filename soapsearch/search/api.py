@@ -22,7 +22,7 @@ from soapsearch.search.mcmc import (Budget, ChainStats, candidate_configs, consi
                                     positive, whole)
 from soapsearch.trace import trace
 from strategies import (OpGraph, PlanError, Strategy, baseline, load_strategy, save_strategy)
-from strategies.baselines import BASELINES
+from strategies.baselines import BASELINES, hybrid
 from strategies.strategy import SCHEDULES
 from strategies.lowering import lower
 
@@ -120,12 +120,13 @@ def best_baselines(graph: OpGraph, num_devices: int, evaluate: Evaluator
 
 
 def _accumulate(graph: OpGraph, n: int, evaluate: Evaluator, stats: ChainStats, started: float) -> None:
-    """When no expert plan fits: data parallel with gradient accumulation, 1F1B over 2, 4, 8
-    micro-batches (one micro-batch's activations held at a time), the fewest that fits
-    considered as the answer (it is not a chain's start: the chains keep their micro-batches)."""
+    """When no expert plan fits: data parallel (``hybrid`` where a micro-batch does not divide by
+    n) with gradient accumulation, 1F1B over 2, 4, 8 micro-batches (one micro-batch's
+    activations held at a time), the fewest that fits considered as the answer (it is not a
+    chain's start: the chains keep their micro-batches)."""
     for m in PIPELINE_MICROBATCHES:
         try:
-            plan = baseline("data_parallel", graph, n).with_microbatches(m, "1f1b")
+            plan = hybrid(graph, n, m).with_microbatches(m, "1f1b")
         except PlanError:
             continue
         result = evaluate(plan)
@@ -139,6 +140,8 @@ def _initial(item: Any, graph: OpGraph, n: int, rng: random.Random, candidates, 
     if item == "random":
         return Strategy.of({op: rng.choice(cfgs) for op, cfgs in candidates.items()}, n,
                            microbatches, schedule)
+    if item == "hybrid":  # for the chains' micro-batches (data parallel where they divide by n)
+        return hybrid(graph, n, microbatches).with_microbatches(microbatches, schedule)
     if item in baselines:
         plan = baselines[item]
         return plan if item == "pipeline" else plan.with_microbatches(microbatches, schedule)
@@ -177,14 +180,15 @@ def search(model: torch.nn.Module | OpGraph, example_inputs: Sequence[Any] | Non
            num_devices: int | None = None, reset_every: int = 500, chains: int | None = None,
            workers: int | None = None, on_step: Callable[[Progress], None] | None = None) -> SearchResult:
     """Search a plan for ``model`` (with ``example_inputs``) or an OpGraph on ``topology``.
-    ``init``: the chains' initial plans (default data parallel, or ``hybrid`` data x tensor
-    parallel where the batch does not divide by the devices). ``chains`` MCMC chains (default one per initial plan; chain i starts from ``init[i % len]``,
-    each with its own random stream), ``workers`` of them side by side in forked processes
+    ``init``: the chains' initial plans (default ``hybrid``: data parallel, or data x tensor
+    parallel where a micro-batch does not divide by the devices). ``chains`` MCMC chains
+    (default one per initial plan; chain i starts from ``init[i % len]``, each with its own
+    random stream), ``workers`` of them side by side in forked processes
     (default one per chain up to the cores, one when the cost model times kernels here). The
     seconds are split evenly between the rounds of ``workers`` chains, the proposals between
     the chains. The result is never worse than the best initial plan nor than any baseline
-    (they are scored first), and when no baseline fits in device memory, data parallel with
-    gradient accumulation is tried too (``_accumulate``). Deterministic for a seed under a
+    (they are scored first), and when no baseline fits in device memory, data parallel (or
+    ``hybrid``) with gradient accumulation is tried too (``_accumulate``). Deterministic for a seed under a
     proposal budget, with any number of workers. ``on_step`` gets a ``Progress`` as it goes."""
     budget = Budget(budget_s, proposals)  # checks them
     for name, value, least in (("num_devices", num_devices, 1), ("chains", chains, 1), ("workers", workers, 1)):
@@ -216,8 +220,8 @@ def search(model: torch.nn.Module | OpGraph, example_inputs: Sequence[Any] | Non
         consider(stats, plan, results[name], plan_cost(results[name]), started)
     if stats.best_result is not None and not stats.best_result.fits:
         _accumulate(graph, n, evaluate, stats, started)
-    if init is None:  # data parallel, or data x tensor parallel where the batch does not divide by n
-        init = ("data_parallel",) if "data_parallel" in plans or "hybrid" not in plans else ("hybrid",)
+    if init is None:  # data parallel, or data x tensor parallel where the micro-batch does not divide by n
+        init = ("hybrid",)
     inits = [_initial(i, graph, n, rng, candidates, microbatches, schedule, plans) for i in init]
     if not inits:
         raise ValueError("search needs at least one initial plan (init)")

@@ -38,7 +38,7 @@ from soapsearch.search.mcmc import (
     run_chain,
 )
 from strategies import OpGraph, PlanError, Strategy, load_strategy
-from strategies.baselines import BASELINES, pipeline
+from strategies.baselines import BASELINES, hybrid, pipeline
 from strategies.serialize import strategy_to_json
 
 __all__ = ["StudyResult", "TrialRecord", "open_storage", "study_search"]
@@ -119,6 +119,9 @@ class _Trials:
         self.graph, self.topo, self.cost, self.seed = graph, topo, cost, seed
         self.budget, self.deadline = budget, deadline
         self.device_choices, self.microbatch_choices = device_choices, microbatch_choices
+        self.inits = INITS
+        """The initial plans trials choose from: a resumed study keeps those it was made with
+        (optuna refuses a categorical whose choices changed)."""
         self._evaluators: dict[int, Evaluator] = {}
         self._candidates: dict[tuple[int, int], tuple[dict, dict]] = {}
         self.plans: dict[int, Strategy] = {}  # trial number -> its best plan (this process)
@@ -144,14 +147,14 @@ class _Trials:
                                n, m, schedule)
         if init == "pipeline":
             return pipeline(g, n, m, schedule)
-        plan = BASELINES[init](g, n)
+        plan = hybrid(g, n, m) if init == "hybrid" else BASELINES[init](g, n)
         return plan.with_microbatches(m, schedule)
 
     def __call__(self, trial: optuna.Trial) -> float:
         n = trial.suggest_categorical("num_devices", self.device_choices)
         m = trial.suggest_categorical("microbatches", self.microbatch_choices)
         schedule = trial.suggest_categorical("schedule", list(SCHEDULES))
-        init = trial.suggest_categorical("init", list(INITS))
+        init = trial.suggest_categorical("init", list(self.inits))
         scale = trial.suggest_float("beta_scale", *BETA_SCALE, log=True)
         rng = chain_rng(self.seed, trial.number)
         try:
@@ -235,6 +238,9 @@ def study_search(graph: OpGraph, *, topology: Topology | str, budget_s: float | 
         except Exception as e:
             raise ValueError(f"storage {storage!r}: cannot open the study: {e}") from e
         _check_same_problem(study, graph, topo)
+        made_with = [t.distributions["init"].choices for t in study.trials if "init" in t.distributions]
+        if made_with:  # a study made before 'hybrid' was a choice keeps its own
+            objective.inits = tuple(made_with[0])
         if not study.trials:  # a fresh study: the experts go first
             for name, plan in plans.items():
                 study.enqueue_trial({"num_devices": full, "microbatches": plan.microbatches,

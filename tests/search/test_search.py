@@ -95,11 +95,15 @@ def test_default_start_where_the_batch_does_not_divide_by_the_devices(tmp_path, 
     with pytest.raises(ValueError, match=r"batch 2 is not divisible by 4 devices"):
         search(g, topology="p100-1x4", budget_s=None, proposals=5, init=("data_parallel",))
     assert "hybrid" not in search(traced("gpt"), topology="p100-1x4", budget_s=None, proposals=5).baselines
+    six = traced("gpt", batch_size=6)  # 2 micro-batches of 3 on 4 devices: hybrid per micro-batch
+    r = search(six, topology="p100-1x4", budget_s=None, proposals=20, microbatches=2)  # used to refuse its start
+    r.strategy.validate(six)
+    assert r.predicted_ms <= min(r.baselines.values())
     out = tmp_path / "plan.json"
     assert main(["search", "gpt", "--variant", "tiny", "--batch-size", "2", "--topology", "p100-1x4",
                  "--budget", "0", "--proposals", "50", "-o", str(out)]) == 0
     shown = capsys.readouterr().out
-    assert "\nhybrid " in shown and "data_parallel" not in shown
+    assert "\nhybrid " in shown and "data_parallel" not in shown and "vs hybrid" in shown
     assert load_strategy(out, g).num_devices == 4
 
 

@@ -80,6 +80,21 @@ def test_journal_storage_and_save(mlp, tmp_path):
     assert load_strategy(out, mlp) == found.strategy
 
 
+def test_a_study_made_with_other_initial_plans_resumes(mlp, tmp_path, monkeypatch):
+    """optuna refuses a categorical whose choices changed: a study made before 'hybrid' was an
+    initial plan keeps drawing from the choices it was made with."""
+    from soapsearch.search import study as module
+
+    path = str(tmp_path / "old.jsonl")
+    old = tuple(i for i in INITS if i != "hybrid")
+    monkeypatch.setattr(module, "INITS", old)
+    study_search(mlp, topology=TOPO, trials=2, trial_proposals=5, storage=path, study_name="s")
+    monkeypatch.undo()
+    again = study_search(mlp, topology=TOPO, trials=3, trial_proposals=5, storage=path, study_name="s")
+    assert len(again.trials) == 5
+    assert all(t.distributions["init"].choices == old for t in again.study.trials)
+
+
 @pytest.mark.parametrize("bad", ["study.db", "nowhere.txt", 42])
 def test_bad_storage_is_named(bad):
     with pytest.raises(ValueError, match="storage"):

@@ -113,3 +113,24 @@ def test_hybrid_cuts_the_rest_of_the_devices(name):
             c = partition_index(p, cfg.degrees)
             assert dev == 2 * c[i] + c[first[0]], (n.name, cfg)
     assert cut_p > 0
+
+
+def test_hybrid_per_micro_batch_and_with_no_data_parallelism():
+    """s divides the micro-batch, not the batch: batch 6 in 2 micro-batches on 4 devices has s =
+    gcd(3, 4) = 1, so every op is cut 4 ways on a parameter or attribute dim where one takes 4
+    (an unsplittable sample dim does not matter then), else whole on device 0."""
+    g = traced("gpt", batch_size=6)
+    assert hybrid(g, 4) != hybrid(g, 4, 2)  # s = 2 for the whole batch
+    plan = hybrid(g, 4, 2).with_microbatches(2, "gpipe")
+    plan.validate(g)
+    for n in g:
+        cfg = plan[n.name]
+        if n.sample_dim is not None:
+            assert cfg.degrees[n.sample_dim] == 1, n.name
+        assert cfg.parts in (1, 4) and (cfg.parts == 1) == (cfg.devices == (0,)), (n.name, cfg)
+    assert sum(plan[n.name].parts == 4 for n in g) > len(g.nodes) // 2
+    one = traced("gpt", batch_size=1)  # batch 1: s = 1, and the sample dims (size 1) take no cut
+    same = hybrid(one, 4)
+    assert [same[n.name].show(n.dims) for n in one] == [plan[n.name].show(n.dims) for n in g]
+    with pytest.raises(PlanError, match=r"microbatches = 4: batch 6 is not divisible"):
+        hybrid(g, 4, 4)
