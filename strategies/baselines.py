@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 from typing import Callable, Sequence
 
-from strategies.config import ParallelConfig
+from strategies.config import ParallelConfig, check_degrees
 from strategies.errors import PlanError
 from strategies.graph import OpGraph, OpNode
 from strategies.region import partition_index
@@ -77,10 +77,10 @@ def hybrid(graph: OpGraph, num_devices: int, microbatches: int = 1) -> Strategy:
     batch = _check_batch(graph, 1, microbatches) // microbatches
     _check_counts(num_devices)
     s = max(d for d in range(1, num_devices + 1) if num_devices % d == 0 and batch % d == 0)
-    return Strategy.of({n.name: _hybrid_one(n, s, num_devices // s) for n in graph}, num_devices)
+    return Strategy.of({n.name: _hybrid_one(n, s, num_devices // s, microbatches) for n in graph}, num_devices)
 
 
-def _hybrid_one(node: OpNode, s: int, t: int) -> ParallelConfig:
+def _hybrid_one(node: OpNode, s: int, t: int, m: int) -> ParallelConfig:
     i = node.sample_dim
     rule = get_rule(node.kind)
     ok = rule.splittable(node)
@@ -89,13 +89,13 @@ def _hybrid_one(node: OpNode, s: int, t: int) -> ParallelConfig:
     for k in [k for role in ("parameter", "attribute") for k, dim in enumerate(node.dims)
               if dim.role == role and k != i and t > 1 and ok[k] and node.shape[k] % t == 0]:
         degrees = tuple(s if d == i else t if d == k else 1 for d in range(len(node.dims)))
-        if rule.check_degrees(node, degrees) is None:
+        if check_degrees(node, degrees, m) is None:
             step = {i: t, k: 1}  # the device of partition (sample c_i, dim k c_k) is c_i·t + c_k
             devices = tuple(sum(c * step[d] for d, c in enumerate(idx) if d in step)
                             for idx in map(partition_index, range(s * t), itertools.repeat(degrees)))
             return ParallelConfig(degrees, devices)
     degrees = tuple(s if d == i else 1 for d in range(len(node.dims)))
-    if s > 1 and rule.check_degrees(node, degrees):
+    if s > 1 and check_degrees(node, degrees, m):
         return _whole(node)
     return ParallelConfig(degrees, tuple(range(0, s * t, t)))
 

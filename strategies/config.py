@@ -11,7 +11,7 @@ from strategies.errors import PlanError
 from strategies.graph import Dim, OpNode
 from strategies.rules import get_rule
 
-__all__ = ["ROLE_LETTER", "ParallelConfig", "validate_config", "enumerate_configs", "degree_grids",
+__all__ = ["ROLE_LETTER", "ParallelConfig", "validate_config", "enumerate_configs", "check_degrees", "degree_grids",
            "device_blocks", "format_devices"]
 
 ROLE_LETTER = {"sample": "S", "attribute": "A", "parameter": "P"}
@@ -97,13 +97,26 @@ def validate_config(node: OpNode, config: ParallelConfig, num_devices: int,
         elif size % deg:
             raise PlanError(node.name, "degrees", list(config.degrees),
                             f"degree {deg} on dim {dim.name!r}({size}) does not divide it")
-    why = get_rule(node.kind).check_degrees(node, config.degrees)
+    why = check_degrees(node, config.degrees, microbatches)
     if why:
         raise PlanError(node.name, "degrees", list(config.degrees), why)
     for i, d in enumerate(config.devices):
         if d >= num_devices:
             raise PlanError(node.name, f"devices[{i}]", d,
                             f"device {d} is out of range for {num_devices} devices (0-{num_devices - 1})")
+
+
+def check_degrees(node: OpNode, degrees: Sequence[int], microbatches: int = 1) -> str | None:
+    """The op rule's ``check_degrees`` on the pieces the partitions compute: ``microbatches``
+    micro-batches of a sample dim cut d ways make m·d contiguous pieces of it, the pieces of
+    degree m·d (a reshape's piece must fall on whole rows of its input either way)."""
+    i = node.sample_dim
+    if microbatches == 1 or i is None:
+        return get_rule(node.kind).check_degrees(node, degrees)
+    why = get_rule(node.kind).check_degrees(node, tuple(d * microbatches if k == i else d
+                                                        for k, d in enumerate(degrees)))
+    return why and (f"{why} (with {microbatches} micro-batches, degree {degrees[i]} on the sample dim "
+                    f"cuts it as degree {degrees[i] * microbatches} would)")
 
 
 def degree_grids(node: OpNode, max_parts: int, microbatches: int = 1) -> list[tuple[int, ...]]:
@@ -117,7 +130,7 @@ def degree_grids(node: OpNode, max_parts: int, microbatches: int = 1) -> list[tu
         choices.append([d for d in range(1, max_parts + 1) if size % d == 0] if ok[i] else [1])
     out = []
     for g in itertools.product(*choices):
-        if math.prod(g) <= max_parts and (math.prod(g) == 1 or rule.check_degrees(node, g) is None):
+        if math.prod(g) <= max_parts and (math.prod(g) == 1 or check_degrees(node, g, microbatches) is None):
             out.append(g)
     return out
 

@@ -65,3 +65,26 @@ def test_device_blocks_topology_aligned():
     spread = device_blocks(2, 8, node_size=2)
     assert (0, 2) in spread and (1, 3) in spread and (4, 6) in spread and (5, 7) in spread
     assert all(len(set(b)) == 2 for b in spread)
+
+
+@pytest.mark.parametrize("n,m", [(4, 2), (8, 2), (4, 4), (8, 4)])
+def test_every_enumerated_config_lowers_with_micro_batches(n, m):
+    """A reshape [12, 8, 50] -> [96, 50] (gpt tiny, batch 12) with m micro-batches: degree d on
+    the sample dim cuts it into m·d pieces, each of which must fall on whole rows of the input;
+    the enumeration used to offer d = 2 with m = 4 (pieces of 12 rows of 96, i.e. 1.5 input
+    rows), and the search then failed inside the lowering."""
+    from strategies import Strategy
+    from strategies.pieces import lower_op
+
+    g = traced("gpt", batch_size=12)
+    configs = {node.name: list(enumerate_configs(node, n, m)) for node in g}
+    base = {op: c[0] for op, c in configs.items()}
+    for node in g:
+        for cfg in configs[node.name]:
+            lower_op(g, Strategy.of({**base, node.name: cfg}, n, m), node, m)  # raises on a piece that is not a box
+    view = next(node for node in g if node.kind == "reshape" and node.input_specs[0].shape[:2] == (12, 8)
+                and node.shape[0] == 96)
+    with pytest.raises(PlanError, match=r"with 4 micro-batches, degree 2 on the sample dim cuts it as degree 8"):
+        validate_config(view, ParallelConfig((2,) + (1,) * (len(view.dims) - 1), (0, 1)), 2, 4)
+    if m == 4:
+        assert all(cfg.degrees[0] != 2 for cfg in configs[view.name])
