@@ -140,14 +140,11 @@ def _initial(item: Any, graph: OpGraph, n: int, rng: random.Random, candidates, 
     if item == "random":
         return Strategy.of({op: rng.choice(cfgs) for op, cfgs in candidates.items()}, n,
                            microbatches, schedule)
-    if item == "hybrid":  # for the chains' micro-batches (data parallel where they divide by n)
-        return hybrid(graph, n, microbatches).with_microbatches(microbatches, schedule)
-    if item in baselines:
-        plan = baselines[item]
-        return plan if item == "pipeline" else plan.with_microbatches(microbatches, schedule)
-    if item in BASELINES:  # not among the experts' plans scored: made here, or its own reason why not
-        m = microbatches if microbatches > 1 or item != "pipeline" else 2
-        return baseline(item, graph, n, m).with_microbatches(m, schedule)
+    if isinstance(item, str) and item in BASELINES:
+        try:
+            return _expert(item, graph, n, microbatches, schedule, baselines)
+        except PlanError as e:  # its own reason why not, naming the init
+            raise PlanError(e.op, e.field, e.value, e.rule, f"init {item!r}") from None
     if isinstance(item, Strategy):
         plan, where = item, "init"
     elif isinstance(item, (str, os.PathLike)) and (str(item).endswith(".json") or os.path.exists(item)):
@@ -162,6 +159,17 @@ def _initial(item: Any, graph: OpGraph, n: int, rng: random.Random, candidates, 
                         f"the search's chains run {microbatches} micro-batch(es) (give microbatches="
                         f"{plan.microbatches} to search from this plan)", where)
     return plan
+
+
+def _expert(item: str, graph: OpGraph, n: int, microbatches: int, schedule: str,
+            baselines: dict[str, Strategy]) -> Strategy:
+    if item == "hybrid":  # for the chains' micro-batches (data parallel where they divide by n)
+        return hybrid(graph, n, microbatches).with_microbatches(microbatches, schedule)
+    if item in baselines:
+        plan = baselines[item]
+        return plan if item == "pipeline" else plan.with_microbatches(microbatches, schedule)
+    m = microbatches if microbatches > 1 or item != "pipeline" else 2  # not among the experts' plans scored
+    return baseline(item, graph, n, m).with_microbatches(m, schedule)
 
 
 def _check(name: str, value: Any, least: int, optional: bool = True) -> None:

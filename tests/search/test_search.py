@@ -92,7 +92,7 @@ def test_default_start_where_the_batch_does_not_divide_by_the_devices(tmp_path, 
     assert "data_parallel" not in r.baselines and "owt" not in r.baselines
     hybrid_ms = simulate_plan(g, baseline("hybrid", g, 4), get_topology("p100-1x4")).iteration_ms
     assert r.baselines["hybrid"] == hybrid_ms and r.predicted_ms <= min(r.baselines.values())
-    with pytest.raises(ValueError, match=r"batch 2 is not divisible by 4 devices"):
+    with pytest.raises(ValueError, match=r"^init 'data_parallel': num_devices = 4: batch 2 is not divisible by 4 devices"):
         search(g, topology="p100-1x4", budget_s=None, proposals=5, init=("data_parallel",))
     assert "hybrid" not in search(traced("gpt"), topology="p100-1x4", budget_s=None, proposals=5).baselines
     six = traced("gpt", batch_size=6)  # 2 micro-batches of 3 on 4 devices: hybrid per micro-batch
