@@ -130,7 +130,8 @@ def degree_grids(node: OpNode, max_parts: int, microbatches: int = 1) -> list[tu
         choices.append([d for d in range(1, max_parts + 1) if size % d == 0] if ok[i] else [1])
     out = []
     for g in itertools.product(*choices):
-        if math.prod(g) <= max_parts and (math.prod(g) == 1 or check_degrees(node, g, microbatches) is None):
+        if math.prod(g) <= max_parts and ((math.prod(g) == 1 and microbatches == 1)
+                                          or check_degrees(node, g, microbatches) is None):
             out.append(g)
     return out
 

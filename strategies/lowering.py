@@ -19,7 +19,7 @@ from strategies.graph import OpGraph
 from strategies.lowered import (BACKWARD, FORWARD, STEP, WEIGHT_KINDS, DeviceBytes, GradientSync,
                                 Lowered, OpPieces, Partition, ReductionGroup, Transfer, WeightShard)
 from strategies.lowering_cache import Last, changed_ops, update
-from strategies.pieces import gates, partition_box_mb
+from strategies.pieces import check_microbatches, gates, partition_box_mb
 from strategies.strategy import Strategy
 
 __all__ = ["WEIGHT_KINDS", "Partition", "Transfer", "WeightShard", "ReductionGroup", "OpPieces", "Lowered",
@@ -82,6 +82,7 @@ def lower(graph: OpGraph, strategy: Strategy, cache: dict | None = None) -> Lowe
     changed = changed_ops(last, strategy.configs)
     if changed is None:  # another list of ops than the last call's (a search's plans all name the same)
         strategy.validate(graph, configs=False)
+        check_microbatches(graph, m)
         last = cache[("last", m, n)] = Last(graph, n)
         affected = list(graph)
     else:

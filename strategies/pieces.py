@@ -9,6 +9,7 @@ import functools
 import itertools
 from typing import Sequence
 
+from strategies.errors import PlanError
 from strategies.graph import DTYPE_BYTES, OpGraph, OpNode
 from strategies.lowered import (BACKWARD, FORWARD, STEP, WEIGHT_KINDS, OpPieces, Partition,
                                 ReductionGroup, Transfer)
@@ -17,7 +18,7 @@ from strategies.rules import get_rule
 from strategies.rules.base import Reduction
 from strategies.strategy import Strategy
 
-__all__ = ["lower_op", "partition_box_mb", "gates"]
+__all__ = ["lower_op", "partition_box_mb", "gates", "check_microbatches"]
 
 _new = tuple.__new__
 
@@ -40,6 +41,40 @@ def _boxes(grid: Sequence[tuple[int, int]], degrees: Sequence[int]) -> list[Box]
     """Every partition's box in partition order (mixed radix, last dim fastest)."""
     ranges = [[(b + c * st, b + (c + 1) * st) for c in range(d)] for (b, st), d in zip(grid, degrees)]
     return [tuple(x) for x in itertools.product(*ranges)]
+
+
+def check_microbatches(graph: OpGraph, m: int) -> None:
+    """Raise PlanError unless every op's micro-batch j reads only micro-batch j of each producer
+    with a sample dim (rows [j·P/m, (j+1)·P/m) of it), as ``lower_op`` assumes: a reshape that
+    flattens the batch inside another dim (x.permute(1, 0, 2).reshape(-1, H)) mixes samples
+    across micro-batches, and its plans would move only part of what it reads."""
+    if m == 1:
+        return
+    for node in graph:
+        i = node.sample_dim
+        if i is None or not node.inputs or node.shape[i] % m:
+            continue  # no micro-batches here, or one the config checks refuse with their own message
+        rule = get_rule(node.kind)
+        for j in range(m):
+            span = node.shape[i] // m
+            box = tuple((j * span, (j + 1) * span) if d == i else (0, size) for d, size in enumerate(node.shape))
+            try:
+                regions = rule.input_regions(node, box)
+            except ValueError as e:
+                raise PlanError(node.name, "microbatches", m, f"micro-batch {j} of it is not a box of its input "
+                                f"({e}); train it with 1 micro-batch") from None
+            for src, region in zip(node.inputs, regions):
+                p = graph[src]
+                k = p.sample_dim
+                if region is None or k is None or p.kind in WEIGHT_KINDS:
+                    continue
+                lo, hi = j * p.shape[k] // m, (j + 1) * p.shape[k] // m
+                if region[k][0] < lo or region[k][1] > hi:
+                    raise PlanError(node.name, "microbatches", m,
+                                    f"its micro-batch {j} reads [{region[k][0]}, {region[k][1]}) of {src!r}'s "
+                                    f"sample dim ({p.shape[k]}), outside that op's micro-batch {j} [{lo}, {hi}): "
+                                    "it does not keep the samples apart (the batch is not the outer part of "
+                                    "the dim it is flattened into); train it with 1 micro-batch")
 
 
 def partition_box_mb(node: OpNode, degrees: Sequence[int], k: int, microbatch: int,

@@ -23,6 +23,7 @@ from soapsearch.search.mcmc import (Budget, ChainStats, candidate_configs, consi
 from soapsearch.trace import trace
 from strategies import (OpGraph, PlanError, Strategy, baseline, load_strategy, save_strategy)
 from strategies.baselines import BASELINES, hybrid
+from strategies.pieces import check_microbatches
 from strategies.strategy import SCHEDULES
 from strategies.lowering import lower
 
@@ -111,9 +112,9 @@ def best_baselines(graph: OpGraph, num_devices: int, evaluate: Evaluator
         for schedule in ("gpipe", "1f1b"):
             try:
                 plan = baseline("pipeline", graph, num_devices, m).with_microbatches(m, schedule)
-            except PlanError:
+                res = evaluate(plan, summary=True)
+            except PlanError:  # the batch, or an op that mixes micro-batches (check_microbatches)
                 continue
-            res = evaluate(plan, summary=True)
             if "pipeline" not in results or res.iteration_time < results["pipeline"].iteration_time:
                 plans["pipeline"], results["pipeline"] = plan, res
     return plans, results
@@ -127,9 +128,9 @@ def _accumulate(graph: OpGraph, n: int, evaluate: Evaluator, stats: ChainStats, 
     for m in PIPELINE_MICROBATCHES:
         try:
             plan = hybrid(graph, n, m).with_microbatches(m, "1f1b")
+            result = evaluate(plan)
         except PlanError:
             continue
-        result = evaluate(plan)
         consider(stats, plan, result, plan_cost(result), started)
         if result.fits:
             return
@@ -212,6 +213,7 @@ def search(model: torch.nn.Module | OpGraph, example_inputs: Sequence[Any] | Non
     if isinstance(init, (str, os.PathLike, Strategy)):
         init = (init,)
     graph = model if isinstance(model, OpGraph) else trace(model, example_inputs)
+    check_microbatches(graph, microbatches)  # an op that mixes samples across micro-batches: said now
     topo = get_topology(topology) if isinstance(topology, (str, os.PathLike)) else topology
     n = topo.num_devices if num_devices is None else num_devices
     if n > topo.num_devices:

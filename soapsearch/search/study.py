@@ -39,6 +39,7 @@ from soapsearch.search.mcmc import (
 )
 from strategies import OpGraph, PlanError, Strategy, load_strategy
 from strategies.baselines import BASELINES, hybrid, pipeline
+from strategies.pieces import check_microbatches
 from strategies.serialize import strategy_to_json
 
 __all__ = ["StudyResult", "TrialRecord", "open_storage", "study_search"]
@@ -107,6 +108,15 @@ def _device_choices(topo: Topology, given: Sequence[int] | None) -> list[int]:
         return sorted(set(given))
     out = [1 << k for k in range(topo.num_devices.bit_length()) if 1 << k <= topo.num_devices]
     return out if out[-1] == topo.num_devices else out + [topo.num_devices]
+
+
+def _takes(graph: OpGraph, m: int) -> bool:
+    """Whether every op keeps the samples of ``m`` micro-batches apart (``check_microbatches``)."""
+    try:
+        check_microbatches(graph, m)
+    except PlanError:
+        return False
+    return True
 
 
 class _Trials:
@@ -223,7 +233,7 @@ def study_search(graph: OpGraph, *, topology: Topology | str, budget_s: float | 
     batch = graph.batch_size
     objective = _Trials(graph, topo, cost, seed, (trial_budget_s, trial_proposals), deadline,
                         _device_choices(topo, num_devices_choices),
-                        [m for m in MICROBATCHES if not batch or batch % m == 0])
+                        [m for m in MICROBATCHES if (not batch or batch % m == 0) and _takes(graph, m)])
     full = topo.num_devices if num_devices_choices is None else max(objective.device_choices)
     plans, results = best_baselines(graph, full, objective.evaluator(full))
 
