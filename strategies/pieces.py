@@ -55,8 +55,8 @@ def check_microbatches(graph: OpGraph, m: int) -> None:
         if i is None or not node.inputs or node.shape[i] % m:
             continue  # no micro-batches here, or one the config checks refuse with their own message
         rule = get_rule(node.kind)
+        span = node.shape[i] // m
         for j in range(m):
-            span = node.shape[i] // m
             box = tuple((j * span, (j + 1) * span) if d == i else (0, size) for d, size in enumerate(node.shape))
             try:
                 regions = rule.input_regions(node, box)

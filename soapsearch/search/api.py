@@ -59,11 +59,13 @@ class FoundPlan:
     graph: OpGraph = field(repr=False)
     topology: Topology = field(repr=False)
     baselines: dict[str, float] = field(default_factory=dict)
-    """Simulated ms of data parallel, model parallel, OWT and the best pipeline."""
+    """Simulated ms of data parallel (or hybrid), model parallel, OWT and the best pipeline."""
     baseline_results: dict[str, SimResult] = field(default_factory=dict, repr=False)
     proposals: int = 0
     elapsed_s: float = 0.0
     interrupted: bool = False
+    workers: int = 1
+    """Chains run side by side (forked processes)."""
 
     @property
     def predicted_ms(self) -> float:
@@ -80,8 +82,6 @@ class SearchResult(FoundPlan):
     history: list[tuple[float, int, float]] = field(default_factory=list)
     """(seconds, proposals of the chain that improved, best ms) at each improvement."""
     accepted: int = 0
-    workers: int = 1
-    """Chains run side by side (forked processes)."""
 
 
 def save_found(path: str | os.PathLike, found: FoundPlan) -> None:

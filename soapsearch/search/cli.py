@@ -92,11 +92,11 @@ def _cmd_search(args, graph_of) -> int:
         print(json.dumps({"iteration_ms": result.predicted_ms, "baselines": result.baselines,
                           "plan": args.output, "proposals": result.proposals,
                           "fits": result.result.fits, "interrupted": result.interrupted,
-                          "workers": getattr(result, "workers", 1)}))
+                          "workers": result.workers}))
         return 0
     print(table(result))
     stop = "stopped by Ctrl-C; " if result.interrupted else ""
-    side = f", {result.workers} chains side by side" if getattr(result, "workers", 1) > 1 else ""
+    side = f", {result.workers} chains side by side" if result.workers > 1 else ""
     print(f"{stop}{result.proposals} proposals in {result.elapsed_s:.1f} s "
           f"({result.proposals / max(result.elapsed_s, 1e-9):.0f}/s{side}); wrote {args.output}")
     return 0

@@ -36,6 +36,7 @@ from soapsearch.search.mcmc import (
     neighbor_ops,
     plan_cost,
     run_chain,
+    whole,
 )
 from strategies import OpGraph, PlanError, Strategy, load_strategy
 from strategies.baselines import BASELINES, hybrid, pipeline
@@ -214,7 +215,7 @@ def study_search(graph: OpGraph, *, topology: Topology | str, budget_s: float | 
     limit binds."""
     if budget_s is None and trials is None:
         raise ValueError("study_search needs budget_s or trials (or both)")
-    if trials is not None and (isinstance(trials, bool) or not isinstance(trials, int) or trials < 1):
+    if trials is not None and not (whole(trials) and trials >= 1):
         raise ValueError(f"study_search trials = {trials!r}: must be a whole number >= 1")
     for name, value in (("budget_s", budget_s), ("trial_budget_s", trial_budget_s), ("trial_proposals", trial_proposals)):
         if value is not None:

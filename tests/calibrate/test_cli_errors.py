@@ -8,21 +8,16 @@ import json
 import pytest
 
 from soapsearch.calibrate._spawn import SpawnError
-from soapsearch.cli import main
-from soapsearch.executor import build_model
 from strategies import baseline, save_strategy
+from tests.conftest import cli_error, traced
 
 
 def _fails(capsys, argv, message):
-    rc = main(argv)
-    out, err = capsys.readouterr()
-    assert rc == 2 and out == ""
-    assert err.startswith(f"soapsearch {argv[0]}: error: ") and err.count("\n") == 1
-    assert message in err, err
+    assert message in cli_error(capsys, argv)
 
 
 def _plan(path, devices):
-    graph = build_model("mlp", "tiny").graph
+    graph = traced("mlp")
     save_strategy(path, baseline("data_parallel", graph, devices), graph, topology=f"local-cpu-{devices}")
     return str(path)
 
@@ -54,11 +49,13 @@ def test_calibrate_bad_nproc(tmp_path, capsys):
     assert not (tmp_path / "t.json").exists()
 
 
-@pytest.mark.parametrize("argv", [["compare", "p.json", "--model", "mlp", "--topology", "local-cpu-2"],
-                                  ["calibrate", "--nproc", "2", "-o", "t.json"]])
-def test_failing_processes_are_reported_the_same_way(argv, capsys, monkeypatch):
+@pytest.mark.parametrize("module, argv", [
+    ("compare", ["compare", "p.json", "--model", "mlp", "--topology", "local-cpu-2"]),
+    ("measure", ["calibrate", "--nproc", "2", "-o", "t.json"])])
+def test_failing_processes_are_reported_the_same_way(module, argv, capsys, monkeypatch, tmp_path):
     def failed(*args, **kwargs):
         raise SpawnError("calibration processes failed: rank 0: no result")
-    module = importlib.import_module("soapsearch.calibrate." + ("compare" if argv[0] == "compare" else "measure"))
-    monkeypatch.setattr(module, argv[0], failed)  # (the package's own `compare` is the function)
+    monkeypatch.chdir(tmp_path)  # the relative paths: nothing lands in the repository
+    # the module, not the package's function of the same name
+    monkeypatch.setattr(importlib.import_module(f"soapsearch.calibrate.{module}"), argv[0], failed)
     _fails(capsys, argv, "calibration processes failed: rank 0: no result")

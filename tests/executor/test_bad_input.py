@@ -16,7 +16,7 @@ import soapsearch.executor.launch as launch_mod
 from soapsearch.cli import main
 from strategies.baselines import data_parallel
 from strategies.serialize import save_strategy
-from tests.conftest import traced
+from tests.conftest import cli_error, traced
 from tests.soapsearch.test_cli import OPAQUE_NET
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -47,15 +47,6 @@ def plans(tmp_path_factory) -> Path:
     return d
 
 
-def _error(capsys, argv: list[str]) -> str:
-    """Run the CLI on ``argv``; it must return 2 with one error line and no traceback."""
-    assert main(argv) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "Traceback" not in err, err
-    assert err.startswith(f"soapsearch {argv[0]}: error: "), err
-    return err
-
-
 @pytest.mark.parametrize("name, expected", [
     ("missing.json", ["'", "missing.json", "cannot read the plan file"]),
     ("no_topology.json", ["no_topology.json: topology = None: this field is missing"]),
@@ -65,22 +56,22 @@ def _error(capsys, argv: list[str]) -> str:
     ("str_devices.json", ["str_devices.json: num_devices = '2': must be a JSON integer"]),
 ])
 def test_a_broken_plan_file_is_one_line_naming_the_file(plans, capsys, spawned, name, expected):
-    err = _error(capsys, ["run", str(plans / name), *TINY_MLP])
+    err = cli_error(capsys, ["run", str(plans / name), *TINY_MLP])
     assert all(s in err for s in expected), err
     assert spawned == []
 
 
 def test_a_plan_for_another_model_or_batch_is_refused_before_spawning(plans, capsys, spawned):
-    err = _error(capsys, ["run", str(plans / "dp2.json"), "--model", "alexnet", "--variant", "tiny"])
+    err = cli_error(capsys, ["run", str(plans / "dp2.json"), "--model", "alexnet", "--variant", "tiny"])
     assert "dp2.json: model.fingerprint = " in err and "(alexnet, batch 4)" in err
     assert "another model or batch size (mlp, batch 4)" in err  # what the plan was made for
-    err = _error(capsys, ["run", str(plans / "dp2.json"), *TINY_MLP, "--batch-size", "2"])
+    err = cli_error(capsys, ["run", str(plans / "dp2.json"), *TINY_MLP, "--batch-size", "2"])
     assert "model.fingerprint" in err and "(mlp, batch 2)" in err
     assert spawned == []
 
 
 def test_nproc_must_match_the_plan(plans, capsys, spawned):
-    err = _error(capsys, ["run", str(plans / "dp2.json"), *TINY_MLP, "--nproc", "1"])
+    err = cli_error(capsys, ["run", str(plans / "dp2.json"), *TINY_MLP, "--nproc", "1"])
     assert "--nproc = 1: the plan" in err and "topology.num_devices = 2" in err
     assert spawned == []
 
@@ -97,7 +88,7 @@ def test_nproc_must_match_the_plan(plans, capsys, spawned):
     ("--lr", "-1", "lr = -1.0: the learning rate must be > 0"),
 ])
 def test_a_flag_no_run_can_use_is_refused_up_front(plans, capsys, spawned, flag, value, rule):
-    err = _error(capsys, ["run", str(plans / "dp2.json"), *TINY_MLP, flag, value])
+    err = cli_error(capsys, ["run", str(plans / "dp2.json"), *TINY_MLP, flag, value])
     assert rule in err, err
     assert spawned == []
 
@@ -115,7 +106,7 @@ def test_a_plan_with_an_op_that_cannot_run_is_refused_before_spawning(tmp_path, 
     plan = tmp_path / "p.json"
     assert main(["plan", f"{src}:make", "--baseline", "data_parallel", "--devices", "1", "-o", str(plan)]) == 0
     capsys.readouterr()
-    err = _error(capsys, ["run", str(plan), "--model", f"{src}:make"])
+    err = cli_error(capsys, ["run", str(plan), "--model", f"{src}:make"])
     assert f"{plan}: 1 opaque op(s)" in err and "cumsum" in err
     assert spawned == []
 
@@ -160,21 +151,21 @@ def _helper():
 def test_a_failing_factory_is_one_line(tmp_path, capsys, factory, expected):
     (tmp_path / "factories.py").write_text(_FACTORIES)
     spec = f"{tmp_path / 'factories.py'}:{factory}"
-    err = _error(capsys, ["show", spec])
+    err = cli_error(capsys, ["show", spec])
     assert f"model {spec!r}: " in err and all(s in err for s in expected), err
 
 
 def test_a_factory_file_that_does_not_load_is_one_line(tmp_path, capsys):
     (tmp_path / "syntax.py").write_text("import torch\ndef make(:\n    pass\n")
-    err = _error(capsys, ["show", f"{tmp_path / 'syntax.py'}:make"])
+    err = cli_error(capsys, ["show", f"{tmp_path / 'syntax.py'}:make"])
     assert "loading" in err and "failed: SyntaxError: " in err and "(syntax.py, line 2)" in err
     assert "_soapsearch_user_syntax" not in sys.modules
     (tmp_path / "at_import.py").write_text("import torch\nraise KeyError('boom')\n")
-    err = _error(capsys, ["show", f"{tmp_path / 'at_import.py'}:make"])
+    err = cli_error(capsys, ["show", f"{tmp_path / 'at_import.py'}:make"])
     assert "failed: KeyError: 'boom' (at " in err and "at_import.py:2)" in err
 
 
 @pytest.mark.parametrize("spec", [":", "json:", ":make"])
 def test_a_model_spec_with_an_empty_part_is_one_line(capsys, spec):
-    err = _error(capsys, ["show", spec])
+    err = cli_error(capsys, ["show", spec])
     assert f"model {spec!r}: expected 'path/to/file.py:factory' or 'package.module:factory'" in err

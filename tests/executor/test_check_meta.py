@@ -10,6 +10,7 @@ from soapsearch.executor import launch
 from soapsearch.executor.model import build_model
 from strategies import data_parallel
 from strategies.serialize import save_strategy
+from tests.conftest import traced
 
 
 @pytest.mark.parametrize("name,dtype", [(n, "float64") for n in zoo.names()] + [("mlp", None)])
@@ -21,9 +22,9 @@ def test_meta_graph_is_the_ranks_graph(name, dtype):
 
 
 def test_check_plan_builds_no_weights(tmp_path, monkeypatch):
-    built = build_model("mlp", "tiny")
+    graph = traced("mlp")
     plan = tmp_path / "dp.json"
-    save_strategy(plan, data_parallel(built.graph, 2), built.graph)
+    save_strategy(plan, data_parallel(graph, 2), graph)
     devices = []
     real = zoo.build
 

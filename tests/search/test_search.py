@@ -179,27 +179,24 @@ def test_ctrl_c_stops_every_chain_and_keeps_their_best():
     chains = [Chain(dp, 0, Budget(seconds=60)) for _ in range(2)]
     seen = []
 
-    def interrupt(progress):  # as Ctrl-C in the parent once the chains have made proposals
+    def interrupt(progress):  # as one Ctrl-C in the parent once the chains have made proposals
         seen.append(progress)
-        if progress.proposals > 20:
-            raise KeyboardInterrupt
+        if progress.proposals > 20 and not any(p.proposals > 20 for p in seen[:-1]):
+            raise KeyboardInterrupt  # once: a second Ctrl-C terminates the workers, results and all
 
     for workers in (1, 2):
         t0 = time.perf_counter()
         stats, interrupted = run_chains(chains, evaluate, candidate_configs(g, 4, 1, None), base, t0,
                                         beta=None, reset_every=500, workers=workers, on_step=interrupt)
         assert interrupted and time.perf_counter() - t0 < 30
-        assert stats.proposals > 20 and stats.best_cost <= base.best_cost  # stopped well inside 60 s: above
-        assert seen[-1].best_ms <= base.best_result.iteration_ms
+        assert stats.proposals > 20  # stopped well inside 60 s: above
+        # the chains' best (alexnet's data parallel on 4 devices is far from the best plan) is kept
+        assert stats.best_result.iteration_ms <= seen[-1].best_ms < base.best_result.iteration_ms
         seen.clear()
 
 
-def test_bad_chains_and_workers(small):
+def test_workers_refused_with_a_cost_model_that_times_kernels(small):
     from simulator.profiled import ProfiledCostModel
-    with pytest.raises(ValueError, match="chains = 0"):
-        search(small, topology="p100-1x2", budget_s=None, proposals=10, chains=0)
-    with pytest.raises(ValueError, match="workers = 0"):
-        search(small, topology="p100-1x2", budget_s=None, proposals=10, workers=0)
     with pytest.raises(ValueError, match="times kernels"):
         search(small, topology="p100-1x2", budget_s=None, proposals=10, chains=2, workers=2,
                cost_model=ProfiledCostModel(cache_path=None))
@@ -245,6 +242,7 @@ def test_a_chain_s_error_is_the_same_with_workers_and_leaves_no_process():
     dp = baseline("data_parallel", g, 2)
     chains = [Chain(dp, 0, Budget(proposals=50)) for _ in range(2)]
     for workers in (1, 2):
+        calls.clear()  # the error part-way through a chain each time (a forked worker inherits the calls)
         with pytest.raises(ValueError, match="a rule broke"):
             run_chains(chains, failing, candidate_configs(g, 2, 1, None), ChainStats(), 0.0, beta=None,
                        reset_every=500, workers=workers)

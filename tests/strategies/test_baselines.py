@@ -10,7 +10,7 @@ ZOO = ["alexnet", "inception_v3", "resnet101", "rnntc", "rnnlm", "nmt", "mlp", "
 
 
 @pytest.mark.parametrize("name", ZOO)
-@pytest.mark.parametrize("kind", ["data_parallel", "hybrid", "model_parallel", "owt", "pipeline"])
+@pytest.mark.parametrize("kind", ["data_parallel", "model_parallel", "owt", "pipeline"])
 def test_every_baseline_is_valid(name, kind):
     g = traced(name)
     plan = baseline(kind, g, 2, microbatches=2)

@@ -82,9 +82,18 @@ def test_every_enumerated_config_lowers_with_micro_batches(n, m):
     for node in g:
         for cfg in configs[node.name]:
             lower_op(g, Strategy.of({**base, node.name: cfg}, n, m), node, m)  # raises on a piece that is not a box
-    view = next(node for node in g if node.kind == "reshape" and node.input_specs[0].shape[:2] == (12, 8)
+    if m == 4:
+        assert all(cfg.degrees[0] != 2 for cfg in configs[_flattening_view(g).name])
+
+
+def _flattening_view(g):
+    """gpt tiny's reshape [12, 8, 50] -> [96, 50] (batch 12)."""
+    return next(node for node in g if node.kind == "reshape" and node.input_specs[0].shape[:2] == (12, 8)
                 and node.shape[0] == 96)
+
+
+def test_the_degree_check_names_the_micro_batches():
+    view = _flattening_view(traced("gpt", batch_size=12))
     with pytest.raises(PlanError, match=r"with 4 micro-batches, degree 2 on the sample dim cuts it as degree 8"):
         validate_config(view, ParallelConfig((2,) + (1,) * (len(view.dims) - 1), (0, 1)), 2, 4)
-    if m == 4:
-        assert all(cfg.degrees[0] != 2 for cfg in configs[view.name])
+    validate_config(view, ParallelConfig((2,) + (1,) * (len(view.dims) - 1), (0, 1)), 2, 1)  # 6 input rows each
