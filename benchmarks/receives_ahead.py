@@ -4,7 +4,7 @@
 
 The executor posts every receive of micro-batches j and j + 1 at its first step of j
 (``soapsearch.executor.recipe.receives_ahead``). The baseline is the same executor with those
-posts removed, so each receive is posted by the step that reads it (as before): gloo then moves
+posts removed, so each receive is posted by the step that reads it (on demand): gloo then moves
 a piece only once its receiver asks the sender for it, a round trip that waits for the sender's
 process to get a core. Plans with point-to-point pieces (model parallel, OWT, GPipe and 1F1B
 with 2 micro-batches, every linear cut on its output features) of tiny zoo models, on N gloo

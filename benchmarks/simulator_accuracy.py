@@ -1,9 +1,9 @@
-"""Simulator accuracy on this machine: predicted vs measured iteration time of many plans.
+"""Simulator accuracy on the machine it runs on: predicted vs measured iteration time of many plans.
 
     python benchmarks/simulator_accuracy.py --nproc 2 [--nproc 4] [--models mlp,gpt,rnntc]
         [--variant small|tiny] [--topology calibrated.json] [--cost-model analytical|profiled]
         [--steps 7] [--repeat] [--out DIR]
-    python benchmarks/simulator_accuracy.py --repredict DIR [--send 107e-6,2.09e9]
+    python benchmarks/simulator_accuracy.py --repredict DIR [--send LATENCY,BANDWIDTH]
 
 Calibrates ``calibrated-cpu-N`` (unless --topology), then per model (its ``--variant``) writes
 data parallel, model parallel, OWT, GPipe and 1F1B pipelines (2 micro-batches), a parameter
@@ -13,7 +13,7 @@ plans take turns step by step) and simulates it. The calibration fits the execut
 beyond the same cost model's kernel times. ``--cost-model profiled`` first times every
 fixed plan's partitions of the model about to run into ``calN.profile.json`` with the threads
 one rank has, in interleaved rounds (``calibrate.warm_profile``), right before its plans run
-(this host's speed drifts by 15-20 % from one minute to the next); the searched plan's other
+(a shared host's speed drifts from one minute to the next); the searched plan's other
 partitions are timed when first simulated, at that thread count.
 ``--repeat`` runs each model's plans a second time, in a new launch right after the first, and
 scores that second measurement as if it were a prediction of the first: the agreement of this
@@ -175,8 +175,8 @@ def main() -> int:
     p.add_argument("--nproc", type=int, action="append", help="process counts (default 2)")
     p.add_argument("--models", default="mlp,gpt,rnntc")
     p.add_argument("--variant", default="small", choices=("small", "tiny"),
-                   help="zoo variant of the models (small: 15-110 ms a step on one core, where compute "
-                        "rather than the host's jitter of a few ms per sync dominates)")
+                   help="zoo variant of the models (small: steps long enough that compute, rather than the "
+                        "host's jitter per sync, dominates)")
     p.add_argument("--topology", default=None, help="a calibrated topology JSON (one --nproc only)")
     p.add_argument("--cost-model", choices=("analytical", "profiled"), default="analytical")
     p.add_argument("--steps", type=int, default=7)
@@ -189,8 +189,7 @@ def main() -> int:
                         "against that run's measurements (overheads refitted on its probe times)")
     p.add_argument("--send", default=None, metavar="LATENCY,BANDWIDTH",
                    help="with --repredict: hold each sender for its sends (Calibration.hold_sends), at the "
-                        "report's measured figures or, for reports from before they were measured, these "
-                        "(seconds, bytes/s), e.g. 107e-6,2.09e9")
+                        "report's measured figures or, for a report that has none, these (seconds, bytes/s)")
     args = p.parse_args()
     rows = []
     if args.repredict:
@@ -199,7 +198,7 @@ def main() -> int:
             try:
                 lat, bw = (float(x) for x in args.send.split(","))
             except ValueError:
-                p.error(f"--send {args.send!r}: give LATENCY,BANDWIDTH, e.g. 107e-6,2.09e9")
+                p.error(f"--send {args.send!r}: give LATENCY,BANDWIDTH in seconds and bytes/s, e.g. 1e-4,2e9")
             if not (lat >= 0 and bw > 0):
                 p.error(f"--send {args.send!r}: latency must be >= 0 and bandwidth > 0")
             send = (lat, bw)

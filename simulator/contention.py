@@ -17,14 +17,14 @@ from __future__ import annotations
 import numpy as np
 
 from simulator.engine import event_times
-from simulator.taskgraph import BACKWARD, FORWARD, UPDATE, TaskGraph
+from simulator.taskgraph import TaskGraph, TaskKind
 from simulator.topology import Topology
 
 __all__ = ["PASSES", "contended", "contended_times", "node_tasks", "slowed_durations"]
 
 PASSES = 2
 """Timelines re-run after the first, each with the durations the previous one implies."""
-_COMPUTE = (FORWARD, BACKWARD, UPDATE)
+_COMPUTE = frozenset((TaskKind.FORWARD, TaskKind.BACKWARD, TaskKind.UPDATE))
 
 
 def contended(topology: Topology) -> bool:
@@ -39,7 +39,7 @@ def node_tasks(tg: TaskGraph, topology: Topology, base: np.ndarray) -> list[tupl
     ``base`` duration, n, each task's device contention c): what ``slowed_durations`` reads,
     the same on every pass."""
     device = np.asarray(tg.device, dtype=np.int64)
-    compute = np.isin(np.asarray(tg.category, dtype=np.int64), _COMPUTE) & (base > 0)
+    compute = np.fromiter(map(_COMPUTE.__contains__, tg.category), bool, len(tg)) & (base > 0)
     c = np.array([d.contention for d in topology.devices])
     groups = []
     for members in topology.nodes:

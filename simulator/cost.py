@@ -11,6 +11,7 @@ efficiency), bytes / (bandwidth × memory efficiency)) + launch overhead per ker
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 from typing import Any
 
 from simulator.devices import DeviceSpec
@@ -33,6 +34,7 @@ __all__ = [
     "partition_bytes",
     "partition_flops",
     "partition_regions",
+    "register_cost_model",
 ]
 
 COMPUTE_EFFICIENCY = 0.6
@@ -107,7 +109,7 @@ class CostModel(abc.ABC):
     FLOPs, so one instance serves several graphs."""
 
     measures = False
-    """Whether it times kernels on this host when asked for a partition it has not seen (then
+    """Whether it times kernels on the local machine when asked for a partition it has not seen (then
     nothing else should run on the cores meanwhile: a search runs its chains one at a time)."""
 
     def __init__(self) -> None:
@@ -204,15 +206,23 @@ class AnalyticalCostModel(CostModel):
         return fwd, bwd
 
 
-_MODELS = ("analytical", "profiled")
+_FACTORIES: dict[str, Callable[..., CostModel]] = {"analytical": AnalyticalCostModel}
 _SHARED: dict[Any, CostModel] = {}
+
+
+def register_cost_model(name: str, factory: Callable[..., CostModel]) -> None:
+    """Make ``get_cost_model(name, **kw)`` build ``factory(**kw)``. A model defined on top of
+    this module registers itself (``simulator.profiled``: "profiled"; the ``simulator``
+    package imports it), so this module never imports the models built on it."""
+    _FACTORIES[name] = factory
 
 
 def get_cost_model(name: str, **kw: Any) -> CostModel:
     """The cost model ``name`` ("analytical" | "profiled") built with ``kw``. Calls with the same
     (hashable) arguments share one instance, so its memo survives across simulations."""
-    if name not in _MODELS:
-        raise ValueError(f"unknown cost model {name!r}: choose one of {', '.join(map(repr, _MODELS))}")
+    factory = _FACTORIES.get(name)
+    if factory is None:
+        raise ValueError(f"unknown cost model {name!r}: choose one of {', '.join(map(repr, _FACTORIES))}")
     try:
         key: Any = (name, tuple(sorted(kw.items())))
         hash(key)
@@ -220,13 +230,7 @@ def get_cost_model(name: str, **kw: Any) -> CostModel:
         key = None
     if key is not None and key in _SHARED:
         return _SHARED[key]
-    if name == "analytical":
-        model: CostModel = AnalyticalCostModel(**kw)
-    else:
-        from simulator.profiled import (
-            ProfiledCostModel,  # profiled builds on this module
-        )
-        model = ProfiledCostModel(**kw)
+    model = factory(**kw)
     if key is not None:
         _SHARED[key] = model
     return model

@@ -57,8 +57,8 @@ class DeviceSpec:
     gemm_half: float = 0.0
     """Hockney's half-performance length n½ of the device's matrix products (Hockney & Jesshope
     1988): a product whose smallest dimension is m runs at peak · m / (m + n½), so half the peak
-    at m = n½ (a few rows of a batch split across devices and micro-batches: 8 rows here run at
-    ~40 % of a 384² product's rate). 0: not modelled, the cost model's constant compute
+    at m = n½ (a few rows of a batch split across devices and micro-batches run far below the
+    rate of a large product). 0: not modelled, the cost model's constant compute
     efficiency applies (the datasheet presets). ``soapsearch calibrate`` fits it."""
     cost_key: str = field(init=False, repr=False, compare=False)
     """The figures an op's time depends on (kind, peak FLOP/s, memory bandwidth, n½), as one

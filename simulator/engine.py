@@ -4,11 +4,11 @@ Tasks are placed one by one in the order they became ready (ties: the task added
 at the earliest time at or after its ready time (all predecessors ended) at which its resources
 are free for its whole duration. A device's compute stream is free from the end of the last task
 placed on it: a device's tasks use no links, so its gaps open only before a task's ready time,
-which no task placed later can use; this is the backfilling rule already (and its tasks are
+which no task placed later can use; so this is the backfilling rule too (and its tasks are
 chained in the schedule's order anyway). A link direction keeps its busy intervals, sorted, and a
 transfer takes the earliest gap that every link of its route has free: insertion, or
 conservative backfilling (Mu'alem and Feitelson 2001), where a task placed later never delays
-one placed before it. So a transfer held up by a busy destination NIC no longer blocks the idle
+one placed before it. So a transfer held up by a busy destination NIC does not block the idle
 source NIC for the transfers behind it. This is FlexFlow's simulator (Jia et al. 2019, section
 5), on an explicit heap, with the gaps on links used.
 """

@@ -1,9 +1,10 @@
 """Named machines — the FlexFlow paper's two clusters, DGX-style A100/H100 nodes, CPU processes on
-this machine — and the homogeneous-cluster builder behind them (and behind the compact JSON form).
+the local machine — built as homogeneous clusters (``simulator.cluster``), and ``get_topology``,
+which finds one by name or reads a topology file.
 
 Figures come from public datasheets, cited beside each number. Latencies are per transfer, order
 of magnitude estimates (small-message GPU-to-GPU latencies as reported by NCCL/OSU benchmarks:
-a few µs inside a node, ~5 µs across InfiniBand); the profiler issue may calibrate them.
+a few µs inside a node, ~5 µs across InfiniBand); ``soapsearch calibrate`` measures them.
 """
 
 from __future__ import annotations
@@ -12,117 +13,30 @@ import functools
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from simulator.devices import DeviceSpec, Link
-from simulator.topology import Topology, _err
-from simulator.topology_json import _device, _get, _link_extras
+from simulator.cluster import INTER_SHAPES, INTRA_SHAPES, MAX_DEVICES, Fabric, cluster_parts
+from simulator.devices import DeviceSpec
+from simulator.errors import field_error
+from simulator.topology import Topology
+from simulator.topology_json import read_cluster
+from strategies.errors import PlanError
 
 __all__ = ["PRESETS", "PATTERNS", "MAX_DEVICES", "INTRA_SHAPES", "INTER_SHAPES", "Fabric", "cluster",
-           "cluster_from_json", "get_topology"]
-
-INTRA_SHAPES = ("mesh", "switch")
-INTER_SHAPES = ("node-nic", "device-nic")
-MAX_DEVICES = 512
-"""Largest cluster built here: routes are stored per ordered device pair (n² entries; 512
-devices take ~2 s to build)."""
-
-
-@dataclass(frozen=True)
-class Fabric:
-    """How the devices of a cluster reach each other at one level: inside a node, or between nodes."""
-
-    shape: str
-    """Inside a node: ``mesh`` (a direct link per ordered device pair: NVLink 1.0, shared memory) or
-    ``switch`` (one up-link and one down-link per device: NVSwitch, a PCIe switch). Between nodes:
-    ``node-nic`` (one NIC per node, its devices share it) or ``device-nic`` (one NIC per device)."""
-    kind: str
-    """Link family: ``nvlink``, ``nvswitch``, ``pcie``, ``ib``, ``shm``."""
-    latency: float
-    """Seconds per transfer at this level, split evenly over the route's hops (alpha)."""
-    bandwidth: float
-    """Bytes/s of each link, per direction (1 / beta)."""
-    collective_bandwidth: float | None = None
-    """Bytes/s of each link inside a ring collective (``Link.collective_bandwidth``; None: ``bandwidth``)."""
-    send_bandwidth: float | None = None
-    """Bytes/s the sender's host copies a message at (``Link.send_bandwidth``; None: not held)."""
-    send_latency: float = 0.0
-    """The sender's host seconds per message besides the copy (``Link.send_latency``)."""
+           "check_plan_topology", "cluster_from_json", "get_topology"]
 
 
 def cluster(name: str, device: DeviceSpec, nodes: int, per_node: int, intra: Fabric,
             inter: Fabric | None = None) -> Topology:
-    """``nodes`` machines of ``per_node`` copies of ``device``. Inside a node a transfer crosses
-    the mesh link ``src->dst``, or ``up:src`` then ``down:dst``; between nodes it crosses the
-    sender's NIC out-link then the receiver's NIC in-link (the node's NIC, or the device's own)."""
-    where = f"cluster {name!r}"
-    for what, v in (("nodes", nodes), ("per_node", per_node)):
-        if not isinstance(v, int) or v < 1:
-            raise _err(where, what, v, "must be an integer >= 1")
-    if intra.shape not in INTRA_SHAPES:
-        raise _err(where, "intra.shape", intra.shape, f"must be one of {INTRA_SHAPES}")
-    if nodes > 1 and inter is None:
-        raise _err(where, "inter", None, "several nodes need an inter-node fabric")
-    if inter is not None and inter.shape not in INTER_SHAPES:
-        raise _err(where, "inter.shape", inter.shape, f"must be one of {INTER_SHAPES}")
-    n = nodes * per_node
-    devices = tuple(replace(device, node=d // per_node) for d in range(n))
-    links: list[Link] = []
-    index: dict[str, int] = {}
-
-    def add(link_name: str, fabric: Fabric, hops: int) -> None:
-        index[link_name] = len(links)
-        links.append(Link(link_name, fabric.kind, fabric.latency / hops, fabric.bandwidth, fabric.collective_bandwidth,
-                          fabric.send_bandwidth, fabric.send_latency))
-
-    mesh, k = intra.shape == "mesh", intra.kind
-    if per_node > 1:
-        for d in range(n):
-            first = d - d % per_node
-            for e in (range(first, first + per_node) if mesh else ()):
-                if e != d:
-                    add(f"{k}:{d}->{e}", intra, 1)
-            if not mesh:
-                add(f"{k}-up:{d}", intra, 2)
-                add(f"{k}-down:{d}", intra, 2)
-    per_device = inter is not None and inter.shape == "device-nic"
-    if nodes > 1:
-        for owner in range(n if per_device else nodes):
-            tag = f"dev{owner}" if per_device else f"node{owner}"
-            add(f"nic-out:{tag}", inter, 2)
-            add(f"nic-in:{tag}", inter, 2)
-    routes: dict[tuple[int, int], tuple[int, ...]] = {}
-    for s in range(n):
-        for d in range(n):
-            if s != d and s // per_node == d // per_node:
-                routes[s, d] = (index[f"{k}:{s}->{d}"],) if mesh else (index[f"{k}-up:{s}"], index[f"{k}-down:{d}"])
-            elif s != d:
-                a, b = (f"dev{s}", f"dev{d}") if per_device else (f"node{s // per_node}", f"node{d // per_node}")
-                routes[s, d] = (index[f"nic-out:{a}"], index[f"nic-in:{b}"])
-    return Topology(name, devices, tuple(links), routes)
-
-
-def _fabric(obj: Any, path: str, where: str, shapes: tuple[str, ...]) -> Fabric:
-    shape = _get(obj, "shape", path, "str", where)
-    if shape not in shapes:
-        raise _err(where, f"{path}shape", shape, f"must be one of {shapes}")
-    return Fabric(shape, _get(obj, "kind", path, "str", where), _get(obj, "latency", path, "num>=0", where),
-                  _get(obj, "bandwidth", path, "num>0", where),
-                  *_link_extras(obj, path, where))
+    """The Topology of ``simulator.cluster.cluster_parts``: ``nodes`` machines of ``per_node``
+    copies of ``device``, joined by ``intra`` inside a node and ``inter`` between nodes."""
+    return Topology(name, *cluster_parts(name, device, nodes, per_node, intra, inter))
 
 
 def cluster_from_json(name: str, obj: Mapping[str, Any], where: str = "topology JSON") -> Topology:
     """The compact ``"cluster"`` object of a topology file (see :mod:`simulator.topology`)."""
-    nodes, per_node = _get(obj, "nodes", "cluster.", "int>0", where), _get(obj, "per_node", "cluster.", "int>0", where)
-    device = _device(_get(obj, "device", "cluster.", "object", where), "cluster.device.", where, node=False)
-    intra = _fabric(_get(obj, "intra", "cluster.", "object", where), "cluster.intra.", where, INTRA_SHAPES)
-    inter = (_fabric(_get(obj, "inter", "cluster.", "object", where), "cluster.inter.", where, INTER_SHAPES)
-             if nodes > 1 or "inter" in obj else None)
-    if nodes * per_node > MAX_DEVICES:
-        raise _err(where, "cluster.nodes * cluster.per_node", nodes * per_node, f"must be <= {MAX_DEVICES}")
-    return cluster(name, device, nodes, per_node, intra, inter)
+    return Topology(*read_cluster(name, obj, where))
 
 
 # ---- the machines ---------------------------------------------------------------------------
@@ -199,7 +113,7 @@ _GPUS = {  # family: (device, intra, inter, largest per_node)
     "h100": (H100, H100_NVSWITCH, NDR_DEVICE_NIC, 8),
 }
 
-# ROUGH figures, to be calibrated by a later issue: one core with AVX2 (2 FMA units x 8 float32
+# Rough figures (``soapsearch calibrate`` measures the local machine's): one core with AVX2 (2 FMA units x 8 float32
 # lanes x 2 FLOP x ~3 GHz ~ 96 GFLOP/s), ~15 GB/s of memory bandwidth for one core, and
 # process-to-process shared memory (gloo) at ~20 µs, ~2 GB/s.
 CPU_CORE_FLOPS = 1e11
@@ -227,14 +141,14 @@ def _preset(name: str) -> Topology | None:
         device, intra, inter, largest = _GPUS[m[1]]
         nodes, per_node = int(m[2]), int(m[3])
         if per_node > largest:
-            raise _err("topology", "name", name, f"a {m[1]} node holds at most {largest} devices")
+            raise field_error("topology", "name", name, f"a {m[1]} node holds at most {largest} devices")
         if nodes * per_node > MAX_DEVICES:
-            raise _err("topology", "name", name, f"{nodes * per_node} devices: at most {MAX_DEVICES}")
+            raise field_error("topology", "name", name, f"{nodes * per_node} devices: at most {MAX_DEVICES}")
         return cluster(name, device, nodes, per_node, intra, inter)
     if m := _CPU_NAME.fullmatch(name):
         n = int(m[1])
         if n > MAX_DEVICES:
-            raise _err("topology", "name", name, f"at most {MAX_DEVICES} processes")
+            raise field_error("topology", "name", name, f"at most {MAX_DEVICES} processes")
         device = DeviceSpec("cpu", max(_ram_bytes() // n, 1), {"float32": CPU_CORE_FLOPS}, CPU_CORE_MEMORY_BANDWIDTH)
         return cluster(name, device, 1, n, SHM)
     return None
@@ -250,3 +164,23 @@ def get_topology(name_or_path: str | os.PathLike) -> Topology:
     raise ValueError(f"topology {str(name_or_path)!r}: neither a preset nor a file; presets: "
                      f"{', '.join(PRESETS)}; patterns: {', '.join(PATTERNS)} (N >= 1); "
                      "or a path to a soapsearch.topology JSON file")
+
+
+def check_plan_topology(topology: Mapping[str, Any], where: str = "<plan>") -> None:
+    """PlanError when a plan's ``topology`` object (``{"name", "num_devices"}``) names a
+    topology — a preset, or a topology file that reads — with fewer devices than
+    ``num_devices``: a plan runs one process per device, on devices its topology has. A name
+    that is neither (a plan made for a machine described elsewhere) is not checked."""
+    name, n = topology.get("name"), topology.get("num_devices")
+    if not isinstance(name, str) or not isinstance(n, int):
+        return
+    try:
+        found = _preset(name.strip().lower())
+        if found is None and Path(name).is_file():
+            found = Topology.load(name)
+    except ValueError:  # a name that only looks like a preset, or a file that no longer reads
+        return
+    if found is not None and n > found.num_devices:
+        raise PlanError(None, "topology.num_devices", n,
+                        f"topology {name!r} has {found.num_devices} devices and a plan uses at most its "
+                        f"topology's devices ({n} > {found.num_devices})", where)

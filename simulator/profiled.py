@@ -4,8 +4,8 @@ measurement in a JSON file on disk, so a second model or search reuses it instan
 A partition runs exactly as the executor would run it: the op rule's ``forward`` on random
 tensors of the shapes of the regions it reads, under autograd, then its backward; the time is
 the median of ``repeats`` runs after ``warmup`` runs (CUDA: synchronized around each), less
-what the same harness times of a call that computes nothing (``harness_overhead``: ~6 µs
-forward, ~50 µs backward on this project's CPU, most of a small op's measurement). The
+what the same harness times of a call that computes nothing (``harness_overhead``: dispatch and
+autograd's bookkeeping, on a CPU most of a small op's measurement). The
 executor's own per-task costs are calibrated apart (``DeviceSpec.task_overhead``).
 """
 
@@ -31,6 +31,7 @@ from simulator.cost import (
     get_cost_model,
     is_cpu,
     partition_regions,
+    register_cost_model,
 )
 from simulator.devices import DeviceSpec
 from simulator.paths import cache_dir
@@ -262,7 +263,7 @@ class ProfiledCostModel(CostModel):
     cached on disk at ``cache_path`` (default ``default_cache_path()``) keyed by ``cache_key``.
     A GPU device kind is measured on the local CUDA device (assumed to be of that kind), a CPU
     kind on the CPU. Leaf ops, opaque ops, ops
-    that fail to run and GPU kinds with no CUDA here fall back to ``fallback`` (analytical).
+    that fail to run and GPU kinds without a CUDA device fall back to ``fallback`` (analytical).
 
     New measurements are written at most every ``save_interval`` seconds, by ``flush()``, and
     when the model is garbage collected or the process exits."""
@@ -291,7 +292,7 @@ class ProfiledCostModel(CostModel):
         return len(self._store.entries)
 
     def flush(self) -> None:
-        """Write new measurements to the cache file now."""
+        """Write the measurements not written yet to the cache file."""
         self._store.flush()
 
     def _local_device(self, device: DeviceSpec) -> str | None:
@@ -301,13 +302,13 @@ class ProfiledCostModel(CostModel):
             return "cuda"
         if device.kind not in self._warned:
             self._warned.add(device.kind)
-            log.warning("no CUDA device here to profile %r: its ops use the %s", device.kind,
+            log.warning("no CUDA device to profile %r: its ops use the %s", device.kind,
                         type(self.fallback).__name__)
         return None
 
     def _measurable(self, node: OpNode, device: DeviceSpec) -> str | None:
         """The local device that times ``node``'s partitions for ``device``, or None where the
-        fallback answers (leaf and opaque ops, a GPU kind with no CUDA here)."""
+        fallback answers (leaf and opaque ops, a GPU kind without a CUDA device)."""
         if node.kind in LEAF_KINDS or get_rule(node.kind).kind == OPAQUE:
             log.debug("op %r (kind %r): %s; using the %s", node.name, node.kind,
                       "not computed" if node.kind in LEAF_KINDS else "no rule to run it",
@@ -323,8 +324,7 @@ class ProfiledCostModel(CostModel):
         """Time every partition not cached yet in ``rounds`` interleaved rounds -- each round
         runs ``measure_partition`` (median of ``repeats``) of each in turn -- and cache the
         median of its rounds, forward and backward apart. On a shared host an op's speed moves
-        by 20-40 % from one second to the next (gpt small's dropout here: 0.41-0.89 ms, the
-        same call); timed in one burst, a partition keeps whatever state that burst caught,
+        from one second to the next, the same call at very different times; timed in one burst, a partition keeps whatever state that burst caught,
         and two partitions of one plan can be timed in different states. Rounds spread each
         partition's samples over the whole profile. Partitions that fail to run are left to
         the fallback (``op_time``). Returns how many were timed."""
@@ -384,3 +384,6 @@ class ProfiledCostModel(CostModel):
         if time.monotonic() - self._store.saved_at >= self.save_interval:
             self._store.flush()
         return fwd, bwd
+
+
+register_cost_model("profiled", ProfiledCostModel)

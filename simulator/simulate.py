@@ -51,8 +51,8 @@ def simulate_plan(graph: OpGraph, strategy: Strategy | Lowered, topology: Topolo
 @contextlib.contextmanager
 def paused_gc():
     """No automatic cyclic collection inside (restored after). A search's caches hold hundreds
-    of thousands of long-lived, acyclic objects: each full collection walks them all (0.3 s
-    for a ResNet-101 search's) and finds no garbage; refcounting still frees everything."""
+    of thousands of long-lived, acyclic objects: each full collection walks them all and finds
+    no garbage; refcounting frees everything."""
     enabled = gc.isenabled()
     gc.disable()
     try:

@@ -13,10 +13,10 @@ from collections.abc import Callable, Sequence
 
 from simulator.comm import allgather_time, allreduce_time, ring_links
 from simulator.devices import DeviceSpec
-from simulator.taskgraph import ALLREDUCE, REDUCE, UPDATE, TaskGraph
+from simulator.taskgraph import TaskGraph, TaskKind
 from simulator.topology import Topology
 from strategies.config import format_devices
-from strategies.lowering import Lowered, ReductionGroup, bucket_sums, loss_on_every_device
+from strategies.lowering import BucketKey, Lowered, ReductionGroup, bucket_sums, loss_on_every_device
 
 __all__ = ["COPY_TRAFFIC", "link_step", "member_ends", "UPDATE_TRAFFIC"]
 
@@ -70,7 +70,7 @@ def link_step(tg: TaskGraph, lowered: Lowered, topology: Topology,
     ready: dict[int, list[int]] = {d: list(last[d]) for d in last}  # what its gradient sync waits on
     later: dict[int, list[int]] = {d: [] for d in last}  # what only its update waits on
     rides = bucket_sums(lowered, [g for _, sums in step_sums for g, _, _ in sums]) if step_sums else {}
-    riders: dict[tuple[int, ...], list] = {}  # bucket device set -> [bytes, forward tasks] of its sums
+    riders: dict[BucketKey, list] = {}  # gradient bucket -> [bytes, forward tasks] of its sums
     for off, sums in step_sums:
         for g, fwds, dynamic in sums:
             fwds = [off + f for f in fwds]
@@ -80,46 +80,48 @@ def link_step(tg: TaskGraph, lowered: Lowered, topology: Topology,
                 entry[1] += fwds
                 continue
             label = f"reduce {g.name} {g.op}@mb{g.microbatch}"
-            r = tg.add(label, REDUCE, allgather_time(topology, g.devices, g.nbytes),
+            r = tg.add(label, TaskKind.REDUCE, allgather_time(topology, g.devices, g.nbytes),
                        tuple(n + l for l in ring_links(topology, g.devices)), g.devices[0], g.nbytes)
             for f in fwds:
                 tg.edge(f, r)
-            for e, d in zip(member_ends(tg.add, tg.edge, topology, r, g.devices, label, REDUCE), g.devices):
+            for e, d in zip(member_ends(tg.add, tg.edge, topology, r, g.devices, label, TaskKind.REDUCE), g.devices):
                 (ready if dynamic else later)[d].append(e)
     weight_bytes, tensors = lowered.device_bytes.trainable, lowered.gradient_sync.tensors
     buckets = lowered.gradient_sync.buckets
     synced = {d: ready[d] + later[d] for d in last}
-    for devs in sorted(buckets):
+    for key in sorted(buckets):
+        devs = key.devices
         links = tuple(n + l for l in ring_links(topology, devs))
         label = f"allreduce bucket {format_devices(devs)}"
-        extra, fwds = riders.get(devs, (0, []))
-        nbytes = buckets[devs] + extra
-        ar = tg.add(label, ALLREDUCE, allreduce_time(topology, devs, nbytes), links, devs[0], nbytes)
+        extra, fwds = riders.get(key, (0, []))
+        nbytes = buckets[key] + extra
+        ar = tg.add(label, TaskKind.ALLREDUCE, allreduce_time(topology, devs, nbytes), links, devs[0], nbytes)
         for f in fwds:
             tg.edge(f, ar)
         packs = []
         for d in devs:
-            pack = tg.add(f"pack {label} device {d}", ALLREDUCE, _copy_time(topology.devices[d], nbytes), (d,), d)
+            pack = tg.add(f"pack {label} device {d}", TaskKind.ALLREDUCE, _copy_time(topology.devices[d], nbytes),
+                          (d,), d)
             for dep in ready[d]:
                 tg.edge(dep, pack)
             tg.edge(pack, ar)
             packs.append(pack)
-        for d, e in zip(devs, _synced_ends(tg, topology, ar, devs, label, ALLREDUCE, list(zip(devs, packs)))):
-            unpack = tg.add(f"unpack {label} device {d}", ALLREDUCE,
-                            _copy_time(topology.devices[d], buckets[devs]), (d,), d)
+        for d, e in zip(devs, _synced_ends(tg, topology, ar, devs, label, TaskKind.ALLREDUCE, list(zip(devs, packs)))):
+            unpack = tg.add(f"unpack {label} device {d}", TaskKind.ALLREDUCE,
+                            _copy_time(topology.devices[d], buckets[key]), (d,), d)
             tg.edge(e, unpack)
             synced[d].append(unpack)
     if not loss_on_every_device(lowered):
         everyone = tuple(range(lowered.strategy.num_devices))
-        rep = tg.add("allreduce loss", ALLREDUCE, allreduce_time(topology, everyone, _LOSS_BYTES),
+        rep = tg.add("allreduce loss", TaskKind.ALLREDUCE, allreduce_time(topology, everyone, _LOSS_BYTES),
                      tuple(n + l for l in ring_links(topology, everyone)), 0, _LOSS_BYTES)
         arrivals = [(d, dep) for d in sorted(synced) for dep in dict.fromkeys(synced[d])]
         for _, dep in arrivals:
             tg.edge(dep, rep)
-        _synced_ends(tg, topology, rep, everyone, "allreduce loss", ALLREDUCE, arrivals)
+        _synced_ends(tg, topology, rep, everyone, "allreduce loss", TaskKind.ALLREDUCE, arrivals)
     for d in sorted(last):
         if weight_bytes[d]:
-            u = tg.add(f"update {optimizer} device {d}", UPDATE,
+            u = tg.add(f"update {optimizer} device {d}", TaskKind.UPDATE,
                        _update_time(topology.devices[d], traffic, weight_bytes[d], tensors[d]),
                        (d,), d, weight_bytes[d])
             for dep in dict.fromkeys(synced[d]):

@@ -3,9 +3,8 @@
 
 Calibration fits a collective's overhead beyond the ring formula on data parallel, whose members
 all compute up to the gradient all-reduce and arrive together; most of it is the wait for the
-member whose compute ran late by the host's jitter (2 processes computing the same ~30 ms here:
-p10–p90 30–49 ms; a 1 MB all-reduce right after took 6.5 ms median against 1.3 ms started
-together). Where only some members compute up to the collective and the others wait for it idle
+member whose compute ran late by the host's jitter (processes sharing a host's cores finish the
+same work at times spread far wider than the all-reduce itself takes). Where only some members compute up to the collective and the others wait for it idle
 (the loss value's all-reduce of a pipeline, summed after stage 0's last backward), only the busy
 ones can be late. The expected wait for the slowest of k i.i.d. normal jitters is σ·e(k),
 e(k) = E[max of k standard normals] (e(1) = 0, e(2) = 1/√π ≈ 0.564, e(4) ≈ 1.029), so the

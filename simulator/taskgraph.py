@@ -9,18 +9,43 @@ the per-task lists (``duration``, ``resources``...) are built only when somethin
 
 from __future__ import annotations
 
+from enum import IntEnum
 from itertools import chain
 from operator import attrgetter
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
-__all__ = ["TaskGraph", "Columns", "Segment", "INDEX", "FORWARD", "BACKWARD", "TRANSFER", "GRAD_TRANSFER",
-           "REDUCE", "ALLREDUCE", "UPDATE", "RECV", "SEND", "GRAD_SEND", "CATEGORY"]
+__all__ = ["TaskGraph", "TaskKind", "StepOrder", "Columns", "Segment", "INDEX", "CATEGORY"]
 
-FORWARD, BACKWARD, TRANSFER, GRAD_TRANSFER, REDUCE, ALLREDUCE, UPDATE, RECV, SEND, GRAD_SEND = range(10)
-CATEGORY = ("forward", "backward", "transfer", "grad_transfer", "reduce", "allreduce", "update", "recv", "send",
-            "grad_send")
+
+class TaskKind(IntEnum):
+    """What a task is. An int, so the event loop and numpy read the column as integers."""
+
+    FORWARD = 0
+    """A partition's forward step on its device."""
+    BACKWARD = 1
+    """A partition's backward step on its device."""
+    TRANSFER = 2
+    """A piece sent between devices, on the links of its route."""
+    GRAD_TRANSFER = 3
+    """A piece's gradient sent back, on the links of the reverse route."""
+    REDUCE = 4
+    """A reduction group's sum (an all-gather or a ring sum), or a member's host part of it."""
+    ALLREDUCE = 5
+    """A gradient bucket's or the loss value's all-reduce, its packing and unpacking."""
+    UPDATE = 6
+    """A device's optimizer update."""
+    RECV = 7
+    """The receiving device's host work for a piece (``DeviceSpec.message_overhead``)."""
+    SEND = 8
+    """The sending device's host held by a piece (``Link.send_bandwidth``)."""
+    GRAD_SEND = 9
+    """The sending device's host held by a gradient sent back."""
+
+
+CATEGORY = tuple(kind.name.lower() for kind in TaskKind)
+"""Each kind's category in a trace, by its value: ``CATEGORY[TaskKind.FORWARD]`` is "forward"."""
 
 INDEX = np.int32
 """The dtype of task ids, edges and resource ids in the graph's arrays: the compiled event
@@ -29,11 +54,23 @@ loop's (``simulator/_events.c``), half the memory traffic of int64 for every joi
 _FIELDS = ("name", "category", "duration", "resources", "device", "nbytes")
 
 
+class StepOrder(NamedTuple):
+    """The schedule steps each device runs, in order, as the graph chains them: the first task
+    of each step (a partition's forward or backward task), device after device."""
+
+    devices: list[int]
+    """The devices that run a step, ascending."""
+    tasks: np.ndarray
+    """The steps' first tasks: ``devices[0]``'s, then ``devices[1]``'s, ..."""
+    last: list[int]
+    """The position in ``tasks`` of each device's last step."""
+
+
 class Columns:
     """Per-task facts as parallel lists, one entry per task.
 
     name: a label, a string or a tuple formatted by ``label`` only when shown (traces, errors);
-    category: FORWARD ... GRAD_SEND; duration: seconds; resources: resource ids (device d is d, link
+    category: a ``TaskKind``; duration: seconds; resources: resource ids (device d is d, link
     l is num_devices + l); device: the device a task belongs to (a transfer's source) for traces
     and busy time; nbytes: bytes it moves."""
 
@@ -114,6 +151,8 @@ class TaskGraph:
         """The step end's collectives with per-member overhead tasks: (collective, its (device,
         overhead task) pairs, the (device, task) pairs it waits on), which
         ``simulator.stragglers`` scales."""
+        self.step_order: StepOrder | None = None
+        """Each device's schedule steps in order (``simulator.tasks``), once they are chained."""
 
     # --- tasks ----------------------------------------------------------------------------------
     def place(self, segments: list[Segment], joined: tuple[np.ndarray, ...],

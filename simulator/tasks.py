@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import itertools
 import operator
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -37,18 +37,15 @@ from simulator.comm import allgather_time, group_sum_time, ring_links, transfer_
 from simulator.cost import CostModel
 from simulator.step import UPDATE_TRAFFIC, link_step, member_ends
 from simulator.taskcache import TaskCache
-from simulator.taskgraph import (ALLREDUCE, BACKWARD, CATEGORY, FORWARD, GRAD_SEND, GRAD_TRANSFER, INDEX, RECV,
-                                 REDUCE, SEND, TRANSFER, UPDATE, Columns, Segment, TaskGraph)
+from simulator.taskgraph import CATEGORY, INDEX, Columns, Segment, StepOrder, TaskGraph, TaskKind
 from simulator.topology import Topology
 from strategies.graph import OpGraph, OpNode
-from strategies.lowering import BACKWARD as BY_BACKWARD
-from strategies.lowering import STEP as BY_STEP
+from strategies.lowered import Gate
 from strategies.lowering import WEIGHT_KINDS, Lowered, OpPieces, ReductionGroup, Transfer
 from strategies.rules import get_rule
-from strategies.schedule import passes, warmups
+from strategies.schedule import Step, passes, warmups
 
-__all__ = ["TaskGraph", "TaskCache", "build_tasks", "FORWARD", "BACKWARD", "TRANSFER", "GRAD_TRANSFER",
-           "REDUCE", "ALLREDUCE", "UPDATE", "RECV", "SEND", "GRAD_SEND", "CATEGORY"]
+__all__ = ["TaskGraph", "TaskCache", "TaskKind", "CATEGORY", "Wire", "build_tasks", "device_steps"]
 
 
 class _Block:
@@ -102,7 +99,7 @@ class _Block:
         self.edges[2, :own] = np.fromiter(self.edge_dst, INDEX, own)
         self.edges[1::2, :own] = self.position
         self.edges[:, own:] = np.fromiter(self.cross, INDEX, len(self.cross)).reshape(-1, 4).T
-        self.edge_src, self.edge_dst, self.cross = [], [], []  # now in ``edges``
+        self.edge_src, self.edge_dst, self.cross = [], [], []  # ``edges`` holds them
         size = len(self.steps[0])
         steps = np.empty((6, size), dtype=INDEX)
         for r, row in enumerate(self.steps):
@@ -126,6 +123,7 @@ def _op_block(node: OpNode, pieces: OpPieces, graph: OpGraph, producers: dict[st
     devices = topology.devices
     op_time = cost.op_time
     runs = node.kind not in WEIGHT_KINDS  # the executor reads weights in place: no host work
+    fwd_bwd = (TaskKind.FORWARD, TaskKind.BACKWARD)
     c = b.cols
     names, cats, durs, res, devs, nbytes, esrc, edst = (
         c.name, c.category, c.duration, c.resources, c.device, c.nbytes, b.edge_src, b.edge_dst)
@@ -139,7 +137,7 @@ def _op_block(node: OpNode, pieces: OpPieces, graph: OpGraph, producers: dict[st
             ids.append(t)
             key = (node.name, p.index, j)
             names += (("fwd",) + key, ("bwd",) + key)
-            cats += (FORWARD, BACKWARD)
+            cats += fwd_bwd
             durs += (f_s + over, b_s + (over if backward else 0.0))
             res += ((d,), (d,))
             devs += (d, d)
@@ -177,12 +175,14 @@ def _add_transfers(b: _Block, transfers: tuple[Transfer, ...], producers: dict[s
     names, cats, durs, res, devs, nbytes = c.name, c.category, c.duration, c.resources, c.device, c.nbytes
     esrc, edst, cross = b.edge_src, b.edge_dst, b.cross
     received = any(d.message_overhead or d.exchange_overhead for d in devices)  # else no receive tasks
+    send_kinds = (TaskKind.TRANSFER, TaskKind.GRAD_TRANSFER)
     grads = {src: graph.moves_grad(src, transfers[0].dst_op) for src in producers} if transfers else {}
     crossed = {(t.src_device, t.dst_device, t.microbatch) for t in transfers if not t.local} if received else ()
     crossed_grad = {(t.src_device, t.dst_device, t.microbatch) for t in transfers
                     if not t.local and grads[t.src_op]} if received else ()
     for t in transfers:  # the hot loop of a changed op: inlined appends, as the partitions'
-        src_op, src_index, _, dst_index, _, j, src_device, dst_device, _, size = t
+        src_op, src_index, dst_index, j = t.src_op, t.src_index, t.dst_index, t.microbatch
+        src_device, dst_device, size = t.src_device, t.dst_device, t.nbytes
         dst_f, dst_b = b.fwd[j][dst_index], b.bwd_done[j][dst_index]
         p = producers[src_op]
         src_f, src_b, at = p.fwd_done[j][src_index], p.fwd[j][src_index] + 1, p.position
@@ -197,13 +197,13 @@ def _add_transfers(b: _Block, transfers: tuple[Transfer, ...], producers: dict[s
         tf = len(durs)  # the send, then its gradient's (tf + 1) where it moves
         if grad:
             names += (("send", t), ("send-grad", t))
-            cats += (TRANSFER, GRAD_TRANSFER)
-            durs += (wire[0], wire[2])
-            res += (wire[1], wire[3])
+            cats += send_kinds
+            durs += (wire.seconds, wire.grad_seconds)
+            res += (wire.links, wire.grad_links)
             devs += (src_device, dst_device)
             nbytes += (size, size)
         else:  # the executor sends no gradient back (e.g. the targets')
-            b.add(("send", t), TRANSFER, wire[0], wire[1], src_device, size)
+            b.add(("send", t), TaskKind.TRANSFER, wire.seconds, wire.links, src_device, size)
         if not received:
             recv_f = recv_b = 0.0
         else:  # exchanged: a piece (a gradient) moves the other way in this op too
@@ -213,8 +213,9 @@ def _add_transfers(b: _Block, transfers: tuple[Transfer, ...], producers: dict[s
         esrc.append(_receive(b, ("recv", t), recv_f, dst_device, tf, dst_f, position) if recv_f else tf)
         edst.append(dst_f)
         cross += (src_f, at, tf, position)
-        if wire[4]:  # the sender's host copies (Link.send_bandwidth): after the producer, beside the wire
-            cross += (src_f, at, _send(b, ("send-host", t), SEND, wire[4], src_device, src_b - 1, at), position)
+        if wire.send_hold:  # the sender's host copies (Link.send_bandwidth): after the producer, beside the wire
+            cross += (src_f, at, _send(b, ("send-host", t), TaskKind.SEND, wire.send_hold, src_device, src_b - 1, at),
+                      position)
         if not grad:
             continue
         tb = tf + 1
@@ -222,21 +223,22 @@ def _add_transfers(b: _Block, transfers: tuple[Transfer, ...], producers: dict[s
                   position, src_b, at)
         esrc.append(dst_b)
         edst.append(tb)
-        if wire[5]:
+        if wire.grad_send_hold:
             esrc.append(dst_b)
-            edst.append(_send(b, ("send-host-grad", t), GRAD_SEND, wire[5], dst_device, dst_f + 1, position))
+            edst.append(_send(b, ("send-host-grad", t), TaskKind.GRAD_SEND, wire.grad_send_hold, dst_device,
+                              dst_f + 1, position))
 
 
 def _receive(b: _Block, name: tuple, seconds: float, device: int, wire: int, step: int, at: int) -> int:
     """A receive of ``seconds`` on ``device`` after the ``wire`` task, inside the schedule step
     whose first task is ``step`` of the block at ``at`` (``_Block.slots``); returns it."""
-    r = b.add(name, RECV, seconds, (device,), device)
+    r = b.add(name, TaskKind.RECV, seconds, (device,), device)
     b.edge(wire, r)
     b.slots += (r, b.position, step, at, 1)
     return r
 
 
-def _send(b: _Block, name: tuple, category: int, seconds: float, device: int, step: int, at: int) -> int:
+def _send(b: _Block, name: tuple, category: TaskKind, seconds: float, device: int, step: int, at: int) -> int:
     """A send holding ``device``'s host ``seconds`` at the end of the schedule step whose first
     task is ``step`` of the block at ``at`` (``_Block.slots``); returns it (the caller adds
     what it waits on)."""
@@ -245,17 +247,32 @@ def _send(b: _Block, name: tuple, category: int, seconds: float, device: int, st
     return h
 
 
-def _wire(topology: Topology, src: int, dst: int, nbytes: int
-          ) -> tuple[float, tuple[int, ...], float, tuple[int, ...], float, float]:
-    """(seconds, resources) of ``nbytes`` sent ``src`` -> ``dst`` and of its gradient sent back,
-    then the seconds each send holds its sender's host (``Link.send_time`` of the route's first
-    link; 0: not held)."""
+class Wire(NamedTuple):
+    """What a piece of some size costs sent from one device to another, and its gradient sent
+    back: kept per (source, target, bytes) in ``TaskCache.wires``."""
+
+    seconds: float
+    """``transfer_time`` of the piece."""
+    links: tuple[int, ...]
+    """The resources it holds: its route's links (link l is resource num_devices + l)."""
+    grad_seconds: float
+    """``transfer_time`` of its gradient, on the route back."""
+    grad_links: tuple[int, ...]
+    """The resources the gradient holds."""
+    send_hold: float
+    """Seconds the piece holds its sender's host (``Link.send_time`` of the route's first link; 0: not held)."""
+    grad_send_hold: float
+    """Seconds the gradient holds its sender's host (0: not held)."""
+
+
+def _wire(topology: Topology, src: int, dst: int, nbytes: int) -> Wire:
+    """The ``Wire`` of ``nbytes`` sent ``src`` -> ``dst``."""
     n = topology.num_devices
     there, back = topology.route(src, dst), topology.route(dst, src)
-    return (transfer_time(topology, src, dst, nbytes), tuple(n + l for l in there),
-            transfer_time(topology, dst, src, nbytes), tuple(n + l for l in back),
-            topology.links[there[0]].send_time(nbytes) if there else 0.0,
-            topology.links[back[0]].send_time(nbytes) if back else 0.0)
+    return Wire(transfer_time(topology, src, dst, nbytes), tuple(n + l for l in there),
+                transfer_time(topology, dst, src, nbytes), tuple(n + l for l in back),
+                topology.links[there[0]].send_time(nbytes) if there else 0.0,
+                topology.links[back[0]].send_time(nbytes) if back else 0.0)
 
 
 def _add_reductions(b: _Block, node: OpNode, reductions: tuple[ReductionGroup, ...], backward: bool,
@@ -279,18 +296,18 @@ def _add_reductions(b: _Block, node: OpNode, reductions: tuple[ReductionGroup, .
     for g in reductions:
         j = g.microbatch
         fwd = b.fwd[j]
-        if g.gates == BY_STEP:
+        if g.gates == Gate.STEP:
             b.step_reductions.append((g, [fwd[k] for k in g.partitions], dynamic))
             continue
         device = [p.device for p in b.pieces.partitions[j]]
         links = tuple(n + l for l in ring_links(topology, g.devices))
         label = f"reduce {g.name} {g.op}@mb{j}"
-        r = b.add(label, REDUCE, allgather_time(topology, g.devices, g.nbytes), links, g.devices[0], g.nbytes)
+        r = b.add(label, TaskKind.REDUCE, allgather_time(topology, g.devices, g.nbytes), links, g.devices[0], g.nbytes)
         for k in g.partitions:
             b.edge(fwd[k], r)
-        ends = member_ends(b.add, b.edge, topology, r, g.devices, label, REDUCE)
+        ends = member_ends(b.add, b.edge, topology, r, g.devices, label, TaskKind.REDUCE)
         end = dict(zip(g.devices, ends))
-        if g.gates == BY_BACKWARD:
+        if g.gates == Gate.BACKWARD:
             for k in g.partitions:
                 b.edge(end[device[k]], fwd[k] + 1)
         else:
@@ -300,8 +317,8 @@ def _add_reductions(b: _Block, node: OpNode, reductions: tuple[ReductionGroup, .
                 size = 8 if node.output.dtype == "float64" else 4  # batch statistics' float32
                 t = group_sum_time(topology, g.devices, g.grad_nbytes, g.grad_nbytes // size)
                 label = f"reduce-grad {g.name} {g.op}@mb{j}"
-                rb = b.add(label, REDUCE, t, links, g.devices[0], g.grad_nbytes)
-                end = dict(zip(g.devices, member_ends(b.add, b.edge, topology, rb, g.devices, label, REDUCE)))
+                rb = b.add(label, TaskKind.REDUCE, t, links, g.devices[0], g.grad_nbytes)
+                end = dict(zip(g.devices, member_ends(b.add, b.edge, topology, rb, g.devices, label, TaskKind.REDUCE)))
                 for k in g.partitions:
                     b.edge(fwd[k] + 1, rb)
                     b.bwd_done[j][k] = end[device[k]]
@@ -379,6 +396,7 @@ def _link_schedule(tg: TaskGraph, lowered: Lowered, steps: np.ndarray, first: np
             total += hi - lo
         device_ends.append(total - 1)  # the position of its last step in ``seq``
     seq, ends = np.concatenate(seq), np.concatenate(ends)
+    tg.step_order = StepOrder(devices, seq, device_ends)
     chained = np.ones(len(seq) - 1, dtype=bool)
     chained[device_ends[:-1]] = False
     tg.chunks.append((ends[:-1][chained], seq[1:][chained]))
@@ -400,3 +418,17 @@ def _link_schedule(tg: TaskGraph, lowered: Lowered, steps: np.ndarray, first: np
         has = prior >= 0  # no step before a device's first
         tg.chunks.append((prior[has], task[before][has]))
     return last
+
+
+def device_steps(tg: TaskGraph) -> dict[int, list[Step]]:
+    """Device -> its schedule steps in the order ``build_tasks`` chained them, each read back
+    from its first task's name: what ``strategies.schedule.device_order`` gives the executor."""
+    order, names = tg.step_order, tg.name
+    if order is None:
+        return {}
+    out, lo = {}, 0
+    for d, last in zip(order.devices, order.last):
+        out[d] = [Step(what == "bwd", op, index, j)
+                  for what, op, index, j in (names[t] for t in order.tasks[lo:last + 1].tolist())]
+        lo = last + 1
+    return out

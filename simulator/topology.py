@@ -15,7 +15,7 @@ JSON (format ``soapsearch.topology``, version 1), explicit form — what ``to_js
      "routes": [{"src": 0, "dst": 1, "links": [0]}, {"src": 1, "dst": 0, "links": [1]}]}
 
 Compact form, for hand-written homogeneous clusters: ``"cluster"`` in place of devices, links and
-routes, expanded by :func:`simulator.presets.cluster` (``inter`` may be left out when ``nodes`` is
+routes, expanded by :func:`simulator.cluster.cluster_parts` (``inter`` may be left out when ``nodes`` is
 1; ``intra`` is unused when ``per_node`` is 1)::
 
     {"format": "soapsearch.topology", "version": 1, "name": "my-a100s",
@@ -41,16 +41,11 @@ from types import MappingProxyType
 from typing import Any
 
 from simulator.devices import OVERHEAD_FIELDS, DeviceSpec, Link
+from simulator.errors import field_error
+from simulator.topology_json import FORMAT, VERSION, read_topology
 from strategies.serialize import atomic_write_text
 
 __all__ = ["FORMAT", "VERSION", "Topology"]
-
-FORMAT = "soapsearch.topology"
-VERSION = 1
-
-
-def _err(where: str, what: str, value: Any, rule: str) -> ValueError:
-    return ValueError(f"{where}: {what} = {value!r}: {rule}")
 
 
 @dataclass(frozen=True, repr=False)
@@ -76,34 +71,34 @@ class Topology:
     def __post_init__(self) -> None:
         where, devices, links = f"topology {self.name!r}", tuple(self.devices), tuple(self.links)
         if not devices:
-            raise _err(where, "devices", [], "a topology needs at least one device")
+            raise field_error(where, "devices", [], "a topology needs at least one device")
         for d, dev in enumerate(devices):
             if not isinstance(dev, DeviceSpec) or dev.node < 0:
-                raise _err(where, f"devices[{d}]", dev, "must be a DeviceSpec with node >= 0")
+                raise field_error(where, f"devices[{d}]", dev, "must be a DeviceSpec with node >= 0")
         seen: dict[str, int] = {}
         for j, link in enumerate(links):
             if not isinstance(link, Link):
-                raise _err(where, f"links[{j}]", link, "must be a Link")
+                raise field_error(where, f"links[{j}]", link, "must be a Link")
             if link.name in seen:
-                raise _err(where, f"links[{j}].name", link.name, f"link names are unique; links[{seen[link.name]}] has it too")
+                raise field_error(where, f"links[{j}].name", link.name, f"link names are unique; links[{seen[link.name]}] has it too")
             seen[link.name] = j
         n = len(devices)
         table: list[tuple[int, ...]] = [()] * (n * n)
         for key, hops in self.routes.items():
             if not (isinstance(key, tuple) and len(key) == 2 and all(isinstance(k, int) and 0 <= k < n for k in key)):
-                raise _err(where, "routes key", key, f"must be a pair (src, dst) of device indices 0..{n - 1}")
+                raise field_error(where, "routes key", key, f"must be a pair (src, dst) of device indices 0..{n - 1}")
             src, dst = key
             hops = tuple(hops)
             what = f"route {src}->{dst}"
             for j in hops:
                 if not isinstance(j, int) or not 0 <= j < len(links):
-                    raise _err(where, what, list(hops), f"link index {j!r} does not exist ({len(links)} links: 0..{len(links) - 1})")
+                    raise field_error(where, what, list(hops), f"link index {j!r} does not exist ({len(links)} links: 0..{len(links) - 1})")
             if src == dst and hops:
-                raise _err(where, what, list(hops), "a device reaches itself over no link")
+                raise field_error(where, what, list(hops), "a device reaches itself over no link")
             if src != dst and not hops:
-                raise _err(where, what, [], "a route between distinct devices crosses at least one link")
+                raise field_error(where, what, [], "a route between distinct devices crosses at least one link")
             if len(set(hops)) != len(hops):
-                raise _err(where, what, list(hops), "a route crosses each link at most once")
+                raise field_error(where, what, list(hops), "a route crosses each link at most once")
             table[src * n + dst] = hops
         missing = [(s, d) for s in range(n) for d in range(n) if s != d and not table[s * n + d]]
         if missing:
@@ -198,9 +193,11 @@ class Topology:
     def from_json(cls, obj: Any, where: str = "topology JSON") -> Topology:
         """Build from either JSON form (``simulator.topology_json``); ValueError names the
         field, the value and the rule."""
-        from simulator.topology_json import read_topology  # it builds a Topology: imported late
-
-        return read_topology(obj, where)
+        fields = read_topology(obj, where)
+        try:
+            return cls(*fields)
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the explicit JSON form atomically (a temp file beside ``path``, then os.replace)."""
@@ -277,6 +274,7 @@ def _gbs(bandwidth: float) -> str:
     return f"{bandwidth / 1e9:.4g} GB/s"
 
 
+# Pickles whose reduce names ``simulator.topology._from_json`` load through this alias.
 def _from_json(obj: Any, where: str = "topology JSON") -> Topology:
-    """``Topology.from_json``, by the name pickles made before ``topology_json.py`` refer to."""
+    """``Topology.from_json`` under the name some pickles of a Topology refer to."""
     return Topology.from_json(obj, where)

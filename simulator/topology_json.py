@@ -1,19 +1,32 @@
-"""Reading a topology's JSON (either form, ``simulator.topology``'s docstring): every field
-checked with its place, value and rule, and a key no object takes refused with the closest one
-it does take."""
+"""Reading a topology's JSON (either form, ``simulator.topology``'s docstring) into the fields
+``Topology`` is built from: every field checked with its place, value and rule, and a key no
+object takes refused with the closest one it does take."""
 
 from __future__ import annotations
 
 import difflib
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
+from simulator.cluster import INTER_SHAPES, INTRA_SHAPES, MAX_DEVICES, Fabric, cluster_parts
 from simulator.devices import OVERHEAD_FIELDS, DeviceSpec, Link
-from simulator.topology import FORMAT, VERSION, Topology, _err
+from simulator.errors import field_error
 from strategies.graph import DTYPE_BYTES
 
-__all__ = ["read_topology"]
+__all__ = ["FORMAT", "VERSION", "TopologyFields", "read_cluster", "read_topology"]
+
+FORMAT = "soapsearch.topology"
+VERSION = 1
+
+
+class TopologyFields(NamedTuple):
+    """What ``Topology(name, devices, links, routes)`` is built from, read from its JSON."""
+
+    name: str
+    devices: tuple[DeviceSpec, ...]
+    links: tuple[Link, ...]
+    routes: dict[tuple[int, int], tuple[int, ...]]
 
 _RULES = {
     "str": (lambda v: isinstance(v, str) and v != "", "must be a non-empty string"),
@@ -58,7 +71,7 @@ def _get(obj: Any, key: str, path: str, rule: str, where: str) -> Any:
         raise ValueError(f"{where}: {path}{key}: missing: this field is required")
     ok, text = _RULES[rule]
     if not ok(obj[key]):
-        raise _err(where, f"{path}{key}", obj[key], text)
+        raise field_error(where, f"{path}{key}", obj[key], text)
     return obj[key]
 
 
@@ -66,7 +79,7 @@ def _items(obj: Any, key: str, where: str, rule: str = "object") -> list[tuple[s
     values = _get(obj, key, "", "list", where)
     for i, v in enumerate(values):
         if not _RULES[rule][0](v):
-            raise _err(where, f"{key}[{i}]", v, _RULES[rule][1])
+            raise field_error(where, f"{key}[{i}]", v, _RULES[rule][1])
     return [(f"{key}[{i}].", v) for i, v in enumerate(values)]
 
 
@@ -79,11 +92,12 @@ def _link_extras(obj: Any, path: str, where: str) -> tuple[float | None, float |
 
 def _device(obj: Any, path: str, where: str, node: bool = True) -> DeviceSpec:
     if not node and "node" in obj:
-        raise _err(where, f"{path}node", obj["node"], "a cluster's devices take their node from per_node: leave it out")
+        raise field_error(where, f"{path}node", obj["node"],
+                          "a cluster's devices take their node from per_node: leave it out")
     _known(obj, "a device" if node else "a cluster's device", path, where)
     flops = _get(obj, "peak_flops", path, "object", where)
     if not flops:
-        raise _err(where, f"{path}peak_flops", flops, "needs at least one dtype")
+        raise field_error(where, f"{path}peak_flops", flops, "needs at least one dtype")
     _known(flops, "peak_flops", f"{path}peak_flops.", where)
     for dtype in flops:
         _get(flops, dtype, f"{path}peak_flops.", "num>0", where)
@@ -103,28 +117,49 @@ def _link(obj: Any, path: str, where: str) -> Link:
                 *_link_extras(obj, path, where))
 
 
-def read_topology(obj: Any, where: str = "topology JSON") -> Topology:
-    """A Topology from either JSON form (``simulator.topology``'s docstring); ValueError names the
-    place, the field, the value and the rule."""
+def _fabric(obj: Any, path: str, where: str, shapes: tuple[str, ...]) -> Fabric:
+    shape = _get(obj, "shape", path, "str", where)
+    if shape not in shapes:
+        raise field_error(where, f"{path}shape", shape, f"must be one of {shapes}")
+    return Fabric(shape, _get(obj, "kind", path, "str", where), _get(obj, "latency", path, "num>=0", where),
+                  _get(obj, "bandwidth", path, "num>0", where),
+                  *_link_extras(obj, path, where))
+
+
+def read_cluster(name: str, obj: Mapping[str, Any], where: str = "topology JSON") -> TopologyFields:
+    """The compact ``"cluster"`` object of a topology file (``simulator.topology``'s docstring),
+    expanded by ``simulator.cluster.cluster_parts``."""
+    _known(obj, "a cluster", "cluster.", where)
+    for level in ("intra", "inter"):
+        if isinstance(obj.get(level), dict):
+            _known(obj[level], "a fabric", f"cluster.{level}.", where)
+    nodes, per_node = _get(obj, "nodes", "cluster.", "int>0", where), _get(obj, "per_node", "cluster.", "int>0", where)
+    device = _device(_get(obj, "device", "cluster.", "object", where), "cluster.device.", where, node=False)
+    intra = _fabric(_get(obj, "intra", "cluster.", "object", where), "cluster.intra.", where, INTRA_SHAPES)
+    inter = (_fabric(_get(obj, "inter", "cluster.", "object", where), "cluster.inter.", where, INTER_SHAPES)
+             if nodes > 1 or "inter" in obj else None)
+    if nodes * per_node > MAX_DEVICES:
+        raise field_error(where, "cluster.nodes * cluster.per_node", nodes * per_node, f"must be <= {MAX_DEVICES}")
+    return TopologyFields(name, *cluster_parts(name, device, nodes, per_node, intra, inter))
+
+
+def read_topology(obj: Any, where: str = "topology JSON") -> TopologyFields:
+    """The fields of a Topology from either JSON form (``simulator.topology``'s docstring);
+    ValueError names the place, the field, the value and the rule."""
     if not isinstance(obj, dict):
-        raise _err(where, "json", type(obj).__name__, "a topology is a JSON object")
+        raise field_error(where, "json", type(obj).__name__, "a topology is a JSON object")
     if obj.get("format") != FORMAT:
-        raise _err(where, "format", obj.get("format"), f"must be {FORMAT!r}")
+        raise field_error(where, "format", obj.get("format"), f"must be {FORMAT!r}")
     if obj.get("version") != VERSION:
-        raise _err(where, "version", obj.get("version"), f"this soapsearch reads version {VERSION} only")
+        raise field_error(where, "version", obj.get("version"), f"this soapsearch reads version {VERSION} only")
     _known(obj, "a topology", "", where)
     name = _get(obj, "name", "", "str", where)
     if "cluster" in obj:
-        from simulator.presets import cluster_from_json  # built there; imported late: presets imports us
         extra = [k for k in ("devices", "links", "routes") if k in obj]
         if extra:
-            raise _err(where, "cluster", "...", f"give either cluster or devices/links/routes, not both ({extra})")
-        spec = _get(obj, "cluster", "", "object", where)
-        _known(spec, "a cluster", "cluster.", where)
-        for level in ("intra", "inter"):  # the rest of the cluster's fields are read in presets
-            if isinstance(spec.get(level), dict):
-                _known(spec[level], "a fabric", f"cluster.{level}.", where)
-        return cluster_from_json(name, spec, where)
+            raise field_error(where, "cluster", "...",
+                              f"give either cluster or devices/links/routes, not both ({extra})")
+        return read_cluster(name, _get(obj, "cluster", "", "object", where), where)
     devices = [_device(v, p, where) for p, v in _items(obj, "devices", where)]
     links = [_link(v, p, where) for p, v in _items(obj, "links", where)]
     routes: dict[tuple[int, int], tuple[int, ...]] = {}
@@ -134,11 +169,8 @@ def read_topology(obj: Any, where: str = "topology JSON") -> Topology:
         hops = _get(v, "links", p, "list", where)
         for j in hops:
             if not _RULES["int>=0"][0](j):
-                raise _err(where, f"{p}links", hops, f"link index {j!r} is not an integer >= 0")
+                raise field_error(where, f"{p}links", hops, f"link index {j!r} is not an integer >= 0")
         if key in routes:
-            raise _err(where, p[:-1], v, f"a second route from device {key[0]} to device {key[1]}")
+            raise field_error(where, p[:-1], v, f"a second route from device {key[0]} to device {key[1]}")
         routes[key] = tuple(hops)
-    try:
-        return Topology(name, tuple(devices), tuple(links), routes)
-    except ValueError as e:
-        raise ValueError(f"{where}: {e}") from None
+    return TopologyFields(name, tuple(devices), tuple(links), routes)

@@ -11,7 +11,14 @@ from simulator.simulate import simulate_plan
 from simulator.topology import Topology
 from strategies import OpGraph, Strategy, baseline, load_strategy
 
-__all__ = ["simulate", "resolve_plan"]
+__all__ = ["DEFAULT_TOPOLOGY", "TOPOLOGY_HELP", "simulate", "resolve_plan"]
+
+DEFAULT_TOPOLOGY = "p100-4x4"
+"""The topology of every command and function that takes one and is not given one: the FlexFlow
+paper's cluster (4 nodes of 4 P100 GPUs), where its default, paper-scale models were planned."""
+TOPOLOGY_HELP = (f"preset (p100-4x4, k80-16x4, a100-Nx8, h100-Nx8, local-cpu-N) or topology JSON "
+                 f"(default {DEFAULT_TOPOLOGY}, the FlexFlow paper's cluster, as for every command)")
+"""The --topology help of every command that defaults it."""
 
 
 def resolve_plan(graph: OpGraph, plan: Strategy | str | os.PathLike, num_devices: int,
@@ -25,7 +32,7 @@ def resolve_plan(graph: OpGraph, plan: Strategy | str | os.PathLike, num_devices
 
 
 def simulate(graph: OpGraph, plan: Strategy | str | os.PathLike, *,
-             topology: Topology | str = "local-cpu-4", cost_model: CostModel | str = "analytical",
+             topology: Topology | str = DEFAULT_TOPOLOGY, cost_model: CostModel | str = "analytical",
              optimizer: str = "sgd", microbatches: int = 4,
              trace: str | os.PathLike | None = None) -> SimResult:
     """Simulated cost of one training iteration of ``plan`` (a Strategy, a baseline name or a

@@ -9,12 +9,14 @@ import sys
 from typing import Sequence
 
 from soapsearch import zoo
+from soapsearch.api import DEFAULT_TOPOLOGY, TOPOLOGY_HELP
 from soapsearch.models import ModelLoadError, load_model
 from soapsearch.calibrate._spawn import SpawnError
 from soapsearch.calibrate.cli import add_calibrate_parsers
 from soapsearch.executor.cli import add_run_parser
 from soapsearch.search.cli import add_search_parsers
-from soapsearch.trace import TraceError, trace
+from soapsearch.search.output import check_plan_output, wrote
+from soapsearch.trace import TraceError, check_scalar_loss, trace
 from strategies import BASELINES, OpGraph, PlanError, baseline, get_rule, save_strategy
 from strategies.serialize import check_writable
 from strategies.config import ROLE_LETTER
@@ -70,8 +72,11 @@ def graph_json(graph: OpGraph) -> dict:
 
 
 def _graph(args) -> OpGraph:
+    """The model the flags name, traced for training: it must return one scalar loss."""
     spec = load_model(args.model, variant=args.variant, batch_size=args.batch_size)
-    return trace(spec.model, spec.example_inputs, name=spec.name)
+    graph = trace(spec.model, spec.example_inputs, name=spec.name)
+    check_scalar_loss(graph)
+    return graph
 
 
 def _cmd_zoo(args) -> int:
@@ -96,19 +101,27 @@ def _cmd_show(args) -> int:
 
 
 def _cmd_plan(args) -> int:
+    from simulator.presets import get_topology
+
     check_writable(args.output)
+    topo = get_topology(args.topology)
+    devices = topo.num_devices if args.devices is None else args.devices
+    if devices > topo.num_devices:
+        raise ValueError(f"plan --devices = {devices}: more than the {topo.num_devices} devices of "
+                         f"{topo.name!r}; give a --topology with as many")
     graph = _graph(args)
-    plan = baseline(args.baseline, graph, args.devices, args.microbatches)
-    topology = args.topology or f"local-cpu-{args.devices}"
-    save_strategy(args.output, plan, graph, topology=topology)
+    replacing = check_plan_output(args.output, graph, args.force)
+    plan = baseline(args.baseline, graph, devices, args.microbatches)
+    save_strategy(args.output, plan, graph, topology=topo.name)
+    path = wrote(args.output)
     if args.json:
-        print(json.dumps({"plan": args.output, "baseline": args.baseline, "num_devices": args.devices,
+        print(json.dumps({"plan": path, "baseline": args.baseline, "num_devices": devices,
                           "microbatches": plan.microbatches, "ops": len(graph)}))
         return 0
     for n in graph:
         print(f"  {n.name:28s} {n.kind:14s} {plan[n.name].show(n.dims)}")
-    print(f"wrote {args.baseline} plan for {graph.name} on {args.devices} devices "
-          f"({plan.microbatches} micro-batch(es)) to {args.output}")
+    print(f"wrote {args.baseline} plan for {graph.name} on {devices} devices of {topo.name} "
+          f"({plan.microbatches} micro-batch(es)) to {path}{replacing}")
     return 0
 
 
@@ -165,7 +178,7 @@ def _parser() -> argparse.ArgumentParser:
     def model_args(sp):
         sp.add_argument("model", help="zoo name, path/to/file.py:factory or package.module:factory")
         sp.add_argument("--variant", default="default", choices=zoo.VARIANTS,
-                        help="zoo variant: paper scale (default) or tiny")
+                        help=f"zoo variant, default 'default': {zoo.VARIANTS_HELP}")
         sp.add_argument("--batch-size", type=int, default=None, help="override the batch size")
         sp.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -175,18 +188,22 @@ def _parser() -> argparse.ArgumentParser:
     plan = sub.add_parser("plan", help="write a baseline plan as strategy JSON")
     model_args(plan)
     plan.add_argument("--baseline", required=True, choices=sorted(BASELINES))
-    plan.add_argument("--devices", type=int, required=True, help="number of devices")
+    plan.add_argument("--devices", type=int, default=None,
+                      help="number of devices: the topology's first N (default all of them)")
     plan.add_argument("--microbatches", type=int, default=4, help="pipeline micro-batches")
-    plan.add_argument("--topology", default=None, help="topology name recorded in the plan")
-    plan.add_argument("-o", "--output", default="plan.json", help="where to write the plan")
+    plan.add_argument("--topology", default=DEFAULT_TOPOLOGY, help=f"{TOPOLOGY_HELP}; recorded in the plan")
+    plan.add_argument("-o", "--output", default="plan.json",
+                      help="where to write the plan (default plan.json); a file holding another model's "
+                           "plan is refused unless --force")
+    plan.add_argument("--force", action="store_true",
+                      help="overwrite -o even where it holds another model's plan or is no plan")
     plan.set_defaults(fn=_cmd_plan)
     sim = sub.add_parser("simulate", help="simulate one training iteration of a plan")
     model_args(sim)
     sim.add_argument("--plan", default=None, help="strategy JSON to simulate")
     sim.add_argument("--baseline", default=None, choices=sorted(BASELINES),
                      help="or a baseline plan for every device of the topology")
-    sim.add_argument("--topology", default="local-cpu-4",
-                     help="preset (p100-4x4, k80-16x4, a100-Nx8, h100-Nx8, local-cpu-N) or JSON file")
+    sim.add_argument("--topology", default=DEFAULT_TOPOLOGY, help=TOPOLOGY_HELP)
     sim.add_argument("--cost-model", default="analytical", choices=["analytical", "profiled"])
     sim.add_argument("--optimizer", default="sgd", choices=["sgd", "adam"])
     sim.add_argument("--microbatches", type=int, default=4, help="micro-batches of --baseline pipeline")

@@ -29,7 +29,7 @@ from soapsearch.zoo import VARIANTS
 from strategies.errors import PlanError
 from strategies.serialize import atomic_open, atomic_write_text
 
-__all__ = ["add_arguments", "to_argv", "main"]
+__all__ = ["add_arguments", "to_argv", "check_backend", "main"]
 
 _DEFAULTS = TrainConfig()
 
@@ -66,6 +66,20 @@ def to_argv(args: argparse.Namespace) -> list[str]:
     return out
 
 
+def check_backend(backend: str, nproc: int | None = None) -> None:
+    """ValueError for a backend this machine cannot run (checked by the launcher before torchrun
+    starts, and by each rank): NCCL needs CUDA, and ``nproc`` local processes one GPU each."""
+    if backend != "nccl":
+        return
+    if not torch.cuda.is_available():
+        raise ValueError("--backend nccl: NCCL needs CUDA and torch.cuda.is_available() is False on this "
+                         "machine; use --backend gloo")
+    gpus = torch.cuda.device_count()
+    if nproc is not None and nproc > gpus:
+        raise ValueError(f"--backend nccl: {nproc} processes need {nproc} GPUs (one each) and "
+                         f"torch.cuda.device_count() = {gpus} on this machine; use --backend gloo")
+
+
 def train_config(args: argparse.Namespace) -> TrainConfig:
     """The run's training config from its flags; ValueError for a step count or a config no run
     can use (checked by the launcher too, before any process starts)."""
@@ -96,6 +110,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     world = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     try:
+        check_backend(args.backend)
         built, strategy = prepare(args.plan, args.model, args.variant, args.batch_size, args.seed, args.dtype,
                                   world)
         config = train_config(args)

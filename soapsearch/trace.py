@@ -18,7 +18,7 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.shape_prop import ShapeProp
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
 import soapsearch._fx  # noqa: F401  (registers every adapter)
 from soapsearch._fx.base import ALIAS, FxOp, adapter_for
@@ -26,13 +26,23 @@ from strategies.graph import Dim, OpGraph, OpNode, TensorSpec, Weight
 from strategies.rules import OPAQUE, get_rule
 from strategies.rules.base import spec_of
 
-__all__ = ["trace", "TraceError"]
+__all__ = ["trace", "TraceError", "check_scalar_loss"]
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 
 
 class TraceError(ValueError):
     """A model that cannot be turned into an OpGraph, with the source line to blame."""
+
+
+def check_scalar_loss(graph: OpGraph, error: type[Exception] = TraceError) -> None:
+    """Raise ``error`` unless ``graph`` outputs exactly one scalar (shape ``()``): training
+    back-propagates from the loss, so a model returning logits cannot be trained or planned for
+    training. The executor refuses a plan with the same words (``ExecutorError``)."""
+    if len(graph.outputs) != 1 or graph[graph.outputs[0]].output.shape != ():
+        raise error(
+            f"the model must return one scalar loss; its outputs are {list(graph.outputs)} "
+            f"with shapes {[list(graph[o].output.shape) for o in graph.outputs]}")
 
 
 class _Tracer(fx.Tracer):
@@ -60,6 +70,19 @@ def _symbolic_trace(model: torch.nn.Module) -> fx.GraphModule:
     return fx.GraphModule(model, graph, type(model).__name__)
 
 
+def _sdpa_flop(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+    """FLOPs of scaled dot-product attention: the two batched matmuls Q·Kᵀ and softmax·V,
+    4·B·H·L·S·E (``sdpa_flop_count``, the formula torch counts for its flash, efficient and
+    cuDNN kernels and, on the meta device, for the two ``bmm`` of the math decomposition)."""
+    return sdpa_flop_count(query_shape, key_shape, value_shape)
+
+
+_FLOP_FORMULAS = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _sdpa_flop}
+"""Formulas torch.utils.flop_counter lacks: on fake CPU tensors SDPA dispatches to the CPU
+flash kernel, which it does not count, so attention's FLOPs would depend on where the weights
+live."""
+
+
 class _Propagate(ShapeProp):
     """ShapeProp that also keeps each node's (fake) value and forward FLOPs."""
 
@@ -81,7 +104,8 @@ class _Propagate(ShapeProp):
         return super().call_module(target, args, kwargs)
 
     def run_node(self, n: fx.Node) -> Any:
-        counter = FlopCounterMode(display=False) if self.count_flops else contextlib.nullcontext()
+        counter = (FlopCounterMode(display=False, custom_mapping=_FLOP_FORMULAS) if self.count_flops
+                   else contextlib.nullcontext())
         with counter:
             result = super().run_node(n)
         self.values[n.name] = result

@@ -8,9 +8,9 @@ traceable by ``torch.fx.symbolic_trace``.  Three variants exist per model:
   the networks, datasets and layer counts; the sizes it does not spell out are taken from the
   FlexFlow reference code (github.com/flexflow/FlexFlow: ``nmt/nmt.cc``, ``README`` and
   ``examples/cpp/MLP_Unify/mlp.cc``) or the canonical architecture, as noted next to each entry.
-* ``"small"`` -- a model of 0.36-2.4M parameters whose training step (batch 16) takes 15-110
-  ms on one CPU core: big enough that compute, not per-call framework overhead, dominates a
-  step (``benchmarks/simulator_accuracy.py --variant small``), small enough for a laptop.
+* ``"small"`` -- a model of 0.36-2.4M parameters (batch 16) big enough that compute, not
+  per-call framework overhead, dominates a training step on one CPU core
+  (``benchmarks/simulator_accuracy.py --variant small``), small enough for a laptop.
 * ``"tiny"`` -- a KB-sized model with small inputs for fast tests.
 
 Example::
@@ -48,10 +48,12 @@ from soapsearch._models import (
     RNNTCConfig,
 )
 
-__all__ = ["VARIANTS", "names", "describe", "config", "build"]
+__all__ = ["VARIANTS", "VARIANTS_HELP", "names", "describe", "config", "build"]
 
 VARIANTS: tuple[str, ...] = ("default", "small", "tiny")
 """Known variants, in order."""
+VARIANTS_HELP = "default (the paper's scale), small (a laptop's) or tiny (fast tests)"
+"""The variants in the words of every --variant help."""
 
 # FlexFlow's reference code trains with 64 samples per GPU (nmt/nmt.cc: bs_per_worker = 64;
 # README: "-b ... (default: 64)").  The zoo's default batch is that per-GPU figure; pass

@@ -1,6 +1,6 @@
 """The OpGraph IR: what a traced model is, independent of how it is parallelized.
 
-Vocabulary (DESIGN.md glossary): an *op* is one node of the graph; its *dims* are the dims of
+Vocabulary (docs/design.md, "Glossary"): an *op* is one node of the graph; its *dims* are the dims of
 its iteration space (for every op but a loss, exactly its output tensor's dims); each dim has a
 SOAP *role*: ``sample`` (the batch), ``attribute`` (a split does not split the weights) or
 ``parameter`` (a split splits the weights).

@@ -4,6 +4,7 @@ reductions, each op's ``OpPieces`` and the ``Lowered`` plan that gathers them
 
 from __future__ import annotations
 
+import enum
 import itertools
 import operator
 from dataclasses import dataclass
@@ -14,12 +15,24 @@ from strategies.graph import OpGraph
 from strategies.region import Box
 from strategies.strategy import Strategy
 
-__all__ = ["WEIGHT_KINDS", "FORWARD", "BACKWARD", "STEP", "Partition", "Transfer", "WeightShard",
-           "ReductionGroup", "OpPieces", "DeviceBytes", "GradientSync", "Lowered"]
+__all__ = ["WEIGHT_KINDS", "Gate", "Partition", "Transfer", "WeightRead", "WeightShard", "BucketKey",
+           "bucket_key", "ReductionGroup", "OpPieces", "DeviceBytes", "GradientSync", "Lowered"]
 
 WEIGHT_KINDS = ("parameter", "constant")
-FORWARD, BACKWARD, STEP = "forward", "backward", "step"
-"""What waits on a reduction's sum (``ReductionGroup.gates``; ``strategies.pieces.gates``)."""
+
+
+class Gate(str, enum.Enum):
+    """What waits on a reduction's sum (``ReductionGroup.gates``; ``strategies.pieces.gates``
+    says which): the partitions' outputs (FORWARD), the loss partitions' backward (BACKWARD)
+    or only the end of the step (STEP). A str, equal to its value. (What a simulated task is,
+    forward or backward, is ``simulator.taskgraph.TaskKind``.)"""
+
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    STEP = "step"
+
+    def __str__(self) -> str:
+        return self.value
 
 
 class Partition(NamedTuple):
@@ -57,17 +70,50 @@ class Transfer(NamedTuple):
         return self.src_device == self.dst_device
 
 
+class WeightRead(NamedTuple):
+    """Partition of ``op`` on ``device`` reads ``region`` of weight ``name`` (its dtype and
+    whether it is trainable: the same for every read of that weight)."""
+
+    name: str
+    region: Box
+    device: int
+    op: str
+    dtype: str
+    trainable: bool
+
+
 @dataclass(frozen=True)
 class WeightShard:
     """A region of one weight held on ``devices``; with several devices its gradient is
-    all-reduced over exactly them. ``ops`` are the ops reading it (a tied weight: several)."""
+    all-reduced over exactly them (``bucket_key``). ``ops`` are the ops reading it (a tied
+    weight: several)."""
 
     name: str
     region: Box
     devices: tuple[int, ...]
     nbytes: int
     ops: tuple[str, ...]
+    dtype: str
     trainable: bool = True
+
+
+class BucketKey(NamedTuple):
+    """A gradient bucket: the trainable shards replicated on exactly ``devices`` whose dtype is
+    ``dtype``, packed into one flat tensor and all-reduced once (DDP's buckets, Li et al. 2020,
+    hold one dtype each: a flat tensor has one)."""
+
+    devices: tuple[int, ...]
+    dtype: str
+
+
+def bucket_key(shard: WeightShard) -> BucketKey | None:
+    """The gradient bucket ``shard``'s gradient is summed in: one per (device set, dtype) of the
+    trainable shards held on more than one device; None: its gradient is summed nowhere. The
+    one rule of the lowering's ``GradientSync.buckets`` (the simulator times them) and the
+    executor's ``LocalWeights.sync_grads`` (it runs them)."""
+    if shard.trainable and len(shard.devices) > 1:
+        return BucketKey(shard.devices, shard.dtype)
+    return None
 
 
 @dataclass(frozen=True)
@@ -82,8 +128,8 @@ class ReductionGroup:
     devices: tuple[int, ...]
     nbytes: int
     """One member's contribution to the forward sum."""
-    gates: str = "forward"
-    """What waits on the sum (``gates``): FORWARD, BACKWARD or STEP."""
+    gates: Gate = Gate.FORWARD
+    """What waits on the sum (``Gate``)."""
     grad_nbytes: int = 0
     """One member's contribution to the backward sum (0: the backward sums nothing)."""
 
@@ -95,8 +141,8 @@ class OpPieces(NamedTuple):
     partitions: tuple[tuple[Partition, ...], ...]
     transfers: tuple[Transfer, ...]
     reductions: tuple[ReductionGroup, ...]
-    weight_reads: tuple[tuple[str, Box, int, str, int, bool], ...]
-    """(weight name, region, device, reading op, itemsize, trainable) for microbatch 0."""
+    weight_reads: tuple[WeightRead, ...]
+    """The weight regions its partitions of micro-batch 0 read (the weights' shards follow)."""
     weights_read: tuple[str, ...]
     """The weight names in ``weight_reads``, once each."""
     couples: frozenset[tuple[int, int]]
@@ -130,11 +176,14 @@ class DeviceBytes(NamedTuple):
 class GradientSync(NamedTuple):
     """What the gradient sync of a plan's trainable weight shards amounts to."""
 
-    buckets: dict[tuple[int, ...], int]
-    """Device set of > 1 devices -> bytes of the trainable shards replicated on exactly it (one
-    DDP-style bucket each, ``simulator.step``)."""
+    buckets: dict[BucketKey, int]
+    """Gradient bucket (``bucket_key``) -> bytes of the shards in it (one all-reduce each,
+    ``simulator.step``)."""
     tensors: tuple[int, ...]
     """Trainable weights each device holds a shard of (one entry per device)."""
+
+
+_transfers, _reductions = operator.attrgetter("transfers"), operator.attrgetter("reductions")
 
 
 @dataclass(frozen=True)
@@ -155,12 +204,12 @@ class Lowered:
     @cached_property
     def transfers(self) -> tuple[Transfer, ...]:
         """Every op's transfers, in graph order (gathered when first read)."""
-        return tuple(itertools.chain.from_iterable(map(operator.itemgetter(1), self.pieces.values())))  # .transfers
+        return tuple(itertools.chain.from_iterable(map(_transfers, self.pieces.values())))
 
     @cached_property
     def reductions(self) -> tuple[ReductionGroup, ...]:
         """Every op's reduction groups, in graph order (gathered when first read)."""
-        return tuple(itertools.chain.from_iterable(map(operator.itemgetter(2), self.pieces.values())))  # .reductions
+        return tuple(itertools.chain.from_iterable(map(_reductions, self.pieces.values())))
 
     @property
     def bytes_moved(self) -> int:

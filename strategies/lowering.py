@@ -7,6 +7,8 @@ it holds a replica of the region it reads, no transfer brings it, and its gradie
 all-reduced over those replicas (so data parallel stays data parallel). The records are in
 ``strategies.lowered``, each op's derivation in ``strategies.pieces``, the state kept between
 calls in ``strategies.lowering_cache``; their public names are all importable from here.
+``lower_reference`` (``strategies.lowering_reference``) derives the same lowering plainly,
+with no cache: read it first.
 """
 
 from __future__ import annotations
@@ -16,15 +18,16 @@ import operator
 from typing import Iterable
 
 from strategies.graph import OpGraph
-from strategies.lowered import (BACKWARD, FORWARD, STEP, WEIGHT_KINDS, DeviceBytes, GradientSync,
-                                Lowered, OpPieces, Partition, ReductionGroup, Transfer, WeightShard)
+from strategies.lowered import (WEIGHT_KINDS, BucketKey, DeviceBytes, Gate, GradientSync, Lowered, OpPieces,
+                                Partition, ReductionGroup, Transfer, WeightRead, WeightShard, bucket_key)
 from strategies.lowering_cache import Last, changed_ops, update
+from strategies.lowering_reference import lower_reference
 from strategies.pieces import check_microbatches, gates, partition_box_mb
 from strategies.strategy import Strategy
 
-__all__ = ["WEIGHT_KINDS", "Partition", "Transfer", "WeightShard", "ReductionGroup", "OpPieces", "Lowered",
-           "DeviceBytes", "GradientSync", "lower", "partition_box_mb", "gates", "bucket_sums",
-           "loss_on_every_device", "SMALL_SUM", "FORWARD", "BACKWARD", "STEP"]
+__all__ = ["WEIGHT_KINDS", "Partition", "Transfer", "WeightRead", "WeightShard", "BucketKey", "bucket_key",
+           "ReductionGroup", "OpPieces", "Lowered", "DeviceBytes", "GradientSync", "Gate", "lower", "lower_reference",
+           "partition_box_mb", "gates", "bucket_sums", "loss_on_every_device", "SMALL_SUM"]
 
 
 SMALL_SUM = 1 << 16
@@ -42,33 +45,36 @@ def loss_on_every_device(lowered: "Lowered") -> bool:
 
 
 def bucket_sums(lowered: "Lowered", groups: "Iterable[ReductionGroup] | None" = None
-                ) -> dict[ReductionGroup, tuple[int, ...]]:
-    """The STEP sums that travel in a gradient bucket, with the bucket's device set. ``groups``:
+                ) -> dict[ReductionGroup, BucketKey]:
+    """The ``Gate.STEP`` sums that travel in a gradient bucket, with the bucket. ``groups``:
     the plan's STEP sums in graph order, when the caller has them (else every reduction is looked at).
 
     A sum gated STEP (a loss's Σ w_i·ℓ_i and Σ w_i) is read only at the end of the step, where
-    the gradient sync all-reduces one flat bucket per (device set, dtype) of replicated
-    trainable shards. When its members are exactly such a device set and its dtype the
+    the gradient sync all-reduces one flat tensor per gradient bucket (``bucket_key``: device
+    set, dtype). When its members are exactly a bucket's device set and its dtype the
     bucket's, the executor appends each member's contribution to that bucket (a sum is a sum:
     one all-reduce for both) and divides the summed gradients by C afterwards (1/C·Σ g = Σ g/C);
     the simulator adds its bytes to that bucket instead of timing a collective of its own."""
-    wanted = {}
+    wanted: dict[BucketKey, list[ReductionGroup]] = {}
     for g in lowered.reductions if groups is None else groups:
-        if g.gates == STEP:
-            wanted.setdefault((tuple(sorted(g.devices)), lowered.graph[g.op].output.dtype), []).append(g)
+        if g.gates is Gate.STEP:
+            wanted.setdefault(BucketKey(tuple(sorted(g.devices)), lowered.graph[g.op].output.dtype), []).append(g)
     out = {}
-    dtypes = lowered.graph.weight_dtypes
     for s in lowered.weight_shards:  # until every wanted bucket is found (data parallel: the first)
         if not wanted:
             break
-        if s.trainable and len(s.devices) > 1:
-            for g in wanted.pop((s.devices, dtypes[s.name]), ()):
-                out[g] = s.devices
+        key = bucket_key(s)
+        if key is not None:
+            for g in wanted.pop(key, ()):
+                out[g] = key
     return out
 
 
+_shards = operator.attrgetter("shards")
+
+
 def lower(graph: OpGraph, strategy: Strategy, cache: dict | None = None) -> Lowered:
-    """Everything a plan does, derived once (DESIGN.md "The lowering"). ``cache`` (any dict kept
+    """Everything a plan does, derived once (docs/design.md, "The lowering"). ``cache`` (any dict kept
     across calls for one graph) memoizes each op's pieces by the configs they depend on, and
     each weight's shards by the pieces of the ops reading it; an op's config is validated when
     its pieces are first derived. The cache also keeps the previous call's lowering
@@ -94,7 +100,7 @@ def lower(graph: OpGraph, strategy: Strategy, cache: dict | None = None) -> Lowe
         cache.pop(("last", m, n), None)
         raise
     last.configs = strategy.configs
-    shards = tuple(itertools.chain.from_iterable(map(operator.itemgetter(1), last.held.values())))  # _Held.shards
-    sync = GradientSync({devs: b for devs, (b, _) in last.buckets.items()}, tuple(last.tensors))
+    shards = tuple(itertools.chain.from_iterable(map(_shards, last.held.values())))
+    sync = GradientSync({key: b for key, (b, _) in last.buckets.items()}, tuple(last.tensors))
     return Lowered(graph, strategy, dict(last.partitions), shards, dict(last.by_op),
                    DeviceBytes(*map(tuple, last.totals)), sync)

@@ -10,8 +10,8 @@ import math
 import operator
 from typing import Any, NamedTuple
 
-from strategies.graph import OpGraph, OpNode
-from strategies.lowered import DeviceBytes, OpPieces, Partition, WeightShard
+from strategies.graph import DTYPE_BYTES, OpGraph, OpNode
+from strategies.lowered import BucketKey, DeviceBytes, OpPieces, Partition, WeightShard, bucket_key
 from strategies.pieces import lower_op
 from strategies.region import Box, intersect
 from strategies.strategy import Strategy
@@ -25,10 +25,10 @@ def changed_ops(last: "Last | None", configs: tuple[tuple[str, Any], ...]) -> li
     (name, config) pairs that are not the last plan's (``Strategy.replace`` makes one)."""
     if last is None or len(last.configs) != len(configs):
         return None
-    before = last.configs
+    previous = last.configs
     out = []
-    for i in itertools.compress(range(len(configs)), map(operator.is_not, before, configs)):
-        (name, a), (other, b) = before[i], configs[i]
+    for i in itertools.compress(range(len(configs)), map(operator.is_not, previous, configs)):
+        (name, a), (other, b) = previous[i], configs[i]
         if name != other:
             return None
         if a is not b:
@@ -38,12 +38,12 @@ def changed_ops(last: "Last | None", configs: tuple[tuple[str, Any], ...]) -> li
 
 def update(graph: OpGraph, strategy: Strategy, cache: dict, last: "Last", affected: list[OpNode]) -> None:
     """``last`` made ``strategy``'s lowering: the ``affected`` ops' pieces, in graph order, the
-    shards of every weight they read (before or now) and the totals."""
+    shards of every weight they read (in the previous call's pieces or this call's) and the totals."""
     m = strategy.microbatches
     kept, received, received_grad = last.totals[:3]
     config = strategy.__getitem__
-    weights: set[str] = set()  # read by an affected op, before or now
-    regroup = last.readers is None  # an op reads other weights than before: readers are gathered again
+    weights: set[str] = set()  # read by an affected op, in the previous call's pieces or this call's
+    regroup = last.readers is None  # an op reads other weights than in the previous call: readers gathered again
     for node in affected:
         key = (node.name, m, strategy.num_devices, config(node.name), tuple(map(config, node.inputs)))
         pieces = cache.get(key)
@@ -79,8 +79,8 @@ class _Held(NamedTuple):
     shards: list[WeightShard]
     per_device: tuple[int, ...]
     """Bytes of the shards each device holds."""
-    buckets: dict[tuple[int, ...], int]
-    """Trainable only: bytes of the shards replicated on exactly each device set of > 1 devices."""
+    buckets: dict[BucketKey, int]
+    """Bytes of the shards in each gradient bucket (``bucket_key``)."""
     holders: tuple[int, ...]
     """Trainable only: the devices holding a shard."""
 
@@ -99,8 +99,8 @@ class Last:
         """Weight -> the ops reading it, in graph order."""
         self.held: dict[str, _Held] = {}
         self.totals = [[0] * n for _ in DeviceBytes._fields]
-        self.buckets: dict[tuple[int, ...], list[int]] = {}
-        """Device set -> [bytes, weights with a shard there] (``GradientSync.buckets``)."""
+        self.buckets: dict[BucketKey, list[int]] = {}
+        """Gradient bucket -> [bytes, weights with a shard in it] (``GradientSync.buckets``)."""
         self.tensors = [0] * n
 
     def regroup(self, graph: OpGraph) -> None:
@@ -130,12 +130,12 @@ class Last:
                 total[d] += sign * b
             for d in h.holders:
                 self.tensors[d] += sign
-            for devs, b in h.buckets.items():
-                entry = self.buckets.setdefault(devs, [0, 0])
+            for key, b in h.buckets.items():
+                entry = self.buckets.setdefault(key, [0, 0])
                 entry[0] += sign * b
                 entry[1] += sign
                 if not entry[1]:
-                    del self.buckets[devs]
+                    del self.buckets[key]
         if new is None:
             self.held.pop(name, None)
         else:
@@ -160,24 +160,25 @@ def _weight_shards(name: str, read_by: tuple[OpPieces, ...], n: int) -> _Held:
     held: dict[Box, set[int]] = {}
     ops: dict[str, None] = {}
     for pieces in read_by:
-        for w, region, device, reader, itemsize, trainable in pieces.weight_reads:
-            if w == name:
-                held.setdefault(region, set()).add(device)
-                ops[reader] = None
-                meta = (itemsize, trainable)
-    shards = _shards(name, held, *meta, tuple(ops))
+        for read in pieces.weight_reads:
+            if read.name == name:
+                held.setdefault(read.region, set()).add(read.device)
+                ops[read.op] = None
+                seen = read
+    shards = _shards(name, held, seen.dtype, seen.trainable, tuple(ops))
     per_device = [0] * n
-    buckets: dict[tuple[int, ...], int] = {}
+    buckets: dict[BucketKey, int] = {}
     for s in shards:
         for d in s.devices:
             per_device[d] += s.nbytes
-        if s.trainable and len(s.devices) > 1:
-            buckets[s.devices] = buckets.get(s.devices, 0) + s.nbytes
-    holders = tuple(sorted({d for s in shards for d in s.devices})) if meta[1] else ()
+        key = bucket_key(s)
+        if key is not None:
+            buckets[key] = buckets.get(key, 0) + s.nbytes
+    holders = tuple(sorted({d for s in shards for d in s.devices})) if seen.trainable else ()
     return _Held(read_by, shards, tuple(per_device), buckets, holders)
 
 
-def _shards(name: str, regions: dict[Box, set[int]], itemsize: int, trainable: bool,
+def _shards(name: str, regions: dict[Box, set[int]], dtype: str, trainable: bool,
             ops: tuple[str, ...]) -> list[WeightShard]:
     """Weight regions with the devices holding each. Regions that partly overlap are cut into
     the cells their boundaries make, so each cell's replica group is exact."""
@@ -191,6 +192,7 @@ def _shards(name: str, regions: dict[Box, set[int]], itemsize: int, trainable: b
             if devs:
                 cells[tuple(cell)] = devs
         regions = cells
+    itemsize = DTYPE_BYTES[dtype]
     return [WeightShard(name, box, tuple(sorted(devs)), math.prod(b - a for a, b in box) * itemsize,
-                        ops, trainable)
+                        ops, dtype, trainable)
             for box, devs in regions.items()]

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import functools
 import itertools
+import operator
 from typing import Sequence
 
 from strategies.errors import PlanError
 from strategies.graph import DTYPE_BYTES, OpGraph, OpNode
-from strategies.lowered import (BACKWARD, FORWARD, STEP, WEIGHT_KINDS, OpPieces, Partition,
-                                ReductionGroup, Transfer)
+from strategies.lowered import WEIGHT_KINDS, Gate, OpPieces, Partition, ReductionGroup, Transfer, WeightRead
 from strategies.region import Box, box_numel, partition_index
 from strategies.rules import get_rule
 from strategies.rules.base import Reduction
@@ -21,6 +21,7 @@ from strategies.strategy import Strategy
 __all__ = ["lower_op", "partition_box_mb", "gates", "check_microbatches"]
 
 _new = tuple.__new__
+_name = operator.attrgetter("name")
 
 
 def _grid(node: OpNode, degrees: Sequence[int], microbatch: int,
@@ -121,23 +122,23 @@ def _overlaps(grid: tuple[tuple[int, int], ...], degrees: tuple[int, ...],
 
 
 def gates(node: OpNode, red: Reduction, parts: Sequence[Partition], m: int, num_devices: int,
-          output: bool = True) -> str:
+          output: bool = True) -> Gate:
     """What must wait for reduction ``red`` of ``node``'s partitions ``parts`` (one micro-batch);
     ``output``: ``node`` is the graph's output (a loss feeding another op must be whole first):
 
-    - FORWARD: the partitions' outputs (batch statistics; a loss that is not the output);
+    - ``Gate.FORWARD``: the partitions' outputs (batch statistics; a loss that is not the output);
       their backward sums again.
-    - STEP: only the end of the step. A deferred sum (a loss: Σ w_i·ℓ_i and Σ w_i) whose divisor
+    - ``Gate.STEP``: only the end of the step. A deferred sum (a loss: Σ w_i·ℓ_i and Σ w_i) whose divisor
       is known without data (``Loss.static_count``), or whose divisor C scales every gradient
       after the backward pass: one micro-batch (m = 1) with the loss on every device, so each
       device scales its own gradients by 1/C (gradients are linear in the seed).
-    - BACKWARD: the loss partitions' backward, seeded 1/(m·C_j) once C_j is known.
+    - ``Gate.BACKWARD``: the loss partitions' backward, seeded 1/(m·C_j) once C_j is known.
     """
     if not red.deferred or not output:
-        return FORWARD
+        return Gate.FORWARD
     static = get_rule(node.kind).static_count(node) is not None  # deferred: a loss rule
     everywhere = {p.device for p in parts} == set(range(num_devices))
-    return STEP if static or (m == 1 and everywhere) else BACKWARD
+    return Gate.STEP if static or (m == 1 and everywhere) else Gate.BACKWARD
 
 
 def lower_op(graph: OpGraph, strategy: Strategy, node: OpNode, m: int) -> OpPieces:
@@ -163,8 +164,8 @@ def lower_op(graph: OpGraph, strategy: Strategy, node: OpNode, m: int) -> OpPiec
             if j == 0:
                 kept[dev] += 8 if loss else itemsize * box_numel(box)  # kept for backward
                 if reads_weights:
-                    reads.extend((w.name, ws[w.role], dev, node.name, DTYPE_BYTES[w.spec.dtype],
-                                  w.trainable) for w in node.weights)
+                    reads.extend(_new(WeightRead, (w.name, ws[w.role], dev, node.name, w.spec.dtype, w.trainable))
+                                 for w in node.weights)
             for slot, region in enumerate(ins):
                 if region is None:
                     continue
@@ -172,8 +173,8 @@ def lower_op(graph: OpGraph, strategy: Strategy, node: OpNode, m: int) -> OpPiec
                 if producer.kind in WEIGHT_KINDS:
                     if j == 0:
                         w = producer.weights[0]
-                        reads.append((w.name, region, dev, node.name, DTYPE_BYTES[w.spec.dtype],
-                                      w.trainable))
+                        reads.append(_new(WeightRead, (w.name, region, dev, node.name, w.spec.dtype,
+                                                       w.trainable)))
                     continue
                 size, src, devices = DTYPE_BYTES[producer.output.dtype], producer.name, pcfg.devices
                 for q, piece, numel in _overlaps(grids[slot], pcfg.degrees, region):
@@ -193,7 +194,7 @@ def lower_op(graph: OpGraph, strategy: Strategy, node: OpNode, m: int) -> OpPiec
     for g in reductions:  # a collective couples its devices both ways
         couples.update(zip(g.devices, g.devices[1:] + g.devices[:1]))
     return OpPieces(tuple(per_mb), tuple(transfers), tuple(reductions), tuple(reads),
-                    tuple(dict.fromkeys(r[0] for r in reads)), frozenset(couples), tuple(kept),
+                    tuple(dict.fromkeys(map(_name, reads))), frozenset(couples), tuple(kept),
                     (tuple(fwd), tuple(grad)))
 
 
@@ -215,7 +216,7 @@ def _groups(node: OpNode, degrees: Sequence[int], devices: Sequence[int], reds, 
     return out
 
 
-def _reduction_bytes(node: OpNode, name: str, box: Box, when: str) -> tuple[int, int]:
+def _reduction_bytes(node: OpNode, name: str, box: Box, when: Gate) -> tuple[int, int]:
     """(forward, backward) bytes of one partition's contribution to a reduction, as the
     executor sends them. Batch statistics over C channels, in float32 (float64 for a float64
     tensor, as torch's batchnorm): forward (2C + 1) elements — mean, variance and the count —
@@ -228,6 +229,6 @@ def _reduction_bytes(node: OpNode, name: str, box: Box, when: str) -> tuple[int,
         size = 8 if node.output.dtype == "float64" else 4
         channels = box[1][1] - box[1][0]
         return (2 * channels + 1) * size, 2 * channels * size
-    one = node.attrs["reduction"] == "sum" if when == FORWARD else get_rule(node.kind).static_count(node) is not None
+    one = node.attrs["reduction"] == "sum" if when is Gate.FORWARD else get_rule(node.kind).static_count(node) is not None
     sums = (1 if one else 2) * DTYPE_BYTES[node.output.dtype]
-    return sums, sums if when == FORWARD else 0
+    return sums, sums if when is Gate.FORWARD else 0

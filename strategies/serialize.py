@@ -1,4 +1,4 @@
-"""Strategy JSON, version 1 (DESIGN.md): plain JSON, no pickle, no code; written atomically."""
+"""Strategy JSON, version 1 (docs/design.md, "Plan JSON"): plain JSON, no pickle, no code; written atomically."""
 
 from __future__ import annotations
 
@@ -87,6 +87,7 @@ def strategy_to_json(strategy: Strategy, graph: OpGraph, *, topology: str | Mapp
         "topology": topo,
         "microbatches": strategy.microbatches, "schedule": strategy.schedule,
         "ops": [{"name": n.name, "kind": n.kind, "dims": [d.name for d in n.dims],
+                 "shape": list(n.output.shape), "dtype": n.output.dtype,
                  "degrees": list(strategy[n.name].degrees), "devices": list(strategy[n.name].devices)}
                 for n in graph],
     }
@@ -187,10 +188,10 @@ def read_plan(source: str | os.PathLike | Mapping[str, Any], graph: OpGraph) -> 
     fp = made_for.get("fingerprint")
     if fp != graph.fingerprint():
         raise PlanError(None, "model.fingerprint", fp,
-                        f"the plan was made for another model or batch size ({made_for.get('name', '?')}, "
-                        f"batch {made_for.get('batch_size', '?')}): the model given "
-                        f"({graph.name}, batch {graph.batch_size}) has fingerprint "
-                        f"{graph.fingerprint()!r}", where)
+                        f"the plan was made for another model, variant or batch size: "
+                        f"{made_for.get('name', '?')} (batch {made_for.get('batch_size', '?')}), the model "
+                        f"given is {graph.name} (batch {graph.batch_size}, fingerprint {graph.fingerprint()!r}); "
+                        f"{_first_difference(obj['ops'], graph)}", where)
     for op in obj["ops"]:
         name = op["name"]
         if name not in graph:
@@ -201,6 +202,26 @@ def read_plan(source: str | os.PathLike | Mapping[str, Any], graph: OpGraph) -> 
                 raise PlanError(name, key, op[key], f"the model's op has {key} {want!r}", where)
     strategy.validate(graph, where)
     return PlanFile(strategy, dict(obj["model"]), dict(obj["topology"]), dict(obj.get("predicted") or {}))
+
+
+_RECORDED = ("name", "kind", "dims", "shape", "dtype")
+"""What a plan records of each op (``strategy_to_json``), compared in this order."""
+
+
+def _first_difference(ops: list, graph: OpGraph) -> str:
+    """Where a plan's ops and ``graph``'s first differ, in words: the first op whose recorded
+    name, kind, dims, output shape or dtype is not the model's (a plan without shapes compares
+    the rest), else the op counts."""
+    for i, (op, node) in enumerate(zip(ops, graph)):
+        model = (node.name, node.kind, [d.name for d in node.dims], list(node.output.shape), node.output.dtype)
+        for key, want in zip(_RECORDED, model):
+            if key in op and op[key] != want:
+                return f"first difference: op {i} ({op['name']!r}) has {key} {op[key]!r} in the plan, {want!r} in the model"
+    if len(ops) != len(graph):
+        return f"first difference: the plan has {len(ops)} ops, the model {len(graph)}"
+    if all("shape" in op for op in ops):
+        return "every op's name, kind, dims, output shape and dtype agree: a weight's shape or an op's inputs differ"
+    return "every op's recorded name, kind and dims agree (the plan records no output shapes)"
 
 
 def load_strategy(source: str | os.PathLike | Mapping[str, Any], graph: OpGraph) -> Strategy:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from soapsearch.zoo import VARIANTS
+from soapsearch.zoo import VARIANTS, VARIANTS_HELP
 
 __all__ = ["add_calibrate_parsers"]
 
@@ -63,9 +63,10 @@ def add_calibrate_parsers(subparsers) -> None:
     p = subparsers.add_parser("calibrate", help="measure this machine's processes into a topology JSON")
     p.add_argument("--nproc", type=int, required=True, help="processes (devices) to calibrate")
     p.add_argument("--backend", choices=("gloo",), default="gloo",
-                   help="gloo: CPU processes (the only backend calibrated here)")
+                   help="gloo: CPU processes (the only backend calibrate measures)")
     p.add_argument("--model", default=None, help="also warm the profiled cost model's cache for this model")
-    p.add_argument("--variant", default="tiny", choices=VARIANTS, help="zoo variant of --model")
+    p.add_argument("--variant", default="tiny", choices=VARIANTS,
+                   help=f"zoo variant of --model, default 'tiny': {VARIANTS_HELP}")
     p.add_argument("-o", "--output", required=True, help="topology JSON to write (report beside it)")
     p.add_argument("--overhead-rounds", type=int, default=5,
                    help="rounds of the executor-overhead probe (0: skip, overheads 0)")
@@ -77,7 +78,8 @@ def add_calibrate_parsers(subparsers) -> None:
     c = subparsers.add_parser("compare", help="run a plan for real and compare with the simulator")
     c.add_argument("plan", help="strategy JSON")
     c.add_argument("--model", required=True)
-    c.add_argument("--variant", default="tiny", choices=VARIANTS)
+    c.add_argument("--variant", default="tiny", choices=VARIANTS,
+                   help=f"zoo variant, default 'tiny': {VARIANTS_HELP}")
     c.add_argument("--topology", required=True, help="preset name or topology JSON (soapsearch calibrate)")
     c.add_argument("--cost-model", choices=("analytical", "profiled"), default="analytical")
     c.add_argument("--steps", type=int, default=5, help="measured steps (median)")

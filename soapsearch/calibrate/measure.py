@@ -9,8 +9,8 @@
 * sending: the seconds rank 0 spends inside ``isend`` to rank 1 with the receive posted first
   (as the executor posts its receives ahead), up to 4 MiB, fitted to send_latency + s /
   send_bandwidth (``fit.fit_alpha_beta``): gloo copies the message into the socket in the
-  calling thread, so a sending process computes nothing meanwhile (~0.1 ms + s / 2.3 GB/s
-  here); put on the links (``Calibration.hold_sends``);
+  calling thread, so a sending process computes nothing meanwhile; put on the links
+  (``Calibration.hold_sends``);
 * all-reduce over all ranks at the same sizes, against the ring formula on the fitted alpha, B,
   and fitted to that formula's slope on its own: the links' ``collective_bandwidth`` (sending
   both ways at once and summing on the cores that copy, gloo's ring moves ~half as fast);
@@ -72,7 +72,7 @@ per process to fit the half-performance length n½ (``fit.fit_gemm_half``)."""
 GEMM_K = 1024
 SEND_FIT_MAX_BYTES = 4 << 20
 """The largest message whose send call is timed: beyond, the socket's buffer fills and gloo's own
-thread writes the rest (16 MiB here: 3.7 ms in the call, ~7 ms by the line of the smaller ones)."""
+thread writes the rest, so the time in the call falls below the line of the smaller messages."""
 COPY_BYTES = 32 << 20
 BLOCK_S = 0.05
 """Seconds of back-to-back calls per throughput block (``_per_call_time``): many scheduler slices."""
@@ -135,9 +135,9 @@ class Calibration:
     """``fit_alpha_beta`` of ``send_call``: a send holds the sender's host send_latency + bytes
     / send_bandwidth (``Link.send_latency``, ``send_bandwidth``; None: one process)."""
     hold_sends: bool = True
-    """Whether the calibrated links carry the send figures (reports of the seventh session
-    say false: their figures were reported only, until each send had its place in its
-    sender's schedule and the simulated probe was monotone in the message overhead again)."""
+    """Whether the calibrated links carry the send figures (``Link.send_latency``,
+    ``send_bandwidth``); a report that says false keeps them as figures reported only, and its
+    topology's sends hold no sender."""
     allreduce: list[list[float]] = field(default_factory=list)
     """[[bytes, measured s, ring formula s], ...]."""
     profile_cache: str | None = None
@@ -325,7 +325,7 @@ def measure(nproc: int, backend: str = "gloo", sizes: Sequence[int] = DEFAULT_SI
     if nproc < 1:
         raise ValueError(f"calibrate: nproc = {nproc}: must be >= 1")
     if backend != "gloo":
-        raise ValueError(f"calibrate: backend {backend!r}: only gloo (CPU processes) is calibrated here")
+        raise ValueError(f"calibrate: backend {backend!r}: calibrate measures gloo (CPU processes) only")
     sizes = sorted(int(s) for s in sizes)
     if overhead_rounds < 0:
         raise ValueError(f"calibrate: overhead_rounds = {overhead_rounds}: must be >= 0")

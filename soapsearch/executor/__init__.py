@@ -1,5 +1,5 @@
 """The executor: trains a model with any valid plan for real on torch.distributed, one process
-per device, equal to one device (DESIGN.md "Executor")."""
+per device, equal to one device (docs/design.md, "Executor")."""
 
 from soapsearch.executor.config import OPTIMIZERS, TrainConfig, make_optimizer
 from soapsearch.executor.errors import ExecutorError, check_runnable

@@ -14,7 +14,8 @@ __all__ = ["add_run_parser"]
 
 def _check_flags(args: argparse.Namespace) -> None:
     """ValueError for a flag no run can use, before anything is built or started."""
-    from soapsearch.run import train_config
+    from soapsearch.run import check_backend, train_config
+    check_backend(args.backend)  # before the model is built: CUDA for NCCL
     if args.nproc is not None and args.nproc < 1:
         raise ValueError(f"--nproc = {args.nproc}: must be >= 1 (one process per device of the plan)")
     if args.batch_size is not None and args.batch_size < 1:
@@ -26,11 +27,12 @@ def _check_flags(args: argparse.Namespace) -> None:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from soapsearch.run import to_argv
+    from soapsearch.run import check_backend, to_argv
 
     _check_flags(args)
     nproc = check_plan(args.plan, args.model, variant=args.variant, batch_size=args.batch_size,
                        seed=args.seed, dtype=args.dtype, nproc=args.nproc)
+    check_backend(args.backend, nproc)  # one GPU per process: torchrun starts them all on this machine
     return launch(args.plan, to_argv(args)[1:], nproc)
 
 

@@ -20,15 +20,17 @@ from strategies.lowering import SMALL_SUM
 
 __all__ = ["ProcessGroups", "Group", "PendingSum", "BucketSum", "AllReduceSum", "all_reduce_sum", "P2P"]
 
+
 class Group:
     """A process group with its members (global ranks, sorted) seen from member ``rank``.
 
-    Small sums (batch statistics, a loss's [s, c]) are all-gathered and added in member order,
-    so every member gets the same bits: on gloo an all-reduce of a few hundred floats takes
-    several round trips (2 local processes here, between small matmuls: all-reduce 1.5-2.4 ms,
-    all-gather 0.9-1.6 ms). Batch statistics sit on the critical path, one or two per
-    batchnorm; a loss's sum is started without waiting (``sum_async``) and waited only where
-    its reduction's gates say (``strategies.lowering.gates``)."""
+    Small sums (batch statistics, a loss's [s, c]; up to ``SMALL_SUM`` elements over all
+    members) are all-gathered and added in member order, so every member gets the same bits,
+    in fewer steps: a ring all-reduce is a reduce-scatter then an all-gather, 2(p-1) steps to
+    the all-gather's p-1 (Patarasuk & Yuan 2009), and a sum this small is latency-bound.
+    Batch statistics sit on the critical path, one or two per batchnorm; a loss's sum is
+    started without waiting (``sum_async``) and waited only where its reduction's gates say
+    (``strategies.lowering.gates``)."""
 
     def __init__(self, pg, members: tuple[int, ...]):
         self.pg, self.members = pg, members
@@ -116,8 +118,8 @@ class ProcessGroups:
 class AllReduceSum(torch.autograd.Function):
     """y = Σ_group x; the gradient of every member's x is Σ_group dL/dy (the adjoint of a sum
     that every member receives is a sum again: Megatron-LM's f/g operators, Shoeybi et al. 2019).
-    The reduce of a rule's forward whose reduction gates its output (``strategies.lowering.gates``
-    FORWARD) and that the executor does not run in a fast form of its own (batchnorm: norm.py)."""
+    The reduce of a rule's forward whose reduction gates its output (``strategies.lowering.gates``:
+    ``Gate.FORWARD``) and that the executor does not run in a fast form of its own (batchnorm: norm.py)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: Group) -> torch.Tensor:  # type: ignore[override]

@@ -1,7 +1,8 @@
-"""Why a plan cannot run here, said before any work starts (DESIGN.md "Executor")."""
+"""Why a plan cannot run here, said before any work starts (docs/design.md, "Executor")."""
 
 from __future__ import annotations
 
+from soapsearch.trace import check_scalar_loss
 from strategies.lowering import Lowered
 from strategies.rules import OPAQUE, get_rule
 from strategies.schedule import warmup
@@ -29,10 +30,7 @@ def check_runnable(lowered: Lowered, world_size: int) -> None:
         raise ExecutorError(
             f"{len(opaque)} opaque op(s) have no rule to compute a partition and cannot run: "
             f"{what}; rewrite them with supported ops or wrap them in a traced module")
-    if len(graph.outputs) != 1 or graph[graph.outputs[0]].output.shape != ():
-        raise ExecutorError(
-            f"the model must return one scalar loss; its outputs are {list(graph.outputs)} "
-            f"with shapes {[list(graph[o].output.shape) for o in graph.outputs]}")
+    check_scalar_loss(graph, ExecutorError)
     if strategy.microbatches > 1:
         cache: dict[int, int] = {}
         for red in lowered.reductions:

@@ -43,5 +43,8 @@ def build_model(spec: str, variant: str = "default", batch_size: int | None = No
         model = model.to(dt)
         inputs = tuple(x.to(dt) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
                        for x in inputs)
-    graph = trace(model, inputs, name=spec)
+    # named as ``soapsearch.models.load_model`` names it (a plan records the name): the zoo
+    # name, with the variant unless it is the default
+    name = f"{spec}-{variant}" if spec in zoo.names() and variant != "default" else spec
+    graph = trace(model, inputs, name=name)
     return TrainModel(model, inputs, graph)

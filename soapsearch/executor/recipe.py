@@ -29,7 +29,8 @@ from typing import Callable, NamedTuple, Sequence
 import torch
 
 from strategies.graph import OpNode
-from strategies.lowering import WEIGHT_KINDS, Lowered, Partition, Transfer, bucket_sums, loss_on_every_device
+from strategies.lowering import (WEIGHT_KINDS, BucketKey, Gate, Lowered, Partition, Transfer, bucket_sums,
+                                 loss_on_every_device)
 from strategies.rules import get_rule
 from strategies.region import Box, box_shape, index_in, slice_box
 from strategies.schedule import Step
@@ -86,15 +87,15 @@ class LossSum(NamedTuple):
     """How a partition of the loss op that is the graph's output is scaled (the runtime's
     module docstring): it outputs s_p / ``count`` (the static C_j of its micro-batch,
     ``Loss.static_count``) or s_p (``count`` None: C = Σ c_p, known once its group's sum is);
-    ``gates`` says what waits for that sum (``strategies.lowering.gates``: STEP or BACKWARD; None: the partition is alone,
-    its own c_p is C)."""
+    ``gates`` says what waits for that sum (``strategies.lowering.gates``: ``Gate.STEP`` or
+    ``Gate.BACKWARD``; None: the partition is alone, its own c_p is C)."""
 
     count: float | None
-    gates: str | None
-    bucket: tuple[int, ...] | None = None
-    """The device set of the gradient bucket its STEP sum rides (``strategies.lowering.
-    bucket_sums``: appended to that bucket's flat all-reduce, no collective of its own); None:
-    the sum has its own collective (or none: alone)."""
+    gates: Gate | None
+    bucket: BucketKey | None = None
+    """The gradient bucket its STEP sum rides (``strategies.lowering.bucket_sums``: appended to
+    that bucket's flat all-reduce, no collective of its own); None: the sum has its own
+    collective (or none: alone)."""
 
 
 class Recipe(NamedTuple):
@@ -148,7 +149,7 @@ class _Lowering:
         self.grouped = {(r.op, k, r.microbatch): tuple(sorted(r.devices))
                         for r in low.reductions if len(set(r.devices)) > 1 for k in r.partitions}
         self.gates = {(r.op, k, r.microbatch): r.gates for r in low.reductions for k in r.partitions}
-        self.rides = {(r.op, k, r.microbatch): devices for r, devices in bucket_sums(low).items()
+        self.rides = {(r.op, k, r.microbatch): key for r, key in bucket_sums(low).items()
                       for k in r.partitions}
 
     def carries(self, t: Transfer) -> bool:

@@ -1,6 +1,6 @@
 """One rank of a plan: forward and backward of its partitions in the schedule's fixed order,
 the pieces the lowering says move, the gradient sync of replicated shards and the optimizer
-step (DESIGN.md "Executor"). Nothing here re-derives a region: partitions, transfers, shards
+step (docs/design.md, "Executor"). Nothing here re-derives a region: partitions, transfers, shards
 and reductions all come from ``strategies.lowering.lower``; the order from
 ``strategies.schedule.device_order``; what each partition reads, sends and receives is worked
 out once into its recipe (``recipe.py``, which also says where autograd graphs are cut).
@@ -25,12 +25,12 @@ all-reduce in the gradient sync (``LocalWeights.sync_grads``; on every member in
 micro-batch) order), one collective for both, as DDP's one per step. dL/ds_p = 1/(m·C_j), so
 what waits for that sum is what its reduction's gates say (``strategies.lowering.gates``):
 
-- STEP, static C: the seed is 1/m; nothing waits but the reported loss.
-- STEP, dynamic C (m = 1, a loss partition on every rank): the seed is 1/m, and every local
+- ``Gate.STEP``, static C: the seed is 1/m; nothing waits but the reported loss.
+- ``Gate.STEP``, dynamic C (m = 1, a loss partition on every rank): the seed is 1/m, and every local
   gradient is divided by C (every gradient is linear in the seeds, and every seed was C times
   too large): before the gradient sync when the sum has its own collective, after it when the
   sum rides a bucket (1/C·Σ_r g_r = Σ_r g_r/C), shards in no bucket included.
-- BACKWARD: the partition's backward step of micro-batch j waits for the sum; seed 1/(m·C_j).
+- ``Gate.BACKWARD``: the partition's backward step of micro-batch j waits for the sum; seed 1/(m·C_j).
 - a partition alone (no group) knows C_j itself; seed 1/(m·C_j).
 
 The loss's backward has no collective. The reported loss is (1/m)·Σ_j S_j / C_j from the sums;
@@ -54,7 +54,7 @@ from soapsearch.executor.norm import batch_norm
 from soapsearch.executor.recipe import ROOT, SKIP, Piece, Recipe, Slot, receives_ahead, recipes
 from soapsearch.executor.shards import LocalWeights
 from strategies.graph import OpGraph
-from strategies.lowering import STEP, WEIGHT_KINDS, loss_on_every_device, lower
+from strategies.lowering import WEIGHT_KINDS, BucketKey, Gate, loss_on_every_device, lower
 from strategies.rules import get_rule
 from strategies.rules.base import no_reduce
 from strategies.rules.norm import uses_batch_stats
@@ -180,7 +180,7 @@ class Executor:
         the sums that ride a bucket (``riding``, after the sync) or only the others (before)."""
         for r, pending in self.sums.values():
             ls = r.loss_sum
-            if ls.count is None and ls.gates == STEP and (ls.bucket is not None) == riding:
+            if ls.count is None and ls.gates is Gate.STEP and (ls.bucket is not None) == riding:
                 count = pending.wait()[1]
                 for t in self.weights.parameters():
                     if t.grad is not None:
@@ -193,10 +193,10 @@ class Executor:
         dynamic C."""
         riding = sorted((r.part.op, r.part.microbatch, r.id) for r, p in self.sums.values()
                         if isinstance(p, BucketSum))
-        riders: dict[tuple[tuple[int, ...], str], list[BucketSum]] = {}
+        riders: dict[BucketKey, list[BucketSum]] = {}
         for _, _, i in riding:
             r, pending = self.sums[i]
-            riders.setdefault((r.loss_sum.bucket, str(pending.terms.dtype)), []).append(pending)
+            riders.setdefault(r.loss_sum.bucket, []).append(pending)
         sums = self.weights.sync_grads(self.groups, {k: [p.terms for p in ps] for k, ps in riders.items()})
         for key, pendings in riders.items():
             for pending, total in zip(pendings, sums[key]):
@@ -330,7 +330,7 @@ class Executor:
         if r.seed is not None:
             seed = torch.full_like(out, r.seed)
             ls = r.loss_sum
-            if ls is not None and ls.count is None and ls.gates != STEP:
+            if ls is not None and ls.count is None and ls.gates is not Gate.STEP:
                 seed = seed / self.sums[r.id][1].wait()[1]
             return seed
         grad = None if r.grad_whole else torch.zeros_like(out)

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from soapsearch.executor.comm import ProcessGroups
-from strategies.lowering import Lowered
+from strategies.lowering import BucketKey, Lowered, bucket_key
 from strategies.region import Box, index_in, shift_box, slice_box
 
 __all__ = ["LocalWeights"]
@@ -60,22 +60,22 @@ class LocalWeights:
         """The trainable leaves, in a fixed order (for the optimizer), listed once."""
         return self.params
 
-    def _buckets(self) -> dict[tuple[tuple[int, ...], str], list[tuple[str, tuple[slice, ...] | None]]]:
-        """The replicated trainable shards this rank holds, one bucket per (device set, dtype):
-        (devices, str(dtype)) -> [(weight name, its view ``index``)]."""
-        buckets: dict[tuple, list] = {}
+    def _buckets(self) -> dict[BucketKey, list[tuple[str, tuple[slice, ...] | None]]]:
+        """The shards this rank holds in each gradient bucket (``strategies.lowering.bucket_key``,
+        the buckets the simulator times): key -> [(weight name, its view ``index``)]."""
+        buckets: dict[BucketKey, list] = {}
         for s in self.mine:
-            t = self.tensors[s.name]
-            if s.trainable and len(s.devices) > 1 and t.requires_grad:
-                buckets.setdefault((s.devices, str(t.dtype)), []).append((s.name, self.index(s.name, s.region)))
+            key = bucket_key(s)
+            if key is not None:
+                buckets.setdefault(key, []).append((s.name, self.index(s.name, s.region)))
         return buckets
 
     def sync_grads(self, groups: ProcessGroups,
-                   riders: Mapping[tuple[tuple[int, ...], str], Sequence[torch.Tensor]] | None = None,
-                   ) -> dict[tuple[tuple[int, ...], str], list[torch.Tensor]]:
-        """Sum each replicated trainable shard's gradient over its devices: one flat bucket
-        per (device set, dtype), as DDP buckets its gradients, reduced in sorted order of the
-        keys on every rank (one global order of collectives: no cycle can wait). ``riders``
+                   riders: Mapping[BucketKey, Sequence[torch.Tensor]] | None = None,
+                   ) -> dict[BucketKey, list[torch.Tensor]]:
+        """Sum each replicated trainable shard's gradient over its devices: one flat tensor
+        per gradient bucket (device set, dtype), as DDP buckets its gradients, reduced in sorted
+        order of the keys on every rank (one global order of collectives: no cycle can wait). ``riders``
         (bucket key -> small tensors, in one order on every member: the STEP sums of
         ``strategies.lowering.bucket_sums``) are appended to their bucket's flat tensor, so one
         all-reduce sums both; returns their sums, key -> tensors in the order given."""
@@ -89,7 +89,7 @@ class LocalWeights:
                      for name, index in self.buckets.get(key, ())]
             extra = list(riders.get(key, ()))
             flat = torch.cat([g.reshape(-1) for g in grads] + [t.reshape(-1) for t in extra])
-            work = dist.all_reduce(flat, group=groups.get(key[0]), async_op=True)
+            work = dist.all_reduce(flat, group=groups.get(key.devices), async_op=True)
             pending.append((key, work, flat, grads, extra))
         sums = {}
         for key, work, flat, grads, extra in pending:

@@ -17,17 +17,17 @@ from simulator.result import SimResult
 from simulator.simulate import simulate_plan
 from simulator.tasks import TaskCache
 from simulator.topology import Topology
+from soapsearch.api import DEFAULT_TOPOLOGY
 from soapsearch.search.chains import Chain, Progress, default_workers, run_chains
-from soapsearch.search.mcmc import (Budget, ChainStats, candidate_configs, consider, neighbor_ops, plan_cost,
-                                    positive, whole)
-from soapsearch.trace import trace
+from soapsearch.search.config import SearchConfig, search_config
+from soapsearch.search.mcmc import Budget, ChainStats, candidate_configs, consider, neighbor_ops, plan_cost
+from soapsearch.trace import check_scalar_loss, trace
 from strategies import (OpGraph, PlanError, Strategy, baseline, load_strategy, save_strategy)
 from strategies.baselines import BASELINES, hybrid
 from strategies.pieces import check_microbatches
-from strategies.strategy import SCHEDULES
 from strategies.lowering import lower
 
-__all__ = ["FoundPlan", "SearchResult", "search", "best_baselines", "Evaluator", "save_found"]
+__all__ = ["FoundPlan", "SearchConfig", "SearchResult", "search", "best_baselines", "Evaluator", "save_found"]
 
 PIPELINE_MICROBATCHES = (2, 4, 8)
 
@@ -173,53 +173,32 @@ def _expert(item: str, graph: OpGraph, n: int, microbatches: int, schedule: str,
     return baseline(item, graph, n, m).with_microbatches(m, schedule)
 
 
-def _check(name: str, value: Any, least: int, optional: bool = True) -> None:
-    """``value`` is a whole number >= ``least`` (or None where ``optional``)."""
-    if value is None and optional:
-        return
-    if not whole(value) or value < least:
-        raise ValueError(f"search {name} = {value!r}: must be a whole number >= {least}")
-
-
 def search(model: torch.nn.Module | OpGraph, example_inputs: Sequence[Any] | None = None, *,
-           topology: Topology | str = "p100-4x4", budget_s: float | None = 60.0,
-           proposals: int | None = None, cost_model: CostModel | str = "analytical",
-           init: Sequence[Any] | None = None, seed: int = 0, microbatches: int = 1,
-           schedule: str = "gpipe", beta: float | None = None, optimizer: str = "sgd",
-           num_devices: int | None = None, reset_every: int = 500, chains: int | None = None,
-           workers: int | None = None, on_step: Callable[[Progress], None] | None = None) -> SearchResult:
-    """Search a plan for ``model`` (with ``example_inputs``) or an OpGraph on ``topology``.
-    ``init``: the chains' initial plans (default ``hybrid``: data parallel, or data x tensor
-    parallel where a micro-batch does not divide by the devices). ``chains`` MCMC chains
-    (default one per initial plan; chain i starts from ``init[i % len]``, each with its own
-    random stream), ``workers`` of them side by side in forked processes
-    (default one per chain up to the cores, one when the cost model times kernels here). The
-    seconds are split evenly between the rounds of ``workers`` chains, the proposals between
-    the chains. The result is never worse than the best initial plan nor than any baseline
-    (they are scored first), and when no baseline fits in device memory, data parallel (or
-    ``hybrid``) with gradient accumulation is tried too (``_accumulate``). Deterministic for a seed under a
-    proposal budget, with any number of workers. ``on_step`` gets a ``Progress`` as it goes."""
-    budget = Budget(budget_s, proposals)  # checks them
-    for name, value, least in (("num_devices", num_devices, 1), ("chains", chains, 1), ("workers", workers, 1)):
-        _check(name, value, least)
-    _check("microbatches", microbatches, 1, optional=False)
-    _check("reset_every", reset_every, 0, optional=False)  # 0: never
-    if not whole(seed):
-        raise ValueError(f"search seed = {seed!r}: must be a whole number")
-    if schedule not in SCHEDULES:
-        raise ValueError(f"search schedule = {schedule!r}: must be one of {list(SCHEDULES)}")
-    if beta is not None and not positive(beta):
-        raise ValueError(f"search beta = {beta!r}: must be a finite number > 0 (per ms) or None")
-    if isinstance(init, (str, os.PathLike, Strategy)):
-        init = (init,)
+           topology: Topology | str = DEFAULT_TOPOLOGY, config: SearchConfig | None = None,
+           on_step: Callable[[Progress], None] | None = None, **fields: Any) -> SearchResult:
+    """Search a plan for ``model`` (with ``example_inputs``) or an OpGraph on ``topology``, as
+    ``config`` says (default ``SearchConfig()``); keyword arguments named after its fields
+    (``budget_s=5, seed=1``) replace them. ``config.chains`` MCMC chains start from
+    ``config.init``'s plans, each with its own random stream, ``config.workers`` of them side by
+    side in forked processes; the seconds are split evenly between the rounds of ``workers``
+    chains, the proposals between the chains. The result is never worse than the best initial
+    plan nor than any baseline (they are scored first), and when no baseline fits in device
+    memory, data parallel (or ``hybrid``) with gradient accumulation is tried too
+    (``_accumulate``). Deterministic for a seed under a proposal budget, with any number of
+    workers. ``on_step`` gets a ``Progress`` as it goes. The model must return one scalar loss
+    (``check_scalar_loss``)."""
+    config = search_config(config, fields)
+    budget = Budget(config.budget_s, config.proposals)  # one of them at least
+    microbatches, schedule, seed = config.microbatches, config.schedule, config.seed
     graph = model if isinstance(model, OpGraph) else trace(model, example_inputs)
+    check_scalar_loss(graph)
     check_microbatches(graph, microbatches)  # an op that mixes samples across micro-batches: said now
     topo = get_topology(topology) if isinstance(topology, (str, os.PathLike)) else topology
-    n = topo.num_devices if num_devices is None else num_devices
+    n = topo.num_devices if config.num_devices is None else config.num_devices
     if n > topo.num_devices:
         raise ValueError(f"search num_devices = {n}: more than the {topo.num_devices} devices of {topo.name!r}")
-    cost = get_cost_model(cost_model) if isinstance(cost_model, str) else cost_model
-    evaluate = Evaluator(graph, topo, cost, optimizer)
+    cost = get_cost_model(config.cost_model) if isinstance(config.cost_model, str) else config.cost_model
+    evaluate = Evaluator(graph, topo, cost, config.optimizer)
     rng = random.Random(seed)
     started = time.perf_counter()
     plans, results = best_baselines(graph, n, evaluate)
@@ -230,26 +209,23 @@ def search(model: torch.nn.Module | OpGraph, example_inputs: Sequence[Any] | Non
         consider(stats, plan, results[name], plan_cost(results[name]), started)
     if stats.best_result is not None and not stats.best_result.fits:
         _accumulate(graph, n, evaluate, stats, started)
-    if init is None:  # data parallel, or data x tensor parallel where the micro-batch does not divide by n
-        init = ("hybrid",)
+    init = ("hybrid",) if config.init is None else config.init  # hybrid: data parallel where n divides the batch
     inits = [_initial(i, graph, n, rng, candidates, microbatches, schedule, plans) for i in init]
-    if not inits:
-        raise ValueError("search needs at least one initial plan (init)")
-    count = len(inits) if chains is None else chains
+    count = len(inits) if config.chains is None else config.chains
     if budget.proposals is not None:  # every chain makes a proposal at least
         count = min(count, budget.proposals)
     measures = getattr(cost, "measures", False)
-    workers = default_workers(count, measures) if workers is None else workers
+    workers = default_workers(count, measures) if config.workers is None else config.workers
     if workers > 1 and measures:
-        raise ValueError(f"search workers = {workers} with a cost model that times kernels on this host: "
+        raise ValueError(f"search workers = {workers} with a cost model that times kernels: "
                          "chains timing at once would time each other; use workers=1")
     seconds = None if budget.seconds is None else budget.seconds / -(-count // workers)  # per round
     work = [Chain(inits[i % len(inits)], seed,  # the proposals handed out, the first chains taking the rest
                   Budget(seconds, None if budget.proposals is None
                          else budget.proposals // count + (i < budget.proposals % count)))
             for i in range(count)]
-    stats, interrupted = run_chains(work, evaluate, candidates, stats, started, beta=beta,
-                                    reset_every=reset_every, workers=workers, on_step=on_step,
+    stats, interrupted = run_chains(work, evaluate, candidates, stats, started, beta=config.beta,
+                                    reset_every=config.reset_every, workers=workers, on_step=on_step,
                                     neighbors=neighbor_ops(graph, candidates))
     if stats.best is None:  # interrupted before the first chain scored its start
         stats.best = inits[0]

@@ -51,7 +51,7 @@ def chain_rng(seed: int, index: int) -> random.Random:
 
 def default_workers(chains: int, measures: bool) -> int:
     """One worker per chain up to the cores this process may use; one where the cost model
-    times kernels on this host (two chains timing at once would time each other) or where
+    times kernels on the machine it runs on (two chains timing at once would time each other) or where
     processes cannot be forked."""
     if measures or "fork" not in multiprocessing.get_all_start_methods():
         return 1

@@ -6,37 +6,52 @@ import itertools
 import json
 import math
 import sys
-from pathlib import Path
 
+from soapsearch.api import DEFAULT_TOPOLOGY, TOPOLOGY_HELP
 from soapsearch.search.api import FoundPlan, search
+from soapsearch.search.config import SearchConfig
+from soapsearch.search.output import check_plan_output, wrote
 from soapsearch.search.study import study_search
 from strategies.config import format_devices
-from strategies.serialize import check_writable, parse_plan
+from strategies.serialize import atomic_open, check_writable, parse_plan
+from strategies.strategy import SCHEDULES
 
-__all__ = ["add_search_parsers"]
+__all__ = ["add_search_parsers", "config_of", "table"]
 
 
 def add_search_parsers(sub, model_args, graph_of) -> None:
+    """``search`` (flags mapped onto a SearchConfig, their defaults read from its fields) and
+    ``show-plan``; ``graph_of(args)`` traces the model the flags name."""
+    c = SearchConfig
     sp = sub.add_parser("search", help="search a plan (MCMC scored by the simulator)")
     model_args(sp)
-    sp.add_argument("--topology", default="p100-4x4", help="preset or topology JSON")
-    sp.add_argument("--budget", type=float, default=60.0,
-                    help="seconds (default 60; 0: no time limit, stop after --proposals)")
-    sp.add_argument("--proposals", type=int, default=None, help="also stop after this many proposals")
-    sp.add_argument("--init", default=None,
+    sp.add_argument("--topology", default=DEFAULT_TOPOLOGY, help=TOPOLOGY_HELP)
+    sp.add_argument("--budget", type=float, default=c.budget_s,
+                    help=f"seconds (default {c.budget_s:g}; 0: no time limit, stop after --proposals)")
+    sp.add_argument("--proposals", type=int, default=c.proposals,
+                    help="also stop after this many proposals (with --optuna: per trial)")
+    sp.add_argument("--init", default=c.init,
                     help="comma list of initial plans: baseline names, 'random', plan JSON paths "
                          "(default data_parallel, or hybrid where the batch does not divide by the devices)")
-    sp.add_argument("--seed", type=int, default=0)
-    sp.add_argument("--cost-model", default="analytical", choices=["analytical", "profiled"])
-    sp.add_argument("--microbatches", type=int, default=1)
-    sp.add_argument("--schedule", default="gpipe", choices=["gpipe", "1f1b"])
-    sp.add_argument("--devices", type=int, default=None, help="use only the first N devices")
-    sp.add_argument("--chains", type=int, default=None,
+    sp.add_argument("--seed", type=int, default=c.seed, help=f"seed of the chains (default {c.seed})")
+    sp.add_argument("--cost-model", default=c.cost_model, choices=["analytical", "profiled"],
+                    help=f"kernel times (default {c.cost_model})")
+    sp.add_argument("--microbatches", type=int, default=c.microbatches,
+                    help=f"micro-batches of the chains' plans (default {c.microbatches})")
+    sp.add_argument("--schedule", default=c.schedule, choices=SCHEDULES,
+                    help=f"pipeline schedule of the chains' plans (default {c.schedule})")
+    sp.add_argument("--devices", type=int, default=c.num_devices,
+                    help="use only the first N devices (default all of the topology's)")
+    sp.add_argument("--chains", type=int, default=c.chains,
                     help="MCMC chains (default one per --init plan; chain i starts from the i-th, cycling)")
-    sp.add_argument("--workers", type=int, default=None,
+    sp.add_argument("--workers", type=int, default=c.workers,
                     help="chains run side by side in processes (default one per chain up to the cores; "
                          "1 with the profiled cost model)")
-    sp.add_argument("-o", "--output", default="plan.json", help="where to write the plan")
+    sp.add_argument("-o", "--output", default="plan.json",
+                    help="where to write the plan (default plan.json); a file holding another model's "
+                         "plan is refused unless --force")
+    sp.add_argument("--force", action="store_true",
+                    help="overwrite -o even where it holds another model's plan or is no plan")
     sp.add_argument("--optuna", action="store_true",
                     help="an optuna study over micro-batches, schedule, beta, initial plan and "
                          "device count, each trial a short MCMC chain")
@@ -52,9 +67,22 @@ def add_search_parsers(sub, model_args, graph_of) -> None:
     show.set_defaults(fn=_cmd_show_plan)
 
 
+def config_of(args, cost_model) -> SearchConfig:
+    """The SearchConfig the ``search`` flags say (``--budget 0``: no time limit)."""
+    return SearchConfig(budget_s=args.budget or None, proposals=args.proposals, cost_model=cost_model,
+                        init=None if args.init is None else tuple(args.init.split(",")), seed=args.seed,
+                        microbatches=args.microbatches, schedule=args.schedule, num_devices=args.devices,
+                        chains=args.chains, workers=args.workers)
+
+
 def _cmd_search(args, graph_of) -> int:
+    from simulator.profiled import cost_model_for
+
     check_writable(args.output)
+    cost = cost_model_for(args.cost_model, args.topology)  # profiled: the cache calibrated beside a topology JSON
+    config = config_of(args, cost)  # its checks said before the model is traced
     graph = graph_of(args)
+    replacing = check_plan_output(args.output, graph, args.force)
     bar = None
 
     def on_step(progress):
@@ -68,29 +96,20 @@ def _cmd_search(args, graph_of) -> int:
             bar.set_postfix(best_ms=f"{progress.best_ms:.3f}",
                             accept=f"{progress.accepted / max(1, progress.proposals):.2f}", refresh=False)
 
-    from simulator.profiled import cost_model_for
-
-    cost = cost_model_for(args.cost_model, args.topology)  # profiled: the cache calibrated beside a topology JSON
     try:
         if args.optuna or args.study:
-            result = study_search(graph, topology=args.topology, budget_s=args.budget or None,
-                                  trials=args.trials, trial_proposals=args.proposals,
-                                  storage=args.study, study_name=args.study_name, seed=args.seed,
-                                  cost_model=cost)
+            result = study_search(graph, topology=args.topology, config=config, trials=args.trials,
+                                  storage=args.study, study_name=args.study_name)
         else:
-            result = search(graph, topology=args.topology, budget_s=args.budget or None,
-                            proposals=args.proposals, cost_model=cost,
-                            init=None if args.init is None else tuple(args.init.split(",")), seed=args.seed,
-                            microbatches=args.microbatches, schedule=args.schedule,
-                            num_devices=args.devices, chains=args.chains, workers=args.workers,
-                            on_step=on_step)
+            result = search(graph, topology=args.topology, config=config, on_step=on_step)
     finally:
         if bar is not None:
             bar.close()
     result.save(args.output)
+    path = wrote(args.output)
     if args.json:
         print(json.dumps({"iteration_ms": result.predicted_ms, "baselines": result.baselines,
-                          "plan": args.output, "proposals": result.proposals,
+                          "plan": path, "proposals": result.proposals,
                           "fits": result.result.fits, "interrupted": result.interrupted,
                           "workers": result.workers}))
         return 0
@@ -98,7 +117,8 @@ def _cmd_search(args, graph_of) -> int:
     stop = "stopped by Ctrl-C; " if result.interrupted else ""
     side = f", {result.workers} chains side by side" if result.workers > 1 else ""
     print(f"{stop}{result.proposals} proposals in {result.elapsed_s:.1f} s "
-          f"({result.proposals / max(result.elapsed_s, 1e-9):.0f}/s{side}); wrote {args.output}")
+          f"({result.proposals / max(result.elapsed_s, 1e-9):.0f}/s{side})")
+    print(f"wrote the plan for {graph.name} to {path}{replacing}")
     return 0
 
 
@@ -119,7 +139,12 @@ def table(result: FoundPlan) -> str:
 
 
 def _cmd_show_plan(args) -> int:
-    obj, _, plan = parse_plan(args.plan)  # checked as far as it can be without the model
+    if args.png:  # said before the plan is printed
+        check_writable(args.png, "--png")
+        plt = _pyplot()
+    obj, where, plan = parse_plan(args.plan)  # checked as far as it can be without the model
+    from simulator.presets import check_plan_topology
+    check_plan_topology(obj["topology"], where)
     model, topo, pred = obj["model"], obj["topology"], obj.get("predicted") or {}
     print(f"{model.get('name', '?')} on {topo.get('name', '?')} ({plan.num_devices} devices), "
           f"{plan.microbatches} micro-batch(es), {plan.schedule}")
@@ -134,19 +159,23 @@ def _cmd_show_plan(args) -> int:
         kind = o.get("kind") if isinstance(o.get("kind"), str) else ""
         print(f"  {name:{width}s}  {kind:12s} {'·'.join(cuts)} @ {format_devices(cfg.devices)}")
     if args.png:
-        _draw([{"name": name, "devices": list(cfg.devices)} for name, cfg in plan.configs], plan.num_devices,
-              args.png)
-        print(f"wrote {args.png}")
+        _draw(plt, [{"name": name, "devices": list(cfg.devices)} for name, cfg in plan.configs],
+              plan.num_devices, args.png)
+        print(f"wrote {wrote(args.png)}")
     return 0
 
 
-def _draw(ops, num_devices: int, path: str) -> None:
+def _pyplot():
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         raise ValueError("--png needs matplotlib: pip install 'soapsearch[plot]'") from None
+    return plt
+
+
+def _draw(plt, ops, num_devices: int, path: str) -> None:
     grid = [[0.0] * num_devices for _ in ops]
     for i, o in enumerate(ops):
         for d in o["devices"]:
@@ -158,7 +187,8 @@ def _draw(ops, num_devices: int, path: str) -> None:
     ax.set_xlabel("device")
     ax.set_title("op placement (darker: cut over more devices)")
     fig.tight_layout()
-    tmp = f"{path}.tmp.png"
-    fig.savefig(tmp, dpi=120)
-    plt.close(fig)
-    Path(tmp).replace(path)
+    try:
+        with atomic_open(path, "wb") as f:
+            fig.savefig(f, format="png", dpi=120)
+    finally:
+        plt.close(fig)

@@ -34,12 +34,12 @@ __all__ = ["Budget", "ChainStats", "candidate_configs", "consider", "neighbor_op
 OVERFLOW_PENALTY = 10.0
 GROUP = 0.2
 BETA_C = 200.0
-"""The default inverse temperature is β = BETA_C / cost(init) per ms: a proposal 0.5 % worse
-than the start is accepted with probability 1/e. Chosen by measurement (2000 proposals from data
-parallel and OWT, paper scale on p100-4x4, 2026-11-22): c = 20 / 100 / 200 / 500 found alexnet
-76.7 / 69.7 / 68.5 / 66.9 ms, rnnlm 172.2 / 167.1 / 167.1 / 167.1, nmt 362.3 / 359.3 / 351.7 /
-363.6, rnntc 253.8 / 253.3 / 252.7 / 253.0; at 20 the chain accepts a move 3 ms worse than
-alexnet's 84 ms half the time and drifts, at 500 it stalls on nmt."""
+"""The default inverse temperature is β = BETA_C / cost(init) per ms, so that under the
+Metropolis acceptance rule exp(−β·Δcost) a proposal 0.5 % worse than the start is accepted with
+probability 1/e (β·Δcost = 200 · 0.005 = 1), whatever the model's scale. A smaller constant lets
+a chain drift through much worse plans, a larger one stalls it at its first local optimum
+(the sweep that chose it, over the paper-scale models on p100-4x4: benchmarks/README.md,
+search_vs_experts.py)."""
 
 
 def whole(value: object) -> bool:

@@ -26,8 +26,10 @@ from simulator.cost import CostModel, get_cost_model
 from simulator.presets import get_topology
 from simulator.result import SimResult
 from simulator.topology import Topology
+from soapsearch.api import DEFAULT_TOPOLOGY
 from soapsearch.search.api import Evaluator, FoundPlan, best_baselines
 from soapsearch.search.chains import chain_rng
+from soapsearch.search.config import SearchConfig, search_config
 from soapsearch.search.mcmc import (
     BETA_C,
     Budget,
@@ -124,10 +126,10 @@ class _Trials:
     """The objective, with an Evaluator per device count and candidate configs per (devices,
     micro-batches) shared by all trials (so unchanged ops' lowerings are reused across trials)."""
 
-    def __init__(self, graph: OpGraph, topo: Topology, cost: CostModel, seed: int,
+    def __init__(self, graph: OpGraph, topo: Topology, cost: CostModel, optimizer: str, seed: int,
                  budget: tuple[float | None, int | None], deadline: float | None,
                  device_choices: list[int], microbatch_choices: list[int]):
-        self.graph, self.topo, self.cost, self.seed = graph, topo, cost, seed
+        self.graph, self.topo, self.cost, self.optimizer, self.seed = graph, topo, cost, optimizer, seed
         self.budget, self.deadline = budget, deadline
         self.device_choices, self.microbatch_choices = device_choices, microbatch_choices
         self.inits = INITS
@@ -140,7 +142,7 @@ class _Trials:
 
     def evaluator(self, n: int) -> Evaluator:
         if n not in self._evaluators:
-            self._evaluators[n] = Evaluator(self.graph, self.topo, self.cost)
+            self._evaluators[n] = Evaluator(self.graph, self.topo, self.cost, self.optimizer)
         return self._evaluators[n]
 
     def candidates(self, n: int, m: int) -> tuple[dict, dict]:
@@ -201,27 +203,34 @@ class _Trials:
         return stats.best_cost
 
 
-def study_search(graph: OpGraph, *, topology: Topology | str, budget_s: float | None = None,
-                 trials: int | None = None, trial_budget_s: float | None = None,
-                 trial_proposals: int | None = None, storage: Any = None,
-                 study_name: str | None = None, seed: int = 0,
-                 cost_model: CostModel | str = "analytical",
-                 num_devices_choices: Sequence[int] | None = None,
-                 verbose: bool = False) -> StudyResult:
+def study_search(graph: OpGraph, *, topology: Topology | str = DEFAULT_TOPOLOGY,
+                 config: SearchConfig | None = None, trials: int | None = None,
+                 trial_budget_s: float | None = None, trial_proposals: int | None = None,
+                 storage: Any = None, study_name: str | None = None,
+                 num_devices_choices: Sequence[int] | None = None, verbose: bool = False,
+                 **fields: Any) -> StudyResult:
     """Run (or resume, with ``storage`` and ``study_name``) a TPE study of short MCMC chains;
-    stop after ``trials`` new trials or ``budget_s`` seconds, whichever comes first. Each trial
-    gets ``trial_budget_s`` seconds and/or ``trial_proposals`` proposals (default: an even share
-    of ``budget_s`` over ``trials``, else 200 proposals). Deterministic for a seed when no time
-    limit binds."""
+    stop after ``trials`` new trials or ``config.budget_s`` seconds, whichever comes first.
+    ``config`` (default ``SearchConfig(budget_s=None)``: no time limit, so ``trials`` bounds
+    the study) gives the budget, ``seed``, ``cost_model`` and ``optimizer``, and ``proposals``
+    as each trial's (``trial_proposals`` replaces it); keyword arguments named after its fields
+    replace them. The trials choose the devices, micro-batches, schedule, β and initial plan
+    themselves. Each trial gets ``trial_budget_s`` seconds and/or ``trial_proposals``
+    proposals (default: an even share of ``budget_s`` over ``trials``, else 200 proposals).
+    Deterministic for a seed when no time limit binds."""
+    config = search_config(SearchConfig(budget_s=None) if config is None else config, fields, "study_search")
+    budget_s, seed = config.budget_s, config.seed
+    if trial_proposals is None:
+        trial_proposals = config.proposals
     if budget_s is None and trials is None:
         raise ValueError("study_search needs budget_s or trials (or both)")
     if trials is not None and not (whole(trials) and trials >= 1):
         raise ValueError(f"study_search trials = {trials!r}: must be a whole number >= 1")
-    for name, value in (("budget_s", budget_s), ("trial_budget_s", trial_budget_s), ("trial_proposals", trial_proposals)):
+    for name, value in (("trial_budget_s", trial_budget_s), ("trial_proposals", trial_proposals)):
         if value is not None:
             Budget(**{"proposals" if name == "trial_proposals" else "seconds": value})  # the same rules as a chain's
     topo = get_topology(topology) if isinstance(topology, (str, os.PathLike)) else topology
-    cost = get_cost_model(cost_model) if isinstance(cost_model, str) else cost_model
+    cost = get_cost_model(config.cost_model) if isinstance(config.cost_model, str) else config.cost_model
     if trial_budget_s is None and trial_proposals is None:
         if budget_s is not None and trials:
             trial_budget_s = budget_s / trials
@@ -232,7 +241,7 @@ def study_search(graph: OpGraph, *, topology: Topology | str, budget_s: float | 
     started = time.perf_counter()
     deadline = started + budget_s if budget_s is not None else None
     batch = graph.batch_size
-    objective = _Trials(graph, topo, cost, seed, (trial_budget_s, trial_proposals), deadline,
+    objective = _Trials(graph, topo, cost, config.optimizer, seed, (trial_budget_s, trial_proposals), deadline,
                         _device_choices(topo, num_devices_choices),
                         [m for m in MICROBATCHES if (not batch or batch % m == 0) and _takes(graph, m)])
     full = topo.num_devices if num_devices_choices is None else max(objective.device_choices)
@@ -250,7 +259,7 @@ def study_search(graph: OpGraph, *, topology: Topology | str, budget_s: float | 
             raise ValueError(f"storage {storage!r}: cannot open the study: {e}") from e
         _check_same_problem(study, graph, topo)
         made_with = [t.distributions["init"].choices for t in study.trials if "init" in t.distributions]
-        if made_with:  # a study made before 'hybrid' was a choice keeps its own
+        if made_with:  # a resumed study keeps the initial plans it was made with
             objective.inits = tuple(made_with[0])
         if not study.trials:  # a fresh study: the experts go first
             for name, plan in plans.items():

@@ -39,7 +39,7 @@ def test_calibrate_two_processes_gives_positive_finite_figures(tmp_path):
         lat, bw, _ = fit_alpha_beta([s for s, _ in report["send_call"]], [t for _, t in report["send_call"]])
         assert (report["send_latency"], report["send_bandwidth"]) == (lat, bw)
         assert report["hold_sends"] and all((k.send_latency, k.send_bandwidth) == (lat, bw) for k in topo.links)
-        free = Calibration.from_json({**report, "hold_sends": False}).topology()  # a seventh-session report's
+        free = Calibration.from_json({**report, "hold_sends": False}).topology()  # figures reported only
         assert all(k.send_bandwidth is None for k in free.links)
     assert len(report["flops"]) == 2 and all(1e8 < f < 1e13 for f in report["flops"] + report["solo_flops"])
     assert all(1e8 < b < 1e12 for b in report["memory_bandwidth"] + report["solo_memory_bandwidth"])

@@ -13,10 +13,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 def test_three_plans_ranked_as_measured(tmp_path):
     # gpt tiny on 2 processes: OWT exchanges 48 pieces, a parameter split (every linear cut on
-    # out_features, the rest on device 0) 26, model parallel 5 (benchmarks/simulator_accuracy.py
-    # run K: 44, 20 and 9.5 ms measured, 47, 20 and 9.6 predicted). A 2-stage pipeline (12 ms)
-    # stood in for the parameter split until the fifth session: 1.3x from model parallel, it
-    # was misordered about one run in five.
+    # out_features, the rest on device 0) 26, model parallel 5: iteration times about 2x apart
+    # each (benchmarks/simulator_accuracy.py), far enough that noise cannot swap them. Plans
+    # closer than that (a 2-stage pipeline, 1.3x from model parallel) would be misordered by
+    # noise now and then.
     topo = calibrate(2, sizes=(1 << 10, 1 << 14, 1 << 18, 1 << 22, 1 << 24), repeats=5)
     graph = build_model("gpt", "tiny").graph
     plans = {"owt": baseline("owt", graph, 2), "param_split": param_split(graph, 2),

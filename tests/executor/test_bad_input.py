@@ -63,10 +63,40 @@ def test_a_broken_plan_file_is_one_line_naming_the_file(plans, capsys, spawned, 
 
 def test_a_plan_for_another_model_or_batch_is_refused_before_spawning(plans, capsys, spawned):
     err = cli_error(capsys, ["run", str(plans / "dp2.json"), "--model", "alexnet", "--variant", "tiny"])
-    assert "dp2.json: model.fingerprint = " in err and "(alexnet, batch 4)" in err
-    assert "another model or batch size (mlp, batch 4)" in err  # what the plan was made for
+    assert "dp2.json: model.fingerprint = " in err and "the model given is alexnet-tiny (batch 4" in err
+    assert "another model, variant or batch size: mlp (batch 4)" in err  # what the plan was made for
+    assert "first difference: op 0 ('inputs') has dims ['sample', 'd1'] in the plan, ['sample', 'd1', 'd2', 'd3']" in err
     err = cli_error(capsys, ["run", str(plans / "dp2.json"), *TINY_MLP, "--batch-size", "2"])
-    assert "model.fingerprint" in err and "(mlp, batch 2)" in err
+    assert "model.fingerprint" in err and "the model given is mlp-tiny (batch 2" in err
+    assert "first difference: op 0 ('inputs') has shape [4, 16] in the plan, [2, 16] in the model" in err
+    assert spawned == []
+
+
+def test_a_plan_run_with_another_variant_names_the_variants_and_the_first_op_that_differs(
+        tmp_path, capsys, spawned):
+    plan = tmp_path / "tiny.json"
+    assert main(["plan", "mlp", "--variant", "tiny", "--baseline", "data_parallel", "--devices", "2",
+                 "-o", str(plan)]) == 0
+    capsys.readouterr()
+    err = cli_error(capsys, ["run", str(plan), "--model", "mlp", "--variant", "small", "--batch-size", "4"])
+    assert "made for another model, variant or batch size: mlp-tiny (batch 4), " in err
+    assert "the model given is mlp-small (batch 4, fingerprint " in err
+    assert "first difference: op 0 ('inputs') has shape [4, 16] in the plan, [4, 256] in the model" in err
+    assert spawned == []
+
+
+def test_nccl_without_cuda_is_one_line_before_anything_starts(plans, capsys, spawned, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    err = cli_error(capsys, ["run", str(plans / "dp2.json"), *TINY_MLP, "--backend", "nccl"])
+    assert err.endswith("--backend nccl: NCCL needs CUDA and torch.cuda.is_available() is False on this "
+                        "machine; use --backend gloo\n")
+    # CUDA with fewer GPUs than the plan's processes (torchrun starts them all on this machine)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    err = cli_error(capsys, ["run", str(plans / "dp2.json"), *TINY_MLP, "--backend", "nccl"])
+    assert "--backend nccl: 2 processes need 2 GPUs (one each) and torch.cuda.device_count() = 1" in err
     assert spawned == []
 
 

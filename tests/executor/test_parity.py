@@ -1,7 +1,7 @@
-"""The executor's truth test (DESIGN.md "Executor"): after each of two steps with SGD (momentum)
+"""The executor's truth test (docs/design.md, "Executor"): after each of two steps with SGD (momentum)
 and with Adam, the loss, every weight's gradient (gathered to a full tensor) and the whole
 state_dict (weights, batchnorm running statistics) equal plain single-device PyTorch training
-of the same model, float64, rtol 1e-5. Every case of one world size runs in one launch.
+of the same model, float64, rtol 1e-7 (``harness.RTOL``). Every case of one world size runs in one launch.
 
 The loss's sum is waited where its reduction's gates say (``strategies.lowering.gates``); the
 cases cover each (test_recipe.py asserts which case takes which): STEP with a dynamic count

@@ -10,7 +10,7 @@ import pytest
 
 from soapsearch.executor import build_model
 from soapsearch.executor.recipe import LINKED, ROOT, SKIP, LossSum, Recipe, receives_ahead, recipes
-from strategies.lowering import BACKWARD, STEP, bucket_sums, lower
+from strategies.lowering import BucketKey, Gate, bucket_sums, lower
 from strategies.schedule import device_order
 from tests.executor.plans import make_plan
 from tests.executor.models import SPEC as M
@@ -98,22 +98,25 @@ def test_linking_keeps_every_ranks_sequence_of_communications(model, plan, n):
         assert _communications(order, rs, linked=True) == _communications(order, rs, linked=False), rank
 
 
+STEP, BACKWARD = Gate.STEP, Gate.BACKWARD
+F32_01, F32_23 = BucketKey((0, 1), "float32"), BucketKey((2, 3), "float32")
+
 # (model, plan, devices) -> every loss partition's (LossSum, seed) and the ranks counting the loss;
-# a STEP sum whose devices are a gradient bucket's rides it (strategies.lowering.bucket_sums)
+# a STEP sum whose devices and dtype are a gradient bucket's rides it (strategies.lowering.bucket_sums)
 LOSS_CASES = [
     # every gradient divided by C after the bucket's all-reduce that summed [s_p, c_p] too
-    ("mlp", "dp", 2, LossSum(None, STEP, (0, 1)), 1.0, {0, 1}),
-    ("gpt", "dp", 2, LossSum(None, STEP, (0, 1)), 1.0, {0, 1}),
-    (M + "weighted", "dp", 2, LossSum(None, STEP, (0, 1)), 1.0, {0, 1}),
-    ("gpt", "owt", 2, LossSum(None, STEP, (0, 1)), 1.0, {0, 1}),  # its embeddings are replicated
+    ("mlp", "dp", 2, LossSum(None, STEP, F32_01), 1.0, {0, 1}),
+    ("gpt", "dp", 2, LossSum(None, STEP, F32_01), 1.0, {0, 1}),
+    (M + "weighted", "dp", 2, LossSum(None, STEP, F32_01), 1.0, {0, 1}),
+    ("gpt", "owt", 2, LossSum(None, STEP, F32_01), 1.0, {0, 1}),  # its embeddings are replicated
     ("mlp", "owt", 2, LossSum(None, STEP), 1.0, {0, 1}),  # no replicated weight: its own collective
-    (M + "regression", "dp", 2, LossSum(96.0, STEP, (0, 1)), 1.0, {0, 1}),  # mean MSE: C = 8·3·4
-    (M + "regression", "dp_mb2", 2, LossSum(48.0, STEP, (0, 1)), 0.5, {0, 1}),  # C_j = 96/2; both ride
-    (M + "summed", "dp_mb2", 2, LossSum(1.0, STEP, (0, 1)), 0.5, {0, 1}),
+    (M + "regression", "dp", 2, LossSum(96.0, STEP, F32_01), 1.0, {0, 1}),  # mean MSE: C = 8·3·4
+    (M + "regression", "dp_mb2", 2, LossSum(48.0, STEP, F32_01), 0.5, {0, 1}),  # C_j = 96/2; both ride
+    (M + "summed", "dp_mb2", 2, LossSum(1.0, STEP, F32_01), 0.5, {0, 1}),
     ("mlp", "dp_mb2", 2, LossSum(None, BACKWARD), 0.5, {0, 1}),  # seed 1/(m·C_j) once C_j is summed
     (M + "weighted", "dp_mb2", 2, LossSum(None, BACKWARD), 0.5, {0, 1}),
     ("mlp", "stages_dp", 4, LossSum(None, BACKWARD), 0.5, {2}),  # pipeline: the loss on ranks 2, 3
-    (M + "summed", "stages_dp", 4, LossSum(1.0, STEP, (2, 3)), 0.5, {2}),  # the last stage's bucket
+    (M + "summed", "stages_dp", 4, LossSum(1.0, STEP, F32_23), 0.5, {2}),  # the last stage's bucket
     ("mlp", "loss_some", 4, LossSum(None, BACKWARD), 1.0, {2}),
     (M + "regression", "loss_some", 4, LossSum(96.0, STEP), 1.0, {2}),  # weights on 0-3, loss on 2, 3
     ("mlp", "loss_some", 2, LossSum(None, None), 1.0, {1}),  # alone: C_j is its own c_p
@@ -144,14 +147,14 @@ def test_every_member_of_a_bucket_appends_the_same_sums_in_the_same_order(model,
                             if r.loss_sum is not None and r.loss_sum.bucket is not None)
                for rank, (_, rs) in _recipes(model, plan, n).items()}
     riding = bucket_sums(low)
-    for group, devices in riding.items():
-        for rank in devices:
-            assert (group.op, group.microbatch, devices) in by_rank[rank]
+    for group, bucket in riding.items():
+        for rank in bucket.devices:
+            assert (group.op, group.microbatch, bucket) in by_rank[rank]
     for rank, rides in by_rank.items():
-        assert len(rides) == len(set(rides)) == sum(rank in d for d in riding.values())
-        for bucket in {d for _, _, d in rides}:
+        assert len(rides) == len(set(rides)) == sum(rank in b.devices for b in riding.values())
+        for bucket in {b for _, _, b in rides}:
             assert all([x for x in by_rank[o] if x[2] == bucket] == [x for x in rides if x[2] == bucket]
-                       for o in bucket)
+                       for o in bucket.devices)
 
 
 @pytest.mark.parametrize("model,plan,n", [("mlp", "1f1b", 2), ("gpt", "gpipe", 2), ("mlp", "owt", 2),

@@ -19,6 +19,7 @@ from strategies.baselines import data_parallel, owt
 from strategies.graph import OpGraph, OpNode
 from strategies.lowering import lower
 from strategies.serialize import save_strategy
+from tests.executor.harness import F32_ATOL, F32_RTOL
 from tests.executor.reference import reference_train
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -79,11 +80,11 @@ def test_torchrun_entry_point_trains_and_saves(tmp_path):
     losses = [float(line.split("loss")[1].split()[0]) for line in r.stdout.splitlines()
               if line.startswith("step ")]
     ref = reference_train(built.model, built.inputs, built.graph, TrainConfig(), steps=2)
-    assert losses == pytest.approx(ref["losses"], rel=1e-4)
+    assert losses == pytest.approx(ref["losses"], rel=F32_RTOL)
     fresh = build_model("mlp", "tiny", seed=1).model
     fresh.load_state_dict(torch.load(weights))
     for k, v in ref["states"][-1].items():
-        torch.testing.assert_close(fresh.state_dict()[k], v, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(fresh.state_dict()[k], v, rtol=F32_RTOL, atol=F32_ATOL)
 
 
 @pytest.mark.distributed

@@ -3,6 +3,7 @@ and the rule, raised before any work, never a traceback or a silently ignored va
 
 import json
 import math
+import sys
 from pathlib import Path
 
 import pytest
@@ -144,3 +145,69 @@ def test_every_output_flag_is_checked_before_the_work(tmp_path, capsys):
                           (["simulate", *tiny, "--baseline", "data_parallel", "--topology", "local-cpu-2",
                             "--trace", str(tmp_path)], f"--trace {tmp_path}: is a directory")):
         assert message in cli_error(capsys, args)
+
+
+def test_show_plan_png_path_checked_before_the_plan_is_printed(tmp_path, capsys, monkeypatch):
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(_plan_json(tmp_path)))
+    assert f"--png {tmp_path}: is a directory" in cli_error(capsys, ["show-plan", str(path), "--png", str(tmp_path)])
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert f"--png {blocker / 'x.png'}: {blocker} is a file, not a directory" in cli_error(
+        capsys, ["show-plan", str(path), "--png", str(blocker / "x.png")])
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # not installed
+    assert "--png needs matplotlib" in cli_error(capsys, ["show-plan", str(path), "--png", str(tmp_path / "x.png")])
+
+
+NET = """
+import torch, torch.nn as nn, torch.nn.functional as F
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, {width})
+    def forward(self, x, y):
+        return F.cross_entropy(self.fc(x), y)
+
+def make(batch_size=4):
+    return Net(), (torch.randn(batch_size, 6), torch.randint(0, 3, (batch_size,)))
+"""
+
+
+def _search(capsys, model: str, out, *flags: str) -> str:
+    """``soapsearch search`` of a tiny zoo model writing ``out``; its stdout."""
+    assert main(["search", model, "--variant", "tiny", "--topology", "p100-1x2", "--budget", "0",
+                 "--proposals", "10", "--workers", "1", *(["-o", str(out)] if out else []), *flags]) == 0
+    return capsys.readouterr().out
+
+
+def test_search_names_the_file_it_wrote_and_keeps_another_model_s_plan(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    shown = _search(capsys, "mlp", None)  # no -o: ./plan.json, named in full
+    out = tmp_path / "plan.json"
+    assert shown.splitlines()[-1] == f"wrote the plan for mlp-tiny to {out}"
+    assert _search(capsys, "mlp", out).splitlines()[-1] == (
+        f"wrote the plan for mlp-tiny to {out} (replacing its plan for the same model)")
+    before = out.read_text()
+    err = cli_error(capsys, ["search", "gpt", "--variant", "tiny", "--topology", "p100-1x2", "--proposals", "10"])
+    assert err == (f"soapsearch search: error: -o plan.json: holds a plan made for mlp-tiny (batch 4), not "
+                   f"gpt-tiny (batch 4); give another -o or --force to overwrite it\n")
+    assert out.read_text() == before
+    assert _search(capsys, "gpt", out, "--force").splitlines()[-1].endswith("(replacing it: --force)")
+    assert load_strategy(out, traced("gpt")).num_devices == 2
+    # the same name and batch, another model: the fingerprints tell them apart
+    src = tmp_path / "net.py"
+    for width in (3, 5):
+        src.write_text(NET.format(width=width))
+        argv = ["plan", f"{src}:make", "--baseline", "data_parallel", "--devices", "2", "-o", "net.json"]
+        if width == 3:
+            assert main(argv) == 0
+            capsys.readouterr()
+    made_for = json.loads((tmp_path / "net.json").read_text())["model"]["fingerprint"]
+    err = cli_error(capsys, argv)
+    assert f"holds a plan made for make (batch 4, fingerprint {made_for!r}), not make (batch 4, fingerprint '" in err
+    notes = tmp_path / "notes.json"
+    notes.write_text("{}")
+    assert (f"-o {notes}: the file exists and is not a plan; give another -o or --force"
+            in cli_error(capsys, ["search", "mlp", "--variant", "tiny", "--proposals", "5", "-o", str(notes)]))
+    assert notes.read_text() == "{}"

@@ -32,7 +32,7 @@ def _with_overheads(topo: Topology) -> Topology:
 
 CASES = [  # model, topology, micro-batches, schedule, proposals
     ("resnet101", "p100-2x2", 1, "gpipe", 250),
-    ("inception_v3", "p100-1x4", 2, "1f1b", 120),
+    pytest.param("inception_v3", "p100-1x4", 2, "1f1b", 120, marks=pytest.mark.slow),
     ("gpt", "p100-2x2", 2, "1f1b", 180),
     ("nmt", "k80-2x4", 1, "gpipe", 300),
     ("rnntc", "p100-2x2", 4, "gpipe", 300),

@@ -96,7 +96,7 @@ def test_default_start_where_the_batch_does_not_divide_by_the_devices(tmp_path, 
         search(g, topology="p100-1x4", budget_s=None, proposals=5, init=("data_parallel",))
     assert "hybrid" not in search(traced("gpt"), topology="p100-1x4", budget_s=None, proposals=5).baselines
     six = traced("gpt", batch_size=6)  # 2 micro-batches of 3 on 4 devices: hybrid per micro-batch
-    r = search(six, topology="p100-1x4", budget_s=None, proposals=20, microbatches=2)  # used to refuse its start
+    r = search(six, topology="p100-1x4", budget_s=None, proposals=20, microbatches=2)  # hybrid per micro-batch
     r.strategy.validate(six)
     assert r.predicted_ms <= min(r.baselines.values())
     out = tmp_path / "plan.json"

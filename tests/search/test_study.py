@@ -2,6 +2,7 @@ import json
 
 import pytest
 
+from soapsearch import SearchConfig
 from soapsearch.search.study import INITS, open_storage, study_search
 from strategies import load_strategy
 from tests.conftest import traced
@@ -40,7 +41,8 @@ def test_baselines_are_the_first_trials_and_the_study_beats_them(study):
 
 
 def test_same_seed_same_study(mlp, study):
-    again = study_search(mlp, topology=TOPO, trials=10, trial_proposals=40, seed=3)
+    """The same study from a SearchConfig: its proposals are each trial's."""
+    again = study_search(mlp, topology=TOPO, config=SearchConfig(budget_s=None, proposals=40, seed=3), trials=10)
     assert [t.params for t in again.trials] == [t.params for t in study.trials]
     assert [t.value for t in again.trials] == [t.value for t in study.trials]
     assert again.strategy == study.strategy and again.predicted_ms == study.predicted_ms
@@ -81,8 +83,8 @@ def test_journal_storage_and_save(mlp, tmp_path):
 
 
 def test_a_study_made_with_other_initial_plans_resumes(mlp, tmp_path, monkeypatch):
-    """optuna refuses a categorical whose choices changed: a study made before 'hybrid' was an
-    initial plan keeps drawing from the choices it was made with."""
+    """optuna refuses a categorical whose choices changed: a study made with other initial plans
+    (here without 'hybrid') keeps drawing from the choices it was made with."""
     from soapsearch.search import study as module
 
     path = str(tmp_path / "old.jsonl")

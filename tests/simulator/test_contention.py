@@ -10,7 +10,7 @@ from simulator.devices import DeviceSpec
 from simulator.engine import event_times
 from simulator.presets import get_topology
 from simulator.simulate import simulate_plan
-from simulator.taskgraph import FORWARD, RECV, UPDATE, TaskGraph
+from simulator.taskgraph import TaskGraph, TaskKind
 from simulator.topology import Topology
 from strategies import baseline
 
@@ -29,8 +29,8 @@ def run(tg, topo):
 
 def test_devices_computing_at_once_each_take_the_whole_slowdown():
     tg = TaskGraph(2, 2)
-    tg.add("a", FORWARD, 1 * MS, (0,), 0)
-    tg.add("b", FORWARD, 1 * MS, (1,), 1)
+    tg.add("a", TaskKind.FORWARD, 1 * MS, (0,), 0)
+    tg.add("b", TaskKind.FORWARD, 1 * MS, (1,), 1)
     start, end = run(tg, node_of(2, 2.0))
     assert end.tolist() == pytest.approx([2 * MS, 2 * MS], rel=1e-12)
     start, end = run(tg, node_of(2, 1.0))  # nothing shared: the event loop's times as they are
@@ -39,8 +39,8 @@ def test_devices_computing_at_once_each_take_the_whole_slowdown():
 
 def test_devices_taking_turns_are_not_slowed():
     tg = TaskGraph(2, 2)
-    a = tg.add("a", FORWARD, 1 * MS, (0,), 0)
-    b = tg.add("b", UPDATE, 1 * MS, (1,), 1)
+    a = tg.add("a", TaskKind.FORWARD, 1 * MS, (0,), 0)
+    b = tg.add("b", TaskKind.UPDATE, 1 * MS, (1,), 1)
     tg.edge(a, b)
     start, end = run(tg, node_of(2, 2.0))
     assert (start.tolist(), end.tolist()) == ([0.0, 1 * MS], [1 * MS, 2 * MS])
@@ -52,9 +52,9 @@ def test_partial_overlap_by_hand_over_the_passes():
     # Pass 1: a 3 ms, b 2 ms: a 0-3, b 1-3: k(a) = (1 + 2·2) / 3 = 5/3, k(b) = 2.
     # Pass 2: a 2 · 5/3 = 3.33 ms, b 2 ms: a 0-3.33, b 1-3.
     tg = TaskGraph(2, 2)
-    tg.add("a", FORWARD, 2 * MS, (0,), 0)
-    r = tg.add("r", RECV, 1 * MS, (1,), 1)
-    b = tg.add("b", FORWARD, 1 * MS, (1,), 1)
+    tg.add("a", TaskKind.FORWARD, 2 * MS, (0,), 0)
+    r = tg.add("r", TaskKind.RECV, 1 * MS, (1,), 1)
+    b = tg.add("b", TaskKind.FORWARD, 1 * MS, (1,), 1)
     tg.edge(r, b)
     topo = node_of(2, 2.0)
     start, end = event_times(tg)
@@ -73,7 +73,7 @@ def test_the_slowdown_grows_with_the_devices_computing():
     for busy, factor in ((2, 4 / 3), (4, 2.0)):
         tg = TaskGraph(4, 12)
         for d in range(busy):
-            tg.add(f"t{d}", FORWARD, 3 * MS, (d,), d)
+            tg.add(f"t{d}", TaskKind.FORWARD, 3 * MS, (d,), d)
         start, end = run(tg, node_of(4, 2.0))
         assert end.tolist() == pytest.approx([3 * MS * factor] * busy, rel=1e-12)
 

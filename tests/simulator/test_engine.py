@@ -5,7 +5,7 @@ that all the links of its route have free)."""
 import pytest
 
 from simulator.engine import run_events
-from simulator.tasks import TRANSFER, TaskGraph
+from simulator.tasks import TaskGraph, TaskKind
 
 # Two devices' compute streams (0, 1) and four link directions: 2 = A's NIC out, 3 = B's NIC in,
 # 4 = C's NIC out, 5 = A's NIC in (resource ids: devices first, then links).
@@ -16,7 +16,7 @@ def graph(tasks, edges=()):
     """tasks: (duration, resources); edges: (before, after) task indices."""
     tg = TaskGraph(num_devices=2, num_links=4)
     for i, (duration, res) in enumerate(tasks):
-        tg.add(f"t{i}", TRANSFER, duration, res, 0)
+        tg.add(f"t{i}", TaskKind.TRANSFER, duration, res, 0)
     for a, b in edges:
         tg.edge(a, b)
     return tg

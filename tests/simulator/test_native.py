@@ -9,13 +9,13 @@ from simulator.cost import get_cost_model
 from simulator.engine import run_events
 from simulator.native import library
 from simulator.presets import get_topology
-from simulator.tasks import TRANSFER, TaskGraph, build_tasks
+from simulator.tasks import TaskGraph, TaskKind, build_tasks
 from soapsearch.search.mcmc import candidate_configs
 from strategies import data_parallel, owt
 from strategies.lowering import lower
 from tests.conftest import traced
 
-pytestmark = pytest.mark.skipif(library() is None, reason="no C compiler here: the Python loop runs")
+pytestmark = pytest.mark.skipif(library() is None, reason="no C compiler: the Python loop runs")
 
 
 @pytest.mark.parametrize("name,topology,microbatches,schedule", [
@@ -40,7 +40,7 @@ def test_native_loop_equals_python_loop(name, topology, microbatches, schedule):
 def _graph(edges):
     tg = TaskGraph(num_devices=2, num_links=4)
     for duration, res in [(10.0, (3,)), (3.0, (2, 3)), (4.0, (2, 5)), (1.0, (0,)), (2.0, (1,))]:
-        tg.add("t", TRANSFER, duration, res, 0)
+        tg.add("t", TaskKind.TRANSFER, duration, res, 0)
     for a, b in edges:
         tg.edge(a, b)
     return tg

@@ -14,7 +14,7 @@ from simulator.engine import run_events
 from simulator.presets import get_topology
 from simulator.simulate import simulate_plan
 from simulator.tasks import build_tasks
-from simulator.taskgraph import ALLREDUCE, BACKWARD, FORWARD, GRAD_SEND, RECV, SEND, UPDATE
+from simulator.taskgraph import TaskKind
 from simulator.topology import Topology
 from soapsearch.executor import build_model
 from strategies import baseline
@@ -51,14 +51,14 @@ def test_each_send_holds_its_sender_for_latency_plus_bytes_over_bandwidth(plan):
     # a gradient goes back only where both ops carry one (the executor's rule): not for the targets
     back = [t for t in remote if graph.needs_grad[t.src_op] and graph.needs_grad[t.dst_op]]
     assert 0 < len(back) < len(remote)
-    sends = [i for i in range(len(tg)) if tg.category[i] == SEND]
-    grads = [i for i in range(len(tg)) if tg.category[i] == GRAD_SEND]
+    sends = [i for i in range(len(tg)) if tg.category[i] == TaskKind.SEND]
+    grads = [i for i in range(len(tg)) if tg.category[i] == TaskKind.GRAD_SEND]
     assert sorted(tg.name[i][1] for i in sends) == sorted(remote)
     assert sorted(tg.name[i][1] for i in grads) == sorted(back)
     task = {tg.name[i]: i for i in range(len(tg))}
     for i in sends + grads:
         t = tg.name[i][1]
-        forward = tg.category[i] == SEND
+        forward = tg.category[i] == TaskKind.SEND
         sender = t.src_device if forward else t.dst_device
         assert tg.resources[i] == (sender,) and tg.device[i] == sender
         assert end[i] - start[i] == pytest.approx(LAT + t.nbytes / BW, rel=1e-12)
@@ -83,9 +83,10 @@ def test_each_direction_follows_its_own_first_link():
         base.links[1], send_bandwidth=BW, send_latency=LAT)))
     low = lower(graph, baseline("model_parallel", graph, 2))
     tg = build_tasks(low, one_way, get_cost_model("analytical"))
-    held_sends = {(tg.category[i], tg.device[i]) for i in range(len(tg)) if tg.category[i] in (SEND, GRAD_SEND)}
+    held_sends = {(tg.category[i], tg.device[i]) for i in range(len(tg))
+                  if tg.category[i] in (TaskKind.SEND, TaskKind.GRAD_SEND)}
     # model parallel sends activations 0 -> 1 (free) and gradients 1 -> 0 (held): only the latter
-    assert held_sends == {(GRAD_SEND, 1)}
+    assert held_sends == {(TaskKind.GRAD_SEND, 1)}
     with pytest.raises(ValueError, match=r"send_latency 0.0001 needs a send_bandwidth"):
         Link("x", "shm", 0.0, 1e9, send_latency=1e-4)
 
@@ -106,30 +107,32 @@ def test_receives_and_sends_run_in_their_steps(plan, microbatches, schedule):
     tg = build_tasks(lower(graph, strategy), topo, get_cost_model("analytical"))
     start, end = run_events(tg)
     task = {tg.name[i]: i for i in range(len(tg))}
-    steps = {d: [i for i in range(len(tg)) if tg.device[i] == d and tg.category[i] in (FORWARD, BACKWARD)
+    steps = {d: [i for i in range(len(tg))
+                 if tg.device[i] == d and tg.category[i] in (TaskKind.FORWARD, TaskKind.BACKWARD)
                  and end[i] > start[i]] for d in range(2)}  # (a step of no time has no place to check)
-    step_end = {d: [i for i in range(len(tg)) if tg.resources[i] == (d,) and tg.category[i] in (UPDATE, ALLREDUCE)]
+    step_end = {d: [i for i in range(len(tg))
+                    if tg.resources[i] == (d,) and tg.category[i] in (TaskKind.UPDATE, TaskKind.ALLREDUCE)]
                 for d in range(2)}  # on the device: bucket packing, collectives' host work, update
     assert all(step_end.values())
-    checked = {RECV: 0, SEND: 0, GRAD_SEND: 0}
+    checked = {TaskKind.RECV: 0, TaskKind.SEND: 0, TaskKind.GRAD_SEND: 0}
     for i in range(len(tg)):
         cat = tg.category[i]
         if cat not in checked:
             continue
         t, d = tg.name[i][1], tg.device[i]
-        if cat == RECV:  # in the reader's step (the consumer's forward or the producer's backward)
+        if cat == TaskKind.RECV:  # in the reader's step (the consumer's forward or the producer's backward)
             step = task[("fwd", t.dst_op, t.dst_index, t.microbatch) if tg.name[i][0] == "recv"
                         else ("bwd", t.src_op, t.src_index, t.microbatch)]
             assert end[i] <= start[step]
             assert start[i] >= max((end[s] for s in steps[d] if end[s] <= start[step]), default=0.0)
         else:  # at the end of the writer's step (the producer's forward or the consumer's backward)
-            step = task[("fwd", t.src_op, t.src_index, t.microbatch) if cat == SEND
+            step = task[("fwd", t.src_op, t.src_index, t.microbatch) if cat == TaskKind.SEND
                         else ("bwd", t.dst_op, t.dst_index, t.microbatch)]
             assert start[i] >= end[step]
             after = [s for s in steps[d] if start[s] >= end[step] and s != step]
             if not after:  # after the device's last step: its step end waits on it (not a tie's luck)
                 after = step_end[d]
-                assert {tg.category[k] for k in tg.successors(i)} & {UPDATE, ALLREDUCE}
+                assert {tg.category[k] for k in tg.successors(i)} & {TaskKind.UPDATE, TaskKind.ALLREDUCE}
             assert end[i] <= min(start[s] for s in after)
         checked[cat] += 1
     assert all(checked.values()), checked

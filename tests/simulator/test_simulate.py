@@ -13,7 +13,7 @@ from simulator.devices import DeviceSpec, Link
 from simulator.engine import run_events
 from simulator.presets import get_topology
 from simulator.simulate import simulate_plan
-from simulator.tasks import ALLREDUCE, TRANSFER, build_tasks
+from simulator.tasks import TaskKind, build_tasks
 from simulator.topology import Topology
 from soapsearch import trace
 from strategies import ParallelConfig, Strategy, baseline, data_parallel, model_parallel, pipeline
@@ -100,13 +100,13 @@ def test_transfer_and_allreduce_tasks_follow_their_formulas():
     topo = get_topology("p100-1x2")
     lowered = lower(g, baseline("owt", g, 2))
     tg = build_tasks(lowered, topo, AnalyticalCostModel())
-    sends = [t for t in range(len(tg)) if tg.category[t] == TRANSFER]
+    sends = [t for t in range(len(tg)) if tg.category[t] == TaskKind.TRANSFER]
     assert sum(tg.nbytes[t] for t in sends) == lowered.bytes_moved == 20560
     for t in sends:
         src, dst = tg.device[t], 1 - tg.device[t]
         assert tg.duration[t] == transfer_time(topo, src, dst, tg.nbytes[t])
         assert tg.duration[t] == pytest.approx(2e-6 + tg.nbytes[t] / 20e9, rel=1e-9)
-    ars = [t for t in range(len(tg)) if tg.category[t] == ALLREDUCE and tg.label(t).startswith("allreduce")]
+    ars = [t for t in range(len(tg)) if tg.category[t] == TaskKind.ALLREDUCE and tg.label(t).startswith("allreduce")]
     replicated = [s for s in lowered.weight_shards if len(s.devices) > 1 and s.trainable]
     # one bucket per device set, as the executor syncs: here every replicated shard is on (0, 1),
     # and the loss's [s_p, c_p] (two float32, gated STEP) ride it (strategies.lowering.bucket_sums)

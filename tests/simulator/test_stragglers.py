@@ -8,7 +8,7 @@ import pytest
 from simulator.devices import DeviceSpec, Link
 from simulator.simulate import simulate_plan
 from simulator.stragglers import expected_max, straggler_durations, together
-from simulator.taskgraph import ALLREDUCE, FORWARD, TaskGraph
+from simulator.taskgraph import TaskGraph, TaskKind
 from simulator.topology import Topology
 from strategies import ParallelConfig, Strategy, data_parallel
 from tests.simulator.test_tasks import MS, Fixed, classifier, pair, regression
@@ -59,9 +59,9 @@ def test_two_of_four_arriving_together_pay_e2_over_e4():
     topo = Topology("four", (dev,) * 4, tuple(Link(f"l{a}->{b}", "t", 1e-6, 1e9) for a, b in pairs),
                     {p: (i,) for i, p in enumerate(pairs)})
     tg = TaskGraph(4, 0)
-    work = [tg.add(f"work {d}", FORWARD, ms * MS, (d,), d) for d, ms in enumerate((10, 9.5, 3, 1))]
-    c = tg.add("collective", ALLREDUCE, 1 * MS, (), 0)
-    hosts = tuple(tg.add(f"host {d}", ALLREDUCE, 2 * MS, (d,), d) for d in range(4))
+    work = [tg.add(f"work {d}", TaskKind.FORWARD, ms * MS, (d,), d) for d, ms in enumerate((10, 9.5, 3, 1))]
+    c = tg.add("collective", TaskKind.ALLREDUCE, 1 * MS, (), 0)
+    hosts = tuple(tg.add(f"host {d}", TaskKind.ALLREDUCE, 2 * MS, (d,), d) for d in range(4))
     for w in work:
         tg.edge(w, c)
     for h in hosts:

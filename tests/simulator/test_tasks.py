@@ -15,11 +15,11 @@ import torch.nn.functional as F
 from simulator.cost import CostModel
 from simulator.devices import DeviceSpec, Link
 from simulator.engine import run_events
-from simulator.tasks import ALLREDUCE, REDUCE, UPDATE, build_tasks
+from simulator.tasks import TaskKind, build_tasks
 from simulator.topology import Topology
 from soapsearch import trace
 from strategies import ParallelConfig, Strategy, data_parallel
-from strategies.lowering import BACKWARD, FORWARD, STEP, lower
+from strategies.lowering import Gate, lower
 
 MS = 1e-3
 ALPHA, B = 2 * MS, 40e3
@@ -94,10 +94,10 @@ def test_what_each_member_sends():
     x, y, t = torch.randn(4, 3, 2, 2), torch.randn(4, 2), torch.randn(4, 2)
     norm = trace(Norm(), (x, y, t))
     sums = {(r.name, r.gates, r.nbytes, r.grad_nbytes) for r in lower(norm, data_parallel(norm, 2)).reductions}
-    assert sums == {("batch_stats", FORWARD, 28, 24), ("loss_sum", STEP, 4, 0)}
+    assert sums == {("batch_stats", Gate.FORWARD, 28, 24), ("loss_sum", Gate.STEP, 4, 0)}
     ce = classifier()
     two = data_parallel(ce, 2).with_microbatches(2, "gpipe")
-    assert {(r.gates, r.nbytes, r.grad_nbytes) for r in lower(ce, two).reductions} == {(BACKWARD, 8, 0)}
+    assert {(r.gates, r.nbytes, r.grad_nbytes) for r in lower(ce, two).reductions} == {(Gate.BACKWARD, 8, 0)}
 
 
 def test_a_loss_sum_only_the_step_waits_on_rides_the_gradient_bucket():
@@ -109,7 +109,7 @@ def test_a_loss_sum_only_the_step_waits_on_rides_the_gradient_bucket():
     # 200 kB/s = 1) 8.44-9.44.
     g = regression()
     tg, start, end = simulate(g, data_parallel(g, 2), pair(200e3))
-    assert not [t for t in range(len(tg)) if tg.category[t] == REDUCE]
+    assert not [t for t in range(len(tg)) if tg.category[t] == TaskKind.REDUCE]
     [ar] = find(tg, "allreduce bucket")
     assert tg.nbytes[ar] == 44 and (start[ar], end[ar]) == pytest.approx((2.94 * MS, 8.04 * MS), rel=1e-9)
     for d in (0, 1):
@@ -144,9 +144,9 @@ def test_a_loss_sum_with_no_bucket_is_its_own_collective_the_gradients_wait_on()
     sends = [(tg.label(t), start[t], end[t]) for t in find(tg, "send")]
     assert sends == [("send fc[0]->cross_entropy[1]@mb0", pytest.approx(1.0 * MS), pytest.approx(3.4 * MS)),
                      ("send-grad fc[0]->cross_entropy[1]@mb0", pytest.approx(6.1 * MS), pytest.approx(8.5 * MS))]
-    [r] = [t for t in range(len(tg)) if tg.category[t] == REDUCE]
+    [r] = [t for t in range(len(tg)) if tg.category[t] == TaskKind.REDUCE]
     assert (start[r], end[r]) == pytest.approx((3.9 * MS, 6.1 * MS), rel=1e-9)
-    assert {tg.category[u] for u in tg.successors(r)} == {UPDATE}
+    assert {tg.category[u] for u in tg.successors(r)} == {TaskKind.UPDATE}
     assert not find(tg, "allreduce bucket") and not find(tg, "reduce-grad")
     assert max(end) == pytest.approx(10.0 * MS, rel=1e-9)
 
@@ -159,7 +159,7 @@ def test_a_loss_sum_the_backward_waits_on():
     # copied back 12.3-12.7; update 12.7-13.7.
     g = classifier()
     tg, start, end = simulate(g, data_parallel(g, 2).with_microbatches(2, "gpipe"), pair(200e3))
-    sums = sorted((t for t in range(len(tg)) if tg.category[t] == REDUCE), key=lambda t: start[t])
+    sums = sorted((t for t in range(len(tg)) if tg.category[t] == TaskKind.REDUCE), key=lambda t: start[t])
     assert [x for t in sums for x in (start[t], end[t])] == pytest.approx([1.5 * MS, 3.7 * MS, 3.7 * MS, 5.9 * MS],
                                                                          rel=1e-9)
     assert not find(tg, "reduce-grad")
@@ -200,14 +200,14 @@ def test_the_loss_value_is_all_reduced_when_one_device_holds_the_loss():
     tg, start, end = simulate(g, plan, pair(200e3))
     [rep] = find(tg, "allreduce loss")
     assert tg.nbytes[rep] == 8 and (start[rep], end[rep]) == pytest.approx((8.1 * MS, 12.3 * MS), rel=1e-9)
-    [u] = [t for t in range(len(tg)) if tg.category[t] == UPDATE]
+    [u] = [t for t in range(len(tg)) if tg.category[t] == TaskKind.UPDATE]
     assert tg.device[u] == 0 and (start[u], end[u]) == pytest.approx((8.1 * MS, 9.1 * MS), rel=1e-9)
     assert max(end) == pytest.approx(12.3 * MS, rel=1e-9)
     # with 2 ms of host work per collective: device 0's lands after its update, 12.3-14.3
     tg, start, end = simulate(g, plan, pair(200e3, collective_overhead=2 * MS))
     host = {tg.device[t]: (start[t], end[t]) for t in find(tg, "allreduce loss host")}
     assert host == {0: pytest.approx((12.3 * MS, 14.3 * MS), rel=1e-9), 1: pytest.approx((12.3 * MS, 14.3 * MS), rel=1e-9)}
-    [u] = [t for t in range(len(tg)) if tg.category[t] == UPDATE]
+    [u] = [t for t in range(len(tg)) if tg.category[t] == TaskKind.UPDATE]
     assert end[u] == pytest.approx(9.1 * MS, rel=1e-9) and max(end) == pytest.approx(14.3 * MS, rel=1e-9)
     # on every device (data parallel) the loss is known everywhere: no such all-reduce
     assert not find(simulate(g, data_parallel(g, 2), pair(200e3))[0], "allreduce loss")
@@ -217,7 +217,7 @@ def test_the_update_charges_host_work_per_trainable_tensor():
     # each device holds fc.weight and fc.bias (40 B): 5 · 40 B / 200 kB/s + 2 · 0.3 ms = 1.6 ms
     g = regression()
     tg = build_tasks(lower(g, data_parallel(g, 2)), pair(200e3, task_overhead=0.3 * MS), Fixed())
-    updates = [t for t in range(len(tg)) if tg.category[t] == UPDATE]
+    updates = [t for t in range(len(tg)) if tg.category[t] == TaskKind.UPDATE]
     assert [tg.duration[t] for t in updates] == pytest.approx([1.6 * MS] * 2, rel=1e-9)
 
 
@@ -230,7 +230,7 @@ def test_every_collective_costs_each_member_its_collective_overhead_after_it():
     tg, start, end = simulate(g, data_parallel(g, 2), pair(200e3, collective_overhead=0.4 * MS))
     host = sorted((start[t], tg.device[t], t) for t in find(tg, "") if "host" in tg.label(t))
     assert [x for _, _, t in host for x in (start[t], end[t])] == pytest.approx([8.18 * MS, 8.58 * MS] * 2, rel=1e-9)
-    assert [(d, tg.category[t]) for _, d, t in host] == [(0, ALLREDUCE), (1, ALLREDUCE)]
+    assert [(d, tg.category[t]) for _, d, t in host] == [(0, TaskKind.ALLREDUCE), (1, TaskKind.ALLREDUCE)]
     assert all(tg.resources[t] == (tg.device[t],) for t in find(tg, "") if "host" in tg.label(t))
     [ar] = [t for t in find(tg, "allreduce bucket") if "host" not in tg.label(t)]
     assert (start[ar], end[ar]) == pytest.approx((2.98 * MS, 8.18 * MS), rel=1e-9)

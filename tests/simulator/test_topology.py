@@ -318,3 +318,16 @@ def test_gemm_half_round_trips_defaults_to_zero_and_is_checked(tmp_path):
         Topology.from_json(obj)
     with pytest.raises(ValueError, match=r"device 'cpu': gemm_half = -1.0: must be finite and >= 0"):
         dataclasses.replace(base.devices[0], gemm_half=-1.0)
+
+
+def test_a_pickle_naming_the_older_reader_loads():
+    import simulator.topology as topology_mod
+
+    t = get_topology("p100-1x2")
+
+    class Older:  # reduces as pickles that name simulator.topology._from_json do
+        def __reduce__(self):
+            return (topology_mod._from_json, (t.to_json(),))
+
+    data = pickle.dumps(Older())
+    assert b"_from_json" in data and pickle.loads(data) == t

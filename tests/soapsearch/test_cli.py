@@ -1,12 +1,15 @@
+import argparse
 import json
 import subprocess
 import sys
 import textwrap
 
+import pytest
 
+from soapsearch import DEFAULT_TOPOLOGY, zoo
 from soapsearch.cli import main
 from strategies import read_plan
-from tests.conftest import traced
+from tests.conftest import cli_error, traced
 
 
 def test_show_prints_op_table(capsys):
@@ -37,8 +40,48 @@ def test_plan_writes_loadable_json(tmp_path, capsys):
                  "-o", str(out)]) == 0
     loaded = read_plan(out, traced("resnet101"))
     assert loaded.strategy.num_devices == 2
-    assert loaded.topology["name"] == "local-cpu-2"
-    assert "wrote owt plan" in capsys.readouterr().out
+    assert loaded.topology["name"] == DEFAULT_TOPOLOGY
+    assert f"wrote owt plan for resnet101-tiny on 2 devices of {DEFAULT_TOPOLOGY}" in capsys.readouterr().out
+    assert main(["plan", "resnet101", "--variant", "tiny", "--baseline", "owt", "--topology", "local-cpu-2",
+                 "-o", str(out)]) == 0  # every device of the topology
+    assert read_plan(out, traced("resnet101")).strategy.num_devices == 2
+    assert "(replacing its plan for the same model)" in capsys.readouterr().out
+    assert ("plan --devices = 32: more than the 16 devices of 'p100-4x4'; give a --topology"
+            in cli_error(capsys, ["plan", "mlp", "--variant", "tiny", "--baseline", "owt", "--devices", "32",
+                                  "-o", str(out)]))
+
+
+def _subcommands():
+    from soapsearch.cli import _parser
+
+    sub = next(a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices
+
+
+def test_every_command_defaults_to_one_topology():
+    """plan, simulate and search (and the Python API) default to DEFAULT_TOPOLOGY and say so."""
+    import inspect
+
+    import soapsearch
+    from soapsearch.search.study import study_search
+
+    defaults = {}
+    for name, parser in _subcommands().items():
+        for action in parser._actions:
+            if action.dest == "topology" and not action.required:
+                defaults[name] = action.default
+                assert f"default {DEFAULT_TOPOLOGY}" in action.help, name
+    assert defaults == {"plan": DEFAULT_TOPOLOGY, "simulate": DEFAULT_TOPOLOGY, "search": DEFAULT_TOPOLOGY}
+    for fn in (soapsearch.simulate, soapsearch.search, study_search):
+        assert inspect.signature(fn).parameters["topology"].default == DEFAULT_TOPOLOGY, fn
+
+
+def test_every_variant_help_names_every_variant():
+    helps = [(name, a.help) for name, p in _subcommands().items() for a in p._actions if a.dest == "variant"]
+    assert {name for name, _ in helps} >= {"show", "plan", "simulate", "search", "calibrate", "compare"}
+    for name, text in helps:  # a help that lists variants lists them all
+        named = [v for v in zoo.VARIANTS if v in (text or "")]
+        assert named in ([], list(zoo.VARIANTS)), (name, text)
 
 
 def test_bad_inputs_are_one_line_errors(capsys, tmp_path):
@@ -74,6 +117,36 @@ def test_user_factory_file_and_opaque_warning(tmp_path, capsys):
     captured = capsys.readouterr()
     assert "batch 8" in captured.out
     assert "warning: 1 opaque op(s)" in captured.err and "cumsum" in captured.err
+
+
+LOGITS_NET = textwrap.dedent("""
+    import torch, torch.nn as nn
+
+    def make(batch_size=4):
+        return nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3)), (torch.randn(batch_size, 6),)
+""")
+"""A user's model that returns logits, not a loss."""
+
+
+def test_a_model_without_a_scalar_loss_is_refused_up_front(tmp_path, capsys):
+    from soapsearch.executor import ExecutorError, build_model, check_runnable
+    from strategies import data_parallel
+    from strategies.lowering import lower
+
+    src = tmp_path / "logits.py"
+    src.write_text(LOGITS_NET)
+    graph = build_model(f"{src}:make").graph
+    with pytest.raises(ExecutorError) as refused:
+        check_runnable(lower(graph, data_parallel(graph, 1)), 1)
+    run_says = str(refused.value)
+    assert run_says.startswith("the model must return one scalar loss; its outputs are ['_2'] with shapes [[4, 3]]")
+    out = tmp_path / "plan.json"
+    for argv in (["show", f"{src}:make"],
+                 ["search", f"{src}:make", "--topology", "p100-1x2", "--proposals", "5", "-o", str(out)],
+                 ["plan", f"{src}:make", "--baseline", "data_parallel", "--devices", "2", "-o", str(out)],
+                 ["simulate", f"{src}:make", "--baseline", "data_parallel", "--topology", "p100-1x2"]):
+        assert cli_error(capsys, argv) == f"soapsearch {argv[0]}: error: {run_says}\n"
+    assert not out.exists()
 
 
 def test_console_script_entry_point():

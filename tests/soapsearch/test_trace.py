@@ -59,6 +59,18 @@ def test_flops_from_flop_counter():
     assert [w.name for w in conv.weights] == ["0.weight", "0.bias"]
 
 
+def test_flops_do_not_depend_on_where_the_weights_live():
+    on_cpu = trace(*zoo.build("gpt", "tiny"), name="gpt")
+    on_meta = trace(*zoo.build("gpt", "tiny", device="meta"), name="gpt")
+    cpu_flops, meta_flops = ({n.name: n.flops for n in g} for g in (on_cpu, on_meta))
+    assert cpu_flops == meta_flops
+    attention = [n for n in on_cpu if n.kind == "attention"]
+    assert attention
+    for n in attention:  # Q·Kᵀ and softmax·V: 2 · 2·B·H·L·L·E, E the head size
+        b, h, l, e = n.input_specs[0].shape
+        assert n.flops == 4 * b * h * l * l * e, n.name
+
+
 def test_tracing_allocates_no_weights():
     with torch.device("meta"):
         model = nn.Sequential(nn.Linear(4096, 65536), nn.ReLU(), nn.Linear(65536, 4096))

@@ -70,9 +70,9 @@ def test_device_blocks_topology_aligned():
 @pytest.mark.parametrize("n,m", [(4, 2), (8, 2), (4, 4), (8, 4)])
 def test_every_enumerated_config_lowers_with_micro_batches(n, m):
     """A reshape [12, 8, 50] -> [96, 50] (gpt tiny, batch 12) with m micro-batches: degree d on
-    the sample dim cuts it into m·d pieces, each of which must fall on whole rows of the input;
-    the enumeration used to offer d = 2 with m = 4 (pieces of 12 rows of 96, i.e. 1.5 input
-    rows), and the search then failed inside the lowering."""
+    the sample dim cuts it into m·d pieces, each of which must fall on whole rows of the input:
+    d = 2 with m = 4 would make pieces of 12 rows of 96, i.e. 1.5 input rows, and is not
+    enumerated (every enumerated config lowers)."""
     from strategies import Strategy
     from strategies.pieces import lower_op
 

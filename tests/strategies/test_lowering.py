@@ -154,7 +154,9 @@ class Regression(nn.Module):
 def test_what_waits_on_each_reduction(microbatches):
     import dataclasses
 
-    from strategies.lowering import BACKWARD, FORWARD, STEP
+    from strategies.lowering import Gate
+
+    FORWARD, BACKWARD, STEP = Gate.FORWARD, Gate.BACKWARD, Gate.STEP
 
     def gates(graph, strategy):
         return {(r.name, r.gates) for r in lower(graph, dataclasses.replace(strategy, microbatches=microbatches)).reductions}
@@ -192,13 +194,13 @@ class Scaled(nn.Module):
 def test_step_sums_ride_the_gradient_bucket_of_their_devices():
     import dataclasses
 
-    from strategies.lowering import bucket_sums
+    from strategies.lowering import BucketKey, Gate, bucket_sums
 
     g = traced("mlp")
     dp = data_parallel(g, 2)
     # one micro-batch, the loss on both devices, every weight replicated on (0, 1): its bucket
-    [(group, devices)] = bucket_sums(lower(g, dp)).items()
-    assert (group.op, group.gates, devices) == (g.outputs[0], "step", (0, 1))
+    [(group, bucket)] = bucket_sums(lower(g, dp)).items()
+    assert (group.op, group.gates, bucket) == (g.outputs[0], Gate.STEP, BucketKey((0, 1), "float32"))
     # two micro-batches: each sum gates its micro-batch's backward, none is left for the bucket
     assert bucket_sums(lower(g, dataclasses.replace(dp, microbatches=2))) == {}
     # a mean MSE's sums are read at the end of the step whatever the micro-batches: both ride
@@ -209,7 +211,41 @@ def test_step_sums_ride_the_gradient_bucket_of_their_devices():
     # OWT cuts every linear on its outputs: no replicated weight, so no bucket for the loss's
     # STEP sum, which keeps its own collective
     low = lower(g, owt(g, 2))
-    assert [r.gates for r in low.reductions] == ["step"] and bucket_sums(low) == {}
+    assert [r.gates for r in low.reductions] == [Gate.STEP] and bucket_sums(low) == {}
+
+
+class Mixed(nn.Module):
+    """A float32 layer, then a float64 one and the loss in float64."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(6, 5), nn.Linear(5, 3).double()
+
+    def forward(self, x, t):
+        return nn.functional.cross_entropy(self.fc2(torch.relu(self.fc1(x)).double()), t)
+
+
+def mixed_graph():
+    return trace(Mixed(), (torch.randn(4, 6), torch.tensor([0, 1, 2, 1])))
+
+
+def test_gradient_buckets_are_one_per_device_set_and_dtype():
+    # a flat tensor has one dtype: data parallel over (0, 1) syncs two buckets, float32
+    # (fc1: 6·5 + 5 elements · 4 bytes = 140) and float64 (fc2: 5·3 + 3 elements · 8 = 144); the
+    # float64 loss's STEP sum rides the float64 one (the executor's LocalWeights.sync_grads
+    # runs the same buckets: tests/executor/test_shards.py)
+    from strategies.lowering import BucketKey, bucket_key, bucket_sums
+
+    g = mixed_graph()
+    low = lower(g, data_parallel(g, 2))
+    f32, f64 = BucketKey((0, 1), "float32"), BucketKey((0, 1), "float64")
+    assert low.gradient_sync.buckets == {f32: 140, f64: 144}
+    assert {s.name: bucket_key(s) for s in low.weight_shards} == {
+        "fc1.weight": f32, "fc1.bias": f32, "fc2.weight": f64, "fc2.bias": f64}
+    [(group, bucket)] = bucket_sums(low).items()
+    assert (group.op, bucket) == (g.outputs[0], f64)
+    # a shard on one device, or frozen, is in no bucket
+    assert all(bucket_key(s) is None for s in lower(g, owt(g, 2)).weight_shards if len(s.devices) == 1)
 
 
 @pytest.mark.parametrize("name,microbatches", [("gpt", 2), ("alexnet", 1), ("rnntc", 1)])

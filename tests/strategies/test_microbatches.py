@@ -48,7 +48,7 @@ def test_an_op_that_mixes_micro_batches_is_refused(seq_first):
         check_microbatches(seq_first, 2)
     plan = data_parallel(seq_first, 1)
     lower(seq_first, plan)  # one micro-batch: fine
-    with pytest.raises(PlanError, match=r"op 'reshape': microbatches = 2"):  # it used to lower half the transfers
+    with pytest.raises(PlanError, match=r"op 'reshape': microbatches = 2"):  # not lowered into half the transfers
         lower(seq_first, plan.with_microbatches(2, "gpipe"))
     with pytest.raises(PlanError, match=r"op 'reshape': microbatches = 2"):
         search(seq_first, topology="p100-1x2", budget_s=None, proposals=5, microbatches=2)

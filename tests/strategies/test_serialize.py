@@ -80,6 +80,22 @@ def test_bad_plans_name_op_field_value(tmp_path, mlp, mutate, message):
     assert str(path) in str(err.value)
 
 
+def test_a_plan_for_another_shape_names_the_first_op_that_differs(mlp):
+    # each op records its output shape and dtype, so the refusal says where the models part
+    small = traced("mlp", batch_size=2)
+    with pytest.raises(PlanError, match=r"made for another model, variant or batch size: mlp \(batch 4\), the model "
+                                        r"given is mlp \(batch 2, fingerprint '[0-9a-f]+'\); first difference: op 0 "
+                                        r"\('inputs'\) has shape \[4, 16\] in the plan, \[2, 16\] in the model"):
+        load_strategy(_plan(mlp), small)
+    # a plan without the shapes loads, and its refusal compares what it records
+    old = _plan(mlp)
+    for op in old["ops"]:
+        del op["shape"], op["dtype"]
+    assert load_strategy(old, mlp) == baseline("data_parallel", mlp, 2)
+    with pytest.raises(PlanError, match=r"the plan records no output shapes"):
+        load_strategy(old, small)
+
+
 def test_split_on_forbidden_dim(tmp_path):
     g = traced("gpt")
     obj = strategy_to_json(baseline("data_parallel", g, 2), g)

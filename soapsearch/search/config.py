@@ -1,0 +1,106 @@
+"""SearchConfig: every knob of a search in one frozen dataclass, the single source of their
+defaults. ``search()`` and ``study_search()`` take one; the ``soapsearch search`` CLI builds one
+from its flags, whose defaults it reads from the fields here."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from simulator.cost import CostModel
+from soapsearch.search.mcmc import Budget, positive, whole
+from strategies.strategy import SCHEDULES, Strategy
+
+__all__ = ["SearchConfig", "search_config"]
+
+
+@dataclass(frozen=True)
+class SearchConfig:
+    """How ``search()`` looks for a plan: its budget, its chains and the plans they start from.
+    Every field is checked at construction (``ValueError`` naming the field, its value and the
+    rule)."""
+
+    budget_s: float | None = 60.0
+    """Seconds of search, split evenly between the rounds of ``workers`` chains (a study:
+    between its trials); None: no time limit, stop after ``proposals``."""
+    proposals: int | None = None
+    """Stop after this many proposals, split between the chains (a study: each trial's);
+    None: no limit but the time."""
+    cost_model: CostModel | str = "analytical"
+    """How long each kernel takes: ``analytical`` (roofline), ``profiled`` (timed and cached)
+    or a CostModel."""
+    init: tuple[Any, ...] | None = None
+    """The chains' initial plans: baseline names, ``random``, plan JSON paths or Strategies
+    (one item alone is one plan); None: ``hybrid`` (data parallel, or data x tensor parallel
+    where a micro-batch does not divide by the devices)."""
+    seed: int = 0
+    """Seed of every chain's random stream: under a proposal budget the same seed gives the
+    same plan with any number of workers."""
+    microbatches: int = 1
+    """Micro-batches of the chains' plans (pipeline parallelism when > 1)."""
+    schedule: str = "gpipe"
+    """Pipeline schedule of the chains' plans: ``gpipe`` or ``1f1b``."""
+    beta: float | None = None
+    """Inverse temperature of the Metropolis acceptance rule min(1, exp(−β·Δcost)), per ms;
+    None: ``mcmc.BETA_C`` / cost(initial plan)."""
+    optimizer: str = "sgd"
+    """The training optimizer whose state the simulator counts in device memory: ``sgd`` or
+    ``adam``."""
+    num_devices: int | None = None
+    """Plan for only the first N devices of the topology; None: all of them."""
+    reset_every: int = 500
+    """A chain returns to its best plan every this many proposals; 0: never."""
+    chains: int | None = None
+    """MCMC chains; None: one per initial plan (chain i starts from ``init[i % len(init)]``)."""
+    workers: int | None = None
+    """Chains run side by side in forked processes; None: one per chain up to the cores, one
+    with a cost model that times kernels."""
+
+    def __post_init__(self) -> None:
+        init = self.init
+        if isinstance(init, (str, os.PathLike, Strategy)):
+            init = (init,)
+        elif init is not None:
+            init = tuple(init)
+            if not init:
+                raise ValueError("search needs at least one initial plan (init)")
+        object.__setattr__(self, "init", init)
+        if self.budget_s is not None:  # search() needs one of the two; a study may stop after its trials
+            Budget(seconds=self.budget_s)
+        if self.proposals is not None:
+            Budget(proposals=self.proposals)
+        for name, least, optional in (("num_devices", 1, True), ("chains", 1, True), ("workers", 1, True),
+                                      ("microbatches", 1, False), ("reset_every", 0, False)):
+            _check_whole(name, getattr(self, name), least, optional)
+        if not whole(self.seed):
+            raise ValueError(f"search seed = {self.seed!r}: must be a whole number")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"search schedule = {self.schedule!r}: must be one of {list(SCHEDULES)}")
+        if self.beta is not None and not positive(self.beta):
+            raise ValueError(f"search beta = {self.beta!r}: must be a finite number > 0 (per ms) or None")
+
+
+_FIELDS = tuple(f.name for f in dataclasses.fields(SearchConfig))
+
+
+def _check_whole(name: str, value: Any, least: int, optional: bool) -> None:
+    """``value`` is a whole number >= ``least`` (or None where ``optional``)."""
+    if value is None and optional:
+        return
+    if not whole(value) or value < least:
+        raise ValueError(f"search {name} = {value!r}: must be a whole number >= {least}")
+
+
+def search_config(config: SearchConfig | None, changes: Mapping[str, Any], where: str = "search") -> SearchConfig:
+    """``config`` (default ``SearchConfig()``) with the fields named in ``changes`` replaced;
+    a name that is no field is a TypeError naming it and the fields."""
+    base = SearchConfig() if config is None else config
+    if not isinstance(base, SearchConfig):
+        raise TypeError(f"{where} config = {config!r}: must be a SearchConfig")
+    unknown = [k for k in changes if k not in _FIELDS]
+    if unknown:
+        raise TypeError(f"{where}() got an unexpected keyword argument {unknown[0]!r}; "
+                        f"SearchConfig's fields are {', '.join(_FIELDS)}")
+    return dataclasses.replace(base, **changes) if changes else base

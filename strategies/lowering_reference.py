@@ -1,0 +1,97 @@
+"""The lowering written plainly: every op's pieces derived afresh, every weight's shards and the
+per-device totals summed over them, with no cache and nothing patched. It is what
+``strategies.lowering.lower`` computes (that one patches the previous call's lowering where a
+search's proposal changed a config); tests/strategies/test_lowering_reference.py checks that the
+two give equal ``Lowered`` on random plans and walks of one-op changes."""
+
+from __future__ import annotations
+
+import itertools
+
+from strategies.graph import DTYPE_BYTES, OpGraph
+from strategies.lowered import (BucketKey, DeviceBytes, GradientSync, Lowered, OpPieces, WeightRead,
+                                WeightShard, bucket_key)
+from strategies.pieces import check_microbatches, lower_op
+from strategies.region import Box, box_numel, intersect
+from strategies.strategy import Strategy
+
+__all__ = ["lower_reference"]
+
+
+def lower_reference(graph: OpGraph, strategy: Strategy) -> Lowered:
+    """Everything ``strategy`` does on ``graph``, in four steps:
+
+    1. each op's pieces (``strategies.pieces.lower_op``): its partitions, the transfers into
+       them, its reduction groups and the weight regions its partitions read;
+    2. each weight's shards: the regions its readers read, with the devices reading each
+       (``_weight_shards``), weights in the order their first reader comes in the graph;
+    3. the per-device byte totals (``DeviceBytes``): Σ over ops of what each keeps and receives,
+       Σ over shards of what each device holds;
+    4. the gradient sync (``GradientSync``): each bucket's bytes (``bucket_key``) and the
+       trainable weights each device holds a shard of."""
+    strategy.validate(graph)
+    m, n = strategy.microbatches, strategy.num_devices
+    check_microbatches(graph, m)
+
+    pieces: dict[str, OpPieces] = {node.name: lower_op(graph, strategy, node, m) for node in graph}
+
+    reads: dict[str, list[WeightRead]] = {}  # weight -> its reads, in graph order
+    for p in pieces.values():
+        for name in p.weights_read:
+            reads.setdefault(name, []).extend(r for r in p.weight_reads if r.name == name)
+    shards = [s for name, rs in reads.items() for s in _weight_shards(name, rs)]
+
+    kept, received, received_grad = [0] * n, [0] * n, [0] * n
+    for p in pieces.values():
+        for d in range(n):
+            kept[d] += p.activations[d]
+            received[d] += p.receives[0][d]
+            received_grad[d] += p.receives[1][d]
+    trainable, frozen = [0] * n, [0] * n
+    for s in shards:
+        for d in s.devices:
+            (trainable if s.trainable else frozen)[d] += s.nbytes
+    device_bytes = DeviceBytes(*map(tuple, (kept, received, received_grad, trainable, frozen)))
+
+    buckets: dict[BucketKey, int] = {}
+    for s in shards:
+        key = bucket_key(s)
+        if key is not None:
+            buckets[key] = buckets.get(key, 0) + s.nbytes
+    tensors = [0] * n
+    for name in reads:
+        held_by = {d for s in shards if s.name == name and s.trainable for d in s.devices}
+        for d in held_by:
+            tensors[d] += 1
+
+    return Lowered(graph, strategy, {op: p.partitions for op, p in pieces.items()}, tuple(shards),
+                   pieces, device_bytes, GradientSync(buckets, tuple(tensors)))
+
+
+def _weight_shards(name: str, reads: list[WeightRead]) -> list[WeightShard]:
+    """The shards of weight ``name``: each region its ``reads`` read, held by the devices reading
+    it, in the order first read. Where two regions partly overlap, every region is cut into
+    the cells the boundaries of all of them make (``_cells``), so that each shard's devices are
+    exactly those holding all of it (its gradient is summed over exactly them)."""
+    holders: dict[Box, set[int]] = {}
+    for r in reads:
+        holders.setdefault(r.region, set()).add(r.device)
+    if any(a != b and intersect(a, b) is not None for a, b in itertools.combinations(holders, 2)):
+        holders = _cells(holders)
+    ops = tuple(dict.fromkeys(r.op for r in reads))
+    dtype, trainable = reads[-1].dtype, reads[-1].trainable
+    return [WeightShard(name, box, tuple(sorted(devices)), box_numel(box) * DTYPE_BYTES[dtype], ops, dtype, trainable)
+            for box, devices in holders.items()]
+
+
+def _cells(holders: dict[Box, set[int]]) -> dict[Box, set[int]]:
+    """The grid that every region's boundaries cut, per dim; each cell (in row-major order) that
+    some region covers, with the devices of every region covering it."""
+    boxes = list(holders)
+    cuts = [sorted({x for box in boxes for x in box[i]}) for i in range(len(boxes[0]))]
+    out: dict[Box, set[int]] = {}
+    for cell in itertools.product(*[list(zip(c, c[1:])) for c in cuts]):
+        devices = {d for box, ds in holders.items() if intersect(cell, box) == cell for d in ds}
+        if devices:
+            out[tuple(cell)] = devices
+    return out
