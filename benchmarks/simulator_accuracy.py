@@ -182,7 +182,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=7)
     p.add_argument("--repeat", action="store_true",
                    help="run each model's plans again in a second launch and score that against the first "
-                        "(this host's agreement with itself: the floor under the simulator's errors)")
+                        "(the machine's agreement with itself: the floor under the simulator's errors)")
     p.add_argument("--out", default=None, help="keep topologies, reports, plans and results.json here")
     p.add_argument("--repredict", default=None, metavar="DIR",
                    help="run nothing: predict the plans of a run kept with --out DIR again with this code, "

@@ -60,7 +60,7 @@ def link_step(tg: TaskGraph, lowered: Lowered, topology: Topology,
     it); the others are ring all-gathers of their own, started after the members' forwards.
     Each device, after its last backward step and the sends after it (``last``), waits on its own-collective sums whose divisor
     needs the data (it divides its gradients by C before the sync); all-reduces one DDP-style
-    bucket per device set holding replicated trainable shards (packed into one flat tensor
+    bucket per (device set, dtype) holding replicated trainable shards (packed into one flat tensor
     first and copied back after, ``_copy_time`` each); waits on its other STEP sums;
     then its optimizer update; and, when the loss is not on every device in every micro-batch,
     one all-reduce of the loss value (a float64) over every device, started when every device
