@@ -11,12 +11,12 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import NamedTuple
 
-from strategies.graph import OpGraph
-from strategies.region import Box
+from strategies.graph import DTYPE_BYTES, OpGraph
+from strategies.region import Box, box_numel, intersect
 from strategies.strategy import Strategy
 
 __all__ = ["WEIGHT_KINDS", "Gate", "Partition", "Transfer", "WeightRead", "WeightShard", "BucketKey",
-           "bucket_key", "ReductionGroup", "OpPieces", "DeviceBytes", "GradientSync", "Lowered"]
+           "bucket_key", "weight_shards", "ReductionGroup", "OpPieces", "DeviceBytes", "GradientSync", "Lowered"]
 
 WEIGHT_KINDS = ("parameter", "constant")
 
@@ -114,6 +114,26 @@ def bucket_key(shard: WeightShard) -> BucketKey | None:
     if shard.trainable and len(shard.devices) > 1:
         return BucketKey(shard.devices, shard.dtype)
     return None
+
+
+def weight_shards(name: str, regions: dict[Box, set[int]], dtype: str, trainable: bool,
+                  ops: tuple[str, ...]) -> list[WeightShard]:
+    """The shards of weight ``name``: each region read, with the devices reading it, in the order
+    given. Where two regions partly overlap, every region is cut into the cells the boundaries
+    of all of them make, so that each shard's devices are exactly those holding all of it (its
+    gradient is summed over exactly them)."""
+    boxes = list(regions)
+    if any(a != b and intersect(a, b) is not None for a, b in itertools.combinations(boxes, 2)):
+        cuts = [sorted({x for b in boxes for x in b[i]}) for i in range(len(boxes[0]))]
+        cells: dict[Box, set[int]] = {}
+        for cell in itertools.product(*[list(zip(c, c[1:])) for c in cuts]):
+            devs = {d for b, ds in regions.items() if intersect(cell, b) == cell for d in ds}
+            if devs:
+                cells[tuple(cell)] = devs
+        regions = cells
+    itemsize = DTYPE_BYTES[dtype]
+    return [WeightShard(name, box, tuple(sorted(devs)), box_numel(box) * itemsize, ops, dtype, trainable)
+            for box, devs in regions.items()]
 
 
 @dataclass(frozen=True)

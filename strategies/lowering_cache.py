@@ -6,14 +6,14 @@ weight's shards. Invariant: a patched lowering equals one lowered from scratch
 from __future__ import annotations
 
 import itertools
-import math
 import operator
 from typing import Any, NamedTuple
 
-from strategies.graph import DTYPE_BYTES, OpGraph, OpNode
-from strategies.lowered import BucketKey, DeviceBytes, OpPieces, Partition, WeightShard, bucket_key
+from strategies.graph import OpGraph, OpNode
+from strategies.lowered import (BucketKey, DeviceBytes, OpPieces, Partition, WeightShard, bucket_key,
+                                weight_shards)
 from strategies.pieces import lower_op
-from strategies.region import Box, intersect
+from strategies.region import Box
 from strategies.strategy import Strategy
 
 __all__ = ["Last", "changed_ops", "update"]
@@ -165,7 +165,7 @@ def _weight_shards(name: str, read_by: tuple[OpPieces, ...], n: int) -> _Held:
                 held.setdefault(read.region, set()).add(read.device)
                 ops[read.op] = None
                 seen = read
-    shards = _shards(name, held, seen.dtype, seen.trainable, tuple(ops))
+    shards = weight_shards(name, held, seen.dtype, seen.trainable, tuple(ops))
     per_device = [0] * n
     buckets: dict[BucketKey, int] = {}
     for s in shards:
@@ -176,23 +176,3 @@ def _weight_shards(name: str, read_by: tuple[OpPieces, ...], n: int) -> _Held:
             buckets[key] = buckets.get(key, 0) + s.nbytes
     holders = tuple(sorted({d for s in shards for d in s.devices})) if seen.trainable else ()
     return _Held(read_by, shards, tuple(per_device), buckets, holders)
-
-
-def _shards(name: str, regions: dict[Box, set[int]], dtype: str, trainable: bool,
-            ops: tuple[str, ...]) -> list[WeightShard]:
-    """Weight regions with the devices holding each. Regions that partly overlap are cut into
-    the cells their boundaries make, so each cell's replica group is exact."""
-    boxes = list(regions)
-    disjoint = all(a == b or intersect(a, b) is None for a, b in itertools.combinations(boxes, 2))
-    if not disjoint:
-        cuts = [sorted({x for b in boxes for x in b[i]}) for i in range(len(boxes[0]))]
-        cells: dict[Box, set[int]] = {}
-        for cell in itertools.product(*[list(zip(c, c[1:])) for c in cuts]):
-            devs = {d for b, ds in regions.items() if intersect(cell, b) == cell for d in ds}
-            if devs:
-                cells[tuple(cell)] = devs
-        regions = cells
-    itemsize = DTYPE_BYTES[dtype]
-    return [WeightShard(name, box, tuple(sorted(devs)), math.prod(b - a for a, b in box) * itemsize,
-                        ops, dtype, trainable)
-            for box, devs in regions.items()]

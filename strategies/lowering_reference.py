@@ -6,13 +6,11 @@ two give equal ``Lowered`` on random plans and walks of one-op changes."""
 
 from __future__ import annotations
 
-import itertools
-
-from strategies.graph import DTYPE_BYTES, OpGraph
+from strategies.graph import OpGraph
 from strategies.lowered import (BucketKey, DeviceBytes, GradientSync, Lowered, OpPieces, WeightRead,
-                                WeightShard, bucket_key)
+                                WeightShard, bucket_key, weight_shards)
 from strategies.pieces import check_microbatches, lower_op
-from strategies.region import Box, box_numel, intersect
+from strategies.region import Box
 from strategies.strategy import Strategy
 
 __all__ = ["lower_reference"]
@@ -70,28 +68,9 @@ def lower_reference(graph: OpGraph, strategy: Strategy) -> Lowered:
 
 def _weight_shards(name: str, reads: list[WeightRead]) -> list[WeightShard]:
     """The shards of weight ``name``: each region its ``reads`` read, held by the devices reading
-    it, in the order first read. Where two regions partly overlap, every region is cut into
-    the cells the boundaries of all of them make (``_cells``), so that each shard's devices are
-    exactly those holding all of it (its gradient is summed over exactly them)."""
+    it, in the order first read (``weight_shards`` cuts partly overlapping regions into cells)."""
     holders: dict[Box, set[int]] = {}
     for r in reads:
         holders.setdefault(r.region, set()).add(r.device)
-    if any(a != b and intersect(a, b) is not None for a, b in itertools.combinations(holders, 2)):
-        holders = _cells(holders)
     ops = tuple(dict.fromkeys(r.op for r in reads))
-    dtype, trainable = reads[-1].dtype, reads[-1].trainable
-    return [WeightShard(name, box, tuple(sorted(devices)), box_numel(box) * DTYPE_BYTES[dtype], ops, dtype, trainable)
-            for box, devices in holders.items()]
-
-
-def _cells(holders: dict[Box, set[int]]) -> dict[Box, set[int]]:
-    """The grid that every region's boundaries cut, per dim; each cell (in row-major order) that
-    some region covers, with the devices of every region covering it."""
-    boxes = list(holders)
-    cuts = [sorted({x for box in boxes for x in box[i]}) for i in range(len(boxes[0]))]
-    out: dict[Box, set[int]] = {}
-    for cell in itertools.product(*[list(zip(c, c[1:])) for c in cuts]):
-        devices = {d for box, ds in holders.items() if intersect(cell, box) == cell for d in ds}
-        if devices:
-            out[tuple(cell)] = devices
-    return out
+    return weight_shards(name, holders, reads[-1].dtype, reads[-1].trainable, ops)

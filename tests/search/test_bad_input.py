@@ -191,7 +191,7 @@ def test_search_names_the_file_it_wrote_and_keeps_another_model_s_plan(tmp_path,
     before = out.read_text()
     err = cli_error(capsys, ["search", "gpt", "--variant", "tiny", "--topology", "p100-1x2", "--proposals", "10"])
     assert err == (f"soapsearch search: error: -o plan.json: holds a plan made for mlp-tiny (batch 4), not "
-                   f"gpt-tiny (batch 4); give another -o or --force to overwrite it\n")
+                   "gpt-tiny (batch 4); give another -o or --force to overwrite it\n")
     assert out.read_text() == before
     assert _search(capsys, "gpt", out, "--force").splitlines()[-1].endswith("(replacing it: --force)")
     assert load_strategy(out, traced("gpt")).num_devices == 2

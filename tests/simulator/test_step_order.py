@@ -13,7 +13,6 @@ import random
 import pytest
 
 from simulator.cost import AnalyticalCostModel
-from simulator.devices import DeviceSpec
 from simulator.engine import event_times
 from simulator.presets import get_topology
 from simulator.tasks import build_tasks, device_steps
