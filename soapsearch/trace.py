@@ -22,6 +22,7 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
 import soapsearch._fx  # noqa: F401  (registers every adapter)
 from soapsearch._fx.base import ALIAS, FxOp, adapter_for
+from soapsearch._fx.opaque import opaque_op
 from strategies.graph import Dim, OpGraph, OpNode, TensorSpec, Weight
 from strategies.rules import OPAQUE, get_rule
 from strategies.rules.base import spec_of
@@ -259,8 +260,7 @@ def _adapt(n: fx.Node, gm: fx.GraphModule, v: Any) -> FxOp | None:
             )
     elif not isinstance(v, torch.Tensor):
         return None
-    tensor_args = [a for a in n.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
-    return FxOp(OPAQUE, tensor_args, {"target": _describe(n)})
+    return opaque_op(n, gm, _describe(n))
 
 
 def _tuple_root(n: fx.Node) -> fx.Node:

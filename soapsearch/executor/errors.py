@@ -5,6 +5,7 @@ from __future__ import annotations
 from soapsearch.trace import check_scalar_loss
 from strategies.lowering import Lowered
 from strategies.rules import OPAQUE, get_rule
+from strategies.rules.opaque import OpaqueCall
 from strategies.schedule import warmup
 
 __all__ = ["ExecutorError", "check_runnable"]
@@ -16,7 +17,7 @@ class ExecutorError(RuntimeError):
 
 def check_runnable(lowered: Lowered, world_size: int) -> None:
     """Raise ExecutorError unless every rank can run ``lowered`` with ``world_size`` ranks:
-    one rank per device, no opaque op, one scalar loss output, and no reduction whose devices
+    one rank per device, every opaque op with the call it runs, one scalar loss output, and no reduction whose devices
     disagree on the 1F1B warm-up (their collectives would wait on each other)."""
     strategy, graph = lowered.strategy, lowered.graph
     if world_size != strategy.num_devices:
@@ -24,12 +25,13 @@ def check_runnable(lowered: Lowered, world_size: int) -> None:
             f"the plan is for {strategy.num_devices} devices but WORLD_SIZE is {world_size}: "
             f"start exactly {strategy.num_devices} processes (torchrun --nproc-per-node "
             f"{strategy.num_devices}, or nnodes x nproc-per-node = {strategy.num_devices})")
-    opaque = [n.name for n in graph if get_rule(n.kind) is get_rule(OPAQUE)]
-    if opaque:
-        what = ", ".join(f"{n!r} ({graph[n].attrs.get('target', graph[n].kind)})" for n in opaque[:5])
+    uncallable = [n for n in graph if get_rule(n.kind).kind == OPAQUE
+                  and not isinstance(n.attrs.get("call"), OpaqueCall)]
+    if uncallable:
+        what = ", ".join(f"{n.name!r} ({n.attrs.get('target', n.kind)})" for n in uncallable[:5])
         raise ExecutorError(
-            f"{len(opaque)} opaque op(s) have no rule to compute a partition and cannot run: "
-            f"{what}; rewrite them with supported ops or wrap them in a traced module")
+            f"{len(uncallable)} opaque op(s) have no rule and no recorded call to run: {what}; "
+            "trace the model with soapsearch.trace, which records what the model called")
     check_scalar_loss(graph, ExecutorError)
     if strategy.microbatches > 1:
         cache: dict[int, int] = {}

@@ -48,7 +48,7 @@ class Reduction:
 
 
 class OpRule:
-    """Default rule: an op that may not be split at all (an opaque op)."""
+    """Default rule: an op that may not be split at all (``strategies.rules.opaque``)."""
 
     kind: str = OPAQUE
 
@@ -124,12 +124,11 @@ def register(*kinds: str) -> Callable[[type[OpRule]], type[OpRule]]:
     return deco
 
 
-_OPAQUE_RULE = OpRule()
-
-
 def get_rule(kind: str) -> OpRule:
-    """The rule for ``kind``; kinds with none are opaque (unsplit, on one device)."""
-    return _RULES.get(kind, _OPAQUE_RULE)
+    """The rule for ``kind``; kinds with none are opaque (unsplit, on one device:
+    ``strategies.rules.opaque``)."""
+    rule = _RULES.get(kind)
+    return rule if rule is not None else _RULES[OPAQUE]
 
 
 def rule_kinds() -> tuple[str, ...]:

@@ -68,6 +68,22 @@ class Scaled(_Body):
         return F.cross_entropy(super().forward(x), t) * 0.5
 
 
+class Opaque(nn.Module):
+    """Ops no rule covers (an nn.Bilinear module with weights, a cumsum function, an in-place
+    method) between two linears: each runs whole on one device (``strategies.rules.opaque``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(5, 6)
+        self.bilinear = nn.Bilinear(6, 6, 6)
+        self.out = nn.Linear(6, CLASSES)
+
+    def forward(self, x, t):
+        h = self.bilinear(self.fc(x), x.tanh().repeat(1, 2)[:, :6])
+        h = torch.cumsum(h, 1).relu_()
+        return F.cross_entropy(self.out(h), t)
+
+
 def _targets(batch_size: int) -> torch.Tensor:
     t = torch.randint(0, CLASSES, (batch_size,))
     t[: batch_size // 4] = IGNORE  # the first quarter ignored: a whole partition may count 0
@@ -88,3 +104,7 @@ def summed(batch_size: int = 8):
 
 def scaled(batch_size: int = 8):
     return Scaled(), (torch.randn(batch_size, 5), _targets(batch_size))
+
+
+def opaque(batch_size: int = 8):
+    return Opaque(), (torch.randn(batch_size, 5), _targets(batch_size))

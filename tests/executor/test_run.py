@@ -1,6 +1,6 @@
 """The entry points: ``python -m soapsearch.run`` under torchrun trains, prints losses and saves
 a loadable state_dict equal to single-device training; a plan for another world size, or with
-an op that cannot run, fails with a clear message before any work."""
+an opaque op with no recorded call, fails with a clear message before any work."""
 
 from __future__ import annotations
 
@@ -35,7 +35,8 @@ def test_world_size_mismatch_is_refused_before_any_work():
         check_runnable(lower(built.graph, data_parallel(built.graph, 2)), 4)
 
 
-def test_opaque_op_is_refused_before_any_work():
+def test_opaque_op_without_its_call_is_refused_before_any_work():
+    """A graph built by hand whose opaque op has no recorded call (soapsearch.trace records it)."""
     built = build_model("mlp", "tiny")
     nodes = [OpNode(n.name, "opaque" if n.kind == "elementwise" else n.kind, n.inputs, n.output, n.dims,
                     n.weights, {**n.attrs, "target": "my_fn"}, n.input_specs) for n in built.graph]
