@@ -121,7 +121,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace) -> list:
     rows = []
     for name in args.models.split(","):
         built = build_model(name, args.variant, args.batch_size)
-        ex = Executor(built.graph, data_parallel(built.graph, world), built.model.state_dict(),
+        ex = Executor(built.graph, data_parallel(built.graph, world), built.state,
                       built.inputs, TrainConfig("sgd"))
         per = built.inputs[0].shape[0] // world
         local = [x[rank * per:(rank + 1) * per] for x in built.inputs]

@@ -42,7 +42,7 @@ def _body(rank: int, world: int, args) -> list[tuple]:
         runs = []
         for name, plan in _plans(built.graph, world).items():
             for ahead in (False, True):
-                ex = Executor(built.graph, plan, built.model.state_dict(), built.inputs, TrainConfig(), "cpu")
+                ex = Executor(built.graph, plan, built.state, built.inputs, TrainConfig(), "cpu")
                 if not ahead:
                     ex.ahead = [()] * len(ex.steps)  # every receive posted by the step that reads it
                 runs.append((name, ahead, ex, []))

@@ -16,7 +16,7 @@ from soapsearch.calibrate.cli import add_calibrate_parsers
 from soapsearch.executor.cli import add_run_parser
 from soapsearch.search.cli import add_search_parsers
 from soapsearch.search.output import check_plan_output, wrote
-from soapsearch.trace import TraceError, check_scalar_loss, trace
+from soapsearch.trace import CAPTURES, TraceError, check_scalar_loss, trace
 from strategies import BASELINES, OpGraph, PlanError, baseline, get_rule, save_strategy
 from strategies.serialize import check_writable
 from strategies.config import ROLE_LETTER
@@ -59,7 +59,7 @@ def _opaque_warning(graph: OpGraph) -> str:
 def graph_json(graph: OpGraph) -> dict:
     return {
         "model": graph.name, "fingerprint": graph.fingerprint(), "batch_size": graph.batch_size,
-        "total_flops": graph.total_flops, "weight_bytes": graph.weight_bytes,
+        "capture": graph.capture, "total_flops": graph.total_flops, "weight_bytes": graph.weight_bytes,
         "ops": [{"name": n.name, "kind": n.kind, "inputs": list(n.inputs),
                  "output": {"shape": list(n.output.shape), "dtype": n.output.dtype},
                  "dims": [{"name": d.name, "size": d.size, "role": d.role} for d in n.dims],
@@ -74,7 +74,7 @@ def graph_json(graph: OpGraph) -> dict:
 def _graph(args) -> OpGraph:
     """The model the flags name, traced for training: it must return one scalar loss."""
     spec = load_model(args.model, variant=args.variant, batch_size=args.batch_size)
-    graph = trace(spec.model, spec.example_inputs, name=spec.name)
+    graph = trace(spec.model, spec.example_inputs, name=spec.name, capture=getattr(args, "capture", "auto"))
     check_scalar_loss(graph)
     return graph
 
@@ -90,7 +90,7 @@ def _cmd_show(args) -> int:
     if args.json:
         print(json.dumps(graph_json(graph), indent=1))
         return 0
-    print(f"{graph.name}: {len(graph)} ops, batch {graph.batch_size}, "
+    print(f"{graph.name}: {len(graph)} ops captured by torch.{graph.capture}, batch {graph.batch_size}, "
           f"{graph.total_flops / 1e9:.2f} GFLOPs forward, {graph.weight_bytes / 2**20:.1f} MiB of "
           f"weights, fingerprint {graph.fingerprint()}")
     print(op_table(graph))
@@ -181,6 +181,9 @@ def _parser() -> argparse.ArgumentParser:
                         help=f"zoo variant, default 'default': {zoo.VARIANTS_HELP}")
         sp.add_argument("--batch-size", type=int, default=None, help="override the batch size")
         sp.add_argument("--json", action="store_true", help="print one JSON object")
+        sp.add_argument("--capture", default="auto", choices=CAPTURES,
+                        help="front end: fx (torch.fx), export (torch.export) or auto (fx, then "
+                             "export where fx fails; default)")
 
     show = sub.add_parser("show", help="trace a model and print its op table")
     model_args(show)

@@ -51,6 +51,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=_DEFAULTS.timeout_s,
                    help="seconds any receive or collective may wait before the run fails")
     p.add_argument("--save", default=None, help="write the trained state_dict here (rank 0, atomically)")
+    p.add_argument("--capture", default=None, choices=("fx", "export", "auto"),
+                   help="front end that captures the model (default: the one the plan records)")
     p.add_argument("--trace", default=None,
                    help="Chrome trace of each rank's steps: out.json -> out.rank<R>.json")
 
@@ -59,7 +61,7 @@ def to_argv(args: argparse.Namespace) -> list[str]:
     """``args`` (parsed by ``add_arguments``) back into the flags of ``soapsearch.run``."""
     out = [str(args.plan), "--model", args.model]
     for flag in ("variant", "batch_size", "steps", "optimizer", "lr", "momentum", "backend", "dtype",
-                 "seed", "timeout", "save", "trace"):
+                 "seed", "timeout", "save", "trace", "capture"):
         v = getattr(args, flag)
         if v is not None:
             out += [f"--{flag.replace('_', '-')}", str(v)]
@@ -112,7 +114,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         check_backend(args.backend)
         built, strategy = prepare(args.plan, args.model, args.variant, args.batch_size, args.seed, args.dtype,
-                                  world)
+                                  world, capture=args.capture)
         config = train_config(args)
     except (PlanError, ExecutorError, ValueError) as e:
         print(f"soapsearch run (rank {rank}): {e}", file=sys.stderr)
@@ -125,7 +127,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     dist.init_process_group(args.backend, rank=rank, world_size=world,
                             timeout=timedelta(seconds=args.timeout))
     try:
-        ex = Executor(built.graph, strategy, built.model.state_dict(), built.inputs, config, device,
+        ex = Executor(built.graph, strategy, built.state, built.inputs, config, device,
                       trace=bool(args.trace))
         for step in range(args.steps):
             t0 = time.perf_counter()
@@ -136,6 +138,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.save:
             state = ex.state_dict()
             if rank == 0:
+                state = built.saved(state)
                 _save(args.save, state)
                 print(f"saved {len(state)} tensors to {args.save}", flush=True)
         if args.trace:

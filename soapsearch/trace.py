@@ -1,8 +1,16 @@
-"""Trace a PyTorch model into an OpGraph: torch.fx for the graph, ShapeProp on fake tensors for
-shapes (no weight is allocated), torch.utils.flop_counter for FLOPs.
+"""Trace a PyTorch model into an OpGraph: torch.fx or torch.export for the graph, ShapeProp on
+fake tensors for shapes (no weight is allocated), torch.utils.flop_counter for FLOPs.
+
+Two front ends capture the model (``capture``): ``"fx"``, torch.fx symbolic tracing (module
+calls stay whole: ``nn.Linear`` is one node); ``"export"``, torch.export non-strict
+(``soapsearch/_export.py``: aten ops of the training IR, for models fx cannot trace, such as HF
+transformers' mask building); ``"auto"`` (the default) tries fx and, when it fails, export.
+Both map onto the same op kinds, attrs and weights (the fx adapters in ``soapsearch/_fx/*.py``,
+the aten adapters in ``soapsearch/_fx/aten*.py``), so a model both capture gives the same ops.
 
 The batch (sample) dim of every op is found by propagating twice, at the example batch and at
-twice it: the dim whose size doubles is the sample dim.
+twice it: the dim whose size doubles is the sample dim (an exported graph has a dynamic batch,
+so it propagates at both).
 """
 
 from __future__ import annotations
@@ -21,13 +29,18 @@ from torch.fx.passes.shape_prop import ShapeProp
 from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
 import soapsearch._fx  # noqa: F401  (registers every adapter)
-from soapsearch._fx.base import ALIAS, FxOp, adapter_for
+from soapsearch._fx.base import ALIAS, MULTI, FxOp, adapter_for
+from soapsearch._fx.mha import Inliner
 from soapsearch._fx.opaque import opaque_op
+from soapsearch._export import export_module, export_reason
 from strategies.graph import Dim, OpGraph, OpNode, TensorSpec, Weight
 from strategies.rules import OPAQUE, get_rule
 from strategies.rules.base import spec_of
 
-__all__ = ["trace", "TraceError", "check_scalar_loss"]
+__all__ = ["trace", "trace_with_module", "TraceError", "check_scalar_loss", "CAPTURES"]
+
+CAPTURES = ("fx", "export", "auto")
+"""The front ends ``trace`` may capture a model with (``capture=``; the CLI's ``--capture``)."""
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 
@@ -51,6 +64,16 @@ class _Tracer(fx.Tracer):
         super().__init__()
         self.record_stack_traces = True
         self.proxy_buffer_attributes = True  # a buffer sliced by a traced size (a causal mask)
+        self.attention = Inliner(self)  # nn.MultiheadAttention traced op by op
+
+    def call_module(self, m: torch.nn.Module, forward: Any, args: Any, kwargs: Any) -> Any:
+        inline = self.attention.forward_for(m, args, kwargs)
+        return inline() if inline is not None else super().call_module(m, forward, args, kwargs)
+
+    def trace(self, root: Any, concrete_args: Any = None) -> fx.Graph:
+        graph = super().trace(root, concrete_args)
+        self.attention.settle(graph)
+        return graph
 
 
 def _symbolic_trace(model: torch.nn.Module) -> fx.GraphModule:
@@ -165,46 +188,99 @@ def _source(n: fx.Node) -> str:
 
 
 def trace(model: torch.nn.Module, example_inputs: Sequence[Any] | Any, *,
-          name: str | None = None) -> OpGraph:
+          name: str | None = None, capture: str = "auto") -> OpGraph:
     """``model`` (an nn.Module or an fx GraphModule) as an OpGraph for ``example_inputs``
-    (a tuple of positional arguments whose dim 0 is the batch)."""
+    (a tuple of positional arguments whose dim 0 is the batch), captured by ``capture``
+    (``CAPTURES``: fx, export, or auto: fx, then export when fx fails); ``graph.capture`` says
+    which front end did."""
+    return trace_with_module(model, example_inputs, name=name, capture=capture)[0]
+
+
+def trace_with_module(model: torch.nn.Module, example_inputs: Sequence[Any] | Any, *,
+                      name: str | None = None, capture: str = "auto"
+                      ) -> tuple[OpGraph, fx.GraphModule]:
+    """``trace``, with the captured GraphModule: every weight an op names (``Weight.name``) is
+    an attribute of it (``get_submodule``/``getattr`` by the qualified name), including the
+    tensors an exported model builds in forward (``lifted_tensor_*``)."""
+    if capture not in CAPTURES:
+        raise ValueError(f"capture {capture!r} is not one of {', '.join(CAPTURES)}")
     if not isinstance(example_inputs, (tuple, list)):
         example_inputs = (example_inputs,)
-    gm = model if isinstance(model, fx.GraphModule) else _symbolic_trace(model)
-    on_meta = any(p.is_meta for p in gm.parameters()) or any(b.is_meta for b in gm.buffers())
+    name = name or type(model).__name__.lower()
+    on_meta = any(p.is_meta for p in model.parameters()) or any(b.is_meta for b in model.buffers())
     args = [a.to("meta") if on_meta and isinstance(a, torch.Tensor) else a for a in example_inputs]
+    fx_error: TraceError | None = None
+    if capture in ("fx", "auto") or isinstance(model, fx.GraphModule):
+        try:  # capture and propagation may fall back to export; building the ops does not
+            gm = model if isinstance(model, fx.GraphModule) else _symbolic_trace(model)
+            values = _propagate_twice(gm, args)
+        except TraceError as e:
+            if capture == "fx" or isinstance(model, fx.GraphModule):
+                raise
+            fx_error = e
+        else:
+            return _build(gm, *values, name, model, "fx"), gm
+    try:
+        gm = export_module(model, args)
+    except Exception as e:  # noqa: BLE001  (export raises many types for one cause)
+        raise TraceError(_export_failed(model, e, fx_error)) from None
+    return _build(gm, *_propagate_twice(gm, args), name, gm, "export"), gm
+
+
+def _export_failed(model: torch.nn.Module, e: BaseException, fx_error: TraceError | None) -> str:
+    """The message of a model no front end asked for could capture: each one's first failure
+    (fx: its error and source line; export: its reason) and what to try."""
+    what = type(model).__name__
+    export_line = f"torch.export: {export_reason(e)}"
+    if fx_error is None:
+        return (f"torch.export cannot capture {what}: {export_reason(e)}\n"
+                "  run torch.export.export(model, args, strict=False) for its full message and "
+                "suggested fixes (torch.export.draft_export lists every failure), or try "
+                "--capture fx")
+    fx_lines = str(fx_error).splitlines()
+    fx_line = fx_lines[0].removeprefix(f"torch.fx cannot trace {what}: ")
+    at = next((l.strip() for l in fx_lines[1:] if l.strip().startswith("at ")), "at ?")
+    return (f"neither torch.fx nor torch.export can capture {what}:\n"
+            f"  torch.fx: {fx_line}\n    {at}\n"
+            f"  {export_line}\n"
+            "  fx fails on Python control flow over tensor values (use torch.where or masking, "
+            "or torch.fx.wrap the helper); export fails where a value, not a shape, decides "
+            "(run torch.export.export(model, args, strict=False) for its suggested fixes, "
+            "torch.export.draft_export for every failure)")
+
+
+def _propagate_twice(gm: fx.GraphModule, args: Sequence[Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Every node's value at the example batch (with FLOPs) and at twice it."""
     first = _propagate(gm, args, count_flops=True)
     try:
         second = _propagate(gm, _doubled(args), count_flops=False)
     except TraceError:
         second = {}  # a model with a hard-coded batch size: no op gets a sample dim
-    return _build(gm, first, second, name or type(model).__name__.lower())
+    return first, second
 
 
-def _build(gm: fx.GraphModule, first: dict[str, Any], second: dict[str, Any], name: str) -> OpGraph:
+def _build(gm: fx.GraphModule, first: dict[str, Any], second: dict[str, Any], name: str,
+           root: torch.nn.Module | None = None, capture: str = "fx") -> OpGraph:
+    """The ops of ``gm``'s nodes in order. In an exported graph every parameter is a
+    ``get_attr`` node, most of them read as an op's weight (a linear's): a ``get_attr`` becomes
+    a leaf op only when an op reads it as an input, placed just before the first such op (where
+    fx records it)."""
+    tied = _first_names(root if root is not None else gm)
+    lazy = capture == "export"
     nodes: list[OpNode] = []
     op_of: dict[str, str] = {}  # fx node name -> op name (aliases resolve to their input's op)
     specs: dict[str, TensorSpec] = {}
     outputs: list[str] = []
-    for n in gm.graph.nodes:
+
+    def emit(n: fx.Node, fxop: FxOp) -> None:
+        """Add ``n`` as the op ``fxop`` says."""
         v = first.get(n.name)
-        if n.op == "output":
-            outs: list[fx.Node] = []
-            fx.node.map_arg(n.args[0], outs.append)
-            outputs = [op_of[a.name] for a in outs if a.name in op_of]
-            continue
-        fxop = _adapt(n, gm, v)
-        if fxop is None:
-            continue  # a node with no tensor value (x.size(0), getattr): not an op
-        if fxop.kind == ALIAS:
-            op_of[n.name] = op_of[fxop.inputs[0].name]
-            continue
         inputs = [op_of[i.name] for i in fxop.inputs]
         like = fxop.dims_like or n
         dim_sizes = _shape(first.get(like.name))
         out = spec_of(_first(v))
         weights = tuple(
-            Weight(role, qual, spec_of(t), trainable=isinstance(t, torch.nn.Parameter) and t.requires_grad)
+            Weight(role, tied.get(id(t), qual), spec_of(t), trainable=isinstance(t, torch.nn.Parameter) and t.requires_grad)
             for role, qual in fxop.weights
             for t in [_tensor_at(gm, qual)]
         )
@@ -221,7 +297,54 @@ def _build(gm: fx.GraphModule, first: dict[str, Any], second: dict[str, Any], na
         nodes.append(node)
         op_of[n.name] = node.name
         specs[node.name] = out
-    return OpGraph(nodes, outputs, name=name)
+
+    pending: dict[str, fx.Node] = {}  # an alias of a get_attr no op has read yet -> that get_attr
+
+    def leaf(i: fx.Node) -> fx.Node | None:
+        """The get_attr node ``i`` stands for when no op has read it yet (export graphs)."""
+        if i.name in pending:
+            return pending[i.name]
+        return i if lazy and i.op == "get_attr" and i.name not in op_of else None
+
+    for n in gm.graph.nodes:
+        v = first.get(n.name)
+        if n.op == "output":
+            outs: list[fx.Node] = []
+            fx.node.map_arg(n.args[0], outs.append)
+            outputs = [op_of[a.name] for a in outs if a.name in op_of]
+            continue
+        if lazy and n.op == "get_attr":
+            continue  # a leaf op only where an op reads it (below)
+        fxop = _adapt(n, gm, v)
+        if fxop is None:
+            continue  # a node with no tensor value (x.size(0), getattr): not an op
+        if fxop.kind == MULTI:
+            continue  # split/chunk/unbind: each item read is a slice op (its getitem)
+        if lazy:
+            if fxop.kind == ALIAS and leaf(fxop.inputs[0]) is not None:
+                pending[n.name] = leaf(fxop.inputs[0])  # a copy of a constant: still unread
+                continue
+            for i in fxop.inputs:
+                src = leaf(i)
+                if src is not None:
+                    if src.name not in op_of:
+                        emit(src, _adapt(src, gm, first.get(src.name)))
+                    op_of[i.name] = op_of[src.name]
+        if fxop.kind == ALIAS:
+            op_of[n.name] = op_of[fxop.inputs[0].name]
+            continue
+        emit(n, fxop)
+    return OpGraph(nodes, outputs, name=name, capture=capture)
+
+
+def _first_names(model: torch.nn.Module) -> dict[int, str]:
+    """id of each parameter and buffer -> its first name in ``named_parameters()`` /
+    ``named_buffers()``: a tensor tied under several names (GPT-2's ``lm_head.weight is
+    wte.weight``) is one weight, named as ``state_dict`` and the optimizer meet it first."""
+    out: dict[int, str] = {}
+    for qual, t in [*model.named_parameters(), *model.named_buffers()]:
+        out.setdefault(id(t), qual)
+    return out
 
 
 def _tensor_at(gm: fx.GraphModule, qual: str) -> torch.Tensor:

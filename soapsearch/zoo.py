@@ -1,4 +1,4 @@
-"""Model zoo: the FlexFlow benchmark DNNs (plus an MLP and a GPT) as plain PyTorch.
+"""Model zoo: the FlexFlow benchmark DNNs (plus an MLP, a GPT and a LLaMA) as plain PyTorch.
 
 Every model's ``forward(inputs, targets)`` returns the scalar mean cross-entropy loss and is
 traceable by ``torch.fx.symbolic_trace``.  Three variants exist per model:
@@ -39,6 +39,8 @@ from soapsearch._models import (
     AlexNetConfig,
     GPTConfig,
     InceptionConfig,
+    Llama,
+    LlamaConfig,
     InceptionV3,
     MLPConfig,
     NMTConfig,
@@ -84,6 +86,11 @@ def _nmt_inputs(cfg: NMTConfig, batch: int) -> Inputs:
     src = torch.randint(0, cfg.src_vocab_size, (batch, cfg.src_len))
     tgt = torch.randint(0, cfg.tgt_vocab_size, (batch, cfg.tgt_len))
     return torch.cat([src, tgt], dim=1), torch.randint(0, cfg.tgt_vocab_size, (batch, cfg.tgt_len))
+
+
+def _llama_inputs(cfg: LlamaConfig, batch: int) -> Inputs:
+    x = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len))
+    return x, torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len))
 
 
 def _mlp_inputs(cfg: MLPConfig, batch: int) -> Inputs:
@@ -214,6 +221,24 @@ _REGISTRY: dict[str, _Entry] = {
         },
         {"default": 12, "small": _SMALL_BATCH, "tiny": _TINY_BATCH},
         _lm_inputs,
+    ),
+    # Not in the paper.  Default = LLaMA-3 8B (Dubey et al. 2024, "The Llama 3 Herd of Models",
+    # Table 3: 32 layers, width 4096, FFN 14336, 32 heads, 8 key/value heads, vocabulary 128256,
+    # RoPE theta 500000) at the paper's 8192-token pre-training context; batch 1 sequence per
+    # GPU as torchtitan's train_configs/llama3_8b.toml (batch_size = 1, seq_len = 8192).
+    # ~8.03B parameters (lm_head untied, as in LLaMA-3 8B).
+    "llama": _Entry(
+        "LLaMA-3 8B style decoder (32 x 4096, GQA 32/8 heads, SwiGLU 14336, RoPE, 128256 vocab)",
+        Llama,
+        {
+            "default": LlamaConfig(),
+            "small": LlamaConfig(n_layer=2, d_model=128, ffn_hidden=384, n_head=4, n_kv_head=2,
+                                 vocab_size=1024, seq_len=32),
+            "tiny": LlamaConfig(n_layer=2, d_model=16, ffn_hidden=32, n_head=4, n_kv_head=2,
+                                vocab_size=50, seq_len=8),
+        },
+        {"default": 1, "small": _SMALL_BATCH, "tiny": _TINY_BATCH},
+        _llama_inputs,
     ),
 }
 

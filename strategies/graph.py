@@ -142,8 +142,11 @@ class OpGraph:
     """Ops in topological order, with their names unique; the graph's ``outputs`` are the names
     of the ops whose values the model returns (its loss)."""
 
-    def __init__(self, nodes: Iterable[OpNode], outputs: Iterable[str] = (), name: str = "model"):
+    def __init__(self, nodes: Iterable[OpNode], outputs: Iterable[str] = (), name: str = "model",
+                 capture: str = "fx"):
         self.name = name
+        self.capture = capture
+        """The front end that captured the model: ``fx`` (torch.fx) or ``export`` (torch.export)."""
         self.nodes: tuple[OpNode, ...] = tuple(nodes)
         self._by_name: dict[str, OpNode] = {}
         for node in self.nodes:

@@ -83,7 +83,8 @@ def strategy_to_json(strategy: Strategy, graph: OpGraph, *, topology: str | Mapp
     topo["num_devices"] = strategy.num_devices
     out: dict[str, Any] = {
         "format": FORMAT, "version": VERSION,
-        "model": {"name": graph.name, "fingerprint": graph.fingerprint(), "batch_size": graph.batch_size},
+        "model": {"name": graph.name, "fingerprint": graph.fingerprint(), "batch_size": graph.batch_size,
+                  "capture": graph.capture},
         "topology": topo,
         "microbatches": strategy.microbatches, "schedule": strategy.schedule,
         "ops": [{"name": n.name, "kind": n.kind, "dims": [d.name for d in n.dims],
@@ -145,7 +146,10 @@ def parse_plan(source: str | os.PathLike | Mapping[str, Any], devices_in_range: 
     if obj.get("version") != VERSION:
         raise PlanError(None, "version", obj.get("version"),
                         f"this soapsearch reads version {VERSION} only", where)
-    _need(obj, "model", dict, where)
+    model = _need(obj, "model", dict, where)
+    if model.get("capture", "fx") not in ("fx", "export"):
+        raise PlanError(None, "model.capture", model.get("capture"),
+                        "the front end that captured the model: 'fx' or 'export' (absent: fx)", where)
     topology = _need(obj, "topology", dict, where)
     num_devices = _need(topology, "num_devices", int, where)
     if num_devices < 1:

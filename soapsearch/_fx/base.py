@@ -4,6 +4,9 @@ An adapter looks at one fx node (after shape propagation, so every node's value 
 ``node.meta["val"]``) and says which op kind it is, which tensors it reads in the order its rule
 expects, which of the module's tensors are its weights, and the attrs its rule needs. It returns
 None when it cannot express the node, which then becomes an opaque op.
+
+Two kinds are markers, not op kinds: ``ALIAS`` (the node is its input) and ``MULTI`` (the node's
+value is a tuple of tensors, each a block of its input; each item read is a slice op).
 """
 
 from __future__ import annotations
@@ -14,10 +17,16 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
-__all__ = ["FxOp", "ALIAS", "adapter_for", "for_modules", "for_functions", "for_methods", "val",
-           "const"]
+__all__ = ["FxOp", "ALIAS", "MULTI", "adapter_for", "for_modules", "for_functions", "for_methods",
+           "val", "const"]
 
 ALIAS = "alias"  # the node is its input (getitem 0 of an LSTM, contiguous(), nn.Identity, ...)
+MULTI = "multi"
+"""A node whose value is a tuple of tensors, item i being rows [bounds[i], bounds[i+1]) of its
+input 0 on one dim (split, chunk, tensor_split, unbind): not an op itself; each
+``getitem(node, i)`` the model reads is a ``slice`` op of input 0. Attrs ``{"dim": d,
+"bounds": [0, ..., size], "drop": bool}`` (drop: every item is one row with the dim removed, as
+unbind). Built by ``soapsearch._fx.multi.multi_output``."""
 
 
 @dataclass

@@ -82,12 +82,19 @@ def _embedding_function(node) -> FxOp | None:
 @for_functions(F.scaled_dot_product_attention)
 def _attention(node) -> FxOp | None:
     q, k, v = (arg(node, i, n) for i, n in enumerate(("query", "key", "value")))
-    opts = [arg(node, 3, "attn_mask"), arg(node, 4, "dropout_p", 0.0), arg(node, 5, "is_causal", False),
-            arg(node, 6, "scale"), arg(node, 7, "enable_gqa", False)]
+    mask = arg(node, 3, "attn_mask")
+    opts = [arg(node, 4, "dropout_p", 0.0), arg(node, 5, "is_causal", False), arg(node, 6, "scale"),
+            arg(node, 7, "enable_gqa", False)]
     if not (_tensor_node(q, 3) and _tensor_node(k, 2) and _tensor_node(v, 2)) or not const(opts):
         return None
-    mask, dropout_p, is_causal, scale, gqa = val(opts)
-    if mask is not None or dropout_p or gqa or val(k).dim() > val(q).dim() or val(v).dim() > val(q).dim():
-        return None  # an explicit mask, dropout (random) or grouped-query heads stay opaque
-    return FxOp("attention", [q, k, v], {"is_causal": bool(is_causal),
-                                         "scale": None if scale is None else float(scale)})
+    dropout_p, is_causal, scale, gqa = val(opts)
+    if dropout_p or val(k).dim() > val(q).dim() or val(v).dim() > val(q).dim():
+        return None  # dropout (random) stays opaque
+    if gqa and not (val(q).dim() == val(k).dim() == val(v).dim() == 4):
+        return None  # grouped heads: dim -3 of 4-D q, k, v
+    if mask is not None and (not _tensor_node(mask) or is_causal
+                             or val(mask).dim() > val(q).dim()):
+        return None  # a mask with is_causal: torch refuses it
+    return FxOp("attention", [q, k, v] + ([mask] if mask is not None else []),
+                {"is_causal": bool(is_causal), "scale": None if scale is None else float(scale),
+                 "enable_gqa": bool(gqa), "has_mask": mask is not None})

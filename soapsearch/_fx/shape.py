@@ -10,6 +10,8 @@ import torch.fx as fx
 import torch.nn as nn
 
 from soapsearch._fx.base import ALIAS, FxOp, arg, for_functions, for_methods, for_modules, val
+from soapsearch._fx.multi import item_op, multi_of
+from soapsearch._fx.gather import index_op
 
 _CALLS = ("call_module", "call_function", "call_method")
 
@@ -123,10 +125,14 @@ def _normalize(index: Any, shape: tuple[int, ...]) -> list[Any] | None:
 
 @for_functions(operator.getitem)
 def _getitem(node: fx.Node) -> FxOp | None:
-    """Basic indexing of a tensor is a slice; item 0 of a module's or function's tuple output
+    """Basic indexing of a tensor is a slice; an item of a split (``multi_of``) is a slice of
+    the split's input; item 0 of a module's or function's tuple output
     (``out, _ = self.lstm(x)``) is that op's output itself."""
     src, index = node.args
     v = val(src)
+    multi = multi_of(src)
+    if multi is not None:
+        return item_op(multi, val(index))
     if isinstance(v, (tuple, list)):
         if (val(index) == 0 and isinstance(src, fx.Node) and src.op in _CALLS and v
                 and src.target is not operator.getitem and isinstance(v[0], torch.Tensor)):
@@ -135,6 +141,8 @@ def _getitem(node: fx.Node) -> FxOp | None:
     out = val(node)
     if not isinstance(v, torch.Tensor) or not isinstance(out, torch.Tensor):
         return None
+    if isinstance(val(index), torch.Tensor):  # table[ids], one integer tensor: soapsearch/_fx/gather.py
+        return index_op(node, src, index)
     norm = _normalize(val(index), tuple(v.shape))
     if norm is None:
         return None

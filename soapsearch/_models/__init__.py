@@ -3,6 +3,7 @@
 from .cnn import AlexNet, AlexNetConfig, InceptionConfig, InceptionV3, ResNet, ResNetConfig
 from .rnn import NMT, RNNLM, RNNTC, LSTMStack, NMTConfig, RNNLMConfig, RNNTCConfig
 from .transformer import GPT, MLP, GPTConfig, MLPConfig
+from .llama import Llama, LlamaConfig
 
 __all__ = [
     "AlexNet",
@@ -22,4 +23,6 @@ __all__ = [
     "MLPConfig",
     "GPT",
     "GPTConfig",
+    "Llama",
+    "LlamaConfig",
 ]

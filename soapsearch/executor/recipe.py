@@ -219,7 +219,8 @@ def recipes(low: Lowered, order: Sequence[Step], rank: int,
             lw.ids[k], p, node, f"F {p.op}[{p.index}] mb{p.microbatch}", f"B {p.op}[{p.index}] mb{p.microbatch}",
             slice_box(p.box), _slots(lw, p, linked, weight_index),
             tuple((role, node.weight(role).name, weight_index(node.weight(role).name, region))
-                  for role, region in p.weight_regions),
+                  for role, region in p.weight_regions
+                  if node.kind not in WEIGHT_KINDS),  # a weight op's consumers read the weight
             lw.grouped.get(k),
             tuple(Send(i, t.dst_device, index_in(t.region, p.box)) for i, t in lw.out_of.get(k, ()) if not t.local),
             p.op in graph.outputs and (every_rank or p.index == 0), kind, seed, _loss_sum(lw, k),

@@ -65,6 +65,20 @@ from strategies.strategy import Strategy
 __all__ = ["Executor"]
 
 
+def tied_names(graph: OpGraph, state: Mapping[str, torch.Tensor]) -> dict[str, str]:
+    """state_dict key -> the graph weight it is tied to: another name of the same tensor (same
+    storage, shape and strides; GPT-2's ``lm_head.weight`` of ``wte.weight``), which the trace
+    names once (``soapsearch.trace``), so ``state_dict()`` writes it under both."""
+    names = {w.name for n in graph for w in n.weights}
+    first = {_storage_key(state[n]): n for n in names if n in state and state[n].data_ptr()}
+    return {k: first[_storage_key(v)] for k, v in state.items()
+            if k not in names and v.data_ptr() and _storage_key(v) in first}
+
+
+def _storage_key(t: torch.Tensor) -> tuple:
+    return t.data_ptr(), tuple(t.shape), t.stride(), t.dtype
+
+
 def _batches_tracked(node) -> str | None:
     """The state_dict name of a batchnorm's num_batches_tracked (None: it tracks none)."""
     rm = node.weight("running_mean") if node.kind == "batchnorm2d" else None
@@ -91,6 +105,7 @@ class Executor:
         self.device = torch.device(device)
         self.batch = [b.to(self.device) if isinstance(b, torch.Tensor) else b for b in batch]
         self.base = {k: v.detach().clone() for k, v in state.items()} if self.rank == 0 else {}
+        self.tied = tied_names(graph, state)
         low = self.lowered
         self.groups = ProcessGroups([r.devices for r in low.reductions]
                                     + [s.devices for s in low.weight_shards if s.trainable], world)
@@ -376,4 +391,5 @@ class Executor:
         for name, t in list(values.items()) + list(counts.items()):
             base = out.get(name)
             out[name] = (t + base if name in counts and base is not None else t).to("cpu")
+        out.update({alias: out[name] for alias, name in self.tied.items() if name in out})
         return out

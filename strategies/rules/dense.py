@@ -103,7 +103,23 @@ class Embedding(SplitAll):
 
 @register("attention")
 class Attention(SplitAll):
-    """softmax(q·kᵀ·scale + mask)·v (Vaswani et al. 2017, eq. 1); causal: query i sees keys j <= i."""
+    """softmax(q·kᵀ·scale + mask)·v (Vaswani et al. 2017, eq. 1; torch
+    ``F.scaled_dot_product_attention``, ``aten.scaled_dot_product_attention``). Output dims
+    (..., heads, seq, head_dim); head_dim stays whole.
+
+    inputs: (q, k, v) and, with ``has_mask``, ``attn_mask`` 4th. attrs:
+      * ``is_causal`` (bool): query i sees keys j <= i (top-left aligned);
+      * ``scale`` (float or None: 1/sqrt(head_dim));
+      * ``enable_gqa`` (bool): grouped-query attention (Ainslie et al. 2023), q has Hq heads and
+        k, v have Hkv, g = Hq / Hkv; q-head h reads kv-head h // g, so a partition of q-heads
+        [h0, h1) reads kv-heads [h0 // g, (h1 - 1) // g + 1). ``check_degrees`` requires the
+        heads degree to divide Hkv, so every partition holds whole groups and its local call
+        (Hq/d q-heads over Hkv/d kv-heads) is the same grouping;
+      * ``has_mask`` (bool): a boolean (True: attend) or additive float mask broadcast to
+        (..., heads, L, S); a partition reads the region its box needs, rows [t0, t1) of L and
+        every key (``broadcast_region``). Never together with ``is_causal`` (torch refuses).
+    Every dim but head_dim may be cut: the sample and heads dims, and the queries (seq): a
+    causal partition of query rows [t0, t1) reads keys [0, t1)."""
 
     def dims(self, node: OpNode, sample: int | None) -> tuple[Dim, ...]:
         n = len(node.shape)
@@ -114,13 +130,33 @@ class Attention(SplitAll):
     def unsplittable(self, node: OpNode) -> set[int]:
         return {len(node.shape) - 1}
 
+    def check_degrees(self, node: OpNode, degrees: Sequence[int]) -> str | None:
+        if not node.attrs.get("enable_gqa"):
+            return None
+        heads, kv = len(node.shape) - 3, node.input_specs[1].shape[-3]
+        if kv % degrees[heads]:
+            return (f"op {node.name!r}: degree {degrees[heads]} on dim 'heads'({node.shape[heads]}) "
+                    f"does not divide the {kv} key/value heads of grouped-query attention "
+                    f"({node.shape[heads]} // {kv} = {node.shape[heads] // kv} query heads per "
+                    "group): a partition must hold whole groups")
+        return None
+
     def input_regions(self, node: OpNode, box: Box) -> tuple[Box, ...]:
-        q, k, v = (s.shape for s in node.input_specs)
+        q, k, v = (s.shape for s in node.input_specs[:3])
         lead, (t0, t1) = box[:-2], box[-2]
         keys = (0, min(t1, k[-2])) if node.attrs.get("is_causal") else (0, k[-2])
-        return (broadcast_region(lead, q[:-2], len(lead)) + ((t0, t1), (0, q[-1])),
-                broadcast_region(lead, k[:-2], len(lead)) + (keys, (0, k[-1])),
-                broadcast_region(lead, v[:-2], len(lead)) + (keys, (0, v[-1])))
+        k_lead, v_lead = (broadcast_region(lead, k[:-2], len(lead)),
+                          broadcast_region(lead, v[:-2], len(lead)))
+        if node.attrs.get("enable_gqa"):
+            g = q[-3] // k[-3]
+            h0, h1 = box[-3]
+            kv_heads = (h0 // g, (h1 - 1) // g + 1)
+            k_lead, v_lead = k_lead[:-1] + (kv_heads,), v_lead[:-1] + (kv_heads,)
+        out = (broadcast_region(lead, q[:-2], len(lead)) + ((t0, t1), (0, q[-1])),
+               k_lead + (keys, (0, k[-1])), v_lead + (keys, (0, v[-1])))
+        if node.attrs.get("has_mask"):
+            out += (broadcast_region(lead + ((t0, t1), keys), node.input_specs[3].shape, len(box)),)
+        return out
 
     def gemm_size(self, node: OpNode, box: Box) -> int | None:
         """min(queries, keys, head_dim) of q·kᵀ and of its product with v."""
@@ -128,11 +164,13 @@ class Attention(SplitAll):
 
     def forward(self, node: OpNode, box: Box, inputs: Sequence[torch.Tensor],
                 weights: Mapping[str, torch.Tensor], reduce: Reduce = no_reduce) -> torch.Tensor:
-        q, k, v = inputs
+        q, k, v = inputs[:3]
+        mask = inputs[3] if node.attrs.get("has_mask") else None
         causal, scale = bool(node.attrs.get("is_causal")), node.attrs.get("scale")
+        gqa = bool(node.attrs.get("enable_gqa"))
         t0, t1 = box[-2]
-        if not causal or t0 == 0:  # the top-left causal mask of rows [0, t1) is torch's own
-            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
-        rows = torch.arange(t0, t1, device=q.device)[:, None]
-        mask = torch.arange(k.shape[-2], device=q.device)[None, :] <= rows
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        if causal and t0 > 0:  # the top-left causal mask of rows [0, t1) is torch's own
+            rows = torch.arange(t0, t1, device=q.device)[:, None]
+            mask, causal = torch.arange(k.shape[-2], device=q.device)[None, :] <= rows, False
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                              scale=scale, enable_gqa=gqa)

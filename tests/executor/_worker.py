@@ -30,7 +30,7 @@ def run_cases(rank: int, world: int, port: int, cases: list[tuple], out_dir: str
                 strategy = make_plan(built.graph, plan, world)
                 result = {}
                 for opt, cfg in OPTIMIZERS.items():
-                    ex = Executor(built.graph, strategy, built.model.state_dict(), built.inputs, cfg)
+                    ex = Executor(built.graph, strategy, built.state, built.inputs, cfg)
                     losses, grads, states = [], [], []
                     for s in range(STEPS):
                         losses.append(ex.step(seed=s))

@@ -65,19 +65,20 @@ def reference(model_name: str, opt: str, microbatches: int, batch_size: int | No
     return _REF[key]
 
 
-def compare(model_name: str, result: dict, batch_size: int | None = None) -> None:
+def compare(model_name: str, result: dict, batch_size: int | None = None, *, rtol: float = RTOL,
+            atol: float = ATOL) -> None:
     """Assert loss, gradients and state after each step equal the single-device reference."""
     assert "error" not in result, result.get("error")
     for opt in _worker.OPTIMIZERS:
         ref, got = reference(model_name, opt, result["microbatches"], batch_size), result[opt]
         for s in range(_worker.STEPS):
             where = f"{opt} step {s + 1}"
-            torch.testing.assert_close(got["losses"][s], ref["losses"][s], rtol=RTOL, atol=ATOL,
+            torch.testing.assert_close(got["losses"][s], ref["losses"][s], rtol=rtol, atol=atol,
                                        msg=lambda m: f"{where} loss: {m}")
             assert set(got["grads"][s]) == set(ref["grads"][s]), where
             for k, g in ref["grads"][s].items():
-                torch.testing.assert_close(got["grads"][s][k], g, rtol=RTOL, atol=ATOL,
+                torch.testing.assert_close(got["grads"][s][k], g, rtol=rtol, atol=atol,
                                            msg=lambda m: f"{where} grad {k}: {m}")
             for k, v in ref["states"][s].items():
-                torch.testing.assert_close(got["states"][s][k], v, rtol=RTOL, atol=ATOL,
+                torch.testing.assert_close(got["states"][s][k], v, rtol=rtol, atol=atol,
                                            msg=lambda m: f"{where} state {k}: {m}")

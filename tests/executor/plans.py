@@ -5,6 +5,7 @@ backward step (``strategies.lowering.gates``), and seeded random plans from
 
 from __future__ import annotations
 
+import math
 import random
 
 from strategies.baselines import balanced_stages, data_parallel, hybrid, model_parallel, owt, pipeline
@@ -21,6 +22,22 @@ def _cut(node, dim: int, n: int) -> ParallelConfig | None:
     if get_rule(node.kind).check_degrees(node, degrees):
         return None
     return ParallelConfig(degrees, tuple(range(n)))
+
+
+def _heads(node, n: int) -> ParallelConfig | None:
+    """Attention cut on its heads by the largest degree d <= n its rule allows (grouped-query
+    attention: d divides the key/value heads), times its sample dim by n / d."""
+    h = next(i for i, d in enumerate(node.dims) if d.name == "heads")
+    for d in (k for k in range(n, 1, -1) if n % k == 0):
+        degrees = [1] * len(node.dims)
+        degrees[h] = d
+        if n // d > 1 and node.sample_dim is not None:
+            degrees[node.sample_dim] = n // d
+        if (math.prod(degrees) == n and node.shape[h] % d == 0
+                and all(s % g == 0 for s, g in zip(node.shape, degrees))
+                and get_rule(node.kind).check_degrees(node, degrees) is None):
+            return ParallelConfig(tuple(degrees), tuple(range(n)))
+    return None
 
 
 def _with(graph: OpGraph, n: int, pick) -> Strategy:
@@ -69,6 +86,13 @@ def make_plan(graph: OpGraph, name: str, n: int) -> Strategy:
         return pipeline(graph, n, 2, name)
     if name == "param":  # every linear cut on out_features, the rest data parallel
         return _with(graph, n, lambda node: _cut(node, len(node.dims) - 1, n) if node.kind == "linear" else None)
+    if name == "heads":  # tensor parallel by heads: attention on heads, linears on out_features
+        return _with(graph, n, lambda node: _heads(node, n) if node.kind == "attention" else
+                     _cut(node, len(node.dims) - 1, n) if node.kind == "linear" else None)
+    if name == "heads_proj":  # "heads", and 3-D matmuls (a projection by a sliced weight) on cols
+        return _with(graph, n, lambda node: _heads(node, n) if node.kind == "attention" else
+                     _cut(node, len(node.dims) - 1, n) if node.kind == "linear"
+                     or (node.kind == "matmul" and len(node.dims) == 3) else None)
     if name == "spatial":  # every conv cut on height (attribute), the rest data parallel
         return _with(graph, n, lambda node: _cut(node, 2, n) if node.kind == "conv2d" else None)
     if name.startswith("random"):

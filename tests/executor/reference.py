@@ -45,7 +45,13 @@ def reference_train(model: torch.nn.Module, inputs: Sequence[Any], graph: OpGrap
 
 def _train(model: torch.nn.Module, inputs: Sequence[Any], graph: OpGraph, cfg: TrainConfig,
            steps: int, microbatches: int) -> dict[str, list]:
-    gm = _symbolic_trace(model)
+    if graph.capture == "fx":
+        gm = _symbolic_trace(model)
+        run = lambda j, mb: _Run(gm, graph, j, microbatches).run(*mb)  # noqa: E731
+    else:  # a model fx cannot trace runs as it is: its dropouts must draw nothing
+        assert all(n.kind != "dropout" or not (n.attrs["p"] and n.attrs["training"]) for n in graph), \
+            "a torch.export-captured reference runs the model itself, whose dropout masks differ"
+        run = lambda j, mb: model(*mb)  # noqa: E731
     opt = make_optimizer(model.parameters(), cfg)
     out: dict[str, list] = {"losses": [], "grads": [], "states": []}
     batch = inputs[0].shape[0]
@@ -57,7 +63,7 @@ def _train(model: torch.nn.Module, inputs: Sequence[Any], graph: OpGraph, cfg: T
         for j in range(microbatches):
             mb = [x[j * span:(j + 1) * span] if isinstance(x, torch.Tensor) and x.dim() > 0 else x
                   for x in inputs]
-            loss = _Run(gm, graph, j, microbatches).run(*mb)
+            loss = run(j, mb)
             (loss / microbatches).backward()
             total += loss.item() / microbatches
         out["losses"].append(total)

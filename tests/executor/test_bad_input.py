@@ -130,15 +130,17 @@ def test_run_variant_has_the_zoo_choices(plans, capsys, spawned):
     assert "invalid choice: 'bogus'" in capsys.readouterr().err and spawned == []
 
 
-def test_a_plan_with_an_op_that_cannot_run_is_refused_before_spawning(tmp_path, capsys, spawned):
+def test_a_plan_with_an_opaque_op_is_launched(tmp_path, capsys, spawned):
+    """An op no rule covers runs whole on one device (``strategies.rules.opaque``; its parity is
+    tests/executor/test_parity_opaque.py): ``run`` launches the plan as any other."""
     src = tmp_path / "opaque.py"
     src.write_text(OPAQUE_NET)
     plan = tmp_path / "p.json"
     assert main(["plan", f"{src}:make", "--baseline", "data_parallel", "--devices", "1", "-o", str(plan)]) == 0
     capsys.readouterr()
-    err = cli_error(capsys, ["run", str(plan), "--model", f"{src}:make"])
-    assert f"{plan}: 1 opaque op(s)" in err and "cumsum" in err
-    assert spawned == []
+    assert main(["run", str(plan), "--model", f"{src}:make"]) == 0
+    [cmd] = spawned
+    assert "--nproc-per-node=1" in cmd
 
 
 def test_a_good_plan_is_launched_with_one_process_per_device(plans, capsys, spawned):

@@ -12,7 +12,7 @@ from strategies.baselines import data_parallel
 @pytest.mark.parametrize("trace", [False, True])
 def test_events_are_recorded_only_with_trace(world_of_one, trace):
     built = build_model("mlp", "tiny")
-    ex = Executor(built.graph, data_parallel(built.graph, 1), built.model.state_dict(), built.inputs,
+    ex = Executor(built.graph, data_parallel(built.graph, 1), built.state, built.inputs,
                   trace=trace)
     losses = [ex.step(seed=s) for s in range(3)]
     step_end = ["gradient sync", "loss", "update", "loss"]

@@ -7,7 +7,7 @@ from soapsearch import TraceError, trace, zoo
 from tests.conftest import traced
 from tests.strategies.rulecheck import reference_values
 
-ZOO = ["alexnet", "inception_v3", "resnet101", "rnntc", "rnnlm", "nmt", "mlp", "gpt"]
+ZOO = ["alexnet", "inception_v3", "resnet101", "rnntc", "rnnlm", "nmt", "mlp", "gpt", "llama"]
 COUNTED = {nn.Conv2d: "conv2d", nn.Linear: "linear", nn.BatchNorm2d: "batchnorm2d",
            nn.LayerNorm: "layernorm", nn.LSTM: "lstm", nn.Embedding: "embedding"}
 

@@ -18,7 +18,10 @@ KNOWN_PARAMS = {
     "resnet101": 44.5e6,  # torchvision resnet101: 44,549,160
     "inception_v3": 23.8e6,  # torchvision inception_v3 (27.16M) minus its AuxLogits head
     "gpt": 163.0e6,  # GPT-2 small 124.4M + untied 768x50257 lm_head
+    "llama": 8.03e9,  # LLaMA-3 8B: 8,030,261,248
 }
+DEFAULT_BATCH = {"gpt": 12, "llama": 1}
+"""Default batches other than FlexFlow's 64 per GPU."""
 
 
 def _loss(module: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -28,7 +31,7 @@ def _loss(module: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor) 
 
 def test_names_and_describe() -> None:
     assert set(NAMES) == {
-        "alexnet", "inception_v3", "resnet101", "rnntc", "rnnlm", "nmt", "mlp", "gpt"
+        "alexnet", "inception_v3", "resnet101", "rnntc", "rnnlm", "nmt", "mlp", "gpt", "llama"
     }
     for name in NAMES:
         text = zoo.describe(name)
@@ -113,7 +116,7 @@ def test_default_builds_on_meta(name: str) -> None:
     model, (inputs, targets) = zoo.build(name, device="meta")
     tensors = [*model.parameters(), *model.buffers(), inputs, targets]
     assert all(t.device.type == "meta" for t in tensors)
-    assert inputs.shape[0] == targets.shape[0] == (12 if name == "gpt" else 64)
+    assert inputs.shape[0] == targets.shape[0] == DEFAULT_BATCH.get(name, 64)
     assert not inputs.is_floating_point() or inputs.dtype == torch.float32
     n_params = sum(p.numel() for p in model.parameters())
     if name in KNOWN_PARAMS:

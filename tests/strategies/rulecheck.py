@@ -15,7 +15,7 @@ import torch
 import torch.fx as fx
 
 from soapsearch._fx.base import adapter_for
-from soapsearch.trace import trace
+from soapsearch.trace import _symbolic_trace, trace
 from strategies.graph import OpGraph, OpNode
 from strategies.region import partition_boxes, partition_index, slice_box
 from strategies.rules import get_rule
@@ -23,7 +23,7 @@ from strategies.rules import get_rule
 
 def run_fx(model: torch.nn.Module, inputs: Sequence[torch.Tensor]) -> fx.GraphModule:
     """``model`` symbolic-traced and run for real, each node's value in ``meta["val"]``."""
-    gm = fx.symbolic_trace(model)
+    gm = _symbolic_trace(model)  # the tracer trace() uses: buffers read in forward are get_attr
 
     class Keep(fx.Interpreter):
         def run_node(self, n):
@@ -83,7 +83,7 @@ def run_partitions(graph: OpGraph, values: dict[str, Any], model: torch.nn.Modul
     rule = get_rule(node.kind)
     state = dict(model.named_parameters())
     state.update(dict(model.named_buffers()))
-    gm = fx.symbolic_trace(model)  # fx's folded constants (_tensor_constant0) live here
+    gm = _symbolic_trace(model)  # fx's folded constants (_tensor_constant0) live here
     state.update({n.target: getattr(gm, n.target) for n in gm.graph.nodes
                   if n.op == "get_attr" and n.target not in state and hasattr(gm, n.target)})
     boxes = partition_boxes(node.shape, degrees)

@@ -1,0 +1,98 @@
+"""Which models go in unchanged: for each model (the Hugging Face families of ``soapsearch.hf``,
+hand-written transformer blocks and the zoo's llama), the front end that captured it, its ops
+and opaque ops, the plan a search finds on local-cpu-2 and on a100-1x8 (simulated iteration ms,
+with data parallel's beside it), and one training step of the local-cpu-2 plan on 2 gloo
+processes against one device in float64 (the largest relative error over the loss and every
+weight after the step). The trace column is the seconds of the capture alone. Prints a table;
+asserts nothing.
+
+    python benchmarks/model_coverage.py [--models gpt2,llama,...] [--budget-s 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+import torch
+
+from _gloo import spawn_gloo  # benchmarks/_gloo.py: the process-group boilerplate
+from soapsearch import search, trace
+from soapsearch.executor import Executor, TrainConfig, build_model, make_optimizer
+from strategies.rules import OPAQUE
+
+HF = ["gpt2", "llama", "mistral", "qwen2", "gemma", "phi", "gpt_neox", "opt", "bert", "t5", "bart"]
+OTHERS = {"nanogpt-fused-qkv": "tests.executor.models_multi:nanogpt_split",
+          "nn.MultiheadAttention": "tests.executor.models_multi:mha",
+          "zoo llama": "llama"}
+
+
+def spec_of(name: str) -> str:
+    return OTHERS.get(name, f"soapsearch.hf:{name}")
+
+
+def _rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    scale = ref.abs().max().item() or 1.0
+    return (got - ref).abs().max().item() / scale
+
+
+def _parity(rank: int, world: int, args: tuple[str, Any]) -> float | None:
+    """One Adam step of ``plan`` on this process group vs one device: max relative error."""
+    spec, plan = args
+    built = build_model(spec, "tiny", dtype="float64")
+    config = TrainConfig("adam")
+    ex = Executor(built.graph, plan, built.state, built.inputs, config)
+    loss = ex.step(seed=0)
+    state = ex.state_dict()
+    if rank != 0:
+        return None
+    ref = build_model(spec, "tiny", dtype="float64")
+    opt = make_optimizer([p for p in ref.model.parameters() if p.requires_grad], config)
+    ref_loss = ref.model(*ref.inputs)
+    ref_loss.backward()
+    opt.step()
+    errs = [abs(loss - ref_loss.item()) / abs(ref_loss.item())]
+    errs += [_rel_err(state[k], v) for k, v in ref.model.state_dict().items() if v.is_floating_point()]
+    return max(errs)
+
+
+def one(name: str, budget_s: float) -> dict:
+    spec = spec_of(name)
+    built = build_model(spec, "tiny")
+    t0 = time.perf_counter()
+    graph = trace(built.model, built.inputs)
+    row: dict[str, Any] = {"model": name, "capture": getattr(graph, "capture", "fx"),
+                           "trace_s": time.perf_counter() - t0, "ops": len(graph),
+                           "opaque": sum(n.kind == OPAQUE for n in graph)}
+    for topo in ("local-cpu-2", "a100-1x8"):
+        found = search(graph, topology=topo, budget_s=budget_s, seed=0)
+        row[topo] = (found.predicted_ms, found.baselines.get("data_parallel"))
+        if topo == "local-cpu-2":
+            plan = found.strategy
+    row["max_rel_err"] = spawn_gloo(_parity, (spec, plan), world=2)
+    return row
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", default=",".join(HF + list(OTHERS)))
+    p.add_argument("--budget-s", type=float, default=4.0, help="search seconds per topology")
+    args = p.parse_args()
+    head = (f"{'model':22s} {'capture':7s} {'ops':>4s} {'opaque':>6s} {'cpu-2 found/dp ms':>18s} "
+            f"{'a100-1x8 found/dp ms':>21s} {'parity err':>10s} {'trace s':>7s}")
+    print(head)
+    for name in args.models.split(","):
+        try:
+            r = one(name, args.budget_s)
+        except Exception as e:  # a model that does not go in is a row of the table, not a crash
+            print(f"{name:22s} FAILED: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
+            continue
+        cells = [f"{r[t][0]:.2f}/{r[t][1]:.2f}" if r[t][1] is not None else f"{r[t][0]:.2f}/-"
+                 for t in ("local-cpu-2", "a100-1x8")]
+        print(f"{r['model']:22s} {r['capture']:7s} {r['ops']:4d} {r['opaque']:6d} {cells[0]:>18s} "
+              f"{cells[1]:>21s} {r['max_rel_err']:10.1e} {r['trace_s']:7.2f}")
+
+
+if __name__ == "__main__":
+    main()

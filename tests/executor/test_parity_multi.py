@@ -1,0 +1,51 @@
+"""Parity (see test_parity.py) of attention the tracer takes apart: a nanoGPT whose fused qkv
+Linear is cut by ``split`` / ``chunk`` into slice ops, and ``nn.MultiheadAttention`` traced op by
+op (causal through SDPA; sequence first with dropout, computed explicitly). Plans: data
+parallel, tensor parallel by heads (``heads``: the qkv Linear on out_features, attention on
+heads; ``heads_proj`` also cuts the projections MultiheadAttention computes as matmuls), a
+pipeline and random plans."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.executor.harness import compare, launch
+from tests.executor.models_multi import SPEC as M
+
+pytestmark = pytest.mark.distributed
+
+CASES_2 = [
+    (M + "nanogpt_split", "dp"), (M + "nanogpt_split", "heads"), (M + "nanogpt_split", "gpipe"),
+    (M + "nanogpt_split", "random1"), (M + "nanogpt_chunk", "heads"), (M + "nanogpt_chunk", "random2"),
+    (M + "mha_causal", "dp"), (M + "mha_causal", "heads_proj"), (M + "mha_causal", "1f1b"),
+    (M + "mha_causal", "random3"), (M + "mha_dropout", "dp"), (M + "mha_dropout", "heads_proj"),
+    (M + "mha_dropout", "random4"),
+]
+CASES_4 = [
+    (M + "nanogpt_split", "heads"), (M + "nanogpt_split", "random5"), (M + "mha_causal", "heads_proj"),
+    (M + "mha_causal", "stages_dp"), (M + "mha_dropout", "heads_proj"), (M + "mha_dropout", "random6"),
+]
+
+
+def _id(case) -> str:
+    return "-".join(map(str, case)).removeprefix(M)
+
+
+@pytest.fixture(scope="module")
+def results2():
+    return launch(CASES_2, 2)
+
+
+@pytest.fixture(scope="module")
+def results4():
+    return launch(CASES_4, 4)
+
+
+@pytest.mark.parametrize("i", range(len(CASES_2)), ids=[_id(c) for c in CASES_2])
+def test_parity_2_processes(results2, i):
+    compare(CASES_2[i][0], results2[i])
+
+
+@pytest.mark.parametrize("i", range(len(CASES_4)), ids=[_id(c) for c in CASES_4])
+def test_parity_4_processes(results4, i):
+    compare(CASES_4[i][0], results4[i])
