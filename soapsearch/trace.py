@@ -32,7 +32,7 @@ import soapsearch._fx  # noqa: F401  (registers every adapter)
 from soapsearch._fx.base import ALIAS, MULTI, FxOp, adapter_for
 from soapsearch._fx.mha import Inliner
 from soapsearch._fx.opaque import opaque_op
-from soapsearch._export import export_module, export_reason
+from soapsearch._export import export_module, export_reason, writes_input
 from strategies.graph import Dim, OpGraph, OpNode, TensorSpec, Weight
 from strategies.rules import OPAQUE, get_rule
 from strategies.rules.base import spec_of
@@ -362,6 +362,13 @@ def _adapt(n: fx.Node, gm: fx.GraphModule, v: Any) -> FxOp | None:
         kind = "parameter" if isinstance(_tensor_at(gm, n.target), torch.nn.Parameter) else "constant"
         return FxOp(kind, [], {"target": n.target}, weights=[("value", n.target)])
     if not n.users:
+        if writes_input(n) and not _unread_state(n):
+            raise TraceError(
+                f"op {n.name!r} ({_describe(n)}) at {_source(n) or '?'} writes into a tensor in "
+                "place and nothing reads its result, so the graph would compute without the "
+                "write: write it out of place (x = x + y, not x.add_(y); x = torch.slice_scatter"
+                "(x, v, dim, start, end), not x[...] = v) or capture with torch.export "
+                "(capture=\"export\"), which makes in-place writes out of place")
         return None  # dead code: nothing reads it (the ``_`` of ``out, _ = self.gru(x)``)
     thunk = adapter_for(n, gm)
     fxop = thunk() if thunk else None
@@ -384,6 +391,17 @@ def _adapt(n: fx.Node, gm: fx.GraphModule, v: Any) -> FxOp | None:
     elif not isinstance(v, torch.Tensor):
         return None
     return opaque_op(n, gm, _describe(n))
+
+
+def _unread_state(n: fx.Node) -> bool:
+    """Whether the in-place write ``n`` lands in a buffer or a model input (through getitems)
+    that no later node reads: state the OpGraph does not model (BatchNorm's running statistics,
+    which an exported module writes back with ``copy_``)."""
+    x = n.args[0] if n.args else None
+    while isinstance(x, fx.Node) and x.target is operator.getitem:
+        x = x.args[0]
+    return (isinstance(x, fx.Node) and x.op in ("get_attr", "placeholder")
+            and all(u is n or u < n for u in x.users))
 
 
 def _tuple_root(n: fx.Node) -> fx.Node:

@@ -2,14 +2,15 @@
 expand, split, index, repeat_interleave, triu/tril), the identity-like ops (ALIAS) and the tensor
 factories; each gives the op the fx adapter of the same torch call gives (``shape.py``,
 ``gather.py``, ``mask.py``, ``multi.py``). Slices and selects arrive as ``operator.getitem``
-(``soapsearch._export.canonicalize``) and take the fx getitem adapter."""
+(``soapsearch._export.canonicalize``) and take the fx getitem adapter; a write into a slice,
+made out of place by functionalization, is a ``slice_scatter``."""
 
 from __future__ import annotations
 
 import torch
 import torch.fx as fx
 
-from soapsearch._fx import gather, shape
+from soapsearch._fx import aten_dense, gather, shape
 from soapsearch._fx.aten import args_of, aten
 from soapsearch._fx.base import ALIAS, FxOp, for_functions, val
 from soapsearch._fx.mask import _factory
@@ -138,3 +139,46 @@ def _factory_like(node: fx.Node) -> FxOp | None:
         fill = val(a.get("fill_value", a.get("s")))
     rest = {k: v for k, v in node.kwargs.items() if k in ("requires_grad",)}
     return _factory(node, "torch.full", [list(out.shape), fill], rest)
+
+
+# --- writes into a slice, out of place ------------------------------------------------------
+@for_functions(aten.slice_scatter.default, aten.select_scatter.default, torch.slice_scatter,
+               torch.select_scatter)
+def _scatter(node: fx.Node) -> FxOp | None:
+    """``slice_scatter(x, src, dim, start, end)`` (step 1) or ``select_scatter(x, src, dim,
+    index)``: x with that slab replaced by src (the torch functions take the aten arguments).
+    A slab that is all of x is src; a step other than 1 is left to the opaque op."""
+    select = node.target in (aten.select_scatter.default, torch.select_scatter)
+    names = ("input", "src", "dim") + (("index",) if select else ("start", "end", "step"))
+    defaults = {"dim": 0, "start": None, "end": None, "step": 1}
+    a = {k: val(node.args[i] if i < len(node.args) else node.kwargs.get(k, defaults.get(k)))
+         for i, k in enumerate(names)}
+    x, src, out = a["input"], a["src"], val(node)
+    if (not all(isinstance(t, torch.Tensor) for t in (x, src, out)) or not isinstance(a["dim"], int)
+            or x.dim() == 0 or src.dtype != x.dtype):
+        return None
+    dim = a["dim"] % x.dim()
+    size = x.shape[dim]
+    if select:
+        if not isinstance(a["index"], int):
+            return None
+        start = a["index"] % size
+        stop = start + 1
+    else:
+        if a["step"] != 1 or not all(isinstance(v, (int, type(None)))
+                                     for v in (a["start"], a["end"])):
+            return None
+        start, stop, _ = slice(a["start"], a["end"]).indices(size)
+        stop = max(start, stop)
+        if (start, stop) == (0, size):
+            return FxOp(ALIAS, [node.args[1]])
+    slab = () if select else (stop - start,)
+    if tuple(src.shape) != tuple(x.shape[:dim]) + slab + tuple(x.shape[dim + 1:]):
+        return None
+    return FxOp("slice_scatter", [node.args[0], node.args[1]],
+                {"dim": dim, "start": start, "stop": stop, "select": select})
+
+
+# A functionalized graph's batch norm (``soapsearch._export``): the outputs after the first are
+# the running statistics written back into the buffers, which canonical form leaves unread.
+for_functions(aten._native_batch_norm_legit_functional.default)(aten_dense._batch_norm)
