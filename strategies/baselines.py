@@ -154,9 +154,9 @@ def owt(graph: OpGraph, num_devices: int) -> Strategy:
     for n in graph:
         cfg = None
         if n.kind == "linear":
-            cfg = _split_one(n, len(n.dims) - 1, num_devices, devices)
+            cfg = _split_one(n, len(n.output.shape) - 1, num_devices, devices)
         elif n.kind in ("elementwise", "dropout") and n.inputs and n.inputs[0] in p_split \
-                and graph[n.inputs[0]].shape == n.shape:
+                and graph[n.inputs[0]].output.shape == n.output.shape:
             cfg = _split_one(n, len(n.dims) - 1, num_devices, devices)
         if cfg is not None:
             p_split.add(n.name)
@@ -173,7 +173,7 @@ def param_split(graph: OpGraph, num_devices: int) -> Strategy:
     devices = tuple(range(num_devices))
     configs = {}
     for n in graph:
-        cut = _split_one(n, len(n.dims) - 1, num_devices, devices) if n.kind == "linear" else None
+        cut = _split_one(n, len(n.output.shape) - 1, num_devices, devices) if n.kind == "linear" else None
         configs[n.name] = cut or _whole(n)
     return Strategy.of(configs, num_devices)
 

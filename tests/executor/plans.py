@@ -23,6 +23,19 @@ def _cut(node, dim: int, n: int) -> ParallelConfig | None:
     return ParallelConfig(degrees, tuple(range(n)))
 
 
+def _megatron_mlp(graph: OpGraph, node, n: int) -> ParallelConfig | None:
+    """A zoo gpt block's MLP as Megatron-LM cuts it (Shoeybi et al. 2019): ``mlp_fc``
+    column-parallel (out_features), ``mlp_gelu`` on its features, ``mlp_proj`` row-parallel
+    (in_features); None for every other op."""
+    if node.name.endswith("mlp_fc"):
+        return _cut(node, len(node.output.shape) - 1, n)
+    if node.name.endswith("mlp_gelu"):
+        return _cut(node, len(node.dims) - 1, n)
+    if node.name.endswith("mlp_proj"):
+        return _cut(node, node.reduction_dims[0], n)
+    return None
+
+
 def _with(graph: OpGraph, n: int, pick) -> Strategy:
     base = data_parallel(graph, n)
     return Strategy.of({node.name: pick(node) or base[node.name] for node in graph}, n)
@@ -68,9 +81,21 @@ def make_plan(graph: OpGraph, name: str, n: int) -> Strategy:
     if name in ("gpipe", "1f1b"):
         return pipeline(graph, n, 2, name)
     if name == "param":  # every linear cut on out_features, the rest data parallel
-        return _with(graph, n, lambda node: _cut(node, len(node.dims) - 1, n) if node.kind == "linear" else None)
+        return _with(graph, n, lambda node: _cut(node, len(node.output.shape) - 1, n) if node.kind == "linear" else None)
     if name == "spatial":  # every conv cut on height (attribute), the rest data parallel
         return _with(graph, n, lambda node: _cut(node, 2, n) if node.kind == "conv2d" else None)
+    if name == "row":  # every linear cut on in_features (row-parallel: Partial sums), the rest data parallel
+        return _with(graph, n, lambda node: _cut(node, node.reduction_dims[0], n) if node.kind == "linear" else None)
+    if name == "colrow":  # Megatron-LM's MLP: fc column-parallel, its activation cut alike, proj row-parallel
+        return _with(graph, n, lambda node: _megatron_mlp(graph, node, n))
+    if name.startswith("random_r"):  # random configs; every op with a reduction dim cut on it
+        rng = random.Random(int(name.removeprefix("random_r")))
+        configs = {}
+        for node in graph:
+            every = list(enumerate_configs(node, n))
+            cut = [c for c in every if any(c.degrees[i] > 1 for i in node.reduction_dims)]
+            configs[node.name] = rng.choice(cut or every)
+        return Strategy.of(configs, n)
     if name.startswith("random"):
         m = 2 if name.startswith("random_mb") else 1
         rng = random.Random(int(name.rsplit("random_mb" if m == 2 else "random", 1)[1]))
