@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import random
 
-from strategies.baselines import balanced_stages, data_parallel, hybrid, model_parallel, owt, pipeline
+from strategies.baselines import balanced_stages, baseline, data_parallel, hybrid, model_parallel, owt, pipeline
 from strategies.config import ParallelConfig, enumerate_configs
 from strategies.graph import OpGraph
 from strategies.rules import get_rule
@@ -84,6 +84,8 @@ def make_plan(graph: OpGraph, name: str, n: int) -> Strategy:
         return _with(graph, n, lambda node: _cut(node, len(node.output.shape) - 1, n) if node.kind == "linear" else None)
     if name == "spatial":  # every conv cut on height (attribute), the rest data parallel
         return _with(graph, n, lambda node: _cut(node, 2, n) if node.kind == "conv2d" else None)
+    if name == "megatron":  # strategies.megatron, tensor parallel 2 ways (data parallel over the rest)
+        return baseline("megatron", graph, n, tp=2)
     if name == "row":  # every linear cut on in_features (row-parallel: Partial sums), the rest data parallel
         return _with(graph, n, lambda node: _cut(node, node.reduction_dims[0], n) if node.kind == "linear" else None)
     if name == "colrow":  # Megatron-LM's MLP: fc column-parallel, its activation cut alike, proj row-parallel
