@@ -78,13 +78,14 @@ def partition_flops(node: OpNode, box: Box) -> float:
 
 def partition_bytes(node: OpNode, box: Box, regions: tuple[Box | None, ...] | None = None,
                     weight_regions: dict[str, Box] | None = None) -> int:
-    """Bytes the partition's forward moves: its input regions + weight regions + its output (a
-    loss outputs one scalar). An embedding reads only the rows it gathers, not its whole table."""
+    """Bytes the partition's forward moves: its input regions + weight regions + its output
+    region (a loss outputs one scalar; a reduction cut: its Partial sum of the region). An embedding reads only the rows it gathers, not its whole table."""
     if regions is None or weight_regions is None:
         regions, weight_regions = partition_regions(node, box)
     total = sum(box_numel(r) * DTYPE_BYTES[s.dtype]
                 for r, s in zip(regions, node.input_specs) if r is not None)
-    out = node.output.nbytes if node.kind == "loss" else box_numel(box) * DTYPE_BYTES[node.output.dtype]
+    out = node.output.nbytes if node.kind == "loss" else \
+        box_numel(node.output_region(box)) * DTYPE_BYTES[node.output.dtype]
     for w in node.weights:
         r = weight_regions.get(w.role)
         if r is not None:

@@ -111,7 +111,7 @@ def _cmd_plan(args) -> int:
                          f"{topo.name!r}; give a --topology with as many")
     graph = _graph(args)
     replacing = check_plan_output(args.output, graph, args.force)
-    plan = baseline(args.baseline, graph, devices, args.microbatches)
+    plan = baseline(args.baseline, graph, devices, args.microbatches, args.tp)
     save_strategy(args.output, plan, graph, topology=topo.name)
     path = wrote(args.output)
     if args.json:
@@ -194,6 +194,9 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--devices", type=int, default=None,
                       help="number of devices: the topology's first N (default all of them)")
     plan.add_argument("--microbatches", type=int, default=4, help="pipeline micro-batches")
+    plan.add_argument("--tp", type=int, default=None,
+                      help="tensor-parallel degree of --baseline megatron (default: the largest divisor of "
+                           "the heads and the devices <= 8)")
     plan.add_argument("--topology", default=DEFAULT_TOPOLOGY, help=f"{TOPOLOGY_HELP}; recorded in the plan")
     plan.add_argument("-o", "--output", default="plan.json",
                       help="where to write the plan (default plan.json); a file holding another model's "

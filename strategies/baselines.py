@@ -9,12 +9,13 @@ from typing import Callable, Sequence
 from strategies.config import ParallelConfig, check_degrees
 from strategies.errors import PlanError
 from strategies.graph import OpGraph, OpNode
+from strategies.megatron import megatron
 from strategies.region import partition_index
 from strategies.rules import get_rule
 from strategies.strategy import Strategy
 
-__all__ = ["BASELINES", "baseline", "data_parallel", "hybrid", "model_parallel", "owt", "param_split", "pipeline",
-           "balanced_stages"]
+__all__ = ["BASELINES", "baseline", "data_parallel", "hybrid", "megatron", "model_parallel", "owt", "param_split",
+           "pipeline", "balanced_stages"]
 
 _WHOLE = {"input", "parameter", "constant"}
 
@@ -154,9 +155,9 @@ def owt(graph: OpGraph, num_devices: int) -> Strategy:
     for n in graph:
         cfg = None
         if n.kind == "linear":
-            cfg = _split_one(n, len(n.dims) - 1, num_devices, devices)
+            cfg = _split_one(n, len(n.output.shape) - 1, num_devices, devices)
         elif n.kind in ("elementwise", "dropout") and n.inputs and n.inputs[0] in p_split \
-                and graph[n.inputs[0]].shape == n.shape:
+                and graph[n.inputs[0]].output.shape == n.output.shape:
             cfg = _split_one(n, len(n.dims) - 1, num_devices, devices)
         if cfg is not None:
             p_split.add(n.name)
@@ -173,7 +174,7 @@ def param_split(graph: OpGraph, num_devices: int) -> Strategy:
     devices = tuple(range(num_devices))
     configs = {}
     for n in graph:
-        cut = _split_one(n, len(n.dims) - 1, num_devices, devices) if n.kind == "linear" else None
+        cut = _split_one(n, len(n.output.shape) - 1, num_devices, devices) if n.kind == "linear" else None
         configs[n.name] = cut or _whole(n)
     return Strategy.of(configs, num_devices)
 
@@ -181,17 +182,22 @@ def param_split(graph: OpGraph, num_devices: int) -> Strategy:
 BASELINES: dict[str, Callable[..., Strategy]] = {
     "data_parallel": data_parallel,
     "hybrid": hybrid,
+    "megatron": megatron,
     "model_parallel": model_parallel,
     "owt": owt,
     "pipeline": pipeline,
 }
 
 
-def baseline(name: str, graph: OpGraph, num_devices: int, microbatches: int = 4) -> Strategy:
-    """The baseline plan ``name`` (one of BASELINES) for ``graph`` on ``num_devices``."""
+def baseline(name: str, graph: OpGraph, num_devices: int, microbatches: int = 4,
+             tp: int | None = None) -> Strategy:
+    """The baseline plan ``name`` (one of BASELINES) for ``graph`` on ``num_devices``; ``tp``:
+    the tensor-parallel degree of ``megatron`` (default ``strategies.megatron.default_tp``)."""
     if name not in BASELINES:
         raise PlanError(None, "baseline", name, f"must be one of {sorted(BASELINES)}")
     _check_counts(num_devices, microbatches)
     if name == "pipeline":
         return pipeline(graph, num_devices, microbatches)
+    if name == "megatron":
+        return megatron(graph, num_devices, tp)
     return BASELINES[name](graph, num_devices)

@@ -14,7 +14,7 @@ from strategies.rules import get_rule
 __all__ = ["ROLE_LETTER", "ParallelConfig", "validate_config", "enumerate_configs", "check_degrees", "degree_grids",
            "device_blocks", "format_devices"]
 
-ROLE_LETTER = {"sample": "S", "attribute": "A", "parameter": "P"}
+ROLE_LETTER = {"sample": "S", "attribute": "A", "parameter": "P", "reduction": "R"}
 
 
 def format_devices(devices: Sequence[int]) -> str:

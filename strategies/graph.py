@@ -1,9 +1,10 @@
 """The OpGraph IR: what a traced model is, independent of how it is parallelized.
 
 Vocabulary (docs/design.md, "Glossary"): an *op* is one node of the graph; its *dims* are the dims of
-its iteration space (for every op but a loss, exactly its output tensor's dims); each dim has a
-SOAP *role*: ``sample`` (the batch), ``attribute`` (a split does not split the weights) or
-``parameter`` (a split splits the weights).
+its iteration space: its output tensor's dims (a loss: its per-sample losses' dims), then the
+dims it sums over, if any; each dim has a role: ``sample`` (the batch), ``attribute`` (a split
+does not split the weights), ``parameter`` (a split splits the weights) or ``reduction`` (a dim
+the op sums over: a split leaves each partition a Partial sum of its output region).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any, Iterable, Iterator, Mapping
 
 __all__ = ["ROLES", "TensorSpec", "Dim", "Weight", "OpNode", "OpGraph", "DTYPE_BYTES"]
 
-ROLES = ("sample", "attribute", "parameter")
+ROLES = ("sample", "attribute", "parameter", "reduction")
 
 DTYPE_BYTES = {
     "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
@@ -111,16 +112,33 @@ class OpNode:
         object.__setattr__(self, "weights", tuple(self.weights))
         object.__setattr__(self, "input_specs", tuple(self.input_specs))
         object.__setattr__(self, "attrs", _freeze(dict(self.attrs)))
-        if self.kind != "loss" and tuple(d.size for d in self.dims) != self.output.shape:
+        out = len(self.output.shape)
+        if self.kind != "loss" and tuple(d.size for d in self.dims[:out]) != self.output.shape:
             raise ValueError(
-                f"op {self.name!r}: dims {[d.size for d in self.dims]} do not match its output "
+                f"op {self.name!r}: dims {[d.size for d in self.dims[:out]]} do not match its output "
                 f"shape {list(self.output.shape)}"
             )
+        extra = [d.name for d in self.dims[out:] if d.role != "reduction"] if self.kind != "loss" else []
+        if extra:
+            raise ValueError(f"op {self.name!r}: dims {extra} beyond its output's {out} are not "
+                             "reduction dims (only a dim the op sums over may follow the output's)")
 
     @cached_property
     def shape(self) -> tuple[int, ...]:
         """Sizes of the op's dims (its iteration space)."""
         return tuple(d.size for d in self.dims)
+
+    @cached_property
+    def reduction_dims(self) -> tuple[int, ...]:
+        """Indices of the dims the op sums over (role ``reduction``): they follow the output's
+        dims, so a partition's box holds its output region in its first ``len(output.shape)``
+        coordinates (``output_region``)."""
+        return tuple(i for i, d in enumerate(self.dims) if d.role == "reduction")
+
+    def output_region(self, box: tuple) -> tuple:
+        """The output region of the partition computing ``box``: its first
+        ``len(output.shape)`` coordinates (a loss: the scalar's empty region)."""
+        return box[:len(self.output.shape)]
 
     @cached_property
     def sample_dim(self) -> int | None:

@@ -36,8 +36,10 @@ class Gate(str, enum.Enum):
 
 
 class Partition(NamedTuple):
-    """Partition ``index`` of ``op`` for ``microbatch``: on ``device`` it computes ``box``,
-    reading ``input_regions`` (one per input; None: nothing) and ``weight_regions``."""
+    """Partition ``index`` of ``op`` for ``microbatch``: on ``device`` it computes ``box`` (one
+    range per dim of the op, reduction dims included), reading ``input_regions`` (one per
+    input; None: nothing) and ``weight_regions`` (the roles it reads: a row-parallel linear's
+    bias only where its in_features range starts at 0)."""
 
     op: str
     index: int
@@ -46,6 +48,12 @@ class Partition(NamedTuple):
     box: Box
     input_regions: tuple[Box | None, ...]
     weight_regions: tuple[tuple[str, Box], ...]
+    output: Box
+    """The region of the op's output it holds: ``box``'s first ``len(output.shape)``
+    coordinates (``OpNode.output_region``; ``box`` itself for an op with no reduction dims).
+    Partitions that hold one output region on different coordinates of a cut reduction dim
+    each hold a Partial sum of it (DTensor's ``Partial("sum")``); its consumers add them
+    (``Transfer.partial``)."""
 
 
 class Transfer(NamedTuple):
@@ -64,6 +72,12 @@ class Transfer(NamedTuple):
     dst_device: int
     region: Box
     nbytes: int
+    partial: bool = False
+    """The source holds a Partial sum of ``region`` (its op's reduction dims are cut): the
+    consumer adds the pieces of every holder instead of copying one (a reduce-scatter when the
+    consumer is cut over the holders' devices, a reduce when it is on one device, every holder
+    sending its piece to every reader otherwise). Backward: each holder receives the whole
+    gradient of ``region`` (the gradient of a sum is the same for every term)."""
 
     @property
     def local(self) -> bool:

@@ -152,6 +152,11 @@ def lower_op(graph: OpGraph, strategy: Strategy, node: OpNode, m: int) -> OpPiec
     sources = [(graph[src], strategy[src]) for src in node.inputs]
     moves_grad = [graph.moves_grad(src, node.name) for src in node.inputs]
     itemsize, loss, reads_weights = DTYPE_BYTES[node.output.dtype], node.kind == "loss", node.kind not in WEIGHT_KINDS
+    out_ndim = len(node.output.shape)
+    # per input: the full ranges of its producer's reduction dims (every holder of a Partial
+    # region is a source) and whether they are cut (the pieces are Partial sums)
+    sums = [tuple((0, p.shape[i]) for i in p.reduction_dims) for p, _ in sources]
+    partial = [any(c.degrees[i] > 1 for i in p.reduction_dims) for p, c in sources]
     for j in range(m):
         parts = []
         grids = [_grid(p, c.degrees, j, m) for p, c in sources]
@@ -159,13 +164,14 @@ def lower_op(graph: OpGraph, strategy: Strategy, node: OpNode, m: int) -> OpPiec
             ins = rule.input_regions(node, box)
             ws = rule.weight_regions(node, box)
             dev = cfg.devices[k]
+            out = box[:out_ndim]
             parts.append(Partition(node.name, k, j, dev, box, tuple(ins),
-                                   tuple((w.role, ws[w.role]) for w in node.weights)))
+                                   tuple((w.role, ws[w.role]) for w in node.weights if w.role in ws), out))
             if j == 0:
-                kept[dev] += 8 if loss else itemsize * box_numel(box)  # kept for backward
+                kept[dev] += 8 if loss else itemsize * box_numel(out)  # kept for backward
                 if reads_weights:
                     reads.extend(_new(WeightRead, (w.name, ws[w.role], dev, node.name, w.spec.dtype, w.trainable))
-                                 for w in node.weights)
+                                 for w in node.weights if w.role in ws)
             for slot, region in enumerate(ins):
                 if region is None:
                     continue
@@ -177,10 +183,15 @@ def lower_op(graph: OpGraph, strategy: Strategy, node: OpNode, m: int) -> OpPiec
                                                        w.trainable)))
                     continue
                 size, src, devices = DTYPE_BYTES[producer.output.dtype], producer.name, pcfg.devices
-                for q, piece, numel in _overlaps(grids[slot], pcfg.degrees, region):
+                extra = sums[slot]
+                for q, piece, numel in _overlaps(grids[slot], pcfg.degrees, region + extra if extra else region):
+                    if extra:  # the output part of a box over the producer's reduction dims too
+                        piece = piece[:len(region)]
+                        numel = box_numel(piece)
                     src_dev, nbytes = devices[q], numel * size
                     # the hot loop: a Transfer made as the tuple it is (no Python-level __new__)
-                    transfers.append(_new(Transfer, (src, q, node.name, k, slot, j, src_dev, dev, piece, nbytes)))
+                    transfers.append(_new(Transfer, (src, q, node.name, k, slot, j, src_dev, dev, piece, nbytes,
+                                                     partial[slot])))
                     if src_dev != dev:
                         couples.add((src_dev, dev))
                         if j == 0:  # a remote piece: received, kept for backward, its gradient sent back

@@ -111,7 +111,7 @@ def probe_chains(n: int, task_sizes: Sequence[int] = TASK_SIZES, piece_sizes: Se
         for node in graph:
             if node.kind == "linear":
                 plan = plan.replace(node.name, ParallelConfig(
-                    tuple(n if i == len(node.dims) - 1 else 1 for i in range(len(node.dims))), everyone))
+                    tuple(n if i == len(node.output.shape) - 1 else 1 for i in range(len(node.dims))), everyone))
         yield "exchange", model, batch, graph, plan
     model, batch, graph = build_chain(PIPELINE_UNITS, 8 * n)
     for m in microbatches:

@@ -60,7 +60,8 @@ class Piece(NamedTuple):
 class Slot(NamedTuple):
     """How an input of a partition is read: a view ``index`` of local ``weight``, or the
     ``pieces`` of a producer's output (``shape``, ``dtype``); ``leaf`` cuts the graph there with a
-    leaf copy, ``link`` keeps it (the producer is linked); neither: no gradient, detached."""
+    leaf copy, ``link`` keeps it (the producer is linked); neither: no gradient, detached.
+    ``partial``: the pieces are Partial sums (``Transfer.partial``), added in piece order."""
 
     weight: str | None
     index: Index
@@ -69,6 +70,7 @@ class Slot(NamedTuple):
     dtype: torch.dtype | None
     leaf: bool
     link: bool
+    partial: bool = False
 
 
 class Send(NamedTuple):
@@ -219,10 +221,9 @@ def recipes(low: Lowered, order: Sequence[Step], rank: int,
             lw.ids[k], p, node, f"F {p.op}[{p.index}] mb{p.microbatch}", f"B {p.op}[{p.index}] mb{p.microbatch}",
             slice_box(p.box), _slots(lw, p, linked, weight_index),
             tuple((role, node.weight(role).name, weight_index(node.weight(role).name, region))
-                  for role, region in p.weight_regions
-                  if node.kind not in WEIGHT_KINDS),  # a weight op's consumers read the weight
+                  for role, region in p.weight_regions) if node.kind not in WEIGHT_KINDS else (),  # read by consumers
             lw.grouped.get(k),
-            tuple(Send(i, t.dst_device, index_in(t.region, p.box)) for i, t in lw.out_of.get(k, ()) if not t.local),
+            tuple(Send(i, t.dst_device, index_in(t.region, p.output)) for i, t in lw.out_of.get(k, ()) if not t.local),
             p.op in graph.outputs and (every_rank or p.index == 0), kind, seed, _loss_sum(lw, k),
             grad_pieces, bool(grad_pieces) and all(g.into is None for g in grad_pieces), grad_sends))
     return out
@@ -261,14 +262,15 @@ def _slots(lw: _Lowering, p: Partition, linked: set[tuple],
                 skey = (src.name, t.src_index, t.microbatch)
                 pieces.append(Piece(
                     i, None if t.local else t.src_device, lw.ids[skey] if t.local else None, slot,
-                    index_in(t.region, lw.parts[skey].box) if t.local else None, index_in(t.region, region),
+                    index_in(t.region, lw.parts[skey].output) if t.local else None, index_in(t.region, region),
                     box_shape(t.region),
                     f"output of op {src.name!r} partition {t.src_index} (micro-batch {p.microbatch}) "
                     f"for {_where(p)}"))
         carry = lw.grad[src.name] and lw.grad[p.op]
         link = carry and len(pieces) == 1 and pieces[0].peer is None and lw.keys[pieces[0].task] in linked
         slots.append(Slot(None, None, tuple(pieces), box_shape(region), getattr(torch, src.output.dtype),
-                          carry and not link, link))
+                          carry and not link, link, any(t.partial for _, t in lw.into.get((p.op, p.index, p.microbatch), ())
+                                                        if t.slot == slot)))
     return tuple(slots)
 
 
@@ -283,7 +285,7 @@ def _grad_pieces(lw: _Lowering, p: Partition) -> tuple[Piece, ...]:
         out.append(Piece(
             i, None if t.local else t.dst_device, lw.ids[dst] if t.local else None, t.slot,
             index_in(t.region, lw.parts[dst].input_regions[t.slot]) if t.local else None,
-            index_in(t.region, p.box), box_shape(t.region),
+            index_in(t.region, p.output), box_shape(t.region),
             f"gradient for {_where(p)} from op {t.dst_op!r} partition {t.dst_index}"))
     return tuple(out)
 

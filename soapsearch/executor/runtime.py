@@ -305,9 +305,18 @@ class Executor:
 
     def _gather(self, s: Slot) -> torch.Tensor:
         """An input read from producers' outputs: detached unless ``s.link``; a piece that is
-        the whole input is used as it is, several are copied into one buffer."""
+        the whole input is used as it is, several are copied into one buffer, or, Partial
+        sums (``s.partial``), added into it in piece order (the holders' partition order)."""
         if len(s.pieces) == 1 and s.pieces[0].into is None:
             return self._piece(s.pieces[0], s.dtype, s.link)
+        if s.partial:
+            buf = torch.zeros(s.shape, dtype=s.dtype, device=self.device)
+            for piece in s.pieces:
+                if piece.into is None:
+                    buf += self._piece(piece, s.dtype, False)
+                else:
+                    buf[piece.into] += self._piece(piece, s.dtype, False)
+            return buf
         buf = torch.empty(s.shape, dtype=s.dtype, device=self.device)
         for piece in s.pieces:
             buf[piece.into] = self._piece(piece, s.dtype, False)

@@ -16,29 +16,34 @@ from strategies.rules.base import (Reduce, SplitAll, broadcast_region, dim_named
 
 @register("linear")
 class Linear(SplitAll):
-    """y[..., o] = x[..., :] · W[o, :] + b[o]: leading dims as x, out_features a P dim."""
+    """y[..., o] = Σ_i x[..., i] · W[o, i] + b[o]: leading dims as x, out_features a P dim,
+    in_features an R dim (a cut of it is Megatron-LM's row-parallel linear, Shoeybi et al. 2019:
+    each partition reads its columns of x and W and holds a Partial sum; the bias is added by
+    the partitions whose in_features range starts at 0 only, so it is summed once)."""
 
     def dims(self, node: OpNode, sample: int | None) -> tuple[Dim, ...]:
-        n = len(node.shape)
+        n = len(node.output.shape)
         return tuple(
             dim_named(i, sample, "out_features" if i == n - 1 else ("seq" if n > 2 else f"d{i}"),
                       "parameter" if i == n - 1 else "attribute", s)
-            for i, s in enumerate(node.shape)
-        )
+            for i, s in enumerate(node.output.shape)
+        ) + (Dim("in_features", node.input_specs[0].shape[-1], "reduction"),)
 
     def input_regions(self, node: OpNode, box: Box) -> tuple[Box, ...]:
-        return (box[:-1] + ((0, node.input_specs[0].shape[-1]),),)
+        n = len(node.output.shape)
+        return (box[:n - 1] + (box[n],),)
 
     def weight_regions(self, node: OpNode, box: Box) -> dict[str, Box]:
-        out = {"weight": (box[-1], (0, node.weight("weight").spec.shape[1]))}
-        if node.weight("bias") is not None:
-            out["bias"] = (box[-1],)
+        n = len(node.output.shape)
+        out = {"weight": (box[n - 1], box[n])}
+        if node.weight("bias") is not None and box[n][0] == 0:
+            out["bias"] = (box[n - 1],)
         return out
 
     def gemm_size(self, node: OpNode, box: Box) -> int | None:
-        """min(rows, out_features, in_features) of [rows, in] × [in, out]."""
+        """min(rows, out_features, in_features) of [rows, in] × [in, out] (its cut's sizes)."""
         shape = box_shape(box)
-        return min(math.prod(shape[:-1]), shape[-1], node.input_specs[0].shape[-1])
+        return min(math.prod(shape[:-2]), shape[-2], shape[-1])
 
     def forward(self, node: OpNode, box: Box, inputs: Sequence[torch.Tensor],
                 weights: Mapping[str, torch.Tensor], reduce: Reduce = no_reduce) -> torch.Tensor:
@@ -47,24 +52,27 @@ class Linear(SplitAll):
 
 @register("matmul")
 class MatMul(SplitAll):
-    """C[..., i, j] = Σ_k A[..., i, k] · B[..., k, j] (torch.matmul): batch dims broadcast, no weights."""
+    """C[..., i, j] = Σ_k A[..., i, k] · B[..., k, j] (torch.matmul): batch dims broadcast, no
+    weights; k is an R dim (a cut of it leaves each partition a Partial sum of its C region)."""
 
     def dims(self, node: OpNode, sample: int | None) -> tuple[Dim, ...]:
-        n = len(node.shape)
+        n = len(node.output.shape)
         names = {n - 2: "rows", n - 1: "cols"}
         return tuple(dim_named(i, sample, names.get(i, f"batch{i}"), "attribute", s)
-                     for i, s in enumerate(node.shape))
+                     for i, s in enumerate(node.output.shape)
+                     ) + (Dim("inner", node.input_specs[0].shape[-1], "reduction"),)
 
     def input_regions(self, node: OpNode, box: Box) -> tuple[Box, ...]:
         a, b = (s.shape for s in node.input_specs)
-        lead = box[:-2]
-        return (broadcast_region(lead, a[:-2], len(lead)) + (box[-2], (0, a[-1])),
-                broadcast_region(lead, b[:-2], len(lead)) + ((0, b[-2]), box[-1]))
+        n = len(node.output.shape)
+        lead, inner = box[:n - 2], box[n]
+        return (broadcast_region(lead, a[:-2], len(lead)) + (box[n - 2], inner),
+                broadcast_region(lead, b[:-2], len(lead)) + (inner, box[n - 1]))
 
     def gemm_size(self, node: OpNode, box: Box) -> int | None:
-        """min(rows, cols, inner) of each [rows, inner] × [inner, cols] product."""
+        """min(rows, cols, inner) of each [rows, inner] × [inner, cols] product (its cut's sizes)."""
         shape = box_shape(box)
-        return min(shape[-2], shape[-1], node.input_specs[0].shape[-1])
+        return min(shape[-3], shape[-2], shape[-1])
 
     def forward(self, node: OpNode, box: Box, inputs: Sequence[torch.Tensor],
                 weights: Mapping[str, torch.Tensor], reduce: Reduce = no_reduce) -> torch.Tensor:
@@ -73,32 +81,49 @@ class MatMul(SplitAll):
 
 @register("embedding")
 class Embedding(SplitAll):
-    """y[..., e] = W[ids[...], e] (a row gather): embed_dim a P dim, the ids read as the box."""
+    """y[..., e] = W[ids[...], e] (a row gather): embed_dim a P dim, the ids read as the box, the
+    vocabulary rows an R dim: Megatron-LM's vocab-parallel embedding (Shoeybi et al. 2019), each
+    partition looks up the ids in its row range and outputs zeros for the others, so the
+    partitions' outputs are Partial sums whose sum is the lookup."""
 
     def dims(self, node: OpNode, sample: int | None) -> tuple[Dim, ...]:
-        n = len(node.shape)
+        n = len(node.output.shape)
         return tuple(
             dim_named(i, sample, "embed_dim" if i == n - 1 else ("seq" if n == 3 else f"d{i}"),
                       "parameter" if i == n - 1 else "attribute", s)
-            for i, s in enumerate(node.shape)
-        )
+            for i, s in enumerate(node.output.shape)
+        ) + (Dim("vocab", node.weight("weight").spec.shape[0], "reduction"),)
 
     def unsplittable(self, node: OpNode) -> set[int]:
-        # scale_grad_by_freq divides each row's gradient by its id count over all the ids
-        return set(range(len(node.shape) - 1)) if node.attrs.get("scale_grad_by_freq") else set()
+        # scale_grad_by_freq divides each row's gradient by its id count over all the ids (and a
+        # vocab cut would count its masked ids as row 0's)
+        n = len(node.output.shape)
+        return {i for i in range(n + 1) if i != n - 1} if node.attrs.get("scale_grad_by_freq") else set()
 
     def input_regions(self, node: OpNode, box: Box) -> tuple[Box, ...]:
-        return (box[:-1],)
+        return (box[:len(node.output.shape) - 1],)
 
     def weight_regions(self, node: OpNode, box: Box) -> dict[str, Box]:
-        return {"weight": ((0, node.weight("weight").spec.shape[0]), box[-1])}
+        n = len(node.output.shape)
+        return {"weight": (box[n], box[n - 1])}
 
     def forward(self, node: OpNode, box: Box, inputs: Sequence[torch.Tensor],
                 weights: Mapping[str, torch.Tensor], reduce: Reduce = no_reduce) -> torch.Tensor:
         a = node.attrs
-        return F.embedding(inputs[0], weights["weight"], padding_idx=a.get("padding_idx"),
-                           scale_grad_by_freq=bool(a.get("scale_grad_by_freq")),
-                           sparse=bool(a.get("sparse")))
+        ids, w = inputs[0], weights["weight"]
+        vocab = node.weight("weight").spec.shape[0]
+        lo, hi = box[len(node.output.shape)]
+        pad = a.get("padding_idx")
+        if pad is not None and pad < 0:
+            pad += vocab
+        if (lo, hi) == (0, vocab):
+            return F.embedding(ids, w, padding_idx=pad, scale_grad_by_freq=bool(a.get("scale_grad_by_freq")),
+                               sparse=bool(a.get("sparse")))
+        mine = (ids >= lo) & (ids < hi)
+        local = (ids - lo).masked_fill(~mine, 0)
+        out = F.embedding(local, w, padding_idx=pad - lo if pad is not None and lo <= pad < hi else None,
+                          sparse=bool(a.get("sparse")))
+        return out * mine.unsqueeze(-1).to(out.dtype)
 
 
 @register("attention")

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import random
 
-from strategies.baselines import balanced_stages, data_parallel, hybrid, model_parallel, owt, pipeline
+from strategies.baselines import balanced_stages, baseline, data_parallel, hybrid, model_parallel, owt, pipeline
 from strategies.config import ParallelConfig, enumerate_configs
 from strategies.graph import OpGraph
 from strategies.rules import get_rule
@@ -37,6 +37,19 @@ def _heads(node, n: int) -> ParallelConfig | None:
                 and all(s % g == 0 for s, g in zip(node.shape, degrees))
                 and get_rule(node.kind).check_degrees(node, degrees) is None):
             return ParallelConfig(tuple(degrees), tuple(range(n)))
+    return None
+
+
+def _megatron_mlp(graph: OpGraph, node, n: int) -> ParallelConfig | None:
+    """A zoo gpt block's MLP as Megatron-LM cuts it (Shoeybi et al. 2019): ``mlp_fc``
+    column-parallel (out_features), ``mlp_gelu`` on its features, ``mlp_proj`` row-parallel
+    (in_features); None for every other op."""
+    if node.name.endswith("mlp_fc"):
+        return _cut(node, len(node.output.shape) - 1, n)
+    if node.name.endswith("mlp_gelu"):
+        return _cut(node, len(node.dims) - 1, n)
+    if node.name.endswith("mlp_proj"):
+        return _cut(node, node.reduction_dims[0], n)
     return None
 
 
@@ -85,16 +98,30 @@ def make_plan(graph: OpGraph, name: str, n: int) -> Strategy:
     if name in ("gpipe", "1f1b"):
         return pipeline(graph, n, 2, name)
     if name == "param":  # every linear cut on out_features, the rest data parallel
-        return _with(graph, n, lambda node: _cut(node, len(node.dims) - 1, n) if node.kind == "linear" else None)
+        return _with(graph, n, lambda node: _cut(node, len(node.output.shape) - 1, n) if node.kind == "linear" else None)
     if name == "heads":  # tensor parallel by heads: attention on heads, linears on out_features
         return _with(graph, n, lambda node: _heads(node, n) if node.kind == "attention" else
-                     _cut(node, len(node.dims) - 1, n) if node.kind == "linear" else None)
+                     _cut(node, len(node.output.shape) - 1, n) if node.kind == "linear" else None)
     if name == "heads_proj":  # "heads", and 3-D matmuls (a projection by a sliced weight) on cols
         return _with(graph, n, lambda node: _heads(node, n) if node.kind == "attention" else
-                     _cut(node, len(node.dims) - 1, n) if node.kind == "linear"
-                     or (node.kind == "matmul" and len(node.dims) == 3) else None)
+                     _cut(node, len(node.output.shape) - 1, n) if node.kind == "linear"
+                     or (node.kind == "matmul" and len(node.output.shape) == 3) else None)
     if name == "spatial":  # every conv cut on height (attribute), the rest data parallel
         return _with(graph, n, lambda node: _cut(node, 2, n) if node.kind == "conv2d" else None)
+    if name == "megatron":  # strategies.megatron, tensor parallel 2 ways (data parallel over the rest)
+        return baseline("megatron", graph, n, tp=2)
+    if name == "row":  # every linear cut on in_features (row-parallel: Partial sums), the rest data parallel
+        return _with(graph, n, lambda node: _cut(node, node.reduction_dims[0], n) if node.kind == "linear" else None)
+    if name == "colrow":  # Megatron-LM's MLP: fc column-parallel, its activation cut alike, proj row-parallel
+        return _with(graph, n, lambda node: _megatron_mlp(graph, node, n))
+    if name.startswith("random_r"):  # random configs; every op with a reduction dim cut on it
+        rng = random.Random(int(name.removeprefix("random_r")))
+        configs = {}
+        for node in graph:
+            every = list(enumerate_configs(node, n))
+            cut = [c for c in every if any(c.degrees[i] > 1 for i in node.reduction_dims)]
+            configs[node.name] = rng.choice(cut or every)
+        return Strategy.of(configs, n)
     if name.startswith("random"):
         m = 2 if name.startswith("random_mb") else 1
         rng = random.Random(int(name.rsplit("random_mb" if m == 2 else "random", 1)[1]))

@@ -33,7 +33,8 @@ ZOO = ("alexnet", "inception_v3", "resnet101", "rnntc", "rnnlm", "nmt", "mlp", "
 
 def linear(batch: int, fin: int, fout: int, name: str = "fc") -> OpNode:
     return OpNode(name, "linear", ("x",), TensorSpec((batch, fout)),
-                  (Dim("sample", batch, "sample"), Dim("out_features", fout, "parameter")),
+                  (Dim("sample", batch, "sample"), Dim("out_features", fout, "parameter"),
+                   Dim("in_features", fin, "reduction")),
                   weights=(Weight("weight", f"{name}.weight", TensorSpec((fout, fin))),
                            Weight("bias", f"{name}.bias", TensorSpec((fout,)))),
                   input_specs=(TensorSpec((batch, fin)),), flops=2 * batch * fin * fout)
@@ -60,7 +61,7 @@ def conv_node(graph) -> OpNode:
 # --- analytical ---------------------------------------------------------------------------
 def test_roofline_by_hand_compute_bound():
     node = linear(4096, 4096, 4096)
-    box = ((0, 4096), (0, 2048))  # half the out features: half the FLOPs and half the weight
+    box = ((0, 4096), (0, 2048), (0, 4096))  # half the out features: half the FLOPs and half the weight
     fwd, bwd = AnalyticalCostModel().op_time(node, box, GPU)
     flops = 2 * 4096 * 4096 * 2048
     nbytes = 4 * (4096 * 4096 + 2048 * 4096 + 2048 + 4096 * 2048)
@@ -95,7 +96,7 @@ def test_four_way_split_is_a_quarter_when_compute_bound():
     node = linear(8192, 4096, 4096)
     model = AnalyticalCostModel()
     whole = model.op_time(node, full_box(node.shape), GPU)
-    for degrees in ((4, 1), (1, 4), (2, 2)):
+    for degrees in ((4, 1, 1), (1, 4, 1), (2, 2, 1), (1, 1, 4), (2, 1, 2)):  # R: a quarter of the sums
         part = model.op_time(node, partition_box(node.shape, degrees, 3), GPU)
         assert part[0] == pytest.approx(whole[0] / 4, rel=0.01)
         assert part[1] == pytest.approx(whole[1] / 4, rel=0.01)
@@ -158,7 +159,7 @@ def test_profiled_measures_linear_and_conv_on_cpu_then_caches(tmp_path, conv_gra
     path = tmp_path / "profile.json"
     model = ProfiledCostModel(cache_path=path, repeats=3, warmup=1)
     node = linear(32, 64, 128)
-    cases = [(node, partition_box(node.shape, (1, 2), 1)),
+    cases = [(node, partition_box(node.shape, (1, 2, 1), 1)),
              (conv_node(conv_graph), partition_box(conv_node(conv_graph).shape, (1, 2, 2, 1), 1))]
     measured = [model.op_time(n, b, CPU) for n, b in cases]
     for fwd, bwd in measured:
@@ -189,7 +190,7 @@ def test_profiled_tolerates_a_corrupt_cache(tmp_path):
 
 
 def test_profiled_subtracts_the_harness_once_per_device_kind(tmp_path, monkeypatch):
-    raw = {(8, 16): (50e-6, 120e-6), (8, 32): (5e-6, 30e-6), (8, 64): (40e-6, 0.0)}
+    raw = {(8, 16, 16): (50e-6, 120e-6), (8, 32, 16): (5e-6, 30e-6), (8, 64, 16): (40e-6, 0.0)}
     monkeypatch.setattr(profiled_mod, "measure_partition", lambda node, box, **kw: raw[node.shape])
     harness = []
     monkeypatch.setattr(profiled_mod, "harness_overhead", lambda **kw: harness.append(1) or (10e-6, 50e-6))
@@ -282,7 +283,7 @@ def test_gemm_size_is_the_smallest_product_dimension(conv_graph, graphs):
 
     fc = linear(8, 1024, 512)
     assert get_rule("linear").gemm_size(fc, full_box(fc.shape)) == 8
-    assert get_rule("linear").gemm_size(fc, partition_box(fc.shape, (1, 128), 0)) == 4  # 512 / 128 columns
+    assert get_rule("linear").gemm_size(fc, partition_box(fc.shape, (1, 128, 1), 0)) == 4  # 512 / 128 columns
     conv = conv_node(conv_graph)  # [2, 8, 16, 16] from 3 channels, 3x3: min(2*16*16, 8, 3*9)
     assert get_rule("conv2d").gemm_size(conv, full_box(conv.shape)) == 8
     assert get_rule("conv2d").gemm_size(conv, partition_box(conv.shape, (2, 4, 2, 2), 0)) == 2  # 2 channels

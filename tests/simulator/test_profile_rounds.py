@@ -19,7 +19,8 @@ CPU = DeviceSpec("cpu", 64 << 30, {"float32": 1e12}, 50e9)
 
 def linear(batch: int, fout: int, name: str) -> OpNode:
     return OpNode(name, "linear", ("x",), TensorSpec((batch, fout)),
-                  (Dim("sample", batch, "sample"), Dim("out_features", fout, "parameter")),
+                  (Dim("sample", batch, "sample"), Dim("out_features", fout, "parameter"),
+                   Dim("in_features", 8, "reduction")),
                   weights=(Weight("weight", f"{name}.weight", TensorSpec((fout, 8))),),
                   input_specs=(TensorSpec((batch, 8)),), flops=2 * batch * 8 * fout)
 

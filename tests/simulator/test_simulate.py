@@ -186,7 +186,7 @@ def test_exchanged_pieces_cost_the_exchange_overhead(plan_name):
     go 0 -> 1 and a targets piece 1 -> 0, so the logits are exchanged forward, not backward."""
     g = traced("mlp")
     if plan_name == "param":  # every linear cut on out_features, the rest on the batch: all exchanged
-        plan = Strategy.of({n.name: ParallelConfig(tuple(2 if i == (len(n.dims) - 1 if n.kind == "linear" else 0)
+        plan = Strategy.of({n.name: ParallelConfig(tuple(2 if i == (len(n.output.shape) - 1 if n.kind == "linear" else 0)
                                                          else 1 for i in range(len(n.dims))), (0, 1)) for n in g}, 2)
     elif plan_name == "loss_across":
         last, targets = [n for n in g if n.kind == "linear"][-1], [n for n in g if n.kind == "input"][-1]

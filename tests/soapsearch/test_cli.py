@@ -30,7 +30,7 @@ def test_show_json_matches_graph(capsys):
     assert obj["fingerprint"] == g.fingerprint() and len(obj["ops"]) == len(g)
     assert obj["batch_size"] == g.batch_size and obj["opaque"] == []
     head = next(o for o in obj["ops"] if o["name"] == "lm_head")
-    assert [d["role"] for d in head["dims"]] == ["sample", "attribute", "parameter"]
+    assert [d["role"] for d in head["dims"]] == ["sample", "attribute", "parameter", "reduction"]
     assert head["weights"] == {"lm_head.weight": [50, 16]}
 
 

@@ -45,7 +45,7 @@ def test_sample_dim_follows_the_batch_through_reshapes():
             assert n.sample_dim is not None, n.name
             assert n.dims[n.sample_dim].size in (b, b * 8), n.name  # [B, ...] or [B*T, ...]
     head = g["lm_head"]
-    assert [d.role for d in head.dims] == ["sample", "attribute", "parameter"]
+    assert [d.role for d in head.dims] == ["sample", "attribute", "parameter", "reduction"]
 
 
 def test_flops_from_flop_counter():

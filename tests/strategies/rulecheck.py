@@ -1,6 +1,7 @@
 """Ground-truth check of op rules: trace a small module, run it for real, then compute every
 partition of an op from only the input and weight regions its rule names and compare with that
-slice of the real output. Reductions run as a real all-reduce would: every partition of a group
+slice of the real output (a cut of a reduction dim: the sum of the Partial outputs of the
+partitions that share an output region). Reductions run as a real all-reduce would: every partition of a group
 in its own thread, summing in partition order behind a barrier."""
 
 from __future__ import annotations
@@ -100,8 +101,8 @@ def run_partitions(graph: OpGraph, values: dict[str, Any], model: torch.nn.Modul
         regions = rule.input_regions(node, box)
         ins = [None if r is None else values[src][slice_box(r)]
                for src, r in zip(node.inputs, regions)]
-        ws = {w.role: state[w.name][slice_box(r)]
-              for w in node.weights for r in [rule.weight_regions(node, box)[w.role]]}
+        ws = {role: state[node.weight(role).name][slice_box(r)]
+              for role, r in rule.weight_regions(node, box).items()}
         try:
             results[k] = rule.forward(node, box, ins, ws, reducer)
         except BaseException as e:  # noqa: BLE001
@@ -135,12 +136,22 @@ def run_partitions(graph: OpGraph, values: dict[str, Any], model: torch.nn.Modul
 
 def check_op(graph: OpGraph, values: dict[str, Any], model: torch.nn.Module, name: str,
              degrees: Sequence[int], atol: float = 1e-10) -> None:
-    """Assert every partition equals its slice of the real output (a loss: the whole value)."""
+    """Assert every partition equals its slice of the real output (a loss: the whole value); the
+    partitions of one output region on a cut reduction dim: their sum equals it, each added in
+    partition order."""
     node = graph[name]
     full = values[name]
     outs = run_partitions(graph, values, model, name, degrees)
+    partial = any(degrees[i] > 1 for i in node.reduction_dims)
+    sums: dict[Any, tuple[int, tuple, torch.Tensor]] = {}
     for k, (box, out) in enumerate(zip(partition_boxes(node.shape, degrees), outs)):
-        want = full if node.kind == "loss" else full[slice_box(box)]
+        region = node.output_region(box) if partial else k
+        first = sums.get(region)
+        sums[region] = (k, box, out) if first is None else (first[0], first[1], first[2] + out)
+    if partial:
+        assert len(sums) * _prod(degrees[i] for i in node.reduction_dims) == len(outs)
+    for k, box, out in sums.values():
+        want = full if node.kind == "loss" else full[slice_box(node.output_region(box))]
         assert out.shape == want.shape, f"{name} {degrees} partition {k}: shape {tuple(out.shape)} != {tuple(want.shape)}"
         torch.testing.assert_close(out, want, atol=atol, rtol=1e-9,
                                    msg=lambda m: f"{name} ({node.kind}) degrees {tuple(degrees)} partition {k} box {box}: {m}")

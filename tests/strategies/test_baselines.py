@@ -54,8 +54,9 @@ def test_owt_splits_linears_on_parameter_dim():
     plan = owt(g, 4)
     for n in g:
         cfg = plan[n.name]
-        if n.kind == "linear" and n.shape[-1] % 4 == 0:
-            assert cfg.degrees[-1] == 4 and n.dims[-1].role == "parameter", n.name
+        out = len(n.output.shape) - 1  # out_features (in_features, a reduction dim, follows)
+        if n.kind == "linear" and n.shape[out] % 4 == 0:
+            assert cfg.degrees[out] == 4 and n.dims[out].role == "parameter", n.name
         elif n.kind == "linear":  # 10 classes do not split 4 ways: data parallel instead
             assert cfg.degrees[n.sample_dim] == 4 and cfg.parts == 4, n.name
         elif n.kind == "conv2d":

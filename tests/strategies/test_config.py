@@ -26,15 +26,17 @@ def test_short_string_form():
 
 def test_validate_names_op_dim_and_arithmetic():
     g = traced("mlp")
-    node = g["layers_0"]  # [4, 32]
-    with pytest.raises(PlanError, match=r"op 'layers_0': degrees = \[1, 3\]: degree 3 on dim 'out_features'\(32\) does not divide it"):
-        validate_config(node, ParallelConfig((1, 3), (0, 1, 2)), 4)
+    node = g["layers_0"]  # [4, 32] from 16 in_features
+    with pytest.raises(PlanError, match=r"op 'layers_0': degrees = \[1, 3, 1\]: degree 3 on dim 'out_features'\(32\) does not divide it"):
+        validate_config(node, ParallelConfig((1, 3, 1), (0, 1, 2)), 4)
+    with pytest.raises(PlanError, match=r"op 'layers_0': degrees = \[1, 1, 3\]: degree 3 on dim 'in_features'\(16\) does not divide it"):
+        validate_config(node, ParallelConfig((1, 1, 3), (0, 1, 2)), 4)  # a reduction cut, like any other
     with pytest.raises(PlanError, match=r"devices\[1\] = 4: device 4 is out of range for 4 devices"):
-        validate_config(node, ParallelConfig((2, 1), (0, 4)), 4)
+        validate_config(node, ParallelConfig((2, 1, 1), (0, 4)), 4)
     with pytest.raises(PlanError, match=r"degree 4 on dim 'sample'\(4 / 2 micro-batches = 2\)"):
-        validate_config(node, ParallelConfig((4, 1), (0, 1, 2, 3)), 4, microbatches=2)
-    with pytest.raises(PlanError, match=r"3 degrees for 2 dims"):
-        validate_config(node, ParallelConfig((1, 1, 1), (0,)), 4)
+        validate_config(node, ParallelConfig((4, 1, 1), (0, 1, 2, 3)), 4, microbatches=2)
+    with pytest.raises(PlanError, match=r"2 degrees for 3 dims \['sample', 'out_features', 'in_features'\]"):
+        validate_config(node, ParallelConfig((1, 1), (0,)), 4)
 
 
 def test_forbidden_dim_is_rejected():
@@ -47,10 +49,12 @@ def test_forbidden_dim_is_rejected():
 
 def test_enumeration_is_every_valid_config():
     g = traced("mlp")
-    node = g["layers_0"]  # [4, 32]: degrees (s, p) with s | 4, p | 32, s*p <= 8
+    node = g["layers_0"]  # [4, 32] from 16: degrees (s, p, r) with s | 4, p | 32, r | 16, s*p*r <= 8
     grids = degree_grids(node, 8)
-    want = {(s, p) for s in (1, 2, 4) for p in (1, 2, 4, 8, 16, 32) if s * p <= 8}
-    assert set(grids) == want and grids[0] == (1, 1)
+    want = {(s, p, r) for s in (1, 2, 4) for p in (1, 2, 4, 8, 16, 32) for r in (1, 2, 4, 8, 16)
+            if s * p * r <= 8}
+    assert set(grids) == want and grids[0] == (1, 1, 1)
+    assert ParallelConfig((2, 1, 4), tuple(range(8))).show(node.dims) == "S2·R4 @ 0-7"
     configs = list(enumerate_configs(node, 8))
     for c in configs:
         validate_config(node, c, 8)

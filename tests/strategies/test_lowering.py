@@ -22,7 +22,9 @@ def random_plan(graph, n, seed, microbatches=1):
 
 
 def assert_exact_cover(lowered):
-    """Every element a consumer partition reads comes from exactly one producer partition."""
+    """Every element a consumer partition reads comes from exactly one producer partition, or,
+    from a producer whose reduction dims are cut r ways in all, from exactly one partition per
+    reduction coordinate: r Partial pieces, every one marked partial."""
     pieces = {}
     for t in lowered.transfers:
         pieces.setdefault((t.dst_op, t.dst_index, t.microbatch, t.slot), []).append(t)
@@ -43,12 +45,23 @@ def assert_exact_cover(lowered):
                     if region is None:
                         assert not got
                         continue
-                    assert sum(box_numel(t.region) for t in got) == box_numel(region), (op, slot)
+                    cfg = lowered.strategy[producer.name]
+                    r = 1
+                    for i in producer.reduction_dims:
+                        r *= cfg.degrees[i]
+                    assert sum(box_numel(t.region) for t in got) == r * box_numel(region), (op, slot)
+                    assert all(t.partial == (r > 1) for t in got)
                     for t in got:
                         assert intersect(t.region, region) == t.region
-                    for a in range(len(got)):
-                        for b in range(a + 1, len(got)):
-                            assert intersect(got[a].region, got[b].region) is None
+                    by_coord = {}  # the pieces of one reduction coordinate do not overlap
+                    for t in got:
+                        c = lowered.partitions[producer.name][t.microbatch][t.src_index].box
+                        by_coord.setdefault(tuple(c[i] for i in producer.reduction_dims), []).append(t)
+                    assert len(by_coord) == r
+                    for same in by_coord.values():
+                        for a in range(len(same)):
+                            for b in range(a + 1, len(same)):
+                                assert intersect(same[a].region, same[b].region) is None
 
 
 @pytest.mark.parametrize("name", ZOO)
@@ -132,8 +145,8 @@ def test_partly_overlapping_weight_regions_become_exact_cells():
     g = trace(Tied(), (torch.randn(4, 8),))
     first, second = [n.name for n in g if n.kind == "linear"]
     configs = {n.name: ParallelConfig((1,) * len(n.dims), (0,)) for n in g}
-    configs[first] = ParallelConfig((1, 2), (0, 1))          # weight rows 0-3 on 0, 4-7 on 1
-    configs[second] = ParallelConfig((1, 4), (2, 3, 0, 1))   # rows 0-1 on 2, 2-3 on 3, ...
+    configs[first] = ParallelConfig((1, 2, 1), (0, 1))        # weight rows 0-3 on 0, 4-7 on 1
+    configs[second] = ParallelConfig((1, 4, 1), (2, 3, 0, 1)) # rows 0-1 on 2, 2-3 on 3, ...
     lowered = lower(g, Strategy.of(configs, 4))
     shards = sorted((s.region[0], s.devices) for s in lowered.weight_shards)
     assert shards == [((0, 2), (0, 2)), ((2, 4), (0, 3)), ((4, 6), (0, 1)), ((6, 8), (1,))]

@@ -1,3 +1,8 @@
+import copy
+import itertools
+import math
+import random
+
 import pytest
 import torch
 import torch.nn as nn
@@ -5,7 +10,7 @@ import torch.nn.functional as F
 
 from soapsearch.trace import trace
 from strategies.rules import get_rule
-from tests.strategies.rulecheck import check_model
+from tests.strategies.rulecheck import check_model, check_op, reference_values, run_partitions
 
 
 def _ops(model, inputs, kind):
@@ -61,11 +66,14 @@ def test_matmul_4d_broadcasting():
     assert check_model(Scores4d(), [q, k, r], {"matmul"}, count=14) >= 3 * 14
     ops = _ops(Scores4d(), (q, k, r), "matmul")
     assert _layout(ops[0]) == ([("sample", 4, "sample"), ("batch1", 2, "attribute"),
-                                ("rows", 6, "attribute"), ("cols", 6, "attribute")], (True,) * 4)
-    rule, box = get_rule("matmul"), ((2, 4), (1, 2), (0, 3), (4, 6))
+                                ("rows", 6, "attribute"), ("cols", 6, "attribute"),
+                                ("inner", 4, "reduction")], (True,) * 5)
+    rule, box = get_rule("matmul"), ((2, 4), (1, 2), (0, 3), (4, 6), (0, 4))
     assert rule.input_regions(ops[1], box) == (((2, 4), (1, 2), (0, 3), (0, 4)), ((1, 2), (0, 4), (4, 6)))
     assert rule.input_regions(ops[2], box) == (((2, 4), (0, 1), (0, 3), (0, 4)),
                                                ((0, 1), (1, 2), (0, 4), (4, 6)))
+    inner = box[:-1] + ((1, 3),)  # a cut of the inner dim: its columns of A, its rows of B
+    assert rule.input_regions(ops[1], inner) == (((2, 4), (1, 2), (0, 3), (1, 3)), ((1, 2), (1, 3), (4, 6)))
 
 
 def test_matmul_2d_and_vector_opaque():
@@ -84,7 +92,8 @@ def test_matmul_2d_and_vector_opaque():
     assert check_model(M(), [x], {"matmul"}, count=10) >= 10
     kinds = [n.kind for n in trace(M(), (x,))]
     assert kinds.count("matmul") == 1 and "opaque" in kinds
-    assert _layout(_ops(M(), (x,), "matmul")[0])[0] == [("sample", 12, "sample"), ("cols", 8, "attribute")]
+    assert _layout(_ops(M(), (x,), "matmul")[0])[0] == [("sample", 12, "sample"), ("cols", 8, "attribute"),
+                                                         ("inner", 6, "reduction")]
 
 
 # --- embedding ------------------------------------------------------------------------------
@@ -106,12 +115,14 @@ def test_embedding_ids_and_functional():
     assert check_model(Embed(), [ids, pos], {"embedding"}, count=12) >= 3 * 12
     ops = _ops(Embed(), (ids, pos), "embedding")
     assert _layout(ops[0]) == ([("sample", 4, "sample"), ("seq", 6, "attribute"),
-                                ("embed_dim", 12, "parameter")], (True, True, True))
+                                ("embed_dim", 12, "parameter"), ("vocab", 20, "reduction")], (True,) * 4)
     assert ops[0].attrs["padding_idx"] == 0 and ops[2].attrs["padding_idx"] == 9
     assert [w.name for w in ops[2].weights] == ["weight"]
-    box = ((0, 2), (0, 6), (4, 8))
+    box = ((0, 2), (0, 6), (4, 8), (0, 20))
     assert get_rule("embedding").input_regions(ops[0], box) == (((0, 2), (0, 6)),)
     assert get_rule("embedding").weight_regions(ops[0], box) == {"weight": ((0, 20), (4, 8))}
+    rows = ((0, 2), (0, 6), (4, 8), (10, 15))  # a vocab-parallel partition: rows 10-14 only
+    assert get_rule("embedding").weight_regions(ops[0], rows) == {"weight": ((10, 15), (4, 8))}
 
 
 def test_embedding_variants():
@@ -119,7 +130,7 @@ def test_embedding_variants():
     freq = nn.Sequential(nn.Embedding(20, 8, scale_grad_by_freq=True))
     ids = torch.randint(0, 20, (4, 6))
     assert check_model(freq, [ids], {"embedding"}) == 3  # embed_dim cut in 2, 4, 8 only
-    assert get_rule("embedding").splittable(_ops(freq, (ids,), "embedding")[0]) == (False, False, True)
+    assert get_rule("embedding").splittable(_ops(freq, (ids,), "embedding")[0]) == (False, False, True, False)
     flat = nn.Sequential(nn.Embedding(20, 8, sparse=True))
     assert check_model(flat, [torch.randint(0, 20, (8,))], {"embedding"}, count=8) >= 8
     assert [n.kind for n in trace(nn.Embedding(20, 8, max_norm=1.0), (ids,))][-1] == "opaque"
@@ -193,3 +204,57 @@ def test_attention_gpt_block_and_opaque_cases():
 
     # the mask is an input of the attention op (has_mask); dropout stays opaque
     assert [n.kind for n in trace(Masked(), (q, q, q))].count("attention") == 1
+
+
+# --- reduction dims: Partial sums ------------------------------------------------------------
+
+def _reduction_grids(node, count, seed, max_parts=8):
+    """Random valid grids of ``node`` that cut a reduction dim (alone or with other dims)."""
+    rng = random.Random(seed)
+    ok = get_rule(node.kind).splittable(node)
+    choices = [[d for d in range(1, max_parts + 1) if s % d == 0] if ok[i] else [1]
+               for i, s in enumerate(node.shape)]
+    cut = [g for g in itertools.product(*choices)
+           if math.prod(g) <= max_parts and any(g[i] > 1 for i in node.reduction_dims)]
+    rng.shuffle(cut)
+    return cut[:count]
+
+
+@pytest.mark.parametrize("kind,model,inputs", [
+    ("linear", lambda: nn.Sequential(nn.Linear(12, 8), nn.Linear(8, 6, bias=False)),
+     lambda: [torch.randn(4, 5, 12)]),
+    ("matmul", Luong, lambda: [torch.randn(4, 6, 4), torch.randn(4, 8, 4)]),
+    ("embedding", Embed, lambda: [torch.randint(0, 20, (4, 6)), torch.arange(6).repeat(4, 1)]),
+])
+def test_partial_sums_equal_the_unsplit_op(kind, model, inputs):
+    """The partitions sharing an output region on a cut reduction dim hold Partial sums whose
+    sum is that region of the real output (random grids mixing reduction and other cuts)."""
+    torch.manual_seed(0)
+    m = copy.deepcopy(model()).double()
+    xs = [x.double() if x.is_floating_point() else x for x in inputs()]
+    graph, values = reference_values(m, xs)
+    checked = 0
+    for node in [n for n in graph if n.kind == kind]:
+        assert [node.dims[i].role for i in node.reduction_dims] == ["reduction"]
+        assert node.reduction_dims == (len(node.output.shape),)  # after the output's dims
+        for g in _reduction_grids(node, 8, seed=checked):
+            check_op(graph, values, m, node.name, g)
+            parts = run_partitions(graph, values, m, node.name, g)
+            if len(parts) == g[node.reduction_dims[0]]:  # only the reduction dim cut: each is partial
+                assert all(not torch.allclose(p, values[node.name]) for p in parts)
+            checked += 1
+    assert checked >= 8
+
+
+def test_row_parallel_linear_bias_once():
+    """in_features cut 3 ways: only the partition whose range starts at 0 reads the bias, and
+    each partition reads its columns of x and W (Megatron-LM's row-parallel linear)."""
+    node = _ops(nn.Sequential(nn.Linear(6, 4)), (torch.randn(2, 6),), "linear")[0]
+    assert [(d.name, d.role) for d in node.dims] == [("sample", "sample"), ("out_features", "parameter"),
+                                                      ("in_features", "reduction")]
+    rule = get_rule("linear")
+    first, second = ((0, 2), (0, 4), (0, 2)), ((0, 2), (0, 4), (2, 4))
+    assert rule.weight_regions(node, first) == {"weight": ((0, 4), (0, 2)), "bias": ((0, 4),)}
+    assert rule.weight_regions(node, second) == {"weight": ((0, 4), (2, 4))}
+    assert rule.input_regions(node, second) == (((0, 2), (2, 4)),)
+    assert node.output_region(second) == ((0, 2), (0, 4))

@@ -43,9 +43,9 @@ def _op(obj, name):
 def _mutations():
     def version(o): o["version"] = 2
     def fingerprint(o): o["model"]["fingerprint"] = "0" * 16
-    def not_dividing(o): _op(o, "layers_0").update(degrees=[1, 3], devices=[0, 1, 2])
-    def out_of_range(o): _op(o, "layers_0").update(degrees=[1, 2], devices=[0, 7])
-    def wrong_count(o): _op(o, "layers_0").update(degrees=[2, 1], devices=[0])
+    def not_dividing(o): _op(o, "layers_0").update(degrees=[1, 3, 1], devices=[0, 1, 2])
+    def out_of_range(o): _op(o, "layers_0").update(degrees=[1, 2, 1], devices=[0, 7])
+    def wrong_count(o): _op(o, "layers_0").update(degrees=[2, 1, 1], devices=[0])
     def missing(o): o["ops"] = [x for x in o["ops"] if x["name"] != "layers_2"]
     def extra(o): o["ops"].append({"name": "ghost", "degrees": [1], "devices": [0]})
     def bad_kind(o): _op(o, "layers_0")["kind"] = "conv2d"
@@ -56,9 +56,9 @@ def _mutations():
     return [
         (version, r"version = 2: this soapsearch reads version 1 only"),
         (fingerprint, r"model.fingerprint = '0000000000000000': the plan was made for another model"),
-        (not_dividing, r"op 'layers_0': degrees = \[1, 3\]: degree 3 on dim 'out_features'\(32\) does not divide it"),
+        (not_dividing, r"op 'layers_0': degrees = \[1, 3, 1\]: degree 3 on dim 'out_features'\(32\) does not divide it"),
         (out_of_range, r"op 'layers_0': devices\[1\] = 7: device 7 is out of range for 2 devices"),
-        (wrong_count, r"op 'layers_0': devices = \[0\]: 1 devices for prod\(degrees \[2, 1\]\) = 2"),
+        (wrong_count, r"op 'layers_0': devices = \[0\]: 1 devices for prod\(degrees \[2, 1, 1\]\) = 2"),
         (missing, r"op 'layers_2': ops = \['layers_2'\]: 1 op\(s\) of the model have no config"),
         (extra, r"op 'ghost': name = 'ghost': the model has no op of this name"),
         (bad_kind, r"op 'layers_0': kind = 'conv2d': the model's op has kind 'linear'"),
@@ -121,7 +121,7 @@ def test_save_is_atomic_and_validates(tmp_path, mlp):
     good = baseline("data_parallel", mlp, 2)
     save_strategy(path, good, mlp)
     before = path.read_text()
-    bad = good.replace("layers_0", type(good["layers_0"])((1, 2), (0, 5)))
+    bad = good.replace("layers_0", type(good["layers_0"])((1, 2, 1), (0, 5)))
     with pytest.raises(PlanError, match="out of range"):
         save_strategy(path, bad, mlp)
     assert path.read_text() == before
