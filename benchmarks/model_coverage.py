@@ -3,8 +3,9 @@ hand-written transformer blocks and the zoo's llama), the front end that capture
 and opaque ops, the plan a search finds on local-cpu-2 and on a100-1x8 (simulated iteration ms,
 with data parallel's beside it), and one training step of the local-cpu-2 plan on 2 gloo
 processes against one device in float64 (the largest relative error over the loss and every
-weight after the step). The trace column is the seconds of the capture alone. Prints a table;
-asserts nothing.
+weight after the step). The trace column is the seconds of the capture alone. Then the zoo's
+llama at LLaMA-3 8B's shape traced on the meta device (no weight allocated), against the
+tiny variant in the same process. Prints a table; asserts nothing.
 
     python benchmarks/model_coverage.py [--models gpt2,llama,...] [--budget-s 4]
 """
@@ -74,6 +75,20 @@ def one(name: str, budget_s: float) -> dict:
     return row
 
 
+def llama_8b_on_meta() -> tuple[float, float, int]:
+    """Seconds to trace zoo llama tiny, then default (LLaMA-3 8B's shape) on the meta device,
+    and the default's op count."""
+    from soapsearch import zoo
+
+    times = []
+    for variant, device in (("tiny", "cpu"), ("default", "meta")):
+        model, inputs = zoo.build("llama", variant, device=device)
+        t0 = time.perf_counter()
+        graph = trace(model, inputs)
+        times.append(time.perf_counter() - t0)
+    return times[0], times[1], len(graph)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default=",".join(HF + list(OTHERS)))
@@ -92,6 +107,9 @@ def main() -> None:
                  for t in ("local-cpu-2", "a100-1x8")]
         print(f"{r['model']:22s} {r['capture']:7s} {r['ops']:4d} {r['opaque']:6d} {cells[0]:>18s} "
               f"{cells[1]:>21s} {r['max_rel_err']:10.1e} {r['trace_s']:7.2f}")
+    tiny_s, default_s, ops = llama_8b_on_meta()
+    print(f"\nzoo llama at LLaMA-3 8B's shape on meta: {ops} ops traced in {default_s:.1f} s "
+          f"(tiny: {tiny_s:.2f} s)")
 
 
 if __name__ == "__main__":

@@ -34,8 +34,8 @@ def _weights(node) -> str:
 
 
 def op_table(graph: OpGraph) -> str:
-    """The op table ``show`` prints: name, kind, dims with roles (S/A/P), weights, GFLOPs."""
-    rows = [("op", "kind", "dims (S/A/P)", "weights", "GFLOPs")]
+    """The op table ``show`` prints: name, kind, dims with roles (S/A/P/R), weights, GFLOPs."""
+    rows = [("op", "kind", "dims (S/A/P/R)", "weights", "GFLOPs")]
     for n in graph:
         kind = f"{n.kind}!" if n.kind == OPAQUE else n.kind
         rows.append((n.name, kind, _dims(n), _weights(n), f"{n.flops / 1e9:.3f}"))

@@ -20,6 +20,7 @@ import io
 import operator
 import os
 import traceback
+import warnings
 from typing import Any, Sequence
 
 import torch
@@ -141,7 +142,9 @@ class _Propagate(ShapeProp):
 
 def _propagate(gm: fx.GraphModule, args: Sequence[Any], count_flops: bool) -> dict[str, Any]:
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    prop = _Propagate(gm, mode, count_flops)
+    with warnings.catch_warnings():  # ShapeProp deep-copies an exported module's pytree specs,
+        warnings.filterwarnings("ignore", "`isinstance.treespec, LeafSpec.", FutureWarning)
+        prop = _Propagate(gm, mode, count_flops)  # which torch's own pytree warns of
     with contextlib.redirect_stderr(io.StringIO()):  # ShapeProp prints a traceback first
         try:
             prop.propagate(*args)

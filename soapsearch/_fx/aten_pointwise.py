@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from soapsearch._fx.aten import args_of, aten
 from soapsearch._fx.base import ALIAS, FxOp, for_functions, val
-from soapsearch._fx.pointwise import _reduce, pointwise
+from soapsearch._fx.pointwise import _cast, _reduce, pointwise
 from strategies.rules.pointwise import F_POINTWISE, FUNCTIONS, TORCH_POINTWISE
 
 _OPERATORS = {"__and__": "operator.and_", "__or__": "operator.or_", "__xor__": "operator.xor",
@@ -118,16 +118,9 @@ def _rsub(node: fx.Node) -> FxOp | None:
 
 
 # --- casts and dropout --------------------------------------------------------------------
-@for_functions(aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten.to.other,
-               aten._to_copy.default, aten.type_as.default)
-def _cast(node: fx.Node) -> FxOp | None:
-    """A dtype cast is elementwise; one that keeps the dtype (a device move) is its input."""
-    src, out = val(node.args[0]), val(node)
-    if not isinstance(src, torch.Tensor) or not isinstance(out, torch.Tensor):
-        return None
-    if out.dtype == src.dtype:
-        return FxOp(ALIAS, [node.args[0]])
-    return pointwise(node, "cast", [node.args[0], out.dtype], {})
+# a dtype cast is elementwise; one that keeps the dtype (a device move) is its input
+for_functions(aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten.to.other,
+              aten._to_copy.default, aten.type_as.default)(_cast)
 
 
 @for_functions(aten.dropout.default)

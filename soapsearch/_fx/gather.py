@@ -67,3 +67,15 @@ def _repeat_interleave(node: fx.Node) -> FxOp | None:
     if repeats == 1:
         return FxOp(ALIAS, [node.args[0]])
     return FxOp("repeat_interleave", [node.args[0]], {"repeats": repeats, "dim": dim % x.dim()})
+
+
+@for_functions(torch.gather, torch.ops.aten.gather.default)
+@for_methods("gather")
+def _gather(node: fx.Node) -> FxOp | None:
+    """``torch.gather(x, dim, index)`` (no ``sparse_grad``)."""
+    x, dim, index = node.args[0], arg(node, 1, "dim"), arg(node, 2, "index")
+    xv, iv, out = _tensor(x), _tensor(index), val(node)
+    if (xv is None or iv is None or not isinstance(val(dim), int) or arg(node, 3, "sparse_grad", False)
+            or not isinstance(out, torch.Tensor) or xv.dim() != iv.dim() or xv.dim() == 0):
+        return None
+    return FxOp("gather", [x, index], {"dim": val(dim) % xv.dim()})

@@ -75,3 +75,20 @@ class RepeatInterleave(SplitAll):
         dim, r = node.attrs["dim"], node.attrs["repeats"]
         (a, b), first = box[dim], box[dim][0] // r
         return inputs[0].repeat_interleave(r, dim).narrow(dim, a - first * r, b - a)
+
+
+@register("gather")
+class Gather(SplitAll):
+    """out = torch.gather(x, dim, index): out[..., j, ...] = x[..., index[..., j, ...], ...] along
+    ``dim`` (attr), the output shaped as ``index`` (which may be smaller than x on every dim).
+    Every dim may be cut: a partition reads its box of ``index``, and of ``x`` the same box on
+    every other dim (torch.gather pairs positions, it does not broadcast) and every row of
+    ``dim`` (which rows depends on the index values). inputs: (x, index)."""
+
+    def input_regions(self, node: OpNode, box: Box) -> tuple[Box, ...]:
+        dim, x = node.attrs["dim"], node.input_specs[0].shape
+        return (tuple((0, x[d]) if d == dim else r for d, r in enumerate(box)), box)
+
+    def forward(self, node: OpNode, box: Box, inputs: Sequence[torch.Tensor],
+                weights: Mapping[str, torch.Tensor], reduce: Reduce = no_reduce) -> torch.Tensor:
+        return torch.gather(inputs[0], node.attrs["dim"], inputs[1])
