@@ -24,6 +24,7 @@ from soapsearch.search.mcmc import Budget, ChainStats, candidate_configs, consid
 from soapsearch.trace import check_scalar_loss, trace
 from strategies import (OpGraph, PlanError, Strategy, baseline, load_strategy, save_strategy)
 from strategies.baselines import BASELINES, hybrid
+from strategies.megatron import megatron_blocks
 from strategies.pieces import check_microbatches
 from strategies.lowering import lower
 
@@ -97,10 +98,14 @@ def best_baselines(graph: OpGraph, num_devices: int, evaluate: Evaluator
                    ) -> tuple[dict[str, Strategy], dict[str, SimResult]]:
     """Each baseline that is valid for this graph, simulated; ``pipeline`` is the best of
     GPipe and 1F1B over 2, 4 and 8 micro-batches; ``hybrid`` (data x tensor parallel) only
-    where the batch does not divide by the devices (else it is data parallel)."""
+    where the batch does not divide by the devices (else it is data parallel); ``megatron``
+    only where the graph has a transformer's blocks (``strategies.megatron.megatron_blocks``)."""
     plans: dict[str, Strategy] = {}
     results: dict[str, SimResult] = {}
-    for name in ("data_parallel", "hybrid", "model_parallel", "owt"):
+    names = ["data_parallel", "hybrid", "model_parallel", "owt"]
+    if num_devices > 1 and megatron_blocks(graph):
+        names.append("megatron")
+    for name in names:
         if name == "hybrid" and "data_parallel" in plans:  # it is data parallel then
             continue
         try:
