@@ -42,6 +42,7 @@ from soapsearch.search.mcmc import (
 )
 from strategies import OpGraph, PlanError, Strategy, load_strategy
 from strategies.baselines import BASELINES, hybrid, pipeline
+from strategies.megatron import megatron_blocks
 from strategies.pieces import check_microbatches
 from strategies.serialize import strategy_to_json
 
@@ -132,9 +133,10 @@ class _Trials:
         self.graph, self.topo, self.cost, self.optimizer, self.seed = graph, topo, cost, optimizer, seed
         self.budget, self.deadline = budget, deadline
         self.device_choices, self.microbatch_choices = device_choices, microbatch_choices
-        self.inits = INITS
-        """The initial plans trials choose from: a resumed study keeps those it was made with
-        (optuna refuses a categorical whose choices changed)."""
+        self.inits = INITS + (("megatron",) if megatron_blocks(graph) else ())
+        """The initial plans trials choose from (megatron where the graph has transformer
+        blocks): a resumed study keeps those it was made with (optuna refuses a categorical
+        whose choices changed)."""
         self._evaluators: dict[int, Evaluator] = {}
         self._candidates: dict[tuple[int, int], tuple[dict, dict]] = {}
         self.plans: dict[int, Strategy] = {}  # trial number -> its best plan (this process)

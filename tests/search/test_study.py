@@ -8,7 +8,8 @@ from strategies import load_strategy
 from tests.conftest import traced
 
 TOPO = "p100-1x4"
-BASELINE_ORDER = ["data_parallel", "model_parallel", "owt", "pipeline"]
+BASELINE_ORDER = ["data_parallel", "model_parallel", "owt", "megatron", "pipeline"]
+"""The mlp's Linear → ReLU → Linear blocks make megatron one of its baselines."""
 
 
 @pytest.fixture(scope="module")
@@ -22,21 +23,22 @@ def study(mlp):
 
 
 def test_baselines_are_the_first_trials_and_the_study_beats_them(study):
-    first = study.trials[:4]
+    first = study.trials[:len(BASELINE_ORDER)]
     assert [t.baseline for t in first] == BASELINE_ORDER
     assert [t.params["init"] for t in first] == BASELINE_ORDER
     assert all(t.params["num_devices"] == 4 and t.params["beta_scale"] == 1.0 for t in first)
     for t in first:  # each chain starts from its expert plan, so it is never worse than it
         assert t.iteration_ms <= study.baselines[t.baseline] * (1 + 1e-12)
-    assert all(t.baseline is None for t in study.trials[4:])
+    assert all(t.baseline is None for t in study.trials[len(BASELINE_ORDER):])
     assert len(study.trials) == 10 and study.proposals > 100
     assert study.result.fits
     assert study.predicted_ms <= min(study.baselines.values())
     assert study.predicted_ms == min(t.value for t in study.trials if t.value is not None)
     assert study.strategy.num_devices in (1, 2, 4)
     # TPE explores the global knobs, not just the start
-    later = study.trials[4:]
-    assert len({t.params["init"] for t in later}) >= 2 and all(t.params["init"] in INITS for t in later)
+    later = study.trials[len(BASELINE_ORDER):]
+    assert len({t.params["init"] for t in later}) >= 2
+    assert all(t.params["init"] in (*INITS, "megatron") for t in later)
     assert len({t.params["beta_scale"] for t in later}) == len(later)
 
 
@@ -56,8 +58,8 @@ def test_resumes_from_sqlite_and_never_gets_worse(mlp, tmp_path):
                        study_name="mlp")
     assert len(one.trials) == 6 and len(two.trials) == 10
     assert [t.params for t in two.trials[:6]] == [t.params for t in one.trials]
-    assert [t.baseline for t in two.trials[:4]] == BASELINE_ORDER  # not enqueued twice
-    assert all(t.baseline is None for t in two.trials[4:])
+    assert [t.baseline for t in two.trials[:len(BASELINE_ORDER)]] == BASELINE_ORDER  # not enqueued twice
+    assert all(t.baseline is None for t in two.trials[len(BASELINE_ORDER):])
     assert two.predicted_ms <= one.predicted_ms
     if two.predicted_ms == one.predicted_ms:  # the best plan came back from the storage
         assert two.strategy == one.strategy
@@ -94,7 +96,7 @@ def test_a_study_made_with_other_initial_plans_resumes(mlp, tmp_path, monkeypatc
     monkeypatch.undo()
     again = study_search(mlp, topology=TOPO, trials=3, trial_proposals=5, storage=path, study_name="s")
     assert len(again.trials) == 5
-    assert all(t.distributions["init"].choices == old for t in again.study.trials)
+    assert all(t.distributions["init"].choices == (*old, "megatron") for t in again.study.trials)
 
 
 @pytest.mark.parametrize("bad", ["study.db", "nowhere.txt", 42])

@@ -63,7 +63,7 @@ def test_a_batch_of_one_still_gets_a_sample_dim():
     model, inputs = zoo.build("mlp", "tiny", batch_size=1)
     g = trace(model, inputs, capture="export")
     assert g.batch_size == 1
-    assert [d.role for d in g[[n.name for n in g if n.kind == "linear"][0]].dims] == ["sample", "parameter"]
+    assert [d.role for d in g[[n.name for n in g if n.kind == "linear"][0]].dims] == ["sample", "parameter", "reduction"]
 
 
 class DataDependent(nn.Module):

@@ -110,14 +110,14 @@ def test_untraceable_model_names_the_source_line():
 
 class Unknown(nn.Module):
     def forward(self, x):
-        return torch.cumsum(x, dim=1).sum(1).mean()
+        return torch.flip(x, [1]).sum(1).mean()
 
 
 def test_op_without_rule_is_opaque_not_an_error():
     g = trace(Unknown(), (torch.randn(4, 6),))
-    cumsum = g["cumsum"]
-    assert cumsum.kind == "opaque" and cumsum.attrs["target"] == "cumsum"
-    assert "test_trace.py" in cumsum.source
+    flip = g["flip"]
+    assert flip.kind == "opaque" and flip.attrs["target"] == "flip"
+    assert "test_trace.py" in flip.source
 
 
 class CausalMask(nn.Module):
