@@ -82,3 +82,35 @@ def compare(model_name: str, result: dict, batch_size: int | None = None, *, rto
             for k, v in ref["states"][s].items():
                 torch.testing.assert_close(got["states"][s][k], v, rtol=rtol, atol=atol,
                                            msg=lambda m: f"{where} state {k}: {m}")
+
+
+def case_id(case: tuple) -> str:
+    """A parity case's test id: model (its factory's module left out), plan, batch size."""
+    return "-".join(map(str, case)).rpartition(":")[2]
+
+
+def parity_tests(cases_2: list[tuple], cases_4: list[tuple]) -> tuple:
+    """The module-scoped launches and the per-case tests of a parity module:
+    ``results2, results4, test_parity_2_processes, test_parity_4_processes = parity_tests(...)``.
+    A case is (model, plan[, batch size]); each launch runs all of one world size's cases once."""
+    import pytest
+
+    @pytest.fixture(scope="module")
+    def results2():
+        return launch(cases_2, 2)
+
+    @pytest.fixture(scope="module")
+    def results4():
+        return launch(cases_4, 4)
+
+    @pytest.mark.parametrize("i", range(len(cases_2)), ids=[case_id(c) for c in cases_2])
+    def test_parity_2_processes(results2, i):
+        model, _, *batch = cases_2[i]
+        compare(model, results2[i], *batch)
+
+    @pytest.mark.parametrize("i", range(len(cases_4)), ids=[case_id(c) for c in cases_4])
+    def test_parity_4_processes(results4, i):
+        model, _, *batch = cases_4[i]
+        compare(model, results4[i], *batch)
+
+    return results2, results4, test_parity_2_processes, test_parity_4_processes

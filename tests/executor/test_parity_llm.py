@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.executor.harness import compare, launch
+from tests.executor.harness import parity_tests
 from tests.executor.models_llm import SPEC as T
 
 pytestmark = pytest.mark.distributed
@@ -36,27 +36,4 @@ CASES_4 = [
 ]
 
 
-def _id(case) -> str:
-    return "-".join(map(str, case)).removeprefix(T)
-
-
-@pytest.fixture(scope="module")
-def results2():
-    return launch(CASES_2, 2)
-
-
-@pytest.fixture(scope="module")
-def results4():
-    return launch(CASES_4, 4)
-
-
-@pytest.mark.parametrize("i", range(len(CASES_2)), ids=[_id(c) for c in CASES_2])
-def test_parity_2_processes(results2, i):
-    model, _, *batch = CASES_2[i]
-    compare(model, results2[i], *batch)
-
-
-@pytest.mark.parametrize("i", range(len(CASES_4)), ids=[_id(c) for c in CASES_4])
-def test_parity_4_processes(results4, i):
-    model, _, *batch = CASES_4[i]
-    compare(model, results4[i], *batch)
+results2, results4, test_parity_2_processes, test_parity_4_processes = parity_tests(CASES_2, CASES_4)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.executor.harness import compare, launch
+from tests.executor.harness import parity_tests
 from tests.executor.models_multi import SPEC as M
 
 pytestmark = pytest.mark.distributed
@@ -27,25 +27,4 @@ CASES_4 = [
 ]
 
 
-def _id(case) -> str:
-    return "-".join(map(str, case)).removeprefix(M)
-
-
-@pytest.fixture(scope="module")
-def results2():
-    return launch(CASES_2, 2)
-
-
-@pytest.fixture(scope="module")
-def results4():
-    return launch(CASES_4, 4)
-
-
-@pytest.mark.parametrize("i", range(len(CASES_2)), ids=[_id(c) for c in CASES_2])
-def test_parity_2_processes(results2, i):
-    compare(CASES_2[i][0], results2[i])
-
-
-@pytest.mark.parametrize("i", range(len(CASES_4)), ids=[_id(c) for c in CASES_4])
-def test_parity_4_processes(results4, i):
-    compare(CASES_4[i][0], results4[i])
+results2, results4, test_parity_2_processes, test_parity_4_processes = parity_tests(CASES_2, CASES_4)

@@ -8,7 +8,7 @@ import pytest
 
 from soapsearch.executor import build_model
 from strategies.rules import OPAQUE
-from tests.executor.harness import compare, launch
+from tests.executor.harness import parity_tests
 from tests.executor.models import SPEC as M
 
 pytestmark = pytest.mark.distributed
@@ -25,8 +25,4 @@ def test_the_model_has_opaque_ops_with_weights():
     assert [w.name for w in opaque["bilinear"].weights] == ["bilinear.weight", "bilinear.bias"]
 
 
-@pytest.mark.parametrize("world,cases", [(2, CASES_2), (4, CASES_4)])
-def test_parity_with_opaque_ops(world, cases):
-    results = launch(cases, world)
-    for i, (model, plan) in enumerate(cases):
-        compare(model, results[i])
+results2, results4, test_parity_2_processes, test_parity_4_processes = parity_tests(CASES_2, CASES_4)

@@ -11,7 +11,7 @@ import pytest
 
 from strategies.lowering import lower
 from tests.conftest import traced
-from tests.executor.harness import compare, launch
+from tests.executor.harness import parity_tests
 from tests.executor.plans import make_plan
 
 pytestmark = pytest.mark.distributed
@@ -29,21 +29,4 @@ def test_plans_hold_partial_sums(world, cases):
         assert any(t.partial for t in lower(g, make_plan(g, plan, world)).transfers), (model, plan)
 
 
-@pytest.fixture(scope="module")
-def results2():
-    return launch(CASES_2, 2)
-
-
-@pytest.fixture(scope="module")
-def results4():
-    return launch(CASES_4, 4)
-
-
-@pytest.mark.parametrize("i", range(len(CASES_2)), ids=["-".join(c) for c in CASES_2])
-def test_parity_2_processes(results2, i):
-    compare(CASES_2[i][0], results2[i])
-
-
-@pytest.mark.parametrize("i", range(len(CASES_4)), ids=["-".join(c) for c in CASES_4])
-def test_parity_4_processes(results4, i):
-    compare(CASES_4[i][0], results4[i])
+results2, results4, test_parity_2_processes, test_parity_4_processes = parity_tests(CASES_2, CASES_4)
