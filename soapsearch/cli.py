@@ -1,5 +1,5 @@
 """The ``soapsearch`` command: ``zoo``, ``show``, ``plan``, ``simulate``, ``search``,
-``show-plan``, ``run``, ``calibrate``, ``compare`` and ``topology show``."""
+``show-plan``, ``run``, ``calibrate``, ``compare``, ``export`` and ``topology show``."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from soapsearch.models import ModelLoadError, load_model
 from soapsearch.calibrate._spawn import SpawnError
 from soapsearch.calibrate.cli import add_calibrate_parsers
 from soapsearch.executor.cli import add_run_parser
+from soapsearch.export_cli import add_export_parser
 from soapsearch.search.cli import add_search_parsers
 from soapsearch.search.output import check_plan_output, wrote
 from soapsearch.trace import CAPTURES, TraceError, check_scalar_loss, trace
@@ -218,6 +219,7 @@ def _parser() -> argparse.ArgumentParser:
     add_search_parsers(sub, model_args, _graph)
     add_run_parser(sub)
     add_calibrate_parsers(sub)
+    add_export_parser(sub)
     topo = sub.add_parser("topology", help="topology tools")
     tsub = topo.add_subparsers(dest="action", required=True)
     tshow = tsub.add_parser("show", help="print a topology: preset name or JSON file")
