@@ -28,7 +28,6 @@ op, its config and why.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -87,17 +86,23 @@ def module_names(model) -> dict[str, str]:
     return {fqn.replace(".", "_"): fqn for fqn, _ in model.named_modules() if fqn}
 
 
+def _one_cut(node: OpNode, cfg: ParallelConfig) -> list[int]:
+    """The non-sample dims ``cfg`` cuts; PlanError when there are several."""
+    cut = [i for i, g in enumerate(cfg.degrees) if g > 1 and i != node.sample_dim]
+    if len(cut) > 1:
+        names = " and ".join(f"{node.dims[i].name!r}" for i in cut)
+        raise PlanError(node.name, "config", cfg.show(node.dims), f"cut on both {names}: a ParallelStyle "
+                        f"cuts one dim of an op over the tp mesh (ColwiseParallel out_features, "
+                        f"RowwiseParallel in_features, SequenceParallel the sequence)")
+    return cut
+
+
 def _split(node: OpNode, cfg: ParallelConfig, t: int, d: int) -> tuple[int, int | None]:
     """(sample degree, the one non-sample dim cut t ways or None); PlanError for any other cut."""
     s = node.sample_dim
-    cut = [i for i, g in enumerate(cfg.degrees) if g > 1 and i != s]
+    cut = _one_cut(node, cfg)
     sample = cfg.degrees[s] if s is not None else 1
     show = cfg.show(node.dims)
-    if len(cut) > 1:
-        names = " and ".join(f"{node.dims[i].name!r}" for i in cut)
-        raise PlanError(node.name, "config", show, f"cut on both {names}: a ParallelStyle cuts one dim "
-                        f"of an op over the tp mesh (ColwiseParallel out_features, RowwiseParallel "
-                        f"in_features, SequenceParallel the sequence)")
     if cut and cfg.degrees[cut[0]] != t:
         raise PlanError(node.name, "config", show, f"dim {node.dims[cut[0]].name!r} cut "
                         f"{cfg.degrees[cut[0]]} ways where the plan's tensor-parallel degree is {t}")
@@ -138,10 +143,9 @@ def _tp_degree(graph: OpGraph, strategy: Strategy) -> int:
     cuts = {}
     for n in graph:
         cfg = strategy[n.name]
-        s = n.sample_dim
-        rest = math.prod(g for i, g in enumerate(cfg.degrees) if i != s)
-        if rest > 1:
-            cuts.setdefault(rest, n.name)
+        cut = _one_cut(n, cfg)
+        if cut:
+            cuts.setdefault(cfg.degrees[cut[0]], n.name)
     if not cuts:
         raise PlanError(None, "plan", "no tensor-parallel cut", "no op is cut on a dim other than its "
                         "samples: nothing for parallelize_module to do (this is data parallelism: DDP/FSDP)")

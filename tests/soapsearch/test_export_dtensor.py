@@ -1,0 +1,146 @@
+"""``soapsearch export --format dtensor``: the megatron plan of zoo gpt as parallelize_module
+styles, the exported file trained on 2 gloo processes against one device, refusals in one line."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from soapsearch import trace, zoo
+from soapsearch.cli import main
+from soapsearch.export_dtensor import dtensor_plan, module_names
+from strategies import ParallelConfig, PlanError, baseline, save_strategy
+from tests.conftest import cli_error
+from tests.executor.harness import free_port
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    model, inputs = zoo.build("gpt", "tiny")
+    return model, trace(model, inputs, name="gpt-tiny")
+
+
+def _block(i: int) -> dict[str, str]:
+    b = f"blocks.{i}."
+    col = "ColwiseParallel(input_layouts=Shard(1), use_local_output=False)"
+    return {b + "ln_1": "SequenceParallel()", b + "attn.q": col, b + "attn.k": col, b + "attn.v": col,
+            b + "attn.proj": "RowwiseParallel(output_layouts=Shard(1))", b + "attn.dropout": "SequenceParallel()",
+            b + "ln_2": "SequenceParallel()", b + "mlp.fc": "ColwiseParallel(input_layouts=Shard(1))",
+            b + "mlp.proj": "RowwiseParallel(output_layouts=Shard(1))", b + "mlp.dropout": "SequenceParallel()"}
+
+
+EXPECTED = {
+    "wte": "RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False)",
+    "drop": "SequenceParallel()", **_block(0), **_block(1), "ln_f": "SequenceParallel()",
+    "lm_head": "PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), "
+               "use_local_output=True)",
+}
+
+
+@pytest.mark.parametrize("devices", [2, 4])
+def test_megatron_gpt_mapping(gpt, devices):
+    model, graph = gpt
+    plan = dtensor_plan(graph, baseline("megatron", graph, devices, tp=2), module_names(model))
+    assert plan.mapping == EXPECTED
+    assert (plan.tp, plan.dp) == (2, devices // 2)
+    assert plan.replicated_parameters == ("wpe",) and plan.sharded_attention
+
+
+def _refusal(graph, model, strategy) -> str:
+    with pytest.raises(PlanError) as e:
+        dtensor_plan(graph, strategy, module_names(model))
+    msg = str(e.value)
+    assert "\n" not in msg
+    return msg
+
+
+def test_refused(gpt):
+    model, graph = gpt
+    meg = baseline("megatron", graph, 4, tp=2)
+    msg = _refusal(graph, model, baseline("owt", graph, 2))
+    assert msg.startswith("op 'blocks_0_attn_dropout': config = 'A2 @ 0-1'") and "no ParallelStyle" in msg
+    assert "no op is cut" in _refusal(graph, model, baseline("data_parallel", graph, 4))
+    fc = graph["blocks_0_mlp_fc"]  # S4×A8×P64×R16: out_features and in_features both cut
+    both = meg.replace(fc.name, ParallelConfig((2, 1, 2, 2), tuple(range(8))))
+    both = type(both)(both.configs, 8)
+    msg = _refusal(graph, model, both)
+    assert msg.startswith("op 'blocks_0_mlp_fc'") and "cut on both 'out_features' and 'in_features'" in msg
+    swapped = meg.replace(fc.name, ParallelConfig(meg[fc.name].degrees, (0, 2, 1, 3)))
+    msg = _refusal(graph, model, swapped)
+    assert msg.startswith("op 'blocks_0_mlp_fc': devices = [0, 2, 1, 3]: partition 1 (sample 0) on device 2, not 1")
+    assert "microbatches" in _refusal(graph, model, meg.with_microbatches(2))
+
+
+def test_cli(gpt, tmp_path, capsys):
+    _, graph = gpt
+    plan, out = tmp_path / "plan.json", tmp_path / "tp_plan.py"
+    save_strategy(plan, baseline("megatron", graph, 4, tp=2), graph)
+    assert main(["export", str(plan), "--format", "dtensor", "-o", str(out)]) == 0
+    assert "wrote 24 ParallelStyles for gpt-tiny (TP = 2, DP = 2)" in capsys.readouterr().out
+    text = out.read_text()
+    assert "TP = 2\nDP = 2\n" in text and "'blocks.1.mlp.proj': RowwiseParallel(output_layouts=Shard(1))" in text
+    save_strategy(plan, baseline("owt", graph, 2), graph)
+    err = cli_error(capsys, ["export", str(plan), "--format", "dtensor", "-o", str(out)])
+    assert "op 'blocks_0_attn_dropout'" in err
+
+
+def _load(path: str):
+    spec = importlib.util.spec_from_file_location("tp_plan_under_test", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _tiny():
+    model, inputs = zoo.build("gpt", "tiny", dropout=0.0)
+    return model.double(), inputs
+
+
+def _worker(rank: int, world: int, port: int, path: str, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        exported = _load(path)
+        ref, inputs = _tiny()
+        model, _ = _tiny()
+        exported.parallelize(model, exported.make_mesh("cpu"))
+        losses, grads = [], {}
+        for m in (ref, model):
+            loss = m(*inputs)
+            loss.backward()
+            losses.append(loss.detach())
+            grads[m is ref] = {k: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad)
+                               for k, p in m.named_parameters()}
+            with torch.no_grad():
+                for p in m.parameters():
+                    p -= 0.1 * p.grad
+        weights = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in model.state_dict().items()}
+        torch.save({"losses": losses, "grads": grads, "weights": weights, "ref": ref.state_dict()},
+                   Path(out) / f"{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_parity_two_gloo(gpt, tmp_path):
+    """The exported file on 2 gloo processes (mesh (1, 2) on "cpu") equals one device after one
+    SGD step, float64: loss, every gradient, every weight."""
+    _, graph = gpt
+    plan, path = tmp_path / "plan.json", tmp_path / "tp_plan.py"
+    save_strategy(plan, baseline("megatron", graph, 2, tp=2), graph)
+    assert main(["export", str(plan), "--format", "dtensor", "-o", str(path)]) == 0
+    mp.spawn(_worker, args=(2, free_port(), str(path), str(tmp_path)), nprocs=2, join=True)
+    for rank in range(2):
+        got = torch.load(tmp_path / f"{rank}.pt")
+        ref_loss, loss = got["losses"]
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=0)
+        assert set(got["grads"][False]) == set(got["grads"][True])
+        for k, g in got["grads"][True].items():
+            torch.testing.assert_close(got["grads"][False][k], g, rtol=1e-10, atol=1e-14, msg=lambda m: f"{k}: {m}")
+        for k, w in got["ref"].items():
+            torch.testing.assert_close(got["weights"][k], w, rtol=1e-10, atol=1e-14, msg=lambda m: f"{k}: {m}")
