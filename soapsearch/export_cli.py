@@ -55,6 +55,6 @@ def add_export_parser(sub) -> None:
     p.add_argument("-o", "--output", default="tp_plan.py", help="where to write it (default tp_plan.py)")
     p.add_argument("--model", default=None,
                    help="the plan's model (default: the zoo model and variant the plan names)")
-    p.add_argument("--variant", default=None, choices=zoo.VARIANTS, help="zoo variant (default: the plan's)")
+    p.add_argument("--variant", default=None, choices=zoo.VARIANTS, help=f"zoo variant, absent: the plan's; {zoo.VARIANTS_HELP}")
     p.add_argument("--batch-size", type=int, default=None, help="batch size (default: the plan's)")
     p.set_defaults(fn=_cmd_export)
