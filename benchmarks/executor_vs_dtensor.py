@@ -1,28 +1,38 @@
-"""Tensor parallelism: a plan that cuts every linear of an MLP on its parameter dim
-(out_features; the OWT baseline, whose ReLUs follow the cut) run by soapsearch's executor vs the
-same layout through torch.distributed.tensor.parallel.parallelize_module (ColwiseParallel on
-each linear, outputs gathered to Replicate so the next linear reads the whole input, as the
-plan's next linear does). 2 gloo processes, SGD; the two alternate step by step (load from
-elsewhere falls on both alike), median of the measured steps. Prints a table; asserts nothing.
+"""Tensor parallelism, soapsearch's executor vs torch.distributed.tensor.parallel.parallelize_module
+on the same layout. 2 gloo processes, SGD; the runs alternate step by step (load from elsewhere
+falls on all alike), median of the measured steps. Prints a table; asserts nothing.
+
+- MLP: every linear cut on out_features (the OWT baseline, whose ReLUs follow the cut) vs
+  ColwiseParallel on each linear, outputs gathered to Replicate so the next linear reads the
+  whole input, as the plan's next linear does.
+- zoo gpt: the megatron plan (tp 2, sequence parallel between the blocks) vs DTensor with
+  ColwiseParallel/RowwiseParallel in the blocks (activations whole between them) and vs the plan
+  as ``soapsearch export --format dtensor`` writes it (SequenceParallel norms and dropouts,
+  reduce-scatter / all-gather at the blocks' edges). Dropout 0 in all three.
 
     OMP_NUM_THREADS=1 python benchmarks/executor_vs_dtensor.py [--widths 256,1024] [--batch-size 64]
-        [--steps 30]
+        [--gpt small] [--steps 30]
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import tempfile
+from pathlib import Path
 
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from _gloo import spawn_gloo  # benchmarks/_gloo.py: the process-group boilerplate
 from executor_vs_ddp import alternate
 from soapsearch import trace, zoo
 from soapsearch.executor import Executor, TrainConfig, make_optimizer
-from strategies import owt
+from soapsearch._dtensor_source import python_source
+from soapsearch.export_dtensor import dtensor_plan, module_names
+from strategies import baseline, owt
 
 
 def _mlp(width: int, batch: int):
@@ -49,22 +59,71 @@ def _worker(rank: int, world: int, args: argparse.Namespace) -> list:
             opt.step()
 
         ours, theirs = alternate([lambda s: ex.step(seed=s), step], args.steps)
-        rows.append((width, ours, theirs))
+        rows.append((f"mlp {width}", ours, theirs))
+    if args.gpt:
+        rows += _gpt_rows(mesh, world, args)
     return rows
+
+
+def _gpt(args):
+    model, inputs = zoo.build("gpt", args.gpt, dropout=0.0)
+    return model, tuple(inputs)
+
+
+def _exported(graph, model, strategy):
+    """The module ``soapsearch export --format dtensor`` writes for ``strategy``, imported."""
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "tp_plan.py"
+        path.write_text(python_source(dtensor_plan(graph, strategy, module_names(model)), "megatron"))
+        spec = importlib.util.spec_from_file_location("tp_plan", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+
+def _trainer(model, inputs):
+    opt = make_optimizer(model.parameters(), TrainConfig("sgd"))
+
+    def step(_):
+        opt.zero_grad()
+        model(*inputs).backward()
+        opt.step()
+    return step
+
+
+def _gpt_rows(mesh, world: int, args) -> list:
+    model, inputs = _gpt(args)
+    graph = trace(model, inputs, name=f"gpt-{args.gpt}")
+    plan = baseline("megatron", graph, world, tp=world)
+    ex = Executor(graph, plan, model.state_dict(), inputs, TrainConfig("sgd"))
+    exported = _exported(graph, model, plan)
+    sp, _ = _gpt(args)
+    exported.parallelize(sp, mesh)
+    tp, _ = _gpt(args)
+    blocks = {}
+    for i in range(len(tp.blocks)):
+        b = f"blocks.{i}."
+        blocks.update({b + n: ColwiseParallel(use_local_output=False) for n in ("attn.q", "attn.k", "attn.v")})
+        blocks.update({b + "attn.proj": RowwiseParallel(), b + "mlp.fc": ColwiseParallel(),
+                       b + "mlp.proj": RowwiseParallel()})
+    parallelize_module(tp, mesh, {"wte": RowwiseParallel(input_layouts=Replicate()), **blocks})
+    ours, cr, seq = alternate([lambda s: ex.step(seed=s), _trainer(tp, inputs), _trainer(sp, inputs)], args.steps)
+    return [(f"gpt {args.gpt} vs Colwise/Rowwise", ours, cr), (f"gpt {args.gpt} vs + SequenceParallel", ours, seq)]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--widths", default="256,1024")
     ap.add_argument("--batch-size", type=int, default=64)
+    ap.add_argument("--gpt", default="small", help="zoo gpt variant ('' to skip)")
     ap.add_argument("--steps", type=int, default=30)
     args = ap.parse_args()
     rows = spawn_gloo(_worker, args)
-    print(f"every linear cut on out_features, 2 gloo processes, MLP 4 linears, batch "
-          f"{args.batch_size}, median of {args.steps} alternating steps")
-    print(f"{'width':>6s} {'executor ms':>12s} {'DTensor ms':>11s} {'ratio':>7s}")
-    for width, ours, theirs in rows:
-        print(f"{width:6d} {ours:12.1f} {theirs:11.1f} {ours / theirs:7.2f}")
+    print(f"2 gloo processes, median of {args.steps} alternating steps; MLP: 4 linears cut on "
+          f"out_features, batch {args.batch_size}; gpt: the megatron plan, tp 2")
+    print(f"{'case':>36s} {'executor ms':>12s} {'DTensor ms':>11s} {'ratio':>7s}")
+    for case, ours, theirs in rows:
+        print(f"{case:>36s} {ours:12.1f} {theirs:11.1f} {ours / theirs:7.2f}")
 
 
 if __name__ == "__main__":
