@@ -14,8 +14,8 @@ d = N / (t·p) data parallelism in each stage:
   partitions on its own device hold (the heads of a reshape, the permute, the rotary slices
   and the attention; an activation's features), so no byte moves inside a block;
 - L2: sample d ways, in_features t ways (``RowwiseParallel``): a Partial sum of its output;
-- the linear producing a cross-entropy's logits (through reshapes): column-parallel on its
-  out_features (the vocabulary), the reshapes cut alike, and the loss cut t ways on its dim
+- the linear producing a cross-entropy's logits (through reshapes and casts): column-parallel
+  on its out_features (the vocabulary), the reshapes cut alike, and the loss cut t ways on its dim
   named ``classes`` where its rule has one (Megatron's vocab-parallel cross-entropy, which
   never gathers the logits); without it the loss reads whole rows of the logits;
 - an embedding: its vocabulary rows t ways (vocab-parallel), a Partial sum of its output;
@@ -78,8 +78,10 @@ def _heads(graph: OpGraph) -> list[tuple[str, int]]:
 
 def _walked(graph: OpGraph, node: OpNode) -> list[str]:
     """The producers a block follows: activations with a sample dim (a weight, a constant or a
-    table computed from positions alone is read whole, like a weight)."""
-    return [s for s in node.inputs
+    table computed from positions alone is read whole, like a weight); an attention's query,
+    key and value, not its mask (built outside the block, read as it is)."""
+    inputs = node.inputs[:3] if node.kind == "attention" else node.inputs
+    return [s for s in inputs
             if graph[s].kind not in ("parameter", "constant") and graph[s].sample_dim is not None]
 
 
@@ -178,13 +180,14 @@ def block_layout(graph: OpGraph, block: Block, d: int, t: int, m: int = 1,
 
 def vocab_head(graph: OpGraph, d: int, t: int, m: int = 1) -> dict[str, ParallelConfig]:
     """Megatron's vocab-parallel head: the linear producing each cross-entropy's logits
-    (through reshapes with no other reader) column-parallel on the vocabulary, the reshapes cut
+    (through reshapes and casts with no other reader) column-parallel on the vocabulary, the reshapes cut
     alike, and the loss cut t ways on its dim named ``classes`` where its rule has one and
     takes the cut (module docstring)."""
     out: dict[str, ParallelConfig] = {}
     for loss in (n for n in graph if n.kind == "loss" and n.attrs.get("fn") == "cross_entropy"):
         chain, x = [], graph[loss.inputs[0]]
-        while x.kind in ("reshape", "flatten") and len(graph.users(x.name)) == 1:
+        while (x.kind in ("reshape", "flatten", "elementwise") and len(graph.users(x.name)) == 1
+               and len(_walked(graph, x)) == 1):
             chain.append(x)
             x = graph[x.inputs[0]]
         if x.kind != "linear" or len(graph.users(x.name)) != 1:
