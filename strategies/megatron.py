@@ -57,7 +57,6 @@ __all__ = ["Block", "block_layout", "default_tp", "megatron", "megatron_blocks",
 _MIDDLE = {"reshape", "flatten", "permute", "dropout", "attention", "elementwise", "add", "mul", "slice",
            "concat", "expand", "repeat_interleave"}
 _ACTIVATION = {"attention", "elementwise"}
-_LEAF = {"parameter", "constant", "input"}
 
 Block = tuple[tuple[str, ...], tuple[str, ...], str]
 """(column linears, middle ops in graph order, row linear)."""
