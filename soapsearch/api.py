@@ -22,8 +22,9 @@ TOPOLOGY_HELP = (f"preset (p100-4x4, k80-16x4, a100-Nx8, h100-Nx8, local-cpu-N) 
 
 
 def resolve_plan(graph: OpGraph, plan: Strategy | str | os.PathLike, num_devices: int,
-                 microbatches: int = 4) -> Strategy:
-    """A Strategy, a baseline name (for ``num_devices`` devices) or a plan JSON path."""
+                 microbatches: int | None = None) -> Strategy:
+    """A Strategy, a baseline name (for ``num_devices`` devices; ``microbatches`` as
+    ``strategies.baseline`` defaults them) or a plan JSON path."""
     if isinstance(plan, Strategy):
         return plan
     if isinstance(plan, str) and not plan.endswith(".json") and not os.path.exists(plan):
@@ -33,7 +34,7 @@ def resolve_plan(graph: OpGraph, plan: Strategy | str | os.PathLike, num_devices
 
 def simulate(graph: OpGraph, plan: Strategy | str | os.PathLike, *,
              topology: Topology | str = DEFAULT_TOPOLOGY, cost_model: CostModel | str = "analytical",
-             optimizer: str = "sgd", microbatches: int = 4,
+             optimizer: str = "sgd", microbatches: int | None = None,
              trace: str | os.PathLike | None = None) -> SimResult:
     """Simulated cost of one training iteration of ``plan`` (a Strategy, a baseline name or a
     plan file) for ``graph`` on ``topology``; ``trace`` writes the timeline (Chrome trace)."""

@@ -112,7 +112,11 @@ def _cmd_plan(args) -> int:
                          f"{topo.name!r}; give a --topology with as many")
     graph = _graph(args)
     replacing = check_plan_output(args.output, graph, args.force)
-    plan = baseline(args.baseline, graph, devices, args.microbatches, args.tp)
+    megatron_only = [f for f, v in (("--tp", args.tp), ("--pp", args.pp != 1),
+                                    ("--sequence-parallel", args.sequence_parallel)) if v]
+    if megatron_only and args.baseline != "megatron":
+        raise ValueError(f"{megatron_only[0]} is a flag of --baseline megatron, not of --baseline {args.baseline}")
+    plan = baseline(args.baseline, graph, devices, args.microbatches, args.tp, args.pp, args.sequence_parallel)
     save_strategy(args.output, plan, graph, topology=topo.name)
     path = wrote(args.output)
     if args.json:
@@ -194,10 +198,18 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--baseline", required=True, choices=sorted(BASELINES))
     plan.add_argument("--devices", type=int, default=None,
                       help="number of devices: the topology's first N (default all of them)")
-    plan.add_argument("--microbatches", type=int, default=4, help="pipeline micro-batches")
+    plan.add_argument("--microbatches", type=int, default=None,
+                      help="micro-batches of --baseline pipeline (default 4) or megatron (default 1)")
     plan.add_argument("--tp", type=int, default=None,
                       help="tensor-parallel degree of --baseline megatron (default: the largest divisor of "
-                           "the heads and the devices <= 8)")
+                           "the heads and a stage's devices <= 8)")
+    plan.add_argument("--pp", type=int, default=1,
+                      help="pipeline stages of --baseline megatron: contiguous blocks balanced by forward "
+                           "FLOPs, each on its own devices / pp devices (default 1)")
+    plan.add_argument("--sequence-parallel", action="store_true",
+                      help="--baseline megatron: cut the ops between the blocks (LayerNorm, residual, "
+                           "dropout) on the sequence over each tensor-parallel group (Korthikanti et al. "
+                           "2022) instead of on the samples")
     plan.add_argument("--topology", default=DEFAULT_TOPOLOGY, help=f"{TOPOLOGY_HELP}; recorded in the plan")
     plan.add_argument("-o", "--output", default="plan.json",
                       help="where to write the plan (default plan.json); a file holding another model's "
@@ -213,7 +225,8 @@ def _parser() -> argparse.ArgumentParser:
     sim.add_argument("--topology", default=DEFAULT_TOPOLOGY, help=TOPOLOGY_HELP)
     sim.add_argument("--cost-model", default="analytical", choices=["analytical", "profiled"])
     sim.add_argument("--optimizer", default="sgd", choices=["sgd", "adam"])
-    sim.add_argument("--microbatches", type=int, default=4, help="micro-batches of --baseline pipeline")
+    sim.add_argument("--microbatches", type=int, default=None,
+                     help="micro-batches of --baseline pipeline (default 4) or megatron (default 1)")
     sim.add_argument("--trace", default=None, help="write the timeline as a Chrome trace JSON")
     sim.set_defaults(fn=_cmd_simulate)
     add_search_parsers(sub, model_args, _graph)

@@ -189,15 +189,19 @@ BASELINES: dict[str, Callable[..., Strategy]] = {
 }
 
 
-def baseline(name: str, graph: OpGraph, num_devices: int, microbatches: int = 4,
-             tp: int | None = None) -> Strategy:
-    """The baseline plan ``name`` (one of BASELINES) for ``graph`` on ``num_devices``; ``tp``:
-    the tensor-parallel degree of ``megatron`` (default ``strategies.megatron.default_tp``)."""
+def baseline(name: str, graph: OpGraph, num_devices: int, microbatches: int | None = None,
+             tp: int | None = None, pp: int = 1, sequence_parallel: bool = False) -> Strategy:
+    """The baseline plan ``name`` (one of BASELINES) for ``graph`` on ``num_devices``;
+    ``microbatches``: of ``pipeline`` (default 4) and ``megatron`` (default 1); ``tp``, ``pp``,
+    ``sequence_parallel``: ``megatron``'s tensor-parallel degree (default
+    ``strategies.megatron.default_tp``), pipeline stages and layout between its blocks."""
     if name not in BASELINES:
         raise PlanError(None, "baseline", name, f"must be one of {sorted(BASELINES)}")
+    if name == "megatron":
+        return megatron(graph, num_devices, tp, pp, 1 if microbatches is None else microbatches,
+                        sequence_parallel)
+    microbatches = 4 if microbatches is None else microbatches
     _check_counts(num_devices, microbatches)
     if name == "pipeline":
         return pipeline(graph, num_devices, microbatches)
-    if name == "megatron":
-        return megatron(graph, num_devices, tp)
     return BASELINES[name](graph, num_devices)

@@ -2,57 +2,89 @@
 Korthikanti et al. 2022) written in SOAP configs, found by the graph's structure.
 
 A *block* is a row-parallel linear L2 whose input, followed backwards, passes only through
-*middle* ops (reshape, permute, elementwise with one activation input, dropout, attention) and
-ends at column-parallel linears L1 whose every consumer is a middle op: linear → attention →
-linear (q/k/v, attention by heads, output projection) and linear → activation → linear (the
-MLP). With t-way tensor parallelism and d = N / t data parallelism:
+*middle* ops (reshape, permute, slice, concat, pointwise ops, dropout, attention; a producer
+with no sample dim, such as a rotary table, is read whole like a weight) and ends at
+column-parallel linears L1 whose every consumer is a middle op: linear → attention → linear
+(q/k/v, attention by heads, output projection) and linear → activation → linear (the MLP, a
+SwiGLU's two column linears included). With t-way tensor parallelism, p pipeline stages and
+d = N / (t·p) data parallelism in each stage:
 
 - L1: sample cut d ways, out_features t ways (``ColwiseParallel``);
 - a middle op: sample d ways and the one dim whose t-way cut reads only what the producers'
-  partitions on its own device hold (the heads of a reshape, the permute and the attention;
-  an activation's features), so no byte moves inside a block;
+  partitions on its own device hold (the heads of a reshape, the permute, the rotary slices
+  and the attention; an activation's features), so no byte moves inside a block;
 - L2: sample d ways, in_features t ways (``RowwiseParallel``): a Partial sum of its output;
-- every other op: sample d ways and its first attribute dim that t divides (the sequence:
-  Korthikanti et al.'s sequence parallelism), so L2's Partial sums are reduce-scattered into it
-  and L1 all-gathers its input from it; an embedding's vocabulary rows are cut t ways instead
-  (vocab-parallel). Ops that cannot be cut so run d ways on devices 0, t, 2t, ...
+- the linear producing a cross-entropy's logits (through reshapes and casts): column-parallel
+  on its out_features (the vocabulary), the reshapes cut alike, and the loss cut t ways on its dim
+  named ``classes`` where its rule has one (Megatron's vocab-parallel cross-entropy, which
+  never gathers the logits); without it the loss reads whole rows of the logits;
+- an embedding: its vocabulary rows t ways (vocab-parallel), a Partial sum of its output;
+- every other op (LayerNorm, residual adds, dropout between the blocks): with
+  ``sequence_parallel``, sample d ways × its first attribute dim that t divides (the sequence,
+  Korthikanti et al.'s layout); without it, sample d·t ways (each tensor-parallel group's
+  micro-batch shared out over its t devices), else the sequence. Either way L2's Partial
+  sums are reduce-scattered into it and L1 all-gathers its input from it: the bytes of
+  Megatron-LM's all-reduce (a ring all-reduce is a reduce-scatter then an all-gather, Patarasuk
+  & Yuan 2009). Megatron without sequence parallelism *replicates* these ops on the t ranks;
+  a SOAP config computes each output element once, so the replicated layout has no config of
+  its own: the sample-dim cut keeps Megatron's bytes and differs only in computing the
+  between-block ops once instead of t times (1/t of their time and activations per device).
+  Ops that cannot be cut so run d ways on devices 0, t, 2t, ...
 
-Partition (sample i, tensor j) runs on device i·t + j: each tensor-parallel group is t
-consecutive devices (one node's NVLink domain on a GPU cluster).
+Partition (sample i, tensor j) of a stage starting at device f runs on device f + i·t + j:
+each tensor-parallel group is t consecutive devices (one node's NVLink domain on a GPU
+cluster). Pipeline stages (``pp``) are contiguous runs of ops, a block never split, balanced by
+forward FLOPs (the simulated time's proxy: ``megatron_stages``); stage s runs on devices
+[s·N/p, (s+1)·N/p). ``microbatches`` sets the plan's micro-batches (1F1B, Megatron's
+schedule, when there are several).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Sequence
 
 from strategies.config import ParallelConfig, check_degrees
 from strategies.errors import PlanError
 from strategies.graph import OpGraph, OpNode
+from strategies.megatron_stages import megatron_stages
+from strategies.pieces import check_microbatches, partition_box_mb
 from strategies.region import intersect
-from strategies.pieces import partition_box_mb
 from strategies.rules import get_rule
 from strategies.strategy import Strategy
 
-__all__ = ["megatron", "megatron_blocks", "default_tp"]
+__all__ = ["Block", "block_layout", "default_tp", "megatron", "megatron_blocks", "vocab_head"]
 
-_MIDDLE = {"reshape", "flatten", "permute", "dropout", "attention", "elementwise"}
+_MIDDLE = {"reshape", "flatten", "permute", "dropout", "attention", "elementwise", "add", "mul", "slice",
+           "concat", "expand", "repeat_interleave"}
+_ACTIVATION = {"attention", "elementwise"}
+
+Block = tuple[tuple[str, ...], tuple[str, ...], str]
+"""(column linears, middle ops in graph order, row linear)."""
 
 
 def default_tp(graph: OpGraph, num_devices: int) -> int:
     """The largest t <= min(N, 8) dividing N and the heads of every attention op (the issue's
     default: one node's devices at most)."""
-    heads = [n.shape[n.dims.index(d)] for n in graph if n.kind == "attention"
-             for d in n.dims if d.name == "heads"]
+    heads = _heads(graph)
     return max(t for t in range(1, min(num_devices, 8) + 1)
-               if num_devices % t == 0 and all(h % t == 0 for h in heads))
+               if num_devices % t == 0 and all(h % t == 0 for _, h in heads))
 
 
-def _activation_inputs(graph: OpGraph, node: OpNode) -> list[str]:
-    return [s for s in node.inputs if graph[s].kind not in ("parameter", "constant")]
+def _heads(graph: OpGraph) -> list[tuple[str, int]]:
+    return [(n.name, n.shape[n.dims.index(d)]) for n in graph if n.kind == "attention"
+            for d in n.dims if d.name == "heads"]
 
 
-def megatron_blocks(graph: OpGraph) -> list[tuple[tuple[str, ...], tuple[str, ...], str]]:
+def _walked(graph: OpGraph, node: OpNode) -> list[str]:
+    """The producers a block follows: activations with a sample dim (a weight, a constant or a
+    table computed from positions alone is read whole, like a weight); an attention's query,
+    key and value, not its mask (built outside the block, read as it is)."""
+    inputs = node.inputs[:3] if node.kind == "attention" else node.inputs
+    return [s for s in inputs
+            if graph[s].kind not in ("parameter", "constant") and graph[s].sample_dim is not None]
+
+
+def megatron_blocks(graph: OpGraph) -> list[Block]:
     """(column linears, middle ops in graph order, row linear) of every block (module
     docstring), in graph order."""
     out = []
@@ -63,13 +95,13 @@ def megatron_blocks(graph: OpGraph) -> list[tuple[tuple[str, ...], tuple[str, ..
             node = graph[name]
             if node.kind == "linear":
                 columns.add(name)
-            elif node.kind in _MIDDLE and (node.kind != "elementwise" or len(_activation_inputs(graph, node)) == 1):
+            elif node.kind in _MIDDLE:
                 if name not in middle:
                     middle.add(name)
-                    stack.extend(_activation_inputs(graph, node))
+                    stack.extend(_walked(graph, node))
             else:
                 ok = False
-        if not ok or not columns or not any(graph[m].kind in ("attention", "elementwise") for m in middle):
+        if not ok or not columns or not any(graph[m].kind in _ACTIVATION for m in middle):
             continue
         inside = middle | {l2.name}
         if all(set(graph.users(x)) <= inside for x in middle | columns):
@@ -78,19 +110,21 @@ def megatron_blocks(graph: OpGraph) -> list[tuple[tuple[str, ...], tuple[str, ..
     return out
 
 
-def _config(node: OpNode, d: int, dim: int | None, t: int) -> ParallelConfig | None:
-    """``node`` cut d ways on its sample dim and t ways on ``dim``, partition (i, j) on device
-    i·t + j; None where a degree does not divide or the rule refuses."""
+def _config(node: OpNode, d: int, dim: int | None, t: int, m: int = 1) -> ParallelConfig | None:
+    """``node`` cut d ways on its sample dim (per micro-batch of ``m``) and t ways on ``dim``,
+    partition (i, j) on device i·t + j; None where a degree does not divide or the rule
+    refuses."""
     s = node.sample_dim
     ok = get_rule(node.kind).splittable(node)
     degrees = [1] * len(node.dims)
     for i, k in ((s, d), (dim, t)):
         if k == 1:
             continue
-        if i is None or not ok[i] or node.shape[i] % k:
+        size = node.shape[i] // m if i is not None and i == s else node.shape[i] if i is not None else 0
+        if i is None or not ok[i] or size % k or (i == s and node.shape[i] % m):
             return None
         degrees[i] = k
-    if check_degrees(node, degrees) is not None:
+    if check_degrees(node, degrees, m) is not None:
         return None
     if s is not None and dim is not None and dim < s and d > 1 and t > 1:
         return None  # the device formula below assumes the sample dim comes first
@@ -101,16 +135,16 @@ def _config(node: OpNode, d: int, dim: int | None, t: int) -> ParallelConfig | N
 
 
 def _reads_locally(graph: OpGraph, node: OpNode, cfg: ParallelConfig, configs: dict[str, ParallelConfig]) -> bool:
-    """Every partition of ``node`` under ``cfg`` reads each activation input only from the
-    producer partitions on its own device."""
+    """Every partition of ``node`` under ``cfg`` reads each activation input in ``configs``
+    only from the producer partitions on its own device."""
     rule = get_rule(node.kind)
     for k, dev in enumerate(cfg.devices):
         box = partition_box_mb(node, cfg.degrees, k, 0, 1)
         for src, region in zip(node.inputs, rule.input_regions(node, box)):
-            p = graph[src]
-            if region is None or p.kind in ("parameter", "constant"):
+            pc = configs.get(src)
+            if region is None or pc is None:
                 continue
-            pc = configs[src]
+            p = graph[src]
             for q, pdev in enumerate(pc.devices):
                 held = p.output_region(partition_box_mb(p, pc.degrees, q, 0, 1))
                 if pdev != dev and intersect(held, region) is not None:
@@ -118,54 +152,134 @@ def _reads_locally(graph: OpGraph, node: OpNode, cfg: ParallelConfig, configs: d
     return True
 
 
-def _other(node: OpNode, d: int, t: int) -> ParallelConfig:
-    """An op outside the blocks: sample d ways × its first attribute dim t ways (sequence
-    parallelism; an embedding's vocabulary rows), else sample d·t ways, else sample d ways on
-    devices 0, t, 2t, ..., else whole on device 0."""
+def _shift(cfg: ParallelConfig, first: int) -> ParallelConfig:
+    return cfg if first == 0 else ParallelConfig(cfg.degrees, tuple(x + first for x in cfg.devices))
+
+
+def block_layout(graph: OpGraph, block: Block, d: int, t: int, m: int = 1,
+                 first: int = 0) -> dict[str, ParallelConfig] | None:
+    """The configs of one block's ops with t-way tensor parallelism (t = 1: the block data
+    parallel) and d-way data parallelism on devices [first, first + d·t); None where an op
+    cannot be cut so (a degree does not divide, or no middle-op cut reads locally)."""
+    columns, middle, row = block
+    out: dict[str, ParallelConfig | None] = {c: _config(graph[c], d, len(graph[c].output.shape) - 1, t, m)
+                                             for c in columns}
+    out[row] = _config(graph[row], d, graph[row].reduction_dims[0], t, m)
+    for name in middle:
+        node = graph[name]
+        out[name] = next((cfg for i in range(len(node.dims)) if i != node.sample_dim
+                          for cfg in [_config(node, d, i, t, m)]
+                          if cfg is not None and _reads_locally(graph, node, cfg, out)), None)
+        if out[name] is None:
+            return None
+    if any(cfg is None for cfg in out.values()):
+        return None
+    return {k: _shift(v, first) for k, v in out.items()}
+
+
+def vocab_head(graph: OpGraph, d: int, t: int, m: int = 1) -> dict[str, ParallelConfig]:
+    """Megatron's vocab-parallel head: the linear producing each cross-entropy's logits
+    (through reshapes and casts with no other reader) column-parallel on the vocabulary, the reshapes cut
+    alike, and the loss cut t ways on its dim named ``classes`` where its rule has one and
+    takes the cut (module docstring)."""
+    out: dict[str, ParallelConfig] = {}
+    for loss in (n for n in graph if n.kind == "loss" and n.attrs.get("fn") == "cross_entropy"):
+        chain, x = [], graph[loss.inputs[0]]
+        while (x.kind in ("reshape", "flatten", "elementwise") and len(graph.users(x.name)) == 1
+               and len(_walked(graph, x)) == 1):
+            chain.append(x)
+            x = graph[x.inputs[0]]
+        if x.kind != "linear" or len(graph.users(x.name)) != 1:
+            continue
+        head = {x.name: _config(x, d, len(x.output.shape) - 1, t, m)}
+        for r in reversed(chain):
+            cfg = _config(r, d, len(r.output.shape) - 1, t, m)
+            head[r.name] = cfg if cfg is not None and _reads_locally(graph, r, cfg, head) else None
+        if any(c is None for c in head.values()):
+            continue
+        out.update(head)
+        classes = next((i for i, dim in enumerate(loss.dims) if dim.name == "classes"), None)
+        cfg = _config(loss, d, classes, t, m) if classes is not None and t > 1 else None
+        if cfg is not None:
+            out[loss.name] = cfg
+    return out
+
+
+def _other(node: OpNode, d: int, t: int, m: int, sequence_parallel: bool) -> ParallelConfig:
+    """An op outside the blocks and the head (module docstring): an embedding's vocabulary
+    rows; the sequence (``sequence_parallel``) or the sample dim d·t ways; else sample d ways
+    on devices 0, t, 2t, ..., else whole on device 0."""
     dims: list[int | None] = []
     if node.kind == "embedding":
         dims += list(node.reduction_dims)
     attributes = [i for i, dim in enumerate(node.dims) if dim.role == "attribute"]
-    # a [batch, seq, ...] activation: its sequence; a flat [batch·seq, classes] one: its rows
-    dims += attributes + [None] if len(node.output.shape) >= 3 else [None] + attributes
+    # a [batch, seq, ...] activation: its sequence (or its samples); a flat [batch·seq, classes]
+    # one: its rows
+    dims += attributes + [None] if sequence_parallel and len(node.output.shape) >= 3 else [None] + attributes
     for i in dims:
-        cfg = _config(node, d, i, t) if i is not None else _config(node, d * t, None, 1)
+        cfg = _config(node, d, i, t, m) if i is not None else _config(node, d * t, None, 1, m)
         if cfg is not None:
             return cfg
-    return _config(node, d, None, t) or ParallelConfig((1,) * len(node.dims), (0,))
+    return _config(node, d, None, t, m) or ParallelConfig((1,) * len(node.dims), (0,))
 
 
-def megatron(graph: OpGraph, num_devices: int, tp: int | None = None) -> Strategy:
-    """The Megatron-LM plan (module docstring) with ``tp``-way tensor parallelism (default
-    ``default_tp``) and data parallelism over the other num_devices / tp devices."""
-    t = default_tp(graph, num_devices) if tp is None else tp
-    if isinstance(t, bool) or not isinstance(t, int) or t < 1 or num_devices % t:
-        raise PlanError(None, "tp", t, f"tensor-parallel degree must be a whole number dividing "
-                        f"num_devices ({num_devices})")
-    d = num_devices // t
+def _whole_number(field: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise PlanError(None, field, value, "must be a whole number >= 1")
+    return value
+
+
+def _check(graph: OpGraph, n: int, t: int, p: int, m: int, blocks: list[Block]) -> int:
+    """d, the data-parallel degree, once every count is valid (one line with the arithmetic
+    where one is not)."""
+    if n % (t * p):
+        raise PlanError(None, "tp x pp", t * p, f"tp {t} x pp {p} = {t * p} does not divide num_devices {n}")
+    d = n // (t * p)
+    for op, h in _heads(graph):
+        if h % t:
+            raise PlanError(op, "tp", t, f"the attention's {h} heads are not divisible by tp {t} "
+                            f"({h} % {t} = {h % t})")
     batch = graph.batch_size
-    if batch is None or batch % d:
-        raise PlanError(None, "tp", t, f"batch {batch} is not divisible by num_devices {num_devices} / "
-                        f"tp {t} = {d} data-parallel groups")
-    blocks = megatron_blocks(graph)
+    if batch is None:
+        raise PlanError(None, "batch_size", None, "the model has no op with a sample dim to split")
+    if batch % m:
+        raise PlanError(None, "microbatches", m, f"batch {batch} is not divisible by {m} micro-batches "
+                        f"({batch} % {m} = {batch % m})")
+    if (batch // m) % d:
+        raise PlanError(None, "tp", t, f"batch {batch} / {m} micro-batch(es) = {batch // m} is not divisible by "
+                        f"num_devices {n} / (tp {t} x pp {p}) = {d} data-parallel groups")
     if t > 1 and not blocks:
         raise PlanError(None, "model", graph.name, "no linear → attention → linear or linear → activation "
                         "→ linear block to cut tensor-parallel")
-    configs: dict[str, ParallelConfig] = {}
+    if p > max(len(blocks), 1):
+        raise PlanError(None, "pp", p, f"more pipeline stages than the model's {len(blocks)} transformer "
+                        f"blocks; give pp <= {max(len(blocks), 1)}")
+    check_microbatches(graph, m)
+    return d
+
+
+def megatron(graph: OpGraph, num_devices: int, tp: int | None = None, pp: int = 1, microbatches: int = 1,
+             sequence_parallel: bool = False) -> Strategy:
+    """The Megatron-LM plan (module docstring): ``tp``-way tensor parallelism (default
+    ``default_tp`` of a stage's devices), ``pp`` pipeline stages, data parallelism over the
+    other num_devices / (tp·pp) devices of each stage, ``microbatches`` micro-batches, the ops
+    between the blocks cut on the sequence (``sequence_parallel``) or on the samples."""
+    n, p, m = _whole_number("num_devices", num_devices), _whole_number("pp", pp), _whole_number("microbatches",
+                                                                                                   microbatches)
+    if n % p:
+        raise PlanError(None, "pp", p, f"{p} pipeline stages do not divide num_devices {n} ({n} % {p} = {n % p})")
+    t = default_tp(graph, n // p) if tp is None else tp
+    if isinstance(t, bool) or not isinstance(t, int) or t < 1 or num_devices % t:
+        raise PlanError(None, "tp", t, f"tensor-parallel degree must be a whole number dividing "
+                        f"num_devices ({num_devices})")
+    blocks = megatron_blocks(graph)
+    d = _check(graph, n, t, p, m, blocks)
+    stage = megatron_stages(graph, blocks, p)
+    size = n // p
     planned: dict[str, ParallelConfig] = {}
-    for columns, middle, row in blocks:
-        block: dict[str, ParallelConfig] = {}
-        for c in columns:
-            block[c] = _config(graph[c], d, len(graph[c].output.shape) - 1, t)
-        block[row] = _config(graph[row], d, graph[row].reduction_dims[0], t)
-        for name in middle:
-            node = graph[name]
-            seen = {**planned, **block}
-            block[name] = next((cfg for i in range(len(node.dims)) if i != node.sample_dim
-                                for cfg in [_config(node, d, i, t)]
-                                if cfg is not None and _reads_locally(graph, node, cfg, seen)), None)
-        if all(cfg is not None for cfg in block.values()):
-            planned.update(block)
-    for node in graph:
-        configs[node.name] = planned.get(node.name) or _other(node, d, t)
-    return Strategy.of({n.name: configs[n.name] for n in graph}, num_devices)
+    for block in blocks:
+        planned.update(block_layout(graph, block, d, t, m) or {})
+    planned.update(vocab_head(graph, d, t, m))
+    configs = {node.name: _shift(planned.get(node.name) or _other(node, d, t, m, sequence_parallel),
+                                 stage[node.name] * size) for node in graph}
+    return Strategy.of(configs, n, m, "1f1b" if m > 1 else "gpipe")

@@ -24,6 +24,7 @@ from soapsearch.search.mcmc import Budget, ChainStats, candidate_configs, consid
 from soapsearch.trace import check_scalar_loss, trace
 from strategies import (OpGraph, PlanError, Strategy, baseline, load_strategy, save_strategy)
 from strategies.baselines import BASELINES, hybrid
+from soapsearch.search.blockmove import BlockMoves
 from strategies.megatron import megatron_blocks
 from strategies.pieces import check_microbatches
 from strategies.lowering import lower
@@ -83,6 +84,8 @@ class SearchResult(FoundPlan):
     history: list[tuple[float, int, float]] = field(default_factory=list)
     """(seconds, proposals of the chain that improved, best ms) at each improvement."""
     accepted: int = 0
+    block_accepted: int = 0
+    """Accepted block moves (``blockmove.py``): Megatron-shaped blocks turned in one proposal."""
 
 
 def save_found(path: str | os.PathLike, found: FoundPlan) -> None:
@@ -231,7 +234,8 @@ def search(model: torch.nn.Module | OpGraph, example_inputs: Sequence[Any] | Non
             for i in range(count)]
     stats, interrupted = run_chains(work, evaluate, candidates, stats, started, beta=config.beta,
                                     reset_every=config.reset_every, workers=workers, on_step=on_step,
-                                    neighbors=neighbor_ops(graph, candidates))
+                                    neighbors=neighbor_ops(graph, candidates),
+                                    blocks=BlockMoves(graph, n, microbatches) or None)
     if stats.best is None:  # interrupted before the first chain scored its start
         stats.best = inits[0]
     best = evaluate(stats.best, summary=True)  # chains score without busy times / bytes moved
@@ -240,4 +244,5 @@ def search(model: torch.nn.Module | OpGraph, example_inputs: Sequence[Any] | Non
                         baseline_results=results, proposals=stats.proposals,
                         elapsed_s=time.perf_counter() - started, interrupted=interrupted,
                         baseline_plans=plans, history=stats.history, accepted=stats.accepted,
+                        block_accepted=stats.block_accepted,
                         workers=min(workers, count))

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
 
 from simulator.result import SimResult
+from soapsearch.search.blockmove import BlockMoves
 from soapsearch.search.mcmc import Budget, ChainStats, run_chain
 from strategies.config import ParallelConfig
 from strategies.strategy import Strategy
@@ -63,7 +64,8 @@ def run_chains(chains: list[Chain], evaluate: Callable[[Strategy], SimResult],
                candidates: dict[str, list[ParallelConfig]], base: ChainStats, started: float, *,
                beta: float | None, reset_every: int, workers: int,
                on_step: Callable[[Progress], None] | None = None,
-               neighbors: dict[str, tuple[str, ...]] | None = None) -> tuple[ChainStats, bool]:
+               neighbors: dict[str, tuple[str, ...]] | None = None,
+               blocks: BlockMoves | None = None) -> tuple[ChainStats, bool]:
     """Every chain from a copy of ``base`` (the scored baselines), ``workers`` at a time; the
     merged stats (``merge``) and whether Ctrl-C stopped the search. ``workers`` > 1 forks; a
     chain's error is raised here as it was raised there."""
@@ -74,14 +76,14 @@ def run_chains(chains: list[Chain], evaluate: Callable[[Strategy], SimResult],
             raise ValueError(f"search workers = {workers}: this platform cannot fork worker processes; "
                              "use workers=1")
         results, interrupted = _forked(chains, evaluate, candidates, base, started, beta, reset_every,
-                                       workers, on_step, neighbors)
+                                       workers, on_step, neighbors, blocks)
     else:
         results, interrupted = _in_turn(chains, evaluate, candidates, base, started, beta, reset_every,
-                                        on_step, neighbors)
+                                        on_step, neighbors, blocks)
     return merge(base, results), interrupted
 
 
-def _in_turn(chains, evaluate, candidates, base, started, beta, reset_every, on_step, neighbors):
+def _in_turn(chains, evaluate, candidates, base, started, beta, reset_every, on_step, neighbors, blocks):
     rows = _rows([0.0] * (_FIELDS * len(chains)), base)
     results: list[ChainStats] = []
     for i, chain in enumerate(chains):
@@ -95,7 +97,7 @@ def _in_turn(chains, evaluate, candidates, base, started, beta, reset_every, on_
 
         try:
             run_chain(chain.start, evaluate, candidates, chain.budget, chain_rng(chain.seed, i),
-                      beta, reset_every, stats, started, on_step=step, neighbors=neighbors)
+                      beta, reset_every, stats, started, on_step=step, neighbors=neighbors, blocks=blocks)
         except KeyboardInterrupt:
             results.append(stats)
             return results, True
@@ -131,7 +133,7 @@ def _progress(rows, base: ChainStats) -> Progress:
                     min([_best_ms(base), *rows[2::_FIELDS]]))
 
 
-def _forked(chains, evaluate, candidates, base, started, beta, reset_every, workers, on_step, neighbors):
+def _forked(chains, evaluate, candidates, base, started, beta, reset_every, workers, on_step, neighbors, blocks):
     ctx = multiprocessing.get_context("fork")
     shared = _rows(ctx.RawArray("d", _FIELDS * len(chains)), base)
     stop = ctx.RawValue("b", 0)
@@ -148,7 +150,7 @@ def _forked(chains, evaluate, candidates, base, started, beta, reset_every, work
                     recv, send = ctx.Pipe(duplex=False)
                     proc = ctx.Process(target=_worker, daemon=True,
                                        args=(send, i, chains[i], evaluate, candidates, base, started, beta,
-                                             reset_every, shared, stop, neighbors))
+                                             reset_every, shared, stop, neighbors, blocks))
                     running[recv] = (i, proc)
                     try:
                         proc.start()
@@ -201,7 +203,7 @@ def _close(conn, proc, terminate: bool = False) -> None:
 
 
 def _worker(conn, i, chain, evaluate, candidates, base, started, beta, reset_every, shared, stop,
-            neighbors) -> None:
+            neighbors, blocks) -> None:
     """A forked chain: runs until its budget or the parent's stop flag, then sends its stats."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides: it raises the stop flag
     write = _writer(shared, i, base)
@@ -209,7 +211,7 @@ def _worker(conn, i, chain, evaluate, candidates, base, started, beta, reset_eve
         stats = _fresh(base)
         run_chain(chain.start, evaluate, candidates, chain.budget, chain_rng(chain.seed, i), beta,
                   reset_every, stats, started, should_stop=lambda: bool(stop.value),
-                  on_step=lambda s, _cost: write(s), neighbors=neighbors)
+                  on_step=lambda s, _cost: write(s), neighbors=neighbors, blocks=blocks)
         write(stats)
         conn.send(("ok", stats))
     except BaseException as e:  # noqa: BLE001 - raised again in the parent, as with one worker
@@ -243,6 +245,7 @@ def merge(base: ChainStats, results: list[ChainStats]) -> ChainStats:
     for stats in results:
         out.proposals += stats.proposals - base.proposals
         out.accepted += stats.accepted - base.accepted
+        out.block_accepted += stats.block_accepted - base.block_accepted
         events += zip(stats.history[len(base.history):], stats.ranks[len(base.ranks):])
         if stats.best_result is not None and (
                 out.best_result is None

@@ -5,7 +5,10 @@ A proposal gives one random op one random valid config (of the same enumeration 
 op's producers and consumers a random config on the same devices, where it has one (a layout
 several ops share, e.g. all on one device, is reached in one move instead of through the costly
 redistributions between them that single-op moves must cross; the reverse of such a move is
-not always one, so the chain is a search, not an exact sampler). It is accepted with probability
+not always one, so the chain is a search, not an exact sampler). Where the graph has
+Megatron-shaped blocks, a proposal is instead, with probability ``blockmove.BLOCK`` (0.1), a
+block move: one block's column linears, middle ops and row linear set to one tensor-parallel
+(or data-parallel) layout together (``blockmove.py``). Every proposal is accepted with probability
 min(1, exp(−β · (cost(new) − cost(current)))) (Metropolis et al. 1953), cost in milliseconds.
 A plan that does not fit in device memory costs its time × (1 + 10 · overflow), overflow being
 the worst device's peak / capacity − 1, so chains can cross such plans but the best is always
@@ -25,6 +28,7 @@ from typing import Callable
 
 from simulator.result import SimResult
 from simulator.simulate import paused_gc
+from soapsearch.search.blockmove import BLOCK, BlockMoves
 from strategies.config import ParallelConfig, enumerate_configs
 from strategies.graph import OpGraph
 from strategies.strategy import Strategy
@@ -95,6 +99,8 @@ class ChainStats:
     """(seconds since the search started, proposals so far, best ms) at each improvement."""
     ranks: list[tuple[bool, float]] = field(default_factory=list)
     """(fits, cost) of each ``history`` entry: what ``consider`` compared (chains.merge)."""
+    block_accepted: int = 0
+    """Accepted block moves (``blockmove.py``)."""
 
 
 def candidate_configs(graph: OpGraph, num_devices: int, microbatches: int,
@@ -109,11 +115,12 @@ def run_chain(init: Strategy, evaluate: Callable[[Strategy], SimResult],
               beta: float | None = None, reset_every: int = 500, stats: ChainStats | None = None,
               started: float | None = None, should_stop: Callable[[], bool] = lambda: False,
               on_step: Callable[[ChainStats, float], None] | None = None,
-              neighbors: dict[str, tuple[str, ...]] | None = None) -> ChainStats:
+              neighbors: dict[str, tuple[str, ...]] | None = None,
+              blocks: BlockMoves | None = None) -> ChainStats:
     """One chain from ``init``. ``beta`` (per ms) defaults to BETA_C / cost(init) (200: a
     proposal 0.5 % worse than the start is accepted with probability 1/e). Runs with the
     cyclic collector paused (``paused_gc``). ``neighbors`` (op -> its producers and consumers,
-    ``neighbor_ops``) enables the group moves."""
+    ``neighbor_ops``) enables the group moves, ``blocks`` (where it has any) the block moves."""
     stats = stats or ChainStats()
     started = time.perf_counter() if started is None else started
     t0 = time.perf_counter()
@@ -134,23 +141,30 @@ def run_chain(init: Strategy, evaluate: Callable[[Strategy], SimResult],
             break
         if budget.proposals is not None and (n >= budget.proposals or n - gain_n > budget.proposals / 2):
             break
-        op = rng.choice(ops)
-        cfg = rng.choice(candidates[op])
         n += 1
         stats.proposals += 1
-        if cfg == current[op]:
-            continue
-        proposal = current.replace(op, cfg)
-        if neighbors and rng.random() < GROUP:
-            for other in neighbors.get(op, ()):
-                same = on_devices.get((other, cfg.devices))
-                if same:
-                    proposal = proposal.replace(other, rng.choice(same))
+        block = bool(blocks) and rng.random() < BLOCK
+        if block:
+            proposal = blocks.propose(current, rng)
+            if proposal is None:
+                continue
+        else:
+            op = rng.choice(ops)
+            cfg = rng.choice(candidates[op])
+            if cfg == current[op]:
+                continue
+            proposal = current.replace(op, cfg)
+            if neighbors and rng.random() < GROUP:
+                for other in neighbors.get(op, ()):
+                    same = on_devices.get((other, cfg.devices))
+                    if same:
+                        proposal = proposal.replace(other, rng.choice(same))
         res = evaluate(proposal)
         cost = plan_cost(res)
         if cost <= cur_cost or rng.random() < math.exp(-beta * (cost - cur_cost)):
             current, cur_cost = proposal, cost
             stats.accepted += 1
+            stats.block_accepted += block
             if consider(stats, current, res, cost, started):
                 gain_n, gain_t = n, time.perf_counter() - t0
         if reset_every and n % reset_every == 0 and stats.best is not None:

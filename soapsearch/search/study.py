@@ -28,6 +28,7 @@ from simulator.result import SimResult
 from simulator.topology import Topology
 from soapsearch.api import DEFAULT_TOPOLOGY
 from soapsearch.search.api import Evaluator, FoundPlan, best_baselines
+from soapsearch.search.blockmove import BlockMoves
 from soapsearch.search.chains import chain_rng
 from soapsearch.search.config import SearchConfig, search_config
 from soapsearch.search.mcmc import (
@@ -42,7 +43,7 @@ from soapsearch.search.mcmc import (
 )
 from strategies import OpGraph, PlanError, Strategy, load_strategy
 from strategies.baselines import BASELINES, hybrid, pipeline
-from strategies.megatron import megatron_blocks
+from strategies.megatron import megatron, megatron_blocks
 from strategies.pieces import check_microbatches
 from strategies.serialize import strategy_to_json
 
@@ -139,6 +140,7 @@ class _Trials:
         whose choices changed)."""
         self._evaluators: dict[int, Evaluator] = {}
         self._candidates: dict[tuple[int, int], tuple[dict, dict]] = {}
+        self._blocks: dict[tuple[int, int], BlockMoves | None] = {}
         self.plans: dict[int, Strategy] = {}  # trial number -> its best plan (this process)
         self.proposals = 0
 
@@ -162,8 +164,16 @@ class _Trials:
                                n, m, schedule)
         if init == "pipeline":
             return pipeline(g, n, m, schedule)
+        if init == "megatron":  # its configs cut each micro-batch
+            return megatron(g, n, microbatches=m).with_microbatches(m, schedule)
         plan = hybrid(g, n, m) if init == "hybrid" else BASELINES[init](g, n)
         return plan.with_microbatches(m, schedule)
+
+    def block_moves(self, n: int, m: int) -> BlockMoves | None:
+        """The block moves of a chain on n devices with m micro-batches (None: no block)."""
+        if (n, m) not in self._blocks:
+            self._blocks[n, m] = BlockMoves(self.graph, n, m) or None
+        return self._blocks[n, m]
 
     def __call__(self, trial: optuna.Trial) -> float:
         n = trial.suggest_categorical("num_devices", self.device_choices)
@@ -190,7 +200,7 @@ class _Trials:
         try:
             candidates, neighbors = self.candidates(n, m)
             run_chain(start, evaluate, candidates, Budget(seconds, proposals), rng, beta, stats=stats,
-                      neighbors=neighbors)
+                      neighbors=neighbors, blocks=self.block_moves(n, m))
         except RuntimeError as e:  # a simulator error ends this chain, not the study
             log.warning("trial %d: chain stopped after %d proposals: %s", trial.number,
                         stats.proposals, str(e)[:200])

@@ -108,8 +108,10 @@ def make_plan(graph: OpGraph, name: str, n: int) -> Strategy:
                      or (node.kind == "matmul" and len(node.output.shape) == 3) else None)
     if name == "spatial":  # every conv cut on height (attribute), the rest data parallel
         return _with(graph, n, lambda node: _cut(node, 2, n) if node.kind == "conv2d" else None)
-    if name == "megatron":  # strategies.megatron, tensor parallel 2 ways (data parallel over the rest)
-        return baseline("megatron", graph, n, tp=2)
+    if name.startswith("megatron"):  # strategies.megatron, tensor parallel 2 ways (data parallel over the
+        # rest); "_sp": sequence parallel between the blocks; "_pp2": 2 stages fed 2 micro-batches (1F1B)
+        pp = 2 if "_pp2" in name else 1
+        return baseline("megatron", graph, n, microbatches=pp, tp=2, pp=pp, sequence_parallel="_sp" in name)
     if name == "row":  # every linear cut on in_features (row-parallel: Partial sums), the rest data parallel
         return _with(graph, n, lambda node: _cut(node, node.reduction_dims[0], n) if node.kind == "linear" else None)
     if name == "colrow":  # Megatron-LM's MLP: fc column-parallel, its activation cut alike, proj row-parallel

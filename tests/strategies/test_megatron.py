@@ -28,7 +28,7 @@ def test_blocks_are_found_by_structure():
 
 def test_cuts_column_row_heads_and_sequence():
     g = traced("gpt")  # batch 4, seq 8
-    plan = megatron(g, 4, tp=2)
+    plan = megatron(g, 4, tp=2, sequence_parallel=True)
     show = {n.name: plan[n.name].show(n.dims) for n in g}
     assert show["blocks_0_attn_q"] == "S2·P2 @ 0-3" and show["blocks_0_mlp_fc"] == "S2·P2 @ 0-3"
     assert show["blocks_0_attn_proj"] == "S2·R2 @ 0-3" and show["blocks_0_mlp_proj"] == "S2·R2 @ 0-3"
@@ -36,7 +36,12 @@ def test_cuts_column_row_heads_and_sequence():
     assert heads.name == "heads" and plan["scaled_dot_product_attention"].degrees[:2] == (2, 2)
     assert plan["blocks_0_ln_1"].degrees == (2, 2, 1)  # sample × sequence
     assert show["wte"] == "S2·R2 @ 0-3"  # vocab-parallel embedding
-    assert plan["cross_entropy"].degrees == (4,)
+    assert show["lm_head"] == "S2·P2 @ 0-3" and plan["view_8"].degrees == (2, 2)  # vocab-parallel head
+    # without sequence parallelism the ops between the blocks are cut on the samples over the
+    # tensor-parallel group instead; the blocks are the same
+    plain = megatron(g, 4, tp=2)
+    assert plain["blocks_0_ln_1"].degrees == (4, 1, 1) and plain["add_2"].degrees == (4, 1, 1)
+    assert all(plain[n.name] == plan[n.name] for n in g if n.kind in ("linear", "attention", "embedding"))
 
 
 def _layer_bytes(g, plan, first, last):
@@ -48,13 +53,14 @@ def _layer_bytes(g, plan, first, last):
             sum(t.nbytes for t in remote if g.moves_grad(t.src_op, t.dst_op)))
 
 
+@pytest.mark.parametrize("sp", [True, False])
 @pytest.mark.parametrize("devices,tp", [(2, 2), (4, 2)])
-def test_one_layer_moves_megatron_lm_bytes(devices, tp):
+def test_one_layer_moves_megatron_lm_bytes(devices, tp, sp):
     g = traced("gpt")
     b, s, h = 4 // (devices // tp), 8, 16  # per data-parallel replica
     item = DTYPE_BYTES[g["blocks_0_mlp_proj"].output.dtype]
     all_reduce = 2 * (tp - 1) * b * s * h * item * (devices // tp)  # over every group's t devices
-    plan = megatron(g, devices, tp)
+    plan = megatron(g, devices, tp, sequence_parallel=sp)
     # the MLP: a reduce-scatter of fc2's Partial sums, an all-gather into fc1: one all-reduce
     # each way
     assert _layer_bytes(g, plan, "blocks_0_ln_2", "add_2") == (all_reduce, all_reduce)
@@ -69,3 +75,78 @@ def test_bad_tensor_parallel_degree():
     with pytest.raises(PlanError, match=r"tp = 3: tensor-parallel degree must be a whole number dividing num_devices \(4\)"):
         megatron(g, 4, tp=3)
     assert baseline("megatron", g, 4, tp=2) == megatron(g, 4, 2)
+
+
+def test_llama_blocks_swiglu_and_rotary():
+    """The zoo's llama: q/k/v through the rotary slices into grouped-query attention, and the
+    SwiGLU MLP's two column linears (w1, w3) into one row linear (w2)."""
+    g = traced("llama")
+    assert [(cols, row) for cols, _, row in megatron_blocks(g)][:2] == [
+        (("blocks_0_attn_wq", "blocks_0_attn_wk", "blocks_0_attn_wv"), "blocks_0_attn_wo"),
+        (("blocks_0_mlp_w1", "blocks_0_mlp_w3"), "blocks_0_mlp_w2")]
+    plan = megatron(g, 2, tp=2)
+    show = {n.name: plan[n.name].show(n.dims) for n in g}
+    assert show["blocks_0_attn_wo"] == "R2 @ 0-1" and show["blocks_0_mlp_w2"] == "R2 @ 0-1"
+    assert plan["scaled_dot_product_attention"].degrees == (1, 2, 1, 1)  # by heads
+    assert show["mul_4"] == "A2 @ 0-1"  # silu(w1) · w3 on its features
+
+
+def _stage_devices(g, plan):
+    return {n.name: set(plan[n.name].devices) for n in g}
+
+
+def test_pipeline_stages_and_microbatches():
+    g = traced("gpt")
+    plan = megatron(g, 4, tp=2, pp=2, microbatches=2)
+    assert (plan.microbatches, plan.schedule) == (2, "1f1b")
+    on = _stage_devices(g, plan)
+    blocks = megatron_blocks(g)
+    for cols, middle, row in blocks:  # a block is never split between stages
+        assert len({frozenset(on[x]) for x in (*cols, *middle, row)}) == 1
+    assert on["blocks_0_attn_q"] == {0, 1} and on["lm_head"] == {2, 3} and on["targets"] == {2, 3}
+    stage0 = [n for n in g if on[n.name] <= {0, 1} and n.kind not in ("input", "parameter")]
+    stage1 = [n for n in g if on[n.name] <= {2, 3} and n.kind not in ("input", "parameter")]
+    assert len(stage0) + len(stage1) == sum(n.kind not in ("input", "parameter") for n in g)
+    names = [n.name for n in g]
+    assert max(names.index(n.name) for n in stage0) < min(names.index(n.name) for n in stage1)  # contiguous
+    f0, f1 = sum(n.flops for n in stage0), sum(n.flops for n in stage1)
+    assert max(f0, f1) <= 0.75 * (f0 + f1), (f0, f1)  # balanced by forward FLOPs
+    assert plan["blocks_0_attn_q"].show(g["blocks_0_attn_q"].dims) == "P2 @ 0-1"  # d = 4 / (2·2) = 1
+    plan.validate(g)
+    assert megatron(g, 8, tp=2, pp=2).num_devices == 8  # d = 2 in each stage
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(num_devices=4, tp=2, pp=3), r"pp = 3: 3 pipeline stages do not divide num_devices 4 \(4 % 3 = 1\)"),
+    (dict(num_devices=6, tp=2, pp=2), r"tp x pp = 4: tp 2 x pp 2 = 4 does not divide num_devices 6"),
+    (dict(num_devices=8, tp=8, pp=2), r"tp x pp = 16: tp 8 x pp 2 = 16 does not divide num_devices 8"),
+    (dict(num_devices=4, tp=4), r"op 'scaled_dot_product_attention': tp = 4: the attention's 2 heads are not "
+                                r"divisible by tp 4 \(2 % 4 = 2\)"),
+    (dict(num_devices=2, tp=2, microbatches=3), r"microbatches = 3: batch 4 is not divisible by 3 micro-batches "
+                                                r"\(4 % 3 = 1\)"),
+    (dict(num_devices=8, tp=2, microbatches=2), r"tp = 2: batch 4 / 2 micro-batch\(es\) = 2 is not divisible by "
+                                                r"num_devices 8 / \(tp 2 x pp 1\) = 4 data-parallel groups"),
+    (dict(num_devices=8, tp=1, pp=8), r"pp = 8: more pipeline stages than the model's 4 transformer blocks; "
+                                      r"give pp <= 4"),
+    (dict(num_devices=2, tp=2, microbatches=0), r"microbatches = 0: must be a whole number >= 1"),
+    (dict(num_devices=2, tp=2, pp=True), r"pp = True: must be a whole number >= 1"),
+])
+def test_bad_counts_are_one_line_with_the_arithmetic(kwargs, match):
+    g = traced("gpt")
+    with pytest.raises(PlanError, match=match):
+        megatron(g, **kwargs)
+
+
+def test_vocab_parallel_loss_when_the_rule_has_classes():
+    """The loss is cut t ways on its dim named ``classes`` (Megatron's vocab-parallel
+    cross-entropy) where its rule offers that dim; the head is column-parallel either way."""
+    g = traced("gpt")
+    loss = g["cross_entropy"]
+    names = [d.name for d in loss.dims]
+    plan = megatron(g, 4, tp=2)
+    assert plan["lm_head"].show(g["lm_head"].dims) == "S2·P2 @ 0-3"
+    if "classes" not in names:
+        pytest.skip(f"the loss rule has no 'classes' dim yet (dims {names}): the loss reads whole logit rows")
+    k = names.index("classes")
+    assert plan["cross_entropy"].degrees[k] == 2 and plan["cross_entropy"].devices == (0, 1, 2, 3)
+    assert not any(t.src_op == "view_8" and not t.local for t in lower(g, plan).transfers)  # logits never gathered

@@ -1,0 +1,91 @@
+"""The pipeline stages of the megatron baseline: contiguous runs of ops, a transformer block
+never split, balanced by forward FLOPs (the proxy of simulated time that ``balanced_stages``
+uses too: a block's ops and its backward scale together)."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from strategies.graph import OpGraph
+
+__all__ = ["megatron_stages"]
+
+_LEAF = {"parameter", "constant", "input"}
+
+
+def _units(graph: OpGraph, blocks: Sequence[tuple[tuple[str, ...], tuple[str, ...], str]]) -> list[list[str]]:
+    """The ops in graph order cut into units no stage boundary may split: each block's span
+    (its first op to its row linear) and every other op alone; inputs, weights and constants
+    are left out (they go with their first reader)."""
+    names = [n.name for n in graph]
+    pos = {x: i for i, x in enumerate(names)}
+    span_end = {}
+    for columns, middle, row in blocks:
+        ops = (*columns, *middle, row)
+        lo, hi = min(pos[x] for x in ops), max(pos[x] for x in ops)
+        span_end[lo] = max(span_end.get(lo, lo), hi)
+    units, i = [], 0
+    while i < len(names):
+        hi = span_end.get(i, i)
+        j = i
+        while j < hi:  # overlapping spans join
+            j += 1
+            hi = max(hi, span_end.get(j, j))
+        units.append([x for x in names[i:hi + 1] if graph[x].kind not in _LEAF])
+        i = hi + 1
+    return [u for u in units if u]
+
+
+def _runs(costs: list[int], stages: int) -> list[int]:
+    """The first unit of each of ``stages`` contiguous non-empty runs minimizing the largest
+    run's cost (binary search on the bound with a greedy fill: the linear partition problem;
+    then the costliest runs split until there are ``stages``)."""
+    def fill(bound: int) -> list[int]:
+        starts, acc = [0], 0
+        for k, c in enumerate(costs):
+            if acc and acc + c > bound:
+                starts.append(k)
+                acc = 0
+            acc += c
+        return starts
+
+    lo, hi = max(costs), sum(costs)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if len(fill(mid)) <= stages:
+            hi = mid
+        else:
+            lo = mid + 1
+    starts = fill(lo)
+    while len(starts) < stages:  # fewer runs than stages: split the costliest run that can be
+        ends = starts[1:] + [len(costs)]
+        a, b = max(((a, b) for a, b in zip(starts, ends) if b - a > 1), key=lambda r: sum(costs[r[0]:r[1]]))
+        half, acc, cut = sum(costs[a:b]) / 2, 0, a + 1
+        for k in range(a, b - 1):
+            acc += costs[k]
+            cut = k + 1
+            if acc >= half:
+                break
+        starts = sorted(starts + [cut])
+    return starts
+
+
+def megatron_stages(graph: OpGraph, blocks: Sequence[tuple[tuple[str, ...], tuple[str, ...], str]],
+                    stages: int) -> dict[str, int]:
+    """Op -> its pipeline stage (0 .. ``stages`` − 1): contiguous runs balanced by forward
+    FLOPs, a block never split; an input, weight or constant on its first reader's stage
+    (``stages`` must not exceed the units: the caller checks it against the blocks)."""
+    if stages == 1:
+        return {n.name: 0 for n in graph}
+    units = _units(graph, blocks)
+    starts = _runs([max(sum(graph[x].flops for x in u), 1) for u in units], stages)
+    stage: dict[str, int] = {}
+    for s, (a, b) in enumerate(zip(starts, starts[1:] + [len(units)])):
+        for u in units[a:b]:
+            for x in u:
+                stage[x] = s
+    for node in reversed(list(graph)):  # a leaf on its first reader's stage
+        if node.name not in stage:
+            readers = [stage[u] for u in graph.users(node.name) if u in stage]
+            stage[node.name] = min(readers) if readers else 0
+    return stage

@@ -1,0 +1,49 @@
+"""Parity of the megatron baseline's flags (strategies/megatron.py): tensor parallel 2 ways
+with the ops between the blocks cut on the samples (``megatron``) or on the sequence
+(``megatron_sp``, Korthikanti et al. 2022), and 2 pipeline stages of 2 ways each fed 2
+micro-batches under 1F1B (``megatron_pp2``, 4 processes: T = 2, P = 2), on the zoo's gpt and
+llama (rotary slices, grouped-query attention, SwiGLU) and Hugging Face's llama (captured by
+torch.export), on 2 and 4 gloo processes, float64, SGD and Adam, against one device
+(``harness.compare``; the Hugging Face model at float32's tolerance, test_parity_hf.py says
+why)."""
+
+from __future__ import annotations
+
+import pytest
+
+from strategies.lowering import lower
+from tests.conftest import traced
+from tests.executor.harness import F32_RTOL, compare, launch, parity_tests
+from tests.executor.plans import make_plan
+
+pytestmark = pytest.mark.distributed
+
+CASES_2 = [("gpt", "megatron"), ("gpt", "megatron_sp"), ("llama", "megatron"), ("llama", "megatron_sp")]
+CASES_4 = [("gpt", "megatron_pp2"), ("gpt", "megatron_pp2_sp"), ("llama", "megatron_pp2"), ("llama", "megatron_sp")]
+HF = "soapsearch.hf:llama"
+HF_CASES = {2: [(HF, "megatron_sp")], 4: [(HF, "megatron_pp2")]}
+
+
+@pytest.mark.parametrize("world,cases", [(2, CASES_2), (4, CASES_4)])
+def test_plans_are_megatron_shaped(world, cases):
+    """Each plan cuts row linears (Partial pieces move) and, with _pp2, runs two stages on
+    disjoint devices with 2 micro-batches."""
+    for model, name in cases:
+        g = traced(model)
+        plan = make_plan(g, name, world)
+        assert any(t.partial for t in lower(g, plan).transfers), (model, name)
+        if "_pp2" in name:
+            first, last = plan[g.nodes[2].name].devices, plan[g.outputs[0]].devices
+            assert plan.microbatches == 2 and not set(first) & set(last), (model, name)
+
+
+results2, results4, test_parity_2_processes, test_parity_4_processes = parity_tests(CASES_2, CASES_4)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_parity_hf_llama(world):
+    pytest.importorskip("transformers")
+    cases = HF_CASES[world]
+    results = launch(cases, world)
+    for i in range(len(cases)):
+        compare(HF, results[i], rtol=F32_RTOL, atol=1e-5)
