@@ -8,8 +8,14 @@ DP busy caps the speedup over data parallel of any plan that does not cut the wo
 proposals per second; a plan that does not fit in device memory is marked. ``--optuna`` adds, at equal time, the
 TPE outer loop (``study_search``; Bergstra et al. 2011) next to plain MCMC. Asserts nothing.
 
+``--suite gpt``: transformers on A100 nodes (``_gpt_suite.py``): zoo gpt, GPT-3 1.3B and 6.7B's
+shapes and zoo llama against data parallel, Megatron-LM (T = 8 and the best T of 2, 4, 8) and the
+best pipeline, the search starting from those plans.
+
     python benchmarks/search_vs_experts.py [--models alexnet,rnnlm] [--topologies p100-4x4]
         [--budget 60] [--seed 0] [--optuna]
+    python benchmarks/search_vs_experts.py --suite gpt [--models gpt3-6.7b] [--topologies a100-1x8]
+        [--budget 15] [--optimizer adam]
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from simulator.presets import get_topology
 from soapsearch.search import search
 from soapsearch.search.study import study_search
 from _paper import paper_graph  # benchmarks/_paper.py
+import _gpt_suite  # benchmarks/_gpt_suite.py
 
 MODELS = ["alexnet", "inception_v3", "resnet101", "rnntc", "rnnlm", "nmt"]
 TOPOLOGIES = ["p100-4x4", "k80-16x4"]
@@ -33,13 +40,26 @@ def fmt(ms: float | None) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", default=",".join(MODELS))
-    ap.add_argument("--topologies", default=",".join(TOPOLOGIES))
-    ap.add_argument("--budget", type=float, default=60.0, help="search seconds per model and topology")
+    ap.add_argument("--suite", choices=("flexflow", "gpt"), default="flexflow",
+                    help="flexflow: the paper's six models (default); gpt: transformers on A100 nodes")
+    ap.add_argument("--models", help=f"default: {','.join(MODELS)} (gpt: {','.join(_gpt_suite.MODELS)})")
+    ap.add_argument("--topologies", help=f"default: {','.join(TOPOLOGIES)} (gpt: {','.join(_gpt_suite.TOPOLOGIES)})")
+    ap.add_argument("--budget", type=float, help="search seconds per model and topology (default 60; gpt: "
+                    f"{_gpt_suite.BUDGET_S:g})")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--optimizer", choices=("sgd", "adam"),
+                    help="whose state the simulator counts in memory (default sgd; gpt: adam)")
     ap.add_argument("--optuna", action="store_true",
                     help="also run study_search with the same budget and print it beside MCMC")
     args = ap.parse_args()
+    if args.suite == "gpt":
+        _gpt_suite.run((args.models or ",".join(_gpt_suite.MODELS)).split(","),
+                       (args.topologies or ",".join(_gpt_suite.TOPOLOGIES)).split(","),
+                       args.budget or _gpt_suite.BUDGET_S, args.seed, args.optimizer or "adam")
+        return
+    args.models = args.models or ",".join(MODELS)
+    args.topologies = args.topologies or ",".join(TOPOLOGIES)
+    args.budget = args.budget or 60.0
 
     rows, study_rows = [], []
     head = (f"{'model':13s} {'topology':9s} {'dev':>3s} {'batch':>5s} {'DP ms':>9s} {'MP ms':>9s} "
@@ -52,7 +72,7 @@ def main() -> None:
         for name in args.models.split(","):
             graph = paper_graph(name, n)
             found = search(graph, topology=topo, budget_s=args.budget, init=("data_parallel", "owt"),
-                           seed=args.seed)
+                           seed=args.seed, optimizer=args.optimizer or "sgd")
             b = found.baselines
             dp = b.get("data_parallel")
             rate = found.proposals / max(found.elapsed_s, 1e-9)

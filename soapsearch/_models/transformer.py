@@ -60,6 +60,9 @@ class GPTConfig:
     """Vocabulary size (GPT-2 BPE)."""
     dropout: float = 0.1
     """Dropout on embeddings, attention output and MLP output."""
+    tie_embeddings: bool = False
+    """``lm_head`` reads ``wte``'s weight (GPT-2 and GPT-3 tie them; the zoo's default keeps
+    them apart)."""
 
     def __post_init__(self) -> None:
         if self.n_embd % self.n_head:
@@ -134,6 +137,8 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         nn.init.normal_(self.wte.weight, std=0.02)
         nn.init.normal_(self.wpe, std=0.02)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.wte.weight
 
     def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         x = self.drop(self.wte(inputs) + self.wpe)

@@ -36,7 +36,7 @@ def test_names_and_describe() -> None:
     for name in NAMES:
         text = zoo.describe(name)
         assert isinstance(text, str) and text and "\n" not in text
-    assert zoo.VARIANTS == ("default", "small", "tiny")
+    assert zoo.VARIANTS == ("default", "small", "tiny", "gpt3-1.3b", "gpt3-6.7b")
 
 
 @pytest.mark.parametrize("variant, params", [("tiny", (0, 1_000_000)), ("small", (300_000, 3_000_000))])
@@ -133,3 +133,24 @@ def test_default_configs() -> None:
     assert zoo.config("nmt").num_layers == 2
     nmt, (x, y) = zoo.build("nmt", device="meta")
     assert x.shape == (64, 40) and y.shape == (64, 20) and nmt.src_len == 20
+
+
+# Brown et al. 2020, Table 2.1: n_params, n_layers, d_model, n_heads; context 2048.
+GPT3 = {"gpt3-1.3b": (1.3e9, 24, 2048, 16), "gpt3-6.7b": (6.7e9, 32, 4096, 32)}
+
+
+@pytest.mark.parametrize("variant", GPT3)
+def test_gpt3_shapes_trace_on_meta(variant: str) -> None:
+    from soapsearch import trace
+
+    published, layers, width, heads = GPT3[variant]
+    cfg = zoo.config("gpt", variant)
+    assert (cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.seq_len) == (layers, width, heads, 2048)
+    model, (inputs, targets) = zoo.build("gpt", variant, device="meta", batch_size=2)
+    assert model.lm_head.weight is model.wte.weight  # tied, as GPT-3 counts them
+    n_params = sum(p.numel() for p in model.parameters())
+    assert n_params == pytest.approx(published, rel=0.02), n_params
+    graph = trace(model, (inputs, targets), name=variant)
+    assert graph.weight_bytes == 4 * n_params  # the tied weight named once (float32)
+    attention = [n for n in graph if n.kind == "attention"]
+    assert len(attention) == layers and attention[0].output.shape == (2, heads, 2048, width // heads)
