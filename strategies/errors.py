@@ -12,7 +12,12 @@ class PlanError(ValueError):
     on dim 'out_features'(4096) does not divide it``."""
 
     def __init__(self, op: str | None, field: str, value: Any, rule: str, where: str = ""):
-        self.op, self.field, self.value, self.rule = op, field, value, rule
+        self.op, self.field, self.value, self.rule, self.where = op, field, value, rule, where
         head = f"{where}: " if where else ""
         who = f"op {op!r}: " if op is not None else ""
         super().__init__(f"{head}{who}{field} = {value!r}: {rule}")
+
+    def __reduce__(self):
+        """Rebuilt from its five fields, so that it crosses a process boundary (a search's
+        worker processes send it back to the parent) as the same error."""
+        return (type(self), (self.op, self.field, self.value, self.rule, self.where))

@@ -174,11 +174,11 @@ def _expert(item: str, graph: OpGraph, n: int, microbatches: int, schedule: str,
             baselines: dict[str, Strategy]) -> Strategy:
     if item == "hybrid":  # for the chains' micro-batches (data parallel where they divide by n)
         return hybrid(graph, n, microbatches).with_microbatches(microbatches, schedule)
-    if item in baselines:
-        plan = baselines[item]
-        return plan if item == "pipeline" else plan.with_microbatches(microbatches, schedule)
-    m = microbatches if microbatches > 1 or item != "pipeline" else 2  # not among the experts' plans scored
-    return baseline(item, graph, n, m).with_microbatches(m, schedule)
+    # the chains' candidates are cut for their own micro-batch count, so an initial plan runs
+    # that many (a scored pipeline baseline with another count is rebuilt for it)
+    if item in baselines and baselines[item].microbatches == microbatches:
+        return baselines[item].with_microbatches(microbatches, schedule)
+    return baseline(item, graph, n, microbatches).with_microbatches(microbatches, schedule)
 
 
 def search(model: torch.nn.Module | OpGraph, example_inputs: Sequence[Any] | None = None, *,

@@ -264,3 +264,15 @@ def test_budget_split_numpy_counts_and_a_pipeline_start():
     g3 = traced("mlp", batch_size=3)  # a pipeline only over the search's own 3 micro-batches
     r = search(g3, topology="p100-1x2", budget_s=None, proposals=20, microbatches=3, init=("pipeline",))
     assert "pipeline" not in r.baselines and r.result.fits
+
+
+def test_a_pipeline_start_runs_the_chains_micro_batches_and_plan_errors_cross_processes():
+    import pickle
+    from strategies.errors import PlanError
+    e = pickle.loads(pickle.dumps(PlanError("fc", "degrees", [2, 3], "3 does not divide 4", "init 'x'")))
+    assert str(e) == "init 'x': op 'fc': degrees = [2, 3]: 3 does not divide 4" and e.op == "fc"
+    from soapsearch import zoo
+    g = trace(*zoo.build("gpt", "tiny"))  # the scored pipeline baseline runs 2 micro-batches; the chains 1
+    r = search(g, topology="p100-1x4", budget_s=None, proposals=200, chains=2, workers=2, seed=0,
+               init=("data_parallel", "pipeline"))
+    assert r.strategy.microbatches == 1 and r.result.iteration_time * 1e3 <= min(r.baselines.values())
