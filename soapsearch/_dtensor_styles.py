@@ -15,7 +15,7 @@ from strategies.strategy import Strategy
 __all__ = ["SOURCE_KINDS", "Style", "DTensorPlan", "Styles", "head_chains"]
 
 SOURCE_KINDS = ("input", "parameter", "constant")
-_NORMS = ("layernorm", "rmsnorm")
+_NORMS = ("layernorm", "rms_norm")
 _SEQ = 1
 """Sequence parallelism cuts dim 1 of a [batch, sequence, ...] activation (``Shard(1)``)."""
 _HEAD_CHAIN = ("reshape", "flatten", "elementwise")
