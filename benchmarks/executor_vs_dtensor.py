@@ -5,10 +5,13 @@ falls on all alike), median of the measured steps. Prints a table; asserts nothi
 - MLP: every linear cut on out_features (the OWT baseline, whose ReLUs follow the cut) vs
   ColwiseParallel on each linear, outputs gathered to Replicate so the next linear reads the
   whole input, as the plan's next linear does.
-- zoo gpt: the megatron plan (tp 2, sequence parallel between the blocks) vs DTensor with
-  ColwiseParallel/RowwiseParallel in the blocks (activations whole between them) and vs the plan
-  as ``soapsearch export --format dtensor`` writes it (SequenceParallel norms and dropouts,
-  reduce-scatter / all-gather at the blocks' edges). Dropout 0 in all three.
+- zoo gpt, the megatron plan with tp 2 each way, as ``soapsearch export --format dtensor``
+  writes it for DTensor: without sequence parallelism (the executor's ops between the blocks cut
+  on the samples) vs ColwiseParallel/RowwiseParallel with Replicate layouts (those ops run
+  replicated on both ranks, the row linears all-reduce); with sequence parallelism vs
+  + SequenceParallel (norms and dropouts on Shard(1), reduce-scatter / all-gather at the blocks'
+  edges). The lm_head column-parallel on the vocabulary in both; the loss under the exported
+  file's ``loss_context()``. Dropout 0 everywhere.
 
     OMP_NUM_THREADS=1 python benchmarks/executor_vs_dtensor.py [--widths 256,1024] [--batch-size 64]
         [--gpt small] [--steps 30]
@@ -24,7 +27,7 @@ from pathlib import Path
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
 from _gloo import spawn_gloo  # benchmarks/_gloo.py: the process-group boilerplate
 from executor_vs_ddp import alternate
@@ -81,12 +84,13 @@ def _exported(graph, model, strategy):
         return module
 
 
-def _trainer(model, inputs):
+def _trainer(model, inputs, loss_context):
     opt = make_optimizer(model.parameters(), TrainConfig("sgd"))
 
     def step(_):
         opt.zero_grad()
-        model(*inputs).backward()
+        with loss_context():  # the exported file's: loss_parallel() where the loss is class-cut
+            model(*inputs).backward()
         opt.step()
     return step
 
@@ -94,21 +98,17 @@ def _trainer(model, inputs):
 def _gpt_rows(mesh, world: int, args) -> list:
     model, inputs = _gpt(args)
     graph = trace(model, inputs, name=f"gpt-{args.gpt}")
-    plan = baseline("megatron", graph, world, tp=world)
-    ex = Executor(graph, plan, model.state_dict(), inputs, TrainConfig("sgd"))
-    exported = _exported(graph, model, plan)
-    sp, _ = _gpt(args)
-    exported.parallelize(sp, mesh)
-    tp, _ = _gpt(args)
-    blocks = {}
-    for i in range(len(tp.blocks)):
-        b = f"blocks.{i}."
-        blocks.update({b + n: ColwiseParallel(use_local_output=False) for n in ("attn.q", "attn.k", "attn.v")})
-        blocks.update({b + "attn.proj": RowwiseParallel(), b + "mlp.fc": ColwiseParallel(),
-                       b + "mlp.proj": RowwiseParallel()})
-    parallelize_module(tp, mesh, {"wte": RowwiseParallel(input_layouts=Replicate()), **blocks})
-    ours, cr, seq = alternate([lambda s: ex.step(seed=s), _trainer(tp, inputs), _trainer(sp, inputs)], args.steps)
-    return [(f"gpt {args.gpt} vs Colwise/Rowwise", ours, cr), (f"gpt {args.gpt} vs + SequenceParallel", ours, seq)]
+    steps = []
+    for sp in (False, True):
+        plan = baseline("megatron", graph, world, tp=world, sequence_parallel=sp)
+        ex = Executor(graph, plan, model.state_dict(), inputs, TrainConfig("sgd"))
+        exported = _exported(graph, model, plan)
+        tp, _ = _gpt(args)
+        exported.parallelize(tp, mesh)
+        steps += [lambda s, ex=ex: ex.step(seed=s), _trainer(tp, inputs, exported.loss_context)]
+    t = alternate(steps, args.steps)
+    return [(f"gpt {args.gpt} megatron vs Colwise/Rowwise", t[0], t[1]),
+            (f"gpt {args.gpt} megatron sp vs + SequenceParallel", t[2], t[3])]
 
 
 def main() -> None:
@@ -120,10 +120,11 @@ def main() -> None:
     args = ap.parse_args()
     rows = spawn_gloo(_worker, args)
     print(f"2 gloo processes, median of {args.steps} alternating steps; MLP: 4 linears cut on "
-          f"out_features, batch {args.batch_size}; gpt: the megatron plan, tp 2")
-    print(f"{'case':>36s} {'executor ms':>12s} {'DTensor ms':>11s} {'ratio':>7s}")
+          f"out_features, batch {args.batch_size}; gpt: the megatron plan, tp 2, without and with "
+          "sequence parallelism")
+    print(f"{'case':>44s} {'executor ms':>12s} {'DTensor ms':>11s} {'ratio':>7s}")
     for case, ours, theirs in rows:
-        print(f"{case:>36s} {ours:12.1f} {theirs:11.1f} {ours / theirs:7.2f}")
+        print(f"{case:>44s} {ours:12.1f} {theirs:11.1f} {ours / theirs:7.2f}")
 
 
 if __name__ == "__main__":

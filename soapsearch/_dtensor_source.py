@@ -28,6 +28,18 @@ def _register_cpu_attention() -> None:
 '''
 
 
+_LOSS_PARALLEL_USAGE = """
+    with loss_context():              # loss_parallel(): forward and backward both inside
+        loss = model(*batch)          # or loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        loss.backward()
+"""
+_LOCAL_LOSS_USAGE = """
+    with loss_context():              # nothing to enter for this plan; kept so code fits any export
+        loss = model(*batch)
+        loss.backward()
+"""
+
+
 def python_source(plan: DTensorPlan, plan_path: str) -> str:
     """The generated module's text."""
     styles = "\n".join(f"    {s.fqn!r}: {s.source()},  # op {s.op}" for s in plan.styles)
@@ -36,6 +48,15 @@ def python_source(plan: DTensorPlan, plan_path: str) -> str:
     cpu = _CPU_ATTENTION if plan.sharded_attention else ""
     register = ("    if tp_mesh.device_type == \"cpu\":\n        _register_cpu_attention()\n"
                 if plan.sharded_attention else "")
+    if plan.loss_parallel:
+        usage = _LOSS_PARALLEL_USAGE
+        loss = ("the cross-entropy is cut on its classes: the lm_head's logits stay a DTensor "
+                "Shard(-1)\nand loss_parallel() computes it without gathering them (max and sum-exp "
+                "all-reduced over the\ntp ranks); the loss it returns is a Replicate DTensor "
+                "(loss.full_tensor() to log it).")
+    else:
+        usage = _LOCAL_LOSS_USAGE
+        loss = "the loss reads whole logits: loss_context() enters nothing."
     return f'''"""Tensor parallelism for {plan.model}, exported by soapsearch from {plan_path}: the plan's
 Megatron-shaped configs as torch.distributed.tensor.parallel styles (torchtitan's
 parallelize_llama shape). TP = {plan.tp} tensor-parallel ranks per data-parallel group, DP = {plan.dp} groups;
@@ -45,16 +66,22 @@ rank i·TP + j is tp rank j of group i, as the plan numbers its devices.
     model = parallelize(model, mesh)  # tensor parallelism over mesh["tp"]
     # data parallelism over mesh["dp"] as your training code does it (each group reads its
     # 1/DP of the batch; torchtitan: fully_shard(model, mesh=mesh["dp"]))
+{usage}
+LOSS_PARALLEL = {plan.loss_parallel}: {loss}
 """
+
+import contextlib
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ({", ".join(used)},
-                                             parallelize_module)
+                                             loss_parallel, parallelize_module)
 
 TP = {plan.tp}
 DP = {plan.dp}
+LOSS_PARALLEL = {plan.loss_parallel}
+"""Whether the cross-entropy runs under loss_parallel() on logits Shard(-1) on the classes."""
 
 TP_PLAN = {{
 {styles}
@@ -65,6 +92,12 @@ REPLICATED_PARAMETERS = ({params})
 """Parameters the model reads outside any module where sequence-parallel ops use them:
 Replicate DTensors on the tp mesh, so the sum with a sequence shard shards too."""
 {cpu}
+
+def loss_context():
+    """Where the loss and its backward run: loss_parallel() when LOSS_PARALLEL (torch's
+    vocab-parallel cross-entropy over the tp ranks), else nothing."""
+    return loss_parallel() if LOSS_PARALLEL else contextlib.nullcontext()
+
 
 def make_mesh(device_type: str = "cuda") -> DeviceMesh:
     """The (dp, tp) mesh of DP·TP ranks (torch.distributed initialized)."""

@@ -51,7 +51,9 @@ def add_export_parser(sub) -> None:
     p.add_argument("plan", help="strategy JSON")
     p.add_argument("--format", required=True, choices=FORMATS,
                    help="dtensor: a Python file with TP_PLAN (module FQN -> ColwiseParallel / "
-                        "RowwiseParallel / SequenceParallel) and parallelize(model, mesh)")
+                        "RowwiseParallel / SequenceParallel), parallelize(model, mesh) and loss_context() "
+                        "(loss_parallel() where the plan cuts the cross-entropy's classes); plans of "
+                        "several micro-batches or pipeline stages are refused")
     p.add_argument("-o", "--output", default="tp_plan.py", help="where to write it (default tp_plan.py)")
     p.add_argument("--model", default=None,
                    help="the plan's model (default: the zoo model and variant the plan names)")
