@@ -36,7 +36,7 @@ def test_cuts_column_row_heads_and_sequence():
     assert heads.name == "heads" and plan["scaled_dot_product_attention"].degrees[:2] == (2, 2)
     assert plan["blocks_0_ln_1"].degrees == (2, 2, 1)  # sample × sequence
     assert show["wte"] == "S2·R2 @ 0-3"  # vocab-parallel embedding
-    assert plan["cross_entropy"].degrees == (4,)
+    assert plan["cross_entropy"].degrees == (4, 1)
 
 
 def _layer_bytes(g, plan, first, last):
