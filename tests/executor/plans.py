@@ -133,6 +133,8 @@ def make_plan(graph: OpGraph, name: str, n: int) -> Strategy:
         return baseline("megatron", graph, n, tp=2)
     if name == "row":  # every linear cut on in_features (row-parallel: Partial sums), the rest data parallel
         return _with(graph, n, lambda node: _cut(node, node.reduction_dims[0], n) if node.kind == "linear" else None)
+    if name == "conv_in":  # every conv that can be cut n ways on its in channels so (Partial sums)
+        return _with(graph, n, lambda node: _cut(node, 4, n) if node.kind == "conv2d" else None)
     if name == "vocab":  # the loss vocab-parallel with the linear before it column-parallel
         return _vocab(graph, n)
     if name == "colrow":  # Megatron-LM's MLP: fc column-parallel, its activation cut alike, proj row-parallel
