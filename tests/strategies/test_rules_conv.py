@@ -156,6 +156,8 @@ def test_in_channels_cut_sums_to_the_conv():
     torch.manual_seed(0)
     assert check_model(Reducing(), [x], {"conv2d"}, count=30) >= 4 * 20
     stem = convs[0]
+    from strategies.config import enumerate_configs
+    assert {c.degrees for c in enumerate_configs(stem, 4)} >= {(1, 1, 1, 1, 2), (1, 1, 1, 1, 4), (2, 1, 1, 1, 2)}
     assert rule.weight_regions(stem, ((0, 4), (0, 6), (0, 8), (0, 8), (2, 4))) == {
         "weight": ((0, 6), (2, 4), (0, 3), (0, 3))}
     assert rule.weight_regions(stem, ((0, 4), (3, 6), (0, 8), (0, 8), (0, 2))) == {
