@@ -297,14 +297,14 @@ def _add_reductions(b: _Block, node: OpNode, reductions: tuple[ReductionGroup, .
         j = g.microbatch
         fwd = b.fwd[j]
         if g.gates == Gate.STEP:
-            b.step_reductions.append((g, [fwd[k] for k in g.partitions], dynamic))
+            b.step_reductions.append((g, [b.fwd_done[j][k] for k in g.partitions], dynamic))
             continue
         device = [p.device for p in b.pieces.partitions[j]]
         links = tuple(n + l for l in ring_links(topology, g.devices))
         label = f"reduce {g.name} {g.op}@mb{j}"
         r = b.add(label, TaskKind.REDUCE, allgather_time(topology, g.devices, g.nbytes), links, g.devices[0], g.nbytes)
-        for k in g.partitions:
-            b.edge(fwd[k], r)
+        for k in g.partitions:  # after the op's earlier sums (a class-cut loss: max, then sums)
+            b.edge(b.fwd_done[j][k], r)
         ends = member_ends(b.add, b.edge, topology, r, g.devices, label, TaskKind.REDUCE)
         end = dict(zip(g.devices, ends))
         if g.gates == Gate.BACKWARD:

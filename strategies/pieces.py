@@ -16,6 +16,7 @@ from strategies.lowered import WEIGHT_KINDS, Gate, OpPieces, Partition, Reductio
 from strategies.region import Box, box_numel, partition_index
 from strategies.rules import get_rule
 from strategies.rules.base import Reduction
+from strategies.rules.cross_entropy import CLASS_SUMS, class_sum_terms
 from strategies.strategy import Strategy
 
 __all__ = ["lower_op", "partition_box_mb", "gates", "check_microbatches"]
@@ -154,9 +155,10 @@ def lower_op(graph: OpGraph, strategy: Strategy, node: OpNode, m: int) -> OpPiec
     itemsize, loss, reads_weights = DTYPE_BYTES[node.output.dtype], node.kind == "loss", node.kind not in WEIGHT_KINDS
     out_ndim = len(node.output.shape)
     # per input: the full ranges of its producer's reduction dims (every holder of a Partial
-    # region is a source) and whether they are cut (the pieces are Partial sums)
-    sums = [tuple((0, p.shape[i]) for i in p.reduction_dims) for p, _ in sources]
-    partial = [any(c.degrees[i] > 1 for i in p.reduction_dims) for p, c in sources]
+    # region is a source) and whether they are cut (the pieces are Partial sums); a loss's
+    # output is whole on every partition once its sums are done (its classes summed inside)
+    sums = [tuple((0, p.shape[i]) for i in p.reduction_dims) if p.kind != "loss" else () for p, _ in sources]
+    partial = [p.kind != "loss" and any(c.degrees[i] > 1 for i in p.reduction_dims) for p, c in sources]
     for j in range(m):
         parts = []
         grids = [_grid(p, c.degrees, j, m) for p, c in sources]
@@ -235,7 +237,18 @@ def _reduction_bytes(node: OpNode, name: str, box: Box, when: Gate) -> tuple[int
     when its divisor needs the data, s_p alone when it is static (``Loss.static_count``; a loss
     summed in the forward, ``Loss.forward``, sends s_p alone only for reduction="sum");
     nothing backward (the loss's backward has no collective), unless the sum gates the forward
-    (a loss that is not the output: its backward sums the same elements)."""
+    (a loss that is not the output: its backward sums the same elements). A cross-entropy's
+    class shards (``strategies.rules.cross_entropy``), in the logits' dtype, per sample of the
+    box: its max (class_max), and S, z_t, w_t with class weights, Σ w·z with label smoothing,
+    plus Σ w once with both (class_sum); nothing backward (the gradient is local)."""
+    if name in CLASS_SUMS:
+        samples = box_numel(box[:-1])
+        if name == "class_max":
+            terms = samples
+        else:
+            weighted, smoothing = bool(node.weights), node.attrs.get("label_smoothing", 0.0) > 0
+            terms = class_sum_terms(weighted, smoothing) * samples + int(weighted and smoothing)
+        return terms * DTYPE_BYTES[node.input_specs[0].dtype], 0
     if name == "batch_stats" and len(box) > 1:
         size = 8 if node.output.dtype == "float64" else 4
         channels = box[1][1] - box[1][0]

@@ -17,8 +17,10 @@ import torch.distributed as dist
 
 from soapsearch.executor.errors import ExecutorError
 from strategies.lowering import SMALL_SUM
+from strategies.rules.cross_entropy import ClassShards
 
-__all__ = ["ProcessGroups", "Group", "PendingSum", "BucketSum", "AllReduceSum", "all_reduce_sum", "P2P"]
+__all__ = ["ProcessGroups", "Group", "PendingSum", "BucketSum", "AllReduceSum", "all_reduce_sum", "class_shards",
+           "P2P"]
 
 
 class Group:
@@ -133,6 +135,13 @@ class AllReduceSum(torch.autograd.Function):
 
 def all_reduce_sum(x: torch.Tensor, group: Group) -> torch.Tensor:
     return AllReduceSum.apply(x, group)
+
+
+def class_shards(group: Group) -> ClassShards:
+    """The collectives of a class-cut loss partition over its class shards (Megatron-LM's
+    parallel cross-entropy): the max as an all-gather of the shards' maxima, the sums as
+    ``Group.sum``; no autograd (the gradient is local: ``strategies.rules.cross_entropy``)."""
+    return ClassShards(max=lambda t: group.gather(t.detach()).amax(0), sum=group.sum)
 
 
 class P2P:

@@ -32,6 +32,7 @@ from strategies.graph import OpNode
 from strategies.lowering import (WEIGHT_KINDS, BucketKey, Gate, Lowered, Partition, Transfer, bucket_sums,
                                  loss_on_every_device)
 from strategies.rules import get_rule
+from strategies.rules.cross_entropy import CLASS_SUMS
 from strategies.region import Box, box_shape, index_in, slice_box
 from strategies.schedule import Step
 
@@ -114,6 +115,9 @@ class Recipe(NamedTuple):
     """(role, local weight name, view index)."""
     group: tuple[int, ...] | None
     """The devices (sorted) of its reduction group when more than one: its collectives."""
+    classes: tuple[int, ...] | None
+    """The devices (sorted) of its class shards (a loss cut on ``classes``: their max and sum,
+    ``CLASS_SUMS``, in its forward; none in backward), or None."""
     sends: tuple[Send, ...]
     loss: bool
     """This rank counts its micro-batch's loss in the step's loss (``strategies.lowering.loss_on_every_device``; otherwise partition 0's rank counts it and an all-reduce tells the others)."""
@@ -148,8 +152,10 @@ class _Lowering:
                 self.into.setdefault((t.dst_op, t.dst_index, t.microbatch), []).append((i, t))
             if t.src_device == rank:
                 self.out_of.setdefault((t.src_op, t.src_index, t.microbatch), []).append((i, t))
-        self.grouped = {(r.op, k, r.microbatch): tuple(sorted(r.devices))
-                        for r in low.reductions if len(set(r.devices)) > 1 for k in r.partitions}
+        self.grouped = {(r.op, k, r.microbatch): tuple(sorted(r.devices)) for r in low.reductions
+                        if len(set(r.devices)) > 1 and r.name not in CLASS_SUMS for k in r.partitions}
+        self.classes = {(r.op, k, r.microbatch): tuple(sorted(r.devices)) for r in low.reductions
+                        if r.name == CLASS_SUMS[0] for k in r.partitions}
         self.gates = {(r.op, k, r.microbatch): r.gates for r in low.reductions for k in r.partitions}
         self.rides = {(r.op, k, r.microbatch): key for r, key in bucket_sums(low).items()
                       for k in r.partitions}
@@ -222,7 +228,7 @@ def recipes(low: Lowered, order: Sequence[Step], rank: int,
             slice_box(p.box), _slots(lw, p, linked, weight_index),
             tuple((role, node.weight(role).name, weight_index(node.weight(role).name, region))
                   for role, region in p.weight_regions) if node.kind not in WEIGHT_KINDS else (),  # read by consumers
-            lw.grouped.get(k),
+            lw.grouped.get(k), lw.classes.get(k),
             tuple(Send(i, t.dst_device, index_in(t.region, p.output)) for i, t in lw.out_of.get(k, ()) if not t.local),
             p.op in graph.outputs and (every_rank or p.index == 0), kind, seed, _loss_sum(lw, k),
             grad_pieces, bool(grad_pieces) and all(g.into is None for g in grad_pieces), grad_sends))

@@ -47,7 +47,8 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from soapsearch.executor.comm import P2P, BucketSum, Group, PendingSum, ProcessGroups, all_reduce_sum
+from soapsearch.executor.comm import (P2P, BucketSum, Group, PendingSum, ProcessGroups, all_reduce_sum,
+                                      class_shards)
 from soapsearch.executor.config import TrainConfig, make_optimizer
 from soapsearch.executor.errors import ExecutorError, check_runnable
 from soapsearch.executor.norm import batch_norm
@@ -57,6 +58,7 @@ from strategies.graph import OpGraph
 from strategies.lowering import WEIGHT_KINDS, BucketKey, Gate, loss_on_every_device, lower
 from strategies.rules import get_rule
 from strategies.rules.base import no_reduce
+from strategies.rules.cross_entropy import LOCAL, ClassShards
 from strategies.rules.norm import uses_batch_stats
 from strategies.rules.pointwise import set_dropout_seed
 from strategies.schedule import device_order
@@ -118,7 +120,8 @@ class Executor:
         by_key = {(r.part.op, r.part.index, r.part.microbatch): r for r in self.recipes}
         self.steps = [(s.backward, by_key[(s.op, s.index, s.microbatch)]) for s in order]
         self.ahead = receives_ahead(self.steps)
-        self.compute = [self._compute(r, self.groups.group(r.group) if r.group else None)
+        self.compute = [self._compute(r, self.groups.group(r.group) if r.group else None,
+                                      class_shards(self.groups.group(r.classes)) if r.classes else LOCAL)
                         for r in self.recipes]
         self.loss_everywhere = loss_on_every_device(low)
         self.bn_steps: dict[str, int] = {}
@@ -268,26 +271,27 @@ class Executor:
             for s in r.sends:
                 self.p2p.send(data if s.src is None else data[s.src], s.peer, s.transfer, backward=False)
 
-    def _compute(self, r: Recipe, group: Group | None) -> Callable | None:
+    def _compute(self, r: Recipe, group: Group | None, shards: ClassShards) -> Callable | None:
         """``(inputs, weights) -> output`` of ``r``'s partition: its op rule's forward with the
-        reduce of its group, or norm.batch_norm for a training batchnorm; None for a weight or
-        an input."""
+        reduce of its group (a loss's: and its class shards' collectives), or norm.batch_norm
+        for a training batchnorm; None for a weight or an input."""
         node = r.node
         if node.kind in (*WEIGHT_KINDS, "input"):
             return None
         if node.kind == "batchnorm2d" and uses_batch_stats(node):
             return partial(self._batch_norm, r, group)
         if r.loss_sum is not None:
-            return partial(self._loss, r, group)
+            return partial(self._loss, r, group, shards)
         reduce = no_reduce if group is None else partial(all_reduce_sum, group=group)
-        return partial(get_rule(node.kind).forward, node, r.part.box, reduce=reduce)
+        extra = {"shards": shards} if node.kind == "loss" else {}
+        return partial(get_rule(node.kind).forward, node, r.part.box, reduce=reduce, **extra)
 
-    def _loss(self, r: Recipe, group: Group | None, inputs: list[torch.Tensor],
+    def _loss(self, r: Recipe, group: Group | None, shards: ClassShards, inputs: list[torch.Tensor],
               weights: dict[str, torch.Tensor]) -> torch.Tensor:
         """A loss partition (module docstring): s_p / C (static C) or s_p, its group's sum of
         [s_p, c_p] (of s_p alone for a static C) started, not waited, or left to ride its
-        gradient bucket."""
-        s, c = get_rule("loss").partial(r.node, r.part.box, inputs, weights)
+        gradient bucket; a class cut's max and sum over its class shards first (``Loss.partial``)."""
+        s, c = get_rule("loss").partial(r.node, r.part.box, inputs, weights, shards)
         terms = torch.stack([s.detach(), c]) if r.loss_sum.count is None else s.detach().reshape(1)
         if r.loss_sum.bucket is not None:
             self.sums[r.id] = (r, BucketSum(terms))

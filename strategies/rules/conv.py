@@ -91,11 +91,20 @@ class Conv2d(_Window):
     """Conv2d: output rows [h0,h1) read input rows [h0*s - p, (h1-1)*s - p + d*(k-1) + 1) ∩ [0, H);
     out channels [c0,c1) read W[c0:c1] and the in channels of their groups.
 
+    y[n, o] = Σ_i W[o, i] ⋆ x[n, i] + b[o]: the input channels are an R dim (``in_channels``,
+    after the output's four). A cut of it (groups == 1 only: a grouped conv's partition reads the
+    in channels of its out channels' groups) reads its channels [i0, i1) of x and W and holds
+    a Partial sum of its output box; the bias is added by the partitions whose range starts at
+    0 only, so it is summed once (as a row-parallel linear's).
+
     attrs: stride, padding (before the first row/col; the after side follows from the output
     size, it differs only for a resolved 'same'), padding_hi, dilation, groups, padding_mode;
     ``param_inputs`` when weight/bias came as tensors to F.conv2d."""
 
     channel_role = "parameter"
+
+    def dims(self, node: OpNode, sample: int | None) -> tuple[Dim, ...]:
+        return super().dims(node, sample) + (Dim("in_channels", node.input_specs[0].shape[1], "reduction"),)
 
     def exact(self, node: OpNode) -> bool:
         return node.attrs["padding_mode"] == "zeros"
@@ -110,8 +119,18 @@ class Conv2d(_Window):
         raise ValueError(f"op {node.name!r}: out channels [{c0}, {c1}) are neither whole groups "
                          f"nor inside one group ({g} groups of {og})")
 
+    def _in_channels(self, node: OpNode, box: Box) -> tuple[tuple[int, int], int]:
+        """The in channels the partition computing ``box`` reads, and the groups of its call."""
+        if node.attrs["groups"] == 1:
+            return box[4], 1
+        return self._groups(node, *box[1])
+
     def check_degrees(self, node: OpNode, degrees: Sequence[int]) -> str | None:
         g, c, dc = node.attrs["groups"], node.shape[1], degrees[1]
+        if g > 1 and degrees[4] > 1:
+            return (f"op {node.name!r}: degree {degrees[4]} on dim 'in_channels'({node.shape[4]}) of a conv "
+                    f"with {g} groups: only a conv with groups=1 sums over all its input channels "
+                    "(a grouped conv's partition reads the in channels of its out channels' groups)")
         if g > 1 and dc > 1 and g % dc and dc % g:
             return (f"op {node.name!r}: degree {dc} on dim 'channel'({c}) cuts its {g} groups of "
                     f"{c // g} out channels unevenly: {c // dc} channels per partition must be "
@@ -120,7 +139,7 @@ class Conv2d(_Window):
         return None
 
     def input_regions(self, node: OpNode, box: Box) -> tuple[Box | None, ...]:
-        cin, _ = self._groups(node, *box[1])
+        cin, _ = self._in_channels(node, box)
         k = param_shape(node, "weight")[2:]
         if self.exact(node):
             spatial = _spatial(node, box, k)
@@ -137,20 +156,27 @@ class Conv2d(_Window):
         per_group = node.shape[1] // node.attrs["groups"]
         if per_group == 1 or w[1] == 1:
             return None
-        return min(shape[0] * math.prod(shape[2:]), min(shape[1], per_group), math.prod(w[1:]))
+        cin = shape[4] if node.attrs["groups"] == 1 else w[1]
+        return min(shape[0] * math.prod(shape[2:4]), min(shape[1], per_group), cin * math.prod(w[2:]))
 
-    def _param_region(self, node: OpNode, role: str, box: Box) -> Box:
-        return (box[1],) + tuple((0, s) for s in param_shape(node, role)[1:])
+    def _param_region(self, node: OpNode, role: str, box: Box) -> Box | None:
+        """W[c0:c1, i0:i1] (a grouped conv: every in channel of its groups); the bias where the
+        in channels start at 0 only (None elsewhere: it is added once)."""
+        if role == "bias":
+            return (box[1],) if box[4][0] == 0 else None
+        cin = box[4] if node.attrs["groups"] == 1 else (0, param_shape(node, role)[1])
+        return (box[1], cin) + tuple((0, s) for s in param_shape(node, role)[2:])
 
     def weight_regions(self, node: OpNode, box: Box) -> dict[str, Box]:
-        return {w.role: self._param_region(node, w.role, box) for w in node.weights}
+        regions = {w.role: self._param_region(node, w.role, box) for w in node.weights}
+        return {role: r for role, r in regions.items() if r is not None}
 
     def forward(self, node: OpNode, box: Box, inputs: Sequence[torch.Tensor | None],
                 weights: Mapping[str, torch.Tensor], reduce: Reduce = no_reduce) -> torch.Tensor:
         a = node.attrs
         p = param_tensors(node, inputs, weights)
         w = p["weight"]
-        cin, groups = self._groups(node, *box[1])
+        cin, groups = self._in_channels(node, box)
         if self.exact(node):
             spatial = _spatial(node, box, w.shape[2:])
             x = _read_padded(inputs[0], (box[0][1] - box[0][0], cin[1] - cin[0]), spatial, 0.0, w)

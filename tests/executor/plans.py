@@ -77,6 +77,27 @@ def _stages_dp(graph: OpGraph, n: int) -> Strategy:
     return Strategy.of({node.name: configs[node.name] for node in graph}, n, 2, "gpipe")
 
 
+def _vocab(graph: OpGraph, n: int) -> Strategy:
+    """Megatron-LM's vocab-parallel head (Shoeybi et al. 2019): the loss cut on its classes 2
+    ways (times its samples n/2 ways), the linear that makes its logits column-parallel on
+    out_features and the reshapes between them cut alike, on the same devices, so the logits
+    never move; the rest data parallel."""
+    loss = graph[graph.outputs[0]]
+    chain, node = [loss], graph[loss.inputs[0]]
+    while node.kind == "reshape":
+        chain.append(node)
+        node = graph[node.inputs[0]]
+    chain.append(node)
+    configs = {}
+    for op in chain:
+        degrees = [1] * len(op.dims)
+        degrees[len(op.dims) - 1 if op is loss else len(op.output.shape) - 1] = 2
+        if n > 2:
+            degrees[op.sample_dim] = n // 2
+        configs[op.name] = ParallelConfig(tuple(degrees), tuple(range(n)))
+    return _with(graph, n, lambda node: configs.get(node.name))
+
+
 def make_plan(graph: OpGraph, name: str, n: int) -> Strategy:
     """The plan ``name`` for ``graph`` on ``n`` devices (``random<seed>``, ``random_mb<seed>``:
     a random config per op; the second with 2 GPipe micro-batches)."""
@@ -114,6 +135,10 @@ def make_plan(graph: OpGraph, name: str, n: int) -> Strategy:
         return baseline("megatron", graph, n, microbatches=pp, tp=2, pp=pp, sequence_parallel="_sp" in name)
     if name == "row":  # every linear cut on in_features (row-parallel: Partial sums), the rest data parallel
         return _with(graph, n, lambda node: _cut(node, node.reduction_dims[0], n) if node.kind == "linear" else None)
+    if name == "conv_in":  # every conv that can be cut n ways on its in channels so (Partial sums)
+        return _with(graph, n, lambda node: _cut(node, 4, n) if node.kind == "conv2d" else None)
+    if name == "vocab":  # the loss vocab-parallel with the linear before it column-parallel
+        return _vocab(graph, n)
     if name == "colrow":  # Megatron-LM's MLP: fc column-parallel, its activation cut alike, proj row-parallel
         return _with(graph, n, lambda node: _megatron_mlp(graph, node, n))
     if name.startswith("random_r"):  # random configs; every op with a reduction dim cut on it

@@ -133,7 +133,7 @@ class Counting(AnalyticalCostModel):
 
 def test_memo_by_shape_and_halo(conv_graph):
     node, model = conv_node(conv_graph), Counting()
-    boxes = [partition_box(node.shape, (1, 1, 4, 1), k) for k in range(4)]
+    boxes = [partition_box(node.shape, (1, 1, 4, 1, 1), k) for k in range(4)]
     times = [model.op_time(node, b, GPU) for b in boxes]
     # edges read 5 input rows (4 + one halo row), inner partitions 6: two distinct costs
     assert model.calls == 2
@@ -160,7 +160,7 @@ def test_profiled_measures_linear_and_conv_on_cpu_then_caches(tmp_path, conv_gra
     model = ProfiledCostModel(cache_path=path, repeats=3, warmup=1)
     node = linear(32, 64, 128)
     cases = [(node, partition_box(node.shape, (1, 2, 1), 1)),
-             (conv_node(conv_graph), partition_box(conv_node(conv_graph).shape, (1, 2, 2, 1), 1))]
+             (conv_node(conv_graph), partition_box(conv_node(conv_graph).shape, (1, 2, 2, 1, 1), 1))]
     measured = [model.op_time(n, b, CPU) for n, b in cases]
     for fwd, bwd in measured:
         assert 0 < fwd < 1 and 0 < bwd < 1 and math.isfinite(fwd + bwd)
@@ -286,8 +286,8 @@ def test_gemm_size_is_the_smallest_product_dimension(conv_graph, graphs):
     assert get_rule("linear").gemm_size(fc, partition_box(fc.shape, (1, 128, 1), 0)) == 4  # 512 / 128 columns
     conv = conv_node(conv_graph)  # [2, 8, 16, 16] from 3 channels, 3x3: min(2*16*16, 8, 3*9)
     assert get_rule("conv2d").gemm_size(conv, full_box(conv.shape)) == 8
-    assert get_rule("conv2d").gemm_size(conv, partition_box(conv.shape, (2, 4, 2, 2), 0)) == 2  # 2 channels
-    assert get_rule("conv2d").gemm_size(conv, partition_box(conv.shape, (2, 1, 8, 8), 0)) == 1 * 2 * 2  # pixels
+    assert get_rule("conv2d").gemm_size(conv, partition_box(conv.shape, (2, 4, 2, 2, 1), 0)) == 2  # 2 channels
+    assert get_rule("conv2d").gemm_size(conv, partition_box(conv.shape, (2, 1, 8, 8, 1), 0)) == 1 * 2 * 2  # pixels
     lstm = next(n for n in graphs("rnntc") if n.kind == "lstm")  # [batch 4, seq 8, hidden 16]
     assert get_rule("lstm").gemm_size(lstm, full_box(lstm.shape)) == 4
     assert get_rule("lstm").gemm_size(lstm, partition_box(lstm.shape, (2, 1, 1), 1)) == 2

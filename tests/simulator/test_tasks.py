@@ -255,3 +255,27 @@ def test_collective_overhead_delays_what_waits_on_a_blocking_sum_on_its_device()
     assert start[ar] == pytest.approx(12.1 * MS + pack, rel=1e-9)
     assert max(end) == pytest.approx(21.8 * MS + pack, rel=1e-9)
     assert sum(1 for t in range(len(tg)) if "host" in tg.label(t)) == 3 * 2
+
+
+def test_a_class_cut_loss_charges_its_max_then_its_sums():
+    # fc column-parallel and the mean cross-entropy cut on its 2 classes over both devices
+    # (vocab-parallel: strategies.rules.cross_entropy). x and y are data parallel, so each
+    # device first receives the other half of x (32 B: alpha + 0.8 = 2.8) 0-2.8, runs fc
+    # 2.8-3.8, receives the other half of y (16 B, 2.4) 2.8-5.2 and the loss 5.2-5.7. Then, per
+    # sample of the partition (4, float32): the max, an all-gather of 16 B (2.4) 5.7-8.1; the
+    # sums [Σexp, z_t], 32 B (2.8) 8.1-10.9, which the loss's backward waits on (10.9-11.4); the
+    # loss's [s_p, c_p] (8 B, 2.2) after them, 10.9-13.1; nothing sums in backward.
+    g = classifier()
+    fc, loss = g["fc"], g["cross_entropy"]
+    assert loss.dims[-1].name == "classes"
+    plan = data_parallel(g, 2).replace(fc.name, ParallelConfig((1, 2, 1), (0, 1))) \
+        .replace(loss.name, ParallelConfig((1, 2), (0, 1)))
+    sums = {(r.name, r.gates, r.nbytes, r.grad_nbytes) for r in lower(g, plan).reductions}
+    assert sums == {("class_max", Gate.FORWARD, 16, 0), ("class_sum", Gate.FORWARD, 32, 0),
+                    ("loss_sum", Gate.STEP, 8, 0)}
+    tg, start, end = simulate(g, plan, pair(200e3))
+    want = {"reduce class_max": (5.7, 8.1), "reduce class_sum": (8.1, 10.9),
+            "reduce loss_sum": (10.9, 13.1), "bwd cross_entropy[0]": (10.9, 11.4)}
+    for name, (a, b) in want.items():
+        [t] = find(tg, name)
+        assert (start[t], end[t]) == pytest.approx((a * MS, b * MS), rel=1e-9), name

@@ -18,8 +18,8 @@ def test_show_prints_op_table(capsys):
     assert out.startswith("alexnet-tiny: ")
     conv = next(n for n in traced("alexnet") if n.kind == "conv2d")
     row = next(line for line in out.splitlines() if line.startswith(conv.name + " "))
-    n, c, h, w = conv.shape
-    assert row.split()[1:3] == ["conv2d", f"S{n}×P{c}×A{h}×A{w}"]
+    n, c, h, w, i = conv.shape
+    assert row.split()[1:3] == ["conv2d", f"S{n}×P{c}×A{h}×A{w}×R{i}"]  # R: its in channels
     assert f"weight[{','.join(map(str, conv.weights[0].spec.shape))}]" in row
 
 

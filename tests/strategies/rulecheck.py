@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import math
 import random
 import threading
 from typing import Any, Sequence
@@ -20,6 +21,7 @@ from soapsearch.trace import _symbolic_trace, trace
 from strategies.graph import OpGraph, OpNode
 from strategies.region import partition_boxes, partition_index, slice_box
 from strategies.rules import get_rule
+from strategies.rules.cross_entropy import CLASS_SUMS, ClassShards
 
 
 def run_fx(model: torch.nn.Module, inputs: Sequence[torch.Tensor]) -> fx.GraphModule:
@@ -95,6 +97,7 @@ def run_partitions(graph: OpGraph, values: dict[str, Any], model: torch.nn.Modul
         c = partition_index(k, degrees)
         groups.setdefault(tuple(x for i, x in enumerate(c) if i not in over), []).append(k)
     results: list[Any] = [None] * len(boxes)
+    shards = _class_shards(node, degrees, reds)
 
     def run(k: int, reducer) -> None:
         box = boxes[k]
@@ -104,26 +107,14 @@ def run_partitions(graph: OpGraph, values: dict[str, Any], model: torch.nn.Modul
         ws = {role: state[node.weight(role).name][slice_box(r)]
               for role, r in rule.weight_regions(node, box).items()}
         try:
-            results[k] = rule.forward(node, box, ins, ws, reducer)
+            extra = {"shards": ClassShards(*shards[k])} if k in shards else {}
+            results[k] = rule.forward(node, box, ins, ws, reducer, **extra)
         except BaseException as e:  # noqa: BLE001
             results[k] = e
 
     for members in groups.values():
-        barrier = threading.Barrier(len(members))
-        slots: dict[int, torch.Tensor] = {}
-        lock = threading.Lock()
-
-        def make_reducer(k: int):
-            def reducer(t: torch.Tensor) -> torch.Tensor:
-                with lock:
-                    slots[k] = t
-                barrier.wait()
-                total = sum(slots[m] for m in members)
-                barrier.wait()
-                return total
-            return reducer
-
-        threads = [threading.Thread(target=run, args=(k, make_reducer(k))) for k in members]
+        reducers = _collective(members, _add)
+        threads = [threading.Thread(target=run, args=(k, reducers[k])) for k in members]
         for t in threads:
             t.start()
         for t in threads:
@@ -134,6 +125,50 @@ def run_partitions(graph: OpGraph, values: dict[str, Any], model: torch.nn.Modul
     return results
 
 
+def _add(ts: list[torch.Tensor]) -> torch.Tensor:
+    return sum(ts[1:], ts[0])
+
+
+def _max(ts: list[torch.Tensor]) -> torch.Tensor:
+    return torch.stack(ts).amax(0)
+
+
+def _collective(members: Sequence[int], combine) -> dict[int, Any]:
+    """Per member of a group run in threads, a call that combines every member's tensor (in
+    member order, behind a barrier), as a collective would."""
+    barrier = threading.Barrier(len(members))
+    slots: dict[int, torch.Tensor] = {}
+    lock = threading.Lock()
+
+    def make(k: int):
+        def call(t: torch.Tensor) -> torch.Tensor:
+            with lock:
+                slots[k] = t
+            barrier.wait()
+            total = combine([slots[m] for m in members])
+            barrier.wait()
+            return total
+        return call
+    return {k: make(k) for k in members}
+
+
+def _class_shards(node: OpNode, degrees: Sequence[int], reds) -> dict[int, tuple[Any, Any]]:
+    """Partition -> (max, sum) over its class shards, for a loss whose rule asks for them
+    (``CLASS_SUMS``); every class group lies inside one group of ``run_partitions``' threads."""
+    over = {i for r in reds if r.name in CLASS_SUMS for i in r.over}
+    if not over:
+        return {}
+    groups: dict[tuple, list[int]] = {}
+    for k in range(math.prod(degrees)):
+        c = partition_index(k, degrees)
+        groups.setdefault(tuple(x for i, x in enumerate(c) if i not in over), []).append(k)
+    out = {}
+    for members in groups.values():
+        maxes, sums = _collective(members, _max), _collective(members, _add)
+        out.update({k: (maxes[k], sums[k]) for k in members})
+    return out
+
+
 def check_op(graph: OpGraph, values: dict[str, Any], model: torch.nn.Module, name: str,
              degrees: Sequence[int], atol: float = 1e-10) -> None:
     """Assert every partition equals its slice of the real output (a loss: the whole value); the
@@ -142,7 +177,8 @@ def check_op(graph: OpGraph, values: dict[str, Any], model: torch.nn.Module, nam
     node = graph[name]
     full = values[name]
     outs = run_partitions(graph, values, model, name, degrees)
-    partial = any(degrees[i] > 1 for i in node.reduction_dims)
+    # a loss is whole on every partition once its sums are done (its classes are summed inside)
+    partial = node.kind != "loss" and any(degrees[i] > 1 for i in node.reduction_dims)
     sums: dict[Any, tuple[int, tuple, torch.Tensor]] = {}
     for k, (box, out) in enumerate(zip(partition_boxes(node.shape, degrees), outs)):
         region = node.output_region(box) if partial else k

@@ -42,6 +42,7 @@ def test_cuts_column_row_heads_and_sequence():
     plain = megatron(g, 4, tp=2)
     assert plain["blocks_0_ln_1"].degrees == (4, 1, 1) and plain["add_2"].degrees == (4, 1, 1)
     assert all(plain[n.name] == plan[n.name] for n in g if n.kind in ("linear", "attention", "embedding"))
+    assert plan["cross_entropy"].degrees == (2, 2)  # vocab-parallel loss: samples × classes
 
 
 def _layer_bytes(g, plan, first, last):

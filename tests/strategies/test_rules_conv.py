@@ -74,7 +74,7 @@ def test_string_and_large_padding():
     asym = _op(nn.Conv2d(4, 4, 4, padding="same"), torch.randn(2, 4, 8, 8), "conv2d")
     assert asym.attrs["padding"] == (1, 1) and asym.attrs["padding_hi"] == (2, 2)
     edge = _op(nn.Conv2d(4, 4, 1, padding=2), torch.randn(2, 4, 8, 8), "conv2d")
-    assert get_rule("conv2d").input_regions(edge, ((0, 2), (0, 4), (0, 2), (0, 12)))[0] is None
+    assert get_rule("conv2d").input_regions(edge, ((0, 2), (0, 4), (0, 2), (0, 12), (0, 4)))[0] is None
 
 
 class PaddingModes(nn.Module):
@@ -91,7 +91,7 @@ class PaddingModes(nn.Module):
 def test_padding_modes_keep_spatial_dims_whole():
     assert _check(PaddingModes(), torch.randn(4, 3, 12, 12), count=8) >= 3 * 7
     node = _op(PaddingModes(), torch.randn(4, 3, 12, 12), "conv2d")
-    assert get_rule("conv2d").splittable(node) == (True, True, False, False)
+    assert get_rule("conv2d").splittable(node) == (True, True, False, False, True)
 
 
 class FunctionalConv(nn.Module):
@@ -113,19 +113,70 @@ def test_functional_conv_takes_weight_as_input():
 def test_conv_dims_and_group_degrees():
     node = _op(nn.Conv2d(12, 12, 3, padding=1, groups=3), torch.randn(4, 12, 8, 8), "conv2d")
     assert [(d.name, d.role) for d in node.dims] == [
-        ("sample", "sample"), ("channel", "parameter"), ("height", "attribute"), ("width", "attribute")]
+        ("sample", "sample"), ("channel", "parameter"), ("height", "attribute"), ("width", "attribute"),
+        ("in_channels", "reduction")]
     rule = get_rule("conv2d")
-    assert rule.splittable(node) == (True, True, True, True)
-    assert rule.check_degrees(node, (1, 3, 1, 1)) is None  # whole groups
-    assert rule.check_degrees(node, (1, 6, 1, 1)) is None  # halves of a group
+    assert rule.splittable(node) == (True, True, True, True, True)
+    assert rule.check_degrees(node, (1, 3, 1, 1, 1)) is None  # whole groups
+    assert rule.check_degrees(node, (1, 6, 1, 1, 1)) is None  # halves of a group
     for bad in (2, 4):
-        msg = rule.check_degrees(node, (1, bad, 1, 1))
+        msg = rule.check_degrees(node, (1, bad, 1, 1, 1))
         assert msg is not None and f"degree {bad} on dim 'channel'(12)" in msg
         assert "divide 3 or be a multiple of it" in msg
-    box = ((0, 4), (4, 6), (2, 4), (0, 8))
+    box = ((0, 4), (4, 6), (2, 4), (0, 8), (0, 12))
     x, = rule.input_regions(node, box)
     assert x == ((0, 4), (4, 8), (1, 5), (0, 8))
     assert rule.weight_regions(node, box) == {"weight": ((4, 6), (0, 4), (0, 3), (0, 3)), "bias": ((4, 6),)}
+
+
+class Reducing(nn.Module):
+    """Convs whose in channels may be cut (groups=1): a stem with bias, a strided one without,
+    a functional one with a bias input, and a grouped one after them (its in channels stay whole)."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(4, 6, 3, padding=1)
+        self.down = nn.Conv2d(6, 4, 3, stride=2, padding=1, bias=False)
+        self.w, self.b = nn.Parameter(torch.randn(6, 4, 1, 1) * 0.3), nn.Parameter(torch.randn(6))
+        self.grouped = nn.Conv2d(6, 6, 3, padding=1, groups=2)
+
+    def forward(self, x):
+        return self.grouped(F.conv2d(self.down(self.stem(x)), self.w, self.b))
+
+
+def test_in_channels_cut_sums_to_the_conv():
+    """The sum of the Partial outputs of an in_channels cut (every grid with one, random ones
+    with it times the other dims) equals the unsplit conv; the bias is read once."""
+    x = torch.randn(4, 4, 8, 8)
+    graph = trace(Reducing(), (x,))
+    convs = [n for n in graph if n.kind == "conv2d"]
+    rule = get_rule("conv2d")
+    assert [n.dims[4].name for n in convs] == ["in_channels"] * 4
+    assert [n.shape[4] for n in convs] == [4, 6, 4, 6]
+    torch.manual_seed(0)
+    assert check_model(Reducing(), [x], {"conv2d"}, count=30) >= 4 * 20
+    stem = convs[0]
+    from strategies.config import enumerate_configs
+    assert {c.degrees for c in enumerate_configs(stem, 4)} >= {(1, 1, 1, 1, 2), (1, 1, 1, 1, 4), (2, 1, 1, 1, 2)}
+    assert rule.weight_regions(stem, ((0, 4), (0, 6), (0, 8), (0, 8), (2, 4))) == {
+        "weight": ((0, 6), (2, 4), (0, 3), (0, 3))}
+    assert rule.weight_regions(stem, ((0, 4), (3, 6), (0, 8), (0, 8), (0, 2))) == {
+        "weight": ((3, 6), (0, 2), (0, 3), (0, 3)), "bias": ((3, 6),)}
+    assert rule.input_regions(stem, ((0, 2), (0, 6), (0, 4), (0, 8), (2, 4)))[0] == ((0, 2), (2, 4), (0, 5), (0, 8))
+    functional = convs[2]
+    assert functional.attrs["param_inputs"] == ("weight", "bias")
+    assert rule.input_regions(functional, ((0, 4), (0, 6), (0, 4), (0, 4), (2, 4)))[1:] == (
+        ((0, 6), (2, 4), (0, 1), (0, 1)), None)  # no bias where the in channels start past 0
+
+
+def test_grouped_conv_refuses_an_in_channels_cut():
+    from strategies.config import ParallelConfig, enumerate_configs, validate_config
+    from strategies.errors import PlanError
+    node = [n for n in trace(Reducing(), (torch.randn(4, 4, 8, 8),)) if n.kind == "conv2d"][-1]
+    assert not any(c.degrees[4] > 1 for c in enumerate_configs(node, 4))
+    with pytest.raises(PlanError, match=r"^op 'grouped': degrees = \[1, 1, 1, 1, 2\]: op 'grouped': degree 2 on dim "
+                       r"'in_channels'\(6\) of a conv with 2 groups: only a conv with groups=1"):
+        validate_config(node, ParallelConfig((1, 1, 1, 1, 2), (0, 1)), 2)
 
 
 class Pools(nn.Module):

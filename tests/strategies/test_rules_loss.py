@@ -42,18 +42,24 @@ class Classifier(nn.Module):
 def test_cross_entropy_classifier_variants():
     torch.manual_seed(0)
     x, t = torch.randn(24, 5), _targets((24,), 6)
-    assert check_model(Classifier(), [x, t], {"loss"}) == 7 * 5  # 24 cut in 2, 3, 4, 6, 8
+    # 24 samples cut in 2, 3, 4, 6, 8; 6 classes in 2, 3, 6 (vocab-parallel; weights, smoothing)
+    assert check_model(Classifier(), [x, t], {"loss"}) == 7 * 8
     ops = _losses(Classifier(), (x, t))
-    assert [(d.name, d.size, d.role) for d in ops[0].dims] == [("sample", 24, "sample")]
-    assert ops[0].output.shape == () and get_rule("loss").splittable(ops[0]) == (True,)
+    assert [(d.name, d.size, d.role) for d in ops[0].dims] == [("sample", 24, "sample"),
+                                                                ("classes", 6, "reduction")]
+    assert ops[0].output.shape == () and get_rule("loss").splittable(ops[0]) == (True, True)
     assert dict(ops[0].attrs) == {"fn": "cross_entropy", "reduction": "mean", "ignore_index": -100,
                                   "label_smoothing": 0.0}
     assert [w.name for w in ops[3].weights] == ["cw"]
     assert [w.name for w in ops[4].weights] == ["weighted.weight"]
     assert ops[4].attrs["ignore_index"] == 2 and ops[5].attrs["label_smoothing"] == 0.1
-    assert get_rule("loss").input_regions(ops[0], ((8, 16),)) == (((8, 16), (0, 6)), ((8, 16),))
-    assert get_rule("loss").reductions(ops[0], (4,)) == (Reduction("loss_sum", (0,), deferred=True),)
-    assert get_rule("loss").reductions(ops[0], (1,)) == ()
+    assert get_rule("loss").input_regions(ops[0], ((8, 16), (0, 6))) == (((8, 16), (0, 6)), ((8, 16),))
+    assert get_rule("loss").input_regions(ops[0], ((8, 16), (2, 4))) == (((8, 16), (2, 4)), ((8, 16),))
+    assert get_rule("loss").weight_regions(ops[3], ((8, 16), (2, 4))) == {"class_weight": ((2, 4),)}
+    assert get_rule("loss").reductions(ops[0], (4, 1)) == (Reduction("loss_sum", (0,), deferred=True),)
+    assert get_rule("loss").reductions(ops[0], (1, 1)) == ()
+    assert get_rule("loss").reductions(ops[0], (4, 3)) == (
+        Reduction("class_max", (1,)), Reduction("class_sum", (1,)), Reduction("loss_sum", (0, 1), deferred=True))
 
 
 class LanguageModel(nn.Module):
@@ -72,13 +78,14 @@ class LanguageModel(nn.Module):
 def test_cross_entropy_language_model_and_k_dim():
     torch.manual_seed(0)
     ids, t = torch.randint(0, 10, (4, 6)), _targets((4, 6), 10, ignore=-1)
-    assert check_model(LanguageModel(), [ids, t], {"loss"}, count=12) == 5 + 8  # every grid of both
+    assert check_model(LanguageModel(), [ids, t], {"loss"}, count=12) == 12 + 10  # every grid of the k-dim one
     flat, kdim = _losses(LanguageModel(), (ids, t))
-    assert flat.shape == (24,) and kdim.shape == (4, 6)
-    assert [(d.name, d.role) for d in kdim.dims] == [("sample", "sample"), ("d1", "attribute")]
-    box = ((2, 4), (3, 6))
-    assert get_rule("loss").input_regions(kdim, box) == (((2, 4), (0, 10), (3, 6)), box)
-    assert get_rule("loss").reductions(kdim, (2, 3)) == (Reduction("loss_sum", (0, 1), deferred=True),)
+    assert flat.shape == (24, 10) and kdim.shape == (4, 6, 10)
+    assert [(d.name, d.role) for d in kdim.dims] == [("sample", "sample"), ("d1", "attribute"),
+                                                     ("classes", "reduction")]
+    box = ((2, 4), (3, 6), (5, 10))
+    assert get_rule("loss").input_regions(kdim, box) == (((2, 4), (5, 10), (3, 6)), box[:2])
+    assert get_rule("loss").reductions(kdim, (2, 3, 1)) == (Reduction("loss_sum", (0, 1), deferred=True),)
 
 
 def test_cross_entropy_k_dim_mean_with_module():
