@@ -111,6 +111,8 @@ def _reads_locally(graph: OpGraph, node: OpNode, cfg: ParallelConfig, configs: d
             if region is None or p.kind in ("parameter", "constant"):
                 continue
             pc = configs[src]
+            if pc is None:  # a producer of the block that cannot be cut t ways
+                return False
             for q, pdev in enumerate(pc.devices):
                 held = p.output_region(partition_box_mb(p, pc.degrees, q, 0, 1))
                 if pdev != dev and intersect(held, region) is not None:

@@ -112,6 +112,12 @@ def make_plan(graph: OpGraph, name: str, n: int) -> Strategy:
         return baseline("megatron", graph, n, tp=2)
     if name == "row":  # every linear cut on in_features (row-parallel: Partial sums), the rest data parallel
         return _with(graph, n, lambda node: _cut(node, node.reduction_dims[0], n) if node.kind == "linear" else None)
+    if name == "rowcol":  # a linear reading a linear: the first row-parallel, the second column-parallel
+        users = {src: node for node in graph for src in node.inputs}
+        return _with(graph, n, lambda node: _cut(node, node.reduction_dims[0], n)
+                     if node.kind == "linear" and getattr(users.get(node.name), "kind", None) == "linear"
+                     else _cut(node, len(node.output.shape) - 1, n)
+                     if node.kind == "linear" and graph[node.inputs[0]].kind == "linear" else None)
     if name == "colrow":  # Megatron-LM's MLP: fc column-parallel, its activation cut alike, proj row-parallel
         return _with(graph, n, lambda node: _megatron_mlp(graph, node, n))
     if name.startswith("random_r"):  # random configs; every op with a reduction dim cut on it
