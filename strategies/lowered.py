@@ -75,10 +75,10 @@ class Transfer(NamedTuple):
     nbytes: int
     partial: bool = False
     """The source holds a Partial sum of ``region`` (its op's reduction dims are cut): the
-    consumer adds the pieces of every holder instead of copying one (a reduce-scatter when the
-    consumer is cut over the holders' devices, a reduce when it is on one device, every holder
-    sending its piece to every reader otherwise). Backward: each holder receives the whole
-    gradient of ``region`` (the gradient of a sum is the same for every term)."""
+    consumer adds the pieces of every holder instead of copying one (a reduce when it is on one
+    device; where its readers form an all-reduce or a reduce-scatter the lowering emits a
+    ``Collective`` instead). Backward: each holder receives the whole gradient of ``region``
+    (the gradient of a sum is the same for every term)."""
 
     @property
     def local(self) -> bool:
