@@ -14,7 +14,8 @@ from collections.abc import Sequence
 from simulator.topology import Topology
 from strategies.lowering import SMALL_SUM
 
-__all__ = ["transfer_time", "allreduce_time", "allgather_time", "group_sum_time", "ring_links"]
+__all__ = ["transfer_time", "allreduce_time", "allgather_time", "reduce_scatter_time", "collective_time",
+           "group_sum_time", "ring_links"]
 
 
 def transfer_time(topology: Topology, src: int, dst: int, nbytes: float) -> float:
@@ -69,6 +70,32 @@ def allgather_time(topology: Topology, devices: Sequence[int], nbytes: float) ->
         return 0.0
     n, alpha, bandwidth = ring
     return (n - 1) * alpha + (n - 1) * nbytes / bandwidth
+
+
+def reduce_scatter_time(topology: Topology, devices: Sequence[int], nbytes: float) -> float:
+    """Seconds for a ring reduce-scatter of a tensor of ``nbytes`` over ``devices``, each
+    member left with its 1/n (Patarasuk & Yuan 2009: an all-reduce's first half):
+    ``(n-1) * alpha + (n-1)/n * nbytes / B``, alpha and B as in ``allreduce_time``. 0 for
+    n <= 1 or nbytes == 0."""
+    ring = _collective("reduce-scatter", topology, devices, nbytes)
+    if ring is None:
+        return 0.0
+    n, alpha, bandwidth = ring
+    return (n - 1) * alpha + (n - 1) / n * nbytes / bandwidth
+
+
+def collective_time(topology: Topology, kind: str, devices: Sequence[int], nbytes: float) -> float:
+    """Seconds of a ``strategies.lowered.Collective`` of ``kind`` over ``devices`` moving a
+    region of ``nbytes``: a ring all-reduce (``allreduce_time``), reduce-scatter
+    (``reduce_scatter_time``) or all-gather of each member's 1/n (``allgather_time``): the
+    ring's (n-1)/n · nbytes per member each way, twice for the all-reduce."""
+    if kind == "all_reduce":
+        return allreduce_time(topology, devices, nbytes)
+    if kind == "reduce_scatter":
+        return reduce_scatter_time(topology, devices, nbytes)
+    if kind == "all_gather":
+        return allgather_time(topology, devices, nbytes / len(devices))
+    raise ValueError(f"collective kind {kind!r} is not one of all_reduce, reduce_scatter, all_gather")
 
 
 def _collective(what: str, topology: Topology, devices: Sequence[int],

@@ -42,6 +42,9 @@ class TaskKind(IntEnum):
     """The sending device's host held by a piece (``Link.send_bandwidth``)."""
     GRAD_SEND = 9
     """The sending device's host held by a gradient sent back."""
+    COLLECTIVE = 10
+    """A collective moving a producer's output to its readers (``strategies.lowered.Collective``)
+    or its gradient back, on the links of its ring, or a member's host part of it."""
 
 
 CATEGORY = tuple(kind.name.lower() for kind in TaskKind)

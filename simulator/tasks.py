@@ -33,6 +33,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from simulator.collectives import add_collectives
 from simulator.comm import allgather_time, group_sum_time, ring_links, transfer_time
 from simulator.cost import CostModel
 from simulator.step import UPDATE_TRAFFIC, link_step, member_ends
@@ -345,7 +346,8 @@ def build_tasks(lowered: Lowered, topology: Topology, cost: CostModel, optimizer
     edges, steps, *tasks, slots = joined.arrays
     first = tg.place(joined.segments, tuple(tasks), joined.first)
     tg.chunks.append((edges[0] + first[edges[1]], edges[2] + first[edges[3]]))
-    last = _link_schedule(tg, lowered, steps, first, slots)
+    arrivals = add_collectives(tg, lowered, topology, blocks, first, cache.layout(lowered.graph)[1])
+    last = _link_schedule(tg, lowered, steps, first, slots, arrivals)
     step_sums = [(int(first[i]), blocks[i].step_reductions) for i in joined.summing]
     link_step(tg, lowered, topology, step_sums, last, optimizer, traffic)
     return tg
@@ -370,14 +372,16 @@ def _blocks(lowered: Lowered, topology: Topology, cost: CostModel, cache: TaskCa
 
 
 def _link_schedule(tg: TaskGraph, lowered: Lowered, steps: np.ndarray, first: np.ndarray,
-                   slots: np.ndarray) -> dict[int, list[int]]:
+                   slots: np.ndarray, arrivals: np.ndarray) -> dict[int, list[int]]:
     """Each device runs the schedule's order (strategies/schedule.py): per micro-batch its
     forwards in graph and partition order (a stable sort by device and micro-batch), a backward
     pass running them in reverse. A step starts once the one before it is done, a blocking sum
     in it included (the executor's collectives run inside its forward and backward steps), and
     the sends at the end of the step before; a receive in a step starts once the step before
-    it is done. ``steps``, ``slots``: the blocks' rows (``_Block``); returns each device's last
-    step and the sends after it (its backward pass is over after them)."""
+    it is done, and so does a member's call of a collective (``arrivals``: rows (call, the
+    step's first task), global ids; ``simulator.collectives``). ``steps``, ``slots``: the
+    blocks' rows (``_Block``); returns each device's last step and the sends after it (its
+    backward pass is over after them)."""
     n, m = tg.num_devices, lowered.strategy.microbatches
     key = steps[1] * m + steps[2]
     order = np.argsort(key.astype(np.min_scalar_type(n * m)), kind="stable")  # small ints: a radix sort
@@ -401,7 +405,7 @@ def _link_schedule(tg: TaskGraph, lowered: Lowered, steps: np.ndarray, first: np
     chained[device_ends[:-1]] = False
     tg.chunks.append((ends[:-1][chained], seq[1:][chained]))
     last = {d: [e] for d, e in zip(devices, ends[device_ends].tolist())}
-    if slots.shape[1]:
+    if slots.shape[1] or arrivals.shape[1]:
         task, step = slots[0] + first[slots[1]], slots[2] + first[slots[3]]
         before = slots[4].astype(bool)
         link = np.full(len(tg), -1, dtype=INDEX)
@@ -414,9 +418,10 @@ def _link_schedule(tg: TaskGraph, lowered: Lowered, steps: np.ndarray, first: np
             last[device_of_last[s]].append(t)  # its step end waits on it
         link[:] = -1
         link[seq[1:][chained]] = ends[:-1][chained]  # a step's first task -> the end of the one before
-        prior = link[step[before]]
+        inside, at = np.concatenate([task[before], arrivals[0]]), np.concatenate([step[before], arrivals[1]])
+        prior = link[at]
         has = prior >= 0  # no step before a device's first
-        tg.chunks.append((prior[has], task[before][has]))
+        tg.chunks.append((prior[has], inside[has]))
     return last
 
 

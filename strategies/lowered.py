@@ -15,8 +15,9 @@ from strategies.graph import DTYPE_BYTES, OpGraph
 from strategies.region import Box, box_numel, intersect
 from strategies.strategy import Strategy
 
-__all__ = ["WEIGHT_KINDS", "Gate", "Partition", "Transfer", "WeightRead", "WeightShard", "BucketKey",
-           "bucket_key", "weight_shards", "ReductionGroup", "OpPieces", "DeviceBytes", "GradientSync", "Lowered"]
+__all__ = ["WEIGHT_KINDS", "Gate", "Partition", "Transfer", "Collective", "CollectiveRead", "COLLECTIVE_KINDS",
+           "WeightRead", "WeightShard", "BucketKey", "bucket_key", "weight_shards", "ReductionGroup", "OpPieces",
+           "DeviceBytes", "GradientSync", "Lowered"]
 
 WEIGHT_KINDS = ("parameter", "constant")
 
@@ -74,14 +75,86 @@ class Transfer(NamedTuple):
     nbytes: int
     partial: bool = False
     """The source holds a Partial sum of ``region`` (its op's reduction dims are cut): the
-    consumer adds the pieces of every holder instead of copying one (a reduce-scatter when the
-    consumer is cut over the holders' devices, a reduce when it is on one device, every holder
-    sending its piece to every reader otherwise). Backward: each holder receives the whole
-    gradient of ``region`` (the gradient of a sum is the same for every term)."""
+    consumer adds the pieces of every holder instead of copying one (a reduce when it is on one
+    device; where its readers form an all-reduce or a reduce-scatter the lowering emits a
+    ``Collective`` instead). Backward: each holder receives the whole gradient of ``region``
+    (the gradient of a sum is the same for every term)."""
 
     @property
     def local(self) -> bool:
         return self.src_device == self.dst_device
+
+
+COLLECTIVE_KINDS = ("all_reduce", "reduce_scatter", "all_gather")
+"""What a ``Collective`` does forward; its backward is ``Collective.backward_kind``."""
+
+
+class Collective(NamedTuple):
+    """One collective over the device group ``devices`` (sorted) that moves region ``region``
+    of ``op``'s output in ``microbatch``, replacing the point-to-point pieces its readers would
+    otherwise read (``strategies.collectives`` finds the patterns). Member i holds producer
+    partition ``holders[i]``, and after the call it has:
+
+    - ``all_reduce``: Σ over the members of their Partial sums of ``region`` (every holder's
+      output region is ``region``): all of it;
+    - ``reduce_scatter``: that sum's chunk i along ``dim`` (``region`` cut in n equal chunks,
+      chunk i for member i, as torch's ``reduce_scatter_tensor`` gives group rank i chunk i);
+    - ``all_gather``: all of ``region``, whose chunk i along ``dim`` member i held (a Shard).
+
+    One collective serves every consumer op that reads the same region of the same producer
+    partitions (its ``CollectiveRead``s). Backward, where ``grad`` (``OpGraph.moves_grad``),
+    the dual collective moves the gradient back: all_reduce ↔ all_reduce (Megatron-LM's f/g),
+    reduce_scatter ↔ all_gather."""
+
+    kind: str
+    op: str
+    microbatch: int
+    devices: tuple[int, ...]
+    holders: tuple[int, ...]
+    region: Box
+    dim: int | None
+    """The dim ``region`` is chunked along (reduce_scatter, all_gather); None for all_reduce."""
+    nbytes: int
+    """Bytes of ``region``: the whole tensor the collective reduces or gathers."""
+    grad: bool
+    """The gradient moves back (the dual collective runs in the backward pass)."""
+
+    @property
+    def backward_kind(self) -> str:
+        return {"all_reduce": "all_reduce", "reduce_scatter": "all_gather",
+                "all_gather": "reduce_scatter"}[self.kind]
+
+    def chunk(self, i: int) -> Box:
+        """Member i's chunk of ``region`` along ``dim`` (``region`` itself for all_reduce)."""
+        if self.dim is None:
+            return self.region
+        lo, hi = self.region[self.dim]
+        w = (hi - lo) // len(self.devices)
+        return self.region[:self.dim] + ((lo + i * w, lo + (i + 1) * w),) + self.region[self.dim + 1:]
+
+    def result(self, i: int) -> Box:
+        """The region member i holds after the forward call."""
+        return self.chunk(i) if self.kind == "reduce_scatter" else self.region
+
+    @property
+    def sent(self) -> int:
+        """Bytes each member sends in a ring (Patarasuk & Yuan 2009): (n−1)/n · ``nbytes`` for
+        a reduce-scatter or an all-gather, twice that for an all-reduce (the two one after the
+        other)."""
+        n = len(self.devices)
+        once = (n - 1) * self.nbytes // n
+        return 2 * once if self.kind == "all_reduce" else once
+
+
+class CollectiveRead(NamedTuple):
+    """Partition ``dst_index`` of ``dst_op`` (on ``device``) reads its input ``slot`` from
+    ``collective``: what member ``device`` holds after it (``Collective.result``)."""
+
+    collective: Collective
+    dst_op: str
+    dst_index: int
+    slot: int
+    device: int
 
 
 class WeightRead(NamedTuple):
@@ -189,7 +262,10 @@ class OpPieces(NamedTuple):
     """(forward, gradient) bytes each device receives per micro-batch (one entry per device):
     the remote pieces into the op on their consumer's device, and their gradients on the
     producer's device when both ops need one (the executor posts them a micro-batch ahead;
-    ``simulator.memory``)."""
+    ``simulator.memory``). A collective's buffers are the plan's, not an op's
+    (``Lowered.collective_bytes``): several consumer ops share one."""
+    collective_reads: tuple[CollectiveRead, ...] = ()
+    """The inputs its partitions read from collectives instead of point-to-point pieces."""
 
 
 class DeviceBytes(NamedTuple):
@@ -245,8 +321,44 @@ class Lowered:
         """Every op's reduction groups, in graph order (gathered when first read)."""
         return tuple(itertools.chain.from_iterable(map(_reductions, self.pieces.values())))
 
+    @cached_property
+    def collectives(self) -> tuple[Collective, ...]:
+        """Every collective once, in the graph order of its first reader op (a consumer op's in
+        micro-batch, input and partition order): the order in which each member calls them
+        (``strategies.schedule.collective_calls``)."""
+        return tuple(dict.fromkeys(r.collective for p in self.pieces.values() for r in p.collective_reads))
+
+    @cached_property
+    def collective_readers(self) -> dict[Collective, tuple[CollectiveRead, ...]]:
+        """Collective -> every read of it, in graph order."""
+        out: dict[Collective, list[CollectiveRead]] = {}
+        for p in self.pieces.values():
+            for r in p.collective_reads:
+                out.setdefault(r.collective, []).append(r)
+        return {c: tuple(rs) for c, rs in out.items()}
+
+    def collective_bytes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(forward, gradient) bytes of the collectives' buffers each device holds per
+        micro-batch: forward, what it holds after each call (``Collective.result``; its readers
+        keep it for backward, one buffer however many ops read it); backward, where the
+        gradient moves, its readers' gradients summed over the region and the dual's other
+        buffer (a reduce-scatter's chunk or an all-gather's input; an all-reduce sums in place)."""
+        n = self.strategy.num_devices
+        fwd, grad = [0] * n, [0] * n
+        for c in self.collectives:
+            if c.microbatch:
+                continue
+            item = c.nbytes // box_numel(c.region)
+            for i, d in enumerate(c.devices):
+                fwd[d] += box_numel(c.result(i)) * item
+                if c.grad:
+                    grad[d] += c.nbytes + (box_numel(c.chunk(i)) * item if c.dim is not None else 0)
+        return tuple(fwd), tuple(grad)
+
     @property
     def bytes_moved(self) -> int:
-        """Forward bytes crossing links (backward moves as many again, less the pieces whose
-        gradient does not move: ``OpGraph.moves_grad``)."""
-        return sum(t.nbytes for t in self.transfers if not t.local)
+        """Forward bytes crossing links: the remote point-to-point pieces and what the
+        collectives' members send (``Collective.sent``). Backward moves as many again, less the
+        pieces and collectives whose gradient does not move (``OpGraph.moves_grad``)."""
+        return (sum(t.nbytes for t in self.transfers if not t.local)
+                + sum(c.sent * len(c.devices) for c in self.collectives))

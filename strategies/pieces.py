@@ -12,7 +12,9 @@ from typing import Sequence
 
 from strategies.errors import PlanError
 from strategies.graph import DTYPE_BYTES, OpGraph, OpNode
-from strategies.lowered import WEIGHT_KINDS, Gate, OpPieces, Partition, ReductionGroup, Transfer, WeightRead
+from strategies.collectives import find_collectives
+from strategies.lowered import (WEIGHT_KINDS, CollectiveRead, Gate, OpPieces, Partition, ReductionGroup, Transfer,
+                                WeightRead)
 from strategies.region import Box, box_numel, partition_index
 from strategies.rules import get_rule
 from strategies.rules.base import Reduction
@@ -149,6 +151,7 @@ def lower_op(graph: OpGraph, strategy: Strategy, node: OpNode, m: int) -> OpPiec
     n = strategy.num_devices
     per_mb, transfers, reductions, reads = [], [], [], []
     couples: set[tuple[int, int]] = set()
+    collective_reads: list[CollectiveRead] = []
     kept, fwd, grad = [0] * n, [0] * n, [0] * n
     sources = [(graph[src], strategy[src]) for src in node.inputs]
     moves_grad = [graph.moves_grad(src, node.name) for src in node.inputs]
@@ -160,18 +163,38 @@ def lower_op(graph: OpGraph, strategy: Strategy, node: OpNode, m: int) -> OpPiec
     sums = [tuple((0, p.shape[i]) for i in p.reduction_dims) if p.kind != "loss" else () for p, _ in sources]
     partial = [p.kind != "loss" and any(c.degrees[i] > 1 for i in p.reduction_dims) for p, c in sources]
     for j in range(m):
-        parts = []
+        parts, weight_regions = [], []
         grids = [_grid(p, c.degrees, j, m) for p, c in sources]
         for k, box in enumerate(_boxes(_grid(node, cfg.degrees, j, m), cfg.degrees)):
             ins = rule.input_regions(node, box)
             ws = rule.weight_regions(node, box)
-            dev = cfg.devices[k]
-            out = box[:out_ndim]
-            parts.append(Partition(node.name, k, j, dev, box, tuple(ins),
-                                   tuple((w.role, ws[w.role]) for w in node.weights if w.role in ws), out))
+            parts.append(Partition(node.name, k, j, cfg.devices[k], box, tuple(ins),
+                                   tuple((w.role, ws[w.role]) for w in node.weights if w.role in ws), box[:out_ndim]))
+            weight_regions.append(ws)
+        # per input: each reader's overlapping producer partitions, and the reads that are collectives
+        overlaps, shared = [], []
+        for slot, (producer, pcfg) in enumerate(sources):
+            extra = sums[slot]
+            ov = [None if p.input_regions[slot] is None or producer.kind in WEIGHT_KINDS else
+                  _overlaps(grids[slot], pcfg.degrees, p.input_regions[slot] + extra if extra else p.input_regions[slot])
+                  for p in parts]
+            overlaps.append(ov)
+            found = {}
+            if len(pcfg.devices) > 1 and len(parts) > 1 and producer.kind not in WEIGHT_KINDS:
+                found = find_collectives(producer, pcfg.devices, pcfg.degrees, grids[slot], partial[slot], j,
+                                         moves_grad[slot], [(p.index, p.device, p.input_regions[slot],
+                                                             tuple(q for q, _, _ in o))
+                                                            for p, o in zip(parts, ov) if o is not None])
+            shared.append(found)
+            for c in dict.fromkeys(found.values()):  # a collective couples its members both ways
+                couples.update(zip(c.devices, c.devices[1:] + c.devices[:1]))
+                couples.update(zip(c.devices[1:] + c.devices[:1], c.devices))
+        for k, p in enumerate(parts):
+            dev, ins = p.device, p.input_regions
             if j == 0:
-                kept[dev] += 8 if loss else itemsize * box_numel(out)  # kept for backward
+                kept[dev] += 8 if loss else itemsize * box_numel(p.output)  # kept for backward
                 if reads_weights:
+                    ws = weight_regions[k]
                     reads.extend(_new(WeightRead, (w.name, ws[w.role], dev, node.name, w.spec.dtype, w.trainable))
                                  for w in node.weights if w.role in ws)
             for slot, region in enumerate(ins):
@@ -184,9 +207,13 @@ def lower_op(graph: OpGraph, strategy: Strategy, node: OpNode, m: int) -> OpPiec
                         reads.append(_new(WeightRead, (w.name, region, dev, node.name, w.spec.dtype,
                                                        w.trainable)))
                     continue
+                c = shared[slot].get(k)
+                if c is not None:
+                    collective_reads.append(CollectiveRead(c, node.name, k, slot, dev))
+                    continue
                 size, src, devices = DTYPE_BYTES[producer.output.dtype], producer.name, pcfg.devices
                 extra = sums[slot]
-                for q, piece, numel in _overlaps(grids[slot], pcfg.degrees, region + extra if extra else region):
+                for q, piece, numel in overlaps[slot][k]:
                     if extra:  # the output part of a box over the producer's reduction dims too
                         piece = piece[:len(region)]
                         numel = box_numel(piece)
@@ -208,7 +235,7 @@ def lower_op(graph: OpGraph, strategy: Strategy, node: OpNode, m: int) -> OpPiec
         couples.update(zip(g.devices, g.devices[1:] + g.devices[:1]))
     return OpPieces(tuple(per_mb), tuple(transfers), tuple(reductions), tuple(reads),
                     tuple(dict.fromkeys(map(_name, reads))), frozenset(couples), tuple(kept),
-                    (tuple(fwd), tuple(grad)))
+                    (tuple(fwd), tuple(grad)), tuple(collective_reads))
 
 
 def _groups(node: OpNode, degrees: Sequence[int], devices: Sequence[int], reds, parts,

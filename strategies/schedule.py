@@ -13,6 +13,13 @@ topological order (forward) or its reverse (backward).
   one group and share one w; the groups form a DAG along the forward data flow, and a group's w
   is min(m, 1 + the longest path from it to a sink). So w strictly falls along every edge and
   is equal inside a group, which keeps the fixed orders deadlock-free.
+
+Collectives (``Lowered.collectives``) are called by every member of their device group in the
+same order (torch.distributed's rule): a member calls a collective's forward at the start of its
+first step of the collective's first reader op in that micro-batch, and its backward at the
+start of its holder partition's backward step; several at one step in ``Lowered.collectives``
+order (``collective_calls``). The members of a group share one warm-up (a collective couples
+them both ways), so they run the same passes and reach those steps in the same order.
 """
 
 from __future__ import annotations
@@ -21,7 +28,8 @@ from typing import NamedTuple
 
 from strategies.lowering import Lowered
 
-__all__ = ["Step", "device_order", "passes", "stages", "warmup", "warmups"]
+__all__ = ["Step", "CollectiveCall", "collective_calls", "collective_steps", "device_order", "passes", "stages",
+           "warmup", "warmups"]
 
 
 class Step(NamedTuple):
@@ -29,6 +37,52 @@ class Step(NamedTuple):
     op: str
     index: int
     microbatch: int
+
+
+class CollectiveCall(NamedTuple):
+    """A member's call of collective ``collective`` (its index in ``Lowered.collectives``),
+    forward or ``backward``, at the start of its schedule step ``step``."""
+
+    collective: int
+    backward: bool
+    step: Step
+
+
+def collective_steps(lowered: Lowered) -> list[tuple[dict[int, Step], dict[int, Step]]]:
+    """Per collective (``Lowered.collectives`` order): member device -> the step at whose start
+    it calls the forward (its first step of the collective's first reader op in that
+    micro-batch), and member -> the step at whose start it calls the backward (its first
+    backward step of the producer op: the last of its partitions; empty where the gradient does
+    not move). Every collective a member calls at one op's step is called at the same step,
+    whichever of the op's partitions read or hold it, so their order is ``Lowered.collectives``'
+    on every member."""
+    out = []
+    readers = lowered.collective_readers
+    for c in lowered.collectives:
+        first, j = readers[c][0].dst_op, c.microbatch
+        fwd = {d: Step(False, first, _on(lowered, first, j, d, min), j) for d in c.devices}
+        bwd = {d: Step(True, c.op, _on(lowered, c.op, j, d, max), j) for d in c.devices} if c.grad else {}
+        out.append((fwd, bwd))
+    return out
+
+
+def _on(lowered: Lowered, op: str, microbatch: int, device: int, pick) -> int:
+    """``pick`` (min or max) of the indices of ``op``'s partitions on ``device``."""
+    return pick(p.index for p in lowered.partitions[op][microbatch] if p.device == device)
+
+
+def collective_calls(lowered: Lowered, order: dict[int, list[Step]] | None = None) -> dict[int, list[CollectiveCall]]:
+    """Device -> its collective calls in the order it makes them (module docstring): by the
+    position of their step in its ``device_order`` (``order``, when the caller has it), then
+    by ``Lowered.collectives`` order."""
+    order = device_order(lowered) if order is None else order
+    position = {d: {s: i for i, s in enumerate(steps)} for d, steps in order.items()}
+    calls: dict[int, list[tuple[int, int, CollectiveCall]]] = {}
+    for i, (fwd, bwd) in enumerate(collective_steps(lowered)):
+        for backward, steps in ((False, fwd), (True, bwd)):
+            for d, step in steps.items():
+                calls.setdefault(d, []).append((position[d][step], i, CollectiveCall(i, backward, step)))
+    return {d: [c for _, _, c in sorted(cs)] for d, cs in sorted(calls.items())}
 
 
 def stages(lowered: Lowered) -> list[tuple[int, ...]]:

@@ -9,6 +9,7 @@ within a step (gloo matches send and recv by peer and tag, so no order can misma
 
 from __future__ import annotations
 
+import warnings
 from datetime import timedelta
 from typing import Iterable
 
@@ -19,8 +20,11 @@ from soapsearch.executor.errors import ExecutorError
 from strategies.lowering import SMALL_SUM
 from strategies.rules.cross_entropy import ClassShards
 
+warnings.filterwarnings("ignore", message=r".*reduce_scatter_tensor.* is deprecated", category=FutureWarning)
+"""torch 2.13 renames ``reduce_scatter_tensor``; older versions have only that name."""
+
 __all__ = ["ProcessGroups", "Group", "PendingSum", "BucketSum", "AllReduceSum", "all_reduce_sum", "class_shards",
-           "P2P"]
+           "P2P", "run_collective"]
 
 
 class Group:
@@ -142,6 +146,41 @@ def class_shards(group: Group) -> ClassShards:
     parallel cross-entropy): the max as an all-gather of the shards' maxima, the sums as
     ``Group.sum``; no autograd (the gradient is local: ``strategies.rules.cross_entropy``)."""
     return ClassShards(max=lambda t: group.gather(t.detach()).amax(0), sum=group.sum)
+
+
+def run_collective(kind: str, t: torch.Tensor, group: Group, dim: int | None) -> torch.Tensor:
+    """One ``strategies.lowered.Collective`` call on ``group`` with this member's ``t`` (a new
+    tensor; ``t`` is left as it is): ``all_reduce`` (Σ over the members), ``reduce_scatter``
+    (this member's chunk of that sum along ``dim``, chunk i for member i) or ``all_gather``
+    (every member's ``t`` joined along ``dim`` in member order). torch's tensor collectives
+    work on dim 0 of contiguous tensors: ``dim`` is moved there and back. Where the backend
+    lacks ``reduce_scatter_tensor`` or ``all_gather_into_tensor`` (gloo in some torch versions),
+    an all-reduce then this member's slice, or an all-gather into a list then one concatenation,
+    gives the same values."""
+    if kind == "all_reduce":
+        y = t.detach().clone().contiguous()
+        dist.all_reduce(y, op=dist.ReduceOp.SUM, group=group.pg)
+        return y
+    n, me = len(group.members), group.members.index(dist.get_rank())
+    x = t.detach().movedim(dim, 0).contiguous()
+    if kind == "reduce_scatter":
+        out = x.new_empty((x.shape[0] // n, *x.shape[1:]))
+        try:
+            dist.reduce_scatter_tensor(out, x, op=dist.ReduceOp.SUM, group=group.pg)
+        except (RuntimeError, NotImplementedError, ValueError):  # the backend has none: all-reduce, keep our chunk
+            dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group.pg)
+            out = x.chunk(n)[me].clone()
+        return out.movedim(0, dim)
+    if kind == "all_gather":
+        out = x.new_empty((x.shape[0] * n, *x.shape[1:]))
+        try:
+            dist.all_gather_into_tensor(out, x, group=group.pg)
+        except (RuntimeError, NotImplementedError, ValueError):  # the backend has none: gather into a list
+            rows = [torch.empty_like(x) for _ in group.members]
+            dist.all_gather(rows, x, group=group.pg)
+            out = torch.cat(rows)
+        return out.movedim(0, dim)
+    raise ValueError(f"collective kind {kind!r} is not one of all_reduce, reduce_scatter, all_gather")
 
 
 class P2P:

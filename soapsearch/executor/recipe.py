@@ -34,7 +34,7 @@ from strategies.lowering import (WEIGHT_KINDS, BucketKey, Gate, Lowered, Partiti
 from strategies.rules import get_rule
 from strategies.rules.cross_entropy import CLASS_SUMS
 from strategies.region import Box, box_shape, index_in, slice_box
-from strategies.schedule import Step
+from strategies.schedule import Step, collective_calls, device_order
 
 __all__ = ["Piece", "Slot", "Send", "LossSum", "Recipe", "Receive", "recipes", "receives_ahead", "SKIP",
            "LINKED", "ROOT"]
@@ -72,6 +72,9 @@ class Slot(NamedTuple):
     leaf: bool
     link: bool
     partial: bool = False
+    collective: int | None = None
+    """Read from this collective (its index in ``Lowered.collectives``): what it leaves this
+    rank, which the rank's call of it at an earlier step (or this one) stored."""
 
 
 class Send(NamedTuple):
@@ -132,12 +135,20 @@ class Recipe(NamedTuple):
     grad_whole: bool
     """Every gradient piece covers the whole output: sum them, no buffer."""
     grad_sends: tuple[Send, ...]
+    grad_collectives: tuple[tuple[int, Index], ...] = ()
+    """(collective, into): the collectives this partition holds whose dual moves its output's
+    gradient back; the dual's result fills ``into`` of the output gradient (None: all of it)."""
+    calls: tuple[int, ...] = ()
+    """The collectives this rank calls at the start of this partition's forward step, in order
+    (``strategies.schedule.collective_calls``)."""
+    grad_calls: tuple[int, ...] = ()
+    """The duals it calls at the start of this partition's backward step, in order."""
 
 
 class _Lowering:
     """This rank's view of the lowering, indexed for building recipes."""
 
-    def __init__(self, low: Lowered, order: Sequence[Step], rank: int):
+    def __init__(self, low: Lowered, order: Sequence[Step], rank: int, order_all: dict[int, list[Step]]):
         self.low, self.graph = low, low.graph
         self.grad = low.graph.needs_grad
         self.order = list(order)
@@ -159,6 +170,20 @@ class _Lowering:
         self.gates = {(r.op, k, r.microbatch): r.gates for r in low.reductions for k in r.partitions}
         self.rides = {(r.op, k, r.microbatch): key for r, key in bucket_sums(low).items()
                       for k in r.partitions}
+        index = {c: i for i, c in enumerate(low.collectives)}
+        self.shared = {(r.dst_op, r.dst_index, r.collective.microbatch, r.slot): index[r.collective]
+                       for p in low.pieces.values() for r in p.collective_reads if r.device == rank}
+        """(op, partition, micro-batch, input) of this rank -> the collective it reads it from."""
+        self.holding: dict[tuple, list[int]] = {}
+        """(op, partition, micro-batch) of this rank -> the collectives it holds a piece of."""
+        for i, c in enumerate(low.collectives):
+            if rank in c.devices:
+                q = c.holders[c.devices.index(rank)]
+                self.holding.setdefault((c.op, q, c.microbatch), []).append(i)
+        self.calls: dict[Step, list[int]] = {}
+        """Step of this rank -> the collectives (forward or dual) it calls at its start."""
+        for call in collective_calls(low, order_all).get(rank, ()):
+            self.calls.setdefault(call.step, []).append(call.collective)
 
     def carries(self, t: Transfer) -> bool:
         return self.graph.moves_grad(t.src_op, t.dst_op)
@@ -185,8 +210,12 @@ class _Lowering:
         reverse order of creation: the forward order)."""
         if any(not t.local and self.carries(t) for _, t in self.into.get(r, ())):
             return False
-        for s in self.order[self.position[r] + 1:self.position[k]]:
+        for s in self.order[self.position[r] + 1:self.position[k] + 1]:
             between = (s.op, s.index, s.microbatch)
+            if s in self.calls:  # a collective's dual called there would come after the moved one
+                return False
+            if s == self.order[self.position[k]]:
+                continue
             if not s.backward or self.talks(between) or (between in self.grouped and root[between] != r):
                 return False
         return True
@@ -198,7 +227,7 @@ class _Lowering:
             gout = [t for _, t in self.out_of.get(k, ()) if self.carries(t)]
             leads = {root[(t.dst_op, t.dst_index, t.microbatch)] for t in gout if t.local}
             root[k] = k
-            if (self.has_backward(k) and k[0] not in self.graph.outputs and gout
+            if (self.has_backward(k) and k[0] not in self.graph.outputs and gout and k not in self.holding
                     and all(t.local and self.whole_slot(t) for t in gout) and len(leads) == 1):
                 lead = leads.pop()
                 if k not in self.grouped or self.quiet(lead, k, root):
@@ -207,10 +236,11 @@ class _Lowering:
 
 
 def recipes(low: Lowered, order: Sequence[Step], rank: int,
-            weight_index: Callable[[str, Box], Index]) -> list[Recipe]:
+            weight_index: Callable[[str, Box], Index], order_all: dict[int, list[Step]] | None = None) -> list[Recipe]:
     """The recipe of every partition in ``order`` (this rank's steps), in forward order;
-    ``weight_index(name, region)`` is the view of a local weight that ``region`` is."""
-    lw = _Lowering(low, order, rank)
+    ``weight_index(name, region)`` is the view of a local weight that ``region`` is;
+    ``order_all``: every device's ``device_order`` (computed when not given)."""
+    lw = _Lowering(low, order, rank, device_order(low) if order_all is None else order_all)
     graph, m, every_rank = low.graph, low.strategy.microbatches, loss_on_every_device(low)
     linked = lw.linked()
     out = []
@@ -219,6 +249,7 @@ def recipes(low: Lowered, order: Sequence[Step], rank: int,
         kind = SKIP if not lw.has_backward(k) else LINKED if k in linked else ROOT
         seed = 1.0 / m if kind == ROOT and p.op in graph.outputs else None
         grad_pieces = _grad_pieces(lw, p) if kind == ROOT and seed is None else ()
+        grad_collectives = _grad_collectives(lw, p) if kind == ROOT and seed is None else ()
         grad_sends = tuple(
             Send(i, t.src_device, index_in(t.region, p.input_regions[t.slot]), t.slot,
                  box_shape(p.input_regions[t.slot]), getattr(torch, graph[t.src_op].output.dtype))
@@ -231,8 +262,23 @@ def recipes(low: Lowered, order: Sequence[Step], rank: int,
             lw.grouped.get(k), lw.classes.get(k),
             tuple(Send(i, t.dst_device, index_in(t.region, p.output)) for i, t in lw.out_of.get(k, ()) if not t.local),
             p.op in graph.outputs and (every_rank or p.index == 0), kind, seed, _loss_sum(lw, k),
-            grad_pieces, bool(grad_pieces) and all(g.into is None for g in grad_pieces), grad_sends))
+            grad_pieces, bool(grad_pieces or grad_collectives) and all(
+                g.into is None for g in grad_pieces) and all(into is None for _, into in grad_collectives),
+            grad_sends, grad_collectives, tuple(lw.calls.get(Step(False, *k[:2], k[2]), ())),
+            tuple(lw.calls.get(Step(True, *k[:2], k[2]), ()))))
     return out
+
+
+def _grad_collectives(lw: _Lowering, p: Partition) -> tuple[tuple[int, Index], ...]:
+    """The duals whose result is part of holder ``p``'s output gradient, with where it goes:
+    an all-gather's dual leaves member i its chunk, the others the whole region."""
+    out = []
+    for i in lw.holding.get((p.op, p.index, p.microbatch), ()):
+        c = lw.low.collectives[i]
+        if c.grad:
+            region = c.chunk(c.devices.index(p.device)) if c.kind == "all_gather" else c.region
+            out.append((i, index_in(region, p.output)))
+    return tuple(out)
 
 
 def _loss_sum(lw: _Lowering, k: tuple) -> LossSum | None:
@@ -262,6 +308,12 @@ def _slots(lw: _Lowering, p: Partition, linked: set[tuple],
             name = src.weights[0].name
             slots.append(Slot(name, weight_index(name, region), (), box_shape(region), None, False, False))
             continue
+        carry = lw.grad[src.name] and lw.grad[p.op]
+        shared = lw.shared.get((p.op, p.index, p.microbatch, slot))
+        if shared is not None:
+            slots.append(Slot(None, None, (), box_shape(region), getattr(torch, src.output.dtype), carry, False,
+                              collective=shared))
+            continue
         pieces = []
         for i, t in lw.into.get((p.op, p.index, p.microbatch), ()):
             if t.slot == slot:
@@ -272,7 +324,6 @@ def _slots(lw: _Lowering, p: Partition, linked: set[tuple],
                     box_shape(t.region),
                     f"output of op {src.name!r} partition {t.src_index} (micro-batch {p.microbatch}) "
                     f"for {_where(p)}"))
-        carry = lw.grad[src.name] and lw.grad[p.op]
         link = carry and len(pieces) == 1 and pieces[0].peer is None and lw.keys[pieces[0].task] in linked
         slots.append(Slot(None, None, tuple(pieces), box_shape(region), getattr(torch, src.output.dtype),
                           carry and not link, link, any(t.partial for _, t in lw.into.get((p.op, p.index, p.microbatch), ())

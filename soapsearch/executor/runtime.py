@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 
 from soapsearch.executor.comm import (P2P, BucketSum, Group, PendingSum, ProcessGroups, all_reduce_sum,
-                                      class_shards)
+                                      class_shards, run_collective)
 from soapsearch.executor.config import TrainConfig, make_optimizer
 from soapsearch.executor.errors import ExecutorError, check_runnable
 from soapsearch.executor.norm import batch_norm
@@ -109,15 +109,22 @@ class Executor:
         self.base = {k: v.detach().clone() for k, v in state.items()} if self.rank == 0 else {}
         self.tied = tied_names(graph, state)
         low = self.lowered
-        self.groups = ProcessGroups([r.devices for r in low.reductions]
+        self.groups = ProcessGroups([r.devices for r in low.reductions] + [c.devices for c in low.collectives]
                                     + [s.devices for s in low.weight_shards if s.trainable], world)
         self.weights = LocalWeights(low, state, self.rank, self.device)
         params = self.weights.parameters()
         self.optimizer = make_optimizer(params, config) if params else None
         self.p2p = P2P(len(low.transfers), config.timeout_s, self.rank)
-        order = device_order(low).get(self.rank, [])
-        self.recipes = recipes(low, order, self.rank, self.weights.index)
-        by_key = {(r.part.op, r.part.index, r.part.microbatch): r for r in self.recipes}
+        order_all = device_order(low)
+        order = order_all.get(self.rank, [])
+        self.recipes = recipes(low, order, self.rank, self.weights.index, order_all)
+        self.collective_readers = {}
+        """Collective -> (recipe id, input) of every partition of this rank reading it."""
+        for r in self.recipes:
+            for i, s in enumerate(r.slots):
+                if s is not None and s.collective is not None:
+                    self.collective_readers.setdefault(s.collective, []).append((r.id, i))
+        self.by_key = by_key = {(r.part.op, r.part.index, r.part.microbatch): r for r in self.recipes}
         self.steps = [(s.backward, by_key[(s.op, s.index, s.microbatch)]) for s in order]
         self.ahead = receives_ahead(self.steps)
         self.compute = [self._compute(r, self.groups.group(r.group) if r.group else None,
@@ -141,6 +148,10 @@ class Executor:
         self.sums: dict[int, tuple[Recipe, PendingSum | BucketSum]] = {}
         """Loss partition (recipe id) -> its group's sum of [s_p, c_p], in flight, riding a
         bucket or known."""
+        self.shared: dict[int, torch.Tensor] = {}
+        """Collective -> what its forward call left this rank (its readers read it)."""
+        self.shared_grad: dict[int, torch.Tensor] = {}
+        """Collective -> what its dual left this rank (its holder's output gradient takes it)."""
 
     # --- one step ---------------------------------------------------------------------------
     def step(self, seed: int = 0, update: bool = True) -> float:
@@ -157,6 +168,8 @@ class Executor:
                 for a in ahead:
                     p2p.post(a.shape, a.dtype, device, a.peer, a.transfer, a.backward)
                 try:
+                    for i in r.grad_calls if backward else r.calls:
+                        self._call(i, backward)
                     if backward:
                         self._backward(r)
                     else:
@@ -307,10 +320,36 @@ class Executor:
         return batch_norm(r.node, inputs[0], weights, group,
                           self.bn_base.get(r.part.op, 0) + self.bn_steps.get(r.part.op, 0))
 
+    def _call(self, i: int, backward: bool) -> None:
+        """This rank's call of collective ``i`` (``strategies.lowered.Collective``) or of its
+        dual. Forward: its holder partition's output in, what the collective leaves this member
+        kept for its readers (``_gather``). Backward: the gradients its readers on this rank
+        left in their leaves, summed, in; the dual's result kept for the holder's output
+        gradient (``_output_grad``)."""
+        c = self.lowered.collectives[i]
+        group = self.groups.group(c.devices)
+        me = c.devices.index(self.rank)
+        if not backward:
+            holder = self.by_key[(c.op, c.holders[me], c.microbatch)].id
+            self.shared[i] = run_collective(c.kind, self.outs[holder].detach(), group, c.dim)
+            return
+        grad = None
+        for task, slot in self.collective_readers.get(i, ()):
+            leaves = self.leaves[task]
+            g = leaves[slot].grad if leaves is not None and leaves[slot] is not None else None
+            if g is not None:
+                grad = g if grad is None else grad + g
+        if grad is None:
+            grad = torch.zeros_like(self.shared[i])
+        self.shared_grad[i] = run_collective(c.backward_kind, grad, group, c.dim)
+
     def _gather(self, s: Slot) -> torch.Tensor:
         """An input read from producers' outputs: detached unless ``s.link``; a piece that is
         the whole input is used as it is, several are copied into one buffer, or, Partial
-        sums (``s.partial``), added into it in piece order (the holders' partition order)."""
+        sums (``s.partial``), added into it in piece order (the holders' partition order); a
+        collective's result as this rank's call left it."""
+        if s.collective is not None:
+            return self.shared[s.collective].detach()
         if len(s.pieces) == 1 and s.pieces[0].into is None:
             return self._piece(s.pieces[0], s.dtype, s.link)
         if s.partial:
@@ -377,6 +416,12 @@ class Executor:
                 grad = g if grad is None else grad + g
             else:
                 grad[piece.into] += g
+        for i, into in r.grad_collectives:
+            g = self.shared_grad.pop(i)
+            if into is None:
+                grad = g if grad is None else grad + g
+            else:
+                grad[into] += g
         return grad if grad is not None else torch.zeros_like(out)
 
     # --- results ------------------------------------------------------------------------------

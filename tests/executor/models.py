@@ -84,6 +84,20 @@ class Opaque(nn.Module):
         return F.cross_entropy(self.out(h), t)
 
 
+class Bottleneck(nn.Module):
+    """A linear reading a linear (a low-rank factorised layer): cut row-parallel then
+    column-parallel, the second reads the first's Partial sums whole on every device (an
+    all-reduce, ``strategies.collectives``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.down, self.up = nn.Linear(8, 4), nn.Linear(4, 8)
+        self.out = nn.Linear(8, CLASSES)
+
+    def forward(self, x, t):
+        return F.cross_entropy(self.out(torch.tanh(self.up(self.down(x)))), t)
+
+
 def _targets(batch_size: int) -> torch.Tensor:
     t = torch.randint(0, CLASSES, (batch_size,))
     t[: batch_size // 4] = IGNORE  # the first quarter ignored: a whole partition may count 0
@@ -108,3 +122,7 @@ def scaled(batch_size: int = 8):
 
 def opaque(batch_size: int = 8):
     return Opaque(), (torch.randn(batch_size, 5), _targets(batch_size))
+
+
+def bottleneck(batch_size: int = 8):
+    return Bottleneck(), (torch.randn(batch_size, 8), _targets(batch_size))

@@ -139,6 +139,12 @@ def make_plan(graph: OpGraph, name: str, n: int) -> Strategy:
         return _with(graph, n, lambda node: _cut(node, 4, n) if node.kind == "conv2d" else None)
     if name == "vocab":  # the loss vocab-parallel with the linear before it column-parallel
         return _vocab(graph, n)
+    if name == "rowcol":  # a linear reading a linear: the first row-parallel, the second column-parallel
+        users = {src: node for node in graph for src in node.inputs}
+        return _with(graph, n, lambda node: _cut(node, node.reduction_dims[0], n)
+                     if node.kind == "linear" and getattr(users.get(node.name), "kind", None) == "linear"
+                     else _cut(node, len(node.output.shape) - 1, n)
+                     if node.kind == "linear" and graph[node.inputs[0]].kind == "linear" else None)
     if name == "colrow":  # Megatron-LM's MLP: fc column-parallel, its activation cut alike, proj row-parallel
         return _with(graph, n, lambda node: _megatron_mlp(graph, node, n))
     if name.startswith("random_r"):  # random configs; every op with a reduction dim cut on it

@@ -17,6 +17,7 @@ from simulator.topology import Topology
 from soapsearch.search.api import Evaluator
 from soapsearch.search.mcmc import candidate_configs
 from strategies import data_parallel, owt
+from strategies.lowering import lower
 from tests.conftest import traced
 
 
@@ -103,8 +104,10 @@ def test_a_rejected_proposal_then_the_current_plan_again_rebuilds_no_block(monke
 @pytest.mark.parametrize("name,topology,microbatches", [("gpt", "p100-2x2", 1), ("mlp", "local-cpu-4", 2)])
 def test_delta_equals_full_with_reduction_cuts(name, topology, microbatches):
     """A walk whose every proposal for an op with a reduction dim cuts that dim (row-parallel
-    linears, a vocab-parallel embedding: Partial pieces, ``Transfer.partial``; the loss on its
-    classes: its class shards' sums): delta and full simulation agree to the bit on every figure."""
+    linears, a vocab-parallel embedding: Partial pieces, ``Transfer.partial``, and the
+    collectives that replace them where their readers form one, ``Lowered.collectives``; the
+    loss on its classes: its class shards' sums): delta and full simulation agree to the bit on
+    every figure."""
     graph = traced(name, batch_size=16)
     topo = get_topology(topology)
     n, cost = topo.num_devices, get_cost_model("analytical")
@@ -116,7 +119,7 @@ def test_delta_equals_full_with_reduction_cuts(name, topology, microbatches):
     assert len(ops) >= 3 and graph.outputs[0] in ops  # the loss on its classes (vocab-parallel)
     rng = random.Random(7)
     current = data_parallel(graph, n).with_microbatches(microbatches, "1f1b")
-    partial = 0
+    partial, kinds = 0, set()
     for _ in range(150):
         op = rng.choice(ops)
         proposal = current.replace(op, rng.choice(reducing[op]))
@@ -125,8 +128,9 @@ def test_delta_equals_full_with_reduction_cuts(name, topology, microbatches):
         assert (delta.iteration_time, delta.peak_memory_bytes, delta.busy_time, delta.bytes_moved,
                 delta.num_tasks) == (full.iteration_time, full.peak_memory_bytes, full.busy_time,
                                      full.bytes_moved, full.num_tasks), (name, op, proposal[op].show())
+        kinds |= {c.kind for c in lower(graph, proposal).collectives}
         if rng.random() < 0.7:
             current = proposal
             partial += 1
-    assert partial > 50
+    assert partial > 50 and "reduce_scatter" in kinds, kinds
     assert sum(any(c.degrees[i] > 1 for i in graph[op].reduction_dims) for op in ops for c in [current[op]]) >= 3

@@ -101,7 +101,18 @@ def test_transfer_and_allreduce_tasks_follow_their_formulas():
     lowered = lower(g, baseline("owt", g, 2))
     tg = build_tasks(lowered, topo, AnalyticalCostModel())
     sends = [t for t in range(len(tg)) if tg.category[t] == TaskKind.TRANSFER]
-    assert sum(tg.nbytes[t] for t in sends) == lowered.bytes_moved == 20560
+    # each fully connected layer reads its input whole, cut on the batch (the convolutions') or
+    # on the features (the linear before): an all-gather over (0, 1) (strategies.collectives),
+    # each member sending its half; the gradient goes back as a reduce-scatter
+    assert [(c.kind, c.devices, c.dim) for c in lowered.collectives] == [
+        ("all_gather", (0, 1), 0), ("all_gather", (0, 1), 1), ("all_gather", (0, 1), 1)]
+    ring = [t for t in range(len(tg)) if tg.category[t] == TaskKind.COLLECTIVE and tg.duration[t] > 0]
+    assert [tg.label(t) for t in ring] == [
+        f"{kind} {c.op}@mb0 devices 0,1" for c in lowered.collectives for kind in ("all_gather", "reduce_scatter grad")]
+    for t in ring:
+        assert tg.duration[t] == pytest.approx(2e-6 + tg.nbytes[t] / 2 / 20e9, rel=1e-9)
+    assert [tg.nbytes[t] for t in ring[::2]] == [c.nbytes for c in lowered.collectives] == [18432, 1024, 1024]
+    assert sum(tg.nbytes[t] for t in sends) + sum(c.nbytes for c in lowered.collectives) == lowered.bytes_moved == 20560
     for t in sends:
         src, dst = tg.device[t], 1 - tg.device[t]
         assert tg.duration[t] == transfer_time(topo, src, dst, tg.nbytes[t])
@@ -210,7 +221,9 @@ def test_exchanged_pieces_cost_the_exchange_overhead(plan_name):
     loaded = simulate_plan(g, plan, loaded_topo, Perfect())
     for d in range(2):
         assert loaded.busy_time[d] - plain.busy_time[d] == pytest.approx(grows[d], rel=1e-9)
-    assert any(not g.moves_grad(t.src_op, t.dst_op) for t in remote)  # the targets' pieces: no gradient back
+    # the targets' pieces: no gradient back (owt and param all-gather the targets with their
+    # linears' inputs instead, strategies.collectives, and move only the logits point to point)
+    assert any(not g.moves_grad(t.src_op, t.dst_op) for t in remote) == (plan_name not in ("owt", "param"))
     exchanged = sum(1 for t in remote if (t.dst_op, t.microbatch, t.dst_device, t.src_device) in pairs)
     assert (exchanged > 0) == (plan_name != "model_parallel")
     if plan_name == "loss_across":  # the logits: exchanged forward, their gradient back a message

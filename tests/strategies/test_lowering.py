@@ -24,7 +24,19 @@ def random_plan(graph, n, seed, microbatches=1):
 def assert_exact_cover(lowered):
     """Every element a consumer partition reads comes from exactly one producer partition, or,
     from a producer whose reduction dims are cut r ways in all, from exactly one partition per
-    reduction coordinate: r Partial pieces, every one marked partial."""
+    reduction coordinate: r Partial pieces, every one marked partial; or, read from a
+    collective, is what the collective leaves the reader's device, and the collective's holders
+    hold Partial sums of its region (all-reduce, reduce-scatter) or tile it (all-gather)."""
+    shared = {(r.dst_op, r.dst_index, r.collective.microbatch, r.slot): r
+              for p in lowered.pieces.values() for r in p.collective_reads}
+    for c in lowered.collectives:
+        held = [lowered.partitions[c.op][c.microbatch][q] for q in c.holders]
+        assert [h.device for h in held] == list(c.devices) == sorted(set(c.devices))
+        if c.kind == "all_gather":
+            assert [h.output for h in held] == [c.chunk(i) for i in range(len(held))]
+        else:
+            assert all(h.output == c.region for h in held)
+            assert any(lowered.strategy[c.op].degrees[i] > 1 for i in lowered.graph[c.op].reduction_dims)
     pieces = {}
     for t in lowered.transfers:
         pieces.setdefault((t.dst_op, t.dst_index, t.microbatch, t.slot), []).append(t)
@@ -44,6 +56,11 @@ def assert_exact_cover(lowered):
                         continue
                     if region is None:
                         assert not got
+                        continue
+                    read = shared.get((op, p.index, p.microbatch, slot))
+                    if read is not None:
+                        assert not got and read.device == p.device
+                        assert read.collective.result(read.collective.devices.index(p.device)) == region
                         continue
                     cfg = lowered.strategy[producer.name]
                     r = 1

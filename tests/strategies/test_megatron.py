@@ -1,8 +1,9 @@
 """The megatron baseline (strategies/megatron.py): the blocks it finds by structure, the cuts it
 gives them, and the bytes one transformer layer moves against Megatron-LM's count (Narayanan et
-al. 2021; Korthikanti et al. 2022): per layer and data-parallel replica, 2 all-reduces of
-b·s·h elements forward and 2 backward, which sequence parallelism moves as a reduce-scatter
-and an all-gather each: 2(t−1)·b·s·h elements over the t devices of a group per all-reduce."""
+al. 2021; Korthikanti et al. 2022): per layer and tensor-parallel group, 2 all-reduces of
+b·s·h elements forward and 2 backward, which sequence parallelism moves as 2 all-gathers and
+2 reduce-scatters each way: (t−1)·b·s·h elements over the t devices of a group for each
+(a ring's (t−1)/t per member), 2(t−1)·b·s·h per all-reduce."""
 
 import pytest
 
@@ -46,29 +47,43 @@ def test_cuts_column_row_heads_and_sequence():
 
 
 def _layer_bytes(g, plan, first, last):
-    """(forward, backward) bytes of the remote pieces into the ops from ``first`` to ``last``."""
+    """(forward, backward) bytes moved into the ops from ``first`` to ``last``: their remote
+    pieces and what every member of their collectives sends (``Collective.sent``)."""
     names = [n.name for n in g]
     layer = set(names[names.index(first):names.index(last) + 1])
-    remote = [t for t in lower(g, plan).transfers if not t.local and t.dst_op in layer]
-    return (sum(t.nbytes for t in remote),
-            sum(t.nbytes for t in remote if g.moves_grad(t.src_op, t.dst_op)))
+    low = lower(g, plan)
+    remote = [t for t in low.transfers if not t.local and t.dst_op in layer]
+    shared = [c for c in low.collectives if low.collective_readers[c][0].dst_op in layer]
+    return (sum(t.nbytes for t in remote) + sum(c.sent * len(c.devices) for c in shared),
+            sum(t.nbytes for t in remote if g.moves_grad(t.src_op, t.dst_op))
+            + sum(c.sent * len(c.devices) for c in shared if c.grad))
 
 
 @pytest.mark.parametrize("sp", [True, False])
-@pytest.mark.parametrize("devices,tp", [(2, 2), (4, 2)])
+@pytest.mark.parametrize("devices,tp", [(2, 2), (4, 2), (8, 2)])
 def test_one_layer_moves_megatron_lm_bytes(devices, tp, sp):
     g = traced("gpt")
-    b, s, h = 4 // (devices // tp), 8, 16  # per data-parallel replica
+    b, s, h = 4 // (devices // tp), 8, 16  # per data-parallel replica (one tensor-parallel group)
     item = DTYPE_BYTES[g["blocks_0_mlp_proj"].output.dtype]
-    all_reduce = 2 * (tp - 1) * b * s * h * item * (devices // tp)  # over every group's t devices
+    groups = devices // tp
+    all_reduce = 2 * (tp - 1) * b * s * h * item * groups  # a ring's bytes over each group's t devices
     plan = megatron(g, devices, tp, sequence_parallel=sp)
-    # the MLP: a reduce-scatter of fc2's Partial sums, an all-gather into fc1: one all-reduce
-    # each way
+    low = lower(g, plan)
+    # the MLP: an all-gather of ln_2's sequence (or sample) shards into fc, a reduce-scatter of proj's
+    # Partial sums into the sequence-cut dropout; their duals backward: one all-reduce each way
     assert _layer_bytes(g, plan, "blocks_0_ln_2", "add_2") == (all_reduce, all_reduce)
-    # attention: the same, and the zoo's separate k and v linears each all-gather ln_1's output
-    # again (Megatron fuses q, k, v into one linear): 2 more all-gathers of (t−1)·b·s·h each way
-    extra = 2 * (tp - 1) * b * s * h * item * (devices // tp)
-    assert _layer_bytes(g, plan, "blocks_0_ln_1", "add_1") == (all_reduce + extra, all_reduce + extra)
+    # attention: the same; q, k and v read ln_1's output through one all-gather (as Megatron's
+    # fused qkv linear does)
+    assert _layer_bytes(g, plan, "blocks_0_ln_1", "add_1") == (all_reduce, all_reduce)
+    layer = [c for c in low.collectives if c.op.startswith("blocks_0_")]
+    assert sorted((c.kind, c.op) for c in layer if c.devices == tuple(range(tp))) == [
+        ("all_gather", "blocks_0_ln_1"), ("all_gather", "blocks_0_ln_2"),
+        ("reduce_scatter", "blocks_0_attn_proj"), ("reduce_scatter", "blocks_0_mlp_proj")]
+    assert all(c.nbytes == b * s * h * item and c.grad for c in layer)
+    assert {r.dst_op for c in layer if c.op == "blocks_0_ln_1" for r in low.collective_readers[c]} == {
+        "blocks_0_attn_q", "blocks_0_attn_k", "blocks_0_attn_v"}
+    # no Partial piece moves point to point anywhere in the plan
+    assert not any(t.partial and not t.local for t in low.transfers)
 
 
 def test_bad_tensor_parallel_degree():

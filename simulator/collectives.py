@@ -1,0 +1,81 @@
+"""The tasks of a plan's collectives (``strategies.lowered.Collective``), as the executor runs
+them: each member calls one at the start of its schedule step that ``strategies.schedule
+.collective_steps`` names, and a collective runs once every member has called it (a blocking
+collective, torch.distributed's rule) and its inputs are ready.
+
+Forward: a ring all-reduce, reduce-scatter or all-gather (``simulator.comm.collective_time``)
+on the links of the group's ring, after every holder's forward and every member's call; each
+member's readers of it (every consumer op reading it) wait on the member's end of it
+(``step.member_ends``: its ``collective_overhead`` after it). Backward, where the gradient
+moves: the dual collective after every reader's backward and every member's call, which the
+member's holder partition's backward waits on.
+
+A member's call is an *arrival* task of no duration in the device's schedule
+(``simulator.tasks._link_schedule``'s slots): after the step before the call's step, before the
+collective. Built afresh for every task graph from ``Lowered.collectives`` (a collective shared
+by several consumer ops belongs to no one op's block), so delta simulation needs nothing more.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from simulator.comm import collective_time, ring_links
+from simulator.step import member_ends
+from simulator.taskgraph import INDEX, TaskGraph, TaskKind
+from simulator.topology import Topology
+from strategies.lowering import Lowered
+from strategies.schedule import collective_steps
+
+__all__ = ["add_collectives"]
+
+
+def add_collectives(tg: TaskGraph, lowered: Lowered, topology: Topology, blocks: Sequence,
+                    first: np.ndarray, position: dict[str, int]) -> np.ndarray:
+    """Add every collective's tasks to ``tg``; ``blocks``, ``first``, ``position``: each op's
+    block (``simulator.tasks._Block``), its first task id and its index. Returns the arrivals'
+    places in the devices' schedules as rows (arrival task, the step's first task), global ids."""
+    if not lowered.collectives:
+        return np.empty((2, 0), dtype=INDEX)
+    n = topology.num_devices
+    readers = lowered.collective_readers
+    arrivals: list[int] = []
+    for c, (fwd_steps, bwd_steps) in zip(lowered.collectives, collective_steps(lowered)):
+        j, links = c.microbatch, tuple(n + l for l in ring_links(topology, c.devices))
+        holder = blocks[position[c.op]]
+        at = int(first[position[c.op]])
+        label = f"{c.kind} {c.op}@mb{j} devices {','.join(map(str, c.devices))}"
+        f = tg.add(label, TaskKind.COLLECTIVE, collective_time(topology, c.kind, c.devices, c.nbytes), links,
+                   c.devices[0], c.nbytes)
+        for q in c.holders:
+            tg.edge(at + holder.fwd_done[j][q], f)
+        _arrive(tg, f, fwd_steps, blocks, first, position, arrivals, label)
+        ends = dict(zip(c.devices, member_ends(tg.add, tg.edge, topology, f, c.devices, label,
+                                               TaskKind.COLLECTIVE)))
+        for r in readers[c]:
+            tg.edge(ends[r.device], int(first[position[r.dst_op]]) + blocks[position[r.dst_op]].fwd[j][r.dst_index])
+        if not c.grad:
+            continue
+        label = f"{c.backward_kind} grad {c.op}@mb{j} devices {','.join(map(str, c.devices))}"
+        b = tg.add(label, TaskKind.COLLECTIVE, collective_time(topology, c.backward_kind, c.devices, c.nbytes),
+                   links, c.devices[0], c.nbytes)
+        for r in readers[c]:
+            tg.edge(int(first[position[r.dst_op]]) + blocks[position[r.dst_op]].bwd_done[j][r.dst_index], b)
+        _arrive(tg, b, bwd_steps, blocks, first, position, arrivals, label)
+        ends = dict(zip(c.devices, member_ends(tg.add, tg.edge, topology, b, c.devices, label,
+                                               TaskKind.COLLECTIVE)))
+        for d, q in zip(c.devices, c.holders):
+            tg.edge(ends[d], at + holder.fwd[j][q] + 1)
+    return np.asarray(arrivals, dtype=INDEX).reshape(-1, 2).T
+
+
+def _arrive(tg: TaskGraph, collective: int, steps: dict, blocks: Sequence, first: np.ndarray,
+            position: dict[str, int], arrivals: list[int], label: str) -> None:
+    """Each member's call of ``collective`` at the start of its step (``steps``: device -> Step)."""
+    for d, s in steps.items():
+        a = tg.add(f"call {label} device {d}", TaskKind.COLLECTIVE, 0.0, (), d)
+        tg.edge(a, collective)
+        step = int(first[position[s.op]]) + blocks[position[s.op]].fwd[s.microbatch][s.index] + int(s.backward)
+        arrivals += (a, step)
