@@ -259,12 +259,14 @@ def test_collective_overhead_delays_what_waits_on_a_blocking_sum_on_its_device()
 
 def test_a_class_cut_loss_charges_its_max_then_its_sums():
     # fc column-parallel and the mean cross-entropy cut on its 2 classes over both devices
-    # (vocab-parallel: strategies.rules.cross_entropy). x and y are data parallel, so each
-    # device first receives the other half of x (32 B: alpha + 0.8 = 2.8) 0-2.8, runs fc
-    # 2.8-3.8, receives the other half of y (16 B, 2.4) 2.8-5.2 and the loss 5.2-5.7. Then, per
-    # sample of the partition (4, float32): the max, an all-gather of 16 B (2.4) 5.7-8.1; the
-    # sums [Σexp, z_t], 32 B (2.8) 8.1-10.9, which the loss's backward waits on (10.9-11.4); the
-    # loss's [s_p, c_p] (8 B, 2.2) after them, 10.9-13.1; nothing sums in backward.
+    # (vocab-parallel: strategies.rules.cross_entropy). x and y are data parallel and read whole
+    # by fc's and the loss's partitions: each is an all-gather over both devices (one ring step,
+    # 32 B: alpha + 0.8 = 2.8; 16 B: 2.4), called where its first reader runs (a blocking
+    # collective, ``strategies.schedule.collective_steps``): x 0-2.8, fc 2.8-3.8, y 3.8-6.2, the
+    # loss 6.2-6.7. Then, per sample of the partition (4, float32): the max, an all-gather of
+    # 16 B (2.4) 6.7-9.1; the sums [Σexp, z_t], 32 B (2.8) 9.1-11.9, which the loss's backward
+    # waits on (11.9-12.4); the loss's [s_p, c_p] (8 B, 2.2) after them, 11.9-14.1; nothing
+    # sums in backward.
     g = classifier()
     fc, loss = g["fc"], g["cross_entropy"]
     assert loss.dims[-1].name == "classes"
@@ -274,8 +276,8 @@ def test_a_class_cut_loss_charges_its_max_then_its_sums():
     assert sums == {("class_max", Gate.FORWARD, 16, 0), ("class_sum", Gate.FORWARD, 32, 0),
                     ("loss_sum", Gate.STEP, 8, 0)}
     tg, start, end = simulate(g, plan, pair(200e3))
-    want = {"reduce class_max": (5.7, 8.1), "reduce class_sum": (8.1, 10.9),
-            "reduce loss_sum": (10.9, 13.1), "bwd cross_entropy[0]": (10.9, 11.4)}
+    want = {"all_gather x": (0, 2.8), "all_gather y": (3.8, 6.2), "reduce class_max": (6.7, 9.1),
+            "reduce class_sum": (9.1, 11.9), "reduce loss_sum": (11.9, 14.1), "bwd cross_entropy[0]": (11.9, 12.4)}
     for name, (a, b) in want.items():
         [t] = find(tg, name)
         assert (start[t], end[t]) == pytest.approx((a * MS, b * MS), rel=1e-9), name

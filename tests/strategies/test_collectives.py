@@ -26,7 +26,7 @@ def test_reduce_scatter_only_in_the_groups_order():
     """torch's reduce_scatter_tensor gives group rank i chunk i: readers of the chunks in
     another device order keep their Partial pieces point to point."""
     g = traced("gpt")
-    plan = megatron(g, 2, 2)
+    plan = megatron(g, 2, 2, sequence_parallel=True)  # the dropout cut on the sequence (dim 1)
     low = lower(g, plan)
     [rs] = [c for c in low.collectives if c.op == "blocks_0_attn_proj"]
     assert (rs.kind, rs.devices, rs.dim, rs.holders) == ("reduce_scatter", (0, 1), 1, (0, 1))

@@ -121,8 +121,8 @@ def test_conv_spatial_split_reads_a_halo():
     g = trace(model, (torch.randn(2, 2, 8, 8),))
     a, b = g.nodes[1], g.nodes[2]
     configs = {g.nodes[0].name: ParallelConfig((1, 1, 1, 1), (0,)),
-               a.name: ParallelConfig((1, 1, 2, 1), (0, 1)),   # rows 0-3 on 0, 4-7 on 1
-               b.name: ParallelConfig((1, 1, 2, 1), (1, 0))}   # rows 0-3 on 1, 4-7 on 0
+               a.name: ParallelConfig((1, 1, 2, 1, 1), (0, 1)),   # rows 0-3 on 0, 4-7 on 1
+               b.name: ParallelConfig((1, 1, 2, 1, 1), (1, 0))}   # rows 0-3 on 1, 4-7 on 0
     lowered = lower(g, Strategy.of(configs, 2))
     moved = [t for t in lowered.transfers if t.dst_op == b.name and not t.local]
     # b's rows 0-3 (device 1) read a's rows 0-4: rows 0-3 from device 0 and row 4 locally;
