@@ -18,7 +18,8 @@ weight gradient, and an elementwise op, as most models are made of), trained by 
   crossing each stage boundary, one per micro-batch each way, are one-way pieces between a
   computing sender and a waiting receiver, as in any pipeline or model-parallel plan;
 * ``exchange``, K in ``PIECE_SIZES`` (N >= 2): every linear cut N ways on its output features,
-  every other op on the batch (OWT cuts the tanh after a linear on features too): each unit's linear reads the whole
+  every other op on the batch on the devices in reverse order (so no read is an all-gather:
+  ``strategies.collectives``; OWT cuts the tanh after a linear on features too): each unit's linear reads the whole
   batch and its tanh all of its rows' features, so every device receives 2(N - 1) pieces per
   unit forward and as many gradients back, each op sending pieces both ways while every device
   computes. Pieces between busy processes cost more than one-way pieces (the sender's
@@ -112,6 +113,11 @@ def probe_chains(n: int, task_sizes: Sequence[int] = TASK_SIZES, piece_sizes: Se
             if node.kind == "linear":
                 plan = plan.replace(node.name, ParallelConfig(
                     tuple(n if i == len(node.output.shape) - 1 else 1 for i in range(len(node.dims))), everyone))
+            elif plan[node.name].devices == everyone:
+                # batch slices on the devices in reverse order: no linear's read of them is an
+                # all-gather in its group's order (``strategies.collectives``), so every read
+                # stays point-to-point pieces, which this chain measures
+                plan = plan.replace(node.name, ParallelConfig(plan[node.name].degrees, everyone[::-1]))
         yield "exchange", model, batch, graph, plan
     model, batch, graph = build_chain(PIPELINE_UNITS, 8 * n)
     for m in microbatches:

@@ -161,3 +161,10 @@ def make_plan(graph: OpGraph, name: str, n: int) -> Strategy:
         configs = {node.name: rng.choice(list(enumerate_configs(node, n, microbatches=m))) for node in graph}
         return Strategy.of(configs, n, m, "gpipe")
     raise ValueError(f"unknown test plan {name!r}")
+
+
+def partial_sources(lowered) -> set[str]:
+    """The ops whose Partial sums someone reads: point to point (``Transfer.partial``) or
+    through an all-reduce or reduce-scatter (``Lowered.collectives``)."""
+    return ({t.src_op for t in lowered.transfers if t.partial and not t.local}
+            | {c.op for c in lowered.collectives if c.kind != "all_gather"})

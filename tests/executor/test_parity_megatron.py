@@ -14,7 +14,7 @@ import pytest
 from strategies.lowering import lower
 from tests.conftest import traced
 from tests.executor.harness import F32_RTOL, compare, launch, parity_tests
-from tests.executor.plans import make_plan
+from tests.executor.plans import make_plan, partial_sources
 
 pytestmark = pytest.mark.distributed
 
@@ -26,12 +26,12 @@ HF_CASES = {2: [(HF, "megatron_sp")], 4: [(HF, "megatron_pp2")]}
 
 @pytest.mark.parametrize("world,cases", [(2, CASES_2), (4, CASES_4)])
 def test_plans_are_megatron_shaped(world, cases):
-    """Each plan cuts row linears (Partial pieces move) and, with _pp2, runs two stages on
+    """Each plan cuts row linears (their Partial sums are read) and, with _pp2, runs two stages on
     disjoint devices with 2 micro-batches."""
     for model, name in cases:
         g = traced(model)
         plan = make_plan(g, name, world)
-        assert any(t.partial for t in lower(g, plan).transfers), (model, name)
+        assert partial_sources(lower(g, plan)), (model, name)
         if "_pp2" in name:
             first, last = plan[g.nodes[2].name].devices, plan[g.outputs[0]].devices
             assert plan.microbatches == 2 and not set(first) & set(last), (model, name)
@@ -46,4 +46,8 @@ def test_parity_hf_llama(world):
     cases = HF_CASES[world]
     results = launch(cases, world)
     for i in range(len(cases)):
-        compare(HF, results[i], rtol=F32_RTOL, atol=1e-5)
+        # transformers computes the loss in float32: the vocab-parallel cross-entropy adds its
+        # shards' float32 terms in another order than one device, and a lm_head gradient that is
+        # a near-cancelling sum over the tokens keeps that rounding (one element of 3072 in
+        # Adam's first step differs by 3.3e-5); atol 1e-4 bounds it, far below a wrong shard
+        compare(HF, results[i], rtol=F32_RTOL, atol=1e-4)
