@@ -7,6 +7,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from simulator.memory import MemoryBreakdown
 from simulator.taskgraph import CATEGORY, TaskGraph
 from simulator.topology import Topology
 from strategies.serialize import atomic_write_text
@@ -27,6 +28,10 @@ class SimResult:
     num_tasks: int
     timeline: tuple[tuple[str, int, str, float, float, str], ...] = field(repr=False, default=())
     """(name, device, lane, start s, end s, category) per task."""
+    memory: tuple[MemoryBreakdown, ...] = field(repr=False, default=())
+    """Each device's peak by category (``simulator.memory.memory_breakdown``; they sum to
+    ``peak_memory_bytes``); empty where the result was made without a summary (a search's
+    scoring)."""
 
     @property
     def iteration_ms(self) -> float:
@@ -36,11 +41,27 @@ class SimResult:
     def fits(self) -> bool:
         return all(p <= c for p, c in zip(self.peak_memory_bytes, self.memory_capacity))
 
+    @property
+    def busiest_device(self) -> int:
+        """The device of the highest peak (the first of them); 0 with no device."""
+        peak = self.peak_memory_bytes
+        return max(range(len(peak)), key=peak.__getitem__, default=0)
+
+    @property
+    def peak_breakdown(self) -> MemoryBreakdown | None:
+        """The busiest device's peak by category; None where the result has no breakdown."""
+        return self.memory[self.busiest_device] if self.memory else None
+
     def to_json(self) -> dict[str, Any]:
-        return {"iteration_ms": self.iteration_ms, "busy_ms": [b * 1e3 for b in self.busy_time],
-                "peak_memory_bytes": list(self.peak_memory_bytes),
-                "memory_capacity_bytes": list(self.memory_capacity), "fits": self.fits,
-                "bytes_moved": dict(self.bytes_moved), "tasks": self.num_tasks}
+        out = {"iteration_ms": self.iteration_ms, "busy_ms": [b * 1e3 for b in self.busy_time],
+               "peak_memory_bytes": list(self.peak_memory_bytes),
+               "memory_capacity_bytes": list(self.memory_capacity), "fits": self.fits,
+               "bytes_moved": dict(self.bytes_moved), "tasks": self.num_tasks}
+        top = self.peak_breakdown
+        if top is not None:
+            out["peak_memory"] = {"device": self.busiest_device, "bytes": top.total,
+                                  "breakdown": top.to_json()}
+        return out
 
     def chrome_trace(self) -> dict[str, Any]:
         return chrome_trace(self.timeline)
@@ -64,7 +85,8 @@ def chrome_trace(timeline) -> dict[str, Any]:
 
 
 def summarize(tg: TaskGraph, topology: Topology, start: list[float], end: list[float],
-              peak: list[int], keep_timeline: bool) -> SimResult:
+              peak: list[int], keep_timeline: bool,
+              memory: tuple[MemoryBreakdown, ...] | list[MemoryBreakdown] = ()) -> SimResult:
     n = topology.num_devices
     busy = [0.0] * n
     moved: dict[str, int] = {}
@@ -84,7 +106,7 @@ def summarize(tg: TaskGraph, topology: Topology, start: list[float], end: list[f
             timeline.append((tg.label(t), device[t], lane, start[t], end[t], CATEGORY[category[t]]))
     return SimResult(max(end, default=0.0), tuple(busy[:len(peak)]), tuple(peak),
                      tuple(d.memory_bytes for d in topology.devices[:len(peak)]),
-                     moved, len(tg), tuple(timeline))
+                     moved, len(tg), tuple(timeline), tuple(memory))
 
 
 def write_trace(path, result: SimResult) -> None:

@@ -9,7 +9,7 @@ from simulator.contention import contended_times
 from simulator.stragglers import straggler_durations
 from simulator.cost import CostModel, get_cost_model
 from simulator.engine import event_times
-from simulator.memory import peak_memory
+from simulator.memory import memory_breakdown, peak_memory
 from simulator.presets import get_topology
 from simulator.result import SimResult, summarize
 from simulator.tasks import TaskCache, build_tasks
@@ -29,7 +29,8 @@ def simulate_plan(graph: OpGraph, strategy: Strategy | Lowered, topology: Topolo
     arriving together, then ``simulator.contention``'s passes on devices that slow when
     computing together) and measure memory. Same inputs, same result, bit for bit. ``summary=False`` (for scoring
     many candidates) leaves busy times and bytes moved empty and skips their pass over the
-    tasks; iteration time and memory are the same. ``cache`` reuses the task blocks of ops
+    tasks, and the peak's breakdown by category (``SimResult.memory``); iteration time and peak
+    memory are the same. ``cache`` reuses the task blocks of ops
     whose lowered pieces are unchanged (delta simulation: see ``simulator.tasks``)."""
     topo = get_topology(topology) if isinstance(topology, str) else topology
     cost = get_cost_model(cost_model) if isinstance(cost_model, str) else cost_model
@@ -41,11 +42,12 @@ def simulate_plan(graph: OpGraph, strategy: Strategy | Lowered, topology: Topolo
         if base is not None:
             start, end = event_times(tg, duration=base)
         start, end = contended_times(tg, topo, start, end, base)
-        peak = peak_memory(lowered, optimizer)
         if not summary:
+            peak = peak_memory(lowered, optimizer)
             return SimResult(float(end.max(initial=0.0)), (), tuple(peak),
                              tuple(d.memory_bytes for d in topo.devices[:len(peak)]), {}, len(tg))
-        return summarize(tg, topo, start.tolist(), end.tolist(), peak, timeline)
+        memory = memory_breakdown(lowered, optimizer)
+        return summarize(tg, topo, start.tolist(), end.tolist(), [m.total for m in memory], timeline, memory)
 
 
 @contextlib.contextmanager

@@ -157,6 +157,9 @@ def _cmd_simulate(args) -> int:
                                                result.memory_capacity)):
         print(f"  {d:6d} {busy * 1e3:9.3f} {peak / 2**20:9.1f} {cap / 2**20:12.0f}"
               f"{'  over' if peak > cap else ''}")
+    top = result.peak_breakdown
+    if top is not None:
+        print(f"  memory of device {result.busiest_device}: {top.describe()}")
     moved = ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in sorted(result.bytes_moved.items()))
     print(f"  bytes moved: {moved or 'none'}")
     if args.trace:

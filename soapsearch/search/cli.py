@@ -40,6 +40,8 @@ def add_search_parsers(sub, model_args, graph_of) -> None:
                     help=f"micro-batches of the chains' plans (default {c.microbatches})")
     sp.add_argument("--schedule", default=c.schedule, choices=SCHEDULES,
                     help=f"pipeline schedule of the chains' plans (default {c.schedule})")
+    sp.add_argument("--optimizer", default=c.optimizer, choices=["sgd", "adam"],
+                    help=f"the optimizer whose state counts in device memory (default {c.optimizer})")
     sp.add_argument("--devices", type=int, default=c.num_devices,
                     help="use only the first N devices (default all of the topology's)")
     sp.add_argument("--chains", type=int, default=c.chains,
@@ -71,7 +73,8 @@ def config_of(args, cost_model) -> SearchConfig:
     """The SearchConfig the ``search`` flags say (``--budget 0``: no time limit)."""
     return SearchConfig(budget_s=args.budget or None, proposals=args.proposals, cost_model=cost_model,
                         init=None if args.init is None else tuple(args.init.split(",")), seed=args.seed,
-                        microbatches=args.microbatches, schedule=args.schedule, num_devices=args.devices,
+                        microbatches=args.microbatches, schedule=args.schedule, optimizer=args.optimizer,
+                        num_devices=args.devices,
                         chains=args.chains, workers=args.workers)
 
 
@@ -110,7 +113,8 @@ def _cmd_search(args, graph_of) -> int:
     if args.json:
         print(json.dumps({"iteration_ms": result.predicted_ms, "baselines": result.baselines,
                           "plan": path, "proposals": result.proposals,
-                          "fits": result.result.fits, "interrupted": result.interrupted,
+                          "fits": result.result.fits, "peak_memory": result.result.to_json().get("peak_memory"),
+                          "interrupted": result.interrupted,
                           "workers": result.workers}))
         return 0
     print(table(result))
@@ -124,7 +128,8 @@ def _cmd_search(args, graph_of) -> int:
 
 def table(result: FoundPlan) -> str:
     """Found plan vs each baseline: ms, speedup over data parallel (over ``hybrid`` where it
-    stands in for data parallel: a batch the devices do not divide), bytes moved, peak memory."""
+    stands in for data parallel: a batch the devices do not divide), bytes moved, peak memory;
+    then one line of the found plan's peak by its largest categories (its busiest device)."""
     rows = [("found", result.result)] + list(result.baseline_results.items())
     ref = "data_parallel" if "data_parallel" in result.baselines else "hybrid"
     dp = result.baselines.get(ref)
@@ -135,6 +140,9 @@ def table(result: FoundPlan) -> str:
         lines.append(f"{name:16s} {r.iteration_ms:10.3f} {speed:>9s} "
                      f"{sum(r.bytes_moved.values()) / 2**20:10.1f} "
                      f"{max(r.peak_memory_bytes) / 2**20:9.1f} {'yes' if r.fits else 'NO'}")
+    top = result.result.peak_breakdown
+    if top is not None:
+        lines.append(f"found plan's memory, device {result.result.busiest_device}: {top.describe()}")
     return "\n".join(lines)
 
 

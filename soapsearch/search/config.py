@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from simulator.cost import CostModel
+from simulator.memory import OPTIMIZER_STATE
 from soapsearch.search.mcmc import Budget, positive, whole
 from strategies.strategy import SCHEDULES, Strategy
 
@@ -78,6 +79,8 @@ class SearchConfig:
             raise ValueError(f"search seed = {self.seed!r}: must be a whole number")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"search schedule = {self.schedule!r}: must be one of {list(SCHEDULES)}")
+        if self.optimizer not in OPTIMIZER_STATE:
+            raise ValueError(f"search optimizer = {self.optimizer!r}: must be one of {list(OPTIMIZER_STATE)}")
         if self.beta is not None and not positive(self.beta):
             raise ValueError(f"search beta = {self.beta!r}: must be a finite number > 0 (per ms) or None")
 

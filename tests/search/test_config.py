@@ -22,6 +22,7 @@ from tests.conftest import traced
     (dict(beta=0.0), r"^search beta = 0.0: must be a finite number > 0 \(per ms\) or None$"),
     (dict(schedule="zigzag"), r"^search schedule = 'zigzag': must be one of \['gpipe', '1f1b'\]$"),
     (dict(init=()), r"^search needs at least one initial plan \(init\)$"),
+    (dict(optimizer="lamb"), r"^search optimizer = 'lamb': must be one of \['sgd', 'adam'\]$"),
 ])
 def test_each_field_is_checked_at_construction(kw, message):
     with pytest.raises(ValueError, match=message):
@@ -57,7 +58,7 @@ def test_the_cli_defaults_are_the_config_s():
     assert config_of(args, SearchConfig.cost_model) == SearchConfig()
     args = _parser().parse_args(["search", "mlp", "--budget", "0", "--proposals", "7", "--init", "owt,random",
                                  "--seed", "4", "--microbatches", "2", "--schedule", "1f1b", "--devices", "2",
-                                 "--chains", "3", "--workers", "1"])
+                                 "--chains", "3", "--workers", "1", "--optimizer", "adam"])
     assert config_of(args, "analytical") == SearchConfig(
         budget_s=None, proposals=7, init=("owt", "random"), seed=4, microbatches=2, schedule="1f1b",
-        num_devices=2, chains=3, workers=1)
+        num_devices=2, chains=3, workers=1, optimizer="adam")

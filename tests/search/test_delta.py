@@ -61,7 +61,7 @@ def test_delta_equals_full(name, topology, microbatches, schedule, proposals):
         delta = evaluate(proposal, summary=True)
         full = simulate_plan(graph, proposal, topo, cost, summary=True)
         assert delta.iteration_time == full.iteration_time, (name, op, proposal[op].show())
-        assert delta.peak_memory_bytes == full.peak_memory_bytes
+        assert delta.peak_memory_bytes == full.peak_memory_bytes and delta.memory == full.memory
         assert delta.busy_time == full.busy_time
         assert delta.bytes_moved == full.bytes_moved
         assert delta.num_tasks == full.num_tasks

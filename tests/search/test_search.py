@@ -120,6 +120,27 @@ def test_cli_search_json_and_show_plan(tmp_path, capsys):
     assert "layers_0" in shown and "@" in shown and "predicted" in shown
 
 
+@pytest.mark.parametrize("optimizer,moments", [("sgd", 1), ("adam", 2)])
+def test_cli_search_optimizer_reaches_the_evaluator(tmp_path, capsys, optimizer, moments):
+    """``search --optimizer adam`` scores plans with Adam's two moments per trainable byte: the
+    found plan's peak is the one simulate gives it with that optimizer, and its breakdown holds
+    as many optimizer-state bytes as gradients times the moments. The closing table's last
+    line names the peak and its largest categories."""
+    out = tmp_path / "plan.json"
+    args = ["search", "mlp", "--variant", "tiny", "--topology", "p100-1x2", "--budget", "0",
+            "--proposals", "20", "--workers", "1", "--optimizer", optimizer, "-o", str(out)]
+    assert main(args + ["--json"]) == 0
+    peak = json.loads(capsys.readouterr().out)["peak_memory"]
+    grads = peak["breakdown"]["gradients"]
+    assert grads > 0 and peak["breakdown"]["optimizer_state"] == moments * grads
+    g = traced("mlp")
+    again = simulate_plan(g, load_strategy(out, g), get_topology("p100-1x2"), optimizer=optimizer)
+    assert peak["bytes"] == max(again.peak_memory_bytes) and peak["breakdown"] == again.peak_breakdown.to_json()
+    assert main(args + ["--force"]) == 0
+    shown = capsys.readouterr().out
+    assert f"found plan's memory, device {peak['device']}: peak " in shown and "optimizer state" in shown
+
+
 def test_cli_optuna_study_resumes_from_its_storage(tmp_path, capsys):
     store = tmp_path / "study.log"
     args = ["search", "mlp", "--variant", "tiny", "--topology", "p100-1x2", "--budget", "60",

@@ -160,6 +160,11 @@ def test_simulate_json_and_trace(tmp_path, capsys):
                  "p100-1x2", "--trace", str(out), "--json"]) == 0
     obj = json.loads(capsys.readouterr().out)
     assert obj["iteration_ms"] > 0 and obj["fits"] is True and len(obj["peak_memory_bytes"]) == 2
+    peak = obj["peak_memory"]  # the busiest device's peak and its breakdown, bytes
+    assert peak["bytes"] == max(obj["peak_memory_bytes"]) == obj["peak_memory_bytes"][peak["device"]]
+    assert set(peak["breakdown"]) == {"weights", "gradients", "optimizer_state", "activations",
+                                      "receive_buffers", "collective_buffers"}
+    assert sum(peak["breakdown"].values()) == peak["bytes"] and peak["breakdown"]["activations"] > 0
     from strategies import owt
     from strategies.lowering import lower
 

@@ -1,0 +1,101 @@
+"""The peak's breakdown by category (simulator.memory.memory_breakdown): each category counted
+by hand on plans of known shapes, and the categories summing to ``peak_memory``'s figure."""
+
+import random
+
+import pytest
+
+from simulator.memory import MemoryBreakdown, memory_breakdown, peak_memory
+from simulator.simulate import simulate_plan
+from soapsearch.search.mcmc import candidate_configs
+from strategies import Strategy, baseline, data_parallel, pipeline
+from strategies.lowering import lower
+from tests.conftest import traced
+from tests.simulator.test_simulate import mesh
+
+MLP_PARAMS = 4 * (32 * 16 + 32 + 32 * 32 + 32 + 10 * 32 + 10)  # the tiny mlp's weights and biases, float32
+
+
+def test_data_parallel_mlp_with_adam_by_hand():
+    """Each of 2 devices holds every weight (7720 B), its gradient and Adam's two moments, and
+    per micro-batch half of each output: inputs 256, targets 32, four 512 B activations, the
+    logits 160, plus the loss's 8 B; nothing is received or gathered."""
+    g = traced("mlp")
+    assert sum(w.spec.nbytes for n in g for w in n.weights) == MLP_PARAMS
+    acts = (256 + 32 + 4 * 512 + 160) // 2 + 8
+    want = MemoryBreakdown(weights=MLP_PARAMS, gradients=MLP_PARAMS, optimizer_state=2 * MLP_PARAMS,
+                           activations=acts, receive_buffers=0, collective_buffers=0)
+    lowered = lower(g, data_parallel(g, 2))
+    assert memory_breakdown(lowered, "adam") == [want, want]
+    assert peak_memory(lowered, "adam") == [want.total] * 2 == [4 * MLP_PARAMS + acts] * 2
+    sgd = memory_breakdown(lowered, "sgd")[0]
+    assert sgd.optimizer_state == MLP_PARAMS and sgd._replace(optimizer_state=2 * MLP_PARAMS) == want
+    assert want.largest(2) == [("optimizer_state", 2 * MLP_PARAMS), ("weights", MLP_PARAMS)]
+    result = simulate_plan(g, lowered, mesh(2), optimizer="adam")
+    assert result.memory == (want, want) and result.peak_breakdown == want
+    assert result.to_json()["peak_memory"] == {"device": 0, "bytes": want.total, "breakdown": {
+        "weights": MLP_PARAMS, "gradients": MLP_PARAMS, "optimizer_state": 2 * MLP_PARAMS,
+        "activations": acts, "receive_buffers": 0, "collective_buffers": 0}}
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_pipeline_receive_buffers_by_hand(schedule):
+    """Two stages, 2 micro-batches (as test_simulate's receive-buffer test): stage 1 receives
+    layers_1's output and the targets per micro-batch (kept for backward: activations), stage 0
+    posts 2 micro-batches' gradient buffers of layers_1; under 1F1B stage 1 has 1 micro-batch
+    in flight and posts the next one's forward pieces."""
+    g = traced("mlp")
+    w0 = 4 * (32 * 16 + 32)
+    w1 = MLP_PARAMS - w0
+    received1 = 512 // 2 + 32 // 2
+    acts0 = (256 + 32 + 512 + 512) // 2
+    acts1 = (512 + 512 + 160) // 2 + 8 + received1
+    in_flight1 = 2 if schedule == "gpipe" else 1
+    got = memory_breakdown(lower(g, pipeline(g, 2, microbatches=2, schedule=schedule)), "sgd")
+    assert got[0] == MemoryBreakdown(w0, w0, w0, 2 * acts0, 2 * (512 // 2), 0)
+    assert got[1] == MemoryBreakdown(w1, w1, w1, in_flight1 * acts1, 0 if schedule == "gpipe" else received1, 0)
+
+
+def test_megatron_sequence_parallel_has_collective_buffers():
+    """A sequence-parallel megatron plan all-gathers the column linears' inputs and
+    reduce-scatters the row linears' sums: their buffers are the collective category, as
+    ``Lowered.collective_bytes`` counts them."""
+    g = traced("gpt")
+    lowered = lower(g, baseline("megatron", g, 4, None, 2, 1, True))
+    gathered, grads = lowered.collective_bytes()
+    got = memory_breakdown(lowered, "adam")
+    assert all(b.collective_buffers == gathered[d] + grads[d] > 0 for d, b in enumerate(got))
+    assert [b.total for b in got] == peak_memory(lowered, "adam")
+
+
+@pytest.mark.parametrize("name,devices,microbatches,schedule", [
+    ("mlp", 2, 1, "gpipe"), ("mlp", 4, 4, "1f1b"), ("gpt", 4, 2, "gpipe"), ("gpt", 4, 2, "1f1b"),
+    ("gpt", 2, 4, "1f1b"),
+])
+def test_categories_sum_to_the_peak_on_random_plans(name, devices, microbatches, schedule):
+    g = traced(name, batch_size=16)
+    candidates = candidate_configs(g, devices, microbatches, devices)
+    rng = random.Random(f"{name}{devices}{microbatches}{schedule}")
+    seen = set()
+    for _ in range(25):
+        plan = Strategy.of({op: rng.choice(cfgs) for op, cfgs in candidates.items()}, devices,
+                           microbatches, schedule)
+        lowered = lower(g, plan)
+        for optimizer in ("sgd", "adam"):
+            parts = memory_breakdown(lowered, optimizer)
+            assert [b.total for b in parts] == peak_memory(lowered, optimizer)
+            seen |= {f for b in parts for f, v in b.to_json().items() if v}
+    assert {"weights", "activations", "receive_buffers"} <= seen
+    full = simulate_plan(g, plan, mesh(devices), optimizer="adam")
+    quick = simulate_plan(g, plan, mesh(devices), optimizer="adam", summary=False)
+    assert quick.memory == () and quick.peak_breakdown is None and "peak_memory" not in quick.to_json()
+    assert full.peak_memory_bytes == quick.peak_memory_bytes == tuple(b.total for b in full.memory)
+    assert full.peak_breakdown.total == max(full.peak_memory_bytes)
+
+
+def test_describe_names_the_peak_and_its_largest_categories():
+    b = MemoryBreakdown(weights=2**30, gradients=2**30, optimizer_state=2**31, activations=3 * 2**30,
+                        receive_buffers=0, collective_buffers=2**20)
+    assert b.describe() == "peak 7 GiB: activations 3, optimizer state 2, weights 1 GiB"
+    assert MemoryBreakdown(0, 0, 0, 3 * 2**20, 2**19, 0).describe(1) == "peak 3.5 MiB: activations 3 MiB"
+    assert MemoryBreakdown(0, 0, 0, 0, 0, 0).describe() == "peak 0 KiB"
