@@ -12,6 +12,7 @@ from strategies.graph import OpGraph, OpNode
 from strategies.megatron import megatron
 from strategies.region import partition_index
 from strategies.rules import get_rule
+from strategies.stages import linear_partition
 from strategies.strategy import Strategy
 
 __all__ = ["BASELINES", "baseline", "data_parallel", "hybrid", "megatron", "model_parallel", "owt", "param_split",
@@ -103,29 +104,10 @@ def _hybrid_one(node: OpNode, s: int, t: int, m: int) -> ParallelConfig:
 
 def balanced_stages(graph: OpGraph, stages: int) -> list[list[str]]:
     """Split the ops (in topological order) into at most ``stages`` contiguous runs minimizing
-    the largest run's forward FLOPs (binary search on the bound, greedy fill: the linear
-    partition problem)."""
+    the largest run's forward FLOPs (``strategies.stages.linear_partition``)."""
     names = [n.name for n in graph]
-    cost = [max(n.flops, 1) for n in graph]
-
-    def fill(bound: int) -> list[list[str]]:
-        runs, cur, acc = [], [], 0
-        for name, c in zip(names, cost):
-            if cur and acc + c > bound:
-                runs.append(cur)
-                cur, acc = [], 0
-            cur.append(name)
-            acc += c
-        return runs + [cur] if cur else runs
-
-    lo, hi = max(cost), sum(cost)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if len(fill(mid)) <= stages:
-            hi = mid
-        else:
-            lo = mid + 1
-    return fill(lo)
+    starts = linear_partition([max(n.flops, 1) for n in graph], stages)
+    return [names[a:b] for a, b in zip(starts, starts[1:] + [len(names)])]
 
 
 def model_parallel(graph: OpGraph, num_devices: int) -> Strategy:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from strategies.graph import OpGraph
+from strategies.stages import linear_partition
 
 __all__ = ["megatron_stages"]
 
@@ -38,25 +39,9 @@ def _units(graph: OpGraph, blocks: Sequence[tuple[tuple[str, ...], tuple[str, ..
 
 def _runs(costs: list[int], stages: int) -> list[int]:
     """The first unit of each of ``stages`` contiguous non-empty runs minimizing the largest
-    run's cost (binary search on the bound with a greedy fill: the linear partition problem;
-    then the costliest runs split until there are ``stages``)."""
-    def fill(bound: int) -> list[int]:
-        starts, acc = [0], 0
-        for k, c in enumerate(costs):
-            if acc and acc + c > bound:
-                starts.append(k)
-                acc = 0
-            acc += c
-        return starts
-
-    lo, hi = max(costs), sum(costs)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if len(fill(mid)) <= stages:
-            hi = mid
-        else:
-            lo = mid + 1
-    starts = fill(lo)
+    run's cost (``linear_partition``; then the costliest runs split until there are
+    ``stages``)."""
+    starts = linear_partition(costs, stages)
     while len(starts) < stages:  # fewer runs than stages: split the costliest run that can be
         ends = starts[1:] + [len(costs)]
         a, b = max(((a, b) for a, b in zip(starts, ends) if b - a > 1), key=lambda r: sum(costs[r[0]:r[1]]))
