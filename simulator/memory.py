@@ -25,7 +25,8 @@ class MemoryBreakdown(NamedTuple):
     gradients: int
     """One gradient byte per trainable weight byte."""
     optimizer_state: int
-    """``OPTIMIZER_STATE`` bytes per trainable weight byte (SGD momentum; Adam's two moments)."""
+    """``OPTIMIZER_STATE`` bytes per trainable weight byte (SGD momentum; Adam's two moments);
+    in mixed precision per float32 master byte."""
     activations: int
     """Per micro-batch in flight: the outputs its partitions compute and the input regions they
     receive from other devices, kept for backward."""
@@ -35,6 +36,9 @@ class MemoryBreakdown(NamedTuple):
     collective_buffers: int
     """What each collective leaves a member, kept per micro-batch in flight, and one
     micro-batch's gradient buffers of their duals (``Lowered.collective_bytes``)."""
+    master_weights: int = 0
+    """Mixed precision only: the float32 master copy of the trainable shards (``MASTER``
+    bytes per compute-dtype weight byte); 0 in "model" precision."""
 
     @property
     def total(self) -> int:
@@ -59,6 +63,16 @@ class MemoryBreakdown(NamedTuple):
         return dict(zip(self._fields, self))
 
 
+MASTER = 2
+"""Float32 master bytes per compute-dtype (bf16/fp16) weight byte in mixed precision."""
+
+
+def _master(lowered: Lowered) -> int:
+    """Master bytes per trainable weight byte: 0 in "model" precision, ``MASTER`` in mixed
+    (the lowering's weights are then in the compute dtype, ``strategies.precision``)."""
+    return 0 if lowered.strategy.precision == "model" else MASTER
+
+
 def _check(optimizer: str) -> int:
     if optimizer not in OPTIMIZER_STATE:
         raise ValueError(f"optimizer {optimizer!r} is not one of {sorted(OPTIMIZER_STATE)}")
@@ -74,8 +88,13 @@ def peak_memory(lowered: Lowered, optimizer: str = "sgd") -> list[int]:
     when w < m, and the gradient pieces of min(2, m) micro-batches; plus the collectives'
     buffers (``Lowered.collective_bytes``): what each call leaves a member, kept for backward
     per micro-batch in flight like a received piece, and one micro-batch's gradient buffers.
-    The sum of ``memory_breakdown``'s categories, without building them."""
-    per = 2 + _check(optimizer)
+    In mixed precision the weights and gradients held are the compute dtype's (2 bytes a
+    parameter) and a float32 master copy and the optimizer state in float32 are added: ZeRO's
+    2 + 2 + 12 = 16 bytes a parameter with Adam, 2 + 2 + 4 + 4 with SGD's momentum
+    (Rajbhandari et al. 2020, section 3.1). The sum of ``memory_breakdown``'s categories,
+    without building them."""
+    master = _master(lowered)
+    per = 2 + master + _check(optimizer) * max(1, master)
     n = lowered.strategy.num_devices
     b = lowered.device_bytes
     # a device holds the activations of the micro-batches it has warmed up (schedule.py)
@@ -90,6 +109,7 @@ def peak_memory(lowered: Lowered, optimizer: str = "sgd") -> list[int]:
 def memory_breakdown(lowered: Lowered, optimizer: str = "sgd") -> list[MemoryBreakdown]:
     """``peak_memory``'s figure per device by category: each device's fields sum to it."""
     s = _check(optimizer)
+    master = _master(lowered)
     n = lowered.strategy.num_devices
     b = lowered.device_bytes
     m = lowered.strategy.microbatches
@@ -100,7 +120,7 @@ def memory_breakdown(lowered: Lowered, optimizer: str = "sgd") -> list[MemoryBre
         w = ws.get(d, 0)
         out.append(MemoryBreakdown(
             weights=b.trainable[d] + b.frozen[d], gradients=b.trainable[d],
-            optimizer_state=s * b.trainable[d], activations=w * b.kept[d],
+            optimizer_state=s * max(1, master) * b.trainable[d], activations=w * b.kept[d],
             receive_buffers=(b.received[d] if w < m else 0) + min(2, m) * b.received_grad[d],
-            collective_buffers=w * gathered[d] + grads[d]))
+            collective_buffers=w * gathered[d] + grads[d], master_weights=master * b.trainable[d]))
     return out

@@ -36,6 +36,7 @@ import numpy as np
 from simulator.collectives import add_collectives
 from simulator.comm import allgather_time, group_sum_time, ring_links, transfer_time
 from simulator.cost import CostModel
+from simulator.memory import MASTER
 from simulator.step import UPDATE_TRAFFIC, link_step, member_ends
 from simulator.taskcache import TaskCache
 from simulator.taskgraph import CATEGORY, INDEX, Columns, Segment, StepOrder, TaskGraph, TaskKind
@@ -340,6 +341,8 @@ def build_tasks(lowered: Lowered, topology: Topology, cost: CostModel, optimizer
     traffic = UPDATE_TRAFFIC.get(optimizer)
     if traffic is None:
         raise ValueError(f"optimizer {optimizer!r} is not one of {sorted(UPDATE_TRAFFIC)}")
+    if strategy.precision != "model":  # the update reads and writes float32 master and state
+        traffic = MASTER * traffic + 1  # (2 bytes per compute-dtype byte), then writes the half copy
     tg = TaskGraph(topology.num_devices, len(topology.links))
     blocks = _blocks(lowered, topology, cost, cache)
     joined = cache.join(blocks)

@@ -19,6 +19,7 @@ from soapsearch.search.cli import add_search_parsers
 from soapsearch.search.output import check_plan_output, wrote
 from soapsearch.trace import CAPTURES, TraceError, check_scalar_loss, trace
 from strategies import BASELINES, OpGraph, PlanError, baseline, get_rule, save_strategy
+from strategies.strategy import DTYPE_FLAGS
 from strategies.serialize import check_writable
 from strategies.config import ROLE_LETTER
 from strategies.rules import OPAQUE
@@ -117,16 +118,17 @@ def _cmd_plan(args) -> int:
     if megatron_only and args.baseline != "megatron":
         raise ValueError(f"{megatron_only[0]} is a flag of --baseline megatron, not of --baseline {args.baseline}")
     plan = baseline(args.baseline, graph, devices, args.microbatches, args.tp, args.pp, args.sequence_parallel)
+    plan = plan.with_precision(DTYPE_FLAGS[args.dtype])
     save_strategy(args.output, plan, graph, topology=topo.name)
     path = wrote(args.output)
     if args.json:
         print(json.dumps({"plan": path, "baseline": args.baseline, "num_devices": devices,
-                          "microbatches": plan.microbatches, "ops": len(graph)}))
+                          "microbatches": plan.microbatches, "precision": plan.precision, "ops": len(graph)}))
         return 0
     for n in graph:
         print(f"  {n.name:28s} {n.kind:14s} {plan[n.name].show(n.dims)}")
     print(f"wrote {args.baseline} plan for {graph.name} on {devices} devices of {topo.name} "
-          f"({plan.microbatches} micro-batch(es)) to {path}{replacing}")
+          f"({plan.microbatches} micro-batch(es), precision {plan.precision}) to {path}{replacing}")
     return 0
 
 
@@ -144,7 +146,8 @@ def _cmd_simulate(args) -> int:
 
     result = simulate(graph, args.plan or args.baseline, topology=topo,
                       cost_model=cost_model_for(args.cost_model, args.topology),
-                      optimizer=args.optimizer, microbatches=args.microbatches, trace=args.trace)
+                      optimizer=args.optimizer, microbatches=args.microbatches, trace=args.trace,
+                      precision=None if args.dtype is None else DTYPE_FLAGS[args.dtype])
     if args.json:
         print(json.dumps(result.to_json()))
         return 0
@@ -213,6 +216,9 @@ def _parser() -> argparse.ArgumentParser:
                       help="--baseline megatron: cut the ops between the blocks (LayerNorm, residual, "
                            "dropout) on the sequence over each tensor-parallel group (Korthikanti et al. "
                            "2022) instead of on the samples")
+    plan.add_argument("--dtype", default="fp32", choices=sorted(DTYPE_FLAGS),
+                      help="the plan's precision: fp32 computes in the model's dtype, bf16/fp16 in mixed "
+                           "precision (float32 master weights and optimizer state)")
     plan.add_argument("--topology", default=DEFAULT_TOPOLOGY, help=f"{TOPOLOGY_HELP}; recorded in the plan")
     plan.add_argument("-o", "--output", default="plan.json",
                       help="where to write the plan (default plan.json); a file holding another model's "
@@ -228,6 +234,9 @@ def _parser() -> argparse.ArgumentParser:
     sim.add_argument("--topology", default=DEFAULT_TOPOLOGY, help=TOPOLOGY_HELP)
     sim.add_argument("--cost-model", default="analytical", choices=["analytical", "profiled"])
     sim.add_argument("--optimizer", default="sgd", choices=["sgd", "adam"])
+    sim.add_argument("--dtype", default=None, choices=sorted(DTYPE_FLAGS),
+                     help="simulate in this precision (fp32: the model's dtype; bf16/fp16: mixed "
+                          "precision); default: the plan's")
     sim.add_argument("--microbatches", type=int, default=None,
                      help="micro-batches of --baseline pipeline (default 4) or megatron (default 1)")
     sim.add_argument("--trace", default=None, help="write the timeline as a Chrome trace JSON")

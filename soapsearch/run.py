@@ -28,6 +28,7 @@ from soapsearch.executor.launch import prepare
 from soapsearch.zoo import VARIANTS
 from strategies.errors import PlanError
 from strategies.serialize import atomic_open, atomic_write_text
+from strategies.strategy import DTYPE_FLAGS
 
 __all__ = ["add_arguments", "to_argv", "check_backend", "main"]
 
@@ -45,8 +46,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=float, default=_DEFAULTS.lr)
     p.add_argument("--momentum", type=float, default=_DEFAULTS.momentum, help="SGD momentum")
     p.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
-    p.add_argument("--dtype", choices=("float32", "float64", "bfloat16", "float16"), default=None,
-                   help="cast the model's floating weights and inputs (default: as built)")
+    p.add_argument("--dtype", choices=("float32", "float64", "bfloat16", "float16", *sorted(DTYPE_FLAGS)),
+                   default=None, help="fp32|bf16|fp16: the precision to run the plan in (fp32: the model's "
+                   "dtype), replacing the plan's; float32|float64|bfloat16|float16: cast the model's "
+                   "floating weights and inputs (default: as built, in the plan's precision)")
     p.add_argument("--seed", type=int, default=0, help="weights, batch and dropout seed (same on every rank)")
     p.add_argument("--timeout", type=float, default=_DEFAULTS.timeout_s,
                    help="seconds any receive or collective may wait before the run fails")
@@ -113,8 +116,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     try:
         check_backend(args.backend)
-        built, strategy = prepare(args.plan, args.model, args.variant, args.batch_size, args.seed, args.dtype,
-                                  world, capture=args.capture)
+        precision = DTYPE_FLAGS.get(args.dtype)
+        built, strategy = prepare(args.plan, args.model, args.variant, args.batch_size, args.seed,
+                                  None if precision else args.dtype, world, capture=args.capture)
+        if precision:
+            strategy = strategy.with_precision(precision)
+        if strategy.precision != "model":
+            raise ExecutorError(f"plan precision = {strategy.precision!r}: the executor runs 'model' precision "
+                                "only (mixed precision is simulated and searched, not yet run); give --dtype fp32")
         config = train_config(args)
     except (PlanError, ExecutorError, ValueError) as e:
         print(f"soapsearch run (rank {rank}): {e}", file=sys.stderr)

@@ -22,6 +22,7 @@ from strategies.lowered import (WEIGHT_KINDS, BucketKey, DeviceBytes, Gate, Grad
                                 Partition, ReductionGroup, Transfer, WeightRead, WeightShard, bucket_key)
 from strategies.lowering_cache import Last, changed_ops, update
 from strategies.lowering_reference import lower_reference
+from strategies.precision import compute_graph
 from strategies.pieces import check_microbatches, gates, partition_box_mb
 from strategies.strategy import Strategy
 
@@ -83,6 +84,9 @@ def lower(graph: OpGraph, strategy: Strategy, cache: dict | None = None) -> Lowe
     are looked at again, and the per-device totals (``DeviceBytes``, ``GradientSync``) are
     patched by what changed."""
     cache = {} if cache is None else cache  # none given: one used for this call only
+    if strategy.precision != "model":  # its own graph (strategies.precision), its own cache
+        graph = compute_graph(graph, strategy.compute_dtype)
+        cache = cache.setdefault(("precision", strategy.precision), {})
     m, n = strategy.microbatches, strategy.num_devices
     last = cache.get(("last", m, n))
     changed = changed_ops(last, strategy.configs)

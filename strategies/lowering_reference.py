@@ -10,6 +10,7 @@ from strategies.graph import OpGraph
 from strategies.lowered import (BucketKey, DeviceBytes, GradientSync, Lowered, OpPieces, WeightRead,
                                 WeightShard, bucket_key, weight_shards)
 from strategies.pieces import check_microbatches, lower_op
+from strategies.precision import compute_graph
 from strategies.region import Box
 from strategies.strategy import Strategy
 
@@ -28,6 +29,7 @@ def lower_reference(graph: OpGraph, strategy: Strategy) -> Lowered:
     4. the gradient sync (``GradientSync``): each bucket's bytes (``bucket_key``) and the
        trainable weights each device holds a shard of."""
     strategy.validate(graph)
+    graph = compute_graph(graph, strategy.compute_dtype)  # mixed precision: float32 -> compute dtype
     m, n = strategy.microbatches, strategy.num_devices
     check_microbatches(graph, m)
 

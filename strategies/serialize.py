@@ -1,4 +1,4 @@
-"""Strategy JSON, version 1 (docs/design.md, "Plan JSON"): plain JSON, no pickle, no code; written atomically."""
+"""Strategy JSON, version 2 (docs/design.md, "Plan JSON"): plain JSON, no pickle, no code; written atomically."""
 
 from __future__ import annotations
 
@@ -13,13 +13,16 @@ from typing import IO, Any, Iterator, Mapping
 from strategies.config import ParallelConfig
 from strategies.errors import PlanError
 from strategies.graph import OpGraph
-from strategies.strategy import Strategy
+from strategies.strategy import PRECISIONS, Strategy
 
 __all__ = ["FORMAT", "VERSION", "PlanFile", "check_writable", "parse_plan", "strategy_to_json", "save_strategy", "load_strategy",
            "read_plan", "atomic_open", "atomic_write_text"]
 
 FORMAT = "soapsearch.strategy"
-VERSION = 1
+VERSION = 2
+READS = (1, 2)
+"""The versions this soapsearch reads: version 1 (no ``precision`` field) loads as "model"
+precision."""
 
 
 @dataclass(frozen=True)
@@ -86,7 +89,7 @@ def strategy_to_json(strategy: Strategy, graph: OpGraph, *, topology: str | Mapp
         "model": {"name": graph.name, "fingerprint": graph.fingerprint(), "batch_size": graph.batch_size,
                   "capture": graph.capture},
         "topology": topo,
-        "microbatches": strategy.microbatches, "schedule": strategy.schedule,
+        "microbatches": strategy.microbatches, "schedule": strategy.schedule, "precision": strategy.precision,
         "ops": [{"name": n.name, "kind": n.kind, "dims": [d.name for d in n.dims],
                  "shape": list(n.output.shape), "dtype": n.output.dtype,
                  "degrees": list(strategy[n.name].degrees), "devices": list(strategy[n.name].devices)}
@@ -98,7 +101,7 @@ def strategy_to_json(strategy: Strategy, graph: OpGraph, *, topology: str | Mapp
 
 
 def save_strategy(path: str | os.PathLike, strategy: Strategy, graph: OpGraph, **kw: Any) -> None:
-    """Validate and write ``strategy`` as JSON v1, atomically."""
+    """Validate and write ``strategy`` as JSON (``VERSION``), atomically."""
     atomic_write_text(path, json.dumps(strategy_to_json(strategy, graph, **kw), indent=1) + "\n")
 
 
@@ -143,9 +146,10 @@ def parse_plan(source: str | os.PathLike | Mapping[str, Any], devices_in_range: 
         raise PlanError(None, "json", type(obj).__name__, "a plan is a JSON object", where)
     if obj.get("format") != FORMAT:
         raise PlanError(None, "format", obj.get("format"), f"must be {FORMAT!r}", where)
-    if obj.get("version") != VERSION:
-        raise PlanError(None, "version", obj.get("version"),
-                        f"this soapsearch reads version {VERSION} only", where)
+    version = obj.get("version")
+    if version not in READS or isinstance(version, bool):
+        raise PlanError(None, "version", version,
+                        f"this soapsearch reads versions {', '.join(map(str, READS))}", where)
     model = _need(obj, "model", dict, where)
     if model.get("capture", "fx") not in ("fx", "export"):
         raise PlanError(None, "model.capture", model.get("capture"),
@@ -156,6 +160,9 @@ def parse_plan(source: str | os.PathLike | Mapping[str, Any], devices_in_range: 
         raise PlanError(None, "topology.num_devices", num_devices, "must be >= 1", where)
     microbatches = _need(obj, "microbatches", int, where)
     schedule = _need(obj, "schedule", str, where)
+    precision = _need(obj, "precision", str, where) if version >= 2 else "model"
+    if precision not in PRECISIONS:
+        raise PlanError(None, "precision", precision, f"must be one of {list(PRECISIONS)}", where)
     ops = _need(obj, "ops", list, where)
     if not ops:
         raise PlanError(None, "ops", ops, "a plan has a config for every op of its model", where)
@@ -177,7 +184,7 @@ def parse_plan(source: str | os.PathLike | Mapping[str, Any], devices_in_range: 
             raise PlanError(name, "devices", devices, f"device {bad[0]} is out of range for "
                             f"{num_devices} devices (0-{num_devices - 1})", where)
     try:
-        strategy = Strategy(tuple(configs.items()), num_devices, microbatches, schedule)
+        strategy = Strategy(tuple(configs.items()), num_devices, microbatches, schedule, precision)
     except PlanError as e:
         raise PlanError(e.op, e.field, e.value, e.rule, where) from None
     return obj, where, strategy

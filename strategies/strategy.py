@@ -10,9 +10,21 @@ from strategies.config import ParallelConfig, validate_config
 from strategies.errors import PlanError
 from strategies.graph import OpGraph, OpNode
 
-__all__ = ["Strategy", "SCHEDULES"]
+__all__ = ["Strategy", "SCHEDULES", "PRECISIONS", "COMPUTE_DTYPES", "DTYPE_FLAGS"]
 
 SCHEDULES = ("gpipe", "1f1b")
+PRECISIONS = ("model", "bf16", "fp16")
+"""A plan's precision: ``model`` computes in the model's dtype (as traced); ``bf16`` / ``fp16``
+is mixed precision (Micikevicius et al. 2018; FSDP2's ``MixedPrecisionPolicy`` with
+param_dtype = reduce_dtype = the compute dtype): each partition runs under
+``torch.autocast(dtype)`` (its op lists keep what they keep in float32), weights and the
+optimizer state stay float32 (master weights), activations and transfers move in the compute
+dtype, gradients are reduced in it."""
+COMPUTE_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
+"""The torch dtype name a mixed precision computes in."""
+DTYPE_FLAGS = {"fp32": "model", "bf16": "bf16", "fp16": "fp16"}
+"""The command line's ``--dtype`` -> a plan's precision (fp32: the model's own dtype, for a
+float32 model)."""
 
 
 @dataclass(frozen=True)
@@ -24,6 +36,7 @@ class Strategy:
     num_devices: int
     microbatches: int = 1
     schedule: str = "gpipe"
+    precision: str = "model"
     _index: Mapping[str, ParallelConfig] = field(default=None, compare=False, repr=False, hash=False)  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
@@ -37,11 +50,19 @@ class Strategy:
             raise PlanError(None, "microbatches", self.microbatches, "must be a whole number >= 1")
         if self.schedule not in SCHEDULES:
             raise PlanError(None, "schedule", self.schedule, f"must be one of {list(SCHEDULES)}")
+        if self.precision not in PRECISIONS:
+            raise PlanError(None, "precision", self.precision, f"must be one of {list(PRECISIONS)}")
 
     @classmethod
     def of(cls, configs: Mapping[str, ParallelConfig], num_devices: int, microbatches: int = 1,
-           schedule: str = "gpipe") -> "Strategy":
-        return cls(tuple(configs.items()), num_devices, microbatches, schedule)
+           schedule: str = "gpipe", precision: str = "model") -> "Strategy":
+        return cls(tuple(configs.items()), num_devices, microbatches, schedule, precision)
+
+    @property
+    def compute_dtype(self) -> str | None:
+        """The dtype partitions compute in under mixed precision (``bfloat16``/``float16``);
+        None for ``model`` precision."""
+        return COMPUTE_DTYPES.get(self.precision)
 
     def __getitem__(self, op: str) -> ParallelConfig:
         try:
@@ -72,7 +93,7 @@ class Strategy:
         new = object.__new__(Strategy)
         for f, value in (("configs", self.configs[:at] + ((name, config),) + self.configs[at + 1:]),
                          ("num_devices", self.num_devices), ("microbatches", self.microbatches),
-                         ("schedule", self.schedule), ("_index", {**self._index, name: config})):
+                         ("schedule", self.schedule), ("precision", self.precision), ("_index", {**self._index, name: config})):
             object.__setattr__(new, f, value)
         new.__dict__["_positions"] = self._positions  # cached properties live in __dict__
         uses = self.__dict__.get("_uses")
@@ -86,7 +107,11 @@ class Strategy:
         return new
 
     def with_microbatches(self, microbatches: int, schedule: str | None = None) -> "Strategy":
-        return Strategy(self.configs, self.num_devices, microbatches, schedule or self.schedule)
+        return Strategy(self.configs, self.num_devices, microbatches, schedule or self.schedule, self.precision)
+
+    def with_precision(self, precision: str) -> "Strategy":
+        """The same plan computing in ``precision`` (``PRECISIONS``)."""
+        return Strategy(self.configs, self.num_devices, self.microbatches, self.schedule, precision)
 
     @cached_property
     def devices_used(self) -> tuple[int, ...]:

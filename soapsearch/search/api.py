@@ -37,8 +37,10 @@ PIPELINE_MICROBATCHES = (2, 4, 8)
 class Evaluator:
     """Simulates plans of one graph on one topology, reusing each unchanged op's lowering."""
 
-    def __init__(self, graph: OpGraph, topology: Topology, cost: CostModel, optimizer: str = "sgd"):
+    def __init__(self, graph: OpGraph, topology: Topology, cost: CostModel, optimizer: str = "sgd",
+                 precision: str = "model"):
         self.graph, self.topology, self.cost, self.optimizer = graph, topology, cost, optimizer
+        self.precision = precision
         self._cache: dict = {}
         self._tasks = TaskCache(topology, cost)
         self.calls = 0
@@ -46,10 +48,15 @@ class Evaluator:
     def __call__(self, plan: Strategy, summary: bool = False) -> SimResult:
         """Iteration time and memory of ``plan`` (``summary``: also busy times, bytes moved)."""
         self.calls += 1
+        plan = self.planned(plan)
         if len(self._cache) > 200_000:
             self._cache.clear()
         return simulate_plan(self.graph, lower(self.graph, plan, self._cache), self.topology,
                              self.cost, optimizer=self.optimizer, summary=summary, cache=self._tasks)
+
+    def planned(self, plan: Strategy) -> Strategy:
+        """``plan`` in the search's precision (a baseline or initial plan is made in "model")."""
+        return plan if plan.precision == self.precision else plan.with_precision(self.precision)
 
 
 @dataclass
@@ -112,14 +119,14 @@ def best_baselines(graph: OpGraph, num_devices: int, evaluate: Evaluator
         if name == "hybrid" and "data_parallel" in plans:  # it is data parallel then
             continue
         try:
-            plans[name] = baseline(name, graph, num_devices)
+            plans[name] = evaluate.planned(baseline(name, graph, num_devices))
         except PlanError:
             continue
         results[name] = evaluate(plans[name], summary=True)
     for m in PIPELINE_MICROBATCHES:
         for schedule in ("gpipe", "1f1b"):
             try:
-                plan = baseline("pipeline", graph, num_devices, m).with_microbatches(m, schedule)
+                plan = evaluate.planned(baseline("pipeline", graph, num_devices, m).with_microbatches(m, schedule))
                 res = evaluate(plan, summary=True)
             except PlanError:  # the batch, or an op that mixes micro-batches (check_microbatches)
                 continue
@@ -206,7 +213,7 @@ def search(model: torch.nn.Module | OpGraph, example_inputs: Sequence[Any] | Non
     if n > topo.num_devices:
         raise ValueError(f"search num_devices = {n}: more than the {topo.num_devices} devices of {topo.name!r}")
     cost = get_cost_model(config.cost_model) if isinstance(config.cost_model, str) else config.cost_model
-    evaluate = Evaluator(graph, topo, cost, config.optimizer)
+    evaluate = Evaluator(graph, topo, cost, config.optimizer, config.precision)
     rng = random.Random(seed)
     started = time.perf_counter()
     plans, results = best_baselines(graph, n, evaluate)
@@ -218,7 +225,7 @@ def search(model: torch.nn.Module | OpGraph, example_inputs: Sequence[Any] | Non
     if stats.best_result is not None and not stats.best_result.fits:
         _accumulate(graph, n, evaluate, stats, started)
     init = ("hybrid",) if config.init is None else config.init  # hybrid: data parallel where n divides the batch
-    inits = [_initial(i, graph, n, rng, candidates, microbatches, schedule, plans) for i in init]
+    inits = [evaluate.planned(_initial(i, graph, n, rng, candidates, microbatches, schedule, plans)) for i in init]
     count = len(inits) if config.chains is None else config.chains
     if budget.proposals is not None:  # every chain makes a proposal at least
         count = min(count, budget.proposals)

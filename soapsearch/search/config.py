@@ -12,7 +12,7 @@ from typing import Any, Mapping
 from simulator.cost import CostModel
 from simulator.memory import OPTIMIZER_STATE
 from soapsearch.search.mcmc import Budget, positive, whole
-from strategies.strategy import SCHEDULES, Strategy
+from strategies.strategy import PRECISIONS, SCHEDULES, Strategy
 
 __all__ = ["SearchConfig", "search_config"]
 
@@ -49,6 +49,10 @@ class SearchConfig:
     optimizer: str = "sgd"
     """The training optimizer whose state the simulator counts in device memory: ``sgd`` or
     ``adam``."""
+    precision: str = "model"
+    """The plans' precision (``strategies.strategy.PRECISIONS``): ``model`` computes in the
+    model's dtype, ``bf16``/``fp16`` in mixed precision (the simulator's peak, bytes and memory
+    follow)."""
     num_devices: int | None = None
     """Plan for only the first N devices of the topology; None: all of them."""
     reset_every: int = 500
@@ -81,6 +85,8 @@ class SearchConfig:
             raise ValueError(f"search schedule = {self.schedule!r}: must be one of {list(SCHEDULES)}")
         if self.optimizer not in OPTIMIZER_STATE:
             raise ValueError(f"search optimizer = {self.optimizer!r}: must be one of {list(OPTIMIZER_STATE)}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"search precision = {self.precision!r}: must be one of {list(PRECISIONS)}")
         if self.beta is not None and not positive(self.beta):
             raise ValueError(f"search beta = {self.beta!r}: must be a finite number > 0 (per ms) or None")
 

@@ -130,8 +130,9 @@ class _Trials:
 
     def __init__(self, graph: OpGraph, topo: Topology, cost: CostModel, optimizer: str, seed: int,
                  budget: tuple[float | None, int | None], deadline: float | None,
-                 device_choices: list[int], microbatch_choices: list[int]):
+                 device_choices: list[int], microbatch_choices: list[int], precision: str = "model"):
         self.graph, self.topo, self.cost, self.optimizer, self.seed = graph, topo, cost, optimizer, seed
+        self.precision = precision
         self.budget, self.deadline = budget, deadline
         self.device_choices, self.microbatch_choices = device_choices, microbatch_choices
         self.inits = INITS + (("megatron",) if megatron_blocks(graph) else ())
@@ -146,7 +147,7 @@ class _Trials:
 
     def evaluator(self, n: int) -> Evaluator:
         if n not in self._evaluators:
-            self._evaluators[n] = Evaluator(self.graph, self.topo, self.cost, self.optimizer)
+            self._evaluators[n] = Evaluator(self.graph, self.topo, self.cost, self.optimizer, self.precision)
         return self._evaluators[n]
 
     def candidates(self, n: int, m: int) -> tuple[dict, dict]:
@@ -183,7 +184,7 @@ class _Trials:
         scale = trial.suggest_float("beta_scale", *BETA_SCALE, log=True)
         rng = chain_rng(self.seed, trial.number)
         try:
-            start = self.initial(init, n, m, schedule, rng)
+            start = self.evaluator(n).planned(self.initial(init, n, m, schedule, rng))
             start.validate(self.graph)
         except PlanError as e:
             raise optuna.TrialPruned(f"no {init} plan with {n} devices, {m} micro-batches: {e}")
@@ -255,7 +256,8 @@ def study_search(graph: OpGraph, *, topology: Topology | str = DEFAULT_TOPOLOGY,
     batch = graph.batch_size
     objective = _Trials(graph, topo, cost, config.optimizer, seed, (trial_budget_s, trial_proposals), deadline,
                         _device_choices(topo, num_devices_choices),
-                        [m for m in MICROBATCHES if (not batch or batch % m == 0) and _takes(graph, m)])
+                        [m for m in MICROBATCHES if (not batch or batch % m == 0) and _takes(graph, m)],
+                        config.precision)
     full = topo.num_devices if num_devices_choices is None else max(objective.device_choices)
     plans, results = best_baselines(graph, full, objective.evaluator(full))
 

@@ -24,7 +24,7 @@ def test_round_trip_is_lossless(tmp_path, name):
     assert loaded.topology == {"name": "p100-4x4", "num_devices": 4}
     assert loaded.model["fingerprint"] == g.fingerprint()
     obj = json.loads(path.read_text())
-    assert obj["format"] == "soapsearch.strategy" and obj["version"] == 1
+    assert obj["format"] == "soapsearch.strategy" and obj["version"] == 2
     assert [o["name"] for o in obj["ops"]] == [n.name for n in g]
     # same bytes when written again
     save_strategy(tmp_path / "again.json", loaded.strategy, g, topology="p100-4x4",
@@ -41,7 +41,7 @@ def _op(obj, name):
 
 
 def _mutations():
-    def version(o): o["version"] = 2
+    def version(o): o["version"] = 3
     def fingerprint(o): o["model"]["fingerprint"] = "0" * 16
     def not_dividing(o): _op(o, "layers_0").update(degrees=[1, 3, 1], devices=[0, 1, 2])
     def out_of_range(o): _op(o, "layers_0").update(degrees=[1, 2, 1], devices=[0, 7])
@@ -54,7 +54,7 @@ def _mutations():
     def microbatches(o): o["microbatches"] = 3
     def schedule(o): o["schedule"] = "zigzag"
     return [
-        (version, r"version = 2: this soapsearch reads version 1 only"),
+        (version, r"version = 3: this soapsearch reads versions 1, 2"),
         (fingerprint, r"model.fingerprint = '0000000000000000': the plan was made for another model"),
         (not_dividing, r"op 'layers_0': degrees = \[1, 3, 1\]: degree 3 on dim 'out_features'\(32\) does not divide it"),
         (out_of_range, r"op 'layers_0': devices\[1\] = 7: device 7 is out of range for 2 devices"),
