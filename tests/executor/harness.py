@@ -23,6 +23,9 @@ partition, where Σ(x - mean) = 0)."""
 F32_RTOL, F32_ATOL = 1e-4, 1e-6
 """float32 runs (u = 2^-24 ≈ 6e-8; test_run.py's torchrun test trains the model as built, in
 float32, and reads its losses from lines printed to 6 decimals)."""
+HF_ATOL = 1e-4
+"""Hugging Face models: transformers computes the loss in float32 whatever the model's dtype
+(test_parity_hf.py's docstring gives the bound)."""
 
 
 def free_port() -> int:
