@@ -11,10 +11,18 @@ from strategies.errors import PlanError
 from strategies.graph import Dim, OpNode
 from strategies.rules import get_rule
 
-__all__ = ["ROLE_LETTER", "ParallelConfig", "validate_config", "enumerate_configs", "check_degrees", "degree_grids",
+__all__ = ["ROLE_LETTER", "ZERO_LEVELS", "ParallelConfig", "validate_config", "enumerate_configs", "check_degrees", "degree_grids",
            "device_blocks", "format_devices"]
 
 ROLE_LETTER = {"sample": "S", "attribute": "A", "parameter": "P", "reduction": "R"}
+
+ZERO_LEVELS = (0, 1, 2, 3)
+"""How an op's replicated weight shards are held across their replicas (Rajbhandari et al.
+2020, "ZeRO"; FSDP2's ``fully_shard`` for 3): 0 Replicate everything (DDP: gradients
+all-reduced); 1 the optimizer state Shard(0) over the shard's replicas (gradients
+reduce-scattered, each member updates its chunk, weights all-gathered); 2 the gradients too;
+3 the weights too (all-gathered before the op's forward and again before its backward, freed
+after each). A shard held by one device has no replicas: every level holds it as 0 does."""
 
 
 def format_devices(devices: Sequence[int]) -> str:
@@ -31,10 +39,15 @@ def format_devices(devices: Sequence[int]) -> str:
 @dataclass(frozen=True)
 class ParallelConfig:
     """One degree per dim of the op; partition k (mixed radix over the degrees, last dim fastest)
-    runs on ``devices[k]``, so ``len(devices) == prod(degrees)``."""
+    runs on ``devices[k]``, so ``len(devices) == prod(degrees)``. ``zero`` is the sharding
+    level of the op's replicated weight shards (``ZERO_LEVELS``); ``recompute`` drops what the
+    op keeps for backward after its forward and recomputes it before its backward (Chen et al.
+    2016, "Training Deep Nets with Sublinear Memory Cost"; ``torch.utils.checkpoint``)."""
 
     degrees: tuple[int, ...]
     devices: tuple[int, ...]
+    zero: int = 0
+    recompute: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "degrees", tuple(self.degrees))
@@ -49,6 +62,10 @@ class ParallelConfig:
             raise PlanError(None, "devices", list(self.devices),
                             f"{len(self.devices)} devices for prod(degrees {list(self.degrees)}) = "
                             f"{self.parts} partitions; they must be equal")
+        if self.zero not in ZERO_LEVELS or isinstance(self.zero, bool):
+            raise PlanError(None, "zero", self.zero, f"a sharding level is one of {list(ZERO_LEVELS)}")
+        if not isinstance(self.recompute, bool):
+            raise PlanError(None, "recompute", self.recompute, "must be true or false")
         if len(set(self.devices)) != len(self.devices):
             dup = sorted({d for d in self.devices if self.devices.count(d) > 1})
             raise PlanError(None, "devices", list(self.devices),
@@ -59,12 +76,19 @@ class ParallelConfig:
         return math.prod(self.degrees)
 
     def show(self, dims: Sequence[Dim] | None = None) -> str:
-        """Short form: ``S4·P2 @ 0-7`` (S/A/P by the dims' roles; ``@ 3`` for a whole op)."""
+        """Short form: ``S4·P2 @ 0-7`` (S/A/P by the dims' roles; ``@ 3`` for a whole op),
+        then ``zero3`` / ``recompute`` where set."""
         cuts = []
         for i, d in enumerate(self.degrees):
             if d > 1:
                 cuts.append(f"{ROLE_LETTER[dims[i].role] if dims else 'd' + str(i) + '='}{d}")
-        return f"{'·'.join(cuts)} @ {format_devices(self.devices)}".strip()
+        extra = (f" zero{self.zero}" if self.zero else "") + (" recompute" if self.recompute else "")
+        return f"{'·'.join(cuts)} @ {format_devices(self.devices)}".strip() + extra
+
+    def with_memory(self, zero: int | None = None, recompute: bool | None = None) -> "ParallelConfig":
+        """The same cut with another sharding level and/or recompute choice."""
+        return ParallelConfig(self.degrees, self.devices, self.zero if zero is None else zero,
+                              self.recompute if recompute is None else recompute)
 
     def __str__(self) -> str:
         return self.show()
@@ -100,6 +124,12 @@ def validate_config(node: OpNode, config: ParallelConfig, num_devices: int,
     why = check_degrees(node, config.degrees, microbatches)
     if why:
         raise PlanError(node.name, "degrees", list(config.degrees), why)
+    if config.zero and not any(w.trainable for w in node.weights):
+        raise PlanError(node.name, "zero", config.zero, f"a {node.kind!r} op has no trainable weight to shard; "
+                        "use 0 (a sharding level of a shard held by one device is a no-op)")
+    if config.recompute and node.kind == "input":
+        raise PlanError(node.name, "recompute", True, "an input op computes nothing to recompute: "
+                        "its batch slice is read, not kept")
     for i, d in enumerate(config.devices):
         if d >= num_devices:
             raise PlanError(node.name, f"devices[{i}]", d,

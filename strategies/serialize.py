@@ -1,4 +1,4 @@
-"""Strategy JSON, version 2 (docs/design.md, "Plan JSON"): plain JSON, no pickle, no code; written atomically."""
+"""Strategy JSON, version 3 (docs/design.md, "Plan JSON"): plain JSON, no pickle, no code; written atomically."""
 
 from __future__ import annotations
 
@@ -19,10 +19,10 @@ __all__ = ["FORMAT", "VERSION", "PlanFile", "check_writable", "parse_plan", "str
            "read_plan", "atomic_open", "atomic_write_text"]
 
 FORMAT = "soapsearch.strategy"
-VERSION = 2
-READS = (1, 2)
+VERSION = 3
+READS = (1, 2, 3)
 """The versions this soapsearch reads: version 1 (no ``precision`` field) loads as "model"
-precision."""
+precision; versions 1 and 2 (no per-op ``zero`` / ``recompute``) as "Replicate, keep"."""
 
 
 @dataclass(frozen=True)
@@ -92,7 +92,8 @@ def strategy_to_json(strategy: Strategy, graph: OpGraph, *, topology: str | Mapp
         "microbatches": strategy.microbatches, "schedule": strategy.schedule, "precision": strategy.precision,
         "ops": [{"name": n.name, "kind": n.kind, "dims": [d.name for d in n.dims],
                  "shape": list(n.output.shape), "dtype": n.output.dtype,
-                 "degrees": list(strategy[n.name].degrees), "devices": list(strategy[n.name].devices)}
+                 "degrees": list(strategy[n.name].degrees), "devices": list(strategy[n.name].devices),
+                 "zero": strategy[n.name].zero, "recompute": strategy[n.name].recompute}
                 for n in graph],
     }
     if predicted:
@@ -105,7 +106,7 @@ def save_strategy(path: str | os.PathLike, strategy: Strategy, graph: OpGraph, *
     atomic_write_text(path, json.dumps(strategy_to_json(strategy, graph, **kw), indent=1) + "\n")
 
 
-_JSON_TYPES = {dict: "object", list: "array", str: "string", int: "integer", float: "number"}
+_JSON_TYPES = {dict: "object", list: "array", str: "string", int: "integer", float: "number", bool: "boolean"}
 
 
 def _need(obj: Mapping[str, Any], key: str, types: type | tuple, where: str, op: str | None = None) -> Any:
@@ -175,8 +176,10 @@ def parse_plan(source: str | os.PathLike | Mapping[str, Any], devices_in_range: 
             raise PlanError(name, "name", name, "the op appears twice in the plan", where)
         degrees = _need(op, "degrees", list, where, name)
         devices = _need(op, "devices", list, where, name)
+        zero = _need(op, "zero", int, where, name) if version >= 3 and "zero" in op else 0
+        recompute = _need(op, "recompute", bool, where, name) if version >= 3 and "recompute" in op else False
         try:
-            configs[name] = ParallelConfig(tuple(degrees), tuple(devices))
+            configs[name] = ParallelConfig(tuple(degrees), tuple(devices), zero, recompute)
         except PlanError as e:
             raise PlanError(name, e.field, e.value, e.rule, where) from None
         bad = [d for d in devices if not 0 <= d < num_devices] if devices_in_range else []

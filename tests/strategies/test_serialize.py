@@ -24,7 +24,7 @@ def test_round_trip_is_lossless(tmp_path, name):
     assert loaded.topology == {"name": "p100-4x4", "num_devices": 4}
     assert loaded.model["fingerprint"] == g.fingerprint()
     obj = json.loads(path.read_text())
-    assert obj["format"] == "soapsearch.strategy" and obj["version"] == 2
+    assert obj["format"] == "soapsearch.strategy" and obj["version"] == 3
     assert [o["name"] for o in obj["ops"]] == [n.name for n in g]
     # same bytes when written again
     save_strategy(tmp_path / "again.json", loaded.strategy, g, topology="p100-4x4",
@@ -41,7 +41,12 @@ def _op(obj, name):
 
 
 def _mutations():
-    def version(o): o["version"] = 3
+    def version(o): o["version"] = 4
+    def zero(o): _op(o, "layers_0")["zero"] = 4
+    def zero_type(o): _op(o, "layers_0")["zero"] = "3"
+    def zero_no_weight(o): _op(o, "layers_1")["zero"] = 1
+    def recompute_type(o): _op(o, "layers_0")["recompute"] = 1
+    def recompute_input(o): _op(o, "inputs")["recompute"] = True
     def fingerprint(o): o["model"]["fingerprint"] = "0" * 16
     def not_dividing(o): _op(o, "layers_0").update(degrees=[1, 3, 1], devices=[0, 1, 2])
     def out_of_range(o): _op(o, "layers_0").update(degrees=[1, 2, 1], devices=[0, 7])
@@ -54,7 +59,12 @@ def _mutations():
     def microbatches(o): o["microbatches"] = 3
     def schedule(o): o["schedule"] = "zigzag"
     return [
-        (version, r"version = 3: this soapsearch reads versions 1, 2"),
+        (version, r"version = 4: this soapsearch reads versions 1, 2, 3"),
+        (zero, r"op 'layers_0': zero = 4: a sharding level is one of \[0, 1, 2, 3\]"),
+        (zero_type, r"op 'layers_0': zero = '3': must be a JSON integer"),
+        (zero_no_weight, r"zero = 1: a '\w+' op has no trainable weight to shard"),
+        (recompute_type, r"op 'layers_0': recompute = 1: must be a JSON boolean"),
+        (recompute_input, r"op 'inputs': recompute = True: an input op computes nothing to recompute"),
         (fingerprint, r"model.fingerprint = '0000000000000000': the plan was made for another model"),
         (not_dividing, r"op 'layers_0': degrees = \[1, 3, 1\]: degree 3 on dim 'out_features'\(32\) does not divide it"),
         (out_of_range, r"op 'layers_0': devices\[1\] = 7: device 7 is out of range for 2 devices"),
@@ -78,6 +88,23 @@ def test_bad_plans_name_op_field_value(tmp_path, mlp, mutate, message):
     with pytest.raises(PlanError, match=message) as err:
         load_strategy(path, mlp)
     assert str(path) in str(err.value)
+
+
+def test_memory_fields_round_trip_and_old_plans_load_as_replicate_keep(tmp_path, mlp):
+    plan = baseline("data_parallel", mlp, 2)
+    plan = plan.replace("layers_0", plan["layers_0"].with_memory(zero=3, recompute=True))
+    obj = strategy_to_json(plan, mlp)
+    assert _op(obj, "layers_0")["zero"] == 3 and _op(obj, "layers_0")["recompute"] is True
+    assert _op(obj, "layers_2")["zero"] == 0 and _op(obj, "layers_2")["recompute"] is False
+    assert load_strategy(obj, mlp) == plan
+    assert "zero3 recompute" in plan["layers_0"].show()
+    for version in (1, 2):
+        old = copy.deepcopy(obj)
+        old["version"] = version
+        for op in old["ops"]:
+            del op["zero"], op["recompute"]
+        loaded = load_strategy(old, mlp)
+        assert all(c.zero == 0 and not c.recompute for _, c in loaded.items())
 
 
 def test_a_plan_for_another_shape_names_the_first_op_that_differs(mlp):
