@@ -30,9 +30,25 @@ from strategies.errors import PlanError
 from strategies.serialize import atomic_open, atomic_write_text
 from strategies.strategy import DTYPE_FLAGS
 
-__all__ = ["add_arguments", "to_argv", "check_backend", "main"]
+__all__ = ["add_arguments", "to_argv", "check_backend", "precision_flag", "main", "MODEL_DTYPES"]
 
 _DEFAULTS = TrainConfig()
+MODEL_DTYPES = ("float32", "float64", "bfloat16", "float16")
+"""``--model-dtype``: what the model's floating weights and inputs are cast to before the run."""
+
+
+def precision_flag(dtype: str | None) -> str | None:
+    """``--dtype`` -> the plan precision it gives (None: the plan's own); ValueError in one line
+    for anything else, naming ``--model-dtype`` for a model cast's spelling."""
+    if dtype is None:
+        return None
+    if dtype in DTYPE_FLAGS:
+        return DTYPE_FLAGS[dtype]
+    flags = "|".join(DTYPE_FLAGS)
+    if dtype in MODEL_DTYPES:
+        raise ValueError(f"--dtype {dtype}: --dtype is the plan's precision ({flags}, as on plan/simulate/"
+                         f"search); to cast the model give --model-dtype {dtype}")
+    raise ValueError(f"--dtype {dtype}: must be one of {flags} (the plan's precision)")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -46,10 +62,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=float, default=_DEFAULTS.lr)
     p.add_argument("--momentum", type=float, default=_DEFAULTS.momentum, help="SGD momentum")
     p.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
-    p.add_argument("--dtype", choices=("float32", "float64", "bfloat16", "float16", *sorted(DTYPE_FLAGS)),
-                   default=None, help="fp32|bf16|fp16: the precision to run the plan in (fp32: the model's "
-                   "dtype), replacing the plan's; float32|float64|bfloat16|float16: cast the model's "
-                   "floating weights and inputs (default: as built, in the plan's precision)")
+    p.add_argument("--dtype", default=None, metavar="{fp32,bf16,fp16}",
+                   help="the plan's precision, as on plan/simulate/search, replacing the plan's: fp32 computes "
+                        "in the model's dtype, bf16/fp16 in mixed precision (torch.autocast, float32 master "
+                        "weights and optimizer state; fp16 with a dynamic loss scaler); default: the plan's")
+    p.add_argument("--model-dtype", choices=MODEL_DTYPES, default=None,
+                   help="cast the model's floating weights and inputs to this dtype (default: as built)")
+    p.add_argument("--loss-scale", type=float, default=_DEFAULTS.loss_scale,
+                   help="fp16: the dynamic loss scaler's initial scale (a power of two; GradScaler's init_scale)")
     p.add_argument("--seed", type=int, default=0, help="weights, batch and dropout seed (same on every rank)")
     p.add_argument("--timeout", type=float, default=_DEFAULTS.timeout_s,
                    help="seconds any receive or collective may wait before the run fails")
@@ -64,7 +84,7 @@ def to_argv(args: argparse.Namespace) -> list[str]:
     """``args`` (parsed by ``add_arguments``) back into the flags of ``soapsearch.run``."""
     out = [str(args.plan), "--model", args.model]
     for flag in ("variant", "batch_size", "steps", "optimizer", "lr", "momentum", "backend", "dtype",
-                 "seed", "timeout", "save", "trace", "capture"):
+                 "model_dtype", "loss_scale", "seed", "timeout", "save", "trace", "capture"):
         v = getattr(args, flag)
         if v is not None:
             out += [f"--{flag.replace('_', '-')}", str(v)]
@@ -90,7 +110,9 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
     can use (checked by the launcher too, before any process starts)."""
     if args.steps < 1:
         raise ValueError(f"--steps = {args.steps}: must be >= 1 (training iterations)")
-    return TrainConfig(args.optimizer, lr=args.lr, momentum=args.momentum, timeout_s=args.timeout)
+    precision_flag(args.dtype)
+    return TrainConfig(args.optimizer, lr=args.lr, momentum=args.momentum, timeout_s=args.timeout,
+                       loss_scale=args.loss_scale)
 
 
 def _save(path: str, state: dict) -> None:
@@ -116,15 +138,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     try:
         check_backend(args.backend)
-        precision = DTYPE_FLAGS.get(args.dtype)
-        built, strategy = prepare(args.plan, args.model, args.variant, args.batch_size, args.seed,
-                                  None if precision else args.dtype, world, capture=args.capture)
-        if precision:
-            strategy = strategy.with_precision(precision)
-        if strategy.precision != "model":
-            raise ExecutorError(f"plan precision = {strategy.precision!r}: the executor runs 'model' precision "
-                                "only (mixed precision is simulated and searched, not yet run); give --dtype fp32")
         config = train_config(args)
+        built, strategy = prepare(args.plan, args.model, args.variant, args.batch_size, args.seed,
+                                  args.model_dtype, world, capture=args.capture,
+                                  precision=precision_flag(args.dtype))
     except (PlanError, ExecutorError, ValueError) as e:
         print(f"soapsearch run (rank {rank}): {e}", file=sys.stderr)
         return 2

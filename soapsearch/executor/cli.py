@@ -27,11 +27,12 @@ def _check_flags(args: argparse.Namespace) -> None:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from soapsearch.run import check_backend, to_argv
+    from soapsearch.run import check_backend, precision_flag, to_argv
 
     _check_flags(args)
     nproc = check_plan(args.plan, args.model, variant=args.variant, batch_size=args.batch_size,
-                       seed=args.seed, dtype=args.dtype, nproc=args.nproc, capture=args.capture)
+                       seed=args.seed, dtype=args.model_dtype, nproc=args.nproc, capture=args.capture,
+                       precision=precision_flag(args.dtype))
     check_backend(args.backend, nproc)  # one GPU per process: torchrun starts them all on this machine
     return launch(args.plan, to_argv(args)[1:], nproc)
 

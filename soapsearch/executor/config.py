@@ -3,6 +3,7 @@ One source of defaults; ``soapsearch.run`` maps its flags onto it (STYLE.md 6)."
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -27,6 +28,9 @@ class TrainConfig:
     """L2 penalty of either optimizer (elementwise, so a shard's update is the full update's slice)."""
     timeout_s: float = 300.0
     """Longest wait for any receive or collective before the run fails naming the peer."""
+    loss_scale: float = 2.0**16
+    """fp16 plans: the dynamic loss scaler's initial scale (``torch.amp.GradScaler``'s
+    ``init_scale``; a power of two, so scaling is exact); other precisions ignore it."""
 
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZERS:
@@ -35,6 +39,9 @@ class TrainConfig:
             raise ValueError(f"lr = {self.lr}: the learning rate must be > 0")
         if not 0 < self.timeout_s <= 1e9:  # false for nan too; inf would overflow the c10d timedelta
             raise ValueError(f"timeout = {self.timeout_s}: must be a number of seconds > 0 (and <= 1e9)")
+        if not (self.loss_scale > 0 and math.log2(self.loss_scale).is_integer()):
+            raise ValueError(f"loss_scale = {self.loss_scale}: must be a power of two > 0 (scaling the "
+                             "loss's gradient by it is then exact)")
 
 
 def make_optimizer(params: Iterable[torch.Tensor], cfg: TrainConfig) -> torch.optim.Optimizer:

@@ -33,10 +33,6 @@ def check_runnable(lowered: Lowered, world_size: int) -> None:
             f"{len(uncallable)} opaque op(s) have no rule and no recorded call to run: {what}; "
             "trace the model with soapsearch.trace, which records what the model called")
     check_scalar_loss(graph, ExecutorError)
-    if strategy.precision != "model":
-        raise ExecutorError(
-            f"plan precision = {strategy.precision!r}: the executor runs 'model' precision only "
-            "(mixed precision is simulated and searched, not yet run); give run --dtype fp32")
     if strategy.microbatches > 1:
         cache: dict[int, int] = {}
         for red in lowered.reductions:

@@ -52,6 +52,7 @@ from soapsearch.executor.comm import (P2P, BucketSum, Group, PendingSum, Process
 from soapsearch.executor.config import TrainConfig, make_optimizer
 from soapsearch.executor.errors import ExecutorError, check_runnable
 from soapsearch.executor.norm import batch_norm
+from soapsearch.executor.precision import Autocast, LossScaler, to_wire
 from soapsearch.executor.recipe import ROOT, SKIP, Piece, Recipe, Slot, receives_ahead, recipes
 from soapsearch.executor.shards import LocalWeights
 from strategies.graph import OpGraph
@@ -114,6 +115,9 @@ class Executor:
         self.weights = LocalWeights(low, state, self.rank, self.device)
         params = self.weights.parameters()
         self.optimizer = make_optimizer(params, config) if params else None
+        self.autocast = Autocast(strategy, self.device)
+        self.scaler = LossScaler(config, self.device) if strategy.precision == "fp16" else None
+        """fp16: the dynamic loss scale shared by every rank (``precision.LossScaler``)."""
         self.p2p = P2P(len(low.transfers), config.timeout_s, self.rank)
         order_all = device_order(low)
         order = order_all.get(self.rank, [])
@@ -188,12 +192,15 @@ class Executor:
             t0 = clock()
             self._divide_grads(riding=False)
             self._sync_grads()
+            finite = self.scaler.unscale(self.weights.parameters()) if self.scaler is not None else True
             t1 = clock()
             loss = self._step_loss()
             self.p2p.flush()
             t2 = clock()
-            if update and self.optimizer is not None:
+            if update and self.optimizer is not None and finite:  # fp16: a step with inf/nan is skipped
                 self.optimizer.step()
+            if update and self.scaler is not None:
+                self.scaler.update(finite)
             t3 = clock()
             value = loss() / self.strategy.microbatches
             if events is not None:
@@ -274,13 +281,14 @@ class Executor:
                     if s.leaf:
                         x = leaves[i] = x.requires_grad_()
                 inputs.append(x)
-            out = self.compute[r.id](inputs, {role: self.weights.view(name, index) for role, name, index in r.weights})
+            out = self.autocast.run(kind, self.compute[r.id], inputs,
+                                    {role: self.weights.view(name, index) for role, name, index in r.weights})
             self.leaves[r.id] = leaves
         self.outs[r.id] = out
         if r.loss and r.loss_sum is None:
             self.losses.append(out.detach())
-        if r.sends:
-            data = out.detach()
+        if r.sends:  # in the lowering's dtype (mixed precision: the compute dtype)
+            data = to_wire(out.detach(), getattr(torch, r.node.output.dtype))
             for s in r.sends:
                 self.p2p.send(data if s.src is None else data[s.src], s.peer, s.transfer, backward=False)
 
@@ -331,7 +339,8 @@ class Executor:
         me = c.devices.index(self.rank)
         if not backward:
             holder = self.by_key[(c.op, c.holders[me], c.microbatch)].id
-            self.shared[i] = run_collective(c.kind, self.outs[holder].detach(), group, c.dim)
+            dtype = getattr(torch, self.lowered.graph[c.op].output.dtype)  # mixed precision: the compute dtype
+            self.shared[i] = run_collective(c.kind, to_wire(self.outs[holder].detach(), dtype), group, c.dim)
             return
         grad = None
         for task, slot in self.collective_readers.get(i, ()):
@@ -341,7 +350,7 @@ class Executor:
                 grad = g if grad is None else grad + g
         if grad is None:
             grad = torch.zeros_like(self.shared[i])
-        self.shared_grad[i] = run_collective(c.backward_kind, grad, group, c.dim)
+        self.shared_grad[i] = run_collective(c.backward_kind, to_wire(grad, self.shared[i].dtype), group, c.dim)
 
     def _gather(self, s: Slot) -> torch.Tensor:
         """An input read from producers' outputs: detached unless ``s.link``; a piece that is
@@ -388,14 +397,14 @@ class Executor:
             g = leaf.grad if leaf is not None else None
             if g is None:
                 g = torch.zeros(s.shape, dtype=s.dtype, device=self.device)
-            self.p2p.send(g if s.src is None else g[s.src], s.peer, s.transfer, backward=True)
+            self.p2p.send(to_wire(g if s.src is None else g[s.src], s.dtype), s.peer, s.transfer, backward=True)
 
     def _output_grad(self, r: Recipe, out: torch.Tensor) -> torch.Tensor:
         """The seed of a partition of the graph's output (module docstring: 1/m, or 1/(m·C_j)
         once its loss's sum is known), else the sum of the gradient pieces of its consumers:
         their leaves' ``.grad`` on this rank, received from the others."""
         if r.seed is not None:
-            seed = torch.full_like(out, r.seed)
+            seed = torch.full_like(out, r.seed if self.scaler is None else r.seed * self.scaler.scale)
             ls = r.loss_sum
             if ls is not None and ls.count is None and ls.gates is not Gate.STEP:
                 seed = seed / self.sums[r.id][1].wait()[1]
@@ -410,8 +419,8 @@ class Executor:
                 if piece.src is not None:
                     g = g[piece.src]
             else:
-                g = self.p2p.recv(piece.shape, out.dtype, self.device, piece.peer, piece.transfer, True,
-                                  piece.what)
+                g = self.p2p.recv(piece.shape, getattr(torch, r.node.output.dtype), self.device, piece.peer,
+                                  piece.transfer, True, piece.what)
             if piece.into is None:
                 grad = g if grad is None else grad + g
             else:
@@ -422,7 +431,7 @@ class Executor:
                 grad = g if grad is None else grad + g
             else:
                 grad[into] += g
-        return grad if grad is not None else torch.zeros_like(out)
+        return to_wire(grad, out.dtype) if grad is not None else torch.zeros_like(out)
 
     # --- results ------------------------------------------------------------------------------
     def gradients(self) -> dict[str, torch.Tensor] | None:

@@ -36,6 +36,8 @@ class LocalWeights:
             regions.setdefault(s.name, []).append(s.region)
             trainable[s.name] = s.trainable
         self.origin: dict[str, Box] = {n: _bounding(bs) for n, bs in regions.items()}
+        self.dtypes = {name: t.dtype for name, t in state.items()}
+        """Weight name -> its dtype in the model (a mixed precision plan's master dtype, float32)."""
         self.tensors: dict[str, torch.Tensor] = {}
         for name, box in self.origin.items():
             if name not in state:
@@ -89,6 +91,8 @@ class LocalWeights:
                      for name, index in self.buckets.get(key, ())]
             extra = list(riders.get(key, ()))
             flat = torch.cat([g.reshape(-1) for g in grads] + [t.reshape(-1) for t in extra])
+            # mixed precision: reduced in the bucket's (compute) dtype, FSDP2's reduce_dtype
+            flat = flat.to(getattr(torch, key.dtype))
             work = dist.all_reduce(flat, group=groups.get(key.devices), async_op=True)
             pending.append((key, work, flat, grads, extra))
         sums = {}
@@ -112,7 +116,7 @@ class LocalWeights:
         out = {}
         for name in sorted(owned):
             like = self.tensors.get(name)
-            dtype = like.dtype if like is not None else getattr(torch, specs[name].dtype)
+            dtype = like.dtype if like is not None else self.dtypes[name]  # the model's (master) dtype
             full = torch.zeros(specs[name].shape, dtype=dtype, device=self.device)
             for s in owned[name]:
                 if s.devices[0] == self.rank:

@@ -1,10 +1,14 @@
 """The single-device truth the executor must equal: plain PyTorch training of the same model
 (torch.optim, autograd), with gradient accumulation over the plan's micro-batches, and the
 dropout masks the dropout rule draws (the only thing a split run cannot take from torch's
-global RNG)."""
+global RNG). A mixed precision plan's truth (``autocast``) is the same training under
+``torch.autocast(dtype)`` over the float32 model (its parameters are the master weights), for
+float16 with ``torch.amp.GradScaler``: the scaled loss's backward, ``unscale_`` before the
+gradients are read, a step skipped on inf/nan, the scale updated."""
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 
 from typing import Any, Sequence
@@ -37,14 +41,16 @@ class _Run(fx.Interpreter):
 
 
 def reference_train(model: torch.nn.Module, inputs: Sequence[Any], graph: OpGraph, cfg: TrainConfig,
-                    steps: int, microbatches: int = 1) -> dict[str, list]:
-    """Per step: the loss, every parameter's gradient and the state_dict after the update. Runs
+                    steps: int, microbatches: int = 1, autocast: torch.dtype | None = None) -> dict[str, list]:
+    """Per step: the loss, every parameter's gradient and the state_dict after the update (and,
+    for float16, the loss scale after it: ``scales``). ``autocast``: the forward runs under
+    ``torch.autocast(dtype=autocast)`` (float16: with a GradScaler of ``cfg.loss_scale``). Runs
     in a copy of the caller's context, so the dropout seed it sets does not leak into it."""
-    return contextvars.copy_context().run(_train, model, inputs, graph, cfg, steps, microbatches)
+    return contextvars.copy_context().run(_train, model, inputs, graph, cfg, steps, microbatches, autocast)
 
 
 def _train(model: torch.nn.Module, inputs: Sequence[Any], graph: OpGraph, cfg: TrainConfig,
-           steps: int, microbatches: int) -> dict[str, list]:
+           steps: int, microbatches: int, autocast: torch.dtype | None) -> dict[str, list]:
     if graph.capture == "fx":
         gm = _symbolic_trace(model)
         run = lambda j, mb: _Run(gm, graph, j, microbatches).run(*mb)  # noqa: E731
@@ -53,7 +59,10 @@ def _train(model: torch.nn.Module, inputs: Sequence[Any], graph: OpGraph, cfg: T
             "a torch.export-captured reference runs the model itself, whose dropout masks differ"
         run = lambda j, mb: model(*mb)  # noqa: E731
     opt = make_optimizer(model.parameters(), cfg)
-    out: dict[str, list] = {"losses": [], "grads": [], "states": []}
+    device = next(model.parameters()).device.type
+    ctx = (lambda: torch.autocast(device, dtype=autocast)) if autocast is not None else contextlib.nullcontext
+    scaler = torch.amp.GradScaler(device, init_scale=cfg.loss_scale) if autocast is torch.float16 else None
+    out: dict[str, list] = {"losses": [], "grads": [], "states": [], "scales": []}
     batch = inputs[0].shape[0]
     span = batch // microbatches
     for step in range(steps):
@@ -63,12 +72,21 @@ def _train(model: torch.nn.Module, inputs: Sequence[Any], graph: OpGraph, cfg: T
         for j in range(microbatches):
             mb = [x[j * span:(j + 1) * span] if isinstance(x, torch.Tensor) and x.dim() > 0 else x
                   for x in inputs]
-            loss = run(j, mb)
-            (loss / microbatches).backward()
+            with ctx():
+                loss = run(j, mb)
+            scaled = loss / microbatches
+            (scaler.scale(scaled) if scaler is not None else scaled).backward()
             total += loss.item() / microbatches
+        if scaler is not None:
+            scaler.unscale_(opt)
         out["losses"].append(total)
         out["grads"].append({k: p.grad.detach().clone() for k, p in model.named_parameters()
                              if p.grad is not None})
-        opt.step()
+        if scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+            out["scales"].append(scaler.get_scale())
+        else:
+            opt.step()
         out["states"].append({k: v.detach().clone() for k, v in model.state_dict().items()})
     return out

@@ -94,15 +94,3 @@ def test_search_dtype_reaches_the_found_plan(tmp_path, capsys):
                  "--proposals", "20", "--workers", "1", "--dtype", "bf16", "-o", str(path), "--json"]) == 0
     capsys.readouterr()
     assert json.loads(path.read_text())["precision"] == "bf16"
-
-
-def test_run_refuses_mixed_precision_in_one_line(tmp_path, capsys):
-    from soapsearch.run import main as run
-    path = tmp_path / "p.json"
-    assert main(["plan", "mlp", "--variant", "tiny", "--baseline", "data_parallel", "--devices", "1",
-                 "--topology", "a100-1x8", "--dtype", "bf16", "-o", str(path)]) == 0
-    capsys.readouterr()
-    for extra in ([], ["--dtype", "fp16"]):
-        assert run([str(path), "--model", "mlp", "--variant", "tiny", "--steps", "1", *extra]) == 2
-        err = capsys.readouterr().err
-        assert err.count("\n") == 1 and "precision = " in err and "'model' precision only" in err, err
