@@ -10,7 +10,7 @@ from typing import Callable, Sequence
 from strategies.config import ParallelConfig, check_degrees
 from strategies.errors import PlanError
 from strategies.graph import OpGraph, OpNode
-from strategies.megatron import megatron
+from strategies.megatron import megatron, megatron_blocks
 from strategies.region import partition_index
 from strategies.replicas import shardable
 from strategies.rules import get_rule
@@ -18,7 +18,7 @@ from strategies.stages import linear_partition
 from strategies.strategy import Strategy
 
 __all__ = ["BASELINES", "baseline", "data_parallel", "fsdp", "hybrid", "megatron", "model_parallel", "owt",
-           "param_split", "pipeline", "balanced_stages", "sharded", "zero1"]
+           "param_split", "pipeline", "balanced_stages", "recomputed", "sharded", "zero1"]
 
 _WHOLE = {"input", "parameter", "constant"}
 
@@ -74,6 +74,19 @@ def sharded(plan: Strategy, graph: OpGraph, zero: int) -> Strategy:
     to shard over)."""
     configs = {name: cfg.with_memory(zero=zero) if shardable(graph, plan, name) else cfg
                for name, cfg in plan.items()}
+    return Strategy.of(configs, plan.num_devices, plan.microbatches, plan.schedule, plan.precision)
+
+
+def recomputed(plan: Strategy, graph: OpGraph) -> Strategy:
+    """``plan`` with every op of every transformer block (``megatron_blocks``: the attention's
+    and the MLP's linears and the ops between them) recomputed in the backward: Korthikanti et
+    al. 2022's full recompute of a layer's blocks. A PlanError where the graph has no block."""
+    blocks = megatron_blocks(graph)
+    if not blocks:
+        raise PlanError(None, "recompute", True, f"model {graph.name!r} has no linear → attention → linear "
+                        "or linear → activation → linear block to recompute")
+    inside = {op for cols, mid, row in blocks for op in (*cols, *mid, row)}
+    configs = {name: cfg.with_memory(recompute=True) if name in inside else cfg for name, cfg in plan.items()}
     return Strategy.of(configs, plan.num_devices, plan.microbatches, plan.schedule, plan.precision)
 
 
@@ -201,13 +214,21 @@ BASELINES: dict[str, Callable[..., Strategy]] = {
 
 
 def baseline(name: str, graph: OpGraph, num_devices: int, microbatches: int | None = None,
-             tp: int | None = None, pp: int = 1, sequence_parallel: bool = False) -> Strategy:
+             tp: int | None = None, pp: int = 1, sequence_parallel: bool = False,
+             recompute: bool = False) -> Strategy:
     """The baseline plan ``name`` (one of BASELINES) for ``graph`` on ``num_devices``;
     ``microbatches``: of ``pipeline`` (default 4) and ``megatron`` (default 1); ``tp``, ``pp``,
     ``sequence_parallel``: ``megatron``'s tensor-parallel degree (default
-    ``strategies.megatron.default_tp``), pipeline stages and layout between its blocks."""
+    ``strategies.megatron.default_tp``), pipeline stages and layout between its blocks;
+    ``recompute``: every op of every transformer block recomputed (``recomputed``)."""
     if name not in BASELINES:
         raise PlanError(None, "baseline", name, f"must be one of {sorted(BASELINES)}")
+    plan = _baseline(name, graph, num_devices, microbatches, tp, pp, sequence_parallel)
+    return recomputed(plan, graph) if recompute else plan
+
+
+def _baseline(name: str, graph: OpGraph, num_devices: int, microbatches: int | None, tp: int | None, pp: int,
+              sequence_parallel: bool) -> Strategy:
     if name == "megatron":
         return megatron(graph, num_devices, tp, pp, 1 if microbatches is None else microbatches,
                         sequence_parallel)

@@ -86,3 +86,34 @@ def test_cli_plan_baseline_writes_version_3_with_the_level(tmp_path, capsys, kin
     assert ops["blocks_0_mlp_fc"]["zero"] == level and ops["blocks_0_mlp_fc"]["recompute"] is False
     assert all(ops[n.name]["zero"] == 0 for n in g if not any(w.trainable for w in n.weights))
     assert read_plan(out, g).strategy == baseline(kind, g, 4)
+
+
+@pytest.mark.parametrize("kind", ["fsdp", "megatron", "data_parallel"])
+def test_recompute_marks_every_op_of_every_block_and_nothing_else(kind):
+    from strategies.megatron import megatron_blocks
+    g = traced("gpt")
+    plan = baseline(kind, g, 2, recompute=True)
+    plan.validate(g)
+    inside = {op for cols, mid, row in megatron_blocks(g) for op in (*cols, *mid, row)}
+    assert len(inside) >= 20 and "blocks_0_attn_q" in inside and "blocks_1_mlp_proj" in inside
+    assert {op for op, cfg in plan.items() if cfg.recompute} == inside
+    plain = baseline(kind, g, 2)
+    assert all(cfg.with_memory(recompute=False) == plain[op] for op, cfg in plan.items())
+
+
+def test_recompute_without_a_block_is_refused_in_one_line(tmp_path, capsys):
+    from tests.conftest import cli_error
+    with pytest.raises(PlanError, match="recompute = True: model 'resnet101' has no linear → attention → linear"):
+        baseline("data_parallel", traced("resnet101"), 2, recompute=True)
+    line = cli_error(capsys, ["plan", "resnet101", "--variant", "tiny", "--baseline", "fsdp", "--devices", "2",
+                              "--recompute", "-o", str(tmp_path / "p.json")])
+    assert "recompute = True" in line
+
+
+def test_cli_plan_fsdp_with_recompute(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert main(["plan", "gpt", "--variant", "tiny", "--baseline", "fsdp", "--devices", "2", "--recompute",
+                 "-o", str(out)]) == 0
+    assert " zero3 recompute" in capsys.readouterr().out
+    ops = {o["name"]: o for o in json.loads(out.read_text())["ops"]}
+    assert ops["blocks_0_mlp_fc"]["recompute"] is True and ops["blocks_0_ln_1"]["recompute"] is False
