@@ -61,8 +61,8 @@ class SearchConfig:
     every op (``moves.Moves.recompute``)."""
     microbatch_move: float = 0.02
     """The probability that a proposal gives the plan another count of ``microbatch_choices``
-    (rejected unless every op's config stays valid with it; ``moves.Moves.microbatches``);
-    0: the chains keep ``microbatches``."""
+    or pipeline schedule (rejected unless every op's config stays valid with the count;
+    ``moves.Moves.microbatches``); 0: the chains keep ``microbatches`` and ``schedule``."""
     microbatch_choices: tuple[int, ...] = (1, 2, 4, 8)
     """The counts a micro-batch move draws from: those the batch divides and every op takes
     (``strategies.pieces.check_microbatches``), and ``microbatches`` itself."""

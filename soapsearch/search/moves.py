@@ -10,9 +10,10 @@ micro-batches (issue 21: memory is a searched resource).
 - **Recompute** (``ParallelConfig.recompute``): one op, one block (Korthikanti et al. 2022's
   full recompute of a layer's block) or every op, turned on, or off where all of them have it.
   Input, parameter and constant ops compute nothing kept for backward and never take it.
-- **Micro-batches**: the plan with another count of ``choices`` (its schedule kept). Every
-  op's config must stay valid with the new count (``validate_config``); where one does not,
-  the proposal is rejected before it is simulated. The op moves that follow draw from the
+- **Micro-batches**: the plan with another count of ``choices`` or another schedule (GPipe or
+  1F1B, where it has more than one micro-batch). Every op's config must stay valid with the
+  new count (``validate_config``); where one does not, the proposal is rejected before it is
+  simulated. The op moves that follow draw from the
   candidates of the plan's own count (``space``).
 
 Moves that change an op's degrees or devices (``mcmc``'s op and group moves, ``blockmove``)
@@ -35,7 +36,7 @@ from strategies.lowered import WEIGHT_KINDS
 from strategies.megatron import megatron_blocks
 from strategies.pieces import check_microbatches
 from strategies.replicas import shardable
-from strategies.strategy import Strategy
+from strategies.strategy import SCHEDULES, Strategy
 
 __all__ = ["MoveRates", "Moves", "Space", "keep", "microbatch_choices", "neighbor_ops"]
 
@@ -164,18 +165,22 @@ class Moves:
         return _set(current, ops, lambda cfg: cfg.with_memory(recompute=on))
 
     def microbatches(self, current: Strategy, rng: random.Random) -> Strategy | None:
-        """``current`` with another count of micro-batches; None where there is none or an op's
-        config is not valid with it."""
-        others = [m for m in self.choices if m != current.microbatches]
-        if not others:
+        """``current`` with another (micro-batches, schedule) pair: a count of ``choices`` and,
+        where it is more than one, GPipe or 1F1B (one micro-batch keeps the plan's schedule,
+        which then orders nothing); None where there is no other pair or an op's config is not
+        valid with the count."""
+        pairs = [(m, s) for m in self.choices for s in (SCHEDULES if m > 1 else (current.schedule,))
+                 if (m, s) != (current.microbatches, current.schedule if m > 1 else s)]
+        if not pairs:
             return None
-        m = rng.choice(others)
-        try:
-            for node in self.graph:
-                validate_config(node, current[node.name], self.num_devices, m)
-        except PlanError:
-            return None
-        return current.with_microbatches(m)
+        m, schedule = rng.choice(pairs)
+        if m != current.microbatches:
+            try:
+                for node in self.graph:
+                    validate_config(node, current[node.name], self.num_devices, m)
+            except PlanError:
+                return None
+        return current.with_microbatches(m, schedule)
 
 
 def _set(current: Strategy, ops: list[str], change) -> Strategy | None:

@@ -42,7 +42,7 @@ def test_every_kind_of_proposal_is_a_valid_plan(gpt):
     rng = random.Random(0)
     current = data_parallel(gpt, N)
     made = {"zero": 0, "recompute": 0, "microbatches": 0, "op": 0}
-    counts, levels = set(), set()
+    counts, levels, schedules = set(), set(), set()
     for i in range(600):
         kind = ("zero", "recompute", "microbatches", "op")[i % 4]
         if kind == "op":
@@ -68,13 +68,17 @@ def test_every_kind_of_proposal_is_a_valid_plan(gpt):
         if kind == "recompute":
             assert changed and len({proposal[op].recompute for op in changed}) == 1
         if kind == "microbatches":
-            assert proposal.microbatches != current.microbatches and not changed
+            assert not changed and (proposal.microbatches, proposal.schedule) != (current.microbatches,
+                                                                                   current.schedule)
+            assert proposal.microbatches != current.microbatches or proposal.microbatches > 1
+            schedules.add((proposal.microbatches > 1, proposal.schedule))
         counts.add(proposal.microbatches)
         levels |= {proposal[op].zero for op in proposal}
         if rng.random() < 0.8:
             current = proposal
     assert all(v >= 40 for v in made.values()), made
     assert counts == {1, 2, 4} and levels == {0, 1, 2, 3}
+    assert {(True, "gpipe"), (True, "1f1b")} <= schedules
 
 
 def test_a_micro_batch_count_a_config_cannot_take_is_rejected(gpt):
