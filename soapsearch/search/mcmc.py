@@ -142,6 +142,8 @@ def run_chain(init: Strategy, evaluate: Callable[[Strategy], SimResult],
     rates = moves.rates if moves is not None else None
     cut = (rates.microbatches, rates.microbatches + rates.zero,
            rates.microbatches + rates.zero + rates.recompute) if rates is not None else None
+    if cut is not None and not cut[-1]:  # no memory move: op and block moves alone
+        cut = None
 
     def space(m: int) -> Space:
         return first if m == init.microbatches or moves is None else moves.space(m)
