@@ -117,3 +117,14 @@ def test_cli_plan_fsdp_with_recompute(tmp_path, capsys):
     assert " zero3 recompute" in capsys.readouterr().out
     ops = {o["name"]: o for o in json.loads(out.read_text())["ops"]}
     assert ops["blocks_0_mlp_fc"]["recompute"] is True and ops["blocks_0_ln_1"]["recompute"] is False
+
+
+def test_show_plan_prints_the_level_and_recompute(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert main(["plan", "gpt", "--variant", "tiny", "--baseline", "fsdp", "--devices", "2", "--recompute",
+                 "-o", str(out)]) == 0
+    capsys.readouterr()
+    assert main(["show-plan", str(out)]) == 0
+    lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()[1:]}
+    assert lines["blocks_0_mlp_fc"].endswith("@ 0-1 zero3 recompute")
+    assert lines["blocks_0_ln_1"].endswith("@ 0-1 zero3") and lines["inputs"].endswith("@ 0-1")
