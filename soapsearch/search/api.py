@@ -145,7 +145,7 @@ def _accumulate(graph: OpGraph, n: int, evaluate: Evaluator, stats: ChainStats, 
     chain's start: the chains keep their micro-batches)."""
     for m in PIPELINE_MICROBATCHES:
         try:
-            plan = hybrid(graph, n, m).with_microbatches(m, "1f1b")
+            plan = evaluate.planned(hybrid(graph, n, m).with_microbatches(m, "1f1b"))
             result = evaluate(plan)
         except PlanError:
             continue

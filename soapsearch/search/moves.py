@@ -119,6 +119,7 @@ class Moves:
         self.weighted = [n.name for n in graph if any(w.trainable for w in n.weights)]
         self.computing = [n.name for n in graph if n.kind not in NO_RECOMPUTE]
         self.blocks = [(*cols, *mid, row) for cols, mid, row in megatron_blocks(graph)] if num_devices > 1 else []
+        self._replicated: dict[tuple[str, tuple[int, ...]], bool] = {}
 
     def space(self, m: int) -> Space:
         if m not in self.spaces:
@@ -144,12 +145,22 @@ class Moves:
             scope = "op"
         return list(ops) if scope == "all" else [rng.choice(ops)]
 
+    def _shardable(self, current: Strategy, op: str) -> bool:
+        """``strategies.replicas.shardable``, kept per (op, degrees) for an op that reads its own
+        weights (its replicas follow from its degrees alone)."""
+        if self.graph[op].kind in WEIGHT_KINDS:
+            return shardable(self.graph, current, op)
+        key = (op, current[op].degrees)
+        if key not in self._replicated:
+            self._replicated[key] = shardable(self.graph, current, op)
+        return self._replicated[key]
+
     def zero(self, current: Strategy, rng: random.Random) -> Strategy | None:
         """``current`` with a new sharding level on one op, one block's weighted ops or every
         weighted op (those whose shards have two replicas or more); None where none has."""
         if not self.weighted:
             return None
-        ops = [op for op in self._scope(self.weighted, rng) if shardable(self.graph, current, op)]
+        ops = [op for op in self._scope(self.weighted, rng) if self._shardable(current, op)]
         if not ops:
             return None
         level = rng.choice([z for z in ZERO_LEVELS if z != current[ops[0]].zero])
