@@ -117,7 +117,8 @@ def _cmd_plan(args) -> int:
                                     ("--sequence-parallel", args.sequence_parallel)) if v]
     if megatron_only and args.baseline != "megatron":
         raise ValueError(f"{megatron_only[0]} is a flag of --baseline megatron, not of --baseline {args.baseline}")
-    plan = baseline(args.baseline, graph, devices, args.microbatches, args.tp, args.pp, args.sequence_parallel)
+    plan = baseline(args.baseline, graph, devices, args.microbatches, args.tp, args.pp, args.sequence_parallel,
+                    args.recompute)
     plan = plan.with_precision(DTYPE_FLAGS[args.dtype])
     save_strategy(args.output, plan, graph, topology=topo.name)
     path = wrote(args.output)
@@ -216,6 +217,9 @@ def _parser() -> argparse.ArgumentParser:
                       help="--baseline megatron: cut the ops between the blocks (LayerNorm, residual, "
                            "dropout) on the sequence over each tensor-parallel group (Korthikanti et al. "
                            "2022) instead of on the samples")
+    plan.add_argument("--recompute", action="store_true",
+                      help="recompute every op of every transformer block in the backward (Korthikanti et al. "
+                           "2022's full recompute)")
     plan.add_argument("--dtype", default="fp32", choices=sorted(DTYPE_FLAGS),
                       help="the plan's precision: fp32 computes in the model's dtype, bf16/fp16 in mixed "
                            "precision (float32 master weights and optimizer state)")

@@ -13,8 +13,9 @@ traceable by ``torch.fx.symbolic_trace``.  Three variants exist per model:
   (``benchmarks/simulator_accuracy.py --variant small``), small enough for a laptop.
 * ``"tiny"`` -- a KB-sized model with small inputs for fast tests.
 
-``gpt`` also has ``"gpt3-1.3b"`` and ``"gpt3-6.7b"``: GPT-3 XL and GPT-3 6.7B's shapes (Brown et
-al. 2020, "Language Models are Few-Shot Learners", Table 2.1), to be built on the meta device.
+``gpt`` also has ``"gpt3-1.3b"``, ``"gpt3-6.7b"`` and ``"gpt3-13b"``: GPT-3 XL, 6.7B and 13B's
+shapes (Brown et al. 2020, "Language Models are Few-Shot Learners", Table 2.1), to be built on the
+meta device.
 
 Example::
 
@@ -55,10 +56,10 @@ from soapsearch._models import (
 
 __all__ = ["VARIANTS", "VARIANTS_HELP", "names", "describe", "config", "build"]
 
-VARIANTS: tuple[str, ...] = ("default", "small", "tiny", "gpt3-1.3b", "gpt3-6.7b")
-"""Known variants, in order: every model has the first three, gpt also the last two."""
+VARIANTS: tuple[str, ...] = ("default", "small", "tiny", "gpt3-1.3b", "gpt3-6.7b", "gpt3-13b")
+"""Known variants, in order: every model has the first three, gpt also the last three."""
 VARIANTS_HELP = ("default (the paper's scale), small (a laptop's) or tiny (fast tests); gpt also gpt3-1.3b, "
-                 "gpt3-6.7b (GPT-3's shapes)")
+                 "gpt3-6.7b, gpt3-13b (GPT-3's shapes)")
 """The variants in the words of every --variant help."""
 
 # FlexFlow's reference code trains with 64 samples per GPU (nmt/nmt.cc: bs_per_worker = 64;
@@ -215,9 +216,10 @@ _REGISTRY: dict[str, _Entry] = {
     # Not in the paper.  Default = GPT-2 small (Radford et al. 2019: 12 layers, 12 heads, 768
     # wide, 1024 context, 50257 BPE vocab, dropout 0.1); batch 12 as in nanoGPT's
     # config/train_gpt2.py (per GPU).  ~124M parameters (lm_head untied: +38.6M).
-    # gpt3-1.3b / gpt3-6.7b = Brown et al. 2020, Table 2.1: GPT-3 XL (24 layers, d_model 2048,
-    # 16 heads of 128) and GPT-3 6.7B (32 layers, d_model 4096, 32 heads of 128), context 2048,
-    # GPT-2's vocabulary, embeddings tied (1.316B and 6.658B parameters).  Batch 1 sequence per
+    # gpt3-1.3b / gpt3-6.7b / gpt3-13b = Brown et al. 2020, Table 2.1: GPT-3 XL (24 layers,
+    # d_model 2048, 16 heads of 128), GPT-3 6.7B (32 layers, d_model 4096, 32 heads of 128) and
+    # GPT-3 13B (40 layers, 40 heads of 128: d_model 5120, which the table prints as 5140),
+    # context 2048, GPT-2's vocabulary, embeddings tied (1.316B, 6.658B and 12.85B parameters).  Batch 1 sequence per
     # GPU: Megatron-LM's --micro-batch-size 1 of its GPT-3 scripts
     # (examples/gpt3/train_gpt3_175b_distributed.sh), the 0.5M-2M-token batches of Table 2.1
     # being reached by accumulating such micro-batches.
@@ -230,8 +232,10 @@ _REGISTRY: dict[str, _Entry] = {
             "tiny": GPTConfig(n_layer=2, n_head=2, n_embd=16, seq_len=8, vocab_size=50),
             "gpt3-1.3b": GPTConfig(n_layer=24, n_head=16, n_embd=2048, seq_len=2048, tie_embeddings=True),
             "gpt3-6.7b": GPTConfig(n_layer=32, n_head=32, n_embd=4096, seq_len=2048, tie_embeddings=True),
+            "gpt3-13b": GPTConfig(n_layer=40, n_head=40, n_embd=5120, seq_len=2048, tie_embeddings=True),
         },
-        {"default": 12, "small": _SMALL_BATCH, "tiny": _TINY_BATCH, "gpt3-1.3b": 1, "gpt3-6.7b": 1},
+        {"default": 12, "small": _SMALL_BATCH, "tiny": _TINY_BATCH, "gpt3-1.3b": 1, "gpt3-6.7b": 1,
+         "gpt3-13b": 1},
         _lm_inputs,
     ),
     # Not in the paper.  Default = LLaMA-3 8B (Dubey et al. 2024, "The Llama 3 Herd of Models",

@@ -1,5 +1,6 @@
-"""Baseline plans an expert would write: data parallel, model parallel, OWT, pipeline, and
-data x tensor parallel (``hybrid``) for a batch the devices do not divide."""
+"""Baseline plans an expert would write: data parallel, ZeRO-1 and FSDP (data parallel with
+its replicated state sharded), model parallel, OWT, pipeline, and data x tensor parallel
+(``hybrid``) for a batch the devices do not divide."""
 
 from __future__ import annotations
 
@@ -9,14 +10,15 @@ from typing import Callable, Sequence
 from strategies.config import ParallelConfig, check_degrees
 from strategies.errors import PlanError
 from strategies.graph import OpGraph, OpNode
-from strategies.megatron import megatron
+from strategies.megatron import megatron, megatron_blocks
 from strategies.region import partition_index
+from strategies.replicas import shardable
 from strategies.rules import get_rule
 from strategies.stages import linear_partition
 from strategies.strategy import Strategy
 
-__all__ = ["BASELINES", "baseline", "data_parallel", "hybrid", "megatron", "model_parallel", "owt", "param_split",
-           "pipeline", "balanced_stages"]
+__all__ = ["BASELINES", "baseline", "data_parallel", "fsdp", "hybrid", "megatron", "model_parallel", "owt",
+           "param_split", "pipeline", "balanced_stages", "recomputed", "sharded", "zero1"]
 
 _WHOLE = {"input", "parameter", "constant"}
 
@@ -63,6 +65,44 @@ def data_parallel(graph: OpGraph, num_devices: int) -> Strategy:
     devices = tuple(range(num_devices))
     return Strategy.of({n.name: _split_one(n, n.sample_dim, num_devices, devices) or _whole(n)
                         for n in graph}, num_devices)
+
+
+def sharded(plan: Strategy, graph: OpGraph, zero: int) -> Strategy:
+    """``plan`` with sharding level ``zero`` on every op whose trainable weight shards have two
+    replicas or more (``strategies.replicas.shardable``); every other op keeps level 0 (an op
+    with no trainable weight may not take one, and a shard held by one device has no replicas
+    to shard over)."""
+    configs = {name: cfg.with_memory(zero=zero) if shardable(graph, plan, name) else cfg
+               for name, cfg in plan.items()}
+    return Strategy.of(configs, plan.num_devices, plan.microbatches, plan.schedule, plan.precision)
+
+
+def recomputed(plan: Strategy, graph: OpGraph) -> Strategy:
+    """``plan`` with every op of every transformer block (``megatron_blocks``: the attention's
+    and the MLP's linears and the ops between them) recomputed in the backward: Korthikanti et
+    al. 2022's full recompute of a layer's blocks. A PlanError where the graph has no block."""
+    blocks = megatron_blocks(graph)
+    if not blocks:
+        raise PlanError(None, "recompute", True, f"model {graph.name!r} has no linear → attention → linear "
+                        "or linear → activation → linear block to recompute")
+    inside = {op for cols, mid, row in blocks for op in (*cols, *mid, row)}
+    configs = {name: cfg.with_memory(recompute=True) if name in inside else cfg for name, cfg in plan.items()}
+    return Strategy.of(configs, plan.num_devices, plan.microbatches, plan.schedule, plan.precision)
+
+
+def zero1(graph: OpGraph, num_devices: int) -> Strategy:
+    """Data parallel with ZeRO stage 1 (Rajbhandari et al. 2020): each weight's optimizer state
+    Shard(0) over its replicas, gradients reduce-scattered, weights all-gathered after the
+    update (DeepSpeed's ``stage: 1``, Megatron-LM's distributed optimizer)."""
+    return sharded(data_parallel(graph, num_devices), graph, 1)
+
+
+def fsdp(graph: OpGraph, num_devices: int) -> Strategy:
+    """Data parallel with every weighted op at ZeRO stage 3: FSDP2's ``fully_shard`` of every
+    module (Zhao et al. 2023, "PyTorch FSDP"): weights, gradients and optimizer state Shard(0)
+    over all devices, each weight all-gathered before its op's forward and again before its
+    backward, gradients reduce-scattered."""
+    return sharded(data_parallel(graph, num_devices), graph, 3)
 
 
 def hybrid(graph: OpGraph, num_devices: int, microbatches: int = 1) -> Strategy:
@@ -163,22 +203,32 @@ def param_split(graph: OpGraph, num_devices: int) -> Strategy:
 
 BASELINES: dict[str, Callable[..., Strategy]] = {
     "data_parallel": data_parallel,
+    "fsdp": fsdp,
     "hybrid": hybrid,
     "megatron": megatron,
     "model_parallel": model_parallel,
     "owt": owt,
     "pipeline": pipeline,
+    "zero1": zero1,
 }
 
 
 def baseline(name: str, graph: OpGraph, num_devices: int, microbatches: int | None = None,
-             tp: int | None = None, pp: int = 1, sequence_parallel: bool = False) -> Strategy:
+             tp: int | None = None, pp: int = 1, sequence_parallel: bool = False,
+             recompute: bool = False) -> Strategy:
     """The baseline plan ``name`` (one of BASELINES) for ``graph`` on ``num_devices``;
     ``microbatches``: of ``pipeline`` (default 4) and ``megatron`` (default 1); ``tp``, ``pp``,
     ``sequence_parallel``: ``megatron``'s tensor-parallel degree (default
-    ``strategies.megatron.default_tp``), pipeline stages and layout between its blocks."""
+    ``strategies.megatron.default_tp``), pipeline stages and layout between its blocks;
+    ``recompute``: every op of every transformer block recomputed (``recomputed``)."""
     if name not in BASELINES:
         raise PlanError(None, "baseline", name, f"must be one of {sorted(BASELINES)}")
+    plan = _baseline(name, graph, num_devices, microbatches, tp, pp, sequence_parallel)
+    return recomputed(plan, graph) if recompute else plan
+
+
+def _baseline(name: str, graph: OpGraph, num_devices: int, microbatches: int | None, tp: int | None, pp: int,
+              sequence_parallel: bool) -> Strategy:
     if name == "megatron":
         return megatron(graph, num_devices, tp, pp, 1 if microbatches is None else microbatches,
                         sequence_parallel)

@@ -153,7 +153,8 @@ def _reads_locally(graph: OpGraph, node: OpNode, cfg: ParallelConfig, configs: d
 
 
 def _shift(cfg: ParallelConfig, first: int) -> ParallelConfig:
-    return cfg if first == 0 else ParallelConfig(cfg.degrees, tuple(x + first for x in cfg.devices))
+    return cfg if first == 0 else ParallelConfig(cfg.degrees, tuple(x + first for x in cfg.devices), cfg.zero,
+                                                 cfg.recompute)
 
 
 def block_layout(graph: OpGraph, block: Block, d: int, t: int, m: int = 1,

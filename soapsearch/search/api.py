@@ -21,6 +21,7 @@ from soapsearch.api import DEFAULT_TOPOLOGY
 from soapsearch.search.chains import Chain, Progress, default_workers, run_chains
 from soapsearch.search.config import SearchConfig, search_config
 from soapsearch.search.mcmc import Budget, ChainStats, candidate_configs, consider, neighbor_ops, plan_cost
+from soapsearch.search.moves import MoveRates, Moves, Space, microbatch_choices
 from soapsearch.trace import check_scalar_loss, trace
 from strategies import (OpGraph, PlanError, Strategy, baseline, load_strategy, save_strategy)
 from strategies.baselines import BASELINES, hybrid
@@ -108,11 +109,13 @@ def best_baselines(graph: OpGraph, num_devices: int, evaluate: Evaluator
                    ) -> tuple[dict[str, Strategy], dict[str, SimResult]]:
     """Each baseline that is valid for this graph, simulated; ``pipeline`` is the best of
     GPipe and 1F1B over 2, 4 and 8 micro-batches; ``hybrid`` (data x tensor parallel) only
-    where the batch does not divide by the devices (else it is data parallel); ``megatron``
-    only where the graph has a transformer's blocks (``strategies.megatron.megatron_blocks``)."""
+    where the batch does not divide by the devices (else it is data parallel); ``zero1`` and
+    ``fsdp`` (data parallel with its replicated state sharded) on more than one device;
+    ``megatron`` only where the graph has a transformer's blocks
+    (``strategies.megatron.megatron_blocks``)."""
     plans: dict[str, Strategy] = {}
     results: dict[str, SimResult] = {}
-    names = ["data_parallel", "hybrid", "model_parallel", "owt"]
+    names = ["data_parallel", "hybrid", "model_parallel", "owt"] + (["zero1", "fsdp"] if num_devices > 1 else [])
     if num_devices > 1 and megatron_blocks(graph):
         names.append("megatron")
     for name in names:
@@ -142,7 +145,7 @@ def _accumulate(graph: OpGraph, n: int, evaluate: Evaluator, stats: ChainStats, 
     chain's start: the chains keep their micro-batches)."""
     for m in PIPELINE_MICROBATCHES:
         try:
-            plan = hybrid(graph, n, m).with_microbatches(m, "1f1b")
+            plan = evaluate.planned(hybrid(graph, n, m).with_microbatches(m, "1f1b"))
             result = evaluate(plan)
         except PlanError:
             continue
@@ -219,6 +222,10 @@ def search(model: torch.nn.Module | OpGraph, example_inputs: Sequence[Any] | Non
     plans, results = best_baselines(graph, n, evaluate)
     node_size = topo.node_size if topo.node_size and topo.node_size < n else None
     candidates = candidate_configs(graph, n, microbatches, node_size)
+    moves = Moves(graph, n, MoveRates(config.zero_move, config.recompute_move, config.microbatch_move),
+                  microbatch_choices(graph, config.microbatch_choices, microbatches), node_size,
+                  {microbatches: Space(candidates, neighbor_ops(graph, candidates),
+                                       BlockMoves(graph, n, microbatches) or None)})
     stats = ChainStats()
     for name, plan in plans.items():  # the answer is never worse than an expert's plan
         consider(stats, plan, results[name], plan_cost(results[name]), started)
@@ -241,8 +248,8 @@ def search(model: torch.nn.Module | OpGraph, example_inputs: Sequence[Any] | Non
             for i in range(count)]
     stats, interrupted = run_chains(work, evaluate, candidates, stats, started, beta=config.beta,
                                     reset_every=config.reset_every, workers=workers, on_step=on_step,
-                                    neighbors=neighbor_ops(graph, candidates),
-                                    blocks=BlockMoves(graph, n, microbatches) or None)
+                                    neighbors=moves.spaces[microbatches].neighbors,
+                                    blocks=moves.spaces[microbatches].blocks, moves=moves)
     if stats.best is None:  # interrupted before the first chain scored its start
         stats.best = inits[0]
     best = evaluate(stats.best, summary=True)  # chains score without busy times / bytes moved

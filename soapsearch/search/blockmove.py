@@ -69,8 +69,9 @@ class BlockMoves:
         return g, 1, first
 
     def propose(self, current: Strategy, rng: random.Random) -> Strategy | None:
-        """``current`` with one random block given one random layout; None where that layout
-        cannot be written for the block or changes nothing."""
+        """``current`` with one random block given one random layout (each op keeping its
+        sharding level and recompute); None where that layout cannot be written for the block
+        or changes nothing."""
         b = rng.randrange(len(self.blocks))
         choice = self._neighbours(b, current) if rng.random() < 0.25 else rng.choice(self.layouts)
         configs = self.layout(b, *choice) if choice is not None else None
@@ -78,6 +79,9 @@ class BlockMoves:
             return None
         plan = current
         for op, cfg in configs.items():
-            if plan[op] != cfg:
+            old = plan[op]
+            if (old.zero, old.recompute) != (cfg.zero, cfg.recompute):  # the op keeps its memory choices
+                cfg = cfg.with_memory(old.zero, old.recompute)
+            if old != cfg:
                 plan = plan.replace(op, cfg)
         return None if plan is current else plan

@@ -19,7 +19,8 @@ from typing import Any, Callable, NamedTuple
 
 from simulator.result import SimResult
 from soapsearch.search.blockmove import BlockMoves
-from soapsearch.search.mcmc import Budget, ChainStats, run_chain
+from soapsearch.search.mcmc import Budget, ChainStats, rank, run_chain
+from soapsearch.search.moves import Moves
 from strategies.config import ParallelConfig
 from strategies.strategy import Strategy
 
@@ -65,10 +66,11 @@ def run_chains(chains: list[Chain], evaluate: Callable[[Strategy], SimResult],
                beta: float | None, reset_every: int, workers: int,
                on_step: Callable[[Progress], None] | None = None,
                neighbors: dict[str, tuple[str, ...]] | None = None,
-               blocks: BlockMoves | None = None) -> tuple[ChainStats, bool]:
+               blocks: BlockMoves | None = None, moves: Moves | None = None) -> tuple[ChainStats, bool]:
     """Every chain from a copy of ``base`` (the scored baselines), ``workers`` at a time; the
     merged stats (``merge``) and whether Ctrl-C stopped the search. ``workers`` > 1 forks; a
-    chain's error is raised here as it was raised there."""
+    chain's error is raised here as it was raised there. ``neighbors``, ``blocks`` and ``moves``:
+    ``mcmc.run_chain``'s."""
     if workers < 1:
         raise ValueError(f"search workers = {workers}: must be >= 1")
     if workers > 1 and len(chains) > 1:
@@ -76,14 +78,14 @@ def run_chains(chains: list[Chain], evaluate: Callable[[Strategy], SimResult],
             raise ValueError(f"search workers = {workers}: this platform cannot fork worker processes; "
                              "use workers=1")
         results, interrupted = _forked(chains, evaluate, candidates, base, started, beta, reset_every,
-                                       workers, on_step, neighbors, blocks)
+                                       workers, on_step, neighbors, blocks, moves)
     else:
         results, interrupted = _in_turn(chains, evaluate, candidates, base, started, beta, reset_every,
-                                        on_step, neighbors, blocks)
+                                        on_step, neighbors, blocks, moves)
     return merge(base, results), interrupted
 
 
-def _in_turn(chains, evaluate, candidates, base, started, beta, reset_every, on_step, neighbors, blocks):
+def _in_turn(chains, evaluate, candidates, base, started, beta, reset_every, on_step, neighbors, blocks, moves):
     rows = _rows([0.0] * (_FIELDS * len(chains)), base)
     results: list[ChainStats] = []
     for i, chain in enumerate(chains):
@@ -97,7 +99,8 @@ def _in_turn(chains, evaluate, candidates, base, started, beta, reset_every, on_
 
         try:
             run_chain(chain.start, evaluate, candidates, chain.budget, chain_rng(chain.seed, i),
-                      beta, reset_every, stats, started, on_step=step, neighbors=neighbors, blocks=blocks)
+                      beta, reset_every, stats, started, on_step=step, neighbors=neighbors, blocks=blocks,
+                      moves=moves)
         except KeyboardInterrupt:
             results.append(stats)
             return results, True
@@ -133,7 +136,8 @@ def _progress(rows, base: ChainStats) -> Progress:
                     min([_best_ms(base), *rows[2::_FIELDS]]))
 
 
-def _forked(chains, evaluate, candidates, base, started, beta, reset_every, workers, on_step, neighbors, blocks):
+def _forked(chains, evaluate, candidates, base, started, beta, reset_every, workers, on_step, neighbors, blocks,
+            moves):
     ctx = multiprocessing.get_context("fork")
     shared = _rows(ctx.RawArray("d", _FIELDS * len(chains)), base)
     stop = ctx.RawValue("b", 0)
@@ -150,7 +154,7 @@ def _forked(chains, evaluate, candidates, base, started, beta, reset_every, work
                     recv, send = ctx.Pipe(duplex=False)
                     proc = ctx.Process(target=_worker, daemon=True,
                                        args=(send, i, chains[i], evaluate, candidates, base, started, beta,
-                                             reset_every, shared, stop, neighbors, blocks))
+                                             reset_every, shared, stop, neighbors, blocks, moves))
                     running[recv] = (i, proc)
                     try:
                         proc.start()
@@ -203,7 +207,7 @@ def _close(conn, proc, terminate: bool = False) -> None:
 
 
 def _worker(conn, i, chain, evaluate, candidates, base, started, beta, reset_every, shared, stop,
-            neighbors, blocks) -> None:
+            neighbors, blocks, moves) -> None:
     """A forked chain: runs until its budget or the parent's stop flag, then sends its stats."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides: it raises the stop flag
     write = _writer(shared, i, base)
@@ -211,7 +215,7 @@ def _worker(conn, i, chain, evaluate, candidates, base, started, beta, reset_eve
         stats = _fresh(base)
         run_chain(chain.start, evaluate, candidates, chain.budget, chain_rng(chain.seed, i), beta,
                   reset_every, stats, started, should_stop=lambda: bool(stop.value),
-                  on_step=lambda s, _cost: write(s), neighbors=neighbors, blocks=blocks)
+                  on_step=lambda s, _cost: write(s), neighbors=neighbors, blocks=blocks, moves=moves)
         write(stats)
         conn.send(("ok", stats))
     except BaseException as e:  # noqa: BLE001 - raised again in the parent, as with one worker
@@ -249,12 +253,12 @@ def merge(base: ChainStats, results: list[ChainStats]) -> ChainStats:
         events += zip(stats.history[len(base.history):], stats.ranks[len(base.ranks):])
         if stats.best_result is not None and (
                 out.best_result is None
-                or (stats.best_result.fits, -stats.best_cost) > (out.best_result.fits, -out.best_cost)):
+                or rank(stats.best_result.fits, stats.best_cost) < rank(out.best_result.fits, out.best_cost)):
             out.best, out.best_cost, out.best_result = stats.best, stats.best_cost, stats.best_result
-    best = max(((fits, -cost) for fits, cost in out.ranks), default=None)
+    best = min((rank(fits, cost) for fits, cost in out.ranks), default=None)
     for entry, (fits, cost) in sorted(events, key=lambda e: e[0][0]):
-        if best is None or (fits, -cost) > best:
+        if best is None or rank(fits, cost) < best:
             out.history.append(entry)
             out.ranks.append((fits, cost))
-            best = (fits, -cost)
+            best = rank(fits, cost)
     return out

@@ -66,7 +66,7 @@ def add_search_parsers(sub, model_args, graph_of) -> None:
                          "implies --optuna")
     sp.add_argument("--study-name", default=None, help="name of the study in --study")
     sp.set_defaults(fn=lambda args: _cmd_search(args, graph_of))
-    show = sub.add_parser("show-plan", help="print a plan: per op its degrees and devices")
+    show = sub.add_parser("show-plan", help="print a plan: per op its degrees, devices, ZeRO level and recompute")
     show.add_argument("plan")
     show.add_argument("--png", default=None, help="also draw op x device placement (matplotlib)")
     show.set_defaults(fn=_cmd_show_plan)
@@ -169,7 +169,8 @@ def _cmd_show_plan(args) -> int:
         cuts = [f"{d}={g}" if dims else f"{g}" for d, g in itertools.zip_longest(dims, cfg.degrees, fillvalue="?")
                 if isinstance(g, int) and g > 1]
         kind = o.get("kind") if isinstance(o.get("kind"), str) else ""
-        print(f"  {name:{width}s}  {kind:12s} {'·'.join(cuts)} @ {format_devices(cfg.devices)}")
+        memory = (f" zero{cfg.zero}" if cfg.zero else "") + (" recompute" if cfg.recompute else "")
+        print(f"  {name:{width}s}  {kind:12s} {'·'.join(cuts)} @ {format_devices(cfg.devices)}{memory}")
     if args.png:
         _draw(plt, [{"name": name, "devices": list(cfg.devices)} for name, cfg in plan.configs],
               plan.num_devices, args.png)

@@ -53,6 +53,19 @@ class SearchConfig:
     """The plans' precision (``strategies.strategy.PRECISIONS``): ``model`` computes in the
     model's dtype, ``bf16``/``fp16`` in mixed precision (the simulator's peak, bytes and memory
     follow)."""
+    zero_move: float = 0.05
+    """The probability that a proposal sets a sharding level (ZeRO 0-3) of one weighted op, one
+    block's or every one's (``moves.Moves.zero``)."""
+    recompute_move: float = 0.05
+    """The probability that a proposal turns recompute on or off for one op, one block's ops or
+    every op (``moves.Moves.recompute``)."""
+    microbatch_move: float = 0.02
+    """The probability that a proposal gives the plan another count of ``microbatch_choices``
+    or pipeline schedule (rejected unless every op's config stays valid with the count;
+    ``moves.Moves.microbatches``); 0: the chains keep ``microbatches`` and ``schedule``."""
+    microbatch_choices: tuple[int, ...] = (1, 2, 4, 8)
+    """The counts a micro-batch move draws from: those the batch divides and every op takes
+    (``strategies.pieces.check_microbatches``), and ``microbatches`` itself."""
     num_devices: int | None = None
     """Plan for only the first N devices of the topology; None: all of them."""
     reset_every: int = 500
@@ -87,6 +100,19 @@ class SearchConfig:
             raise ValueError(f"search optimizer = {self.optimizer!r}: must be one of {list(OPTIMIZER_STATE)}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"search precision = {self.precision!r}: must be one of {list(PRECISIONS)}")
+        rates = {"zero_move": self.zero_move, "recompute_move": self.recompute_move,
+                 "microbatch_move": self.microbatch_move}
+        for name, p in rates.items():
+            if not (isinstance(p, (int, float)) and not isinstance(p, bool) and 0 <= p <= 1):
+                raise ValueError(f"search {name} = {p!r}: a probability is a number in [0, 1]")
+        if sum(rates.values()) > 1:
+            raise ValueError(f"search zero_move + recompute_move + microbatch_move = "
+                             f"{' + '.join(f'{p:g}' for p in rates.values())} = {sum(rates.values()):g}: "
+                             "the probabilities of a proposal's kinds must sum to at most 1")
+        choices = tuple(self.microbatch_choices)
+        object.__setattr__(self, "microbatch_choices", choices)
+        if not choices or not all(whole(m) and m >= 1 for m in choices):
+            raise ValueError(f"search microbatch_choices = {list(choices)!r}: must be whole numbers >= 1")
         if self.beta is not None and not positive(self.beta):
             raise ValueError(f"search beta = {self.beta!r}: must be a finite number > 0 (per ms) or None")
 

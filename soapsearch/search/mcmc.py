@@ -8,12 +8,16 @@ redistributions between them that single-op moves must cross; the reverse of suc
 not always one, so the chain is a search, not an exact sampler). Where the graph has
 Megatron-shaped blocks, a proposal is instead, with probability ``blockmove.BLOCK`` (0.1), a
 block move: one block's column linears, middle ops and row linear set to one tensor-parallel
-(or data-parallel) layout together (``blockmove.py``). Every proposal is accepted with probability
-min(1, exp(−β · (cost(new) − cost(current)))) (Metropolis et al. 1953), cost in milliseconds.
-A plan that does not fit in device memory costs its time × (1 + 10 · overflow), overflow being
-the worst device's peak / capacity − 1, so chains can cross such plans but the best is always
-one that fits (when any does). A chain resets to the best plan every ``reset_every`` proposals,
-and stops early when the best has not improved for half its budget.
+(or data-parallel) layout together (``blockmove.py``). With the rates of ``moves.MoveRates``, a
+proposal is instead a sharding-level, recompute or micro-batch move (``moves.py``); an op,
+group or block move keeps each op's sharding level and recompute. Every proposal is accepted
+with probability min(1, exp(−β · (cost(new) − cost(current)))) (Metropolis et al. 1953), cost
+in milliseconds. A plan that does not fit in device memory costs its time × (1 + 10 ·
+overflow), overflow being the worst device's peak / capacity − 1, so chains can cross such
+plans; a proposal that fits is always accepted from one that does not, and plans are ranked
+lexicographically (``rank``): any plan that fits beats any plan that does not, so the best is
+one that fits whenever a chain has seen one. A chain resets to the best plan every
+``reset_every`` proposals, and stops early when the best has not improved for half its budget.
 """
 
 from __future__ import annotations
@@ -29,11 +33,13 @@ from typing import Callable
 from simulator.result import SimResult
 from simulator.simulate import paused_gc
 from soapsearch.search.blockmove import BLOCK, BlockMoves
+from soapsearch.search.moves import Moves, Space, keep, neighbor_ops
 from strategies.config import ParallelConfig, enumerate_configs
 from strategies.graph import OpGraph
 from strategies.strategy import Strategy
 
-__all__ = ["Budget", "ChainStats", "candidate_configs", "consider", "neighbor_ops", "plan_cost", "run_chain"]
+__all__ = ["Budget", "ChainStats", "accept", "candidate_configs", "consider", "neighbor_ops", "plan_cost", "rank",
+           "run_chain"]
 
 OVERFLOW_PENALTY = 10.0
 GROUP = 0.2
@@ -116,26 +122,34 @@ def run_chain(init: Strategy, evaluate: Callable[[Strategy], SimResult],
               started: float | None = None, should_stop: Callable[[], bool] = lambda: False,
               on_step: Callable[[ChainStats, float], None] | None = None,
               neighbors: dict[str, tuple[str, ...]] | None = None,
-              blocks: BlockMoves | None = None) -> ChainStats:
+              blocks: BlockMoves | None = None, moves: Moves | None = None) -> ChainStats:
     """One chain from ``init``. ``beta`` (per ms) defaults to BETA_C / cost(init) (200: a
     proposal 0.5 % worse than the start is accepted with probability 1/e). Runs with the
-    cyclic collector paused (``paused_gc``). ``neighbors`` (op -> its producers and consumers,
-    ``neighbor_ops``) enables the group moves, ``blocks`` (where it has any) the block moves."""
+    cyclic collector paused (``paused_gc``). ``candidates`` are the op moves' configs for
+    ``init``'s micro-batches; ``neighbors`` (op -> its producers and consumers,
+    ``neighbor_ops``) enables the group moves, ``blocks`` (where it has any) the block moves;
+    ``moves`` the sharding-level, recompute and micro-batch moves at its rates, and the op
+    moves' configs for other counts of micro-batches (``moves.Moves.space``)."""
     stats = stats or ChainStats()
     started = time.perf_counter() if started is None else started
     t0 = time.perf_counter()
     current = init
     result = evaluate(current)
-    cur_cost = plan_cost(result)
+    cur_cost, cur_fits = plan_cost(result), result.fits
     beta = BETA_C / max(cur_cost, 1e-9) if beta is None else beta
     consider(stats, current, result, cur_cost, started)
-    ops = [op for op, cfgs in candidates.items() if len(cfgs) > 1]
-    on_devices: dict[tuple[str, tuple[int, ...]], list[ParallelConfig]] = {}
-    for name, cfgs in candidates.items():
-        for c in cfgs:
-            on_devices.setdefault((name, c.devices), []).append(c)
+    first = Space(candidates, neighbors, blocks)
+    rates = moves.rates if moves is not None else None
+    cut = (rates.microbatches, rates.microbatches + rates.zero,
+           rates.microbatches + rates.zero + rates.recompute) if rates is not None else None
+    if cut is not None and not cut[-1]:  # no memory move: op and block moves alone
+        cut = None
+
+    def space(m: int) -> Space:
+        return first if m == init.microbatches or moves is None else moves.space(m)
+
     gain_n, gain_t, n = 0, 0.0, 0  # proposals and seconds at the last improvement
-    while ops and not should_stop():
+    while (first.ops or cut) and not should_stop():
         elapsed = time.perf_counter() - t0
         if budget.seconds is not None and (elapsed >= budget.seconds or elapsed - gain_t > budget.seconds / 2):
             break
@@ -143,53 +157,62 @@ def run_chain(init: Strategy, evaluate: Callable[[Strategy], SimResult],
             break
         n += 1
         stats.proposals += 1
-        block = bool(blocks) and rng.random() < BLOCK
-        if block:
-            proposal = blocks.propose(current, rng)
-            if proposal is None:
-                continue
-        else:
-            op = rng.choice(ops)
-            cfg = rng.choice(candidates[op])
-            if cfg == current[op]:
-                continue
-            proposal = current.replace(op, cfg)
-            if neighbors and rng.random() < GROUP:
-                for other in neighbors.get(op, ()):
-                    same = on_devices.get((other, cfg.devices))
+        here = space(current.microbatches)
+        u = rng.random() if cut is not None else 1.0
+        block = False
+        if cut is not None and u < cut[-1]:
+            proposal = (moves.microbatches if u < cut[0] else moves.zero if u < cut[1] else moves.recompute)(current, rng)
+        elif here.blocks and rng.random() < BLOCK:
+            block = True
+            proposal = here.blocks.propose(current, rng)
+        elif here.ops:
+            op = rng.choice(here.ops)
+            cfg = keep(current[op], rng.choice(here.candidates[op]))
+            proposal = None if cfg == current[op] else current.replace(op, cfg)
+            if proposal is not None and here.neighbors and rng.random() < GROUP:
+                for other in here.neighbors.get(op, ()):
+                    same = here.on_devices.get((other, cfg.devices))
                     if same:
-                        proposal = proposal.replace(other, rng.choice(same))
-        res = evaluate(proposal)
-        cost = plan_cost(res)
-        if cost <= cur_cost or rng.random() < math.exp(-beta * (cost - cur_cost)):
-            current, cur_cost = proposal, cost
-            stats.accepted += 1
-            stats.block_accepted += block
-            if consider(stats, current, res, cost, started):
-                gain_n, gain_t = n, time.perf_counter() - t0
+                        proposal = proposal.replace(other, keep(current[other], rng.choice(same)))
+        else:
+            proposal = None
+        if proposal is not None:
+            res = evaluate(proposal)
+            cost = plan_cost(res)
+            if accept(res.fits, cost, cur_fits, cur_cost, beta, rng):
+                current, cur_cost, cur_fits = proposal, cost, res.fits
+                stats.accepted += 1
+                stats.block_accepted += block
+                if consider(stats, current, res, cost, started):
+                    gain_n, gain_t = n, time.perf_counter() - t0
         if reset_every and n % reset_every == 0 and stats.best is not None:
-            current, cur_cost = stats.best, stats.best_cost
+            current, cur_cost, cur_fits = stats.best, stats.best_cost, stats.best_result.fits
         if on_step:
             on_step(stats, cur_cost)
     return stats
 
 
-def neighbor_ops(graph: OpGraph, candidates: dict[str, list[ParallelConfig]]) -> dict[str, tuple[str, ...]]:
-    """Op -> its producers and consumers that have a choice of config (the group moves')."""
-    return {node.name: tuple(n for n in dict.fromkeys((*node.inputs, *graph.users(node.name)))
-                             if len(candidates.get(n, ())) > 1)
-            for node in graph}
+def accept(fits: bool, cost: float, cur_fits: bool, cur_cost: float, beta: float, rng: random.Random) -> bool:
+    """The Metropolis rule min(1, exp(−β·(cost − cur_cost))) on ``plan_cost``, except that a
+    proposal that fits is always accepted from a plan that does not (the lexicographic rule of
+    ``rank``; the other way the penalized cost lets a chain cross plans that do not fit)."""
+    if fits and not cur_fits:
+        return True
+    return cost <= cur_cost or rng.random() < math.exp(-beta * (cost - cur_cost))
+
+
+def rank(fits: bool, cost: float) -> tuple[bool, float]:
+    """The search's order of plans, least first: any plan that fits before any that does not,
+    then by cost (``plan_cost``). ``consider``, ``chains.merge`` and the study's best trial use
+    it."""
+    return (not fits, cost)
 
 
 def consider(stats: ChainStats, plan: Strategy, result: SimResult, cost: float, started: float) -> bool:
-    """Record ``plan`` as the best if it is; fitting plans always beat ones that do not."""
+    """Record ``plan`` as the best if it ranks before it (``rank``: fitting plans always beat
+    ones that do not)."""
     best = stats.best_result
-    if best is None:
-        better = True
-    elif result.fits != best.fits:
-        better = result.fits
-    else:
-        better = cost < stats.best_cost
+    better = best is None or rank(result.fits, cost) < rank(best.fits, stats.best_cost)
     if better:
         stats.best, stats.best_cost, stats.best_result = plan, cost, result
         stats.history.append((time.perf_counter() - started, stats.proposals, result.iteration_ms))

@@ -2,8 +2,9 @@
 
 Each trial picks the number of devices used, micro-batches, pipeline schedule, the MCMC β (as a
 factor of the default 20 / cost(init)) and the initial plan, runs one short chain from it
-(``mcmc.run_chain``) and reports the best plan's cost (``plan_cost``: ms, penalized when the plan
-does not fit). The sampler is TPE (Bergstra, Bardenet, Bengio, Kégl, "Algorithms for
+(``mcmc.run_chain``, with the search's sharding-level, recompute and micro-batch moves) and
+reports the best plan's cost (``plan_cost``: ms, penalized when the plan does not fit); the
+study's answer is its best trial by ``mcmc.rank`` (any plan that fits before any that does not). The sampler is TPE (Bergstra, Bardenet, Bengio, Kégl, "Algorithms for
 Hyper-Parameter Optimization", NeurIPS 2011). The expert baselines are the first trials.
 Every trial stores its plan (strategy JSON v1) as a user attribute, so a study kept in a
 storage resumes with its best plan.
@@ -28,16 +29,15 @@ from simulator.result import SimResult
 from simulator.topology import Topology
 from soapsearch.api import DEFAULT_TOPOLOGY
 from soapsearch.search.api import Evaluator, FoundPlan, best_baselines
-from soapsearch.search.blockmove import BlockMoves
+from soapsearch.search.moves import MoveRates, Moves
 from soapsearch.search.chains import chain_rng
 from soapsearch.search.config import SearchConfig, search_config
 from soapsearch.search.mcmc import (
     BETA_C,
     Budget,
     ChainStats,
-    candidate_configs,
-    neighbor_ops,
     plan_cost,
+    rank,
     run_chain,
     whole,
 )
@@ -49,7 +49,7 @@ from strategies.serialize import strategy_to_json
 
 __all__ = ["StudyResult", "TrialRecord", "open_storage", "study_search"]
 
-INITS = ("data_parallel", "hybrid", "owt", "model_parallel", "pipeline", "random")
+INITS = ("data_parallel", "hybrid", "owt", "model_parallel", "pipeline", "random", "zero1", "fsdp")
 MICROBATCHES = (1, 2, 4, 8)
 SCHEDULES = ("gpipe", "1f1b")
 BETA_SCALE = (0.1, 10.0)
@@ -130,7 +130,8 @@ class _Trials:
 
     def __init__(self, graph: OpGraph, topo: Topology, cost: CostModel, optimizer: str, seed: int,
                  budget: tuple[float | None, int | None], deadline: float | None,
-                 device_choices: list[int], microbatch_choices: list[int], precision: str = "model"):
+                 device_choices: list[int], microbatch_choices: list[int], precision: str = "model",
+                 rates: MoveRates = MoveRates()):
         self.graph, self.topo, self.cost, self.optimizer, self.seed = graph, topo, cost, optimizer, seed
         self.precision = precision
         self.budget, self.deadline = budget, deadline
@@ -139,9 +140,9 @@ class _Trials:
         """The initial plans trials choose from (megatron where the graph has transformer
         blocks): a resumed study keeps those it was made with (optuna refuses a categorical
         whose choices changed)."""
+        self.rates = rates
         self._evaluators: dict[int, Evaluator] = {}
-        self._candidates: dict[tuple[int, int], tuple[dict, dict]] = {}
-        self._blocks: dict[tuple[int, int], BlockMoves | None] = {}
+        self._moves: dict[int, Moves] = {}
         self.plans: dict[int, Strategy] = {}  # trial number -> its best plan (this process)
         self.proposals = 0
 
@@ -150,13 +151,18 @@ class _Trials:
             self._evaluators[n] = Evaluator(self.graph, self.topo, self.cost, self.optimizer, self.precision)
         return self._evaluators[n]
 
+    def moves(self, n: int) -> Moves:
+        """The moves of a chain on n devices; their ``space(m)`` holds every op's configs, the
+        group moves' neighbours and the block moves per count of micro-batches."""
+        if n not in self._moves:
+            node = self.topo.node_size if self.topo.node_size and self.topo.node_size < n else None
+            self._moves[n] = Moves(self.graph, n, self.rates, self.microbatch_choices, node)
+        return self._moves[n]
+
     def candidates(self, n: int, m: int) -> tuple[dict, dict]:
         """Every op's configs and the ops the group moves pair (``neighbor_ops``), per (n, m)."""
-        if (n, m) not in self._candidates:
-            node = self.topo.node_size if self.topo.node_size and self.topo.node_size < n else None
-            configs = candidate_configs(self.graph, n, m, node)
-            self._candidates[n, m] = configs, neighbor_ops(self.graph, configs)
-        return self._candidates[n, m]
+        space = self.moves(n).space(m)
+        return space.candidates, space.neighbors
 
     def initial(self, init: str, n: int, m: int, schedule: str, rng: random.Random) -> Strategy:
         g = self.graph
@@ -169,12 +175,6 @@ class _Trials:
             return megatron(g, n, microbatches=m).with_microbatches(m, schedule)
         plan = hybrid(g, n, m) if init == "hybrid" else BASELINES[init](g, n)
         return plan.with_microbatches(m, schedule)
-
-    def block_moves(self, n: int, m: int) -> BlockMoves | None:
-        """The block moves of a chain on n devices with m micro-batches (None: no block)."""
-        if (n, m) not in self._blocks:
-            self._blocks[n, m] = BlockMoves(self.graph, n, m) or None
-        return self._blocks[n, m]
 
     def __call__(self, trial: optuna.Trial) -> float:
         n = trial.suggest_categorical("num_devices", self.device_choices)
@@ -201,7 +201,7 @@ class _Trials:
         try:
             candidates, neighbors = self.candidates(n, m)
             run_chain(start, evaluate, candidates, Budget(seconds, proposals), rng, beta, stats=stats,
-                      neighbors=neighbors, blocks=self.block_moves(n, m))
+                      neighbors=neighbors, blocks=self.moves(n).space(m).blocks, moves=self.moves(n))
         except RuntimeError as e:  # a simulator error ends this chain, not the study
             log.warning("trial %d: chain stopped after %d proposals: %s", trial.number,
                         stats.proposals, str(e)[:200])
@@ -211,6 +211,7 @@ class _Trials:
         self.proposals += stats.proposals
         self.plans[trial.number] = stats.best
         trial.set_user_attr("iteration_ms", stats.best_result.iteration_ms)
+        trial.set_user_attr("fits", stats.best_result.fits)
         trial.set_user_attr("proposals", stats.proposals)
         trial.set_user_attr("plan", strategy_to_json(stats.best, self.graph, topology=self.topo.name))
         return stats.best_cost
@@ -257,7 +258,7 @@ def study_search(graph: OpGraph, *, topology: Topology | str = DEFAULT_TOPOLOGY,
     objective = _Trials(graph, topo, cost, config.optimizer, seed, (trial_budget_s, trial_proposals), deadline,
                         _device_choices(topo, num_devices_choices),
                         [m for m in MICROBATCHES if (not batch or batch % m == 0) and _takes(graph, m)],
-                        config.precision)
+                        config.precision, MoveRates(config.zero_move, config.recompute_move, config.microbatch_move))
     full = topo.num_devices if num_devices_choices is None else max(objective.device_choices)
     plans, results = best_baselines(graph, full, objective.evaluator(full))
 
@@ -305,7 +306,7 @@ def _result(study: optuna.Study, objective: _Trials, graph: OpGraph, topo: Topol
     complete = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
     if not complete:
         raise RuntimeError(f"study {study.study_name!r} has no complete trial")
-    best = min(complete, key=lambda t: (t.value, t.number))
+    best = min(complete, key=lambda t: (rank(t.user_attrs.get("fits", True), t.value), t.number))
     plan = objective.plans.get(best.number) or load_strategy(best.user_attrs["plan"], graph)
     result = objective.evaluator(plan.num_devices)(plan, summary=True)
     records = [TrialRecord(t.number, dict(t.params), t.value, t.user_attrs.get("iteration_ms"),

@@ -8,8 +8,9 @@ from strategies import load_strategy
 from tests.conftest import traced
 
 TOPO = "p100-1x4"
-BASELINE_ORDER = ["data_parallel", "model_parallel", "owt", "megatron", "pipeline"]
-"""The mlp's Linear → ReLU → Linear blocks make megatron one of its baselines."""
+BASELINE_ORDER = ["data_parallel", "model_parallel", "owt", "zero1", "fsdp", "megatron", "pipeline"]
+"""The mlp's Linear → ReLU → Linear blocks make megatron one of its baselines; zero1 and fsdp are
+data parallel with its state sharded."""
 
 
 @pytest.fixture(scope="module")
@@ -52,12 +53,12 @@ def test_same_seed_same_study(mlp, study):
 
 def test_resumes_from_sqlite_and_never_gets_worse(mlp, tmp_path):
     url = f"sqlite:///{tmp_path / 'study.db'}"
-    one = study_search(mlp, topology=TOPO, trials=6, trial_proposals=30, seed=0, storage=url,
+    one = study_search(mlp, topology=TOPO, trials=8, trial_proposals=30, seed=0, storage=url,
                        study_name="mlp")
     two = study_search(mlp, topology=TOPO, trials=4, trial_proposals=30, seed=0, storage=url,
                        study_name="mlp")
-    assert len(one.trials) == 6 and len(two.trials) == 10
-    assert [t.params for t in two.trials[:6]] == [t.params for t in one.trials]
+    assert len(one.trials) == 8 and len(two.trials) == 12
+    assert [t.params for t in two.trials[:8]] == [t.params for t in one.trials]
     assert [t.baseline for t in two.trials[:len(BASELINE_ORDER)]] == BASELINE_ORDER  # not enqueued twice
     assert all(t.baseline is None for t in two.trials[len(BASELINE_ORDER):])
     assert two.predicted_ms <= one.predicted_ms
@@ -70,12 +71,12 @@ def test_resumes_from_sqlite_and_never_gets_worse(mlp, tmp_path):
 
 def test_journal_storage_and_save(mlp, tmp_path):
     path = tmp_path / "study.jsonl"
-    found = study_search(mlp, topology=TOPO, trials=5, trial_proposals=20, storage=str(path),
+    found = study_search(mlp, topology=TOPO, trials=7, trial_proposals=20, storage=str(path),
                          study_name="j")
     assert path.exists() and path.stat().st_size > 0
     again = study_search(mlp, topology=TOPO, trials=1, trial_proposals=20, storage=str(path),
                          study_name="j")
-    assert len(again.trials) == 6
+    assert len(again.trials) == 8
     out = tmp_path / "plan.json"
     found.save(out)
     data = json.loads(out.read_text())
@@ -92,10 +93,10 @@ def test_a_study_made_with_other_initial_plans_resumes(mlp, tmp_path, monkeypatc
     path = str(tmp_path / "old.jsonl")
     old = tuple(i for i in INITS if i != "hybrid")
     monkeypatch.setattr(module, "INITS", old)
-    study_search(mlp, topology=TOPO, trials=2, trial_proposals=5, storage=path, study_name="s")
+    study_search(mlp, topology=TOPO, trials=7, trial_proposals=5, storage=path, study_name="s")
     monkeypatch.undo()
-    again = study_search(mlp, topology=TOPO, trials=3, trial_proposals=5, storage=path, study_name="s")
-    assert len(again.trials) == 5
+    again = study_search(mlp, topology=TOPO, trials=1, trial_proposals=5, storage=path, study_name="s")
+    assert len(again.trials) == 8
     assert all(t.distributions["init"].choices == (*old, "megatron") for t in again.study.trials)
 
 

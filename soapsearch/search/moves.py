@@ -1,0 +1,205 @@
+"""The moves beside an op's cut: the sharding level of weighted ops, recompute, and the plan's
+micro-batches (issue 21: memory is a searched resource).
+
+- **Sharding level** (``ParallelConfig.zero``, ZeRO 0-3): one op, one Megatron-shaped block's
+  ops (``strategies.megatron.megatron_blocks``) or every weighted op at once given one random
+  level other than the first op's. Only ops with a trainable weight whose shards have two
+  replicas or more under the current plan (``strategies.replicas.shardable``) take it; where
+  none of the chosen ops does, the proposal is skipped (a level on a shard held by one device
+  changes nothing).
+- **Recompute** (``ParallelConfig.recompute``): one op, one block (Korthikanti et al. 2022's
+  full recompute of a layer's block) or every op, turned on, or off where all of them have it.
+  Input, parameter and constant ops compute nothing kept for backward and never take it.
+- **Micro-batches**: the plan with another count of ``choices`` or another schedule (GPipe or
+  1F1B, where it has more than one micro-batch). Every op's config must stay valid with the
+  new count (``validate_config``); where one does not, the proposal is rejected before it is
+  simulated. The op moves that follow draw from the
+  candidates of the plan's own count (``space``).
+
+Moves that change an op's degrees or devices (``mcmc``'s op and group moves, ``blockmove``)
+keep its sharding level and recompute (``keep``). ``mcmc.run_chain`` makes each kind with its
+probability (``MoveRates``: ``SearchConfig.zero_move``, ``recompute_move``,
+``microbatch_move``) and accepts it by the same Metropolis rule as an op move.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from soapsearch.search.blockmove import BlockMoves
+from strategies.config import ZERO_LEVELS, ParallelConfig, enumerate_configs, validate_config
+from strategies.errors import PlanError
+from strategies.graph import OpGraph
+from strategies.lowered import WEIGHT_KINDS
+from strategies.megatron import megatron_blocks
+from strategies.pieces import check_microbatches
+from strategies.replicas import shardable
+from strategies.strategy import SCHEDULES, Strategy
+
+__all__ = ["MoveRates", "Moves", "Space", "keep", "microbatch_choices", "neighbor_ops"]
+
+SCOPES = (("op", 0.5), ("block", 0.3), ("all", 0.2))
+"""How many ops a sharding-level or recompute move sets, with its probability: one op, one
+block's ops (one op where the graph has no block), every op it applies to."""
+
+NO_RECOMPUTE = ("input", *WEIGHT_KINDS)
+"""Op kinds that keep nothing for backward: never recomputed."""
+
+
+def keep(old: ParallelConfig, new: ParallelConfig) -> ParallelConfig:
+    """``new``'s cut with ``old``'s sharding level and recompute (a degree or device move)."""
+    if (new.zero, new.recompute) == (old.zero, old.recompute):
+        return new
+    return new.with_memory(old.zero, old.recompute)
+
+
+@dataclass(frozen=True)
+class MoveRates:
+    """The probability that a proposal is each kind of move (the rest are op and block moves)."""
+
+    zero: float = 0.0
+    recompute: float = 0.0
+    microbatches: float = 0.0
+
+
+@dataclass
+class Space:
+    """What op moves draw from for one count of micro-batches: every op's valid configs
+    (``candidates``), the ops with a choice, the configs per (op, devices) for group moves,
+    the group moves' neighbours and the block moves."""
+
+    candidates: dict[str, list[ParallelConfig]]
+    neighbors: dict[str, tuple[str, ...]] | None = None
+    blocks: BlockMoves | None = None
+    ops: list[str] = field(init=False)
+    on_devices: dict[tuple[str, tuple[int, ...]], list[ParallelConfig]] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.ops = [op for op, cfgs in self.candidates.items() if len(cfgs) > 1]
+        self.on_devices = {}
+        for name, cfgs in self.candidates.items():
+            for c in cfgs:
+                self.on_devices.setdefault((name, c.devices), []).append(c)
+
+
+def neighbor_ops(graph: OpGraph, candidates: dict[str, list[ParallelConfig]]) -> dict[str, tuple[str, ...]]:
+    """Op -> its producers and consumers that have a choice of config (the group moves')."""
+    return {node.name: tuple(n for n in dict.fromkeys((*node.inputs, *graph.users(node.name)))
+                             if len(candidates.get(n, ())) > 1)
+            for node in graph}
+
+
+def microbatch_choices(graph: OpGraph, counts: Sequence[int], own: int) -> tuple[int, ...]:
+    """The counts of ``counts`` (and ``own``) that divide the batch and keep every op's samples
+    apart (``check_microbatches``), sorted."""
+    batch = graph.batch_size
+    out = {own}
+    for m in counts:
+        if batch and batch % m == 0:
+            try:
+                check_microbatches(graph, m)
+            except PlanError:
+                continue
+            out.add(m)
+    return tuple(sorted(out))
+
+
+class Moves:
+    """The sharding-level, recompute and micro-batch moves of one graph on ``num_devices``
+    devices, and the op moves' ``Space`` per count of micro-batches (made when first needed)."""
+
+    def __init__(self, graph: OpGraph, num_devices: int, rates: MoveRates = MoveRates(),
+                 choices: Sequence[int] = (1,), node_size: int | None = None,
+                 spaces: dict[int, Space] | None = None):
+        self.graph, self.num_devices, self.rates, self.node_size = graph, num_devices, rates, node_size
+        self.choices = tuple(choices)
+        self.spaces: dict[int, Space] = dict(spaces or {})
+        self.weighted = [n.name for n in graph if any(w.trainable for w in n.weights)]
+        self.computing = [n.name for n in graph if n.kind not in NO_RECOMPUTE]
+        self.blocks = [(*cols, *mid, row) for cols, mid, row in megatron_blocks(graph)] if num_devices > 1 else []
+        self._replicated: dict[tuple[str, tuple[int, ...]], bool] = {}
+
+    def space(self, m: int) -> Space:
+        if m not in self.spaces:
+            candidates = {n.name: list(enumerate_configs(n, self.num_devices, m, self.node_size))
+                          for n in self.graph}
+            self.spaces[m] = Space(candidates, neighbor_ops(self.graph, candidates),
+                                   BlockMoves(self.graph, self.num_devices, m) or None)
+        return self.spaces[m]
+
+    def _scope(self, ops: list[str], rng: random.Random) -> list[str]:
+        """One op, one block's ops of ``ops`` or all of ``ops`` (``SCOPES``)."""
+        u, scope = rng.random(), "all"
+        for name, p in SCOPES:
+            if u < p:
+                scope = name
+                break
+            u -= p
+        if scope == "block" and self.blocks:
+            within = set(ops)
+            picked = [op for op in rng.choice(self.blocks) if op in within]
+            if picked:
+                return picked
+            scope = "op"
+        return list(ops) if scope == "all" else [rng.choice(ops)]
+
+    def _shardable(self, current: Strategy, op: str) -> bool:
+        """``strategies.replicas.shardable``, kept per (op, degrees) for an op that reads its own
+        weights (its replicas follow from its degrees alone)."""
+        if self.graph[op].kind in WEIGHT_KINDS:
+            return shardable(self.graph, current, op)
+        key = (op, current[op].degrees)
+        if key not in self._replicated:
+            self._replicated[key] = shardable(self.graph, current, op)
+        return self._replicated[key]
+
+    def zero(self, current: Strategy, rng: random.Random) -> Strategy | None:
+        """``current`` with a new sharding level on one op, one block's weighted ops or every
+        weighted op (those whose shards have two replicas or more); None where none has."""
+        if not self.weighted:
+            return None
+        ops = [op for op in self._scope(self.weighted, rng) if self._shardable(current, op)]
+        if not ops:
+            return None
+        level = rng.choice([z for z in ZERO_LEVELS if z != current[ops[0]].zero])
+        return _set(current, ops, lambda cfg: cfg.with_memory(zero=level))
+
+    def recompute(self, current: Strategy, rng: random.Random) -> Strategy | None:
+        """``current`` with recompute turned on for one op, one block's ops or every op that
+        computes (off where each of them has it already)."""
+        if not self.computing:
+            return None
+        ops = self._scope(self.computing, rng)
+        on = not all(current[op].recompute for op in ops)
+        return _set(current, ops, lambda cfg: cfg.with_memory(recompute=on))
+
+    def microbatches(self, current: Strategy, rng: random.Random) -> Strategy | None:
+        """``current`` with another (micro-batches, schedule) pair: a count of ``choices`` and,
+        where it is more than one, GPipe or 1F1B (one micro-batch keeps the plan's schedule,
+        which then orders nothing); None where there is no other pair or an op's config is not
+        valid with the count."""
+        pairs = [(m, s) for m in self.choices for s in (SCHEDULES if m > 1 else (current.schedule,))
+                 if (m, s) != (current.microbatches, current.schedule if m > 1 else s)]
+        if not pairs:
+            return None
+        m, schedule = rng.choice(pairs)
+        if m != current.microbatches:
+            try:
+                for node in self.graph:
+                    validate_config(node, current[node.name], self.num_devices, m)
+            except PlanError:
+                return None
+        return current.with_microbatches(m, schedule)
+
+
+def _set(current: Strategy, ops: list[str], change) -> Strategy | None:
+    """``current`` with ``change`` applied to each of ``ops``' configs; None where nothing
+    changes."""
+    plan = current
+    for op in ops:
+        cfg = change(current[op])
+        if cfg != current[op]:
+            plan = plan.replace(op, cfg)
+    return None if plan is current else plan
