@@ -5,12 +5,14 @@ proposal with it); ``memory_breakdown`` the same figure by category, for reports
 
 from __future__ import annotations
 
+import operator
 from typing import NamedTuple
 
 from strategies.lowering import Lowered
+from strategies.pieces import drop_points
 from strategies.schedule import warmups
 
-__all__ = ["peak_memory", "memory_breakdown", "MemoryBreakdown", "OPTIMIZER_STATE"]
+__all__ = ["peak_memory", "memory_breakdown", "MemoryBreakdown", "OPTIMIZER_STATE", "activation_peaks"]
 
 OPTIMIZER_STATE = {"sgd": 1, "adam": 2}
 """Optimizer state per trainable weight byte: SGD momentum one buffer, Adam two moments."""
@@ -28,8 +30,9 @@ class MemoryBreakdown(NamedTuple):
     """``OPTIMIZER_STATE`` bytes per trainable weight byte (SGD momentum; Adam's two moments);
     in mixed precision per float32 master byte."""
     activations: int
-    """Per micro-batch in flight: the outputs its partitions compute and the input regions they
-    receive from other devices, kept for backward."""
+    """The peak over the device's run order (``activation_peaks``) of what its partitions
+    keep for backward per micro-batch in flight (the outputs they compute, the input regions
+    they receive from other devices) and of recompute's dropped outputs while they live."""
     receive_buffers: int
     """The forward pieces of one more micro-batch (when not all are in flight) and the gradient
     pieces of min(2, m) micro-batches, posted ahead."""
@@ -79,13 +82,64 @@ def _check(optimizer: str) -> int:
     return OPTIMIZER_STATE[optimizer]
 
 
+_dropped = operator.attrgetter("dropped")
+
+
+def activation_peaks(lowered: Lowered, ws: dict[int, int] | None = None) -> list[int]:
+    """Per device, the peak of the activations it holds over its run order
+    (``strategies.schedule.passes``: w warm-up forwards, then backward and forward in turn).
+    A forward pass of a micro-batch adds, op by op in graph order, what each op keeps
+    (``OpPieces.activations``) and its dropped outputs (``OpPieces.dropped``), each dropped
+    output freed after its last consumer's forward there; a backward pass, in reverse, adds a
+    dropped output back where it is recomputed and frees what each op kept (and its
+    recomputed output) after its backward (``strategies.pieces.drop_points``). Every
+    micro-batch's passes are alike, so with K kept per micro-batch, r_f the forward pass's
+    highest rise and r_b the backward pass's, the peak is max((w − 1)·K + r_f, w·K + r_b);
+    without dropped outputs r_f = K and r_b = 0: w·K. ``ws``: ``warmups(lowered)``, where
+    the caller has it."""
+    b, ws = lowered.device_bytes, warmups(lowered) if ws is None else ws
+    if not any(map(_dropped, lowered.pieces.values())):  # the search's hot path: one C-level pass
+        return [ws.get(d, 0) * k for d, k in enumerate(b.kept)]
+    graph, pieces = lowered.graph, lowered.pieces
+    position = {node.name: i for i, node in enumerate(graph)}
+    n = lowered.strategy.num_devices
+    freed: list[dict[int, int]] = [{} for _ in range(n)]  # device -> op position -> bytes freed after its forward
+    redone: list[dict[int, int]] = [{} for _ in range(n)]  # device -> op position -> bytes recomputed at its backward
+    for (name, d), points in drop_points(graph, lowered.strategy).items():
+        size = pieces[name].dropped[d]
+        f, r = position[points.free_after], position[points.recompute_at]
+        freed[d][f] = freed[d].get(f, 0) + size
+        redone[d][r] = redone[d].get(r, 0) + size
+    held = [(i, p.activations, p.dropped) for i, p in enumerate(map(pieces.__getitem__, position))]
+    out = []
+    for d in range(n):
+        w = ws.get(d, 0)
+        if not w:
+            out.append(0)
+            continue
+        level = rise_f = 0
+        for i, kept, drop in held:
+            level += kept[d] + (drop[d] if drop else 0)
+            rise_f = max(rise_f, level)
+            level -= freed[d].get(i, 0)
+        level = rise_b = 0
+        for i, kept, drop in reversed(held):
+            level += redone[d].get(i, 0)
+            rise_b = max(rise_b, level)
+            level -= kept[d] + (drop[d] if drop else 0)
+        out.append(max((w - 1) * b.kept[d] + rise_f, w * b.kept[d] + rise_b))
+    return out
+
+
 def peak_memory(lowered: Lowered, optimizer: str = "sgd") -> list[int]:
     """Bytes per device: Σ held weight shards × (1 weight + 1 gradient + optimizer state) for
-    trainable ones, plus, per micro-batch in flight (w, ``schedule.warmups``), every output a
-    partition on that device computes and every input region it receives from another device
-    (both kept for backward), plus the receive buffers posted a micro-batch ahead
-    (``soapsearch.executor.recipe.receives_ahead``): the forward pieces of one more micro-batch
-    when w < m, and the gradient pieces of min(2, m) micro-batches; plus the collectives'
+    trainable ones, plus the peak of the activations over its run order
+    (``activation_peaks``: per micro-batch in flight, w = ``schedule.warmups``, every output a
+    partition on that device computes and every input region it receives from another device,
+    both kept for backward, and recompute's dropped outputs while they live), plus the receive
+    buffers posted a micro-batch ahead (``soapsearch.executor.recipe.receives_ahead``): the
+    forward pieces of one more micro-batch when w < m, and the gradient pieces of min(2, m)
+    micro-batches; plus the collectives'
     buffers (``Lowered.collective_bytes``): what each call leaves a member, kept for backward
     per micro-batch in flight like a received piece, and one micro-batch's gradient buffers.
     In mixed precision the weights and gradients held are the compute dtype's (2 bytes a
@@ -101,7 +155,8 @@ def peak_memory(lowered: Lowered, optimizer: str = "sgd") -> list[int]:
     m = lowered.strategy.microbatches
     ws = warmups(lowered)
     gathered, grads = lowered.collective_bytes()
-    return [b.trainable[d] * per + b.frozen[d] + ws.get(d, 0) * (b.kept[d] + gathered[d])
+    acts = activation_peaks(lowered, ws)
+    return [b.trainable[d] * per + b.frozen[d] + acts[d] + ws.get(d, 0) * gathered[d]
             + (b.received[d] if ws.get(d, 0) < m else 0) + min(2, m) * b.received_grad[d] + grads[d]
             for d in range(n)]
 
@@ -115,12 +170,13 @@ def memory_breakdown(lowered: Lowered, optimizer: str = "sgd") -> list[MemoryBre
     m = lowered.strategy.microbatches
     ws = warmups(lowered)
     gathered, grads = lowered.collective_bytes()
+    acts = activation_peaks(lowered, ws)
     out = []
     for d in range(n):
         w = ws.get(d, 0)
         out.append(MemoryBreakdown(
             weights=b.trainable[d] + b.frozen[d], gradients=b.trainable[d],
-            optimizer_state=s * max(1, master) * b.trainable[d], activations=w * b.kept[d],
+            optimizer_state=s * max(1, master) * b.trainable[d], activations=acts[d],
             receive_buffers=(b.received[d] if w < m else 0) + min(2, m) * b.received_grad[d],
             collective_buffers=w * gathered[d] + grads[d], master_weights=master * b.trainable[d]))
     return out
