@@ -5,11 +5,14 @@ proposal with it); ``memory_breakdown`` the same figure by category, for reports
 
 from __future__ import annotations
 
+import itertools
 import operator
 from typing import NamedTuple
 
+import numpy as np
+
 from strategies.lowering import Lowered
-from strategies.pieces import drop_points
+from strategies.pieces import drop_positions
 from strategies.schedule import warmups
 
 __all__ = ["peak_memory", "memory_breakdown", "MemoryBreakdown", "OPTIMIZER_STATE", "activation_peaks"]
@@ -82,7 +85,18 @@ def _check(optimizer: str) -> int:
     return OPTIMIZER_STATE[optimizer]
 
 
-_dropped = operator.attrgetter("dropped")
+_dropped, _activations = operator.attrgetter("dropped"), operator.attrgetter("activations")
+_POSITIONS: dict[int, tuple[object, dict[str, int]]] = {}
+
+
+def _positions(graph) -> dict[str, int]:
+    """Op -> its index in graph order, kept for the last few graphs (a search asks for one)."""
+    hit = _POSITIONS.get(id(graph))
+    if hit is None or hit[0] is not graph:
+        if len(_POSITIONS) > 8:
+            _POSITIONS.clear()
+        hit = _POSITIONS[id(graph)] = (graph, {node.name: i for i, node in enumerate(graph)})
+    return hit[1]
 
 
 def activation_peaks(lowered: Lowered, ws: dict[int, int] | None = None) -> list[int]:
@@ -101,33 +115,38 @@ def activation_peaks(lowered: Lowered, ws: dict[int, int] | None = None) -> list
     if not any(map(_dropped, lowered.pieces.values())):  # the search's hot path: one C-level pass
         return [ws.get(d, 0) * k for d, k in enumerate(b.kept)]
     graph, pieces = lowered.graph, lowered.pieces
-    position = {node.name: i for i, node in enumerate(graph)}
-    n = lowered.strategy.num_devices
-    freed: list[dict[int, int]] = [{} for _ in range(n)]  # device -> op position -> bytes freed after its forward
-    redone: list[dict[int, int]] = [{} for _ in range(n)]  # device -> op position -> bytes recomputed at its backward
-    for (name, d), points in drop_points(graph, lowered.strategy).items():
-        size = pieces[name].dropped[d]
-        f, r = position[points.free_after], position[points.recompute_at]
-        freed[d][f] = freed[d].get(f, 0) + size
-        redone[d][r] = redone[d].get(r, 0) + size
-    held = [(i, p.activations, p.dropped) for i, p in enumerate(map(pieces.__getitem__, position))]
-    out = []
-    for d in range(n):
-        w = ws.get(d, 0)
-        if not w:
-            out.append(0)
+    position = _positions(graph)
+    ops = list(map(pieces.__getitem__, position))
+    n = len(b.kept)
+    held = np.fromiter(itertools.chain.from_iterable(map(_activations, ops)), np.int64, len(ops) * n).reshape(-1, n)
+    at = [i for i, p in enumerate(ops) if p.dropped]  # (op in graph order, device), then its dropped outputs
+    dropped = np.array([ops[i].dropped for i in at], dtype=np.int64)
+    held[at] += dropped
+    names = list(position)
+    row = {names[i]: k for k, i in enumerate(at)}
+    freed, redone = np.zeros_like(held), np.zeros_like(held)  # after an op's forward; at its backward
+    which, fs, rs = [], [], []  # ops with one point for all their devices (their bytes are 0 elsewhere)
+    for name, groups in drop_positions(graph, lowered.strategy, position).items():
+        k = row[name]
+        if len(groups) == 1:
+            which.append(k)
+            fs.append(groups[0][1])
+            rs.append(groups[0][2])
             continue
-        level = rise_f = 0
-        for i, kept, drop in held:
-            level += kept[d] + (drop[d] if drop else 0)
-            rise_f = max(rise_f, level)
-            level -= freed[d].get(i, 0)
-        level = rise_b = 0
-        for i, kept, drop in reversed(held):
-            level += redone[d].get(i, 0)
-            rise_b = max(rise_b, level)
-            level -= kept[d] + (drop[d] if drop else 0)
-        out.append(max((w - 1) * b.kept[d] + rise_f, w * b.kept[d] + rise_b))
+        for (d,), f, r in groups:
+            freed[f, d] += dropped[k, d]
+            redone[r, d] += dropped[k, d]
+    np.add.at(freed, fs, dropped[which])
+    np.add.at(redone, rs, dropped[which])
+    fwd = np.cumsum(held, axis=0)  # the level after op i's adds: Σ adds to i − Σ frees before i
+    fwd[1:] -= np.cumsum(freed, axis=0)[:-1]
+    bwd = np.cumsum(redone[::-1], axis=0)  # reverse order: Σ recomputed to i − Σ freed before i
+    bwd[1:] -= np.cumsum(held[::-1], axis=0)[:-1]
+    rise_f, rise_b = np.maximum(fwd.max(axis=0), 0).tolist(), np.maximum(bwd.max(axis=0), 0).tolist()
+    out = []
+    for d, k in enumerate(b.kept):
+        w = ws.get(d, 0)
+        out.append(max((w - 1) * k + rise_f[d], w * k + rise_b[d]) if w else 0)
     return out
 
 

@@ -22,7 +22,7 @@ from strategies.rules.cross_entropy import CLASS_SUMS, class_sum_terms
 from strategies.strategy import Strategy
 
 __all__ = ["lower_op", "partition_box_mb", "gates", "check_microbatches", "drops_output", "check_recompute",
-           "drop_points", "DropPoints"]
+           "drop_points", "drop_positions", "DropPoints"]
 
 _new = tuple.__new__
 _name = operator.attrgetter("name")
@@ -171,17 +171,58 @@ def drop_points(graph: OpGraph, strategy: Strategy) -> dict[tuple[str, int], Dro
     C's recomputation: at C's backward step if C keeps its output, else where C is recomputed
     (its own ``recompute_at``), so a chain is recomputed at its last op's backward, from the
     nearest kept outputs (docs/design.md, "Recompute")."""
-    position = {node.name: i for i, node in enumerate(graph)}
-    later = position.__getitem__
-    out: dict[tuple[str, int], DropPoints] = {}
-    for node in reversed(list(graph)):
+    names = [node.name for node in graph]
+    return {(name, d): DropPoints(names[f], names[r])
+            for name, groups in drop_positions(graph, strategy).items() for devices, f, r in groups for d in devices}
+
+
+def drop_positions(graph: OpGraph, strategy: Strategy, position: dict[str, int] | None = None
+                   ) -> dict[str, list[tuple[tuple[int, ...], int, int]]]:
+    """``drop_points`` as graph positions, for the memory model's walk (``position``: op -> its
+    index in graph order, where the caller has it): dropped op -> [(devices, free_after,
+    recompute_at)], one entry for all its devices where they agree (every consumer on all of
+    them, the common case), else one per device."""
+    position = {node.name: i for i, node in enumerate(graph)} if position is None else position
+    config = strategy.__getitem__
+    out: dict[str, list[tuple[tuple[int, ...], int, int]]] = {}
+    at_device: dict[tuple[str, int], int] = {}  # (dropped op, device) -> recompute_at, where not one for all
+    same: dict[str, int | None] = {}  # dropped op -> its recompute_at where one for all its devices
+    for node in reversed(graph.nodes):
         name = node.name
-        if not drops_output(graph, strategy, name):
+        cfg = config(name)
+        if not cfg.recompute:
             continue
-        for d in strategy[name].devices:
-            there = [u for u in graph.users(name) if d in strategy[u].devices]
-            at = [out[(u, d)].recompute_at if (u, d) in out else u for u in there]
-            out[(name, d)] = DropPoints(max(there, key=later, default=name), max(at, key=later, default=name))
+        users = graph.users(name)
+        ucfg = [config(u) for u in users]
+        if not all(c.recompute for c in ucfg):
+            continue
+        mine = position[name]
+        around = [(u, position[u], c.devices) for u, c in zip(users, ucfg)]
+        mine_devices = cfg.devices
+        f = r = mine
+        for u, at, devices in around:
+            again = same.get(u, at)  # a kept consumer: its own backward; a dropped one: its point
+            if again is None or (devices != mine_devices and not set(mine_devices).issubset(devices)):
+                break
+            f, r = max(f, at), max(r, again)
+        else:
+            out[name] = [(cfg.devices, f, r)]
+            same[name] = r
+            continue
+        same[name] = None
+        groups = out[name] = []
+        for d in cfg.devices:
+            f = r = mine
+            for u, at, devices in around:
+                if d in devices:
+                    if at > f:
+                        f = at
+                    again = same.get(u, at)
+                    again = at_device[(u, d)] if again is None else again
+                    if again > r:
+                        r = again
+            at_device[(name, d)] = r
+            groups.append(((d,), f, r))
     return out
 
 
