@@ -100,3 +100,65 @@ def test_recompute_of_an_op_that_sums_across_devices_is_refused():
     with pytest.raises(ExecutorError, match=r"^op 'cross_entropy': recompute = True: its partitions sum .* across "
                        r"devices \[0, 1\] in their forward"):
         check_runnable(lower(g, plan), 2)
+
+
+def _held_worker(rank: int, world: int, port: int, model: str, plan_name: str, out_dir: str) -> None:
+    """One rank of ``test_each_rank_holds_what_the_model_keeps``: the bytes it holds at its
+    first backward step, saved to ``out_dir``."""
+    import math
+    import os
+    import torch.distributed as dist
+    from strategies.schedule import warmups
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        built = build_model(model, "tiny", dtype="float64")
+        plan = make_plan(built.graph, plan_name, world)
+        ex = Watched(built.graph, plan, built.state, built.inputs, TrainConfig("sgd", lr=0.05))
+        snapshot = {}
+
+        def look() -> None:
+            if not snapshot:  # every forward of the warm-up has run, dropped outputs let go
+                outs = sum(o.numel() * o.element_size() for o in ex.outs if o is not None)
+                kept = sum(x.numel() * x.element_size() for xs in ex.saved.values() for x in xs if x is not None)
+                w = warmups(ex.lowered)[rank]  # the micro-batches whose forwards have run
+                received = sum(math.prod(p.shape) * s.dtype.itemsize for q in ex.recipes
+                               if not q.recompute and q.part.microbatch < w
+                               for s in q.slots if s is not None for p in s.pieces if p.peer is not None)
+                snapshot.update(outs=outs, saved=kept, received=received)
+
+        def first(method):  # the first backward step starts with a recomputation or a backward
+            def call(r):
+                look()
+                method(r)
+            return call
+        ex._regraph, ex._backward = first(ex._regraph), first(ex._backward)
+        ex.step(seed=1)
+        torch.save(snapshot, f"{out_dir}/{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("plan", ["gpipe+rc_mid", "1f1b+rc_blocks"])
+def test_each_rank_holds_what_the_model_keeps(plan, tmp_path):
+    """Two-stage pipelines, 2 micro-batches, on 2 gloo processes: at each rank's first backward
+    step it holds its warm-up's w·K bytes (``DeviceBytes.kept``, w = ``warmups``): the outputs
+    it keeps and the pieces recompute partitions keep for their recomputation (received from
+    the other stage), none dropped, plus the pieces the other partitions received (held by
+    their leaves or autograd graphs: counted from their shapes)."""
+    import torch.multiprocessing as mp
+    from strategies.schedule import warmups
+    from tests.executor.harness import free_port
+    model = "mlp" if "mid" in plan else "gpt"
+    mp.spawn(_held_worker, args=(2, free_port(), model, plan, str(tmp_path)), nprocs=2, join=True)
+    built = build_model(model, "tiny", dtype="float64")
+    low = lower(built.graph, make_plan(built.graph, plan, 2))
+    ws = warmups(low)
+    weights = [n.name for n in built.graph if n.kind in ("parameter", "constant")]
+    assert any(p.dropped for p in low.pieces.values())
+    for rank in range(2):
+        got = torch.load(tmp_path / f"{rank}.pt")
+        kept = low.device_bytes.kept[rank] - sum(low.pieces[w].activations[rank] for w in weights)
+        assert got["outs"] + got["saved"] + got["received"] == ws[rank] * kept, (rank, got, ws[rank], kept)
+    assert any(torch.load(tmp_path / f"{r}.pt")["saved"] for r in range(2))  # a recompute op kept a received piece
