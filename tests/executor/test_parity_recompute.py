@@ -22,7 +22,8 @@ from tests.executor.plans import make_plan, recompute, recompute_ops
 pytestmark = pytest.mark.distributed
 
 CASES_2 = [("mlp", "dp+rc_mid"), ("gpt", "dp+rc_blocks"), ("gpt", "megatron+rc_blocks"),
-           ("gpt", "megatron_sp+rc_blocks"), ("gpt", "1f1b+rc_block0"), ("gpt", "gpipe+rc_mlp"), ("gpt", "heads+rc_attn"), ("gpt", "random_mb1+rc_seed1")]
+           ("gpt", "megatron_sp+rc_blocks"), ("gpt", "1f1b+rc_block0"), ("gpt", "gpipe+rc_mlp"),
+           ("gpt", "heads+rc_attn"), ("gpt", "random_mb1+rc_seed1")]
 CASES_4 = [("gpt", "megatron_pp2+rc_blocks"), ("gpt", "megatron+rc_attn"), ("gpt", "1f1b+rc_blocks"),
            ("mlp", "stages_dp+rc_mid"), ("gpt", "colrow+rc_mlp"), ("gpt", "random_mb2+rc_seed2")]
 
