@@ -7,7 +7,7 @@ accepted one; chain: each proposal right after the last, as MCMC after a rejecte
 ops go back to the current plan's). Checks all give the same iteration time and prints the
 medians, by phase, and the ratio to full. Asserts nothing but that equality.
 
-    python benchmarks/delta_time.py [--models resnet101,inception_v3] [--proposals 30]
+    python benchmarks/delta_time.py [--models resnet101,inception_v3] [--proposals 30] [--recompute 0.5]
 """
 
 from __future__ import annotations
@@ -52,6 +52,9 @@ def main() -> None:
     ap.add_argument("--topology", default="p100-4x4")
     ap.add_argument("--proposals", type=int, default=30)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--recompute", type=float, default=0.0,
+                    help="fraction of the ops with a backward set to recompute in the start plan "
+                         "(kept by the proposals): the memory timeline's walk runs")
     args = ap.parse_args()
     topo = get_topology(args.topology)
     cost = get_cost_model("analytical")
@@ -63,10 +66,13 @@ def main() -> None:
         candidates = candidate_configs(graph, args.devices, 1, topo.node_size)
         ops = [op for op, cfgs in candidates.items() if len(cfgs) > 1]
         rng = random.Random(args.seed)
+        redo = [n.name for n in graph if graph.needs_grad[n.name] and n.kind not in ("input", "parameter", "constant")]
+        for op in rng.sample(redo, int(args.recompute * len(redo))):
+            plan = plan.replace(op, plan[op].with_memory(recompute=True))
         proposals = []
         while len(proposals) < args.proposals:
             op = rng.choice(ops)
-            cfg = rng.choice(candidates[op])
+            cfg = rng.choice(candidates[op]).with_memory(recompute=plan[op].recompute)
             if cfg != plan[op]:
                 proposals.append(plan.replace(op, cfg))
         lowering_cache: dict = {}

@@ -5,12 +5,17 @@ proposal with it); ``memory_breakdown`` the same figure by category, for reports
 
 from __future__ import annotations
 
+import itertools
+import operator
 from typing import NamedTuple
 
+import numpy as np
+
 from strategies.lowering import Lowered
+from strategies.pieces import drop_positions
 from strategies.schedule import warmups
 
-__all__ = ["peak_memory", "memory_breakdown", "MemoryBreakdown", "OPTIMIZER_STATE"]
+__all__ = ["peak_memory", "memory_breakdown", "MemoryBreakdown", "OPTIMIZER_STATE", "activation_peaks"]
 
 OPTIMIZER_STATE = {"sgd": 1, "adam": 2}
 """Optimizer state per trainable weight byte: SGD momentum one buffer, Adam two moments."""
@@ -28,8 +33,9 @@ class MemoryBreakdown(NamedTuple):
     """``OPTIMIZER_STATE`` bytes per trainable weight byte (SGD momentum; Adam's two moments);
     in mixed precision per float32 master byte."""
     activations: int
-    """Per micro-batch in flight: the outputs its partitions compute and the input regions they
-    receive from other devices, kept for backward."""
+    """The peak over the device's run order (``activation_peaks``) of what its partitions
+    keep for backward per micro-batch in flight (the outputs they compute, the input regions
+    they receive from other devices) and of recompute's dropped outputs while they live."""
     receive_buffers: int
     """The forward pieces of one more micro-batch (when not all are in flight) and the gradient
     pieces of min(2, m) micro-batches, posted ahead."""
@@ -79,13 +85,80 @@ def _check(optimizer: str) -> int:
     return OPTIMIZER_STATE[optimizer]
 
 
+_dropped, _activations = operator.attrgetter("dropped"), operator.attrgetter("activations")
+_POSITIONS: dict[int, tuple[object, dict[str, int]]] = {}
+
+
+def _positions(graph) -> dict[str, int]:
+    """Op -> its index in graph order, kept for the last few graphs (a search asks for one)."""
+    hit = _POSITIONS.get(id(graph))
+    if hit is None or hit[0] is not graph:
+        if len(_POSITIONS) > 8:
+            _POSITIONS.clear()
+        hit = _POSITIONS[id(graph)] = (graph, {node.name: i for i, node in enumerate(graph)})
+    return hit[1]
+
+
+def activation_peaks(lowered: Lowered, ws: dict[int, int] | None = None) -> list[int]:
+    """Per device, the peak of the activations it holds over its run order
+    (``strategies.schedule.passes``: w warm-up forwards, then backward and forward in turn).
+    A forward pass of a micro-batch adds, op by op in graph order, what each op keeps
+    (``OpPieces.activations``) and its dropped outputs (``OpPieces.dropped``), each dropped
+    output freed after its last consumer's forward there; a backward pass, in reverse, adds a
+    dropped output back where it is recomputed and frees what each op kept (and its
+    recomputed output) after its backward (``strategies.pieces.drop_points``). Every
+    micro-batch's passes are alike, so with K kept per micro-batch, r_f the forward pass's
+    highest rise and r_b the backward pass's, the peak is max((w − 1)·K + r_f, w·K + r_b);
+    without dropped outputs r_f = K and r_b = 0: w·K. ``ws``: ``warmups(lowered)``, where
+    the caller has it."""
+    b, ws = lowered.device_bytes, warmups(lowered) if ws is None else ws
+    if not any(map(_dropped, lowered.pieces.values())):  # the search's hot path: one C-level pass
+        return [ws.get(d, 0) * k for d, k in enumerate(b.kept)]
+    graph, pieces = lowered.graph, lowered.pieces
+    position = _positions(graph)
+    ops = list(map(pieces.__getitem__, position))
+    n = len(b.kept)
+    held = np.fromiter(itertools.chain.from_iterable(map(_activations, ops)), np.int64, len(ops) * n).reshape(-1, n)
+    at = [i for i, p in enumerate(ops) if p.dropped]  # (op in graph order, device), then its dropped outputs
+    dropped = np.array([ops[i].dropped for i in at], dtype=np.int64)
+    held[at] += dropped
+    names = list(position)
+    row = {names[i]: k for k, i in enumerate(at)}
+    freed, redone = np.zeros_like(held), np.zeros_like(held)  # after an op's forward; at its backward
+    which, fs, rs = [], [], []  # ops with one point for all their devices (their bytes are 0 elsewhere)
+    for name, groups in drop_positions(graph, lowered.strategy, position).items():
+        k = row[name]
+        if len(groups) == 1:
+            which.append(k)
+            fs.append(groups[0][1])
+            rs.append(groups[0][2])
+            continue
+        for (d,), f, r in groups:
+            freed[f, d] += dropped[k, d]
+            redone[r, d] += dropped[k, d]
+    np.add.at(freed, fs, dropped[which])
+    np.add.at(redone, rs, dropped[which])
+    fwd = np.cumsum(held, axis=0)  # the level after op i's adds: Σ adds to i − Σ frees before i
+    fwd[1:] -= np.cumsum(freed, axis=0)[:-1]
+    bwd = np.cumsum(redone[::-1], axis=0)  # reverse order: Σ recomputed to i − Σ freed before i
+    bwd[1:] -= np.cumsum(held[::-1], axis=0)[:-1]
+    rise_f, rise_b = np.maximum(fwd.max(axis=0), 0).tolist(), np.maximum(bwd.max(axis=0), 0).tolist()
+    out = []
+    for d, k in enumerate(b.kept):
+        w = ws.get(d, 0)
+        out.append(max((w - 1) * k + rise_f[d], w * k + rise_b[d]) if w else 0)
+    return out
+
+
 def peak_memory(lowered: Lowered, optimizer: str = "sgd") -> list[int]:
     """Bytes per device: Σ held weight shards × (1 weight + 1 gradient + optimizer state) for
-    trainable ones, plus, per micro-batch in flight (w, ``schedule.warmups``), every output a
-    partition on that device computes and every input region it receives from another device
-    (both kept for backward), plus the receive buffers posted a micro-batch ahead
-    (``soapsearch.executor.recipe.receives_ahead``): the forward pieces of one more micro-batch
-    when w < m, and the gradient pieces of min(2, m) micro-batches; plus the collectives'
+    trainable ones, plus the peak of the activations over its run order
+    (``activation_peaks``: per micro-batch in flight, w = ``schedule.warmups``, every output a
+    partition on that device computes and every input region it receives from another device,
+    both kept for backward, and recompute's dropped outputs while they live), plus the receive
+    buffers posted a micro-batch ahead (``soapsearch.executor.recipe.receives_ahead``): the
+    forward pieces of one more micro-batch when w < m, and the gradient pieces of min(2, m)
+    micro-batches; plus the collectives'
     buffers (``Lowered.collective_bytes``): what each call leaves a member, kept for backward
     per micro-batch in flight like a received piece, and one micro-batch's gradient buffers.
     In mixed precision the weights and gradients held are the compute dtype's (2 bytes a
@@ -101,7 +174,8 @@ def peak_memory(lowered: Lowered, optimizer: str = "sgd") -> list[int]:
     m = lowered.strategy.microbatches
     ws = warmups(lowered)
     gathered, grads = lowered.collective_bytes()
-    return [b.trainable[d] * per + b.frozen[d] + ws.get(d, 0) * (b.kept[d] + gathered[d])
+    acts = activation_peaks(lowered, ws)
+    return [b.trainable[d] * per + b.frozen[d] + acts[d] + ws.get(d, 0) * gathered[d]
             + (b.received[d] if ws.get(d, 0) < m else 0) + min(2, m) * b.received_grad[d] + grads[d]
             for d in range(n)]
 
@@ -115,12 +189,13 @@ def memory_breakdown(lowered: Lowered, optimizer: str = "sgd") -> list[MemoryBre
     m = lowered.strategy.microbatches
     ws = warmups(lowered)
     gathered, grads = lowered.collective_bytes()
+    acts = activation_peaks(lowered, ws)
     out = []
     for d in range(n):
         w = ws.get(d, 0)
         out.append(MemoryBreakdown(
             weights=b.trainable[d] + b.frozen[d], gradients=b.trainable[d],
-            optimizer_state=s * max(1, master) * b.trainable[d], activations=w * b.kept[d],
+            optimizer_state=s * max(1, master) * b.trainable[d], activations=acts[d],
             receive_buffers=(b.received[d] if w < m else 0) + min(2, m) * b.received_grad[d],
             collective_buffers=w * gathered[d] + grads[d], master_weights=master * b.trainable[d]))
     return out

@@ -1,7 +1,9 @@
 """The task graph of one training iteration, built from the lowering (never re-derived).
 
 Tasks: forward and backward of every partition of every micro-batch (on its device, each
-charged the device's ``task_overhead`` of host work where the executor runs it); every transfer
+charged the device's ``task_overhead`` of host work where the executor runs it; a recompute
+op's backward is charged its forward task's duration again, the recomputation the executor
+runs in that step or for it); every transfer
 that crosses devices, forward and its mirrored gradient backward where the gradient moves
 (``OpGraph.moves_grad``; on the links of its route),
 each followed by a receive of ``message_overhead`` (``exchange_overhead`` for a piece the op
@@ -126,6 +128,7 @@ def _op_block(node: OpNode, pieces: OpPieces, graph: OpGraph, producers: dict[st
     op_time = cost.op_time
     runs = node.kind not in WEIGHT_KINDS  # the executor reads weights in place: no host work
     fwd_bwd = (TaskKind.FORWARD, TaskKind.BACKWARD)
+    redo = 1 if pieces.recompute else 0  # its forward again, before its backward (docs/design.md, "Recompute")
     c = b.cols
     names, cats, durs, res, devs, nbytes, esrc, edst = (
         c.name, c.category, c.duration, c.resources, c.device, c.nbytes, b.edge_src, b.edge_dst)
@@ -140,7 +143,7 @@ def _op_block(node: OpNode, pieces: OpPieces, graph: OpGraph, producers: dict[st
             key = (node.name, p.index, j)
             names += (("fwd",) + key, ("bwd",) + key)
             cats += fwd_bwd
-            durs += (f_s + over, b_s + (over if backward else 0.0))
+            durs += (f_s + over, b_s + (over if backward else 0.0) + redo * (f_s + over))
             res += ((d,), (d,))
             devs += (d, d)
             nbytes += (0, 0)

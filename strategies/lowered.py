@@ -257,7 +257,8 @@ class OpPieces(NamedTuple):
     reduction's ring in both directions (``strategies.schedule.warmups`` reads them)."""
     activations: tuple[int, ...]
     """Bytes each device keeps for backward per micro-batch (one entry per device): each
-    partition's output and each remote piece it receives (``simulator.memory``)."""
+    partition's output (unless ``dropped``) and each remote piece it receives (a recompute
+    op keeps those too: its recomputation's inputs; ``simulator.memory``)."""
     receives: tuple[tuple[int, ...], tuple[int, ...]]
     """(forward, gradient) bytes each device receives per micro-batch (one entry per device):
     the remote pieces into the op on their consumer's device, and their gradients on the
@@ -266,6 +267,12 @@ class OpPieces(NamedTuple):
     (``Lowered.collective_bytes``): several consumer ops share one."""
     collective_reads: tuple[CollectiveRead, ...] = ()
     """The inputs its partitions read from collectives instead of point-to-point pieces."""
+    recompute: bool = False
+    """The op recomputes its forward before its backward (``ParallelConfig.recompute``)."""
+    dropped: tuple[int, ...] = ()
+    """Bytes each device drops per micro-batch instead of keeping (one entry per device, empty:
+    none): a recompute op's partition outputs where every consumer op recomputes too
+    (``strategies.pieces.drops_output``); not in ``activations``."""
 
 
 class DeviceBytes(NamedTuple):

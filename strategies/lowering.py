@@ -97,6 +97,8 @@ def lower(graph: OpGraph, strategy: Strategy, cache: dict | None = None) -> Lowe
         affected = list(graph)
     else:
         touched = set(changed).union(*map(graph.users, changed))
+        # a recompute producer's pieces read its consumers' recompute flags (pieces.drops_output)
+        touched.update(p for c in changed for p in graph[c].inputs if strategy[p].recompute)
         affected = [graph[name] for name in sorted(touched, key=last.position.__getitem__)]
     try:
         update(graph, strategy, cache, last, affected)

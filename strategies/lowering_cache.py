@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 from strategies.graph import OpGraph, OpNode
 from strategies.lowered import (BucketKey, DeviceBytes, OpPieces, Partition, WeightShard, bucket_key,
                                 weight_shards)
-from strategies.pieces import lower_op
+from strategies.pieces import lower_op, recompute_key
 from strategies.region import Box
 from strategies.strategy import Strategy
 
@@ -45,7 +45,8 @@ def update(graph: OpGraph, strategy: Strategy, cache: dict, last: "Last", affect
     weights: set[str] = set()  # read by an affected op, in the previous call's pieces or this call's
     regroup = last.readers is None  # an op reads other weights than in the previous call: readers gathered again
     for node in affected:
-        key = (node.name, m, strategy.num_devices, config(node.name), tuple(map(config, node.inputs)))
+        key = (node.name, m, strategy.num_devices, config(node.name), tuple(map(config, node.inputs)),
+               recompute_key(graph, strategy, node.name))
         pieces = cache.get(key)
         if pieces is None:
             strategy.validate_op(node)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 import itertools
 import operator
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 from strategies.errors import PlanError
 from strategies.graph import DTYPE_BYTES, OpGraph, OpNode
@@ -21,7 +21,8 @@ from strategies.rules.base import Reduction
 from strategies.rules.cross_entropy import CLASS_SUMS, class_sum_terms
 from strategies.strategy import Strategy
 
-__all__ = ["lower_op", "partition_box_mb", "gates", "check_microbatches"]
+__all__ = ["lower_op", "partition_box_mb", "gates", "check_microbatches", "drops_output", "check_recompute",
+           "drop_points", "drop_positions", "DropPoints"]
 
 _new = tuple.__new__
 _name = operator.attrgetter("name")
@@ -144,6 +145,104 @@ def gates(node: OpNode, red: Reduction, parts: Sequence[Partition], m: int, num_
     return Gate.STEP if static or (m == 1 and everywhere) else Gate.BACKWARD
 
 
+def drops_output(graph: OpGraph, strategy: Strategy, name: str) -> bool:
+    """Op ``name``'s partitions drop their outputs after the forward: the op recomputes and so
+    does every consumer op (docs/design.md, "Recompute"). A consumer that does not recompute
+    saves what it reads for its own backward, so the output stays kept; a recompute consumer
+    recomputes it (the chain back to the nearest kept output: Chen et al. 2016's segments)."""
+    return strategy[name].recompute and all(strategy[u].recompute for u in graph.users(name))
+
+
+class DropPoints(NamedTuple):
+    """Where a dropped output (``drops_output``) of one op lives on one device, per micro-batch:
+    from the op's forward step to the end of the forward step of ``free_after`` (its last
+    consumer op there, graph order; the op itself where none is), and again from the start of
+    the backward step of ``recompute_at`` (where a recompute consumer first needs it; the op
+    itself where none does) to the end of the op's own backward step. The executor frees and
+    recomputes there; ``simulator.memory`` walks the same spans."""
+
+    free_after: str
+    recompute_at: str
+
+
+def drop_points(graph: OpGraph, strategy: Strategy) -> dict[tuple[str, int], DropPoints]:
+    """(op, device) -> ``DropPoints`` of every dropped output. On device d the consumers of op X
+    with a partition there read it (or not) in their forward; X is needed again by its consumer
+    C's recomputation: at C's backward step if C keeps its output, else where C is recomputed
+    (its own ``recompute_at``), so a chain is recomputed at its last op's backward, from the
+    nearest kept outputs (docs/design.md, "Recompute")."""
+    names = [node.name for node in graph]
+    return {(name, d): DropPoints(names[f], names[r])
+            for name, groups in drop_positions(graph, strategy).items() for devices, f, r in groups for d in devices}
+
+
+def drop_positions(graph: OpGraph, strategy: Strategy, position: dict[str, int] | None = None
+                   ) -> dict[str, list[tuple[tuple[int, ...], int, int]]]:
+    """``drop_points`` as graph positions, for the memory model's walk (``position``: op -> its
+    index in graph order, where the caller has it): dropped op -> [(devices, free_after,
+    recompute_at)], one entry for all its devices where they agree (every consumer on all of
+    them, the common case), else one per device."""
+    position = {node.name: i for i, node in enumerate(graph)} if position is None else position
+    config = strategy.__getitem__
+    out: dict[str, list[tuple[tuple[int, ...], int, int]]] = {}
+    at_device: dict[tuple[str, int], int] = {}  # (dropped op, device) -> recompute_at, where not one for all
+    same: dict[str, int | None] = {}  # dropped op -> its recompute_at where one for all its devices
+    for node in reversed(graph.nodes):
+        name = node.name
+        cfg = config(name)
+        if not cfg.recompute:
+            continue
+        users = graph.users(name)
+        ucfg = [config(u) for u in users]
+        if not all(c.recompute for c in ucfg):
+            continue
+        mine = position[name]
+        around = [(u, position[u], c.devices) for u, c in zip(users, ucfg)]
+        mine_devices = cfg.devices
+        f = r = mine
+        for u, at, devices in around:
+            again = same.get(u, at)  # a kept consumer: its own backward; a dropped one: its point
+            if again is None or (devices != mine_devices and not set(mine_devices).issubset(devices)):
+                break
+            f, r = max(f, at), max(r, again)
+        else:
+            out[name] = [(cfg.devices, f, r)]
+            same[name] = r
+            continue
+        same[name] = None
+        groups = out[name] = []
+        for d in cfg.devices:
+            f = r = mine
+            for u, at, devices in around:
+                if d in devices:
+                    if at > f:
+                        f = at
+                    again = same.get(u, at)
+                    again = at_device[(u, d)] if again is None else again
+                    if again > r:
+                        r = again
+            at_device[(name, d)] = r
+            groups.append(((d,), f, r))
+    return out
+
+
+def recompute_key(graph: OpGraph, strategy: Strategy, name: str) -> tuple:
+    """What an op's pieces read of its consumers' configs: their recompute flags, where the op
+    recomputes (``drops_output``); () otherwise. Part of the lowering cache's key."""
+    return tuple(strategy[u].recompute for u in graph.users(name)) if strategy[name].recompute else ()
+
+
+def check_recompute(graph: OpGraph, node: OpNode) -> None:
+    """Raise PlanError where recompute on ``node`` would drop nothing: a weight is read in
+    place (nothing computed) and an op with no backward keeps nothing for one."""
+    if node.kind in WEIGHT_KINDS:
+        raise PlanError(node.name, "recompute", True, f"a {node.kind!r} op is a weight read in place: "
+                        "it computes and keeps nothing to recompute")
+    if not graph.needs_grad[node.name]:
+        raise PlanError(node.name, "recompute", True, "nothing it computes needs a gradient: it has no "
+                        "backward, so it keeps nothing for one to drop")
+
+
 def lower_op(graph: OpGraph, strategy: Strategy, node: OpNode, m: int) -> OpPieces:
     """What ``node`` contributes to ``strategy``'s lowering with ``m`` micro-batches."""
     cfg = strategy[node.name]
@@ -153,6 +252,10 @@ def lower_op(graph: OpGraph, strategy: Strategy, node: OpNode, m: int) -> OpPiec
     couples: set[tuple[int, int]] = set()
     collective_reads: list[CollectiveRead] = []
     kept, fwd, grad = [0] * n, [0] * n, [0] * n
+    if cfg.recompute:
+        check_recompute(graph, node)
+    drop = cfg.recompute and drops_output(graph, strategy, node.name)
+    dropped = [0] * n if drop else kept  # a dropped output counts there instead
     sources = [(graph[src], strategy[src]) for src in node.inputs]
     moves_grad = [graph.moves_grad(src, node.name) for src in node.inputs]
     itemsize, loss, reads_weights = DTYPE_BYTES[node.output.dtype], node.kind == "loss", node.kind not in WEIGHT_KINDS
@@ -192,7 +295,7 @@ def lower_op(graph: OpGraph, strategy: Strategy, node: OpNode, m: int) -> OpPiec
         for k, p in enumerate(parts):
             dev, ins = p.device, p.input_regions
             if j == 0:
-                kept[dev] += 8 if loss else itemsize * box_numel(p.output)  # kept for backward
+                dropped[dev] += 8 if loss else itemsize * box_numel(p.output)  # kept for backward (or dropped)
                 if reads_weights:
                     ws = weight_regions[k]
                     reads.extend(_new(WeightRead, (w.name, ws[w.role], dev, node.name, w.spec.dtype, w.trainable))
@@ -235,7 +338,8 @@ def lower_op(graph: OpGraph, strategy: Strategy, node: OpNode, m: int) -> OpPiec
         couples.update(zip(g.devices, g.devices[1:] + g.devices[:1]))
     return OpPieces(tuple(per_mb), tuple(transfers), tuple(reductions), tuple(reads),
                     tuple(dict.fromkeys(map(_name, reads))), frozenset(couples), tuple(kept),
-                    (tuple(fwd), tuple(grad)), tuple(collective_reads))
+                    (tuple(fwd), tuple(grad)), tuple(collective_reads), cfg.recompute,
+                    tuple(dropped) if drop else ())
 
 
 def _groups(node: OpNode, degrees: Sequence[int], devices: Sequence[int], reds, parts,

@@ -33,6 +33,7 @@ def check_runnable(lowered: Lowered, world_size: int) -> None:
             f"{len(uncallable)} opaque op(s) have no rule and no recorded call to run: {what}; "
             "trace the model with soapsearch.trace, which records what the model called")
     check_scalar_loss(graph, ExecutorError)
+    _check_recompute(lowered)
     if strategy.microbatches > 1:
         cache: dict[int, int] = {}
         for red in lowered.reductions:
@@ -43,3 +44,23 @@ def check_runnable(lowered: Lowered, world_size: int) -> None:
                     f"op {red.op!r}: its {red.name} reduction spans devices {list(red.devices)} "
                     f"whose {strategy.schedule} warm-ups differ ({w}): their all-reduces would wait "
                     "on each other; use schedule 'gpipe' or keep the op's devices in one stage")
+
+
+def _check_recompute(lowered: Lowered) -> None:
+    """Recompute re-runs a partition's forward: refused where that forward does more than
+    compute (docs/design.md, "Recompute"): a sum across devices (its collective would run
+    again on some ranks only) or a batchnorm's running statistics (updated twice)."""
+    for name, pieces in lowered.pieces.items():
+        if not pieces.recompute:
+            continue
+        node = lowered.graph[name]
+        if pieces.reductions:
+            red = pieces.reductions[0]
+            raise ExecutorError(
+                f"op {name!r}: recompute = True: its partitions sum {red.name} across devices "
+                f"{list(red.devices)} in their forward, and the executor does not run that collective "
+                "again in a recomputation; keep the op (recompute false) or hold it on one device")
+        if node.kind == "batchnorm2d" and node.attrs.get("training"):
+            raise ExecutorError(
+                f"op {name!r}: recompute = True: a training batchnorm updates its running statistics "
+                "in its forward, which a recomputation would do twice; keep the op (recompute false)")

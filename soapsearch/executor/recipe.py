@@ -31,6 +31,7 @@ import torch
 from strategies.graph import OpNode
 from strategies.lowering import (WEIGHT_KINDS, BucketKey, Gate, Lowered, Partition, Transfer, bucket_sums,
                                  loss_on_every_device)
+from strategies.pieces import drop_points
 from strategies.rules import get_rule
 from strategies.rules.cross_entropy import CLASS_SUMS
 from strategies.region import Box, box_shape, index_in, slice_box
@@ -143,6 +144,19 @@ class Recipe(NamedTuple):
     (``strategies.schedule.collective_calls``)."""
     grad_calls: tuple[int, ...] = ()
     """The duals it calls at the start of this partition's backward step, in order."""
+    recompute: bool = False
+    """Its op recomputes (docs/design.md, "Recompute"): the forward runs without autograd and
+    keeps only ``keeps``' inputs; the partition is recomputed with autograd at the backward
+    step of a recipe that lists it in ``regraphs``."""
+    keeps: tuple[bool, ...] = ()
+    """Recompute, per input: the input holds a piece received from another rank, kept (as
+    gathered) for the recomputation; the other inputs are read again where they are kept."""
+    frees: tuple[int, ...] = ()
+    """The recipes whose dropped outputs (``strategies.pieces.drop_points``) this rank lets go
+    of after this forward step."""
+    regraphs: tuple[int, ...] = ()
+    """The recompute recipes recomputed (with autograd, in forward order) at the start of this
+    backward step: dropped outputs where ``drop_points`` says, the others at their own."""
 
 
 class _Lowering:
@@ -223,10 +237,13 @@ class _Lowering:
     def linked(self) -> set[tuple]:
         """The linked partitions (module docstring), deciding consumers before producers."""
         root: dict[tuple, tuple] = {}
+        redo = self.low.strategy.__getitem__
         for k in reversed(self.keys):
             gout = [t for _, t in self.out_of.get(k, ()) if self.carries(t)]
             leads = {root[(t.dst_op, t.dst_index, t.microbatch)] for t in gout if t.local}
             root[k] = k
+            if redo(k[0]).recompute or any(redo(t.dst_op).recompute for t in gout):
+                continue  # a recomputed partition has its own autograd graph, read through leaves
             if (self.has_backward(k) and k[0] not in self.graph.outputs and gout and k not in self.holding
                     and all(t.local and self.whole_slot(t) for t in gout) and len(leads) == 1):
                 lead = leads.pop()
@@ -266,7 +283,39 @@ def recipes(low: Lowered, order: Sequence[Step], rank: int,
                 g.into is None for g in grad_pieces) and all(into is None for _, into in grad_collectives),
             grad_sends, grad_collectives, tuple(lw.calls.get(Step(False, *k[:2], k[2]), ())),
             tuple(lw.calls.get(Step(True, *k[:2], k[2]), ()))))
-    return out
+    return _recomputes(lw, out, rank)
+
+
+def _recomputes(lw: _Lowering, out: list[Recipe], rank: int) -> list[Recipe]:
+    """``out`` with the recompute fields set (``Recipe.recompute``, ``keeps``, ``frees``,
+    ``regraphs``): where this rank drops and recomputes, as ``strategies.pieces.drop_points``
+    says (``simulator.memory`` walks the same points)."""
+    strategy = lw.low.strategy
+    if not any(strategy[p.op].recompute for p in lw.parts.values()):
+        return out
+    frees: dict[int, list[int]] = {}
+    regraphs: dict[int, list[int]] = {}
+    mine: dict[tuple[str, int], list[int]] = {}  # (op, micro-batch) -> this rank's recipes of it, in partition order
+    for k in lw.keys:
+        mine.setdefault((k[0], k[2]), []).append(lw.ids[k])
+    points = drop_points(lw.graph, strategy)
+    for r in out:
+        if not strategy[r.part.op].recompute:
+            continue
+        at = points.get((r.part.op, rank))
+        j = r.part.microbatch
+        if at is None:  # kept: recomputed at its own backward step
+            regraphs.setdefault(r.id, []).append(r.id)
+            continue
+        frees.setdefault(mine[(at.free_after, j)][-1], []).append(r.id)  # after its last forward step there
+        regraphs.setdefault(mine[(at.recompute_at, j)][-1], []).append(r.id)  # the first backward step there
+    done = []
+    for r in out:
+        keeps = tuple(s is not None and s.weight is None and any(p.peer is not None for p in s.pieces)
+                      for s in r.slots) if strategy[r.part.op].recompute else ()
+        done.append(r._replace(recompute=strategy[r.part.op].recompute, keeps=keeps,
+                               frees=tuple(frees.get(r.id, ())), regraphs=tuple(sorted(regraphs.get(r.id, ())))))
+    return done
 
 
 def _grad_collectives(lw: _Lowering, p: Partition) -> tuple[tuple[int, Index], ...]:

@@ -156,6 +156,9 @@ class Executor:
         """Collective -> what its forward call left this rank (its readers read it)."""
         self.shared_grad: dict[int, torch.Tensor] = {}
         """Collective -> what its dual left this rank (its holder's output gradient takes it)."""
+        self.saved: dict[int, tuple[torch.Tensor | None, ...]] = {}
+        """Recompute partition (recipe id) -> the inputs it keeps for its recomputation
+        (``Recipe.keeps``: those received from other ranks), until it is recomputed."""
 
     # --- one step ---------------------------------------------------------------------------
     def step(self, seed: int = 0, update: bool = True) -> float:
@@ -172,6 +175,9 @@ class Executor:
                 for a in ahead:
                     p2p.post(a.shape, a.dtype, device, a.peer, a.transfer, a.backward)
                 try:
+                    if backward:
+                        for i in r.regraphs:  # recompute (docs/design.md, "Recompute")
+                            self._regraph(self.recipes[i])
                     for i in r.grad_calls if backward else r.calls:
                         self._call(i, backward)
                     if backward:
@@ -269,6 +275,13 @@ class Executor:
             return  # consumers read their own replica of it
         if kind == "input":
             out = self.batch[r.node.attrs["index"]][r.box]
+        elif r.recompute:  # no autograd graph: nothing saved for backward (torch.utils.checkpoint)
+            with torch.no_grad():
+                inputs = [self.weights.view(s.weight, s.index) if s is not None and s.weight is not None
+                          else self._gather(s) if s is not None else None for s in r.slots]
+                out = self.compute[r.id](inputs, {role: self.weights.view(name, index)
+                                                  for role, name, index in r.weights})
+            self.saved[r.id] = tuple(x if keep else None for x, keep in zip(inputs, r.keeps))
         else:
             inputs: list[torch.Tensor | None] = []
             leaves: list[torch.Tensor | None] = [None] * len(r.slots)
@@ -291,6 +304,30 @@ class Executor:
             data = to_wire(out.detach(), getattr(torch, r.node.output.dtype))
             for s in r.sends:
                 self.p2p.send(data if s.src is None else data[s.src], s.peer, s.transfer, backward=False)
+        for i in r.frees:  # dropped outputs whose last reader here has run
+            self.outs[i] = None
+
+    def _regraph(self, r: Recipe) -> None:
+        """Recompute ``r``'s partition with autograd, as its forward step would have (leaves
+        cut where they are), from the inputs it kept and the outputs this rank holds (its
+        producers' kept outputs, or dropped ones recomputed at this step or an earlier one).
+        Dropout draws the same masks (``dropout_generator``: a function of the step's seed and
+        the op, not of a generator's state), so no RNG state needs saving."""
+        saved = self.saved.pop(r.id)
+        inputs: list[torch.Tensor | None] = []
+        leaves: list[torch.Tensor | None] = [None] * len(r.slots)
+        for i, s in enumerate(r.slots):
+            x = None
+            if s is not None and s.weight is not None:
+                x = self.weights.view(s.weight, s.index)
+            elif s is not None:
+                x = saved[i] if saved[i] is not None else self._gather(s)
+                if s.leaf:
+                    x = leaves[i] = x.detach().requires_grad_()
+            inputs.append(x)
+        self.outs[r.id] = self.compute[r.id](inputs, {role: self.weights.view(name, index)
+                                                      for role, name, index in r.weights})
+        self.leaves[r.id] = leaves
 
     def _compute(self, r: Recipe, group: Group | None, shards: ClassShards) -> Callable | None:
         """``(inputs, weights) -> output`` of ``r``'s partition: its op rule's forward with the

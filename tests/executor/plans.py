@@ -98,9 +98,61 @@ def _vocab(graph: OpGraph, n: int) -> Strategy:
     return _with(graph, n, lambda node: configs.get(node.name))
 
 
+def recompute(plan: Strategy, ops) -> Strategy:
+    """``plan`` with recompute set on ``ops``."""
+    for op in ops:
+        plan = plan.replace(op, plan[op].with_memory(recompute=True))
+    return plan
+
+
+def _block(graph: OpGraph, i: int) -> list[str]:
+    """Every op of zoo gpt's transformer block i: from its ``ln_1`` to its second residual add
+    (the op before the next block's ``ln_1``, or ``ln_f``)."""
+    names = [node.name for node in graph]
+    start = names.index(f"blocks_{i}_ln_1")
+    end = next(k for k in range(start + 1, len(names)) if names[k] in (f"blocks_{i + 1}_ln_1", "ln_f"))
+    return names[start:end]
+
+
+def recompute_ops(graph: OpGraph, what: str) -> list[str]:
+    """The ops a ``+rc_<what>`` plan recomputes: ``block<i>`` (every op of gpt block i),
+    ``blocks`` (of every block), ``mlp`` (each block's ``mlp_fc`` and ``mlp_gelu``: fc's output
+    dropped, gelu's kept for the row-parallel proj), ``attn`` (Korthikanti et al. 2022's
+    selective recompute: the attention core and the reshapes around it, from q/k/v's outputs to
+    the proj's input), ``mid`` (the tiny mlp's layers_1..layers_3), ``seed<k>`` (a random half
+    of the ops with a backward and no sum across devices)."""
+    if what.startswith("block") and what != "blocks":
+        return _block(graph, int(what.removeprefix("block")))
+    blocks = sorted({int(n.name.split("_")[1]) for n in graph if n.name.startswith("blocks_")})
+    if what == "blocks":
+        return [op for i in blocks for op in _block(graph, i)]
+    if what == "mlp":
+        return [op for i in blocks for op in (f"blocks_{i}_mlp_fc", f"blocks_{i}_mlp_gelu")]
+    if what == "attn":
+        out = []
+        for i in blocks:
+            ops = _block(graph, i)
+            first = max(ops.index(f"blocks_{i}_attn_{x}") for x in "qkv") + 1
+            out += [op for op in ops[first:ops.index(f"blocks_{i}_attn_proj")]
+                    if not op.startswith(f"blocks_{i}_attn_")]
+        return out
+    if what == "mid":
+        return ["layers_1", "layers_2", "layers_3"]
+    if what.startswith("seed"):
+        rng = random.Random(int(what.removeprefix("seed")))
+        ok = [n.name for n in graph if graph.needs_grad[n.name] and n.kind not in ("parameter", "constant", "input")
+              and n.kind != "loss"]
+        return rng.sample(ok, len(ok) // 2)
+    raise ValueError(f"unknown recompute set {what!r}")
+
+
 def make_plan(graph: OpGraph, name: str, n: int) -> Strategy:
     """The plan ``name`` for ``graph`` on ``n`` devices (``random<seed>``, ``random_mb<seed>``:
-    a random config per op; the second with 2 GPipe micro-batches)."""
+    a random config per op; the second with 2 GPipe micro-batches; ``<plan>+rc_<what>``:
+    ``<plan>`` with recompute on ``recompute_ops(graph, what)``)."""
+    if "+rc_" in name:
+        base, what = name.split("+rc_")
+        return recompute(make_plan(graph, base, n), recompute_ops(graph, what))
     if name == "dp":
         return data_parallel(graph, n)
     if name == "dp_mb2":  # the loss on every device, 2 micro-batches

@@ -1,0 +1,165 @@
+"""Parity of recompute plans (docs/design.md, "Recompute"; Chen et al. 2016, Korthikanti et al.
+2022): recompute per op and per block (every op of a gpt transformer block), alone and with
+tensor (Megatron-LM) and pipeline cuts fed micro-batches, on 2 and 4 gloo processes, float64,
+SGD and Adam, against one device (``harness.compare``); and, on a world of one, that the
+executor holds none of the dropped outputs between a forward and its backward and saves nothing
+for backward in a recompute op's forward: what it holds is the model's kept bytes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from soapsearch.executor import Executor, TrainConfig, build_model
+from soapsearch.executor.errors import ExecutorError, check_runnable
+from simulator.memory import memory_breakdown
+from strategies import data_parallel
+from strategies.lowering import lower
+from tests.conftest import traced
+from tests.executor.harness import parity_tests
+from tests.executor.plans import make_plan, recompute, recompute_ops
+
+pytestmark = pytest.mark.distributed
+
+CASES_2 = [("mlp", "dp+rc_mid"), ("gpt", "dp+rc_blocks"), ("gpt", "megatron+rc_blocks"),
+           ("gpt", "megatron_sp+rc_blocks"), ("gpt", "1f1b+rc_block0"), ("gpt", "gpipe+rc_mlp"),
+           ("gpt", "heads+rc_attn"), ("gpt", "random_mb1+rc_seed1")]
+CASES_4 = [("gpt", "megatron_pp2+rc_blocks"), ("gpt", "megatron+rc_attn"), ("gpt", "1f1b+rc_blocks"),
+           ("mlp", "stages_dp+rc_mid"), ("gpt", "colrow+rc_mlp"), ("gpt", "random_mb2+rc_seed2")]
+
+
+@pytest.mark.parametrize("world,cases", [(2, CASES_2), (4, CASES_4)])
+def test_the_plans_drop_outputs(world, cases):
+    """Every case drops some output; between them: tensor cuts with collectives, pipelines
+    with micro-batches, dropped outputs read from another device."""
+    collectives = micro = False
+    for model, plan in cases:
+        low = lower(traced(model), make_plan(traced(model), plan, world))
+        assert any(p.dropped for p in low.pieces.values()), (model, plan)
+        collectives = collectives or bool(low.collectives)
+        micro = micro or low.strategy.microbatches > 1
+    assert collectives and micro
+
+
+results2, results4, test_parity_2_processes, test_parity_4_processes = parity_tests(CASES_2, CASES_4)
+
+
+class Watched(Executor):
+    """An executor that records, at its first backward step, which partitions' outputs it
+    holds, and counts the tensors autograd saves for backward in each forward step."""
+
+    def _clear(self) -> None:
+        super()._clear()
+        self.held = getattr(self, "held", None)
+        self.saved_by: dict[bool, int] = getattr(self, "saved_by", {False: 0, True: 0})
+
+    def _forward(self, r) -> None:
+        def pack(t):
+            self.saved_by[r.recompute] += 1
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            super()._forward(r)
+
+    def _backward(self, r) -> None:
+        if self.held is None:
+            self.held = {(x.part.op, x.part.index): self.outs[x.id] for x in self.recipes}
+        super()._backward(r)
+
+
+@pytest.mark.parametrize("model,what", [("mlp", "mid"), ("gpt", "blocks"), ("gpt", "attn")])
+def test_the_executor_holds_what_the_model_keeps(world_of_one, model, what):
+    """Data parallel on one device, one micro-batch: at the first backward step every forward
+    has run and the dropped outputs are gone (no outputs are received), so the outputs held
+    are the model's kept bytes (``DeviceBytes.kept``; a parameter op's output is the weight,
+    not held by a partition) and none of the dropped; a recompute op's forward saves no tensor
+    for backward (the others do); and the step equals the plan without recompute."""
+    built = build_model(model, "tiny", dtype="float64")
+    g = built.graph
+    plan = recompute(data_parallel(g, 1), recompute_ops(g, what))
+    low = lower(g, plan)
+    ex = Watched(g, plan, built.state, built.inputs, TrainConfig("sgd", lr=0.05))
+    loss = ex.step(seed=3)
+    weights = {n.name for n in g if n.kind in ("parameter", "constant")}
+    held = {op for (op, _), out in ex.held.items() if out is not None}
+    dropped = {op for op, p in low.pieces.items() if p.dropped}
+    assert dropped and not held & dropped
+    assert held | dropped | weights == set(low.pieces)
+    nbytes = sum(out.numel() * out.element_size() for (op, _), out in ex.held.items() if out is not None)
+    assert nbytes == low.device_bytes.kept[0] - sum(low.pieces[w].activations[0] for w in weights)
+    assert all(ex.held[(op, 0)].grad_fn is None for op in recompute_ops(g, what) if op in held)
+    assert ex.saved_by[True] == 0 and ex.saved_by[False] > 0
+    plain = Executor(g, data_parallel(g, 1), built.state, built.inputs, TrainConfig("sgd", lr=0.05))
+    assert loss == plain.step(seed=3)  # the forward is the same arithmetic; the backward sums
+    for (k, a), b in zip(ex.gradients().items(), plain.gradients().values()):  # in another order (no links)
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-15, msg=lambda m: f"{k}: {m}")
+    assert memory_breakdown(low)[0].activations < memory_breakdown(lower(g, data_parallel(g, 1)))[0].activations
+
+
+def test_recompute_of_an_op_that_sums_across_devices_is_refused():
+    g = traced("gpt")
+    plan = recompute(data_parallel(g, 2), [g.outputs[0]])
+    with pytest.raises(ExecutorError, match=r"^op 'cross_entropy': recompute = True: its partitions sum .* across "
+                       r"devices \[0, 1\] in their forward"):
+        check_runnable(lower(g, plan), 2)
+
+
+def _held_worker(rank: int, world: int, port: int, model: str, plan_name: str, out_dir: str) -> None:
+    """One rank of ``test_each_rank_holds_what_the_model_keeps``: the bytes it holds at its
+    first backward step, saved to ``out_dir``."""
+    import math
+    import os
+    import torch.distributed as dist
+    from strategies.schedule import warmups
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        built = build_model(model, "tiny", dtype="float64")
+        plan = make_plan(built.graph, plan_name, world)
+        ex = Watched(built.graph, plan, built.state, built.inputs, TrainConfig("sgd", lr=0.05))
+        snapshot = {}
+
+        def look() -> None:
+            if not snapshot:  # every forward of the warm-up has run, dropped outputs let go
+                outs = sum(o.numel() * o.element_size() for o in ex.outs if o is not None)
+                kept = sum(x.numel() * x.element_size() for xs in ex.saved.values() for x in xs if x is not None)
+                w = warmups(ex.lowered)[rank]  # the micro-batches whose forwards have run
+                received = sum(math.prod(p.shape) * s.dtype.itemsize for q in ex.recipes
+                               if not q.recompute and q.part.microbatch < w
+                               for s in q.slots if s is not None for p in s.pieces if p.peer is not None)
+                snapshot.update(outs=outs, saved=kept, received=received)
+
+        def first(method):  # the first backward step starts with a recomputation or a backward
+            def call(r):
+                look()
+                method(r)
+            return call
+        ex._regraph, ex._backward = first(ex._regraph), first(ex._backward)
+        ex.step(seed=1)
+        torch.save(snapshot, f"{out_dir}/{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("plan", ["gpipe+rc_mid", "1f1b+rc_blocks"])
+def test_each_rank_holds_what_the_model_keeps(plan, tmp_path):
+    """Two-stage pipelines, 2 micro-batches, on 2 gloo processes: at each rank's first backward
+    step it holds its warm-up's w·K bytes (``DeviceBytes.kept``, w = ``warmups``): the outputs
+    it keeps and the pieces recompute partitions keep for their recomputation (received from
+    the other stage), none dropped, plus the pieces the other partitions received (held by
+    their leaves or autograd graphs: counted from their shapes)."""
+    import torch.multiprocessing as mp
+    from strategies.schedule import warmups
+    from tests.executor.harness import free_port
+    model = "mlp" if "mid" in plan else "gpt"
+    mp.spawn(_held_worker, args=(2, free_port(), model, plan, str(tmp_path)), nprocs=2, join=True)
+    built = build_model(model, "tiny", dtype="float64")
+    low = lower(built.graph, make_plan(built.graph, plan, 2))
+    ws = warmups(low)
+    weights = [n.name for n in built.graph if n.kind in ("parameter", "constant")]
+    assert any(p.dropped for p in low.pieces.values())
+    for rank in range(2):
+        got = torch.load(tmp_path / f"{rank}.pt")
+        kept = low.device_bytes.kept[rank] - sum(low.pieces[w].activations[rank] for w in weights)
+        assert got["outs"] + got["saved"] + got["received"] == ws[rank] * kept, (rank, got, ws[rank], kept)
+    assert any(torch.load(tmp_path / f"{r}.pt")["saved"] for r in range(2))  # a recompute op kept a received piece
