@@ -11,6 +11,7 @@ from strategies.config import ParallelConfig, check_degrees
 from strategies.errors import PlanError
 from strategies.graph import OpGraph, OpNode
 from strategies.megatron import megatron, megatron_blocks
+from strategies.pieces import recomputable
 from strategies.region import partition_index
 from strategies.replicas import shardable
 from strategies.rules import get_rule
@@ -86,7 +87,8 @@ def recomputed(plan: Strategy, graph: OpGraph) -> Strategy:
         raise PlanError(None, "recompute", True, f"model {graph.name!r} has no linear → attention → linear "
                         "or linear → activation → linear block to recompute")
     inside = {op for cols, mid, row in blocks for op in (*cols, *mid, row)}
-    configs = {name: cfg.with_memory(recompute=True) if name in inside else cfg for name, cfg in plan.items()}
+    configs = {name: cfg.with_memory(recompute=True) if name in inside and recomputable(graph, graph[name]) else cfg
+               for name, cfg in plan.items()}
     return Strategy.of(configs, plan.num_devices, plan.microbatches, plan.schedule, plan.precision)
 
 

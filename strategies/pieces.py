@@ -21,7 +21,7 @@ from strategies.rules.base import Reduction
 from strategies.rules.cross_entropy import CLASS_SUMS, class_sum_terms
 from strategies.strategy import Strategy
 
-__all__ = ["lower_op", "partition_box_mb", "gates", "check_microbatches", "drops_output", "check_recompute",
+__all__ = ["lower_op", "partition_box_mb", "gates", "check_microbatches", "drops_output", "check_recompute", "recomputable",
            "drop_points", "drop_positions", "DropPoints"]
 
 _new = tuple.__new__
@@ -230,6 +230,12 @@ def recompute_key(graph: OpGraph, strategy: Strategy, name: str) -> tuple:
     """What an op's pieces read of its consumers' configs: their recompute flags, where the op
     recomputes (``drops_output``); () otherwise. Part of the lowering cache's key."""
     return tuple(strategy[u].recompute for u in graph.users(name)) if strategy[name].recompute else ()
+
+
+def recomputable(graph: OpGraph, node: OpNode) -> bool:
+    """Whether recompute on ``node`` may drop something (``check_recompute`` refuses it
+    otherwise): it computes (not a weight read in place) and has a backward."""
+    return node.kind not in WEIGHT_KINDS and node.kind != "input" and graph.needs_grad[node.name]
 
 
 def check_recompute(graph: OpGraph, node: OpNode) -> None:

@@ -34,7 +34,7 @@ from strategies.errors import PlanError
 from strategies.graph import OpGraph
 from strategies.lowered import WEIGHT_KINDS
 from strategies.megatron import megatron_blocks
-from strategies.pieces import check_microbatches
+from strategies.pieces import check_microbatches, recomputable
 from strategies.replicas import shardable
 from strategies.strategy import SCHEDULES, Strategy
 
@@ -43,9 +43,6 @@ __all__ = ["MoveRates", "Moves", "Space", "keep", "microbatch_choices", "neighbo
 SCOPES = (("op", 0.5), ("block", 0.3), ("all", 0.2))
 """How many ops a sharding-level or recompute move sets, with its probability: one op, one
 block's ops (one op where the graph has no block), every op it applies to."""
-
-NO_RECOMPUTE = ("input", *WEIGHT_KINDS)
-"""Op kinds that keep nothing for backward: never recomputed."""
 
 
 def keep(old: ParallelConfig, new: ParallelConfig) -> ParallelConfig:
@@ -117,7 +114,7 @@ class Moves:
         self.choices = tuple(choices)
         self.spaces: dict[int, Space] = dict(spaces or {})
         self.weighted = [n.name for n in graph if any(w.trainable for w in n.weights)]
-        self.computing = [n.name for n in graph if n.kind not in NO_RECOMPUTE]
+        self.computing = [n.name for n in graph if recomputable(graph, n)]
         self.blocks = [(*cols, *mid, row) for cols, mid, row in megatron_blocks(graph)] if num_devices > 1 else []
         self._replicated: dict[tuple[str, tuple[int, ...]], bool] = {}
 
