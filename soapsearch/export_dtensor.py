@@ -141,6 +141,15 @@ def dtensor_plan(graph: OpGraph, strategy: Strategy, modules: Mapping[str, str])
         raise PlanError(None, "microbatches", strategy.microbatches, "parallelize_module has no "
                         "micro-batches or pipeline stages (torch.distributed.pipelining is separate); "
                         "export a plan of 1 micro-batch")
+    if strategy.precision != "model":
+        raise PlanError(None, "precision", strategy.precision, "the export writes tensor-parallel styles only; "
+                        "wrap the training step in torch.autocast (or FSDP2's MixedPrecisionPolicy) yourself, "
+                        "or export the plan made with --dtype fp32")
+    for name, cfg in strategy.items():
+        if cfg.zero or cfg.recompute:
+            field, value = ("zero", cfg.zero) if cfg.zero else ("recompute", True)
+            raise PlanError(name, field, value, "the export writes tensor-parallel styles only (no fully_shard "
+                            "or checkpoint wrapping); export a plan without sharded state or recompute")
     t = _tp_degree(graph, strategy)
     _check_one_stage(graph, strategy)
     n = strategy.num_devices

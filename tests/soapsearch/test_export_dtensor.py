@@ -106,6 +106,11 @@ def test_refused(gpt):
     msg = _refusal(graph, model, swapped)
     assert msg.startswith("op 'blocks_0_mlp_fc': devices = [0, 2, 1, 3]: partition 1 (sample 0) on device 2, not 1")
     assert "microbatches" in _refusal(graph, model, meg.with_microbatches(2))
+    assert _refusal(graph, model, meg.with_precision("bf16")).startswith("precision = 'bf16': the export writes")
+    zero = meg.replace(fc.name, meg[fc.name].with_memory(zero=1))
+    assert _refusal(graph, model, zero).startswith("op 'blocks_0_mlp_fc': zero = 1: the export writes")
+    again = meg.replace(fc.name, meg[fc.name].with_memory(recompute=True))
+    assert _refusal(graph, model, again).startswith("op 'blocks_0_mlp_fc': recompute = True: the export")
     msg = _refusal(graph, model, baseline("megatron", graph, 4, tp=2, pp=2))
     assert msg.startswith("op 'wte': devices = '0-1': runs on 2 of the plan's 4 devices: "
                           "pipeline stages (pp > 1)"), msg
