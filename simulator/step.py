@@ -11,12 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from simulator.comm import allgather_time, allreduce_time, ring_links
+from simulator.comm import allgather_time, allreduce_time, collective_time, ring_links
 from simulator.devices import DeviceSpec
 from simulator.taskgraph import TaskGraph, TaskKind
 from simulator.topology import Topology
 from strategies.config import format_devices
 from strategies.lowering import BucketKey, Lowered, ReductionGroup, bucket_sums, loss_on_every_device
+from strategies.zero import sharded_state, zero_buckets
 
 __all__ = ["COPY_TRAFFIC", "link_step", "member_ends", "UPDATE_TRAFFIC"]
 
@@ -86,16 +87,19 @@ def link_step(tg: TaskGraph, lowered: Lowered, topology: Topology,
                 tg.edge(f, r)
             for e, d in zip(member_ends(tg.add, tg.edge, topology, r, g.devices, label, TaskKind.REDUCE), g.devices):
                 (ready if dynamic else later)[d].append(e)
-    weight_bytes, tensors = lowered.device_bytes.trainable, lowered.gradient_sync.tensors
+    weight_bytes, tensors = sharded_state(lowered)[:2]
     buckets = lowered.gradient_sync.buckets
+    sharded = zero_buckets(lowered)
     synced = {d: ready[d] + later[d] for d in last}
     for key in sorted(buckets):
         devs = key.devices
         links = tuple(n + l for l in ring_links(topology, devs))
-        label = f"allreduce bucket {format_devices(devs)}"
+        zb = sharded.get(key)
+        kind = "reduce_scatter" if zb is not None else "all_reduce"
+        label = f"{kind.replace('_', '')} bucket {format_devices(devs)}" + (f" zero{key.zero}" if key.zero else "")
         extra, fwds = riders.get(key, (0, []))
-        nbytes = buckets[key] + extra
-        ar = tg.add(label, TaskKind.ALLREDUCE, allreduce_time(topology, devs, nbytes), links, devs[0], nbytes)
+        nbytes = buckets[key] + extra if zb is None else zb.chunk_bytes * len(devs)  # padded to n chunks
+        ar = tg.add(label, TaskKind.ALLREDUCE, collective_time(topology, kind, devs, nbytes), links, devs[0], nbytes)
         for f in fwds:
             tg.edge(f, ar)
         packs = []
@@ -107,6 +111,9 @@ def link_step(tg: TaskGraph, lowered: Lowered, topology: Topology,
             tg.edge(pack, ar)
             packs.append(pack)
         for d, e in zip(devs, _synced_ends(tg, topology, ar, devs, label, TaskKind.ALLREDUCE, list(zip(devs, packs)))):
+            if zb is not None:  # its chunk of the sum is the optimizer's gradient: nothing to copy back
+                synced[d].append(e)
+                continue
             unpack = tg.add(f"unpack {label} device {d}", TaskKind.ALLREDUCE,
                             _copy_time(topology.devices[d], buckets[key]), (d,), d)
             tg.edge(e, unpack)
@@ -119,13 +126,34 @@ def link_step(tg: TaskGraph, lowered: Lowered, topology: Topology,
         for _, dep in arrivals:
             tg.edge(dep, rep)
         _synced_ends(tg, topology, rep, everyone, "allreduce loss", TaskKind.ALLREDUCE, arrivals)
+    updates = {}
     for d in sorted(last):
         if weight_bytes[d]:
-            u = tg.add(f"update {optimizer} device {d}", TaskKind.UPDATE,
-                       _update_time(topology.devices[d], traffic, weight_bytes[d], tensors[d]),
-                       (d,), d, weight_bytes[d])
+            u = updates[d] = tg.add(f"update {optimizer} device {d}", TaskKind.UPDATE,
+                                    _update_time(topology.devices[d], traffic, weight_bytes[d], tensors[d]),
+                                    (d,), d, weight_bytes[d])
             for dep in dict.fromkeys(synced[d]):
                 tg.edge(dep, u)
+    _gather_chunks(tg, topology, sharded.values(), updates)
+
+
+def _gather_chunks(tg: TaskGraph, topology: Topology, sharded, updates: dict[int, int]) -> None:
+    """After the members' updates, each sharded bucket's updated chunks all-gathered into the
+    flat weights (``strategies.zero``, in sorted key order, as ``LocalWeights.gather_chunks``)
+    and copied back into the weights (``_copy_time``)."""
+    n = topology.num_devices
+    for zb in sharded:
+        devs = zb.key.devices
+        label = f"allgather weights {format_devices(devs)} zero{zb.key.zero}"
+        ag = tg.add(label, TaskKind.ALLREDUCE, allgather_time(topology, devs, zb.chunk_bytes),
+                    tuple(n + l for l in ring_links(topology, devs)), devs[0], zb.chunk_bytes * len(devs))
+        for d in devs:
+            tg.edge(updates[d], ag)
+        for d, e in zip(devs, _synced_ends(tg, topology, ag, devs, label, TaskKind.ALLREDUCE,
+                                           [(d, updates[d]) for d in devs])):
+            unpack = tg.add(f"unpack {label} device {d}", TaskKind.ALLREDUCE,
+                            _copy_time(topology.devices[d], zb.chunk_bytes * len(devs)), (d,), d)
+            tg.edge(e, unpack)
 
 
 def _synced_ends(tg: TaskGraph, topology: Topology, collective: int, devices: Sequence[int],

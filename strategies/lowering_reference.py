@@ -70,9 +70,10 @@ def lower_reference(graph: OpGraph, strategy: Strategy) -> Lowered:
 
 def _weight_shards(name: str, reads: list[WeightRead]) -> list[WeightShard]:
     """The shards of weight ``name``: each region its ``reads`` read, held by the devices reading
-    it, in the order first read (``weight_shards`` cuts partly overlapping regions into cells)."""
+    it, in the order first read (``weight_shards`` cuts partly overlapping regions into cells), at
+    the largest sharding level of the ops reading it."""
     holders: dict[Box, set[int]] = {}
     for r in reads:
         holders.setdefault(r.region, set()).add(r.device)
     ops = tuple(dict.fromkeys(r.op for r in reads))
-    return weight_shards(name, holders, reads[-1].dtype, reads[-1].trainable, ops)
+    return weight_shards(name, holders, reads[-1].dtype, reads[-1].trainable, ops, max(r.zero for r in reads))

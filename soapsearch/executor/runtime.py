@@ -194,6 +194,7 @@ class Executor:
             t2 = clock()
             if update and self.optimizer is not None:
                 self.optimizer.step()
+                self.weights.gather_chunks(self.groups)  # sharded buckets (ZeRO): the updated chunks
             t3 = clock()
             value = loss() / self.strategy.microbatches
             if events is not None:
@@ -213,7 +214,7 @@ class Executor:
             ls = r.loss_sum
             if ls.count is None and ls.gates is Gate.STEP and (ls.bucket is not None) == riding:
                 count = pending.wait()[1]
-                for t in self.weights.parameters():
+                for t in self.weights.grad_holders():
                     if t.grad is not None:
                         t.grad.div_(count)
 

@@ -98,9 +98,21 @@ def _vocab(graph: OpGraph, n: int) -> Strategy:
     return _with(graph, n, lambda node: configs.get(node.name))
 
 
+def zero(level: int, plan: Strategy, graph: OpGraph) -> Strategy:
+    """``plan`` with every op that has a trainable weight at sharding level ``level``
+    (``ParallelConfig.zero``: ZeRO stage)."""
+    return Strategy.of({node.name: plan[node.name].with_memory(zero=level)
+                        if any(w.trainable for w in node.weights) else plan[node.name] for node in graph},
+                       plan.num_devices, plan.microbatches, plan.schedule, plan.precision)
+
+
 def make_plan(graph: OpGraph, name: str, n: int) -> Strategy:
     """The plan ``name`` for ``graph`` on ``n`` devices (``random<seed>``, ``random_mb<seed>``:
-    a random config per op; the second with 2 GPipe micro-batches)."""
+    a random config per op; the second with 2 GPipe micro-batches; ``zero<level>_<plan>``:
+    ``plan`` with every weighted op at that sharding level)."""
+    if name.startswith("zero") and "_" in name:
+        level, rest = name.removeprefix("zero").split("_", 1)
+        return zero(int(level), make_plan(graph, rest, n), graph)
     if name == "dp":
         return data_parallel(graph, n)
     if name == "dp_mb2":  # the loss on every device, 2 micro-batches
