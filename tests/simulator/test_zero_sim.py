@@ -1,0 +1,126 @@
+"""Sharded weight state priced by the simulator (``ParallelConfig.zero``, ``strategies.zero``):
+the memory model's categories equal the ZeRO paper's count by hand (Rajbhandari et al. 2020, §5
+table 1: Ψ parameters, N replicas, K optimizer bytes per parameter) for levels 0-2, SGD and
+Adam, model precision and bf16; a sharded bucket is a ring reduce-scatter of the padded flat
+bucket and, after the update, a ring all-gather of the chunks (``simulator.comm``); and delta
+simulation equals full simulation on walks that change levels."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from simulator.comm import allgather_time, reduce_scatter_time
+from simulator.cost import get_cost_model
+from simulator.memory import memory_breakdown, peak_memory
+from simulator.presets import get_topology
+from simulator.simulate import simulate_plan
+from simulator.tasks import build_tasks
+from soapsearch import zoo
+from soapsearch.search.api import Evaluator
+from soapsearch.search.mcmc import candidate_configs
+from strategies import data_parallel
+from strategies.errors import PlanError
+from strategies.lowering import lower, lower_reference
+from tests.conftest import traced
+from tests.executor.plans import zero
+
+N = 4
+STATE = {"sgd": 4, "adam": 8}
+"""Optimizer state bytes per parameter, float32: SGD's momentum, Adam's two moments."""
+
+
+def _psi(name: str) -> int:
+    """Ψ: the model's trainable parameters, counted from the module itself."""
+    model, _ = zoo.build(name, "tiny")
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+@pytest.mark.parametrize("precision", ["model", "bf16"])
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+@pytest.mark.parametrize("level", [0, 1, 2])
+def test_memory_categories_are_the_papers_count(level, optimizer, precision):
+    """zoo mlp, data parallel on N = 2 devices (Ψ even: chunks need no padding). Weights
+    and gradients 4Ψ bytes (2Ψ in bf16); level 0 keeps K·Ψ of optimizer state and master
+    (K = 4 SGD / 8 Adam of state, + 4 of float32 master in bf16: the paper's 12 for Adam),
+    levels 1 and 2 K·Ψ/N, and in model precision the Ψ/N float32 working copy of the chunk."""
+    g, psi, n = traced("mlp"), _psi("mlp"), 2
+    assert psi % n == 0
+    plan = zero(level, data_parallel(g, n), g)
+    if precision != "model":
+        plan = plan.with_precision(precision)
+    low = lower(g, plan)
+    b = 4 if precision == "model" else 2
+    share = psi // n if level else psi
+    for d, got in enumerate(memory_breakdown(low, optimizer)):
+        assert got.weights == b * psi and got.gradients == b * psi, got
+        assert got.optimizer_state == STATE[optimizer] * share, got
+        assert got.master_weights == (4 * share if precision != "model" or level else 0), got
+        assert got.total == peak_memory(low, optimizer)[d]
+    if level and precision != "model" and optimizer == "adam":  # the paper's (2 + 2 + 12/N)·Ψ
+        base = memory_breakdown(low, optimizer)[0]
+        assert base.weights + base.gradients + base.optimizer_state + base.master_weights == 4 * psi + 12 * psi // n
+
+
+def test_sharded_buckets_are_reduce_scattered_and_gathered():
+    """Data parallel zoo gpt on p100-2x2 at level 1: one reduce-scatter of the padded bucket and
+    one all-gather of its chunks, each timed by the ring formula, in place of the all-reduce."""
+    g, topo = traced("gpt"), get_topology("p100-2x2")
+    cost = get_cost_model("analytical")
+    psi_bytes = lower(g, data_parallel(g, N)).device_bytes.trainable[0]
+    chunk = -(-psi_bytes // 4 // N) * 4
+    for level in (0, 1, 2):
+        tg = build_tasks(lower(g, zero(level, data_parallel(g, N), g)), topo, cost)
+        names = [str(x) for x in tg.name]
+        rs = [i for i, x in enumerate(names) if x.startswith("reducescatter bucket")]
+        ag = [i for i, x in enumerate(names) if x.startswith("allgather weights")]
+        ar = [i for i, x in enumerate(names) if x.startswith("allreduce bucket")]
+        if not level:
+            assert len(ar) == 1 and not rs and not ag
+            continue
+        assert len(rs) == 1 and len(ag) == 1 and not ar
+        assert tg.duration[rs[0]] == reduce_scatter_time(topo, tuple(range(N)), chunk * N)
+        assert tg.duration[ag[0]] == allgather_time(topo, tuple(range(N)), chunk)
+
+
+def test_level_1_moves_what_data_parallel_does_and_updates_a_quarter():
+    """Ring reduce-scatter + all-gather move what a ring all-reduce does; the update touches a
+    quarter of the bytes: the update tasks' bytes are the chunk's."""
+    g, topo = traced("gpt"), get_topology("p100-2x2")
+    r0 = simulate_plan(g, data_parallel(g, N), topo, optimizer="adam")
+    r1 = simulate_plan(g, zero(1, data_parallel(g, N), g), topo, optimizer="adam")
+    assert r1.iteration_time != r0.iteration_time
+    assert max(r1.peak_memory_bytes) < max(r0.peak_memory_bytes)
+
+
+@pytest.mark.parametrize("name,topology,microbatches", [("gpt", "p100-2x2", 1), ("mlp", "local-cpu-4", 1)])
+def test_delta_equals_full_with_levels(name, topology, microbatches):
+    """A walk of one-op proposals, each a config and a level 0-2: the search's Evaluator (delta)
+    and a from-scratch simulation agree to the bit on every figure."""
+    graph = traced(name, batch_size=16)
+    topo = get_topology(topology)
+    n, cost = topo.num_devices, get_cost_model("analytical")
+    evaluate = Evaluator(graph, topo, cost)
+    candidates = candidate_configs(graph, n, microbatches, topo.node_size)
+    ops = [op for op in candidates if any(w.trainable for w in graph[op].weights)]
+    rng = random.Random(5)
+    current = zero(1, data_parallel(graph, n), graph)
+    sharded = 0
+    for _ in range(80):
+        op = rng.choice(ops)
+        cfg = rng.choice(candidates[op]) if rng.random() < 0.5 else current[op]
+        proposal = current.replace(op, cfg.with_memory(zero=rng.choice((0, 1, 2))))
+        try:
+            low = lower_reference(graph, proposal)
+        except PlanError:
+            continue
+        delta = evaluate(proposal, summary=True)
+        full = simulate_plan(graph, proposal, topo, cost, summary=True)
+        assert (delta.iteration_time, delta.peak_memory_bytes, delta.busy_time, delta.bytes_moved,
+                delta.num_tasks, delta.memory) == (full.iteration_time, full.peak_memory_bytes, full.busy_time,
+                                                   full.bytes_moved, full.num_tasks, full.memory), (op, cfg)
+        sharded += any(k.zero for k in low.gradient_sync.buckets)
+        if rng.random() < 0.6:
+            current = proposal
+    assert sharded > 30

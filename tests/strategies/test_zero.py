@@ -1,0 +1,125 @@
+"""Sharded weight state in the lowering (``ParallelConfig.zero``, ``strategies.zero``): each
+shard's level is the largest ``zero`` of the ops reading its weight and 0 where one device holds
+it; buckets are keyed by it; the chunking rule covers every element once; the cached lowering
+equals ``lower_reference`` on walks that change levels; and a level that cannot run is one line."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from soapsearch import trace
+from strategies import Strategy, data_parallel, enumerate_configs
+from strategies.config import ParallelConfig
+from strategies.errors import PlanError
+from strategies.lowering import lower, lower_reference
+from strategies.zero import chunk_numel, chunk_span, sharded_state, zero_buckets
+from tests.conftest import traced
+from tests.executor.plans import make_plan, zero
+from tests.strategies.test_lowering import Tied
+from tests.strategies.test_lowering_reference import _assert_equal
+
+DEVICES = 4
+
+
+@pytest.mark.parametrize("numel,n", [(10, 4), (8, 4), (3, 4), (1, 2), (4097, 3)])
+def test_chunks_cover_the_flat_tensor_once(numel, n):
+    spans = [chunk_span(numel, n, i) for i in range(n)]
+    assert spans[0][0] == 0 and spans[-1][1] == numel
+    assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+    assert all(hi - lo <= chunk_numel(numel, n) for lo, hi in spans)
+    assert chunk_numel(numel, n) * n >= numel > chunk_numel(numel, n) * (n - 1) - (n - 1)
+
+
+def test_data_parallel_levels_and_buckets():
+    """zoo gpt data parallel on 4: one bucket per level, every trainable byte in it; level 1
+    keeps 1/4 of the flat bucket per device for the optimizer (the padded chunk)."""
+    g = traced("gpt")
+    base = lower(g, data_parallel(g, DEVICES))
+    for level in (1, 2):
+        low = lower(g, zero(level, data_parallel(g, DEVICES), g))
+        (key, b), = zero_buckets(low).items()
+        assert key.zero == level and key.devices == (0, 1, 2, 3)
+        assert {s.zero for s in low.weight_shards if s.trainable} == {level}
+        assert b.numel * 4 == base.device_bytes.trainable[0]
+        ss = sharded_state(low)
+        assert ss.updated == (b.chunk * 4,) * DEVICES and ss.tensors == (1,) * DEVICES
+        assert ss.sharded == base.device_bytes.trainable
+        assert low.device_bytes == base.device_bytes  # the weights themselves are held whole
+
+
+def test_one_device_shards_are_level_0():
+    """The megatron plan on 2 devices: the column- and row-parallel shards are held by one
+    device each, so their level is 0 (nothing to shard); the norms' weights, on both, keep it."""
+    g = traced("gpt")
+    low = lower(g, zero(2, make_plan(g, "megatron", 2), g))
+    single = [s for s in low.weight_shards if s.trainable and len(s.devices) == 1]
+    assert single and all(s.zero == 0 for s in single)
+    assert all(s.zero == 2 for s in low.weight_shards if s.trainable and len(s.devices) == 2)
+
+
+def test_a_tied_weight_takes_the_largest_level_of_its_readers():
+    graph = trace(Tied(), (torch.randn(4, 8),))
+    plan = data_parallel(graph, 2)
+    first = next(n.name for n in graph if n.weights)
+    low = lower(graph, plan.replace(first, plan[first].with_memory(zero=1)))
+    assert {s.zero for s in low.weight_shards} == {1}
+
+
+def test_level_3_is_refused_in_one_line():
+    g = traced("mlp")
+    with pytest.raises(PlanError, match=r"^op '.*': zero = 3: weight '.*': level 3 .* not implemented yet") as e:
+        lower(g, zero(3, data_parallel(g, 2), g))
+    assert "\n" not in str(e.value)
+
+
+def test_a_weight_partly_replicated_is_refused_in_one_line():
+    """Tied: one op reads the whole weight on device 0, the other is cut on out_features over
+    devices 0 and 1: rows [0, 4) are held by device 0 alone, rows [4, 8) by both."""
+    graph = trace(Tied(), (torch.randn(4, 8),))
+    ops = [n.name for n in graph if n.weights]
+    configs = {n.name: ParallelConfig((1,) * len(n.dims), (0,)) for n in graph}
+    out = len(graph[ops[1]].output.shape) - 1
+    configs[ops[1]] = ParallelConfig(tuple(2 if i == out else 1 for i in range(len(graph[ops[1]].dims))), (0, 1))
+    plan = Strategy.of(configs, 2)
+    lower(graph, plan)  # level 0: fine
+    configs[ops[0]] = configs[ops[0]].with_memory(zero=1)
+    with pytest.raises(PlanError, match=r"zero = 1: weight 'fc.weight' has regions held by one device .* and "
+                                        r"regions replicated on several") as e:
+        lower(graph, Strategy.of(configs, 2))
+    assert "\n" not in str(e.value)
+    with pytest.raises(PlanError):
+        lower_reference(graph, Strategy.of(configs, 2))
+
+
+@pytest.mark.parametrize("name,microbatches", [("gpt", 1), ("mlp", 1), ("alexnet", 1)])
+def test_the_cached_lowering_equals_the_reference_with_levels(name, microbatches):
+    """Walks of one-op changes (a config or a level 0-2) through one cache: every lowering
+    equals ``lower_reference``, or both refuse the plan with the same error; the cache goes on
+    after a refusal."""
+    graph = traced(name)
+    rng = random.Random(name)
+    configs = {node.name: list(enumerate_configs(node, DEVICES, microbatches)) for node in graph}
+    weighted = [n.name for n in graph if any(w.trainable for w in n.weights)]
+    cache: dict = {}
+    plan = zero(1, data_parallel(graph, DEVICES), graph).with_microbatches(microbatches, "gpipe")
+    sharded = refused = 0
+    for _ in range(60):
+        op = rng.choice(weighted)
+        cfg = rng.choice(configs[op]) if rng.random() < 0.5 else plan[op]
+        proposal = plan.replace(op, cfg.with_memory(zero=rng.choice((0, 1, 2))))
+        try:
+            want = lower_reference(graph, proposal)
+        except PlanError as e:
+            with pytest.raises(PlanError, match=str(e).replace("(", r"\(").replace(")", r"\)")
+                               .replace("[", r"\[").replace("]", r"\]")):
+                lower(graph, proposal, cache)
+            refused += 1
+            continue
+        _assert_equal(lower(graph, proposal, cache), want)
+        sharded += bool(zero_buckets(want))
+        if rng.random() < 0.6:
+            plan = proposal
+    assert sharded > 20
