@@ -1,8 +1,10 @@
 """The end of a training step as the executor runs it (``runtime.Executor.step``), after each
 device's last backward step: the loss sums it waits on, the gradient sync (one all-reduce per
 device set holding replicated trainable shards, DDP-style buckets, each packed into one tensor
-and copied back), the loss value's all-reduce when not every device knows it (overlapping the
-update), and the optimizer update. Every collective is followed, on each
+and copied back; a sharded bucket, ``strategies.zero``, reduce-scattered instead), the loss
+value's all-reduce when not every device knows it (overlapping the update), the optimizer
+update (of a sharded bucket's chunk only), and the sharded buckets' all-gathers of the updated
+chunks. Every collective is followed, on each
 member device, by that device's ``collective_overhead`` of host work (``member_ends``); the step
 end's are recorded in ``TaskGraph.syncs``, whose overheads ``simulator.stragglers`` scales by
 how many members arrive together."""
