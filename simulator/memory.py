@@ -42,6 +42,9 @@ class MemoryBreakdown(NamedTuple):
     """Mixed precision: the float32 master copy of what the device updates (``MASTER`` bytes
     per compute-dtype weight byte, a sharded bucket's chunk only). "model" precision: the
     working copy of its sharded buckets' chunks (0 with none)."""
+    gathered_weights: int = 0
+    """Level 3 (``zero`` 3, FSDP): the largest set of weight shards one use gathers, twice
+    (gathered weights, and in the backward their full gradient before the reduce-scatter)."""
 
     @property
     def total(self) -> int:
@@ -104,7 +107,7 @@ def peak_memory(lowered: Lowered, optimizer: str = "sgd") -> list[int]:
     m = lowered.strategy.microbatches
     ws = warmups(lowered)
     gathered, grads = lowered.collective_bytes()
-    return [b.trainable[d] + sum(state[d]) + b.frozen[d] + ws.get(d, 0) * (b.kept[d] + gathered[d])
+    return [sum(state[d]) + b.frozen[d] + ws.get(d, 0) * (b.kept[d] + gathered[d])
             + (b.received[d] if ws.get(d, 0) < m else 0) + min(2, m) * b.received_grad[d] + grads[d]
             for d in range(n)]
 
@@ -121,8 +124,9 @@ def memory_breakdown(lowered: Lowered, optimizer: str = "sgd") -> list[MemoryBre
     for d in range(n):
         w = ws.get(d, 0)
         out.append(MemoryBreakdown(
-            weights=b.trainable[d] + b.frozen[d], gradients=state[d].gradients,
+            weights=state[d].weights + b.frozen[d], gradients=state[d].gradients,
             optimizer_state=state[d].optimizer_state, activations=w * b.kept[d],
             receive_buffers=(b.received[d] if w < m else 0) + min(2, m) * b.received_grad[d],
-            collective_buffers=w * gathered[d] + grads[d], master_weights=state[d].master_weights))
+            collective_buffers=w * gathered[d] + grads[d], master_weights=state[d].master_weights,
+            gathered_weights=state[d].gathered_weights))
     return out

@@ -94,6 +94,8 @@ def link_step(tg: TaskGraph, lowered: Lowered, topology: Topology,
     sharded = zero_buckets(lowered)
     synced = {d: ready[d] + later[d] for d in last}
     for key in sorted(buckets):
+        if key.zero == 3:  # reduce-scattered after each use (simulator.zero3)
+            continue
         devs = key.devices
         links = tuple(n + l for l in ring_links(topology, devs))
         zb = sharded.get(key)

@@ -228,6 +228,10 @@ def weight_shards(name: str, regions: dict[Box, set[int]], dtype: str, trainable
             if devs:
                 cells[tuple(cell)] = devs
         regions = cells
+        if zero == 3 and trainable:
+            from strategies.errors import PlanError
+            raise PlanError(ops[0], "zero", zero, f"weight {name!r} is read in regions that partly overlap: level 3 "
+                            "gathers each region a partition reads as one shard; cut the weight alike on every reader")
     if zero and trainable:
         _check_level(name, regions, ops, zero)
     itemsize = DTYPE_BYTES[dtype]
@@ -237,16 +241,13 @@ def weight_shards(name: str, regions: dict[Box, set[int]], dtype: str, trainable
 
 
 def _check_level(name: str, regions: dict[Box, set[int]], ops: tuple[str, ...], zero: int) -> None:
-    """PlanError unless sharding level ``zero`` can run on weight ``name``'s regions: level 3
-    is not implemented yet, and a level shards every region of the weight over its replicas,
-    so either all its regions are replicated or none is (all on one device each: a no-op)."""
+    """PlanError unless sharding level ``zero`` can run on weight ``name``'s regions: a level
+    shards every region of the weight over its replicas, so either all its regions are
+    replicated or none is (all on one device each: a no-op)."""
     from strategies.errors import PlanError
     single = sorted(min(ds) for ds in regions.values() if len(ds) == 1)
     if len(single) == len(regions):
         return
-    if zero == 3:
-        raise PlanError(ops[0], "zero", zero, f"weight {name!r}: level 3 (weights sharded and gathered per use, "
-                        "FSDP's fully_shard) is not implemented yet; levels 0-2 run")
     if single:
         raise PlanError(ops[0], "zero", zero, f"weight {name!r} has regions held by one device (on devices "
                         f"{single}) and regions replicated on several: a sharding level chunks every region of a "

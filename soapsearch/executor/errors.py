@@ -37,6 +37,10 @@ def check_runnable(lowered: Lowered, world_size: int) -> None:
         raise ExecutorError(
             f"plan precision = {strategy.precision!r}: the executor runs 'model' precision only "
             "(mixed precision is simulated and searched, not yet run); give run --dtype fp32")
+    level3 = next((s for s in lowered.weight_shards if s.zero == 3), None)
+    if level3 is not None:
+        raise ExecutorError(f"op {level3.ops[0]!r}: zero = 3: weight {level3.name!r} at level 3 (FSDP's fully_shard) "
+                            "is simulated, not yet run; levels 0-2 run")
     if strategy.microbatches > 1:
         cache: dict[int, int] = {}
         for red in lowered.reductions:

@@ -23,6 +23,7 @@ from soapsearch.search.mcmc import candidate_configs
 from strategies import data_parallel
 from strategies.errors import PlanError
 from strategies.lowering import lower, lower_reference
+from strategies.zero import gather_uses
 from tests.conftest import traced
 from tests.executor.plans import zero
 
@@ -31,21 +32,25 @@ STATE = {"sgd": 4, "adam": 8}
 """Optimizer state bytes per parameter, float32: SGD's momentum, Adam's two moments."""
 
 
-def _psi(name: str) -> int:
-    """Ψ: the model's trainable parameters, counted from the module itself."""
+def _psi(name: str) -> tuple[int, int]:
+    """Ψ: the model's trainable parameters, counted from the module itself; and the most one
+    module holds (what one use gathers at level 3)."""
     model, _ = zoo.build(name, "tiny")
-    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+    own = [sum(p.numel() for p in m.parameters(recurse=False) if p.requires_grad) for m in model.modules()]
+    return sum(p.numel() for p in model.parameters() if p.requires_grad), max(own)
 
 
 @pytest.mark.parametrize("precision", ["model", "bf16"])
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
-@pytest.mark.parametrize("level", [0, 1, 2])
+@pytest.mark.parametrize("level", [0, 1, 2, 3])
 def test_memory_categories_are_the_papers_count(level, optimizer, precision):
-    """zoo mlp, data parallel on N = 2 devices (Ψ even: chunks need no padding). Weights
-    and gradients 4Ψ bytes (2Ψ in bf16); level 0 keeps K·Ψ of optimizer state and master
-    (K = 4 SGD / 8 Adam of state, + 4 of float32 master in bf16: the paper's 12 for Adam),
-    levels 1 and 2 K·Ψ/N, and in model precision the Ψ/N float32 working copy of the chunk."""
-    g, psi, n = traced("mlp"), _psi("mlp"), 2
+    """zoo mlp, data parallel on N = 2 devices (Ψ even: chunks need no padding). Weights and
+    gradients 4Ψ bytes (2Ψ in bf16), 1/N of it at level 3; level 0 keeps K·Ψ of optimizer
+    state and master (K = 4 SGD / 8 Adam of state, + 4 of float32 master in bf16: the paper's
+    12 for Adam), levels 1-3 K·Ψ/N; in model precision levels 1 and 2 keep the Ψ/N float32
+    working copy of the chunk (level 3's chunk is the weight itself); level 3 gathers the
+    largest module's weights, and in its backward their gradient (twice its bytes)."""
+    g, (psi, largest), n = traced("mlp"), _psi("mlp"), 2
     assert psi % n == 0
     plan = zero(level, data_parallel(g, n), g)
     if precision != "model":
@@ -53,14 +58,17 @@ def test_memory_categories_are_the_papers_count(level, optimizer, precision):
     low = lower(g, plan)
     b = 4 if precision == "model" else 2
     share = psi // n if level else psi
+    held = share if level == 3 else psi
     for d, got in enumerate(memory_breakdown(low, optimizer)):
-        assert got.weights == b * psi and got.gradients == b * psi, got
+        assert got.weights == b * held and got.gradients == b * held, got
         assert got.optimizer_state == STATE[optimizer] * share, got
-        assert got.master_weights == (4 * share if precision != "model" or level else 0), got
+        assert got.master_weights == (4 * share if precision != "model" or level in (1, 2) else 0), got
+        assert got.gathered_weights == (2 * b * largest if level == 3 else 0), got
         assert got.total == peak_memory(low, optimizer)[d]
-    if level and precision != "model" and optimizer == "adam":  # the paper's (2 + 2 + 12/N)·Ψ
+    if level and precision != "model" and optimizer == "adam":  # the paper's table 1
         base = memory_breakdown(low, optimizer)[0]
-        assert base.weights + base.gradients + base.optimizer_state + base.master_weights == 4 * psi + 12 * psi // n
+        states = base.weights + base.gradients + base.optimizer_state + base.master_weights
+        assert states == (4 * psi + 12 * psi // n if level < 3 else 16 * psi // n)
 
 
 def test_sharded_buckets_are_reduce_scattered_and_gathered():
@@ -96,7 +104,7 @@ def test_level_1_moves_what_data_parallel_does_and_updates_a_quarter():
 
 @pytest.mark.parametrize("name,topology,microbatches", [("gpt", "p100-2x2", 1), ("mlp", "local-cpu-4", 1)])
 def test_delta_equals_full_with_levels(name, topology, microbatches):
-    """A walk of one-op proposals, each a config and a level 0-2: the search's Evaluator (delta)
+    """A walk of one-op proposals, each a config and a level 0-3: the search's Evaluator (delta)
     and a from-scratch simulation agree to the bit on every figure."""
     graph = traced(name, batch_size=16)
     topo = get_topology(topology)
@@ -106,13 +114,14 @@ def test_delta_equals_full_with_levels(name, topology, microbatches):
     ops = [op for op in candidates if any(w.trainable for w in graph[op].weights)]
     rng = random.Random(5)
     current = zero(1, data_parallel(graph, n), graph)
-    sharded = 0
+    sharded = gathered = 0
     for _ in range(80):
         op = rng.choice(ops)
         cfg = rng.choice(candidates[op]) if rng.random() < 0.5 else current[op]
-        proposal = current.replace(op, cfg.with_memory(zero=rng.choice((0, 1, 2))))
+        proposal = current.replace(op, cfg.with_memory(zero=rng.choice((0, 1, 2, 3))))
         try:
             low = lower_reference(graph, proposal)
+            gather_uses(low)
         except PlanError:
             continue
         delta = evaluate(proposal, summary=True)
@@ -121,6 +130,29 @@ def test_delta_equals_full_with_levels(name, topology, microbatches):
                 delta.num_tasks, delta.memory) == (full.iteration_time, full.peak_memory_bytes, full.busy_time,
                                                    full.bytes_moved, full.num_tasks, full.memory), (op, cfg)
         sharded += any(k.zero for k in low.gradient_sync.buckets)
+        gathered += any(k.zero == 3 for k in low.gradient_sync.buckets)
         if rng.random() < 0.6:
             current = proposal
-    assert sharded > 30
+    assert sharded > 30 and gathered > 10
+
+
+def test_level_3_gathers_before_each_forward_and_backward():
+    """Data parallel zoo gpt, 2 micro-batches, level 3: per use and micro-batch two ring
+    all-gathers of the shard's chunks (forward, backward) and one ring reduce-scatter of its
+    gradient, no step-end bucket; each forward task waits on its all-gather."""
+    g, topo = traced("gpt", batch_size=16), get_topology("p100-2x2")
+    low = lower(g, zero(3, data_parallel(g, N), g).with_microbatches(2, "gpipe"))
+    uses = gather_uses(low)
+    tg = build_tasks(low, topo, get_cost_model("analytical"))
+    names = [str(x) for x in tg.name]
+    fwd = [i for i, x in enumerate(names) if x.startswith("allgather fwd")]
+    bwd = [i for i, x in enumerate(names) if x.startswith("allgather bwd")]
+    rs = [i for i, x in enumerate(names) if x.startswith("reducescatter grad")]
+    assert len(fwd) == len(bwd) == len(rs) == 2 * len(uses)
+    assert not any("bucket" in x for x in names)
+    u = uses[0]
+    chunk = -(-u.shard.nbytes // 4 // N) * 4
+    assert tg.duration[fwd[0]] == allgather_time(topo, u.shard.devices, chunk)
+    assert tg.duration[rs[0]] == reduce_scatter_time(topo, u.shard.devices, chunk * N)
+    assert {str(("fwd", u.op, k, 0)) for k in u.partitions} <= {names[t] for t in tg.successors(fwd[0])}
+    assert {str(("bwd", u.op, k, 0)) for k in u.partitions} <= {names[t] for t in tg.successors(bwd[0])}

@@ -15,7 +15,7 @@ from strategies import Strategy, data_parallel, enumerate_configs
 from strategies.config import ParallelConfig
 from strategies.errors import PlanError
 from strategies.lowering import lower, lower_reference
-from strategies.zero import chunk_numel, chunk_span, sharded_state, zero_buckets
+from strategies.zero import chunk_numel, chunk_span, gather_uses, gathered_shards, sharded_state, zero_buckets
 from tests.conftest import traced
 from tests.executor.plans import make_plan, zero
 from tests.strategies.test_lowering import Tied
@@ -68,11 +68,19 @@ def test_a_tied_weight_takes_the_largest_level_of_its_readers():
     assert {s.zero for s in low.weight_shards} == {1}
 
 
-def test_level_3_is_refused_in_one_line():
-    g = traced("mlp")
-    with pytest.raises(PlanError, match=r"^op '.*': zero = 3: weight '.*': level 3 .* not implemented yet") as e:
-        lower(g, zero(3, data_parallel(g, 2), g))
-    assert "\n" not in str(e.value)
+def test_level_3_gathers_each_use_once_per_replica():
+    """Data parallel zoo gpt at level 3: every trainable shard is gathered by each op reading
+    it, one partition per replica; a chunk per shard."""
+    g = traced("gpt")
+    low = lower(g, zero(3, data_parallel(g, DEVICES), g))
+    shards = gathered_shards(low)
+    assert shards and all(s.zero == 3 for s in low.weight_shards if s.trainable)
+    uses = gather_uses(low)
+    assert {u.shard for u in uses} == set(shards)
+    assert all(u.partitions == (0, 1, 2, 3) for u in uses)
+    ss = sharded_state(low)
+    assert ss.held3[0] == sum(-(-s.nbytes // 4 // DEVICES) * 4 for s in shards)
+    assert ss.sharded3 == low.device_bytes.trainable and ss.tensors == (len(shards),) * DEVICES
 
 
 def test_a_weight_partly_replicated_is_refused_in_one_line():
@@ -96,7 +104,7 @@ def test_a_weight_partly_replicated_is_refused_in_one_line():
 
 @pytest.mark.parametrize("name,microbatches", [("gpt", 1), ("mlp", 1), ("alexnet", 1)])
 def test_the_cached_lowering_equals_the_reference_with_levels(name, microbatches):
-    """Walks of one-op changes (a config or a level 0-2) through one cache: every lowering
+    """Walks of one-op changes (a config or a level 0-3) through one cache: every lowering
     equals ``lower_reference``, or both refuse the plan with the same error; the cache goes on
     after a refusal."""
     graph = traced(name)
@@ -109,7 +117,7 @@ def test_the_cached_lowering_equals_the_reference_with_levels(name, microbatches
     for _ in range(60):
         op = rng.choice(weighted)
         cfg = rng.choice(configs[op]) if rng.random() < 0.5 else plan[op]
-        proposal = plan.replace(op, cfg.with_memory(zero=rng.choice((0, 1, 2))))
+        proposal = plan.replace(op, cfg.with_memory(zero=rng.choice((0, 1, 2, 3))))
         try:
             want = lower_reference(graph, proposal)
         except PlanError as e:
