@@ -37,10 +37,6 @@ def check_runnable(lowered: Lowered, world_size: int) -> None:
         raise ExecutorError(
             f"plan precision = {strategy.precision!r}: the executor runs 'model' precision only "
             "(mixed precision is simulated and searched, not yet run); give run --dtype fp32")
-    level3 = next((s for s in lowered.weight_shards if s.zero == 3), None)
-    if level3 is not None:
-        raise ExecutorError(f"op {level3.ops[0]!r}: zero = 3: weight {level3.name!r} at level 3 (FSDP's fully_shard) "
-                            "is simulated, not yet run; levels 0-2 run")
     if strategy.microbatches > 1:
         cache: dict[int, int] = {}
         for red in lowered.reductions:
@@ -51,3 +47,12 @@ def check_runnable(lowered: Lowered, world_size: int) -> None:
                     f"op {red.op!r}: its {red.name} reduction spans devices {list(red.devices)} "
                     f"whose {strategy.schedule} warm-ups differ ({w}): their all-reduces would wait "
                     "on each other; use schedule 'gpipe' or keep the op's devices in one stage")
+        for s in lowered.weight_shards:
+            if s.zero != 3:
+                continue
+            w = {d: cache.setdefault(d, warmup(lowered, d)) if d not in cache else cache[d] for d in s.devices}
+            if len(set(w.values())) > 1:
+                raise ExecutorError(
+                    f"op {s.ops[0]!r}: zero = 3: weight {s.name!r} is held by devices {list(s.devices)} whose "
+                    f"{strategy.schedule} warm-ups differ ({w}): their gathers would wait on each other; use "
+                    "schedule 'gpipe' or keep the weight's readers in one stage")

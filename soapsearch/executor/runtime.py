@@ -170,10 +170,15 @@ class Executor:
                 try:
                     for i in r.grad_calls if backward else r.calls:
                         self._call(i, backward)
+                    gathered = self.weights.fsdp.uses.get((r.part.op, r.part.index))  # level-3 weights it reads
+                    if gathered:
+                        self.weights.fsdp.unshard(gathered)
                     if backward:
                         self._backward(r)
                     else:
                         self._forward(r)
+                    if gathered:
+                        self.weights.fsdp.reshard(gathered, backward)
                 except ExecutorError:
                     raise
                 except Exception as e:

@@ -9,6 +9,7 @@ packed into one flat tensor and reduce-scattered; this rank keeps its chunk of t
 gradient of a flat chunk tensor (``chunks``) that the optimizer updates in place of the
 bucket's weights (so it holds their optimizer state for the chunk only), frees the weights'
 full gradients, and after the update all-gathers the chunks into the weights (``gather_chunks``).
+Level-3 shards (FSDP) are kept as chunks and gathered per use (``gathered.GatheredWeights``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from soapsearch.executor.comm import ProcessGroups, run_collective
+from soapsearch.executor.gathered import GatheredWeights
 from strategies.lowering import BucketKey, Lowered, bucket_key
 from strategies.region import Box, box_numel, index_in, shift_box, slice_box
 from strategies.zero import ZeroBucket, chunk_span, zero_buckets
@@ -54,13 +56,15 @@ class LocalWeights:
         self.zero: dict[BucketKey, ZeroBucket] = {k: b for k, b in zero_buckets(lowered).items()
                                                    if rank in k.devices}
         """The sharded buckets this rank is a member of, in sorted key order."""
-        sharded = {s.name for b in self.zero.values() for s in b.shards}
+        self.fsdp = GatheredWeights(lowered, rank, self.tensors, self.index, state)
+        """Its level-3 shards (FSDP): chunks kept, gathered per use."""
+        sharded = {s.name for b in self.zero.values() for s in b.shards} | self.fsdp.names
         self.chunks: dict[BucketKey, torch.Tensor] = {k: self._flat(k, grads=False)[self._chunk(b)].clone()
                                                       .requires_grad_() for k, b in self.zero.items()}
         """Sharded bucket -> this rank's chunk of its flat weights (padded), the tensor the
         optimizer updates (``strategies.zero``: member i owns chunk i)."""
         self.params = [t for n, t in sorted(self.tensors.items()) if t.requires_grad and n not in sharded]
-        self.params += list(self.chunks.values())
+        self.params += list(self.chunks.values()) + list(self.fsdp.chunks.values())
 
     def index(self, name: str, region: Box) -> tuple[slice, ...] | None:
         """The view of weight ``name``'s local leaf that ``region`` (global coordinates) is; None
@@ -79,8 +83,11 @@ class LocalWeights:
 
     def grad_holders(self) -> list[torch.Tensor]:
         """Every tensor whose ``.grad`` holds part of this rank's gradient now: the trainable
-        leaves (before the sync) and the chunks (after it)."""
-        return [t for t in self.tensors.values() if t.requires_grad] + list(self.chunks.values())
+        leaves (before the sync) and the chunks (after it; level 3's once their reduce-scatters
+        are waited, here)."""
+        self.fsdp.finish()
+        return ([t for t in self.tensors.values() if t.requires_grad] + list(self.chunks.values())
+                + list(self.fsdp.chunks.values()))
 
     def _chunk(self, b: ZeroBucket) -> slice:
         i = b.key.devices.index(self.rank)
@@ -115,11 +122,14 @@ class LocalWeights:
         ``strategies.lowering.bucket_sums``) are appended to their bucket's flat tensor, so one
         all-reduce sums both; returns their sums, key -> tensors in the order given."""
         riders = riders or {}
-        for t in self.tensors.values():
-            if t.requires_grad and t.grad is None:
+        self.fsdp.finish()
+        for name, t in self.tensors.items():
+            if t.requires_grad and t.grad is None and name not in self.fsdp.names:
                 t.grad = torch.zeros_like(t)
         pending = []
         for key in sorted(set(self.buckets) | set(riders)):
+            if key.zero == 3:  # reduce-scattered after each use (``GatheredWeights``)
+                continue
             if key in self.zero:  # reduce-scatter: this rank's chunk of the sum is its chunk's gradient
                 self.chunks[key].grad = run_collective("reduce_scatter", self._flat(key, grads=True),
                                                        groups.group(key.devices), 0)
@@ -183,8 +193,9 @@ class LocalWeights:
             full = torch.zeros(specs[name].shape, dtype=dtype, device=self.device)
             if grads:
                 self._chunk_grads(name, full)
+            self.fsdp.write(name, full, grads)
             for s in owned[name]:
-                if s.devices[0] == self.rank and not (grads and s.zero):
+                if s.devices[0] == self.rank and not (grads and s.zero) and s.zero != 3:
                     src = self.tensors[name].grad if grads else self.tensors[name]
                     if src is not None:
                         full[slice_box(s.region)] = src.detach()[slice_box(shift_box(s.region, self.origin[name]))]
