@@ -13,6 +13,7 @@ from strategies.pieces import check_microbatches, lower_op
 from strategies.precision import compute_graph
 from strategies.region import Box
 from strategies.strategy import Strategy
+from strategies.zero import gather_uses
 
 __all__ = ["lower_reference"]
 
@@ -64,8 +65,10 @@ def lower_reference(graph: OpGraph, strategy: Strategy) -> Lowered:
         for d in held_by:
             tensors[d] += 1
 
-    return Lowered(graph, strategy, {op: p.partitions for op, p in pieces.items()}, tuple(shards),
-                   pieces, device_bytes, GradientSync(buckets, tuple(tensors)))
+    lowered = Lowered(graph, strategy, {op: p.partitions for op, p in pieces.items()}, tuple(shards),
+                      pieces, device_bytes, GradientSync(buckets, tuple(tensors)))
+    gather_uses(lowered)  # level 3 (FSDP): every use of a shard pairs up over its devices
+    return lowered
 
 
 def _weight_shards(name: str, reads: list[WeightRead]) -> list[WeightShard]:

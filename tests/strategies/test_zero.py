@@ -131,3 +131,26 @@ def test_the_cached_lowering_equals_the_reference_with_levels(name, microbatches
         if rng.random() < 0.6:
             plan = proposal
     assert sharded > 20
+
+
+def test_a_level_3_weight_read_by_other_devices_per_op_is_refused_in_one_line():
+    """Tied: the one weight read by the first op on devices 0, 1 and the second on 2, 3 (each
+    data parallel): one shard over 0-3, fine at levels 1 and 2 (one bucket), but at level 3 a
+    use of it would not pair up over its devices."""
+    graph = trace(Tied(), (torch.randn(4, 8),))
+    ops = [n.name for n in graph if n.weights]
+    configs, second = {}, False
+    for n in graph:  # graph order: from the second reader on, devices 2 and 3
+        second = second or n.name == ops[1]
+        devices = (2, 3) if second else (0, 1)
+        s = n.sample_dim
+        configs[n.name] = ParallelConfig(tuple(2 if i == s else 1 for i in range(len(n.dims))), devices)
+    for level in (1, 2):
+        low = lower(graph, Strategy.of({k: c.with_memory(zero=level) if k in ops else c for k, c in configs.items()}, 4))
+        assert [s.devices for s in low.weight_shards] == [(0, 1, 2, 3)]
+    plan = Strategy.of({k: c.with_memory(zero=3) if k in ops else c for k, c in configs.items()}, 4)
+    for lowering in (lower, lower_reference):
+        with pytest.raises(PlanError, match=r"zero = 3: weight 'fc.weight' region .* is read by \{0: 1, 1: 1, 2: 0, "
+                                            r"3: 0\} partitions of the op per replica device") as e:
+            lowering(graph, plan)
+        assert "\n" not in str(e.value)
