@@ -43,8 +43,8 @@ class MemoryBreakdown(NamedTuple):
     per compute-dtype weight byte, a sharded bucket's chunk only). "model" precision: the
     working copy of its sharded buckets' chunks (0 with none)."""
     gathered_weights: int = 0
-    """Level 3 (``zero`` 3, FSDP): the largest set of weight shards one use gathers, twice
-    (gathered weights, and in the backward their full gradient before the reduce-scatter)."""
+    """Levels 2 and 3 (``zero``, per use): the most one use holds besides, its level-3 shards
+    gathered and the full gradient of its shards before their reduce-scatter."""
 
     @property
     def total(self) -> int:

@@ -1,10 +1,10 @@
 """The end of a training step as the executor runs it (``runtime.Executor.step``), after each
 device's last backward step: the loss sums it waits on, the gradient sync (one all-reduce per
 device set holding replicated trainable shards, DDP-style buckets, each packed into one tensor
-and copied back; a sharded bucket, ``strategies.zero``, reduce-scattered instead), the loss
-value's all-reduce when not every device knows it (overlapping the update), the optimizer
-update (of a sharded bucket's chunk only), and the sharded buckets' all-gathers of the updated
-chunks. Every collective is followed, on each
+and copied back; a level-1 bucket, ``strategies.zero``, reduce-scattered instead; levels 2
+and 3 were reduce-scattered per use, ``simulator.zero3``), the loss value's all-reduce when not
+every device knows it (overlapping the update), the optimizer update (of the chunks of sharded
+state only), and the all-gathers of the updated level-1 and level-2 chunks. Every collective is followed, on each
 member device, by that device's ``collective_overhead`` of host work (``member_ends``); the step
 end's are recorded in ``TaskGraph.syncs``, whose overheads ``simulator.stragglers`` scales by
 how many members arrive together."""
@@ -19,7 +19,7 @@ from simulator.taskgraph import TaskGraph, TaskKind
 from simulator.topology import Topology
 from strategies.config import format_devices
 from strategies.lowering import BucketKey, Lowered, ReductionGroup, bucket_sums, loss_on_every_device
-from strategies.zero import sharded_state, zero_buckets
+from strategies.zero import per_use_shards, shard_chunk_bytes, sharded_state, zero_buckets
 
 __all__ = ["COPY_TRAFFIC", "link_step", "member_ends", "UPDATE_TRAFFIC"]
 
@@ -94,7 +94,7 @@ def link_step(tg: TaskGraph, lowered: Lowered, topology: Topology,
     sharded = zero_buckets(lowered)
     synced = {d: ready[d] + later[d] for d in last}
     for key in sorted(buckets):
-        if key.zero == 3:  # reduce-scattered after each use (simulator.zero3)
+        if key.zero >= 2:  # reduce-scattered after each use (simulator.zero3)
             continue
         devs = key.devices
         links = tuple(n + l for l in ring_links(topology, devs))
@@ -138,25 +138,27 @@ def link_step(tg: TaskGraph, lowered: Lowered, topology: Topology,
                                     (d,), d, weight_bytes[d])
             for dep in dict.fromkeys(synced[d]):
                 tg.edge(dep, u)
-    _gather_chunks(tg, topology, sharded.values(), updates)
+    chunks = [(zb.key.devices, zb.chunk_bytes, f"{format_devices(zb.key.devices)} zero1") for zb in sharded.values()]
+    chunks += [(s.devices, shard_chunk_bytes(s), f"{s.name} zero2") for s in per_use_shards(lowered) if s.zero == 2]
+    _gather_chunks(tg, topology, chunks, updates)
 
 
-def _gather_chunks(tg: TaskGraph, topology: Topology, sharded, updates: dict[int, int]) -> None:
-    """After the members' updates, each sharded bucket's updated chunks all-gathered into the
-    flat weights (``strategies.zero``, in sorted key order, as ``LocalWeights.gather_chunks``)
-    and copied back into the weights (``_copy_time``)."""
+def _gather_chunks(tg: TaskGraph, topology: Topology, chunks, updates: dict[int, int]) -> None:
+    """After the members' updates, each level-1 bucket's and then each level-2 shard's updated
+    chunks (``chunks``: devices, chunk bytes, label) all-gathered (``strategies.zero``, in
+    that order, as ``LocalWeights.gather_chunks``) and copied back into the weights
+    (``_copy_time``)."""
     n = topology.num_devices
-    for zb in sharded:
-        devs = zb.key.devices
-        label = f"allgather weights {format_devices(devs)} zero{zb.key.zero}"
-        ag = tg.add(label, TaskKind.ALLREDUCE, allgather_time(topology, devs, zb.chunk_bytes),
-                    tuple(n + l for l in ring_links(topology, devs)), devs[0], zb.chunk_bytes * len(devs))
+    for devs, chunk, what in chunks:
+        label = f"allgather weights {what}"
+        ag = tg.add(label, TaskKind.ALLREDUCE, allgather_time(topology, devs, chunk),
+                    tuple(n + l for l in ring_links(topology, devs)), devs[0], chunk * len(devs))
         for d in devs:
             tg.edge(updates[d], ag)
         for d, e in zip(devs, _synced_ends(tg, topology, ag, devs, label, TaskKind.ALLREDUCE,
                                            [(d, updates[d]) for d in devs])):
             unpack = tg.add(f"unpack {label} device {d}", TaskKind.ALLREDUCE,
-                            _copy_time(topology.devices[d], zb.chunk_bytes * len(devs)), (d,), d)
+                            _copy_time(topology.devices[d], chunk * len(devs)), (d,), d)
             tg.edge(e, unpack)
 
 

@@ -228,10 +228,11 @@ def weight_shards(name: str, regions: dict[Box, set[int]], dtype: str, trainable
             if devs:
                 cells[tuple(cell)] = devs
         regions = cells
-        if zero == 3 and trainable:
+        if zero >= 2 and trainable:
             from strategies.errors import PlanError
-            raise PlanError(ops[0], "zero", zero, f"weight {name!r} is read in regions that partly overlap: level 3 "
-                            "gathers each region a partition reads as one shard; cut the weight alike on every reader")
+            raise PlanError(ops[0], "zero", zero, f"weight {name!r} is read in regions that partly overlap: level "
+                            f"{zero} reduce-scatters each region a partition reads as one shard; cut the weight alike "
+                            "on every reader")
     if zero and trainable:
         _check_level(name, regions, ops, zero)
     itemsize = DTYPE_BYTES[dtype]

@@ -1,20 +1,22 @@
 """Sharded state (ZeRO, Rajbhandari et al. 2020; FSDP2's ``fully_shard`` vocabulary): the one
-chunking rule of a sharded gradient bucket, which the simulator prices and the executor runs.
+chunking rule of sharded weight state, which the simulator prices and the executor runs.
 
-A bucket of level 1 or 2 (``BucketKey.zero``) is the flat tensor of its shards' elements, each
-shard's region flattened in row-major order, shards in ``Lowered.weight_shards`` order (the
-order every member packs them). With n members (``BucketKey.devices``, sorted) the flat tensor
-is padded with zeros to n·c elements, c = ⌈numel / n⌉, and member i owns chunk i,
-[i·c, (i + 1)·c): what ``reduce_scatter_tensor`` leaves group rank i, and what it gives back
-to ``all_gather_into_tensor`` (a ``Shard(0)`` of the flat tensor). A member holds the optimizer
-state of its chunk only and updates its chunk (level 1: optimizer state sharded); at level 2 it
-also keeps only its chunk of the summed gradient after the step.
+Level 1 (optimizer state sharded): a gradient bucket (``BucketKey.zero`` 1) is the flat tensor
+of its shards' elements, each shard's region flattened in row-major order, shards in
+``Lowered.weight_shards`` order (the order every member packs them). With n members
+(``BucketKey.devices``, sorted) the flat tensor is padded with zeros to n·c elements,
+c = ⌈numel / n⌉, and member i owns chunk i, [i·c, (i + 1)·c): what ``reduce_scatter_tensor``
+leaves group rank i, and what it gives back to ``all_gather_into_tensor`` (a ``Shard(0)`` of the
+flat tensor). At the step end the bucket is reduce-scattered, each member updates its chunk (it
+holds the chunk's optimizer state only), and the chunks are all-gathered into the weights.
 
-Level 3 (FSDP2's ``fully_shard``): each trainable shard on its own is cut so (its region
-flattened, padded, ``Shard(0)`` chunk i on member i), and the member keeps only its chunk of
-the weight. Every use gathers it (``gather_uses``): before the forward of each reader op's
-partition in each micro-batch an all-gather, freed after it (reshard after forward), again
-before its backward, then the gradient reduce-scattered into the chunk's and freed.
+Levels 2 and 3 cut each trainable shard on its own the same way (its region flattened, padded,
+chunk i on member i), and work per use (``gather_uses``: each reader op's partition on each
+member, in each micro-batch): after the partition's backward its gradient is reduce-scattered
+into the chunk's and the full gradient freed. Level 2 (FSDP's ``SHARD_GRAD_OP``) keeps the
+weight whole and all-gathers the updated chunks after the step; level 3 (FSDP2's
+``fully_shard``) keeps only the chunk of the weight and all-gathers it before the partition's
+forward, frees it after (reshard after forward) and gathers it again before its backward.
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ from strategies.graph import DTYPE_BYTES
 from strategies.lowered import WEIGHT_KINDS, BucketKey, Lowered, WeightShard, bucket_key
 from strategies.region import box_numel
 
-__all__ = ["ZeroBucket", "chunk_numel", "chunk_span", "zero_buckets", "gathered_shards", "GatherUse", "gather_uses",
-           "ShardedState", "sharded_state"]
+__all__ = ["ZeroBucket", "chunk_numel", "chunk_span", "zero_buckets", "per_use_shards", "shard_chunk_bytes", "GatherUse",
+           "gather_uses", "ShardedState", "sharded_state"]
 
 
 def chunk_numel(numel: int, n: int) -> int:
@@ -61,31 +63,37 @@ class ZeroBucket(NamedTuple):
 
 
 def zero_buckets(lowered: Lowered) -> dict[BucketKey, ZeroBucket]:
-    """The plan's buckets of level ≥ 1, in sorted key order, each with its shards in the flat
+    """The plan's buckets of level 1, in sorted key order, each with its shards in the flat
     tensor's order."""
-    if not any(k.zero in (1, 2) for k in lowered.gradient_sync.buckets):
+    if not any(k.zero == 1 for k in lowered.gradient_sync.buckets):
         return {}
     shards: dict[BucketKey, list[WeightShard]] = {}
     for s in lowered.weight_shards:
         key = bucket_key(s)
-        if key is not None and key.zero in (1, 2):
+        if key is not None and key.zero == 1:
             shards.setdefault(key, []).append(s)
     return {k: ZeroBucket(k, tuple(shards[k]), lowered.gradient_sync.buckets[k] // DTYPE_BYTES[k.dtype])
             for k in sorted(shards)}
 
 
-def gathered_shards(lowered: Lowered) -> tuple[WeightShard, ...]:
-    """The level-3 shards (trainable, replicated), in ``Lowered.weight_shards`` order."""
-    if not any(k.zero == 3 for k in lowered.gradient_sync.buckets):
+def per_use_shards(lowered: Lowered) -> tuple[WeightShard, ...]:
+    """The level-2 and level-3 shards (trainable, replicated), in ``Lowered.weight_shards``
+    order: each chunked on its own and reduce-scattered per use."""
+    if not any(k.zero >= 2 for k in lowered.gradient_sync.buckets):
         return ()
-    return tuple(s for s in lowered.weight_shards if s.zero == 3)
+    return tuple(s for s in lowered.weight_shards if s.zero >= 2)
+
+
+def shard_chunk_bytes(s: WeightShard) -> int:
+    """Bytes of each member's chunk of a level-2 or level-3 shard."""
+    return chunk_numel(box_numel(s.region), len(s.devices)) * DTYPE_BYTES[s.dtype]
 
 
 class GatherUse(NamedTuple):
-    """Op ``op`` reads level-3 shard ``shard``: in every micro-batch, partition
-    ``partitions[i]`` on member ``shard.devices[i]``, each once. Every member all-gathers the
-    shard before that partition's forward and before its backward, and reduce-scatters its
-    gradient after the backward."""
+    """Op ``op`` reads level-2 or level-3 shard ``shard``: in every micro-batch, partition
+    ``partitions[i]`` on member ``shard.devices[i]``, each once. Every member reduce-scatters
+    its gradient after that partition's backward; at level 3 it also all-gathers the shard
+    before the partition's forward and before its backward."""
 
     shard: WeightShard
     op: str
@@ -93,10 +101,10 @@ class GatherUse(NamedTuple):
 
 
 def gather_uses(lowered: Lowered) -> tuple[GatherUse, ...]:
-    """Every use of a level-3 shard, by reader op in graph order, then shard order (the order
-    each member calls them within a step). PlanError where a member of a shard reads it through
-    another number of partitions of an op than one (the members' calls would not pair up)."""
-    shards = gathered_shards(lowered)
+    """Every use of a level-2 or level-3 shard, by reader op in graph order, then shard order
+    (the order each member calls them within a step). PlanError where a member of a shard reads
+    it through another number of partitions of an op than one (the calls would not pair up)."""
+    shards = per_use_shards(lowered)
     if not shards:
         return ()
     graph, out = lowered.graph, []
@@ -116,61 +124,63 @@ def gather_uses(lowered: Lowered) -> tuple[GatherUse, ...]:
                 continue
             if sorted(on) != list(s.devices) or any(len(ks) != 1 for ks in on.values()):
                 counts = {d: len(on.get(d, ())) for d in s.devices}
-                raise PlanError(node.name, "zero", 3, f"weight {s.name!r} region {list(map(list, s.region))} is read "
-                                f"by {counts} partitions of the op per replica device: level 3 gathers it once per use "
-                                "on every replica, so each must read it through one partition")
+                raise PlanError(node.name, "zero", s.zero, f"weight {s.name!r} region {list(map(list, s.region))} is "
+                                f"read by {counts} partitions of the op per replica device: level {s.zero} "
+                                "reduce-scatters its gradient once per use on every replica, so each must read it "
+                                "through one partition")
             out.append(GatherUse(s, node.name, tuple(on[d][0] for d in s.devices)))
     return tuple(out)
 
 
 class ShardedState(NamedTuple):
-    """Per device (one entry each): what its optimizer updates and what its sharded buckets
-    leave it holding."""
+    """Per device (one entry each): what its optimizer updates and what its sharded state
+    leaves it holding."""
 
     updated: tuple[int, ...]
     """Bytes of weights the device's optimizer updates, each with ``OPTIMIZER_STATE`` bytes of
-    state: its trainable shards in no sharded bucket, plus its chunk of each sharded one."""
+    state: its trainable shards at level 0, its chunks of the others."""
     tensors: tuple[int, ...]
-    """Tensors its optimizer steps: each weight none of whose shards is sharded, plus one flat
-    chunk per sharded bucket."""
-    chunks: tuple[int, ...]
-    """Bytes of its chunks of the sharded buckets (the chunk's working copy the optimizer
-    updates before the all-gather; float32 master in mixed precision)."""
-    sharded: tuple[int, ...]
-    """Bytes of its trainable shards that are in a sharded bucket (their full size)."""
-    held3: tuple[int, ...] = ()
-    """Level 3: bytes of its chunks of the level-3 shards (all it keeps of them)."""
-    sharded3: tuple[int, ...] = ()
-    """Level 3: the full bytes of the level-3 shards it holds a chunk of."""
-    gathered: tuple[int, ...] = ()
-    """Level 3: the largest gathered set of one use, Σ the full bytes of the level-3 shards
-    one of its partitions reads (``gather_uses``)."""
+    """Tensors its optimizer steps: each weight at level 0, one flat chunk per level-1 bucket
+    and per level-2 or level-3 shard."""
+    copies: tuple[int, ...]
+    """Bytes of the chunks' working copies (levels 1 and 2: the weight stays whole beside it;
+    float32 master in mixed precision): what the optimizer updates before the all-gather."""
+    weights: tuple[int, ...]
+    """Bytes of the trainable weights it keeps: whole, but a level-3 shard as its chunk."""
+    gradients: tuple[int, ...]
+    """Bytes of the gradients it keeps: whole at levels 0 and 1 (accumulated in the backward,
+    reduce-scattered at the step end), a level-2 or level-3 shard's as its chunk."""
+    gathered: tuple[int, ...]
+    """Levels 2 and 3: the most one use holds besides: its level-3 shards gathered and the
+    full gradient of its level-2 and level-3 shards before their reduce-scatter."""
 
 
 def sharded_state(lowered: Lowered) -> ShardedState:
-    """``ShardedState`` of ``lowered`` (with no sharded bucket: the trainable bytes and the
-    per-device tensor counts of ``GradientSync``)."""
+    """``ShardedState`` of ``lowered``."""
     n = lowered.strategy.num_devices
     trainable, tensors = lowered.device_bytes.trainable, lowered.gradient_sync.tensors
     buckets = zero_buckets(lowered)
     uses = gather_uses(lowered)
-    none = (0,) * n
     if not buckets and not uses:
-        return ShardedState(trainable, tensors, none, none, none, none, none)
-    chunks, sharded, count = [0] * n, [0] * n, list(tensors)
-    held3, sharded3 = [0] * n, [0] * n
+        return ShardedState(trainable, tensors, (0,) * n, trainable, trainable, (0,) * n)
+    updated, weights, gradients, copies, count = list(trainable), list(trainable), list(trainable), [0] * n, list(tensors)
     leaves: set[tuple[int, str]] = set()
     for b in buckets.values():
+        full = sum(s.nbytes for s in b.shards)
         for d in b.key.devices:
-            chunks[d] += b.chunk_bytes
-            sharded[d] += sum(s.nbytes for s in b.shards)
+            updated[d] += b.chunk_bytes - full
+            copies[d] += b.chunk_bytes
             count[d] += 1
             leaves.update((d, s.name) for s in b.shards)
-    for s in gathered_shards(lowered):
-        c = chunk_numel(box_numel(s.region), len(s.devices)) * DTYPE_BYTES[s.dtype]
+    for s in per_use_shards(lowered):
+        c = shard_chunk_bytes(s)
         for d in s.devices:
-            held3[d] += c
-            sharded3[d] += s.nbytes
+            updated[d] += c - s.nbytes
+            gradients[d] += c - s.nbytes
+            if s.zero == 3:
+                weights[d] += c - s.nbytes
+            else:
+                copies[d] += c
             count[d] += 1
             leaves.add((d, s.name))
     for d, _ in leaves:
@@ -178,10 +188,9 @@ def sharded_state(lowered: Lowered) -> ShardedState:
     per_use: dict[tuple[int, str, int], int] = {}
     for u in uses:
         for d, k in zip(u.shard.devices, u.partitions):
-            per_use[(d, u.op, k)] = per_use.get((d, u.op, k), 0) + u.shard.nbytes
+            held = (2 if u.shard.zero == 3 else 1) * u.shard.nbytes
+            per_use[(d, u.op, k)] = per_use.get((d, u.op, k), 0) + held
     gathered = [0] * n
     for (d, _, _), b in per_use.items():
         gathered[d] = max(gathered[d], b)
-    updated = tuple(t - s + c - s3 + h for t, s, c, s3, h in zip(trainable, sharded, chunks, sharded3, held3))
-    return ShardedState(updated, tuple(count), tuple(chunks), tuple(sharded), tuple(held3), tuple(sharded3),
-                        tuple(gathered))
+    return ShardedState(*map(tuple, (updated, count, copies, weights, gradients, gathered)))

@@ -4,12 +4,13 @@ the shard regions the lowering gives this device (``Lowered.weight_shards``), a 
 partition's weight gradient into the one leaf; each replicated shard's gradient is then summed
 over exactly its devices (data-parallel gradient sync, restricted to the shard's replicas).
 
-Sharded buckets (``BucketKey.zero`` 1 or 2, ``strategies.zero``): the bucket's gradients are
+Level-1 buckets (``BucketKey.zero`` 1, ``strategies.zero``): the bucket's gradients are
 packed into one flat tensor and reduce-scattered; this rank keeps its chunk of the sum as the
 gradient of a flat chunk tensor (``chunks``) that the optimizer updates in place of the
 bucket's weights (so it holds their optimizer state for the chunk only), frees the weights'
 full gradients, and after the update all-gathers the chunks into the weights (``gather_chunks``).
-Level-3 shards (FSDP) are kept as chunks and gathered per use (``gathered.GatheredWeights``).
+Level-2 and level-3 shards are reduce-scattered per use, level 3's weights kept as chunks and
+gathered per use (``gathered.GatheredWeights``).
 """
 
 from __future__ import annotations
@@ -128,7 +129,7 @@ class LocalWeights:
                 t.grad = torch.zeros_like(t)
         pending = []
         for key in sorted(set(self.buckets) | set(riders)):
-            if key.zero == 3:  # reduce-scattered after each use (``GatheredWeights``)
+            if key.zero >= 2:  # reduce-scattered after each use (``GatheredWeights``)
                 continue
             if key in self.zero:  # reduce-scatter: this rank's chunk of the sum is its chunk's gradient
                 self.chunks[key].grad = run_collective("reduce_scatter", self._flat(key, grads=True),
@@ -154,14 +155,15 @@ class LocalWeights:
 
     @torch.no_grad()
     def gather_chunks(self, groups: ProcessGroups) -> None:
-        """After the update: each sharded bucket's chunks all-gathered (sorted key order) and
-        copied into the weights."""
+        """After the update: each level-1 bucket's chunks all-gathered (sorted key order) and
+        copied into the weights, then each level-2 shard's (``GatheredWeights.gather_chunks``)."""
         for key, b in self.zero.items():
             flat = run_collective("all_gather", self.chunks[key].detach(), groups.group(key.devices), 0)
             parts = flat[:b.numel].split([box_numel(s.region) for s in b.shards])
             for (name, index), part in zip(self.buckets[key], parts):
                 view = self.tensors[name] if index is None else self.tensors[name][index]
                 view.copy_(part.view_as(view))
+        self.fsdp.gather_chunks()
 
     def _chunk_grads(self, name: str, full: torch.Tensor) -> None:
         """Write this rank's chunks of weight ``name``'s summed gradient into ``full``."""
@@ -195,7 +197,7 @@ class LocalWeights:
                 self._chunk_grads(name, full)
             self.fsdp.write(name, full, grads)
             for s in owned[name]:
-                if s.devices[0] == self.rank and not (grads and s.zero) and s.zero != 3:
+                if s.devices[0] == self.rank and not (grads and s.zero) and s.zero != 3:  # else chunks
                     src = self.tensors[name].grad if grads else self.tensors[name]
                     if src is not None:
                         full[slice_box(s.region)] = src.detach()[slice_box(shift_box(s.region, self.origin[name]))]

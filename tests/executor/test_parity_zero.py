@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from strategies.lowering import lower
-from strategies.zero import gathered_shards, zero_buckets
+from strategies.zero import per_use_shards, zero_buckets
 from tests.conftest import traced
 from tests.executor.harness import parity_tests
 from tests.executor.plans import make_plan
@@ -35,7 +35,7 @@ def test_plans_shard_state(world, cases):
         g = traced(model)
         level = int(plan[4])
         low = lower(g, make_plan(g, plan, world))
-        levels = {k.zero for k in zero_buckets(low)} | {s.zero for s in gathered_shards(low)}
+        levels = {k.zero for k in zero_buckets(low)} | {s.zero for s in per_use_shards(low)}
         noop = plan.endswith("gpipe")
         assert levels == (set() if noop else {level}), (model, plan, levels)
 

@@ -32,48 +32,53 @@ STATE = {"sgd": 4, "adam": 8}
 """Optimizer state bytes per parameter, float32: SGD's momentum, Adam's two moments."""
 
 
-def _psi(name: str) -> tuple[int, int]:
-    """Ψ: the model's trainable parameters, counted from the module itself; and the most one
-    module holds (what one use gathers at level 3)."""
+def _psi(name: str, n: int) -> tuple[int, int, int]:
+    """Ψ: the model's trainable parameters, counted from the module itself; Σ over them of each
+    one's chunk, ⌈numel / n⌉ (levels 2 and 3 chunk each weight on its own: Ψ/N when every size
+    divides); and the most one module holds (what one use gathers)."""
     model, _ = zoo.build(name, "tiny")
+    params = [p for p in model.parameters() if p.requires_grad]
     own = [sum(p.numel() for p in m.parameters(recurse=False) if p.requires_grad) for m in model.modules()]
-    return sum(p.numel() for p in model.parameters() if p.requires_grad), max(own)
+    return sum(p.numel() for p in params), sum(-(-p.numel() // n) for p in params), max(own)
 
 
 @pytest.mark.parametrize("precision", ["model", "bf16"])
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 @pytest.mark.parametrize("level", [0, 1, 2, 3])
 def test_memory_categories_are_the_papers_count(level, optimizer, precision):
-    """zoo mlp, data parallel on N = 2 devices (Ψ even: chunks need no padding). Weights and
-    gradients 4Ψ bytes (2Ψ in bf16), 1/N of it at level 3; level 0 keeps K·Ψ of optimizer
-    state and master (K = 4 SGD / 8 Adam of state, + 4 of float32 master in bf16: the paper's
-    12 for Adam), levels 1-3 K·Ψ/N; in model precision levels 1 and 2 keep the Ψ/N float32
-    working copy of the chunk (level 3's chunk is the weight itself); level 3 gathers the
-    largest module's weights, and in its backward their gradient (twice its bytes)."""
-    g, (psi, largest), n = traced("mlp"), _psi("mlp"), 2
-    assert psi % n == 0
+    """zoo mlp, data parallel on N = 2 devices (Ψ and every weight's size even: chunks need no
+    padding). Weights 4Ψ bytes (2Ψ in bf16), Ψ/N at level 3; gradients 4Ψ, Ψ/N at levels 2
+    and 3; optimizer state and master K·Ψ at level 0 (K = 4 SGD / 8 Adam of state, + 4 of
+    float32 master in bf16: the paper's 12 for Adam), K·Ψ/N at levels 1-3; in model precision
+    levels 1 and 2 keep the Ψ/N float32 working copy of the chunk (level 3's chunk is the weight
+    itself); per use, level 2 holds the largest module's full gradient before its
+    reduce-scatter, level 3 also its gathered weights (twice)."""
+    n = 2
+    g, (psi, chunks, largest) = traced("mlp"), _psi("mlp", n)
+    assert psi % n == 0 and chunks * n == psi
     plan = zero(level, data_parallel(g, n), g)
     if precision != "model":
         plan = plan.with_precision(precision)
     low = lower(g, plan)
     b = 4 if precision == "model" else 2
     share = psi // n if level else psi
-    held = share if level == 3 else psi
     for d, got in enumerate(memory_breakdown(low, optimizer)):
-        assert got.weights == b * held and got.gradients == b * held, got
+        assert got.weights == b * (share if level == 3 else psi), got
+        assert got.gradients == b * (share if level >= 2 else psi), got
         assert got.optimizer_state == STATE[optimizer] * share, got
         assert got.master_weights == (4 * share if precision != "model" or level in (1, 2) else 0), got
-        assert got.gathered_weights == (2 * b * largest if level == 3 else 0), got
+        assert got.gathered_weights == {0: 0, 1: 0, 2: b * largest, 3: 2 * b * largest}[level], got
         assert got.total == peak_memory(low, optimizer)[d]
     if level and precision != "model" and optimizer == "adam":  # the paper's table 1
         base = memory_breakdown(low, optimizer)[0]
         states = base.weights + base.gradients + base.optimizer_state + base.master_weights
-        assert states == (4 * psi + 12 * psi // n if level < 3 else 16 * psi // n)
+        assert states == {1: 4 * psi + 12 * psi // n, 2: 2 * psi + 14 * psi // n, 3: 16 * psi // n}[level]
 
 
 def test_sharded_buckets_are_reduce_scattered_and_gathered():
     """Data parallel zoo gpt on p100-2x2 at level 1: one reduce-scatter of the padded bucket and
-    one all-gather of its chunks, each timed by the ring formula, in place of the all-reduce."""
+    one all-gather of its chunks, each timed by the ring formula, in place of the all-reduce
+    (level 2: no step-end bucket at all)."""
     g, topo = traced("gpt"), get_topology("p100-2x2")
     cost = get_cost_model("analytical")
     psi_bytes = lower(g, data_parallel(g, N)).device_bytes.trainable[0]
@@ -84,8 +89,8 @@ def test_sharded_buckets_are_reduce_scattered_and_gathered():
         rs = [i for i, x in enumerate(names) if x.startswith("reducescatter bucket")]
         ag = [i for i, x in enumerate(names) if x.startswith("allgather weights")]
         ar = [i for i, x in enumerate(names) if x.startswith("allreduce bucket")]
-        if not level:
-            assert len(ar) == 1 and not rs and not ag
+        if level != 1:  # level 2: reduce-scattered per use (test_level_2_and_3_per_use)
+            assert (len(ar), len(rs)) == ((1, 0) if level == 0 else (0, 0))
             continue
         assert len(rs) == 1 and len(ag) == 1 and not ar
         assert tg.duration[rs[0]] == reduce_scatter_time(topo, tuple(range(N)), chunk * N)
@@ -136,23 +141,28 @@ def test_delta_equals_full_with_levels(name, topology, microbatches):
     assert sharded > 30 and gathered > 10
 
 
-def test_level_3_gathers_before_each_forward_and_backward():
-    """Data parallel zoo gpt, 2 micro-batches, level 3: per use and micro-batch two ring
-    all-gathers of the shard's chunks (forward, backward) and one ring reduce-scatter of its
-    gradient, no step-end bucket; each forward task waits on its all-gather."""
+@pytest.mark.parametrize("level", [2, 3])
+def test_level_2_and_3_per_use(level):
+    """Data parallel zoo gpt, 2 micro-batches: per use and micro-batch one ring reduce-scatter
+    of the shard's gradient after the backward, at level 3 also two ring all-gathers of its
+    chunks (forward, backward), which the forward and backward tasks wait on; no step-end
+    bucket; at level 2 one all-gather of each shard's updated chunks after the update."""
     g, topo = traced("gpt", batch_size=16), get_topology("p100-2x2")
-    low = lower(g, zero(3, data_parallel(g, N), g).with_microbatches(2, "gpipe"))
+    low = lower(g, zero(level, data_parallel(g, N), g).with_microbatches(2, "gpipe"))
     uses = gather_uses(low)
     tg = build_tasks(low, topo, get_cost_model("analytical"))
     names = [str(x) for x in tg.name]
     fwd = [i for i, x in enumerate(names) if x.startswith("allgather fwd")]
     bwd = [i for i, x in enumerate(names) if x.startswith("allgather bwd")]
     rs = [i for i, x in enumerate(names) if x.startswith("reducescatter grad")]
-    assert len(fwd) == len(bwd) == len(rs) == 2 * len(uses)
-    assert not any("bucket" in x for x in names)
+    after = [i for i, x in enumerate(names) if x.startswith("allgather weights")]
+    assert len(rs) == 2 * len(uses) and not any("bucket" in x for x in names)
+    assert len(fwd) == len(bwd) == (2 * len(uses) if level == 3 else 0)
+    assert len(after) == (len(low.weight_shards) if level == 2 else 0)
     u = uses[0]
     chunk = -(-u.shard.nbytes // 4 // N) * 4
-    assert tg.duration[fwd[0]] == allgather_time(topo, u.shard.devices, chunk)
     assert tg.duration[rs[0]] == reduce_scatter_time(topo, u.shard.devices, chunk * N)
-    assert {str(("fwd", u.op, k, 0)) for k in u.partitions} <= {names[t] for t in tg.successors(fwd[0])}
-    assert {str(("bwd", u.op, k, 0)) for k in u.partitions} <= {names[t] for t in tg.successors(bwd[0])}
+    if level == 3:
+        assert tg.duration[fwd[0]] == allgather_time(topo, u.shard.devices, chunk)
+        assert {str(("fwd", u.op, k, 0)) for k in u.partitions} <= {names[t] for t in tg.successors(fwd[0])}
+        assert {str(("bwd", u.op, k, 0)) for k in u.partitions} <= {names[t] for t in tg.successors(bwd[0])}

@@ -15,7 +15,8 @@ from strategies import Strategy, data_parallel, enumerate_configs
 from strategies.config import ParallelConfig
 from strategies.errors import PlanError
 from strategies.lowering import lower, lower_reference
-from strategies.zero import chunk_numel, chunk_span, gather_uses, gathered_shards, sharded_state, zero_buckets
+from strategies.zero import (chunk_numel, chunk_span, gather_uses, per_use_shards, shard_chunk_bytes, sharded_state,
+                            zero_buckets)
 from tests.conftest import traced
 from tests.executor.plans import make_plan, zero
 from tests.strategies.test_lowering import Tied
@@ -34,20 +35,32 @@ def test_chunks_cover_the_flat_tensor_once(numel, n):
 
 
 def test_data_parallel_levels_and_buckets():
-    """zoo gpt data parallel on 4: one bucket per level, every trainable byte in it; level 1
-    keeps 1/4 of the flat bucket per device for the optimizer (the padded chunk)."""
+    """zoo gpt data parallel on 4: at level 1 one bucket, every trainable byte in it, 1/4 of
+    the flat bucket per device for the optimizer (the padded chunk), weights and gradients
+    whole; at level 2 no bucket, each shard chunked on its own, gradients kept as chunks."""
     g = traced("gpt")
     base = lower(g, data_parallel(g, DEVICES))
-    for level in (1, 2):
-        low = lower(g, zero(level, data_parallel(g, DEVICES), g))
-        (key, b), = zero_buckets(low).items()
-        assert key.zero == level and key.devices == (0, 1, 2, 3)
-        assert {s.zero for s in low.weight_shards if s.trainable} == {level}
-        assert b.numel * 4 == base.device_bytes.trainable[0]
-        ss = sharded_state(low)
-        assert ss.updated == (b.chunk * 4,) * DEVICES and ss.tensors == (1,) * DEVICES
-        assert ss.sharded == base.device_bytes.trainable
-        assert low.device_bytes == base.device_bytes  # the weights themselves are held whole
+    psi = base.device_bytes.trainable
+    low = lower(g, zero(1, data_parallel(g, DEVICES), g))
+    (key, b), = zero_buckets(low).items()
+    assert key.zero == 1 and key.devices == (0, 1, 2, 3) and not per_use_shards(low)
+    assert {s.zero for s in low.weight_shards if s.trainable} == {1}
+    assert b.numel * 4 == psi[0]
+    ss = sharded_state(low)
+    assert ss.updated == ss.copies == (b.chunk * 4,) * DEVICES and ss.tensors == (1,) * DEVICES
+    assert ss.weights == ss.gradients == psi and ss.gathered == (0,) * DEVICES
+    assert low.device_bytes == base.device_bytes  # the weights themselves are held whole
+    low = lower(g, zero(2, data_parallel(g, DEVICES), g))
+    shards = per_use_shards(low)
+    assert not zero_buckets(low) and {s.zero for s in shards} == {2} and len(shards) == len(low.weight_shards)
+    chunks = sum(shard_chunk_bytes(s) for s in shards)
+    ss = sharded_state(low)
+    assert ss.updated == ss.copies == ss.gradients == (chunks,) * DEVICES and ss.weights == psi
+    assert ss.tensors == (len(shards),) * DEVICES
+    per_op: dict[str, int] = {}
+    for u in gather_uses(low):  # data parallel: each op's weights, whole, one use per device
+        per_op[u.op] = per_op.get(u.op, 0) + u.shard.nbytes
+    assert ss.gathered == (max(per_op.values()),) * DEVICES
 
 
 def test_one_device_shards_are_level_0():
@@ -73,14 +86,15 @@ def test_level_3_gathers_each_use_once_per_replica():
     it, one partition per replica; a chunk per shard."""
     g = traced("gpt")
     low = lower(g, zero(3, data_parallel(g, DEVICES), g))
-    shards = gathered_shards(low)
+    shards = per_use_shards(low)
     assert shards and all(s.zero == 3 for s in low.weight_shards if s.trainable)
     uses = gather_uses(low)
     assert {u.shard for u in uses} == set(shards)
     assert all(u.partitions == (0, 1, 2, 3) for u in uses)
     ss = sharded_state(low)
-    assert ss.held3[0] == sum(-(-s.nbytes // 4 // DEVICES) * 4 for s in shards)
-    assert ss.sharded3 == low.device_bytes.trainable and ss.tensors == (len(shards),) * DEVICES
+    chunks = sum(shard_chunk_bytes(s) for s in shards)
+    assert ss.weights == ss.gradients == ss.updated == (chunks,) * DEVICES and ss.copies == (0,) * DEVICES
+    assert ss.tensors == (len(shards),) * DEVICES
 
 
 def test_a_weight_partly_replicated_is_refused_in_one_line():
@@ -133,9 +147,9 @@ def test_the_cached_lowering_equals_the_reference_with_levels(name, microbatches
     assert sharded > 20
 
 
-def test_a_level_3_weight_read_by_other_devices_per_op_is_refused_in_one_line():
+def test_a_per_use_weight_read_by_other_devices_per_op_is_refused_in_one_line():
     """Tied: the one weight read by the first op on devices 0, 1 and the second on 2, 3 (each
-    data parallel): one shard over 0-3, fine at levels 1 and 2 (one bucket), but at level 3 a
+    data parallel): one shard over 0-3, fine at level 1 (one bucket), but at levels 2 and 3 a
     use of it would not pair up over its devices."""
     graph = trace(Tied(), (torch.randn(4, 8),))
     ops = [n.name for n in graph if n.weights]
@@ -145,12 +159,12 @@ def test_a_level_3_weight_read_by_other_devices_per_op_is_refused_in_one_line():
         devices = (2, 3) if second else (0, 1)
         s = n.sample_dim
         configs[n.name] = ParallelConfig(tuple(2 if i == s else 1 for i in range(len(n.dims))), devices)
-    for level in (1, 2):
-        low = lower(graph, Strategy.of({k: c.with_memory(zero=level) if k in ops else c for k, c in configs.items()}, 4))
-        assert [s.devices for s in low.weight_shards] == [(0, 1, 2, 3)]
-    plan = Strategy.of({k: c.with_memory(zero=3) if k in ops else c for k, c in configs.items()}, 4)
-    for lowering in (lower, lower_reference):
-        with pytest.raises(PlanError, match=r"zero = 3: weight 'fc.weight' region .* is read by \{0: 1, 1: 1, 2: 0, "
-                                            r"3: 0\} partitions of the op per replica device") as e:
-            lowering(graph, plan)
-        assert "\n" not in str(e.value)
+    low = lower(graph, Strategy.of({k: c.with_memory(zero=1) if k in ops else c for k, c in configs.items()}, 4))
+    assert [s.devices for s in low.weight_shards] == [(0, 1, 2, 3)]
+    for level in (2, 3):
+        plan = Strategy.of({k: c.with_memory(zero=level) if k in ops else c for k, c in configs.items()}, 4)
+        for lowering in (lower, lower_reference):
+            with pytest.raises(PlanError, match=rf"zero = {level}: weight 'fc.weight' region .* is read by "
+                                                r"\{0: 1, 1: 1, 2: 0, 3: 0\} partitions of the op per replica") as e:
+                lowering(graph, plan)
+            assert "\n" not in str(e.value)
