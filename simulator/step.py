@@ -89,7 +89,8 @@ def link_step(tg: TaskGraph, lowered: Lowered, topology: Topology,
                 tg.edge(f, r)
             for e, d in zip(member_ends(tg.add, tg.edge, topology, r, g.devices, label, TaskKind.REDUCE), g.devices):
                 (ready if dynamic else later)[d].append(e)
-    weight_bytes, tensors = sharded_state(lowered)[:2]
+    state = sharded_state(lowered)
+    weight_bytes, tensors = state.updated, state.tensors
     buckets = lowered.gradient_sync.buckets
     sharded = zero_buckets(lowered)
     synced = {d: ready[d] + later[d] for d in last}

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import NamedTuple
 
+from strategies.errors import PlanError
 from strategies.graph import DTYPE_BYTES, OpGraph
 from strategies.region import Box, box_numel, intersect
 from strategies.strategy import Strategy
@@ -229,7 +230,6 @@ def weight_shards(name: str, regions: dict[Box, set[int]], dtype: str, trainable
                 cells[tuple(cell)] = devs
         regions = cells
         if zero >= 2 and trainable:
-            from strategies.errors import PlanError
             raise PlanError(ops[0], "zero", zero, f"weight {name!r} is read in regions that partly overlap: level "
                             f"{zero} reduce-scatters each region a partition reads as one shard; cut the weight alike "
                             "on every reader")
@@ -245,7 +245,6 @@ def _check_level(name: str, regions: dict[Box, set[int]], ops: tuple[str, ...], 
     """PlanError unless sharding level ``zero`` can run on weight ``name``'s regions: a level
     shards every region of the weight over its replicas, so either all its regions are
     replicated or none is (all on one device each: a no-op)."""
-    from strategies.errors import PlanError
     single = sorted(min(ds) for ds in regions.values() if len(ds) == 1)
     if len(single) == len(regions):
         return

@@ -55,7 +55,7 @@ class GatheredWeights:
                 self.uses.setdefault((u.op, u.partitions[u.shard.devices.index(rank)]), []).append(u.shard)
         self.busy: dict[str, int] = {}
         """Weight -> its shards gathered now (its leaf's storage is held while any is)."""
-        self.pending: list[tuple[WeightShard, object, torch.Tensor]] = []
+        self.pending: list[tuple[WeightShard, object, torch.Tensor, torch.Tensor]] = []
         for name in self.freed:
             self._free(name)
 
@@ -89,7 +89,7 @@ class GatheredWeights:
                 out = x.new_empty(c)
                 work = dist.reduce_scatter_tensor(out, x, op=dist.ReduceOp.SUM, group=self.groups.get(s.devices),
                                                   async_op=True)
-                self.pending.append((s, work, out))
+                self.pending.append((s, work, out, x))  # x: kept alive until the work is waited
             for s in shards:
                 self.tensors[s.name].grad = None
         for s in shards:
@@ -111,7 +111,7 @@ class GatheredWeights:
 
     def finish(self) -> None:
         """Wait for the reduce-scatters started, adding each into its chunk's gradient."""
-        for s, work, out in self.pending:
+        for s, work, out, _ in self.pending:
             work.wait()
             chunk = self.chunks[s]
             if chunk.grad is None:
