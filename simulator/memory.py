@@ -11,6 +11,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from simulator.memory_zero import state_bytes
 from strategies.lowering import Lowered
 from strategies.pieces import drop_positions
 from strategies.schedule import warmups
@@ -30,8 +31,9 @@ class MemoryBreakdown(NamedTuple):
     gradients: int
     """One gradient byte per trainable weight byte."""
     optimizer_state: int
-    """``OPTIMIZER_STATE`` bytes per trainable weight byte (SGD momentum; Adam's two moments);
-    in mixed precision per float32 master byte."""
+    """``OPTIMIZER_STATE`` bytes per trainable weight byte the device updates (SGD momentum;
+    Adam's two moments); in mixed precision per float32 master byte. A sharded bucket
+    (``zero`` ≥ 1) counts its chunk only (``strategies.zero``)."""
     activations: int
     """The peak over the device's run order (``activation_peaks``) of what its partitions
     keep for backward per micro-batch in flight (the outputs they compute, the input regions
@@ -43,8 +45,12 @@ class MemoryBreakdown(NamedTuple):
     """What each collective leaves a member, kept per micro-batch in flight, and one
     micro-batch's gradient buffers of their duals (``Lowered.collective_bytes``)."""
     master_weights: int = 0
-    """Mixed precision only: the float32 master copy of the trainable shards (``MASTER``
-    bytes per compute-dtype weight byte); 0 in "model" precision."""
+    """Mixed precision: the float32 master copy of what the device updates (``MASTER`` bytes
+    per compute-dtype weight byte, a sharded bucket's chunk only). "model" precision: the
+    working copy of its sharded buckets' chunks (0 with none)."""
+    gathered_weights: int = 0
+    """Levels 2 and 3 (``zero``, per use): the most one use holds besides, its level-3 shards
+    gathered and the full gradient of its shards before their reduce-scatter."""
 
     @property
     def total(self) -> int:
@@ -164,10 +170,10 @@ def peak_memory(lowered: Lowered, optimizer: str = "sgd") -> list[int]:
     In mixed precision the weights and gradients held are the compute dtype's (2 bytes a
     parameter) and a float32 master copy and the optimizer state in float32 are added: ZeRO's
     2 + 2 + 12 = 16 bytes a parameter with Adam, 2 + 2 + 4 + 4 with SGD's momentum
-    (Rajbhandari et al. 2020, section 3.1). The sum of ``memory_breakdown``'s categories,
-    without building them."""
-    master = _master(lowered)
-    per = 2 + master + _check(optimizer) * max(1, master)
+    (Rajbhandari et al. 2020, section 3.1). Sharded gradient buckets (``ParallelConfig.zero``)
+    keep optimizer state and master for their chunk only (``simulator.memory_zero``). The sum
+    of ``memory_breakdown``'s categories, without building them."""
+    state = state_bytes(lowered, _check(optimizer), _master(lowered))
     n = lowered.strategy.num_devices
     b = lowered.device_bytes
     # a device holds the activations of the micro-batches it has warmed up (schedule.py)
@@ -175,15 +181,14 @@ def peak_memory(lowered: Lowered, optimizer: str = "sgd") -> list[int]:
     ws = warmups(lowered)
     gathered, grads = lowered.collective_bytes()
     acts = activation_peaks(lowered, ws)
-    return [b.trainable[d] * per + b.frozen[d] + acts[d] + ws.get(d, 0) * gathered[d]
+    return [sum(state[d]) + b.frozen[d] + acts[d] + ws.get(d, 0) * gathered[d]
             + (b.received[d] if ws.get(d, 0) < m else 0) + min(2, m) * b.received_grad[d] + grads[d]
             for d in range(n)]
 
 
 def memory_breakdown(lowered: Lowered, optimizer: str = "sgd") -> list[MemoryBreakdown]:
     """``peak_memory``'s figure per device by category: each device's fields sum to it."""
-    s = _check(optimizer)
-    master = _master(lowered)
+    state = state_bytes(lowered, _check(optimizer), _master(lowered))
     n = lowered.strategy.num_devices
     b = lowered.device_bytes
     m = lowered.strategy.microbatches
@@ -194,8 +199,9 @@ def memory_breakdown(lowered: Lowered, optimizer: str = "sgd") -> list[MemoryBre
     for d in range(n):
         w = ws.get(d, 0)
         out.append(MemoryBreakdown(
-            weights=b.trainable[d] + b.frozen[d], gradients=b.trainable[d],
-            optimizer_state=s * max(1, master) * b.trainable[d], activations=acts[d],
+            weights=state[d].weights + b.frozen[d], gradients=state[d].gradients,
+            optimizer_state=state[d].optimizer_state, activations=acts[d],
             receive_buffers=(b.received[d] if w < m else 0) + min(2, m) * b.received_grad[d],
-            collective_buffers=w * gathered[d] + grads[d], master_weights=master * b.trainable[d]))
+            collective_buffers=w * gathered[d] + grads[d], master_weights=state[d].master_weights,
+            gathered_weights=state[d].gathered_weights))
     return out

@@ -1,8 +1,10 @@
 """The end of a training step as the executor runs it (``runtime.Executor.step``), after each
 device's last backward step: the loss sums it waits on, the gradient sync (one all-reduce per
 device set holding replicated trainable shards, DDP-style buckets, each packed into one tensor
-and copied back), the loss value's all-reduce when not every device knows it (overlapping the
-update), and the optimizer update. Every collective is followed, on each
+and copied back; a level-1 bucket, ``strategies.zero``, reduce-scattered instead; levels 2
+and 3 were reduce-scattered per use, ``simulator.zero3``), the loss value's all-reduce when not
+every device knows it (overlapping the update), the optimizer update (of the chunks of sharded
+state only), and the all-gathers of the updated level-1 and level-2 chunks. Every collective is followed, on each
 member device, by that device's ``collective_overhead`` of host work (``member_ends``); the step
 end's are recorded in ``TaskGraph.syncs``, whose overheads ``simulator.stragglers`` scales by
 how many members arrive together."""
@@ -11,12 +13,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from simulator.comm import allgather_time, allreduce_time, ring_links
+from simulator.comm import allgather_time, allreduce_time, collective_time, ring_links
 from simulator.devices import DeviceSpec
 from simulator.taskgraph import TaskGraph, TaskKind
 from simulator.topology import Topology
 from strategies.config import format_devices
 from strategies.lowering import BucketKey, Lowered, ReductionGroup, bucket_sums, loss_on_every_device
+from strategies.zero import per_use_shards, shard_chunk_bytes, sharded_state, zero_buckets
 
 __all__ = ["COPY_TRAFFIC", "link_step", "member_ends", "UPDATE_TRAFFIC"]
 
@@ -86,16 +89,22 @@ def link_step(tg: TaskGraph, lowered: Lowered, topology: Topology,
                 tg.edge(f, r)
             for e, d in zip(member_ends(tg.add, tg.edge, topology, r, g.devices, label, TaskKind.REDUCE), g.devices):
                 (ready if dynamic else later)[d].append(e)
-    weight_bytes, tensors = lowered.device_bytes.trainable, lowered.gradient_sync.tensors
+    state = sharded_state(lowered)
+    weight_bytes, tensors = state.updated, state.tensors
     buckets = lowered.gradient_sync.buckets
+    sharded = zero_buckets(lowered)
     synced = {d: ready[d] + later[d] for d in last}
     for key in sorted(buckets):
+        if key.zero >= 2:  # reduce-scattered after each use (simulator.zero3)
+            continue
         devs = key.devices
         links = tuple(n + l for l in ring_links(topology, devs))
-        label = f"allreduce bucket {format_devices(devs)}"
+        zb = sharded.get(key)
+        kind = "reduce_scatter" if zb is not None else "all_reduce"
+        label = f"{kind.replace('_', '')} bucket {format_devices(devs)}" + (f" zero{key.zero}" if key.zero else "")
         extra, fwds = riders.get(key, (0, []))
-        nbytes = buckets[key] + extra
-        ar = tg.add(label, TaskKind.ALLREDUCE, allreduce_time(topology, devs, nbytes), links, devs[0], nbytes)
+        nbytes = buckets[key] + extra if zb is None else zb.chunk_bytes * len(devs)  # padded to n chunks
+        ar = tg.add(label, TaskKind.ALLREDUCE, collective_time(topology, kind, devs, nbytes), links, devs[0], nbytes)
         for f in fwds:
             tg.edge(f, ar)
         packs = []
@@ -107,6 +116,9 @@ def link_step(tg: TaskGraph, lowered: Lowered, topology: Topology,
             tg.edge(pack, ar)
             packs.append(pack)
         for d, e in zip(devs, _synced_ends(tg, topology, ar, devs, label, TaskKind.ALLREDUCE, list(zip(devs, packs)))):
+            if zb is not None:  # its chunk of the sum is the optimizer's gradient: nothing to copy back
+                synced[d].append(e)
+                continue
             unpack = tg.add(f"unpack {label} device {d}", TaskKind.ALLREDUCE,
                             _copy_time(topology.devices[d], buckets[key]), (d,), d)
             tg.edge(e, unpack)
@@ -119,13 +131,36 @@ def link_step(tg: TaskGraph, lowered: Lowered, topology: Topology,
         for _, dep in arrivals:
             tg.edge(dep, rep)
         _synced_ends(tg, topology, rep, everyone, "allreduce loss", TaskKind.ALLREDUCE, arrivals)
+    updates = {}
     for d in sorted(last):
         if weight_bytes[d]:
-            u = tg.add(f"update {optimizer} device {d}", TaskKind.UPDATE,
-                       _update_time(topology.devices[d], traffic, weight_bytes[d], tensors[d]),
-                       (d,), d, weight_bytes[d])
+            u = updates[d] = tg.add(f"update {optimizer} device {d}", TaskKind.UPDATE,
+                                    _update_time(topology.devices[d], traffic, weight_bytes[d], tensors[d]),
+                                    (d,), d, weight_bytes[d])
             for dep in dict.fromkeys(synced[d]):
                 tg.edge(dep, u)
+    chunks = [(zb.key.devices, zb.chunk_bytes, f"{format_devices(zb.key.devices)} zero1") for zb in sharded.values()]
+    chunks += [(s.devices, shard_chunk_bytes(s), f"{s.name} zero2") for s in per_use_shards(lowered) if s.zero == 2]
+    _gather_chunks(tg, topology, chunks, updates)
+
+
+def _gather_chunks(tg: TaskGraph, topology: Topology, chunks, updates: dict[int, int]) -> None:
+    """After the members' updates, each level-1 bucket's and then each level-2 shard's updated
+    chunks (``chunks``: devices, chunk bytes, label) all-gathered (``strategies.zero``, in
+    that order, as ``LocalWeights.gather_chunks``) and copied back into the weights
+    (``_copy_time``)."""
+    n = topology.num_devices
+    for devs, chunk, what in chunks:
+        label = f"allgather weights {what}"
+        ag = tg.add(label, TaskKind.ALLREDUCE, allgather_time(topology, devs, chunk),
+                    tuple(n + l for l in ring_links(topology, devs)), devs[0], chunk * len(devs))
+        for d in devs:
+            tg.edge(updates[d], ag)
+        for d, e in zip(devs, _synced_ends(tg, topology, ag, devs, label, TaskKind.ALLREDUCE,
+                                           [(d, updates[d]) for d in devs])):
+            unpack = tg.add(f"unpack {label} device {d}", TaskKind.ALLREDUCE,
+                            _copy_time(topology.devices[d], chunk * len(devs)), (d,), d)
+            tg.edge(e, unpack)
 
 
 def _synced_ends(tg: TaskGraph, topology: Topology, collective: int, devices: Sequence[int],

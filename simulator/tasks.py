@@ -40,6 +40,7 @@ from simulator.comm import allgather_time, group_sum_time, ring_links, transfer_
 from simulator.cost import CostModel
 from simulator.memory import MASTER
 from simulator.step import UPDATE_TRAFFIC, link_step, member_ends
+from simulator.zero3 import add_gathers
 from simulator.taskcache import TaskCache
 from simulator.taskgraph import CATEGORY, INDEX, Columns, Segment, StepOrder, TaskGraph, TaskKind
 from simulator.topology import Topology
@@ -353,7 +354,12 @@ def build_tasks(lowered: Lowered, topology: Topology, cost: CostModel, optimizer
     first = tg.place(joined.segments, tuple(tasks), joined.first)
     tg.chunks.append((edges[0] + first[edges[1]], edges[2] + first[edges[3]]))
     arrivals = add_collectives(tg, lowered, topology, blocks, first, cache.layout(lowered.graph)[1])
+    gathers, scattered = add_gathers(tg, lowered, topology, blocks, first, cache.layout(lowered.graph)[1])
+    if gathers.shape[1]:  # level-3 weights (FSDP): their calls sit in the schedules like collectives'
+        arrivals = np.concatenate([arrivals, gathers], axis=1)
     last = _link_schedule(tg, lowered, steps, first, slots, arrivals)
+    for d, ends in scattered.items():  # the update waits on the gradients' reduce-scatters
+        last[d] += ends
     step_sums = [(int(first[i]), blocks[i].step_reductions) for i in joined.summing]
     link_step(tg, lowered, topology, step_sums, last, optimizer, traffic)
     return tg

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import NamedTuple
 
+from strategies.errors import PlanError
 from strategies.graph import DTYPE_BYTES, OpGraph
 from strategies.region import Box, box_numel, intersect
 from strategies.strategy import Strategy
@@ -167,12 +168,15 @@ class WeightRead(NamedTuple):
     op: str
     dtype: str
     trainable: bool
+    zero: int = 0
+    """The reading op's sharding level (``ParallelConfig.zero``; a weight read through a
+    ``parameter`` op's output: the larger of the reader's and that op's)."""
 
 
 @dataclass(frozen=True)
 class WeightShard:
     """A region of one weight held on ``devices``; with several devices its gradient is
-    all-reduced over exactly them (``bucket_key``). ``ops`` are the ops reading it (a tied
+    summed over exactly them (``bucket_key``). ``ops`` are the ops reading it (a tied
     weight: several)."""
 
     name: str
@@ -182,33 +186,40 @@ class WeightShard:
     ops: tuple[str, ...]
     dtype: str
     trainable: bool = True
+    zero: int = 0
+    """Its sharding level (ZeRO stage; ``strategies.zero``): the largest ``zero`` of the ops
+    reading the weight, 0 where the shard is held by one device or is not trainable (nothing
+    to shard: a documented no-op)."""
 
 
 class BucketKey(NamedTuple):
     """A gradient bucket: the trainable shards replicated on exactly ``devices`` whose dtype is
-    ``dtype``, packed into one flat tensor and all-reduced once (DDP's buckets, Li et al. 2020,
-    hold one dtype each: a flat tensor has one)."""
+    ``dtype`` and whose sharding level is ``zero``, packed into one flat tensor and summed once
+    (DDP's buckets, Li et al. 2020, hold one dtype each: a flat tensor has one): all-reduced at
+    level 0, reduce-scattered in ``strategies.zero``'s chunks at levels 1 and 2."""
 
     devices: tuple[int, ...]
     dtype: str
+    zero: int = 0
 
 
 def bucket_key(shard: WeightShard) -> BucketKey | None:
-    """The gradient bucket ``shard``'s gradient is summed in: one per (device set, dtype) of the
-    trainable shards held on more than one device; None: its gradient is summed nowhere. The
-    one rule of the lowering's ``GradientSync.buckets`` (the simulator times them) and the
+    """The gradient bucket ``shard``'s gradient is summed in: one per (device set, dtype, level)
+    of the trainable shards held on more than one device; None: its gradient is summed nowhere.
+    The one rule of the lowering's ``GradientSync.buckets`` (the simulator times them) and the
     executor's ``LocalWeights.sync_grads`` (it runs them)."""
     if shard.trainable and len(shard.devices) > 1:
-        return BucketKey(shard.devices, shard.dtype)
+        return BucketKey(shard.devices, shard.dtype, shard.zero)
     return None
 
 
 def weight_shards(name: str, regions: dict[Box, set[int]], dtype: str, trainable: bool,
-                  ops: tuple[str, ...]) -> list[WeightShard]:
+                  ops: tuple[str, ...], zero: int = 0) -> list[WeightShard]:
     """The shards of weight ``name``: each region read, with the devices reading it, in the order
     given. Where two regions partly overlap, every region is cut into the cells the boundaries
     of all of them make, so that each shard's devices are exactly those holding all of it (its
-    gradient is summed over exactly them)."""
+    gradient is summed over exactly them). ``zero``: the weight's sharding level, kept on the
+    shards held by several devices (``WeightShard.zero``)."""
     boxes = list(regions)
     if any(a != b and intersect(a, b) is not None for a, b in itertools.combinations(boxes, 2)):
         cuts = [sorted({x for b in boxes for x in b[i]}) for i in range(len(boxes[0]))]
@@ -218,9 +229,29 @@ def weight_shards(name: str, regions: dict[Box, set[int]], dtype: str, trainable
             if devs:
                 cells[tuple(cell)] = devs
         regions = cells
+        if zero >= 2 and trainable:
+            raise PlanError(ops[0], "zero", zero, f"weight {name!r} is read in regions that partly overlap: level "
+                            f"{zero} reduce-scatters each region a partition reads as one shard; cut the weight alike "
+                            "on every reader")
+    if zero and trainable:
+        _check_level(name, regions, ops, zero)
     itemsize = DTYPE_BYTES[dtype]
-    return [WeightShard(name, box, tuple(sorted(devs)), box_numel(box) * itemsize, ops, dtype, trainable)
+    return [WeightShard(name, box, tuple(sorted(devs)), box_numel(box) * itemsize, ops, dtype, trainable,
+                        zero if trainable and len(devs) > 1 else 0)
             for box, devs in regions.items()]
+
+
+def _check_level(name: str, regions: dict[Box, set[int]], ops: tuple[str, ...], zero: int) -> None:
+    """PlanError unless sharding level ``zero`` can run on weight ``name``'s regions: a level
+    shards every region of the weight over its replicas, so either all its regions are
+    replicated or none is (all on one device each: a no-op)."""
+    single = sorted(min(ds) for ds in regions.values() if len(ds) == 1)
+    if len(single) == len(regions):
+        return
+    if single:
+        raise PlanError(ops[0], "zero", zero, f"weight {name!r} has regions held by one device (on devices "
+                        f"{single}) and regions replicated on several: a sharding level chunks every region of a "
+                        "weight over its replicas; cut the weight alike on every replica or set zero 0")
 
 
 @dataclass(frozen=True)

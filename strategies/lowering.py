@@ -25,6 +25,7 @@ from strategies.lowering_reference import lower_reference
 from strategies.precision import compute_graph
 from strategies.pieces import check_microbatches, gates, partition_box_mb
 from strategies.strategy import Strategy
+from strategies.zero import gather_uses
 
 __all__ = ["WEIGHT_KINDS", "Partition", "Transfer", "WeightRead", "WeightShard", "BucketKey", "bucket_key",
            "ReductionGroup", "OpPieces", "Lowered", "DeviceBytes", "GradientSync", "Gate", "lower", "lower_reference",
@@ -108,5 +109,7 @@ def lower(graph: OpGraph, strategy: Strategy, cache: dict | None = None) -> Lowe
     last.configs = strategy.configs
     shards = tuple(itertools.chain.from_iterable(map(_shards, last.held.values())))
     sync = GradientSync({key: b for key, (b, _) in last.buckets.items()}, tuple(last.tensors))
-    return Lowered(graph, strategy, dict(last.partitions), shards, dict(last.by_op),
-                   DeviceBytes(*map(tuple, last.totals)), sync)
+    lowered = Lowered(graph, strategy, dict(last.partitions), shards, dict(last.by_op),
+                      DeviceBytes(*map(tuple, last.totals)), sync)
+    gather_uses(lowered)  # level 3 (FSDP): PlanError unless every use pairs up
+    return lowered

@@ -160,13 +160,15 @@ def _weight_shards(name: str, read_by: tuple[OpPieces, ...], n: int) -> _Held:
     ``n`` devices."""
     held: dict[Box, set[int]] = {}
     ops: dict[str, None] = {}
+    zero = 0  # the weight's sharding level: the largest of its reads' (tied weights: every reader's)
     for pieces in read_by:
         for read in pieces.weight_reads:
             if read.name == name:
                 held.setdefault(read.region, set()).add(read.device)
                 ops[read.op] = None
+                zero = max(zero, read.zero)
                 seen = read
-    shards = weight_shards(name, held, seen.dtype, seen.trainable, tuple(ops))
+    shards = weight_shards(name, held, seen.dtype, seen.trainable, tuple(ops), zero)
     per_device = [0] * n
     buckets: dict[BucketKey, int] = {}
     for s in shards:

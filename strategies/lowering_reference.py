@@ -13,6 +13,7 @@ from strategies.pieces import check_microbatches, lower_op
 from strategies.precision import compute_graph
 from strategies.region import Box
 from strategies.strategy import Strategy
+from strategies.zero import gather_uses
 
 __all__ = ["lower_reference"]
 
@@ -64,15 +65,18 @@ def lower_reference(graph: OpGraph, strategy: Strategy) -> Lowered:
         for d in held_by:
             tensors[d] += 1
 
-    return Lowered(graph, strategy, {op: p.partitions for op, p in pieces.items()}, tuple(shards),
-                   pieces, device_bytes, GradientSync(buckets, tuple(tensors)))
+    lowered = Lowered(graph, strategy, {op: p.partitions for op, p in pieces.items()}, tuple(shards),
+                      pieces, device_bytes, GradientSync(buckets, tuple(tensors)))
+    gather_uses(lowered)  # level 3 (FSDP): every use of a shard pairs up over its devices
+    return lowered
 
 
 def _weight_shards(name: str, reads: list[WeightRead]) -> list[WeightShard]:
     """The shards of weight ``name``: each region its ``reads`` read, held by the devices reading
-    it, in the order first read (``weight_shards`` cuts partly overlapping regions into cells)."""
+    it, in the order first read (``weight_shards`` cuts partly overlapping regions into cells), at
+    the largest sharding level of the ops reading it."""
     holders: dict[Box, set[int]] = {}
     for r in reads:
         holders.setdefault(r.region, set()).add(r.device)
     ops = tuple(dict.fromkeys(r.op for r in reads))
-    return weight_shards(name, holders, reads[-1].dtype, reads[-1].trainable, ops)
+    return weight_shards(name, holders, reads[-1].dtype, reads[-1].trainable, ops, max(r.zero for r in reads))

@@ -304,7 +304,8 @@ def lower_op(graph: OpGraph, strategy: Strategy, node: OpNode, m: int) -> OpPiec
                 dropped[dev] += 8 if loss else itemsize * box_numel(p.output)  # kept for backward (or dropped)
                 if reads_weights:
                     ws = weight_regions[k]
-                    reads.extend(_new(WeightRead, (w.name, ws[w.role], dev, node.name, w.spec.dtype, w.trainable))
+                    reads.extend(_new(WeightRead, (w.name, ws[w.role], dev, node.name, w.spec.dtype, w.trainable,
+                                                     cfg.zero))
                                  for w in node.weights if w.role in ws)
             for slot, region in enumerate(ins):
                 if region is None:
@@ -314,7 +315,7 @@ def lower_op(graph: OpGraph, strategy: Strategy, node: OpNode, m: int) -> OpPiec
                     if j == 0:
                         w = producer.weights[0]
                         reads.append(_new(WeightRead, (w.name, region, dev, node.name, w.spec.dtype,
-                                                       w.trainable)))
+                                                       w.trainable, max(cfg.zero, pcfg.zero))))
                     continue
                 c = shared[slot].get(k)
                 if c is not None:

@@ -44,6 +44,15 @@ def check_runnable(lowered: Lowered, world_size: int) -> None:
                     f"op {red.op!r}: its {red.name} reduction spans devices {list(red.devices)} "
                     f"whose {strategy.schedule} warm-ups differ ({w}): their all-reduces would wait "
                     "on each other; use schedule 'gpipe' or keep the op's devices in one stage")
+        for s in lowered.weight_shards:
+            if s.zero < 2:
+                continue
+            w = {d: cache.setdefault(d, warmup(lowered, d)) if d not in cache else cache[d] for d in s.devices}
+            if len(set(w.values())) > 1:
+                raise ExecutorError(
+                    f"op {s.ops[0]!r}: zero = {s.zero}: weight {s.name!r} is held by devices {list(s.devices)} whose "
+                    f"{strategy.schedule} warm-ups differ ({w}): its per-use collectives would wait on each other; use "
+                    "schedule 'gpipe' or keep the weight's readers in one stage")
 
 
 def _check_recompute(lowered: Lowered) -> None:

@@ -35,6 +35,7 @@ from strategies.pieces import drop_points
 from strategies.rules import get_rule
 from strategies.rules.cross_entropy import CLASS_SUMS
 from strategies.region import Box, box_shape, index_in, slice_box
+from strategies.zero import gather_uses
 from strategies.schedule import Step, collective_calls, device_order
 
 __all__ = ["Piece", "Slot", "Send", "LossSum", "Recipe", "Receive", "recipes", "receives_ahead", "SKIP",
@@ -194,6 +195,10 @@ class _Lowering:
             if rank in c.devices:
                 q = c.holders[c.devices.index(rank)]
                 self.holding.setdefault((c.op, q, c.microbatch), []).append(i)
+        self.gathering = {(u.op, k, j) for u in gather_uses(low) for d, k in zip(u.shard.devices, u.partitions)
+                          if d == rank for j in range(low.strategy.microbatches)}
+        """Partitions reading level-3 weights (FSDP): never linked, so their backward runs at their own
+        step, between the gather and the reduce-scatter (``gathered.GatheredWeights``)."""
         self.calls: dict[Step, list[int]] = {}
         """Step of this rank -> the collectives (forward or dual) it calls at its start."""
         for call in collective_calls(low, order_all).get(rank, ()):
@@ -245,6 +250,7 @@ class _Lowering:
             if redo(k[0]).recompute or any(redo(t.dst_op).recompute for t in gout):
                 continue  # a recomputed partition has its own autograd graph, read through leaves
             if (self.has_backward(k) and k[0] not in self.graph.outputs and gout and k not in self.holding
+                    and k not in self.gathering
                     and all(t.local and self.whole_slot(t) for t in gout) and len(leads) == 1):
                 lead = leads.pop()
                 if k not in self.grouped or self.quiet(lead, k, root):

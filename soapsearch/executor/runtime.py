@@ -180,10 +180,15 @@ class Executor:
                             self._regraph(self.recipes[i])
                     for i in r.grad_calls if backward else r.calls:
                         self._call(i, backward)
+                    gathered = self.weights.fsdp.uses.get((r.part.op, r.part.index))  # level-3 weights it reads
+                    if gathered:
+                        self.weights.fsdp.unshard(gathered)
                     if backward:
                         self._backward(r)
                     else:
                         self._forward(r)
+                    if gathered:
+                        self.weights.fsdp.reshard(gathered, backward)
                 except ExecutorError:
                     raise
                 except Exception as e:
@@ -205,6 +210,7 @@ class Executor:
             t2 = clock()
             if update and self.optimizer is not None and finite:  # fp16: a step with inf/nan is skipped
                 self.optimizer.step()
+                self.weights.gather_chunks(self.groups)  # sharded buckets (ZeRO): the updated chunks
             if update and self.scaler is not None:
                 self.scaler.update(finite)
             t3 = clock()
@@ -226,7 +232,7 @@ class Executor:
             ls = r.loss_sum
             if ls.count is None and ls.gates is Gate.STEP and (ls.bucket is not None) == riding:
                 count = pending.wait()[1]
-                for t in self.weights.parameters():
+                for t in self.weights.grad_holders():
                     if t.grad is not None:
                         t.grad.div_(count)
 

@@ -3,6 +3,14 @@ the shard regions the lowering gives this device (``Lowered.weight_shards``), a 
 ``requires_grad`` when trainable. Partitions read views of it, so autograd accumulates every
 partition's weight gradient into the one leaf; each replicated shard's gradient is then summed
 over exactly its devices (data-parallel gradient sync, restricted to the shard's replicas).
+
+Level-1 buckets (``BucketKey.zero`` 1, ``strategies.zero``): the bucket's gradients are
+packed into one flat tensor and reduce-scattered; this rank keeps its chunk of the sum as the
+gradient of a flat chunk tensor (``chunks``) that the optimizer updates in place of the
+bucket's weights (so it holds their optimizer state for the chunk only), frees the weights'
+full gradients, and after the update all-gathers the chunks into the weights (``gather_chunks``).
+Level-2 and level-3 shards are reduce-scattered per use, level 3's weights kept as chunks and
+gathered per use (``gathered.GatheredWeights``).
 """
 
 from __future__ import annotations
@@ -12,9 +20,11 @@ from typing import Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from soapsearch.executor.comm import ProcessGroups
+from soapsearch.executor.comm import ProcessGroups, run_collective
+from soapsearch.executor.gathered import GatheredWeights
 from strategies.lowering import BucketKey, Lowered, bucket_key
-from strategies.region import Box, index_in, shift_box, slice_box
+from strategies.region import Box, box_numel, index_in, shift_box, slice_box
+from strategies.zero import ZeroBucket, chunk_span, zero_buckets
 
 __all__ = ["LocalWeights"]
 
@@ -45,8 +55,19 @@ class LocalWeights:
             full = state[name]
             t = full.detach()[slice_box(box)].to(device=device).clone()
             self.tensors[name] = t.requires_grad_(trainable[name] and t.is_floating_point())
-        self.params = [t for _, t in sorted(self.tensors.items()) if t.requires_grad]
         self.buckets = self._buckets()
+        self.zero: dict[BucketKey, ZeroBucket] = {k: b for k, b in zero_buckets(lowered).items()
+                                                   if rank in k.devices}
+        """The sharded buckets this rank is a member of, in sorted key order."""
+        self.fsdp = GatheredWeights(lowered, rank, self.tensors, self.index, state)
+        """Its level-3 shards (FSDP): chunks kept, gathered per use."""
+        sharded = {s.name for b in self.zero.values() for s in b.shards} | self.fsdp.names
+        self.chunks: dict[BucketKey, torch.Tensor] = {k: self._flat(k, grads=False)[self._chunk(b)].clone()
+                                                      .requires_grad_() for k, b in self.zero.items()}
+        """Sharded bucket -> this rank's chunk of its flat weights (padded), the tensor the
+        optimizer updates (``strategies.zero``: member i owns chunk i)."""
+        self.params = [t for n, t in sorted(self.tensors.items()) if t.requires_grad and n not in sharded]
+        self.params += list(self.chunks.values()) + list(self.fsdp.chunks.values())
 
     def index(self, name: str, region: Box) -> tuple[slice, ...] | None:
         """The view of weight ``name``'s local leaf that ``region`` (global coordinates) is; None
@@ -59,8 +80,30 @@ class LocalWeights:
         return t if index is None else t[index]
 
     def parameters(self) -> list[torch.Tensor]:
-        """The trainable leaves, in a fixed order (for the optimizer), listed once."""
+        """What the optimizer updates, in a fixed order, listed once: the trainable leaves in no
+        sharded bucket, then this rank's chunk of each sharded bucket."""
         return self.params
+
+    def grad_holders(self) -> list[torch.Tensor]:
+        """Every tensor whose ``.grad`` holds part of this rank's gradient now: the trainable
+        leaves (before the sync) and the chunks (after it; level 3's once their reduce-scatters
+        are waited, here)."""
+        self.fsdp.finish()
+        return ([t for t in self.tensors.values() if t.requires_grad] + list(self.chunks.values())
+                + list(self.fsdp.chunks.values()))
+
+    def _chunk(self, b: ZeroBucket) -> slice:
+        i = b.key.devices.index(self.rank)
+        return slice(i * b.chunk, (i + 1) * b.chunk)
+
+    def _flat(self, key: BucketKey, grads: bool) -> torch.Tensor:
+        """Bucket ``key``'s weights (or their gradients), flattened in its order and padded to
+        n chunks (``strategies.zero``)."""
+        b = self.zero[key]
+        parts = [(self.tensors[name].grad if grads else self.tensors[name].detach()) for name, _ in self.buckets[key]]
+        parts = [t if index is None else t[index] for t, (_, index) in zip(parts, self.buckets[key])]
+        flat = torch.cat([t.reshape(-1) for t in parts])
+        return torch.nn.functional.pad(flat, (0, b.chunk * len(key.devices) - b.numel))
 
     def _buckets(self) -> dict[BucketKey, list[tuple[str, tuple[slice, ...] | None]]]:
         """The shards this rank holds in each gradient bucket (``strategies.lowering.bucket_key``,
@@ -82,11 +125,18 @@ class LocalWeights:
         ``strategies.lowering.bucket_sums``) are appended to their bucket's flat tensor, so one
         all-reduce sums both; returns their sums, key -> tensors in the order given."""
         riders = riders or {}
-        for t in self.parameters():
-            if t.grad is None:
+        self.fsdp.finish()
+        for name, t in self.tensors.items():
+            if t.requires_grad and t.grad is None and name not in self.fsdp.names:
                 t.grad = torch.zeros_like(t)
         pending = []
         for key in sorted(set(self.buckets) | set(riders)):
+            if key.zero >= 2:  # reduce-scattered after each use (``GatheredWeights``)
+                continue
+            if key in self.zero:  # reduce-scatter: this rank's chunk of the sum is its chunk's gradient
+                self.chunks[key].grad = run_collective("reduce_scatter", self._flat(key, grads=True),
+                                                       groups.group(key.devices), 0)
+                continue
             grads = [self.tensors[name].grad if index is None else self.tensors[name].grad[index]
                      for name, index in self.buckets.get(key, ())]
             extra = list(riders.get(key, ()))
@@ -102,7 +152,36 @@ class LocalWeights:
             for g, summed in zip(grads, parts):
                 g.copy_(summed.view_as(g))
             sums[key] = [summed.view_as(t) for t, summed in zip(extra, parts[len(grads):])]
+        for b in self.zero.values():  # their full gradients are not read again this step
+            for s in b.shards:
+                self.tensors[s.name].grad = None
         return sums
+
+    @torch.no_grad()
+    def gather_chunks(self, groups: ProcessGroups) -> None:
+        """After the update: each level-1 bucket's chunks all-gathered (sorted key order) and
+        copied into the weights, then each level-2 shard's (``GatheredWeights.gather_chunks``)."""
+        for key, b in self.zero.items():
+            flat = run_collective("all_gather", self.chunks[key].detach(), groups.group(key.devices), 0)
+            parts = flat[:b.numel].split([box_numel(s.region) for s in b.shards])
+            for (name, index), part in zip(self.buckets[key], parts):
+                view = self.tensors[name] if index is None else self.tensors[name][index]
+                view.copy_(part.view_as(view))
+        self.fsdp.gather_chunks()
+
+    def _chunk_grads(self, name: str, full: torch.Tensor) -> None:
+        """Write this rank's chunks of weight ``name``'s summed gradient into ``full``."""
+        for key, b in self.zero.items():
+            lo, hi = chunk_span(b.numel, len(key.devices), key.devices.index(self.rank))
+            grad, at, start = self.chunks[key].grad, 0, self._chunk(b).start
+            for s in b.shards:
+                k = box_numel(s.region)
+                a, z = max(lo, at), min(hi, at + k)
+                if s.name == name and a < z and grad is not None:
+                    region = full.new_zeros([h - l for l, h in s.region])
+                    region.view(-1)[a - at:z - at] = grad[a - start:z - start]
+                    full[slice_box(s.region)] += region
+                at += k
 
     def gather(self, grads: bool = False) -> dict[str, torch.Tensor] | None:
         """Every weight as a full tensor on rank 0 (None elsewhere): each shard is written by
@@ -118,8 +197,11 @@ class LocalWeights:
             like = self.tensors.get(name)
             dtype = like.dtype if like is not None else self.dtypes[name]  # the model's (master) dtype
             full = torch.zeros(specs[name].shape, dtype=dtype, device=self.device)
+            if grads:
+                self._chunk_grads(name, full)
+            self.fsdp.write(name, full, grads)
             for s in owned[name]:
-                if s.devices[0] == self.rank:
+                if s.devices[0] == self.rank and not (grads and s.zero) and s.zero != 3:  # else chunks
                     src = self.tensors[name].grad if grads else self.tensors[name]
                     if src is not None:
                         full[slice_box(s.region)] = src.detach()[slice_box(shift_box(s.region, self.origin[name]))]

@@ -146,13 +146,25 @@ def recompute_ops(graph: OpGraph, what: str) -> list[str]:
     raise ValueError(f"unknown recompute set {what!r}")
 
 
+def zero(level: int, plan: Strategy, graph: OpGraph) -> Strategy:
+    """``plan`` with every op that has a trainable weight at sharding level ``level``
+    (``ParallelConfig.zero``: ZeRO stage)."""
+    return Strategy.of({node.name: plan[node.name].with_memory(zero=level)
+                        if any(w.trainable for w in node.weights) else plan[node.name] for node in graph},
+                       plan.num_devices, plan.microbatches, plan.schedule, plan.precision)
+
+
 def make_plan(graph: OpGraph, name: str, n: int) -> Strategy:
     """The plan ``name`` for ``graph`` on ``n`` devices (``random<seed>``, ``random_mb<seed>``:
     a random config per op; the second with 2 GPipe micro-batches; ``<plan>+rc_<what>``:
-    ``<plan>`` with recompute on ``recompute_ops(graph, what)``)."""
+    ``<plan>`` with recompute on ``recompute_ops(graph, what)``; ``zero<level>_<plan>``:
+    ``plan`` with every weighted op at that sharding level)."""
     if "+rc_" in name:
         base, what = name.split("+rc_")
         return recompute(make_plan(graph, base, n), recompute_ops(graph, what))
+    if name.startswith("zero") and "_" in name:
+        level, rest = name.removeprefix("zero").split("_", 1)
+        return zero(int(level), make_plan(graph, rest, n), graph)
     if name == "dp":
         return data_parallel(graph, n)
     if name == "dp_mb2":  # the loss on every device, 2 micro-batches

@@ -35,7 +35,8 @@ def test_data_parallel_mlp_with_adam_by_hand():
     assert result.memory == (want, want) and result.peak_breakdown == want
     assert result.to_json()["peak_memory"] == {"device": 0, "bytes": want.total, "breakdown": {
         "weights": MLP_PARAMS, "gradients": MLP_PARAMS, "optimizer_state": 2 * MLP_PARAMS,
-        "activations": acts, "receive_buffers": 0, "collective_buffers": 0, "master_weights": 0}}
+        "activations": acts, "receive_buffers": 0, "collective_buffers": 0, "master_weights": 0,
+        "gathered_weights": 0}}
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])

@@ -1,0 +1,64 @@
+"""The per-use tasks of level-2 and level-3 sharded weights (``ParallelConfig.zero``;
+``strategies.zero.gather_uses``), as the executor runs them: for each use of a shard (a reader
+op's partition on each member) and each micro-batch, after the partition's backward a ring
+reduce-scatter of the shard's gradient into the chunks' (``simulator.comm``), which only the
+step end's optimizer update waits on; at level 3 (FSDP2's ``fully_shard``) also a ring
+all-gather of the shard's chunks called at the start of the partition's forward step, which its
+forward waits on, and another at the start of its backward step, which its backward waits on.
+A call is an arrival task of no duration in the member's schedule, as a lowering collective's
+(``simulator.collectives``). Built afresh for every task graph from the lowering, so delta
+simulation needs nothing more."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from simulator.comm import allgather_time, reduce_scatter_time, ring_links
+from simulator.step import member_ends
+from simulator.taskgraph import INDEX, TaskGraph, TaskKind
+from simulator.topology import Topology
+from strategies.lowering import Lowered
+from strategies.region import box_numel
+from strategies.zero import chunk_numel, gather_uses
+
+__all__ = ["add_gathers"]
+
+
+def add_gathers(tg: TaskGraph, lowered: Lowered, topology: Topology, blocks: Sequence, first: np.ndarray,
+                position: dict[str, int]) -> tuple[np.ndarray, dict[int, list[int]]]:
+    """Add every level-2 and level-3 use's tasks to ``tg`` (``blocks``, ``first``, ``position`` as
+    ``simulator.collectives.add_collectives`` takes them). Returns the arrivals' places in the
+    devices' schedules as rows (arrival task, the step's first task), and per device the
+    reduce-scatters' ends its optimizer update waits on."""
+    uses = gather_uses(lowered)
+    ends: dict[int, list[int]] = {}
+    if not uses:
+        return np.empty((2, 0), dtype=INDEX), ends
+    n, arrivals = topology.num_devices, []
+    for j in range(lowered.strategy.microbatches):
+        for u in uses:
+            s, devs = u.shard, u.shard.devices
+            at, block = int(first[position[u.op]]), blocks[position[u.op]]
+            chunk = chunk_numel(box_numel(s.region), len(devs)) * (s.nbytes // box_numel(s.region))
+            links = tuple(n + l for l in ring_links(topology, devs))
+            for backward in (False, True) if s.zero == 3 else ():
+                label = f"allgather {'bwd' if backward else 'fwd'} {s.name} {u.op}@mb{j} zero{s.zero}"
+                ag = tg.add(label, TaskKind.COLLECTIVE, allgather_time(topology, devs, chunk), links, devs[0],
+                            chunk * len(devs))
+                for d, k in zip(devs, u.partitions):
+                    a = tg.add(f"call {label} device {d}", TaskKind.COLLECTIVE, 0.0, (), d)
+                    tg.edge(a, ag)
+                    arrivals += (a, at + block.fwd[j][k] + int(backward))
+                for e, k in zip(member_ends(tg.add, tg.edge, topology, ag, devs, label, TaskKind.COLLECTIVE),
+                                u.partitions):
+                    tg.edge(e, at + block.fwd[j][k] + int(backward))
+            label = f"reducescatter grad {s.name} {u.op}@mb{j} zero{s.zero}"
+            rs = tg.add(label, TaskKind.COLLECTIVE, reduce_scatter_time(topology, devs, chunk * len(devs)), links,
+                        devs[0], chunk * len(devs))
+            for k in u.partitions:
+                tg.edge(at + block.bwd_done[j][k], rs)
+            for d, e in zip(devs, member_ends(tg.add, tg.edge, topology, rs, devs, label, TaskKind.COLLECTIVE)):
+                ends.setdefault(d, []).append(e)
+    return np.asarray(arrivals, dtype=INDEX).reshape(-1, 2).T, ends

@@ -1,0 +1,140 @@
+"""Level-2 and level-3 weights on one rank (``ParallelConfig.zero``; ``strategies.zero``): the
+rank keeps its chunk of each such shard (``chunks``, the tensors the optimizer updates), and
+after each backward of a partition reading one it reduce-scatters the shard's gradient into the
+chunk's (started there, waited at the step end) and frees the full gradient. Level 2 (FSDP's
+``SHARD_GRAD_OP``) keeps the weight whole and all-gathers the updated chunks into it after the
+step (``gather_chunks``). Level 3 (FSDP2's ``fully_shard``) keeps only the chunk: before the
+forward of a reader partition it all-gathers the shard into the weight's leaf (whose storage
+is otherwise freed: the leaf keeps its shape, and the views the recipes and autograd's saved
+tensors hold see the gathered values again), frees it after (reshard after forward), and
+gathers it again before the backward. Calls go on process groups of their own, in each
+member's step order (``strategies.zero.gather_uses``), so they pair up with no other call."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from soapsearch.executor.comm import ProcessGroups, run_collective
+from strategies.lowered import WeightShard
+from strategies.region import box_numel, slice_box
+from strategies.zero import chunk_numel, chunk_span, gather_uses, per_use_shards
+
+__all__ = ["GatheredWeights"]
+
+
+class GatheredWeights:
+    """This rank's level-2 and level-3 shards of ``lowered``; ``tensors``, ``index``: its
+    ``LocalWeights``' leaves and view rule (the leaves of level-3 weights have their storage
+    freed here)."""
+
+    def __init__(self, lowered, rank: int, tensors: dict[str, torch.Tensor], index, state) -> None:
+        self.rank, self.tensors, self.index = rank, tensors, index
+        shards = per_use_shards(lowered)
+        self.groups = ProcessGroups([s.devices for s in shards], lowered.strategy.num_devices)
+        self.mine = [s for s in shards if rank in s.devices]
+        self.names = {s.name for s in self.mine}
+        """Its level-2 and level-3 weights (their leaves' gradients are reduce-scattered per use)."""
+        self.freed = {s.name for s in self.mine if s.zero == 3}
+        """Its level-3 weights (their leaves' storage is freed between uses)."""
+        self.chunks: dict[WeightShard, torch.Tensor] = {}
+        """Shard -> this rank's chunk of its flattened region (padded)."""
+        for s in self.mine:
+            n, numel = len(s.devices), box_numel(s.region)
+            flat = state[s.name].detach()[slice_box(s.region)].reshape(-1).to(tensors[s.name].device)
+            flat = torch.nn.functional.pad(flat, (0, chunk_numel(numel, n) * n - numel))
+            c = chunk_numel(numel, n)
+            i = s.devices.index(rank)
+            self.chunks[s] = flat[i * c:(i + 1) * c].clone().requires_grad_()
+        self.uses: dict[tuple[str, int], list[WeightShard]] = {}
+        """(op, partition) -> the level-2 and level-3 shards it reads on this rank, in call order."""
+        for u in gather_uses(lowered):
+            if rank in u.shard.devices:
+                self.uses.setdefault((u.op, u.partitions[u.shard.devices.index(rank)]), []).append(u.shard)
+        self.busy: dict[str, int] = {}
+        """Weight -> its shards gathered now (its leaf's storage is held while any is)."""
+        self.pending: list[tuple[WeightShard, object, torch.Tensor, torch.Tensor]] = []
+        for name in self.freed:
+            self._free(name)
+
+    def _free(self, name: str) -> None:
+        self.tensors[name].untyped_storage().resize_(0)
+
+    def unshard(self, shards: Sequence[WeightShard]) -> None:
+        """All-gather each level-3 shard into its leaf (its storage allocated again where freed)."""
+        for s in shards:
+            if s.zero != 3:
+                continue
+            leaf = self.tensors[s.name]
+            if not self.busy.get(s.name):
+                leaf.untyped_storage().resize_(leaf.numel() * leaf.element_size())
+            self.busy[s.name] = self.busy.get(s.name, 0) + 1
+            flat = run_collective("all_gather", self.chunks[s].detach(), self.groups.group(s.devices), 0)
+            index = self.index(s.name, s.region)
+            view = leaf.data if index is None else leaf.data[index]
+            view.copy_(flat[:view.numel()].view_as(view))
+
+    def reshard(self, shards: Sequence[WeightShard], backward: bool) -> None:
+        """Free the level-3 shards' gathered weights; after a backward first start the
+        reduce-scatter of each shard's gradient (waited in ``finish``) and free the full gradient."""
+        if backward:
+            for s in shards:
+                leaf, index = self.tensors[s.name], self.index(s.name, s.region)
+                grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+                g = (grad if index is None else grad[index]).reshape(-1)
+                n, c = len(s.devices), self.chunks[s].numel()
+                x = torch.nn.functional.pad(g, (0, c * n - g.numel()))
+                out = x.new_empty(c)
+                work = dist.reduce_scatter_tensor(out, x, op=dist.ReduceOp.SUM, group=self.groups.get(s.devices),
+                                                  async_op=True)
+                self.pending.append((s, work, out, x))  # x: kept alive until the work is waited
+            for s in shards:
+                self.tensors[s.name].grad = None
+        for s in shards:
+            if s.zero != 3:
+                continue
+            self.busy[s.name] -= 1
+            if not self.busy[s.name]:
+                self._free(s.name)
+
+    @torch.no_grad()
+    def gather_chunks(self) -> None:
+        """After the update: each level-2 shard's chunks all-gathered into its weight."""
+        for s in self.mine:
+            if s.zero == 2:
+                flat = run_collective("all_gather", self.chunks[s].detach(), self.groups.group(s.devices), 0)
+                leaf, index = self.tensors[s.name], self.index(s.name, s.region)
+                view = leaf if index is None else leaf[index]
+                view.copy_(flat[:view.numel()].view_as(view))
+
+    def finish(self) -> None:
+        """Wait for the reduce-scatters started, adding each into its chunk's gradient."""
+        for s, work, out, _ in self.pending:
+            work.wait()
+            chunk = self.chunks[s]
+            if chunk.grad is None:
+                chunk.grad = out
+            else:
+                chunk.grad += out
+        self.pending = []
+
+    def write(self, name: str, full: torch.Tensor, grads: bool) -> None:
+        """Add this rank's chunks of weight ``name`` (or of its summed gradient) into ``full``
+        (global coordinates; the members' chunks are disjoint, so a sum over ranks joins them)."""
+        for s in self.mine:
+            if s.name != name or not (grads or s.zero == 3):  # a level-2 weight is whole on each replica
+                continue
+            t = self.chunks[s].grad if grads else self.chunks[s].detach()
+            if t is None:
+                continue
+            lo, hi = chunk_span(box_numel(s.region), len(s.devices), s.devices.index(self.rank))
+            region = full.new_zeros([h - l for l, h in s.region])
+            region.view(-1)[lo:hi] = t[:hi - lo]
+            full[slice_box(s.region)] += region
+
+    def holds(self, s: WeightShard) -> bool:
+        return s in self.chunks
+
+

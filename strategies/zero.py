@@ -1,0 +1,196 @@
+"""Sharded state (ZeRO, Rajbhandari et al. 2020; FSDP2's ``fully_shard`` vocabulary): the one
+chunking rule of sharded weight state, which the simulator prices and the executor runs.
+
+Level 1 (optimizer state sharded): a gradient bucket (``BucketKey.zero`` 1) is the flat tensor
+of its shards' elements, each shard's region flattened in row-major order, shards in
+``Lowered.weight_shards`` order (the order every member packs them). With n members
+(``BucketKey.devices``, sorted) the flat tensor is padded with zeros to n·c elements,
+c = ⌈numel / n⌉, and member i owns chunk i, [i·c, (i + 1)·c): what ``reduce_scatter_tensor``
+leaves group rank i, and what it gives back to ``all_gather_into_tensor`` (a ``Shard(0)`` of the
+flat tensor). At the step end the bucket is reduce-scattered, each member updates its chunk (it
+holds the chunk's optimizer state only), and the chunks are all-gathered into the weights.
+
+Levels 2 and 3 cut each trainable shard on its own the same way (its region flattened, padded,
+chunk i on member i), and work per use (``gather_uses``: each reader op's partition on each
+member, in each micro-batch): after the partition's backward its gradient is reduce-scattered
+into the chunk's and the full gradient freed. Level 2 (FSDP's ``SHARD_GRAD_OP``) keeps the
+weight whole and all-gathers the updated chunks after the step; level 3 (FSDP2's
+``fully_shard``) keeps only the chunk of the weight and all-gathers it before the partition's
+forward, frees it after (reshard after forward) and gathers it again before its backward.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from strategies.errors import PlanError
+from strategies.graph import DTYPE_BYTES
+from strategies.lowered import WEIGHT_KINDS, BucketKey, Lowered, WeightShard, bucket_key
+from strategies.region import box_numel
+
+__all__ = ["ZeroBucket", "chunk_numel", "chunk_span", "zero_buckets", "per_use_shards", "shard_chunk_bytes", "GatherUse",
+           "gather_uses", "ShardedState", "sharded_state"]
+
+
+def chunk_numel(numel: int, n: int) -> int:
+    """Elements of each member's chunk of a flat tensor of ``numel`` elements over ``n``
+    members: ⌈numel / n⌉ (the flat tensor is padded to n times that)."""
+    return -(-numel // n)
+
+
+def chunk_span(numel: int, n: int, i: int) -> tuple[int, int]:
+    """The elements [lo, hi) of the unpadded flat tensor that member ``i`` owns (empty where
+    the chunk is all padding)."""
+    c = chunk_numel(numel, n)
+    return min(i * c, numel), min((i + 1) * c, numel)
+
+
+class ZeroBucket(NamedTuple):
+    """One sharded gradient bucket: its key, its shards in flat order and their sizes."""
+
+    key: BucketKey
+    shards: tuple[WeightShard, ...]
+    numel: int
+
+    @property
+    def chunk(self) -> int:
+        """Elements of each member's chunk (``chunk_numel``)."""
+        return chunk_numel(self.numel, len(self.key.devices))
+
+    @property
+    def chunk_bytes(self) -> int:
+        return self.chunk * DTYPE_BYTES[self.key.dtype]
+
+
+def zero_buckets(lowered: Lowered) -> dict[BucketKey, ZeroBucket]:
+    """The plan's buckets of level 1, in sorted key order, each with its shards in the flat
+    tensor's order."""
+    if not any(k.zero == 1 for k in lowered.gradient_sync.buckets):
+        return {}
+    shards: dict[BucketKey, list[WeightShard]] = {}
+    for s in lowered.weight_shards:
+        key = bucket_key(s)
+        if key is not None and key.zero == 1:
+            shards.setdefault(key, []).append(s)
+    return {k: ZeroBucket(k, tuple(shards[k]), lowered.gradient_sync.buckets[k] // DTYPE_BYTES[k.dtype])
+            for k in sorted(shards)}
+
+
+def per_use_shards(lowered: Lowered) -> tuple[WeightShard, ...]:
+    """The level-2 and level-3 shards (trainable, replicated), in ``Lowered.weight_shards``
+    order: each chunked on its own and reduce-scattered per use."""
+    if not any(k.zero >= 2 for k in lowered.gradient_sync.buckets):
+        return ()
+    return tuple(s for s in lowered.weight_shards if s.zero >= 2)
+
+
+def shard_chunk_bytes(s: WeightShard) -> int:
+    """Bytes of each member's chunk of a level-2 or level-3 shard."""
+    return chunk_numel(box_numel(s.region), len(s.devices)) * DTYPE_BYTES[s.dtype]
+
+
+class GatherUse(NamedTuple):
+    """Op ``op`` reads level-2 or level-3 shard ``shard``: in every micro-batch, partition
+    ``partitions[i]`` on member ``shard.devices[i]``, each once. Every member reduce-scatters
+    its gradient after that partition's backward; at level 3 it also all-gathers the shard
+    before the partition's forward and before its backward."""
+
+    shard: WeightShard
+    op: str
+    partitions: tuple[int, ...]
+
+
+def gather_uses(lowered: Lowered) -> tuple[GatherUse, ...]:
+    """Every use of a level-2 or level-3 shard, by reader op in graph order, then shard order
+    (the order each member calls them within a step). PlanError where a member of a shard reads
+    it through another number of partitions of an op than one (the calls would not pair up)."""
+    shards = per_use_shards(lowered)
+    if not shards:
+        return ()
+    graph, out = lowered.graph, []
+    for node in graph:
+        names = {w.name: w.role for w in node.weights}
+        slots = {graph[src].weights[0].name: i for i, src in enumerate(node.inputs)
+                 if graph[src].kind in WEIGHT_KINDS and graph[src].weights}
+        for s in shards:
+            if node.name not in s.ops or (s.name not in names and s.name not in slots):
+                continue
+            on: dict[int, list[int]] = {}
+            for p in lowered.partitions[node.name][0]:
+                box = dict(p.weight_regions).get(names[s.name]) if s.name in names else p.input_regions[slots[s.name]]
+                if box == s.region:
+                    on.setdefault(p.device, []).append(p.index)
+            if not on:
+                continue
+            if sorted(on) != list(s.devices) or any(len(ks) != 1 for ks in on.values()):
+                counts = {d: len(on.get(d, ())) for d in s.devices}
+                raise PlanError(node.name, "zero", s.zero, f"weight {s.name!r} region {list(map(list, s.region))} is "
+                                f"read by {counts} partitions of the op per replica device: level {s.zero} "
+                                "reduce-scatters its gradient once per use on every replica, so each must read it "
+                                "through one partition")
+            out.append(GatherUse(s, node.name, tuple(on[d][0] for d in s.devices)))
+    return tuple(out)
+
+
+class ShardedState(NamedTuple):
+    """Per device (one entry each): what its optimizer updates and what its sharded state
+    leaves it holding."""
+
+    updated: tuple[int, ...]
+    """Bytes of weights the device's optimizer updates, each with ``OPTIMIZER_STATE`` bytes of
+    state: its trainable shards at level 0, its chunks of the others."""
+    tensors: tuple[int, ...]
+    """Tensors its optimizer steps: each weight at level 0, one flat chunk per level-1 bucket
+    and per level-2 or level-3 shard."""
+    copies: tuple[int, ...]
+    """Bytes of the chunks' working copies (levels 1 and 2: the weight stays whole beside it;
+    float32 master in mixed precision): what the optimizer updates before the all-gather."""
+    weights: tuple[int, ...]
+    """Bytes of the trainable weights it keeps: whole, but a level-3 shard as its chunk."""
+    gradients: tuple[int, ...]
+    """Bytes of the gradients it keeps: whole at levels 0 and 1 (accumulated in the backward,
+    reduce-scattered at the step end), a level-2 or level-3 shard's as its chunk."""
+    gathered: tuple[int, ...]
+    """Levels 2 and 3: the most one use holds besides: its level-3 shards gathered and the
+    full gradient of its level-2 and level-3 shards before their reduce-scatter."""
+
+
+def sharded_state(lowered: Lowered) -> ShardedState:
+    """``ShardedState`` of ``lowered``."""
+    n = lowered.strategy.num_devices
+    trainable, tensors = lowered.device_bytes.trainable, lowered.gradient_sync.tensors
+    buckets = zero_buckets(lowered)
+    uses = gather_uses(lowered)
+    if not buckets and not uses:
+        return ShardedState(trainable, tensors, (0,) * n, trainable, trainable, (0,) * n)
+    updated, weights, gradients, copies, count = list(trainable), list(trainable), list(trainable), [0] * n, list(tensors)
+    leaves: set[tuple[int, str]] = set()
+    for b in buckets.values():
+        full = sum(s.nbytes for s in b.shards)
+        for d in b.key.devices:
+            updated[d] += b.chunk_bytes - full
+            copies[d] += b.chunk_bytes
+            count[d] += 1
+            leaves.update((d, s.name) for s in b.shards)
+    for s in per_use_shards(lowered):
+        c = shard_chunk_bytes(s)
+        for d in s.devices:
+            updated[d] += c - s.nbytes
+            gradients[d] += c - s.nbytes
+            if s.zero == 3:
+                weights[d] += c - s.nbytes
+            else:
+                copies[d] += c
+            count[d] += 1
+            leaves.add((d, s.name))
+    for d, _ in leaves:
+        count[d] -= 1
+    per_use: dict[tuple[int, str, int], int] = {}
+    for u in uses:
+        for d, k in zip(u.shard.devices, u.partitions):
+            held = (2 if u.shard.zero == 3 else 1) * u.shard.nbytes
+            per_use[(d, u.op, k)] = per_use.get((d, u.op, k), 0) + held
+    gathered = [0] * n
+    for (d, _, _), b in per_use.items():
+        gathered[d] = max(gathered[d], b)
+    return ShardedState(*map(tuple, (updated, count, copies, weights, gradients, gathered)))

@@ -1,0 +1,168 @@
+"""Sharded weight state priced by the simulator (``ParallelConfig.zero``, ``strategies.zero``):
+the memory model's categories equal the ZeRO paper's count by hand (Rajbhandari et al. 2020, §5
+table 1: Ψ parameters, N replicas, K optimizer bytes per parameter) for levels 0-2, SGD and
+Adam, model precision and bf16; a sharded bucket is a ring reduce-scatter of the padded flat
+bucket and, after the update, a ring all-gather of the chunks (``simulator.comm``); and delta
+simulation equals full simulation on walks that change levels."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from simulator.comm import allgather_time, reduce_scatter_time
+from simulator.cost import get_cost_model
+from simulator.memory import memory_breakdown, peak_memory
+from simulator.presets import get_topology
+from simulator.simulate import simulate_plan
+from simulator.tasks import build_tasks
+from soapsearch import zoo
+from soapsearch.search.api import Evaluator
+from soapsearch.search.mcmc import candidate_configs
+from strategies import data_parallel
+from strategies.errors import PlanError
+from strategies.lowering import lower, lower_reference
+from strategies.zero import gather_uses
+from tests.conftest import traced
+from tests.executor.plans import zero
+
+N = 4
+STATE = {"sgd": 4, "adam": 8}
+"""Optimizer state bytes per parameter, float32: SGD's momentum, Adam's two moments."""
+
+
+def _psi(name: str, n: int) -> tuple[int, int, int]:
+    """Ψ: the model's trainable parameters, counted from the module itself; Σ over them of each
+    one's chunk, ⌈numel / n⌉ (levels 2 and 3 chunk each weight on its own: Ψ/N when every size
+    divides); and the most one module holds (what one use gathers)."""
+    model, _ = zoo.build(name, "tiny")
+    params = [p for p in model.parameters() if p.requires_grad]
+    own = [sum(p.numel() for p in m.parameters(recurse=False) if p.requires_grad) for m in model.modules()]
+    return sum(p.numel() for p in params), sum(-(-p.numel() // n) for p in params), max(own)
+
+
+@pytest.mark.parametrize("precision", ["model", "bf16"])
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+@pytest.mark.parametrize("level", [0, 1, 2, 3])
+def test_memory_categories_are_the_papers_count(level, optimizer, precision):
+    """zoo mlp, data parallel on N = 2 devices (Ψ and every weight's size even: chunks need no
+    padding). Weights 4Ψ bytes (2Ψ in bf16), Ψ/N at level 3; gradients 4Ψ, Ψ/N at levels 2
+    and 3; optimizer state and master K·Ψ at level 0 (K = 4 SGD / 8 Adam of state, + 4 of
+    float32 master in bf16: the paper's 12 for Adam), K·Ψ/N at levels 1-3; in model precision
+    levels 1 and 2 keep the Ψ/N float32 working copy of the chunk (level 3's chunk is the weight
+    itself); per use, level 2 holds the largest module's full gradient before its
+    reduce-scatter, level 3 also its gathered weights (twice)."""
+    n = 2
+    g, (psi, chunks, largest) = traced("mlp"), _psi("mlp", n)
+    assert psi % n == 0 and chunks * n == psi
+    plan = zero(level, data_parallel(g, n), g)
+    if precision != "model":
+        plan = plan.with_precision(precision)
+    low = lower(g, plan)
+    b = 4 if precision == "model" else 2
+    share = psi // n if level else psi
+    for d, got in enumerate(memory_breakdown(low, optimizer)):
+        assert got.weights == b * (share if level == 3 else psi), got
+        assert got.gradients == b * (share if level >= 2 else psi), got
+        assert got.optimizer_state == STATE[optimizer] * share, got
+        assert got.master_weights == (4 * share if precision != "model" or level in (1, 2) else 0), got
+        assert got.gathered_weights == {0: 0, 1: 0, 2: b * largest, 3: 2 * b * largest}[level], got
+        assert got.total == peak_memory(low, optimizer)[d]
+    if level and precision != "model" and optimizer == "adam":  # the paper's table 1
+        base = memory_breakdown(low, optimizer)[0]
+        states = base.weights + base.gradients + base.optimizer_state + base.master_weights
+        assert states == {1: 4 * psi + 12 * psi // n, 2: 2 * psi + 14 * psi // n, 3: 16 * psi // n}[level]
+
+
+def test_sharded_buckets_are_reduce_scattered_and_gathered():
+    """Data parallel zoo gpt on p100-2x2 at level 1: one reduce-scatter of the padded bucket and
+    one all-gather of its chunks, each timed by the ring formula, in place of the all-reduce
+    (level 2: no step-end bucket at all)."""
+    g, topo = traced("gpt"), get_topology("p100-2x2")
+    cost = get_cost_model("analytical")
+    psi_bytes = lower(g, data_parallel(g, N)).device_bytes.trainable[0]
+    chunk = -(-psi_bytes // 4 // N) * 4
+    for level in (0, 1, 2):
+        tg = build_tasks(lower(g, zero(level, data_parallel(g, N), g)), topo, cost)
+        names = [str(x) for x in tg.name]
+        rs = [i for i, x in enumerate(names) if x.startswith("reducescatter bucket")]
+        ag = [i for i, x in enumerate(names) if x.startswith("allgather weights")]
+        ar = [i for i, x in enumerate(names) if x.startswith("allreduce bucket")]
+        if level != 1:  # level 2: reduce-scattered per use (test_level_2_and_3_per_use)
+            assert (len(ar), len(rs)) == ((1, 0) if level == 0 else (0, 0))
+            continue
+        assert len(rs) == 1 and len(ag) == 1 and not ar
+        assert tg.duration[rs[0]] == reduce_scatter_time(topo, tuple(range(N)), chunk * N)
+        assert tg.duration[ag[0]] == allgather_time(topo, tuple(range(N)), chunk)
+
+
+def test_level_1_moves_what_data_parallel_does_and_updates_a_quarter():
+    """Ring reduce-scatter + all-gather move what a ring all-reduce does; the update touches a
+    quarter of the bytes: the update tasks' bytes are the chunk's."""
+    g, topo = traced("gpt"), get_topology("p100-2x2")
+    r0 = simulate_plan(g, data_parallel(g, N), topo, optimizer="adam")
+    r1 = simulate_plan(g, zero(1, data_parallel(g, N), g), topo, optimizer="adam")
+    assert r1.iteration_time != r0.iteration_time
+    assert max(r1.peak_memory_bytes) < max(r0.peak_memory_bytes)
+
+
+@pytest.mark.parametrize("name,topology,microbatches", [("gpt", "p100-2x2", 1), ("mlp", "local-cpu-4", 1)])
+def test_delta_equals_full_with_levels(name, topology, microbatches):
+    """A walk of one-op proposals, each a config and a level 0-3: the search's Evaluator (delta)
+    and a from-scratch simulation agree to the bit on every figure."""
+    graph = traced(name, batch_size=16)
+    topo = get_topology(topology)
+    n, cost = topo.num_devices, get_cost_model("analytical")
+    evaluate = Evaluator(graph, topo, cost)
+    candidates = candidate_configs(graph, n, microbatches, topo.node_size)
+    ops = [op for op in candidates if any(w.trainable for w in graph[op].weights)]
+    rng = random.Random(5)
+    current = zero(1, data_parallel(graph, n), graph)
+    sharded = gathered = 0
+    for _ in range(80):
+        op = rng.choice(ops)
+        cfg = rng.choice(candidates[op]) if rng.random() < 0.5 else current[op]
+        proposal = current.replace(op, cfg.with_memory(zero=rng.choice((0, 1, 2, 3))))
+        try:
+            low = lower_reference(graph, proposal)
+            gather_uses(low)
+        except PlanError:
+            continue
+        delta = evaluate(proposal, summary=True)
+        full = simulate_plan(graph, proposal, topo, cost, summary=True)
+        assert (delta.iteration_time, delta.peak_memory_bytes, delta.busy_time, delta.bytes_moved,
+                delta.num_tasks, delta.memory) == (full.iteration_time, full.peak_memory_bytes, full.busy_time,
+                                                   full.bytes_moved, full.num_tasks, full.memory), (op, cfg)
+        sharded += any(k.zero for k in low.gradient_sync.buckets)
+        gathered += any(k.zero == 3 for k in low.gradient_sync.buckets)
+        if rng.random() < 0.6:
+            current = proposal
+    assert sharded > 30 and gathered > 10
+
+
+@pytest.mark.parametrize("level", [2, 3])
+def test_level_2_and_3_per_use(level):
+    """Data parallel zoo gpt, 2 micro-batches: per use and micro-batch one ring reduce-scatter
+    of the shard's gradient after the backward, at level 3 also two ring all-gathers of its
+    chunks (forward, backward), which the forward and backward tasks wait on; no step-end
+    bucket; at level 2 one all-gather of each shard's updated chunks after the update."""
+    g, topo = traced("gpt", batch_size=16), get_topology("p100-2x2")
+    low = lower(g, zero(level, data_parallel(g, N), g).with_microbatches(2, "gpipe"))
+    uses = gather_uses(low)
+    tg = build_tasks(low, topo, get_cost_model("analytical"))
+    names = [str(x) for x in tg.name]
+    fwd = [i for i, x in enumerate(names) if x.startswith("allgather fwd")]
+    bwd = [i for i, x in enumerate(names) if x.startswith("allgather bwd")]
+    rs = [i for i, x in enumerate(names) if x.startswith("reducescatter grad")]
+    after = [i for i, x in enumerate(names) if x.startswith("allgather weights")]
+    assert len(rs) == 2 * len(uses) and not any("bucket" in x for x in names)
+    assert len(fwd) == len(bwd) == (2 * len(uses) if level == 3 else 0)
+    assert len(after) == (len(low.weight_shards) if level == 2 else 0)
+    u = uses[0]
+    chunk = -(-u.shard.nbytes // 4 // N) * 4
+    assert tg.duration[rs[0]] == reduce_scatter_time(topo, u.shard.devices, chunk * N)
+    if level == 3:
+        assert tg.duration[fwd[0]] == allgather_time(topo, u.shard.devices, chunk)
+        assert {str(("fwd", u.op, k, 0)) for k in u.partitions} <= {names[t] for t in tg.successors(fwd[0])}
+        assert {str(("bwd", u.op, k, 0)) for k in u.partitions} <= {names[t] for t in tg.successors(bwd[0])}
