@@ -4,7 +4,10 @@ op's partition on each member) and each micro-batch, after the partition's backw
 reduce-scatter of the shard's gradient into the chunks' (``simulator.comm``), which only the
 step end's optimizer update waits on; at level 3 (FSDP2's ``fully_shard``) also a ring
 all-gather of the shard's chunks called at the start of the partition's forward step, which its
-forward waits on, and another at the start of its backward step, which its backward waits on.
+forward waits on, and another at the start of its backward step, which its backward waits on
+(a reader op with recompute: two there, the first for the recomputation, which the executor
+runs with the weight gathered at the step where it recomputes the op, its own backward step or
+the one of the last op of its dropped chain, "Recompute").
 A call is an arrival task of no duration in the member's schedule, as a lowering collective's
 (``simulator.collectives``). Built afresh for every task graph from the lowering, so delta
 simulation needs nothing more."""
@@ -43,8 +46,10 @@ def add_gathers(tg: TaskGraph, lowered: Lowered, topology: Topology, blocks: Seq
             at, block = int(first[position[u.op]]), blocks[position[u.op]]
             chunk = chunk_numel(box_numel(s.region), len(devs)) * (s.nbytes // box_numel(s.region))
             links = tuple(n + l for l in ring_links(topology, devs))
-            for backward in (False, True) if s.zero == 3 else ():
-                label = f"allgather {'bwd' if backward else 'fwd'} {s.name} {u.op}@mb{j} zero{s.zero}"
+            again = ("recompute",) if lowered.strategy[u.op].recompute else ()  # gathered for its recomputation too
+            for phase in ("fwd", *again, "bwd") if s.zero == 3 else ():
+                backward = phase != "fwd"
+                label = f"allgather {phase} {s.name} {u.op}@mb{j} zero{s.zero}"
                 ag = tg.add(label, TaskKind.COLLECTIVE, allgather_time(topology, devs, chunk), links, devs[0],
                             chunk * len(devs))
                 for d, k in zip(devs, u.partitions):

@@ -25,6 +25,13 @@ from strategies.zero import chunk_numel, chunk_span, gather_uses, per_use_shards
 __all__ = ["GatheredWeights"]
 
 
+def _wire(t: torch.Tensor, shard: WeightShard) -> torch.Tensor:
+    """``t`` in the dtype its collective moves it in: the shard's in the lowering (a mixed
+    precision plan's compute dtype, FSDP2's param_dtype and reduce_dtype; the chunks and leaves
+    stay float32 masters)."""
+    return t.to(getattr(torch, shard.dtype))
+
+
 class GatheredWeights:
     """This rank's level-2 and level-3 shards of ``lowered``; ``tensors``, ``index``: its
     ``LocalWeights``' leaves and view rule (the leaves of level-3 weights have their storage
@@ -71,7 +78,7 @@ class GatheredWeights:
             if not self.busy.get(s.name):
                 leaf.untyped_storage().resize_(leaf.numel() * leaf.element_size())
             self.busy[s.name] = self.busy.get(s.name, 0) + 1
-            flat = run_collective("all_gather", self.chunks[s].detach(), self.groups.group(s.devices), 0)
+            flat = run_collective("all_gather", _wire(self.chunks[s].detach(), s), self.groups.group(s.devices), 0)
             index = self.index(s.name, s.region)
             view = leaf.data if index is None else leaf.data[index]
             view.copy_(flat[:view.numel()].view_as(view))
@@ -85,7 +92,7 @@ class GatheredWeights:
                 grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
                 g = (grad if index is None else grad[index]).reshape(-1)
                 n, c = len(s.devices), self.chunks[s].numel()
-                x = torch.nn.functional.pad(g, (0, c * n - g.numel()))
+                x = _wire(torch.nn.functional.pad(g, (0, c * n - g.numel())), s)
                 out = x.new_empty(c)
                 work = dist.reduce_scatter_tensor(out, x, op=dist.ReduceOp.SUM, group=self.groups.get(s.devices),
                                                   async_op=True)
@@ -104,7 +111,7 @@ class GatheredWeights:
         """After the update: each level-2 shard's chunks all-gathered into its weight."""
         for s in self.mine:
             if s.zero == 2:
-                flat = run_collective("all_gather", self.chunks[s].detach(), self.groups.group(s.devices), 0)
+                flat = run_collective("all_gather", _wire(self.chunks[s].detach(), s), self.groups.group(s.devices), 0)
                 leaf, index = self.tensors[s.name], self.index(s.name, s.region)
                 view = leaf if index is None else leaf[index]
                 view.copy_(flat[:view.numel()].view_as(view))
@@ -115,7 +122,7 @@ class GatheredWeights:
             work.wait()
             chunk = self.chunks[s]
             if chunk.grad is None:
-                chunk.grad = out
+                chunk.grad = out.to(chunk.dtype)
             else:
                 chunk.grad += out
         self.pending = []
@@ -124,7 +131,7 @@ class GatheredWeights:
         """Add this rank's chunks of weight ``name`` (or of its summed gradient) into ``full``
         (global coordinates; the members' chunks are disjoint, so a sum over ranks joins them)."""
         for s in self.mine:
-            if s.name != name or not (grads or s.zero == 3):  # a level-2 weight is whole on each replica
+            if s.name != name:  # the chunks: the masters (a level-2 leaf may hold the compute-dtype gather)
                 continue
             t = self.chunks[s].grad if grads else self.chunks[s].detach()
             if t is None:

@@ -177,7 +177,13 @@ class Executor:
                 try:
                     if backward:
                         for i in r.regraphs:  # recompute (docs/design.md, "Recompute")
-                            self._regraph(self.recipes[i])
+                            again = self.recipes[i]  # its level-3 weights gathered for it (FSDP2 + checkpoint)
+                            held = self.weights.fsdp.uses.get((again.part.op, again.part.index))
+                            if held:
+                                self.weights.fsdp.unshard(held)
+                            self._regraph(again)
+                            if held:
+                                self.weights.fsdp.reshard(held, backward=False)
                     for i in r.grad_calls if backward else r.calls:
                         self._call(i, backward)
                     gathered = self.weights.fsdp.uses.get((r.part.op, r.part.index))  # level-3 weights it reads

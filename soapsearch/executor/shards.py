@@ -134,8 +134,9 @@ class LocalWeights:
             if key.zero >= 2:  # reduce-scattered after each use (``GatheredWeights``)
                 continue
             if key in self.zero:  # reduce-scatter: this rank's chunk of the sum is its chunk's gradient
-                self.chunks[key].grad = run_collective("reduce_scatter", self._flat(key, grads=True),
-                                                       groups.group(key.devices), 0)
+                chunk = self.chunks[key]  # on the wire in the bucket's (compute) dtype, as the simulator charges
+                chunk.grad = run_collective("reduce_scatter", self._flat(key, grads=True).to(getattr(torch, key.dtype)),
+                                            groups.group(key.devices), 0).to(chunk.dtype)
                 continue
             grads = [self.tensors[name].grad if index is None else self.tensors[name].grad[index]
                      for name, index in self.buckets.get(key, ())]
@@ -162,18 +163,22 @@ class LocalWeights:
         """After the update: each level-1 bucket's chunks all-gathered (sorted key order) and
         copied into the weights, then each level-2 shard's (``GatheredWeights.gather_chunks``)."""
         for key, b in self.zero.items():
-            flat = run_collective("all_gather", self.chunks[key].detach(), groups.group(key.devices), 0)
+            flat = run_collective("all_gather", self.chunks[key].detach().to(getattr(torch, key.dtype)),
+                                  groups.group(key.devices), 0)
             parts = flat[:b.numel].split([box_numel(s.region) for s in b.shards])
             for (name, index), part in zip(self.buckets[key], parts):
                 view = self.tensors[name] if index is None else self.tensors[name][index]
                 view.copy_(part.view_as(view))
         self.fsdp.gather_chunks()
 
-    def _chunk_grads(self, name: str, full: torch.Tensor) -> None:
-        """Write this rank's chunks of weight ``name``'s summed gradient into ``full``."""
+    def _chunk_write(self, name: str, full: torch.Tensor, grads: bool) -> None:
+        """Write this rank's chunks of weight ``name`` (the master values the optimizer updates:
+        in mixed precision the leaves hold what the compute-dtype all-gather gave) or of its
+        summed gradient into ``full``."""
         for key, b in self.zero.items():
             lo, hi = chunk_span(b.numel, len(key.devices), key.devices.index(self.rank))
-            grad, at, start = self.chunks[key].grad, 0, self._chunk(b).start
+            chunk = self.chunks[key]
+            grad, at, start = chunk.grad if grads else chunk.detach(), 0, self._chunk(b).start
             for s in b.shards:
                 k = box_numel(s.region)
                 a, z = max(lo, at), min(hi, at + k)
@@ -197,11 +202,10 @@ class LocalWeights:
             like = self.tensors.get(name)
             dtype = like.dtype if like is not None else self.dtypes[name]  # the model's (master) dtype
             full = torch.zeros(specs[name].shape, dtype=dtype, device=self.device)
-            if grads:
-                self._chunk_grads(name, full)
+            self._chunk_write(name, full, grads)
             self.fsdp.write(name, full, grads)
             for s in owned[name]:
-                if s.devices[0] == self.rank and not (grads and s.zero) and s.zero != 3:  # else chunks
+                if s.devices[0] == self.rank and not s.zero:  # else its chunks (the masters)
                     src = self.tensors[name].grad if grads else self.tensors[name]
                     if src is not None:
                         full[slice_box(s.region)] = src.detach()[slice_box(shift_box(s.region, self.origin[name]))]

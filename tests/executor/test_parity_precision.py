@@ -63,7 +63,8 @@ OVERFLOW = 2.0**40
 """A loss scale that overflows fp16 in the backward (2^40 times any gradient > 65504)."""
 
 CASES_2 = [("mlp", "dp", "bf16"), ("mlp", "row", "bf16"), ("gpt", "dp", "bf16"), ("gpt", "megatron", "bf16"),
-           ("mlp", "dp", "fp16"), ("gpt", "megatron", "fp16")]
+           ("mlp", "dp", "fp16"), ("gpt", "megatron", "fp16"), ("gpt", "zero3_dp+rc_blocks", "bf16"),
+           ("gpt", "zero1_dp", "fp16")]
 CASES_4 = [("mlp", "row", "fp16"), ("gpt", "megatron_pp2", "bf16"), ("gpt", "megatron_pp2", "fp16")]
 FLOAT32 = [("mlp", "dp", "model"), ("gpt", "dp", "model"), ("mlp", "row", "model")]
 """The bf16 plans of CASES_2 run in float32 (``test_bf16_loss_is_autocast_not_float32``)."""

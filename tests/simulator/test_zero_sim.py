@@ -166,3 +166,20 @@ def test_level_2_and_3_per_use(level):
         assert tg.duration[fwd[0]] == allgather_time(topo, u.shard.devices, chunk)
         assert {str(("fwd", u.op, k, 0)) for k in u.partitions} <= {names[t] for t in tg.successors(fwd[0])}
         assert {str(("bwd", u.op, k, 0)) for k in u.partitions} <= {names[t] for t in tg.successors(bwd[0])}
+
+
+def test_level_3_gathers_again_for_a_recomputation():
+    """A level-3 weight read by a recomputed op is gathered a third time per micro-batch, for the
+    recomputation (the executor gathers it where it recomputes the op); the others twice."""
+    from tests.executor.plans import recompute, recompute_ops
+    g, topo = traced("gpt", batch_size=16), get_topology("p100-2x2")
+    plan = zero(3, data_parallel(g, N), g).with_microbatches(2, "gpipe")
+    low = lower(g, recompute(plan, recompute_ops(g, "mlp")))
+    tg = build_tasks(low, topo, get_cost_model("analytical"))
+    names = [str(x) for x in tg.name]
+    again = {u.op for u in gather_uses(low) if low.strategy[u.op].recompute}
+    assert again and again <= set(recompute_ops(g, "mlp"))
+    for u in gather_uses(low):
+        for phase, count in (("fwd", 1), ("recompute", int(u.op in again)), ("bwd", 1)):
+            label = f"allgather {phase} {u.shard.name} {u.op}@mb"
+            assert sum(x.startswith(label) for x in names) == 2 * count, (phase, u.op)
