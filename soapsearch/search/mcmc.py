@@ -35,6 +35,7 @@ from simulator.simulate import paused_gc
 from soapsearch.search.blockmove import BLOCK, BlockMoves
 from soapsearch.search.moves import Moves, Space, keep, neighbor_ops
 from strategies.config import ParallelConfig, enumerate_configs
+from strategies.errors import PlanError
 from strategies.graph import OpGraph
 from strategies.strategy import Strategy
 
@@ -176,8 +177,13 @@ def run_chain(init: Strategy, evaluate: Callable[[Strategy], SimResult],
                         proposal = proposal.replace(other, keep(current[other], rng.choice(same)))
         else:
             proposal = None
+        res = None
         if proposal is not None:
-            res = evaluate(proposal)
+            try:
+                res = evaluate(proposal)
+            except PlanError:  # a rule the lowering checks (strategies.zero: each use pairs up): rejected
+                res = None
+        if res is not None:
             cost = plan_cost(res)
             if accept(res.fits, cost, cur_fits, cur_cost, beta, rng):
                 current, cur_cost, cur_fits = proposal, cost, res.fits

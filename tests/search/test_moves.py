@@ -9,6 +9,8 @@ import random
 
 import pytest
 
+from strategies.errors import PlanError
+
 from simulator.cost import get_cost_model
 from simulator.presets import get_topology
 from simulator.result import SimResult
@@ -196,6 +198,24 @@ def test_a_chain_that_finds_a_fitting_plan_returns_it():
                       moves=moves)
     assert stats.best_result.fits and all(stats.best[op].zero == 3 for op in weighted)
     assert stats.best_cost == 10.0 + 3 * len(weighted)
+
+
+def test_a_proposal_the_lowering_refuses_is_rejected_not_raised():
+    """Some rules are checked only by the lowering (``strategies.zero``: each level-2/3 use pairs
+    up across replicas): a proposal that breaks one is a rejected proposal, and the chain goes
+    on to its budget."""
+    g = traced("mlp")
+    refused = []
+
+    def evaluate(plan, summary=False):
+        if any(plan[op].zero for op in plan):
+            refused.append(plan)
+            raise PlanError("layers_0", "zero", 2, "refused by the lowering")
+        return _res(10.0, True)
+
+    stats = run_chain(data_parallel(g, 2), evaluate, candidate_configs(g, 2, 1, None), Budget(proposals=200),
+                      random.Random(0), moves=Moves(g, 2, MoveRates(zero=0.5), (1,)))
+    assert refused and stats.proposals > 100 and all(not stats.best[op].zero for op in stats.best)
 
 
 def test_search_with_every_move_is_deterministic_and_valid(gpt):
