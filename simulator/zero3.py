@@ -1,13 +1,15 @@
 """The per-use tasks of level-2 and level-3 sharded weights (``ParallelConfig.zero``;
-``strategies.zero.gather_uses``), as the executor runs them: for each use of a shard (a reader
-op's partition on each member) and each micro-batch, after the partition's backward a ring
-reduce-scatter of the shard's gradient into the chunks' (``simulator.comm``), which only the
-step end's optimizer update waits on; at level 3 (FSDP2's ``fully_shard``) also a ring
-all-gather of the shard's chunks called at the start of the partition's forward step, which its
-forward waits on, and another at the start of its backward step, which its backward waits on
-(a reader op with recompute: two there, the first for the recomputation, which the executor
-runs with the weight gathered at the step where it recomputes the op, its own backward step or
-the one of the last op of its dropped chain, "Recompute").
+``strategies.zero.gather_groups``), as the executor runs them: for each use of a group (the
+shards a reader op's partition reads on one device set, FSDP2's ``FSDPParamGroup``) and each
+micro-batch, after the partition's backward one ring reduce-scatter of the group's gradients
+into its chunks' (``simulator.comm``; bytes: n times a member's chunk of the group, the sum of
+its chunks of the shards), which only the step end's optimizer update waits on; at level 3
+(FSDP2's ``fully_shard``) also one ring all-gather of the group's chunks called at the start
+of the partition's forward step, which its forward waits on, and another at the start of its
+backward step, which its backward waits on (a reader op with recompute: two there, the first
+for the recomputation, which the executor runs with the weights gathered at the step where it
+recomputes the op, its own backward step or the one of the last op of its dropped chain,
+"Recompute").
 A call is an arrival task of no duration in the member's schedule, as a lowering collective's
 (``simulator.collectives``). Built afresh for every task graph from the lowering, so delta
 simulation needs nothing more."""
@@ -23,8 +25,7 @@ from simulator.step import member_ends
 from simulator.taskgraph import INDEX, TaskGraph, TaskKind
 from simulator.topology import Topology
 from strategies.lowering import Lowered
-from strategies.region import box_numel
-from strategies.zero import chunk_numel, gather_uses
+from strategies.zero import gather_groups
 
 __all__ = ["add_gathers"]
 
@@ -35,21 +36,21 @@ def add_gathers(tg: TaskGraph, lowered: Lowered, topology: Topology, blocks: Seq
     ``simulator.collectives.add_collectives`` takes them). Returns the arrivals' places in the
     devices' schedules as rows (arrival task, the step's first task), and per device the
     reduce-scatters' ends its optimizer update waits on."""
-    uses = gather_uses(lowered)
+    groups = gather_groups(lowered)
     ends: dict[int, list[int]] = {}
-    if not uses:
+    if not groups:
         return np.empty((2, 0), dtype=INDEX), ends
     n, arrivals = topology.num_devices, []
     for j in range(lowered.strategy.microbatches):
-        for u in uses:
-            s, devs = u.shard, u.shard.devices
+        for u in groups:
+            devs, names = u.devices, "+".join(s.name for s in u.shards)
             at, block = int(first[position[u.op]]), blocks[position[u.op]]
-            chunk = chunk_numel(box_numel(s.region), len(devs)) * (s.nbytes // box_numel(s.region))
+            chunk = u.chunk_bytes
             links = tuple(n + l for l in ring_links(topology, devs))
             again = ("recompute",) if lowered.strategy[u.op].recompute else ()  # gathered for its recomputation too
-            for phase in ("fwd", *again, "bwd") if s.zero == 3 else ():
+            for phase in ("fwd", *again, "bwd") if u.zero == 3 else ():
                 backward = phase != "fwd"
-                label = f"allgather {phase} {s.name} {u.op}@mb{j} zero{s.zero}"
+                label = f"allgather {phase} {names} {u.op}@mb{j} zero{u.zero}"
                 ag = tg.add(label, TaskKind.COLLECTIVE, allgather_time(topology, devs, chunk), links, devs[0],
                             chunk * len(devs))
                 for d, k in zip(devs, u.partitions):
@@ -59,7 +60,7 @@ def add_gathers(tg: TaskGraph, lowered: Lowered, topology: Topology, blocks: Seq
                 for e, k in zip(member_ends(tg.add, tg.edge, topology, ag, devs, label, TaskKind.COLLECTIVE),
                                 u.partitions):
                     tg.edge(e, at + block.fwd[j][k] + int(backward))
-            label = f"reducescatter grad {s.name} {u.op}@mb{j} zero{s.zero}"
+            label = f"reducescatter grad {names} {u.op}@mb{j} zero{u.zero}"
             rs = tg.add(label, TaskKind.COLLECTIVE, reduce_scatter_time(topology, devs, chunk * len(devs)), links,
                         devs[0], chunk * len(devs))
             for k in u.partitions:

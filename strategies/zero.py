@@ -17,6 +17,14 @@ into the chunk's and the full gradient freed. Level 2 (FSDP's ``SHARD_GRAD_OP``)
 weight whole and all-gathers the updated chunks after the step; level 3 (FSDP2's
 ``fully_shard``) keeps only the chunk of the weight and all-gathers it before the partition's
 forward, frees it after (reshard after forward) and gathers it again before its backward.
+
+The calls of one use are grouped as FSDP2 groups a ``fully_shard`` unit's parameters
+(``FSDPParamGroup``): the level-2 or level-3 shards a reader partition reads on the same device
+set (at one level and dtype) are one ``GatherGroup``, one all-gather per phase and one
+reduce-scatter for all of them. Each shard is still chunked on its own, so member i's chunk of
+the group is the concatenation of its chunks of the shards, in ``Lowered.weight_shards`` order:
+the all-gather gives n rows of Σ c_s elements, row i member i's, each row's span s being shard
+s's chunk i; the reduce-scatter's input is laid out the same way.
 """
 
 from __future__ import annotations
@@ -29,7 +37,7 @@ from strategies.lowered import WEIGHT_KINDS, BucketKey, Lowered, WeightShard, bu
 from strategies.region import box_numel
 
 __all__ = ["ZeroBucket", "chunk_numel", "chunk_span", "zero_buckets", "per_use_shards", "shard_chunk_bytes", "GatherUse",
-           "gather_uses", "ShardedState", "sharded_state"]
+           "gather_uses", "GatherGroup", "gather_groups", "ShardedState", "sharded_state"]
 
 
 def chunk_numel(numel: int, n: int) -> int:
@@ -132,6 +140,51 @@ def gather_uses(lowered: Lowered) -> tuple[GatherUse, ...]:
     return tuple(out)
 
 
+class GatherGroup(NamedTuple):
+    """The level-2 or level-3 shards op ``op`` reads through partition ``partitions[i]`` on member
+    ``devices[i]``, all at one level and dtype: one all-gather per phase (level 3) and one
+    reduce-scatter per use and micro-batch for all of them. Member i's chunk of the group is
+    its chunks of ``shards`` concatenated, in order (``chunks`` elements each)."""
+
+    op: str
+    partitions: tuple[int, ...]
+    shards: tuple[WeightShard, ...]
+
+    @property
+    def devices(self) -> tuple[int, ...]:
+        return self.shards[0].devices
+
+    @property
+    def zero(self) -> int:
+        return self.shards[0].zero
+
+    @property
+    def chunks(self) -> tuple[int, ...]:
+        """Elements of each member's chunk of each shard (``chunk_numel``)."""
+        return tuple(chunk_numel(box_numel(s.region), len(s.devices)) for s in self.shards)
+
+    @property
+    def chunk_bytes(self) -> int:
+        """Bytes of each member's chunk of the group: what it gives the all-gather."""
+        return sum(self.chunks) * DTYPE_BYTES[self.shards[0].dtype]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the group's shards, whole (what one gather leaves a member)."""
+        return sum(s.nbytes for s in self.shards)
+
+
+def gather_groups(lowered: Lowered) -> tuple[GatherGroup, ...]:
+    """``gather_uses`` grouped: per reader op (graph order) and each (partitions, device set,
+    level, dtype) it reads shards through, one group of those shards (``Lowered.weight_shards``
+    order), groups in the order of their first shard: the order each member calls them."""
+    groups: dict[tuple, list[WeightShard]] = {}
+    for u in gather_uses(lowered):
+        s = u.shard
+        groups.setdefault((u.op, u.partitions, s.devices, s.zero, s.dtype), []).append(s)
+    return tuple(GatherGroup(op, parts, tuple(ss)) for (op, parts, *_), ss in groups.items())
+
+
 class ShardedState(NamedTuple):
     """Per device (one entry each): what its optimizer updates and what its sharded state
     leaves it holding."""
@@ -151,8 +204,9 @@ class ShardedState(NamedTuple):
     """Bytes of the gradients it keeps: whole at levels 0 and 1 (accumulated in the backward,
     reduce-scattered at the step end), a level-2 or level-3 shard's as its chunk."""
     gathered: tuple[int, ...]
-    """Levels 2 and 3: the most one use holds besides: its level-3 shards gathered and the
-    full gradient of its level-2 and level-3 shards before their reduce-scatter."""
+    """Levels 2 and 3: the most one use (a reader partition, all its groups) holds besides: its
+    level-3 shards gathered and the full gradient of its level-2 and level-3 shards before their
+    reduce-scatter."""
 
 
 def sharded_state(lowered: Lowered) -> ShardedState:
@@ -160,8 +214,8 @@ def sharded_state(lowered: Lowered) -> ShardedState:
     n = lowered.strategy.num_devices
     trainable, tensors = lowered.device_bytes.trainable, lowered.gradient_sync.tensors
     buckets = zero_buckets(lowered)
-    uses = gather_uses(lowered)
-    if not buckets and not uses:
+    groups = gather_groups(lowered)
+    if not buckets and not groups:
         return ShardedState(trainable, tensors, (0,) * n, trainable, trainable, (0,) * n)
     updated, weights, gradients, copies, count = list(trainable), list(trainable), list(trainable), [0] * n, list(tensors)
     leaves: set[tuple[int, str]] = set()
@@ -186,9 +240,9 @@ def sharded_state(lowered: Lowered) -> ShardedState:
     for d, _ in leaves:
         count[d] -= 1
     per_use: dict[tuple[int, str, int], int] = {}
-    for u in uses:
-        for d, k in zip(u.shard.devices, u.partitions):
-            held = (2 if u.shard.zero == 3 else 1) * u.shard.nbytes
+    for u in groups:  # a partition's groups are all gathered before its forward (or backward)
+        for d, k in zip(u.devices, u.partitions):
+            held = (2 if u.zero == 3 else 1) * u.nbytes
             per_use[(d, u.op, k)] = per_use.get((d, u.op, k), 0) + held
     gathered = [0] * n
     for (d, _, _), b in per_use.items():

@@ -7,8 +7,11 @@ step (``gather_chunks``). Level 3 (FSDP2's ``fully_shard``) keeps only the chunk
 forward of a reader partition it all-gathers the shard into the weight's leaf (whose storage
 is otherwise freed: the leaf keeps its shape, and the views the recipes and autograd's saved
 tensors hold see the gathered values again), frees it after (reshard after forward), and
-gathers it again before the backward. Calls go on process groups of their own, in each
-member's step order (``strategies.zero.gather_uses``), so they pair up with no other call."""
+gathers it again before the backward. A use's shards on one device set are one group
+(``strategies.zero.GatherGroup``, FSDP2's ``FSDPParamGroup``): one all-gather of the
+concatenated chunks per phase, one reduce-scatter of the gradients laid out the same way. Calls
+go on process groups of their own, in each member's step order
+(``strategies.zero.gather_groups``), so they pair up with no other call."""
 
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ import torch.distributed as dist
 from soapsearch.executor.comm import ProcessGroups, run_collective
 from strategies.lowered import WeightShard
 from strategies.region import box_numel, slice_box
-from strategies.zero import chunk_numel, chunk_span, gather_uses, per_use_shards
+from strategies.zero import GatherGroup, chunk_numel, chunk_span, gather_groups, per_use_shards
 
 __all__ = ["GatheredWeights"]
 
@@ -55,56 +58,72 @@ class GatheredWeights:
             c = chunk_numel(numel, n)
             i = s.devices.index(rank)
             self.chunks[s] = flat[i * c:(i + 1) * c].clone().requires_grad_()
-        self.uses: dict[tuple[str, int], list[WeightShard]] = {}
-        """(op, partition) -> the level-2 and level-3 shards it reads on this rank, in call order."""
-        for u in gather_uses(lowered):
-            if rank in u.shard.devices:
-                self.uses.setdefault((u.op, u.partitions[u.shard.devices.index(rank)]), []).append(u.shard)
+        self.uses: dict[tuple[str, int], list[GatherGroup]] = {}
+        """(op, partition) -> the groups of level-2 and level-3 shards it reads on this rank, in
+        call order."""
+        for u in gather_groups(lowered):
+            if rank in u.devices:
+                self.uses.setdefault((u.op, u.partitions[u.devices.index(rank)]), []).append(u)
         self.busy: dict[str, int] = {}
         """Weight -> its shards gathered now (its leaf's storage is held while any is)."""
-        self.pending: list[tuple[WeightShard, object, torch.Tensor, torch.Tensor]] = []
+        self.pending: list[tuple[GatherGroup, object, torch.Tensor, torch.Tensor]] = []
         for name in self.freed:
             self._free(name)
 
     def _free(self, name: str) -> None:
         self.tensors[name].untyped_storage().resize_(0)
 
-    def unshard(self, shards: Sequence[WeightShard]) -> None:
-        """All-gather each level-3 shard into its leaf (its storage allocated again where freed)."""
-        for s in shards:
-            if s.zero != 3:
-                continue
-            leaf = self.tensors[s.name]
-            if not self.busy.get(s.name):
-                leaf.untyped_storage().resize_(leaf.numel() * leaf.element_size())
-            self.busy[s.name] = self.busy.get(s.name, 0) + 1
-            flat = run_collective("all_gather", _wire(self.chunks[s].detach(), s), self.groups.group(s.devices), 0)
-            index = self.index(s.name, s.region)
-            view = leaf.data if index is None else leaf.data[index]
-            view.copy_(flat[:view.numel()].view_as(view))
+    def _view(self, s: WeightShard) -> torch.Tensor:
+        """Shard ``s``'s region of its leaf."""
+        leaf, index = self.tensors[s.name], self.index(s.name, s.region)
+        return leaf.data if index is None else leaf.data[index]
 
-    def reshard(self, shards: Sequence[WeightShard], backward: bool) -> None:
-        """Free the level-3 shards' gathered weights; after a backward first start the
-        reduce-scatter of each shard's gradient (waited in ``finish``) and free the full gradient."""
-        if backward:
-            for s in shards:
-                leaf, index = self.tensors[s.name], self.index(s.name, s.region)
-                grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
-                g = (grad if index is None else grad[index]).reshape(-1)
-                n, c = len(s.devices), self.chunks[s].numel()
-                x = _wire(torch.nn.functional.pad(g, (0, c * n - g.numel())), s)
-                out = x.new_empty(c)
-                work = dist.reduce_scatter_tensor(out, x, op=dist.ReduceOp.SUM, group=self.groups.get(s.devices),
-                                                  async_op=True)
-                self.pending.append((s, work, out, x))  # x: kept alive until the work is waited
-            for s in shards:
-                self.tensors[s.name].grad = None
-        for s in shards:
-            if s.zero != 3:
+    def unshard(self, groups: Sequence[GatherGroup]) -> None:
+        """All-gather each level-3 group into its shards' leaves (their storage allocated again
+        where freed): one call of the members' concatenated chunks, n rows of Σ c_s, row i
+        holding member i's chunk of each shard in turn."""
+        for u in groups:
+            if u.zero != 3:
                 continue
-            self.busy[s.name] -= 1
-            if not self.busy[s.name]:
-                self._free(s.name)
+            for s in u.shards:
+                leaf = self.tensors[s.name]
+                if not self.busy.get(s.name):
+                    leaf.untyped_storage().resize_(leaf.numel() * leaf.element_size())
+                self.busy[s.name] = self.busy.get(s.name, 0) + 1
+            mine = torch.cat([_wire(self.chunks[s].detach(), s) for s in u.shards])
+            rows = run_collective("all_gather", mine, self.groups.group(u.devices), 0).view(len(u.devices), -1)
+            for s, part in zip(u.shards, rows.split(u.chunks, dim=1)):
+                view = self._view(s)
+                view.copy_(part.reshape(-1)[:view.numel()].view_as(view))
+
+    def reshard(self, groups: Sequence[GatherGroup], backward: bool) -> None:
+        """Free the level-3 groups' gathered weights; after a backward first start one
+        reduce-scatter of each group's gradients (waited in ``finish``), each shard's padded
+        flat gradient cut in n rows and the rows of the shards joined, and free the full
+        gradients."""
+        if backward:
+            for u in groups:
+                n, rows = len(u.devices), []
+                for s, c in zip(u.shards, u.chunks):
+                    leaf, index = self.tensors[s.name], self.index(s.name, s.region)
+                    grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+                    g = (grad if index is None else grad[index]).reshape(-1)
+                    rows.append(_wire(torch.nn.functional.pad(g, (0, c * n - g.numel())), s).view(n, c))
+                x = torch.cat(rows, dim=1).reshape(-1) if len(rows) > 1 else rows[0].reshape(-1)
+                out = x.new_empty(sum(u.chunks))
+                work = dist.reduce_scatter_tensor(out, x, op=dist.ReduceOp.SUM, group=self.groups.get(u.devices),
+                                                  async_op=True)
+                self.pending.append((u, work, out, x))  # x: kept alive until the work is waited
+            for u in groups:
+                for s in u.shards:
+                    self.tensors[s.name].grad = None
+        for u in groups:
+            if u.zero != 3:
+                continue
+            for s in u.shards:
+                self.busy[s.name] -= 1
+                if not self.busy[s.name]:
+                    self._free(s.name)
 
     @torch.no_grad()
     def gather_chunks(self) -> None:
@@ -118,13 +137,14 @@ class GatheredWeights:
 
     def finish(self) -> None:
         """Wait for the reduce-scatters started, adding each into its chunk's gradient."""
-        for s, work, out, _ in self.pending:
+        for u, work, out, _ in self.pending:
             work.wait()
-            chunk = self.chunks[s]
-            if chunk.grad is None:
-                chunk.grad = out.to(chunk.dtype)
-            else:
-                chunk.grad += out
+            for s, part in zip(u.shards, out.split(u.chunks)):
+                chunk = self.chunks[s]
+                if chunk.grad is None:
+                    chunk.grad = part.to(chunk.dtype)
+                else:
+                    chunk.grad += part
         self.pending = []
 
     def write(self, name: str, full: torch.Tensor, grads: bool) -> None:

@@ -23,7 +23,7 @@ from soapsearch.search.mcmc import candidate_configs
 from strategies import data_parallel
 from strategies.errors import PlanError
 from strategies.lowering import lower, lower_reference
-from strategies.zero import gather_uses
+from strategies.zero import gather_groups, gather_uses
 from tests.conftest import traced
 from tests.executor.plans import zero
 
@@ -143,29 +143,59 @@ def test_delta_equals_full_with_levels(name, topology, microbatches):
 
 @pytest.mark.parametrize("level", [2, 3])
 def test_level_2_and_3_per_use(level):
-    """Data parallel zoo gpt, 2 micro-batches: per use and micro-batch one ring reduce-scatter
-    of the shard's gradient after the backward, at level 3 also two ring all-gathers of its
-    chunks (forward, backward), which the forward and backward tasks wait on; no step-end
-    bucket; at level 2 one all-gather of each shard's updated chunks after the update."""
+    """Data parallel zoo gpt, 2 micro-batches: per use of a group (a reader partition's shards on
+    one device set) and micro-batch one ring reduce-scatter of the group's gradients after the
+    backward, at level 3 also two ring all-gathers of its chunks (forward, backward), which the
+    forward and backward tasks wait on; no step-end bucket; at level 2 one all-gather of each
+    shard's updated chunks after the update."""
     g, topo = traced("gpt", batch_size=16), get_topology("p100-2x2")
     low = lower(g, zero(level, data_parallel(g, N), g).with_microbatches(2, "gpipe"))
-    uses = gather_uses(low)
+    groups = gather_groups(low)
     tg = build_tasks(low, topo, get_cost_model("analytical"))
     names = [str(x) for x in tg.name]
     fwd = [i for i, x in enumerate(names) if x.startswith("allgather fwd")]
     bwd = [i for i, x in enumerate(names) if x.startswith("allgather bwd")]
     rs = [i for i, x in enumerate(names) if x.startswith("reducescatter grad")]
     after = [i for i, x in enumerate(names) if x.startswith("allgather weights")]
-    assert len(rs) == 2 * len(uses) and not any("bucket" in x for x in names)
-    assert len(fwd) == len(bwd) == (2 * len(uses) if level == 3 else 0)
+    assert len(groups) < len(gather_uses(low))  # a linear's weight and bias: one group
+    assert len(rs) == 2 * len(groups) and not any("bucket" in x for x in names)
+    assert len(fwd) == len(bwd) == (2 * len(groups) if level == 3 else 0)
     assert len(after) == (len(low.weight_shards) if level == 2 else 0)
-    u = uses[0]
-    chunk = -(-u.shard.nbytes // 4 // N) * 4
-    assert tg.duration[rs[0]] == reduce_scatter_time(topo, u.shard.devices, chunk * N)
+    u = groups[0]
+    chunk = sum(-(-s.nbytes // 4 // N) * 4 for s in u.shards)
+    assert tg.duration[rs[0]] == reduce_scatter_time(topo, u.devices, chunk * N)
     if level == 3:
-        assert tg.duration[fwd[0]] == allgather_time(topo, u.shard.devices, chunk)
+        assert tg.duration[fwd[0]] == allgather_time(topo, u.devices, chunk)
         assert {str(("fwd", u.op, k, 0)) for k in u.partitions} <= {names[t] for t in tg.successors(fwd[0])}
         assert {str(("bwd", u.op, k, 0)) for k in u.partitions} <= {names[t] for t in tg.successors(bwd[0])}
+
+
+@pytest.mark.parametrize("level", [2, 3])
+def test_a_weight_and_bias_are_one_collective_per_phase(level):
+    """zoo mlp, data parallel on 4 devices: each linear reads a weight and a bias, and issues one
+    all-gather per phase (level 3) and one reduce-scatter per micro-batch for both, their bytes
+    the sum of the two shards' chunks (⌈numel / n⌉ each, padded on its own), as FSDP2 issues one
+    per ``fully_shard`` unit."""
+    g, topo = traced("mlp"), get_topology("p100-2x2")
+    low = lower(g, zero(level, data_parallel(g, N), g))
+    tg = build_tasks(low, topo, get_cost_model("analytical"))
+    names = [str(x) for x in tg.name]
+    linears = [n for n in g if {w.role for w in n.weights} >= {"weight", "bias"}]
+    assert linears
+    for node in linears:
+        shards = [s for s in low.weight_shards if node.name in s.ops]
+        assert len(shards) == 2
+        chunk = sum(-(-s.nbytes // 4 // N) * 4 for s in shards)
+        for phase in ("allgather fwd", "allgather bwd", "reducescatter grad"):
+            tasks = [i for i, x in enumerate(names) if x.startswith(phase) and f" {node.name}@mb0 " in x]
+            if phase != "reducescatter grad" and level == 2:
+                assert not tasks
+                continue
+            assert len(tasks) == 1, (phase, node.name, [names[i] for i in tasks])
+            assert tg.nbytes[tasks[0]] == chunk * N
+            expect = (reduce_scatter_time(topo, tuple(range(N)), chunk * N) if phase.startswith("reduce")
+                      else allgather_time(topo, tuple(range(N)), chunk))
+            assert tg.duration[tasks[0]] == expect
 
 
 def test_level_3_gathers_again_for_a_recomputation():
@@ -177,9 +207,9 @@ def test_level_3_gathers_again_for_a_recomputation():
     low = lower(g, recompute(plan, recompute_ops(g, "mlp")))
     tg = build_tasks(low, topo, get_cost_model("analytical"))
     names = [str(x) for x in tg.name]
-    again = {u.op for u in gather_uses(low) if low.strategy[u.op].recompute}
+    again = {u.op for u in gather_groups(low) if low.strategy[u.op].recompute}
     assert again and again <= set(recompute_ops(g, "mlp"))
-    for u in gather_uses(low):
+    for u in gather_groups(low):
         for phase, count in (("fwd", 1), ("recompute", int(u.op in again)), ("bwd", 1)):
-            label = f"allgather {phase} {u.shard.name} {u.op}@mb"
+            label = f"allgather {phase} {'+'.join(s.name for s in u.shards)} {u.op}@mb"
             assert sum(x.startswith(label) for x in names) == 2 * count, (phase, u.op)

@@ -15,8 +15,8 @@ from strategies import Strategy, data_parallel, enumerate_configs
 from strategies.config import ParallelConfig
 from strategies.errors import PlanError
 from strategies.lowering import lower, lower_reference
-from strategies.zero import (chunk_numel, chunk_span, gather_uses, per_use_shards, shard_chunk_bytes, sharded_state,
-                            zero_buckets)
+from strategies.zero import (chunk_numel, chunk_span, gather_groups, gather_uses, per_use_shards, shard_chunk_bytes,
+                            sharded_state, zero_buckets)
 from tests.conftest import traced
 from tests.executor.plans import make_plan, zero
 from tests.strategies.test_lowering import Tied
@@ -95,6 +95,23 @@ def test_level_3_gathers_each_use_once_per_replica():
     chunks = sum(shard_chunk_bytes(s) for s in shards)
     assert ss.weights == ss.gradients == ss.updated == (chunks,) * DEVICES and ss.copies == (0,) * DEVICES
     assert ss.tensors == (len(shards),) * DEVICES
+
+
+def test_a_use_reads_its_shards_as_one_group():
+    """Data parallel zoo gpt at level 3: per reader op one group, of every level-3 shard it reads
+    (a linear's weight and bias together), in ``weight_shards`` order; a member's chunk of the
+    group is the sum of its chunks of the shards."""
+    g = traced("gpt")
+    low = lower(g, zero(3, data_parallel(g, DEVICES), g))
+    groups, uses = gather_groups(low), gather_uses(low)
+    assert [u.op for u in groups] == list(dict.fromkeys(u.op for u in uses))
+    order = {s: i for i, s in enumerate(low.weight_shards)}
+    for u in groups:
+        assert u.shards == tuple(sorted((v.shard for v in uses if v.op == u.op), key=order.get))
+        assert u.devices == (0, 1, 2, 3) and u.partitions == (0, 1, 2, 3)
+        assert u.chunk_bytes == sum(shard_chunk_bytes(s) for s in u.shards)
+        assert u.nbytes == sum(s.nbytes for s in u.shards)
+    assert max(len(u.shards) for u in groups) == 2 and len(groups) < len(uses)
 
 
 def test_a_weight_partly_replicated_is_refused_in_one_line():
