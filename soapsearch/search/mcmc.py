@@ -125,8 +125,10 @@ def run_chain(init: Strategy, evaluate: Callable[[Strategy], SimResult],
               blocks: BlockMoves | None = None, moves: Moves | None = None) -> ChainStats:
     """One chain from ``init``. ``beta`` (per ms) defaults to BETA_C / cost(init) (200: a
     proposal 0.5 % worse than the start is accepted with probability 1/e). Runs with the
-    cyclic collector paused (``paused_gc``). ``candidates`` are the op moves' configs for
-    ``init``'s micro-batches; ``neighbors`` (op -> its producers and consumers,
+    cyclic collector paused (``paused_gc``). ``candidates`` are the op moves' configs where
+    ``moves`` is None (every plan the chain holds then has one count of micro-batches); with
+    ``moves``, every plan the chain holds (its start, a reset target) proposes from
+    ``moves.space`` of its own count; ``neighbors`` (op -> its producers and consumers,
     ``neighbor_ops``) enables the group moves, ``blocks`` (where it has any) the block moves;
     ``moves`` the sharding-level, recompute and micro-batch moves at its rates, and the op
     moves' configs for other counts of micro-batches (``moves.Moves.space``)."""
@@ -145,8 +147,8 @@ def run_chain(init: Strategy, evaluate: Callable[[Strategy], SimResult],
     if cut is not None and not cut[-1]:  # no memory move: op and block moves alone
         cut = None
 
-    def space(m: int) -> Space:
-        return first if m == init.microbatches or moves is None else moves.space(m)
+    def space(m: int) -> Space:  # the op moves' configs for the plan's own micro-batches
+        return first if moves is None else moves.space(m)
 
     gain_n, gain_t, n = 0, 0.0, 0  # proposals and seconds at the last improvement
     while (first.ops or cut) and not should_stop():
