@@ -27,6 +27,7 @@ from strategies import (OpGraph, PlanError, Strategy, baseline, load_strategy, s
 from strategies.baselines import BASELINES, hybrid
 from soapsearch.search.blockmove import BlockMoves
 from strategies.megatron import megatron_blocks
+from strategies.config import validate_config
 from strategies.pieces import check_microbatches
 from strategies.lowering import lower
 
@@ -110,12 +111,14 @@ def best_baselines(graph: OpGraph, num_devices: int, evaluate: Evaluator
     """Each baseline that is valid for this graph, simulated; ``pipeline`` is the best of
     GPipe and 1F1B over 2, 4 and 8 micro-batches; ``hybrid`` (data x tensor parallel) only
     where the batch does not divide by the devices (else it is data parallel); ``zero1`` and
-    ``fsdp`` (data parallel with its replicated state sharded) on more than one device;
+    ``fsdp`` (data parallel with its replicated state sharded) and ``single_device`` (every op
+    whole on device 0, where it fits in its memory) on more than one device;
     ``megatron`` only where the graph has a transformer's blocks
     (``strategies.megatron.megatron_blocks``)."""
     plans: dict[str, Strategy] = {}
     results: dict[str, SimResult] = {}
-    names = ["data_parallel", "hybrid", "model_parallel", "owt"] + (["zero1", "fsdp"] if num_devices > 1 else [])
+    names = ["data_parallel", "hybrid", "model_parallel", "owt"] + (
+        ["zero1", "fsdp", "single_device"] if num_devices > 1 else [])
     if num_devices > 1 and megatron_blocks(graph):
         names.append("megatron")
     for name in names:
@@ -126,6 +129,8 @@ def best_baselines(graph: OpGraph, num_devices: int, evaluate: Evaluator
         except PlanError:
             continue
         results[name] = evaluate(plans[name], summary=True)
+        if name == "single_device" and not results[name].fits:  # a row only where it fits
+            del plans[name], results[name]
     for m in PIPELINE_MICROBATCHES:
         for schedule in ("gpipe", "1f1b"):
             try:
@@ -173,10 +178,13 @@ def _initial(item: Any, graph: OpGraph, n: int, rng: random.Random, candidates, 
                         "JSON path or a Strategy")
     if plan.num_devices != n:
         raise PlanError(None, "num_devices", plan.num_devices, f"the search uses {n} devices", where)
-    if plan.microbatches != microbatches:
-        raise PlanError(None, "microbatches", plan.microbatches,
-                        f"the search's chains run {microbatches} micro-batch(es) (give microbatches="
-                        f"{plan.microbatches} to search from this plan)", where)
+    if plan.microbatches != microbatches:  # a chain runs its start's own count (its moves follow it)
+        try:
+            check_microbatches(graph, plan.microbatches)
+            for node in graph:
+                validate_config(node, plan[node.name], n, plan.microbatches)
+        except PlanError as e:
+            raise PlanError(e.op, e.field, e.value, e.rule, where) from None
     return plan
 
 
