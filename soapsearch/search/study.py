@@ -49,7 +49,7 @@ from strategies.serialize import strategy_to_json
 
 __all__ = ["StudyResult", "TrialRecord", "open_storage", "study_search"]
 
-INITS = ("data_parallel", "hybrid", "owt", "model_parallel", "pipeline", "random", "zero1", "fsdp")
+INITS = ("data_parallel", "hybrid", "owt", "model_parallel", "pipeline", "random", "zero1", "fsdp", "single_device")
 MICROBATCHES = (1, 2, 4, 8)
 SCHEDULES = ("gpipe", "1f1b")
 BETA_SCALE = (0.1, 10.0)
