@@ -26,6 +26,7 @@ import math
 import numbers
 import operator
 import random
+import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -49,7 +50,21 @@ Metropolis acceptance rule exp(−β·Δcost) a proposal 0.5 % worse than the st
 probability 1/e (β·Δcost = 200 · 0.005 = 1), whatever the model's scale. A smaller constant lets
 a chain drift through much worse plans, a larger one stalls it at its first local optimum
 (the sweep that chose it, over the paper-scale models on p100-4x4: benchmarks/README.md,
-search_vs_experts.py)."""
+search_vs_experts.py). With β given (``SearchConfig.beta``) it is constant; the default sets
+it from a pilot (``PILOT``) and anneals it, and this constant is the pilot's fallback."""
+PILOT = 32
+"""Proposals at the start whose cost increases set the first temperature (their median is
+accepted with probability 1/2)."""
+ANNEAL = 1e3
+"""β at the budget's end / β at its start: geometric annealing (Kirkpatrick, Gelatt & Vecchi
+1983) to a greedy walk (a median-worse proposal then accepted with probability 2^-1000)."""
+REPLICAS = 4
+"""Plans a chain walks at once, at temperatures spaced geometrically over ``LADDER``."""
+LADDER = 16.0
+"""β of the coldest replica / β of the hottest."""
+SWEEP = 25
+"""Proposals a replica makes in a row (the lowering's cache re-lowers only what changed since
+the last plan it lowered, so a replica keeps the turn for a while)."""
 
 
 def whole(value: object) -> bool:
@@ -115,6 +130,15 @@ def candidate_configs(graph: OpGraph, num_devices: int, microbatches: int,
     return {n.name: list(enumerate_configs(n, num_devices, microbatches, node_size)) for n in graph}
 
 
+@dataclass
+class _Replica:
+    """One plan a chain holds and walks: the plan, its cost and whether it fits."""
+
+    plan: Strategy
+    cost: float
+    fits: bool
+
+
 @paused_gc()
 def run_chain(init: Strategy, evaluate: Callable[[Strategy], SimResult],
               candidates: dict[str, list[ParallelConfig]], budget: Budget, rng: random.Random,
@@ -122,24 +146,30 @@ def run_chain(init: Strategy, evaluate: Callable[[Strategy], SimResult],
               started: float | None = None, should_stop: Callable[[], bool] = lambda: False,
               on_step: Callable[[ChainStats, float], None] | None = None,
               neighbors: dict[str, tuple[str, ...]] | None = None,
-              blocks: BlockMoves | None = None, moves: Moves | None = None) -> ChainStats:
-    """One chain from ``init``. ``beta`` (per ms) defaults to BETA_C / cost(init) (200: a
-    proposal 0.5 % worse than the start is accepted with probability 1/e). Runs with the
-    cyclic collector paused (``paused_gc``). ``candidates`` are the op moves' configs where
+              blocks: BlockMoves | None = None, moves: Moves | None = None,
+              replicas: int = REPLICAS) -> ChainStats:
+    """One chain from ``init``. With ``beta`` (per ms) given, one plan walks at that constant
+    inverse temperature (the chain resets it to its best every ``reset_every`` proposals and
+    stops early when the best has not improved for half its budget). Without (the default), the
+    temperature explores: a pilot of ``PILOT`` proposals at ``init`` sets β₀ = ln 2 / the median
+    of their cost increases (a median-worse proposal accepted with probability 1/2; BETA_C /
+    cost(init) where none is worse), annealed geometrically to ANNEAL · β₀ (greedy) by the
+    budget's end; ``replicas`` plans walk at β, β·LADDER^(1/(R−1)), …, β·LADDER, each for
+    SWEEP proposals in turn, and after every round adjacent replicas swap plans with
+    probability min(1, exp((β_i − β_j)(c_i − c_j))) (parallel tempering, Swendsen & Wang 1986;
+    Geyer 1991); the coldest resets to the best every ``reset_every`` proposals; the chain
+    runs its whole budget. Deterministic for ``rng``'s seed under a proposal budget. Runs with
+    the cyclic collector paused (``paused_gc``). ``candidates`` are the op moves' configs where
     ``moves`` is None (every plan the chain holds then has one count of micro-batches); with
-    ``moves``, every plan the chain holds (its start, a reset target) proposes from
-    ``moves.space`` of its own count; ``neighbors`` (op -> its producers and consumers,
+    ``moves``, every plan the chain holds (its start, a reset target, a swapped plan) proposes
+    from ``moves.space`` of its own count; ``neighbors`` (op -> its producers and consumers,
     ``neighbor_ops``) enables the group moves, ``blocks`` (where it has any) the block moves;
-    ``moves`` the sharding-level, recompute and micro-batch moves at its rates, and the op
-    moves' configs for other counts of micro-batches (``moves.Moves.space``)."""
+    ``moves`` the sharding-level, recompute and micro-batch moves at its rates."""
     stats = stats or ChainStats()
     started = time.perf_counter() if started is None else started
     t0 = time.perf_counter()
-    current = init
-    result = evaluate(current)
-    cur_cost, cur_fits = plan_cost(result), result.fits
-    beta = BETA_C / max(cur_cost, 1e-9) if beta is None else beta
-    consider(stats, current, result, cur_cost, started)
+    result = evaluate(init)
+    consider(stats, init, result, plan_cost(result), started)
     first = Space(candidates, neighbors, blocks)
     rates = moves.rates if moves is not None else None
     cut = (rates.microbatches, rates.microbatches + rates.zero,
@@ -150,48 +180,112 @@ def run_chain(init: Strategy, evaluate: Callable[[Strategy], SimResult],
     def space(m: int) -> Space:  # the op moves' configs for the plan's own micro-batches
         return first if moves is None else moves.space(m)
 
-    gain_n, gain_t, n = 0, 0.0, 0  # proposals and seconds at the last improvement
-    while (first.ops or cut) and not should_stop():
-        elapsed = time.perf_counter() - t0
-        if budget.seconds is not None and (elapsed >= budget.seconds or elapsed - gain_t > budget.seconds / 2):
-            break
-        if budget.proposals is not None and (n >= budget.proposals or n - gain_n > budget.proposals / 2):
-            break
-        n += 1
-        stats.proposals += 1
+    def propose(current: Strategy) -> tuple[Strategy | None, bool]:
+        """A proposal from ``current`` (None: nothing to propose this time) and whether it is a
+        block move."""
         here = space(current.microbatches)
         u = rng.random() if cut is not None else 1.0
-        block = False
         if cut is not None and u < cut[-1]:
-            proposal = (moves.microbatches if u < cut[0] else moves.zero if u < cut[1] else moves.recompute)(current, rng)
-        elif here.blocks and rng.random() < BLOCK:
-            block = True
-            proposal = here.blocks.propose(current, rng)
-        elif here.ops:
-            op = rng.choice(here.ops)
-            cfg = keep(current[op], rng.choice(here.candidates[op]))
-            proposal = None if cfg == current[op] else current.replace(op, cfg)
-            if proposal is not None and here.neighbors and rng.random() < GROUP:
-                for other in here.neighbors.get(op, ()):
-                    same = here.on_devices.get((other, cfg.devices))
-                    if same:
-                        proposal = proposal.replace(other, keep(current[other], rng.choice(same)))
-        else:
-            proposal = None
+            kind = moves.microbatches if u < cut[0] else moves.zero if u < cut[1] else moves.recompute
+            return kind(current, rng), False
+        if here.blocks and rng.random() < BLOCK:
+            return here.blocks.propose(current, rng), True
+        if not here.ops:
+            return None, False
+        op = rng.choice(here.ops)
+        cfg = keep(current[op], rng.choice(here.candidates[op]))
+        if cfg == current[op]:
+            return None, False
+        proposal = current.replace(op, cfg)
+        if here.neighbors and rng.random() < GROUP:
+            for other in here.neighbors.get(op, ()):
+                same = here.on_devices.get((other, cfg.devices))
+                if same:
+                    proposal = proposal.replace(other, keep(current[other], rng.choice(same)))
+        return proposal, False
+
+    n = 0
+    gain_n, gain_t = 0, 0.0  # proposals and seconds at the last improvement
+
+    def spent() -> float | None:
+        """The budget's fraction used (None: stop now)."""
+        if should_stop():
+            return None
+        elapsed = time.perf_counter() - t0
+        used = 0.0
+        if budget.seconds is not None:
+            if elapsed >= budget.seconds or (fixed and elapsed - gain_t > budget.seconds / 2):
+                return None
+            used = elapsed / budget.seconds
+        if budget.proposals is not None:
+            if n >= budget.proposals or (fixed and n - gain_n > budget.proposals / 2):
+                return None
+            used = max(used, n / budget.proposals)
+        return used
+
+    def score(proposal: Strategy) -> tuple[SimResult, float]:
+        nonlocal n, gain_n, gain_t
+        n += 1
+        stats.proposals += 1
+        res = evaluate(proposal)
+        cost = plan_cost(res)
+        if consider(stats, proposal, res, cost, started):
+            gain_n, gain_t = n, time.perf_counter() - t0
+        return res, cost
+
+    fixed = beta is not None
+    chain = [_Replica(init, plan_cost(result), result.fits)]
+    if not fixed:  # the pilot: the spread of cost increases around the start
+        worse = []
+        for _ in range(PILOT):
+            if not (first.ops or cut) or spent() is None:
+                break
+            proposal, _ = propose(init)
+            if proposal is not None:
+                _, cost = score(proposal)
+                if cost > chain[0].cost:
+                    worse.append(cost - chain[0].cost)
+        beta = math.log(2) / statistics.median(worse) if worse else BETA_C / max(chain[0].cost, 1e-9)
+        chain += [_Replica(init, chain[0].cost, chain[0].fits) for _ in range(max(1, replicas) - 1)]
+    ladder = [1.0] if len(chain) == 1 else [LADDER ** (k / (len(chain) - 1)) for k in range(len(chain))]
+    turn, walked, cold = 0, 0, 0  # the replica walking, its proposals this sweep, the coldest's in all
+    while first.ops or cut:
+        used = spent()
+        if used is None:
+            break
+        b = beta * (1.0 if fixed else ANNEAL ** used) * ladder[turn]
+        me = chain[turn]
+        proposal, block = propose(me.plan)
         if proposal is not None:
-            res = evaluate(proposal)
-            cost = plan_cost(res)
-            if accept(res.fits, cost, cur_fits, cur_cost, beta, rng):
-                current, cur_cost, cur_fits = proposal, cost, res.fits
+            res, cost = score(proposal)
+            if accept(res.fits, cost, me.fits, me.cost, b, rng):
+                me.plan, me.cost, me.fits = proposal, cost, res.fits
                 stats.accepted += 1
                 stats.block_accepted += block
-                if consider(stats, current, res, cost, started):
-                    gain_n, gain_t = n, time.perf_counter() - t0
-        if reset_every and n % reset_every == 0 and stats.best is not None:
-            current, cur_cost, cur_fits = stats.best, stats.best_cost, stats.best_result.fits
+        else:
+            n += 1
+            stats.proposals += 1
+        walked += 1
+        cold += turn == len(chain) - 1
+        if reset_every and turn == len(chain) - 1 and cold % reset_every == 0 and stats.best is not None:
+            me.plan, me.cost, me.fits = stats.best, stats.best_cost, stats.best_result.fits
+        if len(chain) > 1 and walked >= SWEEP:
+            walked, turn = 0, (turn + 1) % len(chain)
+            if turn == 0:  # a round over: adjacent replicas exchange plans
+                _exchange(chain, [beta * (ANNEAL ** used) * x for x in ladder], rng)
         if on_step:
-            on_step(stats, cur_cost)
+            on_step(stats, me.cost)
     return stats
+
+
+def _exchange(chain: list[_Replica], betas: list[float], rng: random.Random) -> None:
+    """Parallel tempering's swap of each adjacent pair (i, i+1), alternately the even and odd
+    pairs: accepted with probability min(1, exp((β_i − β_j)(c_i − c_j))) on ``plan_cost``."""
+    for i in range(rng.randrange(2), len(chain) - 1, 2):
+        a, b = chain[i], chain[i + 1]
+        x = (betas[i] - betas[i + 1]) * (a.cost - b.cost)
+        if x >= 0 or rng.random() < math.exp(x):
+            chain[i], chain[i + 1] = b, a
 
 
 def accept(fits: bool, cost: float, cur_fits: bool, cur_cost: float, beta: float, rng: random.Random) -> bool:
