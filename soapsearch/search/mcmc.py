@@ -39,8 +39,8 @@ from strategies.config import ParallelConfig, enumerate_configs
 from strategies.graph import OpGraph
 from strategies.strategy import Strategy
 
-__all__ = ["Budget", "ChainStats", "accept", "candidate_configs", "consider", "neighbor_ops", "plan_cost", "rank",
-           "run_chain"]
+__all__ = ["Budget", "ChainStats", "accept", "annealed", "candidate_configs", "consider", "exchange", "neighbor_ops",
+           "pilot_beta", "plan_cost", "rank", "run_chain"]
 
 OVERFLOW_PENALTY = 10.0
 GROUP = 0.2
@@ -55,14 +55,14 @@ it from a pilot (``PILOT``) and anneals it, and this constant is the pilot's fal
 PILOT = 32
 """Proposals at the start whose cost increases set the first temperature (their median is
 accepted with probability 1/2)."""
-ANNEAL = 1e3
+ANNEAL = 100.0
 """β at the budget's end / β at its start: geometric annealing (Kirkpatrick, Gelatt & Vecchi
-1983) to a greedy walk (a median-worse proposal then accepted with probability 2^-1000)."""
+1983) to a greedy walk (a median-worse proposal then accepted with probability 2^-100)."""
 REPLICAS = 4
 """Plans a chain walks at once, at temperatures spaced geometrically over ``LADDER``."""
-LADDER = 16.0
+LADDER = 64.0
 """β of the coldest replica / β of the hottest."""
-SWEEP = 25
+SWEEP = 10
 """Proposals a replica makes in a row (the lowering's cache re-lowers only what changed since
 the last plan it lowered, so a replica keeps the turn for a while)."""
 
@@ -245,7 +245,7 @@ def run_chain(init: Strategy, evaluate: Callable[[Strategy], SimResult],
                 _, cost = score(proposal)
                 if cost > chain[0].cost:
                     worse.append(cost - chain[0].cost)
-        beta = math.log(2) / statistics.median(worse) if worse else BETA_C / max(chain[0].cost, 1e-9)
+        beta = pilot_beta(worse, chain[0].cost)
         chain += [_Replica(init, chain[0].cost, chain[0].fits) for _ in range(max(1, replicas) - 1)]
     ladder = [1.0] if len(chain) == 1 else [LADDER ** (k / (len(chain) - 1)) for k in range(len(chain))]
     turn, walked, cold = 0, 0, 0  # the replica walking, its proposals this sweep, the coldest's in all
@@ -253,7 +253,7 @@ def run_chain(init: Strategy, evaluate: Callable[[Strategy], SimResult],
         used = spent()
         if used is None:
             break
-        b = beta * (1.0 if fixed else ANNEAL ** used) * ladder[turn]
+        b = (beta if fixed else annealed(beta, used)) * ladder[turn]
         me = chain[turn]
         proposal, block = propose(me.plan)
         if proposal is not None:
@@ -272,15 +272,26 @@ def run_chain(init: Strategy, evaluate: Callable[[Strategy], SimResult],
         if len(chain) > 1 and walked >= SWEEP:
             walked, turn = 0, (turn + 1) % len(chain)
             if turn == 0:  # a round over: adjacent replicas exchange plans
-                _exchange(chain, [beta * (ANNEAL ** used) * x for x in ladder], rng)
+                exchange(chain, [annealed(beta, used) * x for x in ladder], rng)
         if on_step:
             on_step(stats, me.cost)
     return stats
 
 
-def _exchange(chain: list[_Replica], betas: list[float], rng: random.Random) -> None:
-    """Parallel tempering's swap of each adjacent pair (i, i+1), alternately the even and odd
-    pairs: accepted with probability min(1, exp((β_i − β_j)(c_i − c_j))) on ``plan_cost``."""
+def pilot_beta(worse: list[float], cost: float) -> float:
+    """β₀ from the pilot's cost increases (ms): ln 2 / their median, so that a median-worse
+    proposal is accepted with probability 1/2; BETA_C / ``cost`` where none was worse."""
+    return math.log(2) / statistics.median(worse) if worse else BETA_C / max(cost, 1e-9)
+
+
+def annealed(beta: float, used: float) -> float:
+    """β after the fraction ``used`` of the budget: β · ANNEAL^used (geometric annealing)."""
+    return beta * ANNEAL ** used
+
+
+def exchange(chain: list, betas: list[float], rng: random.Random) -> None:
+    """Parallel tempering's swap of the adjacent pairs (i, i+1), the even or the odd ones
+    (drawn): each accepted with probability min(1, exp((β_i − β_j)(c_i − c_j))) on ``plan_cost``."""
     for i in range(rng.randrange(2), len(chain) - 1, 2):
         a, b = chain[i], chain[i + 1]
         x = (betas[i] - betas[i + 1]) * (a.cost - b.cost)
