@@ -16,8 +16,14 @@ in milliseconds. A plan that does not fit in device memory costs its time × (1 
 overflow), overflow being the worst device's peak / capacity − 1, so chains can cross such
 plans; a proposal that fits is always accepted from one that does not, and plans are ranked
 lexicographically (``rank``): any plan that fits beats any plan that does not, so the best is
-one that fits whenever a chain has seen one. A chain resets to the best plan every
-``reset_every`` proposals, and stops early when the best has not improved for half its budget.
+one that fits whenever a chain has seen one.
+
+β (per ms) is set from a pilot of proposals at the start (a median-worse proposal accepted with
+probability 1/2) and annealed to greedy by the budget's end, over ``REPLICAS`` plans per chain
+at different temperatures that exchange plans (parallel tempering); the coldest resets to the
+best every ``reset_every`` of its proposals (``run_chain``). With β given, one plan walks at
+that constant β, resets to the best every ``reset_every`` proposals and stops early when the
+best has not improved for half its budget.
 """
 
 from __future__ import annotations
