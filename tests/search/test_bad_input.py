@@ -40,6 +40,9 @@ def test_budget_rules(seconds, proposals, message):
     (dict(schedule="zigzag"), r"search schedule = 'zigzag'"),
     (dict(chains=0), r"search chains = 0"),
     (dict(workers=0), r"search workers = 0"),
+    (dict(replicas=0), r"^search replicas = 0: must be a whole number >= 1$"),
+    (dict(exhaustive_limit=-1), r"^search exhaustive_limit = -1: must be a whole number >= 0$"),
+    (dict(exhaustive_limit=1.5), r"^search exhaustive_limit = 1.5: must be a whole number >= 0$"),
 ])
 def test_search_arguments_are_checked(kw, message):
     with pytest.raises(ValueError, match=message):
