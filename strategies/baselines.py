@@ -1,4 +1,4 @@
-"""Baseline plans an expert would write: data parallel, ZeRO-1 and FSDP (data parallel with
+"""Baseline plans an expert would write: one device (every op whole on device 0), data parallel, ZeRO-1 and FSDP (data parallel with
 its replicated state sharded), model parallel, OWT, pipeline, and data x tensor parallel
 (``hybrid``) for a batch the devices do not divide."""
 
@@ -19,7 +19,7 @@ from strategies.stages import linear_partition
 from strategies.strategy import Strategy
 
 __all__ = ["BASELINES", "baseline", "data_parallel", "fsdp", "hybrid", "megatron", "model_parallel", "owt",
-           "param_split", "pipeline", "balanced_stages", "recomputed", "sharded", "zero1"]
+           "param_split", "pipeline", "balanced_stages", "recomputed", "sharded", "single_device", "zero1"]
 
 _WHOLE = {"input", "parameter", "constant"}
 
@@ -57,6 +57,13 @@ def _check_batch(graph: OpGraph, n: int, microbatches: int = 1) -> int:
         raise PlanError(None, field, value, f"batch {batch} is not divisible by {n} devices x {microbatches} "
                         f"micro-batches = {n * microbatches}")
     return batch
+
+
+def single_device(graph: OpGraph, num_devices: int) -> Strategy:
+    """Every op whole on device 0 (of ``num_devices``): no parallelism, the plan to beat where
+    parallelism does not pay."""
+    _check_counts(num_devices)
+    return Strategy.of({n.name: _whole(n) for n in graph}, num_devices)
 
 
 def data_parallel(graph: OpGraph, num_devices: int) -> Strategy:
@@ -211,6 +218,7 @@ BASELINES: dict[str, Callable[..., Strategy]] = {
     "model_parallel": model_parallel,
     "owt": owt,
     "pipeline": pipeline,
+    "single_device": single_device,
     "zero1": zero1,
 }
 

@@ -20,6 +20,7 @@ from simulator.topology import Topology
 from soapsearch.api import DEFAULT_TOPOLOGY
 from soapsearch.search.chains import Chain, Progress, default_workers, run_chains
 from soapsearch.search.config import SearchConfig, search_config
+from soapsearch.search.exhaustive import search_exhaustively, space_size
 from soapsearch.search.mcmc import Budget, ChainStats, candidate_configs, consider, neighbor_ops, plan_cost
 from soapsearch.search.moves import MoveRates, Moves, Space, microbatch_choices
 from soapsearch.trace import check_scalar_loss, trace
@@ -27,6 +28,7 @@ from strategies import (OpGraph, PlanError, Strategy, baseline, load_strategy, s
 from strategies.baselines import BASELINES, hybrid
 from soapsearch.search.blockmove import BlockMoves
 from strategies.megatron import megatron_blocks
+from strategies.config import validate_config
 from strategies.pieces import check_microbatches
 from strategies.lowering import lower
 
@@ -94,6 +96,15 @@ class SearchResult(FoundPlan):
     accepted: int = 0
     block_accepted: int = 0
     """Accepted block moves (``blockmove.py``): Megatron-shaped blocks turned in one proposal."""
+    exhaustive: int = 0
+    """Plans simulated by enumerating the op configs' space (``exhaustive.py``); 0: MCMC searched."""
+    space: int = 0
+    """How many plans that space holds (where enumerated): the answer is exact where
+    ``exhaustive`` equals it, else the time budget ran out first."""
+
+    @property
+    def exact(self) -> bool:
+        return self.space > 0 and self.exhaustive == self.space
 
 
 def save_found(path: str | os.PathLike, found: FoundPlan) -> None:
@@ -110,12 +121,14 @@ def best_baselines(graph: OpGraph, num_devices: int, evaluate: Evaluator
     """Each baseline that is valid for this graph, simulated; ``pipeline`` is the best of
     GPipe and 1F1B over 2, 4 and 8 micro-batches; ``hybrid`` (data x tensor parallel) only
     where the batch does not divide by the devices (else it is data parallel); ``zero1`` and
-    ``fsdp`` (data parallel with its replicated state sharded) on more than one device;
+    ``fsdp`` (data parallel with its replicated state sharded) and ``single_device`` (every op
+    whole on device 0, where it fits in its memory) on more than one device;
     ``megatron`` only where the graph has a transformer's blocks
     (``strategies.megatron.megatron_blocks``)."""
     plans: dict[str, Strategy] = {}
     results: dict[str, SimResult] = {}
-    names = ["data_parallel", "hybrid", "model_parallel", "owt"] + (["zero1", "fsdp"] if num_devices > 1 else [])
+    names = ["data_parallel", "hybrid", "model_parallel", "owt"] + (
+        ["zero1", "fsdp", "single_device"] if num_devices > 1 else [])
     if num_devices > 1 and megatron_blocks(graph):
         names.append("megatron")
     for name in names:
@@ -126,6 +139,8 @@ def best_baselines(graph: OpGraph, num_devices: int, evaluate: Evaluator
         except PlanError:
             continue
         results[name] = evaluate(plans[name], summary=True)
+        if name == "single_device" and not results[name].fits:  # a row only where it fits
+            del plans[name], results[name]
     for m in PIPELINE_MICROBATCHES:
         for schedule in ("gpipe", "1f1b"):
             try:
@@ -173,10 +188,13 @@ def _initial(item: Any, graph: OpGraph, n: int, rng: random.Random, candidates, 
                         "JSON path or a Strategy")
     if plan.num_devices != n:
         raise PlanError(None, "num_devices", plan.num_devices, f"the search uses {n} devices", where)
-    if plan.microbatches != microbatches:
-        raise PlanError(None, "microbatches", plan.microbatches,
-                        f"the search's chains run {microbatches} micro-batch(es) (give microbatches="
-                        f"{plan.microbatches} to search from this plan)", where)
+    if plan.microbatches != microbatches:  # a chain runs its start's own count (its moves follow it)
+        try:
+            check_microbatches(graph, plan.microbatches)
+            for node in graph:
+                validate_config(node, plan[node.name], n, plan.microbatches)
+        except PlanError as e:
+            raise PlanError(e.op, e.field, e.value, e.rule, where) from None
     return plan
 
 
@@ -202,7 +220,9 @@ def search(model: torch.nn.Module | OpGraph, example_inputs: Sequence[Any] | Non
     chains, the proposals between the chains. The result is never worse than the best initial
     plan nor than any baseline (they are scored first), and when no baseline fits in device
     memory, data parallel (or ``hybrid``) with gradient accumulation is tried too
-    (``_accumulate``). Deterministic for a seed under a proposal budget, with any number of
+    (``_accumulate``). Where the op configs make at most ``config.exhaustive_limit`` plans (and
+    no more than the proposal budget), every one is simulated instead of MCMC
+    (``exhaustive.py``; ``SearchResult.exhaustive`` counts them). Deterministic for a seed under a proposal budget, with any number of
     workers. ``on_step`` gets a ``Progress`` as it goes. The model must return one scalar loss
     (``check_scalar_loss``)."""
     config = search_config(config, fields)
@@ -231,6 +251,11 @@ def search(model: torch.nn.Module | OpGraph, example_inputs: Sequence[Any] | Non
         consider(stats, plan, results[name], plan_cost(results[name]), started)
     if stats.best_result is not None and not stats.best_result.fits:
         _accumulate(graph, n, evaluate, stats, started)
+    size = space_size(candidates)
+    if size <= config.exhaustive_limit and (budget.proposals is None or size <= budget.proposals):
+        count = search_exhaustively(candidates, evaluate, stats, started, n, microbatches, schedule,
+                                    config.precision, budget.seconds)
+        return _result(stats, evaluate, graph, topo, results, plans, started, False, 1, count, size)
     init = ("hybrid",) if config.init is None else config.init  # hybrid: data parallel where n divides the batch
     inits = [evaluate.planned(_initial(i, graph, n, rng, candidates, microbatches, schedule, plans)) for i in init]
     count = len(inits) if config.chains is None else config.chains
@@ -249,14 +274,21 @@ def search(model: torch.nn.Module | OpGraph, example_inputs: Sequence[Any] | Non
     stats, interrupted = run_chains(work, evaluate, candidates, stats, started, beta=config.beta,
                                     reset_every=config.reset_every, workers=workers, on_step=on_step,
                                     neighbors=moves.spaces[microbatches].neighbors,
-                                    blocks=moves.spaces[microbatches].blocks, moves=moves)
+                                    blocks=moves.spaces[microbatches].blocks, moves=moves,
+                                    replicas=config.replicas)
     if stats.best is None:  # interrupted before the first chain scored its start
         stats.best = inits[0]
+    return _result(stats, evaluate, graph, topo, results, plans, started, interrupted, min(workers, count), 0, 0)
+
+
+def _result(stats: ChainStats, evaluate: Evaluator, graph: OpGraph, topo: Topology, results: dict[str, SimResult],
+            plans: dict[str, Strategy], started: float, interrupted: bool, workers: int,
+            exhaustive: int, space: int) -> SearchResult:
     best = evaluate(stats.best, summary=True)  # chains score without busy times / bytes moved
     return SearchResult(stats.best, best, graph, topo,
                         baselines={k: r.iteration_ms for k, r in results.items()},
                         baseline_results=results, proposals=stats.proposals,
                         elapsed_s=time.perf_counter() - started, interrupted=interrupted,
                         baseline_plans=plans, history=stats.history, accepted=stats.accepted,
-                        block_accepted=stats.block_accepted,
-                        workers=min(workers, count))
+                        block_accepted=stats.block_accepted, workers=workers, exhaustive=exhaustive,
+                        space=space)

@@ -19,7 +19,7 @@ from typing import Any, Callable, NamedTuple
 
 from simulator.result import SimResult
 from soapsearch.search.blockmove import BlockMoves
-from soapsearch.search.mcmc import Budget, ChainStats, rank, run_chain
+from soapsearch.search.mcmc import REPLICAS, Budget, ChainStats, rank, run_chain
 from soapsearch.search.moves import Moves
 from strategies.config import ParallelConfig
 from strategies.strategy import Strategy
@@ -66,7 +66,8 @@ def run_chains(chains: list[Chain], evaluate: Callable[[Strategy], SimResult],
                beta: float | None, reset_every: int, workers: int,
                on_step: Callable[[Progress], None] | None = None,
                neighbors: dict[str, tuple[str, ...]] | None = None,
-               blocks: BlockMoves | None = None, moves: Moves | None = None) -> tuple[ChainStats, bool]:
+               blocks: BlockMoves | None = None, moves: Moves | None = None,
+               replicas: int = REPLICAS) -> tuple[ChainStats, bool]:
     """Every chain from a copy of ``base`` (the scored baselines), ``workers`` at a time; the
     merged stats (``merge``) and whether Ctrl-C stopped the search. ``workers`` > 1 forks; a
     chain's error is raised here as it was raised there. ``neighbors``, ``blocks`` and ``moves``:
@@ -78,14 +79,16 @@ def run_chains(chains: list[Chain], evaluate: Callable[[Strategy], SimResult],
             raise ValueError(f"search workers = {workers}: this platform cannot fork worker processes; "
                              "use workers=1")
         results, interrupted = _forked(chains, evaluate, candidates, base, started, beta, reset_every,
-                                       workers, on_step, neighbors, blocks, moves)
+                                       workers, on_step, neighbors, blocks, moves,
+                                       replicas)
     else:
         results, interrupted = _in_turn(chains, evaluate, candidates, base, started, beta, reset_every,
-                                        on_step, neighbors, blocks, moves)
+                                        on_step, neighbors, blocks, moves, replicas)
     return merge(base, results), interrupted
 
 
-def _in_turn(chains, evaluate, candidates, base, started, beta, reset_every, on_step, neighbors, blocks, moves):
+def _in_turn(chains, evaluate, candidates, base, started, beta, reset_every, on_step, neighbors, blocks, moves,
+             replicas):
     rows = _rows([0.0] * (_FIELDS * len(chains)), base)
     results: list[ChainStats] = []
     for i, chain in enumerate(chains):
@@ -100,7 +103,7 @@ def _in_turn(chains, evaluate, candidates, base, started, beta, reset_every, on_
         try:
             run_chain(chain.start, evaluate, candidates, chain.budget, chain_rng(chain.seed, i),
                       beta, reset_every, stats, started, on_step=step, neighbors=neighbors, blocks=blocks,
-                      moves=moves)
+                      moves=moves, replicas=replicas)
         except KeyboardInterrupt:
             results.append(stats)
             return results, True
@@ -137,7 +140,7 @@ def _progress(rows, base: ChainStats) -> Progress:
 
 
 def _forked(chains, evaluate, candidates, base, started, beta, reset_every, workers, on_step, neighbors, blocks,
-            moves):
+            moves, replicas):
     ctx = multiprocessing.get_context("fork")
     shared = _rows(ctx.RawArray("d", _FIELDS * len(chains)), base)
     stop = ctx.RawValue("b", 0)
@@ -154,7 +157,7 @@ def _forked(chains, evaluate, candidates, base, started, beta, reset_every, work
                     recv, send = ctx.Pipe(duplex=False)
                     proc = ctx.Process(target=_worker, daemon=True,
                                        args=(send, i, chains[i], evaluate, candidates, base, started, beta,
-                                             reset_every, shared, stop, neighbors, blocks, moves))
+                                             reset_every, shared, stop, neighbors, blocks, moves, replicas))
                     running[recv] = (i, proc)
                     try:
                         proc.start()
@@ -207,7 +210,7 @@ def _close(conn, proc, terminate: bool = False) -> None:
 
 
 def _worker(conn, i, chain, evaluate, candidates, base, started, beta, reset_every, shared, stop,
-            neighbors, blocks, moves) -> None:
+            neighbors, blocks, moves, replicas) -> None:
     """A forked chain: runs until its budget or the parent's stop flag, then sends its stats."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides: it raises the stop flag
     write = _writer(shared, i, base)
@@ -215,7 +218,8 @@ def _worker(conn, i, chain, evaluate, candidates, base, started, beta, reset_eve
         stats = _fresh(base)
         run_chain(chain.start, evaluate, candidates, chain.budget, chain_rng(chain.seed, i), beta,
                   reset_every, stats, started, should_stop=lambda: bool(stop.value),
-                  on_step=lambda s, _cost: write(s), neighbors=neighbors, blocks=blocks, moves=moves)
+                  on_step=lambda s, _cost: write(s), neighbors=neighbors, blocks=blocks, moves=moves,
+                  replicas=replicas)
         write(stats)
         conn.send(("ok", stats))
     except BaseException as e:  # noqa: BLE001 - raised again in the parent, as with one worker

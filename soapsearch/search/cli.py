@@ -49,6 +49,9 @@ def add_search_parsers(sub, model_args, graph_of) -> None:
                     help="use only the first N devices (default all of the topology's)")
     sp.add_argument("--chains", type=int, default=c.chains,
                     help="MCMC chains (default one per --init plan; chain i starts from the i-th, cycling)")
+    sp.add_argument("--exhaustive-limit", type=int, default=c.exhaustive_limit,
+                    help="simulate every plan where the op configs make at most this many (and no more than "
+                         f"--proposals); 0: always MCMC (default {c.exhaustive_limit})")
     sp.add_argument("--workers", type=int, default=c.workers,
                     help="chains run side by side in processes (default one per chain up to the cores; "
                          "1 with the profiled cost model)")
@@ -79,7 +82,7 @@ def config_of(args, cost_model) -> SearchConfig:
                         microbatches=args.microbatches, schedule=args.schedule, optimizer=args.optimizer,
                         precision=DTYPE_FLAGS[args.dtype],
                         num_devices=args.devices,
-                        chains=args.chains, workers=args.workers)
+                        chains=args.chains, workers=args.workers, exhaustive_limit=args.exhaustive_limit)
 
 
 def _cmd_search(args, graph_of) -> int:
@@ -119,13 +122,21 @@ def _cmd_search(args, graph_of) -> int:
                           "plan": path, "proposals": result.proposals,
                           "fits": result.result.fits, "peak_memory": result.result.to_json().get("peak_memory"),
                           "interrupted": result.interrupted,
-                          "workers": result.workers}))
+                          "workers": result.workers, "exhaustive": getattr(result, "exhaustive", 0), "space": getattr(result, "space", 0),
+                          "exact": getattr(result, "exact", False)}))
         return 0
     print(table(result))
     stop = "stopped by Ctrl-C; " if result.interrupted else ""
     side = f", {result.workers} chains side by side" if result.workers > 1 else ""
-    print(f"{stop}{result.proposals} proposals in {result.elapsed_s:.1f} s "
-          f"({result.proposals / max(result.elapsed_s, 1e-9):.0f}/s{side})")
+    if getattr(result, "exact", False):
+        print(f"exact: every one of the {result.space} plans of the op configs simulated in "
+              f"{result.elapsed_s:.1f} s (at most --exhaustive-limit): the optimum of that space")
+    elif getattr(result, "exhaustive", 0):
+        print(f"not exact: {result.exhaustive} of the {result.space} plans of the op configs simulated before "
+              f"the time budget ran out ({result.elapsed_s:.1f} s)")
+    else:
+        print(f"{stop}{result.proposals} proposals in {result.elapsed_s:.1f} s "
+              f"({result.proposals / max(result.elapsed_s, 1e-9):.0f}/s{side})")
     print(f"wrote the plan for {graph.name} to {path}{replacing}")
     return 0
 

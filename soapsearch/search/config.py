@@ -44,8 +44,13 @@ class SearchConfig:
     schedule: str = "gpipe"
     """Pipeline schedule of the chains' plans: ``gpipe`` or ``1f1b``."""
     beta: float | None = None
-    """Inverse temperature of the Metropolis acceptance rule min(1, exp(−β·Δcost)), per ms;
-    None: ``mcmc.BETA_C`` / cost(initial plan)."""
+    """Inverse temperature of the Metropolis acceptance rule min(1, exp(−β·Δcost)), per ms,
+    constant, one plan per chain (``replicas`` unused); None: set from a pilot of proposals at
+    the start and annealed to greedy by the budget's end, over ``replicas`` tempered plans
+    (``mcmc.run_chain``)."""
+    replicas: int = 4
+    """Plans each chain walks at once at different temperatures, exchanging them (parallel
+    tempering); with ``beta`` None."""
     optimizer: str = "sgd"
     """The training optimizer whose state the simulator counts in device memory: ``sgd`` or
     ``adam``."""
@@ -72,6 +77,10 @@ class SearchConfig:
     """A chain returns to its best plan every this many proposals; 0: never."""
     chains: int | None = None
     """MCMC chains; None: one per initial plan (chain i starts from ``init[i % len(init)]``)."""
+    exhaustive_limit: int = 100_000
+    """Where the op configs make at most this many plans (the product of each op's count, at
+    ``microbatches``) and no more than ``proposals`` (when given), simulate every one
+    (``exhaustive.py``: the exact answer over that space) instead of MCMC; 0: always MCMC."""
     workers: int | None = None
     """Chains run side by side in forked processes; None: one per chain up to the cores, one
     with a cost model that times kernels."""
@@ -90,7 +99,8 @@ class SearchConfig:
         if self.proposals is not None:
             Budget(proposals=self.proposals)
         for name, least, optional in (("num_devices", 1, True), ("chains", 1, True), ("workers", 1, True),
-                                      ("microbatches", 1, False), ("reset_every", 0, False)):
+                                      ("microbatches", 1, False), ("reset_every", 0, False),
+                                      ("exhaustive_limit", 0, False), ("replicas", 1, False)):
             _check_whole(name, getattr(self, name), least, optional)
         if not whole(self.seed):
             raise ValueError(f"search seed = {self.seed!r}: must be a whole number")

@@ -16,8 +16,14 @@ in milliseconds. A plan that does not fit in device memory costs its time × (1 
 overflow), overflow being the worst device's peak / capacity − 1, so chains can cross such
 plans; a proposal that fits is always accepted from one that does not, and plans are ranked
 lexicographically (``rank``): any plan that fits beats any plan that does not, so the best is
-one that fits whenever a chain has seen one. A chain resets to the best plan every
-``reset_every`` proposals, and stops early when the best has not improved for half its budget.
+one that fits whenever a chain has seen one.
+
+β (per ms) is set from a pilot of proposals at the start (a median-worse proposal accepted with
+probability 1/2) and annealed to greedy by the budget's end, over ``REPLICAS`` plans per chain
+at different temperatures that exchange plans (parallel tempering); the coldest resets to the
+best every ``reset_every`` of its proposals (``run_chain``). With β given, one plan walks at
+that constant β, resets to the best every ``reset_every`` proposals and stops early when the
+best has not improved for half its budget.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import math
 import numbers
 import operator
 import random
+import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -39,8 +46,8 @@ from strategies.errors import PlanError
 from strategies.graph import OpGraph
 from strategies.strategy import Strategy
 
-__all__ = ["Budget", "ChainStats", "accept", "candidate_configs", "consider", "neighbor_ops", "plan_cost", "rank",
-           "run_chain"]
+__all__ = ["Budget", "ChainStats", "accept", "annealed", "candidate_configs", "consider", "exchange", "neighbor_ops",
+           "pilot_beta", "plan_cost", "rank", "run_chain"]
 
 OVERFLOW_PENALTY = 10.0
 GROUP = 0.2
@@ -50,7 +57,21 @@ Metropolis acceptance rule exp(−β·Δcost) a proposal 0.5 % worse than the st
 probability 1/e (β·Δcost = 200 · 0.005 = 1), whatever the model's scale. A smaller constant lets
 a chain drift through much worse plans, a larger one stalls it at its first local optimum
 (the sweep that chose it, over the paper-scale models on p100-4x4: benchmarks/README.md,
-search_vs_experts.py)."""
+search_vs_experts.py). With β given (``SearchConfig.beta``) it is constant; the default sets
+it from a pilot (``PILOT``) and anneals it, and this constant is the pilot's fallback."""
+PILOT = 32
+"""Proposals at the start whose cost increases set the first temperature (their median is
+accepted with probability 1/2)."""
+ANNEAL = 100.0
+"""β at the budget's end / β at its start: geometric annealing (Kirkpatrick, Gelatt & Vecchi
+1983) to a greedy walk (a median-worse proposal then accepted with probability 2^-100)."""
+REPLICAS = 4
+"""Plans a chain walks at once, at temperatures spaced geometrically over ``LADDER``."""
+LADDER = 64.0
+"""β of the coldest replica / β of the hottest."""
+SWEEP = 10
+"""Proposals a replica makes in a row (the lowering's cache re-lowers only what changed since
+the last plan it lowered, so a replica keeps the turn for a while)."""
 
 
 def whole(value: object) -> bool:
@@ -116,6 +137,15 @@ def candidate_configs(graph: OpGraph, num_devices: int, microbatches: int,
     return {n.name: list(enumerate_configs(n, num_devices, microbatches, node_size)) for n in graph}
 
 
+@dataclass
+class _Replica:
+    """One plan a chain holds and walks: the plan, its cost and whether it fits."""
+
+    plan: Strategy
+    cost: float
+    fits: bool
+
+
 @paused_gc()
 def run_chain(init: Strategy, evaluate: Callable[[Strategy], SimResult],
               candidates: dict[str, list[ParallelConfig]], budget: Budget, rng: random.Random,
@@ -123,22 +153,30 @@ def run_chain(init: Strategy, evaluate: Callable[[Strategy], SimResult],
               started: float | None = None, should_stop: Callable[[], bool] = lambda: False,
               on_step: Callable[[ChainStats, float], None] | None = None,
               neighbors: dict[str, tuple[str, ...]] | None = None,
-              blocks: BlockMoves | None = None, moves: Moves | None = None) -> ChainStats:
-    """One chain from ``init``. ``beta`` (per ms) defaults to BETA_C / cost(init) (200: a
-    proposal 0.5 % worse than the start is accepted with probability 1/e). Runs with the
-    cyclic collector paused (``paused_gc``). ``candidates`` are the op moves' configs for
-    ``init``'s micro-batches; ``neighbors`` (op -> its producers and consumers,
+              blocks: BlockMoves | None = None, moves: Moves | None = None,
+              replicas: int = REPLICAS) -> ChainStats:
+    """One chain from ``init``. With ``beta`` (per ms) given, one plan walks at that constant
+    inverse temperature (the chain resets it to its best every ``reset_every`` proposals and
+    stops early when the best has not improved for half its budget). Without (the default), the
+    temperature explores: a pilot of ``PILOT`` proposals at ``init`` sets β₀ = ln 2 / the median
+    of their cost increases (a median-worse proposal accepted with probability 1/2; BETA_C /
+    cost(init) where none is worse), annealed geometrically to ANNEAL · β₀ (greedy) by the
+    budget's end; ``replicas`` plans walk at β, β·LADDER^(1/(R−1)), …, β·LADDER, each for
+    SWEEP proposals in turn, and after every round adjacent replicas swap plans with
+    probability min(1, exp((β_i − β_j)(c_i − c_j))) (parallel tempering, Swendsen & Wang 1986;
+    Geyer 1991); the coldest resets to the best every ``reset_every`` proposals; the chain
+    runs its whole budget. Deterministic for ``rng``'s seed under a proposal budget. Runs with
+    the cyclic collector paused (``paused_gc``). ``candidates`` are the op moves' configs where
+    ``moves`` is None (every plan the chain holds then has one count of micro-batches); with
+    ``moves``, every plan the chain holds (its start, a reset target, a swapped plan) proposes
+    from ``moves.space`` of its own count; ``neighbors`` (op -> its producers and consumers,
     ``neighbor_ops``) enables the group moves, ``blocks`` (where it has any) the block moves;
-    ``moves`` the sharding-level, recompute and micro-batch moves at its rates, and the op
-    moves' configs for other counts of micro-batches (``moves.Moves.space``)."""
+    ``moves`` the sharding-level, recompute and micro-batch moves at its rates."""
     stats = stats or ChainStats()
     started = time.perf_counter() if started is None else started
     t0 = time.perf_counter()
-    current = init
-    result = evaluate(current)
-    cur_cost, cur_fits = plan_cost(result), result.fits
-    beta = BETA_C / max(cur_cost, 1e-9) if beta is None else beta
-    consider(stats, current, result, cur_cost, started)
+    result = evaluate(init)
+    consider(stats, init, result, plan_cost(result), started)
     first = Space(candidates, neighbors, blocks)
     rates = moves.rates if moves is not None else None
     cut = (rates.microbatches, rates.microbatches + rates.zero,
@@ -146,56 +184,131 @@ def run_chain(init: Strategy, evaluate: Callable[[Strategy], SimResult],
     if cut is not None and not cut[-1]:  # no memory move: op and block moves alone
         cut = None
 
-    def space(m: int) -> Space:
-        return first if m == init.microbatches or moves is None else moves.space(m)
+    def space(m: int) -> Space:  # the op moves' configs for the plan's own micro-batches
+        return first if moves is None else moves.space(m)
 
-    gain_n, gain_t, n = 0, 0.0, 0  # proposals and seconds at the last improvement
-    while (first.ops or cut) and not should_stop():
-        elapsed = time.perf_counter() - t0
-        if budget.seconds is not None and (elapsed >= budget.seconds or elapsed - gain_t > budget.seconds / 2):
-            break
-        if budget.proposals is not None and (n >= budget.proposals or n - gain_n > budget.proposals / 2):
-            break
-        n += 1
-        stats.proposals += 1
+    def propose(current: Strategy) -> tuple[Strategy | None, bool]:
+        """A proposal from ``current`` (None: nothing to propose this time) and whether it is a
+        block move."""
         here = space(current.microbatches)
         u = rng.random() if cut is not None else 1.0
-        block = False
         if cut is not None and u < cut[-1]:
-            proposal = (moves.microbatches if u < cut[0] else moves.zero if u < cut[1] else moves.recompute)(current, rng)
-        elif here.blocks and rng.random() < BLOCK:
-            block = True
-            proposal = here.blocks.propose(current, rng)
-        elif here.ops:
-            op = rng.choice(here.ops)
-            cfg = keep(current[op], rng.choice(here.candidates[op]))
-            proposal = None if cfg == current[op] else current.replace(op, cfg)
-            if proposal is not None and here.neighbors and rng.random() < GROUP:
-                for other in here.neighbors.get(op, ()):
-                    same = here.on_devices.get((other, cfg.devices))
-                    if same:
-                        proposal = proposal.replace(other, keep(current[other], rng.choice(same)))
-        else:
-            proposal = None
-        res = None
+            kind = moves.microbatches if u < cut[0] else moves.zero if u < cut[1] else moves.recompute
+            return kind(current, rng), False
+        if here.blocks and rng.random() < BLOCK:
+            return here.blocks.propose(current, rng), True
+        if not here.ops:
+            return None, False
+        op = rng.choice(here.ops)
+        cfg = keep(current[op], rng.choice(here.candidates[op]))
+        if cfg == current[op]:
+            return None, False
+        proposal = current.replace(op, cfg)
+        if here.neighbors and rng.random() < GROUP:
+            for other in here.neighbors.get(op, ()):
+                same = here.on_devices.get((other, cfg.devices))
+                if same:
+                    proposal = proposal.replace(other, keep(current[other], rng.choice(same)))
+        return proposal, False
+
+    n = 0
+    gain_n, gain_t = 0, 0.0  # proposals and seconds at the last improvement
+
+    def spent() -> float | None:
+        """The budget's fraction used (None: stop now)."""
+        if should_stop():
+            return None
+        elapsed = time.perf_counter() - t0
+        used = 0.0
+        if budget.seconds is not None:
+            if elapsed >= budget.seconds or (fixed and elapsed - gain_t > budget.seconds / 2):
+                return None
+            used = elapsed / budget.seconds
+        if budget.proposals is not None:
+            if n >= budget.proposals or (fixed and n - gain_n > budget.proposals / 2):
+                return None
+            used = max(used, n / budget.proposals)
+        return used
+
+    def score(proposal: Strategy) -> tuple[SimResult | None, float]:
+        """(its result, its cost); (None, inf) where the lowering refuses the plan (a rule only
+        it checks, strategies.zero: each level-2/3 use pairs up): a rejected proposal."""
+        nonlocal n, gain_n, gain_t
+        n += 1
+        stats.proposals += 1
+        try:
+            res = evaluate(proposal)
+        except PlanError:
+            return None, math.inf
+        cost = plan_cost(res)
+        if consider(stats, proposal, res, cost, started):
+            gain_n, gain_t = n, time.perf_counter() - t0
+        return res, cost
+
+    fixed = beta is not None
+    chain = [_Replica(init, plan_cost(result), result.fits)]
+    if not fixed:  # the pilot: the spread of cost increases around the start
+        worse = []
+        for _ in range(PILOT):
+            if not (first.ops or cut) or spent() is None:
+                break
+            proposal, _ = propose(init)
+            if proposal is not None:
+                _, cost = score(proposal)
+                if chain[0].cost < cost < math.inf:
+                    worse.append(cost - chain[0].cost)
+        beta = pilot_beta(worse, chain[0].cost)
+        chain += [_Replica(init, chain[0].cost, chain[0].fits) for _ in range(max(1, replicas) - 1)]
+    ladder = [1.0] if len(chain) == 1 else [LADDER ** (k / (len(chain) - 1)) for k in range(len(chain))]
+    turn, walked, cold = 0, 0, 0  # the replica walking, its proposals this sweep, the coldest's in all
+    while first.ops or cut:
+        used = spent()
+        if used is None:
+            break
+        b = (beta if fixed else annealed(beta, used)) * ladder[turn]
+        me = chain[turn]
+        proposal, block = propose(me.plan)
         if proposal is not None:
-            try:
-                res = evaluate(proposal)
-            except PlanError:  # a rule the lowering checks (strategies.zero: each use pairs up): rejected
-                res = None
-        if res is not None:
-            cost = plan_cost(res)
-            if accept(res.fits, cost, cur_fits, cur_cost, beta, rng):
-                current, cur_cost, cur_fits = proposal, cost, res.fits
+            res, cost = score(proposal)
+            if res is not None and accept(res.fits, cost, me.fits, me.cost, b, rng):
+                me.plan, me.cost, me.fits = proposal, cost, res.fits
                 stats.accepted += 1
                 stats.block_accepted += block
-                if consider(stats, current, res, cost, started):
-                    gain_n, gain_t = n, time.perf_counter() - t0
-        if reset_every and n % reset_every == 0 and stats.best is not None:
-            current, cur_cost, cur_fits = stats.best, stats.best_cost, stats.best_result.fits
+        else:
+            n += 1
+            stats.proposals += 1
+        walked += 1
+        cold += turn == len(chain) - 1
+        if reset_every and turn == len(chain) - 1 and cold % reset_every == 0 and stats.best is not None:
+            me.plan, me.cost, me.fits = stats.best, stats.best_cost, stats.best_result.fits
+        if len(chain) > 1 and walked >= SWEEP:
+            walked, turn = 0, (turn + 1) % len(chain)
+            if turn == 0:  # a round over: adjacent replicas exchange plans
+                exchange(chain, [annealed(beta, used) * x for x in ladder], rng)
         if on_step:
-            on_step(stats, cur_cost)
+            on_step(stats, me.cost)
     return stats
+
+
+def pilot_beta(worse: list[float], cost: float) -> float:
+    """β₀ from the pilot's cost increases (ms): ln 2 / their median, so that a median-worse
+    proposal is accepted with probability 1/2; BETA_C / ``cost`` where none was worse."""
+    return math.log(2) / statistics.median(worse) if worse else BETA_C / max(cost, 1e-9)
+
+
+def annealed(beta: float, used: float) -> float:
+    """β after the fraction ``used`` of the budget: β · ANNEAL^used (geometric annealing)."""
+    return beta * ANNEAL ** used
+
+
+def exchange(chain: list, betas: list[float], rng: random.Random) -> None:
+    """Parallel tempering's swap of the adjacent pairs (i, i+1), the even or the odd ones
+    (drawn): each accepted with probability min(1, exp((β_i − β_j)(c_i − c_j))) on ``plan_cost``."""
+    for i in range(rng.randrange(2), len(chain) - 1, 2):
+        a, b = chain[i], chain[i + 1]
+        x = (betas[i] - betas[i + 1]) * (a.cost - b.cost)
+        if x >= 0 or rng.random() < math.exp(x):
+            chain[i], chain[i + 1] = b, a
 
 
 def accept(fits: bool, cost: float, cur_fits: bool, cur_cost: float, beta: float, rng: random.Random) -> bool:

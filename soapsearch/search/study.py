@@ -49,7 +49,7 @@ from strategies.serialize import strategy_to_json
 
 __all__ = ["StudyResult", "TrialRecord", "open_storage", "study_search"]
 
-INITS = ("data_parallel", "hybrid", "owt", "model_parallel", "pipeline", "random", "zero1", "fsdp")
+INITS = ("data_parallel", "hybrid", "owt", "model_parallel", "pipeline", "random", "zero1", "fsdp", "single_device")
 MICROBATCHES = (1, 2, 4, 8)
 SCHEDULES = ("gpipe", "1f1b")
 BETA_SCALE = (0.1, 10.0)
@@ -285,7 +285,7 @@ def study_search(graph: OpGraph, *, topology: Topology | str = DEFAULT_TOPOLOGY,
         study.optimize(objective, n_trials=trials, timeout=budget_s, gc_after_trial=False)
     finally:
         optuna.logging.set_verbosity(verbosity)
-    return _result(study, objective, graph, topo, results, done, started)
+    return _result(study, objective, graph, topo, results, done, started, plans)
 
 
 def _check_same_problem(study: optuna.Study, graph: OpGraph, topo: Topology) -> None:
@@ -302,12 +302,19 @@ def _check_same_problem(study: optuna.Study, graph: OpGraph, topo: Topology) -> 
 
 
 def _result(study: optuna.Study, objective: _Trials, graph: OpGraph, topo: Topology,
-            results: dict[str, SimResult], done_before: int, started: float) -> StudyResult:
+            results: dict[str, SimResult], done_before: int, started: float,
+            plans: dict[str, Strategy] | None = None) -> StudyResult:
+    """The best complete trial, or a scored baseline where one ranks before it (a study stopped
+    before its enqueued baselines all ran is never worse than any of them)."""
     complete = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
     if not complete:
         raise RuntimeError(f"study {study.study_name!r} has no complete trial")
     best = min(complete, key=lambda t: (rank(t.user_attrs.get("fits", True), t.value), t.number))
     plan = objective.plans.get(best.number) or load_strategy(best.user_attrs["plan"], graph)
+    expert = min(results, key=lambda k: rank(results[k].fits, plan_cost(results[k])), default=None)
+    if expert is not None and plans and rank(results[expert].fits, plan_cost(results[expert])) < rank(
+            best.user_attrs.get("fits", True), best.value):
+        plan = plans[expert]
     result = objective.evaluator(plan.num_devices)(plan, summary=True)
     records = [TrialRecord(t.number, dict(t.params), t.value, t.user_attrs.get("iteration_ms"),
                            t.user_attrs.get("proposals", 0), t.user_attrs.get("baseline"))

@@ -40,6 +40,9 @@ def test_budget_rules(seconds, proposals, message):
     (dict(schedule="zigzag"), r"search schedule = 'zigzag'"),
     (dict(chains=0), r"search chains = 0"),
     (dict(workers=0), r"search workers = 0"),
+    (dict(replicas=0), r"^search replicas = 0: must be a whole number >= 1$"),
+    (dict(exhaustive_limit=-1), r"^search exhaustive_limit = -1: must be a whole number >= 0$"),
+    (dict(exhaustive_limit=1.5), r"^search exhaustive_limit = 1.5: must be a whole number >= 0$"),
 ])
 def test_search_arguments_are_checked(kw, message):
     with pytest.raises(ValueError, match=message):
@@ -52,8 +55,13 @@ def test_init_that_does_not_match_the_search(tmp_path):
     save_strategy(two, baseline("data_parallel", g, 2), g)
     with pytest.raises(PlanError, match=r"dp2.json: num_devices = 2: the search uses 4 devices"):
         search(g, topology="local-cpu-4", budget_s=None, proposals=10, init=(str(two),))
-    with pytest.raises(PlanError, match=r"dp2.json: microbatches = 1: the search's chains run 2 micro-batch"):
-        search(g, topology="p100-1x2", budget_s=None, proposals=10, init=(str(two),), microbatches=2)
+    # a plan carries its micro-batches (its chain runs them), but each op must take its count
+    four = baseline("data_parallel", g, 2).with_microbatches(4)
+    with pytest.raises(PlanError, match=r"init: op 'inputs': degrees = \[2, 1\]: degree 2 on dim "
+                       r"'sample'\(4 / 4 micro-batches = 1\) does not divide it"):
+        search(g, topology="p100-1x2", budget_s=None, proposals=10, init=(four,))
+    assert search(g, topology="p100-1x2", budget_s=None, proposals=10, init=(str(two),), microbatches=2,
+                  microbatch_move=0).strategy.microbatches == 1
     # a baseline this graph cannot take: its own reason, not "must be a baseline name"
     with pytest.raises(PlanError, match=r"num_devices = 3: batch 4 is not divisible by 3 devices"):
         search(g, topology="local-cpu-4", budget_s=None, proposals=10, num_devices=3, init=("owt",))

@@ -8,7 +8,7 @@ from strategies import load_strategy
 from tests.conftest import traced
 
 TOPO = "p100-1x4"
-BASELINE_ORDER = ["data_parallel", "model_parallel", "owt", "zero1", "fsdp", "megatron", "pipeline"]
+BASELINE_ORDER = ["data_parallel", "model_parallel", "owt", "zero1", "fsdp", "single_device", "megatron", "pipeline"]
 """The mlp's Linear → ReLU → Linear blocks make megatron one of its baselines; zero1 and fsdp are
 data parallel with its state sharded."""
 
