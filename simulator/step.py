@@ -20,7 +20,6 @@ from simulator.taskgraph import TaskGraph, TaskKind
 from simulator.topology import Topology
 from strategies.config import format_devices
 from strategies.lowering import BucketKey, Lowered, ReductionGroup, bucket_sums, loss_on_every_device
-from strategies.overlap import bucket_order
 from strategies.zero import per_use_shards, shard_chunk_bytes, sharded_state, zero_buckets
 
 __all__ = ["COPY_TRAFFIC", "link_step", "member_ends", "UPDATE_TRAFFIC"]
@@ -57,7 +56,8 @@ def member_ends(add: Callable[..., int], edge: Callable[[int, int], None], topol
 
 def link_step(tg: TaskGraph, lowered: Lowered, topology: Topology,
               step_sums: list[tuple[int, list[tuple[ReductionGroup, list[int], bool]]]], last: dict[int, list[int]],
-              optimizer: str, traffic: float, issued: dict[tuple[BucketKey, int], tuple[int, int | None]]) -> None:
+              optimizer: str, traffic: float, order: list[BucketKey],
+              issued: dict[tuple[BucketKey, int], tuple[int, int | None]]) -> None:
     """The end of the step as the executor runs it (``runtime.Executor.step``). The loss sums
     gated STEP (``step_sums``: per block with such sums, its first id and its sums with their members'
     forward tasks and whether the divisor needs the data) travel in the gradient bucket of
@@ -67,7 +67,7 @@ def link_step(tg: TaskGraph, lowered: Lowered, topology: Topology,
     one flat tensor on each member (``_copy_time``) right after the backward step that
     ``strategies.overlap.bucket_issues`` names there and before the next (``issued``: (bucket,
     device) -> that step's end task, the next step's first task or None), so its all-reduce (level 1: reduce-scatter) overlaps the rest of the
-    backward on the links it shares with its traffic, in ``bucket_order``; a member copies the
+    backward on the links it shares with its traffic, in ``order`` (``bucket_order``); a member copies the
     sums back after it (level 0). Each device, after its last backward step and the sends after
     it (``last``), its buckets and its STEP sums (it divides its gradients by a dynamic C after
     the sync), runs its optimizer update; and, when the loss is not on every device in every micro-batch,
@@ -98,7 +98,7 @@ def link_step(tg: TaskGraph, lowered: Lowered, topology: Topology,
     buckets = lowered.gradient_sync.buckets
     sharded = zero_buckets(lowered)
     synced = {d: last[d] + later[d] for d in last}
-    for key in bucket_order(lowered):  # levels 0 and 1 (2 and 3: reduce-scattered per use, simulator.zero3)
+    for key in order:  # levels 0 and 1 (2 and 3: reduce-scattered per use, simulator.zero3)
         devs = key.devices
         links = tuple(n + l for l in ring_links(topology, devs))
         zb = sharded.get(key)

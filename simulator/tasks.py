@@ -48,7 +48,7 @@ from simulator.topology import Topology
 from strategies.graph import OpGraph, OpNode
 from strategies.lowered import Gate
 from strategies.lowering import WEIGHT_KINDS, Lowered, OpPieces, ReductionGroup, Transfer
-from strategies.overlap import bucket_issues
+from strategies.overlap import bucket_plan
 from strategies.rules import get_rule
 from strategies.schedule import Step, passes, warmups
 
@@ -363,22 +363,24 @@ def build_tasks(lowered: Lowered, topology: Topology, cost: CostModel, optimizer
     for d, ends in scattered.items():  # the update waits on the gradients' reduce-scatters
         last[d] += ends
     step_sums = [(int(first[i]), blocks[i].step_reductions) for i in joined.summing]
-    link_step(tg, lowered, topology, step_sums, last, optimizer, traffic, _bucket_ready(tg, lowered, blocks, first))
+    order, issues = bucket_plan(lowered)
+    link_step(tg, lowered, topology, step_sums, last, optimizer, traffic, order,
+              _bucket_ready(tg, lowered, blocks, first, issues))
     return tg
 
 
-def _bucket_ready(tg: TaskGraph, lowered: Lowered, blocks: list[_Block], first: np.ndarray
-                  ) -> dict[tuple, tuple[int, int | None]]:
+def _bucket_ready(tg: TaskGraph, lowered: Lowered, blocks: list[_Block], first: np.ndarray,
+                  issues: dict) -> dict[tuple, tuple[int, int | None]]:
     """(gradient bucket, member device) -> where its collective starts there: the end of the
-    backward step after which the member starts it (``strategies.overlap.bucket_issues``) and
+    backward step after which the member starts it (``issues``: ``strategies.overlap.bucket_issues``) and
     the first task of the device's next step, which waits on it (the executor starts it
     between the two), None after the device's last step."""
     position = {node.name: i for i, node in enumerate(lowered.graph)}
     order = tg.step_order
     ends = dict(zip(order.devices, order.last))
     out = {}
-    for d, issues in bucket_issues(lowered).items():
-        for key, step in issues:
+    for d, mine in issues.items():
+        for key, step in mine:
             i = position[step.op]
             k = next(k for k, p in enumerate(lowered.partitions[step.op][step.microbatch]) if p.index == step.index)
             at = int(np.flatnonzero(order.tasks == int(first[i]) + blocks[i].fwd[step.microbatch][k] + 1)[0])

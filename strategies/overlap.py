@@ -28,10 +28,10 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from strategies.lowered import BucketKey, Lowered, bucket_key
+from strategies.lowered import BucketKey, Lowered
 from strategies.schedule import Step
 
-__all__ = ["BucketIssue", "bucket_order", "bucket_issues"]
+__all__ = ["BucketIssue", "bucket_order", "bucket_issues", "bucket_plan"]
 
 
 class BucketIssue(NamedTuple):
@@ -43,42 +43,53 @@ class BucketIssue(NamedTuple):
     after: Step
 
 
-def _first_ops(lowered: Lowered) -> dict[BucketKey, set[str]]:
-    ops: dict[BucketKey, set[str]] = {}
+def _bucket_ops(lowered: Lowered) -> tuple[dict[str, int], dict[BucketKey, set[str]]]:
+    """Each op's graph position, and the level-0 and level-1 buckets (``bucket_key``) with the
+    ops reading their shards."""
+    held: dict[tuple, list[tuple[str, ...]]] = {}
     for s in lowered.weight_shards:
-        key = bucket_key(s)
-        if key is not None and key.zero < 2:
-            ops.setdefault(key, set()).update(s.ops)
-    return ops
+        if s.trainable and len(s.devices) > 1 and s.zero < 2:
+            held.setdefault((s.devices, s.dtype, s.zero), []).append(s.ops)
+    ops = {BucketKey(*k): {o for names in v for o in names} for k, v in held.items()}
+    return {node.name: i for i, node in enumerate(lowered.graph)}, ops
+
+
+def _order(position: dict[str, int], ops: dict[BucketKey, set[str]]) -> list[BucketKey]:
+    first = {key: min(map(position.__getitem__, names)) for key, names in ops.items()}
+    return sorted(first, key=lambda k: (-first[k], k))
 
 
 def bucket_order(lowered: Lowered) -> list[BucketKey]:
     """The level-0 and level-1 gradient buckets in the one order every member issues them:
     the latest first graph position of their ops first, then by key."""
-    position = {node.name: i for i, node in enumerate(lowered.graph)}
-    first = {key: min(position[o] for o in ops) for key, ops in _first_ops(lowered).items()}
-    return sorted(first, key=lambda k: (-first[k], k))
+    return _order(*_bucket_ops(lowered))
 
 
 def bucket_issues(lowered: Lowered) -> dict[int, list[BucketIssue]]:
     """Device -> its buckets in ``bucket_order``, each with the step after which it starts."""
-    position = {node.name: i for i, node in enumerate(lowered.graph)}
-    ops = _first_ops(lowered)
+    return bucket_plan(lowered)[1]
+
+
+def bucket_plan(lowered: Lowered) -> tuple[list[BucketKey], dict[int, list[BucketIssue]]]:
+    """``bucket_order`` and ``bucket_issues`` at once."""
+    position, ops = _bucket_ops(lowered)
     last = lowered.strategy.microbatches - 1
     ready: dict[tuple[int, BucketKey], tuple[int, int, Step]] = {}  # forward position: earlier runs later
     for key, names in ops.items():
-        for op in names:
+        todo = set(key.devices)
+        for op in sorted(names, key=position.__getitem__):  # the first op with a partition on d is d's
             for k, p in enumerate(lowered.partitions[op][last]):
-                if p.device in key.devices:
-                    here = (position[op], k, Step(True, op, p.index, last))
-                    at = ready.get((p.device, key))
-                    if at is None or here < at:
-                        ready[(p.device, key)] = here
+                if p.device in todo:  # its first partition there
+                    todo.discard(p.device)
+                    ready[(p.device, key)] = (position[op], k, Step(True, op, p.index, last))
+            if not todo:
+                break
     out: dict[int, list[BucketIssue]] = {}
     issued: dict[int, tuple[int, int, Step]] = {}
-    for key in bucket_order(lowered):
+    order = _order(position, ops)
+    for key in order:
         for d in key.devices:
             here = ready[(d, key)]
             issued[d] = here if d not in issued or here < issued[d] else issued[d]
             out.setdefault(d, []).append(BucketIssue(key, issued[d][2]))
-    return out
+    return order, out

@@ -16,7 +16,7 @@ from simulator.presets import get_topology
 from simulator.simulate import simulate_plan
 from simulator.tasks import build_tasks
 from strategies.lowering import lower
-from strategies.overlap import BucketIssue, bucket_issues, bucket_order
+from strategies.overlap import BucketIssue, bucket_issues, bucket_order, bucket_plan
 from strategies.schedule import Step
 from tests.conftest import traced
 from tests.executor.plans import make_plan
@@ -49,9 +49,10 @@ def test_the_bucket_waits_on_its_ops_backward_only():
 
 
 def _step_end(lowered):
-    """Every bucket started after the device's last weighted backward step (no overlap)."""
-    issues = bucket_issues(lowered)
-    return {d: [BucketIssue(i.key, steps[-1].after) for i in steps] for d, steps in issues.items()}
+    """``bucket_plan`` with every bucket started after the device's last weighted backward step
+    (no overlap)."""
+    order, issues = bucket_plan(lowered)
+    return order, {d: [BucketIssue(i.key, steps[-1].after) for i in steps] for d, steps in issues.items()}
 
 
 @pytest.mark.parametrize("topology", ["k80-16x4", "p100-4x4"])
@@ -64,6 +65,6 @@ def test_overlap_shortens_the_iteration(monkeypatch, topology):
     last = times[("bwd layers_0[0]@mb0", 0)]
     assert allreduce[0] < last[0]  # started before the last weighted backward step
     assert reduce_scatter[0] >= last[1]
-    monkeypatch.setattr(tasks, "bucket_issues", _step_end)
+    monkeypatch.setattr(tasks, "bucket_plan", _step_end)
     serial = simulate_plan(g, plan, topology).iteration_time
     assert got.iteration_time < serial
