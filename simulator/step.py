@@ -1,13 +1,14 @@
-"""The end of a training step as the executor runs it (``runtime.Executor.step``), after each
-device's last backward step: the loss sums it waits on, the gradient sync (one all-reduce per
-device set holding replicated trainable shards, DDP-style buckets, each packed into one tensor
-and copied back; a level-1 bucket, ``strategies.zero``, reduce-scattered instead; levels 2
-and 3 were reduce-scattered per use, ``simulator.zero3``), the loss value's all-reduce when not
-every device knows it (overlapping the update), the optimizer update (of the chunks of sharded
-state only), and the all-gathers of the updated level-1 and level-2 chunks. Every collective is followed, on each
-member device, by that device's ``collective_overhead`` of host work (``member_ends``); the step
-end's are recorded in ``TaskGraph.syncs``, whose overheads ``simulator.stragglers`` scales by
-how many members arrive together."""
+"""The end of a training step as the executor runs it (``runtime.Executor.step``): the loss
+sums it waits on, the gradient sync (one all-reduce per device set holding replicated trainable
+shards, DDP-style buckets, each packed into one tensor, started as soon as its gradients are
+final on a member (``strategies.overlap``), overlapping the rest of the backward, and copied
+back; a level-1 bucket, ``strategies.zero``, reduce-scattered instead; levels 2 and 3 were
+reduce-scattered per use, ``simulator.zero3``), the loss value's all-reduce when not every
+device knows it (overlapping the update), the optimizer update (of the chunks of sharded state
+only), and the all-gathers of the updated level-1 and level-2 chunks. Every collective is
+followed, on each member device, by that device's ``collective_overhead`` of host work
+(``member_ends``); the step end's are recorded in ``TaskGraph.syncs``, whose overheads
+``simulator.stragglers`` scales by how many members arrive together."""
 
 from __future__ import annotations
 
@@ -55,27 +56,30 @@ def member_ends(add: Callable[..., int], edge: Callable[[int, int], None], topol
 
 def link_step(tg: TaskGraph, lowered: Lowered, topology: Topology,
               step_sums: list[tuple[int, list[tuple[ReductionGroup, list[int], bool]]]], last: dict[int, list[int]],
-              optimizer: str, traffic: float) -> None:
+              optimizer: str, traffic: float, order: list[BucketKey],
+              issued: dict[tuple[BucketKey, int], tuple[int, int | None]]) -> None:
     """The end of the step as the executor runs it (``runtime.Executor.step``). The loss sums
     gated STEP (``step_sums``: per block with such sums, its first id and its sums with their members'
     forward tasks and whether the divisor needs the data) travel in the gradient bucket of
     their device set where ``strategies.lowering.bucket_sums`` says so (their bytes added to
     it); the others are ring all-gathers of their own, started after the members' forwards.
-    Each device, after its last backward step and the sends after it (``last``), waits on its own-collective sums whose divisor
-    needs the data (it divides its gradients by C before the sync); all-reduces one DDP-style
-    bucket per (device set, dtype) holding replicated trainable shards (packed into one flat tensor
-    first and copied back after, ``_copy_time`` each); waits on its other STEP sums;
-    then its optimizer update; and, when the loss is not on every device in every micro-batch,
+    Each gradient bucket (one per device set, dtype and level, ``bucket_key``) is packed into
+    one flat tensor on each member (``_copy_time``) right after the backward step that
+    ``strategies.overlap.bucket_issues`` names there and before the next (``issued``: (bucket,
+    device) -> that step's end task, the next step's first task or None), so its all-reduce (level 1: reduce-scatter) overlaps the rest of the
+    backward on the links it shares with its traffic, in ``order`` (``bucket_order``); a member copies the
+    sums back after it (level 0). Each device, after its last backward step and the sends after
+    it (``last``), its buckets and its STEP sums (it divides its gradients by a dynamic C after
+    the sync), runs its optimizer update; and, when the loss is not on every device in every micro-batch,
     one all-reduce of the loss value (a float64) over every device, started when every device
     is that far and overlapping the updates (nothing in them reads it; the step ends when it
     has). Each collective here ends on each member with its ``member_ends``."""
     n = topology.num_devices
-    ready: dict[int, list[int]] = {d: list(last[d]) for d in last}  # what its gradient sync waits on
     later: dict[int, list[int]] = {d: [] for d in last}  # what only its update waits on
     rides = bucket_sums(lowered, [g for _, sums in step_sums for g, _, _ in sums]) if step_sums else {}
     riders: dict[BucketKey, list] = {}  # gradient bucket -> [bytes, forward tasks] of its sums
     for off, sums in step_sums:
-        for g, fwds, dynamic in sums:
+        for g, fwds, _ in sums:
             fwds = [off + f for f in fwds]
             if g in rides:
                 entry = riders.setdefault(rides[g], [0, []])
@@ -88,15 +92,13 @@ def link_step(tg: TaskGraph, lowered: Lowered, topology: Topology,
             for f in fwds:
                 tg.edge(f, r)
             for e, d in zip(member_ends(tg.add, tg.edge, topology, r, g.devices, label, TaskKind.REDUCE), g.devices):
-                (ready if dynamic else later)[d].append(e)
+                later[d].append(e)
     state = sharded_state(lowered)
     weight_bytes, tensors = state.updated, state.tensors
     buckets = lowered.gradient_sync.buckets
     sharded = zero_buckets(lowered)
-    synced = {d: ready[d] + later[d] for d in last}
-    for key in sorted(buckets):
-        if key.zero >= 2:  # reduce-scattered after each use (simulator.zero3)
-            continue
+    synced = {d: last[d] + later[d] for d in last}
+    for key in order:  # levels 0 and 1 (2 and 3: reduce-scattered per use, simulator.zero3)
         devs = key.devices
         links = tuple(n + l for l in ring_links(topology, devs))
         zb = sharded.get(key)
@@ -111,8 +113,10 @@ def link_step(tg: TaskGraph, lowered: Lowered, topology: Topology,
         for d in devs:
             pack = tg.add(f"pack {label} device {d}", TaskKind.ALLREDUCE, _copy_time(topology.devices[d], nbytes),
                           (d,), d)
-            for dep in ready[d]:
-                tg.edge(dep, pack)
+            after, before = issued[(key, d)]
+            tg.edge(after, pack)
+            if before is not None:  # run between two steps, as the executor does
+                tg.edge(pack, before)
             tg.edge(pack, ar)
             packs.append(pack)
         for d, e in zip(devs, _synced_ends(tg, topology, ar, devs, label, TaskKind.ALLREDUCE, list(zip(devs, packs)))):

@@ -11,8 +11,9 @@ also moves the other way) on the receiving device when that is set, and beside i
 the sending device where the link holds its sender's host (``Link.send_bandwidth``); the
 small sums op rules ask for, timed and ordered by what waits on each (``_add_reductions``); the
 end of the step as the executor runs it (``_link_step``) — the loss sums only the step waits
-on, one all-reduce per device set holding replicated trainable shards (a DDP-style bucket) once
-every device of the set has finished its backward pass, the loss value's all-reduce when not
+on, one all-reduce per device set holding replicated trainable shards (a DDP-style bucket),
+started on each member after the backward step that makes its gradients final there
+(``strategies.overlap``) and overlapping the rest of the backward, the loss value's all-reduce when not
 every device knows it, and one optimizer update per device.
 
 Delta simulation: the tasks of one op — its partitions, its reductions and the transfers into
@@ -47,6 +48,7 @@ from simulator.topology import Topology
 from strategies.graph import OpGraph, OpNode
 from strategies.lowered import Gate
 from strategies.lowering import WEIGHT_KINDS, Lowered, OpPieces, ReductionGroup, Transfer
+from strategies.overlap import bucket_plan
 from strategies.rules import get_rule
 from strategies.schedule import Step, passes, warmups
 
@@ -361,8 +363,30 @@ def build_tasks(lowered: Lowered, topology: Topology, cost: CostModel, optimizer
     for d, ends in scattered.items():  # the update waits on the gradients' reduce-scatters
         last[d] += ends
     step_sums = [(int(first[i]), blocks[i].step_reductions) for i in joined.summing]
-    link_step(tg, lowered, topology, step_sums, last, optimizer, traffic)
+    order, issues = bucket_plan(lowered)
+    link_step(tg, lowered, topology, step_sums, last, optimizer, traffic, order,
+              _bucket_ready(tg, lowered, blocks, first, issues))
     return tg
+
+
+def _bucket_ready(tg: TaskGraph, lowered: Lowered, blocks: list[_Block], first: np.ndarray,
+                  issues: dict) -> dict[tuple, tuple[int, int | None]]:
+    """(gradient bucket, member device) -> where its collective starts there: the end of the
+    backward step after which the member starts it (``issues``: ``strategies.overlap.bucket_issues``) and
+    the first task of the device's next step, which waits on it (the executor starts it
+    between the two), None after the device's last step."""
+    position = {node.name: i for i, node in enumerate(lowered.graph)}
+    order = tg.step_order
+    ends = dict(zip(order.devices, order.last))
+    out = {}
+    for d, mine in issues.items():
+        for key, step in mine:
+            i = position[step.op]
+            k = next(k for k, p in enumerate(lowered.partitions[step.op][step.microbatch]) if p.index == step.index)
+            at = int(np.flatnonzero(order.tasks == int(first[i]) + blocks[i].fwd[step.microbatch][k] + 1)[0])
+            after = int(first[i]) + blocks[i].bwd_done[step.microbatch][k]
+            out[(key, d)] = (after, int(order.tasks[at + 1]) if at < ends[d] else None)
+    return out
 
 
 def _blocks(lowered: Lowered, topology: Topology, cost: CostModel, cache: TaskCache) -> list[_Block]:

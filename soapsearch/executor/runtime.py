@@ -28,8 +28,8 @@ what waits for that sum is what its reduction's gates say (``strategies.lowering
 - ``Gate.STEP``, static C: the seed is 1/m; nothing waits but the reported loss.
 - ``Gate.STEP``, dynamic C (m = 1, a loss partition on every rank): the seed is 1/m, and every local
   gradient is divided by C (every gradient is linear in the seeds, and every seed was C times
-  too large): before the gradient sync when the sum has its own collective, after it when the
-  sum rides a bucket (1/C·Σ_r g_r = Σ_r g_r/C), shards in no bucket included.
+  too large): after the gradient sync (1/C·Σ_r g_r = Σ_r g_r/C: the buckets start before C
+  is known), shards in no bucket included.
 - ``Gate.BACKWARD``: the partition's backward step of micro-batch j waits for the sum; seed 1/(m·C_j).
 - a partition alone (no group) knows C_j itself; seed 1/(m·C_j).
 
@@ -57,6 +57,7 @@ from soapsearch.executor.recipe import ROOT, SKIP, Piece, Recipe, Slot, receives
 from soapsearch.executor.shards import LocalWeights
 from strategies.graph import OpGraph
 from strategies.lowering import WEIGHT_KINDS, BucketKey, Gate, loss_on_every_device, lower
+from strategies.overlap import bucket_issues, bucket_order
 from strategies.rules import get_rule
 from strategies.rules.base import no_reduce
 from strategies.rules.cross_entropy import LOCAL, ClassShards
@@ -112,6 +113,9 @@ class Executor:
         low = self.lowered
         self.groups = ProcessGroups([r.devices for r in low.reductions] + [c.devices for c in low.collectives]
                                     + [s.devices for s in low.weight_shards if s.trainable], world)
+        self.bucket_groups = ProcessGroups([k.devices for k in bucket_order(low)], world)
+        """The gradient buckets' own groups: started mid-backward, their collectives never
+        share a group with the backward's collectives (each group needs one order on every member)."""
         self.weights = LocalWeights(low, state, self.rank, self.device)
         params = self.weights.parameters()
         self.optimizer = make_optimizer(params, config) if params else None
@@ -130,6 +134,11 @@ class Executor:
                     self.collective_readers.setdefault(s.collective, []).append((r.id, i))
         self.by_key = by_key = {(r.part.op, r.part.index, r.part.microbatch): r for r in self.recipes}
         self.steps = [(s.backward, by_key[(s.op, s.index, s.microbatch)]) for s in order]
+        at = {s: i for i, s in enumerate(order)}
+        self.issues: dict[int, list[BucketKey]] = {}
+        """Step position -> the gradient buckets started right after it (``strategies.overlap``)."""
+        for issue in bucket_issues(low).get(self.rank, ()):
+            self.issues.setdefault(at[issue.after], []).append(issue.key)
         self.ahead = receives_ahead(self.steps)
         self.compute = [self._compute(r, self.groups.group(r.group) if r.group else None,
                                       class_shards(self.groups.group(r.classes)) if r.classes else LOCAL)
@@ -170,7 +179,7 @@ class Executor:
                 self.optimizer.zero_grad(set_to_none=True)
             clock, events, rank = time.perf_counter, self.events if self.trace else None, self.rank
             p2p, device = self.p2p, self.device
-            for (backward, r), ahead in zip(self.steps, self.ahead):
+            for position, ((backward, r), ahead) in enumerate(zip(self.steps, self.ahead)):
                 t0 = clock() if events is not None else 0.0
                 for a in ahead:
                     p2p.post(a.shape, a.dtype, device, a.peer, a.transfer, a.backward)
@@ -206,8 +215,15 @@ class Executor:
                     events.append({"name": r.backward_name if backward else r.forward_name, "ph": "X",
                                    "cat": "backward" if backward else "forward", "pid": rank, "tid": 0,
                                    "ts": t0 * 1e6, "dur": (clock() - t0) * 1e6})
+                for key in self.issues.get(position, ()):
+                    t0 = clock()
+                    self.weights.start_bucket(key, self.bucket_groups,
+                                              [p.terms for p in self._riders().get(key, ())])
+                    if events is not None:
+                        events.append({"name": "gradient sync start", "ph": "X", "cat": "gradient sync",
+                                       "pid": rank, "tid": 0, "ts": t0 * 1e6, "dur": (clock() - t0) * 1e6,
+                                       "args": {"devices": list(key.devices), "dtype": key.dtype, "zero": key.zero}})
             t0 = clock()
-            self._divide_grads(riding=False)
             self._sync_grads()
             finite = self.scaler.unscale(self.weights.parameters()) if self.scaler is not None else True
             t1 = clock()
@@ -216,7 +232,7 @@ class Executor:
             t2 = clock()
             if update and self.optimizer is not None and finite:  # fp16: a step with inf/nan is skipped
                 self.optimizer.step()
-                self.weights.gather_chunks(self.groups)  # sharded buckets (ZeRO): the updated chunks
+                self.weights.gather_chunks(self.bucket_groups)  # sharded buckets (ZeRO): the updated chunks
             if update and self.scaler is not None:
                 self.scaler.update(finite)
             t3 = clock()
@@ -230,34 +246,40 @@ class Executor:
         finally:
             self._clear()
 
-    def _divide_grads(self, riding: bool) -> None:
+    def _divide_grads(self) -> None:
         """STEP with a dynamic C (m = 1, every rank a loss partition): wait for the loss's sum
-        and divide every local gradient by C = Σ c_p (the seed was 1/m, not 1/(m·C)); only
-        the sums that ride a bucket (``riding``, after the sync) or only the others (before)."""
+        and divide every local gradient by C = Σ c_p (the seed was 1/m, not 1/(m·C)), after the
+        gradient sync (1/C·Σ_r g_r = Σ_r g_r/C: the buckets start before C is known)."""
         for r, pending in self.sums.values():
             ls = r.loss_sum
-            if ls.count is None and ls.gates is Gate.STEP and (ls.bucket is not None) == riding:
+            if ls.count is None and ls.gates is Gate.STEP:
                 count = pending.wait()[1]
                 for t in self.weights.grad_holders():
                     if t.grad is not None:
                         t.grad.div_(count)
 
-    def _sync_grads(self) -> None:
-        """The gradient sync (``LocalWeights.sync_grads``) carrying the loss sums that ride a
-        bucket, appended in (op, micro-batch) order (every member of a bucket holds one
-        partition of each such sum: its devices are the bucket's), then the division by their
-        dynamic C."""
+    def _riders(self) -> dict[BucketKey, list[BucketSum]]:
+        """The loss sums that ride a bucket, in (op, micro-batch) order (every member of a
+        bucket holds one partition of each such sum: its devices are the bucket's); all known
+        once this rank's forwards have run, before its last backward pass."""
         riding = sorted((r.part.op, r.part.microbatch, r.id) for r, p in self.sums.values()
                         if isinstance(p, BucketSum))
         riders: dict[BucketKey, list[BucketSum]] = {}
         for _, _, i in riding:
             r, pending = self.sums[i]
             riders.setdefault(r.loss_sum.bucket, []).append(pending)
-        sums = self.weights.sync_grads(self.groups, {k: [p.terms for p in ps] for k, ps in riders.items()})
+        return riders
+
+    def _sync_grads(self) -> None:
+        """The gradient sync (``LocalWeights.sync_grads``): the buckets not started yet
+        started with their riding loss sums, every bucket waited, then the division by a
+        dynamic C."""
+        riders = self._riders()
+        sums = self.weights.sync_grads(self.bucket_groups, {k: [p.terms for p in ps] for k, ps in riders.items()})
         for key, pendings in riders.items():
             for pending, total in zip(pendings, sums[key]):
                 pending.value = total
-        self._divide_grads(riding=True)
+        self._divide_grads()
 
     def _step_loss(self) -> Callable[[], float]:
         """Σ_j S_j / C_j of the micro-batches this rank counts (float64: each term is exactly a

@@ -2,7 +2,8 @@
 the shard regions the lowering gives this device (``Lowered.weight_shards``), a leaf with
 ``requires_grad`` when trainable. Partitions read views of it, so autograd accumulates every
 partition's weight gradient into the one leaf; each replicated shard's gradient is then summed
-over exactly its devices (data-parallel gradient sync, restricted to the shard's replicas).
+over exactly its devices (data-parallel gradient sync, restricted to the shard's replicas), one flat tensor per gradient bucket, started as soon as the bucket's gradients are
+final (``strategies.overlap``) and waited at the step end.
 
 Level-1 buckets (``BucketKey.zero`` 1, ``strategies.zero``): the bucket's gradients are
 packed into one flat tensor and reduce-scattered; this rank keeps its chunk of the sum as the
@@ -23,6 +24,7 @@ import torch.distributed as dist
 from soapsearch.executor.comm import ProcessGroups, run_collective
 from soapsearch.executor.gathered import GatheredWeights
 from strategies.lowering import BucketKey, Lowered, bucket_key
+from strategies.overlap import bucket_order
 from strategies.region import Box, box_numel, index_in, shift_box, slice_box
 from strategies.zero import ZeroBucket, chunk_span, zero_buckets
 
@@ -56,6 +58,11 @@ class LocalWeights:
             t = full.detach()[slice_box(box)].to(device=device).clone()
             self.tensors[name] = t.requires_grad_(trainable[name] and t.is_floating_point())
         self.buckets = self._buckets()
+        self.order = [k for k in bucket_order(lowered) if rank in k.devices]
+        """The level-0 and level-1 buckets this rank is a member of, in the one order every
+        member starts them (``strategies.overlap.bucket_order``)."""
+        self.started: dict[BucketKey, tuple] = {}
+        """Bucket -> its collective in flight this step (``start_bucket``), until waited."""
         self.zero: dict[BucketKey, ZeroBucket] = {k: b for k, b in zero_buckets(lowered).items()
                                                    if rank in k.devices}
         """The sharded buckets this rank is a member of, in sorted key order."""
@@ -115,44 +122,61 @@ class LocalWeights:
                 buckets.setdefault(key, []).append((s.name, self.index(s.name, s.region)))
         return buckets
 
+    def start_bucket(self, key: BucketKey, groups: ProcessGroups, riders: Sequence[torch.Tensor] = ()) -> None:
+        """Start gradient bucket ``key``'s collective without waiting (``async_op``, as DDP's
+        buckets): its gradients packed into one flat tensor in the bucket's (compute) dtype,
+        FSDP2's reduce_dtype, all-reduced, or at level 1 reduce-scattered (this rank's chunk of
+        the sum is its chunk's gradient). Called once the bucket's gradients are final here
+        (``strategies.overlap.bucket_issues``), in ``bucket_order`` on every member. ``riders``
+        (small tensors in one order on every member: the STEP sums of
+        ``strategies.lowering.bucket_sums``) are appended to a level-0 bucket's flat tensor, so
+        one all-reduce sums both."""
+        for name, _ in self.buckets.get(key, ()):  # a leaf no partition here sent a gradient into
+            t = self.tensors[name]
+            if t.grad is None:
+                t.grad = torch.zeros_like(t)
+        dtype = getattr(torch, key.dtype)
+        if key in self.zero:
+            x = self._flat(key, grads=True).to(dtype)
+            out = x.new_empty(self.zero[key].chunk)
+            work = dist.reduce_scatter_tensor(out, x, op=dist.ReduceOp.SUM, group=groups.get(key.devices),
+                                              async_op=True)
+            self.started[key] = (work, out, x, [])  # x: kept alive until the work is waited
+            return
+        grads = [self.tensors[name].grad if index is None else self.tensors[name].grad[index]
+                 for name, index in self.buckets.get(key, ())]
+        flat = torch.cat([g.reshape(-1) for g in grads] + [t.reshape(-1) for t in riders]).to(dtype)
+        work = dist.all_reduce(flat, group=groups.get(key.devices), async_op=True)
+        self.started[key] = (work, flat, grads, list(riders))
+
     def sync_grads(self, groups: ProcessGroups,
                    riders: Mapping[BucketKey, Sequence[torch.Tensor]] | None = None,
                    ) -> dict[BucketKey, list[torch.Tensor]]:
-        """Sum each replicated trainable shard's gradient over its devices: one flat tensor
-        per gradient bucket (device set, dtype), as DDP buckets its gradients, reduced in sorted
-        order of the keys on every rank (one global order of collectives: no cycle can wait). ``riders``
-        (bucket key -> small tensors, in one order on every member: the STEP sums of
-        ``strategies.lowering.bucket_sums``) are appended to their bucket's flat tensor, so one
-        all-reduce sums both; returns their sums, key -> tensors in the order given."""
+        """Sum each replicated trainable shard's gradient over its devices: start every bucket
+        of this rank not started yet (``start_bucket``, in ``bucket_order``; ``riders``: key ->
+        its riding sums' terms) and wait for each, copying the sums back into the gradients
+        (level 1: keeping this rank's chunk as its chunk's gradient). Returns the riding sums,
+        key -> tensors in the order given."""
         riders = riders or {}
         self.fsdp.finish()
-        for name, t in self.tensors.items():
-            if t.requires_grad and t.grad is None and name not in self.fsdp.names:
-                t.grad = torch.zeros_like(t)
-        pending = []
-        for key in sorted(set(self.buckets) | set(riders)):
-            if key.zero >= 2:  # reduce-scattered after each use (``GatheredWeights``)
-                continue
-            if key in self.zero:  # reduce-scatter: this rank's chunk of the sum is its chunk's gradient
-                chunk = self.chunks[key]  # on the wire in the bucket's (compute) dtype, as the simulator charges
-                chunk.grad = run_collective("reduce_scatter", self._flat(key, grads=True).to(getattr(torch, key.dtype)),
-                                            groups.group(key.devices), 0).to(chunk.dtype)
-                continue
-            grads = [self.tensors[name].grad if index is None else self.tensors[name].grad[index]
-                     for name, index in self.buckets.get(key, ())]
-            extra = list(riders.get(key, ()))
-            flat = torch.cat([g.reshape(-1) for g in grads] + [t.reshape(-1) for t in extra])
-            # mixed precision: reduced in the bucket's (compute) dtype, FSDP2's reduce_dtype
-            flat = flat.to(getattr(torch, key.dtype))
-            work = dist.all_reduce(flat, group=groups.get(key.devices), async_op=True)
-            pending.append((key, work, flat, grads, extra))
+        for key in self.order:
+            if key not in self.started:
+                self.start_bucket(key, groups, riders.get(key, ()))
         sums = {}
-        for key, work, flat, grads, extra in pending:
+        for key in self.order:
+            work, flat, grads, extra = self.started.pop(key)
             work.wait()
+            if key in self.zero:
+                chunk = self.chunks[key]
+                chunk.grad = flat.to(chunk.dtype)
+                continue
             parts = flat.split([g.numel() for g in grads] + [t.numel() for t in extra])
             for g, summed in zip(grads, parts):
                 g.copy_(summed.view_as(g))
             sums[key] = [summed.view_as(t) for t, summed in zip(extra, parts[len(grads):])]
+        for name, t in self.tensors.items():  # shards in no bucket (held here only)
+            if t.requires_grad and t.grad is None and name not in self.fsdp.names:
+                t.grad = torch.zeros_like(t)
         for b in self.zero.values():  # their full gradients are not read again this step
             for s in b.shards:
                 self.tensors[s.name].grad = None

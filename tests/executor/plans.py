@@ -158,10 +158,16 @@ def make_plan(graph: OpGraph, name: str, n: int) -> Strategy:
     """The plan ``name`` for ``graph`` on ``n`` devices (``random<seed>``, ``random_mb<seed>``:
     a random config per op; the second with 2 GPipe micro-batches; ``<plan>+rc_<what>``:
     ``<plan>`` with recompute on ``recompute_ops(graph, what)``; ``zero<level>_<plan>``:
-    ``plan`` with every weighted op at that sharding level)."""
+    ``plan`` with every weighted op at that sharding level; ``first1_<plan>``: its first weighted
+    op at level 1, a gradient bucket of its own that starts after the others, ``strategies.overlap``)."""
     if "+rc_" in name:
         base, what = name.split("+rc_")
         return recompute(make_plan(graph, base, n), recompute_ops(graph, what))
+    if name.startswith("first1_"):  # <plan> with its first weighted op at level 1: a bucket of its own, started last
+        plan = make_plan(graph, name.removeprefix("first1_"), n)
+        first = next(node.name for node in graph if any(w.trainable for w in node.weights))
+        return Strategy.of({node.name: plan[node.name].with_memory(zero=1) if node.name == first else plan[node.name]
+                            for node in graph}, plan.num_devices, plan.microbatches, plan.schedule, plan.precision)
     if name.startswith("zero") and "_" in name:
         level, rest = name.removeprefix("zero").split("_", 1)
         return zero(int(level), make_plan(graph, rest, n), graph)

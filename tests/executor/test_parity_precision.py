@@ -121,16 +121,16 @@ def wire_cases(rank: int, world: int, port: int, cases: list[tuple], out_dir: st
             ex = Executor(built.graph, make_plan(built.graph, plan, world).with_precision(precision), built.state,
                           built.inputs, OPTIMIZERS["sgd"])
             got = {"forward": [], "backward": [], "collective": [], "bucket": []}
-            send, sync, syncing = ex.p2p.send, ex.weights.sync_grads, []
+            send, start, syncing = ex.p2p.send, ex.weights.start_bucket, []
 
             def record_send(t, dst, index, backward, send=send, got=got):
                 got["backward" if backward else "forward"].append((t.dtype, t.numel() * t.element_size()))
                 send(t, dst, index, backward)
 
-            def record_sync(*args, sync=sync, **kwargs):
+            def record_start(*args, start=start, **kwargs):  # a bucket's all-reduce starts here
                 syncing.append(True)
                 try:
-                    return sync(*args, **kwargs)
+                    return start(*args, **kwargs)
                 finally:
                     syncing.clear()
 
@@ -143,7 +143,7 @@ def wire_cases(rank: int, world: int, port: int, cases: list[tuple], out_dir: st
                 got["collective"].append((t.dtype, t.numel() * t.element_size()))
                 return run_collective(kind, t, group, dim)
 
-            ex.p2p.send, ex.weights.sync_grads = record_send, record_sync
+            ex.p2p.send, ex.weights.start_bucket = record_send, record_start
             dist.all_reduce, runtime.run_collective = record_all_reduce, record_collective
             try:
                 ex.step(seed=0)

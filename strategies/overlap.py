@@ -1,0 +1,95 @@
+"""When each gradient bucket's collective starts: as DDP (Li et al. 2020, section 3.2.3) and
+FSDP2 do, as soon as the gradients in it are final, overlapping the rest of the backward pass,
+and waited at the step end, before the update. The one rule the simulator times
+(``simulator.step``) and the executor runs (``runtime.Executor.step``).
+
+A bucket (``BucketKey``, level 0 all-reduced, level 1 reduce-scattered; levels 2 and 3 work
+per use, ``strategies.zero``) holds the gradients of weights read by its shards' ops. On a
+member device they are final after the last backward step of those ops' partitions there:
+every device's last pass is the backward of the last micro-batch (``schedule.passes``), which
+runs the device's forward steps in reverse, so that step is the backward, in the last
+micro-batch, of the partition among them that comes first in the device's forward order
+(graph order, then partition order). A partition whose autograd call is linked into a
+consumer's gives its gradient earlier, in the consumer's step: never later.
+
+torch.distributed requires one order of collectives on every member of a group, so buckets
+have one global order (``bucket_order``): the bucket whose ops start latest in graph order
+first (its gradients are ready first in a backward pass, DDP's reverse order of parameters),
+then by key. A member issues a bucket once it and every bucket of it before it in that order
+are ready (``bucket_issues``), so every member issues its buckets in that order.
+
+A loss sum riding a bucket (``strategies.lowering.bucket_sums``) appends its terms, known after
+the loss partitions' forwards, to the bucket's flat tensor: every forward of a device precedes
+its last backward pass, so the terms are known at the bucket's issue point: those buckets start
+by the same rule (the simulator's bucket task also waits on the sums' forward tasks).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from strategies.lowered import BucketKey, Lowered
+from strategies.schedule import Step
+
+__all__ = ["BucketIssue", "bucket_order", "bucket_issues", "bucket_plan"]
+
+
+class BucketIssue(NamedTuple):
+    """Bucket ``key``'s collective is started on a member device right after ``after``, that
+    device's backward step (in the last micro-batch) after which it and every bucket before it
+    in ``bucket_order`` are final there."""
+
+    key: BucketKey
+    after: Step
+
+
+def _bucket_ops(lowered: Lowered) -> tuple[dict[str, int], dict[BucketKey, set[str]]]:
+    """Each op's graph position, and the level-0 and level-1 buckets (``bucket_key``) with the
+    ops reading their shards."""
+    held: dict[tuple, list[tuple[str, ...]]] = {}
+    for s in lowered.weight_shards:
+        if s.trainable and len(s.devices) > 1 and s.zero < 2:
+            held.setdefault((s.devices, s.dtype, s.zero), []).append(s.ops)
+    ops = {BucketKey(*k): {o for names in v for o in names} for k, v in held.items()}
+    return {node.name: i for i, node in enumerate(lowered.graph)}, ops
+
+
+def _order(position: dict[str, int], ops: dict[BucketKey, set[str]]) -> list[BucketKey]:
+    first = {key: min(map(position.__getitem__, names)) for key, names in ops.items()}
+    return sorted(first, key=lambda k: (-first[k], k))
+
+
+def bucket_order(lowered: Lowered) -> list[BucketKey]:
+    """The level-0 and level-1 gradient buckets in the one order every member issues them:
+    the latest first graph position of their ops first, then by key."""
+    return _order(*_bucket_ops(lowered))
+
+
+def bucket_issues(lowered: Lowered) -> dict[int, list[BucketIssue]]:
+    """Device -> its buckets in ``bucket_order``, each with the step after which it starts."""
+    return bucket_plan(lowered)[1]
+
+
+def bucket_plan(lowered: Lowered) -> tuple[list[BucketKey], dict[int, list[BucketIssue]]]:
+    """``bucket_order`` and ``bucket_issues`` at once."""
+    position, ops = _bucket_ops(lowered)
+    last = lowered.strategy.microbatches - 1
+    ready: dict[tuple[int, BucketKey], tuple[int, int, Step]] = {}  # forward position: earlier runs later
+    for key, names in ops.items():
+        todo = set(key.devices)
+        for op in sorted(names, key=position.__getitem__):  # the first op with a partition on d is d's
+            for k, p in enumerate(lowered.partitions[op][last]):
+                if p.device in todo:  # its first partition there
+                    todo.discard(p.device)
+                    ready[(p.device, key)] = (position[op], k, Step(True, op, p.index, last))
+            if not todo:
+                break
+    out: dict[int, list[BucketIssue]] = {}
+    issued: dict[int, tuple[int, int, Step]] = {}
+    order = _order(position, ops)
+    for key in order:
+        for d in key.devices:
+            here = ready[(d, key)]
+            issued[d] = here if d not in issued or here < issued[d] else issued[d]
+            out.setdefault(d, []).append(BucketIssue(key, issued[d][2]))
+    return order, out

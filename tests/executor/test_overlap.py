@@ -1,0 +1,61 @@
+"""Gradient buckets started during the backward (``strategies.overlap``): a plan whose first
+weighted op is at sharding level 1 has two buckets on the same devices, the other ops' (level 0)
+ready after the second weighted op's backward, the first op's (level 1) after the last backward
+step. Parity with one device on 2 and 4 gloo processes (float64, SGD and Adam), and on 2
+processes the executor's trace shows the level-0 bucket's all-reduce started between the
+backward step that makes it final and the last backward step."""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from pathlib import Path
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from soapsearch.executor import Executor, build_model
+from tests.executor._worker import OPTIMIZERS
+from tests.executor.harness import free_port, parity_tests
+from tests.executor.plans import make_plan
+
+CASES_2 = [("mlp", "first1_dp"), ("mlp", "first1_dp_mb2"), ("mlp", "first1_dp+rc_mid")]
+CASES_4 = [("mlp", "first1_dp")]
+
+results2, results4, test_parity_2_processes, test_parity_4_processes = parity_tests(CASES_2, CASES_4)
+
+
+def _trace(rank: int, world: int, port: int, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    try:
+        built = build_model("mlp", "tiny", dtype="float64")
+        ex = Executor(built.graph, make_plan(built.graph, "first1_dp", world), built.state, built.inputs,
+                      OPTIMIZERS["sgd"], trace=True)
+        ex.step(seed=0)
+        torch.save(ex.events, Path(out_dir) / f"{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_bucket_starts_before_the_last_backward_step():
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(_trace, args=(2, free_port(), d), nprocs=2, join=True)
+        traces = [torch.load(Path(d) / f"{r}.pt") for r in range(2)]
+    for events in traces:
+        starts = [e for e in events if e["name"] == "gradient sync start"]
+        assert [e["args"]["zero"] for e in starts] == [0, 1]  # bucket_order: the later ops' first
+        backward = [e for e in events if e["cat"] == "backward"]
+        names = [e["name"] for e in backward]
+        second = max(i for i, n in enumerate(names) if "layers_2" in n)
+        first = names.index(next(n for n in names if "layers_0" in n))
+        level0, level1 = starts
+        assert backward[second]["ts"] + backward[second]["dur"] <= level0["ts"]  # its gradients final
+        assert level0["ts"] + level0["dur"] <= backward[first]["ts"]  # started before layers_0's backward
+        last = backward[first]  # the last backward step with a weight (the inputs' after it do nothing)
+        assert level1["ts"] >= last["ts"] + last["dur"]  # the level-1 bucket: after it
+        sync = next(e for e in events if e["name"] == "gradient sync")
+        assert sync["ts"] >= level1["ts"]  # waited at the step end
