@@ -42,6 +42,7 @@ def test_the_plans_drop_outputs(world, cases):
 
 
 results2, results4, test_parity_2_processes, test_parity_4_processes = parity_tests(CASES_2, CASES_4)
+test_parity_4_processes = pytest.mark.slow(test_parity_4_processes)  # the README's test command stays within CI's time; `pytest -m slow` runs them
 
 
 class Watched(Executor):

@@ -153,24 +153,29 @@ def test_cli_optuna_study_resumes_from_its_storage(tmp_path, capsys):
     assert second[0]["iteration_ms"] <= first[0]["iteration_ms"] <= min(first[0]["baselines"].values())
 
 
-def test_when_no_expert_plan_fits_gradient_accumulation_is_the_answer():
+def test_when_only_sharding_or_accumulation_fits_the_search_finds_a_fitting_plan():
     # gpt tiny on 2 devices: data parallel peaks at 168,584 B, with 2 micro-batches under 1F1B
-    # (one micro-batch's activations held at a time) at 134,472 B; 138,000 B a device fits it and
-    # none of the experts' plans (model parallel peaks at 140,352 B)
+    # (one micro-batch's activations held at a time) at 134,472 B, fsdp (ZeRO-3: weights,
+    # gradients and state halved) at 127,368 B; 138,000 B a device fits those two and none of the
+    # other experts' plans (model parallel peaks at 140,352 B)
     import dataclasses
 
+    from simulator.cost import get_cost_model
     from simulator.topology import Topology
     from soapsearch.executor import build_model
+    from soapsearch.search.api import Evaluator
 
     g = build_model("gpt", "tiny").graph
     base = get_topology("local-cpu-2")
     topo = Topology("small-memory", tuple(dataclasses.replace(d, memory_bytes=138_000) for d in base.devices),
                     base.links, base.routes)
     r = search(g, topology=topo, budget_s=None, proposals=2, seed=0)
-    assert not any(res.fits for res in r.baseline_results.values())
-    assert r.result.fits and (r.strategy.microbatches, r.strategy.schedule) == (2, "1f1b")
-    assert r.strategy.configs == baseline("data_parallel", g, 2).configs
-    assert max(r.result.peak_memory_bytes) == 134_472
+    assert {k for k, res in r.baseline_results.items() if res.fits} == {"fsdp"}
+    assert max(r.baseline_results["fsdp"].peak_memory_bytes) == 127_368
+    assert r.result.fits and r.predicted_ms <= r.baselines["fsdp"] * (1 + 1e-12)
+    accumulation = Evaluator(g, topo, get_cost_model("analytical"))(
+        baseline("data_parallel", g, 2).with_microbatches(2, "1f1b"))
+    assert accumulation.fits and max(accumulation.peak_memory_bytes) == 134_472
 
 
 def test_chains_side_by_side_find_what_they_find_in_turn():
