@@ -40,7 +40,7 @@ def test_plans_are_megatron_shaped(world, cases):
 results2, results4, test_parity_2_processes, test_parity_4_processes = parity_tests(CASES_2, CASES_4)
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_parity_hf_llama(world):
     pytest.importorskip("transformers")
     cases = HF_CASES[world]
