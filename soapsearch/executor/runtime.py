@@ -311,26 +311,12 @@ class Executor:
             out = self.batch[r.node.attrs["index"]][r.box]
         elif r.recompute:  # no autograd graph: nothing saved for backward (torch.utils.checkpoint)
             with torch.no_grad():
-                inputs = [self.weights.view(s.weight, s.index) if s is not None and s.weight is not None
-                          else self._gather(s) if s is not None else None for s in r.slots]
-                out = self.compute[r.id](inputs, {role: self.weights.view(name, index)
-                                                  for role, name, index in r.weights})
+                inputs, _ = self._inputs(r, leaves=False)
+                out = self._run(r, inputs)
             self.saved[r.id] = tuple(x if keep else None for x, keep in zip(inputs, r.keeps))
         else:
-            inputs: list[torch.Tensor | None] = []
-            leaves: list[torch.Tensor | None] = [None] * len(r.slots)
-            for i, s in enumerate(r.slots):
-                x = None
-                if s is not None and s.weight is not None:
-                    x = self.weights.view(s.weight, s.index)
-                elif s is not None:
-                    x = self._gather(s)
-                    if s.leaf:
-                        x = leaves[i] = x.requires_grad_()
-                inputs.append(x)
-            out = self.autocast.run(kind, self.compute[r.id], inputs,
-                                    {role: self.weights.view(name, index) for role, name, index in r.weights})
-            self.leaves[r.id] = leaves
+            inputs, self.leaves[r.id] = self._inputs(r)
+            out = self._run(r, inputs)
         self.outs[r.id] = out
         if r.loss and r.loss_sum is None:
             self.losses.append(out.detach())
@@ -347,21 +333,34 @@ class Executor:
         producers' kept outputs, or dropped ones recomputed at this step or an earlier one).
         Dropout draws the same masks (``dropout_generator``: a function of the step's seed and
         the op, not of a generator's state), so no RNG state needs saving."""
-        saved = self.saved.pop(r.id)
+        inputs, self.leaves[r.id] = self._inputs(r, self.saved.pop(r.id))
+        self.outs[r.id] = self._run(r, inputs)
+
+    def _inputs(self, r: Recipe, saved: Sequence[torch.Tensor | None] | None = None, leaves: bool = True
+                ) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
+        """(inputs, leaves) of ``r``'s partition: weight views, and each input slot's tensor
+        (``saved``'s where a recomputation kept it, else gathered), a leaf with
+        ``requires_grad`` where the slot cuts the autograd graph (``leaves``; a kept tensor
+        detached first)."""
         inputs: list[torch.Tensor | None] = []
-        leaves: list[torch.Tensor | None] = [None] * len(r.slots)
+        cut: list[torch.Tensor | None] = [None] * len(r.slots)
         for i, s in enumerate(r.slots):
             x = None
             if s is not None and s.weight is not None:
                 x = self.weights.view(s.weight, s.index)
             elif s is not None:
-                x = saved[i] if saved[i] is not None else self._gather(s)
-                if s.leaf:
-                    x = leaves[i] = x.detach().requires_grad_()
+                kept = saved[i] if saved is not None else None
+                x = kept if kept is not None else self._gather(s)
+                if leaves and s.leaf:
+                    x = cut[i] = (x.detach() if kept is not None else x).requires_grad_()
             inputs.append(x)
-        self.outs[r.id] = self.compute[r.id](inputs, {role: self.weights.view(name, index)
-                                                      for role, name, index in r.weights})
-        self.leaves[r.id] = leaves
+        return inputs, cut
+
+    def _run(self, r: Recipe, inputs: list[torch.Tensor | None]) -> torch.Tensor:
+        """``r``'s partition computed from ``inputs`` and its weight views, under the plan's
+        autocast (mixed precision; a plain call otherwise): the forward and a recomputation alike."""
+        return self.autocast.run(r.node.kind, self.compute[r.id], inputs,
+                                 {role: self.weights.view(name, index) for role, name, index in r.weights})
 
     def _compute(self, r: Recipe, group: Group | None, shards: ClassShards) -> Callable | None:
         """``(inputs, weights) -> output`` of ``r``'s partition: its op rule's forward with the
