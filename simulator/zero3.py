@@ -10,6 +10,9 @@ backward step, which its backward waits on (a reader op with recompute: two ther
 for the recomputation, which the executor runs with the weights gathered at the step where it
 recomputes the op, its own backward step or the one of the last op of its dropped chain,
 "Recompute").
+Each all-gather is issued ahead, as FSDP2 prefetches (``strategies.prefetch``): a member's call
+starts at the start of the previous step in its run order that all-gathers, and only the
+reader's step waits on it, so the gather runs beside the steps in between.
 A call is an arrival task of no duration in the member's schedule, as a lowering collective's
 (``simulator.collectives``). Built afresh for every task graph from the lowering, so delta
 simulation needs nothing more."""
@@ -25,6 +28,8 @@ from simulator.step import member_ends
 from simulator.taskgraph import INDEX, TaskGraph, TaskKind
 from simulator.topology import Topology
 from strategies.lowering import Lowered
+from strategies.prefetch import issue_positions
+from strategies.schedule import Step, device_order
 from strategies.zero import gather_groups
 
 __all__ = ["add_gathers"]
@@ -41,6 +46,7 @@ def add_gathers(tg: TaskGraph, lowered: Lowered, topology: Topology, blocks: Seq
     if not groups:
         return np.empty((2, 0), dtype=INDEX), ends
     n, arrivals = topology.num_devices, []
+    issue = _issue_tasks(lowered, groups, blocks, first, position) if any(u.zero == 3 for u in groups) else {}
     for j in range(lowered.strategy.microbatches):
         for u in groups:
             devs, names = u.devices, "+".join(s.name for s in u.shards)
@@ -56,7 +62,7 @@ def add_gathers(tg: TaskGraph, lowered: Lowered, topology: Topology, blocks: Seq
                 for d, k in zip(devs, u.partitions):
                     a = tg.add(f"call {label} device {d}", TaskKind.COLLECTIVE, 0.0, (), d)
                     tg.edge(a, ag)
-                    arrivals += (a, at + block.fwd[j][k] + int(backward))
+                    arrivals += (a, issue[(d, Step(backward, u.op, k, j))])
                 for e, k in zip(member_ends(tg.add, tg.edge, topology, ag, devs, label, TaskKind.COLLECTIVE),
                                 u.partitions):
                     tg.edge(e, at + block.fwd[j][k] + int(backward))
@@ -68,3 +74,18 @@ def add_gathers(tg: TaskGraph, lowered: Lowered, topology: Topology, blocks: Seq
             for d, e in zip(devs, member_ends(tg.add, tg.edge, topology, rs, devs, label, TaskKind.COLLECTIVE)):
                 ends.setdefault(d, []).append(e)
     return np.asarray(arrivals, dtype=INDEX).reshape(-1, 2).T, ends
+
+
+def _issue_tasks(lowered: Lowered, groups: Sequence, blocks: Sequence, first: np.ndarray,
+                 position: dict[str, int]) -> dict[tuple[int, Step], int]:
+    """(device, step) -> the first task of the step at whose start the level-3 all-gathers that
+    step reads are issued there (``strategies.prefetch.issue_positions``)."""
+    reads = {(d, op, k) for op, ks, devs in ((u.op, u.partitions, u.devices) for u in groups if u.zero == 3)
+             for d, k in zip(devs, ks)}
+    out = {}
+    for d, order in device_order(lowered).items():
+        starts = [int(first[position[s.op]]) + blocks[position[s.op]].fwd[s.microbatch][s.index] + int(s.backward)
+                  for s in order]
+        for s, p in zip(order, issue_positions([(d, s.op, s.index) in reads for s in order])):
+            out[(d, s)] = starts[p]
+    return out

@@ -203,10 +203,6 @@ class ShardedState(NamedTuple):
     gradients: tuple[int, ...]
     """Bytes of the gradients it keeps: whole at levels 0 and 1 (accumulated in the backward,
     reduce-scattered at the step end), a level-2 or level-3 shard's as its chunk."""
-    gathered: tuple[int, ...]
-    """Levels 2 and 3: the most one use (a reader partition, all its groups) holds besides: its
-    level-3 shards gathered and the full gradient of its level-2 and level-3 shards before their
-    reduce-scatter."""
 
 
 def sharded_state(lowered: Lowered) -> ShardedState:
@@ -216,7 +212,7 @@ def sharded_state(lowered: Lowered) -> ShardedState:
     buckets = zero_buckets(lowered)
     groups = gather_groups(lowered)
     if not buckets and not groups:
-        return ShardedState(trainable, tensors, (0,) * n, trainable, trainable, (0,) * n)
+        return ShardedState(trainable, tensors, (0,) * n, trainable, trainable)
     updated, weights, gradients, copies, count = list(trainable), list(trainable), list(trainable), [0] * n, list(tensors)
     leaves: set[tuple[int, str]] = set()
     for b in buckets.values():
@@ -239,12 +235,4 @@ def sharded_state(lowered: Lowered) -> ShardedState:
             leaves.add((d, s.name))
     for d, _ in leaves:
         count[d] -= 1
-    per_use: dict[tuple[int, str, int], int] = {}
-    for u in groups:  # a partition's groups are all gathered before its forward (or backward)
-        for d, k in zip(u.devices, u.partitions):
-            held = (2 if u.zero == 3 else 1) * u.nbytes
-            per_use[(d, u.op, k)] = per_use.get((d, u.op, k), 0) + held
-    gathered = [0] * n
-    for (d, _, _), b in per_use.items():
-        gathered[d] = max(gathered[d], b)
-    return ShardedState(*map(tuple, (updated, count, copies, weights, gradients, gathered)))
+    return ShardedState(*map(tuple, (updated, count, copies, weights, gradients)))

@@ -11,7 +11,9 @@ gathers it again before the backward. A use's shards on one device set are one g
 (``strategies.zero.GatherGroup``, FSDP2's ``FSDPParamGroup``): one all-gather of the
 concatenated chunks per phase, one reduce-scatter of the gradients laid out the same way. Calls
 go on process groups of their own, in each member's step order
-(``strategies.zero.gather_groups``), so they pair up with no other call."""
+(``strategies.zero.gather_groups``), so they pair up with no other call. A level-3 all-gather is
+started ahead (``start``, async, at the step ``strategies.prefetch`` names, FSDP2's prefetch)
+and waited in ``unshard`` right before its reader computes."""
 
 from __future__ import annotations
 
@@ -67,6 +69,8 @@ class GatheredWeights:
         self.busy: dict[str, int] = {}
         """Weight -> its shards gathered now (its leaf's storage is held while any is)."""
         self.pending: list[tuple[GatherGroup, object, torch.Tensor, torch.Tensor]] = []
+        self.inflight: list[tuple[GatherGroup, object, torch.Tensor]] = []
+        """Level-3 all-gathers started (``start``) and not yet waited, in start order."""
         for name in self.freed:
             self._free(name)
 
@@ -78,20 +82,43 @@ class GatheredWeights:
         leaf, index = self.tensors[s.name], self.index(s.name, s.region)
         return leaf.data if index is None else leaf.data[index]
 
-    def unshard(self, groups: Sequence[GatherGroup]) -> None:
-        """All-gather each level-3 group into its shards' leaves (their storage allocated again
-        where freed): one call of the members' concatenated chunks, n rows of Σ c_s, row i
-        holding member i's chunk of each shard in turn."""
+    def start(self, groups: Sequence[GatherGroup]) -> None:
+        """Start the all-gather of each level-3 group (async): one call of the members'
+        concatenated chunks, n rows of Σ c_s, row i holding member i's chunk of each shard in
+        turn; ``unshard`` waits it."""
         for u in groups:
             if u.zero != 3:
                 continue
+            mine = torch.cat([_wire(self.chunks[s].detach(), s) for s in u.shards])
+            pg = self.groups.get(u.devices)
+            out = mine.new_empty(len(u.devices) * mine.numel())
+            try:
+                work = dist.all_gather_into_tensor(out, mine, group=pg, async_op=True)
+            except (RuntimeError, NotImplementedError, ValueError):  # the backend has none: into a list
+                out = [torch.empty_like(mine) for _ in u.devices]
+                work = dist.all_gather(out, mine, group=pg, async_op=True)
+            self.inflight.append((u, work, out))
+
+    def unshard(self, groups: Sequence[GatherGroup]) -> None:
+        """Wait each level-3 group's all-gather (started now where ``start`` did not) and copy
+        it into its shards' leaves (their storage allocated again where freed)."""
+        for u in groups:
+            if u.zero != 3:
+                continue
+            at = next((i for i, f in enumerate(self.inflight) if f[0] == u), None)
+            if at is None:
+                self.start([u])
+                at = len(self.inflight) - 1
+            _, work, out = self.inflight.pop(at)
+            work.wait()
+            if isinstance(out, list):  # gathered into a list of rows
+                out = torch.cat(out)
             for s in u.shards:
                 leaf = self.tensors[s.name]
                 if not self.busy.get(s.name):
                     leaf.untyped_storage().resize_(leaf.numel() * leaf.element_size())
                 self.busy[s.name] = self.busy.get(s.name, 0) + 1
-            mine = torch.cat([_wire(self.chunks[s].detach(), s) for s in u.shards])
-            rows = run_collective("all_gather", mine, self.groups.group(u.devices), 0).view(len(u.devices), -1)
+            rows = out.view(len(u.devices), -1)
             for s, part in zip(u.shards, rows.split(u.chunks, dim=1)):
                 view = self._view(s)
                 view.copy_(part.reshape(-1)[:view.numel()].view_as(view))

@@ -58,6 +58,7 @@ from soapsearch.executor.shards import LocalWeights
 from strategies.graph import OpGraph
 from strategies.lowering import WEIGHT_KINDS, BucketKey, Gate, loss_on_every_device, lower
 from strategies.overlap import bucket_issues, bucket_order
+from strategies.prefetch import issued_at
 from strategies.rules import get_rule
 from strategies.rules.base import no_reduce
 from strategies.rules.cross_entropy import LOCAL, ClassShards
@@ -140,6 +141,9 @@ class Executor:
         for issue in bucket_issues(low).get(self.rank, ()):
             self.issues.setdefault(at[issue.after], []).append(issue.key)
         self.ahead = receives_ahead(self.steps)
+        self.prefetch = self._prefetch()
+        """Step position -> the level-3 groups whose all-gathers start at its start
+        (``strategies.prefetch``), in call order."""
         self.compute = [self._compute(r, self.groups.group(r.group) if r.group else None,
                                       class_shards(self.groups.group(r.classes)) if r.classes else LOCAL)
                         for r in self.recipes]
@@ -169,6 +173,17 @@ class Executor:
         """Recompute partition (recipe id) -> the inputs it keeps for its recomputation
         (``Recipe.keeps``: those received from other ranks), until it is recomputed."""
 
+    def _prefetch(self) -> list[list]:
+        """``self.prefetch``: each step's level-3 groups (its recomputations' first, then its
+        own) started at the step ``strategies.prefetch.issued_at`` names (one gathering step ahead)."""
+        uses = self.weights.fsdp.uses
+
+        def gathered(backward: bool, r: Recipe) -> list:
+            again = [self.recipes[i].part for i in r.regraphs] if backward else []
+            return [u for p in (*again, r.part) for u in uses.get((p.op, p.index), ()) if u.zero == 3]
+        each = [gathered(*step) for step in self.steps]
+        return [[u for q in qs for u in each[q]] for qs in issued_at([bool(g) for g in each])]
+
     # --- one step ---------------------------------------------------------------------------
     def step(self, seed: int = 0, update: bool = True) -> float:
         """One training iteration: every step of this rank's order, the gradient sync, the
@@ -184,6 +199,8 @@ class Executor:
                 for a in ahead:
                     p2p.post(a.shape, a.dtype, device, a.peer, a.transfer, a.backward)
                 try:
+                    if self.prefetch[position]:
+                        self.weights.fsdp.start(self.prefetch[position])
                     if backward:
                         for i in r.regraphs:  # recompute (docs/design.md, "Recompute")
                             again = self.recipes[i]  # its level-3 weights gathered for it (FSDP2 + checkpoint)
