@@ -15,6 +15,7 @@ from strategies import Strategy, data_parallel, enumerate_configs
 from strategies.config import ParallelConfig
 from strategies.errors import PlanError
 from strategies.lowering import lower, lower_reference
+from strategies.prefetch import gathered_bytes
 from strategies.zero import (chunk_numel, chunk_span, gather_groups, gather_uses, per_use_shards, shard_chunk_bytes,
                             sharded_state, zero_buckets)
 from tests.conftest import traced
@@ -48,7 +49,7 @@ def test_data_parallel_levels_and_buckets():
     assert b.numel * 4 == psi[0]
     ss = sharded_state(low)
     assert ss.updated == ss.copies == (b.chunk * 4,) * DEVICES and ss.tensors == (1,) * DEVICES
-    assert ss.weights == ss.gradients == psi and ss.gathered == (0,) * DEVICES
+    assert ss.weights == ss.gradients == psi and gathered_bytes(low) == (0,) * DEVICES
     assert low.device_bytes == base.device_bytes  # the weights themselves are held whole
     low = lower(g, zero(2, data_parallel(g, DEVICES), g))
     shards = per_use_shards(low)
@@ -60,7 +61,7 @@ def test_data_parallel_levels_and_buckets():
     per_op: dict[str, int] = {}
     for u in gather_uses(low):  # data parallel: each op's weights, whole, one use per device
         per_op[u.op] = per_op.get(u.op, 0) + u.shard.nbytes
-    assert ss.gathered == (max(per_op.values()),) * DEVICES
+    assert gathered_bytes(low) == (max(per_op.values()),) * DEVICES  # level 2 prefetches nothing
 
 
 def test_one_device_shards_are_level_0():
