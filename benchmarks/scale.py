@@ -47,7 +47,7 @@ def _plan(model: str, graph, kind: str, n: int):
     return recomputed(plan.with_microbatches(m, "1f1b"), graph).with_precision("bf16")
 
 
-def _row(model: str, kind: str, n: int, out) -> None:
+def _row(model: str, kind: str, n: int, out) -> None:  # out: the child's end of a Pipe
     """One full simulation, timed by phase (simulate_plan's phases, in its order)."""
     try:
         from _paper import paper_graph
@@ -80,24 +80,28 @@ def _row(model: str, kind: str, n: int, out) -> None:
             t3 = time.perf_counter()
             peak = max(m.total for m in memory_breakdown(lowered, "adam"))
             t4 = time.perf_counter()
-        out.put({"tasks": len(tg), "lower": t1 - t0, "build": t2 - t1, "events": t3 - t2,
+        out.send({"tasks": len(tg), "lower": t1 - t0, "build": t2 - t1, "events": t3 - t2,
                  "memory": t4 - t3, "total": t4 - t0, "iter_ms": float(end.max()) * 1e3,
                  "peak_gib": peak / 2**30, "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024})
     except (MemoryError, ValueError) as e:  # ValueError: a preset refused, a plan that does not apply
-        out.put({"error": f"{type(e).__name__}: {str(e).splitlines()[0][:90]}"})
+        out.send({"error": f"{type(e).__name__}: {str(e).splitlines()[0][:90]}"})
 
 
 def _run(model: str, kind: str, n: int, timeout: float) -> dict:
     ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    proc = ctx.Process(target=_row, args=(model, kind, n, out))
+    mine, theirs = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_row, args=(model, kind, n, theirs))
     proc.start()
-    proc.join(timeout)
-    if proc.is_alive():
+    theirs.close()
+    try:
+        got = mine.recv() if mine.poll(timeout) else None
+    except EOFError:  # the child died without a word
+        got = None
+    if got is None and proc.is_alive():
         proc.kill()
-        proc.join()
-        return {"error": f"past {timeout:.0f} s"}
-    return out.get() if not out.empty() else {"error": f"exit code {proc.exitcode}"}
+    proc.join()
+    return got if got is not None else {"error": f"past {timeout:.0f} s" if proc.exitcode == -9 else
+                                        f"exit code {proc.exitcode}"}
 
 
 def _exponent(points: list[tuple[int, float]]) -> float | None:

@@ -140,7 +140,7 @@ GPT3 = {"gpt3-1.3b": (1.3e9, 24, 2048, 16), "gpt3-6.7b": (6.7e9, 32, 4096, 32), 
         "gpt3-175b": (175.0e9, 96, 12288, 96)}
 
 
-@pytest.mark.parametrize("variant", GPT3)
+@pytest.mark.parametrize("variant", [pytest.param(v, marks=pytest.mark.slow) if v == "gpt3-175b" else v for v in GPT3])
 def test_gpt3_shapes_trace_on_meta(variant: str) -> None:
     from soapsearch import trace
 
