@@ -1,23 +1,28 @@
 """Homogeneous clusters: ``nodes`` machines of ``per_node`` copies of one device, joined inside
-a node by a mesh or a switch and between nodes by one NIC per node or per device. The named
+a node by a mesh or a switch and between nodes by one NIC per node or per device, or by a
+rail-optimised fabric. Routes follow a rule (``ClusterRoutes``), never a table per device pair,
+so a cluster of thousands of devices is cheap to build and hold. The named
 presets (``simulator.presets``) and the compact ``"cluster"`` JSON form
 (``simulator.topology_json``) are built from it."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from collections.abc import Iterator, Mapping
 from typing import NamedTuple
 
 from simulator.devices import DeviceSpec, Link
 from simulator.errors import field_error
 
-__all__ = ["INTRA_SHAPES", "INTER_SHAPES", "MAX_DEVICES", "ClusterParts", "Fabric", "cluster_parts"]
+__all__ = ["INTRA_SHAPES", "INTER_SHAPES", "MAX_DEVICES", "MAX_MESH", "ClusterParts", "ClusterRoutes", "Fabric",
+           "cluster_parts"]
 
 INTRA_SHAPES = ("mesh", "switch")
-INTER_SHAPES = ("node-nic", "device-nic")
-MAX_DEVICES = 512
-"""Largest cluster built: routes are stored per ordered device pair, n² entries, so the time
-and memory to build a topology grow with the square of its devices."""
+INTER_SHAPES = ("node-nic", "device-nic", "rail")
+MAX_DEVICES = 16384
+"""Largest cluster built (2,048 nodes of 8): links grow with the devices, routes are a rule."""
+MAX_MESH = 512
+"""Most devices in one mesh node: a mesh has a link per ordered pair, per_node² of them."""
 
 
 @dataclass(frozen=True)
@@ -27,7 +32,11 @@ class Fabric:
     shape: str
     """Inside a node: ``mesh`` (a direct link per ordered device pair: NVLink 1.0, shared memory) or
     ``switch`` (one up-link and one down-link per device: NVSwitch, a PCIe switch). Between nodes:
-    ``node-nic`` (one NIC per node, its devices share it) or ``device-nic`` (one NIC per device)."""
+    ``node-nic`` (one NIC per node, its devices share it), ``device-nic`` (one NIC per device, a
+    non-blocking fabric between them) or ``rail`` (rail-optimised: one NIC per device, the NIC of
+    each node's i-th device on rail i's leaf switch, NVIDIA DGX SuperPOD reference architecture; a
+    transfer to another rail first crosses the node to its device on the destination's rail, as
+    NCCL's PXN does, then that rail)."""
     kind: str
     """Link family: ``nvlink``, ``nvswitch``, ``pcie``, ``ib``, ``shm``."""
     latency: float
@@ -47,15 +56,61 @@ class ClusterParts(NamedTuple):
 
     devices: tuple[DeviceSpec, ...]
     links: tuple[Link, ...]
-    routes: dict[tuple[int, int], tuple[int, ...]]
+    routes: Mapping[tuple[int, int], tuple[int, ...]]
+
+
+class ClusterRoutes(Mapping):
+    """The routes of ``cluster_parts``'s cluster as a rule: ``(src, dst)`` -> link indices, for
+    every ordered pair of distinct devices, computed on lookup from each device's own links
+    (memory grows with the devices, not their pairs)."""
+
+    def __init__(self, per_node: int, n: int, mesh: dict[tuple[int, int], int] | None,
+                 up: tuple[int, ...], down: tuple[int, ...], nic_out: tuple[int, ...], nic_in: tuple[int, ...],
+                 nic_of: str) -> None:
+        self.per_node, self.n, self._mesh = per_node, n, mesh
+        self._up, self._down, self._out, self._in, self.nic_of = up, down, nic_out, nic_in, nic_of
+        self.key = (per_node, n, nic_of, mesh is not None)
+
+    def _intra(self, s: int, d: int) -> tuple[int, ...]:
+        return (self._mesh[s, d],) if self._mesh is not None else (self._up[s], self._down[d])
+
+    def __getitem__(self, key: tuple[int, int]) -> tuple[int, ...]:
+        s, d = key
+        if not (0 <= s < self.n and 0 <= d < self.n) or s == d:
+            raise KeyError(key)
+        p = self.per_node
+        if s // p == d // p:
+            return self._intra(s, d)
+        if self.nic_of == "node":
+            return (self._out[s // p], self._in[d // p])
+        if self.nic_of == "device" or s % p == d % p:
+            return (self._out[s], self._in[d])
+        via = s - s % p + d % p  # rail: to the source node's device on the destination's rail first
+        return (*self._intra(s, via), self._out[via], self._in[d])
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        return ((s, d) for s in range(self.n) for d in range(self.n) if s != d)
+
+    def __len__(self) -> int:
+        return self.n * (self.n - 1)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, ClusterRoutes):
+            return (self.key, self._mesh, self._up, self._down, self._out, self._in) == \
+                (other.key, other._mesh, other._up, other._down, other._out, other._in)
+        return Mapping.__eq__(self, other)
+
+    def __hash__(self) -> int:
+        return hash((self.key, self._up, self._out))
 
 
 def cluster_parts(name: str, device: DeviceSpec, nodes: int, per_node: int, intra: Fabric,
                   inter: Fabric | None = None) -> ClusterParts:
     """``nodes`` machines of ``per_node`` copies of ``device``. Inside a node a transfer crosses
     the mesh link ``src->dst``, or ``up:src`` then ``down:dst``; between nodes it crosses the
-    sender's NIC out-link then the receiver's NIC in-link (the node's NIC, or the device's own).
-    ``name`` names the cluster in errors."""
+    sender's NIC out-link then the receiver's NIC in-link (the node's NIC, or the device's own;
+    on a rail fabric to another rail, first the hop inside the source node to its device on the
+    destination's rail). ``name`` names the cluster in errors."""
     where = f"cluster {name!r}"
     for what, v in (("nodes", nodes), ("per_node", per_node)):
         if not isinstance(v, int) or v < 1:
@@ -66,38 +121,40 @@ def cluster_parts(name: str, device: DeviceSpec, nodes: int, per_node: int, intr
         raise field_error(where, "inter", None, "several nodes need an inter-node fabric")
     if inter is not None and inter.shape not in INTER_SHAPES:
         raise field_error(where, "inter.shape", inter.shape, f"must be one of {INTER_SHAPES}")
+    if nodes * per_node > MAX_DEVICES:
+        raise field_error(where, "nodes * per_node", nodes * per_node, f"at most {MAX_DEVICES} devices")
+    if intra.shape == "mesh" and per_node > MAX_MESH:
+        raise field_error(where, "per_node", per_node, f"a mesh node holds at most {MAX_MESH} devices "
+                          "(a link per ordered pair)")
     n = nodes * per_node
     devices = tuple(replace(device, node=d // per_node) for d in range(n))
     links: list[Link] = []
-    index: dict[str, int] = {}
 
-    def add(link_name: str, fabric: Fabric, hops: int) -> None:
-        index[link_name] = len(links)
+    def add(link_name: str, fabric: Fabric, hops: int) -> int:
         links.append(Link(link_name, fabric.kind, fabric.latency / hops, fabric.bandwidth, fabric.collective_bandwidth,
                           fabric.send_bandwidth, fabric.send_latency))
+        return len(links) - 1
 
     mesh, k = intra.shape == "mesh", intra.kind
+    pairs: dict[tuple[int, int], int] | None = {} if mesh else None
+    up: list[int] = []
+    down: list[int] = []
     if per_node > 1:
         for d in range(n):
             first = d - d % per_node
             for e in (range(first, first + per_node) if mesh else ()):
                 if e != d:
-                    add(f"{k}:{d}->{e}", intra, 1)
+                    pairs[d, e] = add(f"{k}:{d}->{e}", intra, 1)
             if not mesh:
-                add(f"{k}-up:{d}", intra, 2)
-                add(f"{k}-down:{d}", intra, 2)
-    per_device = inter is not None and inter.shape == "device-nic"
+                up.append(add(f"{k}-up:{d}", intra, 2))
+                down.append(add(f"{k}-down:{d}", intra, 2))
+    nic_of = "node" if inter is None or inter.shape == "node-nic" else "device" if inter.shape == "device-nic" else "rail"
+    out: list[int] = []
+    in_: list[int] = []
     if nodes > 1:
-        for owner in range(n if per_device else nodes):
-            tag = f"dev{owner}" if per_device else f"node{owner}"
-            add(f"nic-out:{tag}", inter, 2)
-            add(f"nic-in:{tag}", inter, 2)
-    routes: dict[tuple[int, int], tuple[int, ...]] = {}
-    for s in range(n):
-        for d in range(n):
-            if s != d and s // per_node == d // per_node:
-                routes[s, d] = (index[f"{k}:{s}->{d}"],) if mesh else (index[f"{k}-up:{s}"], index[f"{k}-down:{d}"])
-            elif s != d:
-                a, b = (f"dev{s}", f"dev{d}") if per_device else (f"node{s // per_node}", f"node{d // per_node}")
-                routes[s, d] = (index[f"nic-out:{a}"], index[f"nic-in:{b}"])
+        for owner in range(nodes if nic_of == "node" else n):
+            tag = f"node{owner}" if nic_of == "node" else f"dev{owner}"
+            out.append(add(f"nic-out:{tag}", inter, 2))
+            in_.append(add(f"nic-in:{tag}", inter, 2))
+    routes = ClusterRoutes(per_node, n, pairs, tuple(up), tuple(down), tuple(out), tuple(in_), nic_of)
     return ClusterParts(devices, tuple(links), routes)

@@ -13,10 +13,11 @@ import functools
 import os
 import re
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from simulator.cluster import INTER_SHAPES, INTRA_SHAPES, MAX_DEVICES, Fabric, cluster_parts
+from simulator.cluster import INTER_SHAPES, INTRA_SHAPES, MAX_DEVICES, MAX_MESH, Fabric, cluster_parts
 from simulator.devices import DeviceSpec
 from simulator.errors import field_error
 from simulator.topology import Topology
@@ -106,11 +107,15 @@ H100_NVSWITCH = Fabric("switch", "nvswitch", latency=2e-6, bandwidth=450e9)
 # ConnectX-7 VPI, 400Gb/s InfiniBand") = 50 GB/s.
 NDR_DEVICE_NIC = Fabric("device-nic", "ib", latency=5e-6, bandwidth=400e9 / 8)
 
+# DGX nodes joined rail-optimised: the NIC of each node's i-th GPU on rail i's leaf switch, leaves
+# and spines non-blocking (NVIDIA DGX SuperPOD reference architecture, DGX A100 and DGX H100
+# editions, "compute fabric": eight rails, one per GPU/NIC); to another rail through NVLink first
+# (NCCL's PXN, NCCL 2.12).
 _GPUS = {  # family: (device, intra, inter, largest per_node)
     "p100": (P100, P100_NVLINK, EDR_NODE_NIC, 4),
     "k80": (K80, K80_PCIE, FDR_NODE_NIC, 4),
-    "a100": (A100, A100_NVSWITCH, HDR_DEVICE_NIC, 8),
-    "h100": (H100, H100_NVSWITCH, NDR_DEVICE_NIC, 8),
+    "a100": (A100, A100_NVSWITCH, replace(HDR_DEVICE_NIC, shape="rail"), 8),
+    "h100": (H100, H100_NVSWITCH, replace(NDR_DEVICE_NIC, shape="rail"), 8),
 }
 
 # Rough figures (``soapsearch calibrate`` measures the local machine's): one core with AVX2 (2 FMA units x 8 float32
@@ -147,8 +152,8 @@ def _preset(name: str) -> Topology | None:
         return cluster(name, device, nodes, per_node, intra, inter)
     if m := _CPU_NAME.fullmatch(name):
         n = int(m[1])
-        if n > MAX_DEVICES:
-            raise field_error("topology", "name", name, f"at most {MAX_DEVICES} processes")
+        if n > MAX_MESH:
+            raise field_error("topology", "name", name, f"at most {MAX_MESH} processes")
         device = DeviceSpec("cpu", max(_ram_bytes() // n, 1), {"float32": CPU_CORE_FLOPS}, CPU_CORE_MEMORY_BANDWIDTH)
         return cluster(name, device, 1, n, SHM)
     return None

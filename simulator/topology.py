@@ -40,6 +40,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from simulator.cluster import ClusterRoutes
 from simulator.devices import OVERHEAD_FIELDS, DeviceSpec, Link
 from simulator.errors import field_error
 from simulator.topology_json import FORMAT, VERSION, read_topology
@@ -60,13 +61,15 @@ class Topology:
     links: tuple[Link, ...]
     """One direction of one physical link each; routes refer to them by index."""
     routes: Mapping[tuple[int, int], tuple[int, ...]]
-    """``(src, dst)`` -> link indices crossed in order, for every ordered pair ``src != dst``."""
+    """``(src, dst)`` -> link indices crossed in order, for every ordered pair ``src != dst``: a
+    table, or a cluster's rule (``simulator.cluster.ClusterRoutes``: nothing stored per pair)."""
     _route: tuple[tuple[int, ...], ...] = field(init=False, compare=False)
     _lat: tuple[float, ...] = field(init=False, compare=False)
     _bw: tuple[float, ...] = field(init=False, compare=False)
     _ring_bw: tuple[float, ...] = field(init=False, compare=False)
     _nodes: tuple[tuple[int, ...], ...] = field(init=False, compare=False)
     _hash: int = field(init=False, compare=False)
+    _memo: dict | None = field(init=False, compare=False, default=None)
 
     def __post_init__(self) -> None:
         where, devices, links = f"topology {self.name!r}", tuple(self.devices), tuple(self.links)
@@ -83,6 +86,9 @@ class Topology:
                 raise field_error(where, f"links[{j}].name", link.name, f"link names are unique; links[{seen[link.name]}] has it too")
             seen[link.name] = j
         n = len(devices)
+        if isinstance(self.routes, ClusterRoutes):
+            self._init_rule(devices, links)
+            return
         table: list[tuple[int, ...]] = [()] * (n * n)
         for key, hops in self.routes.items():
             if not (isinstance(key, tuple) and len(key) == 2 and all(isinstance(k, int) and 0 <= k < n for k in key)):
@@ -106,19 +112,34 @@ class Topology:
             raise ValueError(f"{where}: routes: no route from device {s} to device {d}{more}: "
                              "every ordered pair of distinct devices needs one")
         inf = math.inf
+        self._set_common(devices, links)
+        set_ = object.__setattr__
+        set_(self, "routes", MappingProxyType({(s, d): table[s * n + d] for s in range(n) for d in range(n) if s != d}))
+        set_(self, "_route", tuple(table))
+        set_(self, "_lat", tuple(sum(links[j].latency for j in r) for r in table))
+        set_(self, "_bw", tuple(min((links[j].bandwidth for j in r), default=inf) for r in table))
+        set_(self, "_ring_bw", tuple(min((links[j].ring_bandwidth for j in r), default=inf) for r in table))
+
+    def _set_common(self, devices: tuple[DeviceSpec, ...], links: tuple[Link, ...]) -> None:
+        """Devices, links, nodes and the hash: what a table and a rule set alike."""
         by_node: dict[int, list[int]] = {}
         for d, dev in enumerate(devices):
             by_node.setdefault(dev.node, []).append(d)
         set_ = object.__setattr__
         set_(self, "devices", devices)
         set_(self, "links", links)
-        set_(self, "routes", MappingProxyType({(s, d): table[s * n + d] for s in range(n) for d in range(n) if s != d}))
-        set_(self, "_route", tuple(table))
-        set_(self, "_lat", tuple(sum(links[j].latency for j in r) for r in table))
-        set_(self, "_bw", tuple(min((links[j].bandwidth for j in r), default=inf) for r in table))
-        set_(self, "_ring_bw", tuple(min((links[j].ring_bandwidth for j in r), default=inf) for r in table))
         set_(self, "_nodes", tuple(tuple(by_node[k]) for k in sorted(by_node)))
-        set_(self, "_hash", hash((self.name, n, tuple(link.name for link in links), self._route)))
+        set_(self, "_hash", hash((self.name, len(devices), tuple(link.name for link in links))))
+
+    def _init_rule(self, devices: tuple[DeviceSpec, ...], links: tuple[Link, ...]) -> None:
+        """A cluster's routes: no per-pair table; ``route*`` compute each pair's on call."""
+        where, routes = f"topology {self.name!r}", self.routes
+        if routes.n != len(devices):
+            raise field_error(where, "routes", f"a rule for {routes.n} devices", f"the topology has {len(devices)}")
+        self._set_common(devices, links)
+        for name in ("_route", "_lat", "_bw", "_ring_bw"):
+            object.__setattr__(self, name, None)
+        object.__setattr__(self, "_memo", {})
 
     def __hash__(self) -> int:
         return self._hash
@@ -127,6 +148,8 @@ class Topology:
         return f"Topology({self.name!r}: {self.num_devices} devices, {len(self._nodes)} nodes, {len(self.links)} links)"
 
     def __reduce__(self):  # pickle through JSON: DeviceSpec's read-only mapping does not pickle
+        if isinstance(self.routes, ClusterRoutes):  # devices and links as JSON, the rule as itself
+            return (_with_rule, ({**self.to_json(routes=False), "routes": []}, self.routes))
         return (Topology.from_json, (self.to_json(),))
 
     @property
@@ -153,26 +176,42 @@ class Topology:
             raise IndexError(f"topology {self.name!r}: device pair ({src}, {dst}) out of range 0..{n - 1}")
         return src * n + dst
 
+    def _ruled(self, i: int) -> tuple[tuple[int, ...], float, float, float]:
+        """A cluster rule's route ``i`` (= src * n + dst) with its latency, bandwidth and ring
+        bandwidth, computed as the table's are, on first use (kept for the pairs used)."""
+        got = self._memo.get(i)
+        if got is None:
+            src, dst = divmod(i, len(self.devices))
+            r = self.routes[src, dst] if src != dst else ()
+            links, inf = self.links, math.inf
+            got = self._memo[i] = (r, sum(links[j].latency for j in r), min((links[j].bandwidth for j in r), default=inf),
+                                   min((links[j].ring_bandwidth for j in r), default=inf))
+        return got
+
     def route(self, src: int, dst: int) -> tuple[int, ...]:
         """Indices into ``links`` a transfer from ``src`` to ``dst`` crosses, in order."""
-        return self._route[self._index(src, dst)]
+        i = self._index(src, dst)
+        return self._ruled(i)[0] if self._route is None else self._route[i]
 
     def route_latency(self, src: int, dst: int) -> float:
         """Sum of the route's link latencies (0 when src == dst); precomputed."""
-        return self._lat[self._index(src, dst)]
+        i = self._index(src, dst)
+        return self._ruled(i)[1] if self._lat is None else self._lat[i]
 
     def route_bandwidth(self, src: int, dst: int) -> float:
         """The route's slowest link bandwidth (inf when src == dst); precomputed."""
-        return self._bw[self._index(src, dst)]
+        i = self._index(src, dst)
+        return self._ruled(i)[2] if self._bw is None else self._bw[i]
 
     def route_ring_bandwidth(self, src: int, dst: int) -> float:
         """The route's slowest ``Link.ring_bandwidth``: what a ring collective's step between
         the two gets (inf when src == dst); precomputed."""
-        return self._ring_bw[self._index(src, dst)]
+        i = self._index(src, dst)
+        return self._ruled(i)[3] if self._ring_bw is None else self._ring_bw[i]
 
     # ---- JSON -------------------------------------------------------------------------------
-    def to_json(self) -> dict[str, Any]:
-        """The explicit JSON form (see the module docstring)."""
+    def to_json(self, routes: bool = True) -> dict[str, Any]:
+        """The explicit JSON form (see the module docstring); ``routes=False`` leaves routes out."""
         return {
             "format": FORMAT, "version": VERSION, "name": self.name,
             "devices": [{"kind": d.kind, "memory_bytes": d.memory_bytes, "peak_flops": dict(d.peak_flops),
@@ -186,7 +225,8 @@ class Topology:
                        **({"send_bandwidth": k.send_bandwidth, "send_latency": k.send_latency}
                           if k.send_bandwidth is not None else {})}
                       for k in self.links],
-            "routes": [{"src": s, "dst": d, "links": list(r)} for (s, d), r in sorted(self.routes.items())],
+            **({"routes": [{"src": s, "dst": d, "links": list(r)} for (s, d), r in sorted(self.routes.items())]}
+               if routes else {}),
         }
 
     @classmethod
@@ -246,13 +286,15 @@ class Topology:
                          + (f"; a send holds the sender {_us(send_lat)} + bytes at {_gbs(send_bw)}"
                             if send_bw is not None else ""))
         n = self.num_devices
+        # a cluster's rule treats every node alike: the first node's devices as sources show every route class
+        sources = self._nodes[0] if isinstance(self.routes, ClusterRoutes) else range(n)
         for label, same in (("inside a node", True), ("between nodes", False)):
-            pairs = [s * n + d for s in range(n) for d in range(n)
+            pairs = [(s, d) for s in sources for d in range(n)
                      if s != d and (self.devices[s].node == self.devices[d].node) == same]
             if pairs:
-                hops = sorted({len(self._route[i]) for i in pairs})
-                lat = sorted({self._lat[i] for i in pairs})
-                bw = sorted({self._bw[i] for i in pairs})
+                hops = sorted({len(self.route(s, d)) for s, d in pairs})
+                lat = sorted({self.route_latency(s, d) for s, d in pairs})
+                bw = sorted({self.route_bandwidth(s, d) for s, d in pairs})
                 hop_text = str(hops[0]) if len(hops) == 1 else f"{hops[0]}-{hops[-1]}"
                 lines.append(f"  route {label}: {hop_text} link(s), {_us(lat[-1])} latency, {_gbs(bw[0])} bottleneck"
                              + (" (worst pair)" if len(lat) > 1 or len(bw) > 1 else ""))
@@ -272,6 +314,12 @@ def _us(seconds: float) -> str:
 
 def _gbs(bandwidth: float) -> str:
     return f"{bandwidth / 1e9:.4g} GB/s"
+
+
+def _with_rule(obj: dict[str, Any], routes: ClusterRoutes) -> Topology:
+    """A pickled cluster topology: ``obj``'s devices and links (explicit JSON, no routes) and its rule."""
+    name, devices, links, _ = read_topology(obj, "pickled topology")
+    return Topology(name, devices, links, routes)
 
 
 # Pickles whose reduce names ``simulator.topology._from_json`` load through this alias.

@@ -13,8 +13,8 @@ traceable by ``torch.fx.symbolic_trace``.  Three variants exist per model:
   (``benchmarks/simulator_accuracy.py --variant small``), small enough for a laptop.
 * ``"tiny"`` -- a KB-sized model with small inputs for fast tests.
 
-``gpt`` also has ``"gpt3-1.3b"``, ``"gpt3-6.7b"`` and ``"gpt3-13b"``: GPT-3 XL, 6.7B and 13B's
-shapes (Brown et al. 2020, "Language Models are Few-Shot Learners", Table 2.1), to be built on the
+``gpt`` also has ``"gpt3-1.3b"``, ``"gpt3-6.7b"``, ``"gpt3-13b"`` and ``"gpt3-175b"``: GPT-3 XL,
+6.7B, 13B and 175B's shapes (Brown et al. 2020, "Language Models are Few-Shot Learners", Table 2.1), to be built on the
 meta device.
 
 Example::
@@ -56,10 +56,10 @@ from soapsearch._models import (
 
 __all__ = ["VARIANTS", "VARIANTS_HELP", "names", "describe", "config", "build"]
 
-VARIANTS: tuple[str, ...] = ("default", "small", "tiny", "gpt3-1.3b", "gpt3-6.7b", "gpt3-13b")
-"""Known variants, in order: every model has the first three, gpt also the last three."""
+VARIANTS: tuple[str, ...] = ("default", "small", "tiny", "gpt3-1.3b", "gpt3-6.7b", "gpt3-13b", "gpt3-175b")
+"""Known variants, in order: every model has the first three, gpt also the last four."""
 VARIANTS_HELP = ("default (the paper's scale), small (a laptop's) or tiny (fast tests); gpt also gpt3-1.3b, "
-                 "gpt3-6.7b, gpt3-13b (GPT-3's shapes)")
+                 "gpt3-6.7b, gpt3-13b, gpt3-175b (GPT-3's shapes)")
 """The variants in the words of every --variant help."""
 
 # FlexFlow's reference code trains with 64 samples per GPU (nmt/nmt.cc: bs_per_worker = 64;
@@ -218,8 +218,9 @@ _REGISTRY: dict[str, _Entry] = {
     # config/train_gpt2.py (per GPU).  ~124M parameters (lm_head untied: +38.6M).
     # gpt3-1.3b / gpt3-6.7b / gpt3-13b = Brown et al. 2020, Table 2.1: GPT-3 XL (24 layers,
     # d_model 2048, 16 heads of 128), GPT-3 6.7B (32 layers, d_model 4096, 32 heads of 128) and
-    # GPT-3 13B (40 layers, 40 heads of 128: d_model 5120, which the table prints as 5140),
-    # context 2048, GPT-2's vocabulary, embeddings tied (1.316B, 6.658B and 12.85B parameters).  Batch 1 sequence per
+    # GPT-3 13B (40 layers, 40 heads of 128: d_model 5120, which the table prints as 5140) and
+    # GPT-3 175B (96 layers, d_model 12288, 96 heads of 128), context 2048, GPT-2's vocabulary,
+    # embeddings tied (1.316B, 6.658B, 12.85B and 174.6B parameters).  Batch 1 sequence per
     # GPU: Megatron-LM's --micro-batch-size 1 of its GPT-3 scripts
     # (examples/gpt3/train_gpt3_175b_distributed.sh), the 0.5M-2M-token batches of Table 2.1
     # being reached by accumulating such micro-batches.
@@ -233,9 +234,10 @@ _REGISTRY: dict[str, _Entry] = {
             "gpt3-1.3b": GPTConfig(n_layer=24, n_head=16, n_embd=2048, seq_len=2048, tie_embeddings=True),
             "gpt3-6.7b": GPTConfig(n_layer=32, n_head=32, n_embd=4096, seq_len=2048, tie_embeddings=True),
             "gpt3-13b": GPTConfig(n_layer=40, n_head=40, n_embd=5120, seq_len=2048, tie_embeddings=True),
+            "gpt3-175b": GPTConfig(n_layer=96, n_head=96, n_embd=12288, seq_len=2048, tie_embeddings=True),
         },
         {"default": 12, "small": _SMALL_BATCH, "tiny": _TINY_BATCH, "gpt3-1.3b": 1, "gpt3-6.7b": 1,
-         "gpt3-13b": 1},
+         "gpt3-13b": 1, "gpt3-175b": 1},
         _lm_inputs,
     ),
     # Not in the paper.  Default = LLaMA-3 8B (Dubey et al. 2024, "The Llama 3 Herd of Models",

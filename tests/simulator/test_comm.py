@@ -40,7 +40,7 @@ def test_transfer_on_presets_by_hand_and_inter_node_is_slower():
         far = t.nodes[1][0]
         assert transfer_time(t, 0, far, MB) > transfer_time(t, 0, 1, MB) > 0
     h100 = get_topology("h100-2x8")
-    assert transfer_time(h100, 0, 9, 50 * MB) == pytest.approx(5e-6 + 50e6 / 50e9)       # 1.005 ms NDR
+    assert transfer_time(h100, 0, 8, 50 * MB) == pytest.approx(5e-6 + 50e6 / 50e9)       # 1.005 ms NDR
 
 
 def test_allreduce_matches_the_ring_formula_by_hand(line):
@@ -70,17 +70,21 @@ def test_allreduce_on_presets_by_hand_and_across_nodes_is_slower():
     inside = allreduce_time(a100, range(8), 1e9)
     assert inside == pytest.approx(2 * 7 / 8 * 1e9 / 300e9 + 2 * 7 * 2e-6)      # 5.86 ms
     across = allreduce_time(a100, [0, 1, 2, 3, 8, 9, 10, 11], 1e9)
-    assert across == pytest.approx(2 * 7 / 8 * 1e9 / 25e9 + 2 * 7 * 5e-6)      # 70.07 ms
+    # steps 3 -> 8 and 11 -> 0 change rails: NVSwitch (2 µs) then the rail (5 µs)
+    assert across == pytest.approx(2 * 7 / 8 * 1e9 / 25e9 + 2 * 7 * 7e-6)      # 70.10 ms
     assert across > 10 * inside
     p100 = get_topology("p100-4x4")
     assert allreduce_time(p100, range(16), 1e9) > allreduce_time(p100, range(4), 1e9)
     assert {a100.links[j].kind for j in ring_links(a100, range(8))} == {"nvswitch"}
     names = {a100.links[j].name for j in ring_links(a100, [0, 1, 8, 9])}
-    assert names == {"nvswitch-up:0", "nvswitch-down:1", "nic-out:dev1", "nic-in:dev8",
-                     "nvswitch-up:8", "nvswitch-down:9", "nic-out:dev9", "nic-in:dev0"}
+    # 1 -> 8 and 9 -> 0 change rails: over NVSwitch to the GPU on rail 0, then rail 0
+    assert names == {"nvswitch-up:0", "nvswitch-down:1", "nvswitch-up:1", "nvswitch-down:0", "nic-out:dev0",
+                     "nic-in:dev8", "nvswitch-up:8", "nvswitch-down:9", "nvswitch-up:9", "nvswitch-down:8",
+                     "nic-out:dev8", "nic-in:dev0"}
     # the order is the caller's: interleaving nodes crosses the NICs of every device
-    assert len(ring_links(a100, [0, 8, 1, 9])) == 8 and all(
-        a100.links[j].kind == "ib" for j in ring_links(a100, [0, 8, 1, 9]))
+    # (8 -> 1 and 9 -> 0 change rails: through NVSwitch first)
+    ib = [j for j in ring_links(a100, [0, 8, 1, 9]) if a100.links[j].kind == "ib"]
+    assert len(ring_links(a100, [0, 8, 1, 9])) == 12 and len(ib) == 8
 
 
 def test_calls_are_cheap():

@@ -36,7 +36,7 @@ def test_names_and_describe() -> None:
     for name in NAMES:
         text = zoo.describe(name)
         assert isinstance(text, str) and text and "\n" not in text
-    assert zoo.VARIANTS == ("default", "small", "tiny", "gpt3-1.3b", "gpt3-6.7b", "gpt3-13b")
+    assert zoo.VARIANTS == ("default", "small", "tiny", "gpt3-1.3b", "gpt3-6.7b", "gpt3-13b", "gpt3-175b")
 
 
 @pytest.mark.parametrize("variant, params", [("tiny", (0, 1_000_000)), ("small", (300_000, 3_000_000))])
@@ -136,10 +136,11 @@ def test_default_configs() -> None:
 
 
 # Brown et al. 2020, Table 2.1: n_params, n_layers, d_model, n_heads; context 2048.
-GPT3 = {"gpt3-1.3b": (1.3e9, 24, 2048, 16), "gpt3-6.7b": (6.7e9, 32, 4096, 32), "gpt3-13b": (13.0e9, 40, 5120, 40)}
+GPT3 = {"gpt3-1.3b": (1.3e9, 24, 2048, 16), "gpt3-6.7b": (6.7e9, 32, 4096, 32), "gpt3-13b": (13.0e9, 40, 5120, 40),
+        "gpt3-175b": (175.0e9, 96, 12288, 96)}
 
 
-@pytest.mark.parametrize("variant", GPT3)
+@pytest.mark.parametrize("variant", [pytest.param(v, marks=pytest.mark.slow) if v == "gpt3-175b" else v for v in GPT3])
 def test_gpt3_shapes_trace_on_meta(variant: str) -> None:
     from soapsearch import trace
 

@@ -1,0 +1,151 @@
+"""scale.py: how one full simulation's cost grows with the device count (issue 22, "Measure").
+
+Rows: GPT-124M (zoo ``gpt`` default, batch 12 per device) and GPT-3 175B's shape (zoo
+``gpt3-175b``, Brown et al. 2020 Table 2.1, built on meta, one sequence per device), each under
+data parallel and the Megatron-LM baseline (``strategies.megatron``: 175B at T=8 tensor
+parallel, P=16 pipeline stages, 16 micro-batches; GPT-124M, 12 heads and 12 layers, at T=4, P=4,
+8 micro-batches; 1F1B, sequence parallel, every block recomputed, bf16), on ``a100-<N>x8`` at 8,
+64, 512 and 1,024 devices (megatron where T x P divides them). Each row runs in its own process (its peak RSS is the row's own) and prints the
+milliseconds of each phase of one full simulation as ``simulator.simulate_plan`` runs them
+(lower, task graph, event loop, memory), the task count, and the process's peak RSS; a row that
+fails (too many devices for the preset, MemoryError, past ``--timeout``) prints why. The last
+lines fit total ms = c * devices^k over each model and plan's rows (least squares in log-log).
+
+    python benchmarks/scale.py [--models gpt,gpt3-175b] [--plans dp,megatron]
+                               [--devices 8,64,512,1024] [--timeout 240]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing as mp
+import resource
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _paper, in a spawned child too
+
+MODELS = {"gpt": ("gpt", "default"), "gpt3-175b": ("gpt", "gpt3-175b")}
+PLANS = ("dp", "megatron")
+DEVICES = (8, 64, 512, 1024)
+MEGATRON = {"gpt": (4, 4, 8), "gpt3-175b": (8, 16, 16)}
+"""Each model's megatron T, P and micro-batches (Narayanan et al. 2021 run 175B at T=8, P=16)."""
+
+
+def _plan(model: str, graph, kind: str, n: int):
+    from strategies import data_parallel
+    from strategies.baselines import recomputed
+    from strategies.megatron import megatron
+
+    if kind == "dp":
+        return data_parallel(graph, n)
+    tp, pp, m = MEGATRON[model]
+    plan = megatron(graph, n, tp=tp, pp=pp, microbatches=m, sequence_parallel=True)
+    return recomputed(plan.with_microbatches(m, "1f1b"), graph).with_precision("bf16")
+
+
+def _row(model: str, kind: str, n: int, out) -> None:  # out: the child's end of a Pipe
+    """One full simulation, timed by phase (simulate_plan's phases, in its order)."""
+    try:
+        from _paper import paper_graph
+        from simulator.contention import contended_times
+        from simulator.cost import get_cost_model
+        from simulator.engine import event_times
+        from simulator.memory import memory_breakdown
+        from simulator.presets import get_topology
+        from simulator.simulate import paused_gc
+        from simulator.stragglers import straggler_durations
+        from simulator.tasks import build_tasks
+        from strategies.lowering import lower
+
+        topo = get_topology(f"a100-{max(n // 8, 1)}x{min(n, 8)}")
+        cost = get_cost_model("analytical")
+        name, variant = MODELS[model]
+        graph = paper_graph(name, n, variant)
+        plan = _plan(model, graph, kind, n)
+        with paused_gc():
+            t0 = time.perf_counter()
+            lowered = lower(graph, plan)
+            t1 = time.perf_counter()
+            tg = build_tasks(lowered, topo, cost, "adam")
+            t2 = time.perf_counter()
+            start, end = event_times(tg)
+            base = straggler_durations(tg, topo, end)
+            if base is not None:
+                start, end = event_times(tg, duration=base)
+            start, end = contended_times(tg, topo, start, end, base)
+            t3 = time.perf_counter()
+            peak = max(m.total for m in memory_breakdown(lowered, "adam"))
+            t4 = time.perf_counter()
+        out.send({"tasks": len(tg), "lower": t1 - t0, "build": t2 - t1, "events": t3 - t2,
+                 "memory": t4 - t3, "total": t4 - t0, "iter_ms": float(end.max()) * 1e3,
+                 "peak_gib": peak / 2**30, "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024})
+    except (MemoryError, ValueError) as e:  # ValueError: a preset refused, a plan that does not apply
+        out.send({"error": f"{type(e).__name__}: {str(e).splitlines()[0][:90]}"})
+
+
+def _run(model: str, kind: str, n: int, timeout: float) -> dict:
+    ctx = mp.get_context("spawn")
+    mine, theirs = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_row, args=(model, kind, n, theirs))
+    proc.start()
+    theirs.close()
+    try:
+        got = mine.recv() if mine.poll(timeout) else None
+    except EOFError:  # the child died without a word
+        got = None
+    if got is None and proc.is_alive():
+        proc.kill()
+    proc.join()
+    return got if got is not None else {"error": f"past {timeout:.0f} s" if proc.exitcode == -9 else
+                                        f"exit code {proc.exitcode}"}
+
+
+def _exponent(points: list[tuple[int, float]]) -> float | None:
+    """k of total = c * devices^k, least squares on (log devices, log total)."""
+    if len(points) < 2:
+        return None
+    xs, ys = [math.log(n) for n, _ in points], [math.log(t) for _, t in points]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--plans", default=",".join(PLANS))
+    ap.add_argument("--devices", default=",".join(map(str, DEVICES)))
+    ap.add_argument("--timeout", type=float, default=240.0, help="seconds per row (default 240)")
+    ap.add_argument("--json", help="also write the rows to this file")
+    args = ap.parse_args()
+    print(f"{'model':10s} {'plan':9s} {'devices':>7s} {'tasks':>8s} {'lower ms':>9s} {'tasks ms':>9s} "
+          f"{'events ms':>9s} {'memory ms':>9s} {'total ms':>9s} {'RSS MiB':>8s} {'iter ms':>9s} {'peak GiB':>8s}",
+          flush=True)
+    rows, fits = [], {}
+    for model in args.models.split(","):
+        for kind in args.plans.split(","):
+            for n in map(int, args.devices.split(",")):
+                if kind == "megatron" and n % (MEGATRON[model][0] * MEGATRON[model][1]):
+                    continue
+                r = _run(model, kind, n, args.timeout)
+                rows.append({"model": model, "plan": kind, "devices": n, **r})
+                if "error" in r:
+                    print(f"{model:10s} {kind:9s} {n:7d} {r['error']}", flush=True)
+                    continue
+                fits.setdefault((model, kind), []).append((n, r["total"]))
+                print(f"{model:10s} {kind:9s} {n:7d} {r['tasks']:8d} {r['lower'] * 1e3:9.0f} {r['build'] * 1e3:9.0f} "
+                      f"{r['events'] * 1e3:9.0f} {r['memory'] * 1e3:9.0f} {r['total'] * 1e3:9.0f} "
+                      f"{r['rss_mib']:8.0f} {r['iter_ms']:9.1f} {r['peak_gib']:8.1f}", flush=True)
+    for (model, kind), points in fits.items():
+        k = _exponent(points)
+        print(f"growth {model} {kind}: total ms ~ devices^{k:.2f}" if k is not None
+              else f"growth {model} {kind}: one row, no fit")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
