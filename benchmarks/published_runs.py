@@ -3,7 +3,8 @@
 global batch, sequence length, recompute, dtype, the published figure and where it is printed);
 the script builds the model on meta, the ``megatron`` baseline's plan with the row's flags
 (full recompute of every block as ``plan --recompute``, bf16 as ``plan --dtype bf16``),
-predicts the iteration with the analytical model on the row's preset (a100-<N/8>x8) and prints
+predicts the iteration with the analytical model (the row's attention kernel: "math" for
+Megatron-LM of 2021) on the row's preset (a100-<N/8>x8) and prints
 predicted vs published TFLOP/s per GPU and iteration seconds, the relative error, and Spearman's
 ρ per sweep.
 
@@ -26,6 +27,7 @@ printed as "not simulated: N devices", never dropped.
 
     python benchmarks/published_runs.py            # every row the presets reach
     python benchmarks/published_runs.py --rows 3   # the first three rows
+    python benchmarks/published_runs.py --rows 3 --attention flash   # as if FlashAttention ran
 """
 
 from __future__ import annotations
@@ -34,14 +36,14 @@ import argparse
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from simulator.cost import get_cost_model  # noqa: E402
+from simulator.cost import ATTENTION_KERNELS, get_cost_model  # noqa: E402
 from simulator.presets import get_topology  # noqa: E402
 from simulator.result import SimResult  # noqa: E402
 from soapsearch import trace  # noqa: E402
@@ -87,6 +89,10 @@ class Run:
     recompute: bool = True
     dtype: str = "bf16"
     device: str = "a100"
+    attention: str = "math"
+    """The attention kernel (``simulator.cost.ATTENTION_KERNELS``): Megatron-LM of 2021 ran
+    q·kᵀ (baddbmm), its fused scale-mask-softmax and ·v (bmm) as separate kernels, the scores
+    in HBM; FlashAttention (Dao et al. 2022) came a year later."""
 
     @property
     def dp(self) -> int:
@@ -170,8 +176,8 @@ def reachable(run: Run) -> str | None:
 def predict(run: Run, graph: OpGraph | None = None) -> SimResult:
     """The analytical model's simulation of the row's plan on its preset (Adam, as Megatron-LM)."""
     graph = build_graph(run) if graph is None else graph
-    evaluate = Evaluator(graph, get_topology(run.topology), get_cost_model("analytical"), "adam",
-                         precision=run.dtype)
+    cost = get_cost_model("analytical", attention=run.attention)
+    evaluate = Evaluator(graph, get_topology(run.topology), cost, "adam", precision=run.dtype)
     return evaluate(build_plan(run, graph))
 
 
@@ -183,11 +189,14 @@ def predicted_tflops(run: Run, result: SimResult) -> float:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", type=int, default=len(ROWS), help="the first N rows of the table")
+    ap.add_argument("--attention", choices=ATTENTION_KERNELS, help="every row with this attention kernel")
     args = ap.parse_args(argv)
+    rows = ROWS[:args.rows] if args.attention is None else \
+        tuple(replace(r, attention=args.attention) for r in ROWS[:args.rows])
     print(f"{'row':6s} {'GPUs':>5s} {'TP':>3s} {'PP':>3s} {'DP':>4s} {'B':>5s} {'M':>4s} {'pub s':>7s} "
           f"{'pred s':>7s} {'pub TF':>6s} {'pred TF':>7s} {'error':>7s} {'sim s':>6s}  source", flush=True)
     errors: dict[str, list[tuple[float, float, float]]] = {}
-    for run in ROWS[:args.rows]:
+    for run in rows:
         head = (f"{run.name:6s} {run.gpus:5d} {run.tp:3d} {run.pp:3d} {run.dp:4d} {run.batch:5d} "
                 f"{run.microbatches:4d} {published_seconds(run):7.2f}")
         if (why := reachable(run)) is not None:
