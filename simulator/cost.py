@@ -20,6 +20,7 @@ from strategies.region import Box, box_numel, box_shape
 from strategies.rules import get_rule
 
 __all__ = [
+    "ATTENTION_KERNELS",
     "COMPUTE_EFFICIENCY",
     "CPU_LAUNCH_OVERHEAD",
     "GPU_LAUNCH_OVERHEAD",
@@ -47,6 +48,18 @@ GPU_LAUNCH_OVERHEAD = 5e-6
 """Seconds per kernel on a GPU: a CUDA launch plus PyTorch's eager dispatch is 4-10 µs."""
 CPU_LAUNCH_OVERHEAD = 2e-6
 """Seconds per op on a CPU: no launch, only the framework's dispatch (1-5 µs an eager op)."""
+ATTENTION_KERNELS = ("flash", "math")
+"""How an ``attention`` op is costed: "flash" (Dao et al. 2022: the scores never leave on-chip
+memory, HBM traffic q, k, v and the output; torch's SDPA on A100/H100) or "math" (their
+Algorithm 0, the standard attention: q·kᵀ, softmax and ·v as separate kernels, the
+queries × keys scores S and probabilities P of every head written to and read from HBM)."""
+MATH_ATTENTION_PASSES = (4, 7)
+"""HBM passes over the queries × keys matrix of the "math" kernel (Dao et al. 2022, Algorithms 0
+and 3): forward writes S, reads S, writes P, reads P; backward reads P, writes dP, reads P and
+dP, writes dS, reads dS twice (for dQ and dK)."""
+MATH_ATTENTION_KERNELS = (3, 5)
+"""Kernels of the "math" attention: forward 2 products and the softmax; backward 4 products and
+the softmax's backward."""
 
 LEAF_KINDS = frozenset({"input", "parameter", "constant"})
 """Ops that are not computed (the executor slices the batch or the state): they cost 0."""
@@ -148,17 +161,22 @@ class AnalyticalCostModel(CostModel):
     (``OpRule.gemm_size``) takes e_c = m / (m + n½) instead (Hockney & Jesshope 1988).
 
     Forward: F = the partition's FLOPs, B = ``partition_bytes``, one kernel. Backward: 2F and 2
-    kernels (input grad + parameter grad) for an op with trainable parameters, else F and one
-    kernel; 2B either way (it reads the output grad and what forward read, writes the grads); an
+    kernels (input grad + parameter grad) for an op with trainable parameters, 2F for attention
+    (the gradients of q, k and v: four products to the forward's two), else F and one kernel; 2B either way (it reads the output grad and what forward read, writes the grads); an
     embedding's backward also writes its whole dense table gradient. Leaf and view ops cost 0.
 
     ``efficiency``: (compute, memory) fractions, or one float for both. ``launch_overhead``:
     seconds per kernel; None picks ``GPU_LAUNCH_OVERHEAD`` or ``CPU_LAUNCH_OVERHEAD`` per device.
+    ``attention``: the kernel an ``attention`` op runs (``ATTENTION_KERNELS``); "math" adds the
+    queries × keys scores' HBM passes (``MATH_ATTENTION_PASSES``) and kernels to its bytes.
     """
 
     def __init__(self, efficiency: float | tuple[float, float] = (COMPUTE_EFFICIENCY, MEMORY_EFFICIENCY),
-                 launch_overhead: float | None = None) -> None:
+                 launch_overhead: float | None = None, attention: str = "flash") -> None:
         super().__init__()
+        if attention not in ATTENTION_KERNELS:
+            raise ValueError(f"AnalyticalCostModel: attention {attention!r} must be one of {list(ATTENTION_KERNELS)}")
+        self.attention = attention
         compute, memory = (efficiency, efficiency) if isinstance(efficiency, (int, float)) else efficiency
         if not (0 < compute <= 1 and 0 < memory <= 1):
             raise ValueError(f"AnalyticalCostModel: efficiency (compute {compute}, memory {memory}) "
@@ -170,7 +188,7 @@ class AnalyticalCostModel(CostModel):
 
     def __repr__(self) -> str:
         return (f"AnalyticalCostModel(efficiency=({self.compute_efficiency}, "
-                f"{self.memory_efficiency}), launch_overhead={self.launch_overhead})")
+                f"{self.memory_efficiency}), launch_overhead={self.launch_overhead}, attention={self.attention!r})")
 
     def launch(self, device: DeviceSpec) -> float:
         """Seconds of overhead per kernel on ``device``."""
@@ -196,15 +214,24 @@ class AnalyticalCostModel(CostModel):
         dtype = node.output.dtype
         m = get_rule(node.kind).gemm_size(node, box) if device.gemm_half else None
         eff = m / (m + device.gemm_half) if m else None  # Hockney's r∞·m/(m + n½), r∞ the peak
-        fwd = self.roofline(flops, nbytes, dtype, device, efficiency=eff)
         weighted = has_trainable_params(node)
-        bwd_bytes = 2 * nbytes
+        kernels, bwd_bytes, extra = (1, 2 if weighted else 1), 2 * nbytes, (0, 0)
+        if node.kind == "attention" and self.attention == "math":
+            scores = box_numel(box[:-1]) * _span(regions[1][-2]) * DTYPE_BYTES[dtype]  # every head's S
+            kernels, extra = MATH_ATTENTION_KERNELS, tuple(p * scores for p in MATH_ATTENTION_PASSES)
+        fwd = self.roofline(flops, nbytes + extra[0], dtype, device, kernels=kernels[0], efficiency=eff)
         if node.kind in _GATHER_KINDS:  # the dense gradient of the table is zeroed and written
             bwd_bytes += sum(box_numel(r) * DTYPE_BYTES[w.spec.dtype]
                              for w in node.weights if (r := weight_regions.get(w.role)) is not None)
-        bwd = self.roofline(2 * flops if weighted else flops, bwd_bytes, dtype, device,
-                            kernels=2 if weighted else 1, efficiency=eff)
+        # attention's backward is 4 products to its forward's 2 (dQ, dK, dV, dP; Dao et al. 2022, Alg. 3)
+        bwd = self.roofline(2 * flops if weighted or node.kind == "attention" else flops, bwd_bytes + extra[1],
+                            dtype, device,
+                            kernels=kernels[1], efficiency=eff)
         return fwd, bwd
+
+
+def _span(interval: tuple[int, int]) -> int:
+    return interval[1] - interval[0]
 
 
 _FACTORIES: dict[str, Callable[..., CostModel]] = {"analytical": AnalyticalCostModel}

@@ -95,6 +95,8 @@ H100 = DeviceSpec(  # NVIDIA H100 Tensor Core GPU datasheet, H100 SXM column
     kind="H100-SXM5-80GB",
     memory_bytes=80 * GiB,           # "GPU memory 80GB"
     peak_flops={"float32": 67e12,    # "FP32 67 teraFLOPS"
+                # dense = half the datasheet's with-sparsity figures; the H100 architecture
+                # whitepaper (SXM5): "989.4/1978.9" bf16 and fp16, "494.7/989.4" TF32
                 "tfloat32": 494.7e12,  # "TF32 Tensor Core 989 teraFLOPS" is with sparsity: half dense
                 "bfloat16": 989.4e12,  # "BFLOAT16 Tensor Core 1,979 teraFLOPS" with sparsity: half dense
                 "float16": 989.4e12,   # "FP16 Tensor Core 1,979 teraFLOPS" with sparsity: half dense
