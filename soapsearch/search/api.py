@@ -242,10 +242,11 @@ def search(model: torch.nn.Module | OpGraph, example_inputs: Sequence[Any] | Non
     plans, results = best_baselines(graph, n, evaluate)
     node_size = topo.node_size if topo.node_size and topo.node_size < n else None
     candidates = candidate_configs(graph, n, microbatches, node_size)
-    moves = Moves(graph, n, MoveRates(config.zero_move, config.recompute_move, config.microbatch_move),
+    moves = Moves(graph, n, MoveRates(config.zero_move, config.recompute_move, config.microbatch_move,
+                                      config.repeat_move),
                   microbatch_choices(graph, config.microbatch_choices, microbatches), node_size,
                   {microbatches: Space(candidates, neighbor_ops(graph, candidates),
-                                       BlockMoves(graph, n, microbatches) or None)})
+                                       BlockMoves(graph, n, microbatches) or None)}, config.repeat_stages)
     stats = ChainStats()
     for name, plan in plans.items():  # the answer is never worse than an expert's plan
         consider(stats, plan, results[name], plan_cost(results[name]), started)

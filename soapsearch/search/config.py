@@ -68,6 +68,14 @@ class SearchConfig:
     """The probability that a proposal gives the plan another count of ``microbatch_choices``
     or pipeline schedule (rejected unless every op's config stays valid with the count;
     ``moves.Moves.microbatches``); 0: the chains keep ``microbatches`` and ``schedule``."""
+    repeat_move: float = 0.1
+    """The probability that a proposal other than a sharding-level, recompute or micro-batch
+    move sets op i of every instance of a repeated block (a transformer's layers,
+    ``strategies.repeats``) to one config, or copies one instance's configs to all
+    (``repeatmove.RepeatMoves``); drawn only where the graph has repeated blocks."""
+    repeat_stages: bool = False
+    """A repeated-block move lets instances on other devices than the one it draws from (other
+    pipeline stages) keep their own devices: each takes the config moved onto them."""
     microbatch_choices: tuple[int, ...] = (1, 2, 4, 8)
     """The counts a micro-batch move draws from: those the batch divides and every op takes
     (``strategies.pieces.check_microbatches``), and ``microbatches`` itself."""
@@ -115,6 +123,11 @@ class SearchConfig:
         for name, p in rates.items():
             if not (isinstance(p, (int, float)) and not isinstance(p, bool) and 0 <= p <= 1):
                 raise ValueError(f"search {name} = {p!r}: a probability is a number in [0, 1]")
+        if not (isinstance(self.repeat_move, (int, float)) and not isinstance(self.repeat_move, bool)
+                and 0 <= self.repeat_move <= 1):
+            raise ValueError(f"search repeat_move = {self.repeat_move!r}: a probability is a number in [0, 1]")
+        if not isinstance(self.repeat_stages, bool):
+            raise ValueError(f"search repeat_stages = {self.repeat_stages!r}: must be True or False")
         if sum(rates.values()) > 1:
             raise ValueError(f"search zero_move + recompute_move + microbatch_move = "
                              f"{' + '.join(f'{p:g}' for p in rates.values())} = {sum(rates.values()):g}: "

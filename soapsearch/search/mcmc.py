@@ -8,7 +8,9 @@ redistributions between them that single-op moves must cross; the reverse of suc
 not always one, so the chain is a search, not an exact sampler). Where the graph has
 Megatron-shaped blocks, a proposal is instead, with probability ``blockmove.BLOCK`` (0.1), a
 block move: one block's column linears, middle ops and row linear set to one tensor-parallel
-(or data-parallel) layout together (``blockmove.py``). With the rates of ``moves.MoveRates``, a
+(or data-parallel) layout together (``blockmove.py``); before it, where the graph has repeated
+blocks, a proposal is with probability ``MoveRates.repeat`` a repeated-block move: op i of every
+instance (a transformer's layers) set alike (``repeatmove.py``). With the rates of ``moves.MoveRates``, a
 proposal is instead a sharding-level, recompute or micro-batch move (``moves.py``); an op,
 group or block move keeps each op's sharding level and recompute. Every proposal is accepted
 with probability min(1, exp(−β · (cost(new) − cost(current)))) (Metropolis et al. 1953), cost
@@ -181,7 +183,7 @@ def run_chain(init: Strategy, evaluate: Callable[[Strategy], SimResult],
     rates = moves.rates if moves is not None else None
     cut = (rates.microbatches, rates.microbatches + rates.zero,
            rates.microbatches + rates.zero + rates.recompute) if rates is not None else None
-    if cut is not None and not cut[-1]:  # no memory move: op and block moves alone
+    if cut is not None and not cut[-1]:  # no memory move: op, repeated-block and block moves alone
         cut = None
 
     def space(m: int) -> Space:  # the op moves' configs for the plan's own micro-batches
@@ -195,6 +197,8 @@ def run_chain(init: Strategy, evaluate: Callable[[Strategy], SimResult],
         if cut is not None and u < cut[-1]:
             kind = moves.microbatches if u < cut[0] else moves.zero if u < cut[1] else moves.recompute
             return kind(current, rng), False
+        if moves is not None and moves.repeats and rng.random() < rates.repeat:
+            return moves.repeated(current, rng), False
         if here.blocks and rng.random() < BLOCK:
             return here.blocks.propose(current, rng), True
         if not here.ops:
