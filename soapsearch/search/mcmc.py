@@ -10,7 +10,9 @@ Megatron-shaped blocks, a proposal is instead, with probability ``blockmove.BLOC
 block move: one block's column linears, middle ops and row linear set to one tensor-parallel
 (or data-parallel) layout together (``blockmove.py``); before it, where the graph has repeated
 blocks, a proposal is with probability ``MoveRates.repeat`` a repeated-block move: op i of every
-instance (a transformer's layers) set alike (``repeatmove.py``). With the rates of ``moves.MoveRates``, a
+instance (a transformer's layers) set alike (``repeatmove.py``), and before that, with
+probability ``MoveRates.factorization``, a global move: every op re-derived from another data ×
+tensor × pipeline factorization, or the pipeline stages rebalanced (``globalmove.py``). With the rates of ``moves.MoveRates``, a
 proposal is instead a sharding-level, recompute or micro-batch move (``moves.py``); an op,
 group or block move keeps each op's sharding level and recompute. Every proposal is accepted
 with probability min(1, exp(−β · (cost(new) − cost(current)))) (Metropolis et al. 1953), cost
@@ -197,6 +199,8 @@ def run_chain(init: Strategy, evaluate: Callable[[Strategy], SimResult],
         if cut is not None and u < cut[-1]:
             kind = moves.microbatches if u < cut[0] else moves.zero if u < cut[1] else moves.recompute
             return kind(current, rng), False
+        if moves is not None and moves.globals and rng.random() < rates.factorization:
+            return moves.globals.propose(current, rng), False
         if moves is not None and moves.repeats and rng.random() < rates.repeat:
             return moves.repeated(current, rng), False
         if here.blocks and rng.random() < BLOCK:

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from soapsearch.search.blockmove import BlockMoves
+from soapsearch.search.globalmove import GlobalMoves
 from soapsearch.search.repeatmove import RepeatMoves
 from strategies.config import ZERO_LEVELS, ParallelConfig, enumerate_configs, validate_config
 from strategies.errors import PlanError
@@ -66,6 +67,8 @@ class MoveRates:
     repeat: float = 0.0
     """Of the other proposals, a repeated-block move (``repeatmove.py``), where the graph has
     repeated blocks."""
+    factorization: float = 0.0
+    """Of the other proposals, a global move (``globalmove.py``), where ``Moves.globals`` is set."""
 
 
 @dataclass
@@ -125,6 +128,8 @@ class Moves:
         self.blocks = [(*cols, *mid, row) for cols, mid, row in megatron_blocks(graph)] if num_devices > 1 else []
         self._replicated: dict[tuple[str, tuple[int, ...]], bool] = {}
         self.repeats = RepeatMoves(graph, num_devices, repeat_stages) if rates.repeat else None
+        self.globals: GlobalMoves | None = None
+        """The global moves (``globalmove.GlobalMoves``), set by the search that has them."""
 
     def repeated(self, current: Strategy, rng: random.Random) -> Strategy | None:
         """``current`` with op i of every instance of a repeated block set alike
