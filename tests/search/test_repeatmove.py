@@ -9,7 +9,6 @@ import pytest
 
 from simulator.cost import get_cost_model
 from simulator.presets import get_topology
-from simulator.simulate import simulate_plan
 from soapsearch.search import SearchConfig, search
 from soapsearch.search.api import Evaluator
 from soapsearch.search.mcmc import candidate_configs
@@ -18,6 +17,7 @@ from strategies import data_parallel
 from strategies.config import ParallelConfig
 from strategies.megatron import megatron
 from tests.conftest import traced
+from tests.search.delta_check import assert_delta_equals_full
 
 
 def _changed(before, after):
@@ -47,11 +47,7 @@ def test_the_move_changes_every_instance_alike_and_delta_equals_full():
             assert all(inst[i] in changed or proposal[inst[i]] == current[inst[i]] for inst in block.instances)
         assert any(all(inst[i] in changed for inst in block.instances) for i in positions)
         proposal.validate(graph)
-        delta = evaluate(proposal, summary=True)
-        full = simulate_plan(graph, proposal, topo, cost, summary=True)
-        assert (delta.iteration_time, delta.peak_memory_bytes, delta.busy_time, delta.bytes_moved,
-                delta.num_tasks) == (full.iteration_time, full.peak_memory_bytes, full.busy_time,
-                                     full.bytes_moved, full.num_tasks)
+        assert_delta_equals_full(evaluate, proposal)
         if rng.random() < 0.6:
             current = proposal
     assert made >= 25
