@@ -12,10 +12,10 @@ block move: one block's column linears, middle ops and row linear set to one ten
 blocks, a proposal is with probability ``MoveRates.repeat`` a repeated-block move: op i of every
 instance (a transformer's layers) set alike (``repeatmove.py``), and before that, with
 probability ``MoveRates.factorization``, a global move: every op re-derived from another data ×
-tensor × pipeline factorization, or the pipeline stages rebalanced (``globalmove.py``). With the rates of ``moves.MoveRates``, a
-proposal is instead a sharding-level, recompute or micro-batch move (``moves.py``); an op,
-group or block move keeps each op's sharding level and recompute. Every proposal is accepted
-with probability min(1, exp(−β · (cost(new) − cost(current)))) (Metropolis et al. 1953), cost
+tensor × pipeline factorization, or the pipeline stages rebalanced (``globalmove.py``). With
+the rates of ``moves.MoveRates``, a proposal is instead a sharding-level, recompute or
+micro-batch move (``moves.py``); an op, group or block move keeps each op's sharding level
+and recompute. Every proposal is accepted with probability min(1, exp(−β · (cost(new) − cost(current)))) (Metropolis et al. 1953), cost
 in milliseconds. A plan that does not fit in device memory costs its time × (1 + 10 ·
 overflow), overflow being the worst device's peak / capacity − 1, so chains can cross such
 plans; a proposal that fits is always accepted from one that does not, and plans are ranked

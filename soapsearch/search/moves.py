@@ -22,7 +22,8 @@ micro-batches (issue 21: memory is a searched resource).
 Moves that change an op's degrees or devices (``mcmc``'s op and group moves, ``blockmove``)
 keep its sharding level and recompute (``keep``). ``mcmc.run_chain`` makes each kind with its
 probability (``MoveRates``: ``SearchConfig.zero_move``, ``recompute_move``,
-``microbatch_move``; of the other proposals ``repeat_move``) and accepts it by the same Metropolis rule as an op move.
+``microbatch_move``; of the other proposals ``global_move`` and ``repeat_move``) and accepts it
+by the same Metropolis rule as an op move.
 """
 
 from __future__ import annotations
