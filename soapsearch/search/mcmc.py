@@ -15,8 +15,8 @@ probability ``MoveRates.factorization``, a global move: every op re-derived from
 tensor × pipeline factorization, or the pipeline stages rebalanced (``globalmove.py``). With
 the rates of ``moves.MoveRates``, a proposal is instead a sharding-level, recompute or
 micro-batch move (``moves.py``); an op, group or block move keeps each op's sharding level
-and recompute. Every proposal is accepted with probability min(1, exp(−β · (cost(new) − cost(current)))) (Metropolis et al. 1953), cost
-in milliseconds. A plan that does not fit in device memory costs its time × (1 + 10 ·
+and recompute. Every proposal is accepted with probability
+min(1, exp(−β · (cost(new) − cost(current)))) (Metropolis et al. 1953), cost in milliseconds. A plan that does not fit in device memory costs its time × (1 + 10 ·
 overflow), overflow being the worst device's peak / capacity − 1, so chains can cross such
 plans; a proposal that fits is always accepted from one that does not, and plans are ranked
 lexicographically (``rank``): any plan that fits beats any plan that does not, so the best is
