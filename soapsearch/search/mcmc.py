@@ -17,8 +17,8 @@ the rates of ``moves.MoveRates``, a proposal is instead a sharding-level, recomp
 micro-batch move (``moves.py``); an op, group or block move keeps each op's sharding level
 and recompute. Every proposal is accepted with probability
 min(1, exp(−β · (cost(new) − cost(current)))) (Metropolis et al. 1953), cost in milliseconds.
-A plan that does not fit in device memory costs its time × (1 + 10 · overflow), overflow being the worst device's peak / capacity − 1, so chains can cross such
-plans; a proposal that fits is always accepted from one that does not, and plans are ranked
+A plan that does not fit in device memory costs its time × (1 + 10 · overflow), overflow
+being the worst device's peak / capacity − 1, so chains can cross such plans; a proposal that fits is always accepted from one that does not, and plans are ranked
 lexicographically (``rank``): any plan that fits beats any plan that does not, so the best is
 one that fits whenever a chain has seen one.
 
