@@ -22,6 +22,7 @@ from soapsearch.search.chains import Chain, Progress, default_workers, run_chain
 from soapsearch.search.config import SearchConfig, search_config
 from soapsearch.search.exhaustive import search_exhaustively, space_size
 from soapsearch.search.mcmc import Budget, ChainStats, candidate_configs, consider, neighbor_ops, plan_cost
+from soapsearch.search.globalmove import GlobalMoves
 from soapsearch.search.moves import MoveRates, Moves, Space, microbatch_choices
 from soapsearch.trace import check_scalar_loss, trace
 from strategies import (OpGraph, PlanError, Strategy, baseline, load_strategy, save_strategy)
@@ -48,14 +49,16 @@ class Evaluator:
         self._tasks = TaskCache(topology, cost)
         self.calls = 0
 
-    def __call__(self, plan: Strategy, summary: bool = False) -> SimResult:
-        """Iteration time and memory of ``plan`` (``summary``: also busy times, bytes moved)."""
+    def __call__(self, plan: Strategy, summary: bool = False, timeline: bool = False) -> SimResult:
+        """Iteration time and memory of ``plan`` (``summary``: also busy times, bytes moved;
+        ``timeline``: every task's times)."""
         self.calls += 1
         plan = self.planned(plan)
         if len(self._cache) > 200_000:
             self._cache.clear()
         return simulate_plan(self.graph, lower(self.graph, plan, self._cache), self.topology,
-                             self.cost, optimizer=self.optimizer, summary=summary, cache=self._tasks)
+                             self.cost, optimizer=self.optimizer, summary=summary, timeline=timeline,
+                             cache=self._tasks)
 
     def planned(self, plan: Strategy) -> Strategy:
         """``plan`` in the search's precision (a baseline or initial plan is made in "model")."""
@@ -170,7 +173,13 @@ def _accumulate(graph: OpGraph, n: int, evaluate: Evaluator, stats: ChainStats, 
 
 
 def _initial(item: Any, graph: OpGraph, n: int, rng: random.Random, candidates, microbatches: int,
-             schedule: str, baselines: dict[str, Strategy]) -> Strategy:
+             schedule: str, baselines: dict[str, Strategy], globals_: GlobalMoves | None = None) -> Strategy:
+    if item == "factorized":
+        plans = [globals_.draw(rng) for _ in range(32)] if globals_ else []
+        plan = next((p for p in plans if p is not None), None)
+        if plan is None:
+            raise PlanError(None, "init", item, f"model {graph.name!r} on {n} devices has no valid factorization")
+        return plan
     if item == "random":
         return Strategy.of({op: rng.choice(cfgs) for op, cfgs in candidates.items()}, n,
                            microbatches, schedule)
@@ -184,8 +193,8 @@ def _initial(item: Any, graph: OpGraph, n: int, rng: random.Random, candidates, 
     elif isinstance(item, (str, os.PathLike)) and (str(item).endswith(".json") or os.path.exists(item)):
         plan, where = load_strategy(item, graph), f"init {os.fspath(item)}"
     else:
-        raise PlanError(None, "init", item, f"must be a baseline name ({', '.join(BASELINES)}), 'random', a plan "
-                        "JSON path or a Strategy")
+        raise PlanError(None, "init", item, f"must be a baseline name ({', '.join(BASELINES)}), 'random', "
+                        "'factorized', a plan JSON path or a Strategy")
     if plan.num_devices != n:
         raise PlanError(None, "num_devices", plan.num_devices, f"the search uses {n} devices", where)
     if plan.microbatches != microbatches:  # a chain runs its start's own count (its moves follow it)
@@ -242,10 +251,14 @@ def search(model: torch.nn.Module | OpGraph, example_inputs: Sequence[Any] | Non
     plans, results = best_baselines(graph, n, evaluate)
     node_size = topo.node_size if topo.node_size and topo.node_size < n else None
     candidates = candidate_configs(graph, n, microbatches, node_size)
-    moves = Moves(graph, n, MoveRates(config.zero_move, config.recompute_move, config.microbatch_move),
+    moves = Moves(graph, n, MoveRates(config.zero_move, config.recompute_move, config.microbatch_move,
+                                      config.repeat_move, config.global_move),
                   microbatch_choices(graph, config.microbatch_choices, microbatches), node_size,
                   {microbatches: Space(candidates, neighbor_ops(graph, candidates),
-                                       BlockMoves(graph, n, microbatches) or None)})
+                                       BlockMoves(graph, n, microbatches) or None)}, config.repeat_stages)
+    if config.global_move or "factorized" in (config.init or ()):
+        moves.globals = GlobalMoves(graph, n, moves.choices, config.precision,
+                                    lambda plan: evaluate(plan, timeline=True)) or None
     stats = ChainStats()
     for name, plan in plans.items():  # the answer is never worse than an expert's plan
         consider(stats, plan, results[name], plan_cost(results[name]), started)
@@ -257,7 +270,8 @@ def search(model: torch.nn.Module | OpGraph, example_inputs: Sequence[Any] | Non
                                     config.precision, budget.seconds)
         return _result(stats, evaluate, graph, topo, results, plans, started, False, 1, count, size)
     init = ("hybrid",) if config.init is None else config.init  # hybrid: data parallel where n divides the batch
-    inits = [evaluate.planned(_initial(i, graph, n, rng, candidates, microbatches, schedule, plans)) for i in init]
+    inits = [evaluate.planned(_initial(i, graph, n, rng, candidates, microbatches, schedule, plans, moves.globals))
+             for i in init]
     count = len(inits) if config.chains is None else config.chains
     if budget.proposals is not None:  # every chain makes a proposal at least
         count = min(count, budget.proposals)

@@ -33,7 +33,8 @@ class SearchConfig:
     """How long each kernel takes: ``analytical`` (roofline), ``profiled`` (timed and cached)
     or a CostModel."""
     init: tuple[Any, ...] | None = None
-    """The chains' initial plans: baseline names, ``random``, plan JSON paths or Strategies
+    """The chains' initial plans: baseline names, ``random``, ``factorized`` (a factorization's
+    plan drawn with the seed, ``globalmove.py``), plan JSON paths or Strategies
     (one item alone is one plan); None: ``hybrid`` (data parallel, or data x tensor parallel
     where a micro-batch does not divide by the devices)."""
     seed: int = 0
@@ -68,6 +69,20 @@ class SearchConfig:
     """The probability that a proposal gives the plan another count of ``microbatch_choices``
     or pipeline schedule (rejected unless every op's config stays valid with the count;
     ``moves.Moves.microbatches``); 0: the chains keep ``microbatches`` and ``schedule``."""
+    repeat_move: float = 0.1
+    """The probability that a proposal other than a sharding-level, recompute or micro-batch
+    move sets op i of every instance of a repeated block (a transformer's layers,
+    ``strategies.repeats``) to one config, or copies one instance's configs to all
+    (``repeatmove.RepeatMoves``); drawn only where the graph has repeated blocks."""
+    global_move: float = 0.02
+    """The probability that a proposal other than a sharding-level, recompute or micro-batch
+    move gives every op the config of another factorization of the devices (data × tensor ×
+    pipeline degrees, micro-batches, schedule, sharding level, recompute, as the megatron
+    baseline derives them) or rebalances the plan's pipeline stages by simulated times
+    (``globalmove.GlobalMoves``); 0: none."""
+    repeat_stages: bool = False
+    """A repeated-block move lets instances on other devices than the one it draws from (other
+    pipeline stages) keep their own devices: each takes the config moved onto them."""
     microbatch_choices: tuple[int, ...] = (1, 2, 4, 8)
     """The counts a micro-batch move draws from: those the batch divides and every op takes
     (``strategies.pieces.check_microbatches``), and ``microbatches`` itself."""
@@ -115,6 +130,14 @@ class SearchConfig:
         for name, p in rates.items():
             if not (isinstance(p, (int, float)) and not isinstance(p, bool) and 0 <= p <= 1):
                 raise ValueError(f"search {name} = {p!r}: a probability is a number in [0, 1]")
+        if not (isinstance(self.repeat_move, (int, float)) and not isinstance(self.repeat_move, bool)
+                and 0 <= self.repeat_move <= 1):
+            raise ValueError(f"search repeat_move = {self.repeat_move!r}: a probability is a number in [0, 1]")
+        if not (isinstance(self.global_move, (int, float)) and not isinstance(self.global_move, bool)
+                and 0 <= self.global_move <= 1):
+            raise ValueError(f"search global_move = {self.global_move!r}: a probability is a number in [0, 1]")
+        if not isinstance(self.repeat_stages, bool):
+            raise ValueError(f"search repeat_stages = {self.repeat_stages!r}: must be True or False")
         if sum(rates.values()) > 1:
             raise ValueError(f"search zero_move + recompute_move + microbatch_move = "
                              f"{' + '.join(f'{p:g}' for p in rates.values())} = {sum(rates.values()):g}: "

@@ -4,17 +4,21 @@ A proposal gives one random op one random valid config (of the same enumeration 
 ``strategies.config.enumerate_configs``); with probability ``GROUP`` it also gives each of the
 op's producers and consumers a random config on the same devices, where it has one (a layout
 several ops share, e.g. all on one device, is reached in one move instead of through the costly
-redistributions between them that single-op moves must cross; the reverse of such a move is
-not always one, so the chain is a search, not an exact sampler). Where the graph has
-Megatron-shaped blocks, a proposal is instead, with probability ``blockmove.BLOCK`` (0.1), a
-block move: one block's column linears, middle ops and row linear set to one tensor-parallel
-(or data-parallel) layout together (``blockmove.py``). With the rates of ``moves.MoveRates``, a
-proposal is instead a sharding-level, recompute or micro-batch move (``moves.py``); an op,
-group or block move keeps each op's sharding level and recompute. Every proposal is accepted
-with probability min(1, exp(−β · (cost(new) − cost(current)))) (Metropolis et al. 1953), cost
-in milliseconds. A plan that does not fit in device memory costs its time × (1 + 10 ·
-overflow), overflow being the worst device's peak / capacity − 1, so chains can cross such
-plans; a proposal that fits is always accepted from one that does not, and plans are ranked
+redistributions between them that single-op moves must cross; the reverse of such a move is not
+always one, so the chain is a search, not an exact sampler). Where the graph has Megatron-shaped
+blocks, a proposal is instead, with probability ``blockmove.BLOCK`` (0.1), a block move: one
+block's column linears, middle ops and row linear set to one tensor-parallel (or data-parallel)
+layout together (``blockmove.py``); before it, where the graph has repeated blocks, a proposal
+is with probability ``MoveRates.repeat`` a repeated-block move: op i of every instance (a
+transformer's layers) set alike (``repeatmove.py``), and before that, with probability
+``MoveRates.factorization``, a global move: every op re-derived from another data × tensor ×
+pipeline factorization, or the pipeline stages rebalanced (``globalmove.py``). With the rates of
+``moves.MoveRates``, a proposal is instead a sharding-level, recompute or micro-batch move
+(``moves.py``); an op, group or block move keeps each op's sharding level and recompute. Every
+proposal is accepted with probability min(1, exp(−β · (cost(new) − cost(current)))) (Metropolis
+et al. 1953), cost in milliseconds. A plan that does not fit in device memory costs its time ×
+(1 + 10 · overflow), overflow being the worst device's peak / capacity − 1, so chains can cross
+such plans; a proposal that fits is always accepted from one that does not, and plans are ranked
 lexicographically (``rank``): any plan that fits beats any plan that does not, so the best is
 one that fits whenever a chain has seen one.
 
@@ -181,7 +185,7 @@ def run_chain(init: Strategy, evaluate: Callable[[Strategy], SimResult],
     rates = moves.rates if moves is not None else None
     cut = (rates.microbatches, rates.microbatches + rates.zero,
            rates.microbatches + rates.zero + rates.recompute) if rates is not None else None
-    if cut is not None and not cut[-1]:  # no memory move: op and block moves alone
+    if cut is not None and not cut[-1]:  # no memory move: op, repeated-block and block moves alone
         cut = None
 
     def space(m: int) -> Space:  # the op moves' configs for the plan's own micro-batches
@@ -195,6 +199,10 @@ def run_chain(init: Strategy, evaluate: Callable[[Strategy], SimResult],
         if cut is not None and u < cut[-1]:
             kind = moves.microbatches if u < cut[0] else moves.zero if u < cut[1] else moves.recompute
             return kind(current, rng), False
+        if moves is not None and moves.globals and rng.random() < rates.factorization:
+            return moves.globals.propose(current, rng), False
+        if moves is not None and moves.repeats and rng.random() < rates.repeat:
+            return moves.repeated(current, rng), False
         if here.blocks and rng.random() < BLOCK:
             return here.blocks.propose(current, rng), True
         if not here.ops:

@@ -16,10 +16,14 @@ micro-batches (issue 21: memory is a searched resource).
   simulated. The op moves that follow draw from the
   candidates of the plan's own count (``space``).
 
+- **Repeated block** (``repeatmove.py``): op i of every instance of a repeated block (a
+  transformer's layers) set to one config, or one instance's configs copied to all.
+
 Moves that change an op's degrees or devices (``mcmc``'s op and group moves, ``blockmove``)
 keep its sharding level and recompute (``keep``). ``mcmc.run_chain`` makes each kind with its
 probability (``MoveRates``: ``SearchConfig.zero_move``, ``recompute_move``,
-``microbatch_move``) and accepts it by the same Metropolis rule as an op move.
+``microbatch_move``; of the other proposals ``global_move`` and ``repeat_move``) and accepts it
+by the same Metropolis rule as an op move.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from soapsearch.search.blockmove import BlockMoves
+from soapsearch.search.globalmove import GlobalMoves
+from soapsearch.search.repeatmove import RepeatMoves
 from strategies.config import ZERO_LEVELS, ParallelConfig, enumerate_configs, validate_config
 from strategies.errors import PlanError
 from strategies.graph import OpGraph
@@ -59,6 +65,11 @@ class MoveRates:
     zero: float = 0.0
     recompute: float = 0.0
     microbatches: float = 0.0
+    repeat: float = 0.0
+    """Of the other proposals, a repeated-block move (``repeatmove.py``), where the graph has
+    repeated blocks."""
+    factorization: float = 0.0
+    """Of the other proposals, a global move (``globalmove.py``), where ``Moves.globals`` is set."""
 
 
 @dataclass
@@ -109,7 +120,7 @@ class Moves:
 
     def __init__(self, graph: OpGraph, num_devices: int, rates: MoveRates = MoveRates(),
                  choices: Sequence[int] = (1,), node_size: int | None = None,
-                 spaces: dict[int, Space] | None = None):
+                 spaces: dict[int, Space] | None = None, repeat_stages: bool = False):
         self.graph, self.num_devices, self.rates, self.node_size = graph, num_devices, rates, node_size
         self.choices = tuple(choices)
         self.spaces: dict[int, Space] = dict(spaces or {})
@@ -117,6 +128,16 @@ class Moves:
         self.computing = [n.name for n in graph if recomputable(graph, n)]
         self.blocks = [(*cols, *mid, row) for cols, mid, row in megatron_blocks(graph)] if num_devices > 1 else []
         self._replicated: dict[tuple[str, tuple[int, ...]], bool] = {}
+        self.repeats = RepeatMoves(graph, num_devices, repeat_stages) if rates.repeat else None
+        self.globals: GlobalMoves | None = None
+        """The global moves (``globalmove.GlobalMoves``), set by the search that has them."""
+
+    def repeated(self, current: Strategy, rng: random.Random) -> Strategy | None:
+        """``current`` with op i of every instance of a repeated block set alike
+        (``repeatmove.RepeatMoves``); None where the graph has no repeated block."""
+        if not self.repeats:
+            return None
+        return self.repeats.propose(current, self.space(current.microbatches).candidates, rng)
 
     def space(self, m: int) -> Space:
         if m not in self.spaces:

@@ -9,13 +9,13 @@ import pytest
 
 from simulator.cost import get_cost_model
 from simulator.presets import get_topology
-from simulator.simulate import simulate_plan
 from soapsearch.search import search
 from soapsearch.search.api import Evaluator
 from soapsearch.search.blockmove import BlockMoves
 from strategies import data_parallel
 from strategies.megatron import megatron_blocks
 from tests.conftest import traced
+from tests.search.delta_check import assert_delta_equals_full
 
 
 @pytest.mark.parametrize("name,microbatches", [("gpt", 1), ("gpt", 2), ("llama", 1)])
@@ -40,11 +40,7 @@ def test_block_moves_are_valid_and_delta_equals_full(name, microbatches):
         rows = [op for op in changed if graph[op].kind == "linear" and any(
             proposal[op].degrees[i] > 1 for i in graph[op].reduction_dims)]
         tensor_parallel += bool(rows)
-        delta = evaluate(proposal, summary=True)
-        full = simulate_plan(graph, proposal, topo, cost, summary=True)
-        assert (delta.iteration_time, delta.peak_memory_bytes, delta.busy_time, delta.bytes_moved,
-                delta.num_tasks) == (full.iteration_time, full.peak_memory_bytes, full.busy_time,
-                                     full.bytes_moved, full.num_tasks)
+        assert_delta_equals_full(evaluate, proposal)
         if rng.random() < 0.6:
             current = proposal
     assert made >= 10 and tensor_parallel >= 5, (made, tensor_parallel)

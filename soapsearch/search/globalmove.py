@@ -1,0 +1,110 @@
+"""The global move: one proposal that changes how the devices are factored, data × tensor ×
+pipeline degrees with the micro-batches and schedule, the sharding level, recompute and the
+layout between the blocks, and re-derives every op's config from it as the baselines do
+(``strategies.megatron.megatron``: ``tp``, ``pp``, ``microbatches``, ``sequence_parallel``;
+``strategies.baselines.sharded`` and ``recomputed`` for the flags). A proposal draws one
+factorization uniformly, whatever the current plan, so the reverse of a move from one
+factorization's plan to another's is a move of the same probability (on plans that are not a
+factorization's, the op moves' ground, the chain is a search, not an exact sampler).
+
+With probability ``RESTAGE``, where the current plan has pipeline stages, the proposal is
+instead the plan with its stages rebalanced by the simulator's per-unit times
+(``stagemove.restage``: PipeDream's dynamic program).
+
+``mcmc.run_chain`` makes it with probability ``SearchConfig.global_move`` of the proposals other
+than sharding-level, recompute and micro-batch moves; ``init="factorized"`` starts a chain from
+a factorization drawn with its seed.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from simulator.result import SimResult
+from soapsearch.search.stagemove import restage
+from strategies.baselines import recomputed, sharded
+from strategies.config import ZERO_LEVELS
+from strategies.errors import PlanError
+from strategies.graph import OpGraph
+from strategies.megatron import megatron, megatron_blocks
+from strategies.strategy import SCHEDULES, Strategy
+
+__all__ = ["RESTAGE", "Factorization", "GlobalMoves"]
+
+RESTAGE = 0.25
+"""The probability that a global proposal from a pipelined plan rebalances its stages."""
+
+
+@dataclass(frozen=True)
+class Factorization:
+    """Data × ``tp`` × ``pp`` devices, ``microbatches`` under ``schedule``, the weighted ops at
+    sharding level ``zero``, the blocks' ops recomputed or not, the ops between the blocks cut on
+    the sequence (``sequence_parallel``) or the samples."""
+
+    tp: int
+    pp: int
+    microbatches: int
+    schedule: str
+    zero: int
+    recompute: bool
+    sequence_parallel: bool
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+class GlobalMoves:
+    """The factorizations of one graph on ``num_devices`` devices (micro-batches of
+    ``choices``), each one's plan made when first drawn and kept; ``timed`` simulates a plan
+    with its timeline (the restage's times)."""
+
+    def __init__(self, graph: OpGraph, num_devices: int, choices: Sequence[int], precision: str,
+                 timed: Callable[[Strategy], SimResult] | None = None):
+        self.graph, self.num_devices, self.precision, self.timed = graph, num_devices, precision, timed
+        blocks = len(megatron_blocks(graph))
+        tps = [t for t in _divisors(num_devices) if t <= 8] if blocks else [1]
+        pps = [p for p in _divisors(num_devices) if p <= max(blocks, 1)]
+        self.factorizations = [
+            Factorization(t, p, m, s, z, r, sp)
+            for t in tps for p in pps if t * p <= num_devices for m in choices
+            for s in (SCHEDULES if m > 1 else ("gpipe",)) for z in ZERO_LEVELS
+            for r in ((False, True) if blocks else (False,)) for sp in ((False, True) if t > 1 else (False,))]
+        self._base: dict[tuple, Strategy | None] = {}
+        self._made: dict[Factorization, Strategy | None] = {}
+
+    def __bool__(self) -> bool:
+        return self.num_devices > 1 and len(self.factorizations) > 1
+
+    def plan(self, f: Factorization) -> Strategy | None:
+        """The plan of ``f`` (None where the graph does not take it: a PlanError of the baseline)."""
+        if f not in self._made:
+            key = (f.tp, f.pp, f.microbatches, f.sequence_parallel)
+            if key not in self._base:
+                try:
+                    self._base[key] = megatron(self.graph, self.num_devices, f.tp, f.pp, f.microbatches,
+                                               f.sequence_parallel)
+                except PlanError:
+                    self._base[key] = None
+            plan = self._base[key]
+            if plan is not None:
+                plan = plan.with_microbatches(f.microbatches, f.schedule)
+                plan = sharded(plan, self.graph, f.zero) if f.zero else plan
+                plan = recomputed(plan, self.graph) if f.recompute else plan
+                plan = plan.with_precision(self.precision)
+            self._made[f] = plan
+        return self._made[f]
+
+    def draw(self, rng: random.Random) -> Strategy | None:
+        """The plan of a factorization drawn uniformly (None where the graph does not take it)."""
+        return self.plan(rng.choice(self.factorizations))
+
+    def propose(self, current: Strategy, rng: random.Random) -> Strategy | None:
+        """A drawn factorization's plan, or (``RESTAGE``) ``current`` restaged; None where it is
+        ``current`` or not valid."""
+        if self.timed is not None and rng.random() < RESTAGE:
+            return restage(self.graph, current, self.timed)
+        plan = self.draw(rng)
+        return None if plan is None or plan == current else plan
