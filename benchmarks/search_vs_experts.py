@@ -78,10 +78,11 @@ def main() -> None:
             rate = found.proposals / max(found.elapsed_s, 1e-9)
             # data parallel's busiest device computes this long: a plan that does the same work
             # split evenly cannot be faster, so DP ms / busy bounds the speedup over DP
-            busy = max(found.baseline_results["data_parallel"].busy_time)
+            busy = max(found.baseline_results["data_parallel"].busy_time)  # always scored: the first
             fits = "" if found.result.fits else " (does not fit)"
             overflow = [k for k in EXPERTS if k in found.baseline_results and not found.baseline_results[k].fits]
             fits += f" (baselines that do not fit: {', '.join(overflow)})" if overflow else ""
+            fits += f" (not scored in the budget: {', '.join(found.unscored)})" if found.unscored else ""
             row = (f"{name:13s} {topo_name:9s} {n:3d} {graph.batch_size:5d} "
                    + " ".join(fmt(b.get(k)) for k in EXPERTS)
                    + f" {found.predicted_ms:9.1f} {dp / found.predicted_ms if dp else float('nan'):5.2f}x"

@@ -104,6 +104,11 @@ class SearchResult(FoundPlan):
     space: int = 0
     """How many plans that space holds (where enumerated): the answer is exact where
     ``exhaustive`` equals it, else the time budget ran out first."""
+    unscored: tuple[str, ...] = ()
+    """Baselines the time budget ran out before scoring (not in ``baselines``)."""
+    stopped_early: int = 0
+    """Chains that stopped before their budget's end, their best not improved for
+    ``SearchConfig.patience`` proposals (or half their budget)."""
 
     @property
     def exact(self) -> bool:
@@ -119,17 +124,27 @@ def save_found(path: str | os.PathLike, found: FoundPlan) -> None:
                   predicted=predicted)
 
 
-def best_baselines(graph: OpGraph, num_devices: int, evaluate: Evaluator
-                   ) -> tuple[dict[str, Strategy], dict[str, SimResult]]:
+def best_baselines(graph: OpGraph, num_devices: int, evaluate: Evaluator, deadline: float | None = None,
+                   unscored: list[str] | None = None) -> tuple[dict[str, Strategy], dict[str, SimResult]]:
     """Each baseline that is valid for this graph, simulated; ``pipeline`` is the best of
     GPipe and 1F1B over 2, 4 and 8 micro-batches; ``hybrid`` (data x tensor parallel) only
     where the batch does not divide by the devices (else it is data parallel); ``zero1`` and
     ``fsdp`` (data parallel with its replicated state sharded) and ``single_device`` (every op
     whole on device 0, where it fits in its memory) on more than one device;
     ``megatron`` only where the graph has a transformer's blocks
-    (``strategies.megatron.megatron_blocks``)."""
+    (``strategies.megatron.megatron_blocks``). Past ``deadline`` (``time.perf_counter()``) a
+    baseline is not scored, the first excepted, and its name goes to ``unscored``."""
     plans: dict[str, Strategy] = {}
     results: dict[str, SimResult] = {}
+
+    def late(name: str) -> bool:
+        """Past the deadline with one baseline scored: ``name`` is left unscored."""
+        if deadline is None or not results or time.perf_counter() < deadline:
+            return False
+        if unscored is not None and name not in unscored:
+            unscored.append(name)
+        return True
+
     names = ["data_parallel", "hybrid", "model_parallel", "owt"] + (
         ["zero1", "fsdp", "single_device"] if num_devices > 1 else [])
     if num_devices > 1 and megatron_blocks(graph):
@@ -141,6 +156,9 @@ def best_baselines(graph: OpGraph, num_devices: int, evaluate: Evaluator
             plans[name] = evaluate.planned(baseline(name, graph, num_devices))
         except PlanError:
             continue
+        if late(name):
+            del plans[name]
+            continue
         results[name] = evaluate(plans[name], summary=True)
         if name == "single_device" and not results[name].fits:  # a row only where it fits
             del plans[name], results[name]
@@ -148,6 +166,8 @@ def best_baselines(graph: OpGraph, num_devices: int, evaluate: Evaluator
         for schedule in ("gpipe", "1f1b"):
             try:
                 plan = evaluate.planned(baseline("pipeline", graph, num_devices, m).with_microbatches(m, schedule))
+                if late("pipeline"):
+                    break
                 res = evaluate(plan, summary=True)
             except PlanError:  # the batch, or an op that mixes micro-batches (check_microbatches)
                 continue
@@ -156,12 +176,15 @@ def best_baselines(graph: OpGraph, num_devices: int, evaluate: Evaluator
     return plans, results
 
 
-def _accumulate(graph: OpGraph, n: int, evaluate: Evaluator, stats: ChainStats, started: float) -> None:
+def _accumulate(graph: OpGraph, n: int, evaluate: Evaluator, stats: ChainStats, started: float,
+                deadline: float | None) -> None:
     """When no expert plan fits: data parallel (``hybrid`` where a micro-batch does not divide by
     n) with gradient accumulation, 1F1B over 2, 4, 8 micro-batches (one micro-batch's
     activations held at a time), the fewest that fits considered as the answer (it is not a
     chain's start: the chains keep their micro-batches)."""
     for m in PIPELINE_MICROBATCHES:
+        if deadline is not None and time.perf_counter() >= deadline:
+            return
         try:
             plan = evaluate.planned(hybrid(graph, n, m).with_microbatches(m, "1f1b"))
             result = evaluate(plan)
@@ -234,8 +257,10 @@ def search(model: torch.nn.Module | OpGraph, example_inputs: Sequence[Any] | Non
     (``exhaustive.py``; ``SearchResult.exhaustive`` counts them). Deterministic for a seed under a proposal budget, with any number of
     workers. ``on_step`` gets a ``Progress`` as it goes. The model must return one scalar loss
     (``check_scalar_loss``)."""
+    started = time.perf_counter()  # the time budget counts from here: tracing and baselines too
     config = search_config(config, fields)
     budget = Budget(config.budget_s, config.proposals)  # one of them at least
+    deadline = None if budget.seconds is None else started + budget.seconds
     microbatches, schedule, seed = config.microbatches, config.schedule, config.seed
     graph = model if isinstance(model, OpGraph) else trace(model, example_inputs)
     check_scalar_loss(graph)
@@ -247,28 +272,32 @@ def search(model: torch.nn.Module | OpGraph, example_inputs: Sequence[Any] | Non
     cost = get_cost_model(config.cost_model) if isinstance(config.cost_model, str) else config.cost_model
     evaluate = Evaluator(graph, topo, cost, config.optimizer, config.precision)
     rng = random.Random(seed)
-    started = time.perf_counter()
-    plans, results = best_baselines(graph, n, evaluate)
+    unscored: list[str] = []
+    plans, results = best_baselines(graph, n, evaluate, deadline, unscored)
+    stats = ChainStats()
+    for name, plan in plans.items():  # the answer is never worse than an expert's plan
+        consider(stats, plan, results[name], plan_cost(results[name]), started)
+    if stats.best_result is not None and not stats.best_result.fits:
+        _accumulate(graph, n, evaluate, stats, started, deadline)
+    done = _Done(evaluate, graph, topo, results, plans, started, unscored)
+    if deadline is not None and time.perf_counter() >= deadline:  # the budget went on the baselines
+        return done(stats, False, 1, 0, 0)
     node_size = topo.node_size if topo.node_size and topo.node_size < n else None
     candidates = candidate_configs(graph, n, microbatches, node_size)
     moves = Moves(graph, n, MoveRates(config.zero_move, config.recompute_move, config.microbatch_move,
-                                      config.repeat_move, config.global_move),
+                                      repeat=config.repeat_move, factorization=config.global_move,
+                                      subgraph=config.subgraph_move),
                   microbatch_choices(graph, config.microbatch_choices, microbatches), node_size,
                   {microbatches: Space(candidates, neighbor_ops(graph, candidates),
                                        BlockMoves(graph, n, microbatches) or None)}, config.repeat_stages)
     if config.global_move or "factorized" in (config.init or ()):
         moves.globals = GlobalMoves(graph, n, moves.choices, config.precision,
                                     lambda plan: evaluate(plan, timeline=True)) or None
-    stats = ChainStats()
-    for name, plan in plans.items():  # the answer is never worse than an expert's plan
-        consider(stats, plan, results[name], plan_cost(results[name]), started)
-    if stats.best_result is not None and not stats.best_result.fits:
-        _accumulate(graph, n, evaluate, stats, started)
     size = space_size(candidates)
     if size <= config.exhaustive_limit and (budget.proposals is None or size <= budget.proposals):
         count = search_exhaustively(candidates, evaluate, stats, started, n, microbatches, schedule,
-                                    config.precision, budget.seconds)
-        return _result(stats, evaluate, graph, topo, results, plans, started, False, 1, count, size)
+                                    config.precision, None if deadline is None else deadline - time.perf_counter())
+        return done(stats, False, 1, count, size)
     init = ("hybrid",) if config.init is None else config.init  # hybrid: data parallel where n divides the batch
     inits = [evaluate.planned(_initial(i, graph, n, rng, candidates, microbatches, schedule, plans, moves.globals))
              for i in init]
@@ -280,7 +309,8 @@ def search(model: torch.nn.Module | OpGraph, example_inputs: Sequence[Any] | Non
     if workers > 1 and measures:
         raise ValueError(f"search workers = {workers} with a cost model that times kernels: "
                          "chains timing at once would time each other; use workers=1")
-    seconds = None if budget.seconds is None else budget.seconds / -(-count // workers)  # per round
+    left = None if deadline is None else deadline - time.perf_counter()
+    seconds = None if left is None else max(left, 1e-3) / -(-count // workers)  # per round
     work = [Chain(inits[i % len(inits)], seed,  # the proposals handed out, the first chains taking the rest
                   Budget(seconds, None if budget.proposals is None
                          else budget.proposals // count + (i < budget.proposals % count)))
@@ -289,20 +319,34 @@ def search(model: torch.nn.Module | OpGraph, example_inputs: Sequence[Any] | Non
                                     reset_every=config.reset_every, workers=workers, on_step=on_step,
                                     neighbors=moves.spaces[microbatches].neighbors,
                                     blocks=moves.spaces[microbatches].blocks, moves=moves,
-                                    replicas=config.replicas)
+                                    replicas=config.replicas, patience=config.patience)
     if stats.best is None:  # interrupted before the first chain scored its start
         stats.best = inits[0]
-    return _result(stats, evaluate, graph, topo, results, plans, started, interrupted, min(workers, count), 0, 0)
+    return done(stats, interrupted, min(workers, count), 0, 0)
 
 
-def _result(stats: ChainStats, evaluate: Evaluator, graph: OpGraph, topo: Topology, results: dict[str, SimResult],
-            plans: dict[str, Strategy], started: float, interrupted: bool, workers: int,
-            exhaustive: int, space: int) -> SearchResult:
-    best = evaluate(stats.best, summary=True)  # chains score without busy times / bytes moved
-    return SearchResult(stats.best, best, graph, topo,
-                        baselines={k: r.iteration_ms for k, r in results.items()},
-                        baseline_results=results, proposals=stats.proposals,
-                        elapsed_s=time.perf_counter() - started, interrupted=interrupted,
-                        baseline_plans=plans, history=stats.history, accepted=stats.accepted,
-                        block_accepted=stats.block_accepted, workers=workers, exhaustive=exhaustive,
-                        space=space)
+@dataclass(frozen=True)
+class _Done:
+    """What a search's result holds besides its stats: the SearchResult made from them."""
+
+    evaluate: Evaluator
+    graph: OpGraph
+    topo: Topology
+    results: dict[str, SimResult]
+    plans: dict[str, Strategy]
+    started: float
+    unscored: list[str]
+
+    def __call__(self, stats: ChainStats, interrupted: bool, workers: int, exhaustive: int,
+                 space: int) -> SearchResult:
+        best = stats.best_result  # a baseline's is scored with its summary; chains score without
+        if not any(best is r for r in self.results.values()):
+            best = self.evaluate(stats.best, summary=True)
+        return SearchResult(stats.best, best, self.graph, self.topo,
+                            baselines={k: r.iteration_ms for k, r in self.results.items()},
+                            baseline_results=self.results, proposals=stats.proposals,
+                            elapsed_s=time.perf_counter() - self.started, interrupted=interrupted,
+                            baseline_plans=self.plans, history=stats.history, accepted=stats.accepted,
+                            block_accepted=stats.block_accepted, workers=workers, exhaustive=exhaustive,
+                            space=space, unscored=tuple(self.unscored),
+                            stopped_early=stats.stopped_early)

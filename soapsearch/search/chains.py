@@ -67,10 +67,11 @@ def run_chains(chains: list[Chain], evaluate: Callable[[Strategy], SimResult],
                on_step: Callable[[Progress], None] | None = None,
                neighbors: dict[str, tuple[str, ...]] | None = None,
                blocks: BlockMoves | None = None, moves: Moves | None = None,
-               replicas: int = REPLICAS) -> tuple[ChainStats, bool]:
+               replicas: int = REPLICAS, patience: int | None = None) -> tuple[ChainStats, bool]:
     """Every chain from a copy of ``base`` (the scored baselines), ``workers`` at a time; the
     merged stats (``merge``) and whether Ctrl-C stopped the search. ``workers`` > 1 forks; a
-    chain's error is raised here as it was raised there. ``neighbors``, ``blocks`` and ``moves``:
+    chain's error is raised here as it was raised there. ``neighbors``, ``blocks``, ``moves``,
+    ``replicas`` and ``patience``:
     ``mcmc.run_chain``'s."""
     if workers < 1:
         raise ValueError(f"search workers = {workers}: must be >= 1")
@@ -80,15 +81,15 @@ def run_chains(chains: list[Chain], evaluate: Callable[[Strategy], SimResult],
                              "use workers=1")
         results, interrupted = _forked(chains, evaluate, candidates, base, started, beta, reset_every,
                                        workers, on_step, neighbors, blocks, moves,
-                                       replicas)
+                                       replicas, patience)
     else:
         results, interrupted = _in_turn(chains, evaluate, candidates, base, started, beta, reset_every,
-                                        on_step, neighbors, blocks, moves, replicas)
+                                        on_step, neighbors, blocks, moves, replicas, patience)
     return merge(base, results), interrupted
 
 
 def _in_turn(chains, evaluate, candidates, base, started, beta, reset_every, on_step, neighbors, blocks, moves,
-             replicas):
+             replicas, patience):
     rows = _rows([0.0] * (_FIELDS * len(chains)), base)
     results: list[ChainStats] = []
     for i, chain in enumerate(chains):
@@ -103,7 +104,7 @@ def _in_turn(chains, evaluate, candidates, base, started, beta, reset_every, on_
         try:
             run_chain(chain.start, evaluate, candidates, chain.budget, chain_rng(chain.seed, i),
                       beta, reset_every, stats, started, on_step=step, neighbors=neighbors, blocks=blocks,
-                      moves=moves, replicas=replicas)
+                      moves=moves, replicas=replicas, patience=patience)
         except KeyboardInterrupt:
             results.append(stats)
             return results, True
@@ -140,7 +141,7 @@ def _progress(rows, base: ChainStats) -> Progress:
 
 
 def _forked(chains, evaluate, candidates, base, started, beta, reset_every, workers, on_step, neighbors, blocks,
-            moves, replicas):
+            moves, replicas, patience):
     ctx = multiprocessing.get_context("fork")
     shared = _rows(ctx.RawArray("d", _FIELDS * len(chains)), base)
     stop = ctx.RawValue("b", 0)
@@ -157,7 +158,8 @@ def _forked(chains, evaluate, candidates, base, started, beta, reset_every, work
                     recv, send = ctx.Pipe(duplex=False)
                     proc = ctx.Process(target=_worker, daemon=True,
                                        args=(send, i, chains[i], evaluate, candidates, base, started, beta,
-                                             reset_every, shared, stop, neighbors, blocks, moves, replicas))
+                                             reset_every, shared, stop, neighbors, blocks, moves, replicas,
+                                             patience))
                     running[recv] = (i, proc)
                     try:
                         proc.start()
@@ -210,7 +212,7 @@ def _close(conn, proc, terminate: bool = False) -> None:
 
 
 def _worker(conn, i, chain, evaluate, candidates, base, started, beta, reset_every, shared, stop,
-            neighbors, blocks, moves, replicas) -> None:
+            neighbors, blocks, moves, replicas, patience) -> None:
     """A forked chain: runs until its budget or the parent's stop flag, then sends its stats."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides: it raises the stop flag
     write = _writer(shared, i, base)
@@ -219,7 +221,7 @@ def _worker(conn, i, chain, evaluate, candidates, base, started, beta, reset_eve
         run_chain(chain.start, evaluate, candidates, chain.budget, chain_rng(chain.seed, i), beta,
                   reset_every, stats, started, should_stop=lambda: bool(stop.value),
                   on_step=lambda s, _cost: write(s), neighbors=neighbors, blocks=blocks, moves=moves,
-                  replicas=replicas)
+                  replicas=replicas, patience=patience)
         write(stats)
         conn.send(("ok", stats))
     except BaseException as e:  # noqa: BLE001 - raised again in the parent, as with one worker
@@ -254,6 +256,7 @@ def merge(base: ChainStats, results: list[ChainStats]) -> ChainStats:
         out.proposals += stats.proposals - base.proposals
         out.accepted += stats.accepted - base.accepted
         out.block_accepted += stats.block_accepted - base.block_accepted
+        out.stopped_early += stats.stopped_early - base.stopped_early
         events += zip(stats.history[len(base.history):], stats.ranks[len(base.ranks):])
         if stats.best_result is not None and (
                 out.best_result is None

@@ -49,6 +49,9 @@ def add_search_parsers(sub, model_args, graph_of) -> None:
                     help="use only the first N devices (default all of the topology's)")
     sp.add_argument("--chains", type=int, default=c.chains,
                     help="MCMC chains (default one per --init plan; chain i starts from the i-th, cycling)")
+    sp.add_argument("--patience", type=int, default=c.patience,
+                    help="a chain stops where its best has not improved for this many proposals "
+                         "(default: for half its budget; 0: never)")
     sp.add_argument("--exhaustive-limit", type=int, default=c.exhaustive_limit,
                     help="simulate every plan where the op configs make at most this many (and no more than "
                          f"--proposals); 0: always MCMC (default {c.exhaustive_limit})")
@@ -82,7 +85,8 @@ def config_of(args, cost_model) -> SearchConfig:
                         microbatches=args.microbatches, schedule=args.schedule, optimizer=args.optimizer,
                         precision=DTYPE_FLAGS[args.dtype],
                         num_devices=args.devices,
-                        chains=args.chains, workers=args.workers, exhaustive_limit=args.exhaustive_limit)
+                        chains=args.chains, workers=args.workers, exhaustive_limit=args.exhaustive_limit,
+                        patience=args.patience)
 
 
 def _cmd_search(args, graph_of) -> int:
@@ -123,7 +127,9 @@ def _cmd_search(args, graph_of) -> int:
                           "fits": result.result.fits, "peak_memory": result.result.to_json().get("peak_memory"),
                           "interrupted": result.interrupted,
                           "workers": result.workers, "exhaustive": getattr(result, "exhaustive", 0), "space": getattr(result, "space", 0),
-                          "exact": getattr(result, "exact", False)}))
+                          "exact": getattr(result, "exact", False),
+                          "unscored": list(getattr(result, "unscored", ())),
+                          "stopped_early": getattr(result, "stopped_early", 0)}))
         return 0
     print(table(result))
     stop = "stopped by Ctrl-C; " if result.interrupted else ""
@@ -137,6 +143,11 @@ def _cmd_search(args, graph_of) -> int:
     else:
         print(f"{stop}{result.proposals} proposals in {result.elapsed_s:.1f} s "
               f"({result.proposals / max(result.elapsed_s, 1e-9):.0f}/s{side})")
+    if getattr(result, "unscored", ()):
+        print(f"not scored, the time budget spent first: {', '.join(result.unscored)}")
+    if getattr(result, "stopped_early", 0):
+        print(f"{result.stopped_early} chain(s) stopped early, their best not improved for "
+              + (f"{args.patience} proposals" if args.patience else "half their budget"))
     print(f"wrote the plan for {graph.name} to {path}{replacing}")
     return 0
 

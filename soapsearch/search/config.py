@@ -83,6 +83,10 @@ class SearchConfig:
     repeat_stages: bool = False
     """A repeated-block move lets instances on other devices than the one it draws from (other
     pipeline stages) keep their own devices: each takes the config moved onto them."""
+    subgraph_move: float = 0.05
+    """The probability that a proposal places a connected set of up to ``subgraph.MAX_OPS`` ops
+    on one device set of the topology's groups, whole on one device or cut alike on its sample
+    dim (``subgraph.SubgraphMoves``); 0: never."""
     microbatch_choices: tuple[int, ...] = (1, 2, 4, 8)
     """The counts a micro-batch move draws from: those the batch divides and every op takes
     (``strategies.pieces.check_microbatches``), and ``microbatches`` itself."""
@@ -90,6 +94,11 @@ class SearchConfig:
     """Plan for only the first N devices of the topology; None: all of them."""
     reset_every: int = 500
     """A chain returns to its best plan every this many proposals; 0: never."""
+    patience: int | None = None
+    """A chain stops early where its best has not improved for this many proposals
+    (``SearchResult.stopped_early`` counts those that did); None: for half its budget (of
+    seconds, or of proposals); 0: never, every chain runs its whole budget. Under a proposal
+    budget the stop is deterministic for a seed."""
     chains: int | None = None
     """MCMC chains; None: one per initial plan (chain i starts from ``init[i % len(init)]``)."""
     exhaustive_limit: int = 100_000
@@ -115,7 +124,8 @@ class SearchConfig:
             Budget(proposals=self.proposals)
         for name, least, optional in (("num_devices", 1, True), ("chains", 1, True), ("workers", 1, True),
                                       ("microbatches", 1, False), ("reset_every", 0, False),
-                                      ("exhaustive_limit", 0, False), ("replicas", 1, False)):
+                                      ("exhaustive_limit", 0, False), ("replicas", 1, False),
+                                      ("patience", 0, True)):
             _check_whole(name, getattr(self, name), least, optional)
         if not whole(self.seed):
             raise ValueError(f"search seed = {self.seed!r}: must be a whole number")
@@ -126,7 +136,7 @@ class SearchConfig:
         if self.precision not in PRECISIONS:
             raise ValueError(f"search precision = {self.precision!r}: must be one of {list(PRECISIONS)}")
         rates = {"zero_move": self.zero_move, "recompute_move": self.recompute_move,
-                 "microbatch_move": self.microbatch_move}
+                 "microbatch_move": self.microbatch_move, "subgraph_move": self.subgraph_move}
         for name, p in rates.items():
             if not (isinstance(p, (int, float)) and not isinstance(p, bool) and 0 <= p <= 1):
                 raise ValueError(f"search {name} = {p!r}: a probability is a number in [0, 1]")
@@ -139,7 +149,7 @@ class SearchConfig:
         if not isinstance(self.repeat_stages, bool):
             raise ValueError(f"search repeat_stages = {self.repeat_stages!r}: must be True or False")
         if sum(rates.values()) > 1:
-            raise ValueError(f"search zero_move + recompute_move + microbatch_move = "
+            raise ValueError(f"search {' + '.join(rates)} = "
                              f"{' + '.join(f'{p:g}' for p in rates.values())} = {sum(rates.values()):g}: "
                              "the probabilities of a proposal's kinds must sum to at most 1")
         choices = tuple(self.microbatch_choices)

@@ -26,12 +26,14 @@ one that fits whenever a chain has seen one.
 probability 1/2) and annealed to greedy by the budget's end, over ``REPLICAS`` plans per chain
 at different temperatures that exchange plans (parallel tempering); the coldest resets to the
 best every ``reset_every`` of its proposals (``run_chain``). With β given, one plan walks at
-that constant β, resets to the best every ``reset_every`` proposals and stops early when the
-best has not improved for half its budget.
+that constant β and resets to the best every ``reset_every`` proposals. Either way a chain stops
+early where its best has not improved for half its budget (or ``SearchConfig.patience``
+proposals; 0: never).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import numbers
 import operator
@@ -133,6 +135,9 @@ class ChainStats:
     """(fits, cost) of each ``history`` entry: what ``consider`` compared (chains.merge)."""
     block_accepted: int = 0
     """Accepted block moves (``blockmove.py``)."""
+    stopped_early: int = 0
+    """Chains that stopped before their budget's end, their best not improved for their
+    patience (``run_chain``)."""
 
 
 def candidate_configs(graph: OpGraph, num_devices: int, microbatches: int,
@@ -158,18 +163,19 @@ def run_chain(init: Strategy, evaluate: Callable[[Strategy], SimResult],
               on_step: Callable[[ChainStats, float], None] | None = None,
               neighbors: dict[str, tuple[str, ...]] | None = None,
               blocks: BlockMoves | None = None, moves: Moves | None = None,
-              replicas: int = REPLICAS) -> ChainStats:
+              replicas: int = REPLICAS, patience: int | None = None) -> ChainStats:
     """One chain from ``init``. With ``beta`` (per ms) given, one plan walks at that constant
-    inverse temperature (the chain resets it to its best every ``reset_every`` proposals and
-    stops early when the best has not improved for half its budget). Without (the default), the
+    inverse temperature (the chain resets it to its best every ``reset_every`` proposals).
+    Without (the default), the
     temperature explores: a pilot of ``PILOT`` proposals at ``init`` sets β₀ = ln 2 / the median
     of their cost increases (a median-worse proposal accepted with probability 1/2; BETA_C /
     cost(init) where none is worse), annealed geometrically to ANNEAL · β₀ (greedy) by the
     budget's end; ``replicas`` plans walk at β, β·LADDER^(1/(R−1)), …, β·LADDER, each for
     SWEEP proposals in turn, and after every round adjacent replicas swap plans with
     probability min(1, exp((β_i − β_j)(c_i − c_j))) (parallel tempering, Swendsen & Wang 1986;
-    Geyer 1991); the coldest resets to the best every ``reset_every`` proposals; the chain
-    runs its whole budget. Deterministic for ``rng``'s seed under a proposal budget. Runs with
+    Geyer 1991); the coldest resets to the best every ``reset_every`` proposals. Either
+    chain stops early (``stats.stopped_early``) where its best has not improved for ``patience``
+    proposals (None: for half its budget, of seconds or of proposals; 0: never). Deterministic for ``rng``'s seed under a proposal budget. Runs with
     the cyclic collector paused (``paused_gc``). ``candidates`` are the op moves' configs where
     ``moves`` is None (every plan the chain holds then has one count of micro-batches); with
     ``moves``, every plan the chain holds (its start, a reset target, a swapped plan) proposes
@@ -183,8 +189,8 @@ def run_chain(init: Strategy, evaluate: Callable[[Strategy], SimResult],
     consider(stats, init, result, plan_cost(result), started)
     first = Space(candidates, neighbors, blocks)
     rates = moves.rates if moves is not None else None
-    cut = (rates.microbatches, rates.microbatches + rates.zero,
-           rates.microbatches + rates.zero + rates.recompute) if rates is not None else None
+    cut = tuple(itertools.accumulate((rates.microbatches, rates.zero, rates.recompute, rates.subgraph))
+                ) if rates is not None else None
     if cut is not None and not cut[-1]:  # no memory move: op, repeated-block and block moves alone
         cut = None
 
@@ -197,7 +203,8 @@ def run_chain(init: Strategy, evaluate: Callable[[Strategy], SimResult],
         here = space(current.microbatches)
         u = rng.random() if cut is not None else 1.0
         if cut is not None and u < cut[-1]:
-            kind = moves.microbatches if u < cut[0] else moves.zero if u < cut[1] else moves.recompute
+            kind = (moves.microbatches if u < cut[0] else moves.zero if u < cut[1]
+                    else moves.recompute if u < cut[2] else moves.subgraph)
             return kind(current, rng), False
         if moves is not None and moves.globals and rng.random() < rates.factorization:
             return moves.globals.propose(current, rng), False
@@ -221,21 +228,33 @@ def run_chain(init: Strategy, evaluate: Callable[[Strategy], SimResult],
 
     n = 0
     gain_n, gain_t = 0, 0.0  # proposals and seconds at the last improvement
+    stalled = False
+
+    def stall(elapsed: float) -> bool:
+        """The best not improved for ``patience`` proposals (None: half the budget)."""
+        if patience is not None:
+            return 0 < patience <= n - gain_n
+        return ((budget.seconds is not None and elapsed - gain_t > budget.seconds / 2)
+                or (budget.proposals is not None and n - gain_n > budget.proposals / 2))
 
     def spent() -> float | None:
         """The budget's fraction used (None: stop now)."""
+        nonlocal stalled
         if should_stop():
             return None
         elapsed = time.perf_counter() - t0
         used = 0.0
         if budget.seconds is not None:
-            if elapsed >= budget.seconds or (fixed and elapsed - gain_t > budget.seconds / 2):
+            if elapsed >= budget.seconds:
                 return None
             used = elapsed / budget.seconds
         if budget.proposals is not None:
-            if n >= budget.proposals or (fixed and n - gain_n > budget.proposals / 2):
+            if n >= budget.proposals:
                 return None
             used = max(used, n / budget.proposals)
+        if stall(elapsed):
+            stalled = True
+            return None
         return used
 
     def score(proposal: Strategy) -> tuple[SimResult | None, float]:
@@ -295,6 +314,7 @@ def run_chain(init: Strategy, evaluate: Callable[[Strategy], SimResult],
                 exchange(chain, [annealed(beta, used) * x for x in ladder], rng)
         if on_step:
             on_step(stats, me.cost)
+    stats.stopped_early += stalled
     return stats
 
 

@@ -35,6 +35,7 @@ from typing import Sequence
 from soapsearch.search.blockmove import BlockMoves
 from soapsearch.search.globalmove import GlobalMoves
 from soapsearch.search.repeatmove import RepeatMoves
+from soapsearch.search.subgraph import SubgraphMoves
 from strategies.config import ZERO_LEVELS, ParallelConfig, enumerate_configs, validate_config
 from strategies.errors import PlanError
 from strategies.graph import OpGraph
@@ -70,6 +71,8 @@ class MoveRates:
     repeated blocks."""
     factorization: float = 0.0
     """Of the other proposals, a global move (``globalmove.py``), where ``Moves.globals`` is set."""
+    subgraph: float = 0.0
+    """A connected set of ops onto one device set (``subgraph.py``)."""
 
 
 @dataclass
@@ -128,6 +131,7 @@ class Moves:
         self.computing = [n.name for n in graph if recomputable(graph, n)]
         self.blocks = [(*cols, *mid, row) for cols, mid, row in megatron_blocks(graph)] if num_devices > 1 else []
         self._replicated: dict[tuple[str, tuple[int, ...]], bool] = {}
+        self._subgraphs: dict[int, SubgraphMoves] = {}
         self.repeats = RepeatMoves(graph, num_devices, repeat_stages) if rates.repeat else None
         self.globals: GlobalMoves | None = None
         """The global moves (``globalmove.GlobalMoves``), set by the search that has them."""
@@ -192,6 +196,17 @@ class Moves:
         ops = self._scope(self.computing, rng)
         on = not all(current[op].recompute for op in ops)
         return _set(current, ops, lambda cfg: cfg.with_memory(recompute=on))
+
+    def subgraph(self, current: Strategy, rng: random.Random) -> Strategy | None:
+        """``current`` with a connected set of ops on one device set (``subgraph.py``), drawn
+        from the space of the plan's own count of micro-batches."""
+        m = current.microbatches
+        if m not in self._subgraphs:
+            here = self.space(m)
+            self._subgraphs[m] = SubgraphMoves(self.graph, self.num_devices, here.candidates,
+                                               here.neighbors or neighbor_ops(self.graph, here.candidates),
+                                               self.node_size)
+        return self._subgraphs[m].propose(current, rng)
 
     def microbatches(self, current: Strategy, rng: random.Random) -> Strategy | None:
         """``current`` with another (micro-batches, schedule) pair: a count of ``choices`` and,

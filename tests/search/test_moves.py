@@ -231,14 +231,15 @@ def test_search_with_every_move_is_deterministic_and_valid(gpt):
 @pytest.mark.parametrize("field,value,says", [
     ("zero_move", -0.1, "zero_move = -0.1: a probability is a number in \\[0, 1\\]"),
     ("recompute_move", True, "recompute_move = True"),
-    ("microbatch_move", 0.9, "zero_move \\+ recompute_move \\+ microbatch_move = 0.05 \\+ 0.05 \\+ 0.9 = 1: "),
+    ("microbatch_move", 0.9, "zero_move \\+ recompute_move \\+ microbatch_move \\+ subgraph_move = "
+     "0.05 \\+ 0.05 \\+ 0.9 \\+ 0.05 = 1.05: "),
     ("microbatch_choices", (0, 2), "microbatch_choices = \\[0, 2\\]: must be whole numbers >= 1"),
 ])
 def test_bad_rates_are_named(field, value, says):
     if field == "microbatch_move":
-        SearchConfig(microbatch_move=0.9)  # 1.0 in all: allowed
-        with pytest.raises(ValueError, match="must sum to at most 1"):
-            SearchConfig(microbatch_move=0.95)
+        SearchConfig(microbatch_move=0.85)  # 1.0 in all: allowed
+        with pytest.raises(ValueError, match=says + "the probabilities of a proposal's kinds must sum to at most 1"):
+            SearchConfig(microbatch_move=value)
         return
     with pytest.raises(ValueError, match=says):
         SearchConfig(**{field: value})

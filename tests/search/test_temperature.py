@@ -44,6 +44,6 @@ def test_exchange_follows_the_tempering_rule():
 def test_the_tempered_chain_is_deterministic_for_a_seed_with_any_workers():
     g = traced("mlp", batch_size=8)
     runs = [search(g, topology="p100-1x4", budget_s=None, proposals=600, chains=3, workers=w, seed=5,
-                   exhaustive_limit=0) for w in (1, 3)]
+                   exhaustive_limit=0, patience=0) for w in (1, 3)]
     assert runs[0].strategy == runs[1].strategy and runs[0].proposals == runs[1].proposals == 600
     assert runs[0].predicted_ms == runs[1].predicted_ms
