@@ -176,15 +176,13 @@ def best_baselines(graph: OpGraph, num_devices: int, evaluate: Evaluator, deadli
     return plans, results
 
 
-def _accumulate(graph: OpGraph, n: int, evaluate: Evaluator, stats: ChainStats, started: float,
-                deadline: float | None) -> None:
+def _accumulate(graph: OpGraph, n: int, evaluate: Evaluator, stats: ChainStats, started: float) -> None:
     """When no expert plan fits: data parallel (``hybrid`` where a micro-batch does not divide by
     n) with gradient accumulation, 1F1B over 2, 4, 8 micro-batches (one micro-batch's
     activations held at a time), the fewest that fits considered as the answer (it is not a
-    chain's start: the chains keep their micro-batches)."""
+    chain's start: the chains keep their micro-batches). It runs past the time budget: a plan
+    that fits comes before the budget (at most three more simulations)."""
     for m in PIPELINE_MICROBATCHES:
-        if deadline is not None and time.perf_counter() >= deadline:
-            return
         try:
             plan = evaluate.planned(hybrid(graph, n, m).with_microbatches(m, "1f1b"))
             result = evaluate(plan)
@@ -278,7 +276,7 @@ def search(model: torch.nn.Module | OpGraph, example_inputs: Sequence[Any] | Non
     for name, plan in plans.items():  # the answer is never worse than an expert's plan
         consider(stats, plan, results[name], plan_cost(results[name]), started)
     if stats.best_result is not None and not stats.best_result.fits:
-        _accumulate(graph, n, evaluate, stats, started, deadline)
+        _accumulate(graph, n, evaluate, stats, started)
     done = _Done(evaluate, graph, topo, results, plans, started, unscored)
     if deadline is not None and time.perf_counter() >= deadline:  # the budget went on the baselines
         return done(stats, False, 1, 0, 0)
