@@ -137,15 +137,9 @@ class SearchConfig:
             raise ValueError(f"search precision = {self.precision!r}: must be one of {list(PRECISIONS)}")
         rates = {"zero_move": self.zero_move, "recompute_move": self.recompute_move,
                  "microbatch_move": self.microbatch_move, "subgraph_move": self.subgraph_move}
-        for name, p in rates.items():
+        for name, p in {**rates, "repeat_move": self.repeat_move, "global_move": self.global_move}.items():
             if not (isinstance(p, (int, float)) and not isinstance(p, bool) and 0 <= p <= 1):
                 raise ValueError(f"search {name} = {p!r}: a probability is a number in [0, 1]")
-        if not (isinstance(self.repeat_move, (int, float)) and not isinstance(self.repeat_move, bool)
-                and 0 <= self.repeat_move <= 1):
-            raise ValueError(f"search repeat_move = {self.repeat_move!r}: a probability is a number in [0, 1]")
-        if not (isinstance(self.global_move, (int, float)) and not isinstance(self.global_move, bool)
-                and 0 <= self.global_move <= 1):
-            raise ValueError(f"search global_move = {self.global_move!r}: a probability is a number in [0, 1]")
         if not isinstance(self.repeat_stages, bool):
             raise ValueError(f"search repeat_stages = {self.repeat_stages!r}: must be True or False")
         if sum(rates.values()) > 1:
