@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from strategies.errors import PlanError
 from strategies.graph import OpGraph
 from strategies.stages import linear_partition
 
@@ -58,11 +59,14 @@ def _runs(costs: list[int], stages: int) -> list[int]:
 def megatron_stages(graph: OpGraph, blocks: Sequence[tuple[tuple[str, ...], tuple[str, ...], str]],
                     stages: int) -> dict[str, int]:
     """Op -> its pipeline stage (0 .. ``stages`` − 1): contiguous runs balanced by forward
-    FLOPs, a block never split; an input, weight or constant on its first reader's stage
-    (``stages`` must not exceed the units: the caller checks it against the blocks)."""
+    FLOPs, a block never split; an input, weight or constant on its first reader's stage.
+    PlanError where ``stages`` exceeds the units (overlapping blocks join into one unit)."""
     if stages == 1:
         return {n.name: 0 for n in graph}
     units = _units(graph, blocks)
+    if stages > len(units):
+        raise PlanError(None, "pp", stages, f"{len(units)} units of whole blocks and the ops between "
+                        f"them cannot fill {stages} pipeline stages")
     starts = _runs([max(sum(graph[x].flops for x in u), 1) for u in units], stages)
     stage: dict[str, int] = {}
     for s, (a, b) in enumerate(zip(starts, starts[1:] + [len(units)])):
