@@ -196,8 +196,8 @@ def _accumulate(graph: OpGraph, n: int, evaluate: Evaluator, stats: ChainStats, 
 def _initial(item: Any, graph: OpGraph, n: int, rng: random.Random, candidates, microbatches: int,
              schedule: str, baselines: dict[str, Strategy], globals_: GlobalMoves | None = None) -> Strategy:
     if item == "factorized":
-        plans = [globals_.draw(rng) for _ in range(32)] if globals_ else []
-        plan = next((p for p in plans if p is not None), None)
+        draws = (globals_.draw(rng) for _ in range(32 if globals_ else 0))
+        plan = next((p for p in draws if p is not None), None)
         if plan is None:
             raise PlanError(None, "init", item, f"model {graph.name!r} on {n} devices has no valid factorization")
         return plan
