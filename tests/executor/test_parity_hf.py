@@ -31,6 +31,9 @@ pytestmark = pytest.mark.distributed
 PLANS = ("dp", "param", "gpipe", "random1")
 CASES_2 = [(f"soapsearch.hf:{f}", PLANS[i % len(PLANS)]) for i, f in enumerate(FAMILIES)]
 """One plan per family, the plans taken in turn; test_parity_hf_every_plan runs them all."""
+QUICK_2 = CASES_2[:len(PLANS)]
+"""The first families, one of each plan: the README's test command (CI's time allows no more);
+the slow test_parity_hf_2_processes runs every family."""
 CASES_4 = [("soapsearch.hf:llama", "random2"), ("soapsearch.hf:gpt2", "param"),
            ("soapsearch.hf:bart", "dp")]
 ALL_2 = [(f"soapsearch.hf:{f}", p) for f in FAMILIES for p in (*PLANS, "random2")]
@@ -47,11 +50,16 @@ def _check(cases: list[tuple], world: int) -> None:
     assert not failed, "\n".join(failed)
 
 
+def test_parity_hf_each_plan_2_processes():
+    _check(QUICK_2, 2)
+
+
+@pytest.mark.slow
 def test_parity_hf_2_processes():
     _check(CASES_2, 2)
 
 
-@pytest.mark.slow  # the README's test command keeps the 2-process HF cases; CI's time allows no more
+@pytest.mark.slow
 def test_parity_hf_4_processes():
     _check(CASES_4, 4)
 
