@@ -3,15 +3,13 @@ gathers (losses, full gradients, full state_dicts) for the parent to compare."""
 
 from __future__ import annotations
 
-import os
 import traceback
-from datetime import timedelta
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from soapsearch.executor import Executor, TrainConfig, build_model
+from tests.executor.gloo import gloo_group
 from tests.executor.plans import make_plan
 
 STEPS = 2
@@ -20,10 +18,7 @@ OPTIMIZERS = {"sgd": TrainConfig("sgd", lr=0.05, momentum=0.9, timeout_s=60),
 
 
 def run_cases(rank: int, world: int, port: int, cases: list[tuple], out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
-    try:
+    with gloo_group(rank, world, port):
         for i, (model_name, plan, *batch) in enumerate(cases):
             try:
                 built = build_model(model_name, "tiny", batch_size=(batch or [None])[0], dtype="float64")
@@ -44,5 +39,3 @@ def run_cases(rank: int, world: int, port: int, cases: list[tuple], out_dir: str
                 raise
             if rank == 0:
                 torch.save(result, Path(out_dir) / f"{i}.pt")
-    finally:
-        dist.destroy_process_group()

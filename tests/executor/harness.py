@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-import socket
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.multiprocessing as mp
 
 from soapsearch.executor import build_model
 from tests.executor import _worker
+from tests.executor.gloo import free_port
 from tests.executor.reference import reference_train
 
 RTOL, ATOL = 1e-7, 1e-8
@@ -28,19 +29,14 @@ HF_ATOL = 1e-4
 (test_parity_hf.py's docstring gives the bound)."""
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def launch(cases: list[tuple], world: int) -> dict[int, dict]:
-    """Run every case on ``world`` gloo processes in one launch; case index -> rank 0's result
-    (or {"error": ...})."""
+def launch(cases: list[tuple], world: int, fn: Callable = _worker.run_cases) -> dict[int, dict]:
+    """Run every case on ``world`` gloo processes in one launch of ``fn(rank, world, port, cases,
+    out_dir)`` (``_worker.run_cases``: the parity worker); case index -> what rank 0 saved as
+    ``<index>.pt`` (or {"error": ...} from the ranks' ``<index>.rank<r>.pt``)."""
     with tempfile.TemporaryDirectory() as d:
         failure = None
         try:
-            mp.spawn(_worker.run_cases, args=(world, free_port(), cases, d), nprocs=world, join=True)
+            mp.spawn(fn, args=(world, free_port(), cases, d), nprocs=world, join=True)
         except Exception as e:  # a failed case stops the batch; later cases report it
             failure = str(e)
         out = {}
@@ -50,7 +46,7 @@ def launch(cases: list[tuple], world: int) -> dict[int, dict]:
             if errs:
                 out[i] = {"error": "\n".join(torch.load(e)["error"] for e in errs)}
             elif p.exists():
-                out[i] = torch.load(p)
+                out[i] = torch.load(p, weights_only=False)
             else:
                 out[i] = {"error": f"not run: the batch stopped earlier ({failure})"}
         return out

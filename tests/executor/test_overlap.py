@@ -7,19 +7,15 @@ backward step that makes it final and the last backward step."""
 
 from __future__ import annotations
 
-import os
-from datetime import timedelta
 from pathlib import Path
-import tempfile
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from soapsearch.executor import Executor, build_model
+from tests.executor.gloo import gloo_group, spawn_ranks
 from tests.executor._worker import OPTIMIZERS
-from tests.executor.harness import free_port, parity_tests
+from tests.executor.harness import parity_tests
 from tests.executor.plans import make_plan
 
 CASES_2 = [("mlp", "first1_dp"), ("mlp", "first1_dp_mb2"), ("mlp", "first1_dp+rc_mid")]
@@ -30,23 +26,16 @@ test_parity_4_processes = pytest.mark.slow(test_parity_4_processes)  # the READM
 
 
 def _trace(rank: int, world: int, port: int, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
-    try:
+    with gloo_group(rank, world, port):
         built = build_model("mlp", "tiny", dtype="float64")
         ex = Executor(built.graph, make_plan(built.graph, "first1_dp", world), built.state, built.inputs,
                       OPTIMIZERS["sgd"], trace=True)
         ex.step(seed=0)
         torch.save(ex.events, Path(out_dir) / f"{rank}.pt")
-    finally:
-        dist.destroy_process_group()
 
 
 def test_a_bucket_starts_before_the_last_backward_step():
-    with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_trace, args=(2, free_port(), d), nprocs=2, join=True)
-        traces = [torch.load(Path(d) / f"{r}.pt") for r in range(2)]
+    traces = spawn_ranks(_trace, 2)
     for events in traces:
         starts = [e for e in events if e["name"] == "gradient sync start"]
         assert [e["args"]["zero"] for e in starts] == [0, 1]  # bucket_order: the later ops' first

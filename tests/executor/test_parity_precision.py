@@ -26,21 +26,18 @@ rounded to bf16 on the wire, 4 times)."""
 
 from __future__ import annotations
 
-import os
-import tempfile
 import traceback
 from dataclasses import replace
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from soapsearch.executor import Executor, TrainConfig, build_model
 from strategies.strategy import COMPUTE_DTYPES
-from tests.executor.harness import free_port
+from tests.executor.gloo import gloo_group
+from tests.executor.harness import launch
 from tests.executor.plans import make_plan
 from tests.executor.reference import reference_train
 
@@ -75,10 +72,7 @@ SKIP = [("mlp", "row", "fp16", OVERFLOW)]
 def run_cases(rank: int, world: int, port: int, cases: list[tuple], out_dir: str) -> None:
     """Each (model, plan, precision[, loss scale]) case, SGD and Adam, on a float32 model; rank 0
     saves losses, full gradients and state_dicts (and the fp16 loss scale) for the parent."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
-    try:
+    with gloo_group(rank, world, port):
         for i, (model_name, plan, precision, *scale) in enumerate(cases):
             try:
                 built = build_model(model_name, "tiny")
@@ -101,8 +95,6 @@ def run_cases(rank: int, world: int, port: int, cases: list[tuple], out_dir: str
                 raise
             if rank == 0:
                 torch.save(result, Path(out_dir) / f"{i}.pt")
-    finally:
-        dist.destroy_process_group()
 
 
 def wire_cases(rank: int, world: int, port: int, cases: list[tuple], out_dir: str) -> None:
@@ -111,82 +103,61 @@ def wire_cases(rank: int, world: int, port: int, cases: list[tuple], out_dir: st
     gradient bucket's all-reduce, beside what the lowering (the simulator's input) says moves;
     rank 0 saves every rank's record."""
     import soapsearch.executor.runtime as runtime
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
     all_reduce, run_collective = dist.all_reduce, runtime.run_collective
-    try:
-        for i, (model_name, plan, precision) in enumerate(cases):
-            built = build_model(model_name, "tiny")
-            ex = Executor(built.graph, make_plan(built.graph, plan, world).with_precision(precision), built.state,
-                          built.inputs, OPTIMIZERS["sgd"])
-            got = {"forward": [], "backward": [], "collective": [], "bucket": []}
-            send, start, syncing = ex.p2p.send, ex.weights.start_bucket, []
-
-            def record_send(t, dst, index, backward, send=send, got=got):
-                got["backward" if backward else "forward"].append((t.dtype, t.numel() * t.element_size()))
-                send(t, dst, index, backward)
-
-            def record_start(*args, start=start, **kwargs):  # a bucket's all-reduce starts here
-                syncing.append(True)
-                try:
-                    return start(*args, **kwargs)
-                finally:
-                    syncing.clear()
-
-            def record_all_reduce(t, *args, got=got, **kwargs):
-                if syncing:
-                    got["bucket"].append((t.dtype, t.numel() * t.element_size()))
-                return all_reduce(t, *args, **kwargs)
-
-            def record_collective(kind, t, group, dim, got=got):
-                got["collective"].append((t.dtype, t.numel() * t.element_size()))
-                return run_collective(kind, t, group, dim)
-
-            ex.p2p.send, ex.weights.start_bucket = record_send, record_start
-            dist.all_reduce, runtime.run_collective = record_all_reduce, record_collective
-            try:
-                ex.step(seed=0)
-            finally:
-                dist.all_reduce, runtime.run_collective = all_reduce, run_collective
-            low = ex.lowered
-            remote = [t for t in low.transfers if not t.local]
-            calls = [c for c in low.collectives if rank in c.devices]
-            want = {"forward": sum(t.nbytes for t in remote if t.src_device == rank),
-                    "backward": sum(t.nbytes for t in remote if t.dst_device == rank
-                                    and low.graph.moves_grad(t.src_op, t.dst_op)),
-                    "collective": sum(c.nbytes // (len(c.devices) if kind == "all_gather" else 1)
-                                      for c in calls for kind in (c.kind, c.backward_kind if c.grad else None)
-                                      if kind is not None),
-                    "bucket": sum(b for key, b in low.gradient_sync.buckets.items() if rank in key.devices)}
-            mine = {"got": {k: sum(b for _, b in v) for k, v in got.items()}, "want": want,
-                    "dtypes": {k: sorted({str(d) for d, _ in v}) for k, v in got.items()}}
-            every = [None] * world
-            dist.all_gather_object(every, mine)
-            if rank == 0:
-                torch.save(every, Path(out_dir) / f"{i}.pt")
-    except Exception:
-        torch.save({"error": f"rank {rank}: {traceback.format_exc()}"}, Path(out_dir) / f"{i}.rank{rank}.pt")
-        raise
-    finally:
-        dist.destroy_process_group()
-
-
-def launch(cases: list[tuple], world: int, fn=run_cases) -> dict[int, dict]:
-    with tempfile.TemporaryDirectory() as d:
+    with gloo_group(rank, world, port):
         try:
-            mp.spawn(fn, args=(world, free_port(), cases, d), nprocs=world, join=True)
-        except Exception as e:
-            failure = str(e)
-        else:
-            failure = None
-        out = {}
-        for i in range(len(cases)):
-            errs = sorted(Path(d).glob(f"{i}.rank*.pt"))
-            p = Path(d) / f"{i}.pt"
-            out[i] = ({"error": "\n".join(torch.load(e)["error"] for e in errs)} if errs
-                      else torch.load(p, weights_only=False) if p.exists() else {"error": f"not run ({failure})"})
-        return out
+            for i, (model_name, plan, precision) in enumerate(cases):
+                built = build_model(model_name, "tiny")
+                ex = Executor(built.graph, make_plan(built.graph, plan, world).with_precision(precision), built.state,
+                              built.inputs, OPTIMIZERS["sgd"])
+                got = {"forward": [], "backward": [], "collective": [], "bucket": []}
+                send, start, syncing = ex.p2p.send, ex.weights.start_bucket, []
+
+                def record_send(t, dst, index, backward, send=send, got=got):
+                    got["backward" if backward else "forward"].append((t.dtype, t.numel() * t.element_size()))
+                    send(t, dst, index, backward)
+
+                def record_start(*args, start=start, **kwargs):  # a bucket's all-reduce starts here
+                    syncing.append(True)
+                    try:
+                        return start(*args, **kwargs)
+                    finally:
+                        syncing.clear()
+
+                def record_all_reduce(t, *args, got=got, **kwargs):
+                    if syncing:
+                        got["bucket"].append((t.dtype, t.numel() * t.element_size()))
+                    return all_reduce(t, *args, **kwargs)
+
+                def record_collective(kind, t, group, dim, got=got):
+                    got["collective"].append((t.dtype, t.numel() * t.element_size()))
+                    return run_collective(kind, t, group, dim)
+
+                ex.p2p.send, ex.weights.start_bucket = record_send, record_start
+                dist.all_reduce, runtime.run_collective = record_all_reduce, record_collective
+                try:
+                    ex.step(seed=0)
+                finally:
+                    dist.all_reduce, runtime.run_collective = all_reduce, run_collective
+                low = ex.lowered
+                remote = [t for t in low.transfers if not t.local]
+                calls = [c for c in low.collectives if rank in c.devices]
+                want = {"forward": sum(t.nbytes for t in remote if t.src_device == rank),
+                        "backward": sum(t.nbytes for t in remote if t.dst_device == rank
+                                        and low.graph.moves_grad(t.src_op, t.dst_op)),
+                        "collective": sum(c.nbytes // (len(c.devices) if kind == "all_gather" else 1)
+                                          for c in calls for kind in (c.kind, c.backward_kind if c.grad else None)
+                                          if kind is not None),
+                        "bucket": sum(b for key, b in low.gradient_sync.buckets.items() if rank in key.devices)}
+                mine = {"got": {k: sum(b for _, b in v) for k, v in got.items()}, "want": want,
+                        "dtypes": {k: sorted({str(d) for d, _ in v}) for k, v in got.items()}}
+                every = [None] * world
+                dist.all_gather_object(every, mine)
+                if rank == 0:
+                    torch.save(every, Path(out_dir) / f"{i}.pt")
+        except Exception:
+            torch.save({"error": f"rank {rank}: {traceback.format_exc()}"}, Path(out_dir) / f"{i}.rank{rank}.pt")
+            raise
 
 
 _REF: dict = {}
@@ -259,12 +230,12 @@ def check(case: tuple, result: dict) -> None:
 
 @pytest.fixture(scope="module")
 def results2():
-    return launch(CASES_2 + FLOAT32 + SKIP, 2)
+    return launch(CASES_2 + FLOAT32 + SKIP, 2, run_cases)
 
 
 @pytest.fixture(scope="module")
 def results4():
-    return launch(CASES_4, 4)
+    return launch(CASES_4, 4, run_cases)
 
 
 @pytest.mark.parametrize("i", range(len(CASES_2)), ids=["-".join(c) for c in CASES_2])

@@ -15,6 +15,7 @@ from soapsearch.executor.errors import ExecutorError, check_runnable
 from simulator.memory import memory_breakdown
 from strategies import data_parallel
 from strategies.lowering import lower
+from tests.executor.gloo import gloo_group, spawn_ranks
 from tests.conftest import traced
 from tests.executor.harness import parity_tests
 from tests.executor.plans import make_plan, recompute, recompute_ops
@@ -108,13 +109,8 @@ def _held_worker(rank: int, world: int, port: int, model: str, plan_name: str, o
     """One rank of ``test_each_rank_holds_what_the_model_keeps``: the bytes it holds at its
     first backward step, saved to ``out_dir``."""
     import math
-    import os
-    import torch.distributed as dist
     from strategies.schedule import warmups
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
+    with gloo_group(rank, world, port):
         built = build_model(model, "tiny", dtype="float64")
         plan = make_plan(built.graph, plan_name, world)
         ex = Watched(built.graph, plan, built.state, built.inputs, TrainConfig("sgd", lr=0.05))
@@ -138,29 +134,25 @@ def _held_worker(rank: int, world: int, port: int, model: str, plan_name: str, o
         ex._regraph, ex._backward = first(ex._regraph), first(ex._backward)
         ex.step(seed=1)
         torch.save(snapshot, f"{out_dir}/{rank}.pt")
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("plan", ["gpipe+rc_mid", "1f1b+rc_blocks"])
-def test_each_rank_holds_what_the_model_keeps(plan, tmp_path):
+def test_each_rank_holds_what_the_model_keeps(plan):
     """Two-stage pipelines, 2 micro-batches, on 2 gloo processes: at each rank's first backward
     step it holds its warm-up's w·K bytes (``DeviceBytes.kept``, w = ``warmups``): the outputs
     it keeps and the pieces recompute partitions keep for their recomputation (received from
     the other stage), none dropped, plus the pieces the other partitions received (held by
     their leaves or autograd graphs: counted from their shapes)."""
-    import torch.multiprocessing as mp
     from strategies.schedule import warmups
-    from tests.executor.harness import free_port
     model = "mlp" if "mid" in plan else "gpt"
-    mp.spawn(_held_worker, args=(2, free_port(), model, plan, str(tmp_path)), nprocs=2, join=True)
+    held = spawn_ranks(_held_worker, 2, model, plan)
     built = build_model(model, "tiny", dtype="float64")
     low = lower(built.graph, make_plan(built.graph, plan, 2))
     ws = warmups(low)
     weights = [n.name for n in built.graph if n.kind in ("parameter", "constant")]
     assert any(p.dropped for p in low.pieces.values())
     for rank in range(2):
-        got = torch.load(tmp_path / f"{rank}.pt")
+        got = held[rank]
         kept = low.device_bytes.kept[rank] - sum(low.pieces[w].activations[rank] for w in weights)
         assert got["outs"] + got["saved"] + got["received"] == ws[rank] * kept, (rank, got, ws[rank], kept)
-    assert any(torch.load(tmp_path / f"{r}.pt")["saved"] for r in range(2))  # a recompute op kept a received piece
+    assert any(h["saved"] for h in held)  # a recompute op kept a received piece

@@ -4,19 +4,14 @@ gathering step computes, and waited right before its own reader computes."""
 
 from __future__ import annotations
 
-import os
-import tempfile
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from soapsearch.executor import Executor, TrainConfig, build_model
 from strategies import data_parallel
-from tests.executor.harness import free_port
+from tests.executor.gloo import gloo_group, spawn_ranks
 from tests.executor.plans import zero
 
 pytestmark = pytest.mark.distributed
@@ -24,11 +19,8 @@ pytestmark = pytest.mark.distributed
 WORLD = 2
 
 
-def _record(rank: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=60))
-    try:
+def _record(rank: int, world: int, port: int, out: str) -> None:
+    with gloo_group(rank, world, port):
         built = build_model("mlp", "tiny", dtype="float64")
         ex = Executor(built.graph, zero(3, data_parallel(built.graph, WORLD), built.graph), built.state,
                       built.inputs, TrainConfig("sgd", lr=0.01, timeout_s=60))
@@ -47,8 +39,6 @@ def _record(rank: int, port: int, out: str) -> None:
         ex._backward = lambda r: (log.append(("bwd", r.part.op, len(fsdp.inflight))), bwd(r))[1]
         ex.step()
         torch.save(log, Path(out) / f"{rank}.pt")
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.slow
@@ -57,9 +47,7 @@ def test_gather_k_plus_1_starts_before_reader_k_computes():
     forwards, then their backwards in reverse). On each rank the log is: start 1, start 2,
     wait 1, compute 1 with gather 2 in flight, start 3, wait 2, compute 2 with 3 in flight, ...
     the last unit's gather waited with nothing started after it."""
-    with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_record, args=(free_port(), d), nprocs=WORLD, join=True)
-        logs = [torch.load(Path(d) / f"{r}.pt") for r in range(WORLD)]
+    logs = spawn_ranks(_record, WORLD)
     for log in logs:
         units = [(kind, op) for kind, op, _ in log if kind in ("fwd", "bwd")]
         waits = [i for i, e in enumerate(log) if e[0] == "wait"]

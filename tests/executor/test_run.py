@@ -90,15 +90,13 @@ def test_torchrun_entry_point_trains_and_saves(tmp_path):
 
 @pytest.mark.distributed
 def test_a_killed_rank_makes_the_others_exit_naming_it_and_the_op(tmp_path):
-    import socket
     import time
     from strategies.baselines import model_parallel
+    from tests.executor.gloo import free_port
     built = build_model("mlp", "tiny")
     plan = tmp_path / "plan.json"
     save_strategy(plan, model_parallel(built.graph, 2), built.graph)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     procs = []
     t0 = time.monotonic()
     for rank in (0, 1):

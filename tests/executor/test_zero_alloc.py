@@ -9,22 +9,17 @@ and 3 after each use's)."""
 
 from __future__ import annotations
 
-import os
-import tempfile
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from simulator.memory import memory_breakdown
 from soapsearch.executor import Executor, TrainConfig, build_model
 from strategies import data_parallel
 from strategies.lowering import lower
 from strategies.zero import sharded_state
-from tests.executor.harness import free_port
+from tests.executor.gloo import gloo_group, spawn_ranks
 from tests.executor.plans import zero
 
 pytestmark = pytest.mark.distributed
@@ -36,11 +31,8 @@ def _nbytes(ts) -> int:
     return sum(t.numel() * t.element_size() for t in ts if t is not None)
 
 
-def _held(rank: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=60))
-    try:
+def _held(rank: int, world: int, port: int, out: str) -> None:
+    with gloo_group(rank, world, port):
         built = build_model("gpt", "tiny", dtype="float64")
         got = {}
         for level in (0, 1, 2, 3):
@@ -57,14 +49,10 @@ def _held(rank: int, port: int, out: str) -> None:
                           "optimizer_state": _nbytes(state),
                           "master_weights": _nbytes(w.chunks.values()) + _nbytes(own[2])}
         torch.save(got, Path(out) / f"{rank}.pt")
-    finally:
-        dist.destroy_process_group()
 
 
 def test_held_tensors_match_the_memory_model():
-    with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_held, args=(free_port(), d), nprocs=WORLD, join=True)
-        held = [torch.load(Path(d) / f"{r}.pt") for r in range(WORLD)]
+    held = spawn_ranks(_held, WORLD)
     g = build_model("gpt", "tiny", dtype="float64").graph
     for level in (0, 1, 2, 3):
         low = lower(g, zero(level, data_parallel(g, WORLD), g))

@@ -8,21 +8,18 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib.util
-import os
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from soapsearch import trace, zoo
 from soapsearch._dtensor_source import python_source
 from soapsearch.cli import main
 from soapsearch.export_dtensor import dtensor_plan, module_names
 from strategies import ParallelConfig, PlanError, baseline, save_strategy
+from tests.executor.gloo import gloo_group, spawn_ranks
 from tests.conftest import cli_error
-from tests.executor.harness import free_port
 
 
 @pytest.fixture(scope="module")
@@ -167,9 +164,7 @@ def _tiny():
 
 
 def _worker(rank: int, world: int, port: int, path: str, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
+    with gloo_group(rank, world, port):
         exported = _load(path)
         ref, inputs = _tiny()
         model, _ = _tiny()
@@ -188,8 +183,6 @@ def _worker(rank: int, world: int, port: int, path: str, out: str) -> None:
         weights = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in model.state_dict().items()}
         torch.save({"losses": losses, "grads": grads, "weights": weights, "ref": ref.state_dict()},
                    Path(out) / f"{rank}.pt")
-    finally:
-        dist.destroy_process_group()
 
 
 def _vocab_parallel(plan):
@@ -217,9 +210,7 @@ def test_parity_two_gloo(gpt, tmp_path, case):
         tp = tp if tp.loss_parallel else _vocab_parallel(tp)
         path.write_text(python_source(tp, str(plan)))
         assert "'lm_head': ColwiseParallel(input_layouts=Shard(1), use_local_output=False)" in path.read_text()
-    mp.spawn(_worker, args=(2, free_port(), str(path), str(tmp_path)), nprocs=2, join=True)
-    for rank in range(2):
-        got = torch.load(tmp_path / f"{rank}.pt")
+    for got in spawn_ranks(_worker, 2, str(path)):
         ref_loss, loss = got["losses"]
         torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=0)
         assert set(got["grads"][False]) == set(got["grads"][True])
