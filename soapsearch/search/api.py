@@ -282,9 +282,7 @@ def search(model: torch.nn.Module | OpGraph, example_inputs: Sequence[Any] | Non
         return done(stats, False, 1, 0, 0)
     node_size = topo.node_size if topo.node_size and topo.node_size < n else None
     candidates = candidate_configs(graph, n, microbatches, node_size)
-    moves = Moves(graph, n, MoveRates(config.zero_move, config.recompute_move, config.microbatch_move,
-                                      repeat=config.repeat_move, factorization=config.global_move,
-                                      subgraph=config.subgraph_move),
+    moves = Moves(graph, n, MoveRates.of(config),
                   microbatch_choices(graph, config.microbatch_choices, microbatches), node_size,
                   {microbatches: Space(candidates, neighbor_ops(graph, candidates),
                                        BlockMoves(graph, n, microbatches) or None)}, config.repeat_stages)

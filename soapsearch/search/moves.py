@@ -74,6 +74,14 @@ class MoveRates:
     subgraph: float = 0.0
     """A connected set of ops onto one device set (``subgraph.py``)."""
 
+    @classmethod
+    def of(cls, config, factorization: bool = True) -> "MoveRates":
+        """The rates a ``SearchConfig`` sets (``factorization=False``: no global moves, as the
+        study's trials, whose device count is drawn, make none)."""
+        return cls(zero=config.zero_move, recompute=config.recompute_move, microbatches=config.microbatch_move,
+                   repeat=config.repeat_move, factorization=config.global_move if factorization else 0.0,
+                   subgraph=config.subgraph_move)
+
 
 @dataclass
 class Space:

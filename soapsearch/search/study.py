@@ -258,8 +258,7 @@ def study_search(graph: OpGraph, *, topology: Topology | str = DEFAULT_TOPOLOGY,
     objective = _Trials(graph, topo, cost, config.optimizer, seed, (trial_budget_s, trial_proposals), deadline,
                         _device_choices(topo, num_devices_choices),
                         [m for m in MICROBATCHES if (not batch or batch % m == 0) and _takes(graph, m)],
-                        config.precision, MoveRates(config.zero_move, config.recompute_move, config.microbatch_move,
-                                                    repeat=config.repeat_move, subgraph=config.subgraph_move))
+                        config.precision, MoveRates.of(config, factorization=False))
     full = topo.num_devices if num_devices_choices is None else max(objective.device_choices)
     plans, results = best_baselines(graph, full, objective.evaluator(full))
 

@@ -40,7 +40,7 @@ def _moves(graph, rates, choices=(1, 2, 4)):
 
 def test_every_kind_of_proposal_is_a_valid_plan(gpt):
     """A property test: 600 proposals of every kind from a walk that accepts most of them."""
-    moves = _moves(gpt, MoveRates(0.3, 0.3, 0.2))
+    moves = _moves(gpt, MoveRates(zero=0.3, recompute=0.3, microbatches=0.2))
     rng = random.Random(0)
     current = data_parallel(gpt, N)
     made = {"zero": 0, "recompute": 0, "microbatches": 0, "op": 0}
@@ -137,7 +137,7 @@ def test_block_move_keeps_memory_choices(gpt):
             assert proposal[op].recompute == start[op].recompute
 
 
-@pytest.mark.parametrize("rates", [MoveRates(0.5, 0.5, 0.0), MoveRates(0.0, 0.0, 1.0)])
+@pytest.mark.parametrize("rates", [MoveRates(zero=0.5, recompute=0.5), MoveRates(microbatches=1.0)])
 def test_delta_equals_full_simulation_over_the_moves(gpt, rates):
     topo, cost = get_topology("p100-1x4"), get_cost_model("analytical")
     evaluate = Evaluator(gpt, topo, cost, "adam")
