@@ -19,8 +19,8 @@ def gpt():
 
 
 def test_a_tiny_budget_ends_while_scoring_the_baselines(gpt):
-    r = search(gpt, topology="p100-4x4", budget_s=0.05, workers=1)
-    assert r.elapsed_s < 0.05 + 2.0  # one baseline scored (the first always is) and the answer
+    r = search(gpt, topology="p100-4x4", budget_s=1e-6, workers=1)  # far below one baseline's scoring
+    assert r.elapsed_s < 1e-6 + 2.0  # one baseline scored (the first always is) and the answer
     assert list(r.baselines) == ["data_parallel"] and r.strategy == r.baseline_plans["data_parallel"]
     assert r.unscored == ("model_parallel", "owt", "zero1", "fsdp", "single_device", "megatron", "pipeline")
     assert r.proposals == 0
