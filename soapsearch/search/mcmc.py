@@ -46,10 +46,9 @@ from typing import Callable
 from simulator.result import SimResult
 from simulator.simulate import paused_gc
 from soapsearch.search.blockmove import BLOCK, BlockMoves
-from soapsearch.search.moves import Moves, Space, keep, neighbor_ops
-from strategies.config import ParallelConfig, enumerate_configs
+from soapsearch.search.moves import Moves, Space, candidate_configs, keep, neighbor_ops
+from strategies.config import ParallelConfig
 from strategies.errors import PlanError
-from strategies.graph import OpGraph
 from strategies.strategy import Strategy
 
 __all__ = ["Budget", "ChainStats", "accept", "annealed", "candidate_configs", "consider", "exchange", "neighbor_ops",
@@ -138,12 +137,6 @@ class ChainStats:
     stopped_early: int = 0
     """Chains that stopped before their budget's end, their best not improved for their
     patience (``run_chain``)."""
-
-
-def candidate_configs(graph: OpGraph, num_devices: int, microbatches: int,
-                      node_size: int | None) -> dict[str, list[ParallelConfig]]:
-    """Every valid config of every op (computed once per search)."""
-    return {n.name: list(enumerate_configs(n, num_devices, microbatches, node_size)) for n in graph}
 
 
 @dataclass
