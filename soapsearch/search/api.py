@@ -108,7 +108,7 @@ class SearchResult(FoundPlan):
     """Baselines the time budget ran out before scoring (not in ``baselines``)."""
     stopped_early: int = 0
     """Chains that stopped before their budget's end, their best not improved for
-    ``SearchConfig.patience`` proposals (or half their budget)."""
+    ``SearchConfig.patience`` proposals (or half their proposal budget)."""
 
     @property
     def exact(self) -> bool:

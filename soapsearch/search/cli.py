@@ -51,7 +51,7 @@ def add_search_parsers(sub, model_args, graph_of) -> None:
                     help="MCMC chains (default one per --init plan; chain i starts from the i-th, cycling)")
     sp.add_argument("--patience", type=int, default=c.patience,
                     help="a chain stops where its best has not improved for this many proposals "
-                         "(default: for half its budget; 0: never)")
+                         "(default: for half its --proposals; a time budget alone is spent whole; 0: never)")
     sp.add_argument("--exhaustive-limit", type=int, default=c.exhaustive_limit,
                     help="simulate every plan where the op configs make at most this many (and no more than "
                          f"--proposals); 0: always MCMC (default {c.exhaustive_limit})")
@@ -147,7 +147,7 @@ def _cmd_search(args, graph_of) -> int:
         print(f"not scored, the time budget spent first: {', '.join(result.unscored)}")
     if getattr(result, "stopped_early", 0):
         print(f"{result.stopped_early} chain(s) stopped early, their best not improved for "
-              + (f"{args.patience} proposals" if args.patience else "half their budget"))
+              + (f"{args.patience} proposals" if args.patience else "half their proposals"))
     print(f"wrote the plan for {graph.name} to {path}{replacing}")
     return 0
 
