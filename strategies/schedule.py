@@ -19,7 +19,9 @@ same order (torch.distributed's rule): a member calls a collective's forward at 
 first step of the collective's first reader op in that micro-batch, and its backward at the
 start of its holder partition's backward step; several at one step in ``Lowered.collectives``
 order (``collective_calls``). The members of a group share one warm-up (a collective couples
-them both ways), so they run the same passes and reach those steps in the same order.
+them both ways), so they run the same passes and reach those steps in the same order; so do the
+members of a level-2/3 weight shard (``strategies.zero``: each use's all-gathers and
+reduce-scatters are collectives over them).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from strategies.lowering import Lowered
+from strategies.zero import per_use_shards
 
 __all__ = ["Step", "CollectiveCall", "collective_calls", "collective_steps", "device_order", "passes", "stages",
            "warmup", "warmups"]
@@ -104,6 +107,10 @@ def warmups(lowered: Lowered) -> dict[int, int]:
     succ: dict[int, set[int]] = {d: set() for d in devices}
     for pieces in lowered.pieces.values():
         for a, b in pieces.couples:
+            succ[a].add(b)
+    for shard in per_use_shards(lowered):  # its per-use gathers and reduce-scatters couple its members
+        ring = shard.devices[1:] + shard.devices[:1]
+        for a, b in (*zip(shard.devices, ring), *zip(ring, shard.devices)):
             succ[a].add(b)
     group = _components(list(devices), succ)
     down: dict[int, set[int]] = {}

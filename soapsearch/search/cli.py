@@ -51,13 +51,28 @@ def add_search_parsers(sub, model_args, graph_of) -> None:
                     help="MCMC chains (default one per --init plan; chain i starts from the i-th, cycling)")
     sp.add_argument("--patience", type=int, default=c.patience,
                     help="a chain stops where its best has not improved for this many proposals "
-                         "(default: for half its budget; 0: never)")
+                         "(default: for half its --proposals; a time budget alone is spent whole; 0: never)")
     sp.add_argument("--exhaustive-limit", type=int, default=c.exhaustive_limit,
                     help="simulate every plan where the op configs make at most this many (and no more than "
                          f"--proposals); 0: always MCMC (default {c.exhaustive_limit})")
     sp.add_argument("--workers", type=int, default=c.workers,
                     help="chains run side by side in processes (default one per chain up to the cores; "
                          "1 with the profiled cost model)")
+    sp.add_argument("--beta", type=float, default=c.beta,
+                    help="constant inverse temperature per ms, one plan per chain (default: set by a pilot, "
+                         "annealed, over --replicas tempered plans)")
+    sp.add_argument("--replicas", type=int, default=c.replicas,
+                    help=f"plans each chain walks at temperatures exchanging them (default {c.replicas})")
+    sp.add_argument("--reset-every", type=int, default=c.reset_every,
+                    help=f"a chain returns to its best plan every N proposals; 0: never (default {c.reset_every})")
+    sp.add_argument("--microbatch-choices", default=",".join(map(str, c.microbatch_choices)),
+                    help="comma list of the counts a micro-batch move draws from (default "
+                         f"{','.join(map(str, c.microbatch_choices))})")
+    for field, what in MOVE_FLAGS:
+        sp.add_argument(f"--{field.replace('_', '-')}", type=float, default=getattr(c, field),
+                        help=f"probability of a proposal {what} (default {getattr(c, field):g})")
+    sp.add_argument("--repeat-stages", action="store_true", default=c.repeat_stages,
+                    help="a repeated-block move lets instances on other pipeline stages keep their devices")
     sp.add_argument("-o", "--output", default="plan.json",
                     help="where to write the plan (default plan.json); a file holding another model's "
                          "plan is refused unless --force")
@@ -78,6 +93,24 @@ def add_search_parsers(sub, model_args, graph_of) -> None:
     show.set_defaults(fn=_cmd_show_plan)
 
 
+MOVE_FLAGS = (("zero_move", "setting a sharding level (ZeRO 0-3)"),
+              ("recompute_move", "turning recompute on or off"),
+              ("microbatch_move", "giving the plan another micro-batch count or schedule"),
+              ("subgraph_move", "placing a connected set of ops on one device set"),
+              ("repeat_move", "(of the others) setting an op of every repeated block's instance alike"),
+              ("global_move", "(of the others) re-deriving every op from a data x tensor x pipeline factorization"))
+"""The SearchConfig move rates the CLI sets, each ``--zero-move`` and so on."""
+
+
+def _counts(text: str) -> tuple[int, ...]:
+    """``--microbatch-choices 1,2,4``: whole numbers (SearchConfig checks them further)."""
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"search microbatch_choices = {text!r}: must be a comma list of whole numbers, "
+                         "e.g. 1,2,4,8") from None
+
+
 def config_of(args, cost_model) -> SearchConfig:
     """The SearchConfig the ``search`` flags say (``--budget 0``: no time limit)."""
     return SearchConfig(budget_s=args.budget or None, proposals=args.proposals, cost_model=cost_model,
@@ -86,7 +119,10 @@ def config_of(args, cost_model) -> SearchConfig:
                         precision=DTYPE_FLAGS[args.dtype],
                         num_devices=args.devices,
                         chains=args.chains, workers=args.workers, exhaustive_limit=args.exhaustive_limit,
-                        patience=args.patience)
+                        patience=args.patience, beta=args.beta, replicas=args.replicas,
+                        reset_every=args.reset_every, microbatch_choices=_counts(args.microbatch_choices),
+                        repeat_stages=args.repeat_stages,
+                        **{field: getattr(args, field) for field, _ in MOVE_FLAGS})
 
 
 def _cmd_search(args, graph_of) -> int:
@@ -147,7 +183,7 @@ def _cmd_search(args, graph_of) -> int:
         print(f"not scored, the time budget spent first: {', '.join(result.unscored)}")
     if getattr(result, "stopped_early", 0):
         print(f"{result.stopped_early} chain(s) stopped early, their best not improved for "
-              + (f"{args.patience} proposals" if args.patience else "half their budget"))
+              + (f"{args.patience} proposals" if args.patience else "half their proposals"))
     print(f"wrote the plan for {graph.name} to {path}{replacing}")
     return 0
 

@@ -96,8 +96,9 @@ class SearchConfig:
     """A chain returns to its best plan every this many proposals; 0: never."""
     patience: int | None = None
     """A chain stops early where its best has not improved for this many proposals
-    (``SearchResult.stopped_early`` counts those that did); None: for half its budget (of
-    seconds, or of proposals); 0: never, every chain runs its whole budget. Under a proposal
+    (``SearchResult.stopped_early`` counts those that did); None: for half its proposal
+    budget (a time budget alone is spent whole: the annealing turns greedy at its end, where
+    late gains come from); 0: never, every chain runs its whole budget. Under a proposal
     budget the stop is deterministic for a seed."""
     chains: int | None = None
     """MCMC chains; None: one per initial plan (chain i starts from ``init[i % len(init)]``)."""

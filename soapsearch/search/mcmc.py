@@ -27,8 +27,9 @@ probability 1/2) and annealed to greedy by the budget's end, over ``REPLICAS`` p
 at different temperatures that exchange plans (parallel tempering); the coldest resets to the
 best every ``reset_every`` of its proposals (``run_chain``). With β given, one plan walks at
 that constant β and resets to the best every ``reset_every`` proposals. Either way a chain stops
-early where its best has not improved for half its budget (or ``SearchConfig.patience``
-proposals; 0: never).
+early where its best has not improved for half its proposal budget (or
+``SearchConfig.patience`` proposals; 0: never; a time budget alone is spent whole). The coldest
+replica starts from the best plan scored before the chain (a baseline that beats the start).
 """
 
 from __future__ import annotations
@@ -46,10 +47,9 @@ from typing import Callable
 from simulator.result import SimResult
 from simulator.simulate import paused_gc
 from soapsearch.search.blockmove import BLOCK, BlockMoves
-from soapsearch.search.moves import Moves, Space, keep, neighbor_ops
-from strategies.config import ParallelConfig, enumerate_configs
+from soapsearch.search.moves import Moves, Space, candidate_configs, keep, neighbor_ops
+from strategies.config import ParallelConfig
 from strategies.errors import PlanError
-from strategies.graph import OpGraph
 from strategies.strategy import Strategy
 
 __all__ = ["Budget", "ChainStats", "accept", "annealed", "candidate_configs", "consider", "exchange", "neighbor_ops",
@@ -140,12 +140,6 @@ class ChainStats:
     patience (``run_chain``)."""
 
 
-def candidate_configs(graph: OpGraph, num_devices: int, microbatches: int,
-                      node_size: int | None) -> dict[str, list[ParallelConfig]]:
-    """Every valid config of every op (computed once per search)."""
-    return {n.name: list(enumerate_configs(n, num_devices, microbatches, node_size)) for n in graph}
-
-
 @dataclass
 class _Replica:
     """One plan a chain holds and walks: the plan, its cost and whether it fits."""
@@ -175,7 +169,9 @@ def run_chain(init: Strategy, evaluate: Callable[[Strategy], SimResult],
     probability min(1, exp((β_i − β_j)(c_i − c_j))) (parallel tempering, Swendsen & Wang 1986;
     Geyer 1991); the coldest resets to the best every ``reset_every`` proposals. Either
     chain stops early (``stats.stopped_early``) where its best has not improved for ``patience``
-    proposals (None: for half its budget, of seconds or of proposals; 0: never). Deterministic for ``rng``'s seed under a proposal budget. Runs with
+    proposals (None: for half its proposal budget, never under seconds alone; 0: never).
+    The coldest replica starts from ``stats.best`` where that ranks before ``init`` (the
+    search's baselines, or the pilot's best). Deterministic for ``rng``'s seed under a proposal budget. Runs with
     the cyclic collector paused (``paused_gc``). ``candidates`` are the op moves' configs where
     ``moves`` is None (every plan the chain holds then has one count of micro-batches); with
     ``moves``, every plan the chain holds (its start, a reset target, a swapped plan) proposes
@@ -227,15 +223,15 @@ def run_chain(init: Strategy, evaluate: Callable[[Strategy], SimResult],
         return proposal, False
 
     n = 0
-    gain_n, gain_t = 0, 0.0  # proposals and seconds at the last improvement
+    gain_n = 0  # proposals at the last improvement
     stalled = False
 
-    def stall(elapsed: float) -> bool:
-        """The best not improved for ``patience`` proposals (None: half the budget)."""
+    def stall() -> bool:
+        """The best not improved for ``patience`` proposals (None: half the proposal budget;
+        a time budget alone is spent whole, its annealing ending greedy at its end)."""
         if patience is not None:
             return 0 < patience <= n - gain_n
-        return ((budget.seconds is not None and elapsed - gain_t > budget.seconds / 2)
-                or (budget.proposals is not None and n - gain_n > budget.proposals / 2))
+        return budget.proposals is not None and n - gain_n > budget.proposals / 2
 
     def spent() -> float | None:
         """The budget's fraction used (None: stop now)."""
@@ -252,7 +248,7 @@ def run_chain(init: Strategy, evaluate: Callable[[Strategy], SimResult],
             if n >= budget.proposals:
                 return None
             used = max(used, n / budget.proposals)
-        if stall(elapsed):
+        if stall():
             stalled = True
             return None
         return used
@@ -260,7 +256,7 @@ def run_chain(init: Strategy, evaluate: Callable[[Strategy], SimResult],
     def score(proposal: Strategy) -> tuple[SimResult | None, float]:
         """(its result, its cost); (None, inf) where the lowering refuses the plan (a rule only
         it checks, strategies.zero: each level-2/3 use pairs up): a rejected proposal."""
-        nonlocal n, gain_n, gain_t
+        nonlocal n, gain_n
         n += 1
         stats.proposals += 1
         try:
@@ -269,7 +265,7 @@ def run_chain(init: Strategy, evaluate: Callable[[Strategy], SimResult],
             return None, math.inf
         cost = plan_cost(res)
         if consider(stats, proposal, res, cost, started):
-            gain_n, gain_t = n, time.perf_counter() - t0
+            gain_n = n
         return res, cost
 
     fixed = beta is not None
@@ -286,6 +282,10 @@ def run_chain(init: Strategy, evaluate: Callable[[Strategy], SimResult],
                     worse.append(cost - chain[0].cost)
         beta = pilot_beta(worse, chain[0].cost)
         chain += [_Replica(init, chain[0].cost, chain[0].fits) for _ in range(max(1, replicas) - 1)]
+        if len(chain) > 1 and stats.best is not init and (moves is not None or
+                                                           stats.best.microbatches == init.microbatches):
+            # the coldest walks from the best scored so far (a baseline, or the pilot's best)
+            chain[-1] = _Replica(stats.best, stats.best_cost, stats.best_result.fits)
     ladder = [1.0] if len(chain) == 1 else [LADDER ** (k / (len(chain) - 1)) for k in range(len(chain))]
     turn, walked, cold = 0, 0, 0  # the replica walking, its proposals this sweep, the coldest's in all
     while first.ops or cut:

@@ -28,6 +28,7 @@ by the same Metropolis rule as an op move.
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -36,7 +37,7 @@ from soapsearch.search.blockmove import BlockMoves
 from soapsearch.search.globalmove import GlobalMoves
 from soapsearch.search.repeatmove import RepeatMoves
 from soapsearch.search.subgraph import SubgraphMoves
-from strategies.config import ZERO_LEVELS, ParallelConfig, enumerate_configs, validate_config
+from strategies.config import ZERO_LEVELS, ParallelConfig, degree_grids, device_blocks, validate_config
 from strategies.errors import PlanError
 from strategies.graph import OpGraph
 from strategies.lowered import WEIGHT_KINDS
@@ -45,7 +46,7 @@ from strategies.pieces import check_microbatches, recomputable
 from strategies.replicas import shardable
 from strategies.strategy import SCHEDULES, Strategy
 
-__all__ = ["MoveRates", "Moves", "Space", "keep", "microbatch_choices", "neighbor_ops"]
+__all__ = ["MoveRates", "Moves", "Space", "candidate_configs", "keep", "microbatch_choices", "neighbor_ops"]
 
 SCOPES = (("op", 0.5), ("block", 0.3), ("all", 0.2))
 """How many ops a sharding-level or recompute move sets, with its probability: one op, one
@@ -103,6 +104,29 @@ class Space:
                 self.on_devices.setdefault((name, c.devices), []).append(c)
 
 
+def candidate_configs(graph: OpGraph, num_devices: int, microbatches: int,
+                      node_size: int | None) -> dict[str, list[ParallelConfig]]:
+    """Every valid config of every op (``strategies.config.enumerate_configs``' order), each
+    (degrees, devices) pair one shared ParallelConfig: ops of one shape take the same objects,
+    so Inception-v3 on 64 devices makes 10^4 configs, not 3 · 10^5."""
+    blocks: dict[int, list[tuple[int, ...]]] = {}
+    made: dict[tuple[tuple[int, ...], tuple[int, ...]], ParallelConfig] = {}
+    out = {}
+    for node in graph:
+        cfgs = []
+        for grid in degree_grids(node, num_devices, microbatches):
+            parts = math.prod(grid)
+            if parts not in blocks:
+                blocks[parts] = device_blocks(parts, num_devices, node_size)
+            for block in blocks[parts]:
+                cfg = made.get((grid, block))
+                if cfg is None:
+                    cfg = made[grid, block] = ParallelConfig(grid, block)
+                cfgs.append(cfg)
+        out[node.name] = cfgs
+    return out
+
+
 def neighbor_ops(graph: OpGraph, candidates: dict[str, list[ParallelConfig]]) -> dict[str, tuple[str, ...]]:
     """Op -> its producers and consumers that have a choice of config (the group moves')."""
     return {node.name: tuple(n for n in dict.fromkeys((*node.inputs, *graph.users(node.name)))
@@ -153,8 +177,7 @@ class Moves:
 
     def space(self, m: int) -> Space:
         if m not in self.spaces:
-            candidates = {n.name: list(enumerate_configs(n, self.num_devices, m, self.node_size))
-                          for n in self.graph}
+            candidates = candidate_configs(self.graph, self.num_devices, m, self.node_size)
             self.spaces[m] = Space(candidates, neighbor_ops(self.graph, candidates),
                                    BlockMoves(self.graph, self.num_devices, m) or None)
         return self.spaces[m]

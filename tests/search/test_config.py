@@ -62,3 +62,26 @@ def test_the_cli_defaults_are_the_config_s():
     assert config_of(args, "analytical") == SearchConfig(
         budget_s=None, proposals=7, init=("owt", "random"), seed=4, microbatches=2, schedule="1f1b",
         num_devices=2, chains=3, workers=1, optimizer="adam")
+
+
+def test_the_cli_sets_the_move_rates_and_the_temperature_fields():
+    args = _parser().parse_args(["search", "mlp", "--beta", "0.5", "--replicas", "2", "--reset-every", "0",
+                                 "--microbatch-choices", "1,4", "--zero-move", "0.1", "--recompute-move", "0",
+                                 "--microbatch-move", "0.3", "--subgraph-move", "0.2", "--repeat-move", "0.4",
+                                 "--global-move", "0.5", "--repeat-stages"])
+    assert config_of(args, "analytical") == SearchConfig(
+        beta=0.5, replicas=2, reset_every=0, microbatch_choices=(1, 4), zero_move=0.1, recompute_move=0.0,
+        microbatch_move=0.3, subgraph_move=0.2, repeat_move=0.4, global_move=0.5, repeat_stages=True)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--zero-move", "0.9", "--subgraph-move", "0.2"],
+     "search zero_move + recompute_move + microbatch_move + subgraph_move = 0.9 + 0.05 + 0.02 + 0.2 = 1.17: "
+     "the probabilities of a proposal's kinds must sum to at most 1"),
+    (["--global-move", "2"], "search global_move = 2.0: a probability is a number in [0, 1]"),
+    (["--microbatch-choices", "1,two"], "search microbatch_choices = '1,two': must be a comma list of whole numbers, e.g. 1,2,4,8"),
+    (["--replicas", "0"], "search replicas = 0: must be a whole number >= 1"),
+])
+def test_bad_search_flags_are_one_line(capsys, argv, message):
+    from tests.conftest import cli_error
+    assert message in cli_error(capsys, ["search", "mlp", "--variant", "tiny", *argv])

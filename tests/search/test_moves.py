@@ -243,3 +243,15 @@ def test_bad_rates_are_named(field, value, says):
         return
     with pytest.raises(ValueError, match=says):
         SearchConfig(**{field: value})
+
+
+@pytest.mark.parametrize("name,n,m,node_size", [("alexnet", 16, 1, 4), ("mlp", 4, 2, None)])
+def test_candidate_configs_are_enumerate_configs_one_object_per_cut(name, n, m, node_size):
+    from strategies.config import enumerate_configs
+    g = traced(name, "default" if name == "alexnet" else "tiny")
+    got = candidate_configs(g, n, m, node_size)
+    assert got == {node.name: list(enumerate_configs(node, n, m, node_size)) for node in g}
+    cuts = {(c.degrees, c.devices) for cfgs in got.values() for c in cfgs}
+    assert len({id(c) for cfgs in got.values() for c in cfgs}) == len(cuts)
+    if name == "alexnet":
+        assert (sum(map(len, got.values())), len(cuts)) == (3_266, 905)  # configs, distinct cuts (objects)

@@ -47,3 +47,30 @@ def test_the_tempered_chain_is_deterministic_for_a_seed_with_any_workers():
                    exhaustive_limit=0, patience=0) for w in (1, 3)]
     assert runs[0].strategy == runs[1].strategy and runs[0].proposals == runs[1].proposals == 600
     assert runs[0].predicted_ms == runs[1].predicted_ms
+
+
+def test_the_coldest_replica_starts_from_the_best_scored_plan():
+    """The best plan scored before the chain (a baseline: every op on device 0, 1 ms) is
+    isolated, every other plan costing 10 ms, so no walk from data parallel reaches it; the
+    coldest replica starts there and its proposals (a quarter: one sweep in four) lie within an
+    op and its neighbours of it."""
+    from simulator.result import SimResult
+    from soapsearch.search.mcmc import Budget, ChainStats, candidate_configs, consider, neighbor_ops, run_chain
+    from strategies import ParallelConfig, Strategy, data_parallel
+
+    g = traced("mlp")
+    best = Strategy.of({n.name: ParallelConfig((1,) * len(n.dims), (0,)) for n in g}, 2)
+    seen = []
+
+    def evaluate(plan, summary=False):
+        seen.append(plan)
+        return SimResult(1e-3 if plan == best else 1e-2, (), (0.5, 0.5), (1.0, 1.0), {}, 1)
+
+    stats = ChainStats()
+    consider(stats, best, evaluate(best), 1.0, 0.0)
+    candidates = candidate_configs(g, 2, 1, None)
+    run_chain(data_parallel(g, 2), evaluate, candidates, Budget(proposals=232), random.Random(0),
+              stats=stats, neighbors=neighbor_ops(g, candidates), patience=0)
+    near = [p for p in seen[2 + 32:] if sum(p[n.name] != best[n.name] for n in g) <= 3]
+    assert stats.best is best and stats.proposals == 232
+    assert len(near) == 45  # the coldest's 5 sweeps of 10 after the pilot, less 5 proposals of no change

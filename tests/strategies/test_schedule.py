@@ -87,3 +87,17 @@ def test_random_plans_never_deadlock(name, schedule):
         assert sum(len(v) for v in order.values()) == 2 * sum(
             len(parts) for per_mb in lowered.partitions.values() for parts in per_mb)
         run_events(build_tasks(lowered, topo, AnalyticalCostModel()))  # raises on a cycle
+
+
+def test_members_of_a_level_3_shard_share_one_warmup():
+    """Device 1 feeds device 0 only (it would warm up 2 forwards, device 0 one), but both hold
+    layers_0's weight at level 3, whose per-use all-gathers they call together: one group."""
+    g = traced("mlp")
+    cfgs = {n.name: ParallelConfig((1,) * len(n.dims), (0,)) for n in g}
+    cfgs["inputs"] = ParallelConfig((1, 1), (1,))
+    cfgs["targets"] = ParallelConfig((1,), (1,))
+    cfgs["layers_0"] = ParallelConfig((2, 1, 1), (0, 1), zero=3)
+    lowered = lower(g, Strategy.of(cfgs, 2, microbatches=2, schedule="1f1b"))
+    assert [warmup(lowered, d) for d in range(2)] == [1, 1]
+    tasks = build_tasks(lowered, get_topology("p100-1x2"), AnalyticalCostModel())
+    run_events(tasks)  # a cycle (the gathers called in two orders) raises
