@@ -1,33 +1,25 @@
 """published_runs.py: the analytical cost model against published, measured GPU training runs
-(issue 24). Each configuration is data (``Run``: model shape, devices, TP/PP/DP, micro-batch,
-global batch, sequence length, recompute, dtype, the published figure and where it is printed);
-the script builds the model on meta, the ``megatron`` baseline's plan with the row's flags
-(full recompute of every block as ``plan --recompute``, bf16 as ``plan --dtype bf16``),
-predicts the iteration with the analytical model (the row's attention kernel: "math" for
-Megatron-LM of 2021) on the row's preset (a100-<N/8>x8) and prints
-predicted vs published TFLOP/s per GPU and iteration seconds, the relative error, and Spearman's
-ρ per sweep.
+(issue 24). The runs are data (``benchmarks/published_data.py``: shape, devices, TP/PP/DP,
+micro-batch, global batch, sequence, recompute, dtype, the published figure and its paper,
+table and row); this script builds each row's model on meta, the ``megatron`` baseline's plan
+with the row's flags (full recompute of every block as ``plan --recompute``, selective
+recompute as the attention cores recomputed, sequence parallelism, bf16 as ``plan --dtype
+bf16``), predicts the iteration with the analytical model (the row's attention kernel: "math"
+for Megatron-LM of 2021-2022) on the row's preset (a100-<N/8>x8) and prints predicted vs
+published iteration seconds, TFLOP/s per GPU where the source prints them, the relative error
+of the throughput (published / predicted seconds - 1) and Spearman's ρ per sweep.
 
-Source: Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using
-Megatron-LM", SC'21 (arXiv 2104.04473), Table 1: GPT models of 1.7B-1T parameters on 32-3,072
-A100 80GB GPUs of Selene (DGX A100 nodes: 8 GPUs on NVSwitch, 8 HDR InfiniBand NICs), vocabulary
-51,200, sequence 2,048. Hidden size, layers, parameters, model-parallel size, GPUs, batch,
-achieved TFLOP/s per GPU, % of peak and aggregate PFLOP/s as printed in that table and in
-Megatron-LM's README of April 2021 (images/cases_april2021.png, commit 50a4b5f); heads and the
-split of model-parallel size into tensor x pipeline (tensor 8 inside a DGX node, pipeline the
-rest) as the paper's Table 1. Table 1 does not give the micro-batch: 1 sequence, the
-``--micro-batch-size`` of Megatron-LM's GPT-3 175B example script, is assumed (``MICROBATCH``).
-The published TFLOP/s count the paper's FLOPs, 96·B·s·l·h²·(1 + s/6h + V/16lh) per iteration
-(its §5.1, with activation recomputation: every run of the table recomputes), so the predicted
-TFLOP/s are that count over the predicted iteration; the published iteration seconds are the
-same count over the published TFLOP/s.
+Narayanan et al.'s TFLOP/s count their FLOPs, 96·B·s·l·h²·(1 + s/6h + V/16lh) per iteration
+(§5.1 equation (3), with activation recomputation), so the predicted TFLOP/s are that count
+over the predicted iteration and the published iteration seconds that count over the
+published TFLOP/s. Korthikanti et al. print iteration seconds (Table 5).
 
-Rows whose device count the presets do not reach (``simulator.cluster.MAX_DEVICES``) are
-printed as "not simulated: N devices", never dropped.
+Rows over ``--max-gpus`` devices (default 128: what the simulator runs in a few minutes on a
+2-core machine) or past the presets are printed as "not simulated: N devices", never dropped.
 
-    python benchmarks/published_runs.py            # every row the presets reach
-    python benchmarks/published_runs.py --rows 3   # the first three rows
-    python benchmarks/published_runs.py --rows 3 --attention flash   # as if FlashAttention ran
+    python benchmarks/published_runs.py                   # every row of <= 128 GPUs
+    python benchmarks/published_runs.py --sweep narayanan-table1 --max-gpus 64
+    python benchmarks/published_runs.py --attention flash  # as if FlashAttention ran
 """
 
 from __future__ import annotations
@@ -36,13 +28,14 @@ import argparse
 import statistics
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.published_data import MICROBATCH, ROWS, Run  # noqa: E402
 from simulator.cost import ATTENTION_KERNELS, get_cost_model  # noqa: E402
 from simulator.presets import get_topology  # noqa: E402
 from simulator.result import SimResult  # noqa: E402
@@ -54,75 +47,12 @@ from strategies import OpGraph, Strategy  # noqa: E402
 from strategies.baselines import recomputed  # noqa: E402
 from strategies.megatron import megatron  # noqa: E402
 
-MICROBATCH = 1
-"""Sequences per micro-batch (not in Table 1; Megatron-LM's GPT-3 175B example script's
-``--micro-batch-size 1``)."""
-NARAYANAN = "Narayanan et al. SC'21, Table 1"
+__all__ = ["MICROBATCH", "ROWS", "Run", "build_graph", "build_plan", "korthikanti_model_flops",
+           "narayanan_flops", "narayanan_params", "predict", "predicted_tflops", "published_seconds",
+           "reachable", "throughput_error"]
 
-
-@dataclass(frozen=True)
-class Run:
-    """One published training configuration and its measured throughput."""
-
-    name: str
-    params_b: float
-    """Parameters, billions, as published."""
-    heads: int
-    hidden: int
-    layers: int
-    tp: int
-    pp: int
-    gpus: int
-    batch: int
-    """Global batch, sequences per iteration."""
-    tflops: float
-    """Published achieved TFLOP/s per GPU."""
-    percent_peak: int
-    """Published % of the theoretical peak (312 TFLOP/s bf16 on an A100)."""
-    aggregate_pflops: float
-    """Published aggregate PFLOP/s over all GPUs."""
-    source: str
-    sweep: str
-    seq: int = 2048
-    vocab: int = 51200
-    microbatch: int = MICROBATCH
-    recompute: bool = True
-    dtype: str = "bf16"
-    device: str = "a100"
-    attention: str = "math"
-    """The attention kernel (``simulator.cost.ATTENTION_KERNELS``): Megatron-LM of 2021 ran
-    q·kᵀ (baddbmm), its fused scale-mask-softmax and ·v (bmm) as separate kernels, the scores
-    in HBM; FlashAttention (Dao et al. 2022) came a year later."""
-
-    @property
-    def dp(self) -> int:
-        return self.gpus // (self.tp * self.pp)
-
-    @property
-    def microbatches(self) -> int:
-        """Micro-batches per data-parallel rank and iteration: B / (DP · micro-batch)."""
-        return self.batch // (self.dp * self.microbatch)
-
-    @property
-    def topology(self) -> str:
-        return f"{self.device}-{self.gpus // 8}x8"
-
-
-ROWS: tuple[Run, ...] = tuple(
-    Run(name, p, a, h, l, t, pp, n, b, f, pct, agg, f"{NARAYANAN}, row {name}", "narayanan-table1")
-    for name, p, a, h, l, t, pp, n, b, f, pct, agg in (
-        # name, params (B), heads, hidden, layers, TP, PP, GPUs, batch, TFLOP/s/GPU, % peak, PFLOP/s
-        ("1.7B", 1.7, 24, 2304, 24, 1, 1, 32, 512, 137, 44, 4.4),
-        ("3.6B", 3.6, 32, 3072, 30, 2, 1, 64, 512, 138, 44, 8.8),
-        ("7.5B", 7.5, 32, 4096, 36, 4, 1, 128, 512, 142, 46, 18.2),
-        ("18B", 18.4, 48, 6144, 40, 8, 1, 256, 1024, 135, 43, 34.6),
-        ("39B", 39.1, 64, 8192, 48, 8, 2, 512, 1536, 138, 44, 70.8),
-        ("76B", 76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140, 45, 143.8),
-        ("145B", 145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148, 47, 227.1),
-        ("310B", 310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155, 50, 297.4),
-        ("530B", 529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163, 52, 410.2),
-        ("1T", 1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163, 52, 502.0),
-    ))
+MAX_GPUS = 128
+"""Rows of more devices are listed, not simulated, unless ``--max-gpus`` says otherwise."""
 
 
 def narayanan_flops(run: Run) -> float:
@@ -138,8 +68,17 @@ def narayanan_params(run: Run) -> float:
     return 12 * l * h * h * (1 + 13 / (12 * h) + (run.vocab + run.seq) / (12 * l * h))
 
 
+def korthikanti_model_flops(run: Run) -> float:
+    """Model FLOPs of one iteration as Korthikanti et al. Appendix A count them (no
+    recomputation): 72·B·L·s·h²·(1 + s/6h + V/12hL), their equation (7)."""
+    b, s, l, h, v = run.batch, run.seq, run.layers, run.hidden, run.vocab
+    return 72 * b * l * s * h * h * (1 + s / (6 * h) + v / (12 * h * l))
+
+
 def published_seconds(run: Run) -> float:
-    """The iteration the published TFLOP/s per GPU imply: the paper's FLOPs / (GPUs · TFLOP/s)."""
+    """The published iteration seconds: as printed, else the paper's FLOPs / (GPUs · TFLOP/s)."""
+    if run.seconds is not None:
+        return run.seconds
     return narayanan_flops(run) / (run.gpus * run.tflops * 1e12)
 
 
@@ -152,24 +91,33 @@ def build_graph(run: Run) -> OpGraph:
     with torch.device("meta"):
         model = GPT(cfg)
         tokens = torch.zeros(run.batch, run.seq, dtype=torch.long)
-    return trace(model, (tokens, tokens), name=f"gpt-{run.name}")
+    return trace(model, (tokens, tokens), name=f"gpt-{run.params_b:g}b")
 
 
 def build_plan(run: Run, graph: OpGraph) -> Strategy:
-    """The ``megatron`` baseline with the row's TP, PP and micro-batches (1F1B), every block
-    recomputed (``plan --recompute``) and the row's dtype."""
-    plan = megatron(graph, run.gpus, tp=run.tp, pp=run.pp, microbatches=run.microbatches)
-    if run.recompute:
+    """The ``megatron`` baseline with the row's TP, PP, sequence parallelism and micro-batches
+    (1F1B), its recompute (full: every block, ``plan --recompute``; selective: each attention
+    core, Korthikanti et al. §5) and its dtype."""
+    plan = megatron(graph, run.gpus, tp=run.tp, pp=run.pp, microbatches=run.microbatches,
+                    sequence_parallel=run.sequence_parallel)
+    if run.recompute == "full":
         plan = recomputed(plan, graph)
+    elif run.recompute == "selective":
+        plan = Strategy.of({name: cfg.with_memory(recompute=True) if graph[name].kind == "attention" else cfg
+                            for name, cfg in plan.items()},
+                           plan.num_devices, plan.microbatches, plan.schedule, plan.precision)
     return plan.with_precision(run.dtype)
 
 
-def reachable(run: Run) -> str | None:
-    """None when the presets reach the row's devices, else why not ("not simulated: N devices")."""
+def reachable(run: Run, max_gpus: int | None = None) -> str | None:
+    """None when the row is simulated: its devices within ``max_gpus`` (None: no limit) and the
+    presets; else why not ("not simulated: N devices ...")."""
+    if max_gpus is not None and run.gpus > max_gpus:
+        return f"not simulated: {run.gpus} devices (over --max-gpus {max_gpus})"
     try:
         get_topology(run.topology)
     except ValueError:
-        return f"not simulated: {run.gpus} devices"
+        return f"not simulated: {run.gpus} devices (past the presets)"
     return None
 
 
@@ -182,39 +130,63 @@ def predict(run: Run, graph: OpGraph | None = None) -> SimResult:
 
 
 def predicted_tflops(run: Run, result: SimResult) -> float:
-    """TFLOP/s per GPU the prediction implies, counted as the paper counts them."""
+    """TFLOP/s per GPU the prediction implies, counted as Narayanan et al. count them."""
     return narayanan_flops(run) / (run.gpus * result.iteration_time) / 1e12
+
+
+def throughput_error(run: Run, result: SimResult) -> float:
+    """Relative error of the predicted throughput: published / predicted seconds - 1 (for a
+    TFLOP/s row: predicted / published TFLOP/s - 1)."""
+    return published_seconds(run) / result.iteration_time - 1
+
+
+def _missing(run: Run) -> str:
+    """Effects of the published run that the simulated plan leaves out, for the row's note."""
+    notes = []
+    if run.pp > 1 and run.chunks != 1:
+        notes.append("interleaved 1F1B" + (f" ({run.chunks} chunks)" if run.chunks else "") + " run as 1F1B")
+    return "; ".join(notes)
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rows", type=int, default=len(ROWS), help="the first N rows of the table")
+    ap.add_argument("--sweep", action="append", help="only this sweep's rows (repeatable); sweeps: "
+                    + ", ".join(dict.fromkeys(r.sweep for r in ROWS)))
+    ap.add_argument("--max-gpus", type=int, default=MAX_GPUS, help="rows of more devices are listed, not simulated")
     ap.add_argument("--attention", choices=ATTENTION_KERNELS, help="every row with this attention kernel")
     args = ap.parse_args(argv)
-    rows = ROWS[:args.rows] if args.attention is None else \
-        tuple(replace(r, attention=args.attention) for r in ROWS[:args.rows])
-    print(f"{'row':6s} {'GPUs':>5s} {'TP':>3s} {'PP':>3s} {'DP':>4s} {'B':>5s} {'M':>4s} {'pub s':>7s} "
+    rows = tuple(r for r in ROWS if args.sweep is None or r.sweep in args.sweep)
+    if args.attention is not None:
+        rows = tuple(replace(r, attention=args.attention) for r in rows)
+    print(f"{'row':12s} {'GPUs':>5s} {'TP':>3s} {'PP':>3s} {'DP':>4s} {'B':>5s} {'M':>4s} {'rec':>4s} {'pub s':>7s} "
           f"{'pred s':>7s} {'pub TF':>6s} {'pred TF':>7s} {'error':>7s} {'sim s':>6s}  source", flush=True)
     errors: dict[str, list[tuple[float, float, float]]] = {}
+    cached: tuple[tuple, OpGraph] | None = None  # a sweep's rows share one model's graph
     for run in rows:
-        head = (f"{run.name:6s} {run.gpus:5d} {run.tp:3d} {run.pp:3d} {run.dp:4d} {run.batch:5d} "
-                f"{run.microbatches:4d} {published_seconds(run):7.2f}")
-        if (why := reachable(run)) is not None:
-            print(f"{head} {'-':>7s} {run.tflops:6.0f} {'-':>7s} {'-':>7s} {'-':>6s}  {run.source}; {why}", flush=True)
+        pub_tf = f"{run.tflops:6.0f}" if run.tflops is not None else f"{'-':>6s}"
+        head = (f"{run.name:12s} {run.gpus:5d} {run.tp:3d} {run.pp:3d} {run.dp:4d} {run.batch:5d} "
+                f"{run.microbatches:4d} {run.recompute[:4]:>4s} {published_seconds(run):7.2f}")
+        if (why := reachable(run, args.max_gpus)) is not None:
+            print(f"{head} {'-':>7s} {pub_tf} {'-':>7s} {'-':>7s} {'-':>6s}  {run.source}; {why}", flush=True)
             continue
         t0 = time.perf_counter()
-        result = predict(run)
-        tf = predicted_tflops(run, result)
-        err = tf / run.tflops - 1
-        errors.setdefault(run.sweep, []).append((err, tf, run.tflops))
-        print(f"{head} {result.iteration_time:7.2f} {run.tflops:6.0f} {tf:7.1f} {err:+7.1%} "
-              f"{time.perf_counter() - t0:6.1f}  {run.source}{'' if result.fits else '; does not fit'}", flush=True)
-    every = [abs(e) for rows in errors.values() for e, _, _ in rows]
+        shape = (run.layers, run.heads, run.hidden, run.seq, run.vocab, run.batch)
+        if cached is None or cached[0] != shape:
+            cached = (shape, build_graph(run))
+        result = predict(run, cached[1])
+        err = throughput_error(run, result)
+        throughput = 1 / result.iteration_time
+        errors.setdefault(run.sweep, []).append((err, throughput, 1 / published_seconds(run)))
+        notes = "; ".join(n for n in (_missing(run), "" if result.fits else "does not fit") if n)
+        pred_tf = f"{predicted_tflops(run, result):7.1f}" if run.tflops is not None else f"{'-':>7s}"
+        print(f"{head} {result.iteration_time:7.2f} {pub_tf} {pred_tf} {err:+7.1%} "
+              f"{time.perf_counter() - t0:6.1f}  {run.source}{'; ' + notes if notes else ''}", flush=True)
+    every = [abs(e) for sweep in errors.values() for e, _, _ in sweep]
     if every:
         print(f"|error| over {len(every)} rows: median {statistics.median(every):.1%}, max {max(every):.1%}")
-    for sweep, rows in errors.items():
-        rho = spearman([p for _, p, _ in rows], [m for _, _, m in rows])
-        print(f"Spearman rho, {sweep} ({len(rows)} rows): {rho:.2f}")
+    for sweep, found in errors.items():
+        rho = spearman([p for _, p, _ in found], [m for _, _, m in found]) if len(found) > 1 else float("nan")
+        print(f"Spearman rho of throughput, {sweep} ({len(found)} rows): {rho:.2f}")
 
 
 if __name__ == "__main__":
