@@ -175,8 +175,11 @@ def main(argv: list[str] | None = None) -> None:
             cached = (shape, build_graph(run))
         result = predict(run, cached[1])
         err = throughput_error(run, result)
-        throughput = 1 / result.iteration_time
-        errors.setdefault(run.sweep, []).append((err, throughput, 1 / published_seconds(run)))
+        # ranked by TFLOP/s per GPU where the source prints them (rows of several models), else by
+        # iterations per second (rows of one model)
+        ranked = (predicted_tflops(run, result), run.tflops) if run.tflops is not None else \
+            (1 / result.iteration_time, 1 / published_seconds(run))
+        errors.setdefault(run.sweep, []).append((err, *ranked))
         notes = "; ".join(n for n in (_missing(run), "" if result.fits else "does not fit") if n)
         pred_tf = f"{predicted_tflops(run, result):7.1f}" if run.tflops is not None else f"{'-':>7s}"
         print(f"{head} {result.iteration_time:7.2f} {pub_tf} {pred_tf} {err:+7.1%} "
@@ -186,7 +189,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"|error| over {len(every)} rows: median {statistics.median(every):.1%}, max {max(every):.1%}")
     for sweep, found in errors.items():
         rho = spearman([p for _, p, _ in found], [m for _, _, m in found]) if len(found) > 1 else float("nan")
-        print(f"Spearman rho of throughput, {sweep} ({len(found)} rows): {rho:.2f}")
+        print(f"Spearman rho, {sweep} ({len(found)} rows): {rho:.2f}")
 
 
 if __name__ == "__main__":
