@@ -7,7 +7,9 @@ recompute as the attention cores recomputed, sequence parallelism, bf16 as ``pla
 bf16``), predicts the iteration with the analytical model (the row's attention kernel: "math"
 for Megatron-LM of 2021-2022) on the row's preset (a100-<N/8>x8) and prints predicted vs
 published iteration seconds, TFLOP/s per GPU where the source prints them, the relative error
-of the throughput (published / predicted seconds - 1) and Spearman's ρ per sweep.
+of the throughput (published / predicted seconds - 1), Spearman's ρ per sweep, and a
+diagnostic the model does not use: "waves", the tile and wave quantization efficiency of a
+layer's GEMMs per GPU (``block_wave_efficiency``).
 
 Narayanan et al.'s TFLOP/s count their FLOPs, 96·B·s·l·h²·(1 + s/6h + V/16lh) per iteration
 (§5.1 equation (3), with activation recomputation), so the predicted TFLOP/s are that count
@@ -19,12 +21,14 @@ Rows over ``--max-gpus`` devices (default 128: what the simulator runs in a few 
 
     python benchmarks/published_runs.py                   # every row of <= 128 GPUs
     python benchmarks/published_runs.py --sweep narayanan-table1 --max-gpus 64
+    python benchmarks/published_runs.py --row 7.5B --row "22B full"
     python benchmarks/published_runs.py --attention flash  # as if FlashAttention ran
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 import time
@@ -47,9 +51,9 @@ from strategies import OpGraph, Strategy  # noqa: E402
 from strategies.baselines import recomputed  # noqa: E402
 from strategies.megatron import megatron  # noqa: E402
 
-__all__ = ["MICROBATCH", "ROWS", "Run", "build_graph", "build_plan", "korthikanti_model_flops",
-           "narayanan_flops", "narayanan_params", "predict", "predicted_tflops", "published_seconds",
-           "reachable", "throughput_error"]
+__all__ = ["MICROBATCH", "ROWS", "Run", "block_wave_efficiency", "build_graph", "build_plan",
+           "korthikanti_model_flops", "narayanan_flops", "narayanan_params", "predict", "predicted_tflops",
+           "published_seconds", "reachable", "throughput_error", "tile_wave_efficiency"]
 
 MAX_GPUS = 128
 """Rows of more devices are listed, not simulated, unless ``--max-gpus`` says otherwise."""
@@ -140,6 +144,38 @@ def throughput_error(run: Run, result: SimResult) -> float:
     return published_seconds(run) / result.iteration_time - 1
 
 
+A100_SMS = 108
+"""Streaming multiprocessors of an A100 (NVIDIA A100 Tensor Core GPU Architecture whitepaper)."""
+GEMM_TILES = ((256, 128), (128, 256), (128, 128))
+"""Output tiles cuBLAS's tensor-core kernels choose among (NVIDIA, "Matrix Multiplication
+Background User's Guide", §Dimension Quantization Effects)."""
+
+
+def tile_wave_efficiency(m: int, n: int, sms: int = A100_SMS) -> float:
+    """Fraction of the tile-perfect rate an m × n GEMM output keeps after tile and wave
+    quantization (NVIDIA's Matrix Multiplication Background User's Guide): m·n over the
+    ⌈tiles / SMs⌉ waves of SMs full tiles each, for the best of ``GEMM_TILES``."""
+    best = 0.0
+    for a, b in GEMM_TILES:
+        tiles = math.ceil(m / a) * math.ceil(n / b)
+        best = max(best, m * n / (math.ceil(tiles / sms) * sms * a * b))
+    return best
+
+
+def block_wave_efficiency(run: Run) -> float:
+    """FLOP-weighted tile and wave efficiency of one transformer layer's four GEMMs per GPU
+    (q/k/v, projection, MLP up and down at the row's TP, micro-batch · sequence rows), each
+    forward (rows × out) and both backward products (rows × in, out × in). A diagnostic of
+    the shape effect, not part of the cost model."""
+    rows, h, t = run.microbatch * run.seq, run.hidden, run.tp
+    flops = weighted = 0.0
+    for out, inner in ((3 * h // t, h), (h, h // t), (4 * h // t, h), (h, 4 * h // t)):
+        for m, n in ((rows, out), (rows, inner), (out, inner)):
+            flops += rows * out * inner
+            weighted += rows * out * inner / tile_wave_efficiency(m, n)
+    return flops / weighted
+
+
 def _missing(run: Run) -> str:
     """Effects of the published run that the simulated plan leaves out, for the row's note."""
     notes = []
@@ -152,14 +188,16 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sweep", action="append", help="only this sweep's rows (repeatable); sweeps: "
                     + ", ".join(dict.fromkeys(r.sweep for r in ROWS)))
+    ap.add_argument("--row", action="append", help="only the row of this name (repeatable), e.g. 7.5B, '22B full'")
     ap.add_argument("--max-gpus", type=int, default=MAX_GPUS, help="rows of more devices are listed, not simulated")
     ap.add_argument("--attention", choices=ATTENTION_KERNELS, help="every row with this attention kernel")
     args = ap.parse_args(argv)
-    rows = tuple(r for r in ROWS if args.sweep is None or r.sweep in args.sweep)
+    rows = tuple(r for r in ROWS if (args.sweep is None or r.sweep in args.sweep)
+                 and (args.row is None or r.name in args.row))
     if args.attention is not None:
         rows = tuple(replace(r, attention=args.attention) for r in rows)
     print(f"{'row':12s} {'GPUs':>5s} {'TP':>3s} {'PP':>3s} {'DP':>4s} {'B':>5s} {'M':>4s} {'rec':>4s} {'pub s':>7s} "
-          f"{'pred s':>7s} {'pub TF':>6s} {'pred TF':>7s} {'error':>7s} {'sim s':>6s}  source", flush=True)
+          f"{'pred s':>7s} {'pub TF':>6s} {'pred TF':>7s} {'error':>7s} {'waves':>5s} {'sim s':>6s}  source", flush=True)
     errors: dict[str, list[tuple[float, float, float]]] = {}
     cached: tuple[tuple, OpGraph] | None = None  # a sweep's rows share one model's graph
     for run in rows:
@@ -167,7 +205,8 @@ def main(argv: list[str] | None = None) -> None:
         head = (f"{run.name:12s} {run.gpus:5d} {run.tp:3d} {run.pp:3d} {run.dp:4d} {run.batch:5d} "
                 f"{run.microbatches:4d} {run.recompute[:4]:>4s} {published_seconds(run):7.2f}")
         if (why := reachable(run, args.max_gpus)) is not None:
-            print(f"{head} {'-':>7s} {pub_tf} {'-':>7s} {'-':>7s} {'-':>6s}  {run.source}; {why}", flush=True)
+            print(f"{head} {'-':>7s} {pub_tf} {'-':>7s} {'-':>7s} {block_wave_efficiency(run):5.3f} {'-':>6s}  "
+                  f"{run.source}; {why}", flush=True)
             continue
         t0 = time.perf_counter()
         shape = (run.layers, run.heads, run.hidden, run.seq, run.vocab, run.batch)
@@ -182,7 +221,7 @@ def main(argv: list[str] | None = None) -> None:
         errors.setdefault(run.sweep, []).append((err, *ranked))
         notes = "; ".join(n for n in (_missing(run), "" if result.fits else "does not fit") if n)
         pred_tf = f"{predicted_tflops(run, result):7.1f}" if run.tflops is not None else f"{'-':>7s}"
-        print(f"{head} {result.iteration_time:7.2f} {pub_tf} {pred_tf} {err:+7.1%} "
+        print(f"{head} {result.iteration_time:7.2f} {pub_tf} {pred_tf} {err:+7.1%} {block_wave_efficiency(run):5.3f} "
               f"{time.perf_counter() - t0:6.1f}  {run.source}{'; ' + notes if notes else ''}", flush=True)
     every = [abs(e) for sweep in errors.values() for e, _, _ in sweep]
     if every:

@@ -8,9 +8,9 @@ so a cost-model regression fails."""
 import pytest
 
 from benchmarks.published_data import RECOMPUTE
-from benchmarks.published_runs import (ROWS, build_graph, build_plan, korthikanti_model_flops, narayanan_flops,
-                                       narayanan_params, predict, predicted_tflops, published_seconds, reachable,
-                                       throughput_error)
+from benchmarks.published_runs import (ROWS, block_wave_efficiency, build_graph, build_plan, korthikanti_model_flops,
+                                       narayanan_flops, narayanan_params, predict, predicted_tflops, published_seconds,
+                                       reachable, throughput_error, tile_wave_efficiency)
 from simulator.presets import get_topology
 
 BOUND = 0.10
@@ -102,3 +102,13 @@ def test_prediction_within_bound_larger(index):
     result = predict(run)
     assert result.fits
     assert abs(predicted_tflops(run, result) / run.tflops - 1) <= BOUND
+
+
+def test_tile_wave_efficiency_by_hand():
+    # 2048 × 6912 in 128×128 tiles: 16 · 54 = 864 tiles = 8 full waves of 108 SMs
+    assert tile_wave_efficiency(2048, 6912) == 1.0
+    # 2048 × 2304: 128×128 gives 288 tiles in 3 waves (2048·2304 / (3·108·128²) = 0.889); the
+    # 256-wide tiles 144 in 2 waves (0.667): the best is kept
+    assert tile_wave_efficiency(2048, 2304) == pytest.approx(2048 * 2304 / (3 * 108 * 128 * 128))
+    assert block_wave_efficiency(NARAYANAN[0]) == pytest.approx(0.950, abs=5e-4)
+    assert block_wave_efficiency(NARAYANAN[8]) > block_wave_efficiency(NARAYANAN[5]) > block_wave_efficiency(NARAYANAN[1])
