@@ -20,22 +20,34 @@ Sources (each figure read from the paper's own text, arXiv versions):
   work", sequence parallelism + selective recompute; model FLOPs utilization of the latter);
   §6: sequence 2,048, vocabulary 51,200, mixed precision, Selene, no data parallelism, the
   interleaved schedule with 3 chunks per device for 175B and 530B.
+- torchtitan's docs/performance.md of 2024 ("LLaMa 3 performance numbers", "LLaMa 2 performance
+  numbers"): LLaMA-2 13B/70B and LLaMA-3 8B/70B trained with FSDP2 on 64 A100 80GB GPUs, local
+  batch 1 or 2, tokens per second per GPU (WPS) and MFU per activation-checkpointing setting;
+  sequence 8,192 (LLaMA-3) or 4,096 (LLaMA-2), bf16 mixed precision, SDPA attention (flash).
+  Shapes: LLaMA-3 as Dubey et al. 2024 Table 3, LLaMA-2 as Touvron et al. 2023 (the released
+  configurations); each reproduces the printed MFU with torchtitan's count of 6·N + 12·l·h·s
+  FLOPs a token over 312 TFLOP/s. The published cluster's network is not described; rows are
+  predicted on DGX A100 nodes (a100-8x8).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["MICROBATCH", "RECOMPUTE", "ROWS", "Run", "NARAYANAN", "KORTHIKANTI"]
+__all__ = ["MICROBATCH", "RECOMPUTE", "ROWS", "Run", "NARAYANAN", "KORTHIKANTI", "TORCHTITAN"]
 
 MICROBATCH = 1
 """Sequences per micro-batch where the source gives none (Narayanan Table 1): Megatron-LM's GPT-3
 175B example script's ``--micro-batch-size 1``."""
-RECOMPUTE = ("full", "selective", "none")
+RECOMPUTE = ("full", "selective", "alternate", "op", "none")
 """Activation recomputation (Korthikanti et al. §5): every op of every transformer block
-("full", ``plan --recompute``), the attention core only ("selective"), or none."""
+("full", ``plan --recompute``), the attention core only ("selective"), every block of every
+second layer ("alternate": torchtitan's selective layer checkpointing, ``selective_ac_option
+= "2"``), torchtitan's selective op checkpointing ("op": a per-op save list, no plan
+equivalent: such rows are listed, not simulated), or none."""
 NARAYANAN = "Narayanan et al. SC'21 (arXiv 2104.04473), Table 1"
 KORTHIKANTI = "Korthikanti et al. MLSys'23 (arXiv 2205.05198), Tables 3 and 5"
+TORCHTITAN = "torchtitan docs/performance.md (2024), 64 A100 80GB"
 
 
 @dataclass(frozen=True)
@@ -67,7 +79,18 @@ class Run:
     aggregate_pflops: float | None = None
     """Published aggregate PFLOP/s over all GPUs."""
     mfu: float | None = None
-    """Published model FLOPs utilization, % (Korthikanti Table 5)."""
+    """Published model FLOPs utilization, % (Korthikanti Table 5, torchtitan)."""
+    wps: float | None = None
+    """Published tokens per second per GPU (torchtitan's WPS)."""
+    model: str = "gpt"
+    """The model built: "gpt" (zoo gpt's module) or "llama" (zoo llama's: RMSNorm, RoPE,
+    SwiGLU of ``ffn``, ``kv_heads`` key/value heads, untied output)."""
+    ffn: int | None = None
+    kv_heads: int | None = None
+    plan: str = "megatron"
+    """The baseline the run used: "megatron" (TP/PP/DP) or "fsdp" (FSDP2 over every GPU)."""
+    unsupported: str | None = None
+    """Why the row has no plan here (listed, not simulated), or None."""
     seq: int = 2048
     vocab: int = 51200
     microbatch: int = MICROBATCH
@@ -135,5 +158,30 @@ _KORTHIKANTI_ROWS = tuple(
          "selective", True),
     ))
 
-ROWS: tuple[Run, ...] = _NARAYANAN_ROWS + _KORTHIKANTI_ROWS
-"""Every published row, Narayanan's Table 1 first (in its order), then Korthikanti's."""
+_OP_AC = "torchtitan's selective op checkpointing (a per-op save list) has no plan equivalent"
+_TORCHTITAN_ROWS = tuple(
+    Run(name, p, a, h, l, 1, 1, 64, 64 * local, f"{TORCHTITAN}, {table}, row {name}", "torchtitan-a100",
+        wps=wps, mfu=mfu, seq=seq, vocab=v, microbatch=local, recompute=rec,
+        unsupported=_OP_AC if rec == "op" else None, dtype="bf16", attention="flash", model="llama", ffn=f,
+        kv_heads=kv, plan="fsdp")
+    for name, table, p, a, kv, h, l, f, v, seq, local, rec, wps, mfu in (
+        # name, table, params (B), heads, kv heads, hidden, layers, ffn, vocab, seq,
+        # local batch, checkpointing, WPS, MFU %
+        ("LLaMA-3 8B layer", "LLaMa 3", 8.0, 32, 8, 4096, 32, 14336, 128256, 8192, 1, "alternate",
+         2876, 56.3),
+        ("LLaMA-3 8B op", "LLaMa 3", 8.0, 32, 8, 4096, 32, 14336, 128256, 8192, 1, "op", 2973, 58.2),
+        ("LLaMA-3 70B full", "LLaMa 3", 70.6, 64, 8, 8192, 80, 28672, 128256, 8192, 1, "full",
+         323, 50.5),
+        ("LLaMA-2 13B none", "LLaMa 2", 13.0, 40, 40, 5120, 40, 13824, 32000, 4096, 2, "none",
+         2162, 61.1),
+        ("LLaMA-2 13B layer", "LLaMa 2", 13.0, 40, 40, 5120, 40, 13824, 32000, 4096, 2, "alternate",
+         1914, 54.1),
+        ("LLaMA-2 13B op", "LLaMa 2", 13.0, 40, 40, 5120, 40, 13824, 32000, 4096, 2, "op", 1904, 53.8),
+        ("LLaMA-2 70B op", "LLaMa 2", 69.0, 64, 8, 8192, 80, 28672, 32000, 4096, 1, "op", 355, 50.8),
+        ("LLaMA-2 70B full", "LLaMa 2", 69.0, 64, 8, 8192, 80, 28672, 32000, 4096, 2, "full",
+         353, 50.5),
+    ))
+
+ROWS: tuple[Run, ...] = _NARAYANAN_ROWS + _KORTHIKANTI_ROWS + _TORCHTITAN_ROWS
+"""Every published row: Narayanan's Table 1 first (in its order), then Korthikanti's, then
+torchtitan's."""

@@ -44,16 +44,18 @@ from simulator.cost import ATTENTION_KERNELS, get_cost_model  # noqa: E402
 from simulator.presets import get_topology  # noqa: E402
 from simulator.result import SimResult  # noqa: E402
 from soapsearch import trace  # noqa: E402
+from soapsearch._models.llama import Llama, LlamaConfig  # noqa: E402
 from soapsearch._models.transformer import GPT, GPTConfig  # noqa: E402
 from soapsearch.calibrate import spearman  # noqa: E402
 from soapsearch.search.api import Evaluator  # noqa: E402
 from strategies import OpGraph, Strategy  # noqa: E402
-from strategies.baselines import recomputed  # noqa: E402
-from strategies.megatron import megatron  # noqa: E402
+from strategies.baselines import fsdp, recomputed  # noqa: E402
+from strategies.megatron import megatron, megatron_blocks  # noqa: E402
 
 __all__ = ["MICROBATCH", "ROWS", "Run", "block_wave_efficiency", "build_graph", "build_plan",
-           "korthikanti_model_flops", "narayanan_flops", "narayanan_params", "predict", "predicted_tflops",
-           "published_seconds", "reachable", "throughput_error", "tile_wave_efficiency"]
+           "korthikanti_model_flops", "llama_params", "narayanan_flops", "narayanan_params", "predict",
+           "predicted_mfu", "predicted_tflops", "published_seconds", "reachable", "throughput_error",
+           "tile_wave_efficiency", "torchtitan_flops"]
 
 MAX_GPUS = 128
 """Rows of more devices are listed, not simulated, unless ``--max-gpus`` says otherwise."""
@@ -79,33 +81,66 @@ def korthikanti_model_flops(run: Run) -> float:
     return 72 * b * l * s * h * h * (1 + s / (6 * h) + v / (12 * h * l))
 
 
+def llama_params(run: Run) -> float:
+    """Parameters of a LLaMA shape: embedding and untied output V·h each, per layer q and o h²,
+    k and v h·(kv heads · head dim), the SwiGLU's 3·h·ffn and two RMSNorms, a final RMSNorm."""
+    h, kv = run.hidden, run.kv_heads * (run.hidden // run.heads)
+    return 2 * run.vocab * h + run.layers * (2 * h * h + 2 * h * kv + 3 * h * run.ffn + 2 * h) + h
+
+
+def torchtitan_flops(run: Run) -> float:
+    """FLOPs of one iteration as torchtitan counts them for MFU (its train.py, after the PaLM
+    paper's appendix B): (6·N + 12·l·h·s) a token."""
+    return (6 * llama_params(run) + 12 * run.layers * run.hidden * run.seq) * run.batch * run.seq
+
+
 def published_seconds(run: Run) -> float:
-    """The published iteration seconds: as printed, else the paper's FLOPs / (GPUs · TFLOP/s)."""
+    """The published iteration seconds: as printed; else the sequences' tokens over the GPUs'
+    published tokens/s (torchtitan); else the paper's FLOPs / (GPUs · TFLOP/s) (Narayanan)."""
     if run.seconds is not None:
         return run.seconds
+    if run.wps is not None:
+        return run.batch * run.seq / (run.gpus * run.wps)
     return narayanan_flops(run) / (run.gpus * run.tflops * 1e12)
 
 
 def build_graph(run: Run) -> OpGraph:
-    """The row's GPT on meta (zoo gpt's module at the row's shape: tied embeddings, learned
-    positions, the paper's vocabulary; dropout 0, which costs nothing on meta), the whole global
-    batch as the traced batch."""
-    cfg = GPTConfig(n_layer=run.layers, n_head=run.heads, n_embd=run.hidden, seq_len=run.seq,
-                    vocab_size=run.vocab, dropout=0.0, tie_embeddings=True)
+    """The row's model on meta (zoo gpt's module at the row's shape: tied embeddings, learned
+    positions, the paper's vocabulary, dropout 0, which costs nothing on meta; or zoo llama's),
+    the whole global batch as the traced batch."""
     with torch.device("meta"):
-        model = GPT(cfg)
+        if run.model == "llama":
+            model = Llama(LlamaConfig(n_layer=run.layers, d_model=run.hidden, ffn_hidden=run.ffn, n_head=run.heads,
+                                      n_kv_head=run.kv_heads, vocab_size=run.vocab, seq_len=run.seq))
+        else:
+            model = GPT(GPTConfig(n_layer=run.layers, n_head=run.heads, n_embd=run.hidden, seq_len=run.seq,
+                                  vocab_size=run.vocab, dropout=0.0, tie_embeddings=True))
         tokens = torch.zeros(run.batch, run.seq, dtype=torch.long)
     return trace(model, (tokens, tokens), name=f"gpt-{run.params_b:g}b")
 
 
 def build_plan(run: Run, graph: OpGraph) -> Strategy:
-    """The ``megatron`` baseline with the row's TP, PP, sequence parallelism and micro-batches
-    (1F1B), its recompute (full: every block, ``plan --recompute``; selective: each attention
-    core, Korthikanti et al. §5) and its dtype."""
-    plan = megatron(graph, run.gpus, tp=run.tp, pp=run.pp, microbatches=run.microbatches,
-                    sequence_parallel=run.sequence_parallel)
-    if run.recompute == "full":
-        plan = recomputed(plan, graph)
+    """The row's baseline: ``megatron`` with its TP, PP, sequence parallelism and micro-batches
+    (1F1B), or ``fsdp`` over every GPU; its recompute (full: every block, ``plan --recompute``;
+    selective: each attention core, Korthikanti et al. §5; alternate: every block of every
+    second layer, torchtitan's selective layer checkpointing) and its dtype."""
+    if run.plan == "fsdp":
+        plan = fsdp(graph, run.gpus)
+    else:
+        plan = megatron(graph, run.gpus, tp=run.tp, pp=run.pp, microbatches=run.microbatches,
+                        sequence_parallel=run.sequence_parallel)
+    if run.recompute in ("full", "alternate"):
+        full = recomputed(plan, graph)
+        if run.recompute == "alternate":  # a layer is two blocks (attention, MLP); torchtitan
+            blocks = megatron_blocks(graph)  # checkpoints the 2nd, 4th, ... layer
+            if len(blocks) != 2 * run.layers:
+                raise ValueError(f"row {run.name!r}: {len(blocks)} blocks for {run.layers} layers, not 2 a layer")
+            ops = {op for i, (cols, mid, row) in enumerate(blocks) if i // 2 % 2 == 1 for op in (*cols, *mid, row)}
+            full = Strategy.of({name: full[name] if name in ops else cfg for name, cfg in plan.items()},
+                               plan.num_devices, plan.microbatches, plan.schedule, plan.precision)
+        plan = full
+    elif run.recompute == "op":
+        raise ValueError(f"row {run.name!r}: {run.unsupported}")
     elif run.recompute == "selective":
         plan = Strategy.of({name: cfg.with_memory(recompute=True) if graph[name].kind == "attention" else cfg
                             for name, cfg in plan.items()},
@@ -116,6 +151,8 @@ def build_plan(run: Run, graph: OpGraph) -> Strategy:
 def reachable(run: Run, max_gpus: int | None = None) -> str | None:
     """None when the row is simulated: its devices within ``max_gpus`` (None: no limit) and the
     presets; else why not ("not simulated: N devices ...")."""
+    if run.unsupported is not None:
+        return f"not simulated: {run.unsupported}"
     if max_gpus is not None and run.gpus > max_gpus:
         return f"not simulated: {run.gpus} devices (over --max-gpus {max_gpus})"
     try:
@@ -131,6 +168,12 @@ def predict(run: Run, graph: OpGraph | None = None) -> SimResult:
     cost = get_cost_model("analytical", attention=run.attention)
     evaluate = Evaluator(graph, get_topology(run.topology), cost, "adam", precision=run.dtype)
     return evaluate(build_plan(run, graph))
+
+
+def predicted_mfu(run: Run, result: SimResult) -> float:
+    """Model FLOPs utilization, %, the prediction implies, counted as torchtitan counts it."""
+    peak = get_topology(run.topology).devices[0].flops_for("bfloat16")
+    return 100 * torchtitan_flops(run) / (result.iteration_time * run.gpus * peak)
 
 
 def predicted_tflops(run: Run, result: SimResult) -> float:
@@ -163,13 +206,16 @@ def tile_wave_efficiency(m: int, n: int, sms: int = A100_SMS) -> float:
 
 
 def block_wave_efficiency(run: Run) -> float:
-    """FLOP-weighted tile and wave efficiency of one transformer layer's four GEMMs per GPU
-    (q/k/v, projection, MLP up and down at the row's TP, micro-batch · sequence rows), each
+    """FLOP-weighted tile and wave efficiency of one transformer layer's GEMMs per GPU (q/k/v,
+    projection, MLP up (a SwiGLU's two) and down at the row's TP, micro-batch · sequence rows), each
     forward (rows × out) and both backward products (rows × in, out × in). A diagnostic of
     the shape effect, not part of the cost model."""
     rows, h, t = run.microbatch * run.seq, run.hidden, run.tp
+    kv = h if run.kv_heads is None else run.kv_heads * (h // run.heads)
+    ffn = 4 * h if run.ffn is None else run.ffn
+    ups = 1 if run.model == "gpt" else 2  # a SwiGLU's two up products
     flops = weighted = 0.0
-    for out, inner in ((3 * h // t, h), (h, h // t), (4 * h // t, h), (h, 4 * h // t)):
+    for out, inner in ((h + 2 * kv) // t, h), (h, h // t), *[(ffn // t, h)] * ups, (h, ffn // t):
         for m, n in ((rows, out), (rows, inner), (out, inner)):
             flops += rows * out * inner
             weighted += rows * out * inner / tile_wave_efficiency(m, n)
@@ -196,13 +242,13 @@ def main(argv: list[str] | None = None) -> None:
                  and (args.row is None or r.name in args.row))
     if args.attention is not None:
         rows = tuple(replace(r, attention=args.attention) for r in rows)
-    print(f"{'row':12s} {'GPUs':>5s} {'TP':>3s} {'PP':>3s} {'DP':>4s} {'B':>5s} {'M':>4s} {'rec':>4s} {'pub s':>7s} "
+    print(f"{'row':17s} {'GPUs':>5s} {'TP':>3s} {'PP':>3s} {'DP':>4s} {'B':>5s} {'M':>4s} {'rec':>4s} {'pub s':>7s} "
           f"{'pred s':>7s} {'pub TF':>6s} {'pred TF':>7s} {'error':>7s} {'waves':>5s} {'sim s':>6s}  source", flush=True)
     errors: dict[str, list[tuple[float, float, float]]] = {}
     cached: tuple[tuple, OpGraph] | None = None  # a sweep's rows share one model's graph
     for run in rows:
         pub_tf = f"{run.tflops:6.0f}" if run.tflops is not None else f"{'-':>6s}"
-        head = (f"{run.name:12s} {run.gpus:5d} {run.tp:3d} {run.pp:3d} {run.dp:4d} {run.batch:5d} "
+        head = (f"{run.name:17s} {run.gpus:5d} {run.tp:3d} {run.pp:3d} {run.dp:4d} {run.batch:5d} "
                 f"{run.microbatches:4d} {run.recompute[:4]:>4s} {published_seconds(run):7.2f}")
         if (why := reachable(run, args.max_gpus)) is not None:
             print(f"{head} {'-':>7s} {pub_tf} {'-':>7s} {'-':>7s} {block_wave_efficiency(run):5.3f} {'-':>6s}  "
@@ -214,9 +260,10 @@ def main(argv: list[str] | None = None) -> None:
             cached = (shape, build_graph(run))
         result = predict(run, cached[1])
         err = throughput_error(run, result)
-        # ranked by TFLOP/s per GPU where the source prints them (rows of several models), else by
-        # iterations per second (rows of one model)
+        # ranked by TFLOP/s per GPU or MFU where the source prints them (rows of several models),
+        # else by iterations per second (rows of one model)
         ranked = (predicted_tflops(run, result), run.tflops) if run.tflops is not None else \
+            (predicted_mfu(run, result), run.mfu) if run.wps is not None else \
             (1 / result.iteration_time, 1 / published_seconds(run))
         errors.setdefault(run.sweep, []).append((err, *ranked))
         notes = "; ".join(n for n in (_missing(run), "" if result.fits else "does not fit") if n)
