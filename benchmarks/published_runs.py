@@ -255,7 +255,7 @@ def main(argv: list[str] | None = None) -> None:
                   f"{run.source}; {why}", flush=True)
             continue
         t0 = time.perf_counter()
-        shape = (run.layers, run.heads, run.hidden, run.seq, run.vocab, run.batch)
+        shape = (run.model, run.layers, run.heads, run.kv_heads, run.hidden, run.ffn, run.seq, run.vocab, run.batch)
         if cached is None or cached[0] != shape:
             cached = (shape, build_graph(run))
         result = predict(run, cached[1])
