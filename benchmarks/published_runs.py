@@ -1,128 +1,64 @@
 """published_runs.py: the analytical cost model against published, measured GPU training runs
-(issue 24). Each configuration is data (``Run``: model shape, devices, TP/PP/DP, micro-batch,
-global batch, sequence length, recompute, dtype, the published figure and where it is printed);
-the script builds the model on meta, the ``megatron`` baseline's plan with the row's flags
-(full recompute of every block as ``plan --recompute``, bf16 as ``plan --dtype bf16``),
-predicts the iteration with the analytical model (the row's attention kernel: "math" for
-Megatron-LM of 2021) on the row's preset (a100-<N/8>x8) and prints
-predicted vs published TFLOP/s per GPU and iteration seconds, the relative error, and Spearman's
-ρ per sweep.
+(issue 24). The runs are data (``benchmarks/published_data.py``: shape, devices, TP/PP/DP,
+micro-batch, global batch, sequence, recompute, dtype, the published figure and its paper,
+table and row); this script builds each row's model on meta, the ``megatron`` baseline's plan
+with the row's flags (full recompute of every block as ``plan --recompute``, selective
+recompute as the attention cores recomputed, sequence parallelism, bf16 as ``plan --dtype
+bf16``), predicts the iteration with the analytical model (the row's attention kernel: "math"
+for Megatron-LM of 2021-2022) on the row's preset (a100-<N/8>x8) and prints predicted vs
+published iteration seconds, TFLOP/s per GPU where the source prints them, the relative error
+of the throughput (published / predicted seconds - 1), Spearman's ρ per sweep, and a
+diagnostic the model does not use: "waves", the tile and wave quantization efficiency of a
+layer's GEMMs per GPU (``block_wave_efficiency``).
 
-Source: Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using
-Megatron-LM", SC'21 (arXiv 2104.04473), Table 1: GPT models of 1.7B-1T parameters on 32-3,072
-A100 80GB GPUs of Selene (DGX A100 nodes: 8 GPUs on NVSwitch, 8 HDR InfiniBand NICs), vocabulary
-51,200, sequence 2,048. Hidden size, layers, parameters, model-parallel size, GPUs, batch,
-achieved TFLOP/s per GPU, % of peak and aggregate PFLOP/s as printed in that table and in
-Megatron-LM's README of April 2021 (images/cases_april2021.png, commit 50a4b5f); heads and the
-split of model-parallel size into tensor x pipeline (tensor 8 inside a DGX node, pipeline the
-rest) as the paper's Table 1. Table 1 does not give the micro-batch: 1 sequence, the
-``--micro-batch-size`` of Megatron-LM's GPT-3 175B example script, is assumed (``MICROBATCH``).
-The published TFLOP/s count the paper's FLOPs, 96·B·s·l·h²·(1 + s/6h + V/16lh) per iteration
-(its §5.1, with activation recomputation: every run of the table recomputes), so the predicted
-TFLOP/s are that count over the predicted iteration; the published iteration seconds are the
-same count over the published TFLOP/s.
+Narayanan et al.'s TFLOP/s count their FLOPs, 96·B·s·l·h²·(1 + s/6h + V/16lh) per iteration
+(§5.1 equation (3), with activation recomputation), so the predicted TFLOP/s are that count
+over the predicted iteration and the published iteration seconds that count over the
+published TFLOP/s. Korthikanti et al. print iteration seconds (Table 5).
 
-Rows whose device count the presets do not reach (``simulator.cluster.MAX_DEVICES``) are
-printed as "not simulated: N devices", never dropped.
+Rows over ``--max-gpus`` devices (default 128: what the simulator runs in a few minutes on a
+2-core machine) or past the presets are printed as "not simulated: N devices", never dropped.
 
-    python benchmarks/published_runs.py            # every row the presets reach
-    python benchmarks/published_runs.py --rows 3   # the first three rows
-    python benchmarks/published_runs.py --rows 3 --attention flash   # as if FlashAttention ran
+    python benchmarks/published_runs.py                   # every row of <= 128 GPUs
+    python benchmarks/published_runs.py --sweep narayanan-table1 --max-gpus 64
+    python benchmarks/published_runs.py --row 7.5B --row "22B full"
+    python benchmarks/published_runs.py --attention flash  # as if FlashAttention ran
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.published_data import MICROBATCH, ROWS, Run  # noqa: E402
 from simulator.cost import ATTENTION_KERNELS, get_cost_model  # noqa: E402
 from simulator.presets import get_topology  # noqa: E402
 from simulator.result import SimResult  # noqa: E402
 from soapsearch import trace  # noqa: E402
+from soapsearch._models.llama import Llama, LlamaConfig  # noqa: E402
 from soapsearch._models.transformer import GPT, GPTConfig  # noqa: E402
 from soapsearch.calibrate import spearman  # noqa: E402
 from soapsearch.search.api import Evaluator  # noqa: E402
 from strategies import OpGraph, Strategy  # noqa: E402
-from strategies.baselines import recomputed  # noqa: E402
-from strategies.megatron import megatron  # noqa: E402
+from strategies.baselines import fsdp, recomputed  # noqa: E402
+from strategies.megatron import megatron, megatron_blocks  # noqa: E402
 
-MICROBATCH = 1
-"""Sequences per micro-batch (not in Table 1; Megatron-LM's GPT-3 175B example script's
-``--micro-batch-size 1``)."""
-NARAYANAN = "Narayanan et al. SC'21, Table 1"
+__all__ = ["MICROBATCH", "ROWS", "Run", "block_wave_efficiency", "build_graph", "build_plan",
+           "korthikanti_model_flops", "llama_params", "narayanan_flops", "narayanan_params", "predict",
+           "predicted_mfu", "predicted_tflops", "published_seconds", "reachable", "throughput_error",
+           "tile_wave_efficiency", "torchtitan_flops"]
 
-
-@dataclass(frozen=True)
-class Run:
-    """One published training configuration and its measured throughput."""
-
-    name: str
-    params_b: float
-    """Parameters, billions, as published."""
-    heads: int
-    hidden: int
-    layers: int
-    tp: int
-    pp: int
-    gpus: int
-    batch: int
-    """Global batch, sequences per iteration."""
-    tflops: float
-    """Published achieved TFLOP/s per GPU."""
-    percent_peak: int
-    """Published % of the theoretical peak (312 TFLOP/s bf16 on an A100)."""
-    aggregate_pflops: float
-    """Published aggregate PFLOP/s over all GPUs."""
-    source: str
-    sweep: str
-    seq: int = 2048
-    vocab: int = 51200
-    microbatch: int = MICROBATCH
-    recompute: bool = True
-    dtype: str = "bf16"
-    device: str = "a100"
-    attention: str = "math"
-    """The attention kernel (``simulator.cost.ATTENTION_KERNELS``): Megatron-LM of 2021 ran
-    q·kᵀ (baddbmm), its fused scale-mask-softmax and ·v (bmm) as separate kernels, the scores
-    in HBM; FlashAttention (Dao et al. 2022) came a year later."""
-
-    @property
-    def dp(self) -> int:
-        return self.gpus // (self.tp * self.pp)
-
-    @property
-    def microbatches(self) -> int:
-        """Micro-batches per data-parallel rank and iteration: B / (DP · micro-batch)."""
-        return self.batch // (self.dp * self.microbatch)
-
-    @property
-    def topology(self) -> str:
-        return f"{self.device}-{self.gpus // 8}x8"
-
-
-ROWS: tuple[Run, ...] = tuple(
-    Run(name, p, a, h, l, t, pp, n, b, f, pct, agg, f"{NARAYANAN}, row {name}", "narayanan-table1")
-    for name, p, a, h, l, t, pp, n, b, f, pct, agg in (
-        # name, params (B), heads, hidden, layers, TP, PP, GPUs, batch, TFLOP/s/GPU, % peak, PFLOP/s
-        ("1.7B", 1.7, 24, 2304, 24, 1, 1, 32, 512, 137, 44, 4.4),
-        ("3.6B", 3.6, 32, 3072, 30, 2, 1, 64, 512, 138, 44, 8.8),
-        ("7.5B", 7.5, 32, 4096, 36, 4, 1, 128, 512, 142, 46, 18.2),
-        ("18B", 18.4, 48, 6144, 40, 8, 1, 256, 1024, 135, 43, 34.6),
-        ("39B", 39.1, 64, 8192, 48, 8, 2, 512, 1536, 138, 44, 70.8),
-        ("76B", 76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140, 45, 143.8),
-        ("145B", 145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148, 47, 227.1),
-        ("310B", 310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155, 50, 297.4),
-        ("530B", 529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163, 52, 410.2),
-        ("1T", 1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163, 52, 502.0),
-    ))
+MAX_GPUS = 128
+"""Rows of more devices are listed, not simulated, unless ``--max-gpus`` says otherwise."""
 
 
 def narayanan_flops(run: Run) -> float:
@@ -138,38 +74,91 @@ def narayanan_params(run: Run) -> float:
     return 12 * l * h * h * (1 + 13 / (12 * h) + (run.vocab + run.seq) / (12 * l * h))
 
 
+def korthikanti_model_flops(run: Run) -> float:
+    """Model FLOPs of one iteration as Korthikanti et al. Appendix A count them (no
+    recomputation): 72·B·L·s·h²·(1 + s/6h + V/12hL), their equation (7)."""
+    b, s, l, h, v = run.batch, run.seq, run.layers, run.hidden, run.vocab
+    return 72 * b * l * s * h * h * (1 + s / (6 * h) + v / (12 * h * l))
+
+
+def llama_params(run: Run) -> float:
+    """Parameters of a LLaMA shape: embedding and untied output V·h each, per layer q and o h²,
+    k and v h·(kv heads · head dim), the SwiGLU's 3·h·ffn and two RMSNorms, a final RMSNorm."""
+    h, kv = run.hidden, run.kv_heads * (run.hidden // run.heads)
+    return 2 * run.vocab * h + run.layers * (2 * h * h + 2 * h * kv + 3 * h * run.ffn + 2 * h) + h
+
+
+def torchtitan_flops(run: Run) -> float:
+    """FLOPs of one iteration as torchtitan counts them for MFU (its train.py, after the PaLM
+    paper's appendix B): (6·N + 12·l·h·s) a token."""
+    return (6 * llama_params(run) + 12 * run.layers * run.hidden * run.seq) * run.batch * run.seq
+
+
 def published_seconds(run: Run) -> float:
-    """The iteration the published TFLOP/s per GPU imply: the paper's FLOPs / (GPUs · TFLOP/s)."""
+    """The published iteration seconds: as printed; else the sequences' tokens over the GPUs'
+    published tokens/s (torchtitan); else the paper's FLOPs / (GPUs · TFLOP/s) (Narayanan)."""
+    if run.seconds is not None:
+        return run.seconds
+    if run.wps is not None:
+        return run.batch * run.seq / (run.gpus * run.wps)
     return narayanan_flops(run) / (run.gpus * run.tflops * 1e12)
 
 
 def build_graph(run: Run) -> OpGraph:
-    """The row's GPT on meta (zoo gpt's module at the row's shape: tied embeddings, learned
-    positions, the paper's vocabulary; dropout 0, which costs nothing on meta), the whole global
-    batch as the traced batch."""
-    cfg = GPTConfig(n_layer=run.layers, n_head=run.heads, n_embd=run.hidden, seq_len=run.seq,
-                    vocab_size=run.vocab, dropout=0.0, tie_embeddings=True)
+    """The row's model on meta (zoo gpt's module at the row's shape: tied embeddings, learned
+    positions, the paper's vocabulary, dropout 0, which costs nothing on meta; or zoo llama's),
+    the whole global batch as the traced batch."""
     with torch.device("meta"):
-        model = GPT(cfg)
+        if run.model == "llama":
+            model = Llama(LlamaConfig(n_layer=run.layers, d_model=run.hidden, ffn_hidden=run.ffn, n_head=run.heads,
+                                      n_kv_head=run.kv_heads, vocab_size=run.vocab, seq_len=run.seq))
+        else:
+            model = GPT(GPTConfig(n_layer=run.layers, n_head=run.heads, n_embd=run.hidden, seq_len=run.seq,
+                                  vocab_size=run.vocab, dropout=0.0, tie_embeddings=True))
         tokens = torch.zeros(run.batch, run.seq, dtype=torch.long)
-    return trace(model, (tokens, tokens), name=f"gpt-{run.name}")
+    return trace(model, (tokens, tokens), name=f"gpt-{run.params_b:g}b")
 
 
 def build_plan(run: Run, graph: OpGraph) -> Strategy:
-    """The ``megatron`` baseline with the row's TP, PP and micro-batches (1F1B), every block
-    recomputed (``plan --recompute``) and the row's dtype."""
-    plan = megatron(graph, run.gpus, tp=run.tp, pp=run.pp, microbatches=run.microbatches)
-    if run.recompute:
-        plan = recomputed(plan, graph)
+    """The row's baseline: ``megatron`` with its TP, PP, sequence parallelism and micro-batches
+    (1F1B), or ``fsdp`` over every GPU; its recompute (full: every block, ``plan --recompute``;
+    selective: each attention core, Korthikanti et al. §5; alternate: every block of every
+    second layer, torchtitan's selective layer checkpointing) and its dtype."""
+    if run.plan == "fsdp":
+        plan = fsdp(graph, run.gpus)
+    else:
+        plan = megatron(graph, run.gpus, tp=run.tp, pp=run.pp, microbatches=run.microbatches,
+                        sequence_parallel=run.sequence_parallel)
+    if run.recompute in ("full", "alternate"):
+        full = recomputed(plan, graph)
+        if run.recompute == "alternate":  # a layer is two blocks (attention, MLP); torchtitan
+            blocks = megatron_blocks(graph)  # checkpoints the 2nd, 4th, ... layer
+            if len(blocks) != 2 * run.layers:
+                raise ValueError(f"row {run.name!r}: {len(blocks)} blocks for {run.layers} layers, not 2 a layer")
+            ops = {op for i, (cols, mid, row) in enumerate(blocks) if i // 2 % 2 == 1 for op in (*cols, *mid, row)}
+            full = Strategy.of({name: full[name] if name in ops else cfg for name, cfg in plan.items()},
+                               plan.num_devices, plan.microbatches, plan.schedule, plan.precision)
+        plan = full
+    elif run.recompute == "op":
+        raise ValueError(f"row {run.name!r}: {run.unsupported}")
+    elif run.recompute == "selective":
+        plan = Strategy.of({name: cfg.with_memory(recompute=True) if graph[name].kind == "attention" else cfg
+                            for name, cfg in plan.items()},
+                           plan.num_devices, plan.microbatches, plan.schedule, plan.precision)
     return plan.with_precision(run.dtype)
 
 
-def reachable(run: Run) -> str | None:
-    """None when the presets reach the row's devices, else why not ("not simulated: N devices")."""
+def reachable(run: Run, max_gpus: int | None = None) -> str | None:
+    """None when the row is simulated: its devices within ``max_gpus`` (None: no limit) and the
+    presets; else why not ("not simulated: N devices ...")."""
+    if run.unsupported is not None:
+        return f"not simulated: {run.unsupported}"
+    if max_gpus is not None and run.gpus > max_gpus:
+        return f"not simulated: {run.gpus} devices (over --max-gpus {max_gpus})"
     try:
         get_topology(run.topology)
     except ValueError:
-        return f"not simulated: {run.gpus} devices"
+        return f"not simulated: {run.gpus} devices (past the presets)"
     return None
 
 
@@ -181,40 +170,112 @@ def predict(run: Run, graph: OpGraph | None = None) -> SimResult:
     return evaluate(build_plan(run, graph))
 
 
+def predicted_mfu(run: Run, result: SimResult) -> float:
+    """Model FLOPs utilization, %, the prediction implies, counted as torchtitan counts it."""
+    peak = get_topology(run.topology).devices[0].flops_for("bfloat16")
+    return 100 * torchtitan_flops(run) / (result.iteration_time * run.gpus * peak)
+
+
 def predicted_tflops(run: Run, result: SimResult) -> float:
-    """TFLOP/s per GPU the prediction implies, counted as the paper counts them."""
+    """TFLOP/s per GPU the prediction implies, counted as Narayanan et al. count them."""
     return narayanan_flops(run) / (run.gpus * result.iteration_time) / 1e12
+
+
+def throughput_error(run: Run, result: SimResult) -> float:
+    """Relative error of the predicted throughput: published / predicted seconds - 1 (for a
+    TFLOP/s row: predicted / published TFLOP/s - 1)."""
+    return published_seconds(run) / result.iteration_time - 1
+
+
+A100_SMS = 108
+"""Streaming multiprocessors of an A100 (NVIDIA A100 Tensor Core GPU Architecture whitepaper)."""
+GEMM_TILES = ((256, 128), (128, 256), (128, 128))
+"""Output tiles cuBLAS's tensor-core kernels choose among (NVIDIA, "Matrix Multiplication
+Background User's Guide", §Dimension Quantization Effects)."""
+
+
+def tile_wave_efficiency(m: int, n: int, sms: int = A100_SMS) -> float:
+    """Fraction of the tile-perfect rate an m × n GEMM output keeps after tile and wave
+    quantization (NVIDIA's Matrix Multiplication Background User's Guide): m·n over the
+    ⌈tiles / SMs⌉ waves of SMs full tiles each, for the best of ``GEMM_TILES``."""
+    best = 0.0
+    for a, b in GEMM_TILES:
+        tiles = math.ceil(m / a) * math.ceil(n / b)
+        best = max(best, m * n / (math.ceil(tiles / sms) * sms * a * b))
+    return best
+
+
+def block_wave_efficiency(run: Run) -> float:
+    """FLOP-weighted tile and wave efficiency of one transformer layer's GEMMs per GPU (q/k/v,
+    projection, MLP up (a SwiGLU's two) and down at the row's TP, micro-batch · sequence rows), each
+    forward (rows × out) and both backward products (rows × in, out × in). A diagnostic of
+    the shape effect, not part of the cost model."""
+    rows, h, t = run.microbatch * run.seq, run.hidden, run.tp
+    kv = h if run.kv_heads is None else run.kv_heads * (h // run.heads)
+    ffn = 4 * h if run.ffn is None else run.ffn
+    ups = 1 if run.model == "gpt" else 2  # a SwiGLU's two up products
+    flops = weighted = 0.0
+    for out, inner in ((h + 2 * kv) // t, h), (h, h // t), *[(ffn // t, h)] * ups, (h, ffn // t):
+        for m, n in ((rows, out), (rows, inner), (out, inner)):
+            flops += rows * out * inner
+            weighted += rows * out * inner / tile_wave_efficiency(m, n)
+    return flops / weighted
+
+
+def _missing(run: Run) -> str:
+    """Effects of the published run that the simulated plan leaves out, for the row's note."""
+    notes = []
+    if run.pp > 1 and run.chunks != 1:
+        notes.append("interleaved 1F1B" + (f" ({run.chunks} chunks)" if run.chunks else "") + " run as 1F1B")
+    return "; ".join(notes)
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rows", type=int, default=len(ROWS), help="the first N rows of the table")
+    ap.add_argument("--sweep", action="append", help="only this sweep's rows (repeatable); sweeps: "
+                    + ", ".join(dict.fromkeys(r.sweep for r in ROWS)))
+    ap.add_argument("--row", action="append", help="only the row of this name (repeatable), e.g. 7.5B, '22B full'")
+    ap.add_argument("--max-gpus", type=int, default=MAX_GPUS, help="rows of more devices are listed, not simulated")
     ap.add_argument("--attention", choices=ATTENTION_KERNELS, help="every row with this attention kernel")
     args = ap.parse_args(argv)
-    rows = ROWS[:args.rows] if args.attention is None else \
-        tuple(replace(r, attention=args.attention) for r in ROWS[:args.rows])
-    print(f"{'row':6s} {'GPUs':>5s} {'TP':>3s} {'PP':>3s} {'DP':>4s} {'B':>5s} {'M':>4s} {'pub s':>7s} "
-          f"{'pred s':>7s} {'pub TF':>6s} {'pred TF':>7s} {'error':>7s} {'sim s':>6s}  source", flush=True)
+    rows = tuple(r for r in ROWS if (args.sweep is None or r.sweep in args.sweep)
+                 and (args.row is None or r.name in args.row))
+    if args.attention is not None:
+        rows = tuple(replace(r, attention=args.attention) for r in rows)
+    print(f"{'row':17s} {'GPUs':>5s} {'TP':>3s} {'PP':>3s} {'DP':>4s} {'B':>5s} {'M':>4s} {'rec':>4s} {'pub s':>7s} "
+          f"{'pred s':>7s} {'pub TF':>6s} {'pred TF':>7s} {'error':>7s} {'waves':>5s} {'sim s':>6s}  source", flush=True)
     errors: dict[str, list[tuple[float, float, float]]] = {}
+    cached: tuple[tuple, OpGraph] | None = None  # a sweep's rows share one model's graph
     for run in rows:
-        head = (f"{run.name:6s} {run.gpus:5d} {run.tp:3d} {run.pp:3d} {run.dp:4d} {run.batch:5d} "
-                f"{run.microbatches:4d} {published_seconds(run):7.2f}")
-        if (why := reachable(run)) is not None:
-            print(f"{head} {'-':>7s} {run.tflops:6.0f} {'-':>7s} {'-':>7s} {'-':>6s}  {run.source}; {why}", flush=True)
+        pub_tf = f"{run.tflops:6.0f}" if run.tflops is not None else f"{'-':>6s}"
+        head = (f"{run.name:17s} {run.gpus:5d} {run.tp:3d} {run.pp:3d} {run.dp:4d} {run.batch:5d} "
+                f"{run.microbatches:4d} {run.recompute[:4]:>4s} {published_seconds(run):7.2f}")
+        if (why := reachable(run, args.max_gpus)) is not None:
+            print(f"{head} {'-':>7s} {pub_tf} {'-':>7s} {'-':>7s} {block_wave_efficiency(run):5.3f} {'-':>6s}  "
+                  f"{run.source}; {why}", flush=True)
             continue
         t0 = time.perf_counter()
-        result = predict(run)
-        tf = predicted_tflops(run, result)
-        err = tf / run.tflops - 1
-        errors.setdefault(run.sweep, []).append((err, tf, run.tflops))
-        print(f"{head} {result.iteration_time:7.2f} {run.tflops:6.0f} {tf:7.1f} {err:+7.1%} "
-              f"{time.perf_counter() - t0:6.1f}  {run.source}{'' if result.fits else '; does not fit'}", flush=True)
-    every = [abs(e) for rows in errors.values() for e, _, _ in rows]
+        shape = (run.model, run.layers, run.heads, run.kv_heads, run.hidden, run.ffn, run.seq, run.vocab, run.batch)
+        if cached is None or cached[0] != shape:
+            cached = (shape, build_graph(run))
+        result = predict(run, cached[1])
+        err = throughput_error(run, result)
+        # ranked by TFLOP/s per GPU or MFU where the source prints them (rows of several models),
+        # else by iterations per second (rows of one model)
+        ranked = (predicted_tflops(run, result), run.tflops) if run.tflops is not None else \
+            (predicted_mfu(run, result), run.mfu) if run.wps is not None else \
+            (1 / result.iteration_time, 1 / published_seconds(run))
+        errors.setdefault(run.sweep, []).append((err, *ranked))
+        notes = "; ".join(n for n in (_missing(run), "" if result.fits else "does not fit") if n)
+        pred_tf = f"{predicted_tflops(run, result):7.1f}" if run.tflops is not None else f"{'-':>7s}"
+        print(f"{head} {result.iteration_time:7.2f} {pub_tf} {pred_tf} {err:+7.1%} {block_wave_efficiency(run):5.3f} "
+              f"{time.perf_counter() - t0:6.1f}  {run.source}{'; ' + notes if notes else ''}", flush=True)
+    every = [abs(e) for sweep in errors.values() for e, _, _ in sweep]
     if every:
         print(f"|error| over {len(every)} rows: median {statistics.median(every):.1%}, max {max(every):.1%}")
-    for sweep, rows in errors.items():
-        rho = spearman([p for _, p, _ in rows], [m for _, _, m in rows])
-        print(f"Spearman rho, {sweep} ({len(rows)} rows): {rho:.2f}")
+    for sweep, found in errors.items():
+        rho = spearman([p for _, p, _ in found], [m for _, _, m in found]) if len(found) > 1 else float("nan")
+        print(f"Spearman rho, {sweep} ({len(found)} rows): {rho:.2f}")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """Communication cost formulas over a Topology: point-to-point transfers, ring all-reduce and
-ring all-gather, and the executor's choice between the last two for a small sum.
+ring all-gather (across nodes, NCCL's channels: one ring per NIC), and the executor's choice
+between the last two for a small sum.
 
 Pure functions of (topology, devices, bytes). They read the Topology's precomputed per-route
 latency sums and bottleneck bandwidths, and cache each all-reduce group's ring, so the search
@@ -9,6 +10,8 @@ can call them many thousands of times per second.
 from __future__ import annotations
 
 import functools
+import math
+from collections import Counter
 from collections.abc import Sequence
 
 from simulator.topology import Topology
@@ -31,16 +34,49 @@ def transfer_time(topology: Topology, src: int, dst: int, nbytes: float) -> floa
 
 @functools.lru_cache(maxsize=1 << 16)
 def _ring(topology: Topology, devices: tuple[int, ...]) -> tuple[float, float, tuple[int, ...]]:
-    """(largest latency, smallest ring bandwidth, link indices) over the ring's neighbour routes
-    (``Topology.route_ring_bandwidth``: a link's ``collective_bandwidth`` where it has one)."""
+    """(largest latency, ring bandwidth, link indices) of a ring collective over ``devices``:
+    the latency the largest over the caller's ring's neighbour routes; the bandwidth the
+    slowest neighbour route's (``Topology.route_ring_bandwidth``: a link's
+    ``collective_bandwidth`` where it has one), or NCCL's channels' where the group spans
+    nodes alike (``_channels``)."""
     if len(set(devices)) != len(devices):
         raise ValueError(f"all-reduce group {list(devices)}: a device appears twice; "
                          "a replica group names each device once")
     pairs = [(devices[i], devices[(i + 1) % len(devices)]) for i in range(len(devices))]
     alpha = max(topology.route_latency(s, d) for s, d in pairs)
     bandwidth = min(topology.route_ring_bandwidth(s, d) for s, d in pairs)
-    links = tuple(sorted({j for s, d in pairs for j in topology.route(s, d)}))
-    return alpha, bandwidth, links
+    links = {j for s, d in pairs for j in topology.route(s, d)}
+    channels = _channels(topology, devices)
+    if channels is not None:
+        bandwidth, rails = channels
+        links.update(rails)
+    return alpha, bandwidth, tuple(sorted(links))
+
+
+def _channels(topology: Topology, devices: tuple[int, ...]) -> tuple[float, set[int]] | None:
+    """(bandwidth, the rails' link indices) of NCCL's ring channels over a group of g >= 2
+    devices on each of k >= 2 nodes, else None. NCCL builds one ring per channel, channel i
+    leaving each node through its i-th member's NIC, each channel carrying 1/g of the data
+    (NCCL's topology search, src/graph/search.cc and connect.cc: each channel's ring its own
+    send and receive NIC per node), so the ring's bandwidth is min(the slowest
+    route between members of one node, the sum over channels of each inter-node route's
+    bandwidth, a link that several channels cross shared between them): g NICs' worth where
+    each device has its own (DGX rails), one NIC's where a node shares one."""
+    nodes: dict[int, list[int]] = {}
+    for d in devices:
+        nodes.setdefault(topology.node_of(d), []).append(d)
+    members = list(nodes.values())
+    g = len(members[0])
+    if len(members) < 2 or g < 2 or any(len(m) != g for m in members):
+        return None
+    intra = min(topology.route_ring_bandwidth(m[i], m[(i + 1) % g]) for m in members for i in range(g))
+    inter, rails = math.inf, set()
+    for here, there in zip(members, members[1:] + members[:1]):
+        routes = [topology.route(here[i], there[i]) for i in range(g)]
+        crossings = Counter(j for r in routes for j in r)
+        inter = min(inter, sum(min(topology.links[j].ring_bandwidth / crossings[j] for j in r) for r in routes))
+        rails.update(crossings)
+    return min(intra, inter), rails
 
 
 def allreduce_time(topology: Topology, devices: Sequence[int], nbytes: float) -> float:
@@ -48,8 +84,10 @@ def allreduce_time(topology: Topology, devices: Sequence[int], nbytes: float) ->
     "Bandwidth optimal all-reduce algorithms for clusters of workstations"):
     ``2(n-1)/n * nbytes / B + 2(n-1) * alpha`` — n-1 reduce-scatter then n-1 all-gather steps,
     each moving nbytes/n — with B the slowest ring bandwidth (``Link.collective_bandwidth``, else
-    its bandwidth) and alpha the largest latency among the routes between ring neighbours (the
-    given order, closing back to the first device). 0 for n <= 1 or nbytes == 0. The order is
+    its bandwidth; for a group of as many devices on each of several nodes, the bandwidth of
+    NCCL's channels, one leaving each node per member: ``_channels``) and alpha the largest
+    latency among the routes between ring neighbours (the given order, closing back to the
+    first device). 0 for n <= 1 or nbytes == 0. The order is
     the caller's: listing a node's devices together crosses fewer NICs (see ring_links), though
     the formula only sees the worst neighbour pair."""
     ring = _collective("all-reduce", topology, devices, nbytes)

@@ -70,17 +70,25 @@ def test_allreduce_on_presets_by_hand_and_across_nodes_is_slower():
     inside = allreduce_time(a100, range(8), 1e9)
     assert inside == pytest.approx(2 * 7 / 8 * 1e9 / 300e9 + 2 * 7 * 2e-6)      # 5.86 ms
     across = allreduce_time(a100, [0, 1, 2, 3, 8, 9, 10, 11], 1e9)
-    # steps 3 -> 8 and 11 -> 0 change rails: NVSwitch (2 µs) then the rail (5 µs)
-    assert across == pytest.approx(2 * 7 / 8 * 1e9 / 25e9 + 2 * 7 * 7e-6)      # 70.10 ms
-    assert across > 10 * inside
+    # NCCL's 4 channels leave each node on 4 rails (25 GB/s each: 100 GB/s, under NVSwitch's
+    # 300); steps 3 -> 8 and 11 -> 0 change rails: NVSwitch (2 µs) then the rail (5 µs)
+    assert across == pytest.approx(2 * 7 / 8 * 1e9 / 100e9 + 2 * 7 * 7e-6)      # 17.60 ms
+    assert across > 3 * inside
+    # one device a node: one channel, one rail (25 GB/s)
+    assert allreduce_time(a100, [0, 8], 1e9) == pytest.approx(1e9 / 25e9 + 2 * 5e-6)
+    # a node's one NIC shared by its channels (k80: node-nic): the single ring's bandwidth
+    k80 = get_topology("k80-2x4")
+    nic = k80.links[k80.route(0, 4)[-1]].bandwidth
+    assert allreduce_time(k80, range(8), 1e9) == pytest.approx(2 * 7 / 8 * 1e9 / nic + 2 * 7 * k80.route_latency(3, 4))
     p100 = get_topology("p100-4x4")
     assert allreduce_time(p100, range(16), 1e9) > allreduce_time(p100, range(4), 1e9)
     assert {a100.links[j].kind for j in ring_links(a100, range(8))} == {"nvswitch"}
     names = {a100.links[j].name for j in ring_links(a100, [0, 1, 8, 9])}
     # 1 -> 8 and 9 -> 0 change rails: over NVSwitch to the GPU on rail 0, then rail 0
+    # and NCCL's second channel crosses rail 1 (1 -> 9 -> 1)
     assert names == {"nvswitch-up:0", "nvswitch-down:1", "nvswitch-up:1", "nvswitch-down:0", "nic-out:dev0",
                      "nic-in:dev8", "nvswitch-up:8", "nvswitch-down:9", "nvswitch-up:9", "nvswitch-down:8",
-                     "nic-out:dev8", "nic-in:dev0"}
+                     "nic-out:dev8", "nic-in:dev0", "nic-out:dev1", "nic-in:dev9", "nic-out:dev9", "nic-in:dev1"}
     # the order is the caller's: interleaving nodes crosses the NICs of every device
     # (8 -> 1 and 9 -> 0 change rails: through NVSwitch first)
     ib = [j for j in ring_links(a100, [0, 8, 1, 9]) if a100.links[j].kind == "ib"]
