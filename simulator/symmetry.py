@@ -1,0 +1,114 @@
+"""Replica folding: the devices of a plan that run identical work, found from the Strategy.
+
+A plan is R-fold replicated when its devices split into R copies C_0..C_{R-1} of G devices
+with bijections φ_r: C_0 -> C_r such that every op's partitions on C_r are the φ_r-images of
+those on C_0: cut the op's sample dim (degree s) into R equal runs of s / R coordinates; the
+partition at sample coordinate c + r·s/R (other coordinates equal) runs on φ_r of the device of
+the one at c. Data parallel (G = 1), Megatron-LM (G = T·P: each data-parallel copy of the
+tensor x pipeline grid), FSDP and ZeRO (the level changes only the weight-synchronising
+collectives, whose groups are unions of φ-orbits) are of this kind. Copies then compute the
+same shapes on their own devices and meet only in collectives over unions of φ-orbits (the
+gradient sync, sharded weights' gathers, batch statistics, the loss sums), so one copy's
+timeline is every copy's (Calculon and vTrain simulate one representative of identical
+workers the same way). ``simulator.fold`` builds the task graph of C_0 only from this.
+
+Weight ops (``parameter``, ``constant``: a tensor read in place, no work) may run anywhere;
+every other op must have a sample dim cut a multiple of R ways, else the plan is 1-fold.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+
+from strategies.graph import OpGraph
+from strategies.lowered import WEIGHT_KINDS
+from strategies.strategy import Strategy
+
+__all__ = ["Copies", "find_copies"]
+
+
+@dataclass(frozen=True)
+class Copies:
+    """R copies of G devices: ``copies[r][i]`` is φ_r(``copies[0][i]``); copy r runs the
+    r-th run of every op's sample coordinates."""
+
+    copies: tuple[tuple[int, ...], ...]
+
+    @property
+    def count(self) -> int:
+        """R, the number of copies."""
+        return len(self.copies)
+
+    @property
+    def size(self) -> int:
+        """G, the devices of one copy."""
+        return len(self.copies[0])
+
+    @cached_property
+    def kept(self) -> frozenset[int]:
+        """C_0's devices: the ones a folded simulation runs."""
+        return frozenset(self.copies[0])
+
+    @cached_property
+    def representative(self) -> dict[int, int]:
+        """Device -> its image in C_0 (φ_r⁻¹ of a device of C_r)."""
+        return {d: self.copies[0][i] for copy in self.copies for i, d in enumerate(copy)}
+
+    def __str__(self) -> str:
+        return f"{self.count} copies of {self.size} device(s)"
+
+
+def find_copies(graph: OpGraph, strategy: Strategy) -> Copies | None:
+    """The most copies ``strategy`` is replicated over (module docstring), None where it is
+    1-fold. The candidates are the divisors of the gcd of the non-weight ops' sample degrees,
+    tried from the largest; each op's partitions are checked against the maps built so far."""
+    degrees = []
+    for node in graph:
+        if node.kind in WEIGHT_KINDS:
+            continue
+        i = node.sample_dim
+        if i is None:
+            return None
+        degrees.append(strategy[node.name].degrees[i])
+    g = math.gcd(*degrees) if degrees else 1
+    for r in sorted((d for d in range(2, g + 1) if g % d == 0), reverse=True):
+        found = _copies(graph, strategy, r)
+        if found is not None:
+            return found
+    return None
+
+
+def _copies(graph: OpGraph, strategy: Strategy, count: int) -> Copies | None:
+    """The ``count`` copies of ``strategy`` (φ checked on every non-weight op), or None."""
+    n = strategy.num_devices
+    phi = np.full((count, n), -1, dtype=np.int64)  # phi[r, d0]: φ_r(d0)
+    owner = np.full(n, -1, dtype=np.int64)  # device -> r * n + d0, its place in the maps
+    for node in graph:
+        if node.kind in WEIGHT_KINDS:
+            continue
+        config = strategy[node.name]
+        i = node.sample_dim
+        grid = np.asarray(config.devices, dtype=np.int64).reshape(config.degrees)
+        grid = np.moveaxis(grid, i, 0).reshape(count, -1)  # row r: copy r's partitions, in C_0's order
+        base = np.broadcast_to(grid[0], grid.shape)
+        rows = np.broadcast_to(np.arange(count)[:, None], grid.shape)
+        have = phi[rows, base]
+        if np.any((have >= 0) & (have != grid)):
+            return None
+        place = rows * n + base
+        held = owner[grid]
+        if np.any((held >= 0) & (held != place)):
+            return None
+        phi[rows, base] = grid
+        owner[grid] = place
+    used = np.flatnonzero(phi[0] >= 0)
+    if len(used) == 0 or np.any(phi[:, used] < 0):
+        return None
+    copies = tuple(tuple(phi[r, used].tolist()) for r in range(count))
+    if len({d for c in copies for d in c}) != count * len(used):  # the copies are disjoint
+        return None
+    return Copies(copies)
