@@ -5,13 +5,15 @@ from __future__ import annotations
 import contextlib
 import gc
 
-from simulator.contention import contended_times
+from simulator.contention import contended, contended_times
 from simulator.stragglers import straggler_durations
 from simulator.cost import CostModel, get_cost_model
 from simulator.engine import event_times
+from simulator.fold import FoldError, link_maps, task_copies
 from simulator.memory import memory_breakdown, peak_memory
 from simulator.presets import get_topology
 from simulator.result import SimResult, summarize
+from simulator.symmetry import find_copies
 from simulator.tasks import TaskCache, build_tasks
 from simulator.topology import Topology
 from strategies.graph import OpGraph
@@ -23,7 +25,8 @@ __all__ = ["simulate_plan", "paused_gc"]
 
 def simulate_plan(graph: OpGraph, strategy: Strategy | Lowered, topology: Topology | str,
                   cost_model: CostModel | str = "analytical", *, optimizer: str = "sgd",
-                  timeline: bool = False, summary: bool = True, cache: TaskCache | None = None) -> SimResult:
+                  timeline: bool = False, summary: bool = True, cache: TaskCache | None = None,
+                  fold: bool = True) -> SimResult:
     """Lower ``strategy`` (or take it lowered), build the task graph, run the event simulation
     (again where ``simulator.stragglers`` scales a step-end collective's overhead by the members
     arriving together, then ``simulator.contention``'s passes on devices that slow when
@@ -31,12 +34,15 @@ def simulate_plan(graph: OpGraph, strategy: Strategy | Lowered, topology: Topolo
     many candidates) leaves busy times and bytes moved empty and skips their pass over the
     tasks, and the peak's breakdown by category (``SimResult.memory``); iteration time and peak
     memory are the same. ``cache`` reuses the task blocks of ops
-    whose lowered pieces are unchanged (delta simulation: see ``simulator.tasks``)."""
+    whose lowered pieces are unchanged (delta simulation: see ``simulator.tasks``). ``fold``:
+    a plan replicated over copies of its devices (``simulator.symmetry``) is simulated on one
+    copy for all (``simulator.fold``: the same result) unless ``timeline`` asks for every
+    device's tasks; False: per device."""
     topo = get_topology(topology) if isinstance(topology, str) else topology
     cost = get_cost_model(cost_model) if isinstance(cost_model, str) else cost_model
     with paused_gc():  # tens of thousands of small tuples: the cyclic collector only adds pauses
         lowered = strategy if isinstance(strategy, Lowered) else lower(graph, strategy)
-        tg = build_tasks(lowered, topo, cost, optimizer, cache)
+        tg, copies = _task_graph(lowered, topo, cost, optimizer, cache, fold and not timeline)
         start, end = event_times(tg)
         base = straggler_durations(tg, topo, end)
         if base is not None:
@@ -47,7 +53,23 @@ def simulate_plan(graph: OpGraph, strategy: Strategy | Lowered, topology: Topolo
             return SimResult(float(end.max(initial=0.0)), (), tuple(peak),
                              tuple(d.memory_bytes for d in topo.devices[:len(peak)]), {}, len(tg))
         memory = memory_breakdown(lowered, optimizer)
-        return summarize(tg, topo, start.tolist(), end.tolist(), [m.total for m in memory], timeline, memory)
+        return summarize(tg, topo, start.tolist(), end.tolist(), [m.total for m in memory], timeline, memory,
+                         None if copies is None else copies.tolist())
+
+
+def _task_graph(lowered: Lowered, topology: Topology, cost: CostModel, optimizer: str, cache: TaskCache | None,
+                fold: bool):
+    """The task graph, folded where the plan is replicated and the fold is exact
+    (``simulator.fold``), with each task's copy count (None: not folded)."""
+    copies = find_copies(lowered.graph, lowered.strategy) if fold and not contended(topology) else None
+    maps = link_maps(topology, copies) if copies is not None else None
+    if maps is not None:
+        try:
+            tg = build_tasks(lowered, topology, cost, optimizer, cache, copies)
+            return tg, task_copies(tg, maps)
+        except FoldError:
+            pass
+    return build_tasks(lowered, topology, cost, optimizer, cache), None
 
 
 @contextlib.contextmanager

@@ -1,0 +1,147 @@
+"""Folded simulation (``simulator.fold``) = per-device simulation: iteration time, busy time
+per device, peak memory and bytes per link kind, on baseline plans and on random plans made
+R-fold (a random plan of G devices for the batch / R, its sample cuts repeated on R copies),
+GPipe and 1F1B, with micro-batches, ZeRO levels, recompute and bf16, on a100-Nx8, p100-4x4
+and k80-16x4; and the fold is taken where it is exact (fewer tasks) and refused where it is
+not (a pipeline's loss all-reduce crossing some copies' NICs only)."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from simulator.simulate import simulate_plan
+from simulator.symmetry import find_copies
+from strategies import ParallelConfig, Strategy, enumerate_configs
+from strategies.baselines import baseline, recomputed
+from strategies.errors import PlanError
+from strategies.lowered import WEIGHT_KINDS
+from strategies.megatron import megatron
+from tests.conftest import traced
+
+
+def replicated(small: Strategy, graph, copies: int) -> Strategy:
+    """``small`` (a plan of G devices for ``graph``'s batch / ``copies``) on ``copies`` x G
+    devices: each op's sample degree times ``copies``, copy r's partition on device + r·G;
+    weight ops as they are."""
+    g = small.num_devices
+    configs = {}
+    for node in graph:
+        c, i = small[node.name], node.sample_dim
+        if node.kind in WEIGHT_KINDS or i is None:
+            configs[node.name] = c
+            continue
+        degrees = tuple(d * copies if k == i else d for k, d in enumerate(c.degrees))
+        devices = []
+        for k in range(math.prod(degrees)):  # mixed radix, last dim fastest
+            coords, rest = [], k
+            for d in reversed(degrees):
+                coords.append(rest % d)
+                rest //= d
+            coords.reverse()
+            s = c.degrees[i]
+            r, coords[i] = divmod(coords[i], s)
+            old = 0
+            for d, x in zip(c.degrees, coords):
+                old = old * d + x
+            devices.append(c.devices[old] + r * g)
+        configs[node.name] = ParallelConfig(degrees, tuple(devices), c.zero, c.recompute)
+    return Strategy.of(configs, g * copies, small.microbatches, small.schedule, small.precision)
+
+
+def _recomputable(graph, op: str) -> bool:
+    return graph[op].kind not in (*WEIGHT_KINDS, "input") and graph.needs_grad[op]
+
+
+def random_small(graph, n: int, rng: random.Random, microbatches: int, schedule: str) -> Strategy:
+    """Every op a random config on ``n`` devices, some recomputed, some sharded (ZeRO 1-3)."""
+    configs = {}
+    for node in graph:
+        c = rng.choice(list(enumerate_configs(node, n, microbatches)))
+        zero = rng.choice((0, 0, 1, 2, 3)) if any(w.trainable for w in node.weights) else 0
+        recompute = _recomputable(graph, node.name) and rng.random() < 0.2
+        configs[node.name] = c.with_memory(zero, recompute)
+    return Strategy.of(configs, n, microbatches, schedule)
+
+
+def assert_same(graph, plan, topology, optimizer="sgd"):
+    full = simulate_plan(graph, plan, topology, optimizer=optimizer, fold=False)
+    folded = simulate_plan(graph, plan, topology, optimizer=optimizer)
+    assert folded.iteration_time == pytest.approx(full.iteration_time, rel=1e-12, abs=0)
+    assert folded.busy_time == pytest.approx(full.busy_time, rel=1e-12, abs=1e-18)
+    assert folded.peak_memory_bytes == full.peak_memory_bytes
+    assert folded.bytes_moved == full.bytes_moved
+    return full, folded
+
+
+TOPOLOGIES = {"a100": "a100-{n8}x8", "p100": "p100-4x4", "k80": "k80-16x4"}
+
+
+def _topology(family: str, n: int) -> str:
+    return TOPOLOGIES[family].format(n8=max(1, -(-n // 8)))
+
+
+@pytest.mark.parametrize("family,cases", [
+    ("a100", (("gpt", 8), ("mlp", 16), ("resnet101", 8))), ("p100", (("gpt", 8), ("mlp", 16), ("resnet101", 8))),
+    ("k80", (("gpt", 8), ("mlp", 16), ("resnet101", 8))),
+    pytest.param("a100", (("gpt", 64), ("resnet101", 64), ("mlp", 32)), marks=pytest.mark.slow)])
+def test_baselines_fold_exactly(family, cases):
+    """Data parallel, FSDP, ZeRO-1, hybrid (with 2 micro-batches, recompute, bf16) at 8-64
+    devices fold (fewer tasks) and equal the per-device run."""
+    folded_any = 0
+    for name, n in cases:
+        graph = traced(name, batch_size=2 * n)
+        plans = [baseline(b, graph, n) for b in ("data_parallel", "fsdp", "zero1", "hybrid")]
+        hybrid = baseline("hybrid", graph, n).with_microbatches(2, "1f1b")
+        plans.append(Strategy.of({op: c.with_memory(recompute=_recomputable(graph, op)) for op, c in hybrid.items()},
+                                 n, 2, "1f1b", "bf16"))
+        for plan in plans:
+            full, folded = assert_same(graph, plan, _topology(family, n), "adam")
+            assert find_copies(graph, plan) is not None
+            folded_any += folded.num_tasks < full.num_tasks
+    assert folded_any >= 12
+
+
+def test_megatron_folds_in_a_node_and_not_across_rails():
+    """T = 2, P = 2 with 4 data-parallel copies: inside one a100 node the copies fold; on two
+    nodes the loss value's all-reduce rings the 16 devices through devices 0 and 8's NICs only
+    (copy 0's, not the others'), so the fold is refused and the per-device run is taken."""
+    graph = traced("gpt", batch_size=32)
+    inside = recomputed(megatron(graph, 8, tp=2, pp=2, microbatches=4).with_microbatches(4, "1f1b"), graph)
+    full, folded = assert_same(graph, inside, "a100-1x8", "adam")
+    assert folded.num_tasks * 2 <= full.num_tasks + 400
+    across = megatron(graph, 16, tp=2, pp=2, microbatches=2, sequence_parallel=True)
+    full, folded = assert_same(graph, across, "a100-2x8")
+    assert folded.num_tasks == full.num_tasks
+
+
+_SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize("name,microbatches,schedule", [
+    ("mlp", 1, "gpipe"), ("mlp", 2, "gpipe"), ("mlp", 2, "1f1b"), ("gpt", 2, "1f1b"), ("gpt", 2, "gpipe"),
+    pytest.param("gpt", 1, "gpipe", marks=_SLOW), pytest.param("resnet101", 1, "gpipe", marks=_SLOW),
+    pytest.param("resnet101", 2, "gpipe", marks=_SLOW), pytest.param("resnet101", 2, "1f1b", marks=_SLOW)])
+def test_random_replicated_plans_fold_exactly(name, microbatches, schedule):
+    rng = random.Random(f"{name}/{microbatches}/{schedule}")
+    done = folds = 0
+    for _ in range(40):
+        if done == 4:
+            break
+        g, copies = rng.choice(((1, 4), (2, 2), (2, 4), (3, 2), (4, 2), (2, 8), (4, 16)))
+        family = rng.choice(sorted(TOPOLOGIES)) if g * copies <= 16 else "a100"
+        batch = 4 * copies * microbatches * 3
+        small_graph, graph = traced(name, batch_size=batch // copies), traced(name, batch_size=batch)
+        try:
+            plan = replicated(random_small(small_graph, g, rng, microbatches, schedule), graph, copies)
+            plan.validate(graph)
+            full, folded = assert_same(graph, plan, _topology(family, g * copies), rng.choice(("sgd", "adam")))
+        except PlanError:
+            continue
+        found = find_copies(graph, plan)
+        assert found is not None and found.count % copies == 0
+        done += 1
+        folds += folded.num_tasks < full.num_tasks  # not where copies share a node's NIC (p100, k80)
+    assert done == 4 and folds >= 2
