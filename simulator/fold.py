@@ -8,8 +8,12 @@ timeline of copy r is copy 0's moved by φ_r, so the folded one gives the same t
 - every link a copy's own traffic may cross (the routes between two of its devices) is its
   alone, and φ_r maps copy 0's routes link by link onto copy r's (``link_maps``): copies then
   never wait on one another's links, and copy r's link sees what copy 0's sees;
-- a task shared by the copies holds φ_r(L) for every copy-0 link L it holds (``task_copies``
-  checks it): asking L free in the folded run is asking every φ_r(L) free in the full one;
+- a task shared by the copies holds φ_r(L) for every copy-0 link L it holds: asking L free
+  in the folded run is asking every φ_r(L) free in the full one; where it holds some images
+  and not others (the loss value's all-reduce rings every device in order, through some
+  copies' NICs only), it must start after the copies' own traffic on them has ended, which
+  the folded timeline shows (``Folded.holds``; its ends are every copy's, and such a task
+  delayed none of them and was delayed by none);
 - the devices do not slow each other (``simulator.contention``): its passes count a node's
   devices computing together, which copies sharing a node would change; such a topology is
   simulated per device.
@@ -32,7 +36,7 @@ from simulator.symmetry import Copies
 from simulator.taskgraph import TaskGraph
 from simulator.topology import Topology
 
-__all__ = ["FoldError", "LinkMaps", "link_maps", "task_copies"]
+__all__ = ["FoldError", "Folded", "LinkMaps", "link_maps", "task_copies"]
 
 
 class FoldError(Exception):
@@ -42,10 +46,12 @@ class FoldError(Exception):
 
 class LinkMaps(NamedTuple):
     """φ on links: ``owner[l]`` is the copy whose own routes cross link l (-1: none);
-    ``image[r, l]`` is φ_r(l) for a link l of copy 0's routes (-1 elsewhere)."""
+    ``image[r, l]`` is φ_r(l) for a link l of copy 0's routes (-1 elsewhere); ``base[l]`` the
+    copy-0 link whose image l is (-1: none)."""
 
     owner: np.ndarray
     image: np.ndarray
+    base: np.ndarray
 
 
 @functools.lru_cache(maxsize=32)
@@ -72,14 +78,59 @@ def link_maps(topology: Topology, copies: Copies) -> LinkMaps | None:
         used = image[r][image[r] >= 0]
         if len(np.unique(used)) != len(used):  # φ_r one to one on links
             return None
-    return LinkMaps(owner, image)
+    base = np.full(len(topology.links), -1, dtype=np.int64)
+    for r in range(copies.count):
+        used = np.flatnonzero(image[r] >= 0)
+        base[image[r, used]] = used
+    return LinkMaps(owner, image, base)
 
 
-def task_copies(tg: TaskGraph, maps: LinkMaps) -> np.ndarray:
-    """How many tasks of the full simulation each task of the folded graph ``tg`` stands for:
-    the copy count for a copy-0 task, 1 for a task holding a link outside copy 0's own (a
-    collective over several copies). Raises ``FoldError`` unless each shared task holds, with
-    every copy-0 link, its images in every copy."""
+class Folded(NamedTuple):
+    """What a folded task graph needs besides its tasks (``task_copies``)."""
+
+    count: int
+    """R, the copies folded onto copy 0."""
+    copies: np.ndarray
+    """How many tasks of the full simulation each task stands for: the copy count for a
+    copy-0 task, 1 for a task holding a link outside copy 0's own (a collective over copies)."""
+    tasks: np.ndarray
+    """Shared tasks that hold some image of a copy-0 link ``links[i]`` but not all of them."""
+    links: np.ndarray
+    """Their copy-0 links."""
+    internal: tuple[np.ndarray, np.ndarray]
+    """(task, link) of every copy-0 task's link."""
+    held: tuple[frozenset[int], ...]
+    """Per asymmetric (task, link): the copies whose image of the link the task holds."""
+
+    def coarser(self) -> int | None:
+        """The most copies, fewer than now, under which every asymmetric task is symmetric:
+        R' dividing R with each ``held`` set unchanged by a shift of R / R' copies (copy k of
+        R' joins copies k·R/R' .. of R, ``symmetry.copies_of``); None: none above 1."""
+        count = self.count
+        for fewer in range(count // 2, 1, -1):
+            step = count // fewer
+            if count % fewer == 0 and all({(r + step) % count for r in rs} == rs for rs in self.held):
+                return fewer
+        return None
+
+    def holds(self, start: np.ndarray, end: np.ndarray) -> bool:
+        """Whether the timeline (``start``, ``end``) is every copy's: each asymmetric shared
+        task starts after every copy-0 task on its link has ended, so it delayed none of them,
+        and their images (which it holds in some copies, not in others) did not delay it."""
+        if not len(self.tasks):
+            return True
+        task, link = self.internal
+        last = np.full(int(self.links.max()) + 1, -np.inf)
+        inside = link <= self.links.max()
+        np.maximum.at(last, link[inside], end[task[inside]])
+        return bool(np.all(start[self.tasks] >= last[self.links]))
+
+
+def task_copies(tg: TaskGraph, maps: LinkMaps) -> Folded:
+    """``Folded`` of the folded graph ``tg``: each task's copy count, and the shared tasks that
+    hold copy links asymmetrically (some of a copy-0 link's images, not all): the loss value's
+    all-reduce rings every device through some copies' NICs only. Exact only where such a task
+    runs after the copies' own traffic on those links (``Folded.holds``)."""
     count = tg.copies.count
     _, res_first, res = tg.arrays()
     n, num_links = tg.num_devices, tg.num_links
@@ -90,14 +141,17 @@ def task_copies(tg: TaskGraph, maps: LinkMaps) -> np.ndarray:
     shared = np.zeros(len(tg), dtype=bool)
     shared[task[owner != 0]] = True
     mine = shared[task]
-    copy0 = mine & (owner == 0)
-    if copy0.any():
-        held = np.unique(task[mine] * num_links + link[mine])
-        for r in range(1, count):
-            want = task[copy0] * num_links + maps.image[r, link[copy0]]
-            if not np.isin(want, held, assume_unique=False).all():
-                raise FoldError(f"a collective over several copies holds a link of copy 0 but not its image in copy {r}")
-    owned = np.bincount(task[mine & (owner >= 0)], minlength=len(tg))
-    if np.any(owned != count * np.bincount(task[copy0], minlength=len(tg))):
-        raise FoldError("a collective over several copies holds one copy's links, not every copy's")
-    return np.where(shared, 1, count)
+    owned = mine & (owner >= 0)
+    base = maps.base[link[owned]]  # the copy-0 link each owned link is the image of
+    keys, counts = np.unique(task[owned] * num_links + base, return_counts=True)
+    odd = keys[counts != count]
+    held: list[frozenset[int]] = []
+    if len(odd):
+        key = task[owned] * num_links + base
+        pick = np.isin(key, odd)
+        order = np.argsort(key[pick], kind="stable")
+        k, r = key[pick][order], owner[owned][pick][order]
+        cuts = np.flatnonzero(np.diff(k)) + 1
+        held = [frozenset(part.tolist()) for part in np.split(r, cuts)]
+    return Folded(count, np.where(shared, 1, count), odd // num_links, odd % num_links, (task[~mine], link[~mine]),
+                  tuple(held))

@@ -28,7 +28,7 @@ from strategies.graph import OpGraph
 from strategies.lowered import WEIGHT_KINDS
 from strategies.strategy import Strategy
 
-__all__ = ["Copies", "find_copies"]
+__all__ = ["Copies", "copies_of", "find_copies"]
 
 
 @dataclass(frozen=True)
@@ -76,14 +76,15 @@ def find_copies(graph: OpGraph, strategy: Strategy) -> Copies | None:
         degrees.append(strategy[node.name].degrees[i])
     g = math.gcd(*degrees) if degrees else 1
     for r in sorted((d for d in range(2, g + 1) if g % d == 0), reverse=True):
-        found = _copies(graph, strategy, r)
+        found = copies_of(graph, strategy, r)
         if found is not None:
             return found
     return None
 
 
-def _copies(graph: OpGraph, strategy: Strategy, count: int) -> Copies | None:
-    """The ``count`` copies of ``strategy`` (φ checked on every non-weight op), or None."""
+def copies_of(graph: OpGraph, strategy: Strategy, count: int) -> Copies | None:
+    """The ``count`` copies of ``strategy`` (φ checked on every non-weight op), or None: copy
+    k of ``count`` is the union of copies k·c .. k·c + c - 1 of ``count`` · c."""
     n = strategy.num_devices
     phi = np.full((count, n), -1, dtype=np.int64)  # phi[r, d0]: φ_r(d0)
     owner = np.full(n, -1, dtype=np.int64)  # device -> r * n + d0, its place in the maps
