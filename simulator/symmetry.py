@@ -18,12 +18,14 @@ every other op must have a sample dim cut a multiple of R ways, else the plan is
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from functools import cached_property
 
 import numpy as np
 
+from strategies.config import ParallelConfig
 from strategies.graph import OpGraph
 from strategies.lowered import WEIGHT_KINDS
 from strategies.strategy import Strategy
@@ -65,7 +67,8 @@ class Copies:
 def find_copies(graph: OpGraph, strategy: Strategy) -> Copies | None:
     """The most copies ``strategy`` is replicated over (module docstring), None where it is
     1-fold. The candidates are the divisors of the gcd of the non-weight ops' sample degrees,
-    tried from the largest; each op's partitions are checked against the maps built so far."""
+    tried from the largest; each op's partitions are checked against the maps built so far
+    (each config's own images kept: a search's proposals share every unchanged config)."""
     degrees = []
     for node in graph:
         if node.kind in WEIGHT_KINDS:
@@ -85,31 +88,29 @@ def find_copies(graph: OpGraph, strategy: Strategy) -> Copies | None:
 def copies_of(graph: OpGraph, strategy: Strategy, count: int) -> Copies | None:
     """The ``count`` copies of ``strategy`` (φ checked on every non-weight op), or None: copy
     k of ``count`` is the union of copies k·c .. k·c + c - 1 of ``count`` · c."""
-    n = strategy.num_devices
-    phi = np.full((count, n), -1, dtype=np.int64)  # phi[r, d0]: φ_r(d0)
-    owner = np.full(n, -1, dtype=np.int64)  # device -> r * n + d0, its place in the maps
+    images: dict[int, tuple[int, ...]] = {}  # copy-0 device d -> (φ_0(d) = d, φ_1(d), ...)
     for node in graph:
         if node.kind in WEIGHT_KINDS:
             continue
-        config = strategy[node.name]
-        i = node.sample_dim
-        grid = np.asarray(config.devices, dtype=np.int64).reshape(config.degrees)
-        grid = np.moveaxis(grid, i, 0).reshape(count, -1)  # row r: copy r's partitions, in C_0's order
-        base = np.broadcast_to(grid[0], grid.shape)
-        rows = np.broadcast_to(np.arange(count)[:, None], grid.shape)
-        have = phi[rows, base]
-        if np.any((have >= 0) & (have != grid)):
+        config, i = strategy[node.name], node.sample_dim
+        if i is None or config.degrees[i] % count:
             return None
-        place = rows * n + base
-        held = owner[grid]
-        if np.any((held >= 0) & (held != place)):
-            return None
-        phi[rows, base] = grid
-        owner[grid] = place
-    used = np.flatnonzero(phi[0] >= 0)
-    if len(used) == 0 or np.any(phi[:, used] < 0):
+        for d, mine in _op_images(config, i, count):
+            if images.setdefault(d, mine) != mine:
+                return None
+    if not images:
         return None
-    copies = tuple(tuple(phi[r, used].tolist()) for r in range(count))
-    if len({d for c in copies for d in c}) != count * len(used):  # the copies are disjoint
+    every = [d for mine in images.values() for d in mine]
+    if len(set(every)) != len(every):  # the copies are disjoint
         return None
-    return Copies(copies)
+    first = sorted(images)
+    return Copies(tuple(tuple(images[d][r] for d in first) for r in range(count)))
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _op_images(config: ParallelConfig, sample: int, count: int) -> tuple[tuple[int, tuple[int, ...]], ...]:
+    """Each copy-0 device of an op cut by ``config`` with its images in the ``count`` copies:
+    the devices of the partitions at sample coordinate c + r·s/count (others alike), r = 0.."""
+    grid = np.asarray(config.devices, dtype=np.int64).reshape(config.degrees)
+    grid = np.moveaxis(grid, sample, 0).reshape(count, -1)  # row r: copy r's partitions, in copy 0's order
+    return tuple(zip(grid[0].tolist(), map(tuple, grid.T.tolist())))
