@@ -8,7 +8,7 @@ ops go back to the current plan's). Checks all give the same iteration time and 
 medians, by phase, and the ratio to full. Asserts nothing but that equality.
 
     python benchmarks/delta_time.py [--models resnet101,inception_v3] [--proposals 30] [--recompute 0.5]
-                                    [--per-device]
+                                    [--fold]
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ from strategies.lowering import lower
 PHASES = ("lower", "tasks", "events", "memory", "total")
 
 
-def _timed(graph, plan, topo, cost, lowering_cache, task_cache, fold: bool = True) -> tuple[float, list[float]]:
+def _timed(graph, plan, topo, cost, lowering_cache, task_cache, fold: bool = False) -> tuple[float, list[float]]:
     """One simulation as ``simulate_plan`` runs it (``fold``: a replicated plan on one copy,
-    ``simulator.fold``), timed by phase."""
+    ``simulator.fold``; ``simulate_plan`` folds from ``FOLD_FROM`` devices), timed by phase."""
     t0 = time.perf_counter()
     low = lower(graph, plan, lowering_cache)
     t1 = time.perf_counter()
@@ -56,10 +56,10 @@ def main() -> None:
     ap.add_argument("--recompute", type=float, default=0.0,
                     help="fraction of the ops with a backward set to recompute in the start plan "
                          "(kept by the proposals): the memory timeline's walk runs")
-    ap.add_argument("--per-device", action="store_true",
-                    help="simulate every device (no replica folding): the baseline")
+    ap.add_argument("--fold", action="store_true",
+                    help="fold replicated plans on one copy (simulator.fold) below FOLD_FROM devices too")
     args = ap.parse_args()
-    fold = not args.per_device
+    fold = args.fold
     topo = get_topology(args.topology)
     cost = get_cost_model("analytical")
     print(f"{'model':14s} {'tasks':>6s} {'mode':6s} " + " ".join(f"{p + ' ms':>10s}" for p in PHASES)

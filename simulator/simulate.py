@@ -24,13 +24,18 @@ from strategies.graph import OpGraph
 from strategies.lowering import Lowered, lower
 from strategies.strategy import Strategy
 
-__all__ = ["simulate_plan", "paused_gc", "run_timeline", "task_graph", "timed_graph"]
+__all__ = ["FOLD_FROM", "simulate_plan", "paused_gc", "run_timeline", "task_graph", "timed_graph"]
+
+FOLD_FROM = 64
+"""Devices from which ``simulate_plan`` folds a replicated plan by default. Below, the
+per-device graph is small and finding the copies (``symmetry.find_copies``, about 0.5 ms for
+ResNet-101's 348 ops) costs a search's proposal (a few ms) as much as folding saves."""
 
 
 def simulate_plan(graph: OpGraph, strategy: Strategy | Lowered, topology: Topology | str,
                   cost_model: CostModel | str = "analytical", *, optimizer: str = "sgd",
                   timeline: bool = False, summary: bool = True, cache: TaskCache | None = None,
-                  fold: bool = True) -> SimResult:
+                  fold: bool | None = None) -> SimResult:
     """Lower ``strategy`` (or take it lowered), build the task graph, run the event simulation
     (again where ``simulator.stragglers`` scales a step-end collective's overhead by the members
     arriving together, then ``simulator.contention``'s passes on devices that slow when
@@ -39,13 +44,15 @@ def simulate_plan(graph: OpGraph, strategy: Strategy | Lowered, topology: Topolo
     tasks, and the peak's breakdown by category (``SimResult.memory``); iteration time and peak
     memory are the same. ``cache`` reuses the task blocks of ops
     whose lowered pieces are unchanged (delta simulation: see ``simulator.tasks``). ``fold``:
-    a plan replicated over copies of its devices (``simulator.symmetry``) is simulated on one
-    copy for all (``simulator.fold``: the same result) unless ``timeline`` asks for every
-    device's tasks; False: per device."""
+    True: a plan replicated over copies of its devices (``simulator.symmetry``) is simulated on
+    one copy for all (``simulator.fold``: the same result) unless ``timeline`` asks for every
+    device's tasks; False: per device; None: True for plans of ``FOLD_FROM`` devices or more."""
     topo = get_topology(topology) if isinstance(topology, str) else topology
     cost = get_cost_model(cost_model) if isinstance(cost_model, str) else cost_model
     with paused_gc():  # tens of thousands of small tuples: the cyclic collector only adds pauses
         lowered = strategy if isinstance(strategy, Lowered) else lower(graph, strategy)
+        if fold is None:
+            fold = lowered.strategy.num_devices >= FOLD_FROM
         tg, folded, start, end = timed_graph(lowered, topo, cost, optimizer, cache, fold and not timeline)
         if not summary:
             peak = peak_memory(lowered, optimizer)

@@ -55,7 +55,7 @@ class TaskCache:
         return state[2]
 
 
-_STATES = 4
+_STATES = 8
 """Sets of simulated devices a ``TaskCache`` keeps blocks for (the oldest goes first)."""
 
 

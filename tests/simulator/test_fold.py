@@ -68,7 +68,7 @@ def random_small(graph, n: int, rng: random.Random, microbatches: int, schedule:
 
 def assert_same(graph, plan, topology, optimizer="sgd"):
     full = simulate_plan(graph, plan, topology, optimizer=optimizer, fold=False)
-    folded = simulate_plan(graph, plan, topology, optimizer=optimizer)
+    folded = simulate_plan(graph, plan, topology, optimizer=optimizer, fold=True)
     assert folded.iteration_time == pytest.approx(full.iteration_time, rel=1e-12, abs=0)
     assert folded.busy_time == pytest.approx(full.busy_time, rel=1e-12, abs=1e-18)
     assert folded.peak_memory_bytes == full.peak_memory_bytes
@@ -151,3 +151,17 @@ def test_random_replicated_plans_fold_exactly(name, microbatches, schedule):
         done += 1
         folds += folded.num_tasks < full.num_tasks  # not where copies share a node's NIC (p100, k80)
     assert done == 4 and folds >= 2
+
+
+def test_simulate_plan_folds_from_fold_from_devices():
+    """By default a replicated plan folds from ``FOLD_FROM`` devices (64 here), not below."""
+    from simulator.simulate import FOLD_FROM
+
+    for n, topology in ((8, "a100-1x8"), (FOLD_FROM, f"a100-{FOLD_FROM // 8}x8")):
+        graph = traced("mlp", batch_size=n)
+        plan = baseline("data_parallel", graph, n)
+        default = simulate_plan(graph, plan, topology, summary=False)
+        same = simulate_plan(graph, plan, topology, summary=False, fold=n >= FOLD_FROM)
+        other = simulate_plan(graph, plan, topology, summary=False, fold=n < FOLD_FROM)
+        assert default.num_tasks == same.num_tasks != other.num_tasks
+        assert default.iteration_time == other.iteration_time
