@@ -30,6 +30,7 @@ sync, so a graph built from cached blocks is the one built from scratch, task fo
 
 from __future__ import annotations
 
+import functools
 import itertools
 import operator
 from typing import Any, NamedTuple
@@ -195,7 +196,13 @@ def _add_transfers(b: _Block, transfers: tuple[Transfer, ...], producers: dict[s
     c = b.cols
     names, cats, durs, res, devs, nbytes = c.name, c.category, c.duration, c.resources, c.device, c.nbytes
     esrc, edst, cross = b.edge_src, b.edge_dst, b.cross
-    received = any(d.message_overhead or d.exchange_overhead for d in devices)  # else no receive tasks
+    if keep is not None:
+        mine = [t for t in transfers if t.dst_device in keep]
+        if any(t.src_device not in keep for t in mine) or \
+                len(mine) != sum(t.src_device in keep for t in transfers):
+            raise FoldError(f"a transfer into {b.pieces.partitions[0][0].op!r} crosses copies")
+        transfers = tuple(mine)
+    received = _received(topology)  # else no receive tasks
     send_kinds = (TaskKind.TRANSFER, TaskKind.GRAD_TRANSFER)
     grads = {src: graph.moves_grad(src, transfers[0].dst_op) for src in producers} if transfers else {}
     crossed = {(t.src_device, t.dst_device, t.microbatch) for t in transfers if not t.local} if received else ()
@@ -204,11 +211,6 @@ def _add_transfers(b: _Block, transfers: tuple[Transfer, ...], producers: dict[s
     for t in transfers:  # the hot loop of a changed op: inlined appends, as the partitions'
         src_op, src_index, dst_index, j = t.src_op, t.src_index, t.dst_index, t.microbatch
         src_device, dst_device, size = t.src_device, t.dst_device, t.nbytes
-        if keep is not None and (dst_device not in keep or src_device not in keep):
-            if dst_device in keep or src_device in keep:
-                raise FoldError(f"transfer {src_op}[{src_index}]->{t.dst_op}[{dst_index}] crosses copies "
-                                f"(device {src_device} -> {dst_device})")
-            continue
         dst_f, dst_b = b.fwd[j][dst_index], b.bwd_done[j][dst_index]
         p = producers[src_op]
         src_f, src_b, at = p.fwd_done[j][src_index], p.fwd[j][src_index] + 1, p.position
@@ -253,6 +255,12 @@ def _add_transfers(b: _Block, transfers: tuple[Transfer, ...], producers: dict[s
             esrc.append(dst_b)
             edst.append(_send(b, ("send-host-grad", t), TaskKind.GRAD_SEND, wire.grad_send_hold, dst_device,
                               dst_f + 1, position))
+
+
+@functools.lru_cache(maxsize=64)
+def _received(topology: Topology) -> bool:
+    """Whether some device of ``topology`` spends host work receiving a piece (receive tasks)."""
+    return any(d.message_overhead or d.exchange_overhead for d in topology.devices)
 
 
 def _receive(b: _Block, name: tuple, seconds: float, device: int, wire: int, step: int, at: int) -> int:
