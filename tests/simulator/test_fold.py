@@ -165,3 +165,36 @@ def test_simulate_plan_folds_from_fold_from_devices():
         other = simulate_plan(graph, plan, topology, summary=False, fold=n < FOLD_FROM)
         assert default.num_tasks == same.num_tasks != other.num_tasks
         assert default.iteration_time == other.iteration_time
+
+
+def test_delta_simulation_on_folded_graphs_equals_full():
+    """A walk of one-op proposals from data parallel (recompute toggled: still replicated; a
+    drawn config: mostly not), each
+    simulated with the search's caches and folding on, equals a per-device run from scratch."""
+    from simulator.cost import get_cost_model
+    from simulator.presets import get_topology
+    from simulator.tasks import TaskCache
+    from strategies.lowering import lower
+
+    graph = traced("resnet101", batch_size=16)
+    topology, cost = get_topology("p100-4x4"), get_cost_model("analytical")
+    plan = baseline("data_parallel", graph, 16)
+    rng = random.Random(0)
+    lowering, tasks = {}, TaskCache(topology, cost)
+    ops = [n for n in graph if n.kind not in WEIGHT_KINDS]
+    folds = 0
+    for _ in range(12):
+        node = rng.choice(ops)
+        if rng.random() < 0.5 and _recomputable(graph, node.name):  # a replicated plan stays replicated
+            proposal = plan.replace(node.name, plan[node.name].with_memory(recompute=not plan[node.name].recompute))
+        else:
+            proposal = plan.replace(node.name, rng.choice(list(enumerate_configs(node, 16, 1, 4))))
+        for p in (plan, proposal):  # the chain's current plan, then the proposal
+            got = simulate_plan(graph, lower(graph, p, lowering), topology, cost, cache=tasks, summary=False, fold=True)
+            want = simulate_plan(graph, p, topology, cost, summary=False, fold=False)
+            assert got.iteration_time == pytest.approx(want.iteration_time, rel=1e-12, abs=0)
+            assert got.peak_memory_bytes == want.peak_memory_bytes
+            folds += got.num_tasks < want.num_tasks
+        if rng.random() < 0.5:
+            plan = proposal
+    assert folds >= 5
