@@ -12,11 +12,15 @@ import random
 
 import pytest
 
-from simulator.simulate import simulate_plan
+from simulator.cost import get_cost_model
+from simulator.presets import get_topology
+from simulator.simulate import FOLD_FROM, simulate_plan
 from simulator.symmetry import find_copies
+from simulator.tasks import TaskCache
 from strategies import ParallelConfig, Strategy, enumerate_configs
 from strategies.baselines import baseline, recomputed
 from strategies.errors import PlanError
+from strategies.lowering import lower
 from strategies.lowered import WEIGHT_KINDS
 from strategies.megatron import megatron
 from tests.conftest import traced
@@ -155,8 +159,6 @@ def test_random_replicated_plans_fold_exactly(name, microbatches, schedule):
 
 def test_simulate_plan_folds_from_fold_from_devices():
     """By default a replicated plan folds from ``FOLD_FROM`` devices (64 here), not below."""
-    from simulator.simulate import FOLD_FROM
-
     for n, topology in ((8, "a100-1x8"), (FOLD_FROM, f"a100-{FOLD_FROM // 8}x8")):
         graph = traced("mlp", batch_size=n)
         plan = baseline("data_parallel", graph, n)
@@ -169,13 +171,8 @@ def test_simulate_plan_folds_from_fold_from_devices():
 
 def test_delta_simulation_on_folded_graphs_equals_full():
     """A walk of one-op proposals from data parallel (recompute toggled: still replicated; a
-    drawn config: mostly not), each
-    simulated with the search's caches and folding on, equals a per-device run from scratch."""
-    from simulator.cost import get_cost_model
-    from simulator.presets import get_topology
-    from simulator.tasks import TaskCache
-    from strategies.lowering import lower
-
+    drawn config: mostly not), each simulated with the search's caches and folding on, equals
+    a per-device run from scratch."""
     graph = traced("resnet101", batch_size=16)
     topology, cost = get_topology("p100-4x4"), get_cost_model("analytical")
     plan = baseline("data_parallel", graph, 16)
