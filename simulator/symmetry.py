@@ -107,7 +107,7 @@ def copies_of(graph: OpGraph, strategy: Strategy, count: int) -> Copies | None:
     return Copies(tuple(tuple(images[d][r] for d in first) for r in range(count)))
 
 
-@functools.lru_cache(maxsize=1 << 16)
+@functools.lru_cache(maxsize=4096)  # a config's devices: up to thousands of ints per entry
 def _op_images(config: ParallelConfig, sample: int, count: int) -> tuple[tuple[int, tuple[int, ...]], ...]:
     """Each copy-0 device of an op cut by ``config`` with its images in the ``count`` copies:
     the devices of the partitions at sample coordinate c + r·s/count (others alike), r = 0.."""
