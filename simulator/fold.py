@@ -46,11 +46,9 @@ class FoldError(Exception):
 
 class LinkMaps(NamedTuple):
     """φ on links: ``owner[l]`` is the copy whose own routes cross link l (-1: none);
-    ``image[r, l]`` is φ_r(l) for a link l of copy 0's routes (-1 elsewhere); ``base[l]`` the
-    copy-0 link whose image l is (-1: none)."""
+    ``base[l]`` the copy-0 link whose image under φ_owner l is (-1: none)."""
 
     owner: np.ndarray
-    image: np.ndarray
     base: np.ndarray
 
 
@@ -61,28 +59,23 @@ def link_maps(topology: Topology, copies: Copies) -> LinkMaps | None:
     per copy; kept per topology and copies)."""
     first = copies.copies[0]
     pairs = [(i, k) for i in range(len(first)) for k in range(len(first)) if i != k]
-    owner = np.full(len(topology.links), -1, dtype=np.int64)
-    image = np.full((copies.count, len(topology.links)), -1, dtype=np.int64)
     route = topology.route
-    base = [route(first[i], first[k]) for i, k in pairs]
+    routes = [route(first[i], first[k]) for i, k in pairs]
+    domain = {l: j for j, l in enumerate(sorted({l for r in routes for l in r}))}  # copy 0's links
+    owner = np.full(len(topology.links), -1, dtype=np.int64)
+    base = np.full(len(topology.links), -1, dtype=np.int64)
     for r, copy in enumerate(copies.copies):
-        for (i, k), links in zip(pairs, base):
+        image = [-1] * len(domain)  # φ_r of each copy-0 link
+        for (i, k), links in zip(pairs, routes):
             mapped = route(copy[i], copy[k])
             if len(mapped) != len(links):
                 return None
             for l0, l in zip(links, mapped):
-                if image[r, l0] not in (-1, l) or owner[l] not in (-1, r):
-                    return None
-                image[r, l0] = l
-                owner[l] = r
-        used = image[r][image[r] >= 0]
-        if len(np.unique(used)) != len(used):  # φ_r one to one on links
-            return None
-    base = np.full(len(topology.links), -1, dtype=np.int64)
-    for r in range(copies.count):
-        used = np.flatnonzero(image[r] >= 0)
-        base[image[r, used]] = used
-    return LinkMaps(owner, image, base)
+                j = domain[l0]
+                if image[j] not in (-1, l) or owner[l] not in (-1, r) or base[l] not in (-1, l0):
+                    return None  # φ_r not a map, or a link of two copies, or of two copy-0 links
+                image[j], owner[l], base[l] = l, r, l0
+    return LinkMaps(owner, base)
 
 
 class Folded(NamedTuple):
