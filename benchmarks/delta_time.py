@@ -8,6 +8,7 @@ ops go back to the current plan's). Checks all give the same iteration time and 
 medians, by phase, and the ratio to full. Asserts nothing but that equality.
 
     python benchmarks/delta_time.py [--models resnet101,inception_v3] [--proposals 30] [--recompute 0.5]
+                                    [--fold]
 """
 
 from __future__ import annotations
@@ -19,10 +20,9 @@ import statistics
 import time
 
 from simulator.cost import get_cost_model
-from simulator.engine import event_times
 from simulator.memory import peak_memory
 from simulator.presets import get_topology
-from simulator.simulate import paused_gc
+from simulator.simulate import paused_gc, timed_graph
 from simulator.tasks import TaskCache, build_tasks
 from soapsearch.search.mcmc import candidate_configs
 from _paper import paper_graph  # benchmarks/_paper.py
@@ -32,17 +32,18 @@ from strategies.lowering import lower
 PHASES = ("lower", "tasks", "events", "memory", "total")
 
 
-def _timed(graph, plan, topo, cost, lowering_cache, task_cache) -> tuple[float, list[float]]:
+def _timed(graph, plan, topo, cost, lowering_cache, task_cache, fold: bool = False) -> tuple[float, list[float]]:
+    """One simulation as ``simulate_plan`` runs it (``fold``: a replicated plan on one copy,
+    ``simulator.fold``; ``simulate_plan`` folds from ``FOLD_FROM`` devices), timed by phase."""
     t0 = time.perf_counter()
     low = lower(graph, plan, lowering_cache)
     t1 = time.perf_counter()
-    tg = build_tasks(low, topo, cost, "sgd", task_cache)
-    t2 = time.perf_counter()
-    _, end = event_times(tg)  # as simulate_plan on a preset (no straggler or contention pass): the makespan
+    phases: dict[str, float] = {}
+    _, _, _, end = timed_graph(low, topo, cost, "sgd", task_cache, fold, phases)  # as simulate_plan
     t3 = time.perf_counter()
     peak_memory(low)
     t4 = time.perf_counter()
-    return float(end.max()), [t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0]
+    return float(end.max()), [t1 - t0, phases["tasks"], phases["events"], t4 - t3, t4 - t0]
 
 
 def main() -> None:
@@ -55,7 +56,10 @@ def main() -> None:
     ap.add_argument("--recompute", type=float, default=0.0,
                     help="fraction of the ops with a backward set to recompute in the start plan "
                          "(kept by the proposals): the memory timeline's walk runs")
+    ap.add_argument("--fold", action="store_true",
+                    help="fold replicated plans on one copy (simulator.fold) below FOLD_FROM devices too")
     args = ap.parse_args()
+    fold = args.fold
     topo = get_topology(args.topology)
     cost = get_cost_model("analytical")
     print(f"{'model':14s} {'tasks':>6s} {'mode':6s} " + " ".join(f"{p + ' ms':>10s}" for p in PHASES)
@@ -81,14 +85,14 @@ def main() -> None:
         chain_tasks = TaskCache(topo, cost)
         gc.collect()
         with paused_gc():  # as simulate_plan and the search's chains do
-            _timed(graph, plan, topo, cost, None, None)  # fills the cost model's memo
-            _timed(graph, plan, topo, cost, chain_lowering, chain_tasks)  # the chain's start
+            _timed(graph, plan, topo, cost, None, None, fold)  # fills the cost model's memo
+            _timed(graph, plan, topo, cost, chain_lowering, chain_tasks, fold)  # the chain's start
             rows: dict[str, list[list[float]]] = {"full": [], "delta": [], "chain": []}
             for proposal in proposals:
-                full_ms, full_t = _timed(graph, proposal, topo, cost, None, None)
-                _timed(graph, plan, topo, cost, lowering_cache, task_cache)  # the chain's current plan
-                delta_ms, delta_t = _timed(graph, proposal, topo, cost, lowering_cache, task_cache)
-                chain_ms, chain_t = _timed(graph, proposal, topo, cost, chain_lowering, chain_tasks)
+                full_ms, full_t = _timed(graph, proposal, topo, cost, None, None, fold)
+                _timed(graph, plan, topo, cost, lowering_cache, task_cache, fold)  # the chain's current plan
+                delta_ms, delta_t = _timed(graph, proposal, topo, cost, lowering_cache, task_cache, fold)
+                chain_ms, chain_t = _timed(graph, proposal, topo, cost, chain_lowering, chain_tasks, fold)
                 if not full_ms == delta_ms == chain_ms:
                     raise SystemExit(f"{name}: delta {delta_ms}, chain {chain_ms} != full {full_ms} s")
                 rows["full"].append(full_t)

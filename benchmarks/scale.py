@@ -7,12 +7,14 @@ parallel, P=16 pipeline stages, 16 micro-batches; GPT-124M, 12 heads and 12 laye
 8 micro-batches; 1F1B, sequence parallel, every block recomputed, bf16), on ``a100-<N>x8`` at 8,
 64, 512 and 1,024 devices (megatron where T x P divides them). Each row runs in its own process (its peak RSS is the row's own) and prints the
 milliseconds of each phase of one full simulation as ``simulator.simulate_plan`` runs them
-(lower, task graph, event loop, memory), the task count, and the process's peak RSS; a row that
+(lower, task graph, event loop, memory), the copies a replicated plan is folded on
+(``simulator.fold``; ``--per-device``: none, every device simulated), the task count, and the
+process's peak RSS; a row that
 fails (too many devices for the preset, MemoryError, past ``--timeout``) prints why. The last
 lines fit total ms = c * devices^k over each model and plan's rows (least squares in log-log).
 
     python benchmarks/scale.py [--models gpt,gpt3-175b] [--plans dp,megatron]
-                               [--devices 8,64,512,1024] [--timeout 240]
+                               [--devices 8,64,512,1024] [--timeout 240] [--per-device]
 """
 
 from __future__ import annotations
@@ -47,18 +49,14 @@ def _plan(model: str, graph, kind: str, n: int):
     return recomputed(plan.with_microbatches(m, "1f1b"), graph).with_precision("bf16")
 
 
-def _row(model: str, kind: str, n: int, out) -> None:  # out: the child's end of a Pipe
+def _row(model: str, kind: str, n: int, fold: bool, out) -> None:  # out: the child's end of a Pipe
     """One full simulation, timed by phase (simulate_plan's phases, in its order)."""
     try:
         from _paper import paper_graph
-        from simulator.contention import contended_times
         from simulator.cost import get_cost_model
-        from simulator.engine import event_times
         from simulator.memory import memory_breakdown
         from simulator.presets import get_topology
-        from simulator.simulate import paused_gc
-        from simulator.stragglers import straggler_durations
-        from simulator.tasks import build_tasks
+        from simulator.simulate import paused_gc, timed_graph
         from strategies.lowering import lower
 
         topo = get_topology(f"a100-{max(n // 8, 1)}x{min(n, 8)}")
@@ -70,27 +68,23 @@ def _row(model: str, kind: str, n: int, out) -> None:  # out: the child's end of
             t0 = time.perf_counter()
             lowered = lower(graph, plan)
             t1 = time.perf_counter()
-            tg = build_tasks(lowered, topo, cost, "adam")
-            t2 = time.perf_counter()
-            start, end = event_times(tg)
-            base = straggler_durations(tg, topo, end)
-            if base is not None:
-                start, end = event_times(tg, duration=base)
-            start, end = contended_times(tg, topo, start, end, base)
+            phases: dict[str, float] = {}
+            tg, _, _, end = timed_graph(lowered, topo, cost, "adam", fold=fold, phases=phases)
             t3 = time.perf_counter()
             peak = max(m.total for m in memory_breakdown(lowered, "adam"))
             t4 = time.perf_counter()
-        out.send({"tasks": len(tg), "lower": t1 - t0, "build": t2 - t1, "events": t3 - t2,
+        out.send({"tasks": len(tg), "copies": tg.copies.count if tg.copies else 1, "lower": t1 - t0,
+                  "build": phases["tasks"], "events": phases["events"],
                  "memory": t4 - t3, "total": t4 - t0, "iter_ms": float(end.max()) * 1e3,
                  "peak_gib": peak / 2**30, "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024})
     except (MemoryError, ValueError) as e:  # ValueError: a preset refused, a plan that does not apply
         out.send({"error": f"{type(e).__name__}: {str(e).splitlines()[0][:90]}"})
 
 
-def _run(model: str, kind: str, n: int, timeout: float) -> dict:
+def _run(model: str, kind: str, n: int, timeout: float, fold: bool = True) -> dict:
     ctx = mp.get_context("spawn")
     mine, theirs = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_row, args=(model, kind, n, theirs))
+    proc = ctx.Process(target=_row, args=(model, kind, n, fold, theirs))
     proc.start()
     theirs.close()
     try:
@@ -120,8 +114,10 @@ def main() -> None:
     ap.add_argument("--devices", default=",".join(map(str, DEVICES)))
     ap.add_argument("--timeout", type=float, default=240.0, help="seconds per row (default 240)")
     ap.add_argument("--json", help="also write the rows to this file")
+    ap.add_argument("--per-device", action="store_true",
+                    help="simulate every device (no replica folding, simulator.fold): the baseline")
     args = ap.parse_args()
-    print(f"{'model':10s} {'plan':9s} {'devices':>7s} {'tasks':>8s} {'lower ms':>9s} {'tasks ms':>9s} "
+    print(f"{'model':10s} {'plan':9s} {'devices':>7s} {'copies':>6s} {'tasks':>8s} {'lower ms':>9s} {'tasks ms':>9s} "
           f"{'events ms':>9s} {'memory ms':>9s} {'total ms':>9s} {'RSS MiB':>8s} {'iter ms':>9s} {'peak GiB':>8s}",
           flush=True)
     rows, fits = [], {}
@@ -130,13 +126,13 @@ def main() -> None:
             for n in map(int, args.devices.split(",")):
                 if kind == "megatron" and n % (MEGATRON[model][0] * MEGATRON[model][1]):
                     continue
-                r = _run(model, kind, n, args.timeout)
+                r = _run(model, kind, n, args.timeout, not args.per_device)
                 rows.append({"model": model, "plan": kind, "devices": n, **r})
                 if "error" in r:
                     print(f"{model:10s} {kind:9s} {n:7d} {r['error']}", flush=True)
                     continue
                 fits.setdefault((model, kind), []).append((n, r["total"]))
-                print(f"{model:10s} {kind:9s} {n:7d} {r['tasks']:8d} {r['lower'] * 1e3:9.0f} {r['build'] * 1e3:9.0f} "
+                print(f"{model:10s} {kind:9s} {n:7d} {r['copies']:6d} {r['tasks']:8d} {r['lower'] * 1e3:9.0f} {r['build'] * 1e3:9.0f} "
                       f"{r['events'] * 1e3:9.0f} {r['memory'] * 1e3:9.0f} {r['total'] * 1e3:9.0f} "
                       f"{r['rss_mib']:8.0f} {r['iter_ms']:9.1f} {r['peak_gib']:8.1f}", flush=True)
     for (model, kind), points in fits.items():

@@ -33,40 +33,50 @@ __all__ = ["add_collectives"]
 
 
 def add_collectives(tg: TaskGraph, lowered: Lowered, topology: Topology, blocks: Sequence,
-                    first: np.ndarray, position: dict[str, int]) -> np.ndarray:
+                    first: np.ndarray, position: dict[str, int], keep: frozenset[int] | None = None) -> np.ndarray:
     """Add every collective's tasks to ``tg``; ``blocks``, ``first``, ``position``: each op's
-    block (``simulator.tasks._Block``), its first task id and its index. Returns the arrivals'
-    places in the devices' schedules as rows (arrival task, the step's first task), global ids."""
+    block (``simulator.tasks._Block``), its first task id and its index; ``keep``: the devices
+    simulated (``simulator.fold``: a collective timed over its group, its member tasks and
+    edges on them; one with no member there has no tasks). Returns the arrivals' places in the
+    devices' schedules as rows (arrival task, the step's first task), global ids."""
     if not lowered.collectives:
         return np.empty((2, 0), dtype=INDEX)
     n = topology.num_devices
     readers = lowered.collective_readers
     arrivals: list[int] = []
     for c, (fwd_steps, bwd_steps) in zip(lowered.collectives, collective_steps(lowered)):
+        members = [(d, q) for d, q in zip(c.devices, c.holders) if keep is None or d in keep]
+        if not members:
+            continue
+        if len(members) < len(c.devices):
+            fwd_steps = {d: s for d, s in fwd_steps.items() if d in keep}
+            bwd_steps = {d: s for d, s in bwd_steps.items() if d in keep}
+        simulated = [d for d, _ in members]
         j, links = c.microbatch, tuple(n + l for l in ring_links(topology, c.devices))
         holder = blocks[position[c.op]]
         at = int(first[position[c.op]])
         label = f"{c.kind} {c.op}@mb{j} devices {','.join(map(str, c.devices))}"
         f = tg.add(label, TaskKind.COLLECTIVE, collective_time(topology, c.kind, c.devices, c.nbytes), links,
                    c.devices[0], c.nbytes)
-        for q in c.holders:
+        for _, q in members:
             tg.edge(at + holder.fwd_done[j][q], f)
         _arrive(tg, f, fwd_steps, blocks, first, position, arrivals, label)
-        ends = dict(zip(c.devices, member_ends(tg.add, tg.edge, topology, f, c.devices, label,
-                                               TaskKind.COLLECTIVE)))
-        for r in readers[c]:
+        ends = dict(zip(simulated, member_ends(tg.add, tg.edge, topology, f, c.devices, label,
+                                               TaskKind.COLLECTIVE, simulated)))
+        mine = readers[c] if keep is None else [r for r in readers[c] if r.device in keep]
+        for r in mine:
             tg.edge(ends[r.device], int(first[position[r.dst_op]]) + blocks[position[r.dst_op]].fwd[j][r.dst_index])
         if not c.grad:
             continue
         label = f"{c.backward_kind} grad {c.op}@mb{j} devices {','.join(map(str, c.devices))}"
         b = tg.add(label, TaskKind.COLLECTIVE, collective_time(topology, c.backward_kind, c.devices, c.nbytes),
                    links, c.devices[0], c.nbytes)
-        for r in readers[c]:
+        for r in mine:
             tg.edge(int(first[position[r.dst_op]]) + blocks[position[r.dst_op]].bwd_done[j][r.dst_index], b)
         _arrive(tg, b, bwd_steps, blocks, first, position, arrivals, label)
-        ends = dict(zip(c.devices, member_ends(tg.add, tg.edge, topology, b, c.devices, label,
-                                               TaskKind.COLLECTIVE)))
-        for d, q in zip(c.devices, c.holders):
+        ends = dict(zip(simulated, member_ends(tg.add, tg.edge, topology, b, c.devices, label,
+                                               TaskKind.COLLECTIVE, simulated)))
+        for d, q in members:
             tg.edge(ends[d], at + holder.fwd[j][q] + 1)
     return np.asarray(arrivals, dtype=INDEX).reshape(-1, 2).T
 

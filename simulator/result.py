@@ -86,7 +86,12 @@ def chrome_trace(timeline) -> dict[str, Any]:
 
 def summarize(tg: TaskGraph, topology: Topology, start: list[float], end: list[float],
               peak: list[int], keep_timeline: bool,
-              memory: tuple[MemoryBreakdown, ...] | list[MemoryBreakdown] = ()) -> SimResult:
+              memory: tuple[MemoryBreakdown, ...] | list[MemoryBreakdown] = (),
+              copies: list[int] | None = None) -> SimResult:
+    """The result of the timeline (``start``, ``end``) of ``tg``. A folded graph (``tg.copies``,
+    ``simulator.fold``): ``copies`` says how many tasks of the full simulation each task
+    stands for (its bytes count that often), and each device's busy time is its copy-0
+    image's; the timeline holds copy 0's tasks."""
     n = topology.num_devices
     busy = [0.0] * n
     moved: dict[str, int] = {}
@@ -100,10 +105,13 @@ def summarize(tg: TaskGraph, topology: Topology, start: list[float], end: list[f
         if not links and res:
             busy[res[0]] += end[t] - start[t]
         for kind in {kinds[l] for l in links}:
-            moved[kind] = moved.get(kind, 0) + nbytes[t]
+            moved[kind] = moved.get(kind, 0) + nbytes[t] * (1 if copies is None else copies[t])
         if keep_timeline and res:
             lane = "compute" if not links else names[links[0]]
             timeline.append((tg.label(t), device[t], lane, start[t], end[t], CATEGORY[category[t]]))
+    if tg.copies is not None:
+        image = tg.copies.representative
+        busy = [busy[image.get(d, d)] for d in range(n)]
     return SimResult(max(end, default=0.0), tuple(busy[:len(peak)]), tuple(peak),
                      tuple(d.memory_bytes for d in topology.devices[:len(peak)]),
                      moved, len(tg), tuple(timeline), tuple(memory))

@@ -4,26 +4,38 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import time
 
-from simulator.contention import contended_times
+import numpy as np
+
+from simulator.contention import contended, contended_times
 from simulator.stragglers import straggler_durations
 from simulator.cost import CostModel, get_cost_model
 from simulator.engine import event_times
+from simulator.fold import FoldError, Folded, link_maps, task_copies
 from simulator.memory import memory_breakdown, peak_memory
 from simulator.presets import get_topology
 from simulator.result import SimResult, summarize
+from simulator.symmetry import copies_of, find_copies
+from simulator.taskgraph import TaskGraph
 from simulator.tasks import TaskCache, build_tasks
 from simulator.topology import Topology
 from strategies.graph import OpGraph
 from strategies.lowering import Lowered, lower
 from strategies.strategy import Strategy
 
-__all__ = ["simulate_plan", "paused_gc"]
+__all__ = ["FOLD_FROM", "simulate_plan", "paused_gc", "run_timeline", "task_graph", "timed_graph"]
+
+FOLD_FROM = 64
+"""Devices from which ``simulate_plan`` folds a replicated plan by default. Below, the
+per-device graph is small and finding the copies (``symmetry.find_copies``, about 0.5 ms for
+ResNet-101's 348 ops) costs a search's proposal (a few ms) as much as folding saves."""
 
 
 def simulate_plan(graph: OpGraph, strategy: Strategy | Lowered, topology: Topology | str,
                   cost_model: CostModel | str = "analytical", *, optimizer: str = "sgd",
-                  timeline: bool = False, summary: bool = True, cache: TaskCache | None = None) -> SimResult:
+                  timeline: bool = False, summary: bool = True, cache: TaskCache | None = None,
+                  fold: bool | None = None) -> SimResult:
     """Lower ``strategy`` (or take it lowered), build the task graph, run the event simulation
     (again where ``simulator.stragglers`` scales a step-end collective's overhead by the members
     arriving together, then ``simulator.contention``'s passes on devices that slow when
@@ -31,23 +43,81 @@ def simulate_plan(graph: OpGraph, strategy: Strategy | Lowered, topology: Topolo
     many candidates) leaves busy times and bytes moved empty and skips their pass over the
     tasks, and the peak's breakdown by category (``SimResult.memory``); iteration time and peak
     memory are the same. ``cache`` reuses the task blocks of ops
-    whose lowered pieces are unchanged (delta simulation: see ``simulator.tasks``)."""
+    whose lowered pieces are unchanged (delta simulation: see ``simulator.tasks``). ``fold``:
+    True: a plan replicated over copies of its devices (``simulator.symmetry``) is simulated on
+    one copy for all (``simulator.fold``: the same result) unless ``timeline`` asks for every
+    device's tasks; False: per device; None: True for plans of ``FOLD_FROM`` devices or more."""
     topo = get_topology(topology) if isinstance(topology, str) else topology
     cost = get_cost_model(cost_model) if isinstance(cost_model, str) else cost_model
     with paused_gc():  # tens of thousands of small tuples: the cyclic collector only adds pauses
         lowered = strategy if isinstance(strategy, Lowered) else lower(graph, strategy)
-        tg = build_tasks(lowered, topo, cost, optimizer, cache)
-        start, end = event_times(tg)
-        base = straggler_durations(tg, topo, end)
-        if base is not None:
-            start, end = event_times(tg, duration=base)
-        start, end = contended_times(tg, topo, start, end, base)
+        if fold is None:
+            fold = lowered.strategy.num_devices >= FOLD_FROM
+        tg, folded, start, end = timed_graph(lowered, topo, cost, optimizer, cache, fold and not timeline)
         if not summary:
             peak = peak_memory(lowered, optimizer)
             return SimResult(float(end.max(initial=0.0)), (), tuple(peak),
                              tuple(d.memory_bytes for d in topo.devices[:len(peak)]), {}, len(tg))
         memory = memory_breakdown(lowered, optimizer)
-        return summarize(tg, topo, start.tolist(), end.tolist(), [m.total for m in memory], timeline, memory)
+        return summarize(tg, topo, start.tolist(), end.tolist(), [m.total for m in memory], timeline, memory,
+                         None if folded is None else folded.copies.tolist())
+
+
+def timed_graph(lowered: Lowered, topology: Topology, cost: CostModel, optimizer: str = "sgd",
+                cache: TaskCache | None = None, fold: bool = True, phases: dict[str, float] | None = None
+                ) -> tuple[TaskGraph, Folded | None, np.ndarray, np.ndarray]:
+    """The task graph and its timeline (``task_graph``, ``run_timeline``): folded on the most
+    copies where the fold holds on its timeline, else on fewer (``Folded.coarser``), else per
+    device. ``phases`` (given): seconds spent building graphs ("tasks") and timing them ("events")."""
+    tries = [(fold, None)]
+    while True:
+        t0 = time.perf_counter()
+        tg, folded = task_graph(lowered, topology, cost, optimizer, cache, *tries[-1])
+        t1 = time.perf_counter()
+        times = run_timeline(tg, topology, folded)
+        if phases is not None:
+            phases["tasks"] = phases.get("tasks", 0.0) + t1 - t0
+            phases["events"] = phases.get("events", 0.0) + time.perf_counter() - t1
+        if times is not None:
+            return (tg, folded, *times)
+        fewer = folded.coarser()
+        tries.append((fewer is not None, fewer))
+
+
+def run_timeline(tg: TaskGraph, topology: Topology, folded: Folded | None = None
+                 ) -> tuple[np.ndarray, np.ndarray] | None:
+    """The event loop's start and end of every task, again where ``simulator.stragglers``
+    scales a step-end collective's overhead, then ``simulator.contention``'s passes; None
+    where ``folded`` (a folded graph's, ``task_graph``) does not hold on a timeline."""
+    start, end = event_times(tg)
+    base = straggler_durations(tg, topology, end)
+    if base is not None:
+        if folded is not None and not folded.holds(start, end):
+            return None
+        start, end = event_times(tg, duration=base)
+    start, end = contended_times(tg, topology, start, end, base)
+    return None if folded is not None and not folded.holds(start, end) else (start, end)
+
+
+def task_graph(lowered: Lowered, topology: Topology, cost: CostModel, optimizer: str = "sgd",
+               cache: TaskCache | None = None, fold: bool = True, count: int | None = None
+               ) -> tuple[TaskGraph, Folded | None]:
+    """The task graph ``simulate_plan`` runs: folded (``fold``) where the plan is replicated
+    and its copies own their links (``simulator.fold``), with what the fold needs besides
+    (None: per device; ``TaskGraph.copies`` says which copies); its timeline is every copy's
+    where ``Folded.holds`` it. ``count``: that many copies (``Folded.coarser``), not the most."""
+    copies = None
+    if fold and not contended(topology):
+        graph, plan = lowered.graph, lowered.strategy
+        copies = find_copies(graph, plan) if count is None else copies_of(graph, plan, count)
+    maps = link_maps(topology, copies) if copies is not None else None
+    if maps is not None:
+        try:
+            tg = build_tasks(lowered, topology, cost, optimizer, cache, copies)
+            return tg, task_copies(tg, maps)
+        except FoldError:
+            pass
+    return build_tasks(lowered, topology, cost, optimizer, cache), None
 
 
 @contextlib.contextmanager

@@ -33,7 +33,8 @@ before its all-reduce and copied back after it (``_copy_time``)."""
 
 
 def member_ends(add: Callable[..., int], edge: Callable[[int, int], None], topology: Topology, collective: int,
-                devices: Sequence[int], label: str, category: int) -> list[int]:
+                devices: Sequence[int], label: str, category: int,
+                simulated: Sequence[int] | None = None) -> list[int]:
     """Where ``collective`` (a task on the links of its ring) ends for each of its ``devices``:
     a task of the device's ``collective_overhead`` on the device, after the collective, when
     that is set, else the collective itself. So a member's next step (or whatever waits on the
@@ -41,9 +42,11 @@ def member_ends(add: Callable[..., int], edge: Callable[[int, int], None], topol
     times the wire, the overhead the call's host work and the wait for the member that arrives
     last by the host's jitter (``simulator.stragglers``), which the device pays even when the
     collective itself ran behind its compute.
-    ``add`` and ``edge``: a task graph's or a block's (the ids they return)."""
+    ``add`` and ``edge``: a task graph's or a block's (the ids they return); ``simulated``: the
+    members to make ends for, in order (a folded plan's in copy 0, ``simulator.fold``; default
+    all ``devices``)."""
     ends = []
-    for d in devices:
+    for d in devices if simulated is None else simulated:
         over = topology.devices[d].collective_overhead
         if over and len(devices) > 1:
             h = add(f"{label} host device {d}", category, over, (d,), d)
@@ -57,7 +60,8 @@ def member_ends(add: Callable[..., int], edge: Callable[[int, int], None], topol
 def link_step(tg: TaskGraph, lowered: Lowered, topology: Topology,
               step_sums: list[tuple[int, list[tuple[ReductionGroup, list[int], bool]]]], last: dict[int, list[int]],
               optimizer: str, traffic: float, order: list[BucketKey],
-              issued: dict[tuple[BucketKey, int], tuple[int, int | None]]) -> None:
+              issued: dict[tuple[BucketKey, int], tuple[int, int | None]],
+              keep: frozenset[int] | None = None) -> None:
     """The end of the step as the executor runs it (``runtime.Executor.step``). The loss sums
     gated STEP (``step_sums``: per block with such sums, its first id and its sums with their members'
     forward tasks and whether the divisor needs the data) travel in the gradient bucket of
@@ -73,8 +77,11 @@ def link_step(tg: TaskGraph, lowered: Lowered, topology: Topology,
     the sync), runs its optimizer update; and, when the loss is not on every device in every micro-batch,
     one all-reduce of the loss value (a float64) over every device, started when every device
     is that far and overlapping the updates (nothing in them reads it; the step ends when it
-    has). Each collective here ends on each member with its ``member_ends``."""
+    has). Each collective here ends on each member with its ``member_ends``. ``keep``: the
+    devices simulated (a folded plan's copy 0, ``simulator.fold``; ``last`` and ``issued``
+    name only them): each collective is timed over its group, its member tasks made on them."""
     n = topology.num_devices
+    mine = (lambda devs: devs) if keep is None else (lambda devs: [d for d in devs if d in keep])
     later: dict[int, list[int]] = {d: [] for d in last}  # what only its update waits on
     rides = bucket_sums(lowered, [g for _, sums in step_sums for g, _, _ in sums]) if step_sums else {}
     riders: dict[BucketKey, list] = {}  # gradient bucket -> [bytes, forward tasks] of its sums
@@ -91,7 +98,9 @@ def link_step(tg: TaskGraph, lowered: Lowered, topology: Topology,
                        tuple(n + l for l in ring_links(topology, g.devices)), g.devices[0], g.nbytes)
             for f in fwds:
                 tg.edge(f, r)
-            for e, d in zip(member_ends(tg.add, tg.edge, topology, r, g.devices, label, TaskKind.REDUCE), g.devices):
+            members = mine(g.devices)
+            for e, d in zip(member_ends(tg.add, tg.edge, topology, r, g.devices, label, TaskKind.REDUCE, members),
+                            members):
                 later[d].append(e)
     state = sharded_state(lowered)
     weight_bytes, tensors = state.updated, state.tensors
@@ -110,7 +119,8 @@ def link_step(tg: TaskGraph, lowered: Lowered, topology: Topology,
         for f in fwds:
             tg.edge(f, ar)
         packs = []
-        for d in devs:
+        members = mine(devs)
+        for d in members:
             pack = tg.add(f"pack {label} device {d}", TaskKind.ALLREDUCE, _copy_time(topology.devices[d], nbytes),
                           (d,), d)
             after, before = issued[(key, d)]
@@ -119,7 +129,8 @@ def link_step(tg: TaskGraph, lowered: Lowered, topology: Topology,
                 tg.edge(pack, before)
             tg.edge(pack, ar)
             packs.append(pack)
-        for d, e in zip(devs, _synced_ends(tg, topology, ar, devs, label, TaskKind.ALLREDUCE, list(zip(devs, packs)))):
+        for d, e in zip(members, _synced_ends(tg, topology, ar, devs, label, TaskKind.ALLREDUCE,
+                                              list(zip(members, packs)), members)):
             if zb is not None:  # its chunk of the sum is the optimizer's gradient: nothing to copy back
                 synced[d].append(e)
                 continue
@@ -134,7 +145,7 @@ def link_step(tg: TaskGraph, lowered: Lowered, topology: Topology,
         arrivals = [(d, dep) for d in sorted(synced) for dep in dict.fromkeys(synced[d])]
         for _, dep in arrivals:
             tg.edge(dep, rep)
-        _synced_ends(tg, topology, rep, everyone, "allreduce loss", TaskKind.ALLREDUCE, arrivals)
+        _synced_ends(tg, topology, rep, everyone, "allreduce loss", TaskKind.ALLREDUCE, arrivals, mine(everyone))
     updates = {}
     for d in sorted(last):
         if weight_bytes[d]:
@@ -145,37 +156,42 @@ def link_step(tg: TaskGraph, lowered: Lowered, topology: Topology,
                 tg.edge(dep, u)
     chunks = [(zb.key.devices, zb.chunk_bytes, f"{format_devices(zb.key.devices)} zero1") for zb in sharded.values()]
     chunks += [(s.devices, shard_chunk_bytes(s), f"{s.name} zero2") for s in per_use_shards(lowered) if s.zero == 2]
-    _gather_chunks(tg, topology, chunks, updates)
+    _gather_chunks(tg, topology, chunks, updates, mine)
 
 
-def _gather_chunks(tg: TaskGraph, topology: Topology, chunks, updates: dict[int, int]) -> None:
+def _gather_chunks(tg: TaskGraph, topology: Topology, chunks, updates: dict[int, int],
+                   mine: Callable[[Sequence[int]], Sequence[int]]) -> None:
     """After the members' updates, each level-1 bucket's and then each level-2 shard's updated
     chunks (``chunks``: devices, chunk bytes, label) all-gathered (``strategies.zero``, in
     that order, as ``LocalWeights.gather_chunks``) and copied back into the weights
-    (``_copy_time``)."""
+    (``_copy_time``); ``mine``: a group's members simulated."""
     n = topology.num_devices
     for devs, chunk, what in chunks:
         label = f"allgather weights {what}"
         ag = tg.add(label, TaskKind.ALLREDUCE, allgather_time(topology, devs, chunk),
                     tuple(n + l for l in ring_links(topology, devs)), devs[0], chunk * len(devs))
-        for d in devs:
+        members = mine(devs)
+        for d in members:
             tg.edge(updates[d], ag)
-        for d, e in zip(devs, _synced_ends(tg, topology, ag, devs, label, TaskKind.ALLREDUCE,
-                                           [(d, updates[d]) for d in devs])):
+        for d, e in zip(members, _synced_ends(tg, topology, ag, devs, label, TaskKind.ALLREDUCE,
+                                              [(d, updates[d]) for d in members], members)):
             unpack = tg.add(f"unpack {label} device {d}", TaskKind.ALLREDUCE,
                             _copy_time(topology.devices[d], chunk * len(devs)), (d,), d)
             tg.edge(e, unpack)
 
 
 def _synced_ends(tg: TaskGraph, topology: Topology, collective: int, devices: Sequence[int],
-                 label: str, category: int, arrivals: Sequence[tuple[int, int]]) -> list[int]:
-    """``member_ends`` of a step-end collective, recorded in ``tg.syncs``
-    with its members' overhead tasks and what it waits on, as (device, task) pairs
-    (``simulator.stragglers`` scales the overheads by the members arriving together)."""
-    ends = member_ends(tg.add, tg.edge, topology, collective, devices, label, category)
-    hosts = tuple((d, e) for d, e in zip(devices, ends) if e != collective)
+                 label: str, category: int, arrivals: Sequence[tuple[int, int]],
+                 simulated: Sequence[int] | None = None) -> list[int]:
+    """``member_ends`` of a step-end collective (for its ``simulated`` members, default all),
+    recorded in ``tg.syncs`` with its members' overhead tasks and what it waits on, as (device,
+    task) pairs, and the members each stands for (``simulator.stragglers`` scales the overheads
+    by the members arriving together)."""
+    simulated = devices if simulated is None else simulated
+    ends = member_ends(tg.add, tg.edge, topology, collective, devices, label, category, simulated)
+    hosts = tuple((d, e) for d, e in zip(simulated, ends) if e != collective)
     if hosts:
-        tg.syncs.append((collective, hosts, tuple(arrivals)))
+        tg.syncs.append((collective, hosts, tuple(arrivals), len(devices) // len(simulated)))
     return ends
 
 

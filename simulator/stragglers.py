@@ -58,8 +58,8 @@ def straggler_durations(tg: TaskGraph, topology: Topology, end: np.ndarray) -> n
     if not tg.syncs:
         return None
     duration = None
-    for _, hosts, waits_on in tg.syncs:
-        m = len(hosts)
+    for _, hosts, waits_on, copies in tg.syncs:  # copies: the members each simulated one stands for
+        m = len(hosts) * copies
         if m < 2:
             continue
         arrival: dict[int, float] = {}
@@ -67,7 +67,7 @@ def straggler_durations(tg: TaskGraph, topology: Topology, end: np.ndarray) -> n
             arrival[d] = max(arrival.get(d, -math.inf), float(end[t]))
         last = max((arrival.get(d, -math.inf) for d, _ in hosts), default=-math.inf)
         window = max(topology.devices[d].collective_overhead for d, _ in hosts)
-        k = max(1.0, sum(max(0.0, 1.0 - (last - arrival.get(d, -math.inf)) / window) for d, _ in hosts))
+        k = max(1.0, copies * sum(max(0.0, 1.0 - (last - arrival.get(d, -math.inf)) / window) for d, _ in hosts))
         if k == m:
             continue
         factor = together(k) / expected_max(m)

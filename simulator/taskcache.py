@@ -26,23 +26,37 @@ class TaskCache:
         self.topology, self.cost = topology, cost
         self.wires: dict[tuple[int, int, int], tuple] = {}
         """(source, target, bytes) -> ``simulator.tasks._wire``'s times and resources (a pure function of them)."""
-        self._graph: OpGraph | None = None
-        self._layout: _Layout = ([], {}, [], [], [])
-        self._joined: _Joined | None = None
+        self._states: dict[frozenset[int] | None, list] = {}
+        """Devices simulated (a folded plan's copy 0, ``simulator.fold``; None: all) -> [graph,
+        its ``_layout``, the last ``_Joined``]: a search moving between folded and per-device
+        plans keeps the blocks of both."""
+        self._current: list = [None, ([], {}, [], [], []), None]
 
-    def layout(self, graph: OpGraph) -> _Layout:
-        """``_layout(graph)``, its blocks kept from the graphs built before; a new graph empties it."""
-        if graph is not self._graph:
-            self._graph, self._layout, self._joined = graph, _layout(graph), None
-        return self._layout
+    def layout(self, graph: OpGraph, kept: frozenset[int] | None = None) -> _Layout:
+        """``_layout(graph)`` for the devices ``kept``, its blocks kept from the graphs built
+        before for them; a new graph empties every state."""
+        state = self._states.get(kept)
+        if state is None or state[0] is not graph:
+            if any(s[0] is not graph for s in self._states.values()):
+                self._states.clear()
+            if len(self._states) >= _STATES:
+                del self._states[next(iter(self._states))]
+            state = self._states[kept] = [graph, _layout(graph), None]
+        self._current = state
+        return state[1]
 
     def join(self, blocks: list[Any]) -> "_Joined":
-        """``blocks``' arrays joined, from the last graph's (``_Joined``)."""
-        if self._joined is None:
-            self._joined = _Joined(blocks)
+        """``blocks``' arrays joined, from the last graph's of the same devices (``_Joined``)."""
+        state = self._current
+        if state[2] is None:
+            state[2] = _Joined(blocks)
         else:
-            self._joined.update(blocks)
-        return self._joined
+            state[2].update(blocks)
+        return state[2]
+
+
+_STATES = 8
+"""Sets of simulated devices a ``TaskCache`` keeps blocks for (the oldest goes first)."""
 
 
 class _Joined:

@@ -150,10 +150,14 @@ class TaskGraph:
         self._adjacency: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         self._adjacency_lists: tuple[list[int], list[int], list[int]] | None = None
         self._adjacency_at: tuple[int, int, int] | None = None  # (tasks, edges, chunks) it holds
-        self.syncs: list[tuple[int, tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]]] = []
+        self.syncs: list[tuple[int, tuple[tuple[int, int], ...], tuple[tuple[int, int], ...], int]] = []
         """The step end's collectives with per-member overhead tasks: (collective, its (device,
-        overhead task) pairs, the (device, task) pairs it waits on), which
+        overhead task) pairs, the (device, task) pairs it waits on, the members each of them
+        stands for: 1, or a folded plan's copy count where the group spans the copies), which
         ``simulator.stragglers`` scales."""
+        self.copies: Any = None
+        """The plan's replica copies when only copy 0's tasks are built (``simulator.symmetry
+        .Copies``, ``simulator.fold``), else None."""
         self.step_order: StepOrder | None = None
         """Each device's schedule steps in order (``simulator.tasks``), once they are chained."""
 

@@ -30,6 +30,7 @@ sync, so a graph built from cached blocks is the one built from scratch, task fo
 
 from __future__ import annotations
 
+import functools
 import itertools
 import operator
 from typing import Any, NamedTuple
@@ -39,8 +40,10 @@ import numpy as np
 from simulator.collectives import add_collectives
 from simulator.comm import allgather_time, group_sum_time, ring_links, transfer_time
 from simulator.cost import CostModel
+from simulator.fold import FoldError
 from simulator.memory import MASTER
 from simulator.step import UPDATE_TRAFFIC, link_step, member_ends
+from simulator.symmetry import Copies
 from simulator.zero3 import add_gathers
 from simulator.taskcache import TaskCache
 from simulator.taskgraph import CATEGORY, INDEX, Columns, Segment, StepOrder, TaskGraph, TaskKind
@@ -111,8 +114,8 @@ class _Block:
         steps = np.empty((6, size), dtype=INDEX)
         for r, row in enumerate(self.steps):
             steps[r] = np.fromiter(row, INDEX, size)
-        for r, done in ((3, self.fwd_done), (4, self.bwd_done)):
-            steps[r] = np.fromiter(itertools.chain.from_iterable(done), INDEX, size)
+        for r, done in ((3, self.fwd_done), (4, self.bwd_done)):  # a partition not simulated: -1, no step
+            steps[r] = np.fromiter(filter(_simulated, itertools.chain.from_iterable(done)), INDEX, size)
         steps[5] = self.position
         self.steps = steps
         slots = np.fromiter(self.slots, INDEX, len(self.slots)).reshape(-1, 5).T
@@ -121,10 +124,17 @@ class _Block:
         return self
 
 
+_simulated = (-1).__ne__
+"""Whether a local id in ``_Block.fwd``, ``fwd_done`` or ``bwd_done`` is a task (not -1)."""
+
+
 def _op_block(node: OpNode, pieces: OpPieces, graph: OpGraph, producers: dict[str, _Block],
-              position: int, topology: Topology, cost: CostModel, wires: dict) -> _Block:
+              position: int, topology: Topology, cost: CostModel, wires: dict,
+              keep: frozenset[int] | None = None) -> _Block:
     """``producers``: the blocks of the ops ``node`` reads (their partitions' and reductions'
-    local ids depend on their configs only, which ``pieces`` was derived from)."""
+    local ids depend on their configs only, which ``pieces`` was derived from). ``keep``: the
+    devices simulated (a folded plan's copy 0, ``simulator.fold``; None: all); a partition
+    elsewhere has no tasks (its entries in ``fwd``, ``fwd_done`` and ``bwd_done`` are -1)."""
     backward = graph.needs_grad[node.name]
     b = _Block(pieces, position)
     devices = topology.devices
@@ -138,8 +148,11 @@ def _op_block(node: OpNode, pieces: OpPieces, graph: OpGraph, producers: dict[st
     for j, parts in enumerate(pieces.partitions):
         ids = []
         for p in parts:  # the hot loop: inlined appends, labels formatted only when shown
-            f_s, b_s = op_time(node, p.box, devices[p.device])
             d = p.device
+            if keep is not None and d not in keep:
+                ids.append(-1)
+                continue
+            f_s, b_s = op_time(node, p.box, devices[d])
             over = devices[d].task_overhead if runs else 0.0
             t = len(durs)
             ids.append(t)
@@ -157,14 +170,14 @@ def _op_block(node: OpNode, pieces: OpPieces, graph: OpGraph, producers: dict[st
             b.steps[2].append(j)
         b.fwd.append(ids)
         b.fwd_done.append(list(ids))
-        b.bwd_done.append([t + 1 for t in ids])
-    _add_reductions(b, node, pieces.reductions, backward, topology)
-    _add_transfers(b, pieces.transfers, producers, topology, wires, graph)
+        b.bwd_done.append([t + 1 if t >= 0 else -1 for t in ids])
+    _add_reductions(b, node, pieces.reductions, backward, topology, keep)
+    _add_transfers(b, pieces.transfers, producers, topology, wires, graph, keep)
     return b.seal()
 
 
 def _add_transfers(b: _Block, transfers: tuple[Transfer, ...], producers: dict[str, _Block],
-                   topology: Topology, wires: dict, graph: OpGraph) -> None:
+                   topology: Topology, wires: dict, graph: OpGraph, keep: frozenset[int] | None = None) -> None:
     """Each transfer into the op that crosses devices: its send after the producer's forward
     (or the sum completing it) and before the partition's forward, its gradient's send back
     after the partition's backward where the gradient moves (``OpGraph.moves_grad``: the
@@ -177,12 +190,19 @@ def _add_transfers(b: _Block, transfers: tuple[Transfer, ...], producers: dict[s
     chained by ``_link_schedule``) where the executor spends it: a receive in its reader's step
     (the executor waits on a piece when the step reads it), a send at the end of its writer's
     step. A local read: the same edges, no tasks. Labels are (kind, transfer), formatted only
-    when shown."""
+    when shown. ``keep``: the devices simulated (a transfer between others is skipped; one
+    between them and another is ``simulator.fold.FoldError``: the plan's copies exchange pieces)."""
     devices, position = topology.devices, b.position
     c = b.cols
     names, cats, durs, res, devs, nbytes = c.name, c.category, c.duration, c.resources, c.device, c.nbytes
     esrc, edst, cross = b.edge_src, b.edge_dst, b.cross
-    received = any(d.message_overhead or d.exchange_overhead for d in devices)  # else no receive tasks
+    if keep is not None:
+        mine = [t for t in transfers if t.dst_device in keep]
+        if any(t.src_device not in keep for t in mine) or \
+                len(mine) != sum(t.src_device in keep for t in transfers):
+            raise FoldError(f"a transfer into {b.pieces.partitions[0][0].op!r} crosses copies")
+        transfers = tuple(mine)
+    received = _received(topology)  # else no receive tasks
     send_kinds = (TaskKind.TRANSFER, TaskKind.GRAD_TRANSFER)
     grads = {src: graph.moves_grad(src, transfers[0].dst_op) for src in producers} if transfers else {}
     crossed = {(t.src_device, t.dst_device, t.microbatch) for t in transfers if not t.local} if received else ()
@@ -237,6 +257,12 @@ def _add_transfers(b: _Block, transfers: tuple[Transfer, ...], producers: dict[s
                               dst_f + 1, position))
 
 
+@functools.lru_cache(maxsize=64)
+def _received(topology: Topology) -> bool:
+    """Whether some device of ``topology`` spends host work receiving a piece (receive tasks)."""
+    return any(d.message_overhead or d.exchange_overhead for d in topology.devices)
+
+
 def _receive(b: _Block, name: tuple, seconds: float, device: int, wire: int, step: int, at: int) -> int:
     """A receive of ``seconds`` on ``device`` after the ``wire`` task, inside the schedule step
     whose first task is ``step`` of the block at ``at`` (``_Block.slots``); returns it."""
@@ -284,7 +310,7 @@ def _wire(topology: Topology, src: int, dst: int, nbytes: int) -> Wire:
 
 
 def _add_reductions(b: _Block, node: OpNode, reductions: tuple[ReductionGroup, ...], backward: bool,
-                    topology: Topology) -> None:
+                    topology: Topology, keep: frozenset[int] | None = None) -> None:
     """The sums of ``node``'s reduction groups, by what waits on each (``strategies.lowering
     .gates``), each after its members' forwards, on the links of its ring, and each followed
     on every member device by its ``collective_overhead`` (``step.member_ends``: what waits on
@@ -298,44 +324,57 @@ def _add_reductions(b: _Block, node: OpNode, reductions: tuple[ReductionGroup, .
       device): an all-gather started without waiting that the loss partitions' backward of that
       micro-batch wait on;
     - step: left to ``step.link_step`` (``b.step_reductions``, with whether its divisor needs
-      the data): it rides a gradient bucket or is an all-gather of its own."""
+      the data): it rides a gradient bucket or is an all-gather of its own.
+
+    ``keep``: the devices simulated (``simulator.fold``): a sum timed over its whole group, its
+    edges and member ends only on them; a sum none of whose members is kept has no tasks."""
     n = topology.num_devices
     dynamic = node.kind == "loss" and get_rule(node.kind).static_count(node) is None
     for g in reductions:
         j = g.microbatch
         fwd = b.fwd[j]
+        ks, members = g.partitions, g.devices
+        if keep is not None:
+            ks = [k for k in ks if fwd[k] >= 0]
+            members = [d for d in members if d in keep]
+            if not ks:
+                continue
         if g.gates == Gate.STEP:
-            b.step_reductions.append((g, [b.fwd_done[j][k] for k in g.partitions], dynamic))
+            b.step_reductions.append((g, [b.fwd_done[j][k] for k in ks], dynamic))
             continue
         device = [p.device for p in b.pieces.partitions[j]]
         links = tuple(n + l for l in ring_links(topology, g.devices))
         label = f"reduce {g.name} {g.op}@mb{j}"
         r = b.add(label, TaskKind.REDUCE, allgather_time(topology, g.devices, g.nbytes), links, g.devices[0], g.nbytes)
-        for k in g.partitions:  # after the op's earlier sums (a class-cut loss: max, then sums)
+        for k in ks:  # after the op's earlier sums (a class-cut loss: max, then sums)
             b.edge(b.fwd_done[j][k], r)
-        ends = member_ends(b.add, b.edge, topology, r, g.devices, label, TaskKind.REDUCE)
-        end = dict(zip(g.devices, ends))
+        ends = member_ends(b.add, b.edge, topology, r, g.devices, label, TaskKind.REDUCE, members)
+        end = dict(zip(members, ends))
         if g.gates == Gate.BACKWARD:
-            for k in g.partitions:
+            for k in ks:
                 b.edge(end[device[k]], fwd[k] + 1)
         else:
-            for k in g.partitions:
+            for k in ks:
                 b.fwd_done[j][k] = end[device[k]]
             if backward and g.grad_nbytes:
                 size = 8 if node.output.dtype == "float64" else 4  # batch statistics' float32
                 t = group_sum_time(topology, g.devices, g.grad_nbytes, g.grad_nbytes // size)
                 label = f"reduce-grad {g.name} {g.op}@mb{j}"
                 rb = b.add(label, TaskKind.REDUCE, t, links, g.devices[0], g.grad_nbytes)
-                end = dict(zip(g.devices, member_ends(b.add, b.edge, topology, rb, g.devices, label, TaskKind.REDUCE)))
-                for k in g.partitions:
+                end = dict(zip(members, member_ends(b.add, b.edge, topology, rb, g.devices, label, TaskKind.REDUCE,
+                                                   members)))
+                for k in ks:
                     b.edge(fwd[k] + 1, rb)
                     b.bwd_done[j][k] = end[device[k]]
 
 
 def build_tasks(lowered: Lowered, topology: Topology, cost: CostModel, optimizer: str = "sgd",
-                cache: TaskCache | None = None) -> TaskGraph:
+                cache: TaskCache | None = None, copies: Copies | None = None) -> TaskGraph:
     """The task graph of one iteration of ``lowered`` on ``topology`` timed by ``cost``;
-    ``cache`` (for this graph, topology and cost model) reuses unchanged ops' blocks."""
+    ``cache`` (for this graph, topology and cost model) reuses unchanged ops' blocks.
+    ``copies``: the plan's replica copies (``simulator.symmetry``): only copy 0's tasks are
+    built, and each collective over several copies once, timed over its whole group, with the
+    edges and member ends of copy 0's members (``simulator.fold``)."""
     strategy = lowered.strategy
     if strategy.num_devices > topology.num_devices:
         raise ValueError(f"the plan uses {strategy.num_devices} devices but topology "
@@ -349,14 +388,17 @@ def build_tasks(lowered: Lowered, topology: Topology, cost: CostModel, optimizer
         raise ValueError(f"optimizer {optimizer!r} is not one of {sorted(UPDATE_TRAFFIC)}")
     if strategy.precision != "model":  # the update reads and writes float32 master and state
         traffic = MASTER * traffic + 1  # (2 bytes per compute-dtype byte), then writes the half copy
+    keep = None if copies is None else copies.kept
     tg = TaskGraph(topology.num_devices, len(topology.links))
-    blocks = _blocks(lowered, topology, cost, cache)
+    tg.copies = copies
+    blocks = _blocks(lowered, topology, cost, cache, keep)
     joined = cache.join(blocks)
     edges, steps, *tasks, slots = joined.arrays
     first = tg.place(joined.segments, tuple(tasks), joined.first)
     tg.chunks.append((edges[0] + first[edges[1]], edges[2] + first[edges[3]]))
-    arrivals = add_collectives(tg, lowered, topology, blocks, first, cache.layout(lowered.graph)[1])
-    gathers, scattered = add_gathers(tg, lowered, topology, blocks, first, cache.layout(lowered.graph)[1])
+    position = cache.layout(lowered.graph, keep)[1]
+    arrivals = add_collectives(tg, lowered, topology, blocks, first, position, keep)
+    gathers, scattered = add_gathers(tg, lowered, topology, blocks, first, position, keep)
     if gathers.shape[1]:  # level-3 weights (FSDP): their calls sit in the schedules like collectives'
         arrivals = np.concatenate([arrivals, gathers], axis=1)
     last = _link_schedule(tg, lowered, steps, first, slots, arrivals)
@@ -364,8 +406,10 @@ def build_tasks(lowered: Lowered, topology: Topology, cost: CostModel, optimizer
         last[d] += ends
     step_sums = [(int(first[i]), blocks[i].step_reductions) for i in joined.summing]
     order, issues = bucket_plan(lowered)
+    if keep is not None:
+        issues = {d: mine for d, mine in issues.items() if d in keep}
     link_step(tg, lowered, topology, step_sums, last, optimizer, traffic, order,
-              _bucket_ready(tg, lowered, blocks, first, issues))
+              _bucket_ready(tg, lowered, blocks, first, issues), keep)
     return tg
 
 
@@ -389,11 +433,12 @@ def _bucket_ready(tg: TaskGraph, lowered: Lowered, blocks: list[_Block], first: 
     return out
 
 
-def _blocks(lowered: Lowered, topology: Topology, cost: CostModel, cache: TaskCache) -> list[_Block]:
+def _blocks(lowered: Lowered, topology: Topology, cost: CostModel, cache: TaskCache,
+            keep: frozenset[int] | None = None) -> list[_Block]:
     """Every op's block in graph order: the cache's while the op's pieces are the same object,
-    else built (and kept in the cache)."""
+    else built (and kept in the cache); ``keep``: the devices simulated (None: all)."""
     graph = lowered.graph
-    nodes, position, kept, replaced, was = cache.layout(graph)
+    nodes, position, kept, replaced, was = cache.layout(graph, keep)
     wires = cache.wires
     pieces = list(map(lowered.pieces.__getitem__, position))  # position: the op names in graph order
     for i in list(itertools.compress(range(len(pieces)), map(operator.is_not, pieces, was))):
@@ -402,7 +447,7 @@ def _blocks(lowered: Lowered, topology: Topology, cost: CostModel, cache: TaskCa
         if b is None or b.pieces is not pieces[i]:
             node = nodes[i]  # in graph order: its producers' blocks are current
             producers = {src: kept[position[src]] for src in node.inputs}
-            b = _op_block(node, pieces[i], graph, producers, i, topology, cost, wires)
+            b = _op_block(node, pieces[i], graph, producers, i, topology, cost, wires, keep)
         kept[i], was[i] = b, pieces[i]
     return list(kept)
 

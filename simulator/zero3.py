@@ -36,20 +36,26 @@ __all__ = ["add_gathers"]
 
 
 def add_gathers(tg: TaskGraph, lowered: Lowered, topology: Topology, blocks: Sequence, first: np.ndarray,
-                position: dict[str, int]) -> tuple[np.ndarray, dict[int, list[int]]]:
+                position: dict[str, int], keep: frozenset[int] | None = None
+                ) -> tuple[np.ndarray, dict[int, list[int]]]:
     """Add every level-2 and level-3 use's tasks to ``tg`` (``blocks``, ``first``, ``position`` as
     ``simulator.collectives.add_collectives`` takes them). Returns the arrivals' places in the
     devices' schedules as rows (arrival task, the step's first task), and per device the
-    reduce-scatters' ends its optimizer update waits on."""
+    reduce-scatters' ends its optimizer update waits on. ``keep``: the devices simulated
+    (``simulator.fold``: each collective timed over its group, its member tasks on them)."""
     groups = gather_groups(lowered)
     ends: dict[int, list[int]] = {}
     if not groups:
         return np.empty((2, 0), dtype=INDEX), ends
     n, arrivals = topology.num_devices, []
-    issue = _issue_tasks(lowered, groups, blocks, first, position) if any(u.zero == 3 for u in groups) else {}
+    issue = _issue_tasks(lowered, groups, blocks, first, position, keep) if any(u.zero == 3 for u in groups) else {}
     for j in range(lowered.strategy.microbatches):
         for u in groups:
             devs, names = u.devices, "+".join(s.name for s in u.shards)
+            members = [(d, k) for d, k in zip(devs, u.partitions) if keep is None or d in keep]
+            if not members:
+                continue
+            simulated = [d for d, _ in members]
             at, block = int(first[position[u.op]]), blocks[position[u.op]]
             chunk = u.chunk_bytes
             links = tuple(n + l for l in ring_links(topology, devs))
@@ -59,31 +65,34 @@ def add_gathers(tg: TaskGraph, lowered: Lowered, topology: Topology, blocks: Seq
                 label = f"allgather {phase} {names} {u.op}@mb{j} zero{u.zero}"
                 ag = tg.add(label, TaskKind.COLLECTIVE, allgather_time(topology, devs, chunk), links, devs[0],
                             chunk * len(devs))
-                for d, k in zip(devs, u.partitions):
+                for d, k in members:
                     a = tg.add(f"call {label} device {d}", TaskKind.COLLECTIVE, 0.0, (), d)
                     tg.edge(a, ag)
                     arrivals += (a, issue[(d, Step(backward, u.op, k, j))])
-                for e, k in zip(member_ends(tg.add, tg.edge, topology, ag, devs, label, TaskKind.COLLECTIVE),
-                                u.partitions):
+                for e, (_, k) in zip(member_ends(tg.add, tg.edge, topology, ag, devs, label, TaskKind.COLLECTIVE,
+                                                 simulated), members):
                     tg.edge(e, at + block.fwd[j][k] + int(backward))
             label = f"reducescatter grad {names} {u.op}@mb{j} zero{u.zero}"
             rs = tg.add(label, TaskKind.COLLECTIVE, reduce_scatter_time(topology, devs, chunk * len(devs)), links,
                         devs[0], chunk * len(devs))
-            for k in u.partitions:
+            for _, k in members:
                 tg.edge(at + block.bwd_done[j][k], rs)
-            for d, e in zip(devs, member_ends(tg.add, tg.edge, topology, rs, devs, label, TaskKind.COLLECTIVE)):
+            for d, e in zip(simulated, member_ends(tg.add, tg.edge, topology, rs, devs, label, TaskKind.COLLECTIVE,
+                                                   simulated)):
                 ends.setdefault(d, []).append(e)
     return np.asarray(arrivals, dtype=INDEX).reshape(-1, 2).T, ends
 
 
 def _issue_tasks(lowered: Lowered, groups: Sequence, blocks: Sequence, first: np.ndarray,
-                 position: dict[str, int]) -> dict[tuple[int, Step], int]:
+                 position: dict[str, int], keep: frozenset[int] | None = None) -> dict[tuple[int, Step], int]:
     """(device, step) -> the first task of the step at whose start the level-3 all-gathers that
     step reads are issued there (``strategies.prefetch.issue_positions``)."""
     reads = {(d, op, k) for op, ks, devs in ((u.op, u.partitions, u.devices) for u in groups if u.zero == 3)
              for d, k in zip(devs, ks)}
     out = {}
     for d, order in device_order(lowered).items():
+        if keep is not None and d not in keep:
+            continue
         starts = [int(first[position[s.op]]) + blocks[position[s.op]].fwd[s.microbatch][s.index] + int(s.backward)
                   for s in order]
         for s, p in zip(order, issue_positions([(d, s.op, s.index) in reads for s in order])):

@@ -66,13 +66,13 @@ def test_two_of_four_arriving_together_pay_e2_over_e4():
         tg.edge(w, c)
     for h in hosts:
         tg.edge(c, h)
-    tg.syncs.append((c, tuple(enumerate(hosts)), tuple(enumerate(work))))
+    tg.syncs.append((c, tuple(enumerate(hosts)), tuple(enumerate(work)), 1))
     end = [10 * MS, 9.5 * MS, 3 * MS, 1 * MS, 11 * MS] + [13 * MS] * 4
     duration = straggler_durations(tg, topo, end)
     assert list(duration[:5]) == pytest.approx([10 * MS, 9.5 * MS, 3 * MS, 1 * MS, 1 * MS])
     assert list(duration[5:]) == pytest.approx([2 * MS * 0.75 * expected_max(2) / expected_max(4)] * 4)
-    tg.syncs[:] = [(c, tuple(enumerate(hosts)), ((0, work[0]), (2, work[2]), (3, work[3])))]  # 1 not arriving
+    tg.syncs[:] = [(c, tuple(enumerate(hosts)), ((0, work[0]), (2, work[2]), (3, work[3])), 1)]  # 1 not arriving
     assert list(straggler_durations(tg, topo, end)[5:]) == pytest.approx([0.0] * 4)
     end[1] = end[2] = end[3] = 10 * MS  # all four at once: the whole overhead, nothing to re-run
-    tg.syncs[:] = [(c, tuple(enumerate(hosts)), tuple(enumerate(work)))]
+    tg.syncs[:] = [(c, tuple(enumerate(hosts)), tuple(enumerate(work)), 1)]
     assert straggler_durations(tg, topo, end) is None
