@@ -11,8 +11,9 @@ for the recomputation, which the executor runs with the weights gathered at the 
 recomputes the op, its own backward step or the one of the last op of its dropped chain,
 "Recompute").
 Each all-gather is issued ahead, as FSDP2 prefetches (``strategies.prefetch``): a member's call
-starts at the start of the previous step in its run order that all-gathers, and only the
-reader's step waits on it, so the gather runs beside the steps in between.
+starts at the start of the previous unit in its run order that all-gathers (a step, or a
+repeated block's instance under ``fsdp_unit`` "block"), and only the reader's step waits on
+it, so the gather runs beside the steps in between.
 A call is an arrival task of no duration in the member's schedule, as a lowering collective's
 (``simulator.collectives``). Built afresh for every task graph from the lowering, so delta
 simulation needs nothing more."""
@@ -28,7 +29,7 @@ from simulator.step import member_ends
 from simulator.taskgraph import INDEX, TaskGraph, TaskKind
 from simulator.topology import Topology
 from strategies.lowering import Lowered
-from strategies.prefetch import issue_positions
+from strategies.prefetch import issue_positions, step_units
 from strategies.schedule import Step, device_order
 from strategies.zero import gather_groups
 
@@ -86,6 +87,7 @@ def _issue_tasks(lowered: Lowered, groups: Sequence, blocks: Sequence, first: np
     for d, order in device_order(lowered).items():
         starts = [int(first[position[s.op]]) + blocks[position[s.op]].fwd[s.microbatch][s.index] + int(s.backward)
                   for s in order]
-        for s, p in zip(order, issue_positions([(d, s.op, s.index) in reads for s in order])):
+        units = step_units(lowered, order)
+        for s, p in zip(order, issue_positions([(d, s.op, s.index) in reads for s in order], units)):
             out[(d, s)] = starts[p]
     return out

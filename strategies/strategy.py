@@ -10,7 +10,7 @@ from strategies.config import ParallelConfig, validate_config
 from strategies.errors import PlanError
 from strategies.graph import OpGraph, OpNode
 
-__all__ = ["Strategy", "SCHEDULES", "PRECISIONS", "COMPUTE_DTYPES", "DTYPE_FLAGS", "check_bucket_cap"]
+__all__ = ["Strategy", "SCHEDULES", "PRECISIONS", "COMPUTE_DTYPES", "DTYPE_FLAGS", "FSDP_UNITS", "check_bucket_cap"]
 
 SCHEDULES = ("gpipe", "1f1b")
 PRECISIONS = ("model", "bf16", "fp16")
@@ -20,6 +20,8 @@ param_dtype = reduce_dtype = the compute dtype): each partition runs under
 ``torch.autocast(dtype)`` (its op lists keep what they keep in float32), weights and the
 optimizer state stay float32 (master weights), activations and transfers move in the compute
 dtype, gradients are reduced in it."""
+FSDP_UNITS = ("op", "block")
+"""A plan's ZeRO-3 prefetch unit (``Strategy.fsdp_unit``)."""
 COMPUTE_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 """The torch dtype name a mixed precision computes in."""
 DTYPE_FLAGS = {"fp32": "model", "bf16": "bf16", "fp16": "fp16"}
@@ -49,6 +51,10 @@ class Strategy:
     """The gradient buckets' cap in MiB (DDP's ``bucket_cap_mb``, its default 25):
     ``strategies.lowered.split_buckets`` cuts each device set's gradients into buckets of about
     this size, each synced as soon as its gradients are final (``strategies.overlap``)."""
+    fsdp_unit: str = "op"
+    """What one ZeRO-3 prefetch unit is (``strategies.prefetch``, ``FSDP_UNITS``): ``op``, each
+    step reading level-3 weights; ``block``, each instance of a repeated block
+    (``strategies.repeats``: a transformer layer, FSDP2's ``fully_shard`` per block)."""
     _index: Mapping[str, ParallelConfig] = field(default=None, compare=False, repr=False, hash=False)  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
@@ -65,11 +71,15 @@ class Strategy:
         if self.precision not in PRECISIONS:
             raise PlanError(None, "precision", self.precision, f"must be one of {list(PRECISIONS)}")
         check_bucket_cap(self.bucket_cap_mb)
+        if self.fsdp_unit not in FSDP_UNITS:
+            raise PlanError(None, "fsdp_unit", self.fsdp_unit, f"must be one of {list(FSDP_UNITS)} (the ZeRO-3 "
+                            "prefetch unit: each op's step, or each repeated block's instance)")
 
     @classmethod
     def of(cls, configs: Mapping[str, ParallelConfig], num_devices: int, microbatches: int = 1,
-           schedule: str = "gpipe", precision: str = "model", bucket_cap_mb: float = 25.0) -> "Strategy":
-        return cls(tuple(configs.items()), num_devices, microbatches, schedule, precision, bucket_cap_mb)
+           schedule: str = "gpipe", precision: str = "model", bucket_cap_mb: float = 25.0,
+           fsdp_unit: str = "op") -> "Strategy":
+        return cls(tuple(configs.items()), num_devices, microbatches, schedule, precision, bucket_cap_mb, fsdp_unit)
 
     @property
     def bucket_cap_bytes(self) -> int:
@@ -112,7 +122,7 @@ class Strategy:
         for f, value in (("configs", self.configs[:at] + ((name, config),) + self.configs[at + 1:]),
                          ("num_devices", self.num_devices), ("microbatches", self.microbatches),
                          ("schedule", self.schedule), ("precision", self.precision),
-                         ("bucket_cap_mb", self.bucket_cap_mb), ("_index", {**self._index, name: config})):
+                         ("bucket_cap_mb", self.bucket_cap_mb), ("fsdp_unit", self.fsdp_unit), ("_index", {**self._index, name: config})):
             object.__setattr__(new, f, value)
         new.__dict__["_positions"] = self._positions  # cached properties live in __dict__
         uses = self.__dict__.get("_uses")
@@ -127,17 +137,22 @@ class Strategy:
 
     def with_microbatches(self, microbatches: int, schedule: str | None = None) -> "Strategy":
         return Strategy(self.configs, self.num_devices, microbatches, schedule or self.schedule, self.precision,
-                        self.bucket_cap_mb)
+                        self.bucket_cap_mb, self.fsdp_unit)
 
     def with_precision(self, precision: str) -> "Strategy":
         """The same plan computing in ``precision`` (``PRECISIONS``)."""
         return Strategy(self.configs, self.num_devices, self.microbatches, self.schedule, precision,
-                        self.bucket_cap_mb)
+                        self.bucket_cap_mb, self.fsdp_unit)
 
     def with_bucket_cap(self, bucket_cap_mb: float) -> "Strategy":
         """The same plan with gradient buckets capped at ``bucket_cap_mb`` MiB."""
         return Strategy(self.configs, self.num_devices, self.microbatches, self.schedule, self.precision,
-                        bucket_cap_mb)
+                        bucket_cap_mb, self.fsdp_unit)
+
+    def with_fsdp_unit(self, fsdp_unit: str) -> "Strategy":
+        """The same plan with ZeRO-3 prefetch units of ``fsdp_unit`` (``FSDP_UNITS``)."""
+        return Strategy(self.configs, self.num_devices, self.microbatches, self.schedule, self.precision,
+                        self.bucket_cap_mb, fsdp_unit)
 
     @cached_property
     def devices_used(self) -> tuple[int, ...]:

@@ -2,8 +2,10 @@
 ``strategies.lowered.split_buckets``), each started as soon as its gradients are final
 (``strategies.overlap``): zoo mlp data parallel at a 4 KiB cap (two buckets in float64), gpt data
 parallel with 2 micro-batches and gpt at ZeRO level 1 (each flat bucket reduce-scattered in its
-own chunks) at 8 KiB (seven buckets), on 2 gloo processes, float64, SGD and Adam, against one
-device (``harness.compare``)."""
+own chunks) at 8 KiB (seven buckets); and gpt at ZeRO level 3 with prefetch units of whole
+layers (``fsdp_unit`` "block", ``strategies.prefetch``: a layer's all-gathers started at the
+previous layer's first gathering step), with 1 and 2 micro-batches. On 2 gloo processes,
+float64, SGD and Adam, against one device (``harness.compare``)."""
 
 from __future__ import annotations
 
@@ -16,7 +18,8 @@ from tests.executor.plans import make_plan
 
 pytestmark = pytest.mark.distributed
 
-CASES_2 = [("mlp", "cap4k_dp"), ("gpt", "cap8k_dp_mb2"), ("gpt", "cap8k_zero1_dp")]
+CASES_2 = [("mlp", "cap4k_dp"), ("gpt", "cap8k_dp_mb2"), ("gpt", "cap8k_zero1_dp"), ("gpt", "unitblock_zero3_dp"),
+           ("gpt", "unitblock_zero3_dp_mb2")]
 
 
 @pytest.mark.parametrize("model,plan,buckets", [("mlp", "cap4k_dp", 2), ("gpt", "cap8k_dp_mb2", 7),
@@ -24,6 +27,13 @@ CASES_2 = [("mlp", "cap4k_dp"), ("gpt", "cap8k_dp_mb2"), ("gpt", "cap8k_zero1_dp
 def test_the_plans_have_several_buckets(model, plan, buckets):
     g = build_model(model, "tiny", dtype="float64").graph
     assert len(lower(g, make_plan(g, plan, 2)).gradient_sync.buckets) == buckets
+
+
+def test_the_block_plans_prefetch_whole_layers():
+    g = build_model("gpt", "tiny", dtype="float64").graph
+    for name in ("unitblock_zero3_dp", "unitblock_zero3_dp_mb2"):
+        plan = make_plan(g, name, 2)
+        assert plan.fsdp_unit == "block" and {c.zero for _, c in plan.items() if c.zero} == {3}
 
 
 results2, _, test_parity_2_processes, _ = parity_tests(CASES_2, [])

@@ -44,6 +44,7 @@ def _mutations():
     def version(o): o["version"] = 5
     def cap(o): o["bucket_cap_mb"] = 0
     def cap_type(o): o["bucket_cap_mb"] = "25"
+    def unit(o): o["fsdp_unit"] = "layer"
     def zero(o): _op(o, "layers_0")["zero"] = 4
     def zero_type(o): _op(o, "layers_0")["zero"] = "3"
     def zero_no_weight(o): _op(o, "layers_1")["zero"] = 1
@@ -64,6 +65,7 @@ def _mutations():
         (version, r"version = 5: this soapsearch reads versions 1, 2, 3, 4"),
         (cap, r"bucket_cap_mb = 0: the gradient bucket cap in MiB must be a finite number > 0"),
         (cap_type, r"bucket_cap_mb = '25': the gradient bucket cap in MiB must be a finite number > 0"),
+        (unit, r"fsdp_unit = 'layer': must be one of \['op', 'block'\] \(the ZeRO-3 prefetch unit"),
         (zero, r"op 'layers_0': zero = 4: a sharding level is one of \[0, 1, 2, 3\]"),
         (zero_type, r"op 'layers_0': zero = '3': must be a JSON integer"),
         (zero_no_weight, r"zero = 1: a '\w+' op has no trainable weight to shard"),
@@ -118,8 +120,8 @@ def test_bucket_cap_round_trips_and_older_plans_load_with_ddps_25_mib(mlp):
     assert plan.bucket_cap_bytes == 524288
     old = copy.deepcopy(obj)
     old["version"] = 3
-    del old["bucket_cap_mb"]
-    assert load_strategy(old, mlp).bucket_cap_mb == 25.0
+    del old["bucket_cap_mb"], old["fsdp_unit"]
+    assert load_strategy(old, mlp).bucket_cap_mb == 25.0 and load_strategy(old, mlp).fsdp_unit == "op"
     assert load_strategy(old, mlp).bucket_cap_bytes == 26214400
 
 

@@ -1,0 +1,124 @@
+"""ZeRO-3 prefetch units of whole repeated blocks (``Strategy.fsdp_unit`` "block",
+``strategies.prefetch``: FSDP2's ``fully_shard`` per transformer layer): the unit rule by hand,
+its issue points on zoo gpt tiny (2 layers) under the ``fsdp`` baseline, the simulated call
+times by hand, the memory held ahead, and delta = full on a walk of proposals."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from simulator.cost import get_cost_model
+from simulator.presets import get_topology
+from simulator.simulate import simulate_plan
+from soapsearch.search.api import Evaluator
+from soapsearch.search.mcmc import candidate_configs
+from strategies.baselines import fsdp
+from strategies.errors import PlanError
+from strategies.lowering import lower, lower_reference
+from strategies.prefetch import block_units, gathered_bytes, issue_positions, step_units
+from strategies.schedule import device_order
+from strategies.zero import gather_groups
+from tests.conftest import traced
+from tests.simulator.test_prefetch import _times
+
+
+def test_units_issue_one_unit_ahead_by_hand():
+    # units a a a | b b | (own) | c c: a's gathers at a's first gathering step (0), b's at a's
+    # first (0), the own step's at b's first (3), c's at the own step (5)
+    gathers = [True, True, False, True, True, True, False, True]
+    units = ["a", "a", "a", "b", "b", None, "c", "c"]
+    assert issue_positions(gathers, units) == [0, 0, 2, 0, 0, 3, 6, 5]
+    assert issue_positions(gathers, [None] * 8) == issue_positions(gathers) == [0, 0, 2, 1, 3, 4, 6, 5]
+
+
+def _plan():
+    g = traced("gpt")
+    return g, fsdp(g, 2)
+
+
+def _gathering(low, d=0):
+    order = device_order(low)[d]
+    reads = {(u.op, u.partitions[u.devices.index(d)]) for u in gather_groups(low) if u.zero == 3}
+    flags = [(s.op, s.index) in reads for s in order]
+    return order, flags, issue_positions(flags, step_units(low, order))
+
+
+def test_the_fsdp_baseline_issues_each_layer_one_layer_ahead():
+    g, plan = _plan()
+    assert plan.fsdp_unit == "block"
+    assert sorted(set(block_units(g).values())) == [(0, 0), (0, 1)]  # gpt tiny's 2 layers, 22 ops each
+    low = lower(g, plan)
+    order, flags, issue = _gathering(low)
+    at = {(s.backward, s.op): order[issue[q]].op for q, s in enumerate(order) if flags[q]}
+    weighted = ("ln_1", "attn_q", "attn_k", "attn_v", "attn_proj", "ln_2", "mlp_fc", "mlp_proj")
+    for w in weighted:
+        assert at[(False, f"blocks_0_{w}")] == "add"  # the unit before layer 0: the position embedding's add
+        assert at[(False, f"blocks_1_{w}")] == "blocks_0_ln_1"  # layer 1's at layer 0's first gathering step
+        assert at[(True, f"blocks_1_{w}")] == "ln_f"  # backward: layer 1 after ln_f
+        assert at[(True, f"blocks_0_{w}")] == "blocks_1_mlp_proj"  # layer 0's at layer 1's first
+    assert at[(False, "ln_f")] == "blocks_1_ln_1" and at[(False, "lm_head")] == "ln_f"
+    # per op (fsdp_unit "op"): each step at the previous gathering step's start
+    order, flags, issue = _gathering(lower(g, plan.with_fsdp_unit("op")))
+    at = {(s.backward, s.op): order[issue[q]].op for q, s in enumerate(order) if flags[q]}
+    assert at[(False, "blocks_1_mlp_fc")] == "blocks_1_ln_2" and at[(True, "blocks_0_mlp_fc")] == "blocks_0_mlp_proj"
+
+
+def test_the_calls_start_where_the_previous_layer_starts_by_hand():
+    # on p100-2x2 each of layer 1's forward calls is made at the start of layer 0's first
+    # gathering step (its ln_1), and the eight all-gathers, run back to back on the link, are
+    # all done before layer 1's first forward step starts: hidden behind layer 0
+    g, plan = _plan()
+    tg, names, start, end = _times(lower(g, plan))
+    at = {x: i for i, x in enumerate(names)}
+    first = start[at["('fwd', 'blocks_0_ln_1', 0, 0)"]]
+    calls = [i for i, x in enumerate(names) if x.startswith("call allgather fwd ") and " blocks_1_" in x
+             and x.endswith("@mb0 zero3 device 0")]
+    assert len(calls) == 8 and all(start[i] == first for i in calls)
+    layer1 = at["('fwd', 'blocks_1_ln_1', 0, 0)"]
+    gathers = [at[names[i].removeprefix("call ").removesuffix(" device 0")] for i in calls]
+    assert all(first <= start[i] and end[i] <= start[layer1] for i in gathers)
+
+
+def test_layer_units_hold_the_next_layer_ahead():
+    # gpt tiny's level-3 groups on 2 devices: a layer's weights are 13,120 B in all (ln_1 and
+    # ln_2 128 each, q, k, v and proj 1,088 each, fc 4,352, proj 4,160). At layer 0's forward of
+    # ln_1 (2 x 128 B held: its weights and its gradient buffer) device 0 holds layer 0's other
+    # groups, issued one unit before (12,992 B), and all of layer 1's (13,120 B): 26,368 B
+    g, plan = _plan()
+    low = lower(g, plan)
+    layer = [u for u in gather_groups(low) if u.op.startswith("blocks_0_")]
+    assert sum(u.nbytes for u in layer) == 13_120
+    assert gathered_bytes(low)[0] >= 256 + 12_992 + 13_120
+    assert gathered_bytes(low)[0] > gathered_bytes(lower(g, plan.with_fsdp_unit("op")))[0]
+
+
+@pytest.mark.parametrize("name,topology", [("gpt", "p100-2x2")])
+def test_delta_equals_full_with_layer_units(name, topology):
+    graph = traced(name, batch_size=16)
+    topo = get_topology(topology)
+    n, cost = topo.num_devices, get_cost_model("analytical")
+    evaluate = Evaluator(graph, topo, cost)
+    candidates = candidate_configs(graph, n, 1, topo.node_size)
+    ops = [op for op in candidates if any(w.trainable for w in graph[op].weights)]
+    rng = random.Random(3)
+    current = fsdp(graph, n)
+    assert current.fsdp_unit == "block"
+    compared = 0
+    for _ in range(30):
+        op = rng.choice(ops)
+        cfg = rng.choice(candidates[op]) if rng.random() < 0.5 else current[op]
+        proposal = current.replace(op, cfg.with_memory(zero=rng.choice((0, 3, 3))))
+        try:
+            lower_reference(graph, proposal)
+        except PlanError:
+            continue
+        delta = evaluate(proposal, summary=True)
+        full = simulate_plan(graph, proposal, topo, cost, summary=True)
+        assert (delta.iteration_time, delta.peak_memory_bytes, delta.busy_time, delta.num_tasks) == (
+            full.iteration_time, full.peak_memory_bytes, full.busy_time, full.num_tasks)
+        compared += 1
+        if rng.random() < 0.5:
+            current = proposal
+    assert compared >= 10
