@@ -9,20 +9,14 @@ buckets on walks of one-op proposals."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
 from simulator.comm import allreduce_time
-from simulator.cost import get_cost_model
 from simulator.presets import get_topology
 from simulator.simulate import simulate_plan
-from soapsearch.search.api import Evaluator
-from soapsearch.search.mcmc import candidate_configs
 from strategies.baselines import data_parallel, sharded
-from strategies.errors import PlanError
-from strategies.lowering import lower_reference
 from tests.conftest import traced
+from tests.simulator.delta_walk import delta_walk
 
 
 def _times(result):
@@ -47,28 +41,9 @@ def test_a_small_cap_hides_all_but_the_last_bucket_by_hand():
 @pytest.mark.parametrize("name,topology", [("gpt", "p100-2x2"), ("mlp", "local-cpu-4")])
 def test_delta_equals_full_with_several_buckets(name, topology):
     graph = traced(name, batch_size=16)
-    topo = get_topology(topology)
-    n, cost = topo.num_devices, get_cost_model("analytical")
-    evaluate = Evaluator(graph, topo, cost)
-    candidates = candidate_configs(graph, n, 1, topo.node_size)
-    ops = [op for op in candidates if any(w.trainable for w in graph[op].weights)]
-    rng = random.Random(7)
-    current = data_parallel(graph, n).with_bucket_cap(1 / 1024)
-    current = sharded(current, graph, 1) if name == "gpt" else current
-    compared = 0
-    for _ in range(30):
-        op = rng.choice(ops)
-        cfg = rng.choice(candidates[op]) if rng.random() < 0.5 else current[op]
-        proposal = current.replace(op, cfg.with_memory(zero=rng.choice((0, 1))))
-        try:
-            buckets = lower_reference(graph, proposal).gradient_sync.buckets
-        except PlanError:
-            continue
-        delta = evaluate(proposal, summary=True)
-        full = simulate_plan(graph, proposal, topo, cost, summary=True)
-        assert (delta.iteration_time, delta.peak_memory_bytes, delta.busy_time, delta.num_tasks) == (
-            full.iteration_time, full.peak_memory_bytes, full.busy_time, full.num_tasks)
-        compared += len(buckets) > 2
-        if rng.random() < 0.5:
-            current = proposal
-    assert compared >= 5
+
+    def start(n):
+        plan = data_parallel(graph, n).with_bucket_cap(1 / 1024)
+        return sharded(plan, graph, 1) if name == "gpt" else plan
+    walked = delta_walk(graph, topology, start, (0, 1), seed=7)
+    assert sum(len(low.gradient_sync.buckets) > 2 for low in walked) >= 5
