@@ -19,7 +19,7 @@ from soapsearch.search.cli import add_search_parsers
 from soapsearch.search.output import check_plan_output, wrote
 from soapsearch.trace import CAPTURES, TraceError, check_scalar_loss, trace
 from strategies import BASELINES, OpGraph, PlanError, baseline, get_rule, save_strategy
-from strategies.strategy import DTYPE_FLAGS, Strategy
+from strategies.strategy import DTYPE_FLAGS, FSDP_UNITS, Strategy
 from strategies.serialize import check_writable
 from strategies.config import ROLE_LETTER
 from strategies.rules import OPAQUE
@@ -120,6 +120,8 @@ def _cmd_plan(args) -> int:
     plan = baseline(args.baseline, graph, devices, args.microbatches, args.tp, args.pp, args.sequence_parallel,
                     args.recompute)
     plan = plan.with_precision(DTYPE_FLAGS[args.dtype]).with_bucket_cap(args.bucket_cap_mb)
+    if args.fsdp_unit is not None:
+        plan = plan.with_fsdp_unit(args.fsdp_unit)
     save_strategy(args.output, plan, graph, topology=topo.name)
     path = wrote(args.output)
     if args.json:
@@ -227,6 +229,10 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--bucket-cap-mb", type=float, default=Strategy.bucket_cap_mb,
                       help="cap of the gradient buckets in MiB (DDP's bucket_cap_mb; default 25): each device "
                            "set's gradients are synced in buckets of about this size, each as soon as it is final")
+    plan.add_argument("--fsdp-unit", default=None, choices=FSDP_UNITS,
+                      help="the ZeRO-3 prefetch unit, recorded in the plan: op (each step reading level-3 weights) "
+                           "or block (each repeated block, a transformer layer: FSDP2's fully_shard per layer); "
+                           "default: the baseline's (fsdp: block where the model has repeated blocks)")
     plan.add_argument("--topology", default=DEFAULT_TOPOLOGY, help=f"{TOPOLOGY_HELP}; recorded in the plan")
     plan.add_argument("-o", "--output", default="plan.json",
                       help="where to write the plan (default plan.json); a file holding another model's "

@@ -128,3 +128,11 @@ def test_show_plan_prints_the_level_and_recompute(tmp_path, capsys):
     lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()[1:]}
     assert lines["blocks_0_mlp_fc"].endswith("@ 0-1 zero3 recompute")
     assert lines["blocks_0_ln_1"].endswith("@ 0-1 zero3") and lines["inputs"].endswith("@ 0-1")
+
+
+def test_cli_plan_fsdp_unit_op(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert main(["plan", "gpt", "--variant", "tiny", "--baseline", "fsdp", "--devices", "2", "--fsdp-unit", "op",
+                 "-o", str(out)]) == 0
+    assert json.loads(out.read_text())["fsdp_unit"] == "op"
+    assert read_plan(out, traced("gpt")).strategy == baseline("fsdp", traced("gpt"), 2).with_fsdp_unit("op")
