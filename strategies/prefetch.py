@@ -21,7 +21,7 @@ its issue to the end of the step that reads it.
 from __future__ import annotations
 
 import functools
-from typing import Hashable, Sequence
+from typing import Callable, Hashable, Sequence, TypeVar
 
 from strategies.graph import OpGraph
 from strategies.lowering import Lowered
@@ -29,7 +29,7 @@ from strategies.repeats import repeated_blocks
 from strategies.schedule import Step, device_order
 from strategies.zero import gather_groups
 
-__all__ = ["issue_positions", "issued_at", "gathered_bytes", "block_units", "step_units"]
+__all__ = ["issue_positions", "issued_at", "calls_at", "call_key", "gathered_bytes", "block_units", "step_units"]
 
 
 @functools.lru_cache(maxsize=8)
@@ -84,34 +84,65 @@ def issued_at(gathers: Sequence[bool], units: Sequence[Hashable] | None = None) 
     return out
 
 
+T = TypeVar("T", bound=Hashable)
+
+
+def calls_at(gathers: Sequence[Sequence[T]], units: Sequence[Hashable] | None,
+             key: Callable[[T], Hashable]) -> list[list[tuple[Hashable, tuple[T, ...]]]]:
+    """The all-gather calls issued at each position of a run order (``gathers[q]``: what step q
+    gathers, in call order; ``units`` as ``issue_positions`` takes them): a step of no unit
+    (None) makes one call per gather, keyed by the gather itself; a unit's gathers with one
+    ``key`` (device set and dtype) are one call (FSDP2's one all-gather per ``fully_shard``
+    unit), keyed (unit, key), in the order of their first gather. Each call as (its key, its
+    gathers): the key names the call alike on every member."""
+    flags = [bool(g) for g in gathers]
+    out: list[list[tuple[Hashable, tuple[T, ...]]]] = []
+    for qs in issued_at(flags, units):
+        calls: dict[Hashable, list[T]] = {}
+        for q in qs:
+            unit = None if units is None else units[q]
+            for i, x in enumerate(gathers[q]):
+                calls.setdefault(("own", q, i) if unit is None else (unit, key(x)), []).append(x)
+        out.append([(k, tuple(xs)) for k, xs in calls.items()])
+    return out
+
+
 def gathered_bytes(lowered: Lowered) -> tuple[int, ...]:
     """Per device, the most its level-2 and level-3 uses hold besides their chunks at once: at
     a step reading such shards, each of its groups' full gradient before the reduce-scatter
     and, at level 3, the gathered weights (2 × the group's bytes at level 3, 1 × at level 2;
-    a partition's groups are all gathered at its step), plus the level-3 weights of the later
-    gathering steps prefetched (``issue_positions``: issued at or before this step), each alive
-    from its issue to the end of the step reading it."""
+    a partition's groups are all gathered at its step), plus the buffers of the all-gather calls
+    issued at or before this step (``calls_at``) whose last reader comes later, each alive from
+    its issue to its last reader (which copies it out)."""
     n = lowered.strategy.num_devices
     held: dict[tuple[int, str, int], int] = {}
-    full: dict[tuple[int, str, int], int] = {}
+    threes: dict[tuple[int, str, int], list] = {}  # the level-3 groups each step gathers
     for u in gather_groups(lowered):
         for d, k in zip(u.devices, u.partitions):
             held[(d, u.op, k)] = held.get((d, u.op, k), 0) + (2 if u.zero == 3 else 1) * u.nbytes
             if u.zero == 3:
-                full[(d, u.op, k)] = full.get((d, u.op, k), 0) + u.nbytes
+                threes.setdefault((d, u.op, k), []).append(u)
     out = [0] * n
     if not held:
         return tuple(out)
     for d, order in device_order(lowered).items():
         keys = [(d, s.op, s.index) for s in order]
         ahead = [0] * (len(keys) + 1)  # prefetched bytes alive at each position: a difference array
-        for q, p in enumerate(issue_positions([k in full for k in keys], step_units(lowered, order))):
-            if p < q:
-                ahead[p] += full[keys[q]]
-                ahead[q] -= full[keys[q]]
+        each = [[(q, u) for u in threes.get(k, ())] for q, k in enumerate(keys)]
+        for p, calls in enumerate(calls_at(each, step_units(lowered, order), lambda g: call_key(g[1]))):
+            for _, call in calls:
+                last = max(q for q, _ in call)  # its buffer is freed once its last reader has copied it
+                if p < last:
+                    ahead[p] += sum(u.nbytes for _, u in call)
+                    ahead[last] -= sum(u.nbytes for _, u in call)
         alive = 0
         for p, k in enumerate(keys):
             alive += ahead[p]
             if k in held:
                 out[d] = max(out[d], held[k] + alive)
     return tuple(out)
+
+
+def call_key(group) -> Hashable:
+    """(device set, dtype) of a level-3 group: what one call of a unit moves together."""
+    return group.devices, group.shards[0].dtype

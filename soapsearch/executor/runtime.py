@@ -58,7 +58,7 @@ from soapsearch.executor.shards import LocalWeights
 from strategies.graph import OpGraph
 from strategies.lowering import WEIGHT_KINDS, BucketKey, Gate, loss_on_every_device, lower
 from strategies.overlap import bucket_issues, bucket_order
-from strategies.prefetch import issued_at, step_units
+from strategies.prefetch import call_key, calls_at, step_units
 from strategies.rules import get_rule
 from strategies.rules.base import no_reduce
 from strategies.rules.cross_entropy import LOCAL, ClassShards
@@ -175,8 +175,9 @@ class Executor:
 
     def _prefetch(self) -> list[list]:
         """``self.prefetch``: each step's level-3 groups (its recomputations' first, then its
-        own) started at the step ``strategies.prefetch.issued_at`` names (one gathering unit ahead:
-        a step, or a repeated block's instance under ``fsdp_unit`` "block")."""
+        own) started at the step ``strategies.prefetch.calls_at`` names (one gathering unit ahead:
+        a step, or a repeated block's instance under ``fsdp_unit`` "block", whose groups on one
+        device set are one call)."""
         uses = self.weights.fsdp.uses
 
         def gathered(backward: bool, r: Recipe) -> list:
@@ -184,7 +185,7 @@ class Executor:
             return [u for p in (*again, r.part) for u in uses.get((p.op, p.index), ()) if u.zero == 3]
         each = [gathered(*step) for step in self.steps]
         units = step_units(self.lowered, [Step(b, r.part.op, r.part.index, r.part.microbatch) for b, r in self.steps])
-        return [[u for q in qs for u in each[q]] for qs in issued_at([bool(g) for g in each], units)]
+        return [[call for _, call in calls] for calls in calls_at(each, units, call_key)]
 
     # --- one step ---------------------------------------------------------------------------
     def step(self, seed: int = 0, update: bool = True) -> float:

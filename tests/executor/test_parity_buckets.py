@@ -4,7 +4,8 @@
 parallel with 2 micro-batches and gpt at ZeRO level 1 (each flat bucket reduce-scattered in its
 own chunks) at 8 KiB (seven buckets); and gpt at ZeRO level 3 with prefetch units of whole
 layers (``fsdp_unit`` "block", ``strategies.prefetch``: a layer's all-gathers started at the
-previous layer's first gathering step), with 1 and 2 micro-batches. On 2 gloo processes,
+previous layer's first gathering step, a layer's groups in one call), with 1 and 2
+micro-batches and with every layer op recomputed. On 2 gloo processes,
 float64, SGD and Adam, against one device (``harness.compare``)."""
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from tests.executor.plans import make_plan
 pytestmark = pytest.mark.distributed
 
 CASES_2 = [("mlp", "cap4k_dp"), ("gpt", "cap8k_dp_mb2"), ("gpt", "cap8k_zero1_dp"), ("gpt", "unitblock_zero3_dp"),
-           ("gpt", "unitblock_zero3_dp_mb2")]
+           ("gpt", "unitblock_zero3_dp_mb2"), ("gpt", "unitblock_zero3_dp+rc_blocks")]
 
 
 @pytest.mark.parametrize("model,plan,buckets", [("mlp", "cap4k_dp", 2), ("gpt", "cap8k_dp_mb2", 7),

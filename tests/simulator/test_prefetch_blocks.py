@@ -5,6 +5,8 @@ times by hand, the memory held ahead, and delta = full on a walk of proposals.""
 
 from __future__ import annotations
 
+from simulator.comm import allgather_time
+from simulator.presets import get_topology
 from strategies.baselines import fsdp
 from strategies.lowering import lower
 from strategies.prefetch import block_units, gathered_bytes, issue_positions, step_units
@@ -57,32 +59,38 @@ def test_the_fsdp_baseline_issues_each_layer_one_layer_ahead():
 
 
 def test_the_calls_start_where_the_previous_layer_starts_by_hand():
-    # on p100-2x2 each of layer 1's forward calls is made at the start of layer 0's first
-    # gathering step (its ln_1), and the eight all-gathers, run back to back on the link, are
-    # all done before layer 1's first forward step starts: hidden behind layer 0
+    # on p100-2x2 a layer's groups on devices 0-1 move in one all-gather per pass (FSDP2's one
+    # per fully_shard unit): member i's chunk of each of its 8 groups, 13,120 / 2 = 6,560 B in
+    # all, so it lasts allgather_time(6,560 B); layer 1's forward call is made at the start of
+    # layer 0's first gathering step (its ln_1) and is done before layer 1's first forward step
     g, plan = _plan()
+    topo = get_topology("p100-2x2")
     tg, names, start, end = _times(lower(g, plan))
     at = {x: i for i, x in enumerate(names)}
     first = start[at["('fwd', 'blocks_0_ln_1', 0, 0)"]]
-    calls = [i for i, x in enumerate(names) if x.startswith("call allgather fwd ") and " blocks_1_" in x
-             and x.endswith("@mb0 zero3 device 0")]
-    assert len(calls) == 8 and all(start[i] == first for i in calls)
-    layer1 = at["('fwd', 'blocks_1_ln_1', 0, 0)"]
-    gathers = [at[names[i].removeprefix("call ").removesuffix(" device 0")] for i in calls]
-    assert all(first <= start[i] and end[i] <= start[layer1] for i in gathers)
+    gathers = [x for x in names if x.startswith("allgather ") and " block0." in x]
+    assert sorted(gathers) == [f"allgather {p} block0.{i} 0-1 @mb0 zero3" for p in ("bwd", "fwd") for i in (0, 1)]
+    call, ag = at["call allgather fwd block0.1 0-1 @mb0 zero3 device 0"], at["allgather fwd block0.1 0-1 @mb0 zero3"]
+    assert start[call] == first and first <= start[ag]
+    assert tg.duration[ag] == allgather_time(topo, (0, 1), 6_560)
+    assert end[ag] <= start[at["('fwd', 'blocks_1_ln_1', 0, 0)"]]
+    assert not [x for x in names if x.startswith("allgather fwd ") and " blocks_1_" in x]  # no call per op
 
 
 def test_layer_units_hold_the_next_layer_ahead():
     # gpt tiny's level-3 groups on 2 devices: a layer's weights are 13,120 B in all (ln_1 and
-    # ln_2 128 each, q, k, v and proj 1,088 each, fc 4,352, proj 4,160). At layer 0's forward of
-    # ln_1 (2 x 128 B held: its weights and its gradient buffer) device 0 holds layer 0's other
-    # groups, issued one unit before (12,992 B), and all of layer 1's (13,120 B): 26,368 B
+    # ln_2 128 each, q, k, v and proj 1,088 each, fc 4,352, proj 4,160), gathered in one call
+    # whose buffer lives until its last reader copies it out. At layer 0's mlp_fc step device 0
+    # holds fc's weights and gradient (2 x 4,352 B), layer 0's call buffer (13,120 B; proj
+    # reads it later) and layer 1's, issued at layer 0's first step (13,120 B): 34,944 B, the
+    # most at any step (units of one op: 12,864 B)
     g, plan = _plan()
     low = lower(g, plan)
     layer = [u for u in gather_groups(low) if u.op.startswith("blocks_0_")]
     assert sum(u.nbytes for u in layer) == 13_120
-    assert gathered_bytes(low)[0] >= 256 + 12_992 + 13_120
-    assert gathered_bytes(low)[0] > gathered_bytes(lower(g, plan.with_fsdp_unit("op")))[0]
+    assert max(u.nbytes for u in layer) == 4_352
+    assert gathered_bytes(low) == (2 * 4_352 + 2 * 13_120,) * 2 == (34_944,) * 2
+    assert gathered_bytes(lower(g, plan.with_fsdp_unit("op"))) == (12_864,) * 2
 
 
 def test_delta_equals_full_with_layer_units():
