@@ -12,8 +12,9 @@ recomputes the op, its own backward step or the one of the last op of its droppe
 "Recompute").
 Each all-gather is issued ahead, as FSDP2 prefetches (``strategies.prefetch``): a member's call
 starts at the start of the previous unit in its run order that all-gathers (a step, or a
-repeated block's instance under ``fsdp_unit`` "block"), and only the reader's step waits on
-it, so the gather runs beside the steps in between.
+repeated block's instance under ``fsdp_unit`` "block", whose groups on one device set are one
+all-gather task, ``strategies.prefetch.calls_at``), and only the reader's step waits on it, so
+the gather runs beside the steps in between.
 A call is an arrival task of no duration in the member's schedule, as a lowering collective's
 (``simulator.collectives``). Built afresh for every task graph from the lowering, so delta
 simulation needs nothing more."""

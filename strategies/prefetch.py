@@ -13,7 +13,8 @@ in one pass and micro-batch ("block": a transformer layer, FSDP2's ``fully_shard
 layer). A unit's all-gathers (each step's recomputations' first, then its own;
 ``strategies.zero.gather_groups``) are all issued at the start of the previous gathering
 unit's first gathering step (the first unit's at its own) and each waited right before the
-step reading it computes. Issue order on a device is its run order, so every member of a
+step reading it computes; a block unit's groups on one device set are one call
+(``calls_at``, FSDP2's one all-gather per unit). Issue order on a device is its run order, so every member of a
 group issues the group's calls in the same order. A prefetched gather's buffer is alive from
 its issue to the end of the step that reads it.
 """

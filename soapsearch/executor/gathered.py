@@ -13,7 +13,8 @@ concatenated chunks per phase, one reduce-scatter of the gradients laid out the 
 go on process groups of their own, in each member's step order
 (``strategies.zero.gather_groups``), so they pair up with no other call. A level-3 all-gather is
 started ahead (``start``, async, at the step ``strategies.prefetch`` names, FSDP2's prefetch)
-and waited in ``unshard`` right before its reader computes."""
+and waited in ``unshard`` right before its reader computes; under ``fsdp_unit`` "block" one call
+gathers a unit's groups on one device set (``strategies.prefetch.calls_at``)."""
 
 from __future__ import annotations
 
