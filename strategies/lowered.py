@@ -191,6 +191,13 @@ class WeightShard:
     reading the weight, 0 where the shard is held by one device or is not trainable (nothing
     to shard: a documented no-op)."""
 
+    @cached_property
+    def bucket_group(self) -> "BucketKey | None":
+        """``bucket_key`` of this shard, computed once (a lowering's cache reuses its shards) and
+        one object for equal keys, so ``split_buckets`` can key its groups by identity."""
+        key = bucket_key(self)
+        return None if key is None else _GROUPS.setdefault(key, key)
+
 
 class BucketKey(NamedTuple):
     """A gradient bucket: trainable shards replicated on exactly ``devices`` whose dtype is
@@ -216,13 +223,16 @@ def bucket_key(shard: WeightShard) -> BucketKey | None:
     return None
 
 
+_GROUPS: dict[BucketKey, BucketKey] = {}
+"""Each bucket group's one key object (``WeightShard.bucket_group``)."""
+
 FIRST_BUCKET_BYTES = 1 << 20
 """The first bucket's limit where the cap is larger: DDP's ``_DEFAULT_FIRST_BUCKET_BYTES``
 (1 MiB, so the first all-reduce starts early in the backward)."""
 
 
 def split_buckets(shards: Sequence[WeightShard], cap: int
-                  ) -> tuple[dict[BucketKey, int], dict[tuple[str, Box], BucketKey]]:
+                  ) -> tuple[dict[BucketKey, int], tuple[BucketKey | None, ...]]:
     """The gradient buckets of ``shards`` (``Lowered.weight_shards`` order) at a cap of ``cap``
     bytes, as DDP assigns them (torch.distributed's ``_compute_bucket_assignment_by_size``):
     each group's (``bucket_key``) shards taken in reverse order (DDP's reverse order of
@@ -230,26 +240,28 @@ def split_buckets(shards: Sequence[WeightShard], cap: int
     group's open bucket, which closes once its bytes reach its limit, min(1 MiB, cap) for the
     group's first bucket (``FIRST_BUCKET_BYTES``), ``cap`` for the others; bucket i is index i.
     Levels 2 and 3 are reduce-scattered per use (``strategies.zero``): one key per group.
-    Returns bucket -> bytes, and (shard name, region) -> its bucket."""
+    Returns bucket -> bytes, and each shard's bucket (None: summed nowhere), in ``shards``' order."""
     first = min(FIRST_BUCKET_BYTES, cap)
-    open_: dict[BucketKey, list[int]] = {}  # group -> [its open bucket's index, bytes in it]
+    open_: dict[int, list] = {}  # id of a group (one object per key) -> [its open bucket, bytes in it]
     sizes: dict[BucketKey, int] = {}
-    of: dict[tuple[str, Box], BucketKey] = {}
-    for s in reversed(shards):
-        group = bucket_key(s)
+    of: list[BucketKey | None] = [None] * len(shards)
+    for i in range(len(shards) - 1, -1, -1):
+        s = shards[i]
+        group = s.bucket_group
         if group is None:
             continue
-        entry = open_.get(group)
+        entry = open_.get(id(group))
         if entry is None:
-            entry = open_[group] = [0, 0]
-        key = group._replace(index=entry[0]) if entry[0] else group
-        of[(s.name, s.region)] = key
-        sizes[key] = sizes.get(key, 0) + s.nbytes
+            entry = open_[id(group)] = [group, 0]
+        key = of[i] = entry[0]
         entry[1] += s.nbytes
-        if group.zero < 2 and entry[1] >= (cap if entry[0] else first):
-            entry[0] += 1
-            entry[1] = 0
-    return sizes, of
+        if entry[1] >= (cap if key.index else first) and group.zero < 2:
+            sizes[key] = entry[1]
+            entry[0], entry[1] = BucketKey(group.devices, group.dtype, group.zero, key.index + 1), 0
+    for key, b in open_.values():
+        if b:
+            sizes[key] = b
+    return sizes, tuple(of)
 
 
 def weight_shards(name: str, regions: dict[Box, set[int]], dtype: str, trainable: bool,
@@ -368,12 +380,9 @@ class GradientSync(NamedTuple):
     ``simulator.step``)."""
     tensors: tuple[int, ...]
     """Trainable weights each device holds a shard of (one entry per device)."""
-    shard_buckets: dict[tuple[str, Box], BucketKey]
-    """(shard name, region) -> the bucket its gradient is summed in (``split_buckets``)."""
-
-    def of(self, shard: WeightShard) -> BucketKey | None:
-        """The bucket ``shard``'s gradient is summed in; None: summed nowhere."""
-        return self.shard_buckets.get((shard.name, shard.region))
+    shard_buckets: tuple[BucketKey | None, ...]
+    """The bucket each of ``Lowered.weight_shards`` has its gradient summed in (``split_buckets``;
+    None: summed nowhere), in that order."""
 
 
 _transfers, _reductions = operator.attrgetter("transfers"), operator.attrgetter("reductions")

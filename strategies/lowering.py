@@ -109,7 +109,10 @@ def lower(graph: OpGraph, strategy: Strategy, cache: dict | None = None) -> Lowe
         raise
     last.configs = strategy.configs
     shards = tuple(itertools.chain.from_iterable(map(_shards, last.held.values())))
-    buckets, of = split_buckets(shards, strategy.bucket_cap_bytes)
+    cap, split = strategy.bucket_cap_bytes, cache.get(("buckets", m, n))  # the last call's, where its shards are these
+    if split is None or split[0] != cap or len(split[1]) != len(shards) or not all(map(operator.is_, split[1], shards)):
+        split = cache[("buckets", m, n)] = (cap, shards, split_buckets(shards, cap))
+    buckets, of = split[2]
     sync = GradientSync(buckets, tuple(last.tensors), of)
     lowered = Lowered(graph, strategy, dict(last.partitions), shards, dict(last.by_op),
                       DeviceBytes(*map(tuple, last.totals)), sync)

@@ -50,9 +50,7 @@ def _bucket_ops(lowered: Lowered) -> tuple[dict[str, int], dict[BucketKey, set[s
     """Each op's graph position, and the level-0 and level-1 buckets
     (``strategies.lowered.split_buckets``) with the ops reading their shards."""
     ops: dict[BucketKey, set[str]] = {}
-    of = lowered.gradient_sync.of
-    for s in lowered.weight_shards:
-        key = of(s)
+    for s, key in zip(lowered.weight_shards, lowered.gradient_sync.shard_buckets):
         if key is not None and key.zero < 2:
             ops.setdefault(key, set()).update(s.ops)
     return {node.name: i for i, node in enumerate(lowered.graph)}, ops

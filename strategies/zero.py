@@ -77,8 +77,7 @@ def zero_buckets(lowered: Lowered) -> dict[BucketKey, ZeroBucket]:
     if not any(k.zero == 1 for k in lowered.gradient_sync.buckets):
         return {}
     shards: dict[BucketKey, list[WeightShard]] = {}
-    for s in lowered.weight_shards:
-        key = lowered.gradient_sync.of(s)
+    for s, key in zip(lowered.weight_shards, lowered.gradient_sync.shard_buckets):
         if key is not None and key.zero == 1:
             shards.setdefault(key, []).append(s)
     return {k: ZeroBucket(k, tuple(shards[k]), lowered.gradient_sync.buckets[k] // DTYPE_BYTES[k.dtype])

@@ -113,13 +113,12 @@ class LocalWeights:
         return torch.nn.functional.pad(flat, (0, b.chunk * len(key.devices) - b.numel))
 
     def _buckets(self) -> dict[BucketKey, list[tuple[str, tuple[slice, ...] | None]]]:
-        """The shards this rank holds in each gradient bucket (``GradientSync.of``: split at the
-        plan's cap, ``strategies.lowered.split_buckets``; the buckets the simulator times): key -> [(weight name, its view ``index``)]."""
+        """The shards this rank holds in each gradient bucket (``GradientSync.shard_buckets``: cut
+        at the plan's cap, ``strategies.lowered.split_buckets``; the buckets the simulator
+        times): key -> [(weight name, its view ``index``)]."""
         buckets: dict[BucketKey, list] = {}
-        of = self.lowered.gradient_sync.of
-        for s in self.mine:
-            key = of(s)
-            if key is not None:
+        for s, key in zip(self.lowered.weight_shards, self.lowered.gradient_sync.shard_buckets):
+            if key is not None and self.rank in s.devices:
                 buckets.setdefault(key, []).append((s.name, self.index(s.name, s.region)))
         return buckets
 

@@ -33,7 +33,7 @@ def test_mlp_splits_by_hand_in_reverse_order():
     low = lower(g, data_parallel(g, 2).with_bucket_cap(4 / 1024))
     b0, b1 = BucketKey(*F32), BucketKey(*F32, 0, 1)
     assert low.gradient_sync.buckets == {b0: 5544, b1: 2176}
-    assert {s.name: low.gradient_sync.of(s) for s in low.weight_shards} == {
+    assert {s.name: key for s, key in zip(low.weight_shards, low.gradient_sync.shard_buckets)} == {
         "layers.0.weight": b1, "layers.0.bias": b1, "layers.2.weight": b0, "layers.2.bias": b0,
         "layers.4.weight": b0, "layers.4.bias": b0}
     # bucket 0 is final after layers_2's backward, bucket 1 after layers_0's: issued in that order
@@ -54,7 +54,7 @@ def test_the_first_bucket_is_capped_at_one_mib_as_ddps():
     sizes, of = split_buckets(shards, 2 << 20)
     assert sizes == {BucketKey(*F32, 0, 0): 1536 * kib, BucketKey(*F32, 0, 1): 2304 * kib,
                      BucketKey(*F32, 0, 2): 768 * kib}
-    assert [of[(s.name, s.region)].index for s in shards] == [2, 1, 1, 1, 0, 0]
+    assert [key.index for key in of] == [2, 1, 1, 1, 0, 0]
 
 
 def test_zero1_buckets_split_alike_and_levels_2_and_3_stay_one_per_group():
