@@ -1,6 +1,6 @@
 """The end of a training step as the executor runs it (``runtime.Executor.step``): the loss
-sums it waits on, the gradient sync (one all-reduce per device set holding replicated trainable
-shards, DDP-style buckets, each packed into one tensor, started as soon as its gradients are
+sums it waits on, the gradient sync (one all-reduce per gradient bucket: a device set's
+replicated trainable shards cut at the plan's cap, DDP-style buckets, each packed into one tensor, started as soon as its gradients are
 final on a member (``strategies.overlap``), overlapping the rest of the backward, and copied
 back; a level-1 bucket, ``strategies.zero``, reduce-scattered instead; levels 2 and 3 were
 reduce-scattered per use, ``simulator.zero3``), the loss value's all-reduce when not every
@@ -67,7 +67,8 @@ def link_step(tg: TaskGraph, lowered: Lowered, topology: Topology,
     forward tasks and whether the divisor needs the data) travel in the gradient bucket of
     their device set where ``strategies.lowering.bucket_sums`` says so (their bytes added to
     it); the others are ring all-gathers of their own, started after the members' forwards.
-    Each gradient bucket (one per device set, dtype and level, ``bucket_key``) is packed into
+    Each gradient bucket (``strategies.lowered.split_buckets``: a device set's, dtype's and
+    level's shards cut at the plan's ``bucket_cap_mb``) is packed into
     one flat tensor on each member (``_copy_time``) right after the backward step that
     ``strategies.overlap.bucket_issues`` names there and before the next (``issued``: (bucket,
     device) -> that step's end task, the next step's first task or None), so its all-reduce (level 1: reduce-scatter) overlaps the rest of the
@@ -112,7 +113,7 @@ def link_step(tg: TaskGraph, lowered: Lowered, topology: Topology,
         links = tuple(n + l for l in ring_links(topology, devs))
         zb = sharded.get(key)
         kind = "reduce_scatter" if zb is not None else "all_reduce"
-        label = f"{kind.replace('_', '')} bucket {format_devices(devs)}" + (f" zero{key.zero}" if key.zero else "")
+        label = f"{kind.replace('_', '')} {_bucket_name(key)}"
         extra, fwds = riders.get(key, (0, []))
         nbytes = buckets[key] + extra if zb is None else zb.chunk_bytes * len(devs)  # padded to n chunks
         ar = tg.add(label, TaskKind.ALLREDUCE, collective_time(topology, kind, devs, nbytes), links, devs[0], nbytes)
@@ -154,9 +155,15 @@ def link_step(tg: TaskGraph, lowered: Lowered, topology: Topology,
                                     (d,), d, weight_bytes[d])
             for dep in dict.fromkeys(synced[d]):
                 tg.edge(dep, u)
-    chunks = [(zb.key.devices, zb.chunk_bytes, f"{format_devices(zb.key.devices)} zero1") for zb in sharded.values()]
+    chunks = [(zb.key.devices, zb.chunk_bytes, _bucket_name(zb.key)[len("bucket "):]) for zb in sharded.values()]
     chunks += [(s.devices, shard_chunk_bytes(s), f"{s.name} zero2") for s in per_use_shards(lowered) if s.zero == 2]
     _gather_chunks(tg, topology, chunks, updates, mine)
+
+
+def _bucket_name(key: BucketKey) -> str:
+    """A bucket in task labels: its devices, its index past the first and its level past 0."""
+    return (f"bucket {format_devices(key.devices)}" + (f" #{key.index}" if key.index else "")
+            + (f" zero{key.zero}" if key.zero else ""))
 
 
 def _gather_chunks(tg: TaskGraph, topology: Topology, chunks, updates: dict[int, int],

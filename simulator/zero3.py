@@ -11,8 +11,10 @@ for the recomputation, which the executor runs with the weights gathered at the 
 recomputes the op, its own backward step or the one of the last op of its dropped chain,
 "Recompute").
 Each all-gather is issued ahead, as FSDP2 prefetches (``strategies.prefetch``): a member's call
-starts at the start of the previous step in its run order that all-gathers, and only the
-reader's step waits on it, so the gather runs beside the steps in between.
+starts at the start of the previous unit in its run order that all-gathers (a step, or a
+repeated block's instance under ``fsdp_unit`` "block", whose groups on one device set are one
+all-gather task, ``strategies.prefetch.calls_at``), and only the reader's step waits on it, so
+the gather runs beside the steps in between.
 A call is an arrival task of no duration in the member's schedule, as a lowering collective's
 (``simulator.collectives``). Built afresh for every task graph from the lowering, so delta
 simulation needs nothing more."""
@@ -27,8 +29,9 @@ from simulator.comm import allgather_time, reduce_scatter_time, ring_links
 from simulator.step import member_ends
 from simulator.taskgraph import INDEX, TaskGraph, TaskKind
 from simulator.topology import Topology
+from strategies.config import format_devices
 from strategies.lowering import Lowered
-from strategies.prefetch import issue_positions
+from strategies.prefetch import call_key, calls_at, issue_positions, step_units
 from strategies.schedule import Step, device_order
 from strategies.zero import gather_groups
 
@@ -49,6 +52,8 @@ def add_gathers(tg: TaskGraph, lowered: Lowered, topology: Topology, blocks: Seq
         return np.empty((2, 0), dtype=INDEX), ends
     n, arrivals = topology.num_devices, []
     issue = _issue_tasks(lowered, groups, blocks, first, position, keep) if any(u.zero == 3 for u in groups) else {}
+    of, calls = _unit_calls(lowered, groups) if issue and lowered.strategy.fsdp_unit == "block" else ({}, {})
+    made: dict = {}  # a unit's call -> its simulated members' ends, by device
     for j in range(lowered.strategy.microbatches):
         for u in groups:
             devs, names = u.devices, "+".join(s.name for s in u.shards)
@@ -62,16 +67,27 @@ def add_gathers(tg: TaskGraph, lowered: Lowered, topology: Topology, blocks: Seq
             again = ("recompute",) if lowered.strategy[u.op].recompute else ()  # gathered for its recomputation too
             for phase in ("fwd", *again, "bwd") if u.zero == 3 else ():
                 backward = phase != "fwd"
-                label = f"allgather {phase} {names} {u.op}@mb{j} zero{u.zero}"
-                ag = tg.add(label, TaskKind.COLLECTIVE, allgather_time(topology, devs, chunk), links, devs[0],
-                            chunk * len(devs))
+                key = of.get((u, phase, j))
+                done = made.get(key)
+                if done is None:
+                    if key is None:
+                        label, nbytes = f"allgather {phase} {names} {u.op}@mb{j} zero{u.zero}", chunk
+                    else:  # one call for the unit's groups on this device set
+                        (_, _, (b, i)), _ = key
+                        label = f"allgather {phase} block{b}.{i} {format_devices(devs)} @mb{j} zero3"
+                        nbytes = sum(x.chunk_bytes for x, _, _ in calls[key])
+                    ag = tg.add(label, TaskKind.COLLECTIVE, allgather_time(topology, devs, nbytes), links, devs[0],
+                                nbytes * len(devs))
+                    for d, k in members:
+                        a = tg.add(f"call {label} device {d}", TaskKind.COLLECTIVE, 0.0, (), d)
+                        tg.edge(a, ag)
+                        arrivals += (a, issue[(d, Step(backward, u.op, k, j))])
+                    done = dict(zip(simulated, member_ends(tg.add, tg.edge, topology, ag, devs, label,
+                                                           TaskKind.COLLECTIVE, simulated)))
+                    if key is not None:
+                        made[key] = done
                 for d, k in members:
-                    a = tg.add(f"call {label} device {d}", TaskKind.COLLECTIVE, 0.0, (), d)
-                    tg.edge(a, ag)
-                    arrivals += (a, issue[(d, Step(backward, u.op, k, j))])
-                for e, (_, k) in zip(member_ends(tg.add, tg.edge, topology, ag, devs, label, TaskKind.COLLECTIVE,
-                                                 simulated), members):
-                    tg.edge(e, at + block.fwd[j][k] + int(backward))
+                    tg.edge(done[d], at + block.fwd[j][k] + int(backward))
             label = f"reducescatter grad {names} {u.op}@mb{j} zero{u.zero}"
             rs = tg.add(label, TaskKind.COLLECTIVE, reduce_scatter_time(topology, devs, chunk * len(devs)), links,
                         devs[0], chunk * len(devs))
@@ -95,6 +111,32 @@ def _issue_tasks(lowered: Lowered, groups: Sequence, blocks: Sequence, first: np
             continue
         starts = [int(first[position[s.op]]) + blocks[position[s.op]].fwd[s.microbatch][s.index] + int(s.backward)
                   for s in order]
-        for s, p in zip(order, issue_positions([(d, s.op, s.index) in reads for s in order])):
+        units = step_units(lowered, order)
+        for s, p in zip(order, issue_positions([(d, s.op, s.index) in reads for s in order], units)):
             out[(d, s)] = starts[p]
     return out
+
+
+def _unit_calls(lowered: Lowered, groups: Sequence) -> tuple[dict, dict]:
+    """Under ``fsdp_unit`` "block": each level-3 gather (group, phase, micro-batch) of a unit's
+    call -> the call's key, and each such key -> its gathers (``strategies.prefetch.calls_at``,
+    the rule the executor runs: a unit's groups on one device set move in one all-gather)."""
+    reads: dict[tuple[int, str, int], list] = {}
+    for u in groups:
+        if u.zero == 3:
+            for d, k in zip(u.devices, u.partitions):
+                reads.setdefault((d, u.op, k), []).append(u)
+    of: dict = {}
+    calls: dict = {}
+    for d, order in device_order(lowered).items():
+        each = []
+        for s in order:
+            us = reads.get((d, s.op, s.index), ())
+            phases = (("recompute", "bwd") if lowered.strategy[s.op].recompute else ("bwd",)) if s.backward else ("fwd",)
+            each.append([(u, phase, s.microbatch) for u in us for phase in phases])
+        for at in calls_at(each, step_units(lowered, order), lambda x: call_key(x[0])):
+            for key, items in at:
+                if key[0] != "own":
+                    calls.setdefault(key, items)
+                    of.update(dict.fromkeys(items, key))
+    return of, calls

@@ -19,7 +19,7 @@ from soapsearch.search.cli import add_search_parsers
 from soapsearch.search.output import check_plan_output, wrote
 from soapsearch.trace import CAPTURES, TraceError, check_scalar_loss, trace
 from strategies import BASELINES, OpGraph, PlanError, baseline, get_rule, save_strategy
-from strategies.strategy import DTYPE_FLAGS
+from strategies.strategy import DTYPE_FLAGS, FSDP_UNITS, Strategy
 from strategies.serialize import check_writable
 from strategies.config import ROLE_LETTER
 from strategies.rules import OPAQUE
@@ -119,7 +119,9 @@ def _cmd_plan(args) -> int:
         raise ValueError(f"{megatron_only[0]} is a flag of --baseline megatron, not of --baseline {args.baseline}")
     plan = baseline(args.baseline, graph, devices, args.microbatches, args.tp, args.pp, args.sequence_parallel,
                     args.recompute)
-    plan = plan.with_precision(DTYPE_FLAGS[args.dtype])
+    plan = plan.with_precision(DTYPE_FLAGS[args.dtype]).with_bucket_cap(args.bucket_cap_mb)
+    if args.fsdp_unit is not None:
+        plan = plan.with_fsdp_unit(args.fsdp_unit)
     save_strategy(args.output, plan, graph, topology=topo.name)
     path = wrote(args.output)
     if args.json:
@@ -148,7 +150,8 @@ def _cmd_simulate(args) -> int:
     result = simulate(graph, args.plan or args.baseline, topology=topo,
                       cost_model=cost_model_for(args.cost_model, args.topology),
                       optimizer=args.optimizer, microbatches=args.microbatches, trace=args.trace,
-                      precision=None if args.dtype is None else DTYPE_FLAGS[args.dtype])
+                      precision=None if args.dtype is None else DTYPE_FLAGS[args.dtype],
+                      bucket_cap_mb=args.bucket_cap_mb)
     if args.json:
         print(json.dumps(result.to_json()))
         return 0
@@ -223,6 +226,13 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--dtype", default="fp32", choices=sorted(DTYPE_FLAGS),
                       help="the plan's precision: fp32 computes in the model's dtype, bf16/fp16 in mixed "
                            "precision (float32 master weights and optimizer state)")
+    plan.add_argument("--bucket-cap-mb", type=float, default=Strategy.bucket_cap_mb,
+                      help="cap of the gradient buckets in MiB (DDP's bucket_cap_mb; default 25): each device "
+                           "set's gradients are synced in buckets of about this size, each as soon as it is final")
+    plan.add_argument("--fsdp-unit", default=None, choices=FSDP_UNITS,
+                      help="the ZeRO-3 prefetch unit, recorded in the plan: op (each step reading level-3 weights) "
+                           "or block (each repeated block, a transformer layer: FSDP2's fully_shard per layer); "
+                           "default: the baseline's (fsdp: block where the model has repeated blocks)")
     plan.add_argument("--topology", default=DEFAULT_TOPOLOGY, help=f"{TOPOLOGY_HELP}; recorded in the plan")
     plan.add_argument("-o", "--output", default="plan.json",
                       help="where to write the plan (default plan.json); a file holding another model's "
@@ -243,6 +253,9 @@ def _parser() -> argparse.ArgumentParser:
                           "precision); default: the plan's")
     sim.add_argument("--microbatches", type=int, default=None,
                      help="micro-batches of --baseline pipeline (default 4) or megatron (default 1)")
+    sim.add_argument("--bucket-cap-mb", type=float, default=None,
+                     help="cap of the gradient buckets in MiB (DDP's bucket_cap_mb); default: the plan's "
+                          "(a baseline's: 25)")
     sim.add_argument("--trace", default=None, help="write the timeline as a Chrome trace JSON")
     sim.set_defaults(fn=_cmd_simulate)
     add_search_parsers(sub, model_args, _graph)

@@ -28,7 +28,7 @@ from soapsearch.executor.launch import prepare
 from soapsearch.zoo import VARIANTS
 from strategies.errors import PlanError
 from strategies.serialize import atomic_open, atomic_write_text
-from strategies.strategy import DTYPE_FLAGS
+from strategies.strategy import DTYPE_FLAGS, check_bucket_cap
 
 __all__ = ["add_arguments", "to_argv", "check_backend", "precision_flag", "main", "MODEL_DTYPES"]
 
@@ -66,6 +66,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the plan's precision, as on plan/simulate/search, replacing the plan's: fp32 computes "
                         "in the model's dtype, bf16/fp16 in mixed precision (torch.autocast, float32 master "
                         "weights and optimizer state; fp16 with a dynamic loss scaler); default: the plan's")
+    p.add_argument("--bucket-cap-mb", type=float, default=None,
+                   help="cap of the gradient buckets in MiB, replacing the plan's (DDP's bucket_cap_mb; "
+                        "plans default to its 25)")
     p.add_argument("--model-dtype", choices=MODEL_DTYPES, default=None,
                    help="cast the model's floating weights and inputs to this dtype (default: as built)")
     p.add_argument("--loss-scale", type=float, default=_DEFAULTS.loss_scale,
@@ -84,7 +87,7 @@ def to_argv(args: argparse.Namespace) -> list[str]:
     """``args`` (parsed by ``add_arguments``) back into the flags of ``soapsearch.run``."""
     out = [str(args.plan), "--model", args.model]
     for flag in ("variant", "batch_size", "steps", "optimizer", "lr", "momentum", "backend", "dtype",
-                 "model_dtype", "loss_scale", "seed", "timeout", "save", "trace", "capture"):
+                 "bucket_cap_mb", "model_dtype", "loss_scale", "seed", "timeout", "save", "trace", "capture"):
         v = getattr(args, flag)
         if v is not None:
             out += [f"--{flag.replace('_', '-')}", str(v)]
@@ -111,6 +114,8 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
     if args.steps < 1:
         raise ValueError(f"--steps = {args.steps}: must be >= 1 (training iterations)")
     precision_flag(args.dtype)
+    if args.bucket_cap_mb is not None:
+        check_bucket_cap(args.bucket_cap_mb, "--bucket-cap-mb")
     return TrainConfig(args.optimizer, lr=args.lr, momentum=args.momentum, timeout_s=args.timeout,
                        loss_scale=args.loss_scale)
 
@@ -141,7 +146,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = train_config(args)
         built, strategy = prepare(args.plan, args.model, args.variant, args.batch_size, args.seed,
                                   args.model_dtype, world, capture=args.capture,
-                                  precision=precision_flag(args.dtype))
+                                  precision=precision_flag(args.dtype), bucket_cap_mb=args.bucket_cap_mb)
     except (PlanError, ExecutorError, ValueError) as e:
         print(f"soapsearch run (rank {rank}): {e}", file=sys.stderr)
         return 2

@@ -13,6 +13,7 @@ from strategies.graph import OpGraph, OpNode
 from strategies.megatron import megatron, megatron_blocks
 from strategies.pieces import recomputable
 from strategies.region import partition_index
+from strategies.repeats import repeated_blocks
 from strategies.replicas import shardable
 from strategies.rules import get_rule
 from strategies.stages import linear_partition
@@ -82,7 +83,8 @@ def sharded(plan: Strategy, graph: OpGraph, zero: int) -> Strategy:
     to shard over)."""
     configs = {name: cfg.with_memory(zero=zero) if shardable(graph, plan, name) else cfg
                for name, cfg in plan.items()}
-    return Strategy.of(configs, plan.num_devices, plan.microbatches, plan.schedule, plan.precision)
+    return Strategy.of(configs, plan.num_devices, plan.microbatches, plan.schedule, plan.precision,
+                       plan.bucket_cap_mb, plan.fsdp_unit)
 
 
 def recomputed(plan: Strategy, graph: OpGraph) -> Strategy:
@@ -96,7 +98,8 @@ def recomputed(plan: Strategy, graph: OpGraph) -> Strategy:
     inside = {op for cols, mid, row in blocks for op in (*cols, *mid, row)}
     configs = {name: cfg.with_memory(recompute=True) if name in inside and recomputable(graph, graph[name]) else cfg
                for name, cfg in plan.items()}
-    return Strategy.of(configs, plan.num_devices, plan.microbatches, plan.schedule, plan.precision)
+    return Strategy.of(configs, plan.num_devices, plan.microbatches, plan.schedule, plan.precision,
+                       plan.bucket_cap_mb, plan.fsdp_unit)
 
 
 def zero1(graph: OpGraph, num_devices: int) -> Strategy:
@@ -110,8 +113,11 @@ def fsdp(graph: OpGraph, num_devices: int) -> Strategy:
     """Data parallel with every weighted op at ZeRO stage 3: FSDP2's ``fully_shard`` of every
     module (Zhao et al. 2023, "PyTorch FSDP"): weights, gradients and optimizer state Shard(0)
     over all devices, each weight all-gathered before its op's forward and again before its
-    backward, gradients reduce-scattered."""
-    return sharded(data_parallel(graph, num_devices), graph, 3)
+    backward, gradients reduce-scattered; each repeated block's instance (a transformer layer,
+    ``strategies.repeats``) one prefetch unit where the graph has them (``fsdp_unit`` "block",
+    FSDP2's ``fully_shard`` per layer), else each op's step."""
+    plan = sharded(data_parallel(graph, num_devices), graph, 3)
+    return plan.with_fsdp_unit("block" if repeated_blocks(graph) else "op")
 
 
 def hybrid(graph: OpGraph, num_devices: int, microbatches: int = 1) -> Strategy:

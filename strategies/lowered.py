@@ -9,7 +9,7 @@ import itertools
 import operator
 from dataclasses import dataclass
 from functools import cached_property
-from typing import NamedTuple
+from typing import NamedTuple, Sequence
 
 from strategies.errors import PlanError
 from strategies.graph import DTYPE_BYTES, OpGraph
@@ -17,7 +17,7 @@ from strategies.region import Box, box_numel, intersect
 from strategies.strategy import Strategy
 
 __all__ = ["WEIGHT_KINDS", "Gate", "Partition", "Transfer", "Collective", "CollectiveRead", "COLLECTIVE_KINDS",
-           "WeightRead", "WeightShard", "BucketKey", "bucket_key", "weight_shards", "ReductionGroup", "OpPieces",
+           "WeightRead", "WeightShard", "BucketKey", "bucket_key", "FIRST_BUCKET_BYTES", "split_buckets", "weight_shards", "ReductionGroup", "OpPieces",
            "DeviceBytes", "GradientSync", "Lowered"]
 
 WEIGHT_KINDS = ("parameter", "constant")
@@ -191,26 +191,77 @@ class WeightShard:
     reading the weight, 0 where the shard is held by one device or is not trainable (nothing
     to shard: a documented no-op)."""
 
+    @cached_property
+    def bucket_group(self) -> "BucketKey | None":
+        """``bucket_key`` of this shard, computed once (a lowering's cache reuses its shards) and
+        one object for equal keys, so ``split_buckets`` can key its groups by identity."""
+        key = bucket_key(self)
+        return None if key is None else _GROUPS.setdefault(key, key)
+
 
 class BucketKey(NamedTuple):
-    """A gradient bucket: the trainable shards replicated on exactly ``devices`` whose dtype is
+    """A gradient bucket: trainable shards replicated on exactly ``devices`` whose dtype is
     ``dtype`` and whose sharding level is ``zero``, packed into one flat tensor and summed once
     (DDP's buckets, Li et al. 2020, hold one dtype each: a flat tensor has one): all-reduced at
-    level 0, reduce-scattered in ``strategies.zero``'s chunks at levels 1 and 2."""
+    level 0, reduce-scattered in ``strategies.zero``'s chunks at levels 1 and 2. ``index``:
+    which of its group's buckets (``split_buckets``: the shards of one (devices, dtype, zero)
+    cut at the plan's ``bucket_cap_mb``, 0 the first formed, holding the last weights)."""
 
     devices: tuple[int, ...]
     dtype: str
     zero: int = 0
+    index: int = 0
 
 
 def bucket_key(shard: WeightShard) -> BucketKey | None:
-    """The gradient bucket ``shard``'s gradient is summed in: one per (device set, dtype, level)
-    of the trainable shards held on more than one device; None: its gradient is summed nowhere.
-    The one rule of the lowering's ``GradientSync.buckets`` (the simulator times them) and the
-    executor's ``LocalWeights.sync_grads`` (it runs them)."""
+    """The bucket group ``shard``'s gradient is summed in, as the key of its first bucket
+    (index 0): one per (device set, dtype, level) of the trainable shards held on more than
+    one device; None: its gradient is summed nowhere. ``split_buckets`` cuts each group into
+    the buckets the simulator times (``GradientSync.buckets``) and the executor runs."""
     if shard.trainable and len(shard.devices) > 1:
         return BucketKey(shard.devices, shard.dtype, shard.zero)
     return None
+
+
+_GROUPS: dict[BucketKey, BucketKey] = {}
+"""Each bucket group's one key object (``WeightShard.bucket_group``)."""
+
+FIRST_BUCKET_BYTES = 1 << 20
+"""The first bucket's limit where the cap is larger: DDP's ``_DEFAULT_FIRST_BUCKET_BYTES``
+(1 MiB, so the first all-reduce starts early in the backward)."""
+
+
+def split_buckets(shards: Sequence[WeightShard], cap: int
+                  ) -> tuple[dict[BucketKey, int], tuple[BucketKey | None, ...]]:
+    """The gradient buckets of ``shards`` (``Lowered.weight_shards`` order) at a cap of ``cap``
+    bytes, as DDP assigns them (torch.distributed's ``_compute_bucket_assignment_by_size``):
+    each group's (``bucket_key``) shards taken in reverse order (DDP's reverse order of
+    ``model.parameters()``: the gradients a backward pass makes first), each added to its
+    group's open bucket, which closes once its bytes reach its limit, min(1 MiB, cap) for the
+    group's first bucket (``FIRST_BUCKET_BYTES``), ``cap`` for the others; bucket i is index i.
+    Levels 2 and 3 are reduce-scattered per use (``strategies.zero``): one key per group.
+    Returns bucket -> bytes, and each shard's bucket (None: summed nowhere), in ``shards``' order."""
+    first = min(FIRST_BUCKET_BYTES, cap)
+    open_: dict[int, list] = {}  # id of a group (one object per key) -> [its open bucket, bytes in it]
+    sizes: dict[BucketKey, int] = {}
+    of: list[BucketKey | None] = [None] * len(shards)
+    for i in range(len(shards) - 1, -1, -1):
+        s = shards[i]
+        group = s.bucket_group
+        if group is None:
+            continue
+        entry = open_.get(id(group))
+        if entry is None:
+            entry = open_[id(group)] = [group, 0]
+        key = of[i] = entry[0]
+        entry[1] += s.nbytes
+        if entry[1] >= (cap if key.index else first) and group.zero < 2:
+            sizes[key] = entry[1]
+            entry[0], entry[1] = BucketKey(group.devices, group.dtype, group.zero, key.index + 1), 0
+    for key, b in open_.values():
+        if b:
+            sizes[key] = b
+    return sizes, tuple(of)
 
 
 def weight_shards(name: str, regions: dict[Box, set[int]], dtype: str, trainable: bool,
@@ -325,10 +376,13 @@ class GradientSync(NamedTuple):
     """What the gradient sync of a plan's trainable weight shards amounts to."""
 
     buckets: dict[BucketKey, int]
-    """Gradient bucket (``bucket_key``) -> bytes of the shards in it (one all-reduce each,
+    """Gradient bucket (``split_buckets``) -> bytes of the shards in it (one all-reduce each,
     ``simulator.step``)."""
     tensors: tuple[int, ...]
     """Trainable weights each device holds a shard of (one entry per device)."""
+    shard_buckets: tuple[BucketKey | None, ...]
+    """The bucket each of ``Lowered.weight_shards`` has its gradient summed in (``split_buckets``;
+    None: summed nowhere), in that order."""
 
 
 _transfers, _reductions = operator.attrgetter("transfers"), operator.attrgetter("reductions")

@@ -19,7 +19,8 @@ from typing import Iterable
 
 from strategies.graph import OpGraph
 from strategies.lowered import (WEIGHT_KINDS, BucketKey, DeviceBytes, Gate, GradientSync, Lowered, OpPieces,
-                                Partition, ReductionGroup, Transfer, WeightRead, WeightShard, bucket_key)
+                                Partition, ReductionGroup, Transfer, WeightRead, WeightShard, bucket_key,
+                                split_buckets)
 from strategies.lowering_cache import Last, changed_ops, update
 from strategies.lowering_reference import lower_reference
 from strategies.precision import compute_graph
@@ -108,7 +109,11 @@ def lower(graph: OpGraph, strategy: Strategy, cache: dict | None = None) -> Lowe
         raise
     last.configs = strategy.configs
     shards = tuple(itertools.chain.from_iterable(map(_shards, last.held.values())))
-    sync = GradientSync({key: b for key, (b, _) in last.buckets.items()}, tuple(last.tensors))
+    cap, split = strategy.bucket_cap_bytes, cache.get(("buckets", m, n))  # the last call's, where its shards are these
+    if split is None or split[0] != cap or len(split[1]) != len(shards) or not all(map(operator.is_, split[1], shards)):
+        split = cache[("buckets", m, n)] = (cap, shards, split_buckets(shards, cap))
+    buckets, of = split[2]
+    sync = GradientSync(buckets, tuple(last.tensors), of)
     lowered = Lowered(graph, strategy, dict(last.partitions), shards, dict(last.by_op),
                       DeviceBytes(*map(tuple, last.totals)), sync)
     gather_uses(lowered)  # level 3 (FSDP): PlanError unless every use pairs up

@@ -10,8 +10,7 @@ import operator
 from typing import Any, NamedTuple
 
 from strategies.graph import OpGraph, OpNode
-from strategies.lowered import (BucketKey, DeviceBytes, OpPieces, Partition, WeightShard, bucket_key,
-                                weight_shards)
+from strategies.lowered import DeviceBytes, OpPieces, Partition, WeightShard, weight_shards
 from strategies.pieces import lower_op, recompute_key
 from strategies.region import Box
 from strategies.strategy import Strategy
@@ -80,8 +79,6 @@ class _Held(NamedTuple):
     shards: list[WeightShard]
     per_device: tuple[int, ...]
     """Bytes of the shards each device holds."""
-    buckets: dict[BucketKey, int]
-    """Bytes of the shards in each gradient bucket (``bucket_key``)."""
     holders: tuple[int, ...]
     """Trainable only: the devices holding a shard."""
 
@@ -100,8 +97,6 @@ class Last:
         """Weight -> the ops reading it, in graph order."""
         self.held: dict[str, _Held] = {}
         self.totals = [[0] * n for _ in DeviceBytes._fields]
-        self.buckets: dict[BucketKey, list[int]] = {}
-        """Gradient bucket -> [bytes, weights with a shard in it] (``GradientSync.buckets``)."""
         self.tensors = [0] * n
 
     def regroup(self, graph: OpGraph) -> None:
@@ -131,12 +126,6 @@ class Last:
                 total[d] += sign * b
             for d in h.holders:
                 self.tensors[d] += sign
-            for key, b in h.buckets.items():
-                entry = self.buckets.setdefault(key, [0, 0])
-                entry[0] += sign * b
-                entry[1] += sign
-                if not entry[1]:
-                    del self.buckets[key]
         if new is None:
             self.held.pop(name, None)
         else:
@@ -170,12 +159,8 @@ def _weight_shards(name: str, read_by: tuple[OpPieces, ...], n: int) -> _Held:
                 seen = read
     shards = weight_shards(name, held, seen.dtype, seen.trainable, tuple(ops), zero)
     per_device = [0] * n
-    buckets: dict[BucketKey, int] = {}
     for s in shards:
         for d in s.devices:
             per_device[d] += s.nbytes
-        key = bucket_key(s)
-        if key is not None:
-            buckets[key] = buckets.get(key, 0) + s.nbytes
     holders = tuple(sorted({d for s in shards for d in s.devices})) if seen.trainable else ()
-    return _Held(read_by, shards, tuple(per_device), buckets, holders)
+    return _Held(read_by, shards, tuple(per_device), holders)

@@ -7,8 +7,8 @@ two give equal ``Lowered`` on random plans and walks of one-op changes."""
 from __future__ import annotations
 
 from strategies.graph import OpGraph
-from strategies.lowered import (BucketKey, DeviceBytes, GradientSync, Lowered, OpPieces, WeightRead,
-                                WeightShard, bucket_key, weight_shards)
+from strategies.lowered import (DeviceBytes, GradientSync, Lowered, OpPieces, WeightRead, WeightShard,
+                                split_buckets, weight_shards)
 from strategies.pieces import check_microbatches, lower_op
 from strategies.precision import compute_graph
 from strategies.region import Box
@@ -27,8 +27,8 @@ def lower_reference(graph: OpGraph, strategy: Strategy) -> Lowered:
        (``_weight_shards``), weights in the order their first reader comes in the graph;
     3. the per-device byte totals (``DeviceBytes``): Σ over ops of what each keeps and receives,
        Σ over shards of what each device holds;
-    4. the gradient sync (``GradientSync``): each bucket's bytes (``bucket_key``) and the
-       trainable weights each device holds a shard of."""
+    4. the gradient sync (``GradientSync``): each bucket's bytes (``split_buckets`` at the
+       plan's ``bucket_cap_mb``) and the trainable weights each device holds a shard of."""
     strategy.validate(graph)
     graph = compute_graph(graph, strategy.compute_dtype)  # mixed precision: float32 -> compute dtype
     m, n = strategy.microbatches, strategy.num_devices
@@ -54,11 +54,7 @@ def lower_reference(graph: OpGraph, strategy: Strategy) -> Lowered:
             (trainable if s.trainable else frozen)[d] += s.nbytes
     device_bytes = DeviceBytes(*map(tuple, (kept, received, received_grad, trainable, frozen)))
 
-    buckets: dict[BucketKey, int] = {}
-    for s in shards:
-        key = bucket_key(s)
-        if key is not None:
-            buckets[key] = buckets.get(key, 0) + s.nbytes
+    buckets, of = split_buckets(shards, strategy.bucket_cap_bytes)
     tensors = [0] * n
     for name in reads:
         held_by = {d for s in shards if s.name == name and s.trainable for d in s.devices}
@@ -66,7 +62,7 @@ def lower_reference(graph: OpGraph, strategy: Strategy) -> Lowered:
             tensors[d] += 1
 
     lowered = Lowered(graph, strategy, {op: p.partitions for op, p in pieces.items()}, tuple(shards),
-                      pieces, device_bytes, GradientSync(buckets, tuple(tensors)))
+                      pieces, device_bytes, GradientSync(buckets, tuple(tensors), of))
     gather_uses(lowered)  # level 3 (FSDP): every use of a shard pairs up over its devices
     return lowered
 

@@ -4,7 +4,10 @@ and waited at the step end, before the update. The one rule the simulator times
 (``simulator.step``) and the executor runs (``runtime.Executor.step``).
 
 A bucket (``BucketKey``, level 0 all-reduced, level 1 reduce-scattered; levels 2 and 3 work
-per use, ``strategies.zero``) holds the gradients of weights read by its shards' ops. On a
+per use, ``strategies.zero``) holds the gradients of weights read by its shards' ops; a device
+set's shards are cut into buckets of at most about the plan's ``bucket_cap_mb`` in DDP's
+reverse order (``strategies.lowered.split_buckets``), so the buckets of the last layers start
+while the backward of the first still runs. On a
 member device they are final after the last backward step of those ops' partitions there:
 every device's last pass is the backward of the last micro-batch (``schedule.passes``), which
 runs the device's forward steps in reverse, so that step is the backward, in the last
@@ -44,13 +47,12 @@ class BucketIssue(NamedTuple):
 
 
 def _bucket_ops(lowered: Lowered) -> tuple[dict[str, int], dict[BucketKey, set[str]]]:
-    """Each op's graph position, and the level-0 and level-1 buckets (``bucket_key``) with the
-    ops reading their shards."""
-    held: dict[tuple, list[tuple[str, ...]]] = {}
-    for s in lowered.weight_shards:
-        if s.trainable and len(s.devices) > 1 and s.zero < 2:
-            held.setdefault((s.devices, s.dtype, s.zero), []).append(s.ops)
-    ops = {BucketKey(*k): {o for names in v for o in names} for k, v in held.items()}
+    """Each op's graph position, and the level-0 and level-1 buckets
+    (``strategies.lowered.split_buckets``) with the ops reading their shards."""
+    ops: dict[BucketKey, set[str]] = {}
+    for s, key in zip(lowered.weight_shards, lowered.gradient_sync.shard_buckets):
+        if key is not None and key.zero < 2:
+            ops.setdefault(key, set()).update(s.ops)
     return {node.name: i for i, node in enumerate(lowered.graph)}, ops
 
 

@@ -7,44 +7,104 @@ next module's (implicit prefetch on the all-gather stream, or
 ``FSDPModule.set_modules_to_forward_prefetch``), in the backward the next module in backward
 order (``set_modules_to_backward_prefetch``, one by default). Here a unit is a step of a
 device's run order (``strategies.schedule.device_order``: a partition's forward or backward,
-both passes and every micro-batch in one sequence) that all-gathers level-3 weights: its
-all-gathers (its recomputations' first, then its own; ``strategies.zero.gather_groups``) are
-issued at the start of the previous such step (the first one's at its own start) and waited
-right before it computes. Issue order on a device is its run order, so every member of a
+both passes and every micro-batch in one sequence) that all-gathers level-3 weights
+(``Strategy.fsdp_unit`` "op"), or the consecutive steps of one instance of a repeated block
+in one pass and micro-batch ("block": a transformer layer, FSDP2's ``fully_shard`` per
+layer). A unit's all-gathers (each step's recomputations' first, then its own;
+``strategies.zero.gather_groups``) are all issued at the start of the previous gathering
+unit's first gathering step (the first unit's at its own) and each waited right before the
+step reading it computes; a block unit's groups on one device set are one call
+(``calls_at``, FSDP2's one all-gather per unit). Issue order on a device is its run order, so every member of a
 group issues the group's calls in the same order. A prefetched gather's buffer is alive from
 its issue to the end of the step that reads it.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+import functools
+from typing import Callable, Hashable, Sequence, TypeVar
 
+from strategies.graph import OpGraph
 from strategies.lowering import Lowered
-from strategies.schedule import device_order
+from strategies.repeats import repeated_blocks
+from strategies.schedule import Step, device_order
 from strategies.zero import gather_groups
 
-__all__ = ["issue_positions", "issued_at", "gathered_bytes"]
+__all__ = ["issue_positions", "issued_at", "calls_at", "call_key", "gathered_bytes", "block_units", "step_units"]
 
 
-def issue_positions(gathers: Sequence[bool]) -> list[int]:
-    """For a device's run order (``gathers[q]``: step q all-gathers level-3 weights): the
-    position at whose start step q's all-gathers are issued: the previous gathering step's (one
-    unit ahead, FSDP2's default), the first gathering step's its own; a step gathering nothing
-    its own."""
-    out, prev = [], None
+@functools.lru_cache(maxsize=8)
+def block_units(graph: OpGraph) -> dict[str, tuple[int, int]]:
+    """Op -> (repeated block, instance) for the ops of every repeated block's instances
+    (``strategies.repeats.repeated_blocks``: a transformer's layers), the units of
+    ``fsdp_unit`` "block" (FSDP2's ``fully_shard`` per layer)."""
+    return {op: (b, k) for b, block in enumerate(repeated_blocks(graph))
+            for k, instance in enumerate(block.instances) for op in instance}
+
+
+def step_units(lowered: Lowered, order: Sequence[Step]) -> list[Hashable] | None:
+    """Each step's unit in a device's run order under the plan's ``fsdp_unit``: None for
+    "op" (every step its own unit); for "block", (pass, micro-batch, block, instance) of a
+    step of a repeated block's op, None for any other step (its own unit)."""
+    if lowered.strategy.fsdp_unit != "block":
+        return None
+    blocks = block_units(lowered.graph)
+    return [(s.backward, s.microbatch, blocks[s.op]) if s.op in blocks else None for s in order]
+
+
+def issue_positions(gathers: Sequence[bool], units: Sequence[Hashable] | None = None) -> list[int]:
+    """For a device's run order (``gathers[q]``: step q all-gathers level-3 weights;
+    ``units[q]``: its unit, consecutive steps of one unit forming it, None: its own; no
+    ``units``: every step its own unit): the position at whose start step q's all-gathers are
+    issued: the first gathering step of the previous unit that gathers (one unit ahead, FSDP2's
+    default), the first gathering unit's at its own first gathering step; a step gathering
+    nothing its own."""
+    out: list[int] = []
+    prev = first = None  # the previous gathering unit's first gathering step; the current unit's
+    key: object = None
     for q, g in enumerate(gathers):
-        out.append(prev if g and prev is not None else q)
-        prev = q if g else prev
+        unit = None if units is None else units[q]
+        if q == 0 or unit is None or unit != key:  # a new unit
+            prev = first if first is not None else prev
+            first, key = None, unit
+        if g:
+            first = q if first is None else first
+            out.append(prev if prev is not None else first)
+        else:
+            out.append(q)
     return out
 
 
-def issued_at(gathers: Sequence[bool]) -> list[list[int]]:
+def issued_at(gathers: Sequence[bool], units: Sequence[Hashable] | None = None) -> list[list[int]]:
     """At each position of a run order, the positions whose all-gathers are issued at its
     start (``issue_positions``), ascending: the order they are issued in."""
     out: list[list[int]] = [[] for _ in gathers]
-    for q, p in enumerate(issue_positions(gathers)):
+    for q, p in enumerate(issue_positions(gathers, units)):
         if gathers[q]:
             out[p].append(q)
+    return out
+
+
+T = TypeVar("T", bound=Hashable)
+
+
+def calls_at(gathers: Sequence[Sequence[T]], units: Sequence[Hashable] | None,
+             key: Callable[[T], Hashable]) -> list[list[tuple[Hashable, tuple[T, ...]]]]:
+    """The all-gather calls issued at each position of a run order (``gathers[q]``: what step q
+    gathers, in call order; ``units`` as ``issue_positions`` takes them): a step of no unit
+    (None) makes one call per gather, keyed by the gather itself; a unit's gathers with one
+    ``key`` (device set and dtype) are one call (FSDP2's one all-gather per ``fully_shard``
+    unit), keyed (unit, key), in the order of their first gather. Each call as (its key, its
+    gathers): the key names the call alike on every member."""
+    flags = [bool(g) for g in gathers]
+    out: list[list[tuple[Hashable, tuple[T, ...]]]] = []
+    for qs in issued_at(flags, units):
+        calls: dict[Hashable, list[T]] = {}
+        for q in qs:
+            unit = None if units is None else units[q]
+            for i, x in enumerate(gathers[q]):
+                calls.setdefault(("own", q, i) if unit is None else (unit, key(x)), []).append(x)
+        out.append([(k, tuple(xs)) for k, xs in calls.items()])
     return out
 
 
@@ -52,24 +112,38 @@ def gathered_bytes(lowered: Lowered) -> tuple[int, ...]:
     """Per device, the most its level-2 and level-3 uses hold besides their chunks at once: at
     a step reading such shards, each of its groups' full gradient before the reduce-scatter
     and, at level 3, the gathered weights (2 × the group's bytes at level 3, 1 × at level 2;
-    a partition's groups are all gathered at its step), plus the level-3 weights of the next
-    gathering step, prefetched (``issue_positions``) and alive from the start of this one."""
+    a partition's groups are all gathered at its step), plus the buffers of the all-gather calls
+    issued at or before this step (``calls_at``) whose last reader comes later, each alive from
+    its issue to its last reader (which copies it out)."""
     n = lowered.strategy.num_devices
     held: dict[tuple[int, str, int], int] = {}
-    full: dict[tuple[int, str, int], int] = {}
+    threes: dict[tuple[int, str, int], list] = {}  # the level-3 groups each step gathers
     for u in gather_groups(lowered):
         for d, k in zip(u.devices, u.partitions):
             held[(d, u.op, k)] = held.get((d, u.op, k), 0) + (2 if u.zero == 3 else 1) * u.nbytes
             if u.zero == 3:
-                full[(d, u.op, k)] = full.get((d, u.op, k), 0) + u.nbytes
+                threes.setdefault((d, u.op, k), []).append(u)
     out = [0] * n
     if not held:
         return tuple(out)
     for d, order in device_order(lowered).items():
         keys = [(d, s.op, s.index) for s in order]
-        ahead = dict(zip(issue_positions([k in full for k in keys]), range(len(keys))))  # issuer -> next
+        ahead = [0] * (len(keys) + 1)  # prefetched bytes alive at each position: a difference array
+        each = [[(q, u) for u in threes.get(k, ())] for q, k in enumerate(keys)]
+        for p, calls in enumerate(calls_at(each, step_units(lowered, order), lambda g: call_key(g[1]))):
+            for _, call in calls:
+                last = max(q for q, _ in call)  # its buffer is freed once its last reader has copied it
+                if p < last:
+                    ahead[p] += sum(u.nbytes for _, u in call)
+                    ahead[last] -= sum(u.nbytes for _, u in call)
+        alive = 0
         for p, k in enumerate(keys):
+            alive += ahead[p]
             if k in held:
-                nxt = ahead.get(p)
-                out[d] = max(out[d], held[k] + (full[keys[nxt]] if nxt is not None and nxt != p else 0))
+                out[d] = max(out[d], held[k] + alive)
     return tuple(out)
+
+
+def call_key(group) -> Hashable:
+    """(device set, dtype) of a level-3 group: what one call of a unit moves together."""
+    return group.devices, group.shards[0].dtype

@@ -19,10 +19,12 @@ __all__ = ["FORMAT", "VERSION", "PlanFile", "check_writable", "parse_plan", "str
            "read_plan", "atomic_open", "atomic_write_text"]
 
 FORMAT = "soapsearch.strategy"
-VERSION = 3
-READS = (1, 2, 3)
+VERSION = 4
+READS = (1, 2, 3, 4)
 """The versions this soapsearch reads: version 1 (no ``precision`` field) loads as "model"
-precision; versions 1 and 2 (no per-op ``zero`` / ``recompute``) as "Replicate, keep"."""
+precision; versions 1 and 2 (no per-op ``zero`` / ``recompute``) as "Replicate, keep";
+versions 1 to 3 (no ``bucket_cap_mb``, ``fsdp_unit``) with DDP's 25 MiB gradient buckets and
+ZeRO-3 units of one op."""
 
 
 @dataclass(frozen=True)
@@ -90,6 +92,7 @@ def strategy_to_json(strategy: Strategy, graph: OpGraph, *, topology: str | Mapp
                   "capture": graph.capture},
         "topology": topo,
         "microbatches": strategy.microbatches, "schedule": strategy.schedule, "precision": strategy.precision,
+        "bucket_cap_mb": strategy.bucket_cap_mb, "fsdp_unit": strategy.fsdp_unit,
         "ops": [{"name": n.name, "kind": n.kind, "dims": [d.name for d in n.dims],
                  "shape": list(n.output.shape), "dtype": n.output.dtype,
                  "degrees": list(strategy[n.name].degrees), "devices": list(strategy[n.name].devices),
@@ -164,6 +167,8 @@ def parse_plan(source: str | os.PathLike | Mapping[str, Any], devices_in_range: 
     precision = _need(obj, "precision", str, where) if version >= 2 else "model"
     if precision not in PRECISIONS:
         raise PlanError(None, "precision", precision, f"must be one of {list(PRECISIONS)}", where)
+    cap = obj.get("bucket_cap_mb", Strategy.bucket_cap_mb) if version >= 4 else Strategy.bucket_cap_mb
+    unit = obj.get("fsdp_unit", Strategy.fsdp_unit) if version >= 4 else Strategy.fsdp_unit
     ops = _need(obj, "ops", list, where)
     if not ops:
         raise PlanError(None, "ops", ops, "a plan has a config for every op of its model", where)
@@ -187,7 +192,7 @@ def parse_plan(source: str | os.PathLike | Mapping[str, Any], devices_in_range: 
             raise PlanError(name, "devices", devices, f"device {bad[0]} is out of range for "
                             f"{num_devices} devices (0-{num_devices - 1})", where)
     try:
-        strategy = Strategy(tuple(configs.items()), num_devices, microbatches, schedule, precision)
+        strategy = Strategy(tuple(configs.items()), num_devices, microbatches, schedule, precision, cap, unit)
     except PlanError as e:
         raise PlanError(e.op, e.field, e.value, e.rule, where) from None
     return obj, where, strategy

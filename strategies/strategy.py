@@ -10,7 +10,7 @@ from strategies.config import ParallelConfig, validate_config
 from strategies.errors import PlanError
 from strategies.graph import OpGraph, OpNode
 
-__all__ = ["Strategy", "SCHEDULES", "PRECISIONS", "COMPUTE_DTYPES", "DTYPE_FLAGS"]
+__all__ = ["Strategy", "SCHEDULES", "PRECISIONS", "COMPUTE_DTYPES", "DTYPE_FLAGS", "FSDP_UNITS", "check_bucket_cap"]
 
 SCHEDULES = ("gpipe", "1f1b")
 PRECISIONS = ("model", "bf16", "fp16")
@@ -20,11 +20,21 @@ param_dtype = reduce_dtype = the compute dtype): each partition runs under
 ``torch.autocast(dtype)`` (its op lists keep what they keep in float32), weights and the
 optimizer state stay float32 (master weights), activations and transfers move in the compute
 dtype, gradients are reduced in it."""
+FSDP_UNITS = ("op", "block")
+"""A plan's ZeRO-3 prefetch unit (``Strategy.fsdp_unit``)."""
 COMPUTE_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 """The torch dtype name a mixed precision computes in."""
 DTYPE_FLAGS = {"fp32": "model", "bf16": "bf16", "fp16": "fp16"}
 """The command line's ``--dtype`` -> a plan's precision (fp32: the model's own dtype, for a
 float32 model)."""
+
+
+def check_bucket_cap(value: object, field_name: str = "bucket_cap_mb") -> float:
+    """``value`` as a bucket cap in MiB; PlanError in one line unless it is a finite number > 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        raise PlanError(None, field_name, value, "the gradient bucket cap in MiB must be a finite number > 0 "
+                        "(DDP's bucket_cap_mb, default 25)")
+    return float(value)
 
 
 @dataclass(frozen=True)
@@ -37,6 +47,14 @@ class Strategy:
     microbatches: int = 1
     schedule: str = "gpipe"
     precision: str = "model"
+    bucket_cap_mb: float = 25.0
+    """The gradient buckets' cap in MiB (DDP's ``bucket_cap_mb``, its default 25):
+    ``strategies.lowered.split_buckets`` cuts each device set's gradients into buckets of about
+    this size, each synced as soon as its gradients are final (``strategies.overlap``)."""
+    fsdp_unit: str = "op"
+    """What one ZeRO-3 prefetch unit is (``strategies.prefetch``, ``FSDP_UNITS``): ``op``, each
+    step reading level-3 weights; ``block``, each instance of a repeated block
+    (``strategies.repeats``: a transformer layer, FSDP2's ``fully_shard`` per block)."""
     _index: Mapping[str, ParallelConfig] = field(default=None, compare=False, repr=False, hash=False)  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
@@ -52,11 +70,21 @@ class Strategy:
             raise PlanError(None, "schedule", self.schedule, f"must be one of {list(SCHEDULES)}")
         if self.precision not in PRECISIONS:
             raise PlanError(None, "precision", self.precision, f"must be one of {list(PRECISIONS)}")
+        check_bucket_cap(self.bucket_cap_mb)
+        if self.fsdp_unit not in FSDP_UNITS:
+            raise PlanError(None, "fsdp_unit", self.fsdp_unit, f"must be one of {list(FSDP_UNITS)} (the ZeRO-3 "
+                            "prefetch unit: each op's step, or each repeated block's instance)")
 
     @classmethod
     def of(cls, configs: Mapping[str, ParallelConfig], num_devices: int, microbatches: int = 1,
-           schedule: str = "gpipe", precision: str = "model") -> "Strategy":
-        return cls(tuple(configs.items()), num_devices, microbatches, schedule, precision)
+           schedule: str = "gpipe", precision: str = "model", bucket_cap_mb: float = 25.0,
+           fsdp_unit: str = "op") -> "Strategy":
+        return cls(tuple(configs.items()), num_devices, microbatches, schedule, precision, bucket_cap_mb, fsdp_unit)
+
+    @property
+    def bucket_cap_bytes(self) -> int:
+        """``bucket_cap_mb`` in bytes, as DDP counts it: int(mb · 1024 · 1024)."""
+        return int(self.bucket_cap_mb * 1024 * 1024)
 
     @property
     def compute_dtype(self) -> str | None:
@@ -93,7 +121,8 @@ class Strategy:
         new = object.__new__(Strategy)
         for f, value in (("configs", self.configs[:at] + ((name, config),) + self.configs[at + 1:]),
                          ("num_devices", self.num_devices), ("microbatches", self.microbatches),
-                         ("schedule", self.schedule), ("precision", self.precision), ("_index", {**self._index, name: config})):
+                         ("schedule", self.schedule), ("precision", self.precision),
+                         ("bucket_cap_mb", self.bucket_cap_mb), ("fsdp_unit", self.fsdp_unit), ("_index", {**self._index, name: config})):
             object.__setattr__(new, f, value)
         new.__dict__["_positions"] = self._positions  # cached properties live in __dict__
         uses = self.__dict__.get("_uses")
@@ -107,11 +136,23 @@ class Strategy:
         return new
 
     def with_microbatches(self, microbatches: int, schedule: str | None = None) -> "Strategy":
-        return Strategy(self.configs, self.num_devices, microbatches, schedule or self.schedule, self.precision)
+        return Strategy(self.configs, self.num_devices, microbatches, schedule or self.schedule, self.precision,
+                        self.bucket_cap_mb, self.fsdp_unit)
 
     def with_precision(self, precision: str) -> "Strategy":
         """The same plan computing in ``precision`` (``PRECISIONS``)."""
-        return Strategy(self.configs, self.num_devices, self.microbatches, self.schedule, precision)
+        return Strategy(self.configs, self.num_devices, self.microbatches, self.schedule, precision,
+                        self.bucket_cap_mb, self.fsdp_unit)
+
+    def with_bucket_cap(self, bucket_cap_mb: float) -> "Strategy":
+        """The same plan with gradient buckets capped at ``bucket_cap_mb`` MiB."""
+        return Strategy(self.configs, self.num_devices, self.microbatches, self.schedule, self.precision,
+                        bucket_cap_mb, self.fsdp_unit)
+
+    def with_fsdp_unit(self, fsdp_unit: str) -> "Strategy":
+        """The same plan with ZeRO-3 prefetch units of ``fsdp_unit`` (``FSDP_UNITS``)."""
+        return Strategy(self.configs, self.num_devices, self.microbatches, self.schedule, self.precision,
+                        self.bucket_cap_mb, fsdp_unit)
 
     @cached_property
     def devices_used(self) -> tuple[int, ...]:

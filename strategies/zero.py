@@ -1,7 +1,8 @@
 """Sharded state (ZeRO, Rajbhandari et al. 2020; FSDP2's ``fully_shard`` vocabulary): the one
 chunking rule of sharded weight state, which the simulator prices and the executor runs.
 
-Level 1 (optimizer state sharded): a gradient bucket (``BucketKey.zero`` 1) is the flat tensor
+Level 1 (optimizer state sharded): a gradient bucket (``BucketKey.zero`` 1; a group's shards
+are cut into buckets at the plan's cap, ``strategies.lowered.split_buckets``) is the flat tensor
 of its shards' elements, each shard's region flattened in row-major order, shards in
 ``Lowered.weight_shards`` order (the order every member packs them). With n members
 (``BucketKey.devices``, sorted) the flat tensor is padded with zeros to n·c elements,
@@ -33,7 +34,7 @@ from typing import NamedTuple
 
 from strategies.errors import PlanError
 from strategies.graph import DTYPE_BYTES
-from strategies.lowered import WEIGHT_KINDS, BucketKey, Lowered, WeightShard, bucket_key
+from strategies.lowered import WEIGHT_KINDS, BucketKey, Lowered, WeightShard
 from strategies.region import box_numel
 
 __all__ = ["ZeroBucket", "chunk_numel", "chunk_span", "zero_buckets", "per_use_shards", "shard_chunk_bytes", "GatherUse",
@@ -76,8 +77,7 @@ def zero_buckets(lowered: Lowered) -> dict[BucketKey, ZeroBucket]:
     if not any(k.zero == 1 for k in lowered.gradient_sync.buckets):
         return {}
     shards: dict[BucketKey, list[WeightShard]] = {}
-    for s in lowered.weight_shards:
-        key = bucket_key(s)
+    for s, key in zip(lowered.weight_shards, lowered.gradient_sync.shard_buckets):
         if key is not None and key.zero == 1:
             shards.setdefault(key, []).append(s)
     return {k: ZeroBucket(k, tuple(shards[k]), lowered.gradient_sync.buckets[k] // DTYPE_BYTES[k.dtype])

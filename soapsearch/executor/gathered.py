@@ -13,7 +13,8 @@ concatenated chunks per phase, one reduce-scatter of the gradients laid out the 
 go on process groups of their own, in each member's step order
 (``strategies.zero.gather_groups``), so they pair up with no other call. A level-3 all-gather is
 started ahead (``start``, async, at the step ``strategies.prefetch`` names, FSDP2's prefetch)
-and waited in ``unshard`` right before its reader computes."""
+and waited in ``unshard`` right before its reader computes; under ``fsdp_unit`` "block" one call
+gathers a unit's groups on one device set (``strategies.prefetch.calls_at``)."""
 
 from __future__ import annotations
 
@@ -69,8 +70,10 @@ class GatheredWeights:
         self.busy: dict[str, int] = {}
         """Weight -> its shards gathered now (its leaf's storage is held while any is)."""
         self.pending: list[tuple[GatherGroup, object, torch.Tensor, torch.Tensor]] = []
-        self.inflight: list[tuple[GatherGroup, object, torch.Tensor]] = []
-        """Level-3 all-gathers started (``start``) and not yet waited, in start order."""
+        self.inflight: list[list] = []
+        """Level-3 all-gather calls started (``start``) whose groups are not all copied out, in
+        start order: [its groups, the indices of those not copied yet, the work (None once
+        waited), its buffer]."""
         for name in self.freed:
             self._free(name)
 
@@ -82,43 +85,53 @@ class GatheredWeights:
         leaf, index = self.tensors[s.name], self.index(s.name, s.region)
         return leaf.data if index is None else leaf.data[index]
 
-    def start(self, groups: Sequence[GatherGroup]) -> None:
-        """Start the all-gather of each level-3 group (async): one call of the members'
-        concatenated chunks, n rows of Σ c_s, row i holding member i's chunk of each shard in
-        turn; ``unshard`` waits it."""
-        for u in groups:
-            if u.zero != 3:
+    def start(self, calls: Sequence[Sequence[GatherGroup]]) -> None:
+        """Start each call's all-gather (async): one call of the members' chunks of its level-3
+        groups concatenated, n rows of Σ c_s over its groups' shards, row i holding member i's
+        chunk of each shard in turn (a call of one group: that group's; of a unit's groups:
+        ``strategies.prefetch.calls_at``); ``unshard`` waits it."""
+        for call in calls:
+            call = [u for u in call if u.zero == 3]
+            if not call:
                 continue
-            mine = torch.cat([_wire(self.chunks[s].detach(), s) for s in u.shards])
-            pg = self.groups.get(u.devices)
-            out = mine.new_empty(len(u.devices) * mine.numel())
+            mine = torch.cat([_wire(self.chunks[s].detach(), s) for u in call for s in u.shards])
+            pg = self.groups.get(call[0].devices)
+            out = mine.new_empty(len(call[0].devices) * mine.numel())
             try:
                 work = dist.all_gather_into_tensor(out, mine, group=pg, async_op=True)
             except (RuntimeError, NotImplementedError, ValueError):  # the backend has none: into a list
-                out = [torch.empty_like(mine) for _ in u.devices]
+                out = [torch.empty_like(mine) for _ in call[0].devices]
                 work = dist.all_gather(out, mine, group=pg, async_op=True)
-            self.inflight.append((u, work, out))
+            self.inflight.append([call, list(range(len(call))), work, out])
 
     def unshard(self, groups: Sequence[GatherGroup]) -> None:
-        """Wait each level-3 group's all-gather (started now where ``start`` did not) and copy
-        it into its shards' leaves (their storage allocated again where freed)."""
+        """Wait the all-gather of each level-3 group (started now where ``start`` did not; a
+        call waited once, its buffer freed once every group in it is copied out) and copy
+        its columns into its shards' leaves (their storage allocated again where freed)."""
         for u in groups:
             if u.zero != 3:
                 continue
-            at = next((i for i, f in enumerate(self.inflight) if f[0] == u), None)
+            at = next((i for i, f in enumerate(self.inflight) if any(f[0][j] == u for j in f[1])), None)
             if at is None:
-                self.start([u])
+                self.start([[u]])
                 at = len(self.inflight) - 1
-            _, work, out = self.inflight.pop(at)
-            work.wait()
-            if isinstance(out, list):  # gathered into a list of rows
-                out = torch.cat(out)
+            call, left, work, out = entry = self.inflight[at]
+            if work is not None:
+                work.wait()
+                entry[2] = None
+                if isinstance(out, list):  # gathered into a list of rows
+                    out = entry[3] = torch.cat(out)
+            j = next(j for j in left if call[j] == u)
+            left.remove(j)
+            if not left:
+                self.inflight.pop(at)
             for s in u.shards:
                 leaf = self.tensors[s.name]
                 if not self.busy.get(s.name):
                     leaf.untyped_storage().resize_(leaf.numel() * leaf.element_size())
                 self.busy[s.name] = self.busy.get(s.name, 0) + 1
-            rows = out.view(len(u.devices), -1)
+            start = sum(sum(call[i].chunks) for i in range(j))
+            rows = out.view(len(u.devices), -1)[:, start:start + sum(u.chunks)]
             for s, part in zip(u.shards, rows.split(u.chunks, dim=1)):
                 view = self._view(s)
                 view.copy_(part.reshape(-1)[:view.numel()].view_as(view))

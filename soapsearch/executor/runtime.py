@@ -58,13 +58,13 @@ from soapsearch.executor.shards import LocalWeights
 from strategies.graph import OpGraph
 from strategies.lowering import WEIGHT_KINDS, BucketKey, Gate, loss_on_every_device, lower
 from strategies.overlap import bucket_issues, bucket_order
-from strategies.prefetch import issued_at
+from strategies.prefetch import call_key, calls_at, step_units
 from strategies.rules import get_rule
 from strategies.rules.base import no_reduce
 from strategies.rules.cross_entropy import LOCAL, ClassShards
 from strategies.rules.norm import uses_batch_stats
 from strategies.rules.pointwise import set_dropout_seed
-from strategies.schedule import device_order
+from strategies.schedule import Step, device_order
 from strategies.strategy import Strategy
 
 __all__ = ["Executor"]
@@ -175,14 +175,17 @@ class Executor:
 
     def _prefetch(self) -> list[list]:
         """``self.prefetch``: each step's level-3 groups (its recomputations' first, then its
-        own) started at the step ``strategies.prefetch.issued_at`` names (one gathering step ahead)."""
+        own) started at the step ``strategies.prefetch.calls_at`` names (one gathering unit ahead:
+        a step, or a repeated block's instance under ``fsdp_unit`` "block", whose groups on one
+        device set are one call)."""
         uses = self.weights.fsdp.uses
 
         def gathered(backward: bool, r: Recipe) -> list:
             again = [self.recipes[i].part for i in r.regraphs] if backward else []
             return [u for p in (*again, r.part) for u in uses.get((p.op, p.index), ()) if u.zero == 3]
         each = [gathered(*step) for step in self.steps]
-        return [[u for q in qs for u in each[q]] for qs in issued_at([bool(g) for g in each])]
+        units = step_units(self.lowered, [Step(b, r.part.op, r.part.index, r.part.microbatch) for b, r in self.steps])
+        return [[call for _, call in calls] for calls in calls_at(each, units, call_key)]
 
     # --- one step ---------------------------------------------------------------------------
     def step(self, seed: int = 0, update: bool = True) -> float:

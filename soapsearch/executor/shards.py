@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from soapsearch.executor.comm import ProcessGroups, run_collective
 from soapsearch.executor.gathered import GatheredWeights
-from strategies.lowering import BucketKey, Lowered, bucket_key
+from strategies.lowering import BucketKey, Lowered
 from strategies.overlap import bucket_order
 from strategies.region import Box, box_numel, index_in, shift_box, slice_box
 from strategies.zero import ZeroBucket, chunk_span, zero_buckets
@@ -113,12 +113,12 @@ class LocalWeights:
         return torch.nn.functional.pad(flat, (0, b.chunk * len(key.devices) - b.numel))
 
     def _buckets(self) -> dict[BucketKey, list[tuple[str, tuple[slice, ...] | None]]]:
-        """The shards this rank holds in each gradient bucket (``strategies.lowering.bucket_key``,
-        the buckets the simulator times): key -> [(weight name, its view ``index``)]."""
+        """The shards this rank holds in each gradient bucket (``GradientSync.shard_buckets``: cut
+        at the plan's cap, ``strategies.lowered.split_buckets``; the buckets the simulator
+        times): key -> [(weight name, its view ``index``)]."""
         buckets: dict[BucketKey, list] = {}
-        for s in self.mine:
-            key = bucket_key(s)
-            if key is not None:
+        for s, key in zip(self.lowered.weight_shards, self.lowered.gradient_sync.shard_buckets):
+            if key is not None and self.rank in s.devices:
                 buckets.setdefault(key, []).append((s.name, self.index(s.name, s.region)))
         return buckets
 

@@ -103,4 +103,4 @@ def replaced(current: Strategy, changed: dict[str, ParallelConfig]) -> Strategy 
             plan = plan.replace(op, cfg)
         return plan
     return Strategy(tuple((op, changed.get(op, cfg)) for op, cfg in current.configs), current.num_devices,
-                    current.microbatches, current.schedule, current.precision)
+                    current.microbatches, current.schedule, current.precision, current.bucket_cap_mb, current.fsdp_unit)

@@ -159,7 +159,14 @@ def make_plan(graph: OpGraph, name: str, n: int) -> Strategy:
     a random config per op; the second with 2 GPipe micro-batches; ``<plan>+rc_<what>``:
     ``<plan>`` with recompute on ``recompute_ops(graph, what)``; ``zero<level>_<plan>``:
     ``plan`` with every weighted op at that sharding level; ``first1_<plan>``: its first weighted
-    op at level 1, a gradient bucket of its own that starts after the others, ``strategies.overlap``)."""
+    op at level 1, a gradient bucket of its own that starts after the others, ``strategies.overlap``;
+    ``cap<K>k_<plan>``: ``plan`` with gradient buckets capped at K KiB, ``split_buckets``;
+    ``unitblock_<plan>``: ``plan`` with ``fsdp_unit`` "block")."""
+    if name.startswith("unitblock_"):  # <plan> with ZeRO-3 prefetch units of whole repeated blocks (fsdp_unit)
+        return make_plan(graph, name.removeprefix("unitblock_"), n).with_fsdp_unit("block")
+    if name.startswith("cap") and "k_" in name:  # <plan> with gradient buckets capped at <KiB> KiB (DDP's bucket_cap_mb)
+        kib, rest = name.removeprefix("cap").split("k_", 1)
+        return make_plan(graph, rest, n).with_bucket_cap(int(kib) / 1024)
     if "+rc_" in name:
         base, what = name.split("+rc_")
         return recompute(make_plan(graph, base, n), recompute_ops(graph, what))

@@ -27,9 +27,9 @@ def _record(rank: int, world: int, port: int, out: str) -> None:
         log, fsdp = [], ex.weights.fsdp
         start, unshard, fwd, bwd = fsdp.start, fsdp.unshard, ex._forward, ex._backward
 
-        def started(groups):
-            log.extend(("start", u.op, len(fsdp.inflight) + i) for i, u in enumerate(groups) if u.zero == 3)
-            start(groups)
+        def started(calls):  # per op (fsdp_unit "op"): one group a call
+            log.extend(("start", u.op, len(fsdp.inflight) + i) for i, [u] in enumerate(calls) if u.zero == 3)
+            start(calls)
 
         def waited(groups):
             log.extend(("wait", u.op, len(fsdp.inflight)) for u in groups if u.zero == 3)

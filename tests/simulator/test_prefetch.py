@@ -44,7 +44,7 @@ def test_prefetched_gathers_hide_behind_the_previous_unit(monkeypatch):
     low = lower(g, zero(3, data_parallel(g, 2), g))
     tg, names, start, end = _times(low)
     with monkeypatch.context() as m:
-        m.setattr(zero3, "issue_positions", lambda gathers: list(range(len(gathers))))
+        m.setattr(zero3, "issue_positions", lambda gathers, units=None: list(range(len(gathers))))
         _, names0, _, end0 = _times(low)
     assert names0 == names
     gathers = [i for i, x in enumerate(names) if x.startswith("allgather ")]

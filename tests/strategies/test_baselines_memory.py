@@ -1,6 +1,6 @@
 """The ``zero1`` and ``fsdp`` baselines: data parallel's cuts with every weighted op whose shards
 have replicas at ZeRO level 1 / 3 (and only those), valid plans, written by ``plan --baseline``
-as plan JSON version 3; ``strategies.replicas`` counts the replicas."""
+as plan JSON version 4; ``strategies.replicas`` counts the replicas."""
 
 import json
 
@@ -74,13 +74,13 @@ def test_sharded_keeps_the_plan_s_schedule_and_precision():
 
 
 @pytest.mark.parametrize("kind,level", [("fsdp", 3), ("zero1", 1)])
-def test_cli_plan_baseline_writes_version_3_with_the_level(tmp_path, capsys, kind, level):
+def test_cli_plan_baseline_writes_version_4_with_the_level(tmp_path, capsys, kind, level):
     out = tmp_path / "plan.json"
     assert main(["plan", "gpt", "--variant", "tiny", "--baseline", kind, "--devices", "4", "-o", str(out)]) == 0
     said = capsys.readouterr().out
     assert f" zero{level}" in said and f"wrote {kind} plan" in said
     obj = json.loads(out.read_text())
-    assert obj["version"] == 3
+    assert obj["version"] == 4 and obj["fsdp_unit"] == ("block" if kind == "fsdp" else "op")
     g = traced("gpt")
     ops = {o["name"]: o for o in obj["ops"]}
     assert ops["blocks_0_mlp_fc"]["zero"] == level and ops["blocks_0_mlp_fc"]["recompute"] is False
@@ -128,3 +128,11 @@ def test_show_plan_prints_the_level_and_recompute(tmp_path, capsys):
     lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()[1:]}
     assert lines["blocks_0_mlp_fc"].endswith("@ 0-1 zero3 recompute")
     assert lines["blocks_0_ln_1"].endswith("@ 0-1 zero3") and lines["inputs"].endswith("@ 0-1")
+
+
+def test_cli_plan_fsdp_unit_op(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert main(["plan", "gpt", "--variant", "tiny", "--baseline", "fsdp", "--devices", "2", "--fsdp-unit", "op",
+                 "-o", str(out)]) == 0
+    assert json.loads(out.read_text())["fsdp_unit"] == "op"
+    assert read_plan(out, traced("gpt")).strategy == baseline("fsdp", traced("gpt"), 2).with_fsdp_unit("op")

@@ -24,7 +24,7 @@ def test_round_trip_is_lossless(tmp_path, name):
     assert loaded.topology == {"name": "p100-4x4", "num_devices": 4}
     assert loaded.model["fingerprint"] == g.fingerprint()
     obj = json.loads(path.read_text())
-    assert obj["format"] == "soapsearch.strategy" and obj["version"] == 3
+    assert obj["format"] == "soapsearch.strategy" and obj["version"] == 4
     assert [o["name"] for o in obj["ops"]] == [n.name for n in g]
     # same bytes when written again
     save_strategy(tmp_path / "again.json", loaded.strategy, g, topology="p100-4x4",
@@ -41,7 +41,10 @@ def _op(obj, name):
 
 
 def _mutations():
-    def version(o): o["version"] = 4
+    def version(o): o["version"] = 5
+    def cap(o): o["bucket_cap_mb"] = 0
+    def cap_type(o): o["bucket_cap_mb"] = "25"
+    def unit(o): o["fsdp_unit"] = "layer"
     def zero(o): _op(o, "layers_0")["zero"] = 4
     def zero_type(o): _op(o, "layers_0")["zero"] = "3"
     def zero_no_weight(o): _op(o, "layers_1")["zero"] = 1
@@ -59,7 +62,10 @@ def _mutations():
     def microbatches(o): o["microbatches"] = 3
     def schedule(o): o["schedule"] = "zigzag"
     return [
-        (version, r"version = 4: this soapsearch reads versions 1, 2, 3"),
+        (version, r"version = 5: this soapsearch reads versions 1, 2, 3, 4"),
+        (cap, r"bucket_cap_mb = 0: the gradient bucket cap in MiB must be a finite number > 0"),
+        (cap_type, r"bucket_cap_mb = '25': the gradient bucket cap in MiB must be a finite number > 0"),
+        (unit, r"fsdp_unit = 'layer': must be one of \['op', 'block'\] \(the ZeRO-3 prefetch unit"),
         (zero, r"op 'layers_0': zero = 4: a sharding level is one of \[0, 1, 2, 3\]"),
         (zero_type, r"op 'layers_0': zero = '3': must be a JSON integer"),
         (zero_no_weight, r"zero = 1: a '\w+' op has no trainable weight to shard"),
@@ -105,6 +111,18 @@ def test_memory_fields_round_trip_and_old_plans_load_as_replicate_keep(tmp_path,
             del op["zero"], op["recompute"]
         loaded = load_strategy(old, mlp)
         assert all(c.zero == 0 and not c.recompute for _, c in loaded.items())
+
+
+def test_bucket_cap_round_trips_and_older_plans_load_with_ddps_25_mib(mlp):
+    plan = baseline("data_parallel", mlp, 2).with_bucket_cap(0.5)
+    obj = strategy_to_json(plan, mlp)
+    assert obj["bucket_cap_mb"] == 0.5 and load_strategy(obj, mlp) == plan
+    assert plan.bucket_cap_bytes == 524288
+    old = copy.deepcopy(obj)
+    old["version"] = 3
+    del old["bucket_cap_mb"], old["fsdp_unit"]
+    assert load_strategy(old, mlp).bucket_cap_mb == 25.0 and load_strategy(old, mlp).fsdp_unit == "op"
+    assert load_strategy(old, mlp).bucket_cap_bytes == 26214400
 
 
 def test_a_plan_for_another_shape_names_the_first_op_that_differs(mlp):
