@@ -77,7 +77,9 @@ class StudyResult(FoundPlan):
 
     @property
     def best_params(self) -> dict[str, Any]:
-        return dict(self.study.best_params) if self.study is not None else {}
+        complete = self.study is not None and any(t.state == optuna.trial.TrialState.COMPLETE
+                                                  for t in self.study.trials)
+        return dict(self.study.best_params) if complete else {}
 
 
 def open_storage(storage: Any) -> Any:
@@ -307,18 +309,19 @@ def _result(study: optuna.Study, objective: _Trials, graph: OpGraph, topo: Topol
     """The best complete trial, or a scored baseline where one ranks before it (a study stopped
     before its enqueued baselines all ran is never worse than any of them)."""
     complete = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
-    if not complete:
-        raise RuntimeError(f"study {study.study_name!r} has no complete trial")
-    best = min(complete, key=lambda t: (rank(t.user_attrs.get("fits", True), t.value), t.number))
-    plan = objective.plans.get(best.number) or load_strategy(best.user_attrs["plan"], graph)
-    expert = min(results, key=lambda k: rank(results[k].fits, plan_cost(results[k])), default=None)
-    if expert is not None and plans and rank(results[expert].fits, plan_cost(results[expert])) < rank(
-            best.user_attrs.get("fits", True), best.value):
+    expert = min(results, key=lambda k: rank(results[k].fits, plan_cost(results[k])), default=None) if plans else None
+    best = min(complete, key=lambda t: (rank(t.user_attrs.get("fits", True), t.value), t.number), default=None)
+    if best is None and expert is None:
+        raise RuntimeError(f"study {study.study_name!r} has no complete trial and no scored baseline")
+    if best is None or (expert is not None and rank(results[expert].fits, plan_cost(results[expert])) < rank(
+            best.user_attrs.get("fits", True), best.value)):  # a budget spent before any trial ended: the best expert
         plan = plans[expert]
+    else:
+        plan = objective.plans.get(best.number) or load_strategy(best.user_attrs["plan"], graph)
     result = objective.evaluator(plan.num_devices)(plan, summary=True)
     records = [TrialRecord(t.number, dict(t.params), t.value, t.user_attrs.get("iteration_ms"),
                            t.user_attrs.get("proposals", 0), t.user_attrs.get("baseline"))
-               for t in study.trials]
+               for t in study.trials if t.state != optuna.trial.TrialState.WAITING]  # enqueued, never run: no params
     return StudyResult(plan, result, graph, topo,
                        baselines={k: r.iteration_ms for k, r in results.items()},
                        baseline_results=results, proposals=objective.proposals,

@@ -112,6 +112,18 @@ def test_unopenable_sqlite_url_is_named(mlp, tmp_path):
         study_search(mlp, topology=TOPO, trials=1, trial_proposals=5, storage=url)
 
 
+def test_a_budget_spent_before_any_trial_ends_returns_the_best_baseline(mlp):
+    """The budget is spent on the baselines' scoring: no trial completes (optuna's timeout stops
+    the study before its first, or the first is pruned at the study's deadline); the baselines
+    enqueued and never run (WAITING, no params) are not trials of the result; the answer is the
+    best baseline (it was a RuntimeError)."""
+    found = study_search(mlp, topology=TOPO, budget_s=1e-6, seed=1, num_devices_choices=[2])
+    assert len(found.trials) <= 1 and all(t.params["num_devices"] == 2 and t.value is None for t in found.trials)
+    assert len(found.baselines) >= 2
+    best = min(found.baselines, key=found.baselines.get)
+    assert found.predicted_ms == found.baselines[best] and found.best_params == {}
+
+
 def test_time_budget_and_device_choices(mlp):
     found = study_search(mlp, topology=TOPO, budget_s=2.0, seed=1, num_devices_choices=[2])
     assert found.elapsed_s < 4.0
