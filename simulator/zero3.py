@@ -52,7 +52,7 @@ def add_gathers(tg: TaskGraph, lowered: Lowered, topology: Topology, blocks: Seq
         return np.empty((2, 0), dtype=INDEX), ends
     n, arrivals = topology.num_devices, []
     issue = _issue_tasks(lowered, groups, blocks, first, position, keep) if any(u.zero == 3 for u in groups) else {}
-    of, calls = _unit_calls(lowered, groups) if issue and lowered.strategy.fsdp_unit == "block" else ({}, {})
+    of, calls = _unit_calls(lowered, groups, keep) if issue and lowered.strategy.fsdp_unit == "block" else ({}, {})
     made: dict = {}  # a unit's call -> its simulated members' ends, by device
     for j in range(lowered.strategy.microbatches):
         for u in groups:
@@ -117,10 +117,11 @@ def _issue_tasks(lowered: Lowered, groups: Sequence, blocks: Sequence, first: np
     return out
 
 
-def _unit_calls(lowered: Lowered, groups: Sequence) -> tuple[dict, dict]:
+def _unit_calls(lowered: Lowered, groups: Sequence, keep: frozenset[int] | None = None) -> tuple[dict, dict]:
     """Under ``fsdp_unit`` "block": each level-3 gather (group, phase, micro-batch) of a unit's
     call -> the call's key, and each such key -> its gathers (``strategies.prefetch.calls_at``,
-    the rule the executor runs: a unit's groups on one device set move in one all-gather)."""
+    the rule the executor runs: a unit's groups on one device set move in one all-gather).
+    ``keep``: the devices simulated; a call with a simulated member is found from its order."""
     reads: dict[tuple[int, str, int], list] = {}
     for u in groups:
         if u.zero == 3:
@@ -129,6 +130,8 @@ def _unit_calls(lowered: Lowered, groups: Sequence) -> tuple[dict, dict]:
     of: dict = {}
     calls: dict = {}
     for d, order in device_order(lowered).items():
+        if keep is not None and d not in keep:
+            continue
         each = []
         for s in order:
             us = reads.get((d, s.op, s.index), ())

@@ -4,7 +4,6 @@ in a Gray code order (one op changes per plan, delta simulation exact), the best
 import itertools
 import json
 
-import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F

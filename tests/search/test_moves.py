@@ -4,7 +4,6 @@ move is rejected before simulation where a config cannot take the count, delta s
 the moves equals full simulation, and any plan that fits ranks before any that does not.
 These tests do not depend on what the simulator charges for zero or recompute."""
 
-import math
 import random
 
 import pytest
@@ -19,9 +18,9 @@ from soapsearch.search import search
 from soapsearch.search.api import Evaluator
 from soapsearch.search.config import SearchConfig
 from soapsearch.search.mcmc import Budget, ChainStats, accept, candidate_configs, consider, rank, run_chain
-from soapsearch.search.moves import MoveRates, Moves, Space, microbatch_choices, neighbor_ops
+from soapsearch.search.moves import MoveRates, Moves, microbatch_choices, neighbor_ops
 from soapsearch.search.blockmove import BlockMoves
-from strategies import ParallelConfig, data_parallel
+from strategies import data_parallel
 from strategies.baselines import fsdp
 from strategies.replicas import shardable
 from tests.conftest import traced

@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from strategies import Strategy, enumerate_configs
+from strategies import enumerate_configs
 from strategies.baselines import data_parallel
 from strategies.errors import PlanError
 from strategies.lowered import BucketKey, split_buckets
