@@ -7,12 +7,13 @@ from functools import cached_property
 from typing import Iterator, Mapping
 
 from strategies.config import ParallelConfig, validate_config
+from strategies.chunks import pipeline_chunks
 from strategies.errors import PlanError
 from strategies.graph import OpGraph, OpNode
 
 __all__ = ["Strategy", "SCHEDULES", "PRECISIONS", "COMPUTE_DTYPES", "DTYPE_FLAGS", "FSDP_UNITS", "check_bucket_cap"]
 
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
 PRECISIONS = ("model", "bf16", "fp16")
 """A plan's precision: ``model`` computes in the model's dtype (as traced); ``bf16`` / ``fp16``
 is mixed precision (Micikevicius et al. 2018; FSDP2's ``MixedPrecisionPolicy`` with
@@ -187,6 +188,11 @@ class Strategy:
         if configs:
             for node in graph:
                 self.validate_op(node, where)
+        if self.schedule == "interleaved":  # its ranks and chunks (strategies.chunks)
+            try:
+                pipeline_chunks(graph, self)
+            except PlanError as e:
+                raise PlanError(e.op, e.field, e.value, e.rule, where) from None
 
     def validate_op(self, node: OpNode, where: str = "") -> None:
         """Raise PlanError unless this plan's config of ``node`` is valid for it."""
