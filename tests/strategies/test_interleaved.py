@@ -126,3 +126,17 @@ def test_delta_equals_full_and_lowering_is_the_reference():
     for ref in walked:
         assert ref.strategy.schedule == "interleaved"
         _assert_equal(lower(graph, ref.strategy, cache), lower_reference(graph, ref.strategy))
+
+
+def test_plan_json_round_trip_and_a_broken_file():
+    """``"schedule": "interleaved"`` in the plan JSON loads as it was saved; a file whose ops
+    no longer form the chunks is refused in one line."""
+    from strategies.serialize import load_strategy, strategy_to_json
+
+    g = traced("gpt")
+    plan = megatron(g, 4, tp=2, pp=2, microbatches=2, virtual_stages=2)
+    obj = strategy_to_json(plan, g)
+    assert obj["schedule"] == "interleaved" and load_strategy(obj, g) == plan
+    one = strategy_to_json(megatron(g, 4, tp=2, pp=2, microbatches=2), g)
+    with pytest.raises(PlanError, match=r"^<plan>: schedule = 'interleaved': the ops in graph order make 2 run"):
+        load_strategy({**one, "schedule": "interleaved"}, g)
