@@ -140,3 +140,31 @@ def test_plan_json_round_trip_and_a_broken_file():
     one = strategy_to_json(megatron(g, 4, tp=2, pp=2, microbatches=2), g)
     with pytest.raises(PlanError, match=r"^<plan>: schedule = 'interleaved': the ops in graph order make 2 run"):
         load_strategy({**one, "schedule": "interleaved"}, g)
+
+
+def test_global_moves_draw_interleaved_factorizations():
+    """The global move's factorizations (soapsearch/search/globalmove.py) include 2 chunks per
+    rank where pp > 1 divides the micro-batches, and a short walk from one is delta = full."""
+    import random
+
+    from simulator.cost import get_cost_model
+    from simulator.presets import get_topology
+    from soapsearch.search.api import Evaluator
+    from soapsearch.search.globalmove import Factorization, GlobalMoves
+    from tests.search.delta_check import assert_delta_equals_full
+
+    graph = traced("gpt", batch_size=16)
+    evaluate = Evaluator(graph, get_topology("p100-1x4"), get_cost_model("analytical"))
+    moves = GlobalMoves(graph, 4, (1, 2, 4), "model", lambda plan: evaluate(plan, timeline=True))
+    inter = [f for f in moves.factorizations if f.schedule == "interleaved"]
+    assert inter and all(f.pp > 1 and f.microbatches % f.pp == 0 for f in inter)
+    plan = moves.plan(Factorization(2, 2, 4, "interleaved", 0, False, False))
+    assert plan.schedule == "interleaved" and pipeline_chunks(graph, plan).chunks == 2
+    assert_delta_equals_full(evaluate, plan)
+    rng, current, made = random.Random(5), plan, 0
+    for _ in range(3):
+        proposal = moves.propose(current, rng)
+        if proposal is not None:
+            assert_delta_equals_full(evaluate, proposal)
+            current, made = proposal, made + 1
+    assert made >= 2
