@@ -1,7 +1,8 @@
 """Parity of the interleaved 1F1B schedule (strategies/chunks.py, strategies/schedule.py): the
 megatron baseline cut into 2 pipeline ranks x 2 chunks (``--virtual-stages 2``) on zoo gpt and
 llama, 2 and 4 micro-batches, without tensor parallelism on 2 gloo processes and with it 2 ways
-on 4 (under ``-m slow``: CI's time), float64, SGD and Adam, against one device
+on 4, and 2 ways data parallel (gradient buckets) on 4 (the 4-process cases under ``-m slow``:
+CI's time), float64, SGD and Adam, against one device
 (``harness.compare``). Each rank sends to and
 receives from the other rank both ways between its chunks; the run finishing (no deadlock) and
 matching is the test."""
@@ -19,7 +20,7 @@ pytestmark = pytest.mark.distributed
 
 CASES_2 = [("gpt", "megatron_tp1_pp2_v2_mb4")]
 CASES_4 = [("gpt", "megatron_pp2_v2"), ("gpt", "megatron_pp2_v2_mb4"), ("gpt", "megatron_pp2_sp_v2_mb4"),
-           ("llama", "megatron_pp2_v2_mb4")]
+           ("llama", "megatron_pp2_v2_mb4"), ("gpt", "megatron_tp1_pp2_v2")]  # the last: data parallel 2 ways
 
 
 @pytest.mark.parametrize("world,cases", [(2, CASES_2), (4, CASES_4)])

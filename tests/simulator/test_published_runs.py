@@ -134,13 +134,14 @@ def test_tile_wave_efficiency_by_hand():
 
 @pytest.mark.slow
 def test_korthikanti_175b_recompute_sweep():
-    """64 GPUs, PP 8 over 64 micro-batches: within 15 % (the 1F1B bubble of 7/64 where the run's
-    interleaved schedule had 7/192; benchmarks/README.md) and ranked as published."""
+    """64 GPUs, PP 8 over 64 micro-batches, interleaved 1F1B with 3 chunks as run (a bubble of
+    7/192): within 13 % (benchmarks/README.md: -5.8 and -11.6 %; -10.5 and -14.0 % under plain
+    1F1B) and ranked as published."""
     full, selective = (r for r in KORTHIKANTI if r.name.startswith("175B"))
     graph = build_graph(full)
     times = {r.recompute: predict(r, graph) for r in (full, selective)}
     for r in (full, selective):
-        assert -0.15 <= throughput_error(r, times[r.recompute]) < 0, r.name  # slower: the bigger bubble
+        assert -0.13 <= throughput_error(r, times[r.recompute]) < 0, r.name
     assert times["selective"].iteration_time < times["full"].iteration_time
 
 
