@@ -35,9 +35,8 @@ reduce-scatters are collectives over them).
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import math
+from typing import Mapping, NamedTuple
 
 from strategies.chunks import pipeline_chunks
 from strategies.lowering import Lowered
@@ -111,7 +110,9 @@ def stages(lowered: Lowered) -> list[tuple[int, ...]]:
 
 
 def warmups(lowered: Lowered) -> dict[int, int]:
-    """Device -> forwards it runs before its first backward (see the module docstring)."""
+    """Device -> forwards it runs before its first backward (see the module docstring); under
+    the interleaved schedule, the micro-batches' worth of chunk passes it holds at most
+    (``_interleaved_warmups``)."""
     m = lowered.strategy.microbatches
     devices = lowered.strategy.devices_used
     if lowered.strategy.schedule == "interleaved":
@@ -183,12 +184,12 @@ def _components(nodes: list[int], succ: dict[int, set[int]]) -> dict[int, int]:
     return comp
 
 
-def chunk_of(lowered: Lowered) -> dict[str, int] | None:
+def chunk_of(lowered: Lowered) -> Mapping[str, int] | None:
     """Op -> its model chunk under the interleaved schedule (``strategies.chunks``); None for
     the other schedules (one chunk: a device's step holds all its partitions of a micro-batch)."""
     if lowered.strategy.schedule != "interleaved":
         return None
-    return dict(pipeline_chunks(lowered.graph, lowered.strategy).chunk)
+    return pipeline_chunks(lowered.graph, lowered.strategy).chunk
 
 
 def device_passes(lowered: Lowered) -> dict[int, list[tuple[bool, int, int]]]:
@@ -242,13 +243,19 @@ def interleaved_passes(microbatches: int, ranks: int, rank: int, chunks: int) ->
     m, p, v = microbatches, ranks, chunks
     table = [(j, c) for g in range(0, m, p) for c in range(v) for j in range(g, g + p)]
     total = m * v
-    w = min(2 * (p - rank - 1) + (v - 1) * p, total)
+    w = _interleaved_warmup(p, rank, v, total)
     fwd = [(False, j, c) for j, c in table]
     bwd = [(True, j, v - 1 - c) for j, c in table]
     out = fwd[:w]
     for k in range(total - w):
         out += [fwd[k + w], bwd[k]]
     return out + bwd[total - w:]
+
+
+def _interleaved_warmup(ranks: int, rank: int, chunks: int, passes_total: int) -> int:
+    """Megatron-LM's warm-up forwards of pipeline rank ``rank`` (``get_pp_rank_microbatches``):
+    2·(P − r − 1) + (v − 1)·P, at most every pass."""
+    return min(2 * (ranks - rank - 1) + (chunks - 1) * ranks, passes_total)
 
 
 def _interleaved_warmups(lowered: Lowered) -> dict[int, int]:
@@ -259,7 +266,7 @@ def _interleaved_warmups(lowered: Lowered) -> dict[int, int]:
     c = pipeline_chunks(lowered.graph, s)
     total = s.microbatches * c.chunks
     out = {}
-    for d in s.devices_used:
-        w = 2 * (c.ranks - c.rank[d] - 1) + (c.chunks - 1) * c.ranks
+    for d in s.devices_used:  # W + 1 passes in flight once the steady state starts
+        w = _interleaved_warmup(c.ranks, c.rank[d], c.chunks, total)
         out[d] = min(s.microbatches, math.ceil(min(w + 1, total) / c.chunks))
     return out

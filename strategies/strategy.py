@@ -6,12 +6,13 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Iterator, Mapping
 
-from strategies.config import ParallelConfig, validate_config
 from strategies.chunks import pipeline_chunks
+from strategies.config import ParallelConfig, validate_config
 from strategies.errors import PlanError
 from strategies.graph import OpGraph, OpNode
 
-__all__ = ["Strategy", "SCHEDULES", "PLAN_SCHEDULES", "PRECISIONS", "COMPUTE_DTYPES", "DTYPE_FLAGS", "FSDP_UNITS", "check_bucket_cap"]
+__all__ = ["Strategy", "SCHEDULES", "PLAN_SCHEDULES", "PRECISIONS", "COMPUTE_DTYPES", "DTYPE_FLAGS", "FSDP_UNITS",
+           "check_bucket_cap"]
 
 SCHEDULES = ("gpipe", "1f1b")
 """The schedules any plan can run (the search draws among them)."""

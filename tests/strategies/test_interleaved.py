@@ -59,7 +59,8 @@ def test_megatron_baseline_chunks_and_device_order():
 
 def _stack(blocks: int = 4, hidden: int = 2048, tokens: int = 16384):
     """A stack of equal MLP blocks (linear -> gelu -> linear) on meta: equal pipeline stages."""
-    layers = [m for _ in range(blocks) for m in (nn.Linear(hidden, 4 * hidden), nn.GELU(), nn.Linear(4 * hidden, hidden))]
+    layers = [m for _ in range(blocks)
+              for m in (nn.Linear(hidden, 4 * hidden), nn.GELU(), nn.Linear(4 * hidden, hidden))]
     model = nn.Sequential(*layers).to("meta")
     return trace(model, (torch.empty(tokens, hidden, device="meta"),), name="stack")
 
