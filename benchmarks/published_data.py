@@ -10,8 +10,11 @@ Sources (each figure read from the paper's own text, arXiv versions):
   vocabulary 51,200, sequence 2,048, mixed precision; every column (parameters, attention
   heads, hidden size, layers, tensor- and pipeline-parallel size, GPUs, batch, achieved TFLOP/s
   per GPU, % of peak, aggregate PFLOP/s) as printed there. §5.1: "we use the interleaved
-  pipeline schedule with the scatter/gather optimization enabled" (chunks per device not
-  given); its FLOPs, equation (3), count activation recomputation. Table 1 gives no
+  pipeline schedule with the scatter/gather optimization enabled"; the paper gives no chunks
+  per device, so they are read from the paper's own launch script in Megatron-LM
+  (examples/academic_paper_scripts/sc21/run_table_1.sh, ``--num-layers-per-virtual-pipeline-stage``
+  n: v = layers / (PP · n)): 76B 3, 145B 2, 310B 2, 530B 3; 39B and 1T run without it (1F1B).
+  Its FLOPs, equation (3), count activation recomputation. Table 1 gives no
   micro-batch: 1 sequence, the ``--micro-batch-size`` of Megatron-LM's GPT-3 175B example
   script and of the paper's §5.3-5.4 sweeps, is assumed (``MICROBATCH``).
 - Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models", MLSys'23
@@ -34,7 +37,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["MICROBATCH", "RECOMPUTE", "ROWS", "Run", "NARAYANAN", "KORTHIKANTI", "TORCHTITAN"]
+__all__ = ["MICROBATCH", "RECOMPUTE", "ROWS", "Run", "NARAYANAN", "NARAYANAN_CHUNKS", "KORTHIKANTI", "TORCHTITAN"]
 
 MICROBATCH = 1
 """Sequences per micro-batch where the source gives none (Narayanan Table 1): Megatron-LM's GPT-3
@@ -101,8 +104,7 @@ class Run:
     cut on the sequence (``megatron(sequence_parallel=True)``)."""
     chunks: int = 1
     """Model chunks per device of the published pipeline schedule: 1 for 1F1B, v > 1 for
-    interleaved 1F1B (Narayanan et al. §2.2.2; 0 where the source says interleaved without v).
-    The simulator runs 1F1B; a row with pp > 1 and chunks != 1 misses the smaller bubble."""
+    interleaved 1F1B (Narayanan et al. §2.2.2), run as ``megatron(virtual_stages=v)``."""
     dtype: str = "bf16"
     device: str = "a100"
     attention: str = "math"
@@ -124,9 +126,13 @@ class Run:
         return f"{self.device}-{max(self.gpus // 8, 1)}x{min(self.gpus, 8)}"
 
 
+NARAYANAN_CHUNKS = {"76B": 3, "145B": 2, "310B": 2, "530B": 3}
+"""Table 1's chunks per device (the module docstring: run_table_1.sh's layers per virtual stage);
+the other rows run 1F1B (or no pipeline)."""
+
 _NARAYANAN_ROWS = tuple(
     Run(name, p, a, h, l, t, pp, n, b, f"{NARAYANAN}, row {name}", "narayanan-table1", tflops=f,
-        percent_peak=pct, aggregate_pflops=agg, chunks=0 if pp > 1 else 1)
+        percent_peak=pct, aggregate_pflops=agg, chunks=NARAYANAN_CHUNKS.get(name, 1))
     for name, p, a, h, l, t, pp, n, b, f, pct, agg in (
         # name, params (B), heads, hidden, layers, TP, PP, GPUs, batch, TFLOP/s/GPU, % peak, PFLOP/s
         ("1.7B", 1.7, 24, 2304, 24, 1, 1, 32, 512, 137, 44, 4.4),

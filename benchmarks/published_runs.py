@@ -120,15 +120,16 @@ def build_graph(run: Run) -> OpGraph:
 
 
 def build_plan(run: Run, graph: OpGraph) -> Strategy:
-    """The row's baseline: ``megatron`` with its TP, PP, sequence parallelism and micro-batches
-    (1F1B), or ``fsdp`` over every GPU; its recompute (full: every block, ``plan --recompute``;
+    """The row's baseline: ``megatron`` with its TP, PP, sequence parallelism, micro-batches
+    and chunks per device (1F1B, or interleaved 1F1B where ``chunks`` > 1), or ``fsdp`` over
+    every GPU; its recompute (full: every block, ``plan --recompute``;
     selective: each attention core, Korthikanti et al. §5; alternate: every block of every
     second layer, torchtitan's selective layer checkpointing) and its dtype."""
     if run.plan == "fsdp":
         plan = fsdp(graph, run.gpus)
     else:
         plan = megatron(graph, run.gpus, tp=run.tp, pp=run.pp, microbatches=run.microbatches,
-                        sequence_parallel=run.sequence_parallel)
+                        sequence_parallel=run.sequence_parallel, virtual_stages=run.chunks)
     if run.recompute in ("full", "alternate"):
         full = recomputed(plan, graph)
         if run.recompute == "alternate":  # a layer is two blocks (attention, MLP); torchtitan
@@ -222,14 +223,6 @@ def block_wave_efficiency(run: Run) -> float:
     return flops / weighted
 
 
-def _missing(run: Run) -> str:
-    """Effects of the published run that the simulated plan leaves out, for the row's note."""
-    notes = []
-    if run.pp > 1 and run.chunks != 1:
-        notes.append("interleaved 1F1B" + (f" ({run.chunks} chunks)" if run.chunks else "") + " run as 1F1B")
-    return "; ".join(notes)
-
-
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sweep", action="append", help="only this sweep's rows (repeatable); sweeps: "
@@ -266,7 +259,8 @@ def main(argv: list[str] | None = None) -> None:
             (predicted_mfu(run, result), run.mfu) if run.wps is not None else \
             (1 / result.iteration_time, 1 / published_seconds(run))
         errors.setdefault(run.sweep, []).append((err, *ranked))
-        notes = "; ".join(n for n in (_missing(run), "" if result.fits else "does not fit") if n)
+        notes = "; ".join(n for n in (f"interleaved 1F1B, {run.chunks} chunks" if run.chunks > 1 else "",
+                                      "" if result.fits else "does not fit") if n)
         pred_tf = f"{predicted_tflops(run, result):7.1f}" if run.tflops is not None else f"{'-':>7s}"
         print(f"{head} {result.iteration_time:7.2f} {pub_tf} {pred_tf} {err:+7.1%} {block_wave_efficiency(run):5.3f} "
               f"{time.perf_counter() - t0:6.1f}  {run.source}{'; ' + notes if notes else ''}", flush=True)

@@ -14,7 +14,7 @@ import numpy as np
 from simulator.memory_zero import state_bytes
 from strategies.lowering import Lowered
 from strategies.pieces import drop_positions
-from strategies.schedule import warmups
+from strategies.schedule import chunk_of, device_passes, warmups
 
 __all__ = ["peak_memory", "memory_breakdown", "MemoryBreakdown", "OPTIMIZER_STATE", "activation_peaks"]
 
@@ -116,21 +116,39 @@ def activation_peaks(lowered: Lowered, ws: dict[int, int] | None = None) -> list
     micro-batch's passes are alike, so with K kept per micro-batch, r_f the forward pass's
     highest rise and r_b the backward pass's, the peak is max((w − 1)·K + r_f, w·K + r_b);
     without dropped outputs r_f = K and r_b = 0: w·K. ``ws``: ``warmups(lowered)``, where
-    the caller has it."""
+    the caller has it. Under the interleaved schedule a pass is one chunk's
+    (``_interleaved_peaks``)."""
     b, ws = lowered.device_bytes, warmups(lowered) if ws is None else ws
+    if lowered.strategy.schedule == "interleaved":
+        return _interleaved_peaks(lowered)
     if not any(map(_dropped, lowered.pieces.values())):  # the search's hot path: one C-level pass
         return [ws.get(d, 0) * k for d, k in enumerate(b.kept)]
+    held, freed, redone = _rows(lowered)
+    rise_f, rise_b = (x.tolist() for x in _rises(held, freed, redone))
+    out = []
+    for d, k in enumerate(b.kept):
+        w = ws.get(d, 0)
+        out.append(max((w - 1) * k + rise_f[d], w * k + rise_b[d]) if w else 0)
+    return out
+
+
+def _rows(lowered: Lowered) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(ops in graph order) x devices: the bytes each op's forward adds (what it keeps and its
+    dropped outputs), the dropped bytes freed after each op's forward, and those recomputed at
+    each op's backward (``strategies.pieces.drop_points``)."""
     graph, pieces = lowered.graph, lowered.pieces
     position = _positions(graph)
     ops = list(map(pieces.__getitem__, position))
-    n = len(b.kept)
+    n = len(lowered.device_bytes.kept)
     held = np.fromiter(itertools.chain.from_iterable(map(_activations, ops)), np.int64, len(ops) * n).reshape(-1, n)
     at = [i for i, p in enumerate(ops) if p.dropped]  # (op in graph order, device), then its dropped outputs
+    freed, redone = np.zeros_like(held), np.zeros_like(held)  # after an op's forward; at its backward
+    if not at:
+        return held, freed, redone
     dropped = np.array([ops[i].dropped for i in at], dtype=np.int64)
     held[at] += dropped
     names = list(position)
     row = {names[i]: k for k, i in enumerate(at)}
-    freed, redone = np.zeros_like(held), np.zeros_like(held)  # after an op's forward; at its backward
     which, fs, rs = [], [], []  # ops with one point for all their devices (their bytes are 0 elsewhere)
     for name, groups in drop_positions(graph, lowered.strategy, position).items():
         k = row[name]
@@ -144,15 +162,44 @@ def activation_peaks(lowered: Lowered, ws: dict[int, int] | None = None) -> list
             redone[r, d] += dropped[k, d]
     np.add.at(freed, fs, dropped[which])
     np.add.at(redone, rs, dropped[which])
+    return held, freed, redone
+
+
+def _rises(held: np.ndarray, freed: np.ndarray, redone: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per device, a forward pass's highest rise over its start and a backward pass's."""
     fwd = np.cumsum(held, axis=0)  # the level after op i's adds: Σ adds to i − Σ frees before i
     fwd[1:] -= np.cumsum(freed, axis=0)[:-1]
     bwd = np.cumsum(redone[::-1], axis=0)  # reverse order: Σ recomputed to i − Σ freed before i
     bwd[1:] -= np.cumsum(held[::-1], axis=0)[:-1]
-    rise_f, rise_b = np.maximum(fwd.max(axis=0), 0).tolist(), np.maximum(bwd.max(axis=0), 0).tolist()
-    out = []
-    for d, k in enumerate(b.kept):
-        w = ws.get(d, 0)
-        out.append(max((w - 1) * k + rise_f[d], w * k + rise_b[d]) if w else 0)
+    return np.maximum(fwd.max(axis=0), 0), np.maximum(bwd.max(axis=0), 0)
+
+
+def _interleaved_peaks(lowered: Lowered) -> list[int]:
+    """Per device, the activations' peak over its interleaved run order (Narayanan et al.
+    SC'21, section 2.2.2: more passes in flight than 1F1B): each (micro-batch, chunk) pass adds
+    or frees its chunk's K_c, the chunk's ops' rows of ``_rows`` giving its rises, walked over
+    ``strategies.schedule.device_passes``."""
+    chunk = chunk_of(lowered)
+    n = len(lowered.device_bytes.kept)
+    held, freed, redone = _rows(lowered)
+    kept = held.copy()
+    for p_i, p in enumerate(map(lowered.pieces.__getitem__, _positions(lowered.graph))):
+        if p.dropped:
+            kept[p_i] -= np.asarray(p.dropped, dtype=np.int64)
+    of = np.fromiter((chunk[node.name] for node in lowered.graph), np.int64, len(lowered.graph))
+    per: dict[int, tuple[list[int], list[int], list[int]]] = {}
+    for c in range(int(of.max()) + 1):
+        mask = (of == c)[:, None]
+        f, r = _rises(held * mask, freed * mask, redone * mask)
+        per[c] = ((kept * mask).sum(axis=0).tolist(), f.tolist(), r.tolist())
+    out = [0] * n
+    for d, passes in device_passes(lowered).items():
+        level = peak = 0
+        for backward, _, c in passes:
+            k, rise_f, rise_b = per[c]
+            peak = max(peak, level + (rise_b if backward else rise_f)[d])
+            level += -k[d] if backward else k[d]
+        out[d] = peak
     return out
 
 

@@ -53,7 +53,7 @@ from strategies.lowered import Gate
 from strategies.lowering import WEIGHT_KINDS, Lowered, OpPieces, ReductionGroup, Transfer
 from strategies.overlap import bucket_plan
 from strategies.rules import get_rule
-from strategies.schedule import Step, passes, warmups
+from strategies.schedule import Step, chunk_of, device_passes
 
 __all__ = ["TaskGraph", "TaskCache", "TaskKind", "CATEGORY", "Wire", "build_tasks", "device_steps"]
 
@@ -464,18 +464,23 @@ def _link_schedule(tg: TaskGraph, lowered: Lowered, steps: np.ndarray, first: np
     blocks' rows (``_Block``); returns each device's last step and the sends after it (its
     backward pass is over after them)."""
     n, m = tg.num_devices, lowered.strategy.microbatches
+    chunk = chunk_of(lowered)  # interleaved: a step is one chunk's partitions (strategies.chunks)
+    v = 1 + max(chunk.values()) if chunk else 1
     key = steps[1] * m + steps[2]
-    order = np.argsort(key.astype(np.min_scalar_type(n * m)), kind="stable")  # small ints: a radix sort
+    if chunk:
+        of_op = np.fromiter((chunk[node.name] for node in lowered.graph), INDEX, len(lowered.graph))
+        key = key * v + of_op[steps[5]]
+    order = np.argsort(key.astype(np.min_scalar_type(n * m * v)), kind="stable")  # small ints: a radix sort
     at = first[steps[5]]
     ts, fd, bd = ((steps[r] + at)[order] for r in (0, 3, 4))
     rts, rbd, size = ts[::-1] + 1, bd[::-1], len(ts)  # a backward pass: its forwards' slice reversed
-    bounds = np.concatenate([[0], np.cumsum(np.bincount(key, minlength=n * m))]).tolist()
-    ws = warmups(lowered)
-    devices = [d for d in range(n) if bounds[d * m + m] > bounds[d * m]]
+    bounds = np.concatenate([[0], np.cumsum(np.bincount(key, minlength=n * m * v))]).tolist()
+    all_passes = device_passes(lowered)
+    devices = [d for d in range(n) if bounds[(d + 1) * m * v] > bounds[d * m * v]]
     seq, ends, device_ends, total = [], [], [], 0
     for d in devices:
-        for backward, j in passes(m, ws[d]):
-            lo, hi = bounds[d * m + j], bounds[d * m + j + 1]
+        for backward, j, c in all_passes[d]:
+            lo, hi = bounds[(d * m + j) * v + c], bounds[(d * m + j) * v + c + 1]
             seq.append(rts[size - hi:size - lo] if backward else ts[lo:hi])
             ends.append(rbd[size - hi:size - lo] if backward else fd[lo:hi])
             total += hi - lo

@@ -114,11 +114,12 @@ def _cmd_plan(args) -> int:
     graph = _graph(args)
     replacing = check_plan_output(args.output, graph, args.force)
     megatron_only = [f for f, v in (("--tp", args.tp), ("--pp", args.pp != 1),
-                                    ("--sequence-parallel", args.sequence_parallel)) if v]
+                                    ("--sequence-parallel", args.sequence_parallel),
+                                    ("--virtual-stages", args.virtual_stages != 1)) if v]
     if megatron_only and args.baseline != "megatron":
         raise ValueError(f"{megatron_only[0]} is a flag of --baseline megatron, not of --baseline {args.baseline}")
     plan = baseline(args.baseline, graph, devices, args.microbatches, args.tp, args.pp, args.sequence_parallel,
-                    args.recompute)
+                    args.recompute, args.virtual_stages)
     plan = plan.with_precision(DTYPE_FLAGS[args.dtype]).with_bucket_cap(args.bucket_cap_mb)
     if args.fsdp_unit is not None:
         plan = plan.with_fsdp_unit(args.fsdp_unit)
@@ -216,6 +217,10 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--pp", type=int, default=1,
                       help="pipeline stages of --baseline megatron: contiguous blocks balanced by forward "
                            "FLOPs, each on its own devices / pp devices (default 1)")
+    plan.add_argument("--virtual-stages", type=int, default=1,
+                      help="--baseline megatron: model chunks per pipeline rank; above 1 the model is cut "
+                           "into pp x V stages, stage s on rank s mod pp, run by the interleaved 1F1B "
+                           "schedule (Narayanan et al. 2021; micro-batches a multiple of pp; default 1)")
     plan.add_argument("--sequence-parallel", action="store_true",
                       help="--baseline megatron: cut the ops between the blocks (LayerNorm, residual, "
                            "dropout) on the sequence over each tensor-parallel group (Korthikanti et al. "

@@ -231,23 +231,24 @@ BASELINES: dict[str, Callable[..., Strategy]] = {
 
 def baseline(name: str, graph: OpGraph, num_devices: int, microbatches: int | None = None,
              tp: int | None = None, pp: int = 1, sequence_parallel: bool = False,
-             recompute: bool = False) -> Strategy:
+             recompute: bool = False, virtual_stages: int = 1) -> Strategy:
     """The baseline plan ``name`` (one of BASELINES) for ``graph`` on ``num_devices``;
     ``microbatches``: of ``pipeline`` (default 4) and ``megatron`` (default 1); ``tp``, ``pp``,
-    ``sequence_parallel``: ``megatron``'s tensor-parallel degree (default
-    ``strategies.megatron.default_tp``), pipeline stages and layout between its blocks;
+    ``sequence_parallel``, ``virtual_stages``: ``megatron``'s tensor-parallel degree (default
+    ``strategies.megatron.default_tp``), pipeline stages, layout between its blocks and model
+    chunks per pipeline rank (the interleaved schedule above 1);
     ``recompute``: every op of every transformer block recomputed (``recomputed``)."""
     if name not in BASELINES:
         raise PlanError(None, "baseline", name, f"must be one of {sorted(BASELINES)}")
-    plan = _baseline(name, graph, num_devices, microbatches, tp, pp, sequence_parallel)
+    plan = _baseline(name, graph, num_devices, microbatches, tp, pp, sequence_parallel, virtual_stages)
     return recomputed(plan, graph) if recompute else plan
 
 
 def _baseline(name: str, graph: OpGraph, num_devices: int, microbatches: int | None, tp: int | None, pp: int,
-              sequence_parallel: bool) -> Strategy:
+              sequence_parallel: bool, virtual_stages: int = 1) -> Strategy:
     if name == "megatron":
         return megatron(graph, num_devices, tp, pp, 1 if microbatches is None else microbatches,
-                        sequence_parallel)
+                        sequence_parallel, virtual_stages)
     microbatches = 4 if microbatches is None else microbatches
     _check_counts(num_devices, microbatches)
     if name == "pipeline":

@@ -36,7 +36,9 @@ each tensor-parallel group is t consecutive devices (one node's NVLink domain on
 cluster). Pipeline stages (``pp``) are contiguous runs of ops, a block never split, balanced by
 forward FLOPs (the simulated time's proxy: ``megatron_stages``); stage s runs on devices
 [s·N/p, (s+1)·N/p). ``microbatches`` sets the plan's micro-batches (1F1B, Megatron's
-schedule, when there are several).
+schedule, when there are several). With ``virtual_stages`` v the ops are cut into p·v such
+stages and stage s runs on the devices of pipeline rank s mod p, under the interleaved schedule
+(``strategies.chunks``).
 """
 
 from __future__ import annotations
@@ -260,27 +262,37 @@ def _check(graph: OpGraph, n: int, t: int, p: int, m: int, blocks: list[Block]) 
 
 
 def megatron(graph: OpGraph, num_devices: int, tp: int | None = None, pp: int = 1, microbatches: int = 1,
-             sequence_parallel: bool = False) -> Strategy:
+             sequence_parallel: bool = False, virtual_stages: int = 1) -> Strategy:
     """The Megatron-LM plan (module docstring): ``tp``-way tensor parallelism (default
     ``default_tp`` of a stage's devices), ``pp`` pipeline stages, data parallelism over the
     other num_devices / (tp·pp) devices of each stage, ``microbatches`` micro-batches, the ops
-    between the blocks cut on the sequence (``sequence_parallel``) or on the samples."""
+    between the blocks cut on the sequence (``sequence_parallel``) or on the samples. With
+    ``virtual_stages`` v > 1 the model is cut into pp·v stages and stage s runs on pipeline
+    rank s mod pp under the interleaved schedule (Narayanan et al. SC'21, section 2.2.2)."""
     n, p, m = _whole_number("num_devices", num_devices), _whole_number("pp", pp), _whole_number("microbatches",
                                                                                                    microbatches)
+    v = _whole_number("virtual_stages", virtual_stages)
     if n % p:
         raise PlanError(None, "pp", p, f"{p} pipeline stages do not divide num_devices {n} ({n} % {p} = {n % p})")
+    if v > 1 and (p < 2 or m % p):
+        raise PlanError(None, "virtual_stages", v, f"the interleaved schedule needs pp >= 2 and micro-batches a "
+                        f"multiple of pp (pp {p}, microbatches {m})")
     t = default_tp(graph, n // p) if tp is None else tp
     if isinstance(t, bool) or not isinstance(t, int) or t < 1 or num_devices % t:
         raise PlanError(None, "tp", t, f"tensor-parallel degree must be a whole number dividing "
                         f"num_devices ({num_devices})")
     blocks = megatron_blocks(graph)
     d = _check(graph, n, t, p, m, blocks)
-    stage = megatron_stages(graph, blocks, p)
+    if p * v > max(len(blocks), 1):
+        raise PlanError(None, "virtual_stages", v, f"pp {p} x virtual_stages {v} = {p * v} stages but the model "
+                        f"has {len(blocks)} transformer blocks")
+    stage = megatron_stages(graph, blocks, p * v)
     size = n // p
     planned: dict[str, ParallelConfig] = {}
     for block in blocks:
         planned.update(block_layout(graph, block, d, t, m) or {})
     planned.update(vocab_head(graph, d, t, m))
     configs = {node.name: _shift(planned.get(node.name) or _other(node, d, t, m, sequence_parallel),
-                                 stage[node.name] * size) for node in graph}
-    return Strategy.of(configs, n, m, "1f1b" if m > 1 else "gpipe")
+                                 stage[node.name] % p * size) for node in graph}
+    schedule = "interleaved" if v > 1 else "1f1b" if m > 1 else "gpipe"
+    return Strategy.of(configs, n, m, schedule)

@@ -13,6 +13,15 @@ topological order (forward) or its reverse (backward).
   one group and share one w; the groups form a DAG along the forward data flow, and a group's w
   is min(m, 1 + the longest path from it to a sink). So w strictly falls along every edge and
   is equal inside a group, which keeps the fixed orders deadlock-free.
+- Interleaved 1F1B (Narayanan et al. SC'21, section 2.2.2; ``strategies.chunks``): pipeline
+  rank r of P holds v model chunks and runs (micro-batch, chunk) passes in the order of
+  Megatron-LM's ``forward_backward_pipelining_with_interleaving``
+  (megatron/core/pipeline_parallel/schedules.py, ``get_schedule_table`` with
+  ``microbatch_group_size_per_vp_stage`` = P, its default): the forwards go by groups of P
+  micro-batches through chunk 0, then chunk 1, ...; a backward runs the chunks from the last;
+  W = min(2·(P − r − 1) + (v − 1)·P, v·m) warm-up forwards, then one forward and one backward
+  alternately, then the remaining backwards. A device's step is then every partition it
+  computes for j in one chunk (``interleaved_passes``).
 
 Collectives (``Lowered.collectives``) are called by every member of their device group in the
 same order (torch.distributed's rule): a member calls a collective's forward at the start of its
@@ -26,13 +35,15 @@ reduce-scatters are collectives over them).
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import math
+from typing import Mapping, NamedTuple
 
+from strategies.chunks import pipeline_chunks
 from strategies.lowering import Lowered
 from strategies.zero import per_use_shards
 
-__all__ = ["Step", "CollectiveCall", "collective_calls", "collective_steps", "device_order", "passes", "stages",
-           "warmup", "warmups"]
+__all__ = ["Step", "CollectiveCall", "chunk_of", "collective_calls", "collective_steps", "device_order",
+           "device_passes", "interleaved_passes", "passes", "stages", "warmup", "warmups"]
 
 
 class Step(NamedTuple):
@@ -99,9 +110,13 @@ def stages(lowered: Lowered) -> list[tuple[int, ...]]:
 
 
 def warmups(lowered: Lowered) -> dict[int, int]:
-    """Device -> forwards it runs before its first backward (see the module docstring)."""
+    """Device -> forwards it runs before its first backward (see the module docstring); under
+    the interleaved schedule, the micro-batches' worth of chunk passes it holds at most
+    (``_interleaved_warmups``)."""
     m = lowered.strategy.microbatches
     devices = lowered.strategy.devices_used
+    if lowered.strategy.schedule == "interleaved":
+        return _interleaved_warmups(lowered)
     if lowered.strategy.schedule == "gpipe" or m == 1:
         return {d: m for d in devices}
     succ: dict[int, set[int]] = {d: set() for d in devices}
@@ -169,22 +184,41 @@ def _components(nodes: list[int], succ: dict[int, set[int]]) -> dict[int, int]:
     return comp
 
 
+def chunk_of(lowered: Lowered) -> Mapping[str, int] | None:
+    """Op -> its model chunk under the interleaved schedule (``strategies.chunks``); None for
+    the other schedules (one chunk: a device's step holds all its partitions of a micro-batch)."""
+    if lowered.strategy.schedule != "interleaved":
+        return None
+    return pipeline_chunks(lowered.graph, lowered.strategy).chunk
+
+
+def device_passes(lowered: Lowered) -> dict[int, list[tuple[bool, int, int]]]:
+    """Device -> its passes in order, (backward?, micro-batch, chunk): ``passes`` with chunk 0
+    for GPipe and 1F1B, ``interleaved_passes`` for the interleaved schedule."""
+    s = lowered.strategy
+    if s.schedule == "interleaved":
+        c = pipeline_chunks(lowered.graph, s)
+        return {d: interleaved_passes(s.microbatches, c.ranks, c.rank[d], c.chunks) for d in s.devices_used}
+    return {d: [(b, j, 0) for b, j in passes(s.microbatches, w)] for d, w in warmups(lowered).items()}
+
+
 def device_order(lowered: Lowered) -> dict[int, list[Step]]:
     """Device -> its steps in the order it runs them."""
-    m = lowered.strategy.microbatches
-    fwd: dict[int, list[list[Step]]] = {}
+    chunk = chunk_of(lowered)
+    fwd: dict[tuple[int, int, int], list[Step]] = {}
     for node in lowered.graph:
+        c = chunk[node.name] if chunk else 0
         for j, parts in enumerate(lowered.partitions[node.name]):
             for p in parts:
-                fwd.setdefault(p.device, [[] for _ in range(m)])[j].append(
-                    Step(False, node.name, p.index, j))
+                fwd.setdefault((p.device, j, c), []).append(Step(False, node.name, p.index, j))
     order: dict[int, list[Step]] = {}
-    ws = warmups(lowered)
-    for device, per_mb in sorted(fwd.items()):
-        seq: list[Step] = []
-        for backward, j in passes(m, ws[device]):
-            seq += [Step(True, s.op, s.index, j) for s in reversed(per_mb[j])] if backward else per_mb[j]
-        order[device] = seq
+    all_passes = device_passes(lowered)
+    for device in sorted({d for d, _, _ in fwd}):
+        out: list[Step] = []
+        for backward, j, c in all_passes[device]:
+            steps = fwd.get((device, j, c), [])
+            out += [Step(True, s.op, s.index, j) for s in reversed(steps)] if backward else steps
+        order[device] = out
     return order
 
 
@@ -197,3 +231,42 @@ def passes(microbatches: int, warmup: int) -> list[tuple[bool, int]]:
     for j in range(m - w):
         out += [(True, j), (False, j + w)]
     return out + [(True, j) for j in range(m - w, m)]
+
+
+def interleaved_passes(microbatches: int, ranks: int, rank: int, chunks: int) -> list[tuple[bool, int, int]]:
+    """Pipeline rank ``rank`` of ``ranks``' passes, (backward?, micro-batch, chunk), in the order
+    of Megatron-LM's ``forward_backward_pipelining_with_interleaving`` (module docstring):
+    forward k is ``get_schedule_table``'s entry k (groups of P micro-batches through chunk 0,
+    then 1, ...), backward k the same entry with chunk v − 1 − c; W warm-up forwards, then
+    forward k + W and backward k for each k, then the remaining backwards. ``microbatches`` must
+    be a multiple of ``ranks``."""
+    m, p, v = microbatches, ranks, chunks
+    table = [(j, c) for g in range(0, m, p) for c in range(v) for j in range(g, g + p)]
+    total = m * v
+    w = _interleaved_warmup(p, rank, v, total)
+    fwd = [(False, j, c) for j, c in table]
+    bwd = [(True, j, v - 1 - c) for j, c in table]
+    out = fwd[:w]
+    for k in range(total - w):
+        out += [fwd[k + w], bwd[k]]
+    return out + bwd[total - w:]
+
+
+def _interleaved_warmup(ranks: int, rank: int, chunks: int, passes_total: int) -> int:
+    """Megatron-LM's warm-up forwards of pipeline rank ``rank`` (``get_pp_rank_microbatches``):
+    2·(P − r − 1) + (v − 1)·P, at most every pass."""
+    return min(2 * (ranks - rank - 1) + (chunks - 1) * ranks, passes_total)
+
+
+def _interleaved_warmups(lowered: Lowered) -> dict[int, int]:
+    """Device -> the micro-batches' worth of activations its interleaved order holds at most:
+    the (micro-batch, chunk) passes in flight at its first backward, / v, rounded up (its
+    ranks share one value, so the executor's checks of coupled devices hold)."""
+    s = lowered.strategy
+    c = pipeline_chunks(lowered.graph, s)
+    total = s.microbatches * c.chunks
+    out = {}
+    for d in s.devices_used:  # W + 1 passes in flight once the steady state starts
+        w = _interleaved_warmup(c.ranks, c.rank[d], c.chunks, total)
+        out[d] = min(s.microbatches, math.ceil(min(w + 1, total) / c.chunks))
+    return out

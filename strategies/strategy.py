@@ -6,13 +6,19 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Iterator, Mapping
 
+from strategies.chunks import pipeline_chunks
 from strategies.config import ParallelConfig, validate_config
 from strategies.errors import PlanError
 from strategies.graph import OpGraph, OpNode
 
-__all__ = ["Strategy", "SCHEDULES", "PRECISIONS", "COMPUTE_DTYPES", "DTYPE_FLAGS", "FSDP_UNITS", "check_bucket_cap"]
+__all__ = ["Strategy", "SCHEDULES", "PLAN_SCHEDULES", "PRECISIONS", "COMPUTE_DTYPES", "DTYPE_FLAGS", "FSDP_UNITS",
+           "check_bucket_cap"]
 
 SCHEDULES = ("gpipe", "1f1b")
+"""The schedules any plan can run (the search draws among them)."""
+PLAN_SCHEDULES = (*SCHEDULES, "interleaved")
+"""Every schedule a plan may name: ``interleaved`` only where its devices form the ranks and
+chunks of an interleaved pipeline (``strategies.chunks``)."""
 PRECISIONS = ("model", "bf16", "fp16")
 """A plan's precision: ``model`` computes in the model's dtype (as traced); ``bf16`` / ``fp16``
 is mixed precision (Micikevicius et al. 2018; FSDP2's ``MixedPrecisionPolicy`` with
@@ -66,8 +72,8 @@ class Strategy:
             raise PlanError(None, "num_devices", self.num_devices, "must be a whole number >= 1")
         if not isinstance(self.microbatches, int) or self.microbatches < 1:
             raise PlanError(None, "microbatches", self.microbatches, "must be a whole number >= 1")
-        if self.schedule not in SCHEDULES:
-            raise PlanError(None, "schedule", self.schedule, f"must be one of {list(SCHEDULES)}")
+        if self.schedule not in PLAN_SCHEDULES:
+            raise PlanError(None, "schedule", self.schedule, f"must be one of {list(PLAN_SCHEDULES)}")
         if self.precision not in PRECISIONS:
             raise PlanError(None, "precision", self.precision, f"must be one of {list(PRECISIONS)}")
         check_bucket_cap(self.bucket_cap_mb)
@@ -187,6 +193,11 @@ class Strategy:
         if configs:
             for node in graph:
                 self.validate_op(node, where)
+        if self.schedule == "interleaved":  # its ranks and chunks (strategies.chunks)
+            try:
+                pipeline_chunks(graph, self)
+            except PlanError as e:
+                raise PlanError(e.op, e.field, e.value, e.rule, where) from None
 
     def validate_op(self, node: OpNode, where: str = "") -> None:
         """Raise PlanError unless this plan's config of ``node`` is valid for it."""

@@ -1,13 +1,14 @@
 """The global move: one proposal that changes how the devices are factored, data × tensor ×
 pipeline degrees with the micro-batches and schedule, the sharding level, recompute and the
 layout between the blocks, and re-derives every op's config from it as the baselines do
-(``strategies.megatron.megatron``: ``tp``, ``pp``, ``microbatches``, ``sequence_parallel``;
+(``strategies.megatron.megatron``: ``tp``, ``pp``, ``microbatches``, ``sequence_parallel``, and
+``virtual_stages`` 2 under the interleaved schedule;
 ``strategies.baselines.sharded`` and ``recomputed`` for the flags). A proposal draws one
 factorization uniformly, whatever the current plan, so the reverse of a move from one
 factorization's plan to another's is a move of the same probability (on plans that are not a
 factorization's, the op moves' ground, the chain is a search, not an exact sampler).
 
-With probability ``RESTAGE``, where the current plan has pipeline stages, the proposal is
+With probability ``RESTAGE``, where the current plan has pipeline stages (not interleaved), the proposal is
 instead the plan with its stages rebalanced by the simulator's per-unit times
 (``stagemove.restage``: PipeDream's dynamic program).
 
@@ -39,7 +40,8 @@ RESTAGE = 0.25
 
 @dataclass(frozen=True)
 class Factorization:
-    """Data × ``tp`` × ``pp`` devices, ``microbatches`` under ``schedule``, the weighted ops at
+    """Data × ``tp`` × ``pp`` devices, ``microbatches`` under ``schedule`` (``interleaved``: 2
+    chunks per pipeline rank, ``microbatches`` a multiple of ``pp``), the weighted ops at
     sharding level ``zero``, the blocks' ops recomputed or not, the ops between the blocks cut on
     the sequence (``sequence_parallel``) or the samples."""
 
@@ -70,7 +72,8 @@ class GlobalMoves:
         self.factorizations = [
             Factorization(t, p, m, s, z, r, sp)
             for t in tps for p in pps if t * p <= num_devices for m in choices
-            for s in (SCHEDULES if m > 1 else ("gpipe",)) for z in ZERO_LEVELS
+            for s in ((*SCHEDULES, *(("interleaved",) if p > 1 and m % p == 0 else ())) if m > 1 else ("gpipe",))
+            for z in ZERO_LEVELS
             for r in ((False, True) if blocks else (False,)) for sp in ((False, True) if t > 1 else (False,))]
         self._base: dict[tuple, Strategy | None] = {}
         self._made: dict[Factorization, Strategy | None] = {}
@@ -81,11 +84,12 @@ class GlobalMoves:
     def plan(self, f: Factorization) -> Strategy | None:
         """The plan of ``f`` (None where the graph does not take it: a PlanError of the baseline)."""
         if f not in self._made:
-            key = (f.tp, f.pp, f.microbatches, f.sequence_parallel)
+            v = 2 if f.schedule == "interleaved" else 1  # 2 model chunks per pipeline rank
+            key = (f.tp, f.pp, f.microbatches, f.sequence_parallel, v)
             if key not in self._base:
                 try:
                     self._base[key] = megatron(self.graph, self.num_devices, f.tp, f.pp, f.microbatches,
-                                               f.sequence_parallel)
+                                               f.sequence_parallel, v)
                 except PlanError:
                     self._base[key] = None
             plan = self._base[key]
@@ -104,7 +108,7 @@ class GlobalMoves:
     def propose(self, current: Strategy, rng: random.Random) -> Strategy | None:
         """A drawn factorization's plan, or (``RESTAGE``) ``current`` restaged; None where it is
         ``current`` or not valid."""
-        if self.timed is not None and rng.random() < RESTAGE:
+        if self.timed is not None and current.schedule != "interleaved" and rng.random() < RESTAGE:
             return restage(self.graph, current, self.timed)
         plan = self.draw(rng)
         return None if plan is None or plan == current else plan

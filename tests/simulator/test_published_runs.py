@@ -7,7 +7,7 @@ so a cost-model regression fails."""
 
 import pytest
 
-from benchmarks.published_data import RECOMPUTE
+from benchmarks.published_data import NARAYANAN_CHUNKS, RECOMPUTE
 from benchmarks.published_runs import (ROWS, block_wave_efficiency, build_graph, build_plan, korthikanti_model_flops,
                                        llama_params, narayanan_flops, narayanan_params, predict, predicted_mfu,
                                        predicted_tflops, published_seconds, reachable, throughput_error,
@@ -34,7 +34,10 @@ def test_narayanan_table_is_the_papers():
         assert abs(100 * r.tflops * 1e12 / PEAK - r.percent_peak) <= 0.5, r.name
         assert r.tp * r.pp * r.dp == r.gpus and r.dp * r.microbatch * r.microbatches == r.batch, r.name
         assert published_seconds(r) * r.gpus * r.tflops * 1e12 == pytest.approx(narayanan_flops(r))
-        assert r.chunks == (0 if r.pp > 1 else 1), r.name  # §5.1: interleaved, chunks not given
+        # §5.1: interleaved; v from the paper's run_table_1.sh (layers per virtual stage)
+        assert r.chunks == NARAYANAN_CHUNKS.get(r.name, 1), r.name
+        assert r.layers % (r.pp * r.chunks) == 0 and (r.chunks == 1 or r.microbatches % r.pp == 0), r.name
+    assert [r.layers // (r.pp * r.chunks) for r in NARAYANAN if r.chunks > 1] == [5, 5, 3, 1]
     # 1T: 96·3072·2048·128·25600²·(1 + 2048/153600 + 51200/52428800) = 5.139e19 FLOPs an iteration
     assert narayanan_flops(NARAYANAN[-1]) == pytest.approx(5.139e19, rel=1e-3)
     assert all(reachable(r) is None for r in NARAYANAN)  # the a100-Nx8 presets reach 3,072 devices
@@ -131,13 +134,14 @@ def test_tile_wave_efficiency_by_hand():
 
 @pytest.mark.slow
 def test_korthikanti_175b_recompute_sweep():
-    """64 GPUs, PP 8 over 64 micro-batches: within 15 % (the 1F1B bubble of 7/64 where the run's
-    interleaved schedule had 7/192; benchmarks/README.md) and ranked as published."""
+    """64 GPUs, PP 8 over 64 micro-batches, interleaved 1F1B with 3 chunks as run (a bubble of
+    7/192): within 13 % (benchmarks/README.md: -5.8 and -11.6 %; -10.5 and -14.0 % under plain
+    1F1B) and ranked as published."""
     full, selective = (r for r in KORTHIKANTI if r.name.startswith("175B"))
     graph = build_graph(full)
     times = {r.recompute: predict(r, graph) for r in (full, selective)}
     for r in (full, selective):
-        assert -0.15 <= throughput_error(r, times[r.recompute]) < 0, r.name  # slower: the bigger bubble
+        assert -0.13 <= throughput_error(r, times[r.recompute]) < 0, r.name
     assert times["selective"].iteration_time < times["full"].iteration_time
 
 

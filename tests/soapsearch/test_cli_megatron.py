@@ -1,5 +1,5 @@
-"""``soapsearch plan MODEL --baseline megatron`` with --tp, --pp, --microbatches and
---sequence-parallel, each bad value refused in one line with the arithmetic, and
+"""``soapsearch plan MODEL --baseline megatron`` with --tp, --pp, --microbatches,
+--virtual-stages and --sequence-parallel, each bad value refused in one line with the arithmetic, and
 ``search --init megatron``."""
 
 import json
@@ -31,6 +31,18 @@ def test_plan_megatron_with_every_flag(tmp_path, capsys):
     assert "1 micro-batch(es)" in capsys.readouterr().out
 
 
+def test_plan_megatron_virtual_stages(tmp_path):
+    """--virtual-stages 2: 4 stages of one block each, stage s on rank s mod 2, interleaved."""
+    out = tmp_path / "plan.json"
+    assert main(["plan", *GPT, "--baseline", "megatron", "--devices", "4", "--tp", "2", "--pp", "2",
+                 "--microbatches", "4", "--virtual-stages", "2", "-o", str(out)]) == 0
+    g = traced("gpt")
+    plan = read_plan(out, g).strategy
+    assert (plan.microbatches, plan.schedule) == (4, "interleaved")
+    assert [plan[f"blocks_{i}_{b}_proj"].devices for i in (0, 1) for b in ("attn", "mlp")] == [
+        (0, 1), (2, 3), (0, 1), (2, 3)]
+
+
 @pytest.mark.parametrize("flags,says", [
     (["--devices", "4", "--tp", "2", "--pp", "3"],
      "pp = 3: 3 pipeline stages do not divide num_devices 4 (4 % 3 = 1)"),
@@ -42,13 +54,18 @@ def test_plan_megatron_with_every_flag(tmp_path, capsys):
     (["--devices", "8", "--tp", "1", "--pp", "8"],
      "pp = 8: more pipeline stages than the model's 4 transformer blocks; give pp <= 4"),
     (["--devices", "2", "--pp", "0"], "pp = 0: must be a whole number >= 1"),
+    (["--devices", "4", "--tp", "2", "--pp", "2", "--microbatches", "1", "--virtual-stages", "2"],
+     "virtual_stages = 2: the interleaved schedule needs pp >= 2 and micro-batches a multiple of pp "
+     "(pp 2, microbatches 1)"),
+    (["--devices", "4", "--tp", "2", "--pp", "2", "--microbatches", "2", "--virtual-stages", "3"],
+     "virtual_stages = 3: pp 2 x virtual_stages 3 = 6 stages but the model has 4 transformer blocks"),
 ])
 def test_bad_megatron_flags(tmp_path, capsys, flags, says):
     line = cli_error(capsys, ["plan", *GPT, "--baseline", "megatron", *flags, "-o", str(tmp_path / "p.json")])
     assert line == f"soapsearch plan: error: {says}\n"
 
 
-@pytest.mark.parametrize("flag", [["--tp", "2"], ["--pp", "2"], ["--sequence-parallel"]])
+@pytest.mark.parametrize("flag", [["--tp", "2"], ["--pp", "2"], ["--sequence-parallel"], ["--virtual-stages", "2"]])
 def test_megatron_flags_on_another_baseline(tmp_path, capsys, flag):
     line = cli_error(capsys, ["plan", *GPT, "--baseline", "owt", "--devices", "2", *flag,
                               "-o", str(tmp_path / "p.json")])
