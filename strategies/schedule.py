@@ -29,6 +29,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from strategies.lowering import Lowered
+from strategies.memo import per_lowered
 from strategies.zero import per_use_shards
 
 __all__ = ["Step", "CollectiveCall", "collective_calls", "collective_steps", "device_order", "passes", "stages",
@@ -169,6 +170,7 @@ def _components(nodes: list[int], succ: dict[int, set[int]]) -> dict[int, int]:
     return comp
 
 
+@per_lowered
 def device_order(lowered: Lowered) -> dict[int, list[Step]]:
     """Device -> its steps in the order it runs them."""
     m = lowered.strategy.microbatches
