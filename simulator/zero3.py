@@ -101,19 +101,20 @@ def add_gathers(tg: TaskGraph, lowered: Lowered, topology: Topology, blocks: Seq
 
 def _issue_tasks(lowered: Lowered, groups: Sequence, blocks: Sequence, first: np.ndarray,
                  position: dict[str, int], keep: frozenset[int] | None = None) -> dict[tuple[int, Step], int]:
-    """(device, step) -> the first task of the step at whose start the level-3 all-gathers that
-    step reads are issued there (``strategies.prefetch.issue_positions``)."""
+    """(device, step reading level-3 weights) -> the first task of the step at whose start the
+    all-gathers that step reads are issued there (``strategies.prefetch.issue_positions``)."""
     reads = {(d, op, k) for op, ks, devs in ((u.op, u.partitions, u.devices) for u in groups if u.zero == 3)
              for d, k in zip(devs, ks)}
+    at = first.tolist()  # each block's first task, as ints
     out = {}
     for d, order in device_order(lowered).items():
         if keep is not None and d not in keep:
             continue
-        starts = [int(first[position[s.op]]) + blocks[position[s.op]].fwd[s.microbatch][s.index] + int(s.backward)
-                  for s in order]
-        units = step_units(lowered, order)
-        for s, p in zip(order, issue_positions([(d, s.op, s.index) in reads for s in order], units)):
-            out[(d, s)] = starts[p]
+        flags = [(d, s.op, s.index) in reads for s in order]
+        for s, p, f in zip(order, issue_positions(flags, step_units(lowered, order)), flags):
+            if f:  # only a reading step's gathers are issued (a step of no gather is its own position)
+                i = order[p]
+                out[(d, s)] = at[position[i.op]] + blocks[position[i.op]].fwd[i.microbatch][i.index] + i.backward
     return out
 
 
@@ -132,6 +133,7 @@ def _unit_calls(lowered: Lowered, groups: Sequence, keep: frozenset[int] | None 
     of: dict = {}
     calls: dict = {}
     phases_of = {}
+    alike: set[tuple] = set()  # devices' gathers and units whose calls are kept
     for d, order in device_order(lowered).items():
         if keep is not None and d not in keep:
             continue
@@ -145,8 +147,13 @@ def _unit_calls(lowered: Lowered, groups: Sequence, keep: frozenset[int] | None 
             if phases is None:
                 phases = phases_of[(s.op, s.backward)] = ((("recompute", "bwd") if lowered.strategy[s.op].recompute
                                                           else ("bwd",)) if s.backward else ("fwd",))
-            each.append([(g, phase, s.microbatch, key) for g, key in us for phase in phases])
-        for at in calls_at(each, step_units(lowered, order), _last):
+            each.append(tuple((g, phase, s.microbatch, key) for g, key in us for phase in phases))
+        units = step_units(lowered, order)
+        seen = (tuple(each), None if units is None else tuple(units))
+        if seen in alike:  # a replica's run order gathering alike: the same calls, already kept
+            continue
+        alike.add(seen)
+        for at in calls_at(each, units, _last):
             for key, items in at:
                 if key[0] != "own":
                     gathers = [x[:3] for x in items]

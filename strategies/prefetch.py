@@ -130,25 +130,38 @@ def gathered_bytes(lowered: Lowered) -> tuple[int, ...]:
     if not held:
         return tuple(out)
     holding = {d for d, _, _ in held}
+    alike: dict[tuple, list[int]] = {}  # a device's gathers and units -> its ``_ahead``
     for d, order in device_order(lowered).items():
         if d not in holding:
             continue
         keys = [(d, s.op, s.index) for s in order]
-        ahead = [0] * (len(keys) + 1)  # prefetched bytes alive at each position: a difference array
-        each = [[(q, u) for u in threes.get(k, ())] for q, k in enumerate(keys)]
-        for p, calls in enumerate(calls_at(each, step_units(lowered, order), _second_key)):
-            for _, call in calls:
-                last = max(q for q, _ in call)  # its buffer is freed once its last reader has copied it
-                if p < last:
-                    nbytes = sum(u[0] for _, u in call)
-                    ahead[p] += nbytes
-                    ahead[last] -= nbytes
+        each = tuple(tuple((q, u) for u in threes.get(k, ())) for q, k in enumerate(keys))
+        units = step_units(lowered, order)
+        seen = (each, None if units is None else tuple(units))  # replicas' run orders gather alike
+        ahead = alike.get(seen)
+        if ahead is None:
+            ahead = alike[seen] = _ahead(calls_at(each, units, _second_key))
         alive = 0
         for p, k in enumerate(keys):
             alive += ahead[p]
             if k in held:
                 out[d] = max(out[d], held[k] + alive)
     return tuple(out)
+
+
+def _ahead(calls: list[list[tuple[Hashable, tuple]]]) -> list[int]:
+    """Prefetched bytes alive at each position of a run order, as a difference array: each of
+    ``calls`` (``gathered_bytes``' per position) issued before its last reader adds its
+    groups' bytes from its issue to that reader (which copies it out)."""
+    ahead = [0] * (len(calls) + 1)
+    for p, at in enumerate(calls):
+        for _, call in at:
+            last = max(q for q, _ in call)
+            if p < last:
+                nbytes = sum(u[0] for _, u in call)
+                ahead[p] += nbytes
+                ahead[last] -= nbytes
+    return ahead
 
 
 def _second_key(item: tuple) -> Hashable:
