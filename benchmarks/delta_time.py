@@ -5,10 +5,13 @@ proposals (as the search does) and times, per proposal, (a) a full simulation fr
 and task blocks (delta: the chain's current plan is evaluated before each proposal, as after an
 accepted one; chain: each proposal right after the last, as MCMC after a rejected one, whose
 ops go back to the current plan's). Checks all give the same iteration time and prints the
-medians, by phase, and the ratio to full. Asserts nothing but that equality.
+medians, by phase, and the ratio to full. Asserts nothing but that equality. ``--plan fsdp``
+starts from the fsdp plan (ZeRO-3 on every weighted op; proposals keep each op's level).
+``--search S``: instead, one ``search()`` of S seconds per model from its defaults, printing its
+proposals per second of the whole wall time (baselines scored included), the issue's measure.
 
     python benchmarks/delta_time.py [--models resnet101,inception_v3] [--proposals 30] [--recompute 0.5]
-                                    [--fold]
+                                    [--fold] [--plan data_parallel|fsdp] [--search 60]
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from simulator.simulate import paused_gc, timed_graph
 from simulator.tasks import TaskCache, build_tasks
 from soapsearch.search.mcmc import candidate_configs
 from _paper import paper_graph  # benchmarks/_paper.py
-from strategies import data_parallel
+from strategies.baselines import BASELINES
 from strategies.lowering import lower
 
 PHASES = ("lower", "tasks", "events", "memory", "total")
@@ -58,7 +61,13 @@ def main() -> None:
                          "(kept by the proposals): the memory timeline's walk runs")
     ap.add_argument("--fold", action="store_true",
                     help="fold replicated plans on one copy (simulator.fold) below FOLD_FROM devices too")
+    ap.add_argument("--plan", default="data_parallel", choices=("data_parallel", "fsdp"),
+                    help="the start plan of the proposals")
+    ap.add_argument("--search", type=float, default=None,
+                    help="seconds: run one search per model and print proposals per second of its wall time")
     args = ap.parse_args()
+    if args.search is not None:
+        return _search(args)
     fold = args.fold
     topo = get_topology(args.topology)
     cost = get_cost_model("analytical")
@@ -66,7 +75,7 @@ def main() -> None:
           + f" {'proposals/s':>12s} {'full/mode':>10s}")
     for name in args.models.split(","):
         graph = paper_graph(name, args.devices)
-        plan = data_parallel(graph, args.devices)
+        plan = BASELINES[args.plan](graph, args.devices)
         candidates = candidate_configs(graph, args.devices, 1, topo.node_size)
         ops = [op for op, cfgs in candidates.items() if len(cfgs) > 1]
         rng = random.Random(args.seed)
@@ -76,7 +85,7 @@ def main() -> None:
         proposals = []
         while len(proposals) < args.proposals:
             op = rng.choice(ops)
-            cfg = rng.choice(candidates[op]).with_memory(recompute=plan[op].recompute)
+            cfg = rng.choice(candidates[op]).with_memory(zero=plan[op].zero, recompute=plan[op].recompute)
             if cfg != plan[op]:
                 proposals.append(plan.replace(op, cfg))
         lowering_cache: dict = {}
@@ -105,6 +114,21 @@ def main() -> None:
             ratio = f"{med['full'][-1] / med[mode][-1]:10.1f}" if mode != "full" else f"{'':10s}"
             print(f"{name:14s} {tasks:6d} {mode:6s} " + " ".join(f"{x:10.1f}" for x in med[mode])
                   + f" {1e3 / med[mode][-1]:12.1f} {ratio}")
+
+
+def _search(args) -> None:
+    """One search per model (``search()``'s defaults, ``args.search`` seconds, one worker per
+    chain): proposals over the whole wall time, baselines included."""
+    from soapsearch.search.api import search  # the search only here: the rest times the simulator
+    topo = get_topology(args.topology)
+    print(f"{'model':14s} {'budget s':>9s} {'wall s':>8s} {'proposals':>10s} {'proposals/s':>12s} {'found ms':>9s}")
+    for name in args.models.split(","):
+        graph = paper_graph(name, args.devices)
+        t0 = time.perf_counter()
+        found = search(graph, topology=topo, budget_s=args.search, seed=args.seed, num_devices=args.devices)
+        wall = time.perf_counter() - t0
+        print(f"{name:14s} {args.search:9.0f} {wall:8.1f} {found.proposals:10d} {found.proposals / wall:12.1f} "
+              f"{found.predicted_ms:9.2f}")
 
 
 if __name__ == "__main__":

@@ -55,7 +55,7 @@ def add_gathers(tg: TaskGraph, lowered: Lowered, topology: Topology, blocks: Seq
     of, calls = _unit_calls(lowered, groups, keep) if issue and lowered.strategy.fsdp_unit == "block" else ({}, {})
     made: dict = {}  # a unit's call -> its simulated members' ends, by device
     for j in range(lowered.strategy.microbatches):
-        for u in groups:
+        for g, u in enumerate(groups):
             devs, names = u.devices, "+".join(s.name for s in u.shards)
             members = [(d, k) for d, k in zip(devs, u.partitions) if keep is None or d in keep]
             if not members:
@@ -67,7 +67,7 @@ def add_gathers(tg: TaskGraph, lowered: Lowered, topology: Topology, blocks: Seq
             again = ("recompute",) if lowered.strategy[u.op].recompute else ()  # gathered for its recomputation too
             for phase in ("fwd", *again, "bwd") if u.zero == 3 else ():
                 backward = phase != "fwd"
-                key = of.get((u, phase, j))
+                key = of.get((g, phase, j))
                 done = made.get(key)
                 if done is None:
                     if key is None:
@@ -75,7 +75,7 @@ def add_gathers(tg: TaskGraph, lowered: Lowered, topology: Topology, blocks: Seq
                     else:  # one call for the unit's groups on this device set
                         (_, _, (b, i)), _ = key
                         label = f"allgather {phase} block{b}.{i} {format_devices(devs)} @mb{j} zero3"
-                        nbytes = sum(x.chunk_bytes for x, _, _ in calls[key])
+                        nbytes = sum(groups[x].chunk_bytes for x, _, _ in calls[key])
                     ag = tg.add(label, TaskKind.COLLECTIVE, allgather_time(topology, devs, nbytes), links, devs[0],
                                 nbytes * len(devs))
                     for d, k in members:
@@ -101,45 +101,67 @@ def add_gathers(tg: TaskGraph, lowered: Lowered, topology: Topology, blocks: Seq
 
 def _issue_tasks(lowered: Lowered, groups: Sequence, blocks: Sequence, first: np.ndarray,
                  position: dict[str, int], keep: frozenset[int] | None = None) -> dict[tuple[int, Step], int]:
-    """(device, step) -> the first task of the step at whose start the level-3 all-gathers that
-    step reads are issued there (``strategies.prefetch.issue_positions``)."""
+    """(device, step reading level-3 weights) -> the first task of the step at whose start the
+    all-gathers that step reads are issued there (``strategies.prefetch.issue_positions``)."""
     reads = {(d, op, k) for op, ks, devs in ((u.op, u.partitions, u.devices) for u in groups if u.zero == 3)
              for d, k in zip(devs, ks)}
+    at = first.tolist()  # each block's first task, as ints
     out = {}
     for d, order in device_order(lowered).items():
         if keep is not None and d not in keep:
             continue
-        starts = [int(first[position[s.op]]) + blocks[position[s.op]].fwd[s.microbatch][s.index] + int(s.backward)
-                  for s in order]
-        units = step_units(lowered, order)
-        for s, p in zip(order, issue_positions([(d, s.op, s.index) in reads for s in order], units)):
-            out[(d, s)] = starts[p]
+        flags = [(d, s.op, s.index) in reads for s in order]
+        for s, p, f in zip(order, issue_positions(flags, step_units(lowered, order)), flags):
+            if f:  # only a reading step's gathers are issued (a step of no gather is its own position)
+                i = order[p]
+                out[(d, s)] = at[position[i.op]] + blocks[position[i.op]].fwd[i.microbatch][i.index] + i.backward
     return out
 
 
 def _unit_calls(lowered: Lowered, groups: Sequence, keep: frozenset[int] | None = None) -> tuple[dict, dict]:
-    """Under ``fsdp_unit`` "block": each level-3 gather (group, phase, micro-batch) of a unit's
-    call -> the call's key, and each such key -> its gathers (``strategies.prefetch.calls_at``,
-    the rule the executor runs: a unit's groups on one device set move in one all-gather).
-    ``keep``: the devices simulated; a call with a simulated member is found from its order."""
+    """Under ``fsdp_unit`` "block": each level-3 gather (group's index in ``groups``, phase,
+    micro-batch) of a unit's call -> the call's key, and each such key -> its gathers
+    (``strategies.prefetch.calls_at``, the rule the executor runs: a unit's groups on one device
+    set move in one all-gather). ``keep``: the devices simulated; a call with a simulated member
+    is found from its order."""
     reads: dict[tuple[int, str, int], list] = {}
-    for u in groups:
+    for g, u in enumerate(groups):
         if u.zero == 3:
+            key = call_key(u)  # once per group: its items are keyed by it on every member
             for d, k in zip(u.devices, u.partitions):
-                reads.setdefault((d, u.op, k), []).append(u)
+                reads.setdefault((d, u.op, k), []).append((g, key))
     of: dict = {}
     calls: dict = {}
+    phases_of = {}
+    alike: set[tuple] = set()  # devices' gathers and units whose calls are kept
     for d, order in device_order(lowered).items():
         if keep is not None and d not in keep:
             continue
         each = []
         for s in order:
             us = reads.get((d, s.op, s.index), ())
-            phases = (("recompute", "bwd") if lowered.strategy[s.op].recompute else ("bwd",)) if s.backward else ("fwd",)
-            each.append([(u, phase, s.microbatch) for u in us for phase in phases])
-        for at in calls_at(each, step_units(lowered, order), lambda x: call_key(x[0])):
+            if not us:
+                each.append(())
+                continue
+            phases = phases_of.get((s.op, s.backward))
+            if phases is None:
+                phases = phases_of[(s.op, s.backward)] = ((("recompute", "bwd") if lowered.strategy[s.op].recompute
+                                                          else ("bwd",)) if s.backward else ("fwd",))
+            each.append(tuple((g, phase, s.microbatch, key) for g, key in us for phase in phases))
+        units = step_units(lowered, order)
+        seen = (tuple(each), None if units is None else tuple(units))
+        if seen in alike:  # a replica's run order gathering alike: the same calls, already kept
+            continue
+        alike.add(seen)
+        for at in calls_at(each, units, _last):
             for key, items in at:
                 if key[0] != "own":
-                    calls.setdefault(key, items)
-                    of.update(dict.fromkeys(items, key))
+                    gathers = [x[:3] for x in items]
+                    calls.setdefault(key, gathers)
+                    of.update(dict.fromkeys(gathers, key))
     return of, calls
+
+
+def _last(item: tuple):
+    """The call key ``_unit_calls`` carries last in each gather."""
+    return item[-1]

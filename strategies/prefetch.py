@@ -26,6 +26,7 @@ from typing import Callable, Hashable, Sequence, TypeVar
 
 from strategies.graph import OpGraph
 from strategies.lowering import Lowered
+from strategies.memo import per_lowered
 from strategies.repeats import repeated_blocks
 from strategies.schedule import Step, device_order
 from strategies.zero import gather_groups
@@ -108,6 +109,7 @@ def calls_at(gathers: Sequence[Sequence[T]], units: Sequence[Hashable] | None,
     return out
 
 
+@per_lowered
 def gathered_bytes(lowered: Lowered) -> tuple[int, ...]:
     """Per device, the most its level-2 and level-3 uses hold besides their chunks at once: at
     a step reading such shards, each of its groups' full gradient before the reduce-scatter
@@ -117,31 +119,54 @@ def gathered_bytes(lowered: Lowered) -> tuple[int, ...]:
     its issue to its last reader (which copies it out)."""
     n = lowered.strategy.num_devices
     held: dict[tuple[int, str, int], int] = {}
-    threes: dict[tuple[int, str, int], list] = {}  # the level-3 groups each step gathers
+    threes: dict[tuple[int, str, int], list] = {}  # each step's level-3 groups: (bytes, call key)
     for u in gather_groups(lowered):
+        nbytes, key = u.nbytes, call_key(u) if u.zero == 3 else None  # once per group, not per member
         for d, k in zip(u.devices, u.partitions):
-            held[(d, u.op, k)] = held.get((d, u.op, k), 0) + (2 if u.zero == 3 else 1) * u.nbytes
+            held[(d, u.op, k)] = held.get((d, u.op, k), 0) + (2 if u.zero == 3 else 1) * nbytes
             if u.zero == 3:
-                threes.setdefault((d, u.op, k), []).append(u)
+                threes.setdefault((d, u.op, k), []).append((nbytes, key))
     out = [0] * n
     if not held:
         return tuple(out)
+    holding = {d for d, _, _ in held}
+    alike: dict[tuple, list[int]] = {}  # a device's gathers and units -> its ``_ahead``
     for d, order in device_order(lowered).items():
+        if d not in holding:
+            continue
         keys = [(d, s.op, s.index) for s in order]
-        ahead = [0] * (len(keys) + 1)  # prefetched bytes alive at each position: a difference array
-        each = [[(q, u) for u in threes.get(k, ())] for q, k in enumerate(keys)]
-        for p, calls in enumerate(calls_at(each, step_units(lowered, order), lambda g: call_key(g[1]))):
-            for _, call in calls:
-                last = max(q for q, _ in call)  # its buffer is freed once its last reader has copied it
-                if p < last:
-                    ahead[p] += sum(u.nbytes for _, u in call)
-                    ahead[last] -= sum(u.nbytes for _, u in call)
+        each = tuple(tuple((q, u) for u in threes.get(k, ())) for q, k in enumerate(keys))
+        units = step_units(lowered, order)
+        seen = (each, None if units is None else tuple(units))  # replicas' run orders gather alike
+        ahead = alike.get(seen)
+        if ahead is None:
+            ahead = alike[seen] = _ahead(calls_at(each, units, _second_key))
         alive = 0
         for p, k in enumerate(keys):
             alive += ahead[p]
             if k in held:
                 out[d] = max(out[d], held[k] + alive)
     return tuple(out)
+
+
+def _ahead(calls: list[list[tuple[Hashable, tuple]]]) -> list[int]:
+    """Prefetched bytes alive at each position of a run order, as a difference array: each of
+    ``calls`` (``gathered_bytes``' per position) issued before its last reader adds its
+    groups' bytes from its issue to that reader (which copies it out)."""
+    ahead = [0] * (len(calls) + 1)
+    for p, at in enumerate(calls):
+        for _, call in at:
+            last = max(q for q, _ in call)
+            if p < last:
+                nbytes = sum(u[0] for _, u in call)
+                ahead[p] += nbytes
+                ahead[last] -= nbytes
+    return ahead
+
+
+def _second_key(item: tuple) -> Hashable:
+    """The call key of ``gathered_bytes``' (position, (bytes, call key)) items."""
+    return item[1][1]
 
 
 def call_key(group) -> Hashable:

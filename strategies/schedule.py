@@ -40,6 +40,7 @@ from typing import Mapping, NamedTuple
 
 from strategies.chunks import pipeline_chunks
 from strategies.lowering import Lowered
+from strategies.memo import per_lowered
 from strategies.zero import per_use_shards
 
 __all__ = ["Step", "CollectiveCall", "chunk_of", "collective_calls", "collective_steps", "device_order",
@@ -202,6 +203,7 @@ def device_passes(lowered: Lowered) -> dict[int, list[tuple[bool, int, int]]]:
     return {d: [(b, j, 0) for b, j in passes(s.microbatches, w)] for d, w in warmups(lowered).items()}
 
 
+@per_lowered
 def device_order(lowered: Lowered) -> dict[int, list[Step]]:
     """Device -> its steps in the order it runs them."""
     chunk = chunk_of(lowered)

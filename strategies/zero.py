@@ -35,6 +35,7 @@ from typing import NamedTuple
 from strategies.errors import PlanError
 from strategies.graph import DTYPE_BYTES
 from strategies.lowered import WEIGHT_KINDS, BucketKey, Lowered, WeightShard
+from strategies.memo import per_lowered
 from strategies.region import box_numel
 
 __all__ = ["ZeroBucket", "chunk_numel", "chunk_span", "zero_buckets", "per_use_shards", "shard_chunk_bytes", "GatherUse",
@@ -71,6 +72,7 @@ class ZeroBucket(NamedTuple):
         return self.chunk * DTYPE_BYTES[self.key.dtype]
 
 
+@per_lowered
 def zero_buckets(lowered: Lowered) -> dict[BucketKey, ZeroBucket]:
     """The plan's buckets of level 1, in sorted key order, each with its shards in the flat
     tensor's order."""
@@ -84,6 +86,7 @@ def zero_buckets(lowered: Lowered) -> dict[BucketKey, ZeroBucket]:
             for k in sorted(shards)}
 
 
+@per_lowered
 def per_use_shards(lowered: Lowered) -> tuple[WeightShard, ...]:
     """The level-2 and level-3 shards (trainable, replicated), in ``Lowered.weight_shards``
     order: each chunked on its own and reduce-scattered per use."""
@@ -108,6 +111,7 @@ class GatherUse(NamedTuple):
     partitions: tuple[int, ...]
 
 
+@per_lowered
 def gather_uses(lowered: Lowered) -> tuple[GatherUse, ...]:
     """Every use of a level-2 or level-3 shard, by reader op in graph order, then shard order
     (the order each member calls them within a step). PlanError where a member of a shard reads
@@ -116,12 +120,19 @@ def gather_uses(lowered: Lowered) -> tuple[GatherUse, ...]:
     if not shards:
         return ()
     graph, out = lowered.graph, []
+    readers: dict[str, list[WeightShard]] = {}  # op -> the shards it reads, in shard order
+    for s in shards:
+        for op in dict.fromkeys(s.ops):
+            readers.setdefault(op, []).append(s)
     for node in graph:
+        mine = readers.get(node.name)
+        if not mine:
+            continue
         names = {w.name: w.role for w in node.weights}
         slots = {graph[src].weights[0].name: i for i, src in enumerate(node.inputs)
                  if graph[src].kind in WEIGHT_KINDS and graph[src].weights}
-        for s in shards:
-            if node.name not in s.ops or (s.name not in names and s.name not in slots):
+        for s in mine:
+            if s.name not in names and s.name not in slots:
                 continue
             on: dict[int, list[int]] = {}
             for p in lowered.partitions[node.name][0]:
@@ -174,6 +185,7 @@ class GatherGroup(NamedTuple):
         return sum(s.nbytes for s in self.shards)
 
 
+@per_lowered
 def gather_groups(lowered: Lowered) -> tuple[GatherGroup, ...]:
     """``gather_uses`` grouped: per reader op (graph order) and each (partitions, device set,
     level, dtype) it reads shards through, one group of those shards (``Lowered.weight_shards``
@@ -205,6 +217,7 @@ class ShardedState(NamedTuple):
     reduce-scattered at the step end), a level-2 or level-3 shard's as its chunk."""
 
 
+@per_lowered
 def sharded_state(lowered: Lowered) -> ShardedState:
     """``ShardedState`` of ``lowered``."""
     n = lowered.strategy.num_devices

@@ -1,0 +1,31 @@
+"""``per_lowered``: a function of a ``Lowered`` computed once for the last lowering it saw.
+
+A lowering never changes once made (a frozen dataclass whose pieces the lowering's cache
+shares), so what is derived from it alone can be kept beside it. One simulation asks for the
+same derived facts several times (the task graph, the step end and the memory model each read
+the plan's ZeRO uses and every device's run order); a search simulates one lowering after
+another, so one entry, compared by identity, serves them all without hashing the plan."""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable, TypeVar
+
+__all__ = ["per_lowered"]
+
+R = TypeVar("R")
+
+
+def per_lowered(fn: Callable[[object], R]) -> Callable[[object], R]:
+    """``fn(lowered)`` computed when ``lowered`` is not the object of the last call, else the
+    last result (the same object: callers must not change it). A call that raises keeps
+    nothing."""
+    last: list = [None, None]
+
+    @functools.wraps(fn)
+    def kept(lowered):
+        if last[0] is not lowered:
+            result = fn(lowered)
+            last[0], last[1] = lowered, result
+        return last[1]
+    return kept
