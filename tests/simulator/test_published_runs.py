@@ -5,14 +5,17 @@ preset's peak, the iteration seconds the printed model FLOPs utilization), each 
 the megatron baseline it names, and the predictions stay inside the error the model reaches,
 so a cost-model regression fails."""
 
+from dataclasses import replace
+
 import pytest
 
 from benchmarks.published_data import RECOMPUTE
-from benchmarks.published_runs import (ROWS, block_wave_efficiency, build_graph, build_plan, korthikanti_model_flops,
-                                       llama_params, narayanan_flops, narayanan_params, predict, predicted_mfu,
-                                       predicted_tflops, published_seconds, reachable, throughput_error,
-                                       tile_wave_efficiency, torchtitan_flops)
+from benchmarks.published_runs import (ROWS, block_wave_efficiency, build_graph, build_plan, korthikanti_activations,
+                                       korthikanti_model_flops, layer_ops, llama_params, narayanan_flops,
+                                       narayanan_params, predict, predicted_mfu, predicted_tflops, published_seconds,
+                                       reachable, throughput_error, tile_wave_efficiency, torchtitan_flops)
 from simulator.presets import get_topology
+from strategies.lowering import lower
 
 BOUND = 0.10
 """|published / predicted seconds - 1| the model reaches on the rows tested (benchmarks/README.md)."""
@@ -108,6 +111,27 @@ def test_korthikanti_22b_recompute_sweep(g22b):
         assert abs(throughput_error(r, times[r.recompute])) <= BOUND, r.name
     # the ranking Table 5 prints: selective recompute + sequence parallelism is the faster
     assert times["selective"].iteration_time < times["full"].iteration_time
+
+
+def test_full_recompute_keeps_each_layers_input_only():
+    """Full recompute drops every op of a layer but its closing residual add, whose output (the
+    next layer's input) is what Megatron-LM keeps: 2sbh bytes a layer at 16 bits (Korthikanti
+    et al. 2022 §4.1, their 22B: 2·2048·4·6144·48 B = 4.5 GiB); the ops between blocks are cut
+    over the TP group here (no replicated computation), so a GPU keeps 2sbh/t of it."""
+    base = replace(KORTHIKANTI[0], hidden=512, heads=8, seq=256, vocab=1024)
+    kept = {}
+    for layers in (1, 2):
+        run = replace(base, layers=layers)
+        graph = build_graph(run)
+        low = lower(graph, build_plan(run, graph))
+        assert {op for op, p in low.pieces.items() if p.dropped} == set().union(*layer_ops(graph, run))
+        kept[layers] = low.device_bytes.kept
+    s, b, h, t = 256, 4, 512, 8
+    assert [k2 - k1 for k1, k2 in zip(kept[1], kept[2])] == [2 * s * b * h // t] * 8
+    assert korthikanti_activations(KORTHIKANTI[0]) == 2 * 2048 * 4 * 6144 * 48
+    # no recompute at t = 1: equation (2), sbh(34 + 5as/h) a layer
+    none = replace(TORCHTITAN[3], model="gpt")
+    assert korthikanti_activations(none) == 4096 * 2 * 5120 * (34 + 5 * 40 * 4096 / 5120) * 40
 
 
 @pytest.mark.slow
