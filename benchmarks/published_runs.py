@@ -205,17 +205,22 @@ def predict(run: Run, graph: OpGraph | None = None, topology: Topology | None = 
     return evaluate(build_plan(run, graph), summary=summary)
 
 
-def korthikanti_activations(run: Run) -> float:
+def korthikanti_activations(run: Run) -> float | None:
     """Activation bytes per GPU at 16 bits as Korthikanti et al. 2022 §4 count a GPT layer
     (s sequence, b micro-batch, h hidden, a heads, t TP): sbh·(10 + 24/t + 5as/ht) without
-    recompute (their eq. 4; eq. 2's 34 + 5as/h at t = 1), 34·sbh/t with selective recompute
+    recompute (their eq. 4; eq. 2's 34 + 5as/h at t = 1; without the 5as/ht of the attention
+    scores and softmax under flash attention, which keeps none), 34·sbh/t with selective recompute
     and sequence parallelism (eq. 6), 2sbh with full recompute (§4.3: the layer's input; /t
     with sequence parallelism); over the L/p layers of a stage times the p micro-batches 1F1B's
     first stage holds, that is L layers (§4.2.3); torchtitan's "alternate": half the layers
-    each way. A LLaMA layer's SwiGLU and GQA differ from the GPT layer counted here."""
+    each way; None for torchtitan's per-op list ("op"). A LLaMA layer's SwiGLU and GQA differ
+    from the GPT layer counted here."""
+    if run.recompute == "op":
+        return None
     s, b, h, a, t = run.seq, run.microbatch, run.hidden, run.heads, run.tp
     sbh = s * b * h
-    none = sbh * (10 + 24 / t + 5 * a * s / (h * t))
+    scores = 0 if run.attention == "flash" else 5 * a * s / (h * t)  # flash attention keeps no scores
+    none = sbh * (10 + 24 / t + scores)
     full = 2 * sbh / (t if run.sequence_parallel else 1)
     per_layer = {"none": none, "full": full, "alternate": (none + full) / 2,
                  "selective": 34 * sbh / t if run.sequence_parallel else sbh * (10 + 24 / t)}[run.recompute]
@@ -282,6 +287,10 @@ def _missing(run: Run) -> str:
     return "; ".join(notes)
 
 
+def _gib(nbytes: float | None) -> str:
+    return f"{'-':>5s}" if nbytes is None else f"{nbytes / GiB:5.1f}"
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sweep", action="append", help="only this sweep's rows (repeatable); sweeps: "
@@ -305,7 +314,7 @@ def main(argv: list[str] | None = None) -> None:
                 f"{run.microbatches:4d} {run.recompute[:4]:>4s} {published_seconds(run):7.2f}")
         if (why := reachable(run, args.max_gpus)) is not None:
             print(f"{head} {'-':>7s} {pub_tf} {'-':>7s} {'-':>7s} {block_wave_efficiency(run):5.3f} {'-':>5s} {'-':>5s} "
-                  f"{korthikanti_activations(run) / GiB:5.1f} {'-':>6s}  {run.source}; {why}", flush=True)
+                  f"{_gib(korthikanti_activations(run))} {'-':>6s}  {run.source}; {why}", flush=True)
             continue
         t0 = time.perf_counter()
         shape = (run.model, run.layers, run.heads, run.kv_heads, run.hidden, run.ffn, run.seq, run.vocab, run.batch)
@@ -324,7 +333,7 @@ def main(argv: list[str] | None = None) -> None:
         worst = max(range(len(result.peak_memory_bytes)), key=result.peak_memory_bytes.__getitem__)
         print(f"{head} {result.iteration_time:7.2f} {pub_tf} {pred_tf} {err:+7.1%} {block_wave_efficiency(run):5.3f} "
               f"{result.peak_memory_bytes[worst] / GiB:5.1f} {result.memory[worst].activations / GiB:5.1f} "
-              f"{korthikanti_activations(run) / GiB:5.1f} {time.perf_counter() - t0:6.1f}  "
+              f"{_gib(korthikanti_activations(run))} {time.perf_counter() - t0:6.1f}  "
               f"{run.source}{'; ' + notes if notes else ''}", flush=True)
     every = [abs(e) for sweep in errors.values() for e, _, _ in sweep]
     if every:

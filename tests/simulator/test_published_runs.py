@@ -10,11 +10,12 @@ from dataclasses import replace
 import pytest
 
 from benchmarks.published_data import RECOMPUTE
+from benchmarks.published_fit import FIT_ROWS, rms_log, with_gemm_half
 from benchmarks.published_runs import (ROWS, block_wave_efficiency, build_graph, build_plan, korthikanti_activations,
                                        korthikanti_model_flops, layer_ops, llama_params, narayanan_flops,
                                        narayanan_params, predict, predicted_mfu, predicted_tflops, published_seconds,
                                        reachable, throughput_error, tile_wave_efficiency, torchtitan_flops)
-from simulator.presets import get_topology
+from simulator.presets import A100_GEMM_HALF, get_topology
 from strategies.lowering import lower
 
 BOUND = 0.10
@@ -102,7 +103,11 @@ def g22b():
 
 
 def test_korthikanti_22b_recompute_sweep(g22b):
+    """Held out of the presets' n½ fit (Table 1's rows, ``published_fit.FIT_ROWS``): the 22B
+    rows' products are TP 8 slices (768 columns), smaller than any fitted row's, within the
+    bound and ranked as published."""
     full, selective = KORTHIKANTI[0], KORTHIKANTI[1]
+    assert not {full.name, selective.name} & set(FIT_ROWS) and set(FIT_ROWS) <= {r.name for r in NARAYANAN}
     plans = {r.recompute: build_plan(r, g22b) for r in (full, selective)}
     recomputed = {k: {n.kind for n in g22b if p[n.name].recompute} for k, p in plans.items()}
     assert recomputed["selective"] == {"attention"} and {"linear", "attention"} <= recomputed["full"]
@@ -130,8 +135,18 @@ def test_full_recompute_keeps_each_layers_input_only():
     assert [k2 - k1 for k1, k2 in zip(kept[1], kept[2])] == [2 * s * b * h // t] * 8
     assert korthikanti_activations(KORTHIKANTI[0]) == 2 * 2048 * 4 * 6144 * 48
     # no recompute at t = 1: equation (2), sbh(34 + 5as/h) a layer
-    none = replace(TORCHTITAN[3], model="gpt")
+    none = replace(TORCHTITAN[3], model="gpt", attention="math")
     assert korthikanti_activations(none) == 4096 * 2 * 5120 * (34 + 5 * 40 * 4096 / 5120) * 40
+    assert korthikanti_activations(TORCHTITAN[3]) == 4096 * 2 * 5120 * 34 * 40  # flash: no scores kept
+
+
+def test_the_fit_scores_log_errors_on_other_device_figures():
+    import math
+
+    assert rms_log([math.exp(0.1) - 1, math.exp(-0.1) - 1]) == pytest.approx(0.1, rel=1e-12)
+    topology = with_gemm_half(get_topology("a100-2x8"), 321.0)
+    assert {d.gemm_half for d in topology.devices} == {321.0} and topology.num_devices == 16
+    assert get_topology("a100-2x8").devices[0].gemm_half == A100_GEMM_HALF  # the preset untouched
 
 
 @pytest.mark.slow
