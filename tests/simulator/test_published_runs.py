@@ -13,7 +13,7 @@ from benchmarks.published_data import RECOMPUTE
 from benchmarks.published_fit import FIT_ROWS, rms_log, with_gemm_half
 from benchmarks.published_runs import (ROWS, block_wave_efficiency, build_graph, build_plan, korthikanti_activations,
                                        korthikanti_model_flops, layer_ops, llama_params, narayanan_flops,
-                                       narayanan_params, predict, predicted_mfu, predicted_tflops, published_seconds,
+                                       narayanan_params, predict, predicted_tflops, published_seconds,
                                        reachable, throughput_error, tile_wave_efficiency, torchtitan_flops)
 from simulator.presets import A100_GEMM_HALF, get_topology
 from strategies.lowering import lower
@@ -182,13 +182,14 @@ def test_korthikanti_175b_recompute_sweep():
 
 @pytest.mark.slow
 def test_torchtitan_llama2_13b_recompute_sweep():
-    """FSDP over 64 GPUs: no checkpointing faster than every second layer's, as published, each
-    predicted slower than published by less than 15 % (the model's compute efficiency, 0.6 of
-    the peak, is below these runs' 61 % MFU; benchmarks/README.md)."""
+    """FSDP over 64 GPUs, held out of the n½ fit (products of 5,120-13,824 by 8,192 tokens,
+    larger than any fitted row's): no checkpointing faster than every second layer's, as
+    published, each within the bound (benchmarks/README.md: +7.8 % and +4.6 %, predicted a
+    little fast)."""
     none, alternate = (r for r in TORCHTITAN if r.name.startswith("LLaMA-2 13B") and r.recompute != "op")
+    assert not {none.name, alternate.name} & set(FIT_ROWS)
     graph = build_graph(none)
     times = {r.recompute: predict(r, graph) for r in (none, alternate)}
     assert times["none"].iteration_time < times["alternate"].iteration_time
     for r in (none, alternate):
-        assert -0.15 <= throughput_error(r, times[r.recompute]) < 0, r.name
-        assert predicted_mfu(r, times[r.recompute]) < r.mfu, r.name
+        assert abs(throughput_error(r, times[r.recompute])) <= BOUND, r.name
