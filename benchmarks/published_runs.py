@@ -9,7 +9,10 @@ for Megatron-LM of 2021-2022) on the row's preset (a100-<N/8>x8) and prints pred
 published iteration seconds, TFLOP/s per GPU where the source prints them, the relative error
 of the throughput (published / predicted seconds - 1), Spearman's ρ per sweep, and a
 diagnostic the model does not use: "waves", the tile and wave quantization efficiency of a
-layer's GEMMs per GPU (``block_wave_efficiency``).
+layer's GEMMs per GPU (``block_wave_efficiency``). Memory, GiB: the predicted peak of the
+worst GPU ("peak", against the preset's 80 GiB: "does not fit" past it), its activations
+("act") and Korthikanti et al.'s count of the activations a GPU holds ("paper",
+``korthikanti_activations``).
 
 Narayanan et al.'s TFLOP/s count their FLOPs, 96·B·s·l·h²·(1 + s/6h + V/16lh) per iteration
 (§5.1 equation (3), with activation recomputation), so the predicted TFLOP/s are that count
@@ -43,20 +46,23 @@ from benchmarks.published_data import MICROBATCH, ROWS, Run  # noqa: E402
 from simulator.cost import ATTENTION_KERNELS, get_cost_model  # noqa: E402
 from simulator.presets import get_topology  # noqa: E402
 from simulator.result import SimResult  # noqa: E402
+from simulator.topology import Topology  # noqa: E402
 from soapsearch import trace  # noqa: E402
 from soapsearch._models.llama import Llama, LlamaConfig  # noqa: E402
 from soapsearch._models.transformer import GPT, GPTConfig  # noqa: E402
 from soapsearch.calibrate import spearman  # noqa: E402
 from soapsearch.search.api import Evaluator  # noqa: E402
 from strategies import OpGraph, Strategy  # noqa: E402
-from strategies.baselines import fsdp, recomputed  # noqa: E402
+from strategies.baselines import fsdp  # noqa: E402
 from strategies.megatron import megatron, megatron_blocks  # noqa: E402
+from strategies.pieces import recomputable  # noqa: E402
 
 __all__ = ["MICROBATCH", "ROWS", "Run", "block_wave_efficiency", "build_graph", "build_plan",
-           "korthikanti_model_flops", "llama_params", "narayanan_flops", "narayanan_params", "predict",
+           "korthikanti_activations", "korthikanti_model_flops", "layer_ops", "llama_params", "narayanan_flops", "narayanan_params", "predict",
            "predicted_mfu", "predicted_tflops", "published_seconds", "reachable", "throughput_error",
            "tile_wave_efficiency", "torchtitan_flops"]
 
+GiB = 1 << 30
 MAX_GPUS = 128
 """Rows of more devices are listed, not simulated, unless ``--max-gpus`` says otherwise."""
 
@@ -122,24 +128,20 @@ def build_graph(run: Run) -> OpGraph:
 def build_plan(run: Run, graph: OpGraph) -> Strategy:
     """The row's baseline: ``megatron`` with its TP, PP, sequence parallelism, micro-batches
     and chunks per device (1F1B, or interleaved 1F1B where ``chunks`` > 1), or ``fsdp`` over
-    every GPU; its recompute (full: every block, ``plan --recompute``;
-    selective: each attention core, Korthikanti et al. §5; alternate: every block of every
-    second layer, torchtitan's selective layer checkpointing) and its dtype."""
+    every GPU; its recompute (full: every layer but its closing residual add, ``layer_ops``;
+    selective: each attention core, Korthikanti et al. §5; alternate: every second layer's,
+    torchtitan's selective layer checkpointing) and its dtype."""
     if run.plan == "fsdp":
         plan = fsdp(graph, run.gpus)
     else:
         plan = megatron(graph, run.gpus, tp=run.tp, pp=run.pp, microbatches=run.microbatches,
                         sequence_parallel=run.sequence_parallel, virtual_stages=run.chunks)
     if run.recompute in ("full", "alternate"):
-        full = recomputed(plan, graph)
-        if run.recompute == "alternate":  # a layer is two blocks (attention, MLP); torchtitan
-            blocks = megatron_blocks(graph)  # checkpoints the 2nd, 4th, ... layer
-            if len(blocks) != 2 * run.layers:
-                raise ValueError(f"row {run.name!r}: {len(blocks)} blocks for {run.layers} layers, not 2 a layer")
-            ops = {op for i, (cols, mid, row) in enumerate(blocks) if i // 2 % 2 == 1 for op in (*cols, *mid, row)}
-            full = Strategy.of({name: full[name] if name in ops else cfg for name, cfg in plan.items()},
-                               plan.num_devices, plan.microbatches, plan.schedule, plan.precision)
-        plan = full
+        layers = layer_ops(graph, run)
+        ops = set().union(*(layers[1::2] if run.recompute == "alternate" else layers))  # torchtitan: 2nd, 4th, ...
+        plan = Strategy.of({name: cfg.with_memory(recompute=True) if name in ops else cfg for name, cfg in plan.items()},
+                           plan.num_devices, plan.microbatches, plan.schedule, plan.precision, plan.bucket_cap_mb,
+                           plan.fsdp_unit)
     elif run.recompute == "op":
         raise ValueError(f"row {run.name!r}: {run.unsupported}")
     elif run.recompute == "selective":
@@ -147,6 +149,35 @@ def build_plan(run: Run, graph: OpGraph) -> Strategy:
                             for name, cfg in plan.items()},
                            plan.num_devices, plan.microbatches, plan.schedule, plan.precision)
     return plan.with_precision(run.dtype)
+
+
+def layer_ops(graph: OpGraph, run: Run) -> list[set[str]]:
+    """The recomputable ops of each transformer layer but its closing residual add, whose output,
+    the next layer's input, is what full recompute keeps (Megatron-LM's and torchtitan's
+    checkpoint of a whole layer; Korthikanti et al. 2022 §4.1: 2sbh a layer): a layer is an
+    attention block and an MLP block (``megatron_blocks``), its ops those after its input (the
+    input of the residual add that follows the attention block) up to the add that follows the
+    MLP block, in graph order."""
+    blocks = megatron_blocks(graph)
+    if len(blocks) != 2 * run.layers:
+        raise ValueError(f"row {run.name!r}: {len(blocks)} blocks for {run.layers} layers, not 2 a layer")
+    position = {node.name: i for i, node in enumerate(graph)}
+
+    def closing_add(row: str) -> str:  # the residual add the block's output reaches (through a dropout)
+        name = row
+        while graph[name].kind != "add":
+            users = graph.users(name)
+            if len(users) != 1:
+                raise ValueError(f"row {run.name!r}: block output {row!r} reaches no residual add")
+            name = users[0]
+        return name
+
+    out = []
+    for (_, _, attention_row), (_, _, mlp_row) in zip(blocks[0::2], blocks[1::2]):
+        middle, last = graph[closing_add(attention_row)], closing_add(mlp_row)
+        start = min(position[x] for x in middle.inputs)  # the layer's input: the residual stream
+        out.append({node.name for node in graph.nodes[start + 1:position[last]] if recomputable(graph, node)})
+    return out
 
 
 def reachable(run: Run, max_gpus: int | None = None) -> str | None:
@@ -163,12 +194,38 @@ def reachable(run: Run, max_gpus: int | None = None) -> str | None:
     return None
 
 
-def predict(run: Run, graph: OpGraph | None = None) -> SimResult:
-    """The analytical model's simulation of the row's plan on its preset (Adam, as Megatron-LM)."""
+def predict(run: Run, graph: OpGraph | None = None, topology: Topology | None = None,
+            summary: bool = False) -> SimResult:
+    """The analytical model's simulation of the row's plan on its preset (Adam, as Megatron-LM),
+    or on ``topology`` (the preset with other device figures: ``benchmarks/published_fit.py``);
+    ``summary``: with the memory breakdown (``SimResult.memory``)."""
     graph = build_graph(run) if graph is None else graph
     cost = get_cost_model("analytical", attention=run.attention)
-    evaluate = Evaluator(graph, get_topology(run.topology), cost, "adam", precision=run.dtype)
-    return evaluate(build_plan(run, graph))
+    topology = get_topology(run.topology) if topology is None else topology
+    evaluate = Evaluator(graph, topology, cost, "adam", precision=run.dtype)
+    return evaluate(build_plan(run, graph), summary=summary)
+
+
+def korthikanti_activations(run: Run) -> float | None:
+    """Activation bytes per GPU at 16 bits as Korthikanti et al. 2022 §4 count a GPT layer
+    (s sequence, b micro-batch, h hidden, a heads, t TP): sbh·(10 + 24/t + 5as/ht) without
+    recompute (their eq. 4; eq. 2's 34 + 5as/h at t = 1; without the 5as/ht of the attention
+    scores and softmax under flash attention, which keeps none), 34·sbh/t with selective recompute
+    and sequence parallelism (eq. 6), 2sbh with full recompute (§4.3: the layer's input; /t
+    with sequence parallelism); over the L/p layers of a stage times the p micro-batches 1F1B's
+    first stage holds, that is L layers (§4.2.3); torchtitan's "alternate": half the layers
+    each way; None for torchtitan's per-op list ("op"). A LLaMA layer's SwiGLU and GQA differ
+    from the GPT layer counted here."""
+    if run.recompute == "op":
+        return None
+    s, b, h, a, t = run.seq, run.microbatch, run.hidden, run.heads, run.tp
+    sbh = s * b * h
+    scores = 0 if run.attention == "flash" else 5 * a * s / (h * t)  # flash attention keeps no scores
+    none = sbh * (10 + 24 / t + scores)
+    full = 2 * sbh / (t if run.sequence_parallel else 1)
+    per_layer = {"none": none, "full": full, "alternate": (none + full) / 2,
+                 "selective": 34 * sbh / t if run.sequence_parallel else sbh * (10 + 24 / t)}[run.recompute]
+    return per_layer * run.layers
 
 
 def predicted_mfu(run: Run, result: SimResult) -> float:
@@ -223,6 +280,10 @@ def block_wave_efficiency(run: Run) -> float:
     return flops / weighted
 
 
+def _gib(nbytes: float | None) -> str:
+    return f"{'-':>5s}" if nbytes is None else f"{nbytes / GiB:5.1f}"
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sweep", action="append", help="only this sweep's rows (repeatable); sweeps: "
@@ -236,7 +297,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.attention is not None:
         rows = tuple(replace(r, attention=args.attention) for r in rows)
     print(f"{'row':17s} {'GPUs':>5s} {'TP':>3s} {'PP':>3s} {'DP':>4s} {'B':>5s} {'M':>4s} {'rec':>4s} {'pub s':>7s} "
-          f"{'pred s':>7s} {'pub TF':>6s} {'pred TF':>7s} {'error':>7s} {'waves':>5s} {'sim s':>6s}  source", flush=True)
+          f"{'pred s':>7s} {'pub TF':>6s} {'pred TF':>7s} {'error':>7s} {'waves':>5s} {'peak':>5s} {'act':>5s} "
+          f"{'paper':>5s} {'sim s':>6s}  source", flush=True)
     errors: dict[str, list[tuple[float, float, float]]] = {}
     cached: tuple[tuple, OpGraph] | None = None  # a sweep's rows share one model's graph
     for run in rows:
@@ -244,14 +306,14 @@ def main(argv: list[str] | None = None) -> None:
         head = (f"{run.name:17s} {run.gpus:5d} {run.tp:3d} {run.pp:3d} {run.dp:4d} {run.batch:5d} "
                 f"{run.microbatches:4d} {run.recompute[:4]:>4s} {published_seconds(run):7.2f}")
         if (why := reachable(run, args.max_gpus)) is not None:
-            print(f"{head} {'-':>7s} {pub_tf} {'-':>7s} {'-':>7s} {block_wave_efficiency(run):5.3f} {'-':>6s}  "
-                  f"{run.source}; {why}", flush=True)
+            print(f"{head} {'-':>7s} {pub_tf} {'-':>7s} {'-':>7s} {block_wave_efficiency(run):5.3f} {'-':>5s} {'-':>5s} "
+                  f"{_gib(korthikanti_activations(run))} {'-':>6s}  {run.source}; {why}", flush=True)
             continue
         t0 = time.perf_counter()
         shape = (run.model, run.layers, run.heads, run.kv_heads, run.hidden, run.ffn, run.seq, run.vocab, run.batch)
         if cached is None or cached[0] != shape:
             cached = (shape, build_graph(run))
-        result = predict(run, cached[1])
+        result = predict(run, cached[1], summary=True)
         err = throughput_error(run, result)
         # ranked by TFLOP/s per GPU or MFU where the source prints them (rows of several models),
         # else by iterations per second (rows of one model)
@@ -262,8 +324,11 @@ def main(argv: list[str] | None = None) -> None:
         notes = "; ".join(n for n in (f"interleaved 1F1B, {run.chunks} chunks" if run.chunks > 1 else "",
                                       "" if result.fits else "does not fit") if n)
         pred_tf = f"{predicted_tflops(run, result):7.1f}" if run.tflops is not None else f"{'-':>7s}"
+        worst = max(range(len(result.peak_memory_bytes)), key=result.peak_memory_bytes.__getitem__)
         print(f"{head} {result.iteration_time:7.2f} {pub_tf} {pred_tf} {err:+7.1%} {block_wave_efficiency(run):5.3f} "
-              f"{time.perf_counter() - t0:6.1f}  {run.source}{'; ' + notes if notes else ''}", flush=True)
+              f"{result.peak_memory_bytes[worst] / GiB:5.1f} {result.memory[worst].activations / GiB:5.1f} "
+              f"{_gib(korthikanti_activations(run))} {time.perf_counter() - t0:6.1f}  "
+              f"{run.source}{'; ' + notes if notes else ''}", flush=True)
     every = [abs(e) for sweep in errors.values() for e, _, _ in sweep]
     if every:
         print(f"|error| over {len(every)} rows: median {statistics.median(every):.1%}, max {max(every):.1%}")

@@ -29,6 +29,7 @@ __all__ = [
     "VIEW_KINDS",
     "AnalyticalCostModel",
     "CostModel",
+    "gemm_efficiency",
     "get_cost_model",
     "has_trainable_params",
     "is_cpu",
@@ -156,9 +157,11 @@ class CostModel(abc.ABC):
 
 class AnalyticalCostModel(CostModel):
     """Roofline (Williams et al. 2009): t = max(F / (peak(dtype)·e_c), B / (bw·e_m)) + n·launch.
-    On a device with a half-performance length n½ (``DeviceSpec.gemm_half``: calibrated, its
-    peak a measured product's rate), an op of matrix products whose smallest dimension is m
-    (``OpRule.gemm_size``) takes e_c = m / (m + n½) instead (Hockney & Jesshope 1988).
+    On a device with a half-performance length n½ (``DeviceSpec.gemm_half``: calibrated on a
+    CPU, fitted on published runs for the GPU presets), an op of library matrix products whose
+    smallest dimension is m (``OpRule.gemm_size``) takes e_c = r∞·m / (m + n½) instead
+    (``gemm_efficiency``; Hockney & Jesshope 1988); attention and the ops without products keep
+    the constant e_c (memory-bound ones are the bandwidth's either way).
 
     Forward: F = the partition's FLOPs, B = ``partition_bytes``, one kernel. Backward: 2F and 2
     kernels (input grad + parameter grad) for an op with trainable parameters, 2F for attention
@@ -212,8 +215,7 @@ class AnalyticalCostModel(CostModel):
         flops = partition_flops(node, box)
         nbytes = partition_bytes(node, box, regions, weight_regions)
         dtype = node.output.dtype
-        m = get_rule(node.kind).gemm_size(node, box) if device.gemm_half else None
-        eff = m / (m + device.gemm_half) if m else None  # Hockney's r∞·m/(m + n½), r∞ the peak
+        eff = gemm_efficiency(node, box, device)
         weighted = has_trainable_params(node)
         kernels, bwd_bytes, extra = (1, 2 if weighted else 1), 2 * nbytes, (0, 0)
         if node.kind == "attention" and self.attention == "math":
@@ -228,6 +230,18 @@ class AnalyticalCostModel(CostModel):
                             dtype, device,
                             kernels=kernels[1], efficiency=eff)
         return fwd, bwd
+
+
+def gemm_efficiency(node: OpNode, box: Box, device: DeviceSpec) -> float | None:
+    """Hockney's r∞·m/(m + n½) (Hockney & Jesshope 1988) of the partition's matrix products on
+    ``device`` (r∞ ``gemm_rate``, n½ ``gemm_half``, m ``OpRule.gemm_size``), or None: the op
+    runs no library GEMM (no product, an ``attention`` kernel, whose tiles span queries × keys
+    over the head dim: Dao et al. 2022), or the device models none (n½ = 0): the cost model's
+    constant compute efficiency applies."""
+    if not device.gemm_half or node.kind == "attention":
+        return None
+    m = get_rule(node.kind).gemm_size(node, box)
+    return device.gemm_rate * m / (m + device.gemm_half) if m else None
 
 
 def _span(interval: tuple[int, int]) -> int:

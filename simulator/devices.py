@@ -59,9 +59,15 @@ class DeviceSpec:
     1988): a product whose smallest dimension is m runs at peak · m / (m + n½), so half the peak
     at m = n½ (a few rows of a batch split across devices and micro-batches run far below the
     rate of a large product). 0: not modelled, the cost model's constant compute
-    efficiency applies (the datasheet presets). ``soapsearch calibrate`` fits it."""
+    efficiency applies. ``soapsearch calibrate`` fits it (r∞ 1: the peak is then a measured
+    product's rate); the GPU presets carry one fitted on published runs (``simulator.presets``)."""
+    gemm_rate: float = 1.0
+    """Hockney's r∞ as a fraction of the dtype peak: the rate the device's large matrix products
+    reach (cuBLAS on a GPU: 0.80-0.86 of the datasheet's tensor-core peak), so a product of
+    smallest dimension m runs at peak · gemm_rate · m / (m + gemm_half). Read only where
+    ``gemm_half`` > 0; 1 where the peak is itself measured on a product (``soapsearch calibrate``)."""
     cost_key: str = field(init=False, repr=False, compare=False)
-    """The figures an op's time depends on (kind, peak FLOP/s, memory bandwidth, n½), as one
+    """The figures an op's time depends on (kind, peak FLOP/s, memory bandwidth, n½, r∞), as one
     string: cost models memoize by it, so two devices of one kind but other figures (a preset
     and a calibration of this machine, both ``cpu``) never share a time."""
 
@@ -79,16 +85,19 @@ class DeviceSpec:
         if not (math.isfinite(self.gemm_half) and self.gemm_half >= 0):
             raise ValueError(f"device {self.kind!r}: gemm_half = {self.gemm_half!r}: must be finite and >= 0 "
                              "(the smallest product dimension at half the peak; 0: not modelled)")
+        if not (math.isfinite(self.gemm_rate) and 0 < self.gemm_rate <= 1):
+            raise ValueError(f"device {self.kind!r}: gemm_rate = {self.gemm_rate!r}: must be in (0, 1] "
+                             "(the fraction of the peak its large matrix products reach)")
         if not self.peak_flops or min(self.peak_flops.values()) <= 0:
             raise ValueError(f"device {self.kind!r}: peak_flops {dict(self.peak_flops)} needs at "
                              "least one dtype, every figure > 0")
         object.__setattr__(self, "cost_key", repr((self.kind, sorted(self.peak_flops.items()),
-                                                   self.memory_bandwidth, self.gemm_half)))
+                                                   self.memory_bandwidth, self.gemm_half, self.gemm_rate)))
 
     def __reduce__(self):  # the read-only mapping does not pickle; rebuild from a dict
         return (DeviceSpec, (self.kind, self.memory_bytes, dict(self.peak_flops), self.memory_bandwidth,
                              self.node, *(getattr(self, f) for f in OVERHEAD_FIELDS), self.contention,
-                             self.gemm_half))
+                             self.gemm_half, self.gemm_rate))
 
     def flops_for(self, dtype: str) -> float:
         """Peak FLOP/s for ``dtype`` (float32's when the dtype has no figure of its own)."""

@@ -24,7 +24,7 @@ from simulator.topology import Topology
 from simulator.topology_json import read_cluster
 from strategies.errors import PlanError
 
-__all__ = ["PRESETS", "PATTERNS", "MAX_DEVICES", "INTRA_SHAPES", "INTER_SHAPES", "Fabric", "cluster",
+__all__ = ["A100_GEMM_HALF", "PRESETS", "PATTERNS", "MAX_DEVICES", "INTRA_SHAPES", "INTER_SHAPES", "Fabric", "cluster",
            "check_plan_topology", "cluster_from_json", "get_topology"]
 
 
@@ -74,6 +74,11 @@ K80_PCIE = Fabric("switch", "pcie", latency=5e-6, bandwidth=12e9)
 # FDR InfiniBand 4x: 4 x 14.0625 Gb/s signalling, 64b/66b -> 54.5 Gb/s data (IBTA) = 6.82 GB/s.
 FDR_NODE_NIC = Fabric("node-nic", "ib", latency=5e-6, bandwidth=4 * 14.0625e9 * 64 / 66 / 8)
 
+A100_GEMM_HALF = 800.0
+"""Hockney's n½ of a GPU's bf16 products, in the smallest dimension's elements, fitted on
+Narayanan et al.'s Table 1 rows of <= 128 GPUs and checked on Korthikanti's 22B and
+torchtitan's rows (``benchmarks/published_fit.py``, benchmarks/README.md)."""
+
 A100 = DeviceSpec(  # NVIDIA A100 Tensor Core GPU datasheet, A100 80GB SXM column
     kind="A100-SXM4-80GB",
     memory_bytes=80 * GiB,           # "80GB HBM2e" (nvidia-smi: 81920 MiB)
@@ -83,6 +88,11 @@ A100 = DeviceSpec(  # NVIDIA A100 Tensor Core GPU datasheet, A100 80GB SXM colum
                 "float16": 312e12,   # "FP16 Tensor Core 312 TFLOPS" (dense)
                 "float64": 9.7e12},  # "FP64 9.7 TFLOPS"
     memory_bandwidth=2.039e12,       # "GPU Memory Bandwidth 2,039 GB/s"
+    # Hockney's r∞: the largest bf16 matmul rate found, 267.9 of 312 TFLOP/s (Bekman,
+    # "ml-engineering", compute/accelerator, "Maximum Achievable Matmul FLOPS comparison table",
+    # A100 SXM, CUDA 12.1)
+    gemm_rate=267.9 / 312,
+    gemm_half=A100_GEMM_HALF,
 )
 # NVLink 3: 12 links x 25 GB/s per direction = 300 GB/s per direction ("NVLink: 600GB/s" total),
 # through NVSwitch (DGX A100 user guide). ~2 µs per transfer (estimate).
@@ -102,6 +112,8 @@ H100 = DeviceSpec(  # NVIDIA H100 Tensor Core GPU datasheet, H100 SXM column
                 "float16": 989.4e12,   # "FP16 Tensor Core 1,979 teraFLOPS" with sparsity: half dense
                 "float64": 34e12},     # "FP64 34 teraFLOPS"
     memory_bandwidth=3.35e12,        # "GPU memory bandwidth 3.35TB/s"
+    gemm_rate=792.1 / 989.4,         # the same table, H100 SXM: 792.1 of 989 TFLOP/s (CUDA 12.1)
+    gemm_half=A100_GEMM_HALF,        # no published H100 run fitted: the A100's, in rows
 )
 # NVLink 4: 18 links x 25 GB/s per direction = 450 GB/s per direction ("NVLink: 900GB/s" total).
 H100_NVSWITCH = Fabric("switch", "nvswitch", latency=2e-6, bandwidth=450e9)

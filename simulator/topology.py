@@ -7,7 +7,8 @@ JSON (format ``soapsearch.topology``, version 1), explicit form — what ``to_js
                   "memory_bandwidth": 7.32e11, "node": 0}, ...],
      (optional per device: "task_overhead", "message_overhead", "exchange_overhead", "collective_overhead", seconds,
       default 0; "contention", the slowdown when its node's devices compute at once, default 1;
-      "gemm_half", the smallest matrix-product dimension at half the peak, default 0: not modelled)
+      "gemm_half", the smallest matrix-product dimension at half the peak, default 0: not modelled;
+      "gemm_rate", the fraction of the peak large products reach, default 1)
      "links": [{"name": "nvlink:0->1", "kind": "nvlink", "latency": 2e-06, "bandwidth": 2e10}, ...],
      (optional per link: "collective_bandwidth", bytes/s inside a ring collective, default bandwidth;
       "send_bandwidth" and "send_latency": a message holds the sender's host send_latency + bytes /
@@ -218,7 +219,8 @@ class Topology:
                          "memory_bandwidth": d.memory_bandwidth, "node": d.node,
                          **{k: getattr(d, k) for k in OVERHEAD_FIELDS if getattr(d, k)},
                          **({"contention": d.contention} if d.contention != 1.0 else {}),
-                         **({"gemm_half": d.gemm_half} if d.gemm_half else {})} for d in self.devices],
+                         **({"gemm_half": d.gemm_half} if d.gemm_half else {}),
+                         **({"gemm_rate": d.gemm_rate} if d.gemm_rate != 1.0 else {})} for d in self.devices],
             "links": [{"name": k.name, "kind": k.kind, "latency": k.latency, "bandwidth": k.bandwidth,
                        **({"collective_bandwidth": k.collective_bandwidth}
                           if k.collective_bandwidth is not None else {}),
@@ -304,7 +306,8 @@ class Topology:
 def _device_text(d: DeviceSpec) -> str:
     flops = ", ".join(f"{v / 1e12:.3g} TFLOP/s {k}" for k, v in d.peak_flops.items())
     shared = f", {d.contention:.3g}x slower when its node's devices compute at once" if d.contention != 1.0 else ""
-    shared += f", half its peak at products of {d.gemm_half:.3g} rows" if d.gemm_half else ""
+    rate = f"{d.gemm_rate:.3g} of " if d.gemm_rate != 1.0 else ""
+    shared += f", half {rate}its peak at products of {d.gemm_half:.3g} rows" if d.gemm_half else ""
     return f"{d.kind} ({d.memory_bytes / 2**30:.3g} GiB, {flops}, {_gbs(d.memory_bandwidth)} memory{shared})"
 
 

@@ -22,7 +22,7 @@ from strategies.rules.cross_entropy import CLASS_SUMS, class_sum_terms
 from strategies.strategy import Strategy
 
 __all__ = ["lower_op", "partition_box_mb", "gates", "check_microbatches", "drops_output", "check_recompute", "recomputable",
-           "drop_points", "drop_positions", "DropPoints"]
+           "drop_points", "drop_positions", "DropPoints", "READS_NO_INPUT"]
 
 _new = tuple.__new__
 _name = operator.attrgetter("name")
@@ -145,12 +145,21 @@ def gates(node: OpNode, red: Reduction, parts: Sequence[Partition], m: int, num_
     return Gate.STEP if static or (m == 1 and everywhere) else Gate.BACKWARD
 
 
+READS_NO_INPUT = frozenset({"add"})
+"""Op kinds whose backward reads none of their inputs (∂(a + b) passes the output's gradient
+on): such a consumer saves nothing of what it reads, so it never keeps a producer's output."""
+
+
 def drops_output(graph: OpGraph, strategy: Strategy, name: str) -> bool:
-    """Op ``name``'s partitions drop their outputs after the forward: the op recomputes and so
-    does every consumer op (docs/design.md, "Recompute"). A consumer that does not recompute
-    saves what it reads for its own backward, so the output stays kept; a recompute consumer
-    recomputes it (the chain back to the nearest kept output: Chen et al. 2016's segments)."""
-    return strategy[name].recompute and all(strategy[u].recompute for u in graph.users(name))
+    """Op ``name``'s partitions drop their outputs after the forward: the op recomputes and
+    every consumer op recomputes too or reads nothing back in its backward (``READS_NO_INPUT``:
+    a residual add; docs/design.md, "Recompute"). A consumer that does not recompute saves
+    what it reads for its own backward, so the output stays kept; a recompute consumer
+    recomputes it (the chain back to the nearest kept output: Chen et al. 2016's segments),
+    so a transformer layer recomputed up to its closing residual add keeps its input only
+    (Korthikanti et al. 2022, §4.1: 2sbh bytes a layer at 16 bits)."""
+    return strategy[name].recompute and all(strategy[u].recompute or graph[u].kind in READS_NO_INPUT
+                                            for u in graph.users(name))
 
 
 class DropPoints(NamedTuple):
@@ -194,14 +203,16 @@ def drop_positions(graph: OpGraph, strategy: Strategy, position: dict[str, int] 
             continue
         users = graph.users(name)
         ucfg = [config(u) for u in users]
-        if not all(c.recompute for c in ucfg):
+        if not all(c.recompute or graph[u].kind in READS_NO_INPUT for u, c in zip(users, ucfg)):
             continue
         mine = position[name]
-        around = [(u, position[u], c.devices) for u, c in zip(users, ucfg)]
+        # a consumer that reads nothing back frees the output after its forward and never
+        # needs it again (its recompute point: the op itself, the earliest)
+        around = [(u, position[u], c.devices, c.recompute) for u, c in zip(users, ucfg)]
         mine_devices = cfg.devices
         f = r = mine
-        for u, at, devices in around:
-            again = same.get(u, at)  # a kept consumer: its own backward; a dropped one: its point
+        for u, at, devices, redone in around:
+            again = same.get(u, at) if redone else mine  # a kept consumer: its own backward; a dropped one: its point
             if again is None or (devices != mine_devices and not set(mine_devices).issubset(devices)):
                 break
             f, r = max(f, at), max(r, again)
@@ -213,11 +224,11 @@ def drop_positions(graph: OpGraph, strategy: Strategy, position: dict[str, int] 
         groups = out[name] = []
         for d in cfg.devices:
             f = r = mine
-            for u, at, devices in around:
+            for u, at, devices, redone in around:
                 if d in devices:
                     if at > f:
                         f = at
-                    again = same.get(u, at)
+                    again = same.get(u, at) if redone else mine
                     again = at_device[(u, d)] if again is None else again
                     if again > r:
                         r = again

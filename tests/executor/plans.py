@@ -116,7 +116,8 @@ def _block(graph: OpGraph, i: int) -> list[str]:
 
 def recompute_ops(graph: OpGraph, what: str) -> list[str]:
     """The ops a ``+rc_<what>`` plan recomputes: ``block<i>`` (every op of gpt block i),
-    ``blocks`` (of every block), ``mlp`` (each block's ``mlp_fc`` and ``mlp_gelu``: fc's output
+    ``blocks`` (of every block), ``layers`` (of every block but its closing residual add, whose
+    output, the next block's input, is then all a block keeps: Korthikanti et al. 2022 §4.1), ``mlp`` (each block's ``mlp_fc`` and ``mlp_gelu``: fc's output
     dropped, gelu's kept for the row-parallel proj), ``attn`` (Korthikanti et al. 2022's
     selective recompute: the attention core and the reshapes around it, from q/k/v's outputs to
     the proj's input), ``mid`` (the tiny mlp's layers_1..layers_3), ``seed<k>`` (a random half
@@ -126,6 +127,8 @@ def recompute_ops(graph: OpGraph, what: str) -> list[str]:
     blocks = sorted({int(n.name.split("_")[1]) for n in graph if n.name.startswith("blocks_")})
     if what == "blocks":
         return [op for i in blocks for op in _block(graph, i)]
+    if what == "layers":  # Megatron-LM's full recompute: all but the closing residual add, whose output is kept
+        return [op for i in blocks for op in _block(graph, i)[:-1]]
     if what == "mlp":
         return [op for i in blocks for op in (f"blocks_{i}_mlp_fc", f"blocks_{i}_mlp_gelu")]
     if what == "attn":

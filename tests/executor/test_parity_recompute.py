@@ -24,7 +24,7 @@ pytestmark = pytest.mark.distributed
 
 CASES_2 = [("mlp", "dp+rc_mid"), ("gpt", "dp+rc_blocks"), ("gpt", "megatron+rc_blocks"),
            ("gpt", "megatron_sp+rc_blocks"), ("gpt", "1f1b+rc_block0"), ("gpt", "gpipe+rc_mlp"),
-           ("gpt", "heads+rc_attn"), ("gpt", "random_mb1+rc_seed1")]
+           ("gpt", "heads+rc_attn"), ("gpt", "random_mb1+rc_seed1"), ("gpt", "megatron+rc_layers")]
 CASES_4 = [("gpt", "megatron_pp2+rc_blocks"), ("gpt", "megatron+rc_attn"), ("gpt", "1f1b+rc_blocks"),
            ("mlp", "stages_dp+rc_mid"), ("gpt", "colrow+rc_mlp"), ("gpt", "random_mb2+rc_seed2")]
 
@@ -68,7 +68,7 @@ class Watched(Executor):
         super()._backward(r)
 
 
-@pytest.mark.parametrize("model,what", [("mlp", "mid"), ("gpt", "blocks"), ("gpt", "attn")])
+@pytest.mark.parametrize("model,what", [("mlp", "mid"), ("gpt", "blocks"), ("gpt", "attn"), ("gpt", "layers")])
 def test_the_executor_holds_what_the_model_keeps(world_of_one, model, what):
     """Data parallel on one device, one micro-batch: at the first backward step every forward
     has run and the dropped outputs are gone (no outputs are received), so the outputs held

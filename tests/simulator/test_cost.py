@@ -327,6 +327,43 @@ def test_depthwise_convs_are_not_products_and_attention_is():
     assert get_rule("attention").gemm_size(att, full_box(att.shape)) == min(q[-2], k[-2], att.shape[-1])
 
 
+def test_gpu_products_run_at_hockneys_rate_of_their_size_the_rest_at_the_constant():
+    """The a100 preset: a linear of smallest dimension m runs at 312 TFLOP/s · r∞ · m / (m + n½)
+    (r∞ = 267.9 / 312, n½ = ``A100_GEMM_HALF``); attention and ops without a product keep the
+    constant 0.6; the CPU presets model no n½."""
+    from simulator.cost import gemm_efficiency
+    from simulator.presets import A100_GEMM_HALF, get_topology
+
+    a100 = get_topology("a100-1x8").devices[0]
+    assert (a100.gemm_rate, a100.gemm_half) == (267.9 / 312, A100_GEMM_HALF)
+    model = AnalyticalCostModel()
+    for m in (256, 1024, 8192):
+        node = dataclasses.replace(linear(16384, 16384, m), output=TensorSpec((16384, m), "bfloat16"))
+        e = gemm_efficiency(node, full_box(node.shape), a100)
+        assert e == pytest.approx(267.9 / 312 * m / (m + A100_GEMM_HALF), rel=1e-12)
+        fwd, _ = model.op_time(node, full_box(node.shape), a100)
+        assert fwd == pytest.approx(node.flops / (312e12 * e) + model.launch(a100), rel=1e-12)
+    att = next(n for n in traced_gpt() if n.kind == "attention")
+    assert gemm_efficiency(att, full_box(att.shape), a100) is None  # its own kernel: the constant
+    assert gemm_efficiency(relu((64, 64)), full_box((64, 64)), a100) is None
+    cpu = get_topology("local-cpu-2").devices[0]
+    assert gemm_efficiency(linear(8, 1024, 1024), full_box((8, 1024)), cpu) is None
+
+
+def test_gemm_rate_round_trips_and_is_checked(tmp_path):
+    from simulator.presets import get_topology
+    from simulator.topology import Topology
+
+    t = get_topology("h100-1x8")
+    assert t.devices[0].gemm_rate == pytest.approx(792.1 / 989.4)
+    t.save(tmp_path / "h100.json")
+    back = Topology.load(tmp_path / "h100.json")
+    assert back.devices[0] == t.devices[0] and back.devices[0].cost_key == t.devices[0].cost_key
+    assert "gemm_rate" not in get_topology("local-cpu-2").to_json()["devices"][0]  # the default, 1
+    with pytest.raises(ValueError, match=r"gemm_rate = 1.5: must be in \(0, 1\]"):
+        dataclasses.replace(t.devices[0], gemm_rate=1.5)
+
+
 def test_profiled_on_a_topology_json_reads_the_cache_calibrated_beside_it(tmp_path):
     from simulator.presets import get_topology
 

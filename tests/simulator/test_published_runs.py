@@ -5,14 +5,18 @@ preset's peak, the iteration seconds the printed model FLOPs utilization), each 
 the megatron baseline it names, and the predictions stay inside the error the model reaches,
 so a cost-model regression fails."""
 
+from dataclasses import replace
+
 import pytest
 
 from benchmarks.published_data import NARAYANAN_CHUNKS, RECOMPUTE
-from benchmarks.published_runs import (ROWS, block_wave_efficiency, build_graph, build_plan, korthikanti_model_flops,
-                                       llama_params, narayanan_flops, narayanan_params, predict, predicted_mfu,
-                                       predicted_tflops, published_seconds, reachable, throughput_error,
-                                       tile_wave_efficiency, torchtitan_flops)
-from simulator.presets import get_topology
+from benchmarks.published_fit import FIT_ROWS, rms_log, with_gemm_half
+from benchmarks.published_runs import (ROWS, block_wave_efficiency, build_graph, build_plan, korthikanti_activations,
+                                       korthikanti_model_flops, layer_ops, llama_params, narayanan_flops,
+                                       narayanan_params, predict, predicted_tflops, published_seconds,
+                                       reachable, throughput_error, tile_wave_efficiency, torchtitan_flops)
+from simulator.presets import A100_GEMM_HALF, get_topology
+from strategies.lowering import lower
 
 BOUND = 0.10
 """|published / predicted seconds - 1| the model reaches on the rows tested (benchmarks/README.md)."""
@@ -102,7 +106,11 @@ def g22b():
 
 
 def test_korthikanti_22b_recompute_sweep(g22b):
+    """Held out of the presets' n½ fit (Table 1's rows, ``published_fit.FIT_ROWS``): the 22B
+    rows' products are TP 8 slices (768 columns), smaller than any fitted row's, within the
+    bound and ranked as published."""
     full, selective = KORTHIKANTI[0], KORTHIKANTI[1]
+    assert not {full.name, selective.name} & set(FIT_ROWS) and set(FIT_ROWS) <= {r.name for r in NARAYANAN}
     plans = {r.recompute: build_plan(r, g22b) for r in (full, selective)}
     recomputed = {k: {n.kind for n in g22b if p[n.name].recompute} for k, p in plans.items()}
     assert recomputed["selective"] == {"attention"} and {"linear", "attention"} <= recomputed["full"]
@@ -111,6 +119,37 @@ def test_korthikanti_22b_recompute_sweep(g22b):
         assert abs(throughput_error(r, times[r.recompute])) <= BOUND, r.name
     # the ranking Table 5 prints: selective recompute + sequence parallelism is the faster
     assert times["selective"].iteration_time < times["full"].iteration_time
+
+
+def test_full_recompute_keeps_each_layers_input_only():
+    """Full recompute drops every op of a layer but its closing residual add, whose output (the
+    next layer's input) is what Megatron-LM keeps: 2sbh bytes a layer at 16 bits (Korthikanti
+    et al. 2022 §4.1, their 22B: 2·2048·4·6144·48 B = 4.5 GiB); the ops between blocks are cut
+    over the TP group here (no replicated computation), so a GPU keeps 2sbh/t of it."""
+    base = replace(KORTHIKANTI[0], hidden=512, heads=8, seq=256, vocab=1024)
+    kept = {}
+    for layers in (1, 2):
+        run = replace(base, layers=layers)
+        graph = build_graph(run)
+        low = lower(graph, build_plan(run, graph))
+        assert {op for op, p in low.pieces.items() if p.dropped} == set().union(*layer_ops(graph, run))
+        kept[layers] = low.device_bytes.kept
+    s, b, h, t = 256, 4, 512, 8
+    assert [k2 - k1 for k1, k2 in zip(kept[1], kept[2])] == [2 * s * b * h // t] * 8
+    assert korthikanti_activations(KORTHIKANTI[0]) == 2 * 2048 * 4 * 6144 * 48
+    # no recompute at t = 1: equation (2), sbh(34 + 5as/h) a layer
+    none = replace(TORCHTITAN[3], model="gpt", attention="math")
+    assert korthikanti_activations(none) == 4096 * 2 * 5120 * (34 + 5 * 40 * 4096 / 5120) * 40
+    assert korthikanti_activations(TORCHTITAN[3]) == 4096 * 2 * 5120 * 34 * 40  # flash: no scores kept
+
+
+def test_the_fit_scores_log_errors_on_other_device_figures():
+    import math
+
+    assert rms_log([math.exp(0.1) - 1, math.exp(-0.1) - 1]) == pytest.approx(0.1, rel=1e-12)
+    topology = with_gemm_half(get_topology("a100-2x8"), 321.0)
+    assert {d.gemm_half for d in topology.devices} == {321.0} and topology.num_devices == 16
+    assert get_topology("a100-2x8").devices[0].gemm_half == A100_GEMM_HALF  # the preset untouched
 
 
 @pytest.mark.slow
@@ -147,13 +186,14 @@ def test_korthikanti_175b_recompute_sweep():
 
 @pytest.mark.slow
 def test_torchtitan_llama2_13b_recompute_sweep():
-    """FSDP over 64 GPUs: no checkpointing faster than every second layer's, as published, each
-    predicted slower than published by less than 15 % (the model's compute efficiency, 0.6 of
-    the peak, is below these runs' 61 % MFU; benchmarks/README.md)."""
+    """FSDP over 64 GPUs, held out of the n½ fit (products of 5,120-13,824 by 8,192 tokens,
+    larger than any fitted row's): no checkpointing faster than every second layer's, as
+    published, each within the bound (benchmarks/README.md: +7.8 % and +4.6 %, predicted a
+    little fast)."""
     none, alternate = (r for r in TORCHTITAN if r.name.startswith("LLaMA-2 13B") and r.recompute != "op")
+    assert not {none.name, alternate.name} & set(FIT_ROWS)
     graph = build_graph(none)
     times = {r.recompute: predict(r, graph) for r in (none, alternate)}
     assert times["none"].iteration_time < times["alternate"].iteration_time
     for r in (none, alternate):
-        assert -0.15 <= throughput_error(r, times[r.recompute]) < 0, r.name
-        assert predicted_mfu(r, times[r.recompute]) < r.mfu, r.name
+        assert abs(throughput_error(r, times[r.recompute])) <= BOUND, r.name
