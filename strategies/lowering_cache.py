@@ -11,9 +11,11 @@ from typing import Any, NamedTuple
 
 from strategies.graph import OpGraph, OpNode
 from strategies.lowered import DeviceBytes, OpPieces, Partition, WeightShard, weight_shards
+from strategies.lowering_copies import expand_holders
 from strategies.pieces import lower_op, recompute_key
 from strategies.region import Box
 from strategies.strategy import Strategy
+from strategies.symmetry import Copies
 
 __all__ = ["Last", "changed_ops", "update"]
 
@@ -37,19 +39,21 @@ def changed_ops(last: "Last | None", configs: tuple[tuple[str, Any], ...]) -> li
 
 def update(graph: OpGraph, strategy: Strategy, cache: dict, last: "Last", affected: list[OpNode]) -> None:
     """``last`` made ``strategy``'s lowering: the ``affected`` ops' pieces, in graph order, the
-    shards of every weight they read (in the previous call's pieces or this call's) and the totals."""
+    shards of every weight they read (in the previous call's pieces or this call's) and the totals;
+    of copy 0's devices where ``last.copies`` (``strategies.lowering_copies``)."""
     m = strategy.microbatches
+    keep = None if last.copies is None else last.copies.kept
     kept, received, received_grad = last.totals[:3]
     config = strategy.__getitem__
     weights: set[str] = set()  # read by an affected op, in the previous call's pieces or this call's
     regroup = last.readers is None  # an op reads other weights than in the previous call: readers gathered again
     for node in affected:
         key = (node.name, m, strategy.num_devices, config(node.name), tuple(map(config, node.inputs)),
-               recompute_key(graph, strategy, node.name))
+               recompute_key(graph, strategy, node.name), keep)
         pieces = cache.get(key)
         if pieces is None:
             strategy.validate_op(node)
-            pieces = cache[key] = lower_op(graph, strategy, node, m)
+            pieces = cache[key] = lower_op(graph, strategy, node, m, keep)
         old = last.by_op.get(node.name)
         if old is pieces:
             continue
@@ -88,7 +92,9 @@ class Last:
     next call patches: each op's pieces, each weight's shards (in the order their first reader
     comes in the graph) and the per-device totals over them."""
 
-    def __init__(self, graph: OpGraph, n: int):
+    def __init__(self, graph: OpGraph, n: int, copies: Copies | None = None):
+        self.copies = copies
+        """The copies whose copy 0 is lowered (None: every device)."""
         self.configs: tuple = ()
         self.position = {node.name: i for i, node in enumerate(graph)}
         self.by_op: dict[str, OpPieces] = {}
@@ -113,10 +119,10 @@ class Last:
             return
         new = None
         if read_by:
-            key = ("shards", name, *map(id, read_by))
+            key = ("shards", name, self.copies, *map(id, read_by))
             new = cache.get(key)
             if new is None:
-                new = cache[key] = _weight_shards(name, read_by, len(self.tensors))
+                new = cache[key] = _weight_shards(name, read_by, len(self.tensors), self.copies)
         trainable, frozen = self.totals[3:]
         for h, sign in ((old, -1), (new, 1)):
             if h is None:
@@ -144,9 +150,10 @@ def _patch(total: list[int], old: tuple[int, ...] | None, new: tuple[int, ...]) 
             total[d] += b - a
 
 
-def _weight_shards(name: str, read_by: tuple[OpPieces, ...], n: int) -> _Held:
+def _weight_shards(name: str, read_by: tuple[OpPieces, ...], n: int, copies: Copies | None = None) -> _Held:
     """The shards of weight ``name`` read by ``read_by`` and what they add to the totals of the
-    ``n`` devices."""
+    ``n`` devices; ``copies``: ``read_by`` are copy 0's, each region's holders their images in
+    every copy too (``expand_holders``)."""
     held: dict[Box, set[int]] = {}
     ops: dict[str, None] = {}
     zero = 0  # the weight's sharding level: the largest of its reads' (tied weights: every reader's)
@@ -157,6 +164,8 @@ def _weight_shards(name: str, read_by: tuple[OpPieces, ...], n: int) -> _Held:
                 ops[read.op] = None
                 zero = max(zero, read.zero)
                 seen = read
+    if copies is not None:
+        held = expand_holders(held, copies)
     shards = weight_shards(name, held, seen.dtype, seen.trainable, tuple(ops), zero)
     per_device = [0] * n
     for s in shards:
