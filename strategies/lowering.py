@@ -120,8 +120,8 @@ def lower(graph: OpGraph, strategy: Strategy, cache: dict | None = None, copies:
     if split is None or split[0] != cap or len(split[1]) != len(shards) or not all(map(operator.is_, split[1], shards)):
         split = cache[("buckets", m, n, copies)] = (cap, shards, split_buckets(shards, cap))
     buckets, of = split[2]
-    sync = GradientSync(buckets, tuple(last.tensors), of)
-    totals = list(map(tuple, last.totals))
+    sync = GradientSync(buckets, tuple(last.tensors.tolist()), of)
+    totals = [tuple(t) for t in last.totals[:3]] + [tuple(t.tolist()) for t in last.totals[3:]]
     if copies is not None:
         weight_ops = [last.by_op[node.name].activations for node in graph if node.kind in WEIGHT_KINDS]
         totals[:3] = expand_totals(totals[:3], [sum(b) for b in zip(*weight_ops)] if weight_ops else [0] * n,

@@ -9,8 +9,10 @@ import itertools
 import operator
 from typing import Any, NamedTuple
 
+import numpy as np
+
 from strategies.graph import OpGraph, OpNode
-from strategies.lowered import DeviceBytes, OpPieces, Partition, WeightShard, weight_shards
+from strategies.lowered import WEIGHT_KINDS, DeviceBytes, OpPieces, Partition, WeightShard, weight_shards
 from strategies.lowering_copies import expand_holders
 from strategies.pieces import lower_op, recompute_key
 from strategies.region import Box
@@ -43,6 +45,7 @@ def update(graph: OpGraph, strategy: Strategy, cache: dict, last: "Last", affect
     of copy 0's devices where ``last.copies`` (``strategies.lowering_copies``)."""
     m = strategy.microbatches
     keep = None if last.copies is None else last.copies.kept
+    mine = None if keep is None else sorted(keep)
     kept, received, received_grad = last.totals[:3]
     config = strategy.__getitem__
     weights: set[str] = set()  # read by an affected op, in the previous call's pieces or this call's
@@ -57,9 +60,10 @@ def update(graph: OpGraph, strategy: Strategy, cache: dict, last: "Last", affect
         old = last.by_op.get(node.name)
         if old is pieces:
             continue
-        _patch(kept, old and old.activations, pieces.activations)
-        _patch(received, old and old.receives[0], pieces.receives[0])
-        _patch(received_grad, old and old.receives[1], pieces.receives[1])
+        at = mine if node.kind not in WEIGHT_KINDS else None  # copy 0's: its devices' entries only
+        _patch(kept, old and old.activations, pieces.activations, at)
+        _patch(received, old and old.receives[0], pieces.receives[0], at)
+        _patch(received_grad, old and old.receives[1], pieces.receives[1], at)
         last.by_op[node.name] = pieces
         last.partitions[node.name] = pieces.partitions
         weights.update(pieces.weights_read)
@@ -81,9 +85,9 @@ class _Held(NamedTuple):
 
     read_by: tuple[OpPieces, ...]
     shards: list[WeightShard]
-    per_device: tuple[int, ...]
+    per_device: np.ndarray
     """Bytes of the shards each device holds."""
-    holders: tuple[int, ...]
+    holders: np.ndarray
     """Trainable only: the devices holding a shard."""
 
 
@@ -102,8 +106,9 @@ class Last:
         self.readers: dict[str, list[str]] | None = None
         """Weight -> the ops reading it, in graph order."""
         self.held: dict[str, _Held] = {}
-        self.totals = [[0] * n for _ in DeviceBytes._fields]
-        self.tensors = [0] * n
+        self.totals: list = [[0] * n for _ in DeviceBytes._fields[:3]]
+        self.totals += [np.zeros(n, dtype=np.int64) for _ in DeviceBytes._fields[3:]]  # weight bytes: numpy
+        self.tensors = np.zeros(n, dtype=np.int64)
 
     def regroup(self, graph: OpGraph) -> None:
         self.readers = {}
@@ -128,18 +133,23 @@ class Last:
             if h is None:
                 continue
             total = trainable if h.shards[0].trainable else frozen
-            for d, b in enumerate(h.per_device):
-                total[d] += sign * b
-            for d in h.holders:
-                self.tensors[d] += sign
+            total += sign * h.per_device
+            self.tensors[h.holders] += sign
         if new is None:
             self.held.pop(name, None)
         else:
             self.held[name] = new
 
 
-def _patch(total: list[int], old: tuple[int, ...] | None, new: tuple[int, ...]) -> None:
-    """total += new - old, per device (old None: nothing to take back)."""
+def _patch(total: list[int], old: tuple[int, ...] | None, new: tuple[int, ...], at: list[int] | None = None) -> None:
+    """total += new - old, per device (old None: nothing to take back); ``at``: only these
+    devices' entries (the others are 0 in both: copy 0's lowering)."""
+    if at is not None:
+        for d in at:
+            b = new[d] - (old[d] if old is not None else 0)
+            if b:
+                total[d] += b
+        return
     if old is None:
         for d, b in enumerate(new):
             if b:
@@ -167,9 +177,9 @@ def _weight_shards(name: str, read_by: tuple[OpPieces, ...], n: int, copies: Cop
     if copies is not None:
         held = expand_holders(held, copies)
     shards = weight_shards(name, held, seen.dtype, seen.trainable, tuple(ops), zero)
-    per_device = [0] * n
-    for s in shards:
-        for d in s.devices:
-            per_device[d] += s.nbytes
-    holders = tuple(sorted({d for s in shards for d in s.devices})) if seen.trainable else ()
-    return _Held(read_by, shards, tuple(per_device), holders)
+    per_device = np.zeros(n, dtype=np.int64)
+    on = [np.fromiter(s.devices, np.int64, len(s.devices)) for s in shards]
+    for s, devices in zip(shards, on):
+        per_device[devices] += s.nbytes  # a shard's devices are distinct
+    holders = np.zeros(0, np.int64) if not seen.trainable else on[0] if len(on) == 1 else np.unique(np.concatenate(on))
+    return _Held(read_by, shards, per_device, holders)

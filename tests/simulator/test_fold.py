@@ -17,7 +17,7 @@ from simulator.cost import get_cost_model
 from simulator.fold import Folded
 from simulator.presets import get_topology
 from simulator.simulate import FOLD_FROM, simulate_plan
-from simulator.symmetry import find_copies
+from simulator.symmetry import CrossCopy, find_copies
 from simulator.tasks import TaskCache
 from strategies import ParallelConfig, Strategy, enumerate_configs
 from strategies.baselines import baseline, recomputed
@@ -213,3 +213,36 @@ def test_delta_simulation_on_folded_graphs_equals_full():
         if rng.random() < 0.5:
             plan = proposal
     assert folds >= 5
+
+
+def test_delta_simulation_on_copy_zero_lowerings_equals_full():
+    """The walk above with the lowering of copy 0 (``lower(copies=)``, one cache across copy
+    sets and proposals) on gpt data parallel x 8, recompute toggled or a config drawn: equal to
+    a per-device run from scratch."""
+    graph = traced("gpt", batch_size=16)
+    topology, cost = get_topology("a100-1x8"), get_cost_model("analytical")
+    plan = baseline("data_parallel", graph, 8)
+    rng = random.Random(1)
+    lowering, tasks = {}, TaskCache(topology, cost)
+    ops = [n for n in graph if n.kind not in WEIGHT_KINDS]
+    partial = 0
+    for _ in range(8):
+        node = rng.choice(ops)
+        if rng.random() < 0.6 and _recomputable(graph, node.name):
+            proposal = plan.replace(node.name, plan[node.name].with_memory(recompute=not plan[node.name].recompute))
+        else:
+            proposal = plan.replace(node.name, rng.choice(list(enumerate_configs(node, 8, 1, 4))))
+        for p in (plan, proposal):
+            copies = find_copies(graph, p)
+            try:
+                low = lower(graph, p, lowering, copies)
+            except CrossCopy:
+                low = lower(graph, p, lowering)
+            got = simulate_plan(graph, low, topology, cost, cache=tasks, summary=False, fold=True)
+            want = simulate_plan(graph, p, topology, cost, summary=False, fold=False)
+            assert got.iteration_time == pytest.approx(want.iteration_time, rel=1e-12, abs=0)
+            assert got.peak_memory_bytes == want.peak_memory_bytes
+            partial += low.copies is not None
+        if rng.random() < 0.5:
+            plan = proposal
+    assert partial >= 8
