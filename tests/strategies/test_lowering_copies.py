@@ -14,6 +14,7 @@ from simulator.cost import get_cost_model
 from simulator.presets import get_topology
 from simulator.simulate import simulate_plan
 from simulator.tasks import build_tasks
+from soapsearch.executor.errors import check_runnable
 from strategies import Strategy
 from strategies.baselines import baseline, recomputed
 from strategies.errors import PlanError
@@ -146,8 +147,8 @@ def test_a_transfer_between_copies_is_refused():
 
 
 def test_a_partial_lowering_is_refused_where_every_device_is_needed():
-    """The per-device task graph, a timeline and a simulation on other copies than its own
-    refuse copy 0's lowering in one line."""
+    """The per-device task graph, a timeline, a simulation on other copies than its own and
+    the executor refuse copy 0's lowering in one line."""
     graph = traced("mlp", batch_size=16)
     plan = baseline("data_parallel", graph, 8)
     part = lower(graph, plan, copies=find_copies(graph, plan))
@@ -159,6 +160,8 @@ def test_a_partial_lowering_is_refused_where_every_device_is_needed():
         simulate_plan(graph, part, topology, timeline=True)
     with pytest.raises(PlanError, match="folded on 2 copies"):
         build_tasks(part, topology, cost, copies=copies_of(graph, plan, 2))
+    with pytest.raises(PlanError, match="the executor needs every device's partitions"):
+        check_runnable(part, 8)
     folded = simulate_plan(graph, part, topology, fold=True)
     assert folded.iteration_time == simulate_plan(graph, plan, topology, fold=False).iteration_time
     assert isinstance(plan, Strategy)
