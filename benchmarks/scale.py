@@ -7,7 +7,8 @@ parallel, P=16 pipeline stages, 16 micro-batches; GPT-124M, 12 heads and 12 laye
 8 micro-batches; 1F1B, sequence parallel, every block recomputed, bf16), on ``a100-<N>x8`` at 8,
 64, 512 and 1,024 devices (megatron where T x P divides them). Each row runs in its own process (its peak RSS is the row's own) and prints the
 milliseconds of each phase of one full simulation as ``simulator.simulate_plan`` runs them
-(lower, task graph, event loop, memory), the copies a replicated plan is folded on
+(lower: the copies found and copy 0 lowered, ``simulate.Lowerings``; task graph, with any
+lowering again for fewer copies; event loop; memory), the copies a replicated plan is folded on
 (``simulator.fold``; ``--per-device``: none, every device simulated), the task count, and the
 process's peak RSS; a row that
 fails (too many devices for the preset, MemoryError, past ``--timeout``) prints why. The last
