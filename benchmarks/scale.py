@@ -7,7 +7,8 @@ parallel, P=16 pipeline stages, 16 micro-batches; GPT-124M, 12 heads and 12 laye
 8 micro-batches; 1F1B, sequence parallel, every block recomputed, bf16), on ``a100-<N>x8`` at 8,
 64, 512 and 1,024 devices (megatron where T x P divides them). Each row runs in its own process (its peak RSS is the row's own) and prints the
 milliseconds of each phase of one full simulation as ``simulator.simulate_plan`` runs them
-(lower, task graph, event loop, memory), the copies a replicated plan is folded on
+(lower: the copies found and copy 0 lowered, ``simulate.Lowerings``; task graph, with any
+lowering again for fewer copies; event loop; memory), the copies a replicated plan is folded on
 (``simulator.fold``; ``--per-device``: none, every device simulated), the task count, and the
 process's peak RSS; a row that
 fails (too many devices for the preset, MemoryError, past ``--timeout``) prints why. The last
@@ -56,8 +57,7 @@ def _row(model: str, kind: str, n: int, fold: bool, out) -> None:  # out: the ch
         from simulator.cost import get_cost_model
         from simulator.memory import memory_breakdown
         from simulator.presets import get_topology
-        from simulator.simulate import paused_gc, timed_graph
-        from strategies.lowering import lower
+        from simulator.simulate import Lowerings, paused_gc, timed_graph
 
         topo = get_topology(f"a100-{max(n // 8, 1)}x{min(n, 8)}")
         cost = get_cost_model("analytical")
@@ -66,12 +66,13 @@ def _row(model: str, kind: str, n: int, fold: bool, out) -> None:  # out: the ch
         plan = _plan(model, graph, kind, n)
         with paused_gc():
             t0 = time.perf_counter()
-            lowered = lower(graph, plan)
+            lowerings = Lowerings(graph, plan)  # copy 0's where it folds (simulate_plan's order)
+            lowered = lowerings.first(topo, fold)
             t1 = time.perf_counter()
             phases: dict[str, float] = {}
-            tg, _, _, end = timed_graph(lowered, topo, cost, "adam", fold=fold, phases=phases)
+            tg, _, _, end = timed_graph(lowered, topo, cost, "adam", fold=fold, phases=phases, relower=lowerings)
             t3 = time.perf_counter()
-            peak = max(m.total for m in memory_breakdown(lowered, "adam"))
+            peak = max(m.total for m in memory_breakdown(lowerings.last, "adam"))
             t4 = time.perf_counter()
         out.send({"tasks": len(tg), "copies": tg.copies.count if tg.copies else 1, "lower": t1 - t0,
                   "build": phases["tasks"], "events": phases["events"],

@@ -32,14 +32,14 @@ from typing import NamedTuple
 
 import numpy as np
 
-from simulator.symmetry import Copies
+from simulator.symmetry import Copies, CrossCopy
 from simulator.taskgraph import TaskGraph
 from simulator.topology import Topology
 
 __all__ = ["FoldError", "Folded", "LinkMaps", "link_maps", "task_copies"]
 
 
-class FoldError(Exception):
+class FoldError(CrossCopy):
     """The plan's pieces break its copies' symmetry (a transfer between copies, a shared task
     on one copy's links only): ``simulate_plan`` simulates it per device instead."""
 

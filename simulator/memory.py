@@ -12,6 +12,7 @@ from typing import NamedTuple
 import numpy as np
 
 from simulator.memory_zero import state_bytes
+from strategies.lowered import WEIGHT_KINDS
 from strategies.lowering import Lowered
 from strategies.pieces import drop_positions
 from strategies.schedule import chunk_of, device_passes, warmups
@@ -118,9 +119,9 @@ def activation_peaks(lowered: Lowered, ws: dict[int, int] | None = None) -> list
     without dropped outputs r_f = K and r_b = 0: w·K. ``ws``: ``warmups(lowered)``, where
     the caller has it. Under the interleaved schedule a pass is one chunk's
     (``_interleaved_peaks``)."""
-    b, ws = lowered.device_bytes, warmups(lowered) if ws is None else ws
     if lowered.strategy.schedule == "interleaved":
         return _interleaved_peaks(lowered)
+    b, ws = lowered.device_bytes, device_warmups(lowered) if ws is None else ws
     if not any(map(_dropped, lowered.pieces.values())):  # the search's hot path: one C-level pass
         return [ws.get(d, 0) * k for d, k in enumerate(b.kept)]
     held, freed, redone = _rows(lowered)
@@ -142,10 +143,18 @@ def _rows(lowered: Lowered) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     n = len(lowered.device_bytes.kept)
     held = np.fromiter(itertools.chain.from_iterable(map(_activations, ops)), np.int64, len(ops) * n).reshape(-1, n)
     at = [i for i, p in enumerate(ops) if p.dropped]  # (op in graph order, device), then its dropped outputs
+    if lowered.copies is not None:  # copy 0's columns are every copy's; weight ops' where they run
+        rep = lowered.copies.rep_array(n)
+        weight = [i for i, node in enumerate(graph) if node.kind in WEIGHT_KINDS]
+        whole = held[:, rep]
+        whole[weight] = held[weight]
+        held = whole
     freed, redone = np.zeros_like(held), np.zeros_like(held)  # after an op's forward; at its backward
     if not at:
         return held, freed, redone
-    dropped = np.array([ops[i].dropped for i in at], dtype=np.int64)
+    dropped = np.array([ops[i].dropped for i in at], dtype=np.int64).reshape(len(at), n)
+    if lowered.copies is not None:
+        dropped = dropped[:, rep]
     held[at] += dropped
     names = list(position)
     row = {names[i]: k for k, i in enumerate(at)}
@@ -203,6 +212,26 @@ def _interleaved_peaks(lowered: Lowered) -> list[int]:
     return out
 
 
+def device_warmups(lowered: Lowered) -> dict[int, int]:
+    """``strategies.schedule.warmups`` of every device; of copy 0's lowering (``Lowered.copies``),
+    a device of copy r has its copy-0 image's (the copies run alike)."""
+    ws = warmups(lowered)
+    if lowered.copies is None:
+        return ws
+    image = lowered.copies.representative
+    return {d: ws[image.get(d, d)] for d in ws}
+
+
+def collective_bytes(lowered: Lowered) -> tuple[list[int], list[int]]:
+    """``Lowered.collective_bytes`` of every device; of copy 0's lowering, a device of copy r
+    has its copy-0 image's (copy 0's collectives are each copy's)."""
+    fwd, grad = lowered.collective_bytes()
+    if lowered.copies is None:
+        return list(fwd), list(grad)
+    rep = lowered.copies.rep_array(len(fwd))
+    return np.asarray(fwd)[rep].tolist(), np.asarray(grad)[rep].tolist()
+
+
 def peak_memory(lowered: Lowered, optimizer: str = "sgd") -> list[int]:
     """Bytes per device: Σ held weight shards × (1 weight + 1 gradient + optimizer state) for
     trainable ones, plus the peak of the activations over its run order
@@ -225,8 +254,8 @@ def peak_memory(lowered: Lowered, optimizer: str = "sgd") -> list[int]:
     b = lowered.device_bytes
     # a device holds the activations of the micro-batches it has warmed up (schedule.py)
     m = lowered.strategy.microbatches
-    ws = warmups(lowered)
-    gathered, grads = lowered.collective_bytes()
+    ws = device_warmups(lowered)
+    gathered, grads = collective_bytes(lowered)
     acts = activation_peaks(lowered, ws)
     return [sum(state[d]) + b.frozen[d] + acts[d] + ws.get(d, 0) * gathered[d]
             + (b.received[d] if ws.get(d, 0) < m else 0) + min(2, m) * b.received_grad[d] + grads[d]
@@ -239,8 +268,8 @@ def memory_breakdown(lowered: Lowered, optimizer: str = "sgd") -> list[MemoryBre
     n = lowered.strategy.num_devices
     b = lowered.device_bytes
     m = lowered.strategy.microbatches
-    ws = warmups(lowered)
-    gathered, grads = lowered.collective_bytes()
+    ws = device_warmups(lowered)
+    gathered, grads = collective_bytes(lowered)
     acts = activation_peaks(lowered, ws)
     out = []
     for d in range(n):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import time
+from typing import Callable
 
 import numpy as np
 
@@ -16,7 +17,7 @@ from simulator.fold import FoldError, Folded, link_maps, task_copies
 from simulator.memory import memory_breakdown, peak_memory
 from simulator.presets import get_topology
 from simulator.result import SimResult, summarize
-from simulator.symmetry import copies_of, find_copies
+from simulator.symmetry import Copies, CrossCopy, copies_of, find_copies
 from simulator.taskgraph import TaskGraph
 from simulator.tasks import TaskCache, build_tasks
 from simulator.topology import Topology
@@ -24,7 +25,7 @@ from strategies.graph import OpGraph
 from strategies.lowering import Lowered, lower
 from strategies.strategy import Strategy
 
-__all__ = ["FOLD_FROM", "simulate_plan", "paused_gc", "run_timeline", "task_graph", "timed_graph"]
+__all__ = ["FOLD_FROM", "Lowerings", "simulate_plan", "paused_gc", "run_timeline", "task_graph", "timed_graph"]
 
 FOLD_FROM = 64
 """Devices from which ``simulate_plan`` folds a replicated plan by default. Below, the
@@ -50,10 +51,15 @@ def simulate_plan(graph: OpGraph, strategy: Strategy | Lowered, topology: Topolo
     topo = get_topology(topology) if isinstance(topology, str) else topology
     cost = get_cost_model(cost_model) if isinstance(cost_model, str) else cost_model
     with paused_gc():  # tens of thousands of small tuples: the cyclic collector only adds pauses
-        lowered = strategy if isinstance(strategy, Lowered) else lower(graph, strategy)
+        plan = strategy.strategy if isinstance(strategy, Lowered) else strategy
         if fold is None:
-            fold = lowered.strategy.num_devices >= FOLD_FROM
-        tg, folded, start, end = timed_graph(lowered, topo, cost, optimizer, cache, fold and not timeline)
+            fold = plan.num_devices >= FOLD_FROM
+        fold = fold and not timeline
+        relower = None if isinstance(strategy, Lowered) else Lowerings(graph, plan)
+        lowered = strategy if relower is None else relower.first(topo, fold)
+        tg, folded, start, end = timed_graph(lowered, topo, cost, optimizer, cache, fold, relower=relower)
+        if relower is not None:
+            lowered = relower.last
         if not summary:
             peak = peak_memory(lowered, optimizer)
             return SimResult(float(end.max(initial=0.0)), (), tuple(peak),
@@ -63,16 +69,58 @@ def simulate_plan(graph: OpGraph, strategy: Strategy | Lowered, topology: Topolo
                          None if folded is None else folded.copies.tolist())
 
 
+class Lowerings:
+    """The lowerings ``simulate_plan`` makes of one plan: copy 0's first where the plan is
+    replicated (``strategies.lowering_copies``), then, called with other copies (or None: every
+    device), the one ``timed_graph`` folds on next; ``last`` is the one simulated. One lowering
+    cache for them all, each copy set's apart."""
+
+    def __init__(self, graph: OpGraph, plan: Strategy):
+        self.graph, self.plan, self.cache = graph, plan, {}
+        self.last: Lowered | None = None
+
+    def first(self, topology: Topology, fold: bool) -> Lowered:
+        """Copy 0's lowering where ``fold`` and the plan has copies (``find_copies``) that may
+        fold on ``topology`` (not contended), else every device's."""
+        copies = find_copies(self.graph, self.plan) if fold and not contended(topology) else None
+        return (copies is not None and self(copies)) or self(None)
+
+    def __call__(self, copies: Copies | None) -> Lowered | None:
+        """The lowering of ``copies``' copy 0 (None: every device); None where the plan's pieces
+        cross those copies (``CrossCopy``)."""
+        try:
+            self.last = lower(self.graph, self.plan, self.cache, copies)
+        except CrossCopy:
+            return None
+        return self.last
+
+
 def timed_graph(lowered: Lowered, topology: Topology, cost: CostModel, optimizer: str = "sgd",
-                cache: TaskCache | None = None, fold: bool = True, phases: dict[str, float] | None = None
+                cache: TaskCache | None = None, fold: bool = True, phases: dict[str, float] | None = None,
+                relower: "Callable[[Copies | None], Lowered | None] | None" = None
                 ) -> tuple[TaskGraph, Folded | None, np.ndarray, np.ndarray]:
     """The task graph and its timeline (``task_graph``, ``run_timeline``): folded on the most
     copies where the fold holds on its timeline, else on fewer (``Folded.coarser``), else per
-    device. ``phases`` (given): seconds spent building graphs ("tasks") and timing them ("events")."""
+    device. ``phases`` (given): seconds spent building graphs ("tasks") and timing them ("events").
+    ``lowered`` may be copy 0's (``Lowered.copies``): ``relower(copies)`` then lowers the plan
+    for the fewer copies tried next (None: every device; returns None where it cannot); the
+    lowering used is ``TaskGraph.lowered``."""
+    def again(copies: Copies | None) -> Lowered:
+        if relower is None:
+            lowered.check_whole("simulating it per device or on other copies")
+        return (copies is not None and relower(copies)) or relower(None)
+
     tries = [(fold, None)]
     while True:
         t0 = time.perf_counter()
-        tg, folded = task_graph(lowered, topology, cost, optimizer, cache, *tries[-1])
+        want, count = tries[-1]
+        if lowered.copies is not None and (not want or count not in (None, lowered.copies.count)):
+            lowered = again(copies_of(lowered.graph, lowered.strategy, count) if want else None)
+        try:
+            tg, folded = task_graph(lowered, topology, cost, optimizer, cache, want, count)
+        except FoldError:  # copy 0's lowering that does not fold on this topology: every device's
+            lowered = again(None)
+            tg, folded = task_graph(lowered, topology, cost, optimizer, cache, False)
         t1 = time.perf_counter()
         times = run_timeline(tg, topology, folded)
         if phases is not None:
@@ -107,16 +155,21 @@ def task_graph(lowered: Lowered, topology: Topology, cost: CostModel, optimizer:
     (None: per device; ``TaskGraph.copies`` says which copies); its timeline is every copy's
     where ``Folded.holds`` it. ``count``: that many copies (``Folded.coarser``), not the most."""
     copies = None
-    if fold and not contended(topology):
+    if lowered.copies is not None:  # copy 0's lowering: folded on its copies (timed_graph lowers again for others)
+        copies = lowered.copies
+    elif fold and not contended(topology):
         graph, plan = lowered.graph, lowered.strategy
         copies = find_copies(graph, plan) if count is None else copies_of(graph, plan, count)
     maps = link_maps(topology, copies) if copies is not None else None
+    if maps is None and lowered.copies is not None:
+        raise FoldError(f"{copies} do not own their links on {topology.name!r}")
     if maps is not None:
         try:
             tg = build_tasks(lowered, topology, cost, optimizer, cache, copies)
             return tg, task_copies(tg, maps)
         except FoldError:
-            pass
+            if lowered.copies is not None:
+                raise
     return build_tasks(lowered, topology, cost, optimizer, cache), None
 
 

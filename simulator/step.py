@@ -12,6 +12,8 @@ followed, on each member device, by that device's ``collective_overhead`` of hos
 
 from __future__ import annotations
 
+import functools
+
 from collections.abc import Callable, Sequence
 
 from simulator.comm import allgather_time, allreduce_time, collective_time, ring_links
@@ -108,9 +110,12 @@ def link_step(tg: TaskGraph, lowered: Lowered, topology: Topology,
     buckets = lowered.gradient_sync.buckets
     sharded = zero_buckets(lowered)
     synced = {d: last[d] + later[d] for d in last}
+    rings: dict[tuple[int, ...], tuple[int, ...]] = {}  # a device set's ring, once (its buckets share it)
     for key in order:  # levels 0 and 1 (2 and 3: reduce-scattered per use, simulator.zero3)
         devs = key.devices
-        links = tuple(n + l for l in ring_links(topology, devs))
+        links = rings.get(devs)
+        if links is None:
+            links = rings[devs] = tuple(n + l for l in ring_links(topology, devs))
         zb = sharded.get(key)
         kind = "reduce_scatter" if zb is not None else "all_reduce"
         label = f"{kind.replace('_', '')} {_bucket_name(key)}"
@@ -162,8 +167,14 @@ def link_step(tg: TaskGraph, lowered: Lowered, topology: Topology,
 
 def _bucket_name(key: BucketKey) -> str:
     """A bucket in task labels: its devices, its index past the first and its level past 0."""
-    return (f"bucket {format_devices(key.devices)}" + (f" #{key.index}" if key.index else "")
+    return (f"bucket {_devices_label(key.devices)}" + (f" #{key.index}" if key.index else "")
             + (f" zero{key.zero}" if key.zero else ""))
+
+
+@functools.lru_cache(maxsize=256)
+def _devices_label(devices: tuple[int, ...]) -> str:
+    """``format_devices``, once per device set (its buckets share it)."""
+    return format_devices(devices)
 
 
 def _gather_chunks(tg: TaskGraph, topology: Topology, chunks, updates: dict[int, int],

@@ -114,8 +114,9 @@ class _Block:
         steps = np.empty((6, size), dtype=INDEX)
         for r, row in enumerate(self.steps):
             steps[r] = np.fromiter(row, INDEX, size)
-        for r, done in ((3, self.fwd_done), (4, self.bwd_done)):  # a partition not simulated: -1, no step
-            steps[r] = np.fromiter(filter(_simulated, itertools.chain.from_iterable(done)), INDEX, size)
+        for r, done in ((3, self.fwd_done), (4, self.bwd_done)):  # folded: dicts of copy 0's partitions
+            steps[r] = np.fromiter(itertools.chain.from_iterable(d.values() if isinstance(d, dict) else d
+                                                                 for d in done), INDEX, size)
         steps[5] = self.position
         self.steps = steps
         slots = np.fromiter(self.slots, INDEX, len(self.slots)).reshape(-1, 5).T
@@ -124,17 +125,13 @@ class _Block:
         return self
 
 
-_simulated = (-1).__ne__
-"""Whether a local id in ``_Block.fwd``, ``fwd_done`` or ``bwd_done`` is a task (not -1)."""
-
-
 def _op_block(node: OpNode, pieces: OpPieces, graph: OpGraph, producers: dict[str, _Block],
               position: int, topology: Topology, cost: CostModel, wires: dict,
               keep: frozenset[int] | None = None) -> _Block:
     """``producers``: the blocks of the ops ``node`` reads (their partitions' and reductions'
     local ids depend on their configs only, which ``pieces`` was derived from). ``keep``: the
     devices simulated (a folded plan's copy 0, ``simulator.fold``; None: all); a partition
-    elsewhere has no tasks (its entries in ``fwd``, ``fwd_done`` and ``bwd_done`` are -1)."""
+    elsewhere has no tasks (``fwd``, ``fwd_done`` and ``bwd_done`` are then dicts by partition index)."""
     backward = graph.needs_grad[node.name]
     b = _Block(pieces, position)
     devices = topology.devices
@@ -146,16 +143,18 @@ def _op_block(node: OpNode, pieces: OpPieces, graph: OpGraph, producers: dict[st
     names, cats, durs, res, devs, nbytes, esrc, edst = (
         c.name, c.category, c.duration, c.resources, c.device, c.nbytes, b.edge_src, b.edge_dst)
     for j, parts in enumerate(pieces.partitions):
-        ids = []
+        ids = [] if keep is None else {}  # folded: partition index -> its forward, copy 0's only
         for p in parts:  # the hot loop: inlined appends, labels formatted only when shown
             d = p.device
             if keep is not None and d not in keep:
-                ids.append(-1)
                 continue
             f_s, b_s = op_time(node, p.box, devices[d])
             over = devices[d].task_overhead if runs else 0.0
             t = len(durs)
-            ids.append(t)
+            if keep is None:
+                ids.append(t)
+            else:
+                ids[p.index] = t
             key = (node.name, p.index, j)
             names += (("fwd",) + key, ("bwd",) + key)
             cats += fwd_bwd
@@ -169,8 +168,8 @@ def _op_block(node: OpNode, pieces: OpPieces, graph: OpGraph, producers: dict[st
             b.steps[1].append(d)
             b.steps[2].append(j)
         b.fwd.append(ids)
-        b.fwd_done.append(list(ids))
-        b.bwd_done.append([t + 1 if t >= 0 else -1 for t in ids])
+        b.fwd_done.append(ids.copy())
+        b.bwd_done.append([t + 1 for t in ids] if keep is None else {k: t + 1 for k, t in ids.items()})
     _add_reductions(b, node, pieces.reductions, backward, topology, keep)
     _add_transfers(b, pieces.transfers, producers, topology, wires, graph, keep)
     return b.seal()
@@ -335,14 +334,14 @@ def _add_reductions(b: _Block, node: OpNode, reductions: tuple[ReductionGroup, .
         fwd = b.fwd[j]
         ks, members = g.partitions, g.devices
         if keep is not None:
-            ks = [k for k in ks if fwd[k] >= 0]
+            ks = [k for k in ks if k in fwd]
             members = [d for d in members if d in keep]
             if not ks:
                 continue
         if g.gates == Gate.STEP:
             b.step_reductions.append((g, [b.fwd_done[j][k] for k in ks], dynamic))
             continue
-        device = [p.device for p in b.pieces.partitions[j]]
+        device = {p.index: p.device for p in b.pieces.partitions[j]}
         links = tuple(n + l for l in ring_links(topology, g.devices))
         label = f"reduce {g.name} {g.op}@mb{j}"
         r = b.add(label, TaskKind.REDUCE, allgather_time(topology, g.devices, g.nbytes), links, g.devices[0], g.nbytes)
@@ -376,6 +375,8 @@ def build_tasks(lowered: Lowered, topology: Topology, cost: CostModel, optimizer
     built, and each collective over several copies once, timed over its whole group, with the
     edges and member ends of copy 0's members (``simulator.fold``)."""
     strategy = lowered.strategy
+    if lowered.copies is not None and copies != lowered.copies:  # copy 0's lowering: its own fold only
+        lowered.check_whole("a task graph per device" if copies is None else f"a task graph folded on {copies}")
     if strategy.num_devices > topology.num_devices:
         raise ValueError(f"the plan uses {strategy.num_devices} devices but topology "
                          f"{topology.name!r} has {topology.num_devices}")
@@ -426,7 +427,7 @@ def _bucket_ready(tg: TaskGraph, lowered: Lowered, blocks: list[_Block], first: 
     for d, mine in issues.items():
         for key, step in mine:
             i = position[step.op]
-            k = next(k for k, p in enumerate(lowered.partitions[step.op][step.microbatch]) if p.index == step.index)
+            k = step.index  # partitions are in index order; a folded block's by index
             at = int(np.flatnonzero(order.tasks == int(first[i]) + blocks[i].fwd[step.microbatch][k] + 1)[0])
             after = int(first[i]) + blocks[i].bwd_done[step.microbatch][k]
             out[(key, d)] = (after, int(order.tasks[at + 1]) if at < ends[d] else None)

@@ -130,10 +130,10 @@ def validate_config(node: OpNode, config: ParallelConfig, num_devices: int,
     if config.recompute and node.kind == "input":
         raise PlanError(node.name, "recompute", True, "an input op computes nothing to recompute: "
                         "its batch slice is read, not kept")
-    for i, d in enumerate(config.devices):
-        if d >= num_devices:
-            raise PlanError(node.name, f"devices[{i}]", d,
-                            f"device {d} is out of range for {num_devices} devices (0-{num_devices - 1})")
+    if config.devices and max(config.devices) >= num_devices:  # one C-level pass (thousands of devices)
+        i, d = next((i, d) for i, d in enumerate(config.devices) if d >= num_devices)
+        raise PlanError(node.name, f"devices[{i}]", d,
+                        f"device {d} is out of range for {num_devices} devices (0-{num_devices - 1})")
 
 
 def check_degrees(node: OpNode, degrees: Sequence[int], microbatches: int = 1) -> str | None:

@@ -9,12 +9,15 @@ import itertools
 import operator
 from dataclasses import dataclass
 from functools import cached_property
-from typing import NamedTuple, Sequence
+from typing import TYPE_CHECKING, NamedTuple, Sequence
 
 from strategies.errors import PlanError
 from strategies.graph import DTYPE_BYTES, OpGraph
 from strategies.region import Box, box_numel, intersect
 from strategies.strategy import Strategy
+
+if TYPE_CHECKING:
+    from strategies.symmetry import Copies
 
 __all__ = ["WEIGHT_KINDS", "Gate", "Partition", "Transfer", "Collective", "CollectiveRead", "COLLECTIVE_KINDS",
            "WeightRead", "WeightShard", "BucketKey", "bucket_key", "FIRST_BUCKET_BYTES", "split_buckets", "weight_shards", "ReductionGroup", "OpPieces",
@@ -402,6 +405,17 @@ class Lowered:
     """Per-device byte totals of the plan (``simulator.memory`` reads them)."""
     gradient_sync: GradientSync
     """The buckets and per-device tensor counts of ``weight_shards``' sync (``simulator.step``)."""
+    copies: "Copies | None" = None
+    """None: every device's partitions. Else the lowering of these copies' copy 0 only
+    (``strategies.lowering_copies``): copy 0's partitions, transfers and collectives; reduction
+    groups, weight shards and buckets whole; ``device_bytes`` and ``gradient_sync.tensors`` of
+    every device. ``check_whole`` refuses it where every device's partitions are needed."""
+
+    def check_whole(self, what: str) -> None:
+        """PlanError unless this lowering holds every device's partitions (``copies`` None)."""
+        if self.copies is not None:
+            raise PlanError(None, "copies", str(self.copies), f"{what} needs every device's partitions; this "
+                            "lowering holds copy 0's only (lower it with copies=None)")
 
     @cached_property
     def transfers(self) -> tuple[Transfer, ...]:

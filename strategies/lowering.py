@@ -22,10 +22,12 @@ from strategies.lowered import (WEIGHT_KINDS, BucketKey, DeviceBytes, Gate, Grad
                                 Partition, ReductionGroup, Transfer, WeightRead, WeightShard, bucket_key,
                                 split_buckets)
 from strategies.lowering_cache import Last, changed_ops, update
+from strategies.lowering_copies import expand_totals
 from strategies.lowering_reference import lower_reference
 from strategies.precision import compute_graph
 from strategies.pieces import check_microbatches, gates, partition_box_mb
 from strategies.strategy import Strategy
+from strategies.symmetry import Copies, CrossCopy
 from strategies.zero import gather_uses
 
 __all__ = ["WEIGHT_KINDS", "Partition", "Transfer", "WeightRead", "WeightShard", "BucketKey", "bucket_key",
@@ -44,7 +46,9 @@ def loss_on_every_device(lowered: "Lowered") -> bool:
     micro-batch: each then learns the step's loss from its group's sum, and no all-reduce of
     the loss value is needed (the executor runs one otherwise, the simulator charges it)."""
     everyone = set(range(lowered.strategy.num_devices))
-    return all({p.device for p in parts} == everyone for parts in lowered.partitions[lowered.graph.outputs[0]])
+    images = {} if lowered.copies is None else lowered.copies.images  # copy 0's: every copy's too
+    return all({x for p in parts for x in images.get(p.device, (p.device,))} == everyone
+               for parts in lowered.partitions[lowered.graph.outputs[0]])
 
 
 def bucket_sums(lowered: "Lowered", groups: "Iterable[ReductionGroup] | None" = None
@@ -76,7 +80,7 @@ def bucket_sums(lowered: "Lowered", groups: "Iterable[ReductionGroup] | None" = 
 _shards = operator.attrgetter("shards")
 
 
-def lower(graph: OpGraph, strategy: Strategy, cache: dict | None = None) -> Lowered:
+def lower(graph: OpGraph, strategy: Strategy, cache: dict | None = None, copies: Copies | None = None) -> Lowered:
     """Everything a plan does, derived once (docs/design.md, "The lowering"). ``cache`` (any dict kept
     across calls for one graph) memoizes each op's pieces by the configs they depend on, and
     each weight's shards by the pieces of the ops reading it; an op's config is validated when
@@ -84,18 +88,25 @@ def lower(graph: OpGraph, strategy: Strategy, cache: dict | None = None) -> Lowe
     (``strategies.lowering_cache.Last``): only the ops whose config is not the very object of
     that call's plan (a search's proposal shares every unchanged config) and their consumers
     are looked at again, and the per-device totals (``DeviceBytes``, ``GradientSync``) are
-    patched by what changed."""
+    patched by what changed. ``copies`` (``strategies.symmetry.find_copies`` of this plan): the
+    lowering of copy 0 only (``strategies.lowering_copies``; ``Lowered.copies``), kept in the
+    cache apart from every other copy set's; ``CrossCopy`` where the plan's pieces cross
+    copies, it shards weights per use (levels 2 and 3: their uses pair up per device) or its
+    schedule is neither GPipe nor 1F1B (the memory model expands those two)."""
+    if copies is not None and strategy.schedule not in ("gpipe", "1f1b"):  # simulator.memory expands only these
+        raise CrossCopy(f"schedule {strategy.schedule!r}: its memory walk reads every device's passes: lowered "
+                        "per device")
     cache = {} if cache is None else cache  # none given: one used for this call only
     if strategy.precision != "model":  # its own graph (strategies.precision), its own cache
         graph = compute_graph(graph, strategy.compute_dtype)
         cache = cache.setdefault(("precision", strategy.precision), {})
     m, n = strategy.microbatches, strategy.num_devices
-    last = cache.get(("last", m, n))
+    last = cache.get(("last", m, n, copies))
     changed = changed_ops(last, strategy.configs)
     if changed is None:  # another list of ops than the last call's (a search's plans all name the same)
         strategy.validate(graph, configs=False)
         check_microbatches(graph, m)
-        last = cache[("last", m, n)] = Last(graph, n)
+        last = cache[("last", m, n, copies)] = Last(graph, n, copies)
         affected = list(graph)
     else:
         touched = set(changed).union(*map(graph.users, changed))
@@ -105,16 +116,24 @@ def lower(graph: OpGraph, strategy: Strategy, cache: dict | None = None) -> Lowe
     try:
         update(graph, strategy, cache, last, affected)
     except BaseException:  # a config found invalid half way: the next call starts over
-        cache.pop(("last", m, n), None)
+        cache.pop(("last", m, n, copies), None)
         raise
     last.configs = strategy.configs
     shards = tuple(itertools.chain.from_iterable(map(_shards, last.held.values())))
-    cap, split = strategy.bucket_cap_bytes, cache.get(("buckets", m, n))  # the last call's, where its shards are these
+    cap, split = strategy.bucket_cap_bytes, cache.get(("buckets", m, n, copies))  # the last call's, where its shards are these
     if split is None or split[0] != cap or len(split[1]) != len(shards) or not all(map(operator.is_, split[1], shards)):
-        split = cache[("buckets", m, n)] = (cap, shards, split_buckets(shards, cap))
+        split = cache[("buckets", m, n, copies)] = (cap, shards, split_buckets(shards, cap))
     buckets, of = split[2]
-    sync = GradientSync(buckets, tuple(last.tensors), of)
-    lowered = Lowered(graph, strategy, dict(last.partitions), shards, dict(last.by_op),
-                      DeviceBytes(*map(tuple, last.totals)), sync)
+    sync = GradientSync(buckets, tuple(last.tensors.tolist()), of)
+    totals = [tuple(t) for t in last.totals[:3]] + [tuple(t.tolist()) for t in last.totals[3:]]
+    if copies is not None:
+        weight_ops = [last.by_op[node.name].activations for node in graph if node.kind in WEIGHT_KINDS]
+        totals[:3] = expand_totals(totals[:3], [sum(b) for b in zip(*weight_ops)] if weight_ops else [0] * n,
+                                   copies)
+    lowered = Lowered(graph, strategy, dict(last.partitions), shards, dict(last.by_op), DeviceBytes(*totals), sync,
+                      copies)
+    if copies is not None and any(s.zero >= 2 for s in shards):
+        raise CrossCopy("weights sharded per use (levels 2 and 3) pair their uses up on every device: lowered "
+                        "per device")
     gather_uses(lowered)  # level 3 (FSDP): PlanError unless every use pairs up
     return lowered

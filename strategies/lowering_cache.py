@@ -9,11 +9,15 @@ import itertools
 import operator
 from typing import Any, NamedTuple
 
+import numpy as np
+
 from strategies.graph import OpGraph, OpNode
-from strategies.lowered import DeviceBytes, OpPieces, Partition, WeightShard, weight_shards
+from strategies.lowered import WEIGHT_KINDS, DeviceBytes, OpPieces, Partition, WeightShard, weight_shards
+from strategies.lowering_copies import expand_holders
 from strategies.pieces import lower_op, recompute_key
 from strategies.region import Box
 from strategies.strategy import Strategy
+from strategies.symmetry import Copies
 
 __all__ = ["Last", "changed_ops", "update"]
 
@@ -37,25 +41,29 @@ def changed_ops(last: "Last | None", configs: tuple[tuple[str, Any], ...]) -> li
 
 def update(graph: OpGraph, strategy: Strategy, cache: dict, last: "Last", affected: list[OpNode]) -> None:
     """``last`` made ``strategy``'s lowering: the ``affected`` ops' pieces, in graph order, the
-    shards of every weight they read (in the previous call's pieces or this call's) and the totals."""
+    shards of every weight they read (in the previous call's pieces or this call's) and the totals;
+    of copy 0's devices where ``last.copies`` (``strategies.lowering_copies``)."""
     m = strategy.microbatches
+    keep = None if last.copies is None else last.copies.kept
+    mine = None if keep is None else sorted(keep)
     kept, received, received_grad = last.totals[:3]
     config = strategy.__getitem__
     weights: set[str] = set()  # read by an affected op, in the previous call's pieces or this call's
     regroup = last.readers is None  # an op reads other weights than in the previous call: readers gathered again
     for node in affected:
         key = (node.name, m, strategy.num_devices, config(node.name), tuple(map(config, node.inputs)),
-               recompute_key(graph, strategy, node.name))
+               recompute_key(graph, strategy, node.name), keep)
         pieces = cache.get(key)
         if pieces is None:
             strategy.validate_op(node)
-            pieces = cache[key] = lower_op(graph, strategy, node, m)
+            pieces = cache[key] = lower_op(graph, strategy, node, m, keep)
         old = last.by_op.get(node.name)
         if old is pieces:
             continue
-        _patch(kept, old and old.activations, pieces.activations)
-        _patch(received, old and old.receives[0], pieces.receives[0])
-        _patch(received_grad, old and old.receives[1], pieces.receives[1])
+        at = mine if node.kind not in WEIGHT_KINDS else None  # copy 0's: its devices' entries only
+        _patch(kept, old and old.activations, pieces.activations, at)
+        _patch(received, old and old.receives[0], pieces.receives[0], at)
+        _patch(received_grad, old and old.receives[1], pieces.receives[1], at)
         last.by_op[node.name] = pieces
         last.partitions[node.name] = pieces.partitions
         weights.update(pieces.weights_read)
@@ -77,9 +85,9 @@ class _Held(NamedTuple):
 
     read_by: tuple[OpPieces, ...]
     shards: list[WeightShard]
-    per_device: tuple[int, ...]
+    per_device: np.ndarray
     """Bytes of the shards each device holds."""
-    holders: tuple[int, ...]
+    holders: np.ndarray
     """Trainable only: the devices holding a shard."""
 
 
@@ -88,7 +96,9 @@ class Last:
     next call patches: each op's pieces, each weight's shards (in the order their first reader
     comes in the graph) and the per-device totals over them."""
 
-    def __init__(self, graph: OpGraph, n: int):
+    def __init__(self, graph: OpGraph, n: int, copies: Copies | None = None):
+        self.copies = copies
+        """The copies whose copy 0 is lowered (None: every device)."""
         self.configs: tuple = ()
         self.position = {node.name: i for i, node in enumerate(graph)}
         self.by_op: dict[str, OpPieces] = {}
@@ -96,8 +106,9 @@ class Last:
         self.readers: dict[str, list[str]] | None = None
         """Weight -> the ops reading it, in graph order."""
         self.held: dict[str, _Held] = {}
-        self.totals = [[0] * n for _ in DeviceBytes._fields]
-        self.tensors = [0] * n
+        self.totals: list = [[0] * n for _ in DeviceBytes._fields[:3]]
+        self.totals += [np.zeros(n, dtype=np.int64) for _ in DeviceBytes._fields[3:]]  # weight bytes: numpy
+        self.tensors = np.zeros(n, dtype=np.int64)
 
     def regroup(self, graph: OpGraph) -> None:
         self.readers = {}
@@ -113,27 +124,32 @@ class Last:
             return
         new = None
         if read_by:
-            key = ("shards", name, *map(id, read_by))
+            key = ("shards", name, self.copies, *map(id, read_by))
             new = cache.get(key)
             if new is None:
-                new = cache[key] = _weight_shards(name, read_by, len(self.tensors))
+                new = cache[key] = _weight_shards(name, read_by, len(self.tensors), self.copies)
         trainable, frozen = self.totals[3:]
         for h, sign in ((old, -1), (new, 1)):
             if h is None:
                 continue
             total = trainable if h.shards[0].trainable else frozen
-            for d, b in enumerate(h.per_device):
-                total[d] += sign * b
-            for d in h.holders:
-                self.tensors[d] += sign
+            total += sign * h.per_device
+            self.tensors[h.holders] += sign
         if new is None:
             self.held.pop(name, None)
         else:
             self.held[name] = new
 
 
-def _patch(total: list[int], old: tuple[int, ...] | None, new: tuple[int, ...]) -> None:
-    """total += new - old, per device (old None: nothing to take back)."""
+def _patch(total: list[int], old: tuple[int, ...] | None, new: tuple[int, ...], at: list[int] | None = None) -> None:
+    """total += new - old, per device (old None: nothing to take back); ``at``: only these
+    devices' entries (the others are 0 in both: copy 0's lowering)."""
+    if at is not None:
+        for d in at:
+            b = new[d] - (old[d] if old is not None else 0)
+            if b:
+                total[d] += b
+        return
     if old is None:
         for d, b in enumerate(new):
             if b:
@@ -144,9 +160,10 @@ def _patch(total: list[int], old: tuple[int, ...] | None, new: tuple[int, ...]) 
             total[d] += b - a
 
 
-def _weight_shards(name: str, read_by: tuple[OpPieces, ...], n: int) -> _Held:
+def _weight_shards(name: str, read_by: tuple[OpPieces, ...], n: int, copies: Copies | None = None) -> _Held:
     """The shards of weight ``name`` read by ``read_by`` and what they add to the totals of the
-    ``n`` devices."""
+    ``n`` devices; ``copies``: ``read_by`` are copy 0's, each region's holders their images in
+    every copy too (``expand_holders``)."""
     held: dict[Box, set[int]] = {}
     ops: dict[str, None] = {}
     zero = 0  # the weight's sharding level: the largest of its reads' (tied weights: every reader's)
@@ -157,10 +174,12 @@ def _weight_shards(name: str, read_by: tuple[OpPieces, ...], n: int) -> _Held:
                 ops[read.op] = None
                 zero = max(zero, read.zero)
                 seen = read
+    if copies is not None:
+        held = expand_holders(held, copies)
     shards = weight_shards(name, held, seen.dtype, seen.trainable, tuple(ops), zero)
-    per_device = [0] * n
-    for s in shards:
-        for d in s.devices:
-            per_device[d] += s.nbytes
-    holders = tuple(sorted({d for s in shards for d in s.devices})) if seen.trainable else ()
-    return _Held(read_by, shards, tuple(per_device), holders)
+    per_device = np.zeros(n, dtype=np.int64)
+    on = [np.fromiter(s.devices, np.int64, len(s.devices)) for s in shards]
+    for s, devices in zip(shards, on):
+        per_device[devices] += s.nbytes  # a shard's devices are distinct
+    holders = np.zeros(0, np.int64) if not seen.trainable else on[0] if len(on) == 1 else np.unique(np.concatenate(on))
+    return _Held(read_by, shards, per_device, holders)

@@ -73,12 +73,14 @@ def bucket_issues(lowered: Lowered) -> dict[int, list[BucketIssue]]:
 
 
 def bucket_plan(lowered: Lowered) -> tuple[list[BucketKey], dict[int, list[BucketIssue]]]:
-    """``bucket_order`` and ``bucket_issues`` at once."""
+    """``bucket_order`` and ``bucket_issues`` at once (of copy 0's lowering, ``Lowered.copies``:
+    the issues of copy 0's devices; every copy's are their images)."""
     position, ops = _bucket_ops(lowered)
     last = lowered.strategy.microbatches - 1
+    kept = None if lowered.copies is None else lowered.copies.kept  # copy 0's lowering: its devices' issues
     ready: dict[tuple[int, BucketKey], tuple[int, int, Step]] = {}  # forward position: earlier runs later
     for key, names in ops.items():
-        todo = set(key.devices)
+        todo = set(key.devices) if kept is None else set(kept.intersection(key.devices))
         for op in sorted(names, key=position.__getitem__):  # the first op with a partition on d is d's
             for k, p in enumerate(lowered.partitions[op][last]):
                 if p.device in todo:  # its first partition there
@@ -90,7 +92,7 @@ def bucket_plan(lowered: Lowered) -> tuple[list[BucketKey], dict[int, list[Bucke
     issued: dict[int, tuple[int, int, Step]] = {}
     order = _order(position, ops)
     for key in order:
-        for d in key.devices:
+        for d in key.devices if kept is None else [d for d in key.devices if d in kept]:
             here = ready[(d, key)]
             issued[d] = here if d not in issued or here < issued[d] else issued[d]
             out.setdefault(d, []).append(BucketIssue(key, issued[d][2]))

@@ -20,6 +20,8 @@ from strategies.rules import get_rule
 from strategies.rules.base import Reduction
 from strategies.rules.cross_entropy import CLASS_SUMS, class_sum_terms
 from strategies.strategy import Strategy
+from strategies.symmetry import CrossCopy
+from strategies.lowering_copies import kept_indices, reduction_members
 
 __all__ = ["lower_op", "partition_box_mb", "gates", "check_microbatches", "drops_output", "check_recompute", "recomputable",
            "drop_points", "drop_positions", "DropPoints", "READS_NO_INPUT"]
@@ -85,9 +87,12 @@ def check_microbatches(graph: OpGraph, m: int) -> None:
 def partition_box_mb(node: OpNode, degrees: Sequence[int], k: int, microbatch: int,
                      microbatches: int) -> Box:
     """The global region partition ``k`` of ``node`` computes in ``microbatch``."""
-    grid = _grid(node, degrees, microbatch, microbatches)
-    return tuple((b + c * st, b + (c + 1) * st)
-                 for (b, st), c in zip(grid, partition_index(k, degrees)))
+    return box_at(_grid(node, degrees, microbatch, microbatches), degrees, k)
+
+
+def box_at(grid: Sequence[tuple[int, int]], degrees: Sequence[int], k: int) -> Box:
+    """Partition ``k``'s box on ``grid`` (``_grid``)."""
+    return tuple((b + c * st, b + (c + 1) * st) for (b, st), c in zip(grid, partition_index(k, degrees)))
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -125,9 +130,9 @@ def _overlaps(grid: tuple[tuple[int, int], ...], degrees: tuple[int, ...],
     return tuple(out)
 
 
-def gates(node: OpNode, red: Reduction, parts: Sequence[Partition], m: int, num_devices: int,
+def gates(node: OpNode, red: Reduction, devices: Sequence[int], m: int, num_devices: int,
           output: bool = True) -> Gate:
-    """What must wait for reduction ``red`` of ``node``'s partitions ``parts`` (one micro-batch);
+    """What must wait for reduction ``red`` of ``node``'s partitions on ``devices`` (one micro-batch);
     ``output``: ``node`` is the graph's output (a loss feeding another op must be whole first):
 
     - ``Gate.FORWARD``: the partitions' outputs (batch statistics; a loss that is not the output);
@@ -141,7 +146,7 @@ def gates(node: OpNode, red: Reduction, parts: Sequence[Partition], m: int, num_
     if not red.deferred or not output:
         return Gate.FORWARD
     static = get_rule(node.kind).static_count(node) is not None  # deferred: a loss rule
-    everywhere = {p.device for p in parts} == set(range(num_devices))
+    everywhere = set(devices) == set(range(num_devices))
     return Gate.STEP if static or (m == 1 and everywhere) else Gate.BACKWARD
 
 
@@ -260,8 +265,13 @@ def check_recompute(graph: OpGraph, node: OpNode) -> None:
                         "backward, so it keeps nothing for one to drop")
 
 
-def lower_op(graph: OpGraph, strategy: Strategy, node: OpNode, m: int) -> OpPieces:
-    """What ``node`` contributes to ``strategy``'s lowering with ``m`` micro-batches."""
+def lower_op(graph: OpGraph, strategy: Strategy, node: OpNode, m: int,
+             keep: frozenset[int] | None = None) -> OpPieces:
+    """What ``node`` contributes to ``strategy``'s lowering with ``m`` micro-batches. ``keep``:
+    copy 0's devices (``strategies.symmetry``; None: all): a non-weight op's partitions
+    elsewhere, the transfers and collectives into them and their weight reads are left out
+    (a transfer into copy 0 from another copy: ``CrossCopy``); its reduction groups that
+    hold a partition of copy 0 are whole (``strategies.lowering_copies``)."""
     cfg = strategy[node.name]
     rule = get_rule(node.kind)
     n = strategy.num_devices
@@ -282,10 +292,15 @@ def lower_op(graph: OpGraph, strategy: Strategy, node: OpNode, m: int) -> OpPiec
     # output is whole on every partition once its sums are done (its classes summed inside)
     sums = [tuple((0, p.shape[i]) for i in p.reduction_dims) if p.kind != "loss" else () for p, _ in sources]
     partial = [p.kind != "loss" and any(c.degrees[i] > 1 for i in p.reduction_dims) for p, c in sources]
+    if node.kind in WEIGHT_KINDS:
+        keep = None  # a weight op runs where its config says, in no copy
+    kept_at = None if keep is None else kept_indices(cfg, keep)
     for j in range(m):
         parts, weight_regions = [], []
         grids = [_grid(p, c.degrees, j, m) for p, c in sources]
-        for k, box in enumerate(_boxes(_grid(node, cfg.degrees, j, m), cfg.degrees)):
+        grid = _grid(node, cfg.degrees, j, m)
+        for k, box in (enumerate(_boxes(grid, cfg.degrees)) if kept_at is None else
+                       ((k, box_at(grid, cfg.degrees, k)) for k in kept_at)):
             ins = rule.input_regions(node, box)
             ws = rule.weight_regions(node, box)
             parts.append(Partition(node.name, k, j, cfg.devices[k], box, tuple(ins),
@@ -328,7 +343,7 @@ def lower_op(graph: OpGraph, strategy: Strategy, node: OpNode, m: int) -> OpPiec
                         reads.append(_new(WeightRead, (w.name, region, dev, node.name, w.spec.dtype,
                                                        w.trainable, max(cfg.zero, pcfg.zero))))
                     continue
-                c = shared[slot].get(k)
+                c = shared[slot].get(p.index)
                 if c is not None:
                     collective_reads.append(CollectiveRead(c, node.name, k, slot, dev))
                     continue
@@ -339,6 +354,9 @@ def lower_op(graph: OpGraph, strategy: Strategy, node: OpNode, m: int) -> OpPiec
                         piece = piece[:len(region)]
                         numel = box_numel(piece)
                     src_dev, nbytes = devices[q], numel * size
+                    if keep is not None and src_dev not in keep:
+                        raise CrossCopy(f"op {node.name!r} reads {src!r} on device {src_dev}, in another copy "
+                                        f"than its partition {p.index} on device {dev}")
                     # the hot loop: a Transfer made as the tuple it is (no Python-level __new__)
                     transfers.append(_new(Transfer, (src, q, node.name, k, slot, j, src_dev, dev, piece, nbytes,
                                                      partial[slot])))
@@ -350,8 +368,10 @@ def lower_op(graph: OpGraph, strategy: Strategy, node: OpNode, m: int) -> OpPiec
                             if moves_grad[slot]:
                                 grad[src_dev] += nbytes
         per_mb.append(tuple(parts))
-        reductions.extend(_groups(node, cfg.degrees, cfg.devices, rule.reductions(node, cfg.degrees),
-                                  parts, j, m, n, node.name in graph.outputs))
+        reds = rule.reductions(node, cfg.degrees)
+        if reds:
+            reductions.extend(_groups(node, cfg.degrees, cfg.devices, reds, grid, j, m, n, node.name in graph.outputs,
+                                      kept_at))
     for g in reductions:  # a collective couples its devices both ways
         couples.update(zip(g.devices, g.devices[1:] + g.devices[:1]))
     return OpPieces(tuple(per_mb), tuple(transfers), tuple(reductions), tuple(reads),
@@ -360,19 +380,16 @@ def lower_op(graph: OpGraph, strategy: Strategy, node: OpNode, m: int) -> OpPiec
                     tuple(dropped) if drop else ())
 
 
-def _groups(node: OpNode, degrees: Sequence[int], devices: Sequence[int], reds, parts,
-            microbatch: int, m: int, num_devices: int, output: bool) -> list[ReductionGroup]:
+def _groups(node: OpNode, degrees: Sequence[int], devices: Sequence[int], reds, grid, microbatch: int, m: int,
+            num_devices: int, output: bool, kept_at: Sequence[int] | None = None) -> list[ReductionGroup]:
+    """Each reduction's groups of two partitions or more, in the order of their first member;
+    ``kept_at`` (copy 0's partitions, None: all): only the groups holding one, whole."""
     out = []
     for red in reds:
-        when = gates(node, red, parts, m, num_devices, output)
-        over = set(red.over)
-        groups: dict[tuple, list[int]] = {}
-        for k in range(len(parts)):
-            c = partition_index(k, degrees)
-            groups.setdefault(tuple(x for i, x in enumerate(c) if i not in over), []).append(k)
-        for members in groups.values():
+        when = gates(node, red, devices, m, num_devices, output)
+        for members in reduction_members(tuple(degrees), tuple(red.over), kept_at):
             if len(members) > 1:
-                sent, grad = _reduction_bytes(node, red.name, parts[members[0]].box, when)
+                sent, grad = _reduction_bytes(node, red.name, box_at(grid, degrees, members[0]), when)
                 out.append(ReductionGroup(node.name, red.name, microbatch, tuple(members),
                                           tuple(devices[k] for k in members), sent, when, grad))
     return out

@@ -168,10 +168,13 @@ class Strategy:
     @cached_property
     def _uses(self) -> dict[int, int]:
         """Device -> how many ops run on it (``replace`` patches it)."""
-        uses: dict[int, int] = {}
+        groups: dict[tuple[int, ...], int] = {}  # ops of one device list counted once (data parallel: one)
         for _, c in self.configs:
-            for d in c.devices:
-                uses[d] = uses.get(d, 0) + 1
+            groups[c.devices] = groups.get(c.devices, 0) + 1
+        uses: dict[int, int] = {}
+        for devices, count in groups.items():
+            for d in devices:
+                uses[d] = uses.get(d, 0) + count
         return uses
 
     @cached_property

@@ -20,6 +20,7 @@ def check_runnable(lowered: Lowered, world_size: int) -> None:
     one rank per device, every opaque op with the call it runs, one scalar loss output, and no reduction whose devices
     disagree on the 1F1B warm-up (their collectives would wait on each other)."""
     strategy, graph = lowered.strategy, lowered.graph
+    lowered.check_whole("the executor")  # copy 0's lowering (strategies.lowering_copies): PlanError
     if world_size != strategy.num_devices:
         raise ExecutorError(
             f"the plan is for {strategy.num_devices} devices but WORLD_SIZE is {world_size}: "

@@ -17,7 +17,7 @@ from simulator.cost import get_cost_model
 from simulator.fold import Folded
 from simulator.presets import get_topology
 from simulator.simulate import FOLD_FROM, simulate_plan
-from simulator.symmetry import find_copies
+from simulator.symmetry import CrossCopy, find_copies
 from simulator.tasks import TaskCache
 from strategies import ParallelConfig, Strategy, enumerate_configs
 from strategies.baselines import baseline, recomputed
@@ -187,29 +187,51 @@ def test_simulate_plan_folds_from_fold_from_devices():
         assert default.iteration_time == other.iteration_time
 
 
-def test_delta_simulation_on_folded_graphs_equals_full():
-    """A walk of one-op proposals from data parallel (recompute toggled: still replicated; a
-    drawn config: mostly not), each simulated with the search's caches and folding on, equals
-    a per-device run from scratch."""
-    graph = traced("resnet101", batch_size=16)
-    topology, cost = get_topology("p100-4x4"), get_cost_model("analytical")
-    plan = baseline("data_parallel", graph, 16)
-    rng = random.Random(0)
+def _walk(graph, topology: str, plan: Strategy, steps: int, seed: int, recompute: float, copy0: bool
+          ) -> tuple[int, int]:
+    """A walk of one-op proposals from ``plan`` (recompute toggled with probability ``recompute``:
+    still replicated; a drawn config: mostly not), each simulated with the search's caches and
+    folding on (``copy0``: lowered for copy 0 where the plan has copies) and asserted equal to a
+    per-device run from scratch; returns (folded runs, copy-0 lowerings)."""
+    topology, cost = get_topology(topology), get_cost_model("analytical")
+    n = plan.num_devices
+    rng = random.Random(seed)
     lowering, tasks = {}, TaskCache(topology, cost)
-    ops = [n for n in graph if n.kind not in WEIGHT_KINDS]
-    folds = 0
-    for _ in range(12):
+    ops = [node for node in graph if node.kind not in WEIGHT_KINDS]
+    folds = partial = 0
+    for _ in range(steps):
         node = rng.choice(ops)
-        if rng.random() < 0.5 and _recomputable(graph, node.name):  # a replicated plan stays replicated
+        if rng.random() < recompute and _recomputable(graph, node.name):  # a replicated plan stays replicated
             proposal = plan.replace(node.name, plan[node.name].with_memory(recompute=not plan[node.name].recompute))
         else:
-            proposal = plan.replace(node.name, rng.choice(list(enumerate_configs(node, 16, 1, 4))))
+            proposal = plan.replace(node.name, rng.choice(list(enumerate_configs(node, n, 1, 4))))
         for p in (plan, proposal):  # the chain's current plan, then the proposal
-            got = simulate_plan(graph, lower(graph, p, lowering), topology, cost, cache=tasks, summary=False, fold=True)
+            copies = find_copies(graph, p) if copy0 else None
+            try:
+                low = lower(graph, p, lowering, copies)
+            except CrossCopy:
+                low = lower(graph, p, lowering)
+            got = simulate_plan(graph, low, topology, cost, cache=tasks, summary=False, fold=True)
             want = simulate_plan(graph, p, topology, cost, summary=False, fold=False)
             assert got.iteration_time == pytest.approx(want.iteration_time, rel=1e-12, abs=0)
             assert got.peak_memory_bytes == want.peak_memory_bytes
             folds += got.num_tasks < want.num_tasks
+            partial += low.copies is not None
         if rng.random() < 0.5:
             plan = proposal
+    return folds, partial
+
+
+def test_delta_simulation_on_folded_graphs_equals_full():
+    """A walk from data parallel on resnet101 x 16 (p100-4x4), every device lowered."""
+    graph = traced("resnet101", batch_size=16)
+    folds, _ = _walk(graph, "p100-4x4", baseline("data_parallel", graph, 16), 12, 0, 0.5, False)
     assert folds >= 5
+
+
+def test_delta_simulation_on_copy_zero_lowerings_equals_full():
+    """The walk with the lowering of copy 0 (``lower(copies=)``, one cache across copy sets and
+    proposals) on gpt data parallel x 8."""
+    graph = traced("gpt", batch_size=16)
+    _, partial = _walk(graph, "a100-1x8", baseline("data_parallel", graph, 8), 8, 1, 0.6, True)
+    assert partial >= 8
