@@ -14,7 +14,7 @@ import torch
 from simulator.cost import CostModel, get_cost_model
 from simulator.presets import get_topology
 from simulator.result import SimResult
-from simulator.simulate import simulate_plan
+from simulator.simulate import FOLD_FROM, simulate_plan
 from simulator.tasks import TaskCache
 from simulator.topology import Topology
 from soapsearch.api import DEFAULT_TOPOLOGY
@@ -23,6 +23,7 @@ from soapsearch.search.config import SearchConfig, search_config
 from soapsearch.search.exhaustive import search_exhaustively, space_size
 from soapsearch.search.mcmc import Budget, ChainStats, candidate_configs, consider, neighbor_ops, plan_cost
 from soapsearch.search.globalmove import GlobalMoves
+from soapsearch.search.symmove import SymmetricMoves
 from soapsearch.search.sweep import SWEEP_SHARE, SWEEP_TIMINGS, SWEPT_BASELINES, swept_starts
 from soapsearch.search.moves import MoveRates, Moves, Space, microbatch_choices
 from soapsearch.trace import check_scalar_loss, trace
@@ -305,6 +306,8 @@ def search(model: torch.nn.Module | OpGraph, example_inputs: Sequence[Any] | Non
     if config.global_move or any(isinstance(i, str) and i in ("factorized", "swept") for i in config.init or ()):
         moves.globals = GlobalMoves(graph, n, moves.choices, config.precision,
                                     lambda plan: evaluate(plan, timeline=True)) or None
+    if n >= FOLD_FROM:  # proposals keep the plan foldable (symmove.py)
+        moves.symmetric = SymmetricMoves(graph)
     size = space_size(candidates)
     if size <= config.exhaustive_limit and (budget.proposals is None or size <= budget.proposals):
         count = search_exhaustively(candidates, evaluate, stats, started, n, microbatches, schedule,
