@@ -4,16 +4,17 @@ best-first before the chains run, so that a search at scale starts from the best
 that matters there, not from a few drawn ones.
 
 Every factorization gets a closed-form ``Estimate`` first (no lowering): its time is the
-compute's FLOPs over the devices' peak with the pipeline's bubble (Narayanan et al., SC'21:
-(p − 1)/m of the compute), the tensor-parallel all-reduces of each block's output (Shoeybi et
-al. 2019: 4 per layer and micro-batch, 6 with recompute) and the data-parallel gradient
+heaviest stage's compute (the blocks' FLOPs over the stages, the ops outside them on one) over
+its devices' peak with the pipeline's bubble (Narayanan et al., SC'21: (p − 1)/m of the
+compute), the tensor-parallel all-reduces of each block's output (Shoeybi et al. 2019: one
+forward and one backward per block, a second forward with recompute) and the data-parallel gradient
 all-reduce (ZeRO-3: the weights gathered again per micro-batch, Rajbhandari et al. SC'20), each
 ring moving 2(g − 1)/g of its bytes at its group's bandwidth; its memory is the weights'
 states over the devices that hold them (ZeRO's levels) and the activations in flight
-(1F1B: min(p, m) of the m micro-batches; recompute: only the blocks' inputs). Then, in the
-estimate's order (those estimated to fit first; the first of each tensor × pipeline degrees
-× micro-batches before the others, so the shapes are reached before their flags' variants),
-each plan is lowered and its peak memory
+(1F1B: min(p, m) of the m micro-batches; recompute: only the blocks' inputs). Then, best-first
+(``_Order``: those estimated to fit first; the first of each tensor × pipeline degrees ×
+micro-batches before the others; the estimate corrected by the simulated / estimated ratio
+seen at each pipeline degree), each plan is lowered and its peak memory
 (``simulator.memory.peak_memory``, a hundredth of a simulation) read: a plan that does not fit
 is not timed; one that fits is simulated. A plan equal to one already scored (a baseline:
 data parallel, ZeRO-1 and megatron are factorizations; or another factorization's, a
@@ -43,10 +44,10 @@ SWEEP_SHARE = 0.5
 """The share of the time budget left after the baselines that a search's sweep may spend."""
 SWEEP_TIMINGS = 8
 """Plans a sweep times under a proposal budget alone (no deadline)."""
-SWEPT_BASELINES = ("data_parallel", "hybrid", "zero1", "fsdp", "megatron")
-"""The baselines a search with the sweep scores: those of its space (data parallel, ZeRO-1 and
-megatron are factorizations, FSDP its ZeRO-3 without tensor parallelism); model parallel, OWT,
-single device and the pipeline baseline's six runs are not scored (a minute each at 64 devices)."""
+SWEPT_BASELINES = ("data_parallel", "zero1", "megatron")
+"""The baselines a search with the sweep scores: the factorizations among them (their plans are
+the sweep's, whose results it reuses); hybrid, FSDP, model parallel, OWT, single device and the
+pipeline baseline's six runs are not scored (each half a minute or more at 64 devices)."""
 
 _MIXED = {"bf16": 2, "fp16": 2}
 """Bytes of a value in a mixed-precision plan's compute dtype."""
@@ -68,6 +69,8 @@ class _Shape:
     """What the estimates read off the graph and topology, once."""
 
     flops: float
+    outside: float
+    """FLOPs of the ops outside the blocks (embedding, head, loss: on one pipeline stage)."""
     params: float
     activations: float
     """Bytes of every op's output at the full batch, in the plan's compute dtype."""
@@ -98,7 +101,8 @@ def _shape(graph: OpGraph, topo: Topology, n: int, optimizer: str, precision: st
     device = topo.devices[0]
     node = topo.node_size or n
     return _Shape(
-        flops=float(graph.total_flops), params=float(sum(s.numel for s in weights.values())),
+        flops=float(graph.total_flops), outside=float(graph.total_flops - sum(
+            graph[op].flops for cols, mid, row in blocks for op in (*cols, *mid, row))), params=float(sum(s.numel for s in weights.values())),
         activations=acts * scale,
         block_out=(graph[blocks[0][2]].output.nbytes * scale) if blocks else 0.0,
         block_in=sum(graph[graph[b[0][0]].inputs[0]].output.nbytes for b in blocks) * scale,
@@ -121,9 +125,10 @@ def estimate(f: Factorization, n: int, shape: _Shape) -> Estimate:
     outermost, data parallel, tensor parallel innermost, as ``strategies.megatron`` places them."""
     t, p, m = f.tp, f.pp, f.microbatches
     d = max(n // (t * p), 1)
-    compute = shape.flops * (4 if f.recompute else 3) / (n * shape.peak_flops) * (1 + (p - 1) / m)
+    heaviest = shape.flops - shape.outside + shape.outside * p  # the ops outside the blocks on one stage
+    compute = heaviest * (4 if f.recompute else 3) / (n * shape.peak_flops) * (1 + (p - 1) / m)
     layers = shape.blocks / p
-    tensor = layers * (6 if f.recompute else 4) * _ring(shape.block_out / d, t, t, shape)
+    tensor = layers * (3 if f.recompute else 2) * _ring(shape.block_out / d, t, t, shape)
     held = shape.params / (t * p)  # parameters per device before ZeRO
     grads = _ring(held * shape.value, d, d * t, shape)
     if f.zero == 3:  # two all-gathers (half a ring each) of the weights per micro-batch
@@ -150,26 +155,18 @@ class Swept:
 def sweep(graph: OpGraph, topo: Topology, moves: GlobalMoves, optimizer: str, precision: str,
           evaluate: Callable[[Strategy], SimResult], cache: dict, deadline: float | None,
           limit: int | None, known: dict[Strategy, SimResult] | None = None) -> list[Swept]:
-    """The factorizations of ``moves`` in ``estimate``'s order (estimated to fit first, then
-    fastest; the enumeration's order on ties; the leading one of each tp × pp × micro-batches
-    before the rest), each lowered with ``cache`` (the evaluator's, so
-    its simulation reuses the lowering) and timed by ``evaluate`` where its peak memory fits;
-    a plan in ``known`` takes its result. Stops at ``deadline`` (``time.perf_counter()``) or
-    after ``limit`` timed plans, whichever first."""
+    """The factorizations of ``moves`` best-first (``_Order``), each lowered with ``cache``
+    (the evaluator's, so its simulation reuses the lowering) and timed by ``evaluate`` where
+    its peak memory fits; a plan in ``known`` takes its result. Stops at ``deadline``
+    (``time.perf_counter()``) or after ``limit`` timed plans, whichever first."""
     n = moves.num_devices
     shape = _shape(graph, topo, n, optimizer, precision)
-    est = {f: estimate(f, n, shape) for f in moves.factorizations}
-    order = sorted(moves.factorizations, key=lambda f: (est[f].peak_bytes > shape.capacity, est[f].seconds))
-    leads = {}  # the first of each degrees × micro-batches in that order: the shapes before their variants
-    for f in order:
-        leads.setdefault((est[f].peak_bytes > shape.capacity, f.tp, f.pp, f.microbatches), f)
-    first = set(leads.values())
-    order = [f for f in order if f in first] + [f for f in order if f not in first]
+    order = _Order(moves.factorizations, {f: estimate(f, n, shape) for f in moves.factorizations}, shape.capacity)
     known = dict(known or {})  # grows with the timed plans: a factorization whose plan is another's
     capacity = [d.memory_bytes for d in topo.devices]
     out: list[Swept] = []
     timed = 0
-    for f in order:
+    while (f := order.next()) is not None:
         if (deadline is not None and time.perf_counter() >= deadline) or (limit is not None and timed >= limit):
             break
         plan = moves.plan(f)
@@ -183,8 +180,44 @@ def sweep(graph: OpGraph, topo: Topology, moves: GlobalMoves, optimizer: str, pr
                 continue
             result = known[plan] = evaluate(plan)
             timed += 1
+        order.timed(f, result.iteration_time)
         out.append(Swept(f, plan, result, max(result.peak_memory_bytes)))
     return out
+
+
+class _Order:
+    """The factorizations in passes: those estimated to fit before the others, and in each the
+    first of every tp × pp × micro-batches (in the estimate's order) before the rest, so the
+    shapes come before their flags' variants. Within a pass, by estimated seconds times the
+    least simulated / estimated ratio seen at the factorization's pipeline degree (the least at
+    any where that degree has none yet: an optimistic correction by what the simulator said, so
+    a degree the estimate flatters is left once timed); the estimate's order on ties."""
+
+    def __init__(self, factorizations: list[Factorization], est: dict[Factorization, Estimate], capacity: float):
+        self.est = est
+        order = sorted(factorizations, key=lambda f: (est[f].peak_bytes > capacity, est[f].seconds))
+        leads: dict[tuple, Factorization] = {}
+        for f in order:
+            leads.setdefault((est[f].peak_bytes > capacity, f.tp, f.pp, f.microbatches), f)
+        first = set(leads.values())
+        self.left = [((est[f].peak_bytes > capacity, f not in first), i, f) for i, f in enumerate(order)]
+        self.ratio: dict[int, float] = {}
+
+    def timed(self, f: Factorization, seconds: float) -> None:
+        """``f`` simulated in ``seconds``: its pipeline degree's ratio updated."""
+        if self.est[f].seconds > 0:
+            r = seconds / self.est[f].seconds
+            self.ratio[f.pp] = min(self.ratio.get(f.pp, r), r)
+
+    def next(self) -> Factorization | None:
+        """The next factorization to try (None: none left)."""
+        if not self.left:
+            return None
+        least = min(self.ratio.values(), default=1.0)
+        at = min(range(len(self.left)), key=lambda k: (
+            self.left[k][0], self.ratio.get(self.left[k][2].pp, least) * self.est[self.left[k][2]].seconds,
+            self.left[k][1]))
+        return self.left.pop(at)[2]
 
 
 def swept_starts(graph: OpGraph, topo: Topology, moves: GlobalMoves, evaluate, deadline: float | None,

@@ -13,7 +13,7 @@ from soapsearch.search import search
 from soapsearch.search.api import Evaluator, best_baselines
 from soapsearch.search.globalmove import Factorization, GlobalMoves
 from soapsearch.search.mcmc import plan_cost, rank
-from soapsearch.search.sweep import _shape, estimate, sweep
+from soapsearch.search.sweep import Estimate, _Order, _shape, estimate, sweep
 from strategies.lowering import lower
 from strategies.megatron import default_tp
 from tests.conftest import traced
@@ -27,11 +27,19 @@ def test_estimate_is_the_closed_forms():
     graph = traced("gpt", batch_size=16)
     topo = get_topology("p100-1x4")
     shape = _shape(graph, topo, 4, "adam", "bf16")
-    # tp 1 on one data-parallel device per stage: compute with the bubble (p - 1)/m alone
-    compute = shape.flops * 3 / (4 * shape.peak_flops)
-    assert estimate(_f(pp=4, m=4), 4, shape).seconds == pytest.approx(compute * (1 + 3 / 4), rel=1e-12)
+    # tp 1 on one data-parallel device per stage: the heaviest stage's compute with the bubble
+    # (p - 1)/m alone, the ops outside the blocks on that stage
+    assert 0 < shape.outside < shape.flops
+    heaviest = (shape.flops - shape.outside) / 4 + shape.outside
+    assert estimate(_f(pp=4, m=4), 4, shape).seconds == pytest.approx(
+        heaviest * 3 / shape.peak_flops * (1 + 3 / 4), rel=1e-12)
     assert estimate(_f(pp=4, m=4, recompute=True), 4, shape).seconds == pytest.approx(
-        compute * 4 / 3 * (1 + 3 / 4), rel=1e-12)
+        heaviest * 4 / shape.peak_flops * (1 + 3 / 4), rel=1e-12)
+    # tensor parallel over 4: two all-reduces of each block's output per block
+    assert estimate(_f(tp=4), 4, shape).seconds == pytest.approx(
+        shape.flops * 3 / (4 * shape.peak_flops) + shape.blocks * 2 * 2 * 3 / 4 * shape.block_out / shape.intra,
+        rel=1e-12)
+    compute = shape.flops * 3 / (4 * shape.peak_flops)
     # data parallel over 4: the gradients' ring, 2·3/4 of the weights' bf16 bytes
     ring = 2 * 3 / 4 * shape.params * 2 / shape.intra
     assert estimate(_f(), 4, shape).seconds == pytest.approx(compute + ring, rel=1e-12)
@@ -107,3 +115,17 @@ def test_swept_init_without_a_device_to_factor_is_named():
     with pytest.raises(Exception, match="init = 'swept': model 'mlp' on 1 devices has no factorization"):
         search(traced("mlp"), topology="p100-1x4", num_devices=1, budget_s=None, proposals=5, init="swept",
                exhaustive_limit=0)
+
+
+def test_order_corrects_the_estimate_by_the_simulated_ratio_per_pipeline_degree():
+    fs = [_f(tp=2, pp=2, m=4), _f(tp=2, pp=2, m=2), _f(tp=4), _f(tp=4, zero=1), _f(tp=1, pp=2, m=4, zero=3)]
+    est = {fs[0]: Estimate(1.0, 1), fs[1]: Estimate(1.1, 1), fs[2]: Estimate(1.2, 1), fs[3]: Estimate(1.2, 1),
+           fs[4]: Estimate(0.5, 2)}  # the last does not fit (capacity 1)
+    order = _Order(fs, est, 1.0)
+    assert order.next() == fs[0]
+    order.timed(fs[0], 3.0)  # pp 2 simulated 3x its estimate; pp 1 unseen: the least ratio, 3
+    assert order.next() == fs[1]  # 3.3 < 3.6
+    order.timed(fs[1], 2.2)  # pp 2's ratio now 2: 2.4 for tp 4 at pp 1 (unseen: the least, 2)
+    assert order.next() == fs[2]
+    order.timed(fs[2], 1.2)  # ratio 1 at pp 1
+    assert [order.next(), order.next(), order.next()] == [fs[3], fs[4], None]  # the flag variant, then no fit
