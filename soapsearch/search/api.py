@@ -50,10 +50,21 @@ class Evaluator:
         self._cache: dict = {}
         self._tasks = TaskCache(topology, cost)
         self.calls = 0
+        self.known: dict[int, tuple[Strategy, SimResult]] = {}
+        """Plans scored already, by identity (``remember``): a chain's start taken from them is
+        not simulated again."""
+
+    def remember(self, plan: Strategy, result: SimResult) -> None:
+        """``plan``'s ``result`` returned when ``plan`` itself is asked again without a summary
+        or timeline."""
+        self.known[id(plan)] = (plan, result)
 
     def __call__(self, plan: Strategy, summary: bool = False, timeline: bool = False) -> SimResult:
         """Iteration time and memory of ``plan`` (``summary``: also busy times, bytes moved;
         ``timeline``: every task's times)."""
+        known = self.known.get(id(plan))
+        if known is not None and known[0] is plan and not (summary or timeline):  # scored already (sweep.py)
+            return known[1]
         self.calls += 1
         plan = self.planned(plan)
         if len(self._cache) > 200_000:

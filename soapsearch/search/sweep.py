@@ -11,8 +11,9 @@ forward and one backward per block, a second forward with recompute) and the dat
 all-reduce (ZeRO-3: the weights gathered again per micro-batch, Rajbhandari et al. SC'20), each
 ring moving 2(g − 1)/g of its bytes at its group's bandwidth; its memory is the weights'
 states over the devices that hold them (ZeRO's levels) and the activations in flight
-(1F1B: min(p, m) of the m micro-batches; recompute: only the blocks' inputs). Then, best-first
-(``_Order``: those estimated to fit first; the first of each tensor × pipeline degrees ×
+(1F1B: min(p, m) of the m micro-batches; recompute: only the blocks' inputs; those between the
+blocks cut tp ways with sequence parallelism alone, Korthikanti et al. 2022). Then, best-first
+(``_Order``: those estimated to fit first, the less memory first on a tie; the first of each tensor × pipeline degrees ×
 micro-batches before the others; the estimate corrected by the simulated / estimated ratio
 seen at each pipeline degree), each plan is lowered and its peak memory
 (``simulator.memory.peak_memory``, a hundredth of a simulation) read: a plan that does not fit
@@ -74,6 +75,8 @@ class _Shape:
     params: float
     activations: float
     """Bytes of every op's output at the full batch, in the plan's compute dtype."""
+    between: float
+    """The part of ``activations`` outside the blocks (cut tp ways only with sequence parallelism)."""
     block_out: float
     """Bytes of one block's output at the full batch (what a tensor-parallel all-reduce moves)."""
     block_in: float
@@ -98,12 +101,15 @@ def _shape(graph: OpGraph, topo: Topology, n: int, optimizer: str, precision: st
     value = _MIXED.get(precision, model)
     scale = value / model  # activations are stored in the compute dtype
     acts = sum(node.output.nbytes for node in graph if node.kind not in ("parameter", "constant"))
+    inside = {op for cols, mid, row in blocks for op in (*cols, *mid, row)}
+    between = sum(node.output.nbytes for node in graph if node.kind not in ("parameter", "constant")
+                  and node.name not in inside)
     device = topo.devices[0]
     node = topo.node_size or n
     return _Shape(
         flops=float(graph.total_flops), outside=float(graph.total_flops - sum(
             graph[op].flops for cols, mid, row in blocks for op in (*cols, *mid, row))), params=float(sum(s.numel for s in weights.values())),
-        activations=acts * scale,
+        activations=acts * scale, between=between * scale,
         block_out=(graph[blocks[0][2]].output.nbytes * scale) if blocks else 0.0,
         block_in=sum(graph[graph[b[0][0]].inputs[0]].output.nbytes for b in blocks) * scale,
         blocks=len(blocks), value=value, master=4 if precision in _MIXED else 0,
@@ -136,8 +142,8 @@ def estimate(f: Factorization, n: int, shape: _Shape) -> Estimate:
     states = held * (shape.value * (1 if f.zero < 3 else 1 / d) + shape.value * (1 if f.zero < 2 else 1 / d)
                      + (shape.master + shape.optimizer) * (1 if f.zero < 1 else 1 / d))
     flight = min(p, m) / m if f.schedule == "1f1b" else 1.0
-    stored = shape.block_in if f.recompute else shape.activations
-    acts = stored / (d * t * p) * flight
+    stored = shape.block_in if f.recompute else shape.activations - shape.between
+    acts = (stored / t + shape.between / (t if f.sequence_parallel else 1)) / (d * p) * flight
     return Estimate(compute + tensor + grads, states + acts)
 
 
@@ -195,7 +201,7 @@ class _Order:
 
     def __init__(self, factorizations: list[Factorization], est: dict[Factorization, Estimate], capacity: float):
         self.est = est
-        order = sorted(factorizations, key=lambda f: (est[f].peak_bytes > capacity, est[f].seconds))
+        order = sorted(factorizations, key=lambda f: (est[f].peak_bytes > capacity, est[f].seconds, est[f].peak_bytes))
         leads: dict[tuple, Factorization] = {}
         for f in order:
             leads.setdefault((est[f].peak_bytes > capacity, f.tp, f.pp, f.microbatches), f)
@@ -232,5 +238,6 @@ def swept_starts(graph: OpGraph, topo: Topology, moves: GlobalMoves, evaluate, d
     timed = [s for s in done if s.result is not None]
     for s in timed:
         consider(stats, s.plan, s.result, plan_cost(s.result), started)
+        evaluate.remember(s.plan, s.result)  # a chain starting from it does not simulate it again
     timed.sort(key=lambda s: rank(s.result.fits, plan_cost(s.result)))  # stable: the sweep's order on ties
     return [s.plan for s in timed]

@@ -77,7 +77,8 @@ def test_sweep_times_best_first_and_skips_plans_that_do_not_fit():
     assert evaluate.calls - calls == len({id(s.result) for s in timed}) <= 6
     shape = _shape(graph, topo, 4, "adam", "bf16")
     keys = [estimate(s.factorization, 4, shape).seconds for s in out]
-    assert keys == sorted(keys)  # every one estimated to fit: the fastest first, one per shape
+    # the fastest estimate first (the later ones corrected by the simulated ratios), one per shape
+    assert keys[0] == min(estimate(f, 4, shape).seconds for f in moves.factorizations)
     assert len({(s.factorization.tp, s.factorization.pp, s.factorization.microbatches) for s in out}) == len(out)
     for s in out[:4]:  # a timed plan's result is the simulator's
         full = simulate_plan(graph, s.plan, topo, cost, optimizer="adam", summary=False)
@@ -129,3 +130,19 @@ def test_order_corrects_the_estimate_by_the_simulated_ratio_per_pipeline_degree(
     assert order.next() == fs[2]
     order.timed(fs[2], 1.2)  # ratio 1 at pp 1
     assert [order.next(), order.next(), order.next()] == [fs[3], fs[4], None]  # the flag variant, then no fit
+
+
+def test_sequence_parallel_and_a_remembered_start():
+    graph = traced("gpt", batch_size=16)
+    topo = get_topology("p100-1x4")
+    shape = _shape(graph, topo, 4, "adam", "bf16")
+    assert 0 < shape.between < shape.activations
+    plain, sp = (estimate(_f(tp=4, sp=s), 4, shape) for s in (False, True))
+    assert plain.seconds == sp.seconds
+    assert plain.peak_bytes - sp.peak_bytes == pytest.approx(shape.between * (1 - 1 / 4), rel=1e-12)
+    evaluate = Evaluator(graph, topo, get_cost_model("analytical"), "adam", "bf16")
+    plan = GlobalMoves(graph, 4, (1,), "bf16").plan(_f(tp=2))
+    first = evaluate(plan)
+    evaluate.remember(plan, first)
+    assert evaluate(plan) is first and evaluate.calls == 1  # not simulated again
+    assert evaluate(plan, summary=True) is not first and evaluate.calls == 2  # a summary is simulated
