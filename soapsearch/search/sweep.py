@@ -34,6 +34,7 @@ from simulator.result import SimResult
 from simulator.topology import Topology
 from soapsearch.search.globalmove import Factorization, GlobalMoves
 from soapsearch.search.mcmc import ChainStats, consider, plan_cost, rank
+from strategies.errors import PlanError
 from strategies.graph import OpGraph
 from strategies.lowering import lower
 from strategies.megatron import megatron_blocks
@@ -180,7 +181,10 @@ def sweep(graph: OpGraph, topo: Topology, moves: GlobalMoves, optimizer: str, pr
             continue
         result = known.get(plan)
         if result is None:
-            peak = peak_memory(lower(graph, plan, cache), optimizer)
+            try:
+                peak = peak_memory(lower(graph, plan, cache), optimizer)
+            except PlanError:  # a rule the lowering alone checks (strategies.zero): not a plan
+                continue
             if any(b > c for b, c in zip(peak, capacity)):
                 out.append(Swept(f, plan, None, max(peak)))
                 continue

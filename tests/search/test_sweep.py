@@ -146,3 +146,25 @@ def test_sequence_parallel_and_a_remembered_start():
     evaluate.remember(plan, first)
     assert evaluate(plan) is first and evaluate.calls == 1  # not simulated again
     assert evaluate(plan, summary=True) is not first and evaluate.calls == 2  # a summary is simulated
+
+
+def test_a_plan_the_lowering_refuses_is_passed_over(monkeypatch):
+    import sys
+
+    from strategies.errors import PlanError
+    sweep_module = sys.modules[sweep.__module__]
+    graph = traced("gpt", batch_size=16)
+    topo = get_topology("p100-1x4")
+    evaluate = Evaluator(graph, topo, get_cost_model("analytical"), "adam", "bf16")
+    moves = GlobalMoves(graph, 4, (1,), "bf16")
+    moves.factorizations = [_f(zero=2), _f(zero=1)]
+    refused = moves.plan(moves.factorizations[0])
+
+    def lowering(g, plan, cache):  # a rule only the lowering checks (strategies.zero's pairing)
+        if plan is refused:
+            raise PlanError("wte", "zero", 2, "each use pairs up")
+        return lower(g, plan, cache)
+
+    monkeypatch.setattr(sweep_module, "lower", lowering)
+    out = sweep(graph, topo, moves, "adam", "bf16", evaluate, evaluate._cache, None, 4)
+    assert [s.factorization for s in out] == [moves.factorizations[1]] and evaluate.calls == 1
