@@ -14,7 +14,7 @@ import torch
 from simulator.cost import CostModel, get_cost_model
 from simulator.presets import get_topology
 from simulator.result import SimResult
-from simulator.simulate import simulate_plan
+from simulator.simulate import FOLD_FROM, simulate_plan
 from simulator.tasks import TaskCache
 from simulator.topology import Topology
 from soapsearch.api import DEFAULT_TOPOLOGY
@@ -23,6 +23,8 @@ from soapsearch.search.config import SearchConfig, search_config
 from soapsearch.search.exhaustive import search_exhaustively, space_size
 from soapsearch.search.mcmc import Budget, ChainStats, candidate_configs, consider, neighbor_ops, plan_cost
 from soapsearch.search.globalmove import GlobalMoves
+from soapsearch.search.symmove import SymmetricMoves
+from soapsearch.search.sweep import SWEEP_SHARE, SWEEP_TIMINGS, SWEPT_BASELINES, swept_starts
 from soapsearch.search.moves import MoveRates, Moves, Space, microbatch_choices
 from soapsearch.trace import check_scalar_loss, trace
 from strategies import (OpGraph, PlanError, Strategy, baseline, load_strategy, save_strategy)
@@ -48,10 +50,21 @@ class Evaluator:
         self._cache: dict = {}
         self._tasks = TaskCache(topology, cost)
         self.calls = 0
+        self.known: dict[int, tuple[Strategy, SimResult]] = {}
+        """Plans scored already, by identity (``remember``): a chain's start taken from them is
+        not simulated again."""
+
+    def remember(self, plan: Strategy, result: SimResult) -> None:
+        """``plan``'s ``result`` returned when ``plan`` itself is asked again without a summary
+        or timeline."""
+        self.known[id(plan)] = (plan, result)
 
     def __call__(self, plan: Strategy, summary: bool = False, timeline: bool = False) -> SimResult:
         """Iteration time and memory of ``plan`` (``summary``: also busy times, bytes moved;
         ``timeline``: every task's times)."""
+        known = self.known.get(id(plan))
+        if known is not None and known[0] is plan and not (summary or timeline):  # scored already (sweep.py)
+            return known[1]
         self.calls += 1
         plan = self.planned(plan)
         if len(self._cache) > 200_000:
@@ -125,7 +138,8 @@ def save_found(path: str | os.PathLike, found: FoundPlan) -> None:
 
 
 def best_baselines(graph: OpGraph, num_devices: int, evaluate: Evaluator, deadline: float | None = None,
-                   unscored: list[str] | None = None) -> tuple[dict[str, Strategy], dict[str, SimResult]]:
+                   unscored: list[str] | None = None, only: Sequence[str] | None = None
+                   ) -> tuple[dict[str, Strategy], dict[str, SimResult]]:
     """Each baseline that is valid for this graph, simulated; ``pipeline`` is the best of
     GPipe and 1F1B over 2, 4 and 8 micro-batches; ``hybrid`` (data x tensor parallel) only
     where the batch does not divide by the devices (else it is data parallel); ``zero1`` and
@@ -133,7 +147,8 @@ def best_baselines(graph: OpGraph, num_devices: int, evaluate: Evaluator, deadli
     whole on device 0, where it fits in its memory) on more than one device;
     ``megatron`` only where the graph has a transformer's blocks
     (``strategies.megatron.megatron_blocks``). Past ``deadline`` (``time.perf_counter()``) a
-    baseline is not scored, the first excepted, and its name goes to ``unscored``."""
+    baseline is not scored, the first excepted, and its name goes to ``unscored``. ``only``:
+    the baselines of those names alone."""
     plans: dict[str, Strategy] = {}
     results: dict[str, SimResult] = {}
 
@@ -149,6 +164,8 @@ def best_baselines(graph: OpGraph, num_devices: int, evaluate: Evaluator, deadli
         ["zero1", "fsdp", "single_device"] if num_devices > 1 else [])
     if num_devices > 1 and megatron_blocks(graph):
         names.append("megatron")
+    if only is not None:
+        names = [name for name in names if name in only]
     for name in names:
         if name == "hybrid" and "data_parallel" in plans:  # it is data parallel then
             continue
@@ -162,7 +179,7 @@ def best_baselines(graph: OpGraph, num_devices: int, evaluate: Evaluator, deadli
         results[name] = evaluate(plans[name], summary=True)
         if name == "single_device" and not results[name].fits:  # a row only where it fits
             del plans[name], results[name]
-    for m in PIPELINE_MICROBATCHES:
+    for m in PIPELINE_MICROBATCHES if only is None or "pipeline" in only else ():
         for schedule in ("gpipe", "1f1b"):
             try:
                 plan = evaluate.planned(baseline("pipeline", graph, num_devices, m).with_microbatches(m, schedule))
@@ -194,7 +211,13 @@ def _accumulate(graph: OpGraph, n: int, evaluate: Evaluator, stats: ChainStats, 
 
 
 def _initial(item: Any, graph: OpGraph, n: int, rng: random.Random, candidates, microbatches: int,
-             schedule: str, baselines: dict[str, Strategy], globals_: GlobalMoves | None = None) -> Strategy:
+             schedule: str, baselines: dict[str, Strategy], globals_: GlobalMoves | None = None,
+             swept: Strategy | None = None) -> Strategy:
+    if item == "swept":
+        if swept is None:
+            raise PlanError(None, "init", item, f"model {graph.name!r} on {n} devices has no factorization "
+                            "that fits in device memory within the sweep's share of the budget")
+        return swept
     if item == "factorized":
         draws = (globals_.draw(rng) for _ in range(32 if globals_ else 0))
         plan = next((p for p in draws if p is not None), None)
@@ -215,7 +238,7 @@ def _initial(item: Any, graph: OpGraph, n: int, rng: random.Random, candidates, 
         plan, where = load_strategy(item, graph), f"init {os.fspath(item)}"
     else:
         raise PlanError(None, "init", item, f"must be a baseline name ({', '.join(BASELINES)}), 'random', "
-                        "'factorized', a plan JSON path or a Strategy")
+                        "'factorized', 'swept', a plan JSON path or a Strategy")
     if plan.num_devices != n:
         raise PlanError(None, "num_devices", plan.num_devices, f"the search uses {n} devices", where)
     if plan.microbatches != microbatches:  # a chain runs its start's own count (its moves follow it)
@@ -248,7 +271,8 @@ def search(model: torch.nn.Module | OpGraph, example_inputs: Sequence[Any] | Non
     ``config.init``'s plans, each with its own random stream, ``config.workers`` of them side by
     side in forked processes; the seconds are split evenly between the rounds of ``workers``
     chains, the proposals between the chains. The result is never worse than the best initial
-    plan nor than any baseline (they are scored first), and when no baseline fits in device
+    plan nor than any baseline (they are scored first; with a ``swept`` init, those of its
+    space, ``sweep.SWEPT_BASELINES``, then the sweep's factorizations), and when no baseline fits in device
     memory, data parallel (or ``hybrid``) with gradient accumulation is tried too
     (``_accumulate``). Where the op configs make at most ``config.exhaustive_limit`` plans (and
     no more than the proposal budget), every one is simulated instead of MCMC
@@ -272,7 +296,8 @@ def search(model: torch.nn.Module | OpGraph, example_inputs: Sequence[Any] | Non
     rng = random.Random(seed)
     unscored: list[str] = []
     scoring = time.perf_counter()
-    plans, results = best_baselines(graph, n, evaluate, deadline, unscored)
+    swept = any(isinstance(i, str) and i == "swept" for i in config.init or ())
+    plans, results = best_baselines(graph, n, evaluate, deadline, unscored, SWEPT_BASELINES if swept else None)
     # one baseline's scoring, kept back from the chains: the answer's summary simulation
     summary_s = (time.perf_counter() - scoring) / max(1, evaluate.calls)
     stats = ChainStats()
@@ -289,17 +314,25 @@ def search(model: torch.nn.Module | OpGraph, example_inputs: Sequence[Any] | Non
                   microbatch_choices(graph, config.microbatch_choices, microbatches), node_size,
                   {microbatches: Space(candidates, neighbor_ops(graph, candidates),
                                        BlockMoves(graph, n, microbatches) or None)}, config.repeat_stages)
-    if config.global_move or "factorized" in (config.init or ()):
+    if config.global_move or any(isinstance(i, str) and i in ("factorized", "swept") for i in config.init or ()):
         moves.globals = GlobalMoves(graph, n, moves.choices, config.precision,
                                     lambda plan: evaluate(plan, timeline=True)) or None
+    if n >= FOLD_FROM:  # proposals keep the plan foldable (symmove.py)
+        moves.symmetric = SymmetricMoves(graph)
     size = space_size(candidates)
     if size <= config.exhaustive_limit and (budget.proposals is None or size <= budget.proposals):
         count = search_exhaustively(candidates, evaluate, stats, started, n, microbatches, schedule,
                                     config.precision, None if deadline is None else deadline - time.perf_counter())
         return done(stats, False, 1, count, size)
     init = ("hybrid",) if config.init is None else config.init  # hybrid: data parallel where n divides the batch
-    inits = [evaluate.planned(_initial(i, graph, n, rng, candidates, microbatches, schedule, plans, moves.globals))
-             for i in init]
+    starts: list[Strategy] = []
+    if swept and moves.globals:  # the factorizations timed best-first (sweep.py)
+        share = None if deadline is None else time.perf_counter() + SWEEP_SHARE * (deadline - time.perf_counter())
+        starts = swept_starts(graph, topo, moves.globals, evaluate, share,
+                              None if deadline is not None else SWEEP_TIMINGS, plans, results, stats, started)
+    inits = [evaluate.planned(_initial(i, graph, n, rng, candidates, microbatches, schedule, plans, moves.globals,
+                                       starts[init[:k].count("swept") % len(starts)] if i == "swept" and starts else None))
+             for k, i in enumerate(init)]
     count = len(inits) if config.chains is None else config.chains
     if budget.proposals is not None:  # every chain makes a proposal at least
         count = min(count, budget.proposals)

@@ -31,7 +31,7 @@ def add_search_parsers(sub, model_args, graph_of) -> None:
     sp.add_argument("--proposals", type=int, default=c.proposals,
                     help="also stop after this many proposals (with --optuna: per trial)")
     sp.add_argument("--init", default=c.init,
-                    help="comma list of initial plans: baseline names, 'random', 'factorized', plan JSON paths "
+                    help="comma list of initial plans: baseline names, 'random', 'factorized', 'swept', plan JSON paths "
                          "(default data_parallel, or hybrid where the batch does not divide by the devices)")
     sp.add_argument("--seed", type=int, default=c.seed, help=f"seed of the chains (default {c.seed})")
     sp.add_argument("--cost-model", default=c.cost_model, choices=["analytical", "profiled"],

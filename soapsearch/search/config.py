@@ -34,7 +34,9 @@ class SearchConfig:
     or a CostModel."""
     init: tuple[Any, ...] | None = None
     """The chains' initial plans: baseline names, ``random``, ``factorized`` (a factorization's
-    plan drawn with the seed, ``globalmove.py``), plan JSON paths or Strategies
+    plan drawn with the seed, ``globalmove.py``), ``swept`` (the best factorizations, timed
+    best-first before the chains: the k-th ``swept`` item the k-th best, ``sweep.py``; the
+    search then scores only the baselines of that space, ``sweep.SWEPT_BASELINES``), plan JSON paths or Strategies
     (one item alone is one plan); None: ``hybrid`` (data parallel, or data x tensor parallel
     where a micro-batch does not divide by the devices)."""
     seed: int = 0

@@ -222,6 +222,9 @@ def run_chain(init: Strategy, evaluate: Callable[[Strategy], SimResult],
                     proposal = proposal.replace(other, keep(current[other], rng.choice(same)))
         return proposal, False
 
+    if moves is not None and moves.symmetric is not None:  # the same change in every copy (symmove.py)
+        propose = moves.symmetric.wrap(propose)
+
     n = 0
     gain_n = 0  # proposals at the last improvement
     stalled = False

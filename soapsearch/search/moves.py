@@ -167,6 +167,9 @@ class Moves:
         self.repeats = RepeatMoves(graph, num_devices, repeat_stages) if rates.repeat else None
         self.globals: GlobalMoves | None = None
         """The global moves (``globalmove.GlobalMoves``), set by the search that has them."""
+        self.symmetric = None
+        """``symmove.SymmetricMoves`` where proposals keep the current plan's copies (set by the
+        search from ``FOLD_FROM`` devices): ``mcmc.run_chain`` wraps its proposals with it."""
 
     def repeated(self, current: Strategy, rng: random.Random) -> Strategy | None:
         """``current`` with op i of every instance of a repeated block set alike

@@ -1,0 +1,247 @@
+"""The factorization sweep: the data × tensor × pipeline factorizations of ``globalmove.py``
+(with micro-batches, schedule, sharding level, recompute and sequence parallel) scored
+best-first before the chains run, so that a search at scale starts from the best of the space
+that matters there, not from a few drawn ones.
+
+Every factorization gets a closed-form ``Estimate`` first (no lowering): its time is the
+heaviest stage's compute (the blocks' FLOPs over the stages, the ops outside them on one) over
+its devices' peak with the pipeline's bubble (Narayanan et al., SC'21: (p − 1)/m of the
+compute), the tensor-parallel all-reduces of each block's output (Shoeybi et al. 2019: one
+forward and one backward per block, a second forward with recompute) and the data-parallel gradient
+all-reduce (ZeRO-3: the weights gathered again per micro-batch, Rajbhandari et al. SC'20), each
+ring moving 2(g − 1)/g of its bytes at its group's bandwidth; its memory is the weights'
+states over the devices that hold them (ZeRO's levels) and the activations in flight
+(1F1B: min(p, m) of the m micro-batches; recompute: only the blocks' inputs; those between the
+blocks cut tp ways with sequence parallelism alone, Korthikanti et al. 2022). Then, best-first
+(``_Order``: those estimated to fit first, the less memory first on a tie; the first of each tensor × pipeline degrees ×
+micro-batches before the others; the estimate corrected by the simulated / estimated ratio
+seen at each pipeline degree), each plan is lowered and its peak memory
+(``simulator.memory.peak_memory``, a hundredth of a simulation) read: a plan that does not fit
+is not timed; one that fits is simulated. A plan equal to one already scored (a baseline:
+data parallel, ZeRO-1 and megatron are factorizations; or another factorization's, a
+sharding level on one data-parallel device) takes that result. The order is fixed
+by the graph and topology, so the sweep is deterministic; it stops at its deadline or after
+``limit`` simulations."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from simulator.memory import peak_memory
+from simulator.result import SimResult
+from simulator.topology import Topology
+from soapsearch.search.globalmove import Factorization, GlobalMoves
+from soapsearch.search.mcmc import ChainStats, consider, plan_cost, rank
+from strategies.errors import PlanError
+from strategies.graph import OpGraph
+from strategies.lowering import lower
+from strategies.megatron import megatron_blocks
+from strategies.strategy import Strategy
+
+__all__ = ["SWEEP_SHARE", "SWEEP_TIMINGS", "SWEPT_BASELINES", "Estimate", "Swept", "estimate", "sweep", "swept_starts"]
+
+SWEEP_SHARE = 0.5
+"""The share of the time budget left after the baselines that a search's sweep may spend."""
+SWEEP_TIMINGS = 8
+"""Plans a sweep times under a proposal budget alone (no deadline)."""
+SWEPT_BASELINES = ("data_parallel", "zero1", "megatron")
+"""The baselines a search with the sweep scores: the factorizations among them (their plans are
+the sweep's, whose results it reuses); hybrid, FSDP, model parallel, OWT, single device and the
+pipeline baseline's six runs are not scored (each half a minute or more at 64 devices)."""
+
+_MIXED = {"bf16": 2, "fp16": 2}
+"""Bytes of a value in a mixed-precision plan's compute dtype."""
+_OPTIMIZER_BYTES = {"adam": 8, "sgd": 0}
+"""Optimizer state bytes per parameter (Adam's two fp32 moments)."""
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """A factorization's closed-form iteration seconds and per-device peak bytes (an order
+    for the sweep, not a prediction: the simulator scores the plans)."""
+
+    seconds: float
+    peak_bytes: float
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """What the estimates read off the graph and topology, once."""
+
+    flops: float
+    outside: float
+    """FLOPs of the ops outside the blocks (embedding, head, loss: on one pipeline stage)."""
+    params: float
+    activations: float
+    """Bytes of every op's output at the full batch, in the plan's compute dtype."""
+    between: float
+    """The part of ``activations`` outside the blocks (cut tp ways only with sequence parallelism)."""
+    block_out: float
+    """Bytes of one block's output at the full batch (what a tensor-parallel all-reduce moves)."""
+    block_in: float
+    """Bytes of every block's input together (what recompute keeps)."""
+    blocks: int
+    value: int
+    """Bytes of a weight or gradient in the compute dtype."""
+    master: int
+    optimizer: int
+    peak_flops: float
+    capacity: float
+    intra: float
+    inter: float
+    node: int
+
+
+def _shape(graph: OpGraph, topo: Topology, n: int, optimizer: str, precision: str) -> _Shape:
+    blocks = megatron_blocks(graph)
+    weights = {w.name: w.spec for node in graph for w in node.weights}
+    itemsize = {s.dtype: s.nbytes // max(s.numel, 1) for s in weights.values()}
+    model = max(itemsize.values(), default=4)
+    value = _MIXED.get(precision, model)
+    scale = value / model  # activations are stored in the compute dtype
+    acts = sum(node.output.nbytes for node in graph if node.kind not in ("parameter", "constant"))
+    inside = {op for cols, mid, row in blocks for op in (*cols, *mid, row)}
+    between = sum(node.output.nbytes for node in graph if node.kind not in ("parameter", "constant")
+                  and node.name not in inside)
+    device = topo.devices[0]
+    node = topo.node_size or n
+    return _Shape(
+        flops=float(graph.total_flops), outside=float(graph.total_flops - sum(
+            graph[op].flops for cols, mid, row in blocks for op in (*cols, *mid, row))), params=float(sum(s.numel for s in weights.values())),
+        activations=acts * scale, between=between * scale,
+        block_out=(graph[blocks[0][2]].output.nbytes * scale) if blocks else 0.0,
+        block_in=sum(graph[graph[b[0][0]].inputs[0]].output.nbytes for b in blocks) * scale,
+        blocks=len(blocks), value=value, master=4 if precision in _MIXED else 0,
+        optimizer=_OPTIMIZER_BYTES.get(optimizer, 4), peak_flops=device.flops_for("bfloat16" if value == 2 else "float32"),
+        capacity=float(device.memory_bytes), intra=topo.route_ring_bandwidth(0, 1) if n > 1 else float("inf"),
+        inter=topo.route_ring_bandwidth(0, node) if node < n else float("inf"), node=node)
+
+
+def _ring(nbytes: float, group: int, span: int, shape: _Shape) -> float:
+    """Seconds of a ring all-reduce of ``nbytes`` over ``group`` devices spread over ``span``
+    consecutive ones: 2(g − 1)/g of the bytes at the slowest link it crosses."""
+    if group <= 1:
+        return 0.0
+    return 2 * (group - 1) / group * nbytes / (shape.intra if span <= shape.node else shape.inter)
+
+
+def estimate(f: Factorization, n: int, shape: _Shape) -> Estimate:
+    """``f``'s closed-form time and memory on ``n`` devices (module docstring); stages
+    outermost, data parallel, tensor parallel innermost, as ``strategies.megatron`` places them."""
+    t, p, m = f.tp, f.pp, f.microbatches
+    d = max(n // (t * p), 1)
+    heaviest = shape.flops - shape.outside + shape.outside * p  # the ops outside the blocks on one stage
+    compute = heaviest * (4 if f.recompute else 3) / (n * shape.peak_flops) * (1 + (p - 1) / m)
+    layers = shape.blocks / p
+    tensor = layers * (3 if f.recompute else 2) * _ring(shape.block_out / d, t, t, shape)
+    held = shape.params / (t * p)  # parameters per device before ZeRO
+    grads = _ring(held * shape.value, d, d * t, shape)
+    if f.zero == 3:  # two all-gathers (half a ring each) of the weights per micro-batch
+        grads += m * _ring(held * shape.value, d, d * t, shape)
+    states = held * (shape.value * (1 if f.zero < 3 else 1 / d) + shape.value * (1 if f.zero < 2 else 1 / d)
+                     + (shape.master + shape.optimizer) * (1 if f.zero < 1 else 1 / d))
+    flight = min(p, m) / m if f.schedule == "1f1b" else 1.0
+    stored = shape.block_in if f.recompute else shape.activations - shape.between
+    acts = (stored / t + shape.between / (t if f.sequence_parallel else 1)) / (d * p) * flight
+    return Estimate(compute + tensor + grads, states + acts)
+
+
+@dataclass(frozen=True)
+class Swept:
+    """One factorization the sweep reached: its plan, and its result where it was timed
+    (None: its peak memory does not fit, so it was not)."""
+
+    factorization: Factorization
+    plan: Strategy
+    result: SimResult | None
+    peak_bytes: int
+
+
+def sweep(graph: OpGraph, topo: Topology, moves: GlobalMoves, optimizer: str, precision: str,
+          evaluate: Callable[[Strategy], SimResult], cache: dict, deadline: float | None,
+          limit: int | None, known: dict[Strategy, SimResult] | None = None) -> list[Swept]:
+    """The factorizations of ``moves`` best-first (``_Order``), each lowered with ``cache``
+    (the evaluator's, so its simulation reuses the lowering) and timed by ``evaluate`` where
+    its peak memory fits; a plan in ``known`` takes its result. Stops at ``deadline``
+    (``time.perf_counter()``) or after ``limit`` timed plans, whichever first."""
+    n = moves.num_devices
+    shape = _shape(graph, topo, n, optimizer, precision)
+    order = _Order(moves.factorizations, {f: estimate(f, n, shape) for f in moves.factorizations}, shape.capacity)
+    known = dict(known or {})  # grows with the timed plans: a factorization whose plan is another's
+    capacity = [d.memory_bytes for d in topo.devices]
+    out: list[Swept] = []
+    timed = 0
+    while (f := order.next()) is not None:
+        if (deadline is not None and time.perf_counter() >= deadline) or (limit is not None and timed >= limit):
+            break
+        plan = moves.plan(f)
+        if plan is None:
+            continue
+        result = known.get(plan)
+        if result is None:
+            try:
+                peak = peak_memory(lower(graph, plan, cache), optimizer)
+            except PlanError:  # a rule the lowering alone checks (strategies.zero): not a plan
+                continue
+            if any(b > c for b, c in zip(peak, capacity)):
+                out.append(Swept(f, plan, None, max(peak)))
+                continue
+            result = known[plan] = evaluate(plan)
+            timed += 1
+        order.timed(f, result.iteration_time)
+        out.append(Swept(f, plan, result, max(result.peak_memory_bytes)))
+    return out
+
+
+class _Order:
+    """The factorizations in passes: those estimated to fit before the others, and in each the
+    first of every tp × pp × micro-batches (in the estimate's order) before the rest, so the
+    shapes come before their flags' variants. Within a pass, by estimated seconds times the
+    least simulated / estimated ratio seen at the factorization's pipeline degree (the least at
+    any where that degree has none yet: an optimistic correction by what the simulator said, so
+    a degree the estimate flatters is left once timed); the estimate's order on ties."""
+
+    def __init__(self, factorizations: list[Factorization], est: dict[Factorization, Estimate], capacity: float):
+        self.est = est
+        order = sorted(factorizations, key=lambda f: (est[f].peak_bytes > capacity, est[f].seconds, est[f].peak_bytes))
+        leads: dict[tuple, Factorization] = {}
+        for f in order:
+            leads.setdefault((est[f].peak_bytes > capacity, f.tp, f.pp, f.microbatches), f)
+        first = set(leads.values())
+        self.left = [((est[f].peak_bytes > capacity, f not in first), i, f) for i, f in enumerate(order)]
+        self.ratio: dict[int, float] = {}
+
+    def timed(self, f: Factorization, seconds: float) -> None:
+        """``f`` simulated in ``seconds``: its pipeline degree's ratio updated."""
+        if self.est[f].seconds > 0:
+            r = seconds / self.est[f].seconds
+            self.ratio[f.pp] = min(self.ratio.get(f.pp, r), r)
+
+    def next(self) -> Factorization | None:
+        """The next factorization to try (None: none left)."""
+        if not self.left:
+            return None
+        least = min(self.ratio.values(), default=1.0)
+        at = min(range(len(self.left)), key=lambda k: (
+            self.left[k][0], self.ratio.get(self.left[k][2].pp, least) * self.est[self.left[k][2]].seconds,
+            self.left[k][1]))
+        return self.left.pop(at)[2]
+
+
+def swept_starts(graph: OpGraph, topo: Topology, moves: GlobalMoves, evaluate, deadline: float | None,
+                 limit: int | None, plans: dict[str, Strategy], results: dict[str, SimResult],
+                 stats: ChainStats, started: float) -> list[Strategy]:
+    """``sweep`` with ``evaluate``'s lowering cache and the scored baselines (``plans``,
+    ``results``) known; each timed plan considered in ``stats``; the timed plans by
+    ``mcmc.rank`` (those that fit first, then the fastest), the chains' starts."""
+    known = {plans[name]: results[name] for name in results if name in plans}
+    done = sweep(graph, topo, moves, evaluate.optimizer, evaluate.precision, evaluate, evaluate._cache,
+                 deadline, limit, known)
+    timed = [s for s in done if s.result is not None]
+    for s in timed:
+        consider(stats, s.plan, s.result, plan_cost(s.result), started)
+        evaluate.remember(s.plan, s.result)  # a chain starting from it does not simulate it again
+    timed.sort(key=lambda s: rank(s.result.fits, plan_cost(s.result)))  # stable: the sweep's order on ties
+    return [s.plan for s in timed]

@@ -1,0 +1,96 @@
+"""Symmetric proposals at scale: where the current plan is replicated over copies of its
+devices (``simulator.symmetry``: R copies, φ_r: C_0 -> C_r), a proposal that changes ops' configs
+changes them alike in every copy, so it stays foldable (one copy simulated for all,
+``simulator.fold``) instead of falling to a per-device simulation.
+
+A changed config's partitions are split as folding reads them: its sample dim's coordinates
+into R runs, run r to copy r. Run 0's devices are taken to their copy-0 images (φ_r⁻¹) and run r
+is set to φ_r of those: the change the move made in copy 0, made in every copy. A proposal
+already replicated over R copies is kept as drawn; one whose change cannot be imaged (its
+sample dim not cut a multiple of R ways, two partitions of one run on the images of one
+device) is kept where it is replicated otherwise (a global move's plan), else it is no
+proposal. ``mcmc.run_chain`` applies it to every
+proposal where ``Moves.symmetric`` is set: by ``search`` from ``FOLD_FROM`` devices, where
+simulations fold (below, the plain moves)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Callable
+
+import numpy as np
+
+from simulator.symmetry import Copies, copies_of, find_copies
+from soapsearch.search.repeatmove import replaced
+from strategies.config import ParallelConfig
+from strategies.graph import OpGraph
+from strategies.lowered import WEIGHT_KINDS
+from strategies.strategy import Strategy
+
+__all__ = ["SymmetricMoves", "imaged"]
+
+Propose = Callable[[Strategy], tuple[Strategy | None, bool]]
+
+
+def imaged(cfg: ParallelConfig, sample: int | None, copies: Copies) -> ParallelConfig | None:
+    """``cfg`` with run r of its sample coordinates on φ_r of run 0's copy-0 images (itself
+    where it already is); None where that cannot be (module docstring)."""
+    r = copies.count
+    if sample is None or cfg.degrees[sample] % r:
+        return None
+    grid = np.moveaxis(np.asarray(cfg.devices, dtype=np.int64).reshape(cfg.degrees), sample, 0)
+    shape = grid.shape
+    rep, index = copies.representative, {d: i for i, d in enumerate(copies.copies[0])}
+    first = [rep.get(d) for d in grid.reshape(r, -1)[0].tolist()]
+    if None in first or len(set(first)) != len(first):
+        return None
+    table = np.asarray(copies.copies, dtype=np.int64)  # [r][i]: φ_r of copy 0's device i
+    runs = table[:, [index[d] for d in first]]
+    devices = tuple(np.moveaxis(runs.reshape(shape), 0, sample).reshape(-1).tolist())
+    return cfg if devices == cfg.devices else replace(cfg, devices=devices)
+
+
+class SymmetricMoves:
+    """Wraps a chain's proposals so that they keep the current plan's copies (module docstring);
+    the copies of the last plans asked for are kept (a chain proposes from the same plan until
+    it accepts)."""
+
+    KEPT = 8
+
+    def __init__(self, graph: OpGraph):
+        self.graph = graph
+        self._copies: dict[int, tuple[Strategy, Copies | None]] = {}
+
+    def copies(self, plan: Strategy) -> Copies | None:
+        got = self._copies.get(id(plan))
+        if got is None or got[0] is not plan:
+            if len(self._copies) >= self.KEPT:
+                self._copies.pop(next(iter(self._copies)))
+            got = self._copies[id(plan)] = (plan, find_copies(self.graph, plan))
+        return got[1]
+
+    def image(self, current: Strategy, proposal: Strategy | None) -> Strategy | None:
+        """``proposal`` with its changed configs imaged over ``current``'s copies (as drawn
+        where ``current`` has none, or ``proposal`` is replicated by itself)."""
+        if proposal is None:
+            return None
+        copies = self.copies(current)
+        if copies is None or copies_of(self.graph, proposal, copies.count) is not None:
+            return proposal
+        changed = {}
+        for op, cfg in proposal.configs:
+            if cfg is current[op] or self.graph[op].kind in WEIGHT_KINDS:
+                continue
+            image = imaged(cfg, self.graph[op].sample_dim, copies)
+            if image is None:  # replicated otherwise (a global move's plan) or not at all
+                return proposal if find_copies(self.graph, proposal) is not None else None
+            if image is not cfg:
+                changed[op] = image
+        return replaced(proposal, changed) or proposal
+
+    def wrap(self, propose: Propose) -> Propose:
+        """``propose`` with its proposals imaged (``image``)."""
+        def symmetric(current: Strategy) -> tuple[Strategy | None, bool]:
+            proposal, block = propose(current)
+            return self.image(current, proposal), block
+        return symmetric

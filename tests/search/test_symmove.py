@@ -1,0 +1,79 @@
+"""Symmetric proposals (soapsearch/search/symmove.py): at 64 devices an op move from a
+replicated plan is made alike in every copy, so the proposal keeps the plan's copies; a search
+there is deterministic for a seed with 1 and 2 workers and its plan stays foldable."""
+
+import random
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from simulator.symmetry import copies_of, find_copies
+from soapsearch.search import search
+from soapsearch.search.moves import candidate_configs
+from soapsearch.search.symmove import SymmetricMoves, imaged
+from strategies.lowered import WEIGHT_KINDS
+from strategies.megatron import megatron
+from tests.conftest import traced
+
+
+def _runs(cfg, sample, count):
+    """``cfg``'s devices as its sample coordinates' ``count`` runs (row r: copy r's)."""
+    return np.moveaxis(np.asarray(cfg.devices).reshape(cfg.degrees), sample, 0).reshape(count, -1)
+
+
+def _from_runs(runs, cfg, sample):
+    shape = np.moveaxis(np.empty(cfg.degrees), sample, 0).shape
+    return replace(cfg, devices=tuple(np.moveaxis(runs.reshape(shape), 0, sample).reshape(-1).tolist()))
+
+
+def test_an_op_move_is_made_in_every_copy():
+    graph = traced("gpt", batch_size=64)
+    current = megatron(graph, 64, tp=2)
+    moves = SymmetricMoves(graph)
+    copies = moves.copies(current)
+    assert (copies.count, copies.size) == (32, 2)
+    made = 0
+    for op, cfg in current.configs:  # the tensor-parallel pair swapped in copy 0 alone: 1-fold
+        sample = graph[op].sample_dim
+        if graph[op].kind in WEIGHT_KINDS or _runs(cfg, sample, 32).shape[1] != 2:
+            continue
+        runs = _runs(cfg, sample, 32).copy()
+        runs[0] = runs[0][::-1]
+        drawn = _from_runs(runs, cfg, sample)
+        proposal = current.replace(op, drawn)
+        assert find_copies(graph, proposal) is None
+        image = moves.image(current, proposal)
+        assert copies_of(graph, image, 32) is not None  # the swap made in every copy: foldable
+        new = image[op]
+        assert _runs(new, sample, 32).tolist() == [row[::-1] for row in _runs(cfg, sample, 32).tolist()]
+        assert imaged(new, sample, copies) is new and imaged(cfg, sample, copies) is cfg
+        made += 1
+    assert made >= 12  # the 4 blocks' linears and attention at least
+
+    candidates = candidate_configs(graph, 64, 1, 8)
+    ops = [op for op in candidates if graph[op].kind not in WEIGHT_KINDS and len(candidates[op]) > 1]
+    rng = random.Random(0)
+    kept = dropped = 0
+    for _ in range(100):  # drawn configs: kept where replicated by themselves, else dropped
+        op = rng.choice(ops)
+        proposal = current.replace(op, rng.choice(candidates[op]))
+        image = moves.image(current, proposal)
+        if image is None:
+            assert find_copies(graph, proposal) is None
+            dropped += 1
+        else:
+            assert find_copies(graph, image) is not None
+            kept += 1
+    assert kept > 0 and dropped > 0
+
+
+@pytest.mark.slow
+def test_search_at_64_devices_keeps_the_plan_foldable_and_is_deterministic():
+    graph = traced("gpt", batch_size=64)
+    kw = dict(topology="a100-8x8", budget_s=None, proposals=24, seed=2, chains=2, init="data_parallel",
+              exhaustive_limit=0, global_move=0.0)
+    one, two = (search(graph, workers=w, **kw) for w in (1, 2))
+    assert one.strategy == two.strategy and one.predicted_ms == two.predicted_ms
+    assert find_copies(graph, one.strategy) is not None
+    assert one.predicted_ms <= min(one.baselines.values()) * (1 + 1e-12)
