@@ -36,7 +36,7 @@ ResNet-101's 348 ops) costs a search's proposal (a few ms) as much as folding sa
 def simulate_plan(graph: OpGraph, strategy: Strategy | Lowered, topology: Topology | str,
                   cost_model: CostModel | str = "analytical", *, optimizer: str = "sgd",
                   timeline: bool = False, summary: bool = True, cache: TaskCache | None = None,
-                  fold: bool | None = None) -> SimResult:
+                  fold: bool | None = None, lowering_cache: dict | None = None) -> SimResult:
     """Lower ``strategy`` (or take it lowered), build the task graph, run the event simulation
     (again where ``simulator.stragglers`` scales a step-end collective's overhead by the members
     arriving together, then ``simulator.contention``'s passes on devices that slow when
@@ -47,7 +47,9 @@ def simulate_plan(graph: OpGraph, strategy: Strategy | Lowered, topology: Topolo
     whose lowered pieces are unchanged (delta simulation: see ``simulator.tasks``). ``fold``:
     True: a plan replicated over copies of its devices (``simulator.symmetry``) is simulated on
     one copy for all (``simulator.fold``: the same result) unless ``timeline`` asks for every
-    device's tasks; False: per device; None: True for plans of ``FOLD_FROM`` devices or more."""
+    device's tasks; False: per device; None: True for plans of ``FOLD_FROM`` devices or more.
+    ``lowering_cache``: the cache ``strategies.lowering.lower`` patches from call to call (a
+    search's), for every copy set's lowering of ``strategy``."""
     topo = get_topology(topology) if isinstance(topology, str) else topology
     cost = get_cost_model(cost_model) if isinstance(cost_model, str) else cost_model
     with paused_gc():  # tens of thousands of small tuples: the cyclic collector only adds pauses
@@ -55,7 +57,7 @@ def simulate_plan(graph: OpGraph, strategy: Strategy | Lowered, topology: Topolo
         if fold is None:
             fold = plan.num_devices >= FOLD_FROM
         fold = fold and not timeline
-        relower = None if isinstance(strategy, Lowered) else Lowerings(graph, plan)
+        relower = None if isinstance(strategy, Lowered) else Lowerings(graph, plan, lowering_cache)
         lowered = strategy if relower is None else relower.first(topo, fold)
         tg, folded, start, end = timed_graph(lowered, topo, cost, optimizer, cache, fold, relower=relower)
         if relower is not None:
@@ -73,10 +75,10 @@ class Lowerings:
     """The lowerings ``simulate_plan`` makes of one plan: copy 0's first where the plan is
     replicated (``strategies.lowering_copies``), then, called with other copies (or None: every
     device), the one ``timed_graph`` folds on next; ``last`` is the one simulated. One lowering
-    cache for them all, each copy set's apart."""
+    cache for them all (``cache``, else a new one), each copy set's apart."""
 
-    def __init__(self, graph: OpGraph, plan: Strategy):
-        self.graph, self.plan, self.cache = graph, plan, {}
+    def __init__(self, graph: OpGraph, plan: Strategy, cache: dict | None = None):
+        self.graph, self.plan, self.cache = graph, plan, {} if cache is None else cache
         self.last: Lowered | None = None
 
     def first(self, topology: Topology, fold: bool) -> Lowered:

@@ -33,7 +33,6 @@ from soapsearch.search.blockmove import BlockMoves
 from strategies.megatron import megatron_blocks
 from strategies.config import validate_config
 from strategies.pieces import check_microbatches
-from strategies.lowering import lower
 
 __all__ = ["FoundPlan", "SearchConfig", "SearchResult", "search", "best_baselines", "Evaluator", "save_found"]
 
@@ -69,9 +68,8 @@ class Evaluator:
         plan = self.planned(plan)
         if len(self._cache) > 200_000:
             self._cache.clear()
-        return simulate_plan(self.graph, lower(self.graph, plan, self._cache), self.topology,
-                             self.cost, optimizer=self.optimizer, summary=summary, timeline=timeline,
-                             cache=self._tasks)
+        return simulate_plan(self.graph, plan, self.topology, self.cost, optimizer=self.optimizer,
+                             summary=summary, timeline=timeline, cache=self._tasks, lowering_cache=self._cache)
 
     def planned(self, plan: Strategy) -> Strategy:
         """``plan`` in the search's precision (a baseline or initial plan is made in "model")."""

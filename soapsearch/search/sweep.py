@@ -31,12 +31,12 @@ from typing import Callable
 
 from simulator.memory import peak_memory
 from simulator.result import SimResult
+from simulator.simulate import FOLD_FROM, Lowerings
 from simulator.topology import Topology
 from soapsearch.search.globalmove import Factorization, GlobalMoves
 from soapsearch.search.mcmc import ChainStats, consider, plan_cost, rank
 from strategies.errors import PlanError
 from strategies.graph import OpGraph
-from strategies.lowering import lower
 from strategies.megatron import megatron_blocks
 from strategies.strategy import Strategy
 
@@ -182,7 +182,7 @@ def sweep(graph: OpGraph, topo: Topology, moves: GlobalMoves, optimizer: str, pr
         result = known.get(plan)
         if result is None:
             try:
-                peak = peak_memory(lower(graph, plan, cache), optimizer)
+                peak = peak_memory(Lowerings(graph, plan, cache).first(topo, n >= FOLD_FROM), optimizer)  # copy 0's, expanded
             except PlanError:  # a rule the lowering alone checks (strategies.zero): not a plan
                 continue
             if any(b > c for b, c in zip(peak, capacity)):

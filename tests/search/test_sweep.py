@@ -160,11 +160,12 @@ def test_a_plan_the_lowering_refuses_is_passed_over(monkeypatch):
     moves.factorizations = [_f(zero=2), _f(zero=1)]
     refused = moves.plan(moves.factorizations[0])
 
-    def lowering(g, plan, cache):  # a rule only the lowering checks (strategies.zero's pairing)
-        if plan is refused:
-            raise PlanError("wte", "zero", 2, "each use pairs up")
-        return lower(g, plan, cache)
+    class Refusing(sweep_module.Lowerings):  # a rule only the lowering checks (strategies.zero's pairing)
+        def first(self, topology, fold):
+            if self.plan is refused:
+                raise PlanError("wte", "zero", 2, "each use pairs up")
+            return super().first(topology, fold)
 
-    monkeypatch.setattr(sweep_module, "lower", lowering)
+    monkeypatch.setattr(sweep_module, "Lowerings", Refusing)
     out = sweep(graph, topo, moves, "adam", "bf16", evaluate, evaluate._cache, None, 4)
     assert [s.factorization for s in out] == [moves.factorizations[1]] and evaluate.calls == 1
