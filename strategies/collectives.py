@@ -60,7 +60,7 @@ def find_collectives(producer: OpNode, devices: Sequence[int], degrees: Sequence
                      reads: Sequence[tuple[int, int, Box, tuple[int, ...]]]) -> dict[int, Collective]:
     """Reader partition index -> the collective it reads its input from (module docstring).
     ``devices``, ``degrees``, ``grid``: the producer's config and its grid in ``microbatch``
-    (``strategies.pieces._grid``); ``partial``: its reduction dims are cut; ``grad``: the
+    (``strategies.pieces.grid_of``); ``partial``: its reduction dims are cut; ``grad``: the
     gradient moves back (``OpGraph.moves_grad``); ``reads``: (partition index, device, input
     region, the holders it overlaps in partition order) of each reader of this input."""
     groups: dict[tuple[int, ...], list[tuple[int, int, Box]]] = {}

@@ -49,8 +49,7 @@ from strategies.config import ParallelConfig, check_degrees
 from strategies.errors import PlanError
 from strategies.graph import OpGraph, OpNode
 from strategies.megatron_stages import megatron_stages
-from strategies.pieces import check_microbatches, partition_box_mb
-from strategies.region import intersect
+from strategies.pieces import box_at, check_microbatches, grid_of, overlapping
 from strategies.rules import get_rule
 from strategies.strategy import Strategy
 
@@ -138,19 +137,24 @@ def _config(node: OpNode, d: int, dim: int | None, t: int, m: int = 1) -> Parall
 
 def _reads_locally(graph: OpGraph, node: OpNode, cfg: ParallelConfig, configs: dict[str, ParallelConfig]) -> bool:
     """Every partition of ``node`` under ``cfg`` reads each activation input in ``configs``
-    only from the producer partitions on its own device."""
+    only from the producer partitions on its own device: those whose boxes overlap the region
+    it reads, found per dim on the producer's grid (``pieces.overlapping``, as the lowering finds
+    them) rather than by intersecting every pair of partitions."""
     rule = get_rule(node.kind)
+    grid = grid_of(node, cfg.degrees)
     for k, dev in enumerate(cfg.devices):
-        box = partition_box_mb(node, cfg.degrees, k, 0, 1)
-        for src, region in zip(node.inputs, rule.input_regions(node, box)):
+        for src, region in zip(node.inputs, rule.input_regions(node, box_at(grid, cfg.degrees, k))):
             pc = configs.get(src)
             if region is None or pc is None:
                 continue
             p = graph[src]
-            for q, pdev in enumerate(pc.devices):
-                held = p.output_region(partition_box_mb(p, pc.degrees, q, 0, 1))
-                if pdev != dev and intersect(held, region) is not None:
+            if p.kind == "loss":  # its scalar output is whole on every partition
+                if any(d != dev for d in pc.devices):
                     return False
+                continue
+            whole = tuple((0, p.shape[i]) for i in p.reduction_dims)  # every holder of a Partial sum
+            if any(pc.devices[q] != dev for q, _, _ in overlapping(grid_of(p, pc.degrees), pc.degrees, region + whole)):
+                return False
     return True
 
 

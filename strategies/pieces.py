@@ -23,15 +23,16 @@ from strategies.strategy import Strategy
 from strategies.symmetry import CrossCopy
 from strategies.lowering_copies import kept_indices, reduction_members
 
-__all__ = ["lower_op", "partition_box_mb", "gates", "check_microbatches", "drops_output", "check_recompute", "recomputable",
+__all__ = ["lower_op", "partition_box_mb", "box_at", "grid_of", "overlapping", "gates", "check_microbatches", "drops_output",
+           "check_recompute", "recomputable",
            "drop_points", "drop_positions", "DropPoints", "READS_NO_INPUT"]
 
 _new = tuple.__new__
 _name = operator.attrgetter("name")
 
 
-def _grid(node: OpNode, degrees: Sequence[int], microbatch: int,
-          microbatches: int) -> tuple[tuple[int, int], ...]:
+def grid_of(node: OpNode, degrees: Sequence[int], microbatch: int = 0,
+            microbatches: int = 1) -> tuple[tuple[int, int], ...]:
     """Per dim (base, step): coordinate c of that dim covers [base + c·step, base + (c+1)·step)."""
     s = node.sample_dim
     out = []
@@ -87,21 +88,21 @@ def check_microbatches(graph: OpGraph, m: int) -> None:
 def partition_box_mb(node: OpNode, degrees: Sequence[int], k: int, microbatch: int,
                      microbatches: int) -> Box:
     """The global region partition ``k`` of ``node`` computes in ``microbatch``."""
-    return box_at(_grid(node, degrees, microbatch, microbatches), degrees, k)
+    return box_at(grid_of(node, degrees, microbatch, microbatches), degrees, k)
 
 
 def box_at(grid: Sequence[tuple[int, int]], degrees: Sequence[int], k: int) -> Box:
-    """Partition ``k``'s box on ``grid`` (``_grid``)."""
+    """Partition ``k``'s box on ``grid`` (``grid_of``)."""
     return tuple((b + c * st, b + (c + 1) * st) for (b, st), c in zip(grid, partition_index(k, degrees)))
 
 
 @functools.lru_cache(maxsize=1 << 16)
-def _overlaps(grid: tuple[tuple[int, int], ...], degrees: tuple[int, ...],
-              region: Box) -> tuple[tuple[int, Box, int], ...]:
+def overlapping(grid: tuple[tuple[int, int], ...], degrees: tuple[int, ...],
+                region: Box) -> tuple[tuple[int, Box, int], ...]:
     """(index, the part of ``region`` it holds, that part's elements) of each partition whose
     box overlaps ``region``, in partition order. Per dim the grid is regular: the overlapping
     coordinates are a range and each one's cut of the region an interval, so no box is
-    intersected (coordinate c of a dim covers [base + c·step, base + (c+1)·step), ``_grid``).
+    intersected (coordinate c of a dim covers [base + c·step, base + (c+1)·step), ``grid_of``).
     Memoized: a search asks again for the same producer grid and region (op shapes repeat)."""
     axes = []
     for (lo, hi), (base, step), d in zip(region, grid, degrees):
@@ -297,8 +298,8 @@ def lower_op(graph: OpGraph, strategy: Strategy, node: OpNode, m: int,
     kept_at = None if keep is None else kept_indices(cfg, keep)
     for j in range(m):
         parts, weight_regions = [], []
-        grids = [_grid(p, c.degrees, j, m) for p, c in sources]
-        grid = _grid(node, cfg.degrees, j, m)
+        grids = [grid_of(p, c.degrees, j, m) for p, c in sources]
+        grid = grid_of(node, cfg.degrees, j, m)
         for k, box in (enumerate(_boxes(grid, cfg.degrees)) if kept_at is None else
                        ((k, box_at(grid, cfg.degrees, k)) for k in kept_at)):
             ins = rule.input_regions(node, box)
@@ -311,7 +312,7 @@ def lower_op(graph: OpGraph, strategy: Strategy, node: OpNode, m: int,
         for slot, (producer, pcfg) in enumerate(sources):
             extra = sums[slot]
             ov = [None if p.input_regions[slot] is None or producer.kind in WEIGHT_KINDS else
-                  _overlaps(grids[slot], pcfg.degrees, p.input_regions[slot] + extra if extra else p.input_regions[slot])
+                  overlapping(grids[slot], pcfg.degrees, p.input_regions[slot] + extra if extra else p.input_regions[slot])
                   for p in parts]
             overlaps.append(ov)
             found = {}
