@@ -328,6 +328,8 @@ def search(model: torch.nn.Module | OpGraph, example_inputs: Sequence[Any] | Non
         share = None if deadline is None else time.perf_counter() + SWEEP_SHARE * (deadline - time.perf_counter())
         starts = swept_starts(graph, topo, moves.globals, evaluate, share,
                               None if deadline is not None else SWEEP_TIMINGS, plans, results, stats, started)
+        if not starts and stats.best is not None:  # nothing fit, or nothing was timed, in the sweep's share:
+            starts = [stats.best]  # the best plan scored so far (a baseline) starts the chains
     inits = [evaluate.planned(_initial(i, graph, n, rng, candidates, microbatches, schedule, plans, moves.globals,
                                        starts[init[:k].count("swept") % len(starts)] if i == "swept" and starts else None))
              for k, i in enumerate(init)]

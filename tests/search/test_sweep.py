@@ -169,3 +169,25 @@ def test_a_plan_the_lowering_refuses_is_passed_over(monkeypatch):
     monkeypatch.setattr(sweep_module, "Lowerings", Refusing)
     out = sweep(graph, topo, moves, "adam", "bf16", evaluate, evaluate._cache, None, 4)
     assert [s.factorization for s in out] == [moves.factorizations[1]] and evaluate.calls == 1
+
+
+def test_a_sweep_that_times_nothing_starts_the_chains_from_the_best_baseline(monkeypatch):
+    """A sweep whose share of the budget times no factorization (GPT-3 175B on 1,024 devices:
+    every plan's memory check outlasts it) no longer ends the search: the best scored baseline
+    starts the chains."""
+    import sys
+    api = sys.modules[Evaluator.__module__]
+    starts = []
+
+    def nothing(*args, **kwargs):
+        starts.append(args[-3])  # the scored baselines' results, by name
+        return []
+
+    monkeypatch.setattr(api, "swept_starts", nothing)
+    gpt = traced("gpt", batch_size=16)
+    found = search(gpt, topology="p100-1x4", budget_s=None, proposals=6, init="swept", exhaustive_limit=0,
+                   optimizer="adam", precision="bf16", workers=1, seed=0)
+    results = starts[0]
+    best = min(results.values(), key=lambda r: rank(r.fits, plan_cost(r)))
+    assert rank(found.result.fits, found.predicted_ms) <= rank(best.fits, best.iteration_ms * (1 + 1e-12))
+    assert found.proposals >= 1  # the chains ran from it (the search raised "no factorization" before)
