@@ -36,10 +36,10 @@ def test_gray_order_visits_every_plan_once_one_op_at_a_time():
 def test_delta_simulation_along_the_order_equals_full():
     g = traced("mlp")
     topo = get_topology("p100-1x2")
-    cands = {op: cfgs[:4] for op, cfgs in candidate_configs(g, 2, 1, None).items()}
+    cands = {op: cfgs[:3] for op, cfgs in candidate_configs(g, 2, 1, None).items()}  # 3^8 = 6,561 plans
     evaluate = Evaluator(g, topo, get_cost_model("analytical"))
     for i, plan in enumerate(gray_plans(cands, 2)):
-        if i % 37 == 0:
+        if i % 11 == 0:
             assert evaluate(plan).iteration_time == simulate_plan(g, plan, topo).iteration_time
         else:
             evaluate(plan)
