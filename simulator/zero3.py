@@ -34,6 +34,7 @@ from strategies.lowering import Lowered
 from strategies.prefetch import call_key, calls_at, issue_positions, step_units
 from strategies.schedule import Step, device_order
 from strategies.zero import gather_groups
+from strategies.zero_alike import alike_readers
 
 __all__ = ["add_gathers"]
 
@@ -102,19 +103,24 @@ def add_gathers(tg: TaskGraph, lowered: Lowered, topology: Topology, blocks: Seq
 def _issue_tasks(lowered: Lowered, groups: Sequence, blocks: Sequence, first: np.ndarray,
                  position: dict[str, int], keep: frozenset[int] | None = None) -> dict[tuple[int, Step], int]:
     """(device, step reading level-3 weights) -> the first task of the step at whose start the
-    all-gathers that step reads are issued there (``strategies.prefetch.issue_positions``)."""
-    reads = {(d, op, k) for op, ks, devs in ((u.op, u.partitions, u.devices) for u in groups if u.zero == 3)
-             for d, k in zip(devs, ks)}
+    all-gathers that step reads are issued there (``strategies.prefetch.issue_positions``),
+    found once per class of devices reading alike (``strategies.zero_alike``)."""
     at = first.tolist()  # each block's first task, as ints
+    orders = device_order(lowered)
     out = {}
-    for d, order in device_order(lowered).items():
-        if keep is not None and d not in keep:
+    for c in alike_readers(lowered):
+        mine = c.devices if keep is None else [d for d in c.devices if d in keep]
+        if not mine:
             continue
-        flags = [(d, s.op, s.index) in reads for s in order]
-        for s, p, f in zip(order, issue_positions(flags, step_units(lowered, order)), flags):
-            if f:  # only a reading step's gathers are issued (a step of no gather is its own position)
+        flags = [any(groups[g].zero == 3 for g in gs) for gs in c.reads]
+        # only a reading step's gathers are issued (a step of no gather is its own position)
+        pairs = [(q, p) for q, (p, f) in enumerate(zip(issue_positions(flags, step_units(lowered, c.order)), flags))
+                 if f]
+        for d in mine:
+            order = orders[d]
+            for q, p in pairs:
                 i = order[p]
-                out[(d, s)] = at[position[i.op]] + blocks[position[i.op]].fwd[i.microbatch][i.index] + i.backward
+                out[(d, order[q])] = at[position[i.op]] + blocks[position[i.op]].fwd[i.microbatch][i.index] + i.backward
     return out
 
 
@@ -122,24 +128,19 @@ def _unit_calls(lowered: Lowered, groups: Sequence, keep: frozenset[int] | None 
     """Under ``fsdp_unit`` "block": each level-3 gather (group's index in ``groups``, phase,
     micro-batch) of a unit's call -> the call's key, and each such key -> its gathers
     (``strategies.prefetch.calls_at``, the rule the executor runs: a unit's groups on one device
-    set move in one all-gather). ``keep``: the devices simulated; a call with a simulated member
-    is found from its order."""
-    reads: dict[tuple[int, str, int], list] = {}
-    for g, u in enumerate(groups):
-        if u.zero == 3:
-            key = call_key(u)  # once per group: its items are keyed by it on every member
-            for d, k in zip(u.devices, u.partitions):
-                reads.setdefault((d, u.op, k), []).append((g, key))
+    set move in one all-gather), found once per class of devices reading alike
+    (``strategies.zero_alike``: the same calls). ``keep``: the devices simulated; a call with a
+    simulated member is found from its order."""
+    keys = [call_key(u) if u.zero == 3 else None for u in groups]  # once per group: its items are keyed by it
     of: dict = {}
     calls: dict = {}
     phases_of = {}
-    alike: set[tuple] = set()  # devices' gathers and units whose calls are kept
-    for d, order in device_order(lowered).items():
-        if keep is not None and d not in keep:
+    for c in alike_readers(lowered):
+        if keep is not None and not any(d in keep for d in c.devices):
             continue
         each = []
-        for s in order:
-            us = reads.get((d, s.op, s.index), ())
+        for s, gs in zip(c.order, c.reads):
+            us = [g for g in gs if keys[g] is not None]
             if not us:
                 each.append(())
                 continue
@@ -147,13 +148,8 @@ def _unit_calls(lowered: Lowered, groups: Sequence, keep: frozenset[int] | None 
             if phases is None:
                 phases = phases_of[(s.op, s.backward)] = ((("recompute", "bwd") if lowered.strategy[s.op].recompute
                                                           else ("bwd",)) if s.backward else ("fwd",))
-            each.append(tuple((g, phase, s.microbatch, key) for g, key in us for phase in phases))
-        units = step_units(lowered, order)
-        seen = (tuple(each), None if units is None else tuple(units))
-        if seen in alike:  # a replica's run order gathering alike: the same calls, already kept
-            continue
-        alike.add(seen)
-        for at in calls_at(each, units, _last):
+            each.append(tuple((g, phase, s.microbatch, keys[g]) for g in us for phase in phases))
+        for at in calls_at(each, step_units(lowered, c.order), _last):
             for key, items in at:
                 if key[0] != "own":
                     gathers = [x[:3] for x in items]
