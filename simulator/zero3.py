@@ -55,18 +55,21 @@ def add_gathers(tg: TaskGraph, lowered: Lowered, topology: Topology, blocks: Seq
     issue = _issue_tasks(lowered, groups, blocks, first, position, keep) if any(u.zero == 3 for u in groups) else {}
     of, calls = _unit_calls(lowered, groups, keep) if issue and lowered.strategy.fsdp_unit == "block" else ({}, {})
     made: dict = {}  # a unit's call -> its simulated members' ends, by device
-    for j in range(lowered.strategy.microbatches):
-        for g, u in enumerate(groups):
-            devs, names = u.devices, "+".join(s.name for s in u.shards)
-            members = [(d, k) for d, k in zip(devs, u.partitions) if keep is None or d in keep]
-            if not members:
-                continue
-            simulated = [d for d, _ in members]
-            at, block = int(first[position[u.op]]), blocks[position[u.op]]
-            chunk = u.chunk_bytes
-            links = tuple(n + l for l in ring_links(topology, devs))
+    chunks = [u.chunk_bytes for u in groups]
+    add, edge = tg.add, tg.edge
+    uses = []  # what a group's tasks read alike in every micro-batch, found once
+    for g, u in enumerate(groups):
+        members = [(d, k) for d, k in zip(u.devices, u.partitions) if keep is None or d in keep]
+        if members:
             again = ("recompute",) if lowered.strategy[u.op].recompute else ()  # gathered for its recomputation too
-            for phase in ("fwd", *again, "bwd") if u.zero == 3 else ():
+            uses.append((g, u, u.devices, "+".join(s.name for s in u.shards), members, [d for d, _ in members],
+                         position[u.op], tuple(n + l for l in ring_links(topology, u.devices)),
+                         ("fwd", *again, "bwd") if u.zero == 3 else ()))
+    for j in range(lowered.strategy.microbatches):
+        for g, u, devs, names, members, simulated, i, links, phases in uses:
+            at, block = int(first[i]), blocks[i]
+            chunk = chunks[g]
+            for phase in phases:
                 backward = phase != "fwd"
                 key = of.get((g, phase, j))
                 done = made.get(key)
@@ -74,27 +77,29 @@ def add_gathers(tg: TaskGraph, lowered: Lowered, topology: Topology, blocks: Seq
                     if key is None:
                         label, nbytes = f"allgather {phase} {names} {u.op}@mb{j} zero{u.zero}", chunk
                     else:  # one call for the unit's groups on this device set
-                        (_, _, (b, i)), _ = key
-                        label = f"allgather {phase} block{b}.{i} {format_devices(devs)} @mb{j} zero3"
-                        nbytes = sum(groups[x].chunk_bytes for x, _, _ in calls[key])
-                    ag = tg.add(label, TaskKind.COLLECTIVE, allgather_time(topology, devs, nbytes), links, devs[0],
-                                nbytes * len(devs))
+                        (_, _, (b, c)), _ = key
+                        label = f"allgather {phase} block{b}.{c} {format_devices(devs)} @mb{j} zero3"
+                        nbytes = sum(chunks[x] for x, _, _ in calls[key])
+                    ag = add(label, TaskKind.COLLECTIVE, allgather_time(topology, devs, nbytes), links, devs[0],
+                             nbytes * len(devs))
                     for d, k in members:
-                        a = tg.add(f"call {label} device {d}", TaskKind.COLLECTIVE, 0.0, (), d)
-                        tg.edge(a, ag)
+                        a = add(f"call {label} device {d}", TaskKind.COLLECTIVE, 0.0, (), d)
+                        edge(a, ag)
                         arrivals += (a, issue[(d, Step(backward, u.op, k, j))])
-                    done = dict(zip(simulated, member_ends(tg.add, tg.edge, topology, ag, devs, label,
+                    done = dict(zip(simulated, member_ends(add, edge, topology, ag, devs, label,
                                                            TaskKind.COLLECTIVE, simulated)))
                     if key is not None:
                         made[key] = done
+                fwd = block.fwd[j]
                 for d, k in members:
-                    tg.edge(done[d], at + block.fwd[j][k] + int(backward))
+                    edge(done[d], at + fwd[k] + int(backward))
             label = f"reducescatter grad {names} {u.op}@mb{j} zero{u.zero}"
-            rs = tg.add(label, TaskKind.COLLECTIVE, reduce_scatter_time(topology, devs, chunk * len(devs)), links,
-                        devs[0], chunk * len(devs))
+            rs = add(label, TaskKind.COLLECTIVE, reduce_scatter_time(topology, devs, chunk * len(devs)), links,
+                     devs[0], chunk * len(devs))
+            done_b = block.bwd_done[j]
             for _, k in members:
-                tg.edge(at + block.bwd_done[j][k], rs)
-            for d, e in zip(simulated, member_ends(tg.add, tg.edge, topology, rs, devs, label, TaskKind.COLLECTIVE,
+                edge(at + done_b[k], rs)
+            for d, e in zip(simulated, member_ends(add, edge, topology, rs, devs, label, TaskKind.COLLECTIVE,
                                                    simulated)):
                 ends.setdefault(d, []).append(e)
     return np.asarray(arrivals, dtype=INDEX).reshape(-1, 2).T, ends
