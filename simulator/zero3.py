@@ -121,11 +121,15 @@ def _issue_tasks(lowered: Lowered, groups: Sequence, blocks: Sequence, first: np
         # only a reading step's gathers are issued (a step of no gather is its own position)
         pairs = [(q, p) for q, (p, f) in enumerate(zip(issue_positions(flags, step_units(lowered, c.order)), flags))
                  if f]
+        issuers = []  # (reader's position, issuer's, the issuer block's first task + backward, its forwards)
+        for q, p in pairs:
+            i = c.order[p]  # op, pass and micro-batch alike on every member: the partition index is each one's
+            b = position[i.op]
+            issuers.append((q, p, at[b] + i.backward, blocks[b].fwd[i.microbatch]))
         for d in mine:
             order = orders[d]
-            for q, p in pairs:
-                i = order[p]
-                out[(d, order[q])] = at[position[i.op]] + blocks[position[i.op]].fwd[i.microbatch][i.index] + i.backward
+            for q, p, base, fwd in issuers:
+                out[(d, order[q])] = base + fwd[order[p].index]
     return out
 
 

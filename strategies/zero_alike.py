@@ -11,6 +11,8 @@ class, its walks made once."""
 
 from __future__ import annotations
 
+from itertools import repeat
+from operator import attrgetter, itemgetter
 from typing import NamedTuple
 
 from strategies.lowering import Lowered
@@ -19,6 +21,10 @@ from strategies.schedule import Step, device_order
 from strategies.zero import gather_groups
 
 __all__ = ["AlikeReaders", "alike_readers"]
+
+_op, _index = attrgetter("op"), attrgetter("index")
+_step_kind = itemgetter(0, 1, 3)
+"""A ``Step``'s (backward, op, micro-batch): all of it but the partition index."""
 
 
 class AlikeReaders(NamedTuple):
@@ -50,8 +56,8 @@ def alike_readers(lowered: Lowered) -> tuple[AlikeReaders, ...]:
     for d, order in device_order(lowered).items():
         if d not in holding:
             continue
-        each = tuple([get((d, s.op, s.index), none) for s in order])
-        seen = (each, tuple([(s.op, s.backward, s.microbatch) for s in order]))
+        each = tuple(map(get, zip(repeat(d), map(_op, order), map(_index, order)), repeat(none)))  # C-level passes
+        seen = (each, tuple(map(_step_kind, order)))
         members = classes.get(seen)
         if members is None:
             classes[seen] = [order, d]
