@@ -41,7 +41,7 @@ def _per_device(low):
 
 
 def test_data_parallel_replicas_are_one_class():
-    g = traced("gpt")
+    g = traced("gpt", batch_size=16)  # the walk's graph: traced once
     low = lower(g, fsdp(g, 4))
     first, rest = alike_readers(low)
     assert (first.devices, rest.devices) == ((0,), (1, 2, 3))  # device 0 alone runs wpe (one partition)
