@@ -34,6 +34,7 @@ from strategies.lowering import Lowered
 from strategies.prefetch import call_key, calls_at, issue_positions, step_units
 from strategies.schedule import Step, device_order
 from strategies.zero import gather_groups
+from strategies.zero_alike import alike_readers
 
 __all__ = ["add_gathers"]
 
@@ -54,18 +55,21 @@ def add_gathers(tg: TaskGraph, lowered: Lowered, topology: Topology, blocks: Seq
     issue = _issue_tasks(lowered, groups, blocks, first, position, keep) if any(u.zero == 3 for u in groups) else {}
     of, calls = _unit_calls(lowered, groups, keep) if issue and lowered.strategy.fsdp_unit == "block" else ({}, {})
     made: dict = {}  # a unit's call -> its simulated members' ends, by device
-    for j in range(lowered.strategy.microbatches):
-        for g, u in enumerate(groups):
-            devs, names = u.devices, "+".join(s.name for s in u.shards)
-            members = [(d, k) for d, k in zip(devs, u.partitions) if keep is None or d in keep]
-            if not members:
-                continue
-            simulated = [d for d, _ in members]
-            at, block = int(first[position[u.op]]), blocks[position[u.op]]
-            chunk = u.chunk_bytes
-            links = tuple(n + l for l in ring_links(topology, devs))
+    chunks = [u.chunk_bytes for u in groups]
+    add, edge = tg.add, tg.edge
+    uses = []  # what a group's tasks read alike in every micro-batch, found once
+    for g, u in enumerate(groups):
+        members = [(d, k) for d, k in zip(u.devices, u.partitions) if keep is None or d in keep]
+        if members:
             again = ("recompute",) if lowered.strategy[u.op].recompute else ()  # gathered for its recomputation too
-            for phase in ("fwd", *again, "bwd") if u.zero == 3 else ():
+            uses.append((g, u, u.devices, "+".join(s.name for s in u.shards), members, [d for d, _ in members],
+                         position[u.op], tuple(n + l for l in ring_links(topology, u.devices)),
+                         ("fwd", *again, "bwd") if u.zero == 3 else ()))
+    for j in range(lowered.strategy.microbatches):
+        for g, u, devs, names, members, simulated, i, links, phases in uses:
+            at, block = int(first[i]), blocks[i]
+            chunk = chunks[g]
+            for phase in phases:
                 backward = phase != "fwd"
                 key = of.get((g, phase, j))
                 done = made.get(key)
@@ -73,27 +77,29 @@ def add_gathers(tg: TaskGraph, lowered: Lowered, topology: Topology, blocks: Seq
                     if key is None:
                         label, nbytes = f"allgather {phase} {names} {u.op}@mb{j} zero{u.zero}", chunk
                     else:  # one call for the unit's groups on this device set
-                        (_, _, (b, i)), _ = key
-                        label = f"allgather {phase} block{b}.{i} {format_devices(devs)} @mb{j} zero3"
-                        nbytes = sum(groups[x].chunk_bytes for x, _, _ in calls[key])
-                    ag = tg.add(label, TaskKind.COLLECTIVE, allgather_time(topology, devs, nbytes), links, devs[0],
-                                nbytes * len(devs))
+                        (_, _, (b, c)), _ = key
+                        label = f"allgather {phase} block{b}.{c} {format_devices(devs)} @mb{j} zero3"
+                        nbytes = sum(chunks[x] for x, _, _ in calls[key])
+                    ag = add(label, TaskKind.COLLECTIVE, allgather_time(topology, devs, nbytes), links, devs[0],
+                             nbytes * len(devs))
                     for d, k in members:
-                        a = tg.add(f"call {label} device {d}", TaskKind.COLLECTIVE, 0.0, (), d)
-                        tg.edge(a, ag)
+                        a = add(f"call {label} device {d}", TaskKind.COLLECTIVE, 0.0, (), d)
+                        edge(a, ag)
                         arrivals += (a, issue[(d, Step(backward, u.op, k, j))])
-                    done = dict(zip(simulated, member_ends(tg.add, tg.edge, topology, ag, devs, label,
+                    done = dict(zip(simulated, member_ends(add, edge, topology, ag, devs, label,
                                                            TaskKind.COLLECTIVE, simulated)))
                     if key is not None:
                         made[key] = done
+                fwd = block.fwd[j]
                 for d, k in members:
-                    tg.edge(done[d], at + block.fwd[j][k] + int(backward))
+                    edge(done[d], at + fwd[k] + int(backward))
             label = f"reducescatter grad {names} {u.op}@mb{j} zero{u.zero}"
-            rs = tg.add(label, TaskKind.COLLECTIVE, reduce_scatter_time(topology, devs, chunk * len(devs)), links,
-                        devs[0], chunk * len(devs))
+            rs = add(label, TaskKind.COLLECTIVE, reduce_scatter_time(topology, devs, chunk * len(devs)), links,
+                     devs[0], chunk * len(devs))
+            done_b = block.bwd_done[j]
             for _, k in members:
-                tg.edge(at + block.bwd_done[j][k], rs)
-            for d, e in zip(simulated, member_ends(tg.add, tg.edge, topology, rs, devs, label, TaskKind.COLLECTIVE,
+                edge(at + done_b[k], rs)
+            for d, e in zip(simulated, member_ends(add, edge, topology, rs, devs, label, TaskKind.COLLECTIVE,
                                                    simulated)):
                 ends.setdefault(d, []).append(e)
     return np.asarray(arrivals, dtype=INDEX).reshape(-1, 2).T, ends
@@ -102,19 +108,28 @@ def add_gathers(tg: TaskGraph, lowered: Lowered, topology: Topology, blocks: Seq
 def _issue_tasks(lowered: Lowered, groups: Sequence, blocks: Sequence, first: np.ndarray,
                  position: dict[str, int], keep: frozenset[int] | None = None) -> dict[tuple[int, Step], int]:
     """(device, step reading level-3 weights) -> the first task of the step at whose start the
-    all-gathers that step reads are issued there (``strategies.prefetch.issue_positions``)."""
-    reads = {(d, op, k) for op, ks, devs in ((u.op, u.partitions, u.devices) for u in groups if u.zero == 3)
-             for d, k in zip(devs, ks)}
+    all-gathers that step reads are issued there (``strategies.prefetch.issue_positions``),
+    found once per class of devices reading alike (``strategies.zero_alike``)."""
     at = first.tolist()  # each block's first task, as ints
+    orders = device_order(lowered)
     out = {}
-    for d, order in device_order(lowered).items():
-        if keep is not None and d not in keep:
+    for c in alike_readers(lowered):
+        mine = c.devices if keep is None else [d for d in c.devices if d in keep]
+        if not mine:
             continue
-        flags = [(d, s.op, s.index) in reads for s in order]
-        for s, p, f in zip(order, issue_positions(flags, step_units(lowered, order)), flags):
-            if f:  # only a reading step's gathers are issued (a step of no gather is its own position)
-                i = order[p]
-                out[(d, s)] = at[position[i.op]] + blocks[position[i.op]].fwd[i.microbatch][i.index] + i.backward
+        flags = [any(groups[g].zero == 3 for g in gs) for gs in c.reads]
+        # only a reading step's gathers are issued (a step of no gather is its own position)
+        pairs = [(q, p) for q, (p, f) in enumerate(zip(issue_positions(flags, step_units(lowered, c.order)), flags))
+                 if f]
+        issuers = []  # (reader's position, issuer's, the issuer block's first task + backward, its forwards)
+        for q, p in pairs:
+            i = c.order[p]  # op, pass and micro-batch alike on every member: the partition index is each one's
+            b = position[i.op]
+            issuers.append((q, p, at[b] + i.backward, blocks[b].fwd[i.microbatch]))
+        for d in mine:
+            order = orders[d]
+            for q, p, base, fwd in issuers:
+                out[(d, order[q])] = base + fwd[order[p].index]
     return out
 
 
@@ -122,24 +137,19 @@ def _unit_calls(lowered: Lowered, groups: Sequence, keep: frozenset[int] | None 
     """Under ``fsdp_unit`` "block": each level-3 gather (group's index in ``groups``, phase,
     micro-batch) of a unit's call -> the call's key, and each such key -> its gathers
     (``strategies.prefetch.calls_at``, the rule the executor runs: a unit's groups on one device
-    set move in one all-gather). ``keep``: the devices simulated; a call with a simulated member
-    is found from its order."""
-    reads: dict[tuple[int, str, int], list] = {}
-    for g, u in enumerate(groups):
-        if u.zero == 3:
-            key = call_key(u)  # once per group: its items are keyed by it on every member
-            for d, k in zip(u.devices, u.partitions):
-                reads.setdefault((d, u.op, k), []).append((g, key))
+    set move in one all-gather), found once per class of devices reading alike
+    (``strategies.zero_alike``: the same calls). ``keep``: the devices simulated; a call with a
+    simulated member is found from its order."""
+    keys = [call_key(u) if u.zero == 3 else None for u in groups]  # once per group: its items are keyed by it
     of: dict = {}
     calls: dict = {}
     phases_of = {}
-    alike: set[tuple] = set()  # devices' gathers and units whose calls are kept
-    for d, order in device_order(lowered).items():
-        if keep is not None and d not in keep:
+    for c in alike_readers(lowered):
+        if keep is not None and not any(d in keep for d in c.devices):
             continue
         each = []
-        for s in order:
-            us = reads.get((d, s.op, s.index), ())
+        for s, gs in zip(c.order, c.reads):
+            us = [g for g in gs if keys[g] is not None]
             if not us:
                 each.append(())
                 continue
@@ -147,13 +157,8 @@ def _unit_calls(lowered: Lowered, groups: Sequence, keep: frozenset[int] | None 
             if phases is None:
                 phases = phases_of[(s.op, s.backward)] = ((("recompute", "bwd") if lowered.strategy[s.op].recompute
                                                           else ("bwd",)) if s.backward else ("fwd",))
-            each.append(tuple((g, phase, s.microbatch, key) for g, key in us for phase in phases))
-        units = step_units(lowered, order)
-        seen = (tuple(each), None if units is None else tuple(units))
-        if seen in alike:  # a replica's run order gathering alike: the same calls, already kept
-            continue
-        alike.add(seen)
-        for at in calls_at(each, units, _last):
+            each.append(tuple((g, phase, s.microbatch, keys[g]) for g in us for phase in phases))
+        for at in calls_at(each, step_units(lowered, c.order), _last):
             for key, items in at:
                 if key[0] != "own":
                     gathers = [x[:3] for x in items]

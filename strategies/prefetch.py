@@ -28,8 +28,9 @@ from strategies.graph import OpGraph
 from strategies.lowering import Lowered
 from strategies.memo import per_lowered
 from strategies.repeats import repeated_blocks
-from strategies.schedule import Step, device_order
+from strategies.schedule import Step
 from strategies.zero import gather_groups
+from strategies.zero_alike import alike_readers
 
 __all__ = ["issue_positions", "issued_at", "calls_at", "call_key", "gathered_bytes", "block_units", "step_units"]
 
@@ -118,34 +119,20 @@ def gathered_bytes(lowered: Lowered) -> tuple[int, ...]:
     issued at or before this step (``calls_at``) whose last reader comes later, each alive from
     its issue to its last reader (which copies it out)."""
     n = lowered.strategy.num_devices
-    held: dict[tuple[int, str, int], int] = {}
-    threes: dict[tuple[int, str, int], list] = {}  # each step's level-3 groups: (bytes, call key)
-    for u in gather_groups(lowered):
-        nbytes, key = u.nbytes, call_key(u) if u.zero == 3 else None  # once per group, not per member
-        for d, k in zip(u.devices, u.partitions):
-            held[(d, u.op, k)] = held.get((d, u.op, k), 0) + (2 if u.zero == 3 else 1) * nbytes
-            if u.zero == 3:
-                threes.setdefault((d, u.op, k), []).append((nbytes, key))
+    groups = gather_groups(lowered)
+    gathered = [(u.nbytes, call_key(u)) if u.zero == 3 else None for u in groups]  # once per group
+    held = [(2 if u.zero == 3 else 1) * u.nbytes for u in groups]
     out = [0] * n
-    if not held:
-        return tuple(out)
-    holding = {d for d, _, _ in held}
-    alike: dict[tuple, list[int]] = {}  # a device's gathers and units -> its ``_ahead``
-    for d, order in device_order(lowered).items():
-        if d not in holding:
-            continue
-        keys = [(d, s.op, s.index) for s in order]
-        each = tuple(tuple((q, u) for u in threes.get(k, ())) for q, k in enumerate(keys))
-        units = step_units(lowered, order)
-        seen = (each, None if units is None else tuple(units))  # replicas' run orders gather alike
-        ahead = alike.get(seen)
-        if ahead is None:
-            ahead = alike[seen] = _ahead(calls_at(each, units, _second_key))
-        alive = 0
-        for p, k in enumerate(keys):
+    for c in alike_readers(lowered):  # the walk once per class: its members hold alike
+        each = tuple(tuple((q, gathered[g]) for g in gs if gathered[g] is not None) for q, gs in enumerate(c.reads))
+        ahead = _ahead(calls_at(each, step_units(lowered, c.order), _second_key))
+        most = alive = 0
+        for p, gs in enumerate(c.reads):
             alive += ahead[p]
-            if k in held:
-                out[d] = max(out[d], held[k] + alive)
+            if gs:
+                most = max(most, sum(held[g] for g in gs) + alive)
+        for d in c.devices:
+            out[d] = most
     return tuple(out)
 
 

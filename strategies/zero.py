@@ -30,6 +30,7 @@ s's chunk i; the reduce-scatter's input is laid out the same way.
 
 from __future__ import annotations
 
+from operator import is_
 from typing import NamedTuple
 
 from strategies.errors import PlanError
@@ -124,31 +125,52 @@ def gather_uses(lowered: Lowered) -> tuple[GatherUse, ...]:
     for s in shards:
         for op in dict.fromkeys(s.ops):
             readers.setdefault(op, []).append(s)
+    if _KEPT[0] is not graph:
+        _KEPT[:] = [graph, {}]
+    kept = _KEPT[1]
     for node in graph:
         mine = readers.get(node.name)
         if not mine:
             continue
-        names = {w.name: w.role for w in node.weights}
-        slots = {graph[src].weights[0].name: i for i, src in enumerate(node.inputs)
-                 if graph[src].kind in WEIGHT_KINDS and graph[src].weights}
-        for s in mine:
-            if s.name not in names and s.name not in slots:
-                continue
-            on: dict[int, list[int]] = {}
-            for p in lowered.partitions[node.name][0]:
-                box = dict(p.weight_regions).get(names[s.name]) if s.name in names else p.input_regions[slots[s.name]]
-                if box == s.region:
-                    on.setdefault(p.device, []).append(p.index)
-            if not on:
-                continue
-            if sorted(on) != list(s.devices) or any(len(ks) != 1 for ks in on.values()):
-                counts = {d: len(on.get(d, ())) for d in s.devices}
-                raise PlanError(node.name, "zero", s.zero, f"weight {s.name!r} region {list(map(list, s.region))} is "
-                                f"read by {counts} partitions of the op per replica device: level {s.zero} "
-                                "reduce-scatters its gradient once per use on every replica, so each must read it "
-                                "through one partition")
-            out.append(GatherUse(s, node.name, tuple(on[d][0] for d in s.devices)))
+        parts = lowered.partitions[node.name]
+        was = kept.get(node.name)
+        if was is None or was[0] is not parts or len(was[1]) != len(mine) or not all(map(is_, was[1], mine)):
+            was = kept[node.name] = (parts, mine, _op_uses(graph, node, parts[0], mine))
+        out += was[2]
     return tuple(out)
+
+
+_KEPT: list = [None, {}]
+"""The graph of the last ``gather_uses`` and, per reader op, (its partitions, the shards it
+reads, its uses): a lowering shares an unchanged op's partitions and shards with the last one
+(``strategies.lowering_cache``), so only the changed ops' uses are found again."""
+
+
+def _op_uses(graph, node, parts, mine: list[WeightShard]) -> list[GatherUse]:
+    """The uses of ``mine`` (the level-2/3 shards ``node`` reads, in shard order) by ``node``'s
+    micro-batch-0 partitions ``parts``."""
+    out = []
+    names = {w.name: w.role for w in node.weights}
+    slots = {graph[src].weights[0].name: i for i, src in enumerate(node.inputs)
+             if graph[src].kind in WEIGHT_KINDS and graph[src].weights}
+    for s in mine:
+        if s.name not in names and s.name not in slots:
+            continue
+        on: dict[int, list[int]] = {}
+        for p in parts:
+            box = dict(p.weight_regions).get(names[s.name]) if s.name in names else p.input_regions[slots[s.name]]
+            if box == s.region:
+                on.setdefault(p.device, []).append(p.index)
+        if not on:
+            continue
+        if sorted(on) != list(s.devices) or any(len(ks) != 1 for ks in on.values()):
+            counts = {d: len(on.get(d, ())) for d in s.devices}
+            raise PlanError(node.name, "zero", s.zero, f"weight {s.name!r} region {list(map(list, s.region))} is "
+                            f"read by {counts} partitions of the op per replica device: level {s.zero} "
+                            "reduce-scatters its gradient once per use on every replica, so each must read it "
+                            "through one partition")
+        out.append(GatherUse(s, node.name, tuple(on[d][0] for d in s.devices)))
+    return out
 
 
 class GatherGroup(NamedTuple):

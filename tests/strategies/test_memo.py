@@ -8,6 +8,8 @@ import random
 
 import pytest
 
+import strategies.zero
+
 from strategies import data_parallel, enumerate_configs
 from strategies.errors import PlanError
 from strategies.lowering import lower
@@ -15,6 +17,7 @@ from strategies.memo import per_lowered
 from strategies.prefetch import gathered_bytes
 from strategies.schedule import device_order
 from strategies.zero import gather_groups, gather_uses, sharded_state
+from strategies.zero_alike import alike_readers
 from tests.conftest import traced
 from tests.executor.plans import zero
 
@@ -56,7 +59,10 @@ def test_kept_facts_equal_fresh_ones_on_a_walk():
             low = lower(g, plan.replace(op, cfg))
         except PlanError:
             continue
-        for fn in (gather_uses, gather_groups, sharded_state, device_order, gathered_bytes):
+        kept = gather_uses(low)  # found again only for the ops whose partitions or shards changed
+        strategies.zero._KEPT[:] = [None, {}]
+        assert gather_uses.__wrapped__(low) == kept
+        for fn in (gather_uses, gather_groups, sharded_state, device_order, alike_readers, gathered_bytes):
             assert fn(low) == fn.__wrapped__(low)
             assert fn(low) is fn(low)
         if last is not None:
