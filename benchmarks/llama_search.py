@@ -26,6 +26,7 @@ recompute and ZeRO-1 (Narayanan et al. SC'21); ``--long 0`` leaves the long sear
 from __future__ import annotations
 
 import argparse
+import resource
 import time
 
 from simulator.cost import get_cost_model
@@ -106,6 +107,8 @@ def main() -> None:
               f"{sum(1 for op in s if s[op].zero)} ops sharded, {sum(1 for op in s if s[op].recompute)} recomputed, "
               f"devices used {len(s.devices_used)}, best found at {r.history[-1][0] if r.history else 0.0:.1f} s, "
               f"baselines unscored: {', '.join(r.unscored) or 'none'}")
+    print(f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB (this process; "
+          "workers' apart)")
 
 
 if __name__ == "__main__":

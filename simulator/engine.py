@@ -20,6 +20,7 @@ from bisect import bisect_right
 
 import numpy as np
 
+from simulator.linkclass import compact_resources
 from simulator.native import library
 from simulator.taskgraph import INDEX, TaskGraph
 
@@ -43,20 +44,26 @@ def event_times(tg: TaskGraph, native: bool = True,
         raise ValueError(f"event_times: duration has {len(duration)} entries, the graph {len(tg)} tasks: "
                          "one per task")
     lib = library() if native else None
+    compact = compact_resources(tg)  # one link per class of links held by the same tasks: the same times
     if lib is not None and len(tg):
-        result = _run_native(lib, tg, duration)
+        result = _run_native(lib, tg, duration, compact)
         if result is not None:
             return result
-    start, end = _run_python(tg, None if duration is None else duration.tolist())
+    start, end = _run_python(tg, None if duration is None else duration.tolist(),
+                             None if compact is None else compact[2])
     return np.array(start, dtype=np.float64), np.array(end, dtype=np.float64)
 
 
-def _run_native(lib, tg: TaskGraph, override: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray] | None:
+def _run_native(lib, tg: TaskGraph, override: np.ndarray | None = None,
+                compact: tuple | None = None) -> tuple[np.ndarray, np.ndarray] | None:
     """The C loop on the graph's arrays; None when it did not place every task (a cycle: the
     Python loop then names it), ran out of memory or has more than its 32-bit indices hold."""
     n = len(tg)
     src, dst = tg.edge_arrays()
-    duration, res_first, res = tg.arrays()
+    if compact is None:
+        duration, res_first, res = tg.arrays()
+    else:
+        duration, (res_first, res) = np.asarray(tg.duration, dtype=np.float64), compact[:2]
     if len(res) >= _INDEX_LIMIT:
         return None
     src, dst, res_first, res = (np.ascontiguousarray(a, dtype=INDEX) for a in (src, dst, res_first, res))  # as is
@@ -68,7 +75,8 @@ def _run_native(lib, tg: TaskGraph, override: np.ndarray | None = None) -> tuple
     return (start, end) if placed == n else None
 
 
-def _run_python(tg: TaskGraph, override: list[float] | None = None) -> tuple[list[float], list[float]]:
+def _run_python(tg: TaskGraph, override: list[float] | None = None,
+                resources: list[tuple[int, ...]] | None = None) -> tuple[list[float], list[float]]:
     n = len(tg)
     nd = tg.num_devices
     ready = [0.0] * n
@@ -83,7 +91,8 @@ def _run_python(tg: TaskGraph, override: list[float] | None = None) -> tuple[lis
     heap = [(0.0, t) for t in range(n) if remaining[t] == 0]
     heapq.heapify(heap)
     done = 0
-    duration, resources = tg.duration if override is None else override, tg.resources
+    duration = tg.duration if override is None else override
+    resources = tg.resources if resources is None else resources
     push, pop = heapq.heappush, heapq.heappop
     while heap:
         r, t = pop(heap)

@@ -28,10 +28,12 @@ lowering's, per device. Where any condition fails the plan is simulated per devi
 from __future__ import annotations
 
 import functools
+from itertools import chain
 from typing import NamedTuple
 
 import numpy as np
 
+from simulator.linkclass import distinct_resources
 from simulator.symmetry import Copies, CrossCopy
 from simulator.taskgraph import TaskGraph
 from simulator.topology import Topology
@@ -125,26 +127,40 @@ def task_copies(tg: TaskGraph, maps: LinkMaps) -> Folded:
     all-reduce rings every device through some copies' NICs only. Exact only where such a task
     runs after the copies' own traffic on those links (``Folded.holds``)."""
     count = tg.copies.count
-    _, res_first, res = tg.arrays()
+    distinct, which = distinct_resources(tg)  # worked out per distinct tuple: the rings repeat
     n, num_links = tg.num_devices, tg.num_links
-    task = np.repeat(np.arange(len(tg), dtype=np.int64), np.diff(res_first))
+    lens = np.fromiter(map(len, distinct), np.int64, len(distinct))
+    res = np.fromiter(chain.from_iterable(distinct), np.int64, int(lens.sum()))
+    tup = np.repeat(np.arange(len(distinct), dtype=np.int64), lens)
     on_link = res >= n
-    task, link = task[on_link], res[on_link].astype(np.int64) - n
+    tup, link = tup[on_link], res[on_link] - n
     owner = maps.owner[link]
-    shared = np.zeros(len(tg), dtype=bool)
-    shared[task[owner != 0]] = True
-    mine = shared[task]
+    shared = np.zeros(len(distinct), dtype=bool)
+    shared[tup[owner != 0]] = True
+    mine = shared[tup]
     owned = mine & (owner >= 0)
-    base = maps.base[link[owned]]  # the copy-0 link each owned link is the image of
-    keys, counts = np.unique(task[owned] * num_links + base, return_counts=True)
+    key = tup[owned] * num_links + maps.base[link[owned]]  # base: the copy-0 link each owned link is the image of
+    keys, counts = np.unique(key, return_counts=True)
     odd = keys[counts != count]
     held: list[frozenset[int]] = []
     if len(odd):
-        key = task[owned] * num_links + base
         pick = np.isin(key, odd)
         order = np.argsort(key[pick], kind="stable")
         k, r = key[pick][order], owner[owned][pick][order]
         cuts = np.flatnonzero(np.diff(k)) + 1
         held = [frozenset(part.tolist()) for part in np.split(r, cuts)]
-    return Folded(count, np.where(shared, 1, count), odd // num_links, odd % num_links, (task[~mine], link[~mine]),
-                  tuple(held))
+    odd_at, odd_of = _per_task(odd // num_links, len(distinct), which)
+    inner = ~mine
+    in_at, in_of = _per_task(tup[inner], len(distinct), which)
+    return Folded(count, np.where(shared[which], 1, count), odd_at, odd[odd_of] % num_links,
+                  (in_at, link[inner][in_of]), tuple(held[i] for i in odd_of.tolist()))
+
+
+def _per_task(of: np.ndarray, distinct: int, which: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Entries listed per distinct tuple (``of``: each one's tuple, ascending) repeated for every
+    task holding that tuple (``which``): (each entry's task, its index in ``of``), by task."""
+    lo = np.searchsorted(of, np.arange(distinct), "left")
+    cnt = (np.searchsorted(of, np.arange(distinct), "right") - lo)[which]
+    total = int(cnt.sum())
+    at = np.repeat(np.arange(len(which), dtype=np.int64), cnt)
+    return at, np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(cnt) - cnt, cnt) + np.repeat(lo[which], cnt)

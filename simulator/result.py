@@ -99,15 +99,20 @@ def summarize(tg: TaskGraph, topology: Topology, start: list[float], end: list[f
     kinds = [l.kind for l in topology.links]
     names = [l.name for l in topology.links]
     resources, nbytes, device, category = tg.resources, tg.nbytes, tg.device, tg.category
+    each: dict[int, tuple[int, set[str], str]] = {}  # id of a resource tuple -> what it says (rings share one)
     for t in range(len(tg)):
         res = resources[t]
-        links = [r - n for r in res if r >= n]
-        if not links and res:
-            busy[res[0]] += end[t] - start[t]
-        for kind in {kinds[l] for l in links}:
+        got = each.get(id(res))
+        if got is None:
+            links = [r - n for r in res if r >= n]
+            got = each[id(res)] = (res[0] if res and not links else -1, {kinds[l] for l in links},
+                                   names[links[0]] if links else "compute")
+        on, link_kinds, lane = got
+        if on >= 0:
+            busy[on] += end[t] - start[t]
+        for kind in link_kinds:
             moved[kind] = moved.get(kind, 0) + nbytes[t] * (1 if copies is None else copies[t])
         if keep_timeline and res:
-            lane = "compute" if not links else names[links[0]]
             timeline.append((tg.label(t), device[t], lane, start[t], end[t], CATEGORY[category[t]]))
     if tg.copies is not None:
         image = tg.copies.representative

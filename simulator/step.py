@@ -21,6 +21,7 @@ from simulator.devices import DeviceSpec
 from simulator.taskgraph import TaskGraph, TaskKind
 from simulator.topology import Topology
 from strategies.config import format_devices
+from strategies.members import kept_members
 from strategies.lowering import BucketKey, Lowered, ReductionGroup, bucket_sums, loss_on_every_device
 from strategies.zero import per_use_shards, shard_chunk_bytes, sharded_state, zero_buckets
 
@@ -84,7 +85,7 @@ def link_step(tg: TaskGraph, lowered: Lowered, topology: Topology,
     devices simulated (a folded plan's copy 0, ``simulator.fold``; ``last`` and ``issued``
     name only them): each collective is timed over its group, its member tasks made on them."""
     n = topology.num_devices
-    mine = (lambda devs: devs) if keep is None else (lambda devs: [d for d in devs if d in keep])
+    mine = (lambda devs: devs) if keep is None else (lambda devs: kept_members(devs, keep))
     later: dict[int, list[int]] = {d: [] for d in last}  # what only its update waits on
     rides = bucket_sums(lowered, [g for _, sums in step_sums for g, _, _ in sums]) if step_sums else {}
     riders: dict[BucketKey, list] = {}  # gradient bucket -> [bytes, forward tasks] of its sums

@@ -160,6 +160,8 @@ class TaskGraph:
         .Copies``, ``simulator.fold``), else None."""
         self.step_order: StepOrder | None = None
         """Each device's schedule steps in order (``simulator.tasks``), once they are chained."""
+        self.memo: dict[str, tuple[int, Any]] = {}
+        """What ``simulator.linkclass`` derives from the tasks: name -> (the task count it saw, it)."""
 
     # --- tasks ----------------------------------------------------------------------------------
     def place(self, segments: list[Segment], joined: tuple[np.ndarray, ...],
@@ -212,6 +214,12 @@ class TaskGraph:
         res_first = np.zeros(len(lens) + 1, dtype=INDEX)
         np.cumsum(lens, dtype=INDEX, out=res_first[1:])
         return duration, res_first, res
+
+    def resource_count(self) -> int:
+        """How many (task, resource) pairs the graph holds (``arrays``' res length), without
+        joining the resources."""
+        head = 0 if self._joined is None else len(self._joined[2])
+        return head + sum(map(len, self.tail.resources))
 
     def label(self, t: int) -> str:
         return label(self.name[t])

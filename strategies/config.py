@@ -5,10 +5,12 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Iterator, Sequence
 
 from strategies.errors import PlanError
 from strategies.graph import Dim, OpNode
+from strategies.members import hashed
 from strategies.rules import get_rule
 
 __all__ = ["ROLE_LETTER", "ZERO_LEVELS", "ParallelConfig", "validate_config", "enumerate_configs", "check_degrees", "degree_grids",
@@ -51,7 +53,7 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "degrees", tuple(self.degrees))
-        object.__setattr__(self, "devices", tuple(self.devices))
+        object.__setattr__(self, "devices", hashed(self.devices))  # thousands of devices: hashed once
         for i, d in enumerate(self.degrees):
             if not isinstance(d, int) or isinstance(d, bool) or d < 1:
                 raise PlanError(None, f"degrees[{i}]", d, "a degree is a whole number >= 1")
@@ -74,6 +76,11 @@ class ParallelConfig:
     @property
     def parts(self) -> int:
         return math.prod(self.degrees)
+
+    @cached_property
+    def last_device(self) -> int:
+        """The highest device (thousands of devices: one pass per config, not per check)."""
+        return max(self.devices, default=-1)
 
     def show(self, dims: Sequence[Dim] | None = None) -> str:
         """Short form: ``S4·P2 @ 0-7`` (S/A/P by the dims' roles; ``@ 3`` for a whole op),
@@ -130,7 +137,7 @@ def validate_config(node: OpNode, config: ParallelConfig, num_devices: int,
     if config.recompute and node.kind == "input":
         raise PlanError(node.name, "recompute", True, "an input op computes nothing to recompute: "
                         "its batch slice is read, not kept")
-    if config.devices and max(config.devices) >= num_devices:  # one C-level pass (thousands of devices)
+    if config.devices and config.last_device >= num_devices:
         i, d = next((i, d) for i, d in enumerate(config.devices) if d >= num_devices)
         raise PlanError(node.name, f"devices[{i}]", d,
                         f"device {d} is out of range for {num_devices} devices (0-{num_devices - 1})")

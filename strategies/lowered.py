@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, NamedTuple, Sequence
 
 from strategies.errors import PlanError
 from strategies.graph import DTYPE_BYTES, OpGraph
+from strategies.members import members
 from strategies.region import Box, box_numel, intersect
 from strategies.strategy import Strategy
 
@@ -290,7 +291,7 @@ def weight_shards(name: str, regions: dict[Box, set[int]], dtype: str, trainable
     if zero and trainable:
         _check_level(name, regions, ops, zero)
     itemsize = DTYPE_BYTES[dtype]
-    return [WeightShard(name, box, tuple(sorted(devs)), box_numel(box) * itemsize, ops, dtype, trainable,
+    return [WeightShard(name, box, members(devs), box_numel(box) * itemsize, ops, dtype, trainable,
                         zero if trainable and len(devs) > 1 else 0)
             for box, devs in regions.items()]
 

@@ -14,6 +14,7 @@ import numpy as np
 from strategies.graph import OpGraph, OpNode
 from strategies.lowered import WEIGHT_KINDS, DeviceBytes, OpPieces, Partition, WeightShard, weight_shards
 from strategies.lowering_copies import expand_holders
+from strategies.members import Members
 from strategies.pieces import lower_op, recompute_key
 from strategies.region import Box
 from strategies.strategy import Strategy
@@ -178,7 +179,8 @@ def _weight_shards(name: str, read_by: tuple[OpPieces, ...], n: int, copies: Cop
         held = expand_holders(held, copies)
     shards = weight_shards(name, held, seen.dtype, seen.trainable, tuple(ops), zero)
     per_device = np.zeros(n, dtype=np.int64)
-    on = [np.fromiter(s.devices, np.int64, len(s.devices)) for s in shards]
+    on = [s.devices.array() if isinstance(s.devices, Members) else np.fromiter(s.devices, np.int64, len(s.devices))
+          for s in shards]
     for s, devices in zip(shards, on):
         per_device[devices] += s.nbytes  # a shard's devices are distinct
     holders = np.zeros(0, np.int64) if not seen.trainable else on[0] if len(on) == 1 else np.unique(np.concatenate(on))

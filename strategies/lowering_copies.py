@@ -28,6 +28,7 @@ from typing import Sequence
 import numpy as np
 
 from strategies.config import ParallelConfig
+from strategies.members import members
 from strategies.region import Box, partition_index
 from strategies.symmetry import Copies
 
@@ -70,10 +71,18 @@ def reduction_members(degrees: tuple[int, ...], over: Sequence[int],
     return tuple(sorted(seen.values()))
 
 
-def expand_holders(held: dict[Box, set[int]], copies: Copies) -> dict[Box, set[int]]:
-    """Each weight region's holders on copy 0 with their images in every copy."""
-    images = copies.images
-    return {box: {x for d in devs for x in images.get(d, (d,))} for box, devs in held.items()}
+def expand_holders(held: dict[Box, set[int]], copies: Copies) -> dict[Box, tuple[int, ...]]:
+    """Each weight region's holders on copy 0 with their images in every copy, sorted
+    (``strategies.members``: one object per holder set, kept on ``copies``)."""
+    images, known = copies.images, copies.image_sets
+    out = {}
+    for box, devs in held.items():
+        key = frozenset(devs)
+        got = known.get(key)
+        if got is None:
+            got = known[key] = members({x for d in devs for x in images.get(d, (d,))})
+        out[box] = got
+    return out
 
 
 def expand_totals(totals: Sequence[Sequence[int]], weight_kept: Sequence[int], copies: Copies

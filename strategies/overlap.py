@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from strategies.members import kept_members
 from strategies.lowered import BucketKey, Lowered
 from strategies.schedule import Step
 
@@ -92,7 +93,7 @@ def bucket_plan(lowered: Lowered) -> tuple[list[BucketKey], dict[int, list[Bucke
     issued: dict[int, tuple[int, int, Step]] = {}
     order = _order(position, ops)
     for key in order:
-        for d in key.devices if kept is None else [d for d in key.devices if d in kept]:
+        for d in key.devices if kept is None else kept_members(key.devices, kept):
             here = ready[(d, key)]
             issued[d] = here if d not in issued or here < issued[d] else issued[d]
             out.setdefault(d, []).append(BucketIssue(key, issued[d][2]))

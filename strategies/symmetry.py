@@ -71,6 +71,12 @@ class Copies:
         """C_0's device -> (φ_0(d) = d, φ_1(d), ..., φ_{R-1}(d))."""
         return {d: tuple(copy[i] for copy in self.copies) for i, d in enumerate(self.copies[0])}
 
+    @cached_property
+    def image_sets(self) -> dict[frozenset[int], tuple[int, ...]]:
+        """Sets of C_0's devices -> their images in every copy, sorted (``strategies
+        .lowering_copies.expand_holders``), filled as they are asked for."""
+        return {}
+
     def rep_array(self, n: int) -> np.ndarray:
         """Device -> its C_0 image as an array over ``n`` devices (a device in no copy: itself)."""
         return _rep_array(self, n)

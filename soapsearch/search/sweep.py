@@ -35,6 +35,7 @@ from simulator.simulate import FOLD_FROM, Lowerings
 from simulator.topology import Topology
 from soapsearch.search.globalmove import Factorization, GlobalMoves
 from soapsearch.search.mcmc import ChainStats, consider, plan_cost, rank
+from soapsearch.search.scratch import Scratch
 from strategies.errors import PlanError
 from strategies.graph import OpGraph
 from strategies.megatron import megatron_blocks
@@ -181,13 +182,15 @@ def sweep(graph: OpGraph, topo: Topology, moves: GlobalMoves, optimizer: str, pr
             continue
         result = known.get(plan)
         if result is None:
+            trial = Scratch(cache)  # a plan that does not fit leaves nothing in the search's cache
             try:
-                peak = peak_memory(Lowerings(graph, plan, cache).first(topo, n >= FOLD_FROM), optimizer)  # copy 0's, expanded
+                peak = peak_memory(Lowerings(graph, plan, trial).first(topo, n >= FOLD_FROM), optimizer)  # copy 0's, expanded
             except PlanError:  # a rule the lowering alone checks (strategies.zero): not a plan
                 continue
             if any(b > c for b, c in zip(peak, capacity)):
                 out.append(Swept(f, plan, None, max(peak)))
                 continue
+            trial.keep()  # its simulation reuses this lowering
             result = known[plan] = evaluate(plan)
             timed += 1
         order.timed(f, result.iteration_time)
