@@ -7,23 +7,13 @@ from __future__ import annotations
 
 import pytest
 
-from simulator.cost import AnalyticalCostModel
 from simulator.presets import get_topology
 from strategies import Strategy, enumerate_configs
 from strategies.baselines import baseline, recomputed
 from strategies.lowering import lower
 from strategies.megatron import megatron
 from tests.conftest import traced
-
-
-class Counting(AnalyticalCostModel):
-    def __init__(self):
-        super().__init__()
-        self.calls = 0
-
-    def _op_time(self, *args):
-        self.calls += 1
-        return super()._op_time(*args)
+from tests.simulator.test_cost import Counting  # counts _op_time calls
 
 
 def spatial(graph, n: int) -> Strategy:
