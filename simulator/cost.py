@@ -16,6 +16,7 @@ from typing import Any
 
 from simulator.devices import DeviceSpec
 from strategies.graph import DTYPE_BYTES, OpNode
+from strategies.lowered import Partition
 from strategies.region import Box, box_numel, box_shape
 from strategies.rules import get_rule
 
@@ -115,12 +116,13 @@ def has_trainable_params(node: OpNode) -> bool:
 
 
 class CostModel(abc.ABC):
-    """Time of one op partition: ``op_time(node, box, device) -> (forward s, backward s)``.
+    """Time of one op partition: ``op_time(node, box, device) -> (forward s, backward s)``, or
+    ``partition_time(node, partition, device)`` for a lowered partition (its stored regions).
 
     ``box`` is the partition's region in the op's dims (a loss: its per-sample dims). Results
-    are memoized in memory per (op object, box, device kind) and per (op, box shape, input and weight
-    region shapes, device kind), which is exact; subclasses implement ``_op_time``, called once
-    per distinct shape key. An op is keyed by its name, kind, shape, input specs, weights and
+    are memoized in memory per (op object, box, device kind) and per (op, box shape, input and
+    weight region shapes, device kind), which is exact (both calls share the second); subclasses
+    implement ``_op_time``, called once per distinct shape key. An op is keyed by its name, kind, shape, input specs, weights and
     FLOPs, so one instance serves several graphs."""
 
     measures = False
@@ -130,23 +132,38 @@ class CostModel(abc.ABC):
     def __init__(self) -> None:
         self._by_box: dict[Any, tuple[float, float]] = {}
         self._by_shape: dict[Any, tuple[float, float]] = {}
-        self._nodes: dict[int, OpNode] = {}  # keeps every keyed node alive, so its id is unique
+        self._nodes: dict[int, tuple[OpNode, int]] = {}  # id -> (node kept alive, so its id is unique; op key)
+        self._ops: dict[Any, int] = {}  # (name, kind, shape, input specs, weights, FLOPs) -> op key
 
     def op_time(self, node: OpNode, box: Box, device: DeviceSpec) -> tuple[float, float]:
         exact = (id(node), box, device.cost_key)  # the hot path: one hash of small tuples
         hit = self._by_box.get(exact)
         if hit is not None:
             return hit
-        self._nodes.setdefault(id(node), node)
-        op = (node.name, node.kind, node.shape, node.input_specs, node.weights, node.flops)
-        regions, weight_regions = partition_regions(node, box)
-        key = (op, box_shape(box), tuple(None if r is None else box_shape(r) for r in regions),
-               tuple(sorted((k, box_shape(r)) for k, r in weight_regions.items())), device.cost_key)
+        regions, weights = partition_regions(node, box)
+        hit = self._by_box[exact] = self._timed(node, box, tuple(regions), tuple(
+            (w.role, weights[w.role]) for w in node.weights if w.role in weights), device)
+        return hit
+
+    def partition_time(self, node: OpNode, partition: Partition, device: DeviceSpec) -> tuple[float, float]:
+        """``op_time(node, partition.box, device)`` from the input and weight regions the lowering
+        stored on ``partition`` (the rules' regions of its box), not recomputed per box."""
+        return self._timed(node, partition.box, partition.input_regions, partition.weight_regions, device)
+
+    def _timed(self, node: OpNode, box: Box, regions: tuple[Box | None, ...],
+               weights: tuple[tuple[str, Box], ...], device: DeviceSpec) -> tuple[float, float]:
+        """The memo by shapes, keyed on the op, box shape, region shapes (``weights``: the regions
+        of the node's weight roles it reads, in ``node.weights`` order) and device kind."""
+        held = self._nodes.get(id(node))
+        if held is None:
+            op = (node.name, node.kind, node.shape, node.input_specs, node.weights, node.flops)
+            held = self._nodes[id(node)] = (node, self._ops.setdefault(op, len(self._ops)))
+        key = (held[1], box_shape(box), tuple(None if r is None else box_shape(r) for r in regions),
+               tuple((k, box_shape(r)) for k, r in weights), device.cost_key)
         hit = self._by_shape.get(key)
         if hit is None:
-            f, b = self._op_time(node, box, regions, weight_regions, device)
+            f, b = self._op_time(node, box, regions, dict(weights), device)
             hit = self._by_shape[key] = (float(f), float(b))
-        self._by_box[exact] = hit
         return hit
 
     @abc.abstractmethod

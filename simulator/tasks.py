@@ -135,7 +135,7 @@ def _op_block(node: OpNode, pieces: OpPieces, graph: OpGraph, producers: dict[st
     backward = graph.needs_grad[node.name]
     b = _Block(pieces, position)
     devices = topology.devices
-    op_time = cost.op_time
+    op_time = cost.partition_time  # the regions the lowering stored on each partition
     runs = node.kind not in WEIGHT_KINDS  # the executor reads weights in place: no host work
     fwd_bwd = (TaskKind.FORWARD, TaskKind.BACKWARD)
     redo = 1 if pieces.recompute else 0  # its forward again, before its backward (docs/design.md, "Recompute")
@@ -148,7 +148,7 @@ def _op_block(node: OpNode, pieces: OpPieces, graph: OpGraph, producers: dict[st
             d = p.device
             if keep is not None and d not in keep:
                 continue
-            f_s, b_s = op_time(node, p.box, devices[d])
+            f_s, b_s = op_time(node, p, devices[d])
             over = devices[d].task_overhead if runs else 0.0
             t = len(durs)
             if keep is None:

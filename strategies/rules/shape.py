@@ -89,6 +89,19 @@ def _group_region(src: Sequence[int], dst: Sequence[int], group: Group, box: Box
     return None if flat is None else flat_to_box(*flat, [src[i] for i in gi])
 
 
+@functools.lru_cache(maxsize=1024)
+def _view_groups(src: tuple[int, ...], dst: tuple[int, ...]) -> tuple[Group, ...]:
+    return tuple(view_groups(src, dst))
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _group_box(src: tuple[int, ...], dst: tuple[int, ...], ranges: Box) -> Box | None:
+    """``_group_region`` of a group whose input dims have sizes ``src``, output dims ``dst`` and
+    ``ranges`` of the box: it reads nothing else, so a partition of another micro-batch or
+    sample block with the same ranges in this group reuses it."""
+    return _group_region(src, dst, (tuple(range(len(src))), tuple(range(len(dst)))), ranges)
+
+
 @functools.lru_cache(maxsize=4096)
 def _reshape_problem(src: tuple[int, ...], dst: tuple[int, ...], degrees: tuple[int, ...]) -> str | None:
     """Why cutting the output of a reshape ``src`` -> ``dst`` by ``degrees`` gives a piece
@@ -142,8 +155,9 @@ class Reshape(SplitAll):
     def input_regions(self, node: OpNode, box: Box) -> tuple[Box, ...]:
         src, dst = node.input_specs[0].shape, node.shape
         region: list[tuple[int, int]] = [(0, s) for s in src]
-        for group in view_groups(src, dst):
-            sub = _group_region(src, dst, group, box)
+        for group in _view_groups(src, dst):
+            gi, gj = group
+            sub = _group_box(tuple(src[i] for i in gi), tuple(dst[j] for j in gj), tuple(box[j] for j in gj))
             if sub is None:
                 raise ValueError(f"op {node.name!r}: box {box} of a reshape {list(src)} -> "
                                  f"{list(dst)} is not a box of its input")

@@ -213,3 +213,52 @@ def test_input_and_constant_leaves():
     region = crule.weight_regions(const, ((2, 4), (3, 6)))["value"]
     assert region == ((2, 4), (3, 6))
     assert torch.equal(crule.forward(const, region, [], {"value": value[2:4, 3:6]}), value[2:4, 3:6])
+
+
+class Views(nn.Module):
+    """Reshapes that split, merge and keep dims: conv-shaped and heads-shaped."""
+
+    def forward(self, x, y):
+        return (x.flatten(1), x.flatten(0, 1), x.reshape(4, 6, 2, 8), x.view(24, 16),
+                y.view(2, 8, 3, 4), y.reshape(16, 12), y.view(2, 96), y.view(2, 8, 3, 4).flatten(2))
+
+
+def _unmemoized_input_region(node: OpNode, box) -> tuple | None:
+    """The reshape rule's input region group by group, recomputed (None: not a box of the input)."""
+    from strategies.rules.shape import _group_region
+
+    src, dst = node.input_specs[0].shape, node.shape
+    region = [(0, s) for s in src]
+    for group in view_groups(src, dst):
+        sub = _group_region(src, dst, group, box)
+        if sub is None:
+            return None
+        for i, r in zip(group[0], sub):
+            region[i] = r
+    return tuple(region)
+
+
+def test_reshape_input_regions_memoized_per_group_equal_the_rule_recomputed_on_random_boxes():
+    import random
+
+    graph = trace(Views(), (torch.randn(4, 6, 4, 4), torch.randn(2, 8, 12)))
+    nodes = [n for n in graph if n.kind in ("reshape", "flatten")]
+    assert len(nodes) >= 8
+    rng, rule, boxes, regions = random.Random(0), get_rule("reshape"), 0, 0
+    for node in nodes:
+        for _ in range(300):
+            box = []
+            for s in node.shape:
+                a = rng.randrange(s)
+                box.append((a, rng.randrange(a + 1, s + 1)))
+            box = tuple(box)
+            want = _unmemoized_input_region(node, box)
+            for _ in range(2):  # the second call reads the memo
+                if want is None:
+                    with pytest.raises(ValueError, match="is not a box of its input"):
+                        rule.input_regions(node, box)
+                else:
+                    assert rule.input_regions(node, box) == (want,), (node.name, box)
+            boxes += 1
+            regions += want is not None
+    assert regions > 300 and boxes - regions > 300  # both outcomes covered
