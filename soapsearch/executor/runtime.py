@@ -357,10 +357,10 @@ class Executor:
             for s in r.sends:
                 self.p2p.send(data if s.src is None else data[s.src], s.peer, s.transfer, backward=False)
         for i in r.frees:  # dropped or transient outputs whose last reader here has run
-            if i in self.transient:
-                self.outs[i].untyped_storage().resize_(0)  # FSDP's free: the graph stays, the bytes go
-            else:
+            if self.recipes[i].recompute:
                 self.outs[i] = None
+            elif i in self.transient:  # not a view of its input (the input's owner frees that)
+                self.outs[i].untyped_storage().resize_(0)  # FSDP's free: the graph stays, the bytes go
 
     def _regraph(self, r: Recipe) -> None:
         """Recompute ``r``'s partition with autograd, as its forward step would have (leaves
