@@ -49,8 +49,6 @@ class Evaluator:
         self._cache: dict = {}
         self._tasks = TaskCache(topology, cost)
         self.calls = 0
-        self.summary_s = 0.0
-        """The longest simulation with a summary so far (a baseline's, the answer's), seconds."""
         self.known: dict[int, tuple[Strategy, SimResult]] = {}
         """Plans scored already, by identity (``remember``): a chain's start taken from them is
         not simulated again."""
@@ -70,12 +68,8 @@ class Evaluator:
         plan = self.planned(plan)
         if len(self._cache) > 200_000:
             self._cache.clear()
-        t0 = time.perf_counter()
-        result = simulate_plan(self.graph, plan, self.topology, self.cost, optimizer=self.optimizer,
-                               summary=summary, timeline=timeline, cache=self._tasks, lowering_cache=self._cache)
-        if summary:
-            self.summary_s = max(self.summary_s, time.perf_counter() - t0)
-        return result
+        return simulate_plan(self.graph, plan, self.topology, self.cost, optimizer=self.optimizer,
+                             summary=summary, timeline=timeline, cache=self._tasks, lowering_cache=self._cache)
 
     def planned(self, plan: Strategy) -> Strategy:
         """``plan`` in the search's precision (a baseline or initial plan is made in "model")."""
@@ -302,9 +296,8 @@ def search(model: torch.nn.Module | OpGraph, example_inputs: Sequence[Any] | Non
     scoring = time.perf_counter()
     swept = any(isinstance(i, str) and i == "swept" for i in config.init or ())
     plans, results = best_baselines(graph, n, evaluate, deadline, unscored, SWEPT_BASELINES if swept else None)
-    # kept back from the chains for the answer's summary simulation: the slowest baseline's
-    # (a baseline is simulated with its summary), at least their mean scoring
-    summary_s = max(evaluate.summary_s, (time.perf_counter() - scoring) / max(1, evaluate.calls))
+    # one baseline's scoring, kept back from the chains: the answer's summary simulation
+    summary_s = (time.perf_counter() - scoring) / max(1, evaluate.calls)
     stats = ChainStats()
     for name, plan in plans.items():  # the answer is never worse than an expert's plan
         consider(stats, plan, results[name], plan_cost(results[name]), started)

@@ -2,9 +2,7 @@
 scored so far, naming the baselines left unscored), and a chain whose best stops improving
 stops early (``SearchConfig.patience``)."""
 
-import importlib
 import random
-import time
 
 import pytest
 
@@ -66,23 +64,3 @@ def test_a_time_budget_alone_is_spent_whole():
                           random.Random(0), patience=patience)
         assert stats.stopped_early == stopped
         assert (time.perf_counter() - t0 >= 0.4) == (not stopped) and stats.proposals >= 30
-
-
-def test_the_answers_summary_simulation_is_inside_the_budget(gpt, monkeypatch):
-    # The first baseline's simulation and the answer's summary simulation (after the 8
-    # baselines) take 1.5 s more: the chains keep the slowest baseline's time back for it, not
-    # the baselines' mean (about 0.2 s), which ended the search about 1.3 s past its budget.
-    api = importlib.import_module("soapsearch.search.api")  # soapsearch.search is also the function
-    real, calls = api.simulate_plan, []
-
-    def slow(*args, **kw):
-        if kw.get("summary"):
-            calls.append(1)
-            if len(calls) == 1 or len(calls) > 8:
-                time.sleep(1.5)
-        return real(*args, **kw)
-
-    monkeypatch.setattr(api, "simulate_plan", slow)
-    r = search(gpt, topology="p100-4x4", budget_s=6.0, workers=1, patience=0, seed=0)
-    assert len(r.baselines) == 8 and len(calls) > 8  # the answer is a chain's, summarized after them
-    assert r.elapsed_s < 6.0 + 0.5
