@@ -30,7 +30,7 @@ from strategies.strategy import Strategy
 from strategies.symmetry import Copies, CrossCopy
 from strategies.zero import gather_uses
 
-__all__ = ["WEIGHT_KINDS", "Partition", "Transfer", "WeightRead", "WeightShard", "BucketKey", "bucket_key",
+__all__ = ["PATCHED", "is_patched_state", "WEIGHT_KINDS", "Partition", "Transfer", "WeightRead", "WeightShard", "BucketKey", "bucket_key",
            "ReductionGroup", "OpPieces", "Lowered", "DeviceBytes", "GradientSync", "Gate", "lower", "lower_reference",
            "partition_box_mb", "gates", "bucket_sums", "loss_on_every_device", "SMALL_SUM"]
 
@@ -80,6 +80,21 @@ def bucket_sums(lowered: "Lowered", groups: "Iterable[ReductionGroup] | None" = 
 _shards = operator.attrgetter("shards")
 
 
+
+PATCHED = ("last", "buckets")
+"""The kinds of state ``lower`` keeps in its cache and patches in place from call to call (a copy
+set's last lowering and its bucket split), keyed ``(kind, microbatches, devices, copies)``."""
+
+
+def _state(kind: str, m: int, n: int, copies) -> tuple:
+    return (kind, m, n, copies)
+
+
+def is_patched_state(key) -> bool:
+    """Whether the cache ``key`` holds state ``lower`` patches in place (``PATCHED``), which a
+    trial cache over a search's (``soapsearch.search.scratch``) builds apart instead of reading."""
+    return type(key) is tuple and len(key) == 4 and key[0] in PATCHED
+
 def lower(graph: OpGraph, strategy: Strategy, cache: dict | None = None, copies: Copies | None = None) -> Lowered:
     """Everything a plan does, derived once (docs/design.md, "The lowering"). ``cache`` (any dict kept
     across calls for one graph) memoizes each op's pieces by the configs they depend on, and
@@ -101,12 +116,12 @@ def lower(graph: OpGraph, strategy: Strategy, cache: dict | None = None, copies:
         graph = compute_graph(graph, strategy.compute_dtype)
         cache = cache.setdefault(("precision", strategy.precision), {})
     m, n = strategy.microbatches, strategy.num_devices
-    last = cache.get(("last", m, n, copies))
+    last = cache.get(_state("last", m, n, copies))
     changed = changed_ops(last, strategy.configs)
     if changed is None:  # another list of ops than the last call's (a search's plans all name the same)
         strategy.validate(graph, configs=False)
         check_microbatches(graph, m)
-        last = cache[("last", m, n, copies)] = Last(graph, n, copies)
+        last = cache[_state("last", m, n, copies)] = Last(graph, n, copies)
         affected = list(graph)
     else:
         touched = set(changed).union(*map(graph.users, changed))
@@ -116,13 +131,13 @@ def lower(graph: OpGraph, strategy: Strategy, cache: dict | None = None, copies:
     try:
         update(graph, strategy, cache, last, affected)
     except BaseException:  # a config found invalid half way: the next call starts over
-        cache.pop(("last", m, n, copies), None)
+        cache.pop(_state("last", m, n, copies), None)
         raise
     last.configs = strategy.configs
     shards = tuple(itertools.chain.from_iterable(map(_shards, last.held.values())))
-    cap, split = strategy.bucket_cap_bytes, cache.get(("buckets", m, n, copies))  # the last call's, where its shards are these
+    cap, split = strategy.bucket_cap_bytes, cache.get(_state("buckets", m, n, copies))  # the last call's, where its shards are these
     if split is None or split[0] != cap or len(split[1]) != len(shards) or not all(map(operator.is_, split[1], shards)):
-        split = cache[("buckets", m, n, copies)] = (cap, shards, split_buckets(shards, cap))
+        split = cache[_state("buckets", m, n, copies)] = (cap, shards, split_buckets(shards, cap))
     buckets, of = split[2]
     sync = GradientSync(buckets, tuple(last.tensors.tolist()), of)
     totals = [tuple(t) for t in last.totals[:3]] + [tuple(t.tolist()) for t in last.totals[3:]]

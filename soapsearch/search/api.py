@@ -46,7 +46,9 @@ class Evaluator:
                  precision: str = "model"):
         self.graph, self.topology, self.cost, self.optimizer = graph, topology, cost, optimizer
         self.precision = precision
-        self._cache: dict = {}
+        self.lowering_cache: dict = {}
+        """The cache ``strategies.lowering.lower`` reuses across this search's plans (the sweep's
+        trials read it through ``scratch.Scratch``)."""
         self._tasks = TaskCache(topology, cost)
         self.calls = 0
         self.known: dict[int, tuple[Strategy, SimResult]] = {}
@@ -66,10 +68,10 @@ class Evaluator:
             return known[1]
         self.calls += 1
         plan = self.planned(plan)
-        if len(self._cache) > 200_000:
-            self._cache.clear()
+        if len(self.lowering_cache) > 200_000:
+            self.lowering_cache.clear()
         return simulate_plan(self.graph, plan, self.topology, self.cost, optimizer=self.optimizer,
-                             summary=summary, timeline=timeline, cache=self._tasks, lowering_cache=self._cache)
+                             summary=summary, timeline=timeline, cache=self._tasks, lowering_cache=self.lowering_cache)
 
     def planned(self, plan: Strategy) -> Strategy:
         """``plan`` in the search's precision (a baseline or initial plan is made in "model")."""

@@ -8,8 +8,8 @@ patches; a plan that does not fit is never simulated, and its entries only held 
 entries to reuse and keeps its own apart: ``keep`` moves them into the search's cache (a plan
 that fits, simulated next from them), dropping it forgets them.
 
-The state ``lower`` patches in place from call to call (a copy set's last lowering and bucket
-split, keys ``("last" | "buckets", m, n, copies)``) is not read from the base: the trial
+The state ``lower`` patches in place from call to call (``strategies.lowering.is_patched_state``:
+a copy set's last lowering and bucket split) is not read from the base: the trial
 builds its own, from the base's pieces, so the base never holds what only the trial does
 (its shards are keyed by the ids of the pieces read, which stay sound only while the cache
 holding the key holds the pieces).
@@ -18,6 +18,8 @@ holding the key holds the pieces).
 from __future__ import annotations
 
 from typing import Any
+
+from strategies.lowering import is_patched_state
 
 __all__ = ["Scratch"]
 
@@ -34,7 +36,7 @@ class Scratch(dict):
     def get(self, key: Any, default: Any = None) -> Any:
         if dict.__contains__(self, key):
             return dict.__getitem__(self, key)
-        if _patched(key):
+        if is_patched_state(key):
             return default
         return self.base.get(key, default)
 
@@ -61,7 +63,3 @@ class Scratch(dict):
                 self.base[key] = value
         dict.clear(self)
 
-
-def _patched(key: Any) -> bool:
-    """Whether ``key`` is ``lower``'s state patched in place (the module docstring)."""
-    return type(key) is tuple and len(key) == 4 and key[0] in ("last", "buckets")

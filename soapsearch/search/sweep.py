@@ -240,7 +240,7 @@ def swept_starts(graph: OpGraph, topo: Topology, moves: GlobalMoves, evaluate, d
     ``results``) known; each timed plan considered in ``stats``; the timed plans by
     ``mcmc.rank`` (those that fit first, then the fastest), the chains' starts."""
     known = {plans[name]: results[name] for name in results if name in plans}
-    done = sweep(graph, topo, moves, evaluate.optimizer, evaluate.precision, evaluate, evaluate._cache,
+    done = sweep(graph, topo, moves, evaluate.optimizer, evaluate.precision, evaluate, evaluate.lowering_cache,
                  deadline, limit, known)
     timed = [s for s in done if s.result is not None]
     for s in timed:

@@ -72,7 +72,7 @@ def test_sweep_times_best_first_and_skips_plans_that_do_not_fit():
     plans, results = best_baselines(graph, 4, evaluate)
     known = {plans[k]: results[k] for k in results}
     calls = evaluate.calls
-    out = sweep(graph, topo, moves, "adam", "bf16", evaluate, evaluate._cache, None, 6, known)
+    out = sweep(graph, topo, moves, "adam", "bf16", evaluate, evaluate.lowering_cache, None, 6, known)
     timed = [s for s in out if s.result is not None and not any(s.result is r for r in results.values())]
     assert evaluate.calls - calls == len({id(s.result) for s in timed}) <= 6
     shape = _shape(graph, topo, 4, "adam", "bf16")
@@ -84,14 +84,14 @@ def test_sweep_times_best_first_and_skips_plans_that_do_not_fit():
         full = simulate_plan(graph, s.plan, topo, cost, optimizer="adam", summary=False)
         assert s.result.iteration_ms == pytest.approx(full.iteration_ms, rel=1e-12)
     moves.factorizations = [_f(tp=default_tp(graph, 4))]  # megatron's own factorization
-    again = sweep(graph, topo, moves, "adam", "bf16", evaluate, evaluate._cache, None, 1, known)
+    again = sweep(graph, topo, moves, "adam", "bf16", evaluate, evaluate.lowering_cache, None, 1, known)
     assert again[0].plan == plans["megatron"] and again[0].result is results["megatron"]  # scored once
 
     moves.factorizations = [_f(zero=z, recompute=r) for z in (0, 3) for r in (False, True)]
     peaks = [max(peak_memory(lower(graph, moves.plan(f)), "adam")) for f in moves.factorizations]
     tight = _small(topo, sorted(peaks)[1])  # two of the four fit
     evaluate = Evaluator(graph, tight, cost, "adam", "bf16")
-    out = sweep(graph, tight, moves, "adam", "bf16", evaluate, evaluate._cache, None, 4)
+    out = sweep(graph, tight, moves, "adam", "bf16", evaluate, evaluate.lowering_cache, None, 4)
     assert [s.peak_bytes for s in out] == [peaks[moves.factorizations.index(s.factorization)] for s in out]
     assert [s.result is None for s in out] == [s.peak_bytes > sorted(peaks)[1] for s in out]
     assert sum(s.result is None for s in out) == 2 and evaluate.calls == 2
@@ -107,7 +107,7 @@ def test_search_from_the_sweep_is_deterministic_and_no_worse_than_its_best():
     topo = get_topology("p100-1x4")
     evaluate = Evaluator(gpt, topo, get_cost_model("analytical"), "adam", "bf16")
     moves = GlobalMoves(gpt, 4, (1, 2, 4, 8), "bf16")
-    best = min((s for s in sweep(gpt, topo, moves, "adam", "bf16", evaluate, evaluate._cache, None, 8)
+    best = min((s for s in sweep(gpt, topo, moves, "adam", "bf16", evaluate, evaluate.lowering_cache, None, 8)
                 if s.result is not None), key=lambda s: rank(s.result.fits, plan_cost(s.result)))
     assert rank(one.result.fits, one.predicted_ms) <= rank(best.result.fits, best.result.iteration_ms * (1 + 1e-12))
 
@@ -167,7 +167,7 @@ def test_a_plan_the_lowering_refuses_is_passed_over(monkeypatch):
             return super().first(topology, fold)
 
     monkeypatch.setattr(sweep_module, "Lowerings", Refusing)
-    out = sweep(graph, topo, moves, "adam", "bf16", evaluate, evaluate._cache, None, 4)
+    out = sweep(graph, topo, moves, "adam", "bf16", evaluate, evaluate.lowering_cache, None, 4)
     assert [s.factorization for s in out] == [moves.factorizations[1]] and evaluate.calls == 1
 
 
