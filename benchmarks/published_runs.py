@@ -54,8 +54,9 @@ from soapsearch.calibrate import spearman  # noqa: E402
 from soapsearch.search.api import Evaluator  # noqa: E402
 from strategies import OpGraph, Strategy  # noqa: E402
 from strategies.baselines import fsdp  # noqa: E402
-from strategies.megatron import megatron, megatron_blocks  # noqa: E402
-from strategies.pieces import recomputable  # noqa: E402
+from strategies import megatron_layers  # noqa: E402
+from strategies.megatron import megatron  # noqa: E402
+from strategies.megatron_layers import layer_recomputed  # noqa: E402
 
 __all__ = ["MICROBATCH", "ROWS", "Run", "block_wave_efficiency", "build_graph", "build_plan",
            "korthikanti_activations", "korthikanti_model_flops", "layer_ops", "llama_params", "narayanan_flops", "narayanan_params", "predict",
@@ -138,10 +139,7 @@ def build_plan(run: Run, graph: OpGraph) -> Strategy:
                         sequence_parallel=run.sequence_parallel, virtual_stages=run.chunks)
     if run.recompute in ("full", "alternate"):
         layers = layer_ops(graph, run)
-        ops = set().union(*(layers[1::2] if run.recompute == "alternate" else layers))  # torchtitan: 2nd, 4th, ...
-        plan = Strategy.of({name: cfg.with_memory(recompute=True) if name in ops else cfg for name, cfg in plan.items()},
-                           plan.num_devices, plan.microbatches, plan.schedule, plan.precision, plan.bucket_cap_mb,
-                           plan.fsdp_unit)
+        plan = layer_recomputed(plan, graph, layers[1::2] if run.recompute == "alternate" else layers)  # torchtitan: 2nd, 4th, ...
     elif run.recompute == "op":
         raise ValueError(f"row {run.name!r}: {run.unsupported}")
     elif run.recompute == "selective":
@@ -153,31 +151,13 @@ def build_plan(run: Run, graph: OpGraph) -> Strategy:
 
 def layer_ops(graph: OpGraph, run: Run) -> list[set[str]]:
     """The recomputable ops of each transformer layer but its closing residual add, whose output,
-    the next layer's input, is what full recompute keeps (Megatron-LM's and torchtitan's
-    checkpoint of a whole layer; Korthikanti et al. 2022 §4.1: 2sbh a layer): a layer is an
-    attention block and an MLP block (``megatron_blocks``), its ops those after its input (the
-    input of the residual add that follows the attention block) up to the add that follows the
-    MLP block, in graph order."""
-    blocks = megatron_blocks(graph)
-    if len(blocks) != 2 * run.layers:
-        raise ValueError(f"row {run.name!r}: {len(blocks)} blocks for {run.layers} layers, not 2 a layer")
-    position = {node.name: i for i, node in enumerate(graph)}
-
-    def closing_add(row: str) -> str:  # the residual add the block's output reaches (through a dropout)
-        name = row
-        while graph[name].kind != "add":
-            users = graph.users(name)
-            if len(users) != 1:
-                raise ValueError(f"row {run.name!r}: block output {row!r} reaches no residual add")
-            name = users[0]
-        return name
-
-    out = []
-    for (_, _, attention_row), (_, _, mlp_row) in zip(blocks[0::2], blocks[1::2]):
-        middle, last = graph[closing_add(attention_row)], closing_add(mlp_row)
-        start = min(position[x] for x in middle.inputs)  # the layer's input: the residual stream
-        out.append({node.name for node in graph.nodes[start + 1:position[last]] if recomputable(graph, node)})
-    return out
+    the next layer's input, is what full recompute keeps (``strategies.megatron_layers.layer_ops``:
+    Megatron-LM's and torchtitan's checkpoint of a whole layer; Korthikanti et al. 2022 §4.1:
+    2sbh a layer); a ValueError where the graph's layers are not the row's."""
+    layers = megatron_layers.layer_ops(graph)
+    if len(layers) != run.layers:
+        raise ValueError(f"row {run.name!r}: {len(layers)} layers in the graph for {run.layers}")
+    return layers
 
 
 def reachable(run: Run, max_gpus: int | None = None) -> str | None:

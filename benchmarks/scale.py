@@ -2,9 +2,12 @@
 
 Rows: GPT-124M (zoo ``gpt`` default, batch 12 per device) and GPT-3 175B's shape (zoo
 ``gpt3-175b``, Brown et al. 2020 Table 2.1, built on meta, one sequence per device), each under
-data parallel and the Megatron-LM baseline (``strategies.megatron``: 175B at T=8 tensor
-parallel, P=16 pipeline stages, 16 micro-batches; GPT-124M, 12 heads and 12 layers, at T=4, P=4,
-8 micro-batches; 1F1B, sequence parallel, every block recomputed, bf16), on ``a100-<N>x8`` at 8,
+data parallel and the Megatron-LM baseline (175B: the plan Megatron-LM ran it with,
+``strategies.baselines.megatron_lm``: T=8 tensor parallel, P=16 pipeline stages, one sequence a
+micro-batch (m = 128 at 1,024 devices), 1F1B, sequence parallel, every layer recomputed, the
+distributed optimizer (ZeRO-1), bf16; GPT-124M, 12 heads and 12 layers: ``strategies.megatron``
+at T=4, P=4, 8 micro-batches, 1F1B, sequence parallel, every block recomputed, bf16), on
+``a100-<N>x8`` at 8,
 64, 512 and 1,024 devices (megatron where T x P divides them). Each row runs in its own process (its peak RSS is the row's own) and prints the
 milliseconds of each phase of one full simulation as ``simulator.simulate_plan`` runs them
 (lower: the copies found and copy 0 lowered, ``simulate.Lowerings``; task graph, with any
@@ -34,18 +37,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # _paper, in a spawned
 MODELS = {"gpt": ("gpt", "default"), "gpt3-175b": ("gpt", "gpt3-175b")}
 PLANS = ("dp", "megatron")
 DEVICES = (8, 64, 512, 1024)
-MEGATRON = {"gpt": (4, 4, 8), "gpt3-175b": (8, 16, 16)}
-"""Each model's megatron T, P and micro-batches (Narayanan et al. 2021 run 175B at T=8, P=16)."""
+MEGATRON = {"gpt": (4, 4, 8), "gpt3-175b": (8, 16, None)}
+"""Each model's megatron T, P and micro-batches (None: one sequence a micro-batch, as Narayanan et
+al. 2021 ran 175B at T=8, P=16, ``megatron_lm``)."""
 
 
 def _plan(model: str, graph, kind: str, n: int):
     from strategies import data_parallel
-    from strategies.baselines import recomputed
+    from strategies.baselines import megatron_lm, recomputed
     from strategies.megatron import megatron
 
     if kind == "dp":
         return data_parallel(graph, n)
     tp, pp, m = MEGATRON[model]
+    if m is None:
+        return megatron_lm(graph, n, tp, pp)
     plan = megatron(graph, n, tp=tp, pp=pp, microbatches=m, sequence_parallel=True)
     return recomputed(plan.with_microbatches(m, "1f1b"), graph).with_precision("bf16")
 

@@ -11,6 +11,7 @@ from strategies.config import ParallelConfig, check_degrees
 from strategies.errors import PlanError
 from strategies.graph import OpGraph, OpNode
 from strategies.megatron import megatron, megatron_blocks
+from strategies.megatron_layers import layer_recomputed
 from strategies.pieces import recomputable
 from strategies.region import partition_index
 from strategies.repeats import repeated_blocks
@@ -20,7 +21,7 @@ from strategies.stages import linear_partition
 from strategies.strategy import Strategy
 
 __all__ = ["BASELINES", "baseline", "data_parallel", "fsdp", "hybrid", "megatron", "model_parallel", "owt",
-           "param_split", "pipeline", "balanced_stages", "recomputed", "sharded", "single_device", "zero1"]
+           "param_split", "pipeline", "balanced_stages", "megatron_lm", "recomputed", "sharded", "single_device", "zero1"]
 
 _WHOLE = {"input", "parameter", "constant"}
 
@@ -100,6 +101,30 @@ def recomputed(plan: Strategy, graph: OpGraph) -> Strategy:
                for name, cfg in plan.items()}
     return Strategy.of(configs, plan.num_devices, plan.microbatches, plan.schedule, plan.precision,
                        plan.bucket_cap_mb, plan.fsdp_unit)
+
+
+def megatron_lm(graph: OpGraph, num_devices: int, tp: int, pp: int, micro_batch: int = 1,
+                precision: str = "bf16") -> Strategy:
+    """The plan Megatron-LM runs GPT-3 175B with (Narayanan et al. SC'21 Table 1 and its
+    ``examples/gpt3/train_gpt3_175b_distributed.sh``): ``megatron`` at ``tp`` × ``pp`` with
+    sequence parallelism, ``micro_batch`` samples a micro-batch (m = batch / (d · micro_batch)
+    of them, d = N / (tp · pp)) under 1F1B, every layer recomputed (``layer_recomputed``), the
+    distributed optimizer (ZeRO-1 over the d data-parallel replicas, ``sharded``) and
+    ``precision``. A PlanError where the batch does not divide into d · ``micro_batch``."""
+    _check_counts(num_devices, micro_batch)
+    if isinstance(tp, bool) or isinstance(pp, bool) or not isinstance(tp, int) or not isinstance(pp, int) \
+            or tp < 1 or pp < 1 or num_devices % (tp * pp):
+        raise PlanError(None, "tp x pp", f"{tp} x {pp}", f"must be whole numbers >= 1 whose product divides "
+                        f"num_devices {num_devices}")
+    d = num_devices // (tp * pp)
+    batch = _check_batch(graph, 1)
+    if batch % (d * micro_batch):
+        raise PlanError(None, "micro_batch", micro_batch, f"batch {batch} is not divisible by {d} data-parallel "
+                        f"replicas x {micro_batch} samples = {d * micro_batch}")
+    m = batch // (d * micro_batch)
+    plan = megatron(graph, num_devices, tp, pp, m, sequence_parallel=True)
+    plan = plan.with_microbatches(m, "1f1b") if m > 1 else plan
+    return layer_recomputed(sharded(plan, graph, 1), graph).with_precision(precision)
 
 
 def zero1(graph: OpGraph, num_devices: int) -> Strategy:
