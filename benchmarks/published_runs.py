@@ -138,8 +138,8 @@ def build_plan(run: Run, graph: OpGraph) -> Strategy:
         plan = megatron(graph, run.gpus, tp=run.tp, pp=run.pp, microbatches=run.microbatches,
                         sequence_parallel=run.sequence_parallel, virtual_stages=run.chunks)
     if run.recompute in ("full", "alternate"):
-        layers = layer_ops(graph, run)
-        plan = layer_recomputed(plan, graph, layers[1::2] if run.recompute == "alternate" else layers)  # torchtitan: 2nd, 4th, ...
+        layers = layer_ops(graph, run)  # "alternate": torchtitan's 2nd, 4th, ...
+        plan = layer_recomputed(plan, graph, layers[1::2] if run.recompute == "alternate" else layers)
     elif run.recompute == "op":
         raise ValueError(f"row {run.name!r}: {run.unsupported}")
     elif run.recompute == "selective":

@@ -21,7 +21,8 @@ from strategies.stages import linear_partition
 from strategies.strategy import Strategy
 
 __all__ = ["BASELINES", "baseline", "data_parallel", "fsdp", "hybrid", "megatron", "model_parallel", "owt",
-           "param_split", "pipeline", "balanced_stages", "megatron_lm", "recomputed", "sharded", "single_device", "zero1"]
+           "param_split", "pipeline", "balanced_stages", "megatron_lm", "recomputed", "sharded", "single_device",
+           "zero1"]
 
 _WHOLE = {"input", "parameter", "constant"}
 
