@@ -18,9 +18,7 @@ search's plan in ≤ 150 s wall.
 ``--model gpt3-175b`` runs GPT-3 175B's shape (zoo ``gpt`` variant ``gpt3-175b``, one sequence
 per device unless ``--batch``) against the plan Megatron-LM ran (``strategies.baselines.megatron_lm``,
 Narayanan et al. SC'21: T = 8, P = 16, one sequence a micro-batch, 1F1B, sequence parallelism,
-every layer recomputed, ZeRO-1, bf16); its searches draw micro-batch counts up to one sequence a
-micro-batch of each data-parallel replica (``GPT3_MICROBATCHES``); ``--long 0`` leaves the long
-search out.
+every layer recomputed, ZeRO-1, bf16); ``--long 0`` leaves the long search out.
 
     python benchmarks/llama_search.py [--topology h100-8x8] [--budget 150] [--long 900]
     python benchmarks/llama_search.py --model gpt3-175b --topology a100-128x8 --budget 600 --long 0
@@ -41,9 +39,6 @@ from strategies import PlanError, baseline
 from strategies.baselines import hybrid, megatron_lm, recomputed, sharded
 
 PRECISION, OPTIMIZER, BATCH = "bf16", "adam", 16
-GPT3_MICROBATCHES = (1, 2, 4, 8, 16, 32, 64, 128)
-"""The micro-batch counts a 175B search draws from (``SearchConfig.microbatch_choices``): up to
-128, one sequence a micro-batch at T = 8, P = 16 on 1,024 devices with one sequence per device."""
 
 
 def _experts(model: str, graph, n: int) -> dict:
@@ -89,8 +84,7 @@ def main() -> None:
             continue
         t = time.perf_counter()
         r = search(graph, topology=topo, budget_s=budget, optimizer=OPTIMIZER, precision=PRECISION,
-                   init=("swept", "swept"), chains=2, workers=args.workers, seed=0,
-                   **({"microbatch_choices": GPT3_MICROBATCHES} if args.model == "gpt3-175b" else {}))
+                   init=("swept", "swept"), chains=2, workers=args.workers, seed=0)
         found[label] = r
         rows.append((label, r.predicted_ms, r.result.fits, time.perf_counter() - t))
     print(f"{'LLaMA-3 8B shape' if args.model == 'llama' else 'GPT-3 175B shape'}, batch {batch}, {PRECISION}, "
