@@ -14,6 +14,7 @@ import numpy as np
 from strategies.graph import OpGraph, OpNode
 from strategies.lowered import WEIGHT_KINDS, DeviceBytes, OpPieces, Partition, WeightShard, weight_shards
 from strategies.lowering_copies import expand_holders
+from strategies.lowering_shared import names_of, renamed, shapes_of
 from strategies.members import Members
 from strategies.pieces import lower_op, recompute_key
 from strategies.region import Box
@@ -51,13 +52,16 @@ def update(graph: OpGraph, strategy: Strategy, cache: dict, last: "Last", affect
     config = strategy.__getitem__
     weights: set[str] = set()  # read by an affected op, in the previous call's pieces or this call's
     regroup = last.readers is None  # an op reads other weights than in the previous call: readers gathered again
+    shapes = cache.get(_SHAPES)
+    if shapes is None:
+        shapes = cache[_SHAPES] = shapes_of(graph)
     for node in affected:
-        key = (node.name, m, strategy.num_devices, config(node.name), tuple(map(config, node.inputs)),
-               recompute_key(graph, strategy, node.name), keep)
+        by = (m, strategy.num_devices, config(node.name), tuple(map(config, node.inputs)),
+              recompute_key(graph, strategy, node.name), keep)
+        key = (node.name, *by)
         pieces = cache.get(key)
         if pieces is None:
-            strategy.validate_op(node)
-            pieces = cache[key] = lower_op(graph, strategy, node, m, keep)
+            pieces = cache[key] = _lowered(graph, strategy, cache, node, (shapes[node.name], *by))
         old = last.by_op.get(node.name)
         if old is pieces:
             continue
@@ -78,6 +82,27 @@ def update(graph: OpGraph, strategy: Strategy, cache: dict, last: "Last", affect
         last.hold(name, cache)
     if regroup:
         last.held = {name: last.held[name] for name in last.readers}  # the readers' order
+
+
+_SHAPES = ("shapes",)
+"""The cache's key of the graph's op shapes (``lowering_shared.shapes_of``)."""
+
+
+def _lowered(graph: OpGraph, strategy: Strategy, cache: dict, node: OpNode, shape: tuple) -> OpPieces:
+    """``node``'s pieces: another op's of the same ``shape`` (its id and the configs it is
+    lowered under) renamed where one was lowered (``strategies.lowering_shared``), else lowered
+    (its config validated) and kept for the others."""
+    names = names_of(graph, node)
+    first = cache.get(shape)
+    if first is not None:
+        pieces = renamed(first[1], first[0], names)
+        if pieces is not None:
+            return pieces
+    strategy.validate_op(node)
+    pieces = lower_op(graph, strategy, node, shape[1], shape[-1])
+    if first is None:
+        cache[shape] = (names, pieces)
+    return pieces
 
 
 class _Held(NamedTuple):
