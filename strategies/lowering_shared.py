@@ -7,7 +7,7 @@ kinds, shapes and weight shapes, so under one config per layer position 2,123 op
 Two ops get equal pieces up to names when ``lower_op`` reads the same of both: the op (kind,
 dims, output and input specs, attrs, its weights' roles, specs and trainability), whether it
 and each producer carry a gradient (``OpGraph.moves_grad``), whether it is a graph output
-(``pieces.gates``), its consumers' kinds (``pieces.drops_output``), which inputs are the same
+(``pieces.gates``), its consumers' kinds (``pieces.drops_output``; their whole op, for brevity), which inputs are the same
 producer, each producer's own such facts (its grid, reduction dims, Partial sums and
 collectives read them), and the configs: its own, its producers', its consumers' recompute
 flags (``recompute_key``), the micro-batches, devices and copy 0's devices. ``shape_key`` is
@@ -25,7 +25,7 @@ from strategies.graph import OpGraph, OpNode
 from strategies.lowered import WEIGHT_KINDS, CollectiveRead, OpPieces, Partition, Transfer, WeightRead
 from strategies.repeats import signature
 
-__all__ = ["shapes_of", "names_of", "renamed"]
+__all__ = ["shapes_of", "names_of", "name_map", "renamed"]
 
 _new = tuple.__new__
 
@@ -39,13 +39,14 @@ def shapes_of(graph: OpGraph) -> dict[str, int]:
     """Op -> the id of its shape (module docstring), equal ids for ops ``lower_op`` lowers alike
     under equal configs; found once per graph (the lowering cache keeps it)."""
     ids: dict[Hashable, int] = {}
-    alone: dict[str, Hashable] = {node.name: _alone(node) for node in graph}
+    alone = {node.name: ids.setdefault(_alone(node), len(ids)) for node in graph}  # small ints: cheap to hash
+    ids = {}
     grad, outputs = graph.needs_grad, set(graph.outputs)
     out = {}
     for node in graph:
         inputs = node.inputs
         key = (alone[node.name], grad[node.name], node.name in outputs,
-               tuple(graph[u].kind for u in graph.users(node.name)),
+               tuple(alone[u] for u in graph.users(node.name)),
                tuple(inputs.index(x) for x in inputs),
                tuple((alone[x], grad[x]) for x in inputs))
         out[node.name] = ids.setdefault(key, len(ids))
@@ -59,15 +60,23 @@ def names_of(graph: OpGraph, node: OpNode) -> tuple[str, ...]:
             *(graph[x].weights[0].name if graph[x].kind in WEIGHT_KINDS else "" for x in node.inputs))
 
 
+def name_map(old: tuple[str, ...], new: tuple[str, ...]) -> dict[str, str] | None:
+    """Each of ``old``'s names -> the name in its place in ``new``; None where one stands for two."""
+    to: dict[str, str] = {}
+    for a, b in zip(old, new):
+        if to.setdefault(a, b) != b:
+            return None
+    return to
+
+
 def renamed(pieces: OpPieces, old: tuple[str, ...], new: tuple[str, ...]) -> OpPieces | None:
     """``pieces`` (of the op ``old`` names, ``names_of``) with ``new``'s names; None where one of
     ``old``'s names stands for two of ``new``'s (the op then lowers on its own)."""
     if old == new:
         return pieces
-    to: dict[str, str] = {}
-    for a, b in zip(old, new):
-        if to.setdefault(a, b) != b:
-            return None
+    to = name_map(old, new)
+    if to is None:
+        return None
     op = new[0]
     at = to.__getitem__
     parts = tuple(tuple(_new(Partition, (op, *p[1:])) for p in mb) for mb in pieces.partitions)

@@ -84,6 +84,13 @@ class Copies:
     def __str__(self) -> str:
         return f"{self.count} copies of {self.size} device(s)"
 
+    def __hash__(self) -> int:  # a key of the lowering cache's entries: hashed once, not per device per lookup
+        return self._hash
+
+    @cached_property
+    def _hash(self) -> int:
+        return hash(self.copies)
+
 
 @functools.lru_cache(maxsize=32)
 def _rep_array(copies: Copies, n: int) -> np.ndarray:

