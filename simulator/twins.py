@@ -61,21 +61,22 @@ def twin_block(lowered: Lowered, node: OpNode, pieces: OpPieces, producers: dict
     b.edge_src, b.edge_dst, b.cross, b.slots = [], [], [], []
     b.fwd, b.fwd_done, b.bwd_done, b.step_reductions = t.fwd, t.fwd_done, t.bwd_done, []
     edges, steps, duration, res_len, res, slots = t.arrays
-    edges, slots, steps = _moved(edges, (1, 3), moved), _moved(slots, (1, 3), moved), steps.copy()
+    edges, slots, steps = _moved(edges, moved), _moved(slots, moved), steps.copy()
     steps[5] = at
     b.edges, b.steps = edges, steps
     b.arrays = (edges, steps, duration, res_len, res, slots)
     return b
 
 
-def _moved(a: np.ndarray, rows: tuple[int, ...], moved: dict[int, int]) -> np.ndarray:
-    """``a`` with the block positions in ``rows`` (each one of ``moved``'s keys) mapped by ``moved``."""
+def _moved(a: np.ndarray, moved: dict[int, int]) -> np.ndarray:
+    """``a`` with the block positions in its rows 1 and 3 (each one of ``moved``'s keys) mapped by
+    ``moved`` (``_Block``: edges and slots hold positions there)."""
     out = a.copy()
     shifts = {new - old for old, new in moved.items()}
     if len(shifts) == 1:  # a layer's op reading its own layer's ops: every position one offset on
-        out[list(rows)] += shifts.pop()
+        out[1:4:2] += shifts.pop()
         return out
-    for r in rows:
+    for r in (1, 3):
         for old, new in moved.items():
             if old != new:
                 out[r][a[r] == old] = new
