@@ -49,6 +49,7 @@ def twin_block(lowered: Lowered, node: OpNode, pieces: OpPieces, producers: dict
         if moved.setdefault(p.position, q.position) != q.position:
             return None
     b = object.__new__(type(t))
+    b.__dict__.update(t.__dict__)  # what a sealed block holds, then what differs
     b.pieces, b.position = pieces, at
     b.cols = Columns()
     for f in ("category", "duration", "resources", "device", "nbytes"):
@@ -58,8 +59,7 @@ def twin_block(lowered: Lowered, node: OpNode, pieces: OpPieces, producers: dict
     b.segment = object.__new__(Segment)
     b.segment.__dict__.update(t.segment.__dict__)
     b.segment.cols = b.cols
-    b.edge_src, b.edge_dst, b.cross, b.slots = [], [], [], []
-    b.fwd, b.fwd_done, b.bwd_done, b.step_reductions = t.fwd, t.fwd_done, t.bwd_done, []
+    b.edge_src, b.edge_dst, b.cross, b.slots, b.step_reductions = [], [], [], [], []
     edges, steps, duration, res_len, res, slots = t.arrays
     edges, slots, steps = _moved(edges, moved), _moved(slots, moved), steps.copy()
     steps[5] = at
