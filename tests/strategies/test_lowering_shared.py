@@ -71,7 +71,7 @@ def test_the_middle_layers_of_a_transformer_share_their_shapes():
     assert (len(graph.nodes), len(set(shapes.values()))) == (99, 29)  # 6 layers: 143 ops, 29 shapes
 
 
-@pytest.mark.parametrize("name", ["gpt", "llama", "resnet101"])
+@pytest.mark.parametrize("name", ["gpt", "llama", pytest.param("resnet101", marks=pytest.mark.slow)])
 def test_sharing_lowers_as_the_reference_and_lowers_fewer_ops(name, lowered_ops):
     graph = traced(name, batch_size=16)
     counts = {}
