@@ -48,6 +48,7 @@ from simulator.zero3 import add_gathers
 from simulator.taskcache import TaskCache
 from simulator.taskgraph import CATEGORY, INDEX, Columns, Segment, StepOrder, TaskGraph, TaskKind
 from simulator.topology import Topology
+from simulator.twins import twin_block
 from strategies.graph import OpGraph, OpNode
 from strategies.lowered import Gate
 from strategies.lowering import WEIGHT_KINDS, Lowered, OpPieces, ReductionGroup, Transfer
@@ -448,7 +449,8 @@ def _blocks(lowered: Lowered, topology: Topology, cost: CostModel, cache: TaskCa
         if b is None or b.pieces is not pieces[i]:
             node = nodes[i]  # in graph order: its producers' blocks are current
             producers = {src: kept[position[src]] for src in node.inputs}
-            b = _op_block(node, pieces[i], graph, producers, i, topology, cost, wires, keep)
+            b = (twin_block(lowered, node, pieces[i], producers, i, kept, position)  # its twin's, renamed
+                 or _op_block(node, pieces[i], graph, producers, i, topology, cost, wires, keep))
         kept[i], was[i] = b, pieces[i]
     return list(kept)
 

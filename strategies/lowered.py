@@ -7,7 +7,7 @@ from __future__ import annotations
 import enum
 import itertools
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING, NamedTuple, Sequence
 
@@ -411,6 +411,10 @@ class Lowered:
     (``strategies.lowering_copies``): copy 0's partitions, transfers and collectives; reduction
     groups, weight shards and buckets whole; ``device_bytes`` and ``gradient_sync.tensors`` of
     every device. ``check_whole`` refuses it where every device's partitions are needed."""
+    twins: dict[str, tuple[str, OpPieces]] = field(default_factory=dict, compare=False, repr=False)
+    """Op -> (op T, T's pieces) where the op's pieces are T's renamed (``strategies.lowering_shared``:
+    one shape, one config), for T's pieces that object: what is built from T's pieces may be
+    renamed for the op (``simulator.twins``). Not part of the lowering's value."""
 
     def check_whole(self, what: str) -> None:
         """PlanError unless this lowering holds every device's partitions (``copies`` None)."""

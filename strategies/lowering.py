@@ -146,7 +146,7 @@ def lower(graph: OpGraph, strategy: Strategy, cache: dict | None = None, copies:
         totals[:3] = expand_totals(totals[:3], [sum(b) for b in zip(*weight_ops)] if weight_ops else [0] * n,
                                    copies)
     lowered = Lowered(graph, strategy, dict(last.partitions), shards, dict(last.by_op), DeviceBytes(*totals), sync,
-                      copies)
+                      copies, dict(last.twins))
     if copies is not None and any(s.zero >= 2 for s in shards):
         raise CrossCopy("weights sharded per use (levels 2 and 3) pair their uses up on every device: lowered "
                         "per device")

@@ -5,6 +5,7 @@ weight's shards. Invariant: a patched lowering equals one lowered from scratch
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import operator
 from typing import Any, NamedTuple
@@ -14,6 +15,7 @@ import numpy as np
 from strategies.graph import OpGraph, OpNode
 from strategies.lowered import WEIGHT_KINDS, DeviceBytes, OpPieces, Partition, WeightShard, weight_shards
 from strategies.lowering_copies import expand_holders
+from strategies.lowering_shared import name_map, names_of, renamed, shapes_of
 from strategies.members import Members
 from strategies.pieces import lower_op, recompute_key
 from strategies.region import Box
@@ -51,13 +53,24 @@ def update(graph: OpGraph, strategy: Strategy, cache: dict, last: "Last", affect
     config = strategy.__getitem__
     weights: set[str] = set()  # read by an affected op, in the previous call's pieces or this call's
     regroup = last.readers is None  # an op reads other weights than in the previous call: readers gathered again
+    shapes = cache.get(_SHAPES)
+    if shapes is None:
+        shapes = cache[_SHAPES] = shapes_of(graph)
     for node in affected:
-        key = (node.name, m, strategy.num_devices, config(node.name), tuple(map(config, node.inputs)),
-               recompute_key(graph, strategy, node.name), keep)
+        by = (m, strategy.num_devices, config(node.name), tuple(map(config, node.inputs)),
+              recompute_key(graph, strategy, node.name), keep)
+        key = (node.name, *by)
         pieces = cache.get(key)
+        shape = (shapes[node.name], *by)
+        names = last.names(node.name)
         if pieces is None:
-            strategy.validate_op(node)
-            pieces = cache[key] = lower_op(graph, strategy, node, m, keep)
+            pieces = cache[key] = _lowered(graph, strategy, cache, node, shape, names)
+        last.shaped[node.name] = shape
+        first = cache.get(shape)  # the op these pieces rename, where they do
+        if first is None or first[1] is pieces or name_map(first[0], names) is None:
+            last.twins.pop(node.name, None)
+        else:
+            last.twins[node.name] = (first[0][0], first[1])
         old = last.by_op.get(node.name)
         if old is pieces:
             continue
@@ -80,6 +93,27 @@ def update(graph: OpGraph, strategy: Strategy, cache: dict, last: "Last", affect
         last.held = {name: last.held[name] for name in last.readers}  # the readers' order
 
 
+_SHAPES = ("shapes",)
+"""The cache's key of the graph's op shapes (``lowering_shared.shapes_of``)."""
+
+
+def _lowered(graph: OpGraph, strategy: Strategy, cache: dict, node: OpNode, shape: tuple,
+             names: tuple[str, ...]) -> OpPieces:
+    """``node``'s pieces (its names ``names``, ``names_of``): another op's of the same ``shape``
+    (its id and the configs it is lowered under) renamed where one was lowered
+    (``strategies.lowering_shared``), else lowered (its config validated) and kept for the others."""
+    first = cache.get(shape)
+    if first is not None:
+        pieces = renamed(first[1], first[0], names)
+        if pieces is not None:
+            return pieces
+    strategy.validate_op(node)
+    pieces = lower_op(graph, strategy, node, shape[1], shape[-1])
+    if first is None:
+        cache[shape] = (names, pieces)
+    return pieces
+
+
 class _Held(NamedTuple):
     """One weight's shards, given the pieces of the ops reading it (``read_by``, kept so the
     cache's key by their ids stays sound), and what they add to the per-device totals."""
@@ -98,8 +132,14 @@ class Last:
     comes in the graph) and the per-device totals over them."""
 
     def __init__(self, graph: OpGraph, n: int, copies: Copies | None = None):
+        self.graph = graph
         self.copies = copies
         """The copies whose copy 0 is lowered (None: every device)."""
+        self.shaped: dict[str, tuple] = {}
+        """Op -> the shape its pieces were found by (``_lowered``)."""
+        self.twins: dict[str, tuple[str, OpPieces]] = {}
+        """``Lowered.twins``."""
+        self._names: dict[str, tuple[str, ...]] = {}
         self.configs: tuple = ()
         self.position = {node.name: i for i, node in enumerate(graph)}
         self.by_op: dict[str, OpPieces] = {}
@@ -128,7 +168,8 @@ class Last:
             key = ("shards", name, self.copies, *map(id, read_by))
             new = cache.get(key)
             if new is None:
-                new = cache[key] = _weight_shards(name, read_by, len(self.tensors), self.copies)
+                new = cache[key] = (self._renamed(name, read_by, cache) or
+                                    _weight_shards(name, read_by, len(self.tensors), self.copies))
         trainable, frozen = self.totals[3:]
         for h, sign in ((old, -1), (new, 1)):
             if h is None:
@@ -140,6 +181,33 @@ class Last:
             self.held.pop(name, None)
         else:
             self.held[name] = new
+
+
+    def _renamed(self, name: str, read_by: tuple[OpPieces, ...], cache: dict) -> "_Held | None":
+        """The shards of weight ``name`` read by one op alone, as the shards of the weight in the same
+        place of the op whose pieces its pieces rename (``_lowered``), renamed; None where it has
+        other readers or its pieces are not a renaming."""
+        if len(read_by) != 1:
+            return None
+        op = self.readers[name][0]
+        twin = self.twins.get(op)
+        if twin is None:
+            return None
+        first = cache.get(self.shaped[op])  # (the names of twin[0], its pieces twin[1])
+        was = first[0][self.names(op).index(name)]
+        key = ("shards", was, self.copies, id(twin[1]))
+        got = cache.get(key)
+        if got is None:
+            got = cache[key] = _weight_shards(was, (twin[1],), len(self.tensors), self.copies)
+        shards = [dataclasses.replace(s, name=name, ops=(op,)) for s in got.shards]  # one reader: ops (twin[0],)
+        return _Held(read_by, shards, got.per_device, got.holders)
+
+    def names(self, op: str) -> tuple[str, ...]:
+        """``names_of`` op, found once."""
+        got = self._names.get(op)
+        if got is None:
+            got = self._names[op] = names_of(self.graph, self.graph[op])
+        return got
 
 
 def _patch(total: list[int], old: tuple[int, ...] | None, new: tuple[int, ...], at: list[int] | None = None) -> None:

@@ -20,7 +20,7 @@ import numpy as np
 
 from strategies.graph import OpGraph, OpNode
 
-__all__ = ["RepeatedBlock", "repeated_blocks"]
+__all__ = ["RepeatedBlock", "repeated_blocks", "signature"]
 
 _LEAF = {"input", "parameter", "constant"}
 
@@ -47,9 +47,9 @@ class RepeatedBlock:
         return None
 
 
-def _signature(node: OpNode) -> Hashable:
+def signature(node: OpNode) -> Hashable:
     """What two ops must share to play the same part: kind, output spec, dims, attrs, weights
-    and the specs they read."""
+    and the specs they read (``strategies.lowering_shared`` adds the dims' names and the wiring)."""
     return (node.kind, node.output.shape, node.output.dtype, tuple((d.size, d.role) for d in node.dims),
             repr(sorted(node.attrs.items(), key=lambda kv: kv[0])),
             tuple((w.role, w.spec.shape, w.spec.dtype, w.trainable) for w in node.weights),
@@ -58,7 +58,7 @@ def _signature(node: OpNode) -> Hashable:
 
 def _keys(nodes: list[OpNode]) -> np.ndarray:
     ids: dict[Hashable, int] = {}
-    return np.array([ids.setdefault(_signature(n), len(ids)) for n in nodes], dtype=np.int64)
+    return np.array([ids.setdefault(signature(n), len(ids)) for n in nodes], dtype=np.int64)
 
 
 def _wired_alike(graph: OpGraph, pos: dict[str, int], instances: list[tuple[str, ...]]) -> bool:

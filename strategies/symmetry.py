@@ -84,6 +84,13 @@ class Copies:
     def __str__(self) -> str:
         return f"{self.count} copies of {self.size} device(s)"
 
+    def __hash__(self) -> int:  # a key of the lowering cache's entries: hashed once, not per device per lookup
+        return self._hash
+
+    @cached_property
+    def _hash(self) -> int:
+        return hash(self.copies)
+
 
 @functools.lru_cache(maxsize=32)
 def _rep_array(copies: Copies, n: int) -> np.ndarray:
@@ -119,13 +126,18 @@ def copies_of(graph: OpGraph, strategy: Strategy, count: int) -> Copies | None:
     """The ``count`` copies of ``strategy`` (φ checked on every non-weight op), or None: copy
     k of ``count`` is the union of copies k·c .. k·c + c - 1 of ``count`` · c."""
     images: dict[int, tuple[int, ...]] = {}  # copy-0 device d -> (φ_0(d) = d, φ_1(d), ...)
+    checked: dict[int, tuple] = {}  # id -> the image lists checked (one object per config and sample dim; held: ids stay unique)
     for node in graph:
         if node.kind in WEIGHT_KINDS:
             continue
         config, i = strategy[node.name], node.sample_dim
         if i is None or config.degrees[i] % count:
             return None
-        for d, mine in _op_images(config, i, count):
+        got = _op_images(config, i, count)
+        if id(got) in checked:  # another op cut alike: its images are checked
+            continue
+        checked[id(got)] = got
+        for d, mine in got:
             if images.setdefault(d, mine) != mine:
                 return None
     if not images:

@@ -1,0 +1,94 @@
+"""Ops lowered once per shape (``strategies.lowering_cache.update``): an op whose pieces are
+already known for another op of the same shape is given that op's pieces with the names
+swapped, instead of being lowered again. GPT-3 175B's 96 transformer layers are the same op
+kinds, shapes and weight shapes, so under one config per layer position 2,123 ops lower as ~25
+(PyTorch AutoParallel's ``repeated_subgraphs`` and Calculon lower one layer for all alike).
+
+Two ops get equal pieces up to names when ``lower_op`` reads the same of both: the op (kind,
+dims, output and input specs, attrs, its weights' roles, specs and trainability), whether it
+and each producer carry a gradient (``OpGraph.moves_grad``), whether it is a graph output
+(``pieces.gates``), its consumers' kinds (``pieces.drops_output``; their whole op, for brevity), which inputs are the same
+producer, each producer's own such facts (its grid, reduction dims, Partial sums and
+collectives read them), and the configs: its own, its producers', its consumers' recompute
+flags (``recompute_key``), the micro-batches, devices and copy 0's devices. ``shape_key`` is
+that key; ``renamed`` gives one op's pieces the other's names (op, producers, weights), every
+record otherwise the same object or equal, so a lowering that shares equals one that does not
+(tests/strategies/test_lowering_shared.py checks it plan by plan).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Hashable
+
+from strategies.graph import OpGraph, OpNode
+from strategies.lowered import WEIGHT_KINDS, CollectiveRead, OpPieces, Partition, Transfer, WeightRead
+from strategies.repeats import signature
+
+__all__ = ["shapes_of", "names_of", "name_map", "renamed"]
+
+_new = tuple.__new__
+
+
+def _alone(node: OpNode) -> Hashable:
+    """What ``lower_op`` reads of ``node`` itself, names left out."""
+    return signature(node), node.dims
+
+
+def shapes_of(graph: OpGraph) -> dict[str, int]:
+    """Op -> the id of its shape (module docstring), equal ids for ops ``lower_op`` lowers alike
+    under equal configs; found once per graph (the lowering cache keeps it)."""
+    ids: dict[Hashable, int] = {}
+    alone = {node.name: ids.setdefault(_alone(node), len(ids)) for node in graph}  # small ints: cheap to hash
+    ids = {}
+    grad, outputs = graph.needs_grad, set(graph.outputs)
+    out = {}
+    for node in graph:
+        inputs = node.inputs
+        key = (alone[node.name], grad[node.name], node.name in outputs,
+               tuple(alone[u] for u in graph.users(node.name)),
+               tuple(inputs.index(x) for x in inputs),
+               tuple((alone[x], grad[x]) for x in inputs))
+        out[node.name] = ids.setdefault(key, len(ids))
+    return out
+
+
+def names_of(graph: OpGraph, node: OpNode) -> tuple[str, ...]:
+    """The names ``node``'s pieces hold, in one order for every op of its shape: the op, its
+    producers, its weights, and each weight op producer's weight."""
+    return (node.name, *node.inputs, *(w.name for w in node.weights),
+            *(graph[x].weights[0].name if graph[x].kind in WEIGHT_KINDS else "" for x in node.inputs))
+
+
+def name_map(old: tuple[str, ...], new: tuple[str, ...]) -> dict[str, str] | None:
+    """Each of ``old``'s names -> the name in its place in ``new``; None where one stands for two."""
+    to: dict[str, str] = {}
+    for a, b in zip(old, new):
+        if to.setdefault(a, b) != b:
+            return None
+    return to
+
+
+def renamed(pieces: OpPieces, old: tuple[str, ...], new: tuple[str, ...]) -> OpPieces | None:
+    """``pieces`` (of the op ``old`` names, ``names_of``) with ``new``'s names; None where one of
+    ``old``'s names stands for two of ``new``'s (the op then lowers on its own)."""
+    if old == new:
+        return pieces
+    to = name_map(old, new)
+    if to is None:
+        return None
+    op = new[0]
+    at = to.__getitem__
+    parts = tuple(tuple(_new(Partition, (op, *p[1:])) for p in mb) for mb in pieces.partitions)
+    transfers = tuple(_new(Transfer, (at(t[0]), t[1], op, *t[3:])) for t in pieces.transfers)
+    reductions = tuple(dataclasses.replace(g, op=op) for g in pieces.reductions)
+    reads = tuple(_new(WeightRead, (at(r[0]), r[1], r[2], op, *r[4:])) for r in pieces.weight_reads)
+    collectives: dict = {}
+    col_reads = []
+    for r in pieces.collective_reads:
+        c = collectives.get(r.collective)
+        if c is None:
+            c = collectives[r.collective] = r.collective._replace(op=at(r.collective.op))
+        col_reads.append(_new(CollectiveRead, (c, op, *r[2:])))
+    return pieces._replace(partitions=parts, transfers=transfers, reductions=reductions, weight_reads=reads,
+                           weights_read=tuple(map(at, pieces.weights_read)), collective_reads=tuple(col_reads))

@@ -1,0 +1,190 @@
+"""Ops of one shape lowered once (``strategies.lowering_shared``): the lowering that shares
+equals the plain one (``lower_reference``) and the simulation equals the one that lowers every
+op on its own (iteration time, busy time per device, peak memory, bytes per link kind), on gpt,
+llama and resnet101 under data parallel, megatron (sequence parallel, recompute, bf16), fsdp and
+pipeline plans at 8 and 64 devices; a search's change to one layer's op leaves the others'
+pieces as they were (delta = full); and names that would clash are not shared."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import strategies.lowering_cache as lowering_cache
+from simulator.simulate import simulate_plan
+from simulator.symmetry import CrossCopy, find_copies
+from simulator.taskgraph import label
+import simulator.tasks as tasks
+from simulator.tasks import TaskCache, build_tasks
+from simulator.twins import twin_block
+from strategies.baselines import baseline, recomputed
+from strategies.lowering import lower, lower_reference
+from strategies.lowering_shared import names_of, renamed, shapes_of
+from strategies.megatron import megatron
+from strategies.repeats import repeated_blocks
+from soapsearch import trace
+from soapsearch._models import GPT, GPTConfig
+from tests.conftest import traced
+from tests.strategies.test_lowering_reference import _assert_equal
+
+
+def _plans(graph, n, name):
+    plans = {"dp": baseline("data_parallel", graph, n), "fsdp": baseline("fsdp", graph, n),
+             "pipeline": baseline("pipeline", graph, n, microbatches=2)}
+    if name != "resnet101":
+        mega = megatron(graph, n, tp=2, pp=2, microbatches=2, sequence_parallel=True)
+        plans["megatron"] = recomputed(mega.with_microbatches(2, "1f1b"), graph).with_precision("bf16")
+    return plans
+
+
+@pytest.fixture
+def lowered_ops(monkeypatch):
+    """The ops ``lower_op`` ran on, in call order."""
+    seen = []
+    inner = lowering_cache.lower_op
+
+    def counting(graph, strategy, node, m, keep=None):
+        seen.append(node.name)
+        return inner(graph, strategy, node, m, keep)
+
+    monkeypatch.setattr(lowering_cache, "lower_op", counting)
+    return seen
+
+
+def _gpt(layers: int):
+    cfg = GPTConfig(n_layer=layers, n_head=2, n_embd=16, seq_len=8, vocab_size=50)
+    return trace(GPT(cfg), (torch.randint(0, 50, (4, 8)), torch.randint(0, 50, (4, 8))))
+
+
+def test_the_middle_layers_of_a_transformer_share_their_shapes():
+    # a tiny GPT of 4 layers: layers 1 and 2 (their producers and consumers are layers too)
+    # have, op by op, the same shapes; layer 0 reads the embedding, layer 3 feeds the final
+    # norm
+    graph = _gpt(4)
+    shapes = shapes_of(graph)
+    [block] = [b for b in repeated_blocks(graph) if b.length > 10]
+    assert len(block) == 4
+    ids = [[shapes[op] for op in layer] for layer in block.instances]
+    assert ids[1] == ids[2] and ids[0] != ids[1] and ids[3] != ids[2]
+    assert (len(ids[1]), len(set(ids[1]))) == (22, 15)  # the attention's q, k, v ops alike
+    assert (len(graph.nodes), len(set(shapes.values()))) == (99, 29)  # 6 layers: 143 ops, 29 shapes
+
+
+@pytest.mark.parametrize("name", ["gpt", "llama", pytest.param("resnet101", marks=pytest.mark.slow)])
+def test_sharing_lowers_as_the_reference_and_lowers_fewer_ops(name, lowered_ops):
+    graph = traced(name, batch_size=16)
+    counts = {}
+    for kind, plan in _plans(graph, 8, name).items():
+        lowered_ops.clear()
+        _assert_equal(lower(graph, plan), lower_reference(graph, plan))
+        counts[kind] = len(lowered_ops)
+    assert all(c < len(graph.nodes) for c in counts.values()), counts
+
+
+def _no_sharing(monkeypatch):
+    """Every op lowered, every weight's shards found and every task block built on its own."""
+    monkeypatch.setattr(lowering_cache, "renamed", lambda pieces, old, new: None)
+    monkeypatch.setattr(lowering_cache, "name_map", lambda old, new: None)
+
+
+def _assert_same_result(got, want):
+    assert got.iteration_time == want.iteration_time
+    assert got.busy_time == want.busy_time
+    assert got.peak_memory_bytes == want.peak_memory_bytes
+    assert got.bytes_moved == want.bytes_moved
+    assert got.num_tasks == want.num_tasks
+
+
+@pytest.mark.parametrize("name,n", [("gpt", 8), ("llama", 8), ("resnet101", 8), ("gpt", 64)])
+def test_the_simulation_with_sharing_equals_the_one_without(name, n, monkeypatch):
+    graph = traced(name, batch_size=2 * n)
+    topology = f"a100-{max(1, n // 8)}x8"
+    plans = _plans(graph, n, name)
+    shared = {k: simulate_plan(graph, p, topology, optimizer="adam") for k, p in plans.items()}
+    _no_sharing(monkeypatch)
+    for kind, plan in plans.items():
+        _assert_same_result(shared[kind], simulate_plan(graph, plan, topology, optimizer="adam"))
+
+
+@pytest.mark.parametrize("name,n,fold", [("gpt", 8, False), ("llama", 8, False), ("gpt", 64, True)])
+def test_blocks_copied_from_a_twin_are_the_blocks_built(name, n, fold, monkeypatch):
+    # the task graph built with the twins' blocks copied (simulator.twins) is the one built op
+    # by op, task for task: labels, durations, resources, edges (folded on copy 0 at 64)
+    graph = traced(name, batch_size=2 * n)
+    topology, cost = _topology_and_cost(f"a100-{max(1, n // 8)}x8")
+    copied = []
+
+    def counting(*args):
+        b = twin_block(*args)
+        copied[-1] += b is not None
+        return b
+
+    monkeypatch.setattr(tasks, "twin_block", counting)
+    graphs = []
+    for share in (True, False):
+        if not share:
+            _no_sharing(monkeypatch)
+        for plan in _plans(graph, n, name).values():
+            copies = find_copies(graph, plan) if fold else None
+            try:
+                low = lower(graph, plan, None, copies)
+            except CrossCopy:  # fsdp: its weights' uses pair up per device
+                copies, low = None, lower(graph, plan)
+            copied.append(0)
+            graphs.append(build_tasks(low, topology, cost, "adam", copies=copies))
+    half = len(graphs) // 2
+    for got, want in zip(graphs[:half], graphs[half:]):
+        assert [label(x) for x in got.name] == [label(x) for x in want.name]
+        assert got.duration == want.duration and got.resources == want.resources
+        assert sorted(zip(*map(np.ndarray.tolist, got.edge_arrays()))) == \
+            sorted(zip(*map(np.ndarray.tolist, want.edge_arrays())))
+    assert copied[half:] == [0] * half and min(copied[:half]) > 0, copied
+
+
+def test_a_change_to_one_layer_leaves_the_others_shared_and_delta_equals_full(monkeypatch):
+    # data parallel on gpt × 8, then the first layer's attention projection cut on its
+    # output features: through one lowering cache and one TaskCache (a search's proposal and
+    # its revert), each lowering equals the reference, the other layers keep their pieces,
+    # and the delta simulation equals a full one without sharing
+    graph = traced("gpt", batch_size=16)
+    n, topology = 8, "a100-1x8"
+    plan = baseline("data_parallel", graph, n)
+    [block] = [b for b in repeated_blocks(graph) if len(b) >= 2 and b.length > 10]
+    op = next(o for o in block.instances[0] if graph[o].kind == "linear")
+    other = block.instances[1][block.instances[0].index(op)]
+    proposal = plan.replace(op, megatron(graph, n, tp=2, pp=1)[op])
+    assert proposal[op] != plan[op] and proposal[other] == plan[other]
+    cache, tasks = {}, TaskCache(*_topology_and_cost(topology))
+    results, others = [], []
+    for p in (plan, proposal, plan):
+        low = lower(graph, p, cache)
+        _assert_equal(low, lower_reference(graph, p))
+        results.append(simulate_plan(graph, low, tasks.topology, tasks.cost, optimizer="adam", cache=tasks))
+        others.append(low.pieces[other])
+    assert others[0] is others[1] is others[2]  # the other layer's op: its pieces never looked at again
+    _no_sharing(monkeypatch)
+    for p, got in zip((plan, proposal, plan), results):
+        _assert_same_result(got, simulate_plan(graph, p, topology, optimizer="adam"))
+    assert results[0].iteration_time != results[1].iteration_time
+
+
+def _topology_and_cost(topology):
+    from simulator.cost import get_cost_model
+    from simulator.presets import get_topology
+    return get_topology(topology), get_cost_model("analytical")
+
+
+def test_names_that_would_clash_are_not_shared():
+    graph = traced("gpt")
+    low = lower(graph, baseline("data_parallel", graph, 2))
+    op = next(node for node in graph if node.kind == "linear")
+    names = names_of(graph, op)
+    pieces = low.pieces[op.name]
+    # one old name standing for two new ones: refused; the same names: the same object
+    assert renamed(pieces, (names[0], names[0]), ("a", "b")) is None
+    assert renamed(pieces, names, names) is pieces
+    moved = renamed(pieces, names, ("x", *names[1:]))
+    assert {p.op for mb in moved.partitions for p in mb} == {"x"}
+    assert {t.dst_op for t in moved.transfers} <= {"x"} and {r.op for r in moved.weight_reads} == {"x"}
+    assert [p.box for mb in moved.partitions for p in mb] == [p.box for mb in pieces.partitions for p in mb]
