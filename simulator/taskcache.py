@@ -27,6 +27,8 @@ class TaskCache:
         self.topology, self.cost = topology, cost
         self.wires: dict[tuple[int, int, int], tuple] = {}
         """(source, target, bytes) -> ``simulator.tasks._wire``'s times and resources (a pure function of them)."""
+        self.gathers: dict = {}
+        """Level-2/3 groups' tasks per micro-batch, recorded (``simulator.zero3._Chunk``)."""
         self._states: dict[frozenset[int] | None, list] = {}
         """Devices simulated (a folded plan's copy 0, ``simulator.fold``; None: all) -> [graph,
         its ``_layout``, the last ``_Joined``]: a search moving between folded and per-device
