@@ -23,6 +23,7 @@ issue positions) are found per graph."""
 
 from __future__ import annotations
 
+import itertools
 from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
@@ -73,25 +74,28 @@ def add_gathers(tg: TaskGraph, lowered: Lowered, topology: Topology, blocks: Seq
     elif len(memo) > _CHUNKS:
         memo.clear()
     tail = tg.tail
+    laid: list = []  # (chunk, its first id, its reader block's first id, its refs' ids)
+    base = len(tg)
     for j in range(lowered.strategy.microbatches):
         for g, u, members, i, phases in uses:
-            at, block = int(first[i]), blocks[i]
+            block = blocks[i]
             units = tuple(_unit(of.get((g, phase, j)), made, calls, chunks) for phase in phases) if of else ()
             key = (u, j, phases, keep, units)
             c = memo.get(key)
             if c is None or c.block is not block:
                 c = memo[key] = _record(topology, u, j, members, phases, block, chunks, of, calls, units, g)
-            base = len(tg)
-            for field, values in zip(_FIELDS, (c.cols.name, c.cols.category, c.cols.duration, c.cols.resources,
-                                                c.cols.device, c.cols.nbytes)):
-                getattr(tail, field).extend(values)
-            tg.edge_src.extend(_placed(c.src, base, at, c.refs, made).tolist())
-            tg.edge_dst.extend(_placed(c.dst, base, at, c.refs, made).tolist())
             for unit, done in c.made:
                 made[unit] = {d: t + base for d, t in done.items()}
+            laid.append((c, base, int(first[i]), [made[k][d] for k, d in c.refs]))
             calls_made += [(a + base, step) for a, step in c.calls]
             for d, e in c.ends:
                 ends.setdefault(d, []).append(e + base)
+            base += len(c.cols)
+    for field in _FIELDS:
+        getattr(tail, field).extend(itertools.chain.from_iterable(getattr(c.cols, field) for c, *_ in laid))
+    if laid:
+        tg.edge_src.extend(_placed([(c.src, *rest) for c, *rest in laid]).tolist())
+        tg.edge_dst.extend(_placed([(c.dst, *rest) for c, *rest in laid]).tolist())
     arrivals = [x for a, step in calls_made for x in (a, issue[step])]
     return np.asarray(arrivals, dtype=INDEX).reshape(-1, 2).T, ends
 
@@ -154,14 +158,20 @@ def _record(topology: Topology, u, j: int, members: list, phases: tuple, block, 
                   [(k, v) for k, v in made.items() if k not in before])
 
 
-def _placed(ids: np.ndarray, base: int, at: int, refs: list, made: dict) -> np.ndarray:
-    """A ``_Chunk``'s edge ends as the graph's ids: its own tasks from ``base``, its reader
-    block's from ``at``, a unit call's ends made before from ``made``."""
-    out = np.where(ids >= _BLOCK, ids + (at - _BLOCK), ids + base)
-    if refs:
-        resolved = np.array([made[k][d] for k, d in refs], dtype=np.int64)
-        is_ref = ids >= _MADE
-        out[is_ref] = resolved[ids[is_ref] - _MADE]
+def _placed(laid: list) -> np.ndarray:
+    """The edge ends of the chunks laid out, (ends, the chunk's first id, its reader block's
+    first id, the ids of its refs) each, joined as the graph's ids: a chunk's own tasks from its
+    first id, its reader block's from the block's, a unit call's ends made before from its refs."""
+    ids = np.concatenate([x[0] for x in laid])
+    sizes = [len(x[0]) for x in laid]
+    base = np.repeat(np.fromiter((x[1] for x in laid), np.int64, len(laid)), sizes)
+    at = np.repeat(np.fromiter((x[2] - _BLOCK for x in laid), np.int64, len(laid)), sizes)
+    out = np.where(ids >= _BLOCK, ids + at, ids + base)
+    refs = ids >= _MADE
+    if refs.any():
+        resolved = np.concatenate([np.asarray(x[3] or [0], dtype=np.int64) for x in laid])
+        starts = np.cumsum([0] + [len(x[3] or [0]) for x in laid[:-1]])
+        out[refs] = resolved[np.repeat(starts, sizes)[refs] + ids[refs] - _MADE]
     return out
 
 
