@@ -52,8 +52,9 @@ def add_gathers(tg: TaskGraph, lowered: Lowered, topology: Topology, blocks: Seq
     (``simulator.fold``: each collective timed over its group, its member tasks on them).
     ``memo`` (a ``TaskCache``'s): each group's tasks in one micro-batch are recorded once
     (``_Chunk``) and laid out again while the group, its reader's block and its phases are
-    the same (delta simulation, as the op blocks); a plan whose level-3 units gather several
-    groups in one call (``fsdp_unit`` "block") adds them one by one."""
+    the same (delta simulation, as the op blocks); where a level-3 unit gathers several groups
+    in one call (``fsdp_unit`` "block"), the first group's chunk makes the call and the others'
+    refer to its member ends (``_Chunk.refs``)."""
     groups = gather_groups(lowered)
     ends: dict[int, list[int]] = {}
     if not groups:
