@@ -11,12 +11,13 @@ starts from the fsdp plan (ZeRO-3 on every weighted op; proposals keep each op's
 proposals per second of the whole wall time (baselines scored included), the issue's measure.
 
     python benchmarks/delta_time.py [--models resnet101,inception_v3] [--proposals 30] [--recompute 0.5]
-                                    [--fold] [--plan data_parallel|fsdp] [--search 60]
+                                    [--fold] [--plan data_parallel|fsdp] [--search 60 [--phases]]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import random
 import statistics
@@ -29,6 +30,7 @@ from simulator.simulate import paused_gc, timed_graph
 from simulator.tasks import TaskCache, build_tasks
 from soapsearch.search.mcmc import candidate_configs
 from _paper import paper_graph  # benchmarks/_paper.py
+from _phases import phase_clock, print_phases  # benchmarks/_phases.py
 from strategies.baselines import BASELINES
 from strategies.lowering import lower
 
@@ -65,6 +67,8 @@ def main() -> None:
                     help="the start plan of the proposals")
     ap.add_argument("--search", type=float, default=None,
                     help="seconds: run one search per model and print proposals per second of its wall time")
+    ap.add_argument("--phases", action="store_true",
+                    help="with --search: each evaluated plan's time by phase and kind of proposal (_phases.py)")
     args = ap.parse_args()
     if args.search is not None:
         return _search(args)
@@ -124,11 +128,15 @@ def _search(args) -> None:
     print(f"{'model':14s} {'budget s':>9s} {'wall s':>8s} {'proposals':>10s} {'proposals/s':>12s} {'found ms':>9s}")
     for name in args.models.split(","):
         graph = paper_graph(name, args.devices)
-        t0 = time.perf_counter()
-        found = search(graph, topology=topo, budget_s=args.search, seed=args.seed, num_devices=args.devices)
-        wall = time.perf_counter() - t0
+        with phase_clock() if args.phases else contextlib.nullcontext() as rows:
+            t0 = time.perf_counter()
+            found = search(graph, topology=topo, budget_s=args.search, seed=args.seed, num_devices=args.devices,
+                           workers=1 if args.phases else None)
+            wall = time.perf_counter() - t0
         print(f"{name:14s} {args.search:9.0f} {wall:8.1f} {found.proposals:10d} {found.proposals / wall:12.1f} "
               f"{found.predicted_ms:9.2f}")
+        if rows is not None:
+            print_phases(rows, wall)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """The state ``simulator.tasks.build_tasks`` keeps between task graphs of one op graph (delta
-simulation, see ``simulator.tasks``): each op's task block of the last graph and the one it
-replaced, and the blocks' arrays joined (``_Joined``), patched where blocks changed."""
+simulation, see ``simulator.tasks``): each op's task block of the last graph and the ``KNOWN``
+blocks built before it, by their pieces, and the blocks' arrays joined (``_Joined``), patched
+where blocks changed."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from simulator.taskgraph import INDEX, join
 from simulator.topology import Topology
 from strategies.graph import OpGraph, OpNode
 
-__all__ = ["TaskCache"]
+__all__ = ["KNOWN", "TaskCache"]
 
 
 class TaskCache:
@@ -26,11 +27,13 @@ class TaskCache:
         self.topology, self.cost = topology, cost
         self.wires: dict[tuple[int, int, int], tuple] = {}
         """(source, target, bytes) -> ``simulator.tasks._wire``'s times and resources (a pure function of them)."""
+        self.gathers: dict = {}
+        """Level-2/3 groups' tasks per micro-batch, recorded (``simulator.zero3._Chunk``)."""
         self._states: dict[frozenset[int] | None, list] = {}
         """Devices simulated (a folded plan's copy 0, ``simulator.fold``; None: all) -> [graph,
         its ``_layout``, the last ``_Joined``]: a search moving between folded and per-device
         plans keeps the blocks of both."""
-        self._current: list = [None, ([], {}, [], [], []), None]
+        self._current: list = [None, ([], {}, [], [], [], []), None]
 
     def layout(self, graph: OpGraph, kept: frozenset[int] | None = None) -> _Layout:
         """``_layout(graph)`` for the devices ``kept``, its blocks kept from the graphs built
@@ -104,13 +107,21 @@ class _Joined:
         self.blocks, self.arrays, self.first = blocks, tuple(joined), self._first()
 
 
-_Layout = tuple[list[OpNode], dict[str, int], list[Any], list[Any], list[Any]]
+_Layout = tuple[list[OpNode], dict[str, int], list[Any], list[dict[int, Any]], list[Any], list[dict]]
+
+KNOWN = 12
+"""Blocks a ``TaskCache`` keeps per op besides the last graph's, the least recently used going
+first: a chain's replicas (``soapsearch.search.mcmc.REPLICAS``) walk plans of their own in
+turn, and a rejected proposal is followed by its current plan's ops again."""
 
 
 def _layout(graph: OpGraph) -> _Layout:
-    """``graph``'s nodes in order, op name -> its index (its block's position), and two slots
-    for each op's blocks: the last graph's and the one it replaced (a search's rejected
-    proposal is followed by its current plan's ops again: a revert rebuilds nothing); then the
-    pieces of the last graph's blocks (compared with a new lowering's in one C-level pass)."""
+    """``graph``'s nodes in order, op name -> its index (its block's position), and for each op
+    the last graph's block, the blocks built before it by the id of their pieces (each block
+    holds its pieces, so an id stays theirs while kept; ``KNOWN`` of them, oldest first), then
+    the pieces of the last graph's blocks (compared with a new lowering's in one C-level pass),
+    and each op's partition times (``simulator.tasks._op_block``: (box, input regions, weight
+    regions, device cost key) -> ``CostModel.partition_time``, a pure function of them)."""
     nodes = list(graph)
-    return nodes, {node.name: i for i, node in enumerate(nodes)}, *([None] * len(nodes) for _ in range(3))
+    return (nodes, {node.name: i for i, node in enumerate(nodes)}, [None] * len(nodes),
+            [{} for _ in nodes], [None] * len(nodes), [{} for _ in nodes])

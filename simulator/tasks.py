@@ -21,8 +21,9 @@ it — depend only on the op's lowered pieces (its config and its producers' con
 built as one block with local task ids and references to the producers' tasks, its edges
 and schedule steps held as arrays (each end a local id and its block's position). A
 ``TaskCache`` keeps each op's block while the op's pieces are the same object (the lowering's
-cache hands back the same object for an unchanged op), and the block it replaced (a rejected
-proposal's ops go back to it). ``build_tasks`` lays the blocks out in graph order and links
+cache hands back the same object for an unchanged op), and the ``taskcache.KNOWN`` blocks
+built before it by their pieces (a rejected proposal's ops go back to one; a chain's replicas
+walk plans of their own in turn). ``build_tasks`` lays the blocks out in graph order and links
 them with a few numpy calls over their arrays joined (the cache splices the changed blocks'
 into the last graph's): producer references, each device's schedule order, then gradient
 sync, so a graph built from cached blocks is the one built from scratch, task for task.
@@ -45,7 +46,7 @@ from simulator.memory import MASTER
 from simulator.step import UPDATE_TRAFFIC, link_step, member_ends
 from simulator.symmetry import Copies
 from simulator.zero3 import add_gathers
-from simulator.taskcache import TaskCache
+from simulator.taskcache import KNOWN, TaskCache
 from simulator.taskgraph import CATEGORY, INDEX, Columns, Segment, StepOrder, TaskGraph, TaskKind
 from simulator.topology import Topology
 from simulator.twins import twin_block
@@ -128,15 +129,22 @@ class _Block:
 
 def _op_block(node: OpNode, pieces: OpPieces, graph: OpGraph, producers: dict[str, _Block],
               position: int, topology: Topology, cost: CostModel, wires: dict,
-              keep: frozenset[int] | None = None) -> _Block:
+              keep: frozenset[int] | None = None, times: dict | None = None) -> _Block:
     """``producers``: the blocks of the ops ``node`` reads (their partitions' and reductions'
     local ids depend on their configs only, which ``pieces`` was derived from). ``keep``: the
     devices simulated (a folded plan's copy 0, ``simulator.fold``; None: all); a partition
-    elsewhere has no tasks (``fwd``, ``fwd_done`` and ``bwd_done`` are then dicts by partition index)."""
+    elsewhere has no tasks (``fwd``, ``fwd_done`` and ``bwd_done`` are then dicts by partition index).
+    ``times``: the op's partition times by (box, input regions, weight regions, device cost
+    key), kept from block to block (``TaskCache``); hashing them costs less than the cost
+    model's memo by their shapes."""
     backward = graph.needs_grad[node.name]
     b = _Block(pieces, position)
     devices = topology.devices
     op_time = cost.partition_time  # the regions the lowering stored on each partition
+    if times is None:
+        times = {}
+    elif len(times) > _TIMES:
+        times.clear()
     runs = node.kind not in WEIGHT_KINDS  # the executor reads weights in place: no host work
     fwd_bwd = (TaskKind.FORWARD, TaskKind.BACKWARD)
     redo = 1 if pieces.recompute else 0  # its forward again, before its backward (docs/design.md, "Recompute")
@@ -149,7 +157,11 @@ def _op_block(node: OpNode, pieces: OpPieces, graph: OpGraph, producers: dict[st
             d = p.device
             if keep is not None and d not in keep:
                 continue
-            f_s, b_s = op_time(node, p, devices[d])
+            shape = (p.box, p.input_regions, p.weight_regions, devices[d].cost_key)
+            hit = times.get(shape)
+            if hit is None:
+                hit = times[shape] = op_time(node, p, devices[d])
+            f_s, b_s = hit
             over = devices[d].task_overhead if runs else 0.0
             t = len(durs)
             if keep is None:
@@ -174,6 +186,10 @@ def _op_block(node: OpNode, pieces: OpPieces, graph: OpGraph, producers: dict[st
     _add_reductions(b, node, pieces.reductions, backward, topology, keep)
     _add_transfers(b, pieces.transfers, producers, topology, wires, graph, keep)
     return b.seal()
+
+
+_TIMES = 4096
+"""Partition times a ``TaskCache`` keeps per op (emptied past it)."""
 
 
 def _add_transfers(b: _Block, transfers: tuple[Transfer, ...], producers: dict[str, _Block],
@@ -400,7 +416,7 @@ def build_tasks(lowered: Lowered, topology: Topology, cost: CostModel, optimizer
     tg.chunks.append((edges[0] + first[edges[1]], edges[2] + first[edges[3]]))
     position = cache.layout(lowered.graph, keep)[1]
     arrivals = add_collectives(tg, lowered, topology, blocks, first, position, keep)
-    gathers, scattered = add_gathers(tg, lowered, topology, blocks, first, position, keep)
+    gathers, scattered = add_gathers(tg, lowered, topology, blocks, first, position, keep, cache.gathers)
     if gathers.shape[1]:  # level-3 weights (FSDP): their calls sit in the schedules like collectives'
         arrivals = np.concatenate([arrivals, gathers], axis=1)
     last = _link_schedule(tg, lowered, steps, first, slots, arrivals)
@@ -440,18 +456,22 @@ def _blocks(lowered: Lowered, topology: Topology, cost: CostModel, cache: TaskCa
     """Every op's block in graph order: the cache's while the op's pieces are the same object,
     else built (and kept in the cache); ``keep``: the devices simulated (None: all)."""
     graph = lowered.graph
-    nodes, position, kept, replaced, was = cache.layout(graph, keep)
+    nodes, position, kept, known, was, times = cache.layout(graph, keep)
     wires = cache.wires
     pieces = list(map(lowered.pieces.__getitem__, position))  # position: the op names in graph order
     for i in list(itertools.compress(range(len(pieces)), map(operator.is_not, pieces, was))):
-        b = replaced[i]
-        replaced[i] = kept[i]
-        if b is None or b.pieces is not pieces[i]:
+        mine, p = known[i], pieces[i]
+        if kept[i] is not None:
+            mine[id(kept[i].pieces)] = kept[i]
+        b = mine.pop(id(p), None)  # held blocks hold their pieces: an id is theirs
+        if b is None:
             node = nodes[i]  # in graph order: its producers' blocks are current
             producers = {src: kept[position[src]] for src in node.inputs}
-            b = (twin_block(lowered, node, pieces[i], producers, i, kept, position)  # its twin's, renamed
-                 or _op_block(node, pieces[i], graph, producers, i, topology, cost, wires, keep))
-        kept[i], was[i] = b, pieces[i]
+            b = (twin_block(lowered, node, p, producers, i, kept, position)  # its twin's, renamed
+                 or _op_block(node, p, graph, producers, i, topology, cost, wires, keep, times[i]))
+        while len(mine) > KNOWN:
+            del mine[next(iter(mine))]  # the least recently used
+        kept[i], was[i] = b, p
     return list(kept)
 
 

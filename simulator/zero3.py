@@ -16,18 +16,21 @@ repeated block's instance under ``fsdp_unit`` "block", whose groups on one devic
 all-gather task, ``strategies.prefetch.calls_at``), and only the reader's step waits on it, so
 the gather runs beside the steps in between.
 A call is an arrival task of no duration in the member's schedule, as a lowering collective's
-(``simulator.collectives``). Built afresh for every task graph from the lowering, so delta
-simulation needs nothing more."""
+(``simulator.collectives``). Delta simulation: each group's tasks in one micro-batch are
+recorded once (``_Chunk``) and laid out again in every graph where the group, its phases, its
+reader op's block and its unit's call are the same; the calls' places in the schedules (the
+issue positions) are found per graph."""
 
 from __future__ import annotations
 
-from typing import Sequence
+import itertools
+from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 
 from simulator.comm import allgather_time, reduce_scatter_time, ring_links
 from simulator.step import member_ends
-from simulator.taskgraph import INDEX, TaskGraph, TaskKind
+from simulator.taskgraph import INDEX, Columns, TaskGraph, TaskKind
 from simulator.topology import Topology
 from strategies.config import format_devices
 from strategies.lowering import Lowered
@@ -40,69 +43,185 @@ __all__ = ["add_gathers"]
 
 
 def add_gathers(tg: TaskGraph, lowered: Lowered, topology: Topology, blocks: Sequence, first: np.ndarray,
-                position: dict[str, int], keep: frozenset[int] | None = None
+                position: dict[str, int], keep: frozenset[int] | None = None, memo: dict | None = None
                 ) -> tuple[np.ndarray, dict[int, list[int]]]:
     """Add every level-2 and level-3 use's tasks to ``tg`` (``blocks``, ``first``, ``position`` as
     ``simulator.collectives.add_collectives`` takes them). Returns the arrivals' places in the
     devices' schedules as rows (arrival task, the step's first task), and per device the
     reduce-scatters' ends its optimizer update waits on. ``keep``: the devices simulated
-    (``simulator.fold``: each collective timed over its group, its member tasks on them)."""
+    (``simulator.fold``: each collective timed over its group, its member tasks on them).
+    ``memo`` (a ``TaskCache``'s): each group's tasks in one micro-batch are recorded once
+    (``_Chunk``) and laid out again while the group, its reader's block and its phases are
+    the same (delta simulation, as the op blocks); where a level-3 unit gathers several groups
+    in one call (``fsdp_unit`` "block"), the first group's chunk makes the call and the others'
+    refer to its member ends (``_Chunk.refs``)."""
     groups = gather_groups(lowered)
     ends: dict[int, list[int]] = {}
     if not groups:
         return np.empty((2, 0), dtype=INDEX), ends
-    n, arrivals = topology.num_devices, []
+    calls_made: list = []
     issue = _issue_tasks(lowered, groups, blocks, first, position, keep) if any(u.zero == 3 for u in groups) else {}
     of, calls = _unit_calls(lowered, groups, keep) if issue and lowered.strategy.fsdp_unit == "block" else ({}, {})
     made: dict = {}  # a unit's call -> its simulated members' ends, by device
     chunks = [u.chunk_bytes for u in groups]
-    add, edge = tg.add, tg.edge
     uses = []  # what a group's tasks read alike in every micro-batch, found once
     for g, u in enumerate(groups):
         members = [(d, k) for d, k in zip(u.devices, u.partitions) if keep is None or d in keep]
         if members:
             again = ("recompute",) if lowered.strategy[u.op].recompute else ()  # gathered for its recomputation too
-            uses.append((g, u, u.devices, "+".join(s.name for s in u.shards), members, [d for d, _ in members],
-                         position[u.op], tuple(n + l for l in ring_links(topology, u.devices)),
-                         ("fwd", *again, "bwd") if u.zero == 3 else ()))
+            uses.append((g, u, members, position[u.op], ("fwd", *again, "bwd") if u.zero == 3 else ()))
+    if memo is None:
+        memo = {}
+    elif len(memo) > _CHUNKS:
+        memo.clear()
+    tail = tg.tail
+    laid: list = []  # (chunk, its first id, its reader block's first id, its refs' ids)
+    base = len(tg)
     for j in range(lowered.strategy.microbatches):
-        for g, u, devs, names, members, simulated, i, links, phases in uses:
-            at, block = int(first[i]), blocks[i]
-            chunk = chunks[g]
-            for phase in phases:
-                backward = phase != "fwd"
-                key = of.get((g, phase, j))
-                done = made.get(key)
-                if done is None:
-                    if key is None:
-                        label, nbytes = f"allgather {phase} {names} {u.op}@mb{j} zero{u.zero}", chunk
-                    else:  # one call for the unit's groups on this device set
-                        (_, _, (b, c)), _ = key
-                        label = f"allgather {phase} block{b}.{c} {format_devices(devs)} @mb{j} zero3"
-                        nbytes = sum(chunks[x] for x, _, _ in calls[key])
-                    ag = add(label, TaskKind.COLLECTIVE, allgather_time(topology, devs, nbytes), links, devs[0],
-                             nbytes * len(devs))
-                    for d, k in members:
-                        a = add(f"call {label} device {d}", TaskKind.COLLECTIVE, 0.0, (), d)
-                        edge(a, ag)
-                        arrivals += (a, issue[(d, Step(backward, u.op, k, j))])
-                    done = dict(zip(simulated, member_ends(add, edge, topology, ag, devs, label,
-                                                           TaskKind.COLLECTIVE, simulated)))
-                    if key is not None:
-                        made[key] = done
-                fwd = block.fwd[j]
-                for d, k in members:
-                    edge(done[d], at + fwd[k] + int(backward))
-            label = f"reducescatter grad {names} {u.op}@mb{j} zero{u.zero}"
-            rs = add(label, TaskKind.COLLECTIVE, reduce_scatter_time(topology, devs, chunk * len(devs)), links,
-                     devs[0], chunk * len(devs))
-            done_b = block.bwd_done[j]
-            for _, k in members:
-                edge(at + done_b[k], rs)
-            for d, e in zip(simulated, member_ends(add, edge, topology, rs, devs, label, TaskKind.COLLECTIVE,
-                                                   simulated)):
-                ends.setdefault(d, []).append(e)
+        for g, u, members, i, phases in uses:
+            block = blocks[i]
+            units = tuple(_unit(of.get((g, phase, j)), made, calls, chunks) for phase in phases) if of else ()
+            key = (u, j, phases, keep, units)
+            c = memo.get(key)
+            if c is None or c.block is not block:
+                c = memo[key] = _record(topology, u, j, members, phases, block, chunks, of, calls, units, g)
+            for unit, done in c.made:
+                made[unit] = {d: t + base for d, t in done.items()}
+            laid.append((c, base, int(first[i]), [made[k][d] for k, d in c.refs]))
+            calls_made += [(a + base, step) for a, step in c.calls]
+            for d, e in c.ends:
+                ends.setdefault(d, []).append(e + base)
+            base += len(c.cols)
+    for field in _FIELDS:
+        getattr(tail, field).extend(itertools.chain.from_iterable(getattr(c.cols, field) for c, *_ in laid))
+    if laid:
+        tg.edge_src.extend(_placed([(c.src, *rest) for c, *rest in laid]).tolist())
+        tg.edge_dst.extend(_placed([(c.dst, *rest) for c, *rest in laid]).tolist())
+    arrivals = [x for a, step in calls_made for x in (a, issue[step])]
     return np.asarray(arrivals, dtype=INDEX).reshape(-1, 2).T, ends
+
+
+_BLOCK = 1 << 40
+"""Where a recorded ``_Chunk`` numbers its reader block's tasks (a local id + ``_BLOCK``; its
+own tasks from 0), each shifted to the graph's ids when laid out."""
+_MADE = 1 << 50
+"""Where a ``_Chunk`` numbers the member ends of a unit's call another chunk made (``_MADE`` +
+its place in ``_Chunk.refs``)."""
+_CHUNKS = 1 << 14
+"""Recorded chunks a ``TaskCache`` keeps (emptied past it)."""
+_FIELDS = ("name", "category", "duration", "resources", "device", "nbytes")
+
+
+class _Chunk(NamedTuple):
+    """One level-2/3 group's tasks in one micro-batch, recorded by ``_use_tasks``."""
+
+    block: Any
+    """The reader op's block whose local ids ``src`` and ``dst`` refer to (past ``_BLOCK``)."""
+    cols: Columns
+    src: np.ndarray
+    dst: np.ndarray
+    calls: list
+    """(a member's call task, (device, the step it reads)): its arrival's place is the issuing step's."""
+    ends: list
+    """(device, its end of the reduce-scatter): what its optimizer update waits on."""
+    refs: list
+    """(unit call, device) of each end of a call made before it that it waits on (``_MADE``)."""
+    made: list
+    """(unit call, {device: its end}) of each unit's call it makes (``fsdp_unit`` "block")."""
+
+
+def _unit(key, made: dict, calls: dict, chunks: list) -> tuple | None:
+    """What a group's tasks read of the unit call ``key`` (None: its own all-gather): the key,
+    whether a group before made the call, and its bytes."""
+    return None if key is None else (key, key in made, sum(chunks[x] for x, _, _ in calls[key]))
+
+
+def _record(topology: Topology, u, j: int, members: list, phases: tuple, block, chunks: list, of: dict,
+            calls: dict, units: tuple, g: int) -> _Chunk:
+    """``_use_tasks`` of group ``u`` (index ``g``) in micro-batch ``j``, recorded as a ``_Chunk``."""
+    cols = Columns()
+    src: list[int] = []
+    dst: list[int] = []
+    mine: list = []
+    ends: dict[int, list[int]] = {}
+    refs: list = []
+    made: dict = {}
+    simulated = [d for d, _ in members]
+    for unit in units:
+        if unit is not None and unit[1] and unit[0] not in made:  # made before: its ends are refs
+            made[unit[0]] = {d: _MADE + len(refs) + r for r, d in enumerate(simulated)}
+            refs += [(unit[0], d) for d in simulated]
+    before = set(made)
+    _use_tasks(cols.add, lambda a, b: (src.append(a), dst.append(b)), topology, u, j, members, phases, _BLOCK,
+               block, chunks, mine, ends, of, calls, made, g)
+    return _Chunk(block, cols, np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64), mine,
+                  [(d, e) for d, es in ends.items() for e in es], refs,
+                  [(k, v) for k, v in made.items() if k not in before])
+
+
+def _placed(laid: list) -> np.ndarray:
+    """The edge ends of the chunks laid out, (ends, the chunk's first id, its reader block's
+    first id, the ids of its refs) each, joined as the graph's ids: a chunk's own tasks from its
+    first id, its reader block's from the block's, a unit call's ends made before from its refs."""
+    ids = np.concatenate([x[0] for x in laid])
+    sizes = [len(x[0]) for x in laid]
+    base = np.repeat(np.fromiter((x[1] for x in laid), np.int64, len(laid)), sizes)
+    at = np.repeat(np.fromiter((x[2] - _BLOCK for x in laid), np.int64, len(laid)), sizes)
+    out = np.where(ids >= _BLOCK, ids + at, ids + base)
+    refs = ids >= _MADE
+    if refs.any():
+        resolved = np.concatenate([np.asarray(x[3] or [0], dtype=np.int64) for x in laid])
+        starts = np.cumsum([0] + [len(x[3] or [0]) for x in laid[:-1]])
+        out[refs] = resolved[np.repeat(starts, sizes)[refs] + ids[refs] - _MADE]
+    return out
+
+
+def _use_tasks(add: Callable[..., int], edge: Callable[[int, int], None], topology: Topology, u, j: int,
+               members: list, phases: tuple, at: int, block, chunks: list, calls_made: list,
+               ends: dict[int, list[int]], of: dict | None = None, calls: dict | None = None,
+               made: dict | None = None, g: int = -1) -> None:
+    """Group ``u``'s tasks in micro-batch ``j`` through ``add`` and ``edge`` (a graph's or a
+    recorder's): at level 3 one all-gather per phase (or the unit's call, once, ``of``,
+    ``calls``, ``made``), each member's call of it (``calls_made``: (call, (device, step))),
+    the edges into its partitions' steps (``at``: its reader block's first id); then the
+    reduce-scatter after the members' backwards, its member ends into ``ends``."""
+    n, devs = topology.num_devices, u.devices
+    names = "+".join(s.name for s in u.shards)
+    links = tuple(n + l for l in ring_links(topology, devs))
+    simulated = [d for d, _ in members]
+    chunk = chunks[g] if g >= 0 else u.chunk_bytes
+    for phase in phases:
+        backward = phase != "fwd"
+        key = of.get((g, phase, j)) if of else None
+        done = made.get(key) if key is not None else None
+        if done is None:
+            if key is None:
+                label, nbytes = f"allgather {phase} {names} {u.op}@mb{j} zero{u.zero}", chunk
+            else:  # one call for the unit's groups on this device set
+                (_, _, (b, c)), _ = key
+                label = f"allgather {phase} block{b}.{c} {format_devices(devs)} @mb{j} zero3"
+                nbytes = sum(chunks[x] for x, _, _ in calls[key])
+            ag = add(label, TaskKind.COLLECTIVE, allgather_time(topology, devs, nbytes), links, devs[0],
+                     nbytes * len(devs))
+            for d, k in members:
+                a = add(f"call {label} device {d}", TaskKind.COLLECTIVE, 0.0, (), d)
+                edge(a, ag)
+                calls_made.append((a, (d, Step(backward, u.op, k, j))))
+            done = dict(zip(simulated, member_ends(add, edge, topology, ag, devs, label, TaskKind.COLLECTIVE,
+                                                   simulated)))
+            if key is not None:
+                made[key] = done
+        fwd = block.fwd[j]
+        for d, k in members:
+            edge(done[d], at + fwd[k] + int(backward))
+    label = f"reducescatter grad {names} {u.op}@mb{j} zero{u.zero}"
+    rs = add(label, TaskKind.COLLECTIVE, reduce_scatter_time(topology, devs, chunk * len(devs)), links,
+             devs[0], chunk * len(devs))
+    done_b = block.bwd_done[j]
+    for _, k in members:
+        edge(at + done_b[k], rs)
+    for d, e in zip(simulated, member_ends(add, edge, topology, rs, devs, label, TaskKind.COLLECTIVE, simulated)):
+        ends.setdefault(d, []).append(e)
 
 
 def _issue_tasks(lowered: Lowered, groups: Sequence, blocks: Sequence, first: np.ndarray,

@@ -101,6 +101,15 @@ def test_a_rejected_proposal_then_the_current_plan_again_rebuilds_no_block(monke
     assert built == []
 
 
+def _delta_equals_full(evaluate: Evaluator, graph, proposal, topo, cost, name: str, op: str) -> None:
+    """``proposal`` scored by ``evaluate`` (delta) and from scratch agree to the bit."""
+    delta = evaluate(proposal, summary=True)
+    full = simulate_plan(graph, proposal, topo, cost, summary=True)
+    assert (delta.iteration_time, delta.peak_memory_bytes, delta.busy_time, delta.bytes_moved,
+            delta.num_tasks) == (full.iteration_time, full.peak_memory_bytes, full.busy_time,
+                                 full.bytes_moved, full.num_tasks), (name, op, proposal[op].show())
+
+
 @pytest.mark.parametrize("name,topology,microbatches", [("gpt", "p100-2x2", 1), ("mlp", "local-cpu-4", 2)])
 def test_delta_equals_full_with_reduction_cuts(name, topology, microbatches):
     """A walk whose every proposal for an op with a reduction dim cuts that dim (row-parallel
@@ -123,14 +132,51 @@ def test_delta_equals_full_with_reduction_cuts(name, topology, microbatches):
     for _ in range(150):
         op = rng.choice(ops)
         proposal = current.replace(op, rng.choice(reducing[op]))
-        delta = evaluate(proposal, summary=True)
-        full = simulate_plan(graph, proposal, topo, cost, summary=True)
-        assert (delta.iteration_time, delta.peak_memory_bytes, delta.busy_time, delta.bytes_moved,
-                delta.num_tasks) == (full.iteration_time, full.peak_memory_bytes, full.busy_time,
-                                     full.bytes_moved, full.num_tasks), (name, op, proposal[op].show())
+        _delta_equals_full(evaluate, graph, proposal, topo, cost, name, op)
         kinds |= {c.kind for c in lower(graph, proposal).collectives}
         if rng.random() < 0.7:
             current = proposal
             partial += 1
     assert partial > 50 and "reduce_scatter" in kinds, kinds
     assert sum(any(c.degrees[i] > 1 for i in graph[op].reduction_dims) for op in ops for c in [current[op]]) >= 3
+
+
+def test_replicas_walking_in_turn_rebuild_no_block_of_a_plan_seen_before(monkeypatch):
+    # A chain's replicas (mcmc.REPLICAS) walk plans of their own in turn: each op keeps the
+    # blocks of the plans before its last (taskcache.KNOWN), so going back to the first of four
+    # plans that differ in other ops builds nothing, and every figure equals a full simulation.
+    graph, topo, cost = traced("mlp", batch_size=16), get_topology("p100-2x2"), get_cost_model("analytical")
+    candidates = candidate_configs(graph, 4, 1, topo.node_size)
+    ops = [op for op, cfgs in candidates.items() if len(cfgs) > 1]
+    base = data_parallel(graph, 4)
+    plans = [base.replace(op, next(c for c in candidates[op] if c != base[op])) for op in ops[:4]]
+    assert len(plans) == 4
+    evaluate = Evaluator(graph, topo, cost)
+    for plan in plans:
+        evaluate(plan)
+    full = [simulate_plan(graph, plan, topo, cost) for plan in plans]
+    real, built = tasks._op_block, []
+    monkeypatch.setattr(tasks, "_op_block", lambda node, *rest: built.append(node.name) or real(node, *rest))
+    assert [evaluate(plan, summary=True) for plan in plans] == full
+    assert built == []
+
+
+def test_delta_equals_full_on_replicas_walking_in_turn():
+    # Four walks from data parallel share one Evaluator, three proposals each in turn (as a
+    # chain's replicas): the blocks a walk finds again were built for another walk's plans.
+    graph = traced("resnet101", batch_size=16)
+    topo, cost = get_topology("p100-2x2"), get_cost_model("analytical")
+    evaluate = Evaluator(graph, topo, cost)
+    candidates = candidate_configs(graph, 4, 1, topo.node_size)
+    ops = [op for op, cfgs in candidates.items() if len(cfgs) > 1]
+    rng = random.Random(3)
+    walks = [data_parallel(graph, 4)] * 4
+    for turn in range(8):
+        current = walks[turn % 4]
+        for _ in range(3):
+            op = rng.choice(ops)
+            proposal = current.replace(op, rng.choice(candidates[op]))
+            _delta_equals_full(evaluate, graph, proposal, topo, cost, "resnet101", op)
+            if rng.random() < 0.5:
+                current = proposal
+        walks[turn % 4] = current

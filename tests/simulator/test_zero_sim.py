@@ -218,3 +218,32 @@ def test_level_3_gathers_again_for_a_recomputation():
         for phase, count in (("fwd", 1), ("recompute", int(u.op in again)), ("bwd", 1)):
             label = f"allgather {phase} {'+'.join(s.name for s in u.shards)} {u.op}@mb"
             assert sum(x.startswith(label) for x in names) == 2 * count, (phase, u.op)
+
+
+def test_a_proposal_records_only_its_rebuilt_readers_level_3_tasks(monkeypatch):
+    """A one-op proposal on an FSDP plan (level 3, 2 micro-batches, 1F1B): the level-2/3 tasks
+    of a group are recorded again only where its reader's block was rebuilt, every other
+    group's laid out from the TaskCache (``zero3._Chunk``); delta equals full simulation."""
+    from simulator import tasks, zero3
+    from strategies.baselines import BASELINES
+    graph, topo, cost = traced("gpt", batch_size=16), get_topology("p100-2x2"), get_cost_model("analytical")
+    plan = BASELINES["fsdp"](graph, N).with_microbatches(2, "1f1b")
+    evaluate = Evaluator(graph, topo, cost)
+    evaluate(plan)
+    readers = {u.op for u in gather_groups(lower(graph, plan))}
+    candidates = candidate_configs(graph, N, 2, topo.node_size)
+    proposal, op = next((p, o) for o in sorted(readers) for c in candidates[o]
+                        for p in [plan.replace(o, c.with_memory(plan[o].zero, plan[o].recompute))]
+                        if p[o] != plan[o] and o in {u.op for u in gather_groups(lower(graph, p))})
+    full = simulate_plan(graph, proposal, topo, cost)
+    built, recorded = [], []
+    real_block, real_use = tasks._op_block, zero3._use_tasks
+    monkeypatch.setattr(tasks, "_op_block", lambda node, *rest: built.append(node.name) or real_block(node, *rest))
+    monkeypatch.setattr(zero3, "_use_tasks", lambda add, edge, topology, u, *rest: recorded.append(u.op)
+                        or real_use(add, edge, topology, u, *rest))
+    assert evaluate(proposal, summary=True) == full
+    low = lower(graph, proposal)
+    assert op in built and recorded
+    assert set(recorded) == {u.op for u in gather_groups(low)} & set(built)
+    assert len(recorded) == 2 * sum(u.op in built for u in gather_groups(low))  # one per micro-batch
+    assert len(set(recorded)) < len({u.op for u in gather_groups(low)}) // 4
