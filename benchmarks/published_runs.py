@@ -4,8 +4,9 @@ micro-batch, global batch, sequence, recompute, dtype, the published figure and 
 table and row); this script builds each row's model on meta, the ``megatron`` baseline's plan
 with the row's flags (full recompute of every block as ``plan --recompute``, selective
 recompute as the attention cores recomputed, sequence parallelism, bf16 as ``plan --dtype
-bf16``), predicts the iteration with the analytical model (the row's attention kernel: "math"
-for Megatron-LM of 2021-2022) on the row's preset (a100-<N/8>x8) and prints predicted vs
+bf16``), predicts the iteration with the analytical model (the row's attention kernel:
+"megatron" for Megatron-LM of 2021-2022, its unfused kernels with dropout on the
+probabilities) on the row's preset (a100-<N/8>x8) and prints predicted vs
 published iteration seconds, TFLOP/s per GPU where the source prints them, the relative error
 of the throughput (published / predicted seconds - 1), Spearman's ρ per sweep, and a
 diagnostic the model does not use: "waves", the tile and wave quantization efficiency of a
@@ -61,7 +62,8 @@ from strategies.pieces import recomputable  # noqa: E402
 from strategies.precision import compute_graph  # noqa: E402
 
 __all__ = ["MICROBATCH", "ROWS", "Run", "block_wave_efficiency", "build_graph", "build_plan",
-           "korthikanti_activations", "korthikanti_model_flops", "layer_ops", "layer_shares", "llama_params", "narayanan_flops", "narayanan_params", "predict",
+           "korthikanti_activations", "korthikanti_model_flops", "layer_ops", "layer_shares", "llama_params",
+           "narayanan_flops", "narayanan_params", "predict",
            "predicted_mfu", "predicted_tflops", "published_seconds", "reachable", "throughput_error",
            "tile_wave_efficiency", "torchtitan_flops"]
 
@@ -308,12 +310,12 @@ def layer_shares(run: Run) -> dict[str, tuple[int, float, float]]:
 
 def _print_shares(run: Run) -> None:
     shares = layer_shares(run)
-    total = sum(f + b for _, f, b in shares.values())
+    fwd, bwd = (sum(t[i] for t in shares.values()) for i in (1, 2))
     print(f"{run.name}: one layer, device 0, one micro-batch ({run.attention} attention): forward "
-          f"{sum(f for _, f, _ in shares.values()) * 1e3:.3f} ms, backward {sum(b for _, _, b in shares.values()) * 1e3:.3f} ms")
+          f"{fwd * 1e3:.3f} ms, backward {bwd * 1e3:.3f} ms")
     print(f"{'kind':12s} {'ops':>3s} {'fwd us':>8s} {'bwd us':>8s} {'share':>6s}")
     for kind, (n, f, b) in sorted(shares.items(), key=lambda kv: -(kv[1][1] + kv[1][2])):
-        print(f"{kind:12s} {n:3d} {f * 1e6:8.1f} {b * 1e6:8.1f} {(f + b) / total:6.1%}")
+        print(f"{kind:12s} {n:3d} {f * 1e6:8.1f} {b * 1e6:8.1f} {(f + b) / (fwd + bwd):6.1%}")
 
 
 def _gib(nbytes: float | None) -> str:
