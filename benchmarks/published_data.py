@@ -107,10 +107,11 @@ class Run:
     interleaved 1F1B (Narayanan et al. §2.2.2), run as ``megatron(virtual_stages=v)``."""
     dtype: str = "bf16"
     device: str = "a100"
-    attention: str = "math"
+    attention: str = "megatron"
     """The attention kernel (``simulator.cost.ATTENTION_KERNELS``): Megatron-LM of 2021-2022 ran
-    q·kᵀ (baddbmm), its fused scale-mask-softmax and ·v (bmm) as separate kernels, the scores
-    in HBM; FlashAttention (Dao et al. 2022) reached Megatron-LM later."""
+    q·kᵀ (baddbmm), its fused scale-mask-softmax, dropout on the probabilities (its default
+    ``--attention-dropout 0.1``) and ·v (bmm) as separate kernels, the scores in HBM;
+    FlashAttention (Dao et al. 2022) reached Megatron-LM later."""
 
     @property
     def dp(self) -> int:

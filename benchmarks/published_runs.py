@@ -4,8 +4,9 @@ micro-batch, global batch, sequence, recompute, dtype, the published figure and 
 table and row); this script builds each row's model on meta, the ``megatron`` baseline's plan
 with the row's flags (full recompute of every block as ``plan --recompute``, selective
 recompute as the attention cores recomputed, sequence parallelism, bf16 as ``plan --dtype
-bf16``), predicts the iteration with the analytical model (the row's attention kernel: "math"
-for Megatron-LM of 2021-2022) on the row's preset (a100-<N/8>x8) and prints predicted vs
+bf16``), predicts the iteration with the analytical model (the row's attention kernel:
+"megatron" for Megatron-LM of 2021-2022, its unfused kernels with dropout on the
+probabilities) on the row's preset (a100-<N/8>x8) and prints predicted vs
 published iteration seconds, TFLOP/s per GPU where the source prints them, the relative error
 of the throughput (published / predicted seconds - 1), Spearman's ρ per sweep, and a
 diagnostic the model does not use: "waves", the tile and wave quantization efficiency of a
@@ -26,6 +27,7 @@ Rows over ``--max-gpus`` devices (default 128: what the simulator runs in a few 
     python benchmarks/published_runs.py --sweep narayanan-table1 --max-gpus 64
     python benchmarks/published_runs.py --row 7.5B --row "22B full"
     python benchmarks/published_runs.py --attention flash  # as if FlashAttention ran
+    python benchmarks/published_runs.py --row 1.7B --shares  # one layer's time by op kind
 """
 
 from __future__ import annotations
@@ -57,9 +59,12 @@ from strategies.baselines import fsdp  # noqa: E402
 from strategies import megatron_layers  # noqa: E402
 from strategies.megatron import megatron  # noqa: E402
 from strategies.megatron_layers import layer_recomputed  # noqa: E402
+from strategies.lowering import lower  # noqa: E402
+from strategies.precision import compute_graph  # noqa: E402
 
 __all__ = ["MICROBATCH", "ROWS", "Run", "block_wave_efficiency", "build_graph", "build_plan",
-           "korthikanti_activations", "korthikanti_model_flops", "layer_ops", "llama_params", "narayanan_flops", "narayanan_params", "predict",
+           "korthikanti_activations", "korthikanti_model_flops", "layer_ops", "layer_shares", "llama_params",
+           "narayanan_flops", "narayanan_params", "predict",
            "predicted_mfu", "predicted_tflops", "published_seconds", "reachable", "throughput_error",
            "tile_wave_efficiency", "torchtitan_flops"]
 
@@ -260,6 +265,39 @@ def block_wave_efficiency(run: Run) -> float:
     return flops / weighted
 
 
+def layer_shares(run: Run) -> dict[str, tuple[int, float, float]]:
+    """What the cost model charges one transformer layer of the row on device 0 for one
+    micro-batch, by op kind: kind -> (partitions, forward s, backward s); the row's shape, plan,
+    dtype and attention kernel at two layers and one pipeline stage (the second layer's ops,
+    from its first to its closing residual add)."""
+    small = replace(run, layers=2, pp=1, gpus=run.gpus // run.pp, batch=run.dp * run.microbatch, chunks=1)
+    graph = build_graph(small)
+    plan = build_plan(small, graph)
+    lowered = lower(graph, plan)
+    graph = compute_graph(graph, plan.compute_dtype)
+    cost = get_cost_model("analytical", attention=run.attention)
+    device = get_topology(run.topology).devices[0]
+    names = [n.name for n in graph]
+    layer = layer_ops(graph, small)[1]
+    out: dict[str, tuple[int, float, float]] = {}
+    for node in graph.nodes[min(map(names.index, layer)):max(map(names.index, layer)) + 2]:
+        for p in (p for p in lowered.partitions[node.name][0] if p.device == 0):
+            f, b = cost.partition_time(node, p, device)
+            n, f0, b0 = out.get(node.kind, (0, 0.0, 0.0))
+            out[node.kind] = (n + 1, f0 + f, b0 + b)
+    return out
+
+
+def _print_shares(run: Run) -> None:
+    shares = layer_shares(run)
+    fwd, bwd = (sum(t[i] for t in shares.values()) for i in (1, 2))
+    print(f"{run.name}: one layer, device 0, one micro-batch ({run.attention} attention): forward "
+          f"{fwd * 1e3:.3f} ms, backward {bwd * 1e3:.3f} ms")
+    print(f"{'kind':12s} {'ops':>3s} {'fwd us':>8s} {'bwd us':>8s} {'share':>6s}")
+    for kind, (n, f, b) in sorted(shares.items(), key=lambda kv: -(kv[1][1] + kv[1][2])):
+        print(f"{kind:12s} {n:3d} {f * 1e6:8.1f} {b * 1e6:8.1f} {(f + b) / (fwd + bwd):6.1%}")
+
+
 def _gib(nbytes: float | None) -> str:
     return f"{'-':>5s}" if nbytes is None else f"{nbytes / GiB:5.1f}"
 
@@ -271,11 +309,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--row", action="append", help="only the row of this name (repeatable), e.g. 7.5B, '22B full'")
     ap.add_argument("--max-gpus", type=int, default=MAX_GPUS, help="rows of more devices are listed, not simulated")
     ap.add_argument("--attention", choices=ATTENTION_KERNELS, help="every row with this attention kernel")
+    ap.add_argument("--shares", action="store_true", help="print each row's per-layer time by op kind, not the table")
     args = ap.parse_args(argv)
     rows = tuple(r for r in ROWS if (args.sweep is None or r.sweep in args.sweep)
                  and (args.row is None or r.name in args.row))
     if args.attention is not None:
         rows = tuple(replace(r, attention=args.attention) for r in rows)
+    if args.shares:
+        for run in rows:
+            _print_shares(run)
+        return
     print(f"{'row':17s} {'GPUs':>5s} {'TP':>3s} {'PP':>3s} {'DP':>4s} {'B':>5s} {'M':>4s} {'rec':>4s} {'pub s':>7s} "
           f"{'pred s':>7s} {'pub TF':>6s} {'pred TF':>7s} {'error':>7s} {'waves':>5s} {'peak':>5s} {'act':>5s} "
           f"{'paper':>5s} {'sim s':>6s}  source", flush=True)

@@ -45,16 +45,22 @@ COMPUTE_EFFICIENCY = 0.6
 datasheet peak, smaller and odd-shaped kernels less; 0.6 is the middle of what cuBLAS/cuDNN and
 oneDNN deliver on the zoo's shapes."""
 MEMORY_EFFICIENCY = 0.8
-"""Fraction of the datasheet bandwidth a streaming kernel reaches (STREAM-like copies: 80-90 %)."""
+"""Fraction of the datasheet bandwidth a streaming kernel reaches (STREAM-like copies: 80-90 %;
+on an A100 80GB SXM a pure read kernel measures 1.80 of 2.04 TB/s, 88 % in Nsight Compute:
+NVIDIA developer forum, "Trouble to Reach Peak Bandwidth of A100"; kernels that read and write,
+as softmax, dropout and the elementwise ops do, reach less)."""
 GPU_LAUNCH_OVERHEAD = 5e-6
 """Seconds per kernel on a GPU: a CUDA launch plus PyTorch's eager dispatch is 4-10 µs."""
 CPU_LAUNCH_OVERHEAD = 2e-6
 """Seconds per op on a CPU: no launch, only the framework's dispatch (1-5 µs an eager op)."""
-ATTENTION_KERNELS = ("flash", "math")
+ATTENTION_KERNELS = ("flash", "math", "megatron")
 """How an ``attention`` op is costed: "flash" (Dao et al. 2022: the scores never leave on-chip
-memory, HBM traffic q, k, v and the output; torch's SDPA on A100/H100) or "math" (their
+memory, HBM traffic q, k, v and the output; torch's SDPA on A100/H100), "math" (their
 Algorithm 0, the standard attention: q·kᵀ, softmax and ·v as separate kernels, the
-queries × keys scores S and probabilities P of every head written to and read from HBM)."""
+queries × keys scores S and probabilities P of every head written to and read from HBM) or
+"megatron" ("math" with dropout on the probabilities, Megatron-LM's ``CoreAttention``: baddbmm,
+its fused scale-mask-softmax, ``attention_dropout`` (default 0.1; Korthikanti et al. 2022 §4.1
+count its mask and output in a layer's activations), bmm)."""
 MATH_ATTENTION_PASSES = (4, 7)
 """HBM passes over the queries × keys matrix of the "math" kernel (Dao et al. 2022, Algorithms 0
 and 3): forward writes S, reads S, writes P, reads P; backward reads P, writes dP, reads P and
@@ -62,6 +68,13 @@ dP, writes dS, reads dS twice (for dQ and dK)."""
 MATH_ATTENTION_KERNELS = (3, 5)
 """Kernels of the "math" attention: forward 2 products and the softmax; backward 4 products and
 the softmax's backward."""
+DROPOUT_PASSES = (2, 2)
+"""HBM passes over the probabilities that the "megatron" kernel's dropout adds to "math"'s:
+forward reads P and writes P' (which ·v then reads in P's place), backward reads dP' and writes
+dP (torch's ``native_dropout`` and ``native_dropout_backward``, one kernel each)."""
+DROPOUT_MASK_BYTES = 1
+"""Bytes per score of the dropout's mask (``native_dropout`` returns a bool mask): written in
+the forward, read in the backward."""
 
 LEAF_KINDS = frozenset({"input", "parameter", "constant"})
 """Ops that are not computed (the executor slices the batch or the state): they cost 0."""
@@ -188,7 +201,8 @@ class AnalyticalCostModel(CostModel):
     ``efficiency``: (compute, memory) fractions, or one float for both. ``launch_overhead``:
     seconds per kernel; None picks ``GPU_LAUNCH_OVERHEAD`` or ``CPU_LAUNCH_OVERHEAD`` per device.
     ``attention``: the kernel an ``attention`` op runs (``ATTENTION_KERNELS``); "math" adds the
-    queries × keys scores' HBM passes (``MATH_ATTENTION_PASSES``) and kernels to its bytes.
+    queries × keys scores' HBM passes (``MATH_ATTENTION_PASSES``) and kernels to its bytes;
+    "megatron" adds the dropout's too (``DROPOUT_PASSES``, its mask, one kernel each way).
     """
 
     def __init__(self, efficiency: float | tuple[float, float] = (COMPUTE_EFFICIENCY, MEMORY_EFFICIENCY),
@@ -235,9 +249,14 @@ class AnalyticalCostModel(CostModel):
         eff = gemm_efficiency(node, box, device)
         weighted = has_trainable_params(node)
         kernels, bwd_bytes, extra = (1, 2 if weighted else 1), 2 * nbytes, (0, 0)
-        if node.kind == "attention" and self.attention == "math":
-            scores = box_numel(box[:-1]) * _span(regions[1][-2]) * DTYPE_BYTES[dtype]  # every head's S
-            kernels, extra = MATH_ATTENTION_KERNELS, tuple(p * scores for p in MATH_ATTENTION_PASSES)
+        if node.kind == "attention" and self.attention != "flash":
+            count = box_numel(box[:-1]) * _span(regions[1][-2])  # every head's queries × keys
+            kernels = MATH_ATTENTION_KERNELS
+            extra = tuple(p * count * DTYPE_BYTES[dtype] for p in MATH_ATTENTION_PASSES)
+            if self.attention == "megatron":  # dropout on P: its passes and its mask, a kernel each way
+                extra = tuple(e + p * count * DTYPE_BYTES[dtype] + count * DROPOUT_MASK_BYTES
+                              for e, p in zip(extra, DROPOUT_PASSES))
+                kernels = tuple(k + 1 for k in kernels)
         fwd = self.roofline(flops, nbytes + extra[0], dtype, device, kernels=kernels[0], efficiency=eff)
         if node.kind in _GATHER_KINDS:  # the dense gradient of the table is zeroed and written
             bwd_bytes += sum(box_numel(r) * DTYPE_BYTES[w.spec.dtype]

@@ -74,9 +74,10 @@ K80_PCIE = Fabric("switch", "pcie", latency=5e-6, bandwidth=12e9)
 # FDR InfiniBand 4x: 4 x 14.0625 Gb/s signalling, 64b/66b -> 54.5 Gb/s data (IBTA) = 6.82 GB/s.
 FDR_NODE_NIC = Fabric("node-nic", "ib", latency=5e-6, bandwidth=4 * 14.0625e9 * 64 / 66 / 8)
 
-A100_GEMM_HALF = 800.0
+A100_GEMM_HALF = 500.0
 """Hockney's n½ of a GPU's bf16 products, in the smallest dimension's elements, fitted on
-Narayanan et al.'s Table 1 rows of <= 128 GPUs and checked on Korthikanti's 22B and
+Narayanan et al.'s Table 1 rows of <= 128 GPUs with Megatron-LM's attention kernels
+(``simulator.cost`` "megatron": dropout on the probabilities) and checked on Korthikanti's and
 torchtitan's rows (``benchmarks/published_fit.py``, benchmarks/README.md)."""
 
 A100 = DeviceSpec(  # NVIDIA A100 Tensor Core GPU datasheet, A100 80GB SXM column

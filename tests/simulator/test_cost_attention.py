@@ -46,6 +46,21 @@ def test_math_writes_and_reads_the_scores(attention):
     assert fwd > 3 * AnalyticalCostModel(launch_overhead=LAUNCH).op_time(attention, box, GPU)[0]
 
 
+def test_megatron_adds_the_dropout_on_the_probabilities(attention):
+    """Megatron-LM's CoreAttention by hand: forward baddbmm writes S, the fused softmax reads S and
+    writes P, dropout reads P and writes P' and a bool mask, bmm reads P': 6 passes over the
+    scores, 1 mask byte a score, 4 kernels; backward reads P', writes dP', the dropout's backward
+    reads dP' and the mask and writes dP, the softmax's reads dP and P and writes dS, dQ and dK
+    read dS: 9 passes, the mask, 6 kernels."""
+    box = full_box(attention.shape)
+    f, b = partition_flops(attention, box), partition_bytes(attention, box)
+    count = 2 * 4 * 256 * 256  # batch x heads x queries x keys
+    scores = count * 4  # float32
+    fwd, bwd = AnalyticalCostModel(launch_overhead=LAUNCH, attention="megatron").op_time(attention, box, GPU)
+    assert fwd == pytest.approx(max(f / 60e12, (b + 6 * scores + count) / 0.8e12) + 4 * LAUNCH)
+    assert bwd == pytest.approx(max(2 * f / 60e12, (2 * b + 9 * scores + count) / 0.8e12) + 6 * LAUNCH)
+
+
 def test_unknown_kernel_is_refused():
     with pytest.raises(ValueError, match="attention 'xformers' must be one of"):
         AnalyticalCostModel(attention="xformers")
