@@ -82,14 +82,14 @@ def _slowed(monkeypatch, delay: float) -> list[float]:
     real, ends = api.simulate_plan, []
 
     def slow(*args, summary=True, **kw):
-        ask = summary if callable(summary) else (lambda quick: summary)
+        if callable(summary):  # asked of the result without its summary: slowed where it says yes
+            ask = summary
 
-        def made(quick):
-            if not ask(quick):
-                return False
+            def summary(quick):
+                return ask(quick) and (time.sleep(delay) or True)
+        elif summary:
             time.sleep(delay)
-            return True
-        result = real(*args, summary=made, **kw)
+        result = real(*args, summary=summary, **kw)
         if result.memory:
             ends.append(time.perf_counter())
         return result
