@@ -35,15 +35,18 @@ ResNet-101's 348 ops) costs a search's proposal (a few ms) as much as folding sa
 
 def simulate_plan(graph: OpGraph, strategy: Strategy | Lowered, topology: Topology | str,
                   cost_model: CostModel | str = "analytical", *, optimizer: str = "sgd",
-                  timeline: bool = False, summary: bool = True, cache: TaskCache | None = None,
-                  fold: bool | None = None, lowering_cache: dict | None = None) -> SimResult:
+                  timeline: bool = False, summary: bool | Callable[[SimResult], bool] = True,
+                  cache: TaskCache | None = None, fold: bool | None = None,
+                  lowering_cache: dict | None = None) -> SimResult:
     """Lower ``strategy`` (or take it lowered), build the task graph, run the event simulation
     (again where ``simulator.stragglers`` scales a step-end collective's overhead by the members
     arriving together, then ``simulator.contention``'s passes on devices that slow when
     computing together) and measure memory. Same inputs, same result, bit for bit. ``summary=False`` (for scoring
     many candidates) leaves busy times and bytes moved empty and skips their pass over the
     tasks, and the peak's breakdown by category (``SimResult.memory``); iteration time and peak
-    memory are the same. ``cache`` reuses the task blocks of ops
+    memory are the same. ``summary`` may be a function of that result without its summary that
+    says whether to add it, from the same timeline (a search summarizes only a plan that beats
+    every one before it: its answer is never simulated again). ``cache`` reuses the task blocks of ops
     whose lowered pieces are unchanged (delta simulation: see ``simulator.tasks``). ``fold``:
     True: a plan replicated over copies of its devices (``simulator.symmetry``) is simulated on
     one copy for all (``simulator.fold``: the same result) unless ``timeline`` asks for every
@@ -62,10 +65,12 @@ def simulate_plan(graph: OpGraph, strategy: Strategy | Lowered, topology: Topolo
         tg, folded, start, end = timed_graph(lowered, topo, cost, optimizer, cache, fold, relower=relower)
         if relower is not None:
             lowered = relower.last
-        if not summary:
+        if summary is not True:
             peak = peak_memory(lowered, optimizer)
-            return SimResult(float(end.max(initial=0.0)), (), tuple(peak),
-                             tuple(d.memory_bytes for d in topo.devices[:len(peak)]), {}, len(tg))
+            quick = SimResult(float(end.max(initial=0.0)), (), tuple(peak),
+                              tuple(d.memory_bytes for d in topo.devices[:len(peak)]), {}, len(tg))
+            if not summary or not summary(quick):
+                return quick
         memory = memory_breakdown(lowered, optimizer)
         return summarize(tg, topo, start.tolist(), end.tolist(), [m.total for m in memory], timeline, memory,
                          None if folded is None else folded.copies.tolist())

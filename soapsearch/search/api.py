@@ -21,11 +21,12 @@ from soapsearch.api import DEFAULT_TOPOLOGY
 from soapsearch.search.chains import Chain, Progress, default_workers, run_chains
 from soapsearch.search.config import SearchConfig, search_config
 from soapsearch.search.exhaustive import search_exhaustively, space_size
-from soapsearch.search.mcmc import Budget, ChainStats, candidate_configs, consider, neighbor_ops, plan_cost
+from soapsearch.search.mcmc import Budget, ChainStats, candidate_configs, consider, neighbor_ops, plan_cost, rank
 from soapsearch.search.globalmove import GlobalMoves
 from soapsearch.search.symmove import SymmetricMoves
 from soapsearch.search.sweep import SWEEP_SHARE, SWEEP_TIMINGS, SWEPT_BASELINES, swept_starts
 from soapsearch.search.moves import MoveRates, Moves, Space, microbatch_choices
+from soapsearch.search.pace import Pace
 from soapsearch.trace import check_scalar_loss, trace
 from strategies import (OpGraph, PlanError, Strategy, baseline, load_strategy, save_strategy)
 from strategies.baselines import BASELINES, hybrid
@@ -43,9 +44,16 @@ class Evaluator:
     """Simulates plans of one graph on one topology, reusing each unchanged op's lowering."""
 
     def __init__(self, graph: OpGraph, topology: Topology, cost: CostModel, optimizer: str = "sgd",
-                 precision: str = "model"):
+                 precision: str = "model", summarize_best: bool = False, pace: Pace | None = None):
         self.graph, self.topology, self.cost, self.optimizer = graph, topology, cost, optimizer
         self.precision = precision
+        self.summarize_best = summarize_best
+        """Every result that ranks before each one returned before (``mcmc.rank``) comes with
+        its summary, made from its own timeline: a search's answer is never simulated again."""
+        self.best: tuple[bool, float] | None = None
+        """The rank of the best result returned so far."""
+        self.pace = Pace() if pace is None else pace
+        """Where the seconds of each summary's pass go (kind "summary")."""
         self.lowering_cache: dict = {}
         """The cache ``strategies.lowering.lower`` reuses across this search's plans (the sweep's
         trials read it through ``scratch.Scratch``)."""
@@ -61,8 +69,8 @@ class Evaluator:
         self.known[id(plan)] = (plan, result)
 
     def __call__(self, plan: Strategy, summary: bool = False, timeline: bool = False) -> SimResult:
-        """Iteration time and memory of ``plan`` (``summary``: also busy times, bytes moved;
-        ``timeline``: every task's times)."""
+        """Iteration time and memory of ``plan`` (``summary``, or ``summarize_best`` and the
+        best so far: also busy times, bytes moved; ``timeline``: every task's times)."""
         known = self.known.get(id(plan))
         if known is not None and known[0] is plan and not (summary or timeline):  # scored already (sweep.py)
             return known[1]
@@ -70,8 +78,29 @@ class Evaluator:
         plan = self.planned(plan)
         if len(self.lowering_cache) > 200_000:
             self.lowering_cache.clear()
-        return simulate_plan(self.graph, plan, self.topology, self.cost, optimizer=self.optimizer,
-                             summary=summary, timeline=timeline, cache=self._tasks, lowering_cache=self.lowering_cache)
+        made: list[float] = []  # when a summary was asked for: its pass is timed
+
+        def wanted(quick: SimResult) -> bool:
+            if not (summary or (self.summarize_best and self._leads(quick))):
+                return False
+            made.append(time.perf_counter())
+            return True
+
+        result = simulate_plan(self.graph, plan, self.topology, self.cost, optimizer=self.optimizer,
+                               summary=wanted, timeline=timeline, cache=self._tasks,
+                               lowering_cache=self.lowering_cache)
+        if made:
+            self.pace.record("summary", time.perf_counter() - made[0])
+        self._leads(result)
+        return result
+
+    def _leads(self, result: SimResult) -> bool:
+        """``result`` ranks before every result returned before (it is the best now)."""
+        key = rank(result.fits, plan_cost(result))
+        if self.best is not None and key >= self.best:
+            return False
+        self.best = key
+        return True
 
     def planned(self, plan: Strategy) -> Strategy:
         """``plan`` in the search's precision (a baseline or initial plan is made in "model")."""
@@ -138,23 +167,26 @@ def save_found(path: str | os.PathLike, found: FoundPlan) -> None:
 
 
 def best_baselines(graph: OpGraph, num_devices: int, evaluate: Evaluator, deadline: float | None = None,
-                   unscored: list[str] | None = None, only: Sequence[str] | None = None
-                   ) -> tuple[dict[str, Strategy], dict[str, SimResult]]:
+                   unscored: list[str] | None = None, only: Sequence[str] | None = None,
+                   pace: Pace | None = None) -> tuple[dict[str, Strategy], dict[str, SimResult]]:
     """Each baseline that is valid for this graph, simulated; ``pipeline`` is the best of
     GPipe and 1F1B over 2, 4 and 8 micro-batches; ``hybrid`` (data x tensor parallel) only
     where the batch does not divide by the devices (else it is data parallel); ``zero1`` and
     ``fsdp`` (data parallel with its replicated state sharded) and ``single_device`` (every op
     whole on device 0, where it fits in its memory) on more than one device;
     ``megatron`` only where the graph has a transformer's blocks
-    (``strategies.megatron.megatron_blocks``). Past ``deadline`` (``time.perf_counter()``) a
-    baseline is not scored, the first excepted, and its name goes to ``unscored``. ``only``:
-    the baselines of those names alone."""
+    (``strategies.megatron.megatron_blocks``). A baseline whose scoring would end past
+    ``deadline`` (``time.perf_counter()``), as ``pace`` predicts it from the baselines scored
+    before (``pace.Pace``, kind "baseline/<name>"), is not scored, the first excepted, and its name
+    goes to ``unscored``. ``only``: the baselines of those names alone."""
     plans: dict[str, Strategy] = {}
     results: dict[str, SimResult] = {}
+    pace = evaluate.pace if pace is None else pace
 
     def late(name: str) -> bool:
-        """Past the deadline with one baseline scored: ``name`` is left unscored."""
-        if deadline is None or not results or time.perf_counter() < deadline:
+        """One baseline scored and ``name``'s scoring predicted to end past the deadline:
+        ``name`` is left unscored."""
+        if not results or pace.fits(f"baseline/{name}", deadline):
             return False
         if unscored is not None and name not in unscored:
             unscored.append(name)
@@ -176,7 +208,8 @@ def best_baselines(graph: OpGraph, num_devices: int, evaluate: Evaluator, deadli
         if late(name):
             del plans[name]
             continue
-        results[name] = evaluate(plans[name], summary=True)
+        with pace.timed(f"baseline/{name}"):
+            results[name] = evaluate(plans[name], summary=True)
         if name == "single_device" and not results[name].fits:  # a row only where it fits
             del plans[name], results[name]
     for m in PIPELINE_MICROBATCHES if only is None or "pipeline" in only else ():
@@ -185,7 +218,8 @@ def best_baselines(graph: OpGraph, num_devices: int, evaluate: Evaluator, deadli
                 plan = evaluate.planned(baseline("pipeline", graph, num_devices, m).with_microbatches(m, schedule))
                 if late("pipeline"):
                     break
-                res = evaluate(plan, summary=True)
+                with pace.timed("baseline/pipeline"):
+                    res = evaluate(plan, summary=True)
             except PlanError:  # the batch, or an op that mixes micro-batches (check_microbatches)
                 continue
             if "pipeline" not in results or res.iteration_time < results["pipeline"].iteration_time:
@@ -292,14 +326,13 @@ def search(model: torch.nn.Module | OpGraph, example_inputs: Sequence[Any] | Non
     if n > topo.num_devices:
         raise ValueError(f"search num_devices = {n}: more than the {topo.num_devices} devices of {topo.name!r}")
     cost = get_cost_model(config.cost_model) if isinstance(config.cost_model, str) else config.cost_model
-    evaluate = Evaluator(graph, topo, cost, config.optimizer, config.precision)
+    pace = Pace()  # each kind of step's mean seconds: one that would end past the deadline does not start
+    evaluate = Evaluator(graph, topo, cost, config.optimizer, config.precision, summarize_best=True, pace=pace)
     rng = random.Random(seed)
     unscored: list[str] = []
-    scoring = time.perf_counter()
     swept = any(isinstance(i, str) and i == "swept" for i in config.init or ())
-    plans, results = best_baselines(graph, n, evaluate, deadline, unscored, SWEPT_BASELINES if swept else None)
-    # one baseline's scoring, kept back from the chains: the answer's summary simulation
-    summary_s = (time.perf_counter() - scoring) / max(1, evaluate.calls)
+    plans, results = best_baselines(graph, n, evaluate, deadline, unscored, SWEPT_BASELINES if swept else None,
+                                    pace)
     stats = ChainStats()
     for name, plan in plans.items():  # the answer is never worse than an expert's plan
         consider(stats, plan, results[name], plan_cost(results[name]), started)
@@ -322,14 +355,15 @@ def search(model: torch.nn.Module | OpGraph, example_inputs: Sequence[Any] | Non
     size = space_size(candidates)
     if size <= config.exhaustive_limit and (budget.proposals is None or size <= budget.proposals):
         count = search_exhaustively(candidates, evaluate, stats, started, n, microbatches, schedule,
-                                    config.precision, None if deadline is None else deadline - time.perf_counter())
+                                    config.precision, deadline, pace)
         return done(stats, False, 1, count, size)
     init = ("hybrid",) if config.init is None else config.init  # hybrid: data parallel where n divides the batch
     starts: list[Strategy] = []
     if swept and moves.globals:  # the factorizations timed best-first (sweep.py)
         share = None if deadline is None else time.perf_counter() + SWEEP_SHARE * (deadline - time.perf_counter())
         starts = swept_starts(graph, topo, moves.globals, evaluate, share,
-                              None if deadline is not None else SWEEP_TIMINGS, plans, results, stats, started)
+                              None if deadline is not None else SWEEP_TIMINGS, plans, results, stats, started,
+                              pace=pace)
         if not starts and stats.best is not None:  # nothing fit, or nothing was timed, in the sweep's share:
             starts = [stats.best]  # the best plan scored so far (a baseline) starts the chains
     inits = [evaluate.planned(_initial(i, graph, n, rng, candidates, microbatches, schedule, plans, moves.globals,
@@ -343,7 +377,7 @@ def search(model: torch.nn.Module | OpGraph, example_inputs: Sequence[Any] | Non
     if workers > 1 and measures:
         raise ValueError(f"search workers = {workers} with a cost model that times kernels: "
                          "chains timing at once would time each other; use workers=1")
-    left = None if deadline is None else deadline - time.perf_counter() - summary_s
+    left = None if deadline is None else deadline - time.perf_counter()
     seconds = None if left is None else max(left, 1e-3) / -(-count // workers)  # per round
     work = [Chain(inits[i % len(inits)], seed,  # the proposals handed out, the first chains taking the rest
                   Budget(seconds, None if budget.proposals is None
@@ -353,7 +387,7 @@ def search(model: torch.nn.Module | OpGraph, example_inputs: Sequence[Any] | Non
                                     reset_every=config.reset_every, workers=workers, on_step=on_step,
                                     neighbors=moves.spaces[microbatches].neighbors,
                                     blocks=moves.spaces[microbatches].blocks, moves=moves,
-                                    replicas=config.replicas, patience=config.patience)
+                                    replicas=config.replicas, patience=config.patience, pace=pace)
     if stats.best is None:  # interrupted before the first chain scored its start
         stats.best = inits[0]
     return done(stats, interrupted, min(workers, count), 0, 0)
@@ -373,8 +407,8 @@ class _Done:
 
     def __call__(self, stats: ChainStats, interrupted: bool, workers: int, exhaustive: int,
                  space: int) -> SearchResult:
-        best = stats.best_result  # a baseline's is scored with its summary; chains score without
-        if not any(best is r for r in self.results.values()):
+        best = stats.best_result  # a baseline's, and any plan's that led when scored, has its summary
+        if best is None or not best.memory:  # (Evaluator.summarize_best): else simulated again
             best = self.evaluate(stats.best, summary=True)
         return SearchResult(stats.best, best, self.graph, self.topo,
                             baselines={k: r.iteration_ms for k, r in self.results.items()},

@@ -7,6 +7,7 @@ best plan by ``mcmc.consider``'s rule, the first chain winning ties."""
 from __future__ import annotations
 
 import copy
+import gc
 import math
 import multiprocessing
 import multiprocessing.connection
@@ -21,6 +22,7 @@ from simulator.result import SimResult
 from soapsearch.search.blockmove import BlockMoves
 from soapsearch.search.mcmc import REPLICAS, Budget, ChainStats, rank, run_chain
 from soapsearch.search.moves import Moves
+from soapsearch.search.pace import Pace
 from strategies.config import ParallelConfig
 from strategies.strategy import Strategy
 
@@ -67,11 +69,13 @@ def run_chains(chains: list[Chain], evaluate: Callable[[Strategy], SimResult],
                on_step: Callable[[Progress], None] | None = None,
                neighbors: dict[str, tuple[str, ...]] | None = None,
                blocks: BlockMoves | None = None, moves: Moves | None = None,
-               replicas: int = REPLICAS, patience: int | None = None) -> tuple[ChainStats, bool]:
+               replicas: int = REPLICAS, patience: int | None = None,
+               pace: Pace | None = None) -> tuple[ChainStats, bool]:
     """Every chain from a copy of ``base`` (the scored baselines), ``workers`` at a time; the
     merged stats (``merge``) and whether Ctrl-C stopped the search. ``workers`` > 1 forks; a
     chain's error is raised here as it was raised there. ``neighbors``, ``blocks``, ``moves``,
-    ``replicas`` and ``patience``:
+    ``replicas``, ``patience`` and ``pace`` (the chains time their steps into it, a forked
+    chain into its own copy):
     ``mcmc.run_chain``'s."""
     if workers < 1:
         raise ValueError(f"search workers = {workers}: must be >= 1")
@@ -81,15 +85,15 @@ def run_chains(chains: list[Chain], evaluate: Callable[[Strategy], SimResult],
                              "use workers=1")
         results, interrupted = _forked(chains, evaluate, candidates, base, started, beta, reset_every,
                                        workers, on_step, neighbors, blocks, moves,
-                                       replicas, patience)
+                                       replicas, patience, pace)
     else:
         results, interrupted = _in_turn(chains, evaluate, candidates, base, started, beta, reset_every,
-                                        on_step, neighbors, blocks, moves, replicas, patience)
+                                        on_step, neighbors, blocks, moves, replicas, patience, pace)
     return merge(base, results), interrupted
 
 
 def _in_turn(chains, evaluate, candidates, base, started, beta, reset_every, on_step, neighbors, blocks, moves,
-             replicas, patience):
+             replicas, patience, pace):
     rows = _rows([0.0] * (_FIELDS * len(chains)), base)
     results: list[ChainStats] = []
     for i, chain in enumerate(chains):
@@ -104,7 +108,7 @@ def _in_turn(chains, evaluate, candidates, base, started, beta, reset_every, on_
         try:
             run_chain(chain.start, evaluate, candidates, chain.budget, chain_rng(chain.seed, i),
                       beta, reset_every, stats, started, on_step=step, neighbors=neighbors, blocks=blocks,
-                      moves=moves, replicas=replicas, patience=patience)
+                      moves=moves, replicas=replicas, patience=patience, pace=pace)
         except KeyboardInterrupt:
             results.append(stats)
             return results, True
@@ -141,7 +145,7 @@ def _progress(rows, base: ChainStats) -> Progress:
 
 
 def _forked(chains, evaluate, candidates, base, started, beta, reset_every, workers, on_step, neighbors, blocks,
-            moves, replicas, patience):
+            moves, replicas, patience, pace):
     ctx = multiprocessing.get_context("fork")
     shared = _rows(ctx.RawArray("d", _FIELDS * len(chains)), base)
     stop = ctx.RawValue("b", 0)
@@ -159,7 +163,7 @@ def _forked(chains, evaluate, candidates, base, started, beta, reset_every, work
                     proc = ctx.Process(target=_worker, daemon=True,
                                        args=(send, i, chains[i], evaluate, candidates, base, started, beta,
                                              reset_every, shared, stop, neighbors, blocks, moves, replicas,
-                                             patience))
+                                             patience, pace))
                     running[recv] = (i, proc)
                     try:
                         proc.start()
@@ -212,16 +216,17 @@ def _close(conn, proc, terminate: bool = False) -> None:
 
 
 def _worker(conn, i, chain, evaluate, candidates, base, started, beta, reset_every, shared, stop,
-            neighbors, blocks, moves, replicas, patience) -> None:
+            neighbors, blocks, moves, replicas, patience, pace) -> None:
     """A forked chain: runs until its budget or the parent's stop flag, then sends its stats."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides: it raises the stop flag
+    gc.disable()  # it exits after its chain: a cyclic collection would walk the search's caches first
     write = _writer(shared, i, base)
     try:
         stats = _fresh(base)
         run_chain(chain.start, evaluate, candidates, chain.budget, chain_rng(chain.seed, i), beta,
                   reset_every, stats, started, should_stop=lambda: bool(stop.value),
                   on_step=lambda s, _cost: write(s), neighbors=neighbors, blocks=blocks, moves=moves,
-                  replicas=replicas, patience=patience)
+                  replicas=replicas, patience=patience, pace=pace)
         write(stats)
         conn.send(("ok", stats))
     except BaseException as e:  # noqa: BLE001 - raised again in the parent, as with one worker

@@ -8,11 +8,11 @@ that order on a tie: deterministic."""
 from __future__ import annotations
 
 import math
-import time
 from typing import Callable, Iterator
 
 from simulator.result import SimResult
 from soapsearch.search.mcmc import ChainStats, consider, plan_cost
+from soapsearch.search.pace import SUMMARY, Pace
 from strategies.config import ParallelConfig
 from strategies.strategy import Strategy
 
@@ -48,16 +48,18 @@ def gray_plans(candidates: dict[str, list[ParallelConfig]], num_devices: int, mi
 
 def search_exhaustively(candidates: dict[str, list[ParallelConfig]], evaluate: Callable[[Strategy], SimResult],
                         stats: ChainStats, started: float, num_devices: int, microbatches: int, schedule: str,
-                        precision: str, seconds: float | None = None) -> int:
+                        precision: str, deadline: float | None = None, pace: Pace | None = None) -> int:
     """Simulate every plan of ``candidates`` into ``stats`` (``consider``: the best by rank,
-    the earliest on a tie), stopping after ``seconds`` if given; the number of plans
+    the earliest on a tie), stopping where the next would end past ``deadline``
+    (``time.perf_counter()``; ``pace`` predicts it, kind "plan"); the number of plans
     simulated (the answer is exact where it is ``space_size(candidates)``)."""
     count = 0
-    t0 = time.perf_counter()
+    pace = Pace() if pace is None else pace
     for plan in gray_plans(candidates, num_devices, microbatches, schedule, precision):
-        if seconds is not None and count % 64 == 0 and time.perf_counter() - t0 >= seconds:
+        if not pace.fits("plan", deadline, SUMMARY):
             break
-        result = evaluate(plan)
+        with pace.timed("plan"):
+            result = evaluate(plan)
         consider(stats, plan, result, plan_cost(result), started)
         count += 1
     stats.proposals += count

@@ -48,6 +48,7 @@ from simulator.result import SimResult
 from simulator.simulate import paused_gc
 from soapsearch.search.blockmove import BLOCK, BlockMoves
 from soapsearch.search.moves import Moves, Space, candidate_configs, keep, neighbor_ops
+from soapsearch.search.pace import SUMMARY, Pace
 from strategies.config import ParallelConfig
 from strategies.errors import PlanError
 from strategies.strategy import Strategy
@@ -157,7 +158,7 @@ def run_chain(init: Strategy, evaluate: Callable[[Strategy], SimResult],
               on_step: Callable[[ChainStats, float], None] | None = None,
               neighbors: dict[str, tuple[str, ...]] | None = None,
               blocks: BlockMoves | None = None, moves: Moves | None = None,
-              replicas: int = REPLICAS, patience: int | None = None) -> ChainStats:
+              replicas: int = REPLICAS, patience: int | None = None, pace: Pace | None = None) -> ChainStats:
     """One chain from ``init``. With ``beta`` (per ms) given, one plan walks at that constant
     inverse temperature (the chain resets it to its best every ``reset_every`` proposals).
     Without (the default), the
@@ -177,11 +178,19 @@ def run_chain(init: Strategy, evaluate: Callable[[Strategy], SimResult],
     ``moves``, every plan the chain holds (its start, a reset target, a swapped plan) proposes
     from ``moves.space`` of its own count; ``neighbors`` (op -> its producers and consumers,
     ``neighbor_ops``) enables the group moves, ``blocks`` (where it has any) the block moves;
-    ``moves`` the sharding-level, recompute and micro-batch moves at its rates."""
+    ``moves`` the sharding-level, recompute and micro-batch moves at its rates. Under
+    ``budget.seconds`` a step predicted to end past them, with a summary's pass after it, does
+    not start (``pace.Pace``: a proposal's drawing and scoring, kind "proposal/<move>", and once
+    drawn its scoring, kind "score"; the chain's start, never timed, predicted by the steps
+    before it); the chain ends there."""
     stats = stats or ChainStats()
     started = time.perf_counter() if started is None else started
     t0 = time.perf_counter()
-    result = evaluate(init)
+    pace = Pace() if pace is None else pace
+    end = None if budget.seconds is None else t0 + budget.seconds
+    if stats.best is not None and not pace.fits("start", end, SUMMARY):  # predicted by the steps before
+        return stats  # no room to score the start: the best scored before stands
+    result = evaluate(init)  # not timed: a start scored before (the sweep's) takes no time
     consider(stats, init, result, plan_cost(result), started)
     first = Space(candidates, neighbors, blocks)
     rates = moves.rates if moves is not None else None
@@ -193,20 +202,32 @@ def run_chain(init: Strategy, evaluate: Callable[[Strategy], SimResult],
     def space(m: int) -> Space:  # the op moves' configs for the plan's own micro-batches
         return first if moves is None else moves.space(m)
 
-    def propose(current: Strategy) -> tuple[Strategy | None, bool]:
-        """A proposal from ``current`` (None: nothing to propose this time) and whether it is a
-        block move."""
+    def pick(current: Strategy) -> str:
+        """The kind of the next proposal from ``current`` (its draws come first)."""
         here = space(current.microbatches)
         u = rng.random() if cut is not None else 1.0
         if cut is not None and u < cut[-1]:
-            kind = (moves.microbatches if u < cut[0] else moves.zero if u < cut[1]
-                    else moves.recompute if u < cut[2] else moves.subgraph)
-            return kind(current, rng), False
+            return ("microbatches" if u < cut[0] else "zero" if u < cut[1]
+                    else "recompute" if u < cut[2] else "subgraph")
         if moves is not None and moves.globals and rng.random() < rates.factorization:
-            return moves.globals.propose(current, rng), False
+            return "global"
         if moves is not None and moves.repeats and rng.random() < rates.repeat:
-            return moves.repeated(current, rng), False
+            return "repeat"
         if here.blocks and rng.random() < BLOCK:
+            return "block"
+        return "op"
+
+    def propose(current: Strategy, kind: str) -> tuple[Strategy | None, bool]:
+        """A proposal of ``kind`` (``pick``) from ``current`` (None: nothing to propose this
+        time) and whether it is a block move."""
+        here = space(current.microbatches)
+        if kind in ("microbatches", "zero", "recompute", "subgraph"):
+            return getattr(moves, kind)(current, rng), False
+        if kind == "global":
+            return moves.globals.propose(current, rng), False
+        if kind == "repeat":
+            return moves.repeated(current, rng), False
+        if kind == "block":
             return here.blocks.propose(current, rng), True
         if not here.ops:
             return None, False
@@ -227,7 +248,7 @@ def run_chain(init: Strategy, evaluate: Callable[[Strategy], SimResult],
 
     n = 0
     gain_n = 0  # proposals at the last improvement
-    stalled = False
+    stalled = late = False
 
     def stall() -> bool:
         """The best not improved for ``patience`` proposals (None: half the proposal budget;
@@ -239,7 +260,7 @@ def run_chain(init: Strategy, evaluate: Callable[[Strategy], SimResult],
     def spent() -> float | None:
         """The budget's fraction used (None: stop now)."""
         nonlocal stalled
-        if should_stop():
+        if late or should_stop():
             return None
         elapsed = time.perf_counter() - t0
         used = 0.0
@@ -263,7 +284,8 @@ def run_chain(init: Strategy, evaluate: Callable[[Strategy], SimResult],
         n += 1
         stats.proposals += 1
         try:
-            res = evaluate(proposal)
+            with pace.timed("score"):
+                res = evaluate(proposal)
         except PlanError:
             return None, math.inf
         cost = plan_cost(res)
@@ -278,11 +300,20 @@ def run_chain(init: Strategy, evaluate: Callable[[Strategy], SimResult],
         for _ in range(PILOT):
             if not (first.ops or cut) or spent() is None:
                 break
-            proposal, _ = propose(init)
+            kind = pick(init)
+            if not pace.fits(f"proposal/{kind}", end, SUMMARY):
+                late = True
+                break
+            t = time.perf_counter()
+            proposal, _ = propose(init, kind)
+            if proposal is not None and not pace.fits("score", end, SUMMARY):
+                late = True
+                break
             if proposal is not None:
                 _, cost = score(proposal)
                 if chain[0].cost < cost < math.inf:
                     worse.append(cost - chain[0].cost)
+            pace.record(f"proposal/{kind}", time.perf_counter() - t)
         beta = pilot_beta(worse, chain[0].cost)
         chain += [_Replica(init, chain[0].cost, chain[0].fits) for _ in range(max(1, replicas) - 1)]
         if len(chain) > 1 and stats.best is not init and (moves is not None or
@@ -297,7 +328,13 @@ def run_chain(init: Strategy, evaluate: Callable[[Strategy], SimResult],
             break
         b = (beta if fixed else annealed(beta, used)) * ladder[turn]
         me = chain[turn]
-        proposal, block = propose(me.plan)
+        kind = pick(me.plan)
+        if not pace.fits(f"proposal/{kind}", end, SUMMARY):  # predicted to end past the budget: the chain ends here
+            break
+        t = time.perf_counter()
+        proposal, block = propose(me.plan, kind)
+        if proposal is not None and not pace.fits("score", end, SUMMARY):  # its drawing ran long
+            break
         if proposal is not None:
             res, cost = score(proposal)
             if res is not None and accept(res.fits, cost, me.fits, me.cost, b, rng):
@@ -307,6 +344,7 @@ def run_chain(init: Strategy, evaluate: Callable[[Strategy], SimResult],
         else:
             n += 1
             stats.proposals += 1
+        pace.record(f"proposal/{kind}", time.perf_counter() - t)
         walked += 1
         cold += turn == len(chain) - 1
         if reset_every and turn == len(chain) - 1 and cold % reset_every == 0 and stats.best is not None:

@@ -25,7 +25,6 @@ by the graph and topology, so the sweep is deterministic; it stops at its deadli
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -35,6 +34,7 @@ from simulator.simulate import FOLD_FROM, Lowerings
 from simulator.topology import Topology
 from soapsearch.search.globalmove import Factorization, GlobalMoves
 from soapsearch.search.mcmc import ChainStats, consider, plan_cost, rank
+from soapsearch.search.pace import SUMMARY, Pace
 from soapsearch.search.scratch import Scratch
 from strategies.errors import PlanError
 from strategies.graph import OpGraph
@@ -162,11 +162,14 @@ class Swept:
 
 def sweep(graph: OpGraph, topo: Topology, moves: GlobalMoves, optimizer: str, precision: str,
           evaluate: Callable[[Strategy], SimResult], cache: dict, deadline: float | None,
-          limit: int | None, known: dict[Strategy, SimResult] | None = None) -> list[Swept]:
+          limit: int | None, known: dict[Strategy, SimResult] | None = None,
+          pace: Pace | None = None) -> list[Swept]:
     """The factorizations of ``moves`` best-first (``_Order``), each lowered with ``cache``
     (the evaluator's, so its simulation reuses the lowering) and timed by ``evaluate`` where
-    its peak memory fits; a plan in ``known`` takes its result. Stops at ``deadline``
-    (``time.perf_counter()``) or after ``limit`` timed plans, whichever first."""
+    its peak memory fits; a plan in ``known`` takes its result. Stops where the next plan's
+    memory check, or a fitting plan's simulation, would end past ``deadline``
+    (``time.perf_counter()``; ``pace`` predicts them from those before, kinds "sweep/check" and
+    "sweep/timed") or after ``limit`` timed plans, whichever first."""
     n = moves.num_devices
     shape = _shape(graph, topo, n, optimizer, precision)
     order = _Order(moves.factorizations, {f: estimate(f, n, shape) for f in moves.factorizations}, shape.capacity)
@@ -174,8 +177,9 @@ def sweep(graph: OpGraph, topo: Topology, moves: GlobalMoves, optimizer: str, pr
     capacity = [d.memory_bytes for d in topo.devices]
     out: list[Swept] = []
     timed = 0
+    pace = Pace() if pace is None else pace
     while (f := order.next()) is not None:
-        if (deadline is not None and time.perf_counter() >= deadline) or (limit is not None and timed >= limit):
+        if not pace.fits("sweep/check", deadline) or (limit is not None and timed >= limit):
             break
         plan = moves.plan(f)
         if plan is None:
@@ -184,14 +188,18 @@ def sweep(graph: OpGraph, topo: Topology, moves: GlobalMoves, optimizer: str, pr
         if result is None:
             trial = Scratch(cache)  # a plan that does not fit leaves nothing in the search's cache
             try:
-                peak = peak_memory(Lowerings(graph, plan, trial).first(topo, n >= FOLD_FROM), optimizer)  # copy 0's, expanded
+                with pace.timed("sweep/check"):
+                    peak = peak_memory(Lowerings(graph, plan, trial).first(topo, n >= FOLD_FROM), optimizer)  # copy 0's, expanded
             except PlanError:  # a rule the lowering alone checks (strategies.zero): not a plan
                 continue
             if any(b > c for b, c in zip(peak, capacity)):
                 out.append(Swept(f, plan, None, max(peak)))
                 continue
+            if not pace.fits("sweep/timed", deadline, SUMMARY):
+                break
             trial.keep()  # its simulation reuses this lowering
-            result = known[plan] = evaluate(plan)
+            with pace.timed("sweep/timed"):
+                result = known[plan] = evaluate(plan)
             timed += 1
         order.timed(f, result.iteration_time)
         out.append(Swept(f, plan, result, max(result.peak_memory_bytes)))
@@ -235,13 +243,13 @@ class _Order:
 
 def swept_starts(graph: OpGraph, topo: Topology, moves: GlobalMoves, evaluate, deadline: float | None,
                  limit: int | None, plans: dict[str, Strategy], results: dict[str, SimResult],
-                 stats: ChainStats, started: float) -> list[Strategy]:
+                 stats: ChainStats, started: float, pace: Pace | None = None) -> list[Strategy]:
     """``sweep`` with ``evaluate``'s lowering cache and the scored baselines (``plans``,
     ``results``) known; each timed plan considered in ``stats``; the timed plans by
     ``mcmc.rank`` (those that fit first, then the fastest), the chains' starts."""
     known = {plans[name]: results[name] for name in results if name in plans}
     done = sweep(graph, topo, moves, evaluate.optimizer, evaluate.precision, evaluate, evaluate.lowering_cache,
-                 deadline, limit, known)
+                 deadline, limit, known, pace)
     timed = [s for s in done if s.result is not None]
     for s in timed:
         consider(stats, s.plan, s.result, plan_cost(s.result), started)

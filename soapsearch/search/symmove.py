@@ -29,7 +29,7 @@ from strategies.strategy import Strategy
 
 __all__ = ["SymmetricMoves", "imaged"]
 
-Propose = Callable[[Strategy], tuple[Strategy | None, bool]]
+Propose = Callable[..., tuple[Strategy | None, bool]]
 
 
 def imaged(cfg: ParallelConfig, sample: int | None, copies: Copies) -> ParallelConfig | None:
@@ -90,7 +90,7 @@ class SymmetricMoves:
 
     def wrap(self, propose: Propose) -> Propose:
         """``propose`` with its proposals imaged (``image``)."""
-        def symmetric(current: Strategy) -> tuple[Strategy | None, bool]:
-            proposal, block = propose(current)
+        def symmetric(current: Strategy, *how) -> tuple[Strategy | None, bool]:
+            proposal, block = propose(current, *how)
             return self.image(current, proposal), block
         return symmetric
