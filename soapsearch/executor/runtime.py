@@ -80,6 +80,11 @@ def tied_names(graph: OpGraph, state: Mapping[str, torch.Tensor]) -> dict[str, s
             if k not in names and v.data_ptr() and _storage_key(v) in first}
 
 
+def _shares(a: torch.Tensor, b: torch.Tensor | None) -> bool:
+    """``a`` and ``b`` view one storage."""
+    return b is not None and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
 def _storage_key(t: torch.Tensor) -> tuple:
     return t.data_ptr(), tuple(t.shape), t.stride(), t.dtype
 
@@ -152,6 +157,9 @@ class Executor:
         """Training batches each batchnorm op normalized on this rank (one per micro-batch)."""
         self.bn_base = {n.name: int(state[_batches_tracked(n)]) for n in graph
                         if _batches_tracked(n) in state}
+        self.transient = {i for r in self.recipes for i in r.frees if not self.recipes[i].recompute}
+        """Recipes whose outputs no backward reads (``strategies.pieces.transient``): their
+        storage is let go after their last reader's forward step here."""
         self.trace = trace
         self.events: list[dict[str, Any]] = []
         """Chrome trace events ("ph": "X", µs of ``time.perf_counter``), recorded with ``trace``."""
@@ -337,15 +345,22 @@ class Executor:
         else:
             inputs, self.leaves[r.id] = self._inputs(r)
             out = self._run(r, inputs)
+            if r.id in self.transient and any(_shares(out, x) for x in inputs):
+                self.transient.discard(r.id)  # a view of its input: the input's owner lets it go
         self.outs[r.id] = out
         if r.loss and r.loss_sum is None:
             self.losses.append(out.detach())
         if r.sends:  # in the lowering's dtype (mixed precision: the compute dtype)
             data = to_wire(out.detach(), getattr(torch, r.node.output.dtype))
+            if r.id in self.transient and _shares(data, out):  # sent until the flush, freed before
+                data = data.clone()
             for s in r.sends:
                 self.p2p.send(data if s.src is None else data[s.src], s.peer, s.transfer, backward=False)
-        for i in r.frees:  # dropped outputs whose last reader here has run
-            self.outs[i] = None
+        for i in r.frees:  # dropped or transient outputs whose last reader here has run
+            if self.recipes[i].recompute:
+                self.outs[i] = None
+            elif i in self.transient:  # not a view of its input (the input's owner frees that)
+                self.outs[i].untyped_storage().resize_(0)  # FSDP's free: the graph stays, the bytes go
 
     def _regraph(self, r: Recipe) -> None:
         """Recompute ``r``'s partition with autograd, as its forward step would have (leaves
