@@ -7,6 +7,8 @@ for backward in a recompute op's forward: what it holds is the model's kept byte
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 
@@ -50,27 +52,52 @@ test_parity_4_processes = pytest.mark.slow(test_parity_4_processes)  # the READM
 
 class Watched(Executor):
     """An executor that records, at its first backward step, which partitions' outputs it
-    holds, and counts the tensors autograd saves for backward in each forward step."""
+    holds and the storages of outputs still alive, and counts the tensors autograd saves for
+    backward in each forward step. Every tensor that may hold an output's storage is watched by
+    a weak reference: each output, each leaf copy and each tensor autograd saves (which autograd
+    holds as packed: alive while its graph is)."""
 
     def _clear(self) -> None:
         super()._clear()
         self.held = getattr(self, "held", None)
+        self.alive = getattr(self, "alive", None)
         self.saved_by: dict[bool, int] = getattr(self, "saved_by", {False: 0, True: 0})
         self.masks = getattr(self, "masks", 0)
+        self.watched: list[tuple[weakref.ref, int]] = []
+        self.packed: list[torch.Tensor] = []
 
-    def _forward(self, r) -> None:
+    def _run(self, r, inputs):  # innermost, so its hooks see every saved tensor
+        if getattr(self, "running", None) is not r:  # a recomputation: counted as no forward's
+            return super()._run(r, inputs)
+
         def pack(t):
             self.saved_by[r.recompute] += 1
             if t.dtype == torch.bool:  # a dropout's mask
                 self.masks += t.numel()
+            self.packed.append(t)
             return t
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            super()._forward(r)
+            return super()._run(r, inputs)
+
+    def _forward(self, r) -> None:
+        self.running = r
+        super()._forward(r)
+        self.running = None
+        outs = {_ptr(t) for t in self.outs if isinstance(t, torch.Tensor)}  # alive: one address each
+        for t in [*self.packed, self.outs[r.id], *(self.leaves[r.id] or ())]:
+            if isinstance(t, torch.Tensor) and _ptr(t) in outs:
+                self.watched.append((weakref.ref(t), _ptr(t)))
+        self.packed.clear()
 
     def _backward(self, r) -> None:
         if self.held is None:
             self.held = {(x.part.op, x.part.index): self.outs[x.id] for x in self.recipes}
+            self.alive = {p for ref, p in self.watched if ref() is not None and _ptr(ref()) == p}
         super()._backward(r)
+
+
+def _ptr(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
 
 
 @pytest.mark.parametrize("model,what", [("mlp", "mid"), ("gpt", "blocks"), ("gpt", "attn"), ("gpt", "layers")])
@@ -90,6 +117,8 @@ def test_the_executor_holds_what_the_model_keeps(world_of_one, model, what):
     held = {op for (op, _), out in ex.held.items() if _nbytes(out)}
     dropped = {op for op, p in low.pieces.items() if p.dropped}  # recomputed or transient (never read back)
     assert dropped and not held & dropped
+    # no output storage outlives the executor's references: a let-go one is freed
+    assert ex.alive == {_ptr(out) for out in ex.held.values() if _nbytes(out)}
     assert held | dropped | weights == set(low.pieces)
     assert any(not low.pieces[op].recompute for op in dropped) or model == "mlp"  # a transient output let go
     nbytes = sum(map(_nbytes, ex.held.values()))
@@ -107,9 +136,9 @@ def test_the_executor_holds_what_the_model_keeps(world_of_one, model, what):
     assert (low.device_bytes.kept[0] < plain_kept) == (model == "gpt") and memory_breakdown(low)[0].activations >= nbytes
 
 
-def _nbytes(out: torch.Tensor | None) -> int:
-    """The bytes an output holds: none once let go (None, or a transient one's storage freed)."""
-    return 0 if out is None or not out.untyped_storage().nbytes() else out.numel() * out.element_size()
+def _nbytes(out) -> int:
+    """The bytes an output holds: none once let go (None, or a transient one's stand-in)."""
+    return out.numel() * out.element_size() if isinstance(out, torch.Tensor) else 0
 
 
 def _masks(low, device: int) -> int:
