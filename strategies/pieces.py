@@ -272,21 +272,11 @@ def drop_positions(graph: OpGraph, strategy: Strategy, position: dict[str, int] 
 
 
 def recompute_key(graph: OpGraph, strategy: Strategy, name: str) -> tuple:
-    """What an op's pieces read of its consumers' configs: the recompute flags of its consumers
-    and, through views, of theirs (``drops_output``, ``output_needed``). Part of the lowering
-    cache's key."""
-    return tuple(strategy[u].recompute for u in _reach(graph, name))
-
-
-def _reach(graph: OpGraph, name: str) -> list[str]:
-    """The consumers of ``name`` and, through each view (``strategies.saved.aliases``), its own."""
-    out, stack = [], list(graph.users(name))
-    while stack:
-        u = stack.pop()
-        out.append(u)
-        if aliases(graph[u]):
-            stack.extend(graph.users(u))
-    return out
+    """What an op's pieces read of its consumers' configs: whether it drops its output
+    (``drops_output`` where it recomputes, ``transient`` where not), which reads the recompute
+    flags of its consumers and, through views, of theirs. Part of the lowering cache's key:
+    ops of one shape share pieces wherever this agrees (``strategies.lowering_shared``)."""
+    return (drops_output(graph, strategy, name) if strategy[name].recompute else transient(graph, strategy, name),)
 
 
 def key_readers(graph: OpGraph, name: str) -> list[str]:
