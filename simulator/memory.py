@@ -110,10 +110,11 @@ def activation_peaks(lowered: Lowered, ws: dict[int, int] | None = None) -> list
     """Per device, the peak of the activations it holds over its run order
     (``strategies.schedule.passes``: w warm-up forwards, then backward and forward in turn).
     A forward pass of a micro-batch adds, op by op in graph order, what each op keeps
-    (``OpPieces.activations``) and its dropped outputs (``OpPieces.dropped``), each dropped
-    output freed after its last consumer's forward there; a backward pass, in reverse, adds a
-    dropped output back where it is recomputed and frees what each op kept (and its
-    recomputed output) after its backward (``strategies.pieces.drop_points``). Every
+    (``OpPieces.activations``) and its dropped or transient outputs (``OpPieces.dropped``),
+    each freed after its last consumer's forward there; a backward pass, in reverse, adds a
+    dropped output back where it is recomputed (a transient one never comes back) and frees
+    what each op kept (and its recomputed output) after its backward
+    (``strategies.pieces.drop_points``). Every
     micro-batch's passes are alike, so with K kept per micro-batch, r_f the forward pass's
     highest rise and r_b the backward pass's, the peak is max((w − 1)·K + r_f, w·K + r_b);
     without dropped outputs r_f = K and r_b = 0: w·K. ``ws``: ``warmups(lowered)``, where
@@ -124,8 +125,7 @@ def activation_peaks(lowered: Lowered, ws: dict[int, int] | None = None) -> list
     b, ws = lowered.device_bytes, device_warmups(lowered) if ws is None else ws
     if not any(map(_dropped, lowered.pieces.values())):  # the search's hot path: one C-level pass
         return [ws.get(d, 0) * k for d, k in enumerate(b.kept)]
-    held, freed, redone = _rows(lowered)
-    rise_f, rise_b = (x.tolist() for x in _rises(held, freed, redone))
+    rise_f, rise_b = (x.tolist() for x in _rises(*_rows(lowered)))
     out = []
     for d, k in enumerate(b.kept):
         w = ws.get(d, 0)
@@ -133,10 +133,12 @@ def activation_peaks(lowered: Lowered, ws: dict[int, int] | None = None) -> list
     return out
 
 
-def _rows(lowered: Lowered) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _rows(lowered: Lowered) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(ops in graph order) x devices: the bytes each op's forward adds (what it keeps and its
-    dropped outputs), the dropped bytes freed after each op's forward, and those recomputed at
-    each op's backward (``strategies.pieces.drop_points``)."""
+    dropped or transient outputs), the dropped and transient bytes freed after each op's
+    forward, those recomputed at each op's backward (``strategies.pieces.drop_points``) and
+    those freed after it (what it keeps and its recomputed output: a transient one, read by no
+    backward, was freed in the forward, ``strategies.pieces.transient``)."""
     graph, pieces = lowered.graph, lowered.pieces
     position = _positions(graph)
     ops = list(map(pieces.__getitem__, position))
@@ -151,11 +153,14 @@ def _rows(lowered: Lowered) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         held = whole
     freed, redone = np.zeros_like(held), np.zeros_like(held)  # after an op's forward; at its backward
     if not at:
-        return held, freed, redone
+        return held, freed, redone, held
     dropped = np.array([ops[i].dropped for i in at], dtype=np.int64).reshape(len(at), n)
     if lowered.copies is not None:
         dropped = dropped[:, rep]
+    gone = held.copy()
     held[at] += dropped
+    redo = [k for k, i in enumerate(at) if ops[i].recompute]
+    gone[[at[k] for k in redo]] += dropped[redo]
     names = list(position)
     row = {names[i]: k for k, i in enumerate(at)}
     which, fs, rs = [], [], []  # ops with one point for all their devices (their bytes are 0 elsewhere)
@@ -168,18 +173,21 @@ def _rows(lowered: Lowered) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
             continue
         for (d,), f, r in groups:
             freed[f, d] += dropped[k, d]
-            redone[r, d] += dropped[k, d]
+            if ops[at[k]].recompute:
+                redone[r, d] += dropped[k, d]
     np.add.at(freed, fs, dropped[which])
-    np.add.at(redone, rs, dropped[which])
-    return held, freed, redone
+    once = np.array([ops[at[k]].recompute for k in which], dtype=bool)
+    np.add.at(redone, np.asarray(rs, dtype=np.int64)[once], dropped[which][once])
+    return held, freed, redone, gone
 
 
-def _rises(held: np.ndarray, freed: np.ndarray, redone: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _rises(held: np.ndarray, freed: np.ndarray, redone: np.ndarray, gone: np.ndarray
+           ) -> tuple[np.ndarray, np.ndarray]:
     """Per device, a forward pass's highest rise over its start and a backward pass's."""
     fwd = np.cumsum(held, axis=0)  # the level after op i's adds: Σ adds to i − Σ frees before i
     fwd[1:] -= np.cumsum(freed, axis=0)[:-1]
     bwd = np.cumsum(redone[::-1], axis=0)  # reverse order: Σ recomputed to i − Σ freed before i
-    bwd[1:] -= np.cumsum(held[::-1], axis=0)[:-1]
+    bwd[1:] -= np.cumsum(gone[::-1], axis=0)[:-1]
     return np.maximum(fwd.max(axis=0), 0), np.maximum(bwd.max(axis=0), 0)
 
 
@@ -190,7 +198,7 @@ def _interleaved_peaks(lowered: Lowered) -> list[int]:
     ``strategies.schedule.device_passes``."""
     chunk = chunk_of(lowered)
     n = len(lowered.device_bytes.kept)
-    held, freed, redone = _rows(lowered)
+    held, freed, redone, gone = _rows(lowered)
     kept = held.copy()
     for p_i, p in enumerate(map(lowered.pieces.__getitem__, _positions(lowered.graph))):
         if p.dropped:
@@ -199,7 +207,7 @@ def _interleaved_peaks(lowered: Lowered) -> list[int]:
     per: dict[int, tuple[list[int], list[int], list[int]]] = {}
     for c in range(int(of.max()) + 1):
         mask = (of == c)[:, None]
-        f, r = _rises(held * mask, freed * mask, redone * mask)
+        f, r = _rises(held * mask, freed * mask, redone * mask, gone * mask)
         per[c] = ((kept * mask).sum(axis=0).tolist(), f.tolist(), r.tolist())
     out = [0] * n
     for d, passes in device_passes(lowered).items():

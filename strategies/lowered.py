@@ -343,7 +343,8 @@ class OpPieces(NamedTuple):
     reduction's ring in both directions (``strategies.schedule.warmups`` reads them)."""
     activations: tuple[int, ...]
     """Bytes each device keeps for backward per micro-batch (one entry per device): each
-    partition's output (unless ``dropped``) and each remote piece it receives (a recompute
+    partition's output (unless ``dropped``), a dropout's mask (``strategies.saved``) and each
+    remote piece it receives (a recompute
     op keeps those too: its recomputation's inputs; ``simulator.memory``)."""
     receives: tuple[tuple[int, ...], tuple[int, ...]]
     """(forward, gradient) bytes each device receives per micro-batch (one entry per device):
@@ -357,8 +358,9 @@ class OpPieces(NamedTuple):
     """The op recomputes its forward before its backward (``ParallelConfig.recompute``)."""
     dropped: tuple[int, ...] = ()
     """Bytes each device drops per micro-batch instead of keeping (one entry per device, empty:
-    none): a recompute op's partition outputs where every consumer op recomputes too
-    (``strategies.pieces.drops_output``); not in ``activations``."""
+    none): a recompute op's partition outputs where every consumer op recomputes too or reads
+    nothing back (``strategies.pieces.drops_output``), or, with ``recompute`` false, outputs no
+    backward reads (``strategies.pieces.transient``); not in ``activations``."""
 
 
 class DeviceBytes(NamedTuple):

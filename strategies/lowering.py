@@ -25,7 +25,7 @@ from strategies.lowering_cache import Last, changed_ops, update
 from strategies.lowering_copies import expand_totals
 from strategies.lowering_reference import lower_reference
 from strategies.precision import compute_graph
-from strategies.pieces import check_microbatches, gates, partition_box_mb
+from strategies.pieces import check_microbatches, gates, key_readers, partition_box_mb
 from strategies.strategy import Strategy
 from strategies.symmetry import Copies, CrossCopy
 from strategies.zero import gather_uses
@@ -125,8 +125,8 @@ def lower(graph: OpGraph, strategy: Strategy, cache: dict | None = None, copies:
         affected = list(graph)
     else:
         touched = set(changed).union(*map(graph.users, changed))
-        # a recompute producer's pieces read its consumers' recompute flags (pieces.drops_output)
-        touched.update(p for c in changed for p in graph[c].inputs if strategy[p].recompute)
+        # a producer's pieces read its consumers' recompute flags (pieces.recompute_key)
+        touched.update(p for c in changed for p in key_readers(graph, c))
         affected = [graph[name] for name in sorted(touched, key=last.position.__getitem__)]
     try:
         update(graph, strategy, cache, last, affected)

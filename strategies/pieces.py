@@ -16,6 +16,7 @@ from strategies.collectives import find_collectives
 from strategies.lowered import (WEIGHT_KINDS, CollectiveRead, Gate, OpPieces, Partition, ReductionGroup, Transfer,
                                 WeightRead)
 from strategies.region import Box, box_numel, partition_index
+from strategies.saved import KIND_READS, NOTHING, aliases, reads_input, saved_extra, saves_output
 from strategies.rules import get_rule
 from strategies.rules.base import Reduction
 from strategies.rules.cross_entropy import CLASS_SUMS, class_sum_terms
@@ -25,7 +26,7 @@ from strategies.lowering_copies import kept_indices, reduction_members
 
 __all__ = ["lower_op", "partition_box_mb", "box_at", "grid_of", "overlapping", "gates", "check_microbatches", "drops_output",
            "check_recompute", "recomputable",
-           "drop_points", "drop_positions", "DropPoints", "READS_NO_INPUT"]
+           "drop_points", "drop_positions", "DropPoints", "READS_NO_INPUT", "recompute_key", "key_readers", "reads_back", "output_needed", "transient"]
 
 _new = tuple.__new__
 _name = operator.attrgetter("name")
@@ -151,20 +152,48 @@ def gates(node: OpNode, red: Reduction, devices: Sequence[int], m: int, num_devi
     return Gate.STEP if static or (m == 1 and everywhere) else Gate.BACKWARD
 
 
-READS_NO_INPUT = frozenset({"add"})
-"""Op kinds whose backward reads none of their inputs (∂(a + b) passes the output's gradient
-on): such a consumer saves nothing of what it reads, so it never keeps a producer's output."""
+READS_NO_INPUT = frozenset(kind for kind, what in KIND_READS.items() if what == NOTHING)
+"""Op kinds whose backward reads none of their inputs nor its output (``strategies.saved``:
+∂(a + b) passes the output's gradient on): such a consumer saves nothing of what it reads."""
+
+
+def reads_back(graph: OpGraph, strategy: Strategy, user: str) -> bool:
+    """Consumer ``user``'s backward reads what it reads (``strategies.saved``): a view's where
+    its own output is needed after its forward (``output_needed``)."""
+    node = graph[user]
+    return output_needed(graph, strategy, user) if aliases(node) else reads_input(node)
+
+
+def output_needed(graph: OpGraph, strategy: Strategy, name: str) -> bool:
+    """Op ``name``'s output is read after its forward: its own backward reads it
+    (``strategies.saved.saves_output``), a consumer recomputes (its recomputation reads it
+    again) or a consumer's backward reads it (``reads_back``); a graph output, an input, a
+    weight or an op with no backward keeps it (as autograd holds what no backward frees)."""
+    node = graph[name]
+    if (node.kind in WEIGHT_KINDS or node.kind == "input" or not graph.needs_grad[name] or name in graph.outputs
+            or saves_output(node)):
+        return True
+    return any(strategy[u].recompute or reads_back(graph, strategy, u) for u in graph.users(name))
+
+
+def transient(graph: OpGraph, strategy: Strategy, name: str) -> bool:
+    """Op ``name``'s partitions let go of their outputs after the last consumer's forward and
+    never need them again: it does not recompute and its output is not needed
+    (``output_needed``: autograd saves it nowhere). A row-parallel linear's Partial output
+    before its reduce-scatter, a GELU's input's consumer's output: Korthikanti et al. 2022 §4
+    count neither."""
+    return not strategy[name].recompute and not output_needed(graph, strategy, name)
 
 
 def drops_output(graph: OpGraph, strategy: Strategy, name: str) -> bool:
     """Op ``name``'s partitions drop their outputs after the forward: the op recomputes and
-    every consumer op recomputes too or reads nothing back in its backward (``READS_NO_INPUT``:
+    every consumer op recomputes too or reads nothing back in its backward (``reads_back``:
     a residual add; docs/design.md, "Recompute"). A consumer that does not recompute saves
     what it reads for its own backward, so the output stays kept; a recompute consumer
     recomputes it (the chain back to the nearest kept output: Chen et al. 2016's segments),
     so a transformer layer recomputed up to its closing residual add keeps its input only
     (Korthikanti et al. 2022, §4.1: 2sbh bytes a layer at 16 bits)."""
-    return strategy[name].recompute and all(strategy[u].recompute or graph[u].kind in READS_NO_INPUT
+    return strategy[name].recompute and all(strategy[u].recompute or not reads_back(graph, strategy, u)
                                             for u in graph.users(name))
 
 
@@ -173,15 +202,16 @@ class DropPoints(NamedTuple):
     from the op's forward step to the end of the forward step of ``free_after`` (its last
     consumer op there, graph order; the op itself where none is), and again from the start of
     the backward step of ``recompute_at`` (where a recompute consumer first needs it; the op
-    itself where none does) to the end of the op's own backward step. The executor frees and
-    recomputes there; ``simulator.memory`` walks the same spans."""
+    itself where none does) to the end of the op's own backward step. A transient output
+    (``transient``) lives the first span only (``recompute_at``: the op itself, unused). The
+    executor frees and recomputes there; ``simulator.memory`` walks the same spans."""
 
     free_after: str
     recompute_at: str
 
 
 def drop_points(graph: OpGraph, strategy: Strategy) -> dict[tuple[str, int], DropPoints]:
-    """(op, device) -> ``DropPoints`` of every dropped output. On device d the consumers of op X
+    """(op, device) -> ``DropPoints`` of every dropped or transient output. On device d the consumers of op X
     with a partition there read it (or not) in their forward; X is needed again by its consumer
     C's recomputation: at C's backward step if C keeps its output, else where C is recomputed
     (its own ``recompute_at``), so a chain is recomputed at its last op's backward, from the
@@ -205,12 +235,10 @@ def drop_positions(graph: OpGraph, strategy: Strategy, position: dict[str, int] 
     for node in reversed(graph.nodes):
         name = node.name
         cfg = config(name)
-        if not cfg.recompute:
+        if not (drops_output(graph, strategy, name) if cfg.recompute else transient(graph, strategy, name)):
             continue
         users = graph.users(name)
         ucfg = [config(u) for u in users]
-        if not all(c.recompute or graph[u].kind in READS_NO_INPUT for u, c in zip(users, ucfg)):
-            continue
         mine = position[name]
         # a consumer that reads nothing back frees the output after its forward and never
         # needs it again (its recompute point: the op itself, the earliest)
@@ -244,9 +272,23 @@ def drop_positions(graph: OpGraph, strategy: Strategy, position: dict[str, int] 
 
 
 def recompute_key(graph: OpGraph, strategy: Strategy, name: str) -> tuple:
-    """What an op's pieces read of its consumers' configs: their recompute flags, where the op
-    recomputes (``drops_output``); () otherwise. Part of the lowering cache's key."""
-    return tuple(strategy[u].recompute for u in graph.users(name)) if strategy[name].recompute else ()
+    """What an op's pieces read of its consumers' configs: whether it drops its output
+    (``drops_output`` where it recomputes, ``transient`` where not), which reads the recompute
+    flags of its consumers and, through views, of theirs. Part of the lowering cache's key:
+    ops of one shape share pieces wherever this agrees (``strategies.lowering_shared``)."""
+    return (drops_output(graph, strategy, name) if strategy[name].recompute else transient(graph, strategy, name),)
+
+
+def key_readers(graph: OpGraph, name: str) -> list[str]:
+    """The ops whose ``recompute_key`` reads op ``name``'s config: its producers and, through
+    each view among them, theirs (the lowering re-lowers them when it changes)."""
+    out, stack = [], list(graph[name].inputs)
+    while stack:
+        p = stack.pop()
+        out.append(p)
+        if aliases(graph[p]):
+            stack.extend(graph[p].inputs)
+    return out
 
 
 def recomputable(graph: OpGraph, node: OpNode) -> bool:
@@ -282,8 +324,9 @@ def lower_op(graph: OpGraph, strategy: Strategy, node: OpNode, m: int,
     kept, fwd, grad = [0] * n, [0] * n, [0] * n
     if cfg.recompute:
         check_recompute(graph, node)
-    drop = cfg.recompute and drops_output(graph, strategy, node.name)
-    dropped = [0] * n if drop else kept  # a dropped output counts there instead
+    # a dropped (recomputed) or transient (never read again) output counts there instead
+    drop = drops_output(graph, strategy, node.name) if cfg.recompute else transient(graph, strategy, node.name)
+    dropped = [0] * n if drop else kept
     sources = [(graph[src], strategy[src]) for src in node.inputs]
     moves_grad = [graph.moves_grad(src, node.name) for src in node.inputs]
     itemsize, loss, reads_weights = DTYPE_BYTES[node.output.dtype], node.kind == "loss", node.kind not in WEIGHT_KINDS
@@ -328,7 +371,10 @@ def lower_op(graph: OpGraph, strategy: Strategy, node: OpNode, m: int,
         for k, p in enumerate(parts):
             dev, ins = p.device, p.input_regions
             if j == 0:
-                dropped[dev] += 8 if loss else itemsize * box_numel(p.output)  # kept for backward (or dropped)
+                numel = box_numel(p.output)
+                dropped[dev] += 8 if loss else itemsize * numel  # kept for backward (or dropped)
+                if not cfg.recompute:  # a dropout's mask (recomputed with its output otherwise)
+                    kept[dev] += saved_extra(node, numel)
                 if reads_weights:
                     ws = weight_regions[k]
                     reads.extend(_new(WeightRead, (w.name, ws[w.role], dev, node.name, w.spec.dtype, w.trainable,

@@ -153,8 +153,9 @@ class Recipe(NamedTuple):
     """Recompute, per input: the input holds a piece received from another rank, kept (as
     gathered) for the recomputation; the other inputs are read again where they are kept."""
     frees: tuple[int, ...] = ()
-    """The recipes whose dropped outputs (``strategies.pieces.drop_points``) this rank lets go
-    of after this forward step."""
+    """The recipes whose dropped or transient outputs (``strategies.pieces.drop_points``) this
+    rank lets go of after this forward step (a transient one's storage: its autograd graph
+    stays for its backward, which reads none of it)."""
     regraphs: tuple[int, ...] = ()
     """The recompute recipes recomputed (with autograd, in forward order) at the start of this
     backward step: dropped outputs where ``drop_points`` says, the others at their own."""
@@ -297,19 +298,21 @@ def _recomputes(lw: _Lowering, out: list[Recipe], rank: int) -> list[Recipe]:
     ``regraphs``): where this rank drops and recomputes, as ``strategies.pieces.drop_points``
     says (``simulator.memory`` walks the same points)."""
     strategy = lw.low.strategy
-    if not any(strategy[p.op].recompute for p in lw.parts.values()):
+    points = drop_points(lw.graph, strategy)
+    if not points:
         return out
     frees: dict[int, list[int]] = {}
     regraphs: dict[int, list[int]] = {}
     mine: dict[tuple[str, int], list[int]] = {}  # (op, micro-batch) -> this rank's recipes of it, in partition order
     for k in lw.keys:
         mine.setdefault((k[0], k[2]), []).append(lw.ids[k])
-    points = drop_points(lw.graph, strategy)
     for r in out:
-        if not strategy[r.part.op].recompute:
-            continue
         at = points.get((r.part.op, rank))
         j = r.part.microbatch
+        if not strategy[r.part.op].recompute:  # a transient output (never recomputed): freed only
+            if at is not None:
+                frees.setdefault(mine[(at.free_after, j)][-1], []).append(r.id)
+            continue
         if at is None:  # kept: recomputed at its own backward step
             regraphs.setdefault(r.id, []).append(r.id)
             continue

@@ -54,6 +54,7 @@ from soapsearch.executor.errors import ExecutorError, check_runnable
 from soapsearch.executor.norm import batch_norm
 from soapsearch.executor.precision import Autocast, LossScaler, to_wire
 from soapsearch.executor.recipe import ROOT, SKIP, Piece, Recipe, Slot, receives_ahead, recipes
+from soapsearch.executor.release import Released, SavedStorages, hollow, release, shares
 from soapsearch.executor.shards import LocalWeights
 from strategies.graph import OpGraph
 from strategies.lowering import WEIGHT_KINDS, BucketKey, Gate, loss_on_every_device, lower
@@ -78,6 +79,11 @@ def tied_names(graph: OpGraph, state: Mapping[str, torch.Tensor]) -> dict[str, s
     first = {_storage_key(state[n]): n for n in names if n in state and state[n].data_ptr()}
     return {k: first[_storage_key(v)] for k, v in state.items()
             if k not in names and v.data_ptr() and _storage_key(v) in first}
+
+
+def _zeros(out: torch.Tensor | Released) -> torch.Tensor:
+    """Zeros like an output or its stand-in."""
+    return torch.zeros(out.shape, dtype=out.dtype, device=out.device)
 
 
 def _storage_key(t: torch.Tensor) -> tuple:
@@ -152,6 +158,23 @@ class Executor:
         """Training batches each batchnorm op normalized on this rank (one per micro-batch)."""
         self.bn_base = {n.name: int(state[_batches_tracked(n)]) for n in graph
                         if _batches_tracked(n) in state}
+        self.transient = {i for r in self.recipes for i in r.frees if not self.recipes[i].recompute}
+        """Recipes whose outputs no backward reads (``strategies.pieces.transient``): let go
+        after their last reader's forward step here (``release.py``)."""
+        self.readers: dict[int, list[tuple[int, int]]] = {}
+        """Transient recipe -> (recipe id, input) of each leaf copy of its output on this rank
+        (hollowed when it is let go), its own inputs' leaves included (a view's output is one
+        storage with them)."""
+        for r in self.recipes:
+            for k, s in enumerate(r.slots):
+                if s is None or not s.leaf:
+                    continue
+                for task in {p.task for p in s.pieces if p.peer is None} & self.transient:
+                    self.readers.setdefault(task, []).append((r.id, k))
+                if r.id in self.transient:
+                    self.readers.setdefault(r.id, []).append((r.id, k))
+        self.guarded = {c for rs in self.readers.values() for c, _ in rs}
+        """Recipes whose forward records what autograd saves (``release.SavedStorages``)."""
         self.trace = trace
         self.events: list[dict[str, Any]] = []
         """Chrome trace events ("ph": "X", µs of ``time.perf_counter``), recorded with ``trace``."""
@@ -172,6 +195,8 @@ class Executor:
         self.saved: dict[int, tuple[torch.Tensor | None, ...]] = {}
         """Recompute partition (recipe id) -> the inputs it keeps for its recomputation
         (``Recipe.keeps``: those received from other ranks), until it is recomputed."""
+        self.saved_storages: dict[int, SavedStorages] = {}
+        """Guarded recipe -> the storages its forward's autograd graph saved, until its backward."""
 
     def _prefetch(self) -> list[list]:
         """``self.prefetch``: each step's level-3 groups (its recomputations' first, then its
@@ -334,6 +359,11 @@ class Executor:
                 inputs, _ = self._inputs(r, leaves=False)
                 out = self._run(r, inputs)
             self.saved[r.id] = tuple(x if keep else None for x, keep in zip(inputs, r.keeps))
+        elif r.id in self.guarded:
+            self.saved_storages[r.id] = seen = SavedStorages()
+            with seen.hooks():
+                inputs, self.leaves[r.id] = self._inputs(r)
+                out = self._run(r, inputs)
         else:
             inputs, self.leaves[r.id] = self._inputs(r)
             out = self._run(r, inputs)
@@ -344,8 +374,25 @@ class Executor:
             data = to_wire(out.detach(), getattr(torch, r.node.output.dtype))
             for s in r.sends:
                 self.p2p.send(data if s.src is None else data[s.src], s.peer, s.transfer, backward=False)
-        for i in r.frees:  # dropped outputs whose last reader here has run
-            self.outs[i] = None
+        for i in r.frees:  # dropped or transient outputs whose last reader here has run
+            if self.recipes[i].recompute:
+                self.outs[i] = None
+            else:
+                self._release(i)
+
+    def _release(self, i: int) -> None:
+        """Let go of transient output ``i`` (``release.py``): its entry becomes a stand-in and
+        the leaf copies of it are hollowed, except a leaf that is its reader's output still held
+        (an op that returns its input: let go with that output)."""
+        out = self.outs[i]
+        self.outs[i] = release(out)
+        for c, k in self.readers.get(i, ()):
+            leaf = self.leaves[c][k] if self.leaves[c] is not None else None
+            if leaf is None or leaf is self.outs[c] or not shares(leaf, out):
+                continue
+            self.saved_storages[c].check(leaf, self.recipes[c].part.op, self.recipes[c].node.kind,
+                                         self.recipes[i].part.op)
+            hollow(leaf)
 
     def _regraph(self, r: Recipe) -> None:
         """Recompute ``r``'s partition with autograd, as its forward step would have (leaves
@@ -477,10 +524,11 @@ class Executor:
         if r.backward == SKIP:
             return
         out, self.outs[r.id] = self.outs[r.id], None
+        self.saved_storages.pop(r.id, None)
         if r.backward == ROOT:
             grad = self._output_grad(r, out)
             if out.requires_grad:
-                torch.autograd.backward(out, grad)
+                torch.autograd.backward(out.edge if isinstance(out, Released) else out, grad)
         leaves = self.leaves[r.id]
         for s in r.grad_sends:
             leaf = leaves[s.slot] if leaves is not None else None
@@ -489,7 +537,7 @@ class Executor:
                 g = torch.zeros(s.shape, dtype=s.dtype, device=self.device)
             self.p2p.send(to_wire(g if s.src is None else g[s.src], s.dtype), s.peer, s.transfer, backward=True)
 
-    def _output_grad(self, r: Recipe, out: torch.Tensor) -> torch.Tensor:
+    def _output_grad(self, r: Recipe, out: torch.Tensor | Released) -> torch.Tensor:
         """The seed of a partition of the graph's output (module docstring: 1/m, or 1/(m·C_j)
         once its loss's sum is known), else the sum of the gradient pieces of its consumers:
         their leaves' ``.grad`` on this rank, received from the others."""
@@ -499,7 +547,7 @@ class Executor:
             if ls is not None and ls.count is None and ls.gates is not Gate.STEP:
                 seed = seed / self.sums[r.id][1].wait()[1]
             return seed
-        grad = None if r.grad_whole else torch.zeros_like(out)
+        grad = None if r.grad_whole else _zeros(out)
         for piece in r.grad_pieces:
             if piece.peer is None:
                 leaf = self.leaves[piece.task][piece.slot]
@@ -521,7 +569,7 @@ class Executor:
                 grad = g if grad is None else grad + g
             else:
                 grad[into] += g
-        return to_wire(grad, out.dtype) if grad is not None else torch.zeros_like(out)
+        return to_wire(grad, out.dtype) if grad is not None else _zeros(out)
 
     # --- results ------------------------------------------------------------------------------
     def gradients(self) -> dict[str, torch.Tensor] | None:

@@ -7,6 +7,8 @@ for backward in a recompute op's forward: what it holds is the model's kept byte
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 
@@ -15,6 +17,8 @@ from soapsearch.executor.errors import ExecutorError, check_runnable
 from simulator.memory import memory_breakdown
 from strategies import data_parallel
 from strategies.lowering import lower
+from strategies.region import box_numel
+from strategies.saved import saved_extra
 from tests.executor.gloo import gloo_group, spawn_ranks
 from tests.conftest import traced
 from tests.executor.harness import parity_tests
@@ -48,24 +52,52 @@ test_parity_4_processes = pytest.mark.slow(test_parity_4_processes)  # the READM
 
 class Watched(Executor):
     """An executor that records, at its first backward step, which partitions' outputs it
-    holds, and counts the tensors autograd saves for backward in each forward step."""
+    holds and the storages of outputs still alive, and counts the tensors autograd saves for
+    backward in each forward step. Every tensor that may hold an output's storage is watched by
+    a weak reference: each output, each leaf copy and each tensor autograd saves (which autograd
+    holds as packed: alive while its graph is)."""
 
     def _clear(self) -> None:
         super()._clear()
         self.held = getattr(self, "held", None)
+        self.alive = getattr(self, "alive", None)
         self.saved_by: dict[bool, int] = getattr(self, "saved_by", {False: 0, True: 0})
+        self.masks = getattr(self, "masks", 0)
+        self.watched: list[tuple[weakref.ref, int]] = []
+        self.packed: list[torch.Tensor] = []
 
-    def _forward(self, r) -> None:
+    def _run(self, r, inputs):  # innermost, so its hooks see every saved tensor
+        if getattr(self, "running", None) is not r:  # a recomputation: counted as no forward's
+            return super()._run(r, inputs)
+
         def pack(t):
             self.saved_by[r.recompute] += 1
+            if t.dtype == torch.bool:  # a dropout's mask
+                self.masks += t.numel()
+            self.packed.append(t)
             return t
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            super()._forward(r)
+            return super()._run(r, inputs)
+
+    def _forward(self, r) -> None:
+        self.running = r
+        super()._forward(r)
+        self.running = None
+        outs = {_ptr(t) for t in self.outs if isinstance(t, torch.Tensor)}  # alive: one address each
+        for t in [*self.packed, self.outs[r.id], *(self.leaves[r.id] or ())]:
+            if isinstance(t, torch.Tensor) and _ptr(t) in outs:
+                self.watched.append((weakref.ref(t), _ptr(t)))
+        self.packed.clear()
 
     def _backward(self, r) -> None:
         if self.held is None:
             self.held = {(x.part.op, x.part.index): self.outs[x.id] for x in self.recipes}
+            self.alive = {p for ref, p in self.watched if ref() is not None and _ptr(ref()) == p}
         super()._backward(r)
+
+
+def _ptr(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
 
 
 @pytest.mark.parametrize("model,what", [("mlp", "mid"), ("gpt", "blocks"), ("gpt", "attn"), ("gpt", "layers")])
@@ -82,19 +114,38 @@ def test_the_executor_holds_what_the_model_keeps(world_of_one, model, what):
     ex = Watched(g, plan, built.state, built.inputs, TrainConfig("sgd", lr=0.05))
     loss = ex.step(seed=3)
     weights = {n.name for n in g if n.kind in ("parameter", "constant")}
-    held = {op for (op, _), out in ex.held.items() if out is not None}
-    dropped = {op for op, p in low.pieces.items() if p.dropped}
+    held = {op for (op, _), out in ex.held.items() if _nbytes(out)}
+    dropped = {op for op, p in low.pieces.items() if p.dropped}  # recomputed or transient (never read back)
     assert dropped and not held & dropped
+    # no output storage outlives the executor's references: a let-go one is freed
+    assert ex.alive == {_ptr(out) for out in ex.held.values() if _nbytes(out)}
     assert held | dropped | weights == set(low.pieces)
-    nbytes = sum(out.numel() * out.element_size() for (op, _), out in ex.held.items() if out is not None)
-    assert nbytes == low.device_bytes.kept[0] - sum(low.pieces[w].activations[0] for w in weights)
+    assert any(not low.pieces[op].recompute for op in dropped) or model == "mlp"  # a transient output let go
+    nbytes = sum(map(_nbytes, ex.held.values()))
+    masks = _masks(low, 0)
+    assert ex.masks == masks == (sum(n.output.numel for n in g if n.kind == "dropout" and not plan[n.name].recompute) if model == "gpt" else 0)
+    assert nbytes == low.device_bytes.kept[0] - sum(low.pieces[w].activations[0] for w in weights) - masks
     assert all(ex.held[(op, 0)].grad_fn is None for op in recompute_ops(g, what) if op in held)
     assert ex.saved_by[True] == 0 and ex.saved_by[False] > 0
     plain = Executor(g, data_parallel(g, 1), built.state, built.inputs, TrainConfig("sgd", lr=0.05))
     assert loss == plain.step(seed=3)  # the forward is the same arithmetic; the backward sums
     for (k, a), b in zip(ex.gradients().items(), plain.gradients().values()):  # in another order (no links)
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-15, msg=lambda m: f"{k}: {m}")
-    assert memory_breakdown(low)[0].activations < memory_breakdown(lower(g, data_parallel(g, 1)))[0].activations
+    plain_kept = lower(g, data_parallel(g, 1)).device_bytes.kept[0]
+    # mlp's mid relu saves its output only: recomputed, it keeps its input instead, as many bytes
+    assert (low.device_bytes.kept[0] < plain_kept) == (model == "gpt") and memory_breakdown(low)[0].activations >= nbytes
+
+
+def _nbytes(out) -> int:
+    """The bytes an output holds: none once let go (None, or a transient one's stand-in)."""
+    return out.numel() * out.element_size() if isinstance(out, torch.Tensor) else 0
+
+
+def _masks(low, device: int) -> int:
+    """The dropout masks the model keeps on ``device`` per micro-batch (``strategies.saved``):
+    autograd holds them, not the executor's outputs."""
+    return sum(saved_extra(low.graph[op], box_numel(part.output)) for op, p in low.pieces.items() if not p.recompute
+               for part in p.partitions[0] if part.device == device)
 
 
 def test_recompute_of_an_op_that_sums_across_devices_is_refused():
@@ -118,7 +169,7 @@ def _held_worker(rank: int, world: int, port: int, model: str, plan_name: str, o
 
         def look() -> None:
             if not snapshot:  # every forward of the warm-up has run, dropped outputs let go
-                outs = sum(o.numel() * o.element_size() for o in ex.outs if o is not None)
+                outs = sum(map(_nbytes, ex.outs))
                 kept = sum(x.numel() * x.element_size() for xs in ex.saved.values() for x in xs if x is not None)
                 w = warmups(ex.lowered)[rank]  # the micro-batches whose forwards have run
                 received = sum(math.prod(p.shape) * s.dtype.itemsize for q in ex.recipes
@@ -154,5 +205,6 @@ def test_each_rank_holds_what_the_model_keeps(plan):
     for rank in range(2):
         got = held[rank]
         kept = low.device_bytes.kept[rank] - sum(low.pieces[w].activations[rank] for w in weights)
+        kept -= _masks(low, rank)
         assert got["outs"] + got["saved"] + got["received"] == ws[rank] * kept, (rank, got, ws[rank], kept)
     assert any(h["saved"] for h in held)  # a recompute op kept a received piece

@@ -18,11 +18,16 @@ MLP_PARAMS = 4 * (32 * 16 + 32 + 32 * 32 + 32 + 10 * 32 + 10)  # the tiny mlp's 
 
 def test_data_parallel_mlp_with_adam_by_hand():
     """Each of 2 devices holds every weight (7720 B), its gradient and Adam's two moments, and
-    per micro-batch half of each output: inputs 256, targets 32, four 512 B activations, the
-    logits 160, plus the loss's 8 B; nothing is received or gathered."""
+    per micro-batch half of each output its backward or a consumer's reads (``strategies.saved``):
+    inputs 256, targets 32, the two ReLUs' 512 B outputs (ReLU's backward reads its output, a
+    linear's its input), the logits 160 (the loss reads them), plus the loss's 8 B; the two
+    hidden linears' outputs are read by no backward, let go after the ReLU's forward: the peak
+    is at the second ReLU's forward, its linear's output still alive, before the logits and the
+    loss (744 kept, 912 at the peak); nothing is received or gathered."""
     g = traced("mlp")
     assert sum(w.spec.nbytes for n in g for w in n.weights) == MLP_PARAMS
-    acts = (256 + 32 + 4 * 512 + 160) // 2 + 8
+    acts = (256 + 32 + 2 * 512) // 2 + 512 // 2
+    assert lower(g, data_parallel(g, 2)).device_bytes.kept == ((256 + 32 + 2 * 512 + 160) // 2 + 8,) * 2
     want = MemoryBreakdown(weights=MLP_PARAMS, gradients=MLP_PARAMS, optimizer_state=2 * MLP_PARAMS,
                            activations=acts, receive_buffers=0, collective_buffers=0)
     lowered = lower(g, data_parallel(g, 2))
@@ -44,17 +49,21 @@ def test_pipeline_receive_buffers_by_hand(schedule):
     """Two stages, 2 micro-batches (as test_simulate's receive-buffer test): stage 1 receives
     layers_1's output and the targets per micro-batch (kept for backward: activations), stage 0
     posts 2 micro-batches' gradient buffers of layers_1; under 1F1B stage 1 has 1 micro-batch
-    in flight and posts the next one's forward pieces."""
+    in flight and posts the next one's forward pieces. Each stage keeps K per micro-batch (its
+    ReLU's output, not the linear's before it: ``strategies.saved``) and peaks at the last
+    forward's ReLU, the linear's output still alive (stage 1 before its logits and loss)."""
     g = traced("mlp")
     w0 = 4 * (32 * 16 + 32)
     w1 = MLP_PARAMS - w0
     received1 = 512 // 2 + 32 // 2
-    acts0 = (256 + 32 + 512 + 512) // 2
-    acts1 = (512 + 512 + 160) // 2 + 8 + received1
+    kept0 = (256 + 32 + 512) // 2
+    kept1 = (512 + 160) // 2 + 8 + received1
     in_flight1 = 2 if schedule == "gpipe" else 1
     got = memory_breakdown(lower(g, pipeline(g, 2, microbatches=2, schedule=schedule)), "sgd")
-    assert got[0] == MemoryBreakdown(w0, w0, w0, 2 * acts0, 2 * (512 // 2), 0)
-    assert got[1] == MemoryBreakdown(w1, w1, w1, in_flight1 * acts1, 0 if schedule == "gpipe" else received1, 0)
+    assert got[0] == MemoryBreakdown(w0, w0, w0, 2 * kept0 + 512 // 2, 2 * (512 // 2), 0)
+    rise1 = 3 * (512 // 2)  # at the ReLU: layers_1's piece received, the linear's output and the ReLU's
+    assert got[1] == MemoryBreakdown(w1, w1, w1, (in_flight1 - 1) * kept1 + rise1,
+                                     0 if schedule == "gpipe" else received1, 0)
 
 
 def test_megatron_sequence_parallel_has_collective_buffers():

@@ -1,0 +1,76 @@
+"""Letting go of a transient output (``strategies.pieces.transient``: no backward reads it) by
+dropping the references this rank holds to its storage, never by freeing the storage itself:
+the output's entry becomes a ``Released`` stand-in (what its backward step still needs: shape,
+dtype, device and autograd's gradient edge), and each leaf copy a consumer read it through
+(``x.detach().requires_grad_()``, one storage with the output) is hollowed, its data swapped for
+one zero expanded to its shape. The bytes go back to the allocator when the last reference goes,
+as autograd frees what no graph saves; a tensor that still reads them (a view, a send in flight,
+a tensor autograd saved) keeps them alive and correct, so nothing reads freed memory."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch.autograd.graph import GradientEdge, get_gradient_edge
+
+from soapsearch.executor.errors import ExecutorError
+
+__all__ = ["Released", "release", "hollow", "shares", "SavedStorages"]
+
+
+class Released(NamedTuple):
+    """A let-go output: its metadata and the edge its gradient enters autograd at (None: it
+    needs no gradient); ``torch.autograd.backward(edge, grad)`` runs its backward."""
+
+    shape: torch.Size
+    dtype: torch.dtype
+    device: torch.device
+    edge: GradientEdge | None
+
+    @property
+    def requires_grad(self) -> bool:
+        return self.edge is not None
+
+
+def release(out: torch.Tensor) -> Released:
+    """The stand-in of ``out``, which holds none of its storage."""
+    return Released(out.shape, out.dtype, out.device, get_gradient_edge(out) if out.requires_grad else None)
+
+
+def shares(a: torch.Tensor, b: torch.Tensor | None) -> bool:
+    """``a`` and ``b`` view one storage."""
+    return b is not None and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def hollow(leaf: torch.Tensor) -> None:
+    """Drop ``leaf``'s reference to its storage: its data becomes one zero expanded to its shape,
+    so autograd still accumulates a gradient of that shape into it (its ``.grad``, which the
+    producer's backward reads)."""
+    leaf.data = torch.zeros((), dtype=leaf.dtype, device=leaf.device).expand(leaf.shape)
+
+
+class SavedStorages:
+    """The storages autograd saves in one forward step (``torch.autograd.graph.saved_tensors_hooks``),
+    so a leaf is hollowed only where its own graph saved none of it: a leaf its backward reads
+    is an op kind ``strategies.saved`` has wrong, refused in one line rather than a gradient
+    computed from zeros."""
+
+    def __init__(self) -> None:
+        self.ptrs: set[int] = set()
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        self.ptrs.add(t.untyped_storage().data_ptr())
+        return t
+
+    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, _unpack)
+
+    def check(self, leaf: torch.Tensor, op: str, kind: str, producer: str) -> None:
+        if leaf.untyped_storage().data_ptr() in self.ptrs:
+            raise ExecutorError(f"op {op!r} ({kind}): its backward reads its input from {producer!r}, which "
+                                f"strategies.saved counts as read by no backward (transient)")
+
+
+def _unpack(t: torch.Tensor) -> torch.Tensor:
+    return t
