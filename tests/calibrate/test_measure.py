@@ -65,8 +65,14 @@ def test_calibrate_two_processes_gives_positive_finite_figures(tmp_path):
     # back on the critical path; the pipeline's pieces (1, 4, 8 micro-batches) overlap its stages
     assert probe["task_sizes"] == [8, 64, 128] and probe["piece_sizes"] == [2, 8, 16]
     assert probe["microbatches"] == [1, 4, 8] and probe["exchanged"] == pytest.approx(4.0)
-    assert probe["pieces"] > 0  # the simulator charges the pipeline's pieces on its critical path
-    assert len(probe["message_per_round"]) == len(probe["exchange_per_round"]) == 2
+    # the simulator charges the pipeline's pieces on its critical path; list scheduling is not
+    # monotone in a delay (Graham 1969), so on some measured figures 100 µs more per piece
+    # shortens the simulated pipeline: then no message overhead is fitted (fit._fit_pieces)
+    assert math.isfinite(probe["pieces"]) and len(probe["exchange_per_round"]) == 2
+    if probe["pieces"] > 1e-9:
+        assert len(probe["message_per_round"]) == 2
+    else:
+        assert report["message_overhead"] == 0 and probe["message_per_round"] == []
     # the exchange chain is linear in its overhead: the fit is the rounds' mean (2 rounds: no trim)
     assert report["exchange_overhead"] == 0 or statistics.mean(probe["exchange_per_round"]) == pytest.approx(
         report["exchange_overhead"], rel=1e-3)
