@@ -19,6 +19,7 @@ from soapsearch.search.mcmc import candidate_configs
 from strategies import data_parallel, owt
 from strategies.lowering import lower
 from tests.conftest import traced
+from tests.search.delta_check import assert_delta_equals_full
 
 
 def _with_overheads(topo: Topology) -> Topology:
@@ -101,15 +102,6 @@ def test_a_rejected_proposal_then_the_current_plan_again_rebuilds_no_block(monke
     assert built == []
 
 
-def _delta_equals_full(evaluate: Evaluator, graph, proposal, topo, cost, name: str, op: str) -> None:
-    """``proposal`` scored by ``evaluate`` (delta) and from scratch agree to the bit."""
-    delta = evaluate(proposal, summary=True)
-    full = simulate_plan(graph, proposal, topo, cost, summary=True)
-    assert (delta.iteration_time, delta.peak_memory_bytes, delta.busy_time, delta.bytes_moved,
-            delta.num_tasks) == (full.iteration_time, full.peak_memory_bytes, full.busy_time,
-                                 full.bytes_moved, full.num_tasks), (name, op, proposal[op].show())
-
-
 @pytest.mark.parametrize("name,topology,microbatches", [("gpt", "p100-2x2", 1), ("mlp", "local-cpu-4", 2)])
 def test_delta_equals_full_with_reduction_cuts(name, topology, microbatches):
     """A walk whose every proposal for an op with a reduction dim cuts that dim (row-parallel
@@ -132,7 +124,7 @@ def test_delta_equals_full_with_reduction_cuts(name, topology, microbatches):
     for _ in range(150):
         op = rng.choice(ops)
         proposal = current.replace(op, rng.choice(reducing[op]))
-        _delta_equals_full(evaluate, graph, proposal, topo, cost, name, op)
+        assert_delta_equals_full(evaluate, proposal, (name, op, proposal[op].show()))
         kinds |= {c.kind for c in lower(graph, proposal).collectives}
         if rng.random() < 0.7:
             current = proposal
@@ -176,7 +168,7 @@ def test_delta_equals_full_on_replicas_walking_in_turn():
         for _ in range(3):
             op = rng.choice(ops)
             proposal = current.replace(op, rng.choice(candidates[op]))
-            _delta_equals_full(evaluate, graph, proposal, topo, cost, "resnet101", op)
+            assert_delta_equals_full(evaluate, proposal, ("resnet101", op, proposal[op].show()))
             if rng.random() < 0.5:
                 current = proposal
         walks[turn % 4] = current

@@ -26,6 +26,7 @@ from strategies.repeats import repeated_blocks
 from soapsearch import trace
 from soapsearch._models import GPT, GPTConfig
 from tests.conftest import traced
+from tests.search.delta_check import assert_same_result
 from tests.strategies.test_lowering_reference import _assert_equal
 
 
@@ -88,14 +89,6 @@ def _no_sharing(monkeypatch):
     monkeypatch.setattr(lowering_cache, "name_map", lambda old, new: None)
 
 
-def _assert_same_result(got, want):
-    assert got.iteration_time == want.iteration_time
-    assert got.busy_time == want.busy_time
-    assert got.peak_memory_bytes == want.peak_memory_bytes
-    assert got.bytes_moved == want.bytes_moved
-    assert got.num_tasks == want.num_tasks
-
-
 @pytest.mark.parametrize("name,n", [("gpt", 8), ("llama", 8), ("resnet101", 8), ("gpt", 64)])
 def test_the_simulation_with_sharing_equals_the_one_without(name, n, monkeypatch):
     graph = traced(name, batch_size=2 * n)
@@ -104,7 +97,7 @@ def test_the_simulation_with_sharing_equals_the_one_without(name, n, monkeypatch
     shared = {k: simulate_plan(graph, p, topology, optimizer="adam") for k, p in plans.items()}
     _no_sharing(monkeypatch)
     for kind, plan in plans.items():
-        _assert_same_result(shared[kind], simulate_plan(graph, plan, topology, optimizer="adam"))
+        assert_same_result(shared[kind], simulate_plan(graph, plan, topology, optimizer="adam"))
 
 
 @pytest.mark.parametrize("name,n,fold", [("gpt", 8, False), ("llama", 8, False), ("gpt", 64, True)])
@@ -165,7 +158,7 @@ def test_a_change_to_one_layer_leaves_the_others_shared_and_delta_equals_full(mo
     assert others[0] is others[1] is others[2]  # the other layer's op: its pieces never looked at again
     _no_sharing(monkeypatch)
     for p, got in zip((plan, proposal, plan), results):
-        _assert_same_result(got, simulate_plan(graph, p, topology, optimizer="adam"))
+        assert_same_result(got, simulate_plan(graph, p, topology, optimizer="adam"))
     assert results[0].iteration_time != results[1].iteration_time
 
 
