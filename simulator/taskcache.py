@@ -15,8 +15,9 @@ from simulator.cost import CostModel
 from simulator.taskgraph import INDEX, join
 from simulator.topology import Topology
 from strategies.graph import OpGraph, OpNode
+from strategies.lowered import OpPieces
 
-__all__ = ["KNOWN", "TaskCache"]
+__all__ = ["KNOWN", "TaskCache", "block_key"]
 
 
 class TaskCache:
@@ -107,7 +108,15 @@ class _Joined:
         self.blocks, self.arrays, self.first = blocks, tuple(joined), self._first()
 
 
-_Layout = tuple[list[OpNode], dict[str, int], list[Any], list[dict[int, Any]], list[Any], list[dict]]
+_Layout = tuple[list[OpNode], dict[str, int], list[Any], list[dict[tuple, Any]], list[Any], list[dict]]
+
+
+def block_key(pieces: OpPieces) -> tuple:
+    """What an op's block is built from of its pieces (``simulator.tasks._op_block``): its
+    partitions, the transfers into them and its reductions (by identity: a kept block holds its
+    pieces, so the ids stay theirs), and whether it recomputes. Pieces that differ in the weight
+    reads' sharding levels alone share these records (``strategies.lowering_memo``) and so the block."""
+    return id(pieces.partitions), id(pieces.transfers), id(pieces.reductions), pieces.recompute
 
 KNOWN = 12
 """Blocks a ``TaskCache`` keeps per op besides the last graph's, the least recently used going
@@ -117,7 +126,7 @@ turn, and a rejected proposal is followed by its current plan's ops again."""
 
 def _layout(graph: OpGraph) -> _Layout:
     """``graph``'s nodes in order, op name -> its index (its block's position), and for each op
-    the last graph's block, the blocks built before it by the id of their pieces (each block
+    the last graph's block, the blocks built before it by their pieces' ``block_key`` (each block
     holds its pieces, so an id stays theirs while kept; ``KNOWN`` of them, oldest first), then
     the pieces of the last graph's blocks (compared with a new lowering's in one C-level pass),
     and each op's partition times (``simulator.tasks._op_block``: (box, input regions, weight

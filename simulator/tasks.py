@@ -46,7 +46,7 @@ from simulator.memory import MASTER
 from simulator.step import UPDATE_TRAFFIC, link_step, member_ends
 from simulator.symmetry import Copies
 from simulator.zero3 import add_gathers
-from simulator.taskcache import KNOWN, TaskCache
+from simulator.taskcache import KNOWN, TaskCache, block_key
 from simulator.taskgraph import CATEGORY, INDEX, Columns, Segment, StepOrder, TaskGraph, TaskKind
 from simulator.topology import Topology
 from simulator.twins import twin_block
@@ -454,6 +454,7 @@ def _bucket_ready(tg: TaskGraph, lowered: Lowered, blocks: list[_Block], first: 
 def _blocks(lowered: Lowered, topology: Topology, cost: CostModel, cache: TaskCache,
             keep: frozenset[int] | None = None) -> list[_Block]:
     """Every op's block in graph order: the cache's while the op's pieces are the same object,
+    else one built before for the same partitions, transfers and reductions (``block_key``),
     else built (and kept in the cache); ``keep``: the devices simulated (None: all)."""
     graph = lowered.graph
     nodes, position, kept, known, was, times = cache.layout(graph, keep)
@@ -462,8 +463,8 @@ def _blocks(lowered: Lowered, topology: Topology, cost: CostModel, cache: TaskCa
     for i in list(itertools.compress(range(len(pieces)), map(operator.is_not, pieces, was))):
         mine, p = known[i], pieces[i]
         if kept[i] is not None:
-            mine[id(kept[i].pieces)] = kept[i]
-        b = mine.pop(id(p), None)  # held blocks hold their pieces: an id is theirs
+            mine[block_key(kept[i].pieces)] = kept[i]
+        b = mine.pop(block_key(p), None)  # held blocks hold their pieces: an id is theirs
         if b is None:
             node = nodes[i]  # in graph order: its producers' blocks are current
             producers = {src: kept[position[src]] for src in node.inputs}

@@ -15,6 +15,7 @@ import numpy as np
 from strategies.graph import OpGraph, OpNode
 from strategies.lowered import WEIGHT_KINDS, DeviceBytes, OpPieces, Partition, WeightShard, weight_shards
 from strategies.lowering_copies import expand_holders
+from strategies.lowering_memo import levels_key, relevelled
 from strategies.lowering_shared import name_map, names_of, renamed, shapes_of
 from strategies.members import Members
 from strategies.pieces import lower_op, recompute_key
@@ -99,18 +100,41 @@ _SHAPES = ("shapes",)
 
 def _lowered(graph: OpGraph, strategy: Strategy, cache: dict, node: OpNode, shape: tuple,
              names: tuple[str, ...]) -> OpPieces:
-    """``node``'s pieces (its names ``names``, ``names_of``): another op's of the same ``shape``
-    (its id and the configs it is lowered under) renamed where one was lowered
-    (``strategies.lowering_shared``), else lowered (its config validated) and kept for the others."""
+    """``node``'s pieces (its names ``names``, ``names_of``), the first found of: its own pieces
+    under other sharding levels, relevelled (``strategies.lowering_memo``: the same partitions,
+    transfers and reductions, so the task blocks built for them serve too); another op's of the
+    same ``shape`` (its id and the configs it is lowered under) renamed
+    (``strategies.lowering_shared``); another op's of that shape under other levels renamed
+    and relevelled; else lowered. The config is validated where the pieces are not another
+    op's of the same ``shape``, and the pieces are kept for the others."""
+    levels = levels_key(shape, strategy, node)
+    own = cache.get((node.name, *levels))
+    if own is not None:
+        strategy.validate_op(node)
+        pieces = relevelled(own, graph, strategy, node)
+        if pieces is not None:
+            return pieces
     first = cache.get(shape)
     if first is not None:
         pieces = renamed(first[1], first[0], names)
         if pieces is not None:
+            cache[(node.name, *levels)] = pieces
             return pieces
-    strategy.validate_op(node)
-    pieces = lower_op(graph, strategy, node, shape[1], shape[-1])
+    other = cache.get(levels)
+    pieces = None
+    if other is not None:
+        pieces = renamed(other[1], other[0], names)
+        if pieces is not None:
+            strategy.validate_op(node)
+            pieces = relevelled(pieces, graph, strategy, node)
+    if pieces is None:
+        strategy.validate_op(node)
+        pieces = lower_op(graph, strategy, node, shape[1], shape[-1])
+        if other is None:
+            cache[levels] = (names, pieces)
     if first is None:
         cache[shape] = (names, pieces)
+    cache[(node.name, *levels)] = pieces
     return pieces
 
 

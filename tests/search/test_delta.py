@@ -17,9 +17,12 @@ from simulator.topology import Topology
 from soapsearch.search.api import Evaluator
 from soapsearch.search.mcmc import candidate_configs
 from strategies import data_parallel, owt
+from strategies import lowering_cache
+from strategies.baselines import sharded
+from strategies.errors import PlanError
 from strategies.lowering import lower
 from tests.conftest import traced
-from tests.search.delta_check import assert_delta_equals_full
+from tests.search.delta_check import assert_delta_equals_full, assert_same_result
 
 
 def _with_overheads(topo: Topology) -> Topology:
@@ -172,3 +175,69 @@ def test_delta_equals_full_on_replicas_walking_in_turn():
             if rng.random() < 0.5:
                 current = proposal
         walks[turn % 4] = current
+
+
+@pytest.mark.parametrize("name,topology", [("gpt", "p100-2x2"),  # its position embedding: a weight op's level
+                                           pytest.param("resnet101", "p100-2x2", marks=pytest.mark.slow)])
+def test_delta_equals_full_across_microbatch_counts_and_sharding_levels(name, topology):
+    # A walk of one-op proposals (each with a drawn sharding level), micro-batch moves (another
+    # count or schedule) and whole-plan sharding-level moves, as the search's micro-batch and
+    # global moves make them: the counts and levels come back, so ops take the pieces of
+    # another level (strategies.lowering_memo) and the blocks built for them. Every figure
+    # equals a full simulation, and every lowering the one derived from scratch.
+    graph = traced(name, batch_size=16)
+    topo = get_topology(topology)
+    n, cost = topo.num_devices, get_cost_model("analytical")
+    evaluate = Evaluator(graph, topo, cost)
+    spaces = {m: candidate_configs(graph, n, m, topo.node_size) for m in (1, 2)}
+    rng = random.Random(11)
+    current = data_parallel(graph, n)
+    kinds = {"op": 0, "count": 0, "level": 0}
+    for _ in range(14):
+        u = rng.random()
+        if u < 0.3:
+            m = rng.choice([c for c in (1, 2) if c != current.microbatches])
+            proposal, kind = current.with_microbatches(m, rng.choice(("gpipe", "1f1b"))), "count"
+        elif u < 0.55:
+            proposal, kind = sharded(current, graph, rng.choice((0, 1, 2, 3))), "level"
+        else:
+            candidates = spaces[current.microbatches]
+            op = rng.choice([op for op, cfgs in candidates.items() if len(cfgs) > 1])
+            cfg = rng.choice(candidates[op])
+            proposal, kind = current.replace(op, cfg.with_memory(zero=rng.choice((0, 3)) if cfg.zero or any(
+                w.trainable for w in graph[op].weights) else 0)), "op"
+        try:
+            want = lower(graph, proposal)
+        except PlanError:
+            continue
+        assert_delta_equals_full(evaluate, proposal, (name, kind, proposal.microbatches))
+        got = lower(graph, proposal, evaluate.lowering_cache)
+        assert got.weight_shards == want.weight_shards and got.device_bytes == want.device_bytes
+        assert got.pieces == want.pieces
+        kinds[kind] += 1
+        if rng.random() < 0.6:
+            current = proposal
+    assert min(kinds.values()) >= 3, kinds
+
+
+def test_a_count_seen_before_under_other_sharding_levels_lowers_and_builds_nothing(monkeypatch):
+    # Data parallel at 2 micro-batches, then at 1, then FSDP (level 3) at 2: every op's pieces
+    # at 2 are data parallel's with the weight reads' levels set (strategies.lowering_memo) and
+    # its block is the one built for them; nothing is lowered or built, and the figures are a
+    # full simulation's.
+    graph, topo, cost = traced("resnet101", batch_size=16), get_topology("p100-2x2"), get_cost_model("analytical")
+    dp = data_parallel(graph, 4)
+    evaluate = Evaluator(graph, topo, cost)
+    evaluate(dp.with_microbatches(2))
+    evaluate(dp)
+    lowered, built = [], []
+    real_lower, real_block = lowering_cache.lower_op, tasks._op_block
+    monkeypatch.setattr(lowering_cache, "lower_op", lambda g, s, node, *rest: lowered.append(node.name)
+                        or real_lower(g, s, node, *rest))
+    monkeypatch.setattr(tasks, "_op_block", lambda node, *rest: built.append(node.name) or real_block(node, *rest))
+    fsdp = sharded(dp, graph, 3).with_microbatches(2)
+    assert sum(c.zero == 3 for _, c in fsdp.configs) >= 30  # every conv and the fc
+    delta = evaluate(fsdp, summary=True)
+    assert lowered == [] and built == []
+    monkeypatch.undo()
+    assert_same_result(delta, simulate_plan(graph, fsdp, topo, cost, summary=True))
