@@ -9,9 +9,12 @@ medians, by phase, and the ratio to full. Asserts nothing but that equality. ``-
 starts from the fsdp plan (ZeRO-3 on every weighted op; proposals keep each op's level).
 ``--search S``: instead, one ``search()`` of S seconds per model from its defaults, printing its
 proposals per second of the whole wall time (baselines scored included), the issue's measure.
+``--moves``: instead, the moves a chain makes between counts and sharding levels (data parallel
+and fsdp at 1, 2 and 4 micro-batches, in ``MOVES``' order, coming back to counts and plans seen
+before) through one Evaluator, each timed and checked against a full simulation.
 
     python benchmarks/delta_time.py [--models resnet101,inception_v3] [--proposals 30] [--recompute 0.5]
-                                    [--fold] [--plan data_parallel|fsdp] [--search 60 [--phases]]
+                                    [--fold] [--plan data_parallel|fsdp] [--search 60 [--phases]] [--moves]
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import time
 from simulator.cost import get_cost_model
 from simulator.memory import peak_memory
 from simulator.presets import get_topology
-from simulator.simulate import paused_gc, timed_graph
+from simulator.simulate import paused_gc, simulate_plan, timed_graph
 from simulator.tasks import TaskCache, build_tasks
 from soapsearch.search.mcmc import candidate_configs
 from _paper import paper_graph  # benchmarks/_paper.py
@@ -35,6 +38,9 @@ from strategies.baselines import BASELINES
 from strategies.lowering import lower
 
 PHASES = ("lower", "tasks", "events", "memory", "total")
+MOVES = (("data_parallel", 1), ("data_parallel", 2), ("fsdp", 2), ("data_parallel", 1), ("fsdp", 1),
+         ("data_parallel", 4), ("fsdp", 4), ("data_parallel", 2), ("fsdp", 2), ("data_parallel", 4))
+"""``--moves``: (baseline, micro-batches) in turn."""
 
 
 def _timed(graph, plan, topo, cost, lowering_cache, task_cache, fold: bool = False) -> tuple[float, list[float]]:
@@ -69,9 +75,12 @@ def main() -> None:
                     help="seconds: run one search per model and print proposals per second of its wall time")
     ap.add_argument("--phases", action="store_true",
                     help="with --search: each evaluated plan's time by phase and kind of proposal (_phases.py)")
+    ap.add_argument("--moves", action="store_true", help="time MOVES through one Evaluator instead")
     args = ap.parse_args()
     if args.search is not None:
         return _search(args)
+    if args.moves:
+        return _moves(args)
     fold = args.fold
     topo = get_topology(args.topology)
     cost = get_cost_model("analytical")
@@ -118,6 +127,33 @@ def main() -> None:
             ratio = f"{med['full'][-1] / med[mode][-1]:10.1f}" if mode != "full" else f"{'':10s}"
             print(f"{name:14s} {tasks:6d} {mode:6s} " + " ".join(f"{x:10.1f}" for x in med[mode])
                   + f" {1e3 / med[mode][-1]:12.1f} {ratio}")
+
+
+def _moves(args) -> None:
+    """``MOVES`` through one Evaluator per model: ms of each, and what it came back to (a count
+    not seen, a count seen under other sharding levels, a plan seen)."""
+    from soapsearch.search.api import Evaluator  # the search only here
+    topo, cost = get_topology(args.topology), get_cost_model("analytical")
+    print(f"{'model':14s} {'plan':14s} {'m':>2s} {'seen':>12s} {'ms':>9s}")
+    for name in args.models.split(","):
+        graph = paper_graph(name, args.devices)
+        evaluate = Evaluator(graph, topo, cost)
+        plans, seen, total = {}, set(), 0.0
+        for base, m in MOVES:
+            if base not in plans:
+                plans[base] = BASELINES[base](graph, args.devices)
+            plan = plans[base].with_microbatches(m)
+            what = "plan" if (base, m) in seen else "count" if any(k == m for _, k in seen) else "-"
+            seen.add((base, m))
+            t0 = time.perf_counter()
+            got = evaluate(plan)
+            ms = 1e3 * (time.perf_counter() - t0)
+            total += ms
+            full = simulate_plan(graph, plan, topo, cost, summary=False)
+            if got.iteration_time != full.iteration_time or got.peak_memory_bytes != full.peak_memory_bytes:
+                raise SystemExit(f"{name} {base} m={m}: delta {got.iteration_time} != full {full.iteration_time}")
+            print(f"{name:14s} {base:14s} {m:2d} {what:>12s} {ms:9.1f}")
+        print(f"{name:14s} {'total':14s} {'':2s} {'':>12s} {total:9.1f}")
 
 
 def _search(args) -> None:

@@ -38,6 +38,8 @@ from strategies.pieces import check_microbatches
 __all__ = ["FoundPlan", "SearchConfig", "SearchResult", "search", "best_baselines", "Evaluator", "save_found"]
 
 PIPELINE_MICROBATCHES = (2, 4, 8)
+SEEN = 64
+"""Results an ``Evaluator`` keeps by plan (``Evaluator._seen``)."""
 
 
 class Evaluator:
@@ -62,6 +64,10 @@ class Evaluator:
         self.known: dict[int, tuple[Strategy, SimResult]] = {}
         """Plans scored already, by identity (``remember``): a chain's start taken from them is
         not simulated again."""
+        self._seen: dict[Strategy, tuple[bool, SimResult]] = {}
+        """The results of the last ``SEEN`` plans simulated, by value (the least recently used
+        going first), each with whether it holds its summary: a micro-batch or global move back
+        to a plan simulated before (the same simulation, the same result) is not simulated again."""
 
     def remember(self, plan: Strategy, result: SimResult) -> None:
         """``plan``'s ``result`` returned when ``plan`` itself is asked again without a summary
@@ -74,8 +80,13 @@ class Evaluator:
         known = self.known.get(id(plan))
         if known is not None and known[0] is plan and not (summary or timeline):  # scored already (sweep.py)
             return known[1]
-        self.calls += 1
         plan = self.planned(plan)
+        seen = None if timeline else self._seen.pop(plan, None)
+        if seen is not None:
+            self._seen[plan] = seen  # the most recently used now
+            if seen[0] or not summary:  # a plan returned before never leads (``_leads``) again
+                return seen[1]
+        self.calls += 1
         if len(self.lowering_cache) > 200_000:
             self.lowering_cache.clear()
         made: list[float] = []  # when a summary was asked for: its pass is timed
@@ -92,6 +103,11 @@ class Evaluator:
         if made:
             self.pace.record("summary", time.perf_counter() - made[0])
         self._leads(result)
+        if not timeline:
+            self._seen.pop(plan, None)
+            self._seen[plan] = (bool(summary or made), result)
+            if len(self._seen) > SEEN:
+                del self._seen[next(iter(self._seen))]
         return result
 
     def _leads(self, result: SimResult) -> bool:

@@ -14,6 +14,7 @@ from simulator.simulate import simulate_plan
 from simulator import tasks
 from simulator.tasks import TaskCache
 from simulator.topology import Topology
+from soapsearch.search import api
 from soapsearch.search.api import Evaluator
 from soapsearch.search.mcmc import candidate_configs
 from strategies import data_parallel, owt
@@ -241,3 +242,27 @@ def test_a_count_seen_before_under_other_sharding_levels_lowers_and_builds_nothi
     assert lowered == [] and built == []
     monkeypatch.undo()
     assert_same_result(delta, simulate_plan(graph, fsdp, topo, cost, summary=True))
+
+
+def test_a_plan_simulated_before_is_not_simulated_again(monkeypatch):
+    # A micro-batch move and its reverse: the plan back at 1 micro-batch equals the first (a
+    # new object) and gets its result without a simulation; a summary is simulated once where
+    # the kept result has none; past api.SEEN other plans the first is simulated again.
+    graph, topo, cost = traced("mlp", batch_size=16), get_topology("p100-2x2"), get_cost_model("analytical")
+    evaluate = Evaluator(graph, topo, cost)
+    simulated = []
+    real = api.simulate_plan
+    monkeypatch.setattr(api, "simulate_plan", lambda g, plan, *a, **k: simulated.append(plan) or real(g, plan, *a, **k))
+    monkeypatch.setattr(api, "SEEN", 2)
+    dp = data_parallel(graph, 4)
+    first = evaluate(dp)
+    evaluate(dp.with_microbatches(2))
+    back = dp.with_microbatches(2).with_microbatches(1)
+    assert back == dp and back is not dp
+    assert evaluate(back) is first and len(simulated) == 2
+    summed = evaluate(back, summary=True)
+    assert len(simulated) == 3 and summed.busy_time and summed == simulate_plan(graph, dp, topo, cost)
+    assert evaluate(back) is summed and evaluate(back, summary=True) is summed and len(simulated) == 3
+    evaluate(dp.with_microbatches(4))
+    evaluate(dp.with_microbatches(2, "1f1b"))  # two other plans since: the first is gone
+    assert evaluate(dp) == first and len(simulated) == 6
