@@ -16,7 +16,7 @@ from simulator.cost import get_cost_model
 from simulator.presets import get_topology
 from simulator.simulate import Lowerings, timed_graph
 from simulator.taskgraph import CATEGORY
-from strategies import OpGraph
+from strategies import OpGraph, Strategy
 from strategies.precision import compute_graph
 
 __all__ = ["Breakdown", "breakdown", "exposed", "union"]
@@ -63,7 +63,7 @@ def exposed(busy: list[tuple[float, float]], hidden: list[tuple[float, float]]) 
     return total
 
 
-def breakdown(graph: OpGraph, plan, topology: str, attention: str, device: int = 0,
+def breakdown(graph: OpGraph, plan: Strategy, topology: str, attention: str, device: int = 0,
               optimizer: str = "adam") -> Breakdown:
     """Device ``device``'s iteration of ``plan`` on the preset ``topology`` with the analytical
     model and the ``attention`` kernel: one folded simulation as ``simulate_plan`` runs it
