@@ -15,8 +15,9 @@ Sources (each figure read from the paper's own text, arXiv versions):
   (examples/academic_paper_scripts/sc21/run_table_1.sh, ``--num-layers-per-virtual-pipeline-stage``
   n: v = layers / (PP · n)): 76B 3, 145B 2, 310B 2, 530B 3; 39B and 1T run without it (1F1B).
   Its FLOPs, equation (3), count activation recomputation. Table 1 gives no
-  micro-batch: 1 sequence, the ``--micro-batch-size`` of Megatron-LM's GPT-3 175B example
-  script and of the paper's §5.3-5.4 sweeps, is assumed (``MICROBATCH``).
+  micro-batch size nor data-parallel implementation: both are the same script's (``MBS``:
+  1.7B-7.5B 16, 18B 8, 39B 4, 76B and 145B 2, the rest 1; ``--DDP-impl``: ``torch`` up to
+  18B, ``local`` from 39B), and its CONFIG.sh runs ``--fp16``.
 - Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models", MLSys'23
   (arXiv 2205.05198), Table 3 (configurations: heads, hidden, layers, TP, PP, GPUs, global and
   micro-batch) and Table 5 (end-to-end iteration seconds with full recompute and with "present
@@ -37,11 +38,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["MICROBATCH", "RECOMPUTE", "ROWS", "Run", "NARAYANAN", "NARAYANAN_CHUNKS", "KORTHIKANTI", "TORCHTITAN"]
+__all__ = ["DDP_IMPLS", "MICROBATCH", "RECOMPUTE", "ROWS", "Run", "NARAYANAN", "NARAYANAN_CHUNKS", "KORTHIKANTI", "TORCHTITAN"]
 
 MICROBATCH = 1
-"""Sequences per micro-batch where the source gives none (Narayanan Table 1): Megatron-LM's GPT-3
-175B example script's ``--micro-batch-size 1``."""
+"""Sequences per micro-batch of a row that names none (every source here names its own)."""
+DDP_IMPLS = ("torch", "local")
+"""Megatron-LM's ``--DDP-impl``: "torch", ``DistributedDataParallel`` (Li et al. 2020: 25 MiB
+buckets, each all-reduced once its gradients are final, overlapping the backward of the last
+micro-batch; Megatron-LM runs the others under ``no_sync``), or "local", Megatron-LM's own
+``DistributedDataParallel`` (megatron/model/distributed.py: the gradients in one contiguous
+buffer, all-reduced by ``allreduce_gradients`` after the backward of the last micro-batch,
+nothing overlapped)."""
 RECOMPUTE = ("full", "selective", "alternate", "op", "none")
 """Activation recomputation (Korthikanti et al. §5): every op of every transformer block
 ("full", ``plan --recompute``), the attention core only ("selective"), every block of every
@@ -106,6 +113,8 @@ class Run:
     """Model chunks per device of the published pipeline schedule: 1 for 1F1B, v > 1 for
     interleaved 1F1B (Narayanan et al. §2.2.2), run as ``megatron(virtual_stages=v)``."""
     dtype: str = "bf16"
+    ddp: str = "torch"
+    """How the data-parallel gradients are all-reduced: one of ``DDP_IMPLS``."""
     device: str = "a100"
     attention: str = "megatron"
     """The attention kernel (``simulator.cost.ATTENTION_KERNELS``): Megatron-LM of 2021-2022 ran
@@ -133,19 +142,21 @@ the other rows run 1F1B (or no pipeline)."""
 
 _NARAYANAN_ROWS = tuple(
     Run(name, p, a, h, l, t, pp, n, b, f"{NARAYANAN}, row {name}", "narayanan-table1", tflops=f,
-        percent_peak=pct, aggregate_pflops=agg, chunks=NARAYANAN_CHUNKS.get(name, 1))
-    for name, p, a, h, l, t, pp, n, b, f, pct, agg in (
-        # name, params (B), heads, hidden, layers, TP, PP, GPUs, batch, TFLOP/s/GPU, % peak, PFLOP/s
-        ("1.7B", 1.7, 24, 2304, 24, 1, 1, 32, 512, 137, 44, 4.4),
-        ("3.6B", 3.6, 32, 3072, 30, 2, 1, 64, 512, 138, 44, 8.8),
-        ("7.5B", 7.5, 32, 4096, 36, 4, 1, 128, 512, 142, 46, 18.2),
-        ("18B", 18.4, 48, 6144, 40, 8, 1, 256, 1024, 135, 43, 34.6),
-        ("39B", 39.1, 64, 8192, 48, 8, 2, 512, 1536, 138, 44, 70.8),
-        ("76B", 76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140, 45, 143.8),
-        ("145B", 145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148, 47, 227.1),
-        ("310B", 310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155, 50, 297.4),
-        ("530B", 529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163, 52, 410.2),
-        ("1T", 1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163, 52, 502.0),
+        percent_peak=pct, aggregate_pflops=agg, chunks=NARAYANAN_CHUNKS.get(name, 1), microbatch=mbs, ddp=ddp,
+        dtype="fp16")
+    for name, p, a, h, l, t, pp, n, b, f, pct, agg, mbs, ddp in (
+        # name, params (B), heads, hidden, layers, TP, PP, GPUs, batch, TFLOP/s/GPU, % peak, PFLOP/s;
+        # run_table_1.sh: micro-batch (MBS), --DDP-impl (DDP)
+        ("1.7B", 1.7, 24, 2304, 24, 1, 1, 32, 512, 137, 44, 4.4, 16, "torch"),
+        ("3.6B", 3.6, 32, 3072, 30, 2, 1, 64, 512, 138, 44, 8.8, 16, "torch"),
+        ("7.5B", 7.5, 32, 4096, 36, 4, 1, 128, 512, 142, 46, 18.2, 16, "torch"),
+        ("18B", 18.4, 48, 6144, 40, 8, 1, 256, 1024, 135, 43, 34.6, 8, "torch"),
+        ("39B", 39.1, 64, 8192, 48, 8, 2, 512, 1536, 138, 44, 70.8, 4, "local"),
+        ("76B", 76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140, 45, 143.8, 2, "local"),
+        ("145B", 145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148, 47, 227.1, 2, "local"),
+        ("310B", 310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155, 50, 297.4, 1, "local"),
+        ("530B", 529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163, 52, 410.2, 1, "local"),
+        ("1T", 1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163, 52, 502.0, 1, "local"),
     ))
 
 _KORTHIKANTI_ROWS = tuple(

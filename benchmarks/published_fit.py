@@ -9,7 +9,7 @@ rows of <= 128 GPUs) and prints each row's error (published / predicted seconds 
 root mean square of log(published / predicted); the best candidate is then checked on the
 held-out rows (``--check``, default Korthikanti's 22B and torchtitan's rows of <= 128 GPUs).
 
-    python benchmarks/published_fit.py                                 # n½ 400 .. 800 on Table 1
+    python benchmarks/published_fit.py                                 # n½ 500 .. 1100 on Table 1
     python benchmarks/published_fit.py --candidates 450,500 --check ""  # the fit only
 """
 
@@ -71,7 +71,7 @@ def rms_log(errs: list[float]) -> float:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--candidates", default="400,450,500,550,700,800", help="n½ values to try, comma separated")
+    ap.add_argument("--candidates", default="500,700,800,850,900,1100", help="n½ values to try, comma separated")
     ap.add_argument("--fit", default=",".join(FIT_ROWS), help="rows the fit uses, comma separated")
     ap.add_argument("--check", default=",".join(CHECK_ROWS), help="held-out rows, comma separated ('' : none)")
     args = ap.parse_args(argv)

@@ -3,8 +3,8 @@
 micro-batch, global batch, sequence, recompute, dtype, the published figure and its paper,
 table and row); this script builds each row's model on meta, the ``megatron`` baseline's plan
 with the row's flags (full recompute of every block as ``plan --recompute``, selective
-recompute as the attention cores recomputed, sequence parallelism, bf16 as ``plan --dtype
-bf16``), predicts the iteration with the analytical model (the row's attention kernel:
+recompute as the attention cores recomputed, sequence parallelism, bf16 or fp16 as ``plan
+--dtype``, Megatron-LM's local DDP as one gradient bucket: ``LOCAL_DDP_BUCKET_MB``), predicts the iteration with the analytical model (the row's attention kernel:
 "megatron" for Megatron-LM of 2021-2022, its unfused kernels with dropout on the
 probabilities) on the row's preset (a100-<N/8>x8) and prints predicted vs
 published iteration seconds, TFLOP/s per GPU where the source prints them, the relative error
@@ -28,6 +28,7 @@ Rows over ``--max-gpus`` devices (default 128: what the simulator runs in a few 
     python benchmarks/published_runs.py --row 7.5B --row "22B full"
     python benchmarks/published_runs.py --attention flash  # as if FlashAttention ran
     python benchmarks/published_runs.py --row 1.7B --shares  # one layer's time by op kind
+    python benchmarks/published_runs.py --row 18B --max-gpus 512 --breakdown  # device 0's iteration by part
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.published_breakdown import breakdown  # noqa: E402
 from benchmarks.published_data import MICROBATCH, ROWS, Run  # noqa: E402
 from simulator.cost import ATTENTION_KERNELS, get_cost_model  # noqa: E402
 from simulator.presets import get_topology  # noqa: E402
@@ -69,6 +71,10 @@ __all__ = ["MICROBATCH", "ROWS", "Run", "block_wave_efficiency", "build_graph", 
            "tile_wave_efficiency", "torchtitan_flops"]
 
 GiB = 1 << 30
+LOCAL_DDP_BUCKET_MB = float(1 << 30)
+"""Megatron-LM's local DDP (``published_data.DDP_IMPLS``) as a plan: a bucket cap past any gradient, so
+each device set's gradients but DDP's first 1 MiB bucket form one bucket, final (and all-reduced)
+after the backward of the last micro-batch, as ``allreduce_gradients`` runs."""
 MAX_GPUS = 128
 """Rows of more devices are listed, not simulated, unless ``--max-gpus`` says otherwise."""
 
@@ -151,6 +157,8 @@ def build_plan(run: Run, graph: OpGraph) -> Strategy:
         plan = Strategy.of({name: cfg.with_memory(recompute=True) if graph[name].kind == "attention" else cfg
                             for name, cfg in plan.items()},
                            plan.num_devices, plan.microbatches, plan.schedule, plan.precision)
+    if run.ddp == "local":
+        plan = plan.with_bucket_cap(LOCAL_DDP_BUCKET_MB)
     return plan.with_precision(run.dtype)
 
 
@@ -298,6 +306,15 @@ def _print_shares(run: Run) -> None:
         print(f"{kind:12s} {n:3d} {f * 1e6:8.1f} {b * 1e6:8.1f} {(f + b) / (fwd + bwd):6.1%}")
 
 
+def _print_breakdown(run: Run) -> None:
+    graph = build_graph(run)
+    got = breakdown(graph, build_plan(run, graph), run.topology, run.attention)
+    parts = [(f"compute {k}", v) for k, v in sorted(got.compute.items(), key=lambda kv: -kv[1])]
+    parts += [(f"exposed comm {k}", v) for k, v in got.exposed.items()] + [("idle (bubble, waits)", got.idle)]
+    print(f"{run.name}: iteration {got.iteration:.3f} s, device {got.device}: " + ", ".join(
+        f"{k} {v * 1e3:.0f} ms ({v / got.iteration:.1%})" for k, v in parts), flush=True)
+
+
 def _gib(nbytes: float | None) -> str:
     return f"{'-':>5s}" if nbytes is None else f"{nbytes / GiB:5.1f}"
 
@@ -310,6 +327,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-gpus", type=int, default=MAX_GPUS, help="rows of more devices are listed, not simulated")
     ap.add_argument("--attention", choices=ATTENTION_KERNELS, help="every row with this attention kernel")
     ap.add_argument("--shares", action="store_true", help="print each row's per-layer time by op kind, not the table")
+    ap.add_argument("--breakdown", action="store_true", help="print where device 0's predicted iteration goes "
+                    "(compute by kind, exposed communication by link, idle), not the table")
     args = ap.parse_args(argv)
     rows = tuple(r for r in ROWS if (args.sweep is None or r.sweep in args.sweep)
                  and (args.row is None or r.name in args.row))
@@ -318,6 +337,13 @@ def main(argv: list[str] | None = None) -> None:
     if args.shares:
         for run in rows:
             _print_shares(run)
+        return
+    if args.breakdown:
+        for run in rows:
+            if (why := reachable(run, args.max_gpus)) is None:
+                _print_breakdown(run)
+            else:
+                print(f"{run.name}: {why}")
         return
     print(f"{'row':17s} {'GPUs':>5s} {'TP':>3s} {'PP':>3s} {'DP':>4s} {'B':>5s} {'M':>4s} {'rec':>4s} {'pub s':>7s} "
           f"{'pred s':>7s} {'pub TF':>6s} {'pred TF':>7s} {'error':>7s} {'waves':>5s} {'peak':>5s} {'act':>5s} "

@@ -24,7 +24,7 @@ from simulator.topology import Topology
 from simulator.topology_json import read_cluster
 from strategies.errors import PlanError
 
-__all__ = ["A100_GEMM_HALF", "PRESETS", "PATTERNS", "MAX_DEVICES", "INTRA_SHAPES", "INTER_SHAPES", "Fabric", "cluster",
+__all__ = ["A100_GEMM_HALF", "A100_NCCL_BUS_BANDWIDTH", "PRESETS", "PATTERNS", "MAX_DEVICES", "INTRA_SHAPES", "INTER_SHAPES", "Fabric", "cluster",
            "check_plan_topology", "cluster_from_json", "get_topology"]
 
 
@@ -74,10 +74,11 @@ K80_PCIE = Fabric("switch", "pcie", latency=5e-6, bandwidth=12e9)
 # FDR InfiniBand 4x: 4 x 14.0625 Gb/s signalling, 64b/66b -> 54.5 Gb/s data (IBTA) = 6.82 GB/s.
 FDR_NODE_NIC = Fabric("node-nic", "ib", latency=5e-6, bandwidth=4 * 14.0625e9 * 64 / 66 / 8)
 
-A100_GEMM_HALF = 500.0
+A100_GEMM_HALF = 850.0
 """Hockney's n½ of a GPU's bf16 products, in the smallest dimension's elements, fitted on
 Narayanan et al.'s Table 1 rows of <= 128 GPUs with Megatron-LM's attention kernels
-(``simulator.cost`` "megatron": dropout on the probabilities) and checked on Korthikanti's and
+(``simulator.cost`` "megatron": dropout on the probabilities), their launch script's
+micro-batches and NCCL's bus bandwidth inside a node (``A100_NCCL_BUS_BANDWIDTH``), and checked on Korthikanti's and
 torchtitan's rows (``benchmarks/published_fit.py``, benchmarks/README.md)."""
 
 A100 = DeviceSpec(  # NVIDIA A100 Tensor Core GPU datasheet, A100 80GB SXM column
@@ -96,8 +97,14 @@ A100 = DeviceSpec(  # NVIDIA A100 Tensor Core GPU datasheet, A100 80GB SXM colum
     gemm_half=A100_GEMM_HALF,
 )
 # NVLink 3: 12 links x 25 GB/s per direction = 300 GB/s per direction ("NVLink: 600GB/s" total),
-# through NVSwitch (DGX A100 user guide). ~2 µs per transfer (estimate).
-A100_NVSWITCH = Fabric("switch", "nvswitch", latency=2e-6, bandwidth=300e9)
+# through NVSwitch (DGX A100 user guide). ~2 µs per transfer (estimate). Inside NCCL's ring
+# collectives a link carries less: ``A100_NCCL_BUS_BANDWIDTH``.
+A100_NCCL_BUS_BANDWIDTH = 200e9
+"""Bytes/s per GPU an NCCL ring all-reduce reaches among the 8 A100s of one NVSwitch node: its
+"bus bandwidth" (nccl-tests' busbw = algbw · 2(n-1)/n, the B of the ring formula), measured
+~200 GB/s on 8 x A100-SXM4-80GB (NVIDIA/nccl-tests issue #149, NCCL 2.18; issue #178: 208 GB/s)
+of the links' 300: the ring's reduction and copy kernels, not the links, bound it."""
+A100_NVSWITCH = Fabric("switch", "nvswitch", latency=2e-6, bandwidth=300e9, collective_bandwidth=A100_NCCL_BUS_BANDWIDTH)
 # HDR InfiniBand 200 Gb/s, one ConnectX-6 per GPU (DGX A100 datasheet: "8x Single-Port Mellanox
 # ConnectX-6 VPI 200Gb/s HDR InfiniBand") = 25 GB/s.
 HDR_DEVICE_NIC = Fabric("device-nic", "ib", latency=5e-6, bandwidth=200e9 / 8)

@@ -162,7 +162,8 @@ def test_json_round_trip(name, tmp_path):
 
 def test_compact_cluster_json_expands_like_the_preset(tmp_path):
     dev = get_topology("a100-2x8").devices[0]
-    fabric = lambda f: {"shape": f.shape, "kind": f.kind, "latency": f.latency, "bandwidth": f.bandwidth}
+    fabric = lambda f: {"shape": f.shape, "kind": f.kind, "latency": f.latency, "bandwidth": f.bandwidth,  # noqa: E731
+                        **({} if f.collective_bandwidth is None else {"collective_bandwidth": f.collective_bandwidth})}
     obj = {"format": "soapsearch.topology", "version": 1, "name": "a100-2x8",
            "cluster": {"nodes": 2, "per_node": 8, "intra": fabric(A100_NVSWITCH), "inter": fabric(dataclasses.replace(HDR_DEVICE_NIC, shape="rail")),
                        "device": {"kind": dev.kind, "memory_bytes": dev.memory_bytes,
