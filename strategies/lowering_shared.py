@@ -14,6 +14,11 @@ flags (``recompute_key``), the micro-batches, devices and copy 0's devices. ``sh
 that key; ``renamed`` gives one op's pieces the other's names (op, producers, weights), every
 record otherwise the same object or equal, so a lowering that shares equals one that does not
 (tests/strategies/test_lowering_shared.py checks it plan by plan).
+
+Across device blocks: a pipeline stage's layer is stage 0's cut alike on other devices, so the
+first op of each shape is also kept under ``relative_key`` (its and its producers' configs with
+every device counted from its own first device, and which partitions copy 0 keeps), and an op
+whose shape and relative key match takes those pieces renamed and moved (``renamed(delta=)``).
 """
 
 from __future__ import annotations
@@ -87,10 +92,14 @@ def renamed(pieces: OpPieces, old: tuple[str, ...], new: tuple[str, ...], delta:
     per_device = _moved_bytes(pieces, delta)
     if per_device is None:
         return None
-    parts = tuple(tuple(_new(Partition, (op, p[1], p[2], p[3] + delta, *p[4:])) for p in mb)
-                  for mb in pieces.partitions)
-    transfers = tuple(_new(Transfer, (at(t[0]), t[1], op, t[3], t[4], t[5], t[6] + delta, t[7] + delta, *t[8:]))
-                      for t in pieces.transfers)
+    if not delta:  # the hot loops: records made as the tuples they are
+        parts = tuple(tuple(_new(Partition, (op, *p[1:])) for p in mb) for mb in pieces.partitions)
+        transfers = tuple(_new(Transfer, (at(t[0]), t[1], op, *t[3:])) for t in pieces.transfers)
+    else:
+        parts = tuple(tuple(_new(Partition, (op, p[1], p[2], p[3] + delta, *p[4:])) for p in mb)
+                      for mb in pieces.partitions)
+        transfers = tuple(_new(Transfer, (at(t[0]), t[1], op, t[3], t[4], t[5], t[6] + delta, t[7] + delta,
+                                          *t[8:])) for t in pieces.transfers)
     reductions = tuple(dataclasses.replace(g, op=op, devices=_plus(g.devices, delta)) for g in pieces.reductions)
     reads = tuple(_new(WeightRead, (at(r[0]), r[1], r[2] + delta, op, *r[4:])) for r in pieces.weight_reads)
     collectives: dict = {}
