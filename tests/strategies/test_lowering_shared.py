@@ -230,3 +230,14 @@ def test_the_simulation_with_stages_moved_equals_the_one_without(monkeypatch):
     got = simulate_plan(graph, plan, "a100-2x8", optimizer="adam")
     _no_sharing(monkeypatch)
     assert_same_result(got, simulate_plan(graph, plan, "a100-2x8", optimizer="adam"))
+
+
+def test_pieces_moved_there_and_back_are_the_same_and_not_past_the_last_device():
+    graph, plan = _megatron_lm_gpt()
+    low = lower(graph, plan)
+    node = next(node for node in graph if node.kind == "linear" and _stage_of(plan, node.name) == 0)
+    names, pieces = names_of(graph, node), low.pieces[node.name]
+    there = renamed(pieces, names, names, 12)  # stage 0's devices 0-3 to stage 3's 12-15
+    assert {p.device for mb in there.partitions for p in mb} == {12, 13, 14, 15}
+    assert renamed(there, names, names, -12) == pieces
+    assert renamed(pieces, names, names, 13) is None  # device 3's bytes would move to device 16 of 16
