@@ -11,7 +11,8 @@ at T=4, P=4, 8 micro-batches, 1F1B, sequence parallel, every block recomputed, b
 64, 512 and 1,024 devices (megatron where T x P divides them). Each row runs in its own process (its peak RSS is the row's own) and prints the
 milliseconds of each phase of one full simulation as ``simulator.simulate_plan`` runs them
 (lower: the copies found and copy 0 lowered, ``simulate.Lowerings``; task graph, with any
-lowering again for fewer copies; event loop; memory), the copies a replicated plan is folded on
+lowering again for fewer copies; event loop; memory) and its process time (cpu ms: less
+sensitive than the wall to other jobs on the cores), the copies a replicated plan is folded on
 (``simulator.fold``; ``--per-device``: none, every device simulated), the task count, and the
 process's peak RSS; a row that
 fails (too many devices for the preset, MemoryError, past ``--timeout``) prints why. The last
@@ -71,6 +72,7 @@ def _row(model: str, kind: str, n: int, fold: bool, out) -> None:  # out: the ch
         graph = paper_graph(name, n, variant)
         plan = _plan(model, graph, kind, n)
         with paused_gc():
+            c0 = time.process_time()
             t0 = time.perf_counter()
             lowerings = Lowerings(graph, plan)  # copy 0's where it folds (simulate_plan's order)
             lowered = lowerings.first(topo, fold)
@@ -80,9 +82,10 @@ def _row(model: str, kind: str, n: int, fold: bool, out) -> None:  # out: the ch
             t3 = time.perf_counter()
             peak = max(m.total for m in memory_breakdown(lowerings.last, "adam"))
             t4 = time.perf_counter()
+            c4 = time.process_time()
         out.send({"tasks": len(tg), "copies": tg.copies.count if tg.copies else 1, "lower": t1 - t0,
                   "build": phases["tasks"], "events": phases["events"],
-                 "memory": t4 - t3, "total": t4 - t0, "iter_ms": float(end.max()) * 1e3,
+                 "memory": t4 - t3, "total": t4 - t0, "cpu": c4 - c0, "iter_ms": float(end.max()) * 1e3,
                  "peak_gib": peak / 2**30, "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024})
     except (MemoryError, ValueError) as e:  # ValueError: a preset refused, a plan that does not apply
         out.send({"error": f"{type(e).__name__}: {str(e).splitlines()[0][:90]}"})
@@ -125,7 +128,7 @@ def main() -> None:
                     help="simulate every device (no replica folding, simulator.fold): the baseline")
     args = ap.parse_args()
     print(f"{'model':10s} {'plan':9s} {'devices':>7s} {'copies':>6s} {'tasks':>8s} {'lower ms':>9s} {'tasks ms':>9s} "
-          f"{'events ms':>9s} {'memory ms':>9s} {'total ms':>9s} {'RSS MiB':>8s} {'iter ms':>9s} {'peak GiB':>8s}",
+          f"{'events ms':>9s} {'memory ms':>9s} {'total ms':>9s} {'cpu ms':>8s} {'RSS MiB':>8s} {'iter ms':>9s} {'peak GiB':>8s}",
           flush=True)
     rows, fits = [], {}
     for model in args.models.split(","):
@@ -140,7 +143,7 @@ def main() -> None:
                     continue
                 fits.setdefault((model, kind), []).append((n, r["total"]))
                 print(f"{model:10s} {kind:9s} {n:7d} {r['copies']:6d} {r['tasks']:8d} {r['lower'] * 1e3:9.0f} {r['build'] * 1e3:9.0f} "
-                      f"{r['events'] * 1e3:9.0f} {r['memory'] * 1e3:9.0f} {r['total'] * 1e3:9.0f} "
+                      f"{r['events'] * 1e3:9.0f} {r['memory'] * 1e3:9.0f} {r['total'] * 1e3:9.0f} {r['cpu'] * 1e3:8.0f} "
                       f"{r['rss_mib']:8.0f} {r['iter_ms']:9.1f} {r['peak_gib']:8.1f}", flush=True)
     for (model, kind), points in fits.items():
         k = _exponent(points)

@@ -44,6 +44,8 @@ def add_collectives(tg: TaskGraph, lowered: Lowered, topology: Topology, blocks:
     n = topology.num_devices
     readers = lowered.collective_readers
     arrivals: list[int] = []
+    rings: dict[tuple[int, ...], tuple[tuple[int, ...], str]] = {}  # a group's ring links and its devices shown, once
+    times: dict[tuple, float] = {}
     for c, (fwd_steps, bwd_steps) in zip(lowered.collectives, collective_steps(lowered)):
         members = [(d, q) for d, q in zip(c.devices, c.holders) if keep is None or d in keep]
         if not members:
@@ -52,11 +54,15 @@ def add_collectives(tg: TaskGraph, lowered: Lowered, topology: Topology, blocks:
             fwd_steps = {d: s for d, s in fwd_steps.items() if d in keep}
             bwd_steps = {d: s for d, s in bwd_steps.items() if d in keep}
         simulated = [d for d, _ in members]
-        j, links = c.microbatch, tuple(n + l for l in ring_links(topology, c.devices))
+        ring = rings.get(c.devices)
+        if ring is None:
+            ring = rings[c.devices] = (tuple(n + l for l in ring_links(topology, c.devices)),
+                                       ",".join(map(str, c.devices)))
+        j, (links, shown) = c.microbatch, ring
         holder = blocks[position[c.op]]
         at = int(first[position[c.op]])
-        label = f"{c.kind} {c.op}@mb{j} devices {','.join(map(str, c.devices))}"
-        f = tg.add(label, TaskKind.COLLECTIVE, collective_time(topology, c.kind, c.devices, c.nbytes), links,
+        label = f"{c.kind} {c.op}@mb{j} devices {shown}"
+        f = tg.add(label, TaskKind.COLLECTIVE, _time(times, topology, c.kind, c.devices, c.nbytes), links,
                    c.devices[0], c.nbytes)
         for _, q in members:
             tg.edge(at + holder.fwd_done[j][q], f)
@@ -68,8 +74,8 @@ def add_collectives(tg: TaskGraph, lowered: Lowered, topology: Topology, blocks:
             tg.edge(ends[r.device], int(first[position[r.dst_op]]) + blocks[position[r.dst_op]].fwd[j][r.dst_index])
         if not c.grad:
             continue
-        label = f"{c.backward_kind} grad {c.op}@mb{j} devices {','.join(map(str, c.devices))}"
-        b = tg.add(label, TaskKind.COLLECTIVE, collective_time(topology, c.backward_kind, c.devices, c.nbytes),
+        label = f"{c.backward_kind} grad {c.op}@mb{j} devices {shown}"
+        b = tg.add(label, TaskKind.COLLECTIVE, _time(times, topology, c.backward_kind, c.devices, c.nbytes),
                    links, c.devices[0], c.nbytes)
         for r in mine:
             tg.edge(int(first[position[r.dst_op]]) + blocks[position[r.dst_op]].bwd_done[j][r.dst_index], b)
@@ -79,6 +85,16 @@ def add_collectives(tg: TaskGraph, lowered: Lowered, topology: Topology, blocks:
         for d, q in members:
             tg.edge(ends[d], at + holder.fwd[j][q] + 1)
     return np.asarray(arrivals, dtype=INDEX).reshape(-1, 2).T
+
+
+def _time(known: dict, topology: Topology, kind: str, devices: tuple[int, ...], nbytes: int) -> float:
+    """``collective_time``, once per (kind, group, bytes): a layer's collectives repeat in every
+    micro-batch."""
+    key = (kind, devices, nbytes)
+    got = known.get(key)
+    if got is None:
+        got = known[key] = collective_time(topology, kind, devices, nbytes)
+    return got
 
 
 def _arrive(tg: TaskGraph, collective: int, steps: dict, blocks: Sequence, first: np.ndarray,

@@ -47,18 +47,19 @@ def distinct_resources(tg: TaskGraph) -> tuple[list[tuple[int, ...]], np.ndarray
     got = tg.memo.get("distinct")
     if got is not None and got[0] == len(tg):
         return got[1]
-    by_id: dict[int, int] = {}
+    resources = tg.resources
+    ids = np.fromiter(map(id, resources), np.int64, len(resources))  # the tuples live on the graph: ids distinct
+    _, first, inverse = np.unique(ids, return_index=True, return_inverse=True)
     by_value: dict[tuple[int, ...], int] = {}
     distinct: list[tuple[int, ...]] = []
-    which = []
-    for r in tg.resources:
-        i = by_id.get(id(r))
-        if i is None:  # each object hashed once: a folded graph's rings share one tuple
-            i = by_id[id(r)] = by_value.setdefault(r, len(distinct))
-            if i == len(distinct):
-                distinct.append(r)
-        which.append(i)
-    result = distinct, np.asarray(which, dtype=np.int64)
+    of_object = np.empty(len(first), dtype=np.int64)
+    for k in np.argsort(first).tolist():  # each object once, in order of first use, hashed once
+        r = resources[int(first[k])]
+        i = of_object[k] = by_value.setdefault(r, len(distinct))
+        if i == len(distinct):
+            distinct.append(r)
+    which = of_object[inverse.reshape(-1)]
+    result = distinct, which
     tg.memo["distinct"] = (len(tg), result)
     return result
 

@@ -441,11 +441,15 @@ def _bucket_ready(tg: TaskGraph, lowered: Lowered, blocks: list[_Block], first: 
     order = tg.step_order
     ends = dict(zip(order.devices, order.last))
     out = {}
+    if not issues:
+        return out
+    place = np.full(len(tg), -1, dtype=np.int64)  # a step's first task -> its place in the step order
+    place[order.tasks] = np.arange(len(order.tasks))  # each step once: every place is one task's
     for d, mine in issues.items():
         for key, step in mine:
             i = position[step.op]
             k = step.index  # partitions are in index order; a folded block's by index
-            at = int(np.flatnonzero(order.tasks == int(first[i]) + blocks[i].fwd[step.microbatch][k] + 1)[0])
+            at = int(place[int(first[i]) + blocks[i].fwd[step.microbatch][k] + 1])
             after = int(first[i]) + blocks[i].bwd_done[step.microbatch][k]
             out[(key, d)] = (after, int(order.tasks[at + 1]) if at < ends[d] else None)
     return out

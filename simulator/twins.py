@@ -86,7 +86,5 @@ def _moved(a: np.ndarray, moved: dict[int, int]) -> np.ndarray:
 def _names(names: list, op: str, transfers: dict[int, Any]) -> list:
     """Labels of a twin's tasks from its op's: a partition's (what, op, index, micro-batch)
     with the twin's op, a transfer's (what, transfer) with the twin's transfer."""
-    out = []
-    for x in names:
-        out.append((x[0], op, x[2], x[3]) if len(x) == 4 else (x[0], transfers[id(x[1])]))
-    return out
+    moved = transfers.__getitem__
+    return [(x[0], op, x[2], x[3]) if len(x) == 4 else (x[0], moved(id(x[1]))) for x in names]

@@ -16,14 +16,14 @@ from strategies.graph import OpGraph, OpNode
 from strategies.lowered import WEIGHT_KINDS, DeviceBytes, OpPieces, Partition, WeightShard, weight_shards
 from strategies.lowering_copies import expand_holders
 from strategies.lowering_memo import levels_key, relevelled
-from strategies.lowering_shared import name_map, names_of, renamed, shapes_of
+from strategies.lowering_shared import name_map, names_of, relative_key, renamed, shapes_of
 from strategies.members import Members
 from strategies.pieces import lower_op, recompute_key
 from strategies.region import Box
 from strategies.strategy import Strategy
 from strategies.symmetry import Copies
 
-__all__ = ["Last", "changed_ops", "update"]
+__all__ = ["Last", "changed_ops", "shape_ids", "update"]
 
 
 def changed_ops(last: "Last | None", configs: tuple[tuple[str, Any], ...]) -> list[str] | None:
@@ -54,9 +54,7 @@ def update(graph: OpGraph, strategy: Strategy, cache: dict, last: "Last", affect
     config = strategy.__getitem__
     weights: set[str] = set()  # read by an affected op, in the previous call's pieces or this call's
     regroup = last.readers is None  # an op reads other weights than in the previous call: readers gathered again
-    shapes = cache.get(_SHAPES)
-    if shapes is None:
-        shapes = cache[_SHAPES] = shapes_of(graph)
+    shapes = shape_ids(graph, cache)
     for node in affected:
         by = (m, strategy.num_devices, config(node.name), tuple(map(config, node.inputs)),
               recompute_key(graph, strategy, node.name), keep)
@@ -98,6 +96,18 @@ _SHAPES = ("shapes",)
 """The cache's key of the graph's op shapes (``lowering_shared.shapes_of``)."""
 
 
+def shape_ids(graph: OpGraph, cache: dict) -> dict[str, int]:
+    """``lowering_shared.shapes_of`` ``graph``, kept in ``cache`` (one graph's)."""
+    shapes = cache.get(_SHAPES)
+    if shapes is None:
+        shapes = cache[_SHAPES] = shapes_of(graph)
+    return shapes
+
+_RELATIVE = "relative"
+"""The first item of the cache's keys of pieces by configs relative to their op's first device
+(``lowering_shared.relative_key``)."""
+
+
 def _lowered(graph: OpGraph, strategy: Strategy, cache: dict, node: OpNode, shape: tuple,
              names: tuple[str, ...]) -> OpPieces:
     """``node``'s pieces (its names ``names``, ``names_of``), the first found of: its own pieces
@@ -105,8 +115,10 @@ def _lowered(graph: OpGraph, strategy: Strategy, cache: dict, node: OpNode, shap
     transfers and reductions, so the task blocks built for them serve too); another op's of the
     same ``shape`` (its id and the configs it is lowered under) renamed
     (``strategies.lowering_shared``); another op's of that shape under other levels renamed
-    and relevelled; else lowered. The config is validated where the pieces are not another
-    op's of the same ``shape``, and the pieces are kept for the others."""
+    and relevelled; those of an op of its shape cut alike on devices moved by one offset
+    (``lowering_shared.relative_key``: the same layer in another pipeline stage) renamed and
+    moved; else lowered. The config is validated where the pieces are not another op's of the
+    same ``shape``, and the pieces are kept for the others."""
     levels = levels_key(shape, strategy, node)
     own = cache.get((node.name, *levels))
     if own is not None:
@@ -127,11 +139,22 @@ def _lowered(graph: OpGraph, strategy: Strategy, cache: dict, node: OpNode, shap
         if pieces is not None:
             strategy.validate_op(node)
             pieces = relevelled(pieces, graph, strategy, node)
+    alike = None
+    if pieces is None:
+        config = strategy.__getitem__
+        relative, base = relative_key(config(node.name), tuple(map(config, node.inputs)), shape[-1])
+        relative = (_RELATIVE, shape[0], *shape[1:3], relative, *shape[5:-1])
+        alike = cache.get(relative)
+        if alike is not None:
+            strategy.validate_op(node)
+            pieces = renamed(alike[1], alike[0], names, base - alike[2])
     if pieces is None:
         strategy.validate_op(node)
         pieces = lower_op(graph, strategy, node, shape[1], shape[-1])
         if other is None:
             cache[levels] = (names, pieces)
+        if alike is None:
+            cache[relative] = (names, pieces, base)
     if first is None:
         cache[shape] = (names, pieces)
     cache[(node.name, *levels)] = pieces

@@ -14,18 +14,26 @@ flags (``recompute_key``), the micro-batches, devices and copy 0's devices. ``sh
 that key; ``renamed`` gives one op's pieces the other's names (op, producers, weights), every
 record otherwise the same object or equal, so a lowering that shares equals one that does not
 (tests/strategies/test_lowering_shared.py checks it plan by plan).
+
+Across device blocks: a pipeline stage's layer is stage 0's cut alike on other devices, so the
+first op of each shape is also kept under ``relative_key`` (its and its producers' configs with
+every device counted from its own first device, and which partitions copy 0 keeps), and an op
+whose shape and relative key match takes those pieces renamed and moved (``renamed(delta=)``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Hashable
+from typing import Hashable, Sequence
 
+from strategies.config import ParallelConfig
 from strategies.graph import OpGraph, OpNode
 from strategies.lowered import WEIGHT_KINDS, CollectiveRead, OpPieces, Partition, Transfer, WeightRead
+from strategies.lowering_copies import kept_indices
+from strategies.members import Hashed
 from strategies.repeats import signature
 
-__all__ = ["shapes_of", "names_of", "name_map", "renamed"]
+__all__ = ["shapes_of", "names_of", "name_map", "renamed", "relative_key"]
 
 _new = tuple.__new__
 
@@ -69,26 +77,88 @@ def name_map(old: tuple[str, ...], new: tuple[str, ...]) -> dict[str, str] | Non
     return to
 
 
-def renamed(pieces: OpPieces, old: tuple[str, ...], new: tuple[str, ...]) -> OpPieces | None:
-    """``pieces`` (of the op ``old`` names, ``names_of``) with ``new``'s names; None where one of
-    ``old``'s names stands for two of ``new``'s (the op then lowers on its own)."""
-    if old == new:
+def renamed(pieces: OpPieces, old: tuple[str, ...], new: tuple[str, ...], delta: int = 0) -> OpPieces | None:
+    """``pieces`` (of the op ``old`` names, ``names_of``) with ``new``'s names and every device
+    moved ``delta`` on (``relative_key``: another block of devices cut alike); None where one of
+    ``old``'s names stands for two of ``new``'s (the op then lowers on its own) or a device's
+    bytes would move past the last device."""
+    if old == new and not delta:
         return pieces
     to = name_map(old, new)
     if to is None:
         return None
     op = new[0]
     at = to.__getitem__
-    parts = tuple(tuple(_new(Partition, (op, *p[1:])) for p in mb) for mb in pieces.partitions)
-    transfers = tuple(_new(Transfer, (at(t[0]), t[1], op, *t[3:])) for t in pieces.transfers)
-    reductions = tuple(dataclasses.replace(g, op=op) for g in pieces.reductions)
-    reads = tuple(_new(WeightRead, (at(r[0]), r[1], r[2], op, *r[4:])) for r in pieces.weight_reads)
+    per_device = _moved_bytes(pieces, delta)
+    if per_device is None:
+        return None
+    if not delta:  # the hot loops: records made as the tuples they are
+        parts = tuple(tuple(_new(Partition, (op, *p[1:])) for p in mb) for mb in pieces.partitions)
+        transfers = tuple(_new(Transfer, (at(t[0]), t[1], op, *t[3:])) for t in pieces.transfers)
+    else:
+        parts = tuple(tuple(_new(Partition, (op, p[1], p[2], p[3] + delta, *p[4:])) for p in mb)
+                      for mb in pieces.partitions)
+        transfers = tuple(_new(Transfer, (at(t[0]), t[1], op, t[3], t[4], t[5], t[6] + delta, t[7] + delta,
+                                          *t[8:])) for t in pieces.transfers)
+    reductions = tuple(dataclasses.replace(g, op=op, devices=_plus(g.devices, delta)) for g in pieces.reductions)
+    reads = tuple(_new(WeightRead, (at(r[0]), r[1], r[2] + delta, op, *r[4:])) for r in pieces.weight_reads)
     collectives: dict = {}
     col_reads = []
     for r in pieces.collective_reads:
         c = collectives.get(r.collective)
         if c is None:
-            c = collectives[r.collective] = r.collective._replace(op=at(r.collective.op))
-        col_reads.append(_new(CollectiveRead, (c, op, *r[2:])))
+            c = collectives[r.collective] = r.collective._replace(op=at(r.collective.op),
+                                                                  devices=_plus(r.collective.devices, delta))
+        col_reads.append(_new(CollectiveRead, (c, op, r[2], r[3], r[4] + delta)))
+    couples = pieces.couples if not delta else frozenset((a + delta, b + delta) for a, b in pieces.couples)
     return pieces._replace(partitions=parts, transfers=transfers, reductions=reductions, weight_reads=reads,
-                           weights_read=tuple(map(at, pieces.weights_read)), collective_reads=tuple(col_reads))
+                           weights_read=tuple(map(at, pieces.weights_read)), collective_reads=tuple(col_reads),
+                           couples=couples, **per_device)
+
+
+def relative_key(config: ParallelConfig, producers: Sequence[ParallelConfig], keep: frozenset[int] | None
+                 ) -> tuple[Hashable, int]:
+    """(key, base): what ``lower_op`` reads of an op's and its producers' configs with every
+    device counted from ``base``, the op's first device, and, of a copy-0 lowering's ``keep``,
+    which partitions of each it keeps (``kept_indices``: all it reads of ``keep``). Two ops of
+    one shape with equal keys lower to equal pieces up to names and a move of every device by
+    the difference of their bases (a pipeline stage's layer is stage 0's on devices s·N/p on:
+    ``strategies.megatron``)."""
+    base = config.devices[0] if config.devices else 0
+    key = tuple((c.degrees, tuple([d - base for d in c.devices]), c.zero, c.recompute,
+                 None if keep is None else kept_indices(c, keep)) for c in (config, *producers))
+    return key, base
+
+
+def _plus(devices: tuple[int, ...], delta: int) -> tuple[int, ...]:
+    """``devices`` moved ``delta`` on, of their type (a ``Hashed`` stays one)."""
+    if not delta:
+        return devices
+    moved = [d + delta for d in devices]
+    return type(devices)(moved) if isinstance(devices, Hashed) else tuple(moved)
+
+
+def _moved_bytes(pieces: OpPieces, delta: int) -> dict | None:
+    """The per-device byte tuples of ``pieces`` with entry d moved to d + ``delta``; None where
+    a nonzero entry would fall off either end."""
+    if not delta:
+        return {}
+    out = {}
+    for field, rows in (("activations", pieces.activations), ("receives", pieces.receives),
+                        ("dropped", pieces.dropped)):
+        moved = []
+        for row in ((rows,) if field != "receives" else rows):
+            if not row:
+                moved.append(row)
+                continue
+            n = len(row)
+            if delta > 0:
+                if any(row[n - delta:]):
+                    return None
+                moved.append((0,) * delta + row[:n - delta])
+            else:
+                if any(row[:-delta]):
+                    return None
+                moved.append(row[-delta:] + (0,) * -delta)
+        out[field] = moved[0] if field != "receives" else tuple(moved)
+    return out

@@ -52,14 +52,21 @@ def _boxes(grid: Sequence[tuple[int, int]], degrees: Sequence[int]) -> list[Box]
     return [tuple(x) for x in itertools.product(*ranges)]
 
 
-def check_microbatches(graph: OpGraph, m: int) -> None:
+def check_microbatches(graph: OpGraph, m: int, shapes: dict[str, int] | None = None) -> None:
     """Raise PlanError unless every op's micro-batch j reads only micro-batch j of each producer
     with a sample dim (rows [j·P/m, (j+1)·P/m) of it), as ``lower_op`` assumes: a reshape that
     flattens the batch inside another dim (x.permute(1, 0, 2).reshape(-1, H)) mixes samples
-    across micro-batches, and its plans would move only part of what it reads."""
+    across micro-batches, and its plans would move only part of what it reads. ``shapes``
+    (``strategies.lowering_shared.shapes_of``): ops of one shape are checked once (the check
+    reads the op and its producers' kinds, dims and sample dims, which the id holds)."""
     if m == 1:
         return
+    seen: set[int] = set()  # ``shapes`` (``lowering_shared.shapes_of``): ids of ops checked, each once
     for node in graph:
+        if shapes is not None:
+            if shapes[node.name] in seen:
+                continue
+            seen.add(shapes[node.name])
         i = node.sample_dim
         if i is None or not node.inputs or node.shape[i] % m:
             continue  # no micro-batches here, or one the config checks refuse with their own message

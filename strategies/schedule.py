@@ -73,17 +73,26 @@ def collective_steps(lowered: Lowered) -> list[tuple[dict[int, Step], dict[int, 
     on every member."""
     out = []
     readers = lowered.collective_readers
+    spans: dict[tuple[str, int], dict[int, tuple[int, int]]] = {}
     for c in lowered.collectives:
         first, j = readers[c][0].dst_op, c.microbatch
-        fwd = {d: Step(False, first, _on(lowered, first, j, d, min), j) for d in c.devices}
-        bwd = {d: Step(True, c.op, _on(lowered, c.op, j, d, max), j) for d in c.devices} if c.grad else {}
+        lo, hi = _spans(lowered, first, j, spans), _spans(lowered, c.op, j, spans)
+        fwd = {d: Step(False, first, lo[d][0], j) for d in c.devices}
+        bwd = {d: Step(True, c.op, hi[d][1], j) for d in c.devices} if c.grad else {}
         out.append((fwd, bwd))
     return out
 
 
-def _on(lowered: Lowered, op: str, microbatch: int, device: int, pick) -> int:
-    """``pick`` (min or max) of the indices of ``op``'s partitions on ``device``."""
-    return pick(p.index for p in lowered.partitions[op][microbatch] if p.device == device)
+def _spans(lowered: Lowered, op: str, microbatch: int, known: dict) -> dict[int, tuple[int, int]]:
+    """Device -> (min, max) of the indices of ``op``'s partitions on it in ``microbatch``, found
+    once per op and micro-batch (``known``)."""
+    got = known.get((op, microbatch))
+    if got is None:
+        got = known[(op, microbatch)] = {}
+        for p in lowered.partitions[op][microbatch]:
+            was = got.get(p.device)
+            got[p.device] = (p.index, p.index) if was is None else (min(was[0], p.index), max(was[1], p.index))
+    return got
 
 
 def collective_calls(lowered: Lowered, order: dict[int, list[Step]] | None = None) -> dict[int, list[CollectiveCall]]:

@@ -7,6 +7,8 @@ pieces as they were (delta = full); and names that would clash are not shared.""
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 import torch
@@ -18,7 +20,7 @@ from simulator.taskgraph import label
 import simulator.tasks as tasks
 from simulator.tasks import TaskCache, build_tasks
 from simulator.twins import twin_block
-from strategies.baselines import baseline, recomputed
+from strategies.baselines import baseline, megatron_lm, recomputed
 from strategies.lowering import lower, lower_reference
 from strategies.lowering_shared import names_of, renamed, shapes_of
 from strategies.megatron import megatron
@@ -85,7 +87,7 @@ def test_sharing_lowers_as_the_reference_and_lowers_fewer_ops(name, lowered_ops)
 
 def _no_sharing(monkeypatch):
     """Every op lowered, every weight's shards found and every task block built on its own."""
-    monkeypatch.setattr(lowering_cache, "renamed", lambda pieces, old, new: None)
+    monkeypatch.setattr(lowering_cache, "renamed", lambda pieces, old, new, delta=0: None)
     monkeypatch.setattr(lowering_cache, "name_map", lambda old, new: None)
 
 
@@ -181,3 +183,61 @@ def test_names_that_would_clash_are_not_shared():
     assert {p.op for mb in moved.partitions for p in mb} == {"x"}
     assert {t.dst_op for t in moved.transfers} <= {"x"} and {r.op for r in moved.weight_reads} == {"x"}
     assert [p.box for mb in moved.partitions for p in mb] == [p.box for mb in pieces.partitions for p in mb]
+
+
+@functools.lru_cache(maxsize=1)
+def _megatron_lm_gpt():
+    """A tiny GPT of 8 layers under the plan Megatron-LM runs (``megatron_lm``) on 16 devices:
+    T = 2, P = 4 (two layers a stage), d = 2, one sequence a micro-batch (m = 4)."""
+    cfg = GPTConfig(n_layer=8, n_head=2, n_embd=16, seq_len=8, vocab_size=50)
+    graph = trace(GPT(cfg), (torch.randint(0, 50, (8, 8)), torch.randint(0, 50, (8, 8))))
+    return graph, megatron_lm(graph, 16, 2, 4)
+
+
+def _stage_of(plan, op):
+    return min(plan[op].devices) // 4  # stage s runs on devices [4s, 4s + 4)
+
+
+@pytest.mark.parametrize("fold", [pytest.param(False, marks=pytest.mark.slow), True])
+def test_a_layer_is_lowered_once_for_every_pipeline_stage(fold, lowered_ops, monkeypatch):
+    # stages 1-3 run stage 0's cuts on devices 4s on: their layers' ops take stage 0's pieces
+    # renamed and moved (lowering_shared.relative_key); the lowering equals the one that lowers
+    # every op (per device: and the reference), and fewer ops are lowered than with renaming alone
+    graph, plan = _megatron_lm_gpt()
+    assert plan.microbatches == 4
+    copies = find_copies(graph, plan) if fold else None
+    assert not fold or copies.count == 2
+    shared = lower(graph, plan, None, copies)
+    moved = list(lowered_ops)
+    lowered_ops.clear()
+    monkeypatch.setattr(lowering_cache, "relative_key", lambda config, producers, keep: ((object(),), 0))
+    renamed_only = lower(graph, plan, None, copies)
+    _assert_equal(shared, renamed_only)
+    if not fold:
+        _assert_equal(shared, lower_reference(graph, plan))
+    later = [op for op in lowered_ops if _stage_of(plan, op) > 0]
+    assert len(later) > 0 and len(moved) < len(lowered_ops)
+    # layers 3-6 (stage 1's second, stages 2 and 3 but the last layer) lower nothing; with
+    # renaming alone the first layer of stages 2 and 3 is lowered again
+    [block] = [b for b in repeated_blocks(graph) if b.length > 10]
+    inner = {op for layer in block.instances[3:7] for op in layer}
+    assert not inner & set(moved)
+    assert {2, 3} <= {_stage_of(plan, op) for op in inner & set(lowered_ops)}
+
+
+def test_the_simulation_with_stages_moved_equals_the_one_without(monkeypatch):
+    graph, plan = _megatron_lm_gpt()
+    got = simulate_plan(graph, plan, "a100-2x8", optimizer="adam")
+    _no_sharing(monkeypatch)
+    assert_same_result(got, simulate_plan(graph, plan, "a100-2x8", optimizer="adam"))
+
+
+def test_pieces_moved_there_and_back_are_the_same_and_not_past_the_last_device():
+    graph, plan = _megatron_lm_gpt()
+    low = lower(graph, plan)
+    node = next(node for node in graph if node.kind == "linear" and _stage_of(plan, node.name) == 0)
+    names, pieces = names_of(graph, node), low.pieces[node.name]
+    there = renamed(pieces, names, names, 12)  # stage 0's devices 0-3 to stage 3's 12-15
+    assert {p.device for mb in there.partitions for p in mb} == {12, 13, 14, 15}
+    assert renamed(there, names, names, -12) == pieces
+    assert renamed(pieces, names, names, 13) is None  # device 3's bytes would move to device 16 of 16
