@@ -72,14 +72,15 @@ def _lopsided(plan):
     return plan
 
 
-@pytest.mark.parametrize("topology, tp, pp, fold_from", [("p100-1x4", 2, 2, 64), ("a100-1x8", 2, 2, 2),
-                                                         ("p100-1x4", 1, 4, 64)])
-def test_op_seconds_are_the_timeline_s_compute_seconds(topology, tp, pp, fold_from, monkeypatch):
+@pytest.mark.parametrize("model, topology, tp, pp, fold_from", [
+    ("gpt", "p100-1x4", 2, 2, 64), ("gpt", "a100-1x8", 2, 2, 2), ("gpt", "p100-1x4", 1, 4, 64),
+    ("llama", "p100-1x4", 2, 2, 64)])
+def test_op_seconds_are_the_timeline_s_compute_seconds(model, topology, tp, pp, fold_from, monkeypatch):
     """Per device (4 devices) and folded on copy 0 (8 devices: 2 data-parallel copies, the fold
-    threshold lowered to reach it), recompute and bf16 included: the lowering's seconds are the
-    timeline's, op for op."""
+    threshold lowered to reach it), recompute, bf16 and twin ops (their twin's tasks) included:
+    the lowering's seconds are the timeline's, op for op."""
     monkeypatch.setattr(stagemove, "FOLD_FROM", fold_from)
-    graph = traced("gpt", batch_size=16)
+    graph = traced(model, batch_size=16)
     topo, cost = get_topology(topology), get_cost_model("analytical")
     n = topo.num_devices
     plan = recomputed(megatron(graph, n, tp=tp, pp=pp, microbatches=4), graph).with_precision("bf16")
@@ -92,6 +93,7 @@ def test_op_seconds_are_the_timeline_s_compute_seconds(topology, tp, pp, fold_fr
     for op, seconds in want.items():
         assert got[op] == pytest.approx(seconds, rel=1e-12, abs=1e-15), op
     assert any(plan[op].recompute for op in got) and any(v > 0 for v in got.values())
+    assert any(op in lowered[0].twins for op in got)
     copies = lowered[0].copies  # 8 devices: copy 0's lowering, 4 of 8 devices (the simulation's fold)
     assert (copies is None) == (n == 4) and (copies is None or len(copies.kept) == 4)
 
