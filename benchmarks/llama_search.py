@@ -15,12 +15,18 @@ over X's (< 1: found is faster); rows "(search's)" are the baselines the search 
 (inside its wall time). The issue's goal: the short search within 2 % of the long
 search's plan in ≤ 150 s wall.
 
+``--restage`` prints, instead of the searches, what one restage (the global move's proposal
+that rebalances a pipelined plan's stages, ``stagemove.restage`` on ``stagemove.op_seconds``)
+costs and gives on three pipelined factorizations: each plan scored, restaged, the restaged
+plan scored, as a chain does.
+
 ``--model gpt3-175b`` runs GPT-3 175B's shape (zoo ``gpt`` variant ``gpt3-175b``, one sequence
 per device unless ``--batch``) against the plan Megatron-LM ran (``strategies.baselines.megatron_lm``,
 Narayanan et al. SC'21: T = 8, P = 16, one sequence a micro-batch, 1F1B, sequence parallelism,
 every layer recomputed, ZeRO-1, bf16); ``--long 0`` leaves the long search out.
 
     python benchmarks/llama_search.py [--topology h100-8x8] [--budget 150] [--long 900]
+    python benchmarks/llama_search.py --restage
     python benchmarks/llama_search.py --model gpt3-175b --topology a100-128x8 --budget 600 --long 0
 """
 
@@ -35,6 +41,8 @@ from simulator.presets import get_topology
 from soapsearch import trace, zoo
 from soapsearch.search import search
 from soapsearch.search.api import Evaluator
+from soapsearch.search.globalmove import Factorization, GlobalMoves
+from soapsearch.search.stagemove import restage
 from strategies import PlanError, baseline
 from strategies.baselines import hybrid, megatron_lm, recomputed, sharded
 
@@ -49,6 +57,27 @@ def _experts(model: str, graph, n: int) -> dict:
             "megatron+recompute": lambda: recomputed(baseline("megatron", graph, n), graph)}
 
 
+RESTAGED = (Factorization(8, 4, 4, "1f1b", 1, False, True), Factorization(4, 8, 8, "1f1b", 0, False, True),
+            Factorization(8, 8, 1, "gpipe", 0, False, True))
+"""tp × pp, micro-batches, schedule, ZeRO level, recompute, sequence parallel: ``--restage``'s plans."""
+
+
+def _restage_table(graph, evaluate: Evaluator, n: int) -> None:
+    """One restage per ``RESTAGED`` plan: the plan's ms, the restage's seconds, the restaged plan's ms."""
+    moves = GlobalMoves(graph, n, (1, 2, 4, 8), PRECISION, evaluate)
+    print("| plan | ms | restage s | restaged ms | restaged / plan |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    for f in RESTAGED:
+        plan = moves.plan(f)
+        ms = evaluate(plan).iteration_ms
+        t = time.perf_counter()
+        new = restage(graph, plan, moves.op_seconds)
+        took = time.perf_counter() - t
+        new_ms = evaluate(new).iteration_ms if new is not None else ms
+        print(f"| tp {f.tp} x pp {f.pp}, {f.microbatches} micro-batches, {f.schedule}, ZeRO-{f.zero} | {ms:.1f} | "
+              f"{took:.2f} | {new_ms:.1f} | {new_ms / ms:.3f} |", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", choices=("llama", "gpt3-175b"), default="llama")
@@ -57,6 +86,7 @@ def main() -> None:
     ap.add_argument("--budget", type=float, default=150.0, help="seconds of the short search")
     ap.add_argument("--long", type=float, default=900.0, help="seconds of the long search (0: none)")
     ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--restage", action="store_true", help="one restage of three pipelined plans, no search")
     args = ap.parse_args()
     topo = get_topology(args.topology)
     n = topo.num_devices
@@ -66,6 +96,8 @@ def main() -> None:
                     else zoo.build("gpt", "gpt3-175b", batch_size=batch, device="meta")))
     traced_s = time.perf_counter() - t0
     evaluate = Evaluator(graph, topo, get_cost_model("analytical"), OPTIMIZER, PRECISION)
+    if args.restage:
+        return _restage_table(graph, evaluate, n)
     rows = []
     experts = _experts(args.model, graph, n)
     for name, make in experts.items():

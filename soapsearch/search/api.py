@@ -364,8 +364,7 @@ def search(model: torch.nn.Module | OpGraph, example_inputs: Sequence[Any] | Non
                   {microbatches: Space(candidates, neighbor_ops(graph, candidates),
                                        BlockMoves(graph, n, microbatches) or None)}, config.repeat_stages)
     if config.global_move or any(isinstance(i, str) and i in ("factorized", "swept") for i in config.init or ()):
-        moves.globals = GlobalMoves(graph, n, moves.choices, config.precision,
-                                    lambda plan: evaluate(plan, timeline=True)) or None
+        moves.globals = GlobalMoves(graph, n, moves.choices, config.precision, evaluate) or None
     if n >= FOLD_FROM:  # proposals keep the plan foldable (symmove.py)
         moves.symmetric = SymmetricMoves(graph)
     size = space_size(candidates)

@@ -9,8 +9,9 @@ factorization's plan to another's is a move of the same probability (on plans th
 factorization's, the op moves' ground, the chain is a search, not an exact sampler).
 
 With probability ``RESTAGE``, where the current plan has pipeline stages (not interleaved), the proposal is
-instead the plan with its stages rebalanced by the simulator's per-unit times
-(``stagemove.restage``: PipeDream's dynamic program).
+instead the plan with its stages rebalanced by the simulator's per-unit compute times, read
+off the search's lowering of the plan (``stagemove.restage``, ``stagemove.op_seconds``:
+PipeDream's dynamic program; no simulation).
 
 ``mcmc.run_chain`` makes it with probability ``SearchConfig.global_move`` of the proposals other
 than sharding-level, recompute and micro-batch moves; ``init="factorized"`` starts a chain from
@@ -21,16 +22,18 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Sequence
 
-from simulator.result import SimResult
-from soapsearch.search.stagemove import restage
+from soapsearch.search.stagemove import op_seconds, restage
 from strategies.baselines import recomputed, sharded
 from strategies.config import ZERO_LEVELS
 from strategies.errors import PlanError
 from strategies.graph import OpGraph
 from strategies.megatron import megatron, megatron_blocks
 from strategies.strategy import SCHEDULES, Strategy
+
+if TYPE_CHECKING:
+    from soapsearch.search.api import Evaluator
 
 __all__ = ["RESTAGE", "Factorization", "GlobalMoves"]
 
@@ -60,12 +63,13 @@ def _divisors(n: int) -> list[int]:
 
 class GlobalMoves:
     """The factorizations of one graph on ``num_devices`` devices (micro-batches of
-    ``choices``), each one's plan made when first drawn and kept; ``timed`` simulates a plan
-    with its timeline (the restage's times)."""
+    ``choices``), each one's plan made when first drawn and kept; ``evaluate``: the search's
+    ``Evaluator``, whose topology, cost model and lowering cache give the restage its op times
+    (None: no restage)."""
 
     def __init__(self, graph: OpGraph, num_devices: int, choices: Sequence[int], precision: str,
-                 timed: Callable[[Strategy], SimResult] | None = None):
-        self.graph, self.num_devices, self.precision, self.timed = graph, num_devices, precision, timed
+                 evaluate: "Evaluator | None" = None):
+        self.graph, self.num_devices, self.precision, self.evaluate = graph, num_devices, precision, evaluate
         blocks = len(megatron_blocks(graph))
         tps = [t for t in _divisors(num_devices) if t <= 8] if blocks else [1]
         pps = [p for p in _divisors(num_devices) if p <= max(blocks, 1)]
@@ -101,6 +105,11 @@ class GlobalMoves:
             self._made[f] = plan
         return self._made[f]
 
+    def op_seconds(self, plan: Strategy) -> dict[str, float]:
+        """``stagemove.op_seconds`` of ``plan`` in the search's precision, from its lowering cache."""
+        ev = self.evaluate
+        return op_seconds(self.graph, ev.planned(plan), ev.topology, ev.cost, ev.lowering_cache)
+
     def draw(self, rng: random.Random) -> Strategy | None:
         """The plan of a factorization drawn uniformly (None where the graph does not take it)."""
         return self.plan(rng.choice(self.factorizations))
@@ -108,7 +117,7 @@ class GlobalMoves:
     def propose(self, current: Strategy, rng: random.Random) -> Strategy | None:
         """A drawn factorization's plan, or (``RESTAGE``) ``current`` restaged; None where it is
         ``current`` or not valid."""
-        if self.timed is not None and current.schedule != "interleaved" and rng.random() < RESTAGE:
-            return restage(self.graph, current, self.timed)
+        if self.evaluate is not None and current.schedule != "interleaved" and rng.random() < RESTAGE:
+            return restage(self.graph, current, self.op_seconds)
         plan = self.draw(rng)
         return None if plan is None or plan == current else plan

@@ -1,22 +1,26 @@
 """Pipeline stages rebalanced by the simulator's own times: the ops cut into units (the ops
 before the largest repeated block, each of its instances, the ops after it;
-``strategies.repeats``), each unit's time per device read off a simulated timeline of the
-plan, and the units split into the plan's p stages by ``strategies.stages.dp_partition``
-(PipeDream's dynamic program: the slowest stage as fast as it can be). Each op then moves, its
-cut unchanged, from its stage's aligned group of N/p devices to its unit's new stage's group.
+``strategies.repeats``), each unit's compute time per device (``op_seconds``: the durations the
+simulator gives the plan's forward and backward tasks, read off its lowering and the cost model
+without a simulation), and the units split into the plan's p stages by
+``strategies.stages.dp_partition`` (PipeDream's dynamic program: the slowest stage as fast as
+it can be). Each op then moves, its cut unchanged, from its stage's aligned group of N/p
+devices to its unit's new stage's group.
 
-``restage`` is the move (``SearchConfig.restage_move``) and the init (``init="restaged"``:
-the megatron pipeline plan rebalanced) that use it.
+``restage`` is the global move's rebalancing proposal (``globalmove.GlobalMoves.propose``).
 """
 
 from __future__ import annotations
 
 from typing import Callable
 
-from simulator.result import SimResult
+from simulator.cost import CostModel
+from simulator.simulate import FOLD_FROM, Lowerings
+from simulator.topology import Topology
 from soapsearch.search.repeatmove import replaced
 from strategies.config import ParallelConfig
 from strategies.graph import OpGraph
+from strategies.lowered import WEIGHT_KINDS, Lowered
 from strategies.repeats import RepeatedBlock, repeated_blocks
 from strategies.stages import dp_partition
 from strategies.strategy import Strategy
@@ -46,18 +50,44 @@ def units(graph: OpGraph, block: RepeatedBlock | None) -> list[list[str]]:
     return out
 
 
-def op_seconds(result: SimResult) -> dict[str, float]:
-    """Op -> seconds its forward and backward compute tasks take per device that runs them
-    (from ``result``'s timeline: task names ``fwd op[k]@mbM``)."""
-    total: dict[str, float] = {}
-    devices: dict[str, set[int]] = {}
-    for name, device, lane, start, end, category in result.timeline:
-        if lane != "compute" or category not in ("forward", "backward", "recompute"):
+def op_seconds(graph: OpGraph, plan: Strategy, topology: Topology, cost: CostModel,
+               lowering_cache: dict | None = None) -> dict[str, float]:
+    """Op -> seconds its forward and backward compute tasks take per device that runs them, the
+    durations ``simulator.tasks`` gives them (each partition's ``cost.partition_time``, the
+    device's ``task_overhead`` where the op runs on the host, a recompute op's forward again in
+    its backward), summed over the micro-batches: what a timeline of ``plan`` shows on a
+    topology without compute contention (``simulator.contention``, which stretches them there).
+    Read off the lowering ``simulate_plan`` makes (copy 0's of a plan replicated over copies of
+    alike devices, ``lowering_cache`` reused), no task graph built."""
+    fold = plan.num_devices >= FOLD_FROM and len({(d.cost_key, d.task_overhead)
+                                                  for d in topology.devices[:plan.num_devices]}) == 1
+    return _lowered_seconds(Lowerings(graph, plan, lowering_cache).first(topology, fold), topology, cost)
+
+
+def _lowered_seconds(lowered: Lowered, topology: Topology, cost: CostModel) -> dict[str, float]:
+    """``op_seconds`` of one lowering: copy 0's devices stand for every copy's (alike devices);
+    an op whose pieces are its twin's renamed (``Lowered.twins``) has its twin's tasks
+    (``simulator.twins``: the block copied, durations and all)."""
+    devices, graph, out = topology.devices, lowered.graph, {}
+    for node in graph:
+        pieces = lowered.pieces[node.name]
+        twin = lowered.twins.get(node.name)
+        if twin is not None and twin[0] in out and lowered.pieces.get(twin[0]) is twin[1]:
+            out[node.name] = out[twin[0]]
             continue
-        op = name.split(" ", 1)[-1].rsplit("[", 1)[0]
-        total[op] = total.get(op, 0.0) + end - start
-        devices.setdefault(op, set()).add(device)
-    return {op: t / len(devices[op]) for op, t in total.items()}
+        runs = node.kind not in WEIGHT_KINDS  # the executor reads weights in place: no host work
+        backward, redo = graph.needs_grad[node.name], 1 if pieces.recompute else 0
+        total, ran = 0.0, set()
+        for parts in pieces.partitions:
+            for p in parts:
+                device = devices[p.device]
+                f_s, b_s = cost.partition_time(node, p, device)
+                over = device.task_overhead if runs else 0.0
+                total += (f_s + over) * (1 + redo) + b_s + (over if backward else 0.0)
+                ran.add(p.device)
+        if ran:
+            out[node.name] = total / len(ran)
+    return out
 
 
 def pipeline_groups(plan: Strategy, ops: list[str]) -> int:
@@ -71,10 +101,10 @@ def pipeline_groups(plan: Strategy, ops: list[str]) -> int:
     return 1
 
 
-def restage(graph: OpGraph, plan: Strategy, timed: Callable[[Strategy], SimResult]) -> Strategy | None:
-    """``plan`` with its pipeline stages rebalanced (module docstring) by ``timed`` (a
-    simulation with its timeline); None where the plan has one stage, fewer units than stages,
-    or the balanced split is the one it has."""
+def restage(graph: OpGraph, plan: Strategy, seconds: Callable[[Strategy], dict[str, float]]) -> Strategy | None:
+    """``plan`` with its pipeline stages rebalanced (module docstring) by ``seconds`` (a plan's
+    ``op_seconds``); None where the plan has one stage, fewer units than stages, or the
+    balanced split is the one it has."""
     blocks = repeated_blocks(graph)
     cut = units(graph, max(blocks, key=lambda b: len(b) * b.length) if blocks else None)
     computing = [op for u in cut for op in u if graph[op].kind not in _LEAF]
@@ -82,8 +112,8 @@ def restage(graph: OpGraph, plan: Strategy, timed: Callable[[Strategy], SimResul
     if p == 1 or len(cut) < p:
         return None
     size = plan.num_devices // p
-    seconds = op_seconds(timed(plan))
-    times = [sum(seconds.get(op, 0.0) for op in u) for u in cut]
+    per_op = seconds(plan)
+    times = [sum(per_op.get(op, 0.0) for op in u) for u in cut]
     starts, _ = dp_partition(times, p)
     stage_of = [sum(1 for s in starts if s <= k) - 1 for k in range(len(cut))]
     changed: dict[str, ParallelConfig] = {}

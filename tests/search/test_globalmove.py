@@ -13,8 +13,10 @@ from simulator.presets import get_topology
 from simulator.simulate import simulate_plan
 from soapsearch.search import search
 from soapsearch.search.api import Evaluator
+from soapsearch.search import globalmove, stagemove
 from soapsearch.search.globalmove import Factorization, GlobalMoves
 from soapsearch.search.stagemove import op_seconds, pipeline_groups, restage, units
+from strategies.baselines import recomputed
 from strategies.config import ParallelConfig
 from strategies.megatron import megatron, megatron_blocks
 from strategies.repeats import repeated_blocks
@@ -49,34 +51,102 @@ def test_each_factorization_is_re_derived_as_the_baseline_does():
     assert {(1, 1), (2, 1), (1, 2), (2, 2)} <= seen
 
 
+def _timeline_seconds(result) -> dict[str, float]:
+    """Op -> seconds of its forward and backward compute tasks per device that runs them, read
+    off a summarized timeline (task names ``fwd op[k]@mbM``): what ``op_seconds`` must equal."""
+    total, devices = {}, {}
+    for name, device, lane, start, end, category in result.timeline:
+        if lane == "compute" and category in ("forward", "backward", "recompute"):
+            op = name.split(" ", 1)[-1].rsplit("[", 1)[0]
+            total[op] = total.get(op, 0.0) + end - start
+            devices.setdefault(op, set()).add(device)
+    return {op: t / len(devices[op]) for op, t in total.items()}
+
+
+def _lopsided(plan):
+    """``plan`` with every op of its second stage (devices 2-3 of 4) moved onto the first's."""
+    for op, cfg in plan.items():
+        if min(cfg.devices) >= 2:
+            plan = plan.replace(op, ParallelConfig(cfg.degrees, tuple(d - 2 for d in cfg.devices), cfg.zero,
+                                                   cfg.recompute))
+    return plan
+
+
+@pytest.mark.parametrize("model, topology, tp, pp, fold_from", [
+    ("gpt", "p100-1x4", 2, 2, 64), ("gpt", "a100-1x8", 2, 2, 2), ("gpt", "p100-1x4", 1, 4, 64),
+    ("llama", "p100-1x4", 2, 2, 64)])
+def test_op_seconds_are_the_timeline_s_compute_seconds(model, topology, tp, pp, fold_from, monkeypatch):
+    """Per device (4 devices) and folded on copy 0 (8 devices: 2 data-parallel copies, the fold
+    threshold lowered to reach it), recompute, bf16 and twin ops (their twin's tasks) included:
+    the lowering's seconds are the timeline's, op for op."""
+    monkeypatch.setattr(stagemove, "FOLD_FROM", fold_from)
+    graph = traced(model, batch_size=16)
+    topo, cost = get_topology(topology), get_cost_model("analytical")
+    n = topo.num_devices
+    plan = recomputed(megatron(graph, n, tp=tp, pp=pp, microbatches=4), graph).with_precision("bf16")
+    lowered = []
+    monkeypatch.setattr(stagemove, "_lowered_seconds",
+                        lambda low, *a, read=stagemove._lowered_seconds: lowered.append(low) or read(low, *a))
+    got = op_seconds(graph, plan, topo, cost)
+    want = _timeline_seconds(simulate_plan(graph, plan, topo, cost, timeline=True))
+    assert set(got) == set(want) and len(got) > 40
+    for op, seconds in want.items():
+        assert got[op] == pytest.approx(seconds, rel=1e-12, abs=1e-15), op
+    assert any(plan[op].recompute for op in got) and any(v > 0 for v in got.values())
+    assert any(op in lowered[0].twins for op in got)
+    copies = lowered[0].copies  # 8 devices: copy 0's lowering, 4 of 8 devices (the simulation's fold)
+    assert (copies is None) == (n == 4) and (copies is None or len(copies.kept) == 4)
+
+
 def test_restage_balances_the_units_by_the_dynamic_program():
     graph = traced("gpt", batch_size=16)
     topo, cost = get_topology("p100-1x4"), get_cost_model("analytical")
     timed = lambda plan: simulate_plan(graph, plan, topo, cost, timeline=True)  # noqa: E731
-    plan = megatron(graph, 4, tp=2, pp=2, microbatches=2)
-    lopsided = plan
-    for op, cfg in plan.items():  # every op on the first stage's devices 0-1
-        if min(cfg.devices) >= 2:
-            lopsided = lopsided.replace(op, ParallelConfig(cfg.degrees, tuple(d - 2 for d in cfg.devices)))
-    balanced = restage(graph, lopsided, timed)
+    seconds = lambda plan: op_seconds(graph, plan, topo, cost)  # noqa: E731
+    lopsided = _lopsided(megatron(graph, 4, tp=2, pp=2, microbatches=2))
+    balanced = restage(graph, lopsided, seconds)
     assert balanced is not None
     balanced.validate(graph)
     cut = units(graph, repeated_blocks(graph)[0])
     assert [len(u) for u in cut] == [5, 22, 22, 6]  # embedding, 2 layers, head
-    seconds = op_seconds(timed(lopsided))
-    starts, slowest = dp_partition([sum(seconds.get(op, 0.0) for op in u) for u in cut], 2)
+    per_op = _timeline_seconds(timed(lopsided))
+    starts, slowest = dp_partition([sum(per_op.get(op, 0.0) for op in u) for u in cut], 2)
+    assert starts == [0, 2]  # embedding and layer 1, layer 2 and head
     stage = [{min(balanced[op].devices) // 2 for op in u if graph[op].kind != "input"} for u in cut]
     assert stage == [{int(k >= starts[1])} for k in range(len(cut))]  # each unit on its DP stage
     assert timed(balanced).iteration_time < 0.8 * timed(lopsided).iteration_time
-    assert restage(graph, balanced, timed) is None  # already balanced
-    assert restage(graph, megatron(graph, 4, tp=2), timed) is None  # one stage
+    assert restage(graph, balanced, seconds) is None  # already balanced
+    assert restage(graph, megatron(graph, 4, tp=2), seconds) is None  # one stage
+
+
+def test_the_search_s_restage_reads_nonzero_times_and_balances(monkeypatch):
+    """The global move's restage as the search wires it (``GlobalMoves`` given the search's
+    Evaluator, bf16): from a plan with every op on the first of 2 stages, the proposal puts the
+    units on the stages the dynamic program picks from the timeline's compute times, not the
+    split all-zero times give (every unit but the last on the first stage)."""
+    monkeypatch.setattr(globalmove, "RESTAGE", 1.0)
+    graph = traced("gpt", batch_size=16)
+    topo, cost = get_topology("p100-1x4"), get_cost_model("analytical")
+    evaluate = Evaluator(graph, topo, cost, "adam", "bf16", summarize_best=True)
+    moves = GlobalMoves(graph, 4, (1, 2), "bf16", evaluate)
+    lopsided = evaluate.planned(_lopsided(megatron(graph, 4, tp=2, pp=2, microbatches=2)))
+    before = evaluate(lopsided).iteration_time  # the chain's current plan, scored
+    proposal = moves.propose(lopsided, random.Random(0))
+    assert proposal is not None
+    cut = units(graph, repeated_blocks(graph)[0])
+    per_op = _timeline_seconds(simulate_plan(graph, lopsided, topo, cost, optimizer="adam", timeline=True))
+    starts, _ = dp_partition([sum(per_op.get(op, 0.0) for op in u) for u in cut], 2)
+    assert starts == [0, 2] != dp_partition([0.0] * len(cut), 2)[0]
+    stage = [{min(proposal[op].devices) // 2 for op in u if graph[op].kind != "input"} for u in cut]
+    assert stage == [{0}, {0}, {1}, {1}]
+    assert evaluate(proposal).iteration_time < 0.8 * before
 
 
 def test_a_walk_of_global_moves_delta_equals_full():
     graph = traced("gpt", batch_size=16)
     topo, cost = get_topology("p100-1x4"), get_cost_model("analytical")
     evaluate = Evaluator(graph, topo, cost, precision="bf16")
-    moves = GlobalMoves(graph, 4, (1, 2), "bf16", lambda plan: evaluate(plan, timeline=True))
+    moves = GlobalMoves(graph, 4, (1, 2), "bf16", evaluate)
     rng = random.Random(2)
     current = moves.plan(Factorization(2, 2, 2, "1f1b", 0, False, False))
     made = 0

@@ -185,7 +185,7 @@ def test_global_moves_draw_interleaved_factorizations():
 
     graph = traced("gpt", batch_size=16)
     evaluate = Evaluator(graph, get_topology("p100-1x4"), get_cost_model("analytical"))
-    moves = GlobalMoves(graph, 4, (1, 2, 4), "model", lambda plan: evaluate(plan, timeline=True))
+    moves = GlobalMoves(graph, 4, (1, 2, 4), "model", evaluate)
     inter = [f for f in moves.factorizations if f.schedule == "interleaved"]
     assert inter and all(f.pp > 1 and f.microbatches % f.pp == 0 for f in inter)
     plan = moves.plan(Factorization(2, 2, 4, "interleaved", 0, False, False))
