@@ -10,9 +10,12 @@ compute), the tensor-parallel all-reduces of each block's output (Shoeybi et al.
 forward and one backward per block, a second forward with recompute) and the data-parallel gradient
 all-reduce (ZeRO-3: the weights gathered again per micro-batch, Rajbhandari et al. SC'20), each
 ring moving 2(g − 1)/g of its bytes at its group's bandwidth; its memory is the weights'
-states over the devices that hold them (ZeRO's levels) and the activations in flight
-(1F1B: min(p, m) of the m micro-batches; recompute: only the blocks' inputs; those between the
-blocks cut tp ways with sequence parallelism alone, Korthikanti et al. 2022). Then, best-first
+states over the devices that hold them (ZeRO's levels; the ops outside the blocks on one
+stage, a tied weight once per op reading it), the activations in flight (1F1B: min(p, m) of
+the m micro-batches; recompute: each layer's input and one layer live; those between the
+blocks cut tp ways with sequence parallelism alone, Korthikanti et al. 2022) and the
+tensor-parallel collectives' buffers (each block's result per micro-batch in flight and one
+micro-batch's gradient buffers). Then, best-first
 (``_Order``: those estimated to fit first, the less memory first on a tie; the first of each tensor × pipeline degrees ×
 micro-batches before the others; the estimate corrected by the simulated / estimated ratio
 seen at each pipeline degree), each plan is lowered and its peak memory
