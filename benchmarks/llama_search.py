@@ -23,7 +23,10 @@ plan scored, as a chain does.
 ``--model gpt3-175b`` runs GPT-3 175B's shape (zoo ``gpt`` variant ``gpt3-175b``, one sequence
 per device unless ``--batch``) against the plan Megatron-LM ran (``strategies.baselines.megatron_lm``,
 Narayanan et al. SC'21: T = 8, P = 16, one sequence a micro-batch, 1F1B, sequence parallelism,
-every layer recomputed, ZeRO-1, bf16); ``--long 0`` leaves the long search out.
+every layer recomputed, ZeRO-1, bf16); the search scores that family itself as its
+``megatron_lm`` baseline (at the tensor × pipeline degrees its sweep's estimate picks, row
+"megatron_lm (search's)") and among the sweep's factorizations; ``--long 0`` leaves the long
+search out.
 
     python benchmarks/llama_search.py [--topology h100-8x8] [--budget 150] [--long 900]
     python benchmarks/llama_search.py --restage

@@ -24,22 +24,34 @@ from soapsearch.search.exhaustive import search_exhaustively, space_size
 from soapsearch.search.mcmc import Budget, ChainStats, candidate_configs, consider, neighbor_ops, plan_cost, rank
 from soapsearch.search.globalmove import GlobalMoves
 from soapsearch.search.symmove import SymmetricMoves
-from soapsearch.search.sweep import SWEEP_SHARE, SWEEP_TIMINGS, SWEPT_BASELINES, swept_starts
+from soapsearch.search.sweep import SWEEP_SHARE, SWEEP_TIMINGS, SWEPT_BASELINES, megatron_lm_factors, swept_starts
 from soapsearch.search.moves import MoveRates, Moves, Space, microbatch_choices
 from soapsearch.search.pace import Pace
 from soapsearch.trace import check_scalar_loss, trace
 from strategies import (OpGraph, PlanError, Strategy, baseline, load_strategy, save_strategy)
-from strategies.baselines import BASELINES, hybrid
+from strategies.baselines import BASELINES, hybrid, megatron_lm
 from soapsearch.search.blockmove import BlockMoves
 from strategies.megatron import megatron_blocks
 from strategies.config import validate_config
 from strategies.pieces import check_microbatches
 
-__all__ = ["FoundPlan", "SearchConfig", "SearchResult", "search", "best_baselines", "Evaluator", "save_found"]
+__all__ = ["LOWERING_ENTRIES_PER_OP", "FoundPlan", "SearchConfig", "SearchResult", "search", "best_baselines", "Evaluator",
+           "lowering_entries", "save_found"]
 
 PIPELINE_MICROBATCHES = (2, 4, 8)
 SEEN = 64
 """Results an ``Evaluator`` keeps by plan (``Evaluator._seen``)."""
+
+LOWERING_ENTRIES_PER_OP = 24
+"""The entries an ``Evaluator``'s lowering cache holds at most, per op of the graph: a plan of new
+configs (a factorization's) adds 3 to 13 an op, a one-op proposal a few entries; past the bound
+the cache is emptied, so a search's memory stays bounded however many plans it scores."""
+
+
+def lowering_entries(cache: dict, precision: str) -> int:
+    """Entries of a lowering cache, with those of ``precision``'s own graph
+    (``strategies.lowering.lower`` keeps a mixed-precision plan's in a nested cache)."""
+    return len(cache) + len(cache.get(("precision", precision), ()))
 
 
 class Evaluator:
@@ -87,7 +99,7 @@ class Evaluator:
             if seen[0] or not summary:  # a plan returned before never leads (``_leads``) again
                 return seen[1]
         self.calls += 1
-        if len(self.lowering_cache) > 200_000:
+        if lowering_entries(self.lowering_cache, plan.precision) > LOWERING_ENTRIES_PER_OP * len(self.graph):
             self.lowering_cache.clear()
         made: list[float] = []  # when a summary was asked for: its pass is timed
 
@@ -190,7 +202,8 @@ def best_baselines(graph: OpGraph, num_devices: int, evaluate: Evaluator, deadli
     where the batch does not divide by the devices (else it is data parallel); ``zero1`` and
     ``fsdp`` (data parallel with its replicated state sharded) and ``single_device`` (every op
     whole on device 0, where it fits in its memory) on more than one device;
-    ``megatron`` only where the graph has a transformer's blocks
+    ``megatron`` and ``megatron_lm`` (the plan Megatron-LM runs, at the degrees
+    ``sweep.megatron_lm_factors`` picks) only where the graph has a transformer's blocks
     (``strategies.megatron.megatron_blocks``). A baseline whose scoring would end past
     ``deadline`` (``time.perf_counter()``), as ``pace`` predicts it from the baselines scored
     before (``pace.Pace``, kind "baseline/<name>"), is not scored, the first excepted, and its name
@@ -211,14 +224,14 @@ def best_baselines(graph: OpGraph, num_devices: int, evaluate: Evaluator, deadli
     names = ["data_parallel", "hybrid", "model_parallel", "owt"] + (
         ["zero1", "fsdp", "single_device"] if num_devices > 1 else [])
     if num_devices > 1 and megatron_blocks(graph):
-        names.append("megatron")
+        names += ["megatron", "megatron_lm"]
     if only is not None:
         names = [name for name in names if name in only]
     for name in names:
         if name == "hybrid" and "data_parallel" in plans:  # it is data parallel then
             continue
         try:
-            plans[name] = evaluate.planned(baseline(name, graph, num_devices))
+            plans[name] = evaluate.planned(_baseline_plan(name, graph, num_devices, evaluate))
         except PlanError:
             continue
         if late(name):
@@ -241,6 +254,18 @@ def best_baselines(graph: OpGraph, num_devices: int, evaluate: Evaluator, deadli
             if "pipeline" not in results or res.iteration_time < results["pipeline"].iteration_time:
                 plans["pipeline"], results["pipeline"] = plan, res
     return plans, results
+
+
+def _baseline_plan(name: str, graph: OpGraph, n: int, evaluate: Evaluator) -> Strategy:
+    """The baseline ``name``; ``megatron_lm`` at the tensor × pipeline degrees
+    ``sweep.megatron_lm_factors`` picks for this topology (a PlanError where it picks none)."""
+    if name != "megatron_lm":
+        return baseline(name, graph, n)
+    factors = megatron_lm_factors(graph, evaluate.topology, n, evaluate.optimizer, evaluate.precision)
+    if factors is None:
+        raise PlanError(None, "baseline", name, f"model {graph.name!r} on {n} devices has no transformer layers "
+                        "or no data-parallel degree dividing its batch")
+    return megatron_lm(graph, n, *factors, precision=evaluate.precision)
 
 
 def _accumulate(graph: OpGraph, n: int, evaluate: Evaluator, stats: ChainStats, started: float) -> None:

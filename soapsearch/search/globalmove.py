@@ -3,7 +3,13 @@ pipeline degrees with the micro-batches and schedule, the sharding level, recomp
 layout between the blocks, and re-derives every op's config from it as the baselines do
 (``strategies.megatron.megatron``: ``tp``, ``pp``, ``microbatches``, ``sequence_parallel``, and
 ``virtual_stages`` 2 under the interleaved schedule;
-``strategies.baselines.sharded`` and ``recomputed`` for the flags). A proposal draws one
+``strategies.baselines.sharded`` for the sharding level; recompute is Megatron-LM's full recompute of every
+transformer layer, ``strategies.megatron_layers.layer_recomputed``, each layer keeping its input
+alone, or of every block, ``strategies.baselines.recomputed``, where the blocks do not pair into
+layers). The micro-batch counts are the search's ``choices`` and, for each data-parallel degree
+d, one sequence a micro-batch (batch / d, the count Megatron-LM runs), so the family of
+``strategies.baselines.megatron_lm`` (tensor × pipeline with sequence parallelism, 1F1B, one
+sequence a micro-batch, layers recomputed, ZeRO-1) is among the factorizations. A proposal draws one
 factorization uniformly, whatever the current plan, so the reverse of a move from one
 factorization's plan to another's is a move of the same probability (on plans that are not a
 factorization's, the op moves' ground, the chain is a search, not an exact sampler).
@@ -30,12 +36,14 @@ from strategies.config import ZERO_LEVELS
 from strategies.errors import PlanError
 from strategies.graph import OpGraph
 from strategies.megatron import megatron, megatron_blocks
+from strategies.megatron_layers import layer_ops, layer_recomputed
+from strategies.pieces import check_microbatches
 from strategies.strategy import SCHEDULES, Strategy
 
 if TYPE_CHECKING:
     from soapsearch.search.api import Evaluator
 
-__all__ = ["RESTAGE", "Factorization", "GlobalMoves"]
+__all__ = ["RESTAGE", "Factorization", "GlobalMoves", "divisors", "layers_of"]
 
 RESTAGE = 0.25
 """The probability that a global proposal from a pipelined plan rebalances its stages."""
@@ -45,8 +53,9 @@ RESTAGE = 0.25
 class Factorization:
     """Data × ``tp`` × ``pp`` devices, ``microbatches`` under ``schedule`` (``interleaved``: 2
     chunks per pipeline rank, ``microbatches`` a multiple of ``pp``), the weighted ops at
-    sharding level ``zero``, the blocks' ops recomputed or not, the ops between the blocks cut on
-    the sequence (``sequence_parallel``) or the samples."""
+    sharding level ``zero``, every transformer layer recomputed or not (its blocks' ops where the
+    blocks do not pair into layers), the ops between the blocks cut on the sequence
+    (``sequence_parallel``) or the samples."""
 
     tp: int
     pp: int
@@ -57,27 +66,61 @@ class Factorization:
     sequence_parallel: bool
 
 
-def _divisors(n: int) -> list[int]:
+def divisors(n: int) -> list[int]:
+    """The divisors of ``n``, ascending."""
     return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def _counts(graph: OpGraph, choices: Sequence[int], d: int) -> list[int]:
+    """``choices`` and one sequence a micro-batch on ``d`` data-parallel replicas (batch / d,
+    where it divides and keeps every op's samples apart), sorted."""
+    batch = graph.batch_size or 0
+    one = batch // d if batch and batch % d == 0 else None
+    if one is not None and one not in choices:
+        try:
+            check_microbatches(graph, one)
+        except PlanError:
+            one = None
+    return sorted({*choices, *((one,) if one else ())})
+
+
+def layers_of(graph: OpGraph) -> list[set[str]] | None:
+    """The ops of each transformer layer (``layer_ops``); None where the blocks do not pair."""
+    try:
+        return layer_ops(graph)
+    except PlanError:
+        return None
+
+
+def _tied(graph: OpGraph) -> bool:
+    """A weight read by two ops (GPT's tied embedding and head): on two pipeline stages its
+    level-2/3 shard would be read through no partition on some replicas, which
+    ``strategies.zero.gather_uses`` refuses, so pipelined factorizations keep levels 0 and 1."""
+    names = [w.name for node in graph for w in node.weights]
+    return len(names) != len(set(names))
 
 
 class GlobalMoves:
     """The factorizations of one graph on ``num_devices`` devices (micro-batches of
-    ``choices``), each one's plan made when first drawn and kept; ``evaluate``: the search's
-    ``Evaluator``, whose topology, cost model and lowering cache give the restage its op times
-    (None: no restage)."""
+    ``choices`` and one sequence a micro-batch, ``_counts``; sharding levels 2 and 3 on one stage
+    only where a weight is tied, ``_tied``), each one's plan made when first drawn and kept;
+    ``evaluate``: the search's ``Evaluator``, whose topology, cost model and lowering cache give
+    the restage its op times (None: no restage)."""
 
     def __init__(self, graph: OpGraph, num_devices: int, choices: Sequence[int], precision: str,
                  evaluate: "Evaluator | None" = None):
         self.graph, self.num_devices, self.precision, self.evaluate = graph, num_devices, precision, evaluate
         blocks = len(megatron_blocks(graph))
-        tps = [t for t in _divisors(num_devices) if t <= 8] if blocks else [1]
-        pps = [p for p in _divisors(num_devices) if p <= max(blocks, 1)]
+        tps = [t for t in divisors(num_devices) if t <= 8] if blocks else [1]
+        pps = [p for p in divisors(num_devices) if p <= max(blocks, 1)]
+        self.layers = layers_of(graph) if blocks else None
+        tied = _tied(graph)
         self.factorizations = [
             Factorization(t, p, m, s, z, r, sp)
-            for t in tps for p in pps if t * p <= num_devices for m in choices
+            for t in tps for p in pps if t * p <= num_devices
+            for m in _counts(graph, choices, num_devices // (t * p))
             for s in ((*SCHEDULES, *(("interleaved",) if p > 1 and m % p == 0 else ())) if m > 1 else ("gpipe",))
-            for z in ZERO_LEVELS
+            for z in (ZERO_LEVELS if p == 1 or not tied else tuple(z for z in ZERO_LEVELS if z < 2))
             for r in ((False, True) if blocks else (False,)) for sp in ((False, True) if t > 1 else (False,))]
         self._base: dict[tuple, Strategy | None] = {}
         self._made: dict[Factorization, Strategy | None] = {}
@@ -100,7 +143,9 @@ class GlobalMoves:
             if plan is not None:
                 plan = plan.with_microbatches(f.microbatches, f.schedule)
                 plan = sharded(plan, self.graph, f.zero) if f.zero else plan
-                plan = recomputed(plan, self.graph) if f.recompute else plan
+                if f.recompute:
+                    plan = (recomputed(plan, self.graph) if self.layers is None
+                            else layer_recomputed(plan, self.graph, self.layers))
                 plan = plan.with_precision(self.precision)
             self._made[f] = plan
         return self._made[f]

@@ -238,7 +238,7 @@ def run_chain(init: Strategy, evaluate: Callable[[Strategy], SimResult],
         proposal = current.replace(op, cfg)
         if here.neighbors and rng.random() < GROUP:
             for other in here.neighbors.get(op, ()):
-                same = here.on_devices.get((other, cfg.devices))
+                same = here.on_devices(other, cfg.devices)
                 if same:
                     proposal = proposal.replace(other, keep(current[other], rng.choice(same)))
         return proposal, False

@@ -87,21 +87,28 @@ class MoveRates:
 @dataclass
 class Space:
     """What op moves draw from for one count of micro-batches: every op's valid configs
-    (``candidates``), the ops with a choice, the configs per (op, devices) for group moves,
-    the group moves' neighbours and the block moves."""
+    (``candidates``), the ops with a choice, the configs per (op, devices) for group moves
+    (``on_devices``), the group moves' neighbours and the block moves."""
 
     candidates: dict[str, list[ParallelConfig]]
     neighbors: dict[str, tuple[str, ...]] | None = None
     blocks: BlockMoves | None = None
     ops: list[str] = field(init=False)
-    on_devices: dict[tuple[str, tuple[int, ...]], list[ParallelConfig]] = field(init=False)
+    _by_devices: dict[str, dict[tuple[int, ...], list[ParallelConfig]]] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.ops = [op for op, cfgs in self.candidates.items() if len(cfgs) > 1]
-        self.on_devices = {}
-        for name, cfgs in self.candidates.items():
-            for c in cfgs:
-                self.on_devices.setdefault((name, c.devices), []).append(c)
+        self._by_devices = {}
+
+    def on_devices(self, op: str, devices: tuple[int, ...]) -> list[ParallelConfig]:
+        """``op``'s configs on exactly ``devices``, indexed per op when a group move first asks,
+        so a space of millions of configs (a 175B model on 1,024 devices) costs nothing up front."""
+        index = self._by_devices.get(op)
+        if index is None:
+            index = self._by_devices[op] = {}
+            for c in self.candidates.get(op, ()):
+                index.setdefault(c.devices, []).append(c)
+        return index.get(devices, [])
 
 
 def candidate_configs(graph: OpGraph, num_devices: int, microbatches: int,

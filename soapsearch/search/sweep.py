@@ -10,9 +10,12 @@ compute), the tensor-parallel all-reduces of each block's output (Shoeybi et al.
 forward and one backward per block, a second forward with recompute) and the data-parallel gradient
 all-reduce (ZeRO-3: the weights gathered again per micro-batch, Rajbhandari et al. SC'20), each
 ring moving 2(g − 1)/g of its bytes at its group's bandwidth; its memory is the weights'
-states over the devices that hold them (ZeRO's levels) and the activations in flight
-(1F1B: min(p, m) of the m micro-batches; recompute: only the blocks' inputs; those between the
-blocks cut tp ways with sequence parallelism alone, Korthikanti et al. 2022). Then, best-first
+states over the devices that hold them (ZeRO's levels; the ops outside the blocks on one
+stage, a tied weight once per op reading it), the activations in flight (1F1B: min(p, m) of
+the m micro-batches; recompute: each layer's input and one layer live; those between the
+blocks cut tp ways with sequence parallelism alone, Korthikanti et al. 2022) and the
+tensor-parallel collectives' buffers (each block's result per micro-batch in flight and one
+micro-batch's gradient buffers). Then, best-first
 (``_Order``: those estimated to fit first, the less memory first on a tie; the first of each tensor × pipeline degrees ×
 micro-batches before the others; the estimate corrected by the simulated / estimated ratio
 seen at each pipeline degree), each plan is lowered and its peak memory
@@ -32,7 +35,7 @@ from simulator.memory import peak_memory
 from simulator.result import SimResult
 from simulator.simulate import FOLD_FROM, Lowerings
 from simulator.topology import Topology
-from soapsearch.search.globalmove import Factorization, GlobalMoves
+from soapsearch.search.globalmove import Factorization, GlobalMoves, divisors, layers_of
 from soapsearch.search.mcmc import ChainStats, consider, plan_cost, rank
 from soapsearch.search.pace import SUMMARY, Pace
 from soapsearch.search.scratch import Scratch
@@ -41,13 +44,14 @@ from strategies.graph import OpGraph
 from strategies.megatron import megatron_blocks
 from strategies.strategy import Strategy
 
-__all__ = ["SWEEP_SHARE", "SWEEP_TIMINGS", "SWEPT_BASELINES", "Estimate", "Swept", "estimate", "sweep", "swept_starts"]
+__all__ = ["SWEEP_SHARE", "SWEEP_TIMINGS", "SWEPT_BASELINES", "Estimate", "Swept", "estimate", "megatron_lm_factors",
+           "sweep", "swept_starts"]
 
 SWEEP_SHARE = 0.5
 """The share of the time budget left after the baselines that a search's sweep may spend."""
 SWEEP_TIMINGS = 8
 """Plans a sweep times under a proposal budget alone (no deadline)."""
-SWEPT_BASELINES = ("data_parallel", "zero1", "megatron")
+SWEPT_BASELINES = ("data_parallel", "zero1", "megatron", "megatron_lm")
 """The baselines a search with the sweep scores: the factorizations among them (their plans are
 the sweep's, whose results it reuses); hybrid, FSDP, model parallel, OWT, single device and the
 pipeline baseline's six runs are not scored (each half a minute or more at 64 devices)."""
@@ -55,6 +59,9 @@ pipeline baseline's six runs are not scored (each half a minute or more at 64 de
 _MIXED = {"bf16": 2, "fp16": 2}
 """Bytes of a value in a mixed-precision plan's compute dtype."""
 _OPTIMIZER_BYTES = {"adam": 8, "sgd": 0}
+_DUALS = 2
+"""Gradient buffers a tensor-parallel block's collectives leave in one micro-batch's backward, in
+units of the block's output (the duals of its all-reduce, or of its all-gather and reduce-scatter)."""
 """Optimizer state bytes per parameter (Adam's two fp32 moments)."""
 
 
@@ -75,15 +82,22 @@ class _Shape:
     outside: float
     """FLOPs of the ops outside the blocks (embedding, head, loss: on one pipeline stage)."""
     params: float
+    held_inside: float
+    """Parameters of the blocks' ops (cut tp ways, spread over the stages)."""
+    held_outside: float
+    """Parameters of the ops outside the blocks, a weight counted on each op reading it (GPT's
+    tied embedding and head): cut tp ways, on the heaviest stage whole."""
     activations: float
     """Bytes of every op's output at the full batch, in the plan's compute dtype."""
     between: float
     """The part of ``activations`` outside the blocks (cut tp ways only with sequence parallelism)."""
     block_out: float
     """Bytes of one block's output at the full batch (what a tensor-parallel all-reduce moves)."""
-    block_in: float
-    """Bytes of every block's input together (what recompute keeps)."""
+    layer_in: float
+    """Bytes of every transformer layer's input together (what layer recompute keeps; every
+    block's input where the blocks do not pair into layers)."""
     blocks: int
+    layers: int
     value: int
     """Bytes of a weight or gradient in the compute dtype."""
     master: int
@@ -97,6 +111,7 @@ class _Shape:
 
 def _shape(graph: OpGraph, topo: Topology, n: int, optimizer: str, precision: str) -> _Shape:
     blocks = megatron_blocks(graph)
+    layered = blocks[0::2] if blocks and len(blocks) % 2 == 0 else blocks  # each layer's attention block
     weights = {w.name: w.spec for node in graph for w in node.weights}
     itemsize = {s.dtype: s.nbytes // max(s.numel, 1) for s in weights.values()}
     model = max(itemsize.values(), default=4)
@@ -111,10 +126,12 @@ def _shape(graph: OpGraph, topo: Topology, n: int, optimizer: str, precision: st
     return _Shape(
         flops=float(graph.total_flops), outside=float(graph.total_flops - sum(
             graph[op].flops for cols, mid, row in blocks for op in (*cols, *mid, row))), params=float(sum(s.numel for s in weights.values())),
+        held_inside=float(sum(s.numel for s in {w.name: w.spec for op in inside for w in graph[op].weights}.values())),
+        held_outside=float(sum(w.spec.numel for node in graph if node.name not in inside for w in node.weights)),
         activations=acts * scale, between=between * scale,
         block_out=(graph[blocks[0][2]].output.nbytes * scale) if blocks else 0.0,
-        block_in=sum(graph[graph[b[0][0]].inputs[0]].output.nbytes for b in blocks) * scale,
-        blocks=len(blocks), value=value, master=4 if precision in _MIXED else 0,
+        layer_in=sum(graph[graph[b[0][0]].inputs[0]].output.nbytes for b in layered) * scale,
+        blocks=len(blocks), layers=max(len(layered), 1), value=value, master=4 if precision in _MIXED else 0,
         optimizer=_OPTIMIZER_BYTES.get(optimizer, 4), peak_flops=device.flops_for("bfloat16" if value == 2 else "float32"),
         capacity=float(device.memory_bytes), intra=topo.route_ring_bandwidth(0, 1) if n > 1 else float("inf"),
         inter=topo.route_ring_bandwidth(0, node) if node < n else float("inf"), node=node)
@@ -137,16 +154,46 @@ def estimate(f: Factorization, n: int, shape: _Shape) -> Estimate:
     compute = heaviest * (4 if f.recompute else 3) / (n * shape.peak_flops) * (1 + (p - 1) / m)
     layers = shape.blocks / p
     tensor = layers * (3 if f.recompute else 2) * _ring(shape.block_out / d, t, t, shape)
-    held = shape.params / (t * p)  # parameters per device before ZeRO
+    held = shape.held_inside / (t * p) + shape.held_outside / t  # parameters per device before ZeRO
     grads = _ring(held * shape.value, d, d * t, shape)
     if f.zero == 3:  # two all-gathers (half a ring each) of the weights per micro-batch
         grads += m * _ring(held * shape.value, d, d * t, shape)
     states = held * (shape.value * (1 if f.zero < 3 else 1 / d) + shape.value * (1 if f.zero < 2 else 1 / d)
                      + (shape.master + shape.optimizer) * (1 if f.zero < 1 else 1 / d))
-    flight = min(p, m) / m if f.schedule == "1f1b" else 1.0
-    stored = shape.block_in if f.recompute else shape.activations - shape.between
-    acts = (stored / t + shape.between / (t if f.sequence_parallel else 1)) / (d * p) * flight
-    return Estimate(compute + tensor + grads, states + acts)
+    held_mb = min(p, m) if f.schedule == "1f1b" else m  # micro-batches whose activations a stage holds
+    per = 1 / (d * m * p)  # a device's share of the full batch's bytes on one stage
+    if f.recompute:  # each layer's input kept (Korthikanti et al. 2022 §4.3: 2sbh, /t with SP) and one layer live
+        acts = (shape.layer_in / (t if f.sequence_parallel else 1) * held_mb
+                + (shape.activations - shape.between) / shape.layers * p / t) * per
+    else:
+        acts = ((shape.activations - shape.between) / t + shape.between / (t if f.sequence_parallel else 1)) \
+            * per * held_mb
+    # tensor parallel: each block's collective result kept per micro-batch held, and one
+    # micro-batch's gradient buffers of their duals (simulator.memory.collective_bytes)
+    collective = shape.blocks * shape.block_out * per * (held_mb + _DUALS) if t > 1 else 0.0
+    return Estimate(compute + tensor + grads, states + acts + collective)
+
+
+def megatron_lm_factors(graph: OpGraph, topo: Topology, n: int, optimizer: str, precision: str) -> tuple[int, int] | None:
+    """The tensor × pipeline degrees of ``strategies.baselines.megatron_lm`` on ``n`` devices
+    (one sequence a micro-batch, 1F1B, sequence parallelism, layers recomputed, ZeRO-1): of the
+    degrees ``GlobalMoves`` factors (t ≤ 8 within a node, t > 1, p dividing the layers' blocks),
+    the one ``estimate`` times fastest among those estimated to fit, else the one of least
+    memory; None where the graph has no layers or the batch leaves no data-parallel degree."""
+    blocks = megatron_blocks(graph)
+    if not blocks or layers_of(graph) is None or not graph.batch_size:
+        return None
+    shape = _shape(graph, topo, n, optimizer, precision)
+    out = []
+    for t in (t for t in divisors(n) if 1 < t <= 8):
+        for p in (p for p in divisors(n // t) if p <= len(blocks) // 2):
+            d = n // (t * p)
+            if graph.batch_size % d:
+                continue
+            e = estimate(Factorization(t, p, graph.batch_size // d, "1f1b", 1, True, True), n, shape)
+            out.append((e.peak_bytes > shape.capacity, e.seconds if e.peak_bytes <= shape.capacity else e.peak_bytes,
+                        t, p))
+    return min(out)[2:] if out else None
 
 
 @dataclass(frozen=True)

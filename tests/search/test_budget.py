@@ -26,13 +26,14 @@ def test_a_tiny_budget_ends_while_scoring_the_baselines(gpt):
     r = search(gpt, topology="p100-4x4", budget_s=1e-6, workers=1)  # far below one baseline's scoring
     assert r.elapsed_s < 1e-6 + 2.0  # one baseline scored (the first always is) and the answer
     assert list(r.baselines) == ["data_parallel"] and r.strategy == r.baseline_plans["data_parallel"]
-    assert r.unscored == ("model_parallel", "owt", "zero1", "fsdp", "single_device", "megatron", "pipeline")
+    assert r.unscored == ("model_parallel", "owt", "zero1", "fsdp", "single_device", "megatron", "megatron_lm",
+                          "pipeline")
     assert r.proposals == 0
 
 
 def test_the_budget_is_wall_time_with_the_baselines(gpt):
     r = search(gpt, topology="p100-4x4", budget_s=3.0, workers=1, patience=0)
-    assert r.elapsed_s < 3.0 + 2.0 and len(r.baselines) + len(r.unscored) == 8 and r.stopped_early == 0
+    assert r.elapsed_s < 3.0 + 2.0 and len(r.baselines) + len(r.unscored) == 9 and r.stopped_early == 0
     assert r.predicted_ms <= min(r.baselines.values()) * (1 + 1e-12)
 
 
