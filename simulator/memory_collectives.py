@@ -17,8 +17,8 @@ def collective_rows(lowered: Lowered, position: dict[str, int], n: int
                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
     """(ops in graph order) x devices, like ``memory._rows``: the bytes a forward adds at each op
     (a call's result, at its first reader), those freed after each op's forward (a transient
-    result, after its last reader), those a backward adds at each op (each reader's gradient of
-    the result) and those freed after each op's backward (a kept result after its first
+    or gathered-again result, after its last reader), those a backward adds at each op (each
+    reader's gradient of the result; a result gathered again, where it is) and those freed after each op's backward (a kept result after its first
     reader's; the readers' gradients after the holder's, where the dual was called). Micro-batch
     0's collectives (every micro-batch's are alike); None where the plan has none."""
     lives = buffer_lives(lowered, microbatch=0)
@@ -36,6 +36,9 @@ def collective_rows(lowered: Lowered, position: dict[str, int], n: int
                 gone[first, d] += nbytes
             else:
                 freed[position[life.last], d] += nbytes
+            if life.regather is not None:  # gathered again where its first reader is recomputed
+                redone[position[life.regather], d] += nbytes
+                gone[first, d] += nbytes
             for op, k in life.readers:
                 redone[position[op], d] += k * nbytes
                 gone[holder, d] += k * nbytes

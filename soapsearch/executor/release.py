@@ -81,12 +81,16 @@ def collective_releases(lives: Sequence[BufferLife], steps: Sequence[tuple[bool,
                         readers: dict[int, list[tuple[int, int]]]) -> dict[int, list[int]]:
     """Step position -> the collectives (``Lowered.collectives`` index) whose result this rank
     lets go of after that step (``strategies.collective_buffers``): a kept one after the last
-    backward step of its readers here, a transient one after their last forward step.
+    backward step of its readers here, a transient one after their last forward step, one
+    gathered again after both.
     ``steps``: this rank's (backward, recipe) in order; ``readers``: collective -> (recipe id,
     input) of its readers here."""
     at = {(backward, r.id): k for k, (backward, r) in enumerate(steps)}
     out: dict[int, list[int]] = {}
     for i, reads in sorted(readers.items()):
-        kept = lives[i].kept
-        out.setdefault(max(at[(kept, task)] for task, _ in reads), []).append(i)
+        life = lives[i]
+        if not life.kept:
+            out.setdefault(max(at[(False, task)] for task, _ in reads), []).append(i)
+        if life.kept or life.regather is not None:
+            out.setdefault(max(at[(True, task)] for task, _ in reads), []).append(i)
     return out

@@ -174,7 +174,7 @@ class Executor:
                     self.readers.setdefault(task, []).append((r.id, k))
                 if r.id in self.transient:
                     self.readers.setdefault(r.id, []).append((r.id, k))
-        lives = buffer_lives(low)
+        self.lives = lives = buffer_lives(low)
         self.lets_go = collective_releases(lives, self.steps, self.collective_readers)
         """Step position -> the collectives whose result this rank lets go of after it
         (``strategies.collective_buffers``)."""
@@ -408,6 +408,8 @@ class Executor:
         entry becomes a stand-in and its readers' leaf copies are hollowed (their ``.grad`` stays
         for the dual), a transient one only where no reader's graph saved it."""
         out = self.shared[i]
+        if isinstance(out, Released):
+            return
         self.shared[i] = release(out)
         for task, slot in self.collective_readers[i]:
             leaf = self.leaves[task][slot] if self.leaves[task] is not None else None
@@ -423,7 +425,12 @@ class Executor:
         cut where they are), from the inputs it kept and the outputs this rank holds (its
         producers' kept outputs, or dropped ones recomputed at this step or an earlier one).
         Dropout draws the same masks (``dropout_generator``: a function of the step's seed and
-        the op, not of a generator's state), so no RNG state needs saving."""
+        the op, not of a generator's state), so no RNG state needs saving. A collective it reads
+        that was let go is gathered again first (``BufferLife.regather``: at the same step on
+        every member, before the step's duals)."""
+        for s in r.slots:
+            if s is not None and s.collective is not None and isinstance(self.shared[s.collective], Released):
+                self._call(s.collective, False)
         inputs, self.leaves[r.id] = self._inputs(r, self.saved.pop(r.id))
         self.outs[r.id] = self._run(r, inputs)
 

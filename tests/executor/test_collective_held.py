@@ -3,8 +3,9 @@
 of a sequence-parallel megatron plan on 2 gloo processes, the storages of what each call left
 the rank (its entry and its readers' leaf copies, once each) and its readers' input gradients
 are counted; their most over the step equals the model's peak of the collective rows alone,
-max((w − 1)·K + r_f, w·K + r_b), with and without recompute, with 4 micro-batches in 1F1B (w = 1
-< m: each micro-batch's kept results are let go after its backward, not at the step's end)."""
+max((w − 1)·K + r_f, w·K + r_b), with and without recompute (every layer recomputed: its
+all-gathers gathered again in the backward), with 4 micro-batches in 1F1B (w = 1 < m: each
+micro-batch's kept results are let go after its backward, not at the step's end)."""
 
 from __future__ import annotations
 
@@ -83,6 +84,7 @@ def test_the_plans_cover_kept_transient_and_in_flight():
     lows = [lower(g, make_plan(g, name, 2)) for name in PLANS]
     lives = [buffer_lives(low, microbatch=0) for low in lows]
     assert all(any(x.kept for x in ls) and any(not x.kept for x in ls) for ls in lives)
+    assert [any(x.regather for x in ls) for ls in lives] == [False, True, False]  # layers: gathered again
     assert lows[2].strategy.microbatches == 4 and device_warmups(lows[2]) == {0: 1, 1: 1}
 
 
