@@ -174,7 +174,7 @@ class Executor:
                     self.readers.setdefault(task, []).append((r.id, k))
                 if r.id in self.transient:
                     self.readers.setdefault(r.id, []).append((r.id, k))
-        self.lives = lives = buffer_lives(low)
+        lives = buffer_lives(low)
         self.lets_go = collective_releases(lives, self.steps, self.collective_readers)
         """Step position -> the collectives whose result this rank lets go of after it
         (``strategies.collective_buffers``)."""
