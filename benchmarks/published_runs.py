@@ -346,7 +346,7 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"{run.name}: {why}")
         return
     print(f"{'row':17s} {'GPUs':>5s} {'TP':>3s} {'PP':>3s} {'DP':>4s} {'B':>5s} {'M':>4s} {'rec':>4s} {'pub s':>7s} "
-          f"{'pred s':>7s} {'pub TF':>6s} {'pred TF':>7s} {'error':>7s} {'waves':>5s} {'peak':>5s} {'act':>5s} "
+          f"{'pred s':>7s} {'pub TF':>6s} {'pred TF':>7s} {'error':>7s} {'waves':>5s} {'peak':>5s} {'act':>5s} {'coll':>5s} "
           f"{'paper':>5s} {'sim s':>6s}  source", flush=True)
     errors: dict[str, list[tuple[float, float, float]]] = {}
     cached: tuple[tuple, OpGraph] | None = None  # a sweep's rows share one model's graph
@@ -355,7 +355,7 @@ def main(argv: list[str] | None = None) -> None:
         head = (f"{run.name:17s} {run.gpus:5d} {run.tp:3d} {run.pp:3d} {run.dp:4d} {run.batch:5d} "
                 f"{run.microbatches:4d} {run.recompute[:4]:>4s} {published_seconds(run):7.2f}")
         if (why := reachable(run, args.max_gpus)) is not None:
-            print(f"{head} {'-':>7s} {pub_tf} {'-':>7s} {'-':>7s} {block_wave_efficiency(run):5.3f} {'-':>5s} {'-':>5s} "
+            print(f"{head} {'-':>7s} {pub_tf} {'-':>7s} {'-':>7s} {block_wave_efficiency(run):5.3f} {'-':>5s} {'-':>5s} {'-':>5s} "
                   f"{_gib(korthikanti_activations(run))} {'-':>6s}  {run.source}; {why}", flush=True)
             continue
         t0 = time.perf_counter()
@@ -376,6 +376,7 @@ def main(argv: list[str] | None = None) -> None:
         worst = max(range(len(result.peak_memory_bytes)), key=result.peak_memory_bytes.__getitem__)
         print(f"{head} {result.iteration_time:7.2f} {pub_tf} {pred_tf} {err:+7.1%} {block_wave_efficiency(run):5.3f} "
               f"{result.peak_memory_bytes[worst] / GiB:5.1f} {result.memory[worst].activations / GiB:5.1f} "
+              f"{result.memory[worst].collective_buffers / GiB:5.1f} "
               f"{_gib(korthikanti_activations(run))} {time.perf_counter() - t0:6.1f}  "
               f"{run.source}{'; ' + notes if notes else ''}", flush=True)
     every = [abs(e) for sweep in errors.values() for e, _, _ in sweep]

@@ -8,7 +8,9 @@ on the links of the group's ring, after every holder's forward and every member'
 member's readers of it (every consumer op reading it) wait on the member's end of it
 (``step.member_ends``: its ``collective_overhead`` after it). Backward, where the gradient
 moves: the dual collective after every reader's backward and every member's call, which the
-member's holder partition's backward waits on.
+member's holder partition's backward waits on. An all-gather whose readers all recompute
+is called again in the backward (``strategies.collective_buffers``: ``BufferLife.regather``),
+at the step where its first reader is recomputed, and its readers' backwards wait on it.
 
 A member's call is an *arrival* task of no duration in the device's schedule
 (``simulator.tasks._link_schedule``'s slots): after the step before the call's step, before the
@@ -26,6 +28,7 @@ from simulator.comm import collective_time, ring_links
 from simulator.step import member_ends
 from simulator.taskgraph import INDEX, TaskGraph, TaskKind
 from simulator.topology import Topology
+from strategies.collective_buffers import buffer_lives, regather_steps
 from strategies.lowering import Lowered
 from strategies.schedule import collective_steps
 
@@ -46,7 +49,9 @@ def add_collectives(tg: TaskGraph, lowered: Lowered, topology: Topology, blocks:
     arrivals: list[int] = []
     rings: dict[tuple[int, ...], tuple[tuple[int, ...], str]] = {}  # a group's ring links and its devices shown, once
     times: dict[tuple, float] = {}
-    for c, (fwd_steps, bwd_steps) in zip(lowered.collectives, collective_steps(lowered)):
+    lives = buffer_lives(lowered)
+    for life, (fwd_steps, bwd_steps) in zip(lives, collective_steps(lowered)):
+        c = life.collective
         members = [(d, q) for d, q in zip(c.devices, c.holders) if keep is None or d in keep]
         if not members:
             continue
@@ -72,6 +77,16 @@ def add_collectives(tg: TaskGraph, lowered: Lowered, topology: Topology, blocks:
         mine = readers[c] if keep is None else [r for r in readers[c] if r.device in keep]
         for r in mine:
             tg.edge(ends[r.device], int(first[position[r.dst_op]]) + blocks[position[r.dst_op]].fwd[j][r.dst_index])
+        if life.regather is not None:
+            again = f"{c.kind} again {c.op}@mb{j} devices {shown}"
+            g = tg.add(again, TaskKind.COLLECTIVE, _time(times, topology, c.kind, c.devices, c.nbytes), links,
+                       c.devices[0], c.nbytes)
+            steps = {d: s for d, s in regather_steps(lowered, life).items() if d in simulated}
+            _arrive(tg, g, steps, blocks, first, position, arrivals, again)
+            ends = dict(zip(simulated, member_ends(tg.add, tg.edge, topology, g, c.devices, again,
+                                                   TaskKind.COLLECTIVE, simulated)))
+            for r in mine:
+                tg.edge(ends[r.device], int(first[position[r.dst_op]]) + blocks[position[r.dst_op]].fwd[j][r.dst_index] + 1)
         if not c.grad:
             continue
         label = f"{c.backward_kind} grad {c.op}@mb{j} devices {shown}"

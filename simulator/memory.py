@@ -11,6 +11,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from simulator.memory_collectives import collective_rows
 from simulator.memory_zero import state_bytes
 from strategies.lowered import WEIGHT_KINDS
 from strategies.lowering import Lowered
@@ -43,8 +44,10 @@ class MemoryBreakdown(NamedTuple):
     """The forward pieces of one more micro-batch (when not all are in flight) and the gradient
     pieces of min(2, m) micro-batches, posted ahead."""
     collective_buffers: int
-    """What each collective leaves a member, kept per micro-batch in flight, and one
-    micro-batch's gradient buffers of their duals (``Lowered.collective_bytes``)."""
+    """What the collectives' buffers add to the activations' peak: each call's result, kept per
+    micro-batch in flight where a reader reads it back or recomputes, else until its last
+    reader's forward, and its readers' gradients from their backward to the dual's
+    (``strategies.collective_buffers``, walked with the activations)."""
     master_weights: int = 0
     """Mixed precision: the float32 master copy of what the device updates (``MASTER`` bytes
     per compute-dtype weight byte, a sharded bucket's chunk only). "model" precision: the
@@ -106,7 +109,7 @@ def _positions(graph) -> dict[str, int]:
     return hit[1]
 
 
-def activation_peaks(lowered: Lowered, ws: dict[int, int] | None = None) -> list[int]:
+def activation_peaks(lowered: Lowered, ws: dict[int, int] | None = None, collectives: bool = True) -> list[int]:
     """Per device, the peak of the activations it holds over its run order
     (``strategies.schedule.passes``: w warm-up forwards, then backward and forward in turn).
     A forward pass of a micro-batch adds, op by op in graph order, what each op keeps
@@ -114,48 +117,65 @@ def activation_peaks(lowered: Lowered, ws: dict[int, int] | None = None) -> list
     each freed after its last consumer's forward there; a backward pass, in reverse, adds a
     dropped output back where it is recomputed (a transient one never comes back) and frees
     what each op kept (and its recomputed output) after its backward
-    (``strategies.pieces.drop_points``). Every
+    (``strategies.pieces.drop_points``). With ``collectives``, the collectives' buffers walk
+    alike (``simulator.memory_collectives``: each call's result, kept or transient, and its
+    readers' gradients until the dual). Every
     micro-batch's passes are alike, so with K kept per micro-batch, r_f the forward pass's
     highest rise and r_b the backward pass's, the peak is max((w − 1)·K + r_f, w·K + r_b);
-    without dropped outputs r_f = K and r_b = 0: w·K. ``ws``: ``warmups(lowered)``, where
+    without dropped outputs or collectives r_f = K and r_b = 0: w·K. ``ws``: ``warmups(lowered)``, where
     the caller has it. Under the interleaved schedule a pass is one chunk's
     (``_interleaved_peaks``)."""
     if lowered.strategy.schedule == "interleaved":
-        return _interleaved_peaks(lowered)
+        return _interleaved_peaks(lowered, collectives)
     b, ws = lowered.device_bytes, device_warmups(lowered) if ws is None else ws
-    if not any(map(_dropped, lowered.pieces.values())):  # the search's hot path: one C-level pass
-        return [ws.get(d, 0) * k for d, k in enumerate(b.kept)]
-    rise_f, rise_b = (x.tolist() for x in _rises(*_rows(lowered)))
+    if not any(map(_dropped, lowered.pieces.values())) and not (collectives and lowered.collectives):
+        return [ws.get(d, 0) * k for d, k in enumerate(b.kept)]  # the search's hot path: one C-level pass
+    rows = _rows(lowered, collectives)
+    kept = (rows[0].sum(axis=0) - rows[1].sum(axis=0)).tolist()  # b.kept, and the kept collective results
+    rise_f, rise_b = (x.tolist() for x in _rises(*rows))
     out = []
-    for d, k in enumerate(b.kept):
+    for d, k in enumerate(kept):
         w = ws.get(d, 0)
         out.append(max((w - 1) * k + rise_f[d], w * k + rise_b[d]) if w else 0)
     return out
 
 
-def _rows(lowered: Lowered) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def _rows(lowered: Lowered, collectives: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(ops in graph order) x devices: the bytes each op's forward adds (what it keeps and its
     dropped or transient outputs), the dropped and transient bytes freed after each op's
     forward, those recomputed at each op's backward (``strategies.pieces.drop_points``) and
     those freed after it (what it keeps and its recomputed output: a transient one, read by no
-    backward, was freed in the forward, ``strategies.pieces.transient``)."""
+    backward, was freed in the forward, ``strategies.pieces.transient``); with ``collectives``,
+    the collectives' buffers besides (``simulator.memory_collectives``)."""
     graph, pieces = lowered.graph, lowered.pieces
     position = _positions(graph)
     ops = list(map(pieces.__getitem__, position))
     n = len(lowered.device_bytes.kept)
     held = np.fromiter(itertools.chain.from_iterable(map(_activations, ops)), np.int64, len(ops) * n).reshape(-1, n)
     at = [i for i, p in enumerate(ops) if p.dropped]  # (op in graph order, device), then its dropped outputs
+    extra = collective_rows(lowered, position, n) if collectives else None
     if lowered.copies is not None:  # copy 0's columns are every copy's; weight ops' where they run
         rep = lowered.copies.rep_array(n)
         weight = [i for i, node in enumerate(graph) if node.kind in WEIGHT_KINDS]
         whole = held[:, rep]
         whole[weight] = held[weight]
         held = whole
+        if extra is not None:
+            extra = tuple(x[:, rep] for x in extra)
+    rows = _dropped_rows(lowered, ops, held, at, rep if lowered.copies is not None else None)
+    return rows if extra is None else tuple(a + b for a, b in zip(rows, extra))
+
+
+def _dropped_rows(lowered: Lowered, ops: list, held: np.ndarray, at: list[int], rep: np.ndarray | None
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``_rows`` of the ops' pieces (``held``: what each op keeps, every device's columns; ``at``:
+    the ops that drop or let go of their outputs), without the collectives."""
+    graph, position, n = lowered.graph, _positions(lowered.graph), held.shape[1]
     freed, redone = np.zeros_like(held), np.zeros_like(held)  # after an op's forward; at its backward
     if not at:
         return held, freed, redone, held
     dropped = np.array([ops[i].dropped for i in at], dtype=np.int64).reshape(len(at), n)
-    if lowered.copies is not None:
+    if rep is not None:
         dropped = dropped[:, rep]
     gone = held.copy()
     held[at] += dropped
@@ -191,18 +211,15 @@ def _rises(held: np.ndarray, freed: np.ndarray, redone: np.ndarray, gone: np.nda
     return np.maximum(fwd.max(axis=0), 0), np.maximum(bwd.max(axis=0), 0)
 
 
-def _interleaved_peaks(lowered: Lowered) -> list[int]:
+def _interleaved_peaks(lowered: Lowered, collectives: bool = True) -> list[int]:
     """Per device, the activations' peak over its interleaved run order (Narayanan et al.
     SC'21, section 2.2.2: more passes in flight than 1F1B): each (micro-batch, chunk) pass adds
     or frees its chunk's K_c, the chunk's ops' rows of ``_rows`` giving its rises, walked over
     ``strategies.schedule.device_passes``."""
     chunk = chunk_of(lowered)
     n = len(lowered.device_bytes.kept)
-    held, freed, redone, gone = _rows(lowered)
-    kept = held.copy()
-    for p_i, p in enumerate(map(lowered.pieces.__getitem__, _positions(lowered.graph))):
-        if p.dropped:
-            kept[p_i] -= np.asarray(p.dropped, dtype=np.int64)
+    held, freed, redone, gone = _rows(lowered, collectives)
+    kept = held - freed  # a chunk's dropped outputs are freed at ops of the chunk (one rank runs it)
     of = np.fromiter((chunk[node.name] for node in lowered.graph), np.int64, len(lowered.graph))
     per: dict[int, tuple[list[int], list[int], list[int]]] = {}
     for c in range(int(of.max()) + 1):
@@ -230,16 +247,6 @@ def device_warmups(lowered: Lowered) -> dict[int, int]:
     return {d: ws[image.get(d, d)] for d in ws}
 
 
-def collective_bytes(lowered: Lowered) -> tuple[list[int], list[int]]:
-    """``Lowered.collective_bytes`` of every device; of copy 0's lowering, a device of copy r
-    has its copy-0 image's (copy 0's collectives are each copy's)."""
-    fwd, grad = lowered.collective_bytes()
-    if lowered.copies is None:
-        return list(fwd), list(grad)
-    rep = lowered.copies.rep_array(len(fwd))
-    return np.asarray(fwd)[rep].tolist(), np.asarray(grad)[rep].tolist()
-
-
 def peak_memory(lowered: Lowered, optimizer: str = "sgd") -> list[int]:
     """Bytes per device: Σ held weight shards × (1 weight + 1 gradient + optimizer state) for
     trainable ones, plus the peak of the activations over its run order
@@ -248,9 +255,9 @@ def peak_memory(lowered: Lowered, optimizer: str = "sgd") -> list[int]:
     both kept for backward, and recompute's dropped outputs while they live), plus the receive
     buffers posted a micro-batch ahead (``soapsearch.executor.recipe.receives_ahead``): the
     forward pieces of one more micro-batch when w < m, and the gradient pieces of min(2, m)
-    micro-batches; plus the collectives'
-    buffers (``Lowered.collective_bytes``): what each call leaves a member, kept for backward
-    per micro-batch in flight like a received piece, and one micro-batch's gradient buffers.
+    micro-batches; the collectives' buffers are in the same walk (``simulator.memory_collectives``:
+    what each call leaves a member, kept per micro-batch in flight or let go after its last
+    reader's forward, and its readers' gradients from their backward to the dual's).
     In mixed precision the weights and gradients held are the compute dtype's (2 bytes a
     parameter) and a float32 master copy and the optimizer state in float32 are added: ZeRO's
     2 + 2 + 12 = 16 bytes a parameter with Adam, 2 + 2 + 4 + 4 with SGD's momentum
@@ -263,22 +270,23 @@ def peak_memory(lowered: Lowered, optimizer: str = "sgd") -> list[int]:
     # a device holds the activations of the micro-batches it has warmed up (schedule.py)
     m = lowered.strategy.microbatches
     ws = device_warmups(lowered)
-    gathered, grads = collective_bytes(lowered)
     acts = activation_peaks(lowered, ws)
-    return [sum(state[d]) + b.frozen[d] + acts[d] + ws.get(d, 0) * gathered[d]
-            + (b.received[d] if ws.get(d, 0) < m else 0) + min(2, m) * b.received_grad[d] + grads[d]
+    return [sum(state[d]) + b.frozen[d] + acts[d]
+            + (b.received[d] if ws.get(d, 0) < m else 0) + min(2, m) * b.received_grad[d]
             for d in range(n)]
 
 
 def memory_breakdown(lowered: Lowered, optimizer: str = "sgd") -> list[MemoryBreakdown]:
-    """``peak_memory``'s figure per device by category: each device's fields sum to it."""
+    """``peak_memory``'s figure per device by category: each device's fields sum to it. The
+    activations are their walk's peak without the collectives; ``collective_buffers`` what the
+    collectives' buffers add to it (``activation_peaks`` with them, less without)."""
     state = state_bytes(lowered, _check(optimizer), _master(lowered))
     n = lowered.strategy.num_devices
     b = lowered.device_bytes
     m = lowered.strategy.microbatches
     ws = device_warmups(lowered)
-    gathered, grads = collective_bytes(lowered)
-    acts = activation_peaks(lowered, ws)
+    acts = activation_peaks(lowered, ws, collectives=False)
+    both = activation_peaks(lowered, ws) if lowered.collectives else acts
     out = []
     for d in range(n):
         w = ws.get(d, 0)
@@ -286,6 +294,6 @@ def memory_breakdown(lowered: Lowered, optimizer: str = "sgd") -> list[MemoryBre
             weights=state[d].weights + b.frozen[d], gradients=state[d].gradients,
             optimizer_state=state[d].optimizer_state, activations=acts[d],
             receive_buffers=(b.received[d] if w < m else 0) + min(2, m) * b.received_grad[d],
-            collective_buffers=w * gathered[d] + grads[d], master_weights=state[d].master_weights,
+            collective_buffers=both[d] - acts[d], master_weights=state[d].master_weights,
             gathered_weights=state[d].gathered_weights))
     return out

@@ -351,7 +351,7 @@ class OpPieces(NamedTuple):
     the remote pieces into the op on their consumer's device, and their gradients on the
     producer's device when both ops need one (the executor posts them a micro-batch ahead;
     ``simulator.memory``). A collective's buffers are the plan's, not an op's
-    (``Lowered.collective_bytes``): several consumer ops share one."""
+    (``strategies.collective_buffers``): several consumer ops share one."""
     collective_reads: tuple[CollectiveRead, ...] = ()
     """The inputs its partitions read from collectives instead of point-to-point pieces."""
     recompute: bool = False
@@ -449,24 +449,6 @@ class Lowered:
             for r in p.collective_reads:
                 out.setdefault(r.collective, []).append(r)
         return {c: tuple(rs) for c, rs in out.items()}
-
-    def collective_bytes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """(forward, gradient) bytes of the collectives' buffers each device holds per
-        micro-batch: forward, what it holds after each call (``Collective.result``; its readers
-        keep it for backward, one buffer however many ops read it); backward, where the
-        gradient moves, its readers' gradients summed over the region and the dual's other
-        buffer (a reduce-scatter's chunk or an all-gather's input; an all-reduce sums in place)."""
-        n = self.strategy.num_devices
-        fwd, grad = [0] * n, [0] * n
-        for c in self.collectives:
-            if c.microbatch:
-                continue
-            item = c.nbytes // box_numel(c.region)
-            for i, d in enumerate(c.devices):
-                fwd[d] += box_numel(c.result(i)) * item
-                if c.grad:
-                    grad[d] += c.nbytes + (box_numel(c.chunk(i)) * item if c.dim is not None else 0)
-        return tuple(fwd), tuple(grad)
 
     @property
     def bytes_moved(self) -> int:

@@ -190,6 +190,9 @@ class _Lowering:
         self.shared = {(r.dst_op, r.dst_index, r.collective.microbatch, r.slot): index[r.collective]
                        for p in low.pieces.values() for r in p.collective_reads if r.device == rank}
         """(op, partition, micro-batch, input) of this rank -> the collective it reads it from."""
+        self.reading = {k[:3] for k in self.shared}
+        """Partitions of this rank reading a collective: never linked, so their inputs' gradients
+        appear at their own backward step (``strategies.collective_buffers``)."""
         self.holding: dict[tuple, list[int]] = {}
         """(op, partition, micro-batch) of this rank -> the collectives it holds a piece of."""
         for i, c in enumerate(low.collectives):
@@ -251,7 +254,7 @@ class _Lowering:
             if redo(k[0]).recompute or any(redo(t.dst_op).recompute for t in gout):
                 continue  # a recomputed partition has its own autograd graph, read through leaves
             if (self.has_backward(k) and k[0] not in self.graph.outputs and gout and k not in self.holding
-                    and k not in self.gathering
+                    and k not in self.gathering and k not in self.reading
                     and all(t.local and self.whole_slot(t) for t in gout) and len(leads) == 1):
                 lead = leads.pop()
                 if k not in self.grouped or self.quiet(lead, k, root):

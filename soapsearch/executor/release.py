@@ -9,14 +9,15 @@ a tensor autograd saved) keeps them alive and correct, so nothing reads freed me
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Sequence
 
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from soapsearch.executor.errors import ExecutorError
+from strategies.collective_buffers import BufferLife
 
-__all__ = ["Released", "release", "hollow", "shares", "SavedStorages"]
+__all__ = ["Released", "release", "hollow", "shares", "SavedStorages", "collective_releases"]
 
 
 class Released(NamedTuple):
@@ -74,3 +75,22 @@ class SavedStorages:
 
 def _unpack(t: torch.Tensor) -> torch.Tensor:
     return t
+
+
+def collective_releases(lives: Sequence[BufferLife], steps: Sequence[tuple[bool, object]],
+                        readers: dict[int, list[tuple[int, int]]]) -> dict[int, list[int]]:
+    """Step position -> the collectives (``Lowered.collectives`` index) whose result this rank
+    lets go of after that step (``strategies.collective_buffers``): a kept one after the last
+    backward step of its readers here, a transient one after their last forward step, one
+    gathered again after both.
+    ``steps``: this rank's (backward, recipe) in order; ``readers``: collective -> (recipe id,
+    input) of its readers here."""
+    at = {(backward, r.id): k for k, (backward, r) in enumerate(steps)}
+    out: dict[int, list[int]] = {}
+    for i, reads in sorted(readers.items()):
+        life = lives[i]
+        if not life.kept:
+            out.setdefault(max(at[(False, task)] for task, _ in reads), []).append(i)
+        if life.kept or life.regather is not None:
+            out.setdefault(max(at[(True, task)] for task, _ in reads), []).append(i)
+    return out

@@ -54,8 +54,9 @@ from soapsearch.executor.errors import ExecutorError, check_runnable
 from soapsearch.executor.norm import batch_norm
 from soapsearch.executor.precision import Autocast, LossScaler, to_wire
 from soapsearch.executor.recipe import ROOT, SKIP, Piece, Recipe, Slot, receives_ahead, recipes
-from soapsearch.executor.release import Released, SavedStorages, hollow, release, shares
+from soapsearch.executor.release import Released, SavedStorages, collective_releases, hollow, release, shares
 from soapsearch.executor.shards import LocalWeights
+from strategies.collective_buffers import buffer_lives
 from strategies.graph import OpGraph
 from strategies.lowering import WEIGHT_KINDS, BucketKey, Gate, loss_on_every_device, lower
 from strategies.overlap import bucket_issues, bucket_order
@@ -173,7 +174,12 @@ class Executor:
                     self.readers.setdefault(task, []).append((r.id, k))
                 if r.id in self.transient:
                     self.readers.setdefault(r.id, []).append((r.id, k))
-        self.guarded = {c for rs in self.readers.values() for c, _ in rs}
+        lives = buffer_lives(low)
+        self.lets_go = collective_releases(lives, self.steps, self.collective_readers)
+        """Step position -> the collectives whose result this rank lets go of after it
+        (``strategies.collective_buffers``)."""
+        self.guarded = {c for rs in self.readers.values() for c, _ in rs} | {
+            task for i, reads in self.collective_readers.items() if not lives[i].kept for task, _ in reads}
         """Recipes whose forward records what autograd saves (``release.SavedStorages``)."""
         self.trace = trace
         self.events: list[dict[str, Any]] = []
@@ -188,8 +194,9 @@ class Executor:
         self.sums: dict[int, tuple[Recipe, PendingSum | BucketSum]] = {}
         """Loss partition (recipe id) -> its group's sum of [s_p, c_p], in flight, riding a
         bucket or known."""
-        self.shared: dict[int, torch.Tensor] = {}
-        """Collective -> what its forward call left this rank (its readers read it)."""
+        self.shared: dict[int, torch.Tensor | Released] = {}
+        """Collective -> what its forward call left this rank (its readers read it), a stand-in
+        once let go (``_let_go``)."""
         self.shared_grad: dict[int, torch.Tensor] = {}
         """Collective -> what its dual left this rank (its holder's output gradient takes it)."""
         self.saved: dict[int, tuple[torch.Tensor | None, ...]] = {}
@@ -249,6 +256,8 @@ class Executor:
                         self._forward(r)
                     if gathered:
                         self.weights.fsdp.reshard(gathered, backward)
+                    for i in self.lets_go.get(position, ()):
+                        self._let_go(i)
                 except ExecutorError:
                     raise
                 except Exception as e:
@@ -394,12 +403,34 @@ class Executor:
                                          self.recipes[i].part.op)
             hollow(leaf)
 
+    def _let_go(self, i: int) -> None:
+        """Let go of what collective ``i`` left this rank (``strategies.collective_buffers``): its
+        entry becomes a stand-in and its readers' leaf copies are hollowed (their ``.grad`` stays
+        for the dual), a transient one only where no reader's graph saved it."""
+        out = self.shared[i]
+        if isinstance(out, Released):
+            return
+        self.shared[i] = release(out)
+        for task, slot in self.collective_readers[i]:
+            leaf = self.leaves[task][slot] if self.leaves[task] is not None else None
+            if leaf is None or not shares(leaf, out):
+                continue
+            if task in self.saved_storages:
+                r = self.recipes[task]
+                self.saved_storages[task].check(leaf, r.part.op, r.node.kind, self.lowered.collectives[i].op)
+            hollow(leaf)
+
     def _regraph(self, r: Recipe) -> None:
         """Recompute ``r``'s partition with autograd, as its forward step would have (leaves
         cut where they are), from the inputs it kept and the outputs this rank holds (its
         producers' kept outputs, or dropped ones recomputed at this step or an earlier one).
         Dropout draws the same masks (``dropout_generator``: a function of the step's seed and
-        the op, not of a generator's state), so no RNG state needs saving."""
+        the op, not of a generator's state), so no RNG state needs saving. A collective it reads
+        that was let go is gathered again first (``BufferLife.regather``: at the same step on
+        every member, before the step's duals)."""
+        for s in r.slots:
+            if s is not None and s.collective is not None and isinstance(self.shared[s.collective], Released):
+                self._call(s.collective, False)
         inputs, self.leaves[r.id] = self._inputs(r, self.saved.pop(r.id))
         self.outs[r.id] = self._run(r, inputs)
 
@@ -485,8 +516,9 @@ class Executor:
             g = leaves[slot].grad if leaves is not None and leaves[slot] is not None else None
             if g is not None:
                 grad = g if grad is None else grad + g
+                leaves[slot].grad = None  # the readers' gradient buffers go with the dual's call
         if grad is None:
-            grad = torch.zeros_like(self.shared[i])
+            grad = _zeros(self.shared[i])
         self.shared_grad[i] = run_collective(c.backward_kind, to_wire(grad, self.shared[i].dtype), group, c.dim)
 
     def _gather(self, s: Slot) -> torch.Tensor:

@@ -28,9 +28,11 @@ pytestmark = pytest.mark.distributed
 
 CASES_2 = [("mlp", "dp+rc_mid"), ("gpt", "dp+rc_blocks"), ("gpt", "megatron+rc_blocks"),
            ("gpt", "megatron_sp+rc_blocks"), ("gpt", "1f1b+rc_block0"), ("gpt", "gpipe+rc_mlp"),
-           ("gpt", "heads+rc_attn"), ("gpt", "random_mb1+rc_seed1"), ("gpt", "megatron+rc_layers")]
+           ("gpt", "heads+rc_attn"), ("gpt", "random_mb1+rc_seed1"), ("gpt", "megatron+rc_layers"),
+           ("gpt", "megatron_sp+rc_seed3"), ("gpt", "megatron_sp_mb4+rc_layers")]
 CASES_4 = [("gpt", "megatron_pp2+rc_blocks"), ("gpt", "megatron+rc_attn"), ("gpt", "1f1b+rc_blocks"),
-           ("mlp", "stages_dp+rc_mid"), ("gpt", "colrow+rc_mlp"), ("gpt", "random_mb2+rc_seed2")]
+           ("mlp", "stages_dp+rc_mid"), ("gpt", "colrow+rc_mlp"), ("gpt", "random_mb2+rc_seed2"),
+           ("gpt", "megatron_sp_pp2+rc_layers"), ("gpt", "megatron_sp_pp2+rc_seed3")]
 
 
 @pytest.mark.parametrize("world,cases", [(2, CASES_2), (4, CASES_4)])

@@ -1,0 +1,109 @@
+"""How long what a collective leaves a member lives, per micro-batch: the one rule the memory
+model (``simulator.memory``) walks and the executor (``soapsearch.executor``) frees by.
+
+A member calls collective c at the start of its first reader op's forward step
+(``strategies.schedule.collective_steps``). What the call leaves it (``Collective.result``):
+
+- is *gathered again* where it is an all-gather and every reader op recomputes (sequence
+  parallelism's gathered input to a recomputed layer; Korthikanti et al. 2022 §4.2.2: Megatron-LM
+  keeps the shard and gathers again in the backward): it lives until the forward step of the
+  last reader op, and each member calls the all-gather again at the backward step where its
+  first reader is recomputed (``regather``), the result living until the backward step of the
+  first reader op in graph order (the last of them to run backward);
+- else is *kept* for the backward where some reader op reads it back (``strategies.pieces.reads_back``:
+  autograd saves it) or recomputes (its recomputation reads it again): then it lives until the
+  backward step of the first reader op in graph order;
+- else it is transient, as a row-parallel linear's reduce-scattered sum read by a dropout: it
+  lives until the forward step of the last reader op in graph order.
+
+Where the gradient moves (``Collective.grad``), each reader partition on the member leaves its
+input's gradient (one buffer of the result's size a reader) from its own backward step to the
+end of the holder's backward step, at whose start the member calls the dual with their sum
+(DDP and Megatron-LM free a collective's gradient buffer once its reduction ends; Li et al.,
+VLDB 2020). Inside that step the dual's result is the holder's output gradient, which, as any
+op's output gradient, is not counted."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from strategies.lowered import Collective, Lowered
+from strategies.pieces import drop_positions, reads_back
+from strategies.schedule import Step
+
+__all__ = ["BufferLife", "buffer_lives", "regather_steps"]
+
+
+class BufferLife(NamedTuple):
+    """Where collective c's buffers live on each member, per micro-batch (ops by name)."""
+
+    collective: Collective
+    first: str
+    """The first reader op in graph order: the call is at the start of its forward step; if
+    ``kept``, the result is freed after its backward step."""
+    last: str
+    """The last reader op in graph order: if not ``kept``, the result is freed after its forward
+    step; where the gradient moves, the first reader gradient appears at its backward step."""
+    kept: bool
+    """Kept from the call to the backward: some reader op reads the result back in its backward
+    or recomputes, and it is not gathered again."""
+    readers: tuple[tuple[str, int], ...]
+    """(reader op, its partitions on each member): each leaves a gradient of the result's size
+    from its backward step to the end of the holder's (``Collective.op``); empty where the
+    gradient does not move."""
+    regather: str | None = None
+    """The op at whose first backward step each member calls the all-gather again (where its
+    first reader is recomputed); None: called once."""
+
+
+def buffer_lives(lowered: Lowered, microbatch: int | None = None) -> tuple[BufferLife, ...]:
+    """The ``BufferLife`` of each of ``Lowered.collectives`` (of ``microbatch`` only, where
+    given: every micro-batch's are alike), in that order. Every member runs a reader partition
+    of every reader op (``strategies.collectives``), as many on each."""
+    graph, strategy, readers = lowered.graph, lowered.strategy, lowered.collective_readers
+    position: dict[str, int] = {}
+    back: dict[str, bool] = {}  # reader op -> it reads the result again after its forward
+    again: dict[str, int | None] = {}  # recompute reader op -> where it is recomputed (None: not one step)
+    out = []
+    for c in lowered.collectives:
+        if microbatch is not None and c.microbatch != microbatch:
+            continue
+        if not position:
+            position = {node.name: i for i, node in enumerate(graph)}
+        reads = readers[c]
+        on = reads[0].device
+        count: dict[str, int] = {}
+        for r in reads:
+            if r.device == on:
+                count[r.dst_op] = count.get(r.dst_op, 0) + 1
+        ops = sorted(count, key=position.__getitem__)
+        for u in ops:
+            if u not in back:
+                back[u] = strategy[u].recompute or reads_back(graph, strategy, u)
+        regather = None
+        if c.kind == "all_gather" and all(strategy[u].recompute for u in ops):
+            if not again:
+                again.update(_recomputed_at(lowered, position))
+            at = [again.get(u, position[u]) for u in ops]
+            if None not in at:
+                regather = graph.nodes[max(at)].name
+        out.append(BufferLife(c, ops[0], ops[-1], regather is None and any(back[u] for u in ops),
+                              tuple((u, count[u]) for u in ops) if c.grad else (), regather))
+    return tuple(out)
+
+
+def _recomputed_at(lowered: Lowered, position: dict[str, int]) -> dict[str, int | None]:
+    """Dropped recompute op -> the position of the op at whose backward step it is recomputed on
+    every device (``strategies.pieces.drop_positions``; None where devices differ). A recompute
+    op that keeps its output is recomputed at its own step (not listed)."""
+    strategy = lowered.strategy
+    return {op: groups[0][2] if len(groups) == 1 else None
+            for op, groups in drop_positions(lowered.graph, strategy, position).items() if strategy[op].recompute}
+
+
+def regather_steps(lowered: Lowered, life: BufferLife) -> dict[int, Step]:
+    """Member -> the step at whose start it calls ``life``'s all-gather again: its first backward
+    step of ``life.regather`` (the op's last partition there), where the executor recomputes."""
+    c, op = life.collective, life.regather
+    return {d: Step(True, op, max(p.index for p in lowered.partitions[op][c.microbatch] if p.device == d),
+                    c.microbatch) for d in c.devices}
