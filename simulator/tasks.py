@@ -57,7 +57,7 @@ from strategies.overlap import bucket_plan
 from strategies.rules import get_rule
 from strategies.schedule import Step, chunk_of, device_passes
 
-__all__ = ["TaskGraph", "TaskCache", "TaskKind", "CATEGORY", "Wire", "build_tasks", "device_steps"]
+__all__ = ["TaskGraph", "TaskCache", "TaskKind", "CATEGORY", "Wire", "build_tasks", "device_steps", "task_seconds"]
 
 
 class _Block:
@@ -171,7 +171,7 @@ def _op_block(node: OpNode, pieces: OpPieces, graph: OpGraph, producers: dict[st
             key = (node.name, p.index, j)
             names += (("fwd",) + key, ("bwd",) + key)
             cats += fwd_bwd
-            durs += (f_s + over, b_s + (over if backward else 0.0) + redo * (f_s + over))
+            durs += task_seconds(f_s, b_s, over, backward, redo)
             res += ((d,), (d,))
             devs += (d, d)
             nbytes += (0, 0)
@@ -190,6 +190,13 @@ def _op_block(node: OpNode, pieces: OpPieces, graph: OpGraph, producers: dict[st
 
 _TIMES = 4096
 """Partition times a ``TaskCache`` keeps per op (emptied past it)."""
+
+
+def task_seconds(forward: float, backward_s: float, overhead: float, backward: bool, redo: int) -> tuple[float, float]:
+    """A partition's forward and backward task durations from its op's times: each task pays the
+    device's launch overhead (the backward only where the op has one), and a recomputed op runs
+    its forward again before its backward (docs/design.md, "Recompute")."""
+    return forward + overhead, backward_s + (overhead if backward else 0.0) + redo * (forward + overhead)
 
 
 def _add_transfers(b: _Block, transfers: tuple[Transfer, ...], producers: dict[str, _Block],

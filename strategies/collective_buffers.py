@@ -63,7 +63,7 @@ def buffer_lives(lowered: Lowered, microbatch: int | None = None) -> tuple[Buffe
     graph, strategy, readers = lowered.graph, lowered.strategy, lowered.collective_readers
     position: dict[str, int] = {}
     back: dict[str, bool] = {}  # reader op -> it reads the result again after its forward
-    again: dict[str, int | None] = {}  # recompute reader op -> where it is recomputed (None: not one step)
+    again: dict[str, int | None] | None = None  # recompute reader op -> where it is recomputed (None: not one step)
     out = []
     for c in lowered.collectives:
         if microbatch is not None and c.microbatch != microbatch:
@@ -82,8 +82,8 @@ def buffer_lives(lowered: Lowered, microbatch: int | None = None) -> tuple[Buffe
                 back[u] = strategy[u].recompute or reads_back(graph, strategy, u)
         regather = None
         if c.kind == "all_gather" and all(strategy[u].recompute for u in ops):
-            if not again:
-                again.update(_recomputed_at(lowered, position))
+            if again is None:
+                again = _recomputed_at(lowered, position)
             at = [again.get(u, position[u]) for u in ops]
             if None not in at:
                 regather = graph.nodes[max(at)].name

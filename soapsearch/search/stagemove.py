@@ -16,6 +16,7 @@ from typing import Callable
 
 from simulator.cost import CostModel
 from simulator.simulate import FOLD_FROM, Lowerings
+from simulator.tasks import task_seconds
 from simulator.topology import Topology
 from soapsearch.search.repeatmove import replaced
 from strategies.config import ParallelConfig
@@ -83,7 +84,7 @@ def _lowered_seconds(lowered: Lowered, topology: Topology, cost: CostModel) -> d
                 device = devices[p.device]
                 f_s, b_s = cost.partition_time(node, p, device)
                 over = device.task_overhead if runs else 0.0
-                total += (f_s + over) * (1 + redo) + b_s + (over if backward else 0.0)
+                total += sum(task_seconds(f_s, b_s, over, backward, redo))
                 ran.add(p.device)
         if ran:
             out[node.name] = total / len(ran)

@@ -59,10 +59,10 @@ pipeline baseline's six runs are not scored (each half a minute or more at 64 de
 _MIXED = {"bf16": 2, "fp16": 2}
 """Bytes of a value in a mixed-precision plan's compute dtype."""
 _OPTIMIZER_BYTES = {"adam": 8, "sgd": 0}
-_DUALS = 2
-"""Gradient buffers a tensor-parallel block's collectives leave in one micro-batch's backward, in
-units of the block's output (the duals of its all-reduce, or of its all-gather and reduce-scatter)."""
 """Optimizer state bytes per parameter (Adam's two fp32 moments)."""
+_DUALS = 2
+"""Gradient buffers live at once of a tensor-parallel block's collectives, in units of the block's
+output (the duals of its all-reduce, or of its all-gather and reduce-scatter)."""
 
 
 @dataclass(frozen=True)
@@ -111,7 +111,7 @@ class _Shape:
 
 def _shape(graph: OpGraph, topo: Topology, n: int, optimizer: str, precision: str) -> _Shape:
     blocks = megatron_blocks(graph)
-    layered = blocks[0::2] if blocks and len(blocks) % 2 == 0 else blocks  # each layer's attention block
+    layered = blocks[0::2] if blocks and layers_of(graph) is not None else blocks  # each layer's attention block
     weights = {w.name: w.spec for node in graph for w in node.weights}
     itemsize = {s.dtype: s.nbytes // max(s.numel, 1) for s in weights.values()}
     model = max(itemsize.values(), default=4)
@@ -168,25 +168,28 @@ def estimate(f: Factorization, n: int, shape: _Shape) -> Estimate:
     else:
         acts = ((shape.activations - shape.between) / t + shape.between / (t if f.sequence_parallel else 1)) \
             * per * held_mb
-    # tensor parallel: each block's collective result kept per micro-batch held, and one
-    # micro-batch's gradient buffers of their duals (simulator.memory.collective_bytes)
-    collective = shape.blocks * shape.block_out * per * (held_mb + _DUALS) if t > 1 else 0.0
+    # tensor parallel, as strategies.collective_buffers keeps them: each block's collective
+    # result per micro-batch held (under recompute with sequence parallelism the all-gathers are
+    # gathered again and only the reduce-scatter shards, block_out / t, stay) and one block's
+    # gradient buffers of its duals (each lives from its reader's backward to the dual's call)
+    kept = shape.block_out / (t if f.recompute and f.sequence_parallel else 1)
+    collective = (shape.blocks * kept * held_mb + shape.block_out * _DUALS) * per if t > 1 else 0.0
     return Estimate(compute + tensor + grads, states + acts + collective)
 
 
 def megatron_lm_factors(graph: OpGraph, topo: Topology, n: int, optimizer: str, precision: str) -> tuple[int, int] | None:
     """The tensor × pipeline degrees of ``strategies.baselines.megatron_lm`` on ``n`` devices
     (one sequence a micro-batch, 1F1B, sequence parallelism, layers recomputed, ZeRO-1): of the
-    degrees ``GlobalMoves`` factors (t ≤ 8 within a node, t > 1, p dividing the layers' blocks),
+    degrees ``GlobalMoves`` factors (t ≤ 8 within a node, t > 1, p at most the layers),
     the one ``estimate`` times fastest among those estimated to fit, else the one of least
     memory; None where the graph has no layers or the batch leaves no data-parallel degree."""
-    blocks = megatron_blocks(graph)
-    if not blocks or layers_of(graph) is None or not graph.batch_size:
+    layers = layers_of(graph)
+    if not layers or not graph.batch_size:
         return None
     shape = _shape(graph, topo, n, optimizer, precision)
     out = []
     for t in (t for t in divisors(n) if 1 < t <= 8):
-        for p in (p for p in divisors(n // t) if p <= len(blocks) // 2):
+        for p in (p for p in divisors(n // t) if p <= len(layers)):
             d = n // (t * p)
             if graph.batch_size % d:
                 continue

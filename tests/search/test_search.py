@@ -160,8 +160,7 @@ def test_when_only_sharding_fits_the_search_finds_a_fitting_plan():
     # halved) at 122,568 B with units of one op and at 144,648 B with the baseline's units of
     # one layer (a layer's and the next layer's call buffers held); 125,000 B a device fits fsdp
     # with units of one op; of the search's baselines megatron (122,568 B: its collectives'
-    # buffers as the executor holds them, strategies.collective_buffers; 158,408 B when every
-    # one was counted at once) and megatron_lm (one sequence a micro-batch, layers
+    # buffers as the executor holds them, strategies.collective_buffers) and megatron_lm (one sequence a micro-batch, layers
     # recomputed, ZeRO-1: 62,208 B) fit, none of the others (model parallel peaks at 129,600 B,
     # the pipeline at 130,112 B) nor accumulation: the search returns a fitting plan
     import dataclasses
