@@ -73,29 +73,31 @@ class Evaluator:
         trials read it through ``scratch.Scratch``)."""
         self._tasks = TaskCache(topology, cost)
         self.calls = 0
-        self.known: dict[int, tuple[Strategy, SimResult]] = {}
-        """Plans scored already, by identity (``remember``): a chain's start taken from them is
-        not simulated again."""
         self._seen: dict[Strategy, tuple[bool, SimResult]] = {}
         """The results of the last ``SEEN`` plans simulated, by value (the least recently used
         going first), each with whether it holds its summary: a micro-batch or global move back
-        to a plan simulated before (the same simulation, the same result) is not simulated again."""
+        to a plan simulated before (the same simulation, the same result) is not simulated again, nor
+        is a chain's start taken from the sweep's plans (``remember``)."""
 
     def remember(self, plan: Strategy, result: SimResult) -> None:
-        """``plan``'s ``result`` returned when ``plan`` itself is asked again without a summary
-        or timeline."""
-        self.known[id(plan)] = (plan, result)
+        """``plan``'s ``result`` returned when ``plan`` is asked again without a summary or
+        timeline."""
+        self._keep(self.planned(plan), False, result)
+
+    def _keep(self, plan: Strategy, summarized: bool, result: SimResult) -> None:
+        """``plan``'s ``result`` the most recently used of the last ``SEEN``."""
+        self._seen.pop(plan, None)
+        self._seen[plan] = (summarized, result)
+        if len(self._seen) > SEEN:
+            del self._seen[next(iter(self._seen))]
 
     def __call__(self, plan: Strategy, summary: bool = False, timeline: bool = False) -> SimResult:
         """Iteration time and memory of ``plan`` (``summary``, or ``summarize_best`` and the
         best so far: also busy times, bytes moved; ``timeline``: every task's times)."""
-        known = self.known.get(id(plan))
-        if known is not None and known[0] is plan and not (summary or timeline):  # scored already (sweep.py)
-            return known[1]
         plan = self.planned(plan)
-        seen = None if timeline else self._seen.pop(plan, None)
+        seen = None if timeline else self._seen.get(plan)
         if seen is not None:
-            self._seen[plan] = seen  # the most recently used now
+            self._keep(plan, *seen)
             if seen[0] or not summary:  # a plan returned before never leads (``_leads``) again
                 return seen[1]
         self.calls += 1
@@ -116,10 +118,7 @@ class Evaluator:
             self.pace.record("summary", time.perf_counter() - made[0])
         self._leads(result)
         if not timeline:
-            self._seen.pop(plan, None)
-            self._seen[plan] = (bool(summary or made), result)
-            if len(self._seen) > SEEN:
-                del self._seen[next(iter(self._seen))]
+            self._keep(plan, bool(summary or made), result)
         return result
 
     def _leads(self, result: SimResult) -> bool:
