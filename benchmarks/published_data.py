@@ -128,8 +128,9 @@ class Run:
     tensor-parallel communication, on by default since ``--no-async-tensor-model-parallel-allreduce``
     was added; Korthikanti et al.'s sequence parallelism is built on it (its column-parallel
     linear gathers its input and reduce-scatters its input gradient inside one autograd function,
-    ``LinearWithGradAccumulationAndAsyncCommunication``). Table 1's launch script
-    (run_table_1.sh) sets no such flag and its runs predate it: False."""
+    ``LinearWithGradAccumulationAndAsyncCommunication``). Table 1's rows: False, as n½ was
+    fitted on them (their launch script, run_table_1.sh, names no such flag; whether the code of
+    the 2021 runs had it is not established here)."""
 
     @property
     def dp(self) -> int:
