@@ -6,7 +6,8 @@ with the row's flags (full recompute of every block as ``plan --recompute``, sel
 recompute as the attention cores recomputed, sequence parallelism, bf16 or fp16 as ``plan
 --dtype``, Megatron-LM's local DDP as one gradient bucket: ``LOCAL_DDP_BUCKET_MB``), predicts the iteration with the analytical model (the row's attention kernel:
 "megatron" for Megatron-LM of 2021-2022, its unfused kernels with dropout on the
-probabilities) on the row's preset (a100-<N/8>x8) and prints predicted vs
+probabilities; Korthikanti's rows with Megatron-LM's asynchronous tensor-parallel communication,
+``Run.input_grad_overlap``: ``row_cost``) on the row's preset (a100-<N/8>x8) and prints predicted vs
 published iteration seconds, TFLOP/s per GPU where the source prints them, the relative error
 of the throughput (published / predicted seconds - 1), Spearman's ρ per sweep, and a
 diagnostic the model does not use: "waves", the tile and wave quantization efficiency of a
