@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from simulator.cost import get_cost_model
+from simulator.cost import CostModel
 from simulator.presets import get_topology
 from simulator.simulate import Lowerings, timed_graph
 from simulator.taskgraph import CATEGORY
@@ -63,13 +63,12 @@ def exposed(busy: list[tuple[float, float]], hidden: list[tuple[float, float]]) 
     return total
 
 
-def breakdown(graph: OpGraph, plan: Strategy, topology: str, attention: str, device: int = 0,
+def breakdown(graph: OpGraph, plan: Strategy, topology: str, cost: CostModel, device: int = 0,
               optimizer: str = "adam") -> Breakdown:
-    """Device ``device``'s iteration of ``plan`` on the preset ``topology`` with the analytical
-    model and the ``attention`` kernel: one folded simulation as ``simulate_plan`` runs it
-    (device 0 is always in the simulated copy)."""
+    """Device ``device``'s iteration of ``plan`` on the preset ``topology`` timed by ``cost``
+    (``published_runs.row_cost``): one folded simulation as ``simulate_plan`` runs it (device 0
+    is always in the simulated copy)."""
     topo = get_topology(topology)
-    cost = get_cost_model("analytical", attention=attention)
     lowerings = Lowerings(graph, plan)
     tg, _, start, end = timed_graph(lowerings.first(topo, True), topo, cost, optimizer, None, True,
                                     relower=lowerings)

@@ -121,6 +121,16 @@ class Run:
     q·kᵀ (baddbmm), its fused scale-mask-softmax, dropout on the probabilities (its default
     ``--attention-dropout 0.1``) and ·v (bmm) as separate kernels, the scores in HBM;
     FlashAttention (Dao et al. 2022) reached Megatron-LM later."""
+    input_grad_overlap: bool = False
+    """Whether the run's column-parallel linears all-reduce (or, with sequence parallelism,
+    reduce-scatter) their input gradient while computing their weight gradient
+    (``simulator.cost.CostModel.input_grad_overlap``): Megatron-LM's asynchronous
+    tensor-parallel communication, on by default since ``--no-async-tensor-model-parallel-allreduce``
+    was added; Korthikanti et al.'s sequence parallelism is built on it (its column-parallel
+    linear gathers its input and reduce-scatters its input gradient inside one autograd function,
+    ``LinearWithGradAccumulationAndAsyncCommunication``). Table 1's rows: False, as n½ was
+    fitted on them (their launch script, run_table_1.sh, names no such flag; whether the code of
+    the 2021 runs had it is not established here)."""
 
     @property
     def dp(self) -> int:
@@ -161,7 +171,7 @@ _NARAYANAN_ROWS = tuple(
 
 _KORTHIKANTI_ROWS = tuple(
     Run(f"{name} {label}", p, a, h, l, t, pp, n, b, f"{KORTHIKANTI}, row {name}, {column}", f"korthikanti-{name}",
-        seconds=s, mfu=mfu, microbatch=mb, recompute=rec, sequence_parallel=sp, chunks=v)
+        seconds=s, mfu=mfu, microbatch=mb, recompute=rec, sequence_parallel=sp, chunks=v, input_grad_overlap=True)
     for name, p, a, h, l, t, pp, n, b, mb, v, full_s, present_s, mfu_present in (
         # Table 3: size, heads, hidden, layers, TP, PP, GPUs, batch, micro-batch; §6: chunks;
         # Table 5: iteration s with full recompute, with present work; MFU % of present work

@@ -25,8 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.published_data import ROWS, Run  # noqa: E402
-from benchmarks.published_runs import MAX_GPUS, build_graph, build_plan, reachable, throughput_error  # noqa: E402
-from simulator.cost import get_cost_model  # noqa: E402
+from benchmarks.published_runs import MAX_GPUS, build_graph, build_plan, reachable, row_cost, throughput_error  # noqa: E402
 from simulator.presets import get_topology  # noqa: E402
 from simulator.simulate import simulate_plan  # noqa: E402
 from simulator.topology import Topology  # noqa: E402
@@ -56,7 +55,7 @@ def errors(rows: list[Run], candidates: list[float]) -> list[list[float]]:
         if graph is None or graph[0] != key:
             graph = (key, build_graph(run))
         lowered = lower(graph[1], build_plan(run, graph[1]))
-        cost = get_cost_model("analytical", attention=run.attention)
+        cost = row_cost(run)
         for errs, n_half in zip(out, candidates):
             result = simulate_plan(graph[1], lowered, with_gemm_half(get_topology(run.topology), n_half), cost,
                                    optimizer="adam", summary=False)

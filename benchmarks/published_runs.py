@@ -6,7 +6,8 @@ with the row's flags (full recompute of every block as ``plan --recompute``, sel
 recompute as the attention cores recomputed, sequence parallelism, bf16 or fp16 as ``plan
 --dtype``, Megatron-LM's local DDP as one gradient bucket: ``LOCAL_DDP_BUCKET_MB``), predicts the iteration with the analytical model (the row's attention kernel:
 "megatron" for Megatron-LM of 2021-2022, its unfused kernels with dropout on the
-probabilities) on the row's preset (a100-<N/8>x8) and prints predicted vs
+probabilities; Korthikanti's rows with Megatron-LM's asynchronous tensor-parallel communication,
+``Run.input_grad_overlap``: ``row_cost``) on the row's preset (a100-<N/8>x8) and prints predicted vs
 published iteration seconds, TFLOP/s per GPU where the source prints them, the relative error
 of the throughput (published / predicted seconds - 1), Spearman's ρ per sweep, and a
 diagnostic the model does not use: "waves", the tile and wave quantization efficiency of a
@@ -47,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.published_breakdown import breakdown  # noqa: E402
 from benchmarks.published_data import MICROBATCH, ROWS, Run  # noqa: E402
-from simulator.cost import ATTENTION_KERNELS, get_cost_model  # noqa: E402
+from simulator.cost import ATTENTION_KERNELS, CostModel, get_cost_model  # noqa: E402
 from simulator.presets import get_topology  # noqa: E402
 from simulator.result import SimResult  # noqa: E402
 from simulator.topology import Topology  # noqa: E402
@@ -67,7 +68,7 @@ from strategies.precision import compute_graph  # noqa: E402
 __all__ = ["MICROBATCH", "ROWS", "Run", "block_wave_efficiency", "build_graph", "build_plan",
            "korthikanti_activations", "korthikanti_model_flops", "layer_ops", "layer_shares", "llama_params",
            "narayanan_flops", "narayanan_params", "predict",
-           "predicted_mfu", "predicted_tflops", "published_seconds", "reachable", "throughput_error",
+           "predicted_mfu", "predicted_tflops", "published_seconds", "reachable", "row_cost", "throughput_error",
            "tile_wave_efficiency", "torchtitan_flops"]
 
 GiB = 1 << 30
@@ -187,13 +188,20 @@ def reachable(run: Run, max_gpus: int | None = None) -> str | None:
     return None
 
 
+def row_cost(run: Run) -> CostModel:
+    """The analytical model as the row's software ran: its attention kernel and whether its
+    tensor-parallel input gradients' collectives overlap the weight gradients
+    (``Run.input_grad_overlap``)."""
+    return get_cost_model("analytical", attention=run.attention, input_grad_overlap=run.input_grad_overlap)
+
+
 def predict(run: Run, graph: OpGraph | None = None, topology: Topology | None = None,
             summary: bool = False) -> SimResult:
     """The analytical model's simulation of the row's plan on its preset (Adam, as Megatron-LM),
     or on ``topology`` (the preset with other device figures: ``benchmarks/published_fit.py``);
     ``summary``: with the memory breakdown (``SimResult.memory``)."""
     graph = build_graph(run) if graph is None else graph
-    cost = get_cost_model("analytical", attention=run.attention)
+    cost = row_cost(run)
     topology = get_topology(run.topology) if topology is None else topology
     evaluate = Evaluator(graph, topology, cost, "adam", precision=run.dtype)
     return evaluate(build_plan(run, graph), summary=summary)
@@ -283,7 +291,7 @@ def layer_shares(run: Run) -> dict[str, tuple[int, float, float]]:
     plan = build_plan(small, graph)
     lowered = lower(graph, plan)
     graph = compute_graph(graph, plan.compute_dtype)
-    cost = get_cost_model("analytical", attention=run.attention)
+    cost = row_cost(run)
     device = get_topology(run.topology).devices[0]
     names = [n.name for n in graph]
     layer = layer_ops(graph, small)[1]
@@ -308,7 +316,7 @@ def _print_shares(run: Run) -> None:
 
 def _print_breakdown(run: Run) -> None:
     graph = build_graph(run)
-    got = breakdown(graph, build_plan(run, graph), run.topology, run.attention)
+    got = breakdown(graph, build_plan(run, graph), run.topology, row_cost(run))
     parts = [(f"compute {k}", v) for k, v in sorted(got.compute.items(), key=lambda kv: -kv[1])]
     parts += [(f"exposed comm {k}", v) for k, v in got.exposed.items()] + [("idle (bubble, waits)", got.idle)]
     print(f"{run.name}: iteration {got.iteration:.3f} s, device {got.device}: " + ", ".join(

@@ -8,7 +8,10 @@ on the links of the group's ring, after every holder's forward and every member'
 member's readers of it (every consumer op reading it) wait on the member's end of it
 (``step.member_ends``: its ``collective_overhead`` after it). Backward, where the gradient
 moves: the dual collective after every reader's backward and every member's call, which the
-member's holder partition's backward waits on. An all-gather whose readers all recompute
+member's holder partition's backward waits on; under a cost model whose
+``input_grad_overlap`` is set (Megatron-LM's asynchronous tensor-parallel communication), that
+dual runs beside its readers' parameter-gradient products, so it is charged only what the
+shortest of them leaves (``hidden_by_readers``). An all-gather whose readers all recompute
 is called again in the backward (``strategies.collective_buffers``: ``BufferLife.regather``),
 at the step where its first reader is recomputed, and its readers' backwards wait on it.
 
@@ -25,6 +28,7 @@ from typing import Sequence
 import numpy as np
 
 from simulator.comm import collective_time, ring_links
+from simulator.cost import CostModel, has_trainable_params
 from simulator.step import member_ends
 from simulator.taskgraph import INDEX, TaskGraph, TaskKind
 from simulator.topology import Topology
@@ -32,13 +36,15 @@ from strategies.collective_buffers import buffer_lives, regather_steps
 from strategies.lowering import Lowered
 from strategies.schedule import collective_steps
 
-__all__ = ["add_collectives"]
+__all__ = ["add_collectives", "hidden_by_readers"]
 
 
 def add_collectives(tg: TaskGraph, lowered: Lowered, topology: Topology, blocks: Sequence,
-                    first: np.ndarray, position: dict[str, int], keep: frozenset[int] | None = None) -> np.ndarray:
+                    first: np.ndarray, position: dict[str, int], keep: frozenset[int] | None = None,
+                    cost: CostModel | None = None) -> np.ndarray:
     """Add every collective's tasks to ``tg``; ``blocks``, ``first``, ``position``: each op's
-    block (``simulator.tasks._Block``), its first task id and its index; ``keep``: the devices
+    block (``simulator.tasks._Block``), its first task id and its index; ``cost``: the model
+    that timed the blocks (its ``input_grad_overlap``; None: no overlap); ``keep``: the devices
     simulated (``simulator.fold``: a collective timed over its group, its member tasks and
     edges on them; one with no member there has no tasks). Returns the arrivals' places in the
     devices' schedules as rows (arrival task, the step's first task), global ids."""
@@ -90,8 +96,10 @@ def add_collectives(tg: TaskGraph, lowered: Lowered, topology: Topology, blocks:
         if not c.grad:
             continue
         label = f"{c.backward_kind} grad {c.op}@mb{j} devices {shown}"
-        b = tg.add(label, TaskKind.COLLECTIVE, _time(times, topology, c.backward_kind, c.devices, c.nbytes),
-                   links, c.devices[0], c.nbytes)
+        seconds = _time(times, topology, c.backward_kind, c.devices, c.nbytes)
+        if cost is not None and cost.input_grad_overlap:
+            seconds = max(0.0, seconds - hidden_by_readers(lowered, readers[c], topology, cost))
+        b = tg.add(label, TaskKind.COLLECTIVE, seconds, links, c.devices[0], c.nbytes)
         for r in mine:
             tg.edge(int(first[position[r.dst_op]]) + blocks[position[r.dst_op]].bwd_done[j][r.dst_index], b)
         _arrive(tg, b, bwd_steps, blocks, first, position, arrivals, label)
@@ -100,6 +108,22 @@ def add_collectives(tg: TaskGraph, lowered: Lowered, topology: Topology, blocks:
         for d, q in members:
             tg.edge(ends[d], at + holder.fwd[j][q] + 1)
     return np.asarray(arrivals, dtype=INDEX).reshape(-1, 2).T
+
+
+def hidden_by_readers(lowered: Lowered, reads: Sequence, topology: Topology, cost: CostModel) -> float:
+    """Seconds of a collective's backward that its readers' parameter-gradient products hide
+    where it runs beside them (``CostModel.input_grad_overlap``): the shortest reader's, half its
+    backward (the cost model charges an op with trainable parameters 2F, its input and parameter
+    gradients alike); 0 where a reader has no parameters (its backward has no product to hide
+    the collective behind)."""
+    hidden = float("inf")
+    for r in reads:
+        node = lowered.graph[r.dst_op]
+        if not has_trainable_params(node):
+            return 0.0
+        part = lowered.pieces[r.dst_op].partitions[r.collective.microbatch][r.dst_index]
+        hidden = min(hidden, cost.partition_time(node, part, topology.devices[r.device])[1] / 2)
+    return 0.0 if hidden == float("inf") else hidden
 
 
 def _time(known: dict, topology: Topology, kind: str, devices: tuple[int, ...], nbytes: int) -> float:

@@ -141,6 +141,14 @@ class CostModel(abc.ABC):
     measures = False
     """Whether it times kernels on the local machine when asked for a partition it has not seen (then
     nothing else should run on the cores meanwhile: a search runs its chains one at a time)."""
+    input_grad_overlap = False
+    """Whether a collective's backward (the dual reducing its readers' input gradients) runs beside
+    its readers' parameter-gradient products (``simulator.collectives``), as Megatron-LM's
+    column-parallel linear issues its input gradient's all-reduce or reduce-scatter asynchronously
+    and then computes its weight gradient (``LinearWithGradAccumulationAndAsyncCommunication``;
+    ``--no-async-tensor-model-parallel-allreduce``: "Disable asynchronous execution of
+    tensor-model-parallel all-reduce with weight gradient computation of a column-linear layer");
+    the project's executor runs it after them (False)."""
 
     def __init__(self) -> None:
         self._by_box: dict[Any, tuple[float, float]] = {}
@@ -203,11 +211,14 @@ class AnalyticalCostModel(CostModel):
     ``attention``: the kernel an ``attention`` op runs (``ATTENTION_KERNELS``); "math" adds the
     queries × keys scores' HBM passes (``MATH_ATTENTION_PASSES``) and kernels to its bytes;
     "megatron" adds the dropout's too (``DROPOUT_PASSES``, its mask, one kernel each way).
+    ``input_grad_overlap``: ``CostModel.input_grad_overlap``.
     """
 
     def __init__(self, efficiency: float | tuple[float, float] = (COMPUTE_EFFICIENCY, MEMORY_EFFICIENCY),
-                 launch_overhead: float | None = None, attention: str = "flash") -> None:
+                 launch_overhead: float | None = None, attention: str = "flash",
+                 input_grad_overlap: bool = False) -> None:
         super().__init__()
+        self.input_grad_overlap = bool(input_grad_overlap)
         if attention not in ATTENTION_KERNELS:
             raise ValueError(f"AnalyticalCostModel: attention {attention!r} must be one of {list(ATTENTION_KERNELS)}")
         self.attention = attention
@@ -222,7 +233,8 @@ class AnalyticalCostModel(CostModel):
 
     def __repr__(self) -> str:
         return (f"AnalyticalCostModel(efficiency=({self.compute_efficiency}, "
-                f"{self.memory_efficiency}), launch_overhead={self.launch_overhead}, attention={self.attention!r})")
+                f"{self.memory_efficiency}), launch_overhead={self.launch_overhead}, attention={self.attention!r}, "
+                f"input_grad_overlap={self.input_grad_overlap})")
 
     def launch(self, device: DeviceSpec) -> float:
         """Seconds of overhead per kernel on ``device``."""

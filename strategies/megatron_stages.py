@@ -1,6 +1,10 @@
 """The pipeline stages of the megatron baseline: contiguous runs of ops, a transformer block
 never split, balanced by forward FLOPs (the proxy of simulated time that ``balanced_stages``
-uses too: a block's ops and its backward scale together)."""
+uses too: a block's ops and its backward scale together), each boundary then moved among the
+ops between two blocks to where the fewest bytes cross it (``_narrowest``): after a layer's
+closing residual add, where Megatron-LM cuts its layers into stages (one tensor, the residual
+stream, sent to the next stage; Narayanan et al. SC'21 §2.2, §4.1), not after the next
+LayerNorm (its output read by the q, k and v products beside the residual stream)."""
 
 from __future__ import annotations
 
@@ -38,6 +42,35 @@ def _units(graph: OpGraph, blocks: Sequence[tuple[tuple[str, ...], tuple[str, ..
     return [u for u in units if u]
 
 
+def _narrowest(graph: OpGraph, units: list[list[str]], starts: list[int]) -> list[int]:
+    """``starts`` (each stage's first unit), each moved within the run of single-op units (the ops
+    between two blocks) it falls in, staying between its neighbours, to the cut that the fewest
+    output bytes cross (an op before the cut read after it; the first such cut on a tie)."""
+    where = {x: k for k, u in enumerate(units) for x in u}
+    crossing = []  # (first unit, last reader's unit, output bytes) of each op read past its unit
+    for k, u in enumerate(units):
+        for x in u:
+            last = max((where[r] for r in graph.users(x) if r in where), default=k)
+            if last > k:
+                crossing.append((k, last, graph[x].output.nbytes))
+
+    def cut_bytes(c: int) -> int:
+        return sum(n for k, last, n in crossing if k < c <= last)
+
+    out = list(starts)
+    for i, s in enumerate(starts):
+        if i == 0:
+            continue
+        lo, hi = s, s
+        while lo - 1 > out[i - 1] and len(units[lo - 1]) == 1:
+            lo -= 1
+        nxt = starts[i + 1] if i + 1 < len(starts) else len(units)
+        while hi + 1 < nxt and len(units[hi]) == 1:
+            hi += 1
+        out[i] = min(range(lo, hi + 1), key=cut_bytes)
+    return out
+
+
 def _runs(costs: list[int], stages: int) -> list[int]:
     """The first unit of each of ``stages`` contiguous non-empty runs minimizing the largest
     run's cost (``linear_partition``; then the costliest runs split until there are
@@ -67,7 +100,7 @@ def megatron_stages(graph: OpGraph, blocks: Sequence[tuple[tuple[str, ...], tupl
     if stages > len(units):
         raise PlanError(None, "pp", stages, f"{len(units)} units of whole blocks and the ops between "
                         f"them cannot fill {stages} pipeline stages")
-    starts = _runs([max(sum(graph[x].flops for x in u), 1) for u in units], stages)
+    starts = _narrowest(graph, units, _runs([max(sum(graph[x].flops for x in u), 1) for u in units], stages))
     stage: dict[str, int] = {}
     for s, (a, b) in enumerate(zip(starts, starts[1:] + [len(units)])):
         for u in units[a:b]:

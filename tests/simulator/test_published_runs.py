@@ -16,15 +16,16 @@ from benchmarks.published_fit import FIT_ROWS, rms_log, with_gemm_half
 from benchmarks.published_runs import (LOCAL_DDP_BUCKET_MB, ROWS, block_wave_efficiency, build_graph, build_plan, korthikanti_activations,
                                        korthikanti_model_flops, layer_ops, layer_shares, llama_params, narayanan_flops,
                                        narayanan_params, predict, predicted_tflops, published_seconds,
-                                       reachable, throughput_error, tile_wave_efficiency, torchtitan_flops)
+                                       reachable, row_cost, throughput_error, tile_wave_efficiency, torchtitan_flops)
 from simulator.presets import A100_GEMM_HALF, get_topology
 from strategies.lowering import lower
 from strategies.overlap import bucket_issues
 
-BOUND = 0.11
+BOUND = 0.08
 """|published / predicted seconds - 1| the model reaches on the held-out rows tested (benchmarks/README.md:
-22B −8.0 % and −10.6 %: Korthikanti's 22B runs faster than n½ = 850, fitted on Table 1, gives its
-768-wide tensor-parallel products)."""
+22B −5.3 % and −7.3 % with Megatron-LM's input gradients' collectives beside the weight gradients,
+``Run.input_grad_overlap``; the rest: Korthikanti's 22B runs faster than n½ = 850, fitted on
+Table 1, gives its 768-wide tensor-parallel products)."""
 FIT_BOUND = 0.02
 """|error| the model reaches on the rows n½ is fitted on (``published_fit.FIT_ROWS``: Table 1's
 1.7B −1.4 %, 3.6B +0.6 %, 7.5B −2.0 %, at their launch script's micro-batches, with the
@@ -261,6 +262,6 @@ def test_breakdown_parts_by_hand():
     # a TP 2 layer on one node: products, attention and the tensor-parallel all-reduces on NVSwitch
     run = replace(NARAYANAN[1], hidden=512, heads=8, seq=256, vocab=1024, layers=2, gpus=2, batch=2, microbatch=1)
     graph = build_graph(run)
-    got = breakdown(graph, build_plan(run, graph), run.topology, run.attention)
+    got = breakdown(graph, build_plan(run, graph), run.topology, row_cost(run))
     assert {"gemm", "attention", "other", "update"} <= set(got.compute) and got.exposed["nvswitch"] > 0
     assert got.idle >= -1e-12 and sum(got.compute.values()) + got.exposed["nvswitch"] + got.idle <= got.iteration + 1e-9
