@@ -35,11 +35,13 @@ from simulator.topology import Topology
 from strategies.config import format_devices
 from strategies.lowering import Lowered
 from strategies.prefetch import call_key, calls_at, issue_positions, step_units
-from strategies.schedule import Step, device_order
+from strategies.schedule import Step
 from strategies.zero import gather_groups
 from strategies.zero_alike import alike_readers
 
 __all__ = ["add_gathers"]
+
+_step = tuple.__new__
 
 
 def add_gathers(tg: TaskGraph, lowered: Lowered, topology: Topology, blocks: Sequence, first: np.ndarray,
@@ -228,27 +230,25 @@ def _issue_tasks(lowered: Lowered, groups: Sequence, blocks: Sequence, first: np
                  position: dict[str, int], keep: frozenset[int] | None = None) -> dict[tuple[int, Step], int]:
     """(device, step reading level-3 weights) -> the first task of the step at whose start the
     all-gathers that step reads are issued there (``strategies.prefetch.issue_positions``),
-    found once per class of devices reading alike (``strategies.zero_alike``)."""
+    found once per class of devices reading alike on their reading orders
+    (``strategies.zero_alike``); each member then reads its own partition indices."""
     at = first.tolist()  # each block's first task, as ints
-    orders = device_order(lowered)
     out = {}
     for c in alike_readers(lowered):
-        mine = c.devices if keep is None else [d for d in c.devices if d in keep]
+        mine = [(d, ks) for d, ks in zip(c.devices, c.indices) if keep is None or d in keep]
         if not mine:
             continue
         flags = [any(groups[g].zero == 3 for g in gs) for gs in c.reads]
         # only a reading step's gathers are issued (a step of no gather is its own position)
-        pairs = [(q, p) for q, (p, f) in enumerate(zip(issue_positions(flags, step_units(lowered, c.order)), flags))
-                 if f]
-        issuers = []  # (reader's position, issuer's, the issuer block's first task + backward, its forwards)
-        for q, p in pairs:
-            i = c.order[p]  # op, pass and micro-batch alike on every member: the partition index is each one's
-            b = position[i.op]
-            issuers.append((q, p, at[b] + i.backward, blocks[b].fwd[i.microbatch]))
-        for d in mine:
-            order = orders[d]
-            for q, p, base, fwd in issuers:
-                out[(d, order[q])] = base + fwd[order[p].index]
+        issuers = []  # (reader's position, its step, issuer's position, the issuer block's first task + backward, its forwards)
+        for q, (p, f) in enumerate(zip(issue_positions(flags, step_units(lowered, c.order)), flags)):
+            if f:
+                i, s = c.order[p], c.order[q]  # op, pass and micro-batch alike on every member
+                b = position[i.op]
+                issuers.append((q, s.backward, s.op, s.microbatch, p, at[b] + i.backward, blocks[b].fwd[i.microbatch]))
+        for d, ks in mine:
+            for q, backward, op, j, p, base, fwd in issuers:
+                out[(d, _step(Step, (backward, op, ks[q], j)))] = base + fwd[ks[p]]
     return out
 
 
