@@ -55,20 +55,20 @@ def alike_readers(lowered: Lowered) -> tuple[AlikeReaders, ...]:
     """The classes of the devices reading some level-2 or level-3 group, in order of their
     first member: devices with equal (op, pass, micro-batch, groups read) at every position of
     their reading orders (module docstring)."""
-    reads: dict[tuple[int, str, int], tuple[int, ...]] = {}
-    for g, u in enumerate(gather_groups(lowered)):
-        for d, k in zip(u.devices, u.partitions):
-            reads[(d, u.op, k)] = reads.get((d, u.op, k), ()) + (g,)
-    if not reads:
+    groups = gather_groups(lowered)
+    if not groups:
         return ()
     chunk = chunk_of(lowered)
     seqs: dict[int, dict[int, list[tuple[str, int, tuple[int, ...]]]]] = {}  # device -> chunk -> reading steps
-    for op in dict.fromkeys(op for _, op, _ in reads):  # reader ops in graph order (gather_groups')
+    i = 0
+    while i < len(groups):  # one reader op's groups at a time (graph order; they are consecutive)
+        op, j = groups[i].op, i + 1
+        while j < len(groups) and groups[j].op == op:
+            j += 1
         c = chunk[op] if chunk else 0
-        for p in lowered.partitions[op][0]:  # a device's partitions of an op, in the order it runs them
-            gs = reads.get((p.device, op, p.index))
-            if gs is not None:
-                seqs.setdefault(p.device, {}).setdefault(c, []).append((op, p.index, gs))
+        for d, steps in _op_reads(lowered, groups, i, j):
+            seqs.setdefault(d, {}).setdefault(c, []).extend(steps)
+        i = j
     passes = device_passes(lowered)
     classes: dict[tuple, list[int]] = {}
     for d in sorted(seqs):
@@ -87,6 +87,21 @@ def alike_readers(lowered: Lowered) -> tuple[AlikeReaders, ...]:
                 each.append(gs)
         out.append(AlikeReaders(tuple(members), order, tuple(each), tuple(_indices(seqs[d], runs) for d in members)))
     return tuple(out)
+
+
+def _op_reads(lowered: Lowered, groups: tuple, i: int, j: int) -> list:
+    """(device, its reading steps of the op of ``groups[i:j]``, (op, partition index, groups
+    read) in the order it runs its partitions of the op) per member."""
+    u = groups[i]
+    if j == i + 1:  # one group: each member reads it through one partition
+        return [(d, ((u.op, k, (i,)),)) for d, k in zip(u.devices, u.partitions)]
+    on: dict[int, dict[int, tuple[int, ...]]] = {}
+    for g in range(i, j):
+        for d, k in zip(groups[g].devices, groups[g].partitions):
+            ks = on.setdefault(d, {})
+            ks[k] = ks.get(k, ()) + (g,)
+    rank = {p.index: r for r, p in enumerate(lowered.partitions[u.op][0])}  # a device runs them in list order
+    return [(d, tuple((u.op, k, ks[k]) for k in sorted(ks, key=rank.__getitem__))) for d, ks in on.items()]
 
 
 def _indices(seqs: dict[int, list[tuple[str, int, tuple[int, ...]]]], runs: tuple) -> list[int]:
