@@ -44,7 +44,6 @@ from strategies.zero_alike import alike_readers
 __all__ = ["add_gathers"]
 
 
-
 def add_gathers(tg: TaskGraph, lowered: Lowered, topology: Topology, blocks: Sequence, first: np.ndarray,
                 position: dict[str, int], keep: frozenset[int] | None = None, memo: dict | None = None
                 ) -> tuple[np.ndarray, dict[int, list[int]]]:
