@@ -24,6 +24,8 @@ issue positions) are found per graph."""
 from __future__ import annotations
 
 import itertools
+from itertools import repeat
+from operator import add, getitem
 from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
@@ -35,7 +37,7 @@ from simulator.topology import Topology
 from strategies.config import format_devices
 from strategies.lowering import Lowered
 from strategies.prefetch import call_key, calls_at, issue_positions, step_units
-from strategies.schedule import Step, device_order
+from strategies.schedule import Step
 from strategies.zero import gather_groups
 from strategies.zero_alike import alike_readers
 
@@ -64,6 +66,7 @@ def add_gathers(tg: TaskGraph, lowered: Lowered, topology: Topology, blocks: Seq
     of, calls = _unit_calls(lowered, groups, keep) if issue and lowered.strategy.fsdp_unit == "block" else ({}, {})
     made: dict = {}  # a unit's call -> its simulated members' ends, by device
     chunks = [u.chunk_bytes for u in groups]
+    unit_bytes = {key: sum(chunks[x] for x, _, _ in gathers) for key, gathers in calls.items()}  # each unit call's
     uses = []  # what a group's tasks read alike in every micro-batch, found once
     for g, u in enumerate(groups):
         members = [(d, k) for d, k in zip(u.devices, u.partitions) if keep is None or d in keep]
@@ -80,7 +83,7 @@ def add_gathers(tg: TaskGraph, lowered: Lowered, topology: Topology, blocks: Seq
     for j in range(lowered.strategy.microbatches):
         for g, u, members, i, phases in uses:
             block = blocks[i]
-            units = tuple(_unit(of.get((g, phase, j)), made, calls, chunks) for phase in phases) if of else ()
+            units = tuple(_unit(of.get((g, phase, j)), made, unit_bytes) for phase in phases) if of else ()
             key = (u, j, phases, keep, units)
             c = memo.get(key)
             if c is None or c.block is not block:
@@ -130,10 +133,10 @@ class _Chunk(NamedTuple):
     """(unit call, {device: its end}) of each unit's call it makes (``fsdp_unit`` "block")."""
 
 
-def _unit(key, made: dict, calls: dict, chunks: list) -> tuple | None:
+def _unit(key, made: dict, unit_bytes: dict) -> tuple | None:
     """What a group's tasks read of the unit call ``key`` (None: its own all-gather): the key,
-    whether a group before made the call, and its bytes."""
-    return None if key is None else (key, key in made, sum(chunks[x] for x, _, _ in calls[key]))
+    whether a group before made the call, and its bytes (``unit_bytes``: each call's)."""
+    return None if key is None else (key, key in made, unit_bytes[key])
 
 
 def _record(topology: Topology, u, j: int, members: list, phases: tuple, block, chunks: list, of: dict,
@@ -228,27 +231,29 @@ def _issue_tasks(lowered: Lowered, groups: Sequence, blocks: Sequence, first: np
                  position: dict[str, int], keep: frozenset[int] | None = None) -> dict[tuple[int, Step], int]:
     """(device, step reading level-3 weights) -> the first task of the step at whose start the
     all-gathers that step reads are issued there (``strategies.prefetch.issue_positions``),
-    found once per class of devices reading alike (``strategies.zero_alike``)."""
+    found once per class of devices reading alike on their reading orders
+    (``strategies.zero_alike``); each member then reads its own partition indices."""
     at = first.tolist()  # each block's first task, as ints
-    orders = device_order(lowered)
     out = {}
     for c in alike_readers(lowered):
-        mine = c.devices if keep is None else [d for d in c.devices if d in keep]
+        mine = [(d, ks) for d, ks in zip(c.devices, c.indices) if keep is None or d in keep]
         if not mine:
             continue
         flags = [any(groups[g].zero == 3 for g in gs) for gs in c.reads]
         # only a reading step's gathers are issued (a step of no gather is its own position)
-        pairs = [(q, p) for q, (p, f) in enumerate(zip(issue_positions(flags, step_units(lowered, c.order)), flags))
-                 if f]
-        issuers = []  # (reader's position, issuer's, the issuer block's first task + backward, its forwards)
-        for q, p in pairs:
-            i = c.order[p]  # op, pass and micro-batch alike on every member: the partition index is each one's
-            b = position[i.op]
-            issuers.append((q, p, at[b] + i.backward, blocks[b].fwd[i.microbatch]))
-        for d in mine:
-            order = orders[d]
-            for q, p, base, fwd in issuers:
-                out[(d, order[q])] = base + fwd[order[p].index]
+        # per reading step that gathers: its position q, pass, op, micro-batch; its issuer's position
+        # p, the issuer block's first task + backward, its forwards (op, pass, micro-batch alike on
+        # every member; the partition indices each member's own)
+        qs, backwards, ops, js, ps, bases, fwds = [], [], [], [], [], [], []
+        for q, (p, f) in enumerate(zip(issue_positions(flags, step_units(lowered, c.order)), flags)):
+            if f:
+                i, s = c.order[p], c.order[q]
+                b = position[i.op]
+                qs.append(q), backwards.append(s.backward), ops.append(s.op), js.append(s.microbatch)
+                ps.append(p), bases.append(at[b] + i.backward), fwds.append(blocks[b].fwd[i.microbatch])
+        for d, ks in mine:  # C-level passes over the positions, one member at a time
+            steps = map(Step._make, zip(backwards, ops, map(ks.__getitem__, qs), js))
+            out.update(zip(zip(repeat(d), steps), map(add, bases, map(getitem, fwds, map(ks.__getitem__, ps)))))
     return out
 
 

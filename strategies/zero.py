@@ -241,33 +241,40 @@ class ShardedState(NamedTuple):
 
 @per_lowered
 def sharded_state(lowered: Lowered) -> ShardedState:
-    """``ShardedState`` of ``lowered``."""
+    """``ShardedState`` of ``lowered``: the sharded shards' terms summed per device set (a
+    data-parallel plan's few), then added to each member."""
     n = lowered.strategy.num_devices
     trainable, tensors = lowered.device_bytes.trainable, lowered.gradient_sync.tensors
     buckets = zero_buckets(lowered)
     groups = gather_groups(lowered)
     if not buckets and not groups:
         return ShardedState(trainable, tensors, (0,) * n, trainable, trainable)
-    updated, weights, gradients, copies, count = list(trainable), list(trainable), list(trainable), [0] * n, list(tensors)
-    leaves: set[tuple[int, str]] = set()
+    # per device set: [updated, copies, weights, gradients, tensors] added to each member, the weights' names
+    terms: dict[tuple[int, ...], tuple[list[int], set[str]]] = {}
     for b in buckets.values():
-        full = sum(s.nbytes for s in b.shards)
-        for d in b.key.devices:
-            updated[d] += b.chunk_bytes - full
-            copies[d] += b.chunk_bytes
-            count[d] += 1
-            leaves.update((d, s.name) for s in b.shards)
+        add, names = terms.setdefault(b.key.devices, ([0] * 5, set()))
+        add[0] += b.chunk_bytes - sum(s.nbytes for s in b.shards)
+        add[1] += b.chunk_bytes
+        add[4] += 1
+        names.update(s.name for s in b.shards)
     for s in per_use_shards(lowered):
         c = shard_chunk_bytes(s)
-        for d in s.devices:
-            updated[d] += c - s.nbytes
-            gradients[d] += c - s.nbytes
-            if s.zero == 3:
-                weights[d] += c - s.nbytes
-            else:
-                copies[d] += c
-            count[d] += 1
-            leaves.add((d, s.name))
-    for d, _ in leaves:
-        count[d] -= 1
+        add, names = terms.setdefault(s.devices, ([0] * 5, set()))
+        add[0] += c - s.nbytes
+        add[3] += c - s.nbytes
+        add[2 if s.zero == 3 else 1] += c - s.nbytes if s.zero == 3 else c
+        add[4] += 1
+        names.add(s.name)
+    updated, weights, gradients, copies, count = list(trainable), list(trainable), list(trainable), [0] * n, list(tensors)
+    leaves: dict[int, set[str]] = {}  # device -> the weights its sharded tensors replace (once each)
+    for devices, (add, names) in terms.items():
+        for d in devices:
+            updated[d] += add[0]
+            copies[d] += add[1]
+            weights[d] += add[2]
+            gradients[d] += add[3]
+            count[d] += add[4]
+            leaves.setdefault(d, set()).update(names)
+    for d, names in leaves.items():
+        count[d] -= len(names)
     return ShardedState(*map(tuple, (updated, count, copies, weights, gradients)))

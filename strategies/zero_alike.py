@@ -7,60 +7,109 @@ device's run order (``strategies.schedule.device_order``) through each step's op
 micro-batch and the ``gather_groups`` it reads there, never through the partition index or the
 device itself. Two devices whose orders agree on those read the same groups at the same
 positions: the replicas of a data-parallel ZeRO plan (16 alike orders on 16 devices) are one
-class, its walks made once."""
+class, its walks made once.
+
+Each class walks its *reading order*: the steps of its run order that read some group, in run
+order. The steps reading nothing are left out, as every walk over the order passes them
+unchanged: ``strategies.prefetch.issue_positions`` gives such a step its own position and lets
+it end a unit only where its unit differs, and a repeated block's instance is a run of
+consecutive ops in graph order (``strategies.repeats``), so no step of another unit falls
+between two reading steps of one instance's pass. A run order is its passes
+(``schedule.device_passes``) over one sequence of steps per chunk, the device's partitions in
+graph order (forwards; a backward reversed); a reading order is the same passes over the
+reading steps of those sequences, so a device's is found from its reader ops' partitions
+(a few per level-2/3 op) without building its run order."""
 
 from __future__ import annotations
 
-from itertools import repeat
-from operator import attrgetter, itemgetter
-from typing import NamedTuple
+from typing import NamedTuple, Sequence
 
 from strategies.lowering import Lowered
 from strategies.memo import per_lowered
-from strategies.schedule import Step, device_order
+from strategies.schedule import Step, chunk_of, device_passes
 from strategies.zero import gather_groups
 
 __all__ = ["AlikeReaders", "alike_readers"]
 
-_op, _index = attrgetter("op"), attrgetter("index")
-_step_kind = itemgetter(0, 1, 3)
-"""A ``Step``'s (backward, op, micro-batch): all of it but the partition index."""
+_step = tuple.__new__
 
 
 class AlikeReaders(NamedTuple):
-    """Devices whose run orders read the same ``gather_groups`` at the same positions."""
+    """Devices whose run orders read the same ``gather_groups`` at the same reading positions."""
 
     devices: tuple[int, ...]
     """The members, ascending."""
     order: list[Step]
-    """The first member's run order (``device_order``; callers must not change it)."""
+    """The first member's reading order: the steps of its run order (``device_order``) that
+    read some group, in run order (callers must not change it)."""
     reads: tuple[tuple[int, ...], ...]
-    """Per position of the order, the indices in ``gather_groups`` of the groups its step reads
-    (ascending: the order each member calls them), () where it reads none."""
+    """Per position of ``order``, the indices in ``gather_groups`` of the groups its step reads
+    (ascending: the order each member calls them)."""
+    indices: tuple[Sequence[int], ...]
+    """Per member (``devices`` order), the index of its partition at each position of
+    ``order``: its own step there is ``order``'s with that index."""
 
 
 @per_lowered
 def alike_readers(lowered: Lowered) -> tuple[AlikeReaders, ...]:
     """The classes of the devices reading some level-2 or level-3 group, in order of their
     first member: devices with equal (op, pass, micro-batch, groups read) at every position of
-    their run orders."""
-    reads: dict[tuple[int, str, int], tuple[int, ...]] = {}
-    for g, u in enumerate(gather_groups(lowered)):
-        for d, k in zip(u.devices, u.partitions):
-            reads[(d, u.op, k)] = reads.get((d, u.op, k), ()) + (g,)
-    if not reads:
+    their reading orders (module docstring)."""
+    groups = gather_groups(lowered)
+    if not groups:
         return ()
-    holding = {d for d, _, _ in reads}
-    get, none = reads.get, ()
-    classes: dict[tuple, list] = {}
-    for d, order in device_order(lowered).items():
-        if d not in holding:
-            continue
-        each = tuple(map(get, zip(repeat(d), map(_op, order), map(_index, order)), repeat(none)))  # C-level passes
-        seen = (each, tuple(map(_step_kind, order)))
-        members = classes.get(seen)
-        if members is None:
-            classes[seen] = [order, d]
-        else:
-            members.append(d)
-    return tuple(AlikeReaders(tuple(members[1:]), members[0], each) for (each, _), members in classes.items())
+    chunk = chunk_of(lowered)
+    seqs: dict[int, dict[int, list[tuple[str, int, tuple[int, ...]]]]] = {}  # device -> chunk -> reading steps
+    i = 0
+    while i < len(groups):  # one reader op's groups at a time (graph order; they are consecutive)
+        op, j = groups[i].op, i + 1
+        while j < len(groups) and groups[j].op == op:
+            j += 1
+        c = chunk[op] if chunk else 0
+        for d, steps in _op_reads(lowered, groups, i, j):
+            seqs.setdefault(d, {}).setdefault(c, []).extend(steps)
+        i = j
+    passes = device_passes(lowered)
+    classes: dict[tuple, list[int]] = {}
+    for d in sorted(seqs):
+        mine = seqs[d]
+        key = (tuple(passes[d]), tuple((c, tuple((op, gs) for op, _, gs in s)) for c, s in sorted(mine.items())))
+        classes.setdefault(key, []).append(d)
+    out = []
+    for (runs, _), members in classes.items():
+        first = seqs[members[0]]
+        order: list[Step] = []
+        each: list[tuple[int, ...]] = []
+        for backward, j, c in runs:
+            s = first.get(c, ())
+            for op, k, gs in (reversed(s) if backward else s):
+                order.append(_step(Step, (backward, op, k, j)))
+                each.append(gs)
+        out.append(AlikeReaders(tuple(members), order, tuple(each), tuple(_indices(seqs[d], runs) for d in members)))
+    return tuple(out)
+
+
+def _op_reads(lowered: Lowered, groups: tuple, i: int, j: int) -> list:
+    """(device, its reading steps of the op of ``groups[i:j]``, (op, partition index, groups
+    read) in the order it runs its partitions of the op) per member."""
+    u = groups[i]
+    if j == i + 1:  # one group: each member reads it through one partition
+        return [(d, ((u.op, k, (i,)),)) for d, k in zip(u.devices, u.partitions)]
+    on: dict[int, dict[int, tuple[int, ...]]] = {}
+    for g in range(i, j):
+        for d, k in zip(groups[g].devices, groups[g].partitions):
+            ks = on.setdefault(d, {})
+            ks[k] = ks.get(k, ()) + (g,)
+    rank = {p.index: r for r, p in enumerate(lowered.partitions[u.op][0])}  # a device runs them in list order
+    return [(d, tuple((u.op, k, ks[k]) for k in sorted(ks, key=rank.__getitem__))) for d, ks in on.items()]
+
+
+def _indices(seqs: dict[int, list[tuple[str, int, tuple[int, ...]]]], runs: tuple) -> list[int]:
+    """A member's partition index at each position of its reading order (``seqs``: its reading
+    steps per chunk; ``runs``: its passes)."""
+    ks = {c: [k for _, k, _ in s] for c, s in seqs.items()}
+    back = {c: k[::-1] for c, k in ks.items()}
+    out: list[int] = []
+    for backward, _, c in runs:
+        out += (back if backward else ks).get(c, ())
+    return out

@@ -35,20 +35,28 @@ def _reads(low, d):
 
 
 def _per_device(low):
-    """One class per reading device, its reads found by hand: each device's own walk."""
-    return tuple(AlikeReaders((d,), device_order(low)[d], tuple(r[3] for r in _reads(low, d)))
-                 for d in sorted({d for u in gather_groups(low) for d in u.devices}))
+    """One class per reading device, its reads found by hand: each device's own walk over its
+    whole run order (the steps reading nothing included)."""
+    out = []
+    for d in sorted({d for u in gather_groups(low) for d in u.devices}):
+        order = device_order(low)[d]
+        out.append(AlikeReaders((d,), order, tuple(r[3] for r in _reads(low, d)), ([s.index for s in order],)))
+    return tuple(out)
 
 
 def test_data_parallel_replicas_are_one_class():
     g = traced("gpt", batch_size=16)  # the walk's graph: traced once
     low = lower(g, fsdp(g, 4))
-    first, rest = alike_readers(low)
-    assert (first.devices, rest.devices) == ((0,), (1, 2, 3))  # device 0 alone runs wpe (one partition)
-    for c in (first, rest):
-        assert [(s.op, s.backward, s.microbatch, gs) for s, gs in zip(c.order, c.reads)] == _reads(low, c.devices[0])
-    assert sum(map(bool, rest.reads)) == sum(map(bool, first.reads)) == 2 * len({u.op for u in gather_groups(low)})
-    assert len(first.order) == len(rest.order) + 2  # wpe's forward and backward
+    (alike,) = alike_readers(low)
+    assert alike.devices == (0, 1, 2, 3)  # device 0 alone runs wpe (one partition), which reads no group
+    for c in (alike,):  # the reading order: the run order's steps that read a group
+        assert [(s.op, s.backward, s.microbatch, gs) for s, gs in zip(c.order, c.reads)] == [
+            r for r in _reads(low, c.devices[0]) if r[3]]
+        for d, ks in zip(c.devices, c.indices):
+            assert [s._replace(index=k) for s, k in zip(c.order, ks)] == [
+                s for s, r in zip(device_order(low)[d], _reads(low, d)) if r[3]]
+    assert len(alike.reads) == 2 * len({u.op for u in gather_groups(low)})
+    assert len(device_order(low)[0]) == len(device_order(low)[1]) + 2 > len(alike.order)  # wpe's two steps
 
 
 @pytest.mark.parametrize("microbatches", [1, 2])
@@ -74,7 +82,8 @@ def test_classes_walk_as_each_device(monkeypatch, microbatches):
         assert sorted(members) == sorted({d for u in gather_groups(low) for d in u.devices})  # each in one class
         assert [c.devices[0] for c in classes] == sorted(c.devices[0] for c in classes)
         for c in classes:
-            assert all(_reads(low, d) == _reads(low, c.devices[0]) for d in c.devices)
+            reading = [[r for r in _reads(low, d) if r[3]] for d in c.devices]
+            assert all(r == reading[0] for r in reading)
         split += len(classes) > 1
         alike = gathered_bytes.__wrapped__(low), float(run_timeline(build_tasks(low, topo, cost), topo)[1].max())
         with monkeypatch.context() as m:
