@@ -44,12 +44,14 @@ stages and stage s runs on the devices of pipeline rank s mod p, under the inter
 from __future__ import annotations
 
 import math
+from typing import Hashable
 
 from strategies.config import ParallelConfig, check_degrees
 from strategies.errors import PlanError
 from strategies.graph import OpGraph, OpNode
 from strategies.megatron_stages import megatron_stages
 from strategies.pieces import box_at, check_microbatches, grid_of, overlapping
+from strategies.repeats import signature
 from strategies.rules import get_rule
 from strategies.strategy import Strategy
 
@@ -184,6 +186,17 @@ def block_layout(graph: OpGraph, block: Block, d: int, t: int, m: int = 1,
     return {k: _shift(v, first) for k, v in out.items()}
 
 
+def _block_key(graph: OpGraph, block: Block) -> Hashable:
+    """What ``block_layout`` reads of ``block``: its ops' counts, each op's ``repeats.signature``
+    and dims' names, and which of its ops each input is (None: outside the block, which
+    ``_reads_locally`` does not check). Blocks of one key take the same configs, op for op."""
+    columns, middle, row = block
+    ops = (*columns, *middle, row)
+    at = {op: i for i, op in enumerate(ops)}
+    return (len(columns), len(middle), tuple((signature(graph[op]), tuple(dim.name for dim in graph[op].dims),
+                                              tuple(at.get(src) for src in graph[op].inputs)) for op in ops))
+
+
 def vocab_head(graph: OpGraph, d: int, t: int, m: int = 1) -> dict[str, ParallelConfig]:
     """Megatron's vocab-parallel head: the linear producing each cross-entropy's logits
     (through reshapes and casts with no other reader) column-parallel on the vocabulary, the reshapes cut
@@ -293,8 +306,15 @@ def megatron(graph: OpGraph, num_devices: int, tp: int | None = None, pp: int = 
     stage = megatron_stages(graph, blocks, p * v)
     size = n // p
     planned: dict[str, ParallelConfig] = {}
+    layouts: dict[Hashable, list[ParallelConfig] | None] = {}  # by _block_key: a repeated layer laid out once
     for block in blocks:
-        planned.update(block_layout(graph, block, d, t, m) or {})
+        ops = (*block[0], *block[1], block[2])
+        key = _block_key(graph, block)
+        if key not in layouts:
+            layout = block_layout(graph, block, d, t, m)
+            layouts[key] = None if layout is None else [layout[op] for op in ops]
+        if layouts[key] is not None:
+            planned.update(zip(ops, layouts[key]))
     planned.update(vocab_head(graph, d, t, m))
     configs = {node.name: _shift(planned.get(node.name) or _other(node, d, t, m, sequence_parallel),
                                  stage[node.name] % p * size) for node in graph}

@@ -27,6 +27,7 @@ from soapsearch.search.symmove import SymmetricMoves
 from soapsearch.search.sweep import SWEEP_SHARE, SWEEP_TIMINGS, SWEPT_BASELINES, megatron_lm_factors, swept_starts
 from soapsearch.search.moves import MoveRates, Moves, Space, microbatch_choices
 from soapsearch.search.pace import Pace
+from soapsearch.search.stageinit import restaged_starts
 from soapsearch.trace import check_scalar_loss, trace
 from strategies import (OpGraph, PlanError, Strategy, baseline, load_strategy, save_strategy)
 from strategies.baselines import BASELINES, hybrid, megatron_lm
@@ -403,6 +404,7 @@ def search(model: torch.nn.Module | OpGraph, example_inputs: Sequence[Any] | Non
         starts = swept_starts(graph, topo, moves.globals, evaluate, share,
                               None if deadline is not None else SWEEP_TIMINGS, plans, results, stats, started,
                               pace=pace)
+        starts = restaged_starts(moves.globals, evaluate, starts, stats, started, deadline, pace)  # stageinit.py
         if not starts and stats.best is not None:  # nothing fit, or nothing was timed, in the sweep's share:
             starts = [stats.best]  # the best plan scored so far (a baseline) starts the chains
     inits = [evaluate.planned(_initial(i, graph, n, rng, candidates, microbatches, schedule, plans, moves.globals,

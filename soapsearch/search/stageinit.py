@@ -1,0 +1,67 @@
+"""The stage partitioner as an init: the chains start from the best pipelined plans of the
+factorization sweep with their stages set by PipeDream's dynamic program over the units'
+simulated compute times (``stagemove.restage``), not only from the sweep's even split of the
+blocks (``strategies.megatron``: the blocks alone split evenly, the ops before and after them
+on the first and last stage). Each restaged plan is scored, considered for the answer and
+replaces its plan among the starts where it ranks before it (``mcmc.rank``)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from soapsearch.search.mcmc import ChainStats, consider, plan_cost, rank
+from soapsearch.search.pace import SUMMARY, Pace
+from soapsearch.search.stagemove import restage, stage_count
+from strategies.errors import PlanError
+from strategies.strategy import Strategy
+
+if TYPE_CHECKING:
+    from soapsearch.search.api import Evaluator
+    from soapsearch.search.globalmove import GlobalMoves
+
+__all__ = ["RESTAGED_STARTS", "restaged_starts"]
+
+RESTAGED_STARTS = 2
+"""Pipelined plans of the sweep's ranking restaged as starts, the best first (0: none)."""
+
+
+def restaged_starts(moves: "GlobalMoves", evaluate: "Evaluator", starts: list[Strategy], stats: ChainStats,
+                    started: float, deadline: float | None, pace: Pace,
+                    count: int | None = None) -> list[Strategy]:
+    """``starts`` (the sweep's timed plans, ``evaluate`` remembering their results, by rank)
+    with each of the ``count`` (default ``RESTAGED_STARTS``) best pipelined ones (not interleaved) restaged by
+    ``moves.op_seconds``; the restaged plan scored, considered in ``stats`` and remembered, and
+    put in its plan's place where it ranks before it; the list sorted by rank again (stable).
+    A restage predicted to end past ``deadline`` (kind "restage": the op times, the dynamic
+    program and the scoring, with a summary's pass after it) is not made."""
+    count = RESTAGED_STARTS if count is None else count
+    out = list(starts)
+    made = 0
+    for k, plan in enumerate(starts):
+        if made >= count:
+            break
+        if plan.schedule == "interleaved" or stage_count(moves.graph, plan) == 1:
+            continue
+        made += 1
+        if not pace.fits("restage", deadline, SUMMARY):
+            break
+        with pace.timed("restage"):
+            new = restage(moves.graph, plan, moves.op_seconds)
+            try:
+                result = None if new is None else evaluate(new)
+            except PlanError:  # a rule only the lowering checks: no start
+                result = None
+        if result is None:
+            continue
+        cost = plan_cost(result)
+        consider(stats, new, result, cost, started)
+        evaluate.remember(new, result)  # the chain starting from it does not simulate it again
+        old = evaluate(plan)
+        if rank(result.fits, cost) < rank(old.fits, plan_cost(old)):
+            out[k] = new
+    return sorted(out, key=lambda p: _rank(evaluate, p))
+
+
+def _rank(evaluate: "Evaluator", plan: Strategy) -> tuple:
+    result = evaluate(plan)  # remembered: no simulation
+    return rank(result.fits, plan_cost(result))
