@@ -27,13 +27,14 @@ from soapsearch.search.globalmove import GlobalMoves
 from soapsearch.search.symmove import SymmetricMoves
 from soapsearch.search.sweep import SWEEP_SHARE, SWEEP_TIMINGS, SWEPT_BASELINES, megatron_lm_factors, swept_starts
 from soapsearch.search.moves import MoveRates, Moves, Space, microbatch_choices
-from soapsearch.search.pace import Pace
+from soapsearch.search.pace import SPACE, Pace
 from soapsearch.trace import check_scalar_loss, trace
 from strategies import (OpGraph, PlanError, Strategy, baseline, load_strategy, save_strategy)
 from strategies.baselines import BASELINES, hybrid, megatron_lm
 from soapsearch.search.blockmove import BlockMoves
 from strategies.megatron import megatron_blocks
 from strategies.config import validate_config
+from strategies.lowering_shared import shapes_of
 from strategies.pieces import check_microbatches
 
 __all__ = ["LOWERING_ENTRIES_PER_OP", "FoundPlan", "SearchConfig", "SearchResult", "search", "best_baselines", "Evaluator",
@@ -319,7 +320,7 @@ def _initial(item: Any, graph: OpGraph, n: int, rng: random.Random, candidates, 
         raise PlanError(None, "num_devices", plan.num_devices, f"the search uses {n} devices", where)
     if plan.microbatches != microbatches:  # a chain runs its start's own count (its moves follow it)
         try:
-            check_microbatches(graph, plan.microbatches)
+            check_microbatches(graph, plan.microbatches, shapes_of(graph))
             for node in graph:
                 validate_config(node, plan[node.name], n, plan.microbatches)
         except PlanError as e:
@@ -362,7 +363,7 @@ def search(model: torch.nn.Module | OpGraph, example_inputs: Sequence[Any] | Non
     microbatches, schedule, seed = config.microbatches, config.schedule, config.seed
     graph = model if isinstance(model, OpGraph) else trace(model, example_inputs)
     check_scalar_loss(graph)
-    check_microbatches(graph, microbatches)  # an op that mixes samples across micro-batches: said now
+    check_microbatches(graph, microbatches, shapes_of(graph))  # an op that mixes samples across micro-batches: said now
     topo = get_topology(topology) if isinstance(topology, (str, os.PathLike)) else topology
     n = topo.num_devices if config.num_devices is None else config.num_devices
     if n > topo.num_devices:
@@ -386,11 +387,12 @@ def search(model: torch.nn.Module | OpGraph, example_inputs: Sequence[Any] | Non
     node_size = topo.node_size if topo.node_size and topo.node_size < n else None
     configs = ConfigSpace(graph, n, node_size)  # each op signature's configs, made when first read
     candidates = candidate_configs(graph, n, microbatches, node_size, configs)
-    moves = Moves(graph, n, MoveRates.of(config),
-                  microbatch_choices(graph, config.microbatch_choices, microbatches), node_size,
-                  {microbatches: Space(candidates, neighbor_ops(graph, candidates),
-                                       BlockMoves(graph, n, microbatches) or None)}, config.repeat_stages,
-                  configs)
+    with pace.timed(SPACE):  # a chain's start at another count is predicted by it
+        moves = Moves(graph, n, MoveRates.of(config),
+                      microbatch_choices(graph, config.microbatch_choices, microbatches), node_size,
+                      {microbatches: Space(candidates, neighbor_ops(graph, candidates),
+                                           BlockMoves(graph, n, microbatches) or None)}, config.repeat_stages,
+                      configs)
     if config.global_move or any(isinstance(i, str) and i in ("factorized", "swept") for i in config.init or ()):
         moves.globals = GlobalMoves(graph, n, moves.choices, config.precision, evaluate) or None
     if n >= FOLD_FROM:  # proposals keep the plan foldable (symmove.py)

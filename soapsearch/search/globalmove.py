@@ -35,6 +35,7 @@ from strategies.baselines import recomputed, sharded
 from strategies.config import ZERO_LEVELS
 from strategies.errors import PlanError
 from strategies.graph import OpGraph
+from strategies.lowering_shared import shapes_of
 from strategies.megatron import megatron, megatron_blocks
 from strategies.megatron_layers import layer_ops, layer_recomputed
 from strategies.pieces import check_microbatches
@@ -71,16 +72,20 @@ def divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def _counts(graph: OpGraph, choices: Sequence[int], d: int) -> list[int]:
+def _counts(graph: OpGraph, choices: Sequence[int], d: int, apart: dict[int, bool]) -> list[int]:
     """``choices`` and one sequence a micro-batch on ``d`` data-parallel replicas (batch / d,
-    where it divides and keeps every op's samples apart), sorted."""
+    where it divides and keeps every op's samples apart), sorted; ``apart``: each count's
+    check, made once (``check_microbatches`` once per op shape)."""
     batch = graph.batch_size or 0
     one = batch // d if batch and batch % d == 0 else None
     if one is not None and one not in choices:
-        try:
-            check_microbatches(graph, one)
-        except PlanError:
-            one = None
+        if one not in apart:
+            try:
+                check_microbatches(graph, one, shapes_of(graph))
+                apart[one] = True
+            except PlanError:
+                apart[one] = False
+        one = one if apart[one] else None
     return sorted({*choices, *((one,) if one else ())})
 
 
@@ -115,10 +120,11 @@ class GlobalMoves:
         pps = [p for p in divisors(num_devices) if p <= max(blocks, 1)]
         self.layers = layers_of(graph) if blocks else None
         tied = _tied(graph)
+        apart: dict[int, bool] = {}
         self.factorizations = [
             Factorization(t, p, m, s, z, r, sp)
             for t in tps for p in pps if t * p <= num_devices
-            for m in _counts(graph, choices, num_devices // (t * p))
+            for m in _counts(graph, choices, num_devices // (t * p), apart)
             for s in ((*SCHEDULES, *(("interleaved",) if p > 1 and m % p == 0 else ())) if m > 1 else ("gpipe",))
             for z in (ZERO_LEVELS if p == 1 or not tied else tuple(z for z in ZERO_LEVELS if z < 2))
             for r in ((False, True) if blocks else (False,)) for sp in ((False, True) if t > 1 else (False,))]

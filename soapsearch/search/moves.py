@@ -39,6 +39,7 @@ from soapsearch.search.repeatmove import RepeatMoves
 from soapsearch.search.subgraph import SubgraphMoves
 from strategies.config import ZERO_LEVELS, ParallelConfig, validate_config
 from strategies.errors import PlanError
+from strategies.lowering_shared import shapes_of
 from strategies.graph import OpGraph
 from strategies.lowered import WEIGHT_KINDS
 from strategies.megatron import megatron_blocks
@@ -146,7 +147,7 @@ def microbatch_choices(graph: OpGraph, counts: Sequence[int], own: int) -> tuple
     for m in counts:
         if batch and batch % m == 0:
             try:
-                check_microbatches(graph, m)
+                check_microbatches(graph, m, shapes_of(graph))
             except PlanError:
                 continue
             out.add(m)

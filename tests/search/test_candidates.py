@@ -15,6 +15,7 @@ from soapsearch.search.api import Evaluator, search
 from soapsearch.search.candidates import ConfigSpace, config_key
 from soapsearch.search.mcmc import Budget, candidate_configs, neighbor_ops, run_chain
 from soapsearch.search.moves import Moves, MoveRates
+from soapsearch.search.pace import SPACE, Pace
 from strategies import data_parallel
 from strategies.config import enumerate_configs
 from strategies.repeats import repeated_blocks
@@ -92,3 +93,24 @@ def test_a_moves_space_at_another_count_reuses_its_configs(gpt, monkeypatch):
     moves.space(2).ops
     moves.space(1).ops
     assert at_one == len({config_key(node) for node in gpt}) and len(made) == 2 * at_one
+
+
+@pytest.mark.parametrize("room", [False, True])
+def test_a_chain_starting_at_another_count_builds_its_space_only_where_it_has_room(gpt, room, monkeypatch):
+    """The space of the start's count is a paced step (``pace.SPACE``): predicted past the chain's
+    budget, the chain ends with its start scored and nothing enumerated; with room, it is built
+    once and the chain proposes from it."""
+    topo = get_topology("p100-1x4")
+    moves = Moves(gpt, 4, MoveRates(), (1, 2))
+    moves.space(1).ops
+    pace = Pace()
+    pace.record(SPACE, 0.0 if room else 1e3)
+    made = _counted(monkeypatch)
+    evaluate = Evaluator(gpt, topo, get_cost_model("analytical"))
+    start = data_parallel(gpt, 4).with_microbatches(2, "1f1b")
+    stats = run_chain(start, evaluate, moves.space(1).candidates, Budget(seconds=30.0, proposals=20),
+                      random.Random(0), moves=moves, pace=pace, patience=0)
+    if room:
+        assert stats.proposals == 20 and 2 in moves.spaces and 0 < len(made) < len(gpt) / 2
+    else:
+        assert stats.proposals == 0 and 2 not in moves.spaces and made == [] and stats.best is start
