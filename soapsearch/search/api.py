@@ -19,6 +19,7 @@ from simulator.tasks import TaskCache
 from simulator.topology import Topology
 from soapsearch.api import DEFAULT_TOPOLOGY
 from soapsearch.search.chains import Chain, Progress, default_workers, run_chains
+from soapsearch.search.candidates import ConfigSpace
 from soapsearch.search.config import SearchConfig, search_config
 from soapsearch.search.exhaustive import search_exhaustively, space_size
 from soapsearch.search.mcmc import Budget, ChainStats, candidate_configs, consider, neighbor_ops, plan_cost, rank
@@ -26,7 +27,7 @@ from soapsearch.search.globalmove import GlobalMoves
 from soapsearch.search.symmove import SymmetricMoves
 from soapsearch.search.sweep import SWEEP_SHARE, SWEEP_TIMINGS, SWEPT_BASELINES, megatron_lm_factors, swept_starts
 from soapsearch.search.moves import MoveRates, Moves, Space, microbatch_choices
-from soapsearch.search.pace import Pace
+from soapsearch.search.pace import SPACE, Pace
 from soapsearch.search.stageinit import restaged_starts
 from soapsearch.trace import check_scalar_loss, trace
 from strategies import (OpGraph, PlanError, Strategy, baseline, load_strategy, save_strategy)
@@ -34,6 +35,7 @@ from strategies.baselines import BASELINES, hybrid, megatron_lm
 from soapsearch.search.blockmove import BlockMoves
 from strategies.megatron import megatron_blocks
 from strategies.config import validate_config
+from strategies.lowering_shared import shapes_of
 from strategies.pieces import check_microbatches
 
 __all__ = ["LOWERING_ENTRIES_PER_OP", "FoundPlan", "SearchConfig", "SearchResult", "search", "best_baselines", "Evaluator",
@@ -318,7 +320,7 @@ def _initial(item: Any, graph: OpGraph, n: int, rng: random.Random, candidates, 
         raise PlanError(None, "num_devices", plan.num_devices, f"the search uses {n} devices", where)
     if plan.microbatches != microbatches:  # a chain runs its start's own count (its moves follow it)
         try:
-            check_microbatches(graph, plan.microbatches)
+            check_microbatches(graph, plan.microbatches, shapes_of(graph))
             for node in graph:
                 validate_config(node, plan[node.name], n, plan.microbatches)
         except PlanError as e:
@@ -361,7 +363,7 @@ def search(model: torch.nn.Module | OpGraph, example_inputs: Sequence[Any] | Non
     microbatches, schedule, seed = config.microbatches, config.schedule, config.seed
     graph = model if isinstance(model, OpGraph) else trace(model, example_inputs)
     check_scalar_loss(graph)
-    check_microbatches(graph, microbatches)  # an op that mixes samples across micro-batches: said now
+    check_microbatches(graph, microbatches, shapes_of(graph))  # an op that mixes samples across micro-batches: said now
     topo = get_topology(topology) if isinstance(topology, (str, os.PathLike)) else topology
     n = topo.num_devices if config.num_devices is None else config.num_devices
     if n > topo.num_devices:
@@ -380,14 +382,17 @@ def search(model: torch.nn.Module | OpGraph, example_inputs: Sequence[Any] | Non
     if stats.best_result is not None and not stats.best_result.fits:
         _accumulate(graph, n, evaluate, stats, started)
     done = _Done(evaluate, graph, topo, results, plans, started, unscored)
-    if deadline is not None and time.perf_counter() >= deadline:  # the budget went on the baselines
+    if _past(deadline):  # the budget went on the baselines
         return done(stats, False, 1, 0, 0)
     node_size = topo.node_size if topo.node_size and topo.node_size < n else None
-    candidates = candidate_configs(graph, n, microbatches, node_size)
-    moves = Moves(graph, n, MoveRates.of(config),
-                  microbatch_choices(graph, config.microbatch_choices, microbatches), node_size,
-                  {microbatches: Space(candidates, neighbor_ops(graph, candidates),
-                                       BlockMoves(graph, n, microbatches) or None)}, config.repeat_stages)
+    configs = ConfigSpace(graph, n, node_size)  # each op signature's configs, made when first read
+    candidates = candidate_configs(graph, n, microbatches, node_size, configs)
+    with pace.timed(SPACE):  # a chain's start at another count is predicted by it
+        moves = Moves(graph, n, MoveRates.of(config),
+                      microbatch_choices(graph, config.microbatch_choices, microbatches), node_size,
+                      {microbatches: Space(candidates, neighbor_ops(graph, candidates),
+                                           BlockMoves(graph, n, microbatches) or None)}, config.repeat_stages,
+                      configs)
     if config.global_move or any(isinstance(i, str) and i in ("factorized", "swept") for i in config.init or ()):
         moves.globals = GlobalMoves(graph, n, moves.choices, config.precision, evaluate) or None
     if n >= FOLD_FROM:  # proposals keep the plan foldable (symmove.py)
@@ -397,6 +402,8 @@ def search(model: torch.nn.Module | OpGraph, example_inputs: Sequence[Any] | Non
         count = search_exhaustively(candidates, evaluate, stats, started, n, microbatches, schedule,
                                     config.precision, deadline, pace)
         return done(stats, False, 1, count, size)
+    if _past(deadline):  # the budget went on the moves' space (made lazily: what its first draws read)
+        return done(stats, False, 1, 0, 0)
     init = ("hybrid",) if config.init is None else config.init  # hybrid: data parallel where n divides the batch
     starts: list[Strategy] = []
     if swept and moves.globals:  # the factorizations timed best-first (sweep.py)
@@ -407,6 +414,8 @@ def search(model: torch.nn.Module | OpGraph, example_inputs: Sequence[Any] | Non
         starts = restaged_starts(moves.globals, evaluate, starts, stats, started, deadline, pace)  # stageinit.py
         if not starts and stats.best is not None:  # nothing fit, or nothing was timed, in the sweep's share:
             starts = [stats.best]  # the best plan scored so far (a baseline) starts the chains
+        if _past(deadline):
+            return done(stats, False, 1, 0, 0)
     inits = [evaluate.planned(_initial(i, graph, n, rng, candidates, microbatches, schedule, plans, moves.globals,
                                        starts[init[:k].count("swept") % len(starts)] if i == "swept" and starts else None))
              for k, i in enumerate(init)]
@@ -432,6 +441,11 @@ def search(model: torch.nn.Module | OpGraph, example_inputs: Sequence[Any] | Non
     if stats.best is None:  # interrupted before the first chain scored its start
         stats.best = inits[0]
     return done(stats, interrupted, min(workers, count), 0, 0)
+
+
+def _past(deadline: float | None) -> bool:
+    """The time budget is spent (``time.perf_counter()`` at or past ``deadline``)."""
+    return deadline is not None and time.perf_counter() >= deadline
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,7 @@ from strategies.baselines import recomputed, sharded
 from strategies.config import ZERO_LEVELS
 from strategies.errors import PlanError
 from strategies.graph import OpGraph
+from strategies.lowering_shared import shapes_of
 from strategies.megatron import megatron, megatron_blocks
 from strategies.megatron_layers import layer_ops, layer_recomputed
 from strategies.pieces import check_microbatches
@@ -73,14 +74,14 @@ def divisors(n: int) -> list[int]:
 
 def _counts(graph: OpGraph, choices: Sequence[int], d: int, apart: dict[int, bool]) -> list[int]:
     """``choices`` and one sequence a micro-batch on ``d`` data-parallel replicas (batch / d,
-    where it divides and keeps every op's samples apart: ``check_microbatches``, its answer
-    kept in ``apart`` by count), sorted."""
+    where it divides and keeps every op's samples apart), sorted; ``apart``: each count's
+    check, made once (``check_microbatches`` once per op shape)."""
     batch = graph.batch_size or 0
     one = batch // d if batch and batch % d == 0 else None
     if one is not None and one not in choices:
         if one not in apart:
             try:
-                check_microbatches(graph, one)
+                check_microbatches(graph, one, shapes_of(graph))
                 apart[one] = True
             except PlanError:
                 apart[one] = False

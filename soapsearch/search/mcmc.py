@@ -48,7 +48,7 @@ from simulator.result import SimResult
 from simulator.simulate import paused_gc
 from soapsearch.search.blockmove import BLOCK, BlockMoves
 from soapsearch.search.moves import Moves, Space, candidate_configs, keep, neighbor_ops
-from soapsearch.search.pace import SUMMARY, Pace
+from soapsearch.search.pace import SPACE, SUMMARY, Pace
 from strategies.config import ParallelConfig
 from strategies.errors import PlanError
 from strategies.strategy import Strategy
@@ -192,6 +192,11 @@ def run_chain(init: Strategy, evaluate: Callable[[Strategy], SimResult],
         return stats  # no room to score the start: the best scored before stands
     result = evaluate(init)  # not timed: a start scored before (the sweep's) takes no time
     consider(stats, init, result, plan_cost(result), started)
+    if moves is not None and init.microbatches not in moves.spaces:  # a start at another count
+        if not pace.fits(SPACE, end, SUMMARY):
+            return stats
+        with pace.timed(SPACE):  # its configs share the other counts' (candidates.ConfigSpace)
+            moves.space(init.microbatches).ops
     first = Space(candidates, neighbors, blocks)
     rates = moves.rates if moves is not None else None
     cut = tuple(itertools.accumulate((rates.microbatches, rates.zero, rates.recompute, rates.subgraph))

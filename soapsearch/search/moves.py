@@ -28,17 +28,18 @@ by the same Metropolis rule as an op move.
 
 from __future__ import annotations
 
-import math
 import random
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from soapsearch.search.blockmove import BlockMoves
+from soapsearch.search.candidates import Candidates, ConfigSpace
 from soapsearch.search.globalmove import GlobalMoves
 from soapsearch.search.repeatmove import RepeatMoves
 from soapsearch.search.subgraph import SubgraphMoves
-from strategies.config import ZERO_LEVELS, ParallelConfig, degree_grids, device_blocks, validate_config
+from strategies.config import ZERO_LEVELS, ParallelConfig, validate_config
 from strategies.errors import PlanError
+from strategies.lowering_shared import shapes_of
 from strategies.graph import OpGraph
 from strategies.lowered import WEIGHT_KINDS
 from strategies.megatron import megatron_blocks
@@ -87,51 +88,48 @@ class MoveRates:
 @dataclass
 class Space:
     """What op moves draw from for one count of micro-batches: every op's valid configs
-    (``candidates``), the ops with a choice, the configs per (op, devices) for group moves
-    (``on_devices``), the group moves' neighbours and the block moves."""
+    (``candidates``), the ops with a choice (``ops``), the configs per (op, devices) for group
+    moves (``on_devices``), the group moves' neighbours and the block moves. Each is made when a
+    move first reads it."""
 
-    candidates: dict[str, list[ParallelConfig]]
+    candidates: Mapping[str, list[ParallelConfig]]
     neighbors: dict[str, tuple[str, ...]] | None = None
     blocks: BlockMoves | None = None
-    ops: list[str] = field(init=False)
-    _by_devices: dict[str, dict[tuple[int, ...], list[ParallelConfig]]] = field(init=False, repr=False)
+    _ops: list[str] | None = field(init=False, default=None, repr=False)
+    _by_devices: dict[int, dict[tuple[int, ...], list[ParallelConfig]]] = field(init=False, repr=False)
+    """By the identity of an op's list of configs: its configs per device tuple."""
 
     def __post_init__(self) -> None:
-        self.ops = [op for op, cfgs in self.candidates.items() if len(cfgs) > 1]
         self._by_devices = {}
+
+    @property
+    def ops(self) -> list[str]:
+        """The ops with more than one config, in graph order."""
+        if self._ops is None:
+            self._ops = [op for op, cfgs in self.candidates.items() if len(cfgs) > 1]
+        return self._ops
 
     def on_devices(self, op: str, devices: tuple[int, ...]) -> list[ParallelConfig]:
         """``op``'s configs on exactly ``devices``, indexed per op when a group move first asks,
-        so a space of millions of configs (a 175B model on 1,024 devices) costs nothing up front."""
-        index = self._by_devices.get(op)
+        so a space of millions of configs (a 175B model on 1,024 devices) costs nothing up front;
+        ops that share one list of configs (``candidates.ConfigSpace``) share its index."""
+        cfgs = self.candidates.get(op, ())
+        index = self._by_devices.get(id(cfgs))
         if index is None:
-            index = self._by_devices[op] = {}
-            for c in self.candidates.get(op, ()):
+            index = self._by_devices[id(cfgs)] = {}
+            for c in cfgs:
                 index.setdefault(c.devices, []).append(c)
         return index.get(devices, [])
 
 
 def candidate_configs(graph: OpGraph, num_devices: int, microbatches: int,
-                      node_size: int | None) -> dict[str, list[ParallelConfig]]:
+                      node_size: int | None, space: ConfigSpace | None = None) -> Candidates:
     """Every valid config of every op (``strategies.config.enumerate_configs``' order), each
-    (degrees, devices) pair one shared ParallelConfig: ops of one shape take the same objects,
-    so Inception-v3 on 64 devices makes 10^4 configs, not 3 · 10^5."""
-    blocks: dict[int, list[tuple[int, ...]]] = {}
-    made: dict[tuple[tuple[int, ...], tuple[int, ...]], ParallelConfig] = {}
-    out = {}
-    for node in graph:
-        cfgs = []
-        for grid in degree_grids(node, num_devices, microbatches):
-            parts = math.prod(grid)
-            if parts not in blocks:
-                blocks[parts] = device_blocks(parts, num_devices, node_size)
-            for block in blocks[parts]:
-                cfg = made.get((grid, block))
-                if cfg is None:
-                    cfg = made[grid, block] = ParallelConfig(grid, block)
-                cfgs.append(cfg)
-        out[node.name] = cfgs
-    return out
+    (degrees, devices) pair one shared ParallelConfig and each op's list made when first read,
+    shared by the ops of its signature (``candidates.ConfigSpace``; ``space``: one shared with
+    other counts of micro-batches), so GPT-3 175B's 2,123 ops on 1,024 devices enumerate 21 lists,
+    not 2,123, and only those a move reads."""
+    return (space or ConfigSpace(graph, num_devices, node_size)).at(microbatches)
 
 
 def neighbor_ops(graph: OpGraph, candidates: dict[str, list[ParallelConfig]]) -> dict[str, tuple[str, ...]]:
@@ -149,7 +147,7 @@ def microbatch_choices(graph: OpGraph, counts: Sequence[int], own: int) -> tuple
     for m in counts:
         if batch and batch % m == 0:
             try:
-                check_microbatches(graph, m)
+                check_microbatches(graph, m, shapes_of(graph))
             except PlanError:
                 continue
             out.add(m)
@@ -162,8 +160,11 @@ class Moves:
 
     def __init__(self, graph: OpGraph, num_devices: int, rates: MoveRates = MoveRates(),
                  choices: Sequence[int] = (1,), node_size: int | None = None,
-                 spaces: dict[int, Space] | None = None, repeat_stages: bool = False):
+                 spaces: dict[int, Space] | None = None, repeat_stages: bool = False,
+                 configs: ConfigSpace | None = None):
         self.graph, self.num_devices, self.rates, self.node_size = graph, num_devices, rates, node_size
+        self.configs = configs or ConfigSpace(graph, num_devices, node_size)
+        """Every count's configs, one list per op signature (``spaces`` given: the one they were made in)."""
         self.choices = tuple(choices)
         self.spaces: dict[int, Space] = dict(spaces or {})
         self.weighted = [n.name for n in graph if any(w.trainable for w in n.weights)]
@@ -187,7 +188,7 @@ class Moves:
 
     def space(self, m: int) -> Space:
         if m not in self.spaces:
-            candidates = candidate_configs(self.graph, self.num_devices, m, self.node_size)
+            candidates = candidate_configs(self.graph, self.num_devices, m, self.node_size, self.configs)
             self.spaces[m] = Space(candidates, neighbor_ops(self.graph, candidates),
                                    BlockMoves(self.graph, self.num_devices, m) or None)
         return self.spaces[m]

@@ -1,6 +1,6 @@
 """The pace of a search's steps, so that a step that would end past the time budget does not
-start: each kind of step (a baseline's scoring, by name; a sweep's timed plan; a chain's start;
-a proposal, by move kind) keeps the running mean of its seconds, and the next one of that kind
+start: each kind of step (a baseline's scoring, by name; the op moves' space for a count of
+micro-batches; a sweep's timed plan; a chain's start; a proposal, by move kind) keeps the running mean of its seconds, and the next one of that kind
 is predicted to take that long. A kind ``family/name`` not yet timed is predicted by its
 family's mean (any baseline's, any proposal's), a family not yet timed by the least mean of the
 families timed so far (none timed: it starts), so a chain's first proposal after slow baselines
@@ -18,7 +18,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterator
 
-__all__ = ["SUMMARY", "Pace"]
+__all__ = ["SPACE", "SUMMARY", "Pace"]
+
+SPACE = "space"
+"""The kind of building the op moves' space for one count of micro-batches (``moves.Moves.space``:
+every op's configs, one list per op signature, its group moves' neighbours and block moves): the
+search's own count before the chains, a chain's start at another count before its first draw."""
 
 SUMMARY = "summary"
 """The kind of a summary's pass (busy times, bytes moved, the peak's breakdown) after a

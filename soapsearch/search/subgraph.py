@@ -46,7 +46,13 @@ class SubgraphMoves:
                  neighbors: dict[str, tuple[str, ...]], node_size: int | None = None):
         self.graph, self.neighbors = graph, neighbors
         self.ops = [op for op, cfgs in candidates.items() if len(cfgs) > 1]
-        self.valid = {op: set(cfgs) for op, cfgs in candidates.items() if len(cfgs) > 1}
+        sets: dict[int, set[ParallelConfig]] = {}  # ops that share one list of configs share its set
+        self.valid: dict[str, set[ParallelConfig]] = {}
+        for op in self.ops:
+            cfgs = candidates[op]
+            if id(cfgs) not in sets:
+                sets[id(cfgs)] = set(cfgs)
+            self.valid[op] = sets[id(cfgs)]
         self.groups = [block for g in range(1, num_devices + 1) if num_devices % g == 0
                        for block in device_blocks(g, num_devices, node_size)]
 
