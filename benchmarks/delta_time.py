@@ -12,9 +12,16 @@ proposals per second of the whole wall time (baselines scored included), the iss
 ``--moves``: instead, the moves a chain makes between counts and sharding levels (data parallel
 and fsdp at 1, 2 and 4 micro-batches, in ``MOVES``' order, coming back to counts and plans seen
 before) through one Evaluator, each timed and checked against a full simulation.
+``--one-op N``: instead, a fixed sequence of N one-op proposals (a drawn candidate config of a
+drawn op, each level kept) from each of two start plans, data parallel and a random plan of
+the search's candidate configs, through one Evaluator as a chain after rejections evaluates
+them (the start plan, then each proposal); timed once plainly (proposals/s) and once under
+cProfile (ms per proposal by phase, and the functions that spend most), each proposal's
+iteration time checked against a full simulation first.
 
     python benchmarks/delta_time.py [--models resnet101,inception_v3] [--proposals 30] [--recompute 0.5]
                                     [--fold] [--plan data_parallel|fsdp] [--search 60 [--phases]] [--moves]
+                                    [--one-op 200 [--top 25]]
 """
 
 from __future__ import annotations
@@ -76,7 +83,13 @@ def main() -> None:
     ap.add_argument("--phases", action="store_true",
                     help="with --search: each evaluated plan's time by phase and kind of proposal (_phases.py)")
     ap.add_argument("--moves", action="store_true", help="time MOVES through one Evaluator instead")
+    ap.add_argument("--one-op", type=int, default=None, metavar="N",
+                    help="time N fixed one-op proposals through one Evaluator, by phase under cProfile")
+    ap.add_argument("--top", type=int, default=25, help="with --one-op: functions listed by own time")
     args = ap.parse_args()
+    if args.one_op is not None:
+        from _one_op import one_op  # benchmarks/_one_op.py
+        return one_op(args)
     if args.search is not None:
         return _search(args)
     if args.moves:

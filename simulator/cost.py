@@ -128,6 +128,11 @@ def has_trainable_params(node: OpNode) -> bool:
     return any(w.trainable for w in node.weights) or bool(node.attrs.get("param_inputs"))
 
 
+_BY_PARTITION = 1 << 18
+"""Entries of ``CostModel.partition_time``'s memo by partition (emptied past it; the memo by
+shapes stays)."""
+
+
 class CostModel(abc.ABC):
     """Time of one op partition: ``op_time(node, box, device) -> (forward s, backward s)``, or
     ``partition_time(node, partition, device)`` for a lowered partition (its stored regions).
@@ -152,6 +157,7 @@ class CostModel(abc.ABC):
 
     def __init__(self) -> None:
         self._by_box: dict[Any, tuple[float, float]] = {}
+        self._by_partition: dict[Any, tuple[float, float]] = {}
         self._by_shape: dict[Any, tuple[float, float]] = {}
         self._nodes: dict[int, tuple[OpNode, int]] = {}  # id -> (node kept alive, so its id is unique; op key)
         self._ops: dict[Any, int] = {}  # (name, kind, shape, input specs, weights, FLOPs) -> op key
@@ -168,8 +174,17 @@ class CostModel(abc.ABC):
 
     def partition_time(self, node: OpNode, partition: Partition, device: DeviceSpec) -> tuple[float, float]:
         """``op_time(node, partition.box, device)`` from the input and weight regions the lowering
-        stored on ``partition`` (the rules' regions of its box), not recomputed per box."""
-        return self._timed(node, partition.box, partition.input_regions, partition.weight_regions, device)
+        stored on ``partition`` (the rules' regions of its box), not recomputed per box; memoized
+        per (op object, box, regions, device kind) too, a cheaper hash than the shapes' (the task
+        blocks of a search's every proposal ask for it)."""
+        exact = (id(node), partition.box, partition.input_regions, partition.weight_regions, device.cost_key)
+        hit = self._by_partition.get(exact)
+        if hit is None:
+            if len(self._by_partition) >= _BY_PARTITION:
+                self._by_partition.clear()
+            hit = self._by_partition[exact] = self._timed(
+                node, partition.box, partition.input_regions, partition.weight_regions, device)
+        return hit
 
     def _timed(self, node: OpNode, box: Box, regions: tuple[Box | None, ...],
                weights: tuple[tuple[str, Box], ...], device: DeviceSpec) -> tuple[float, float]:

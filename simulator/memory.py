@@ -15,7 +15,7 @@ from simulator.memory_collectives import collective_rows
 from simulator.memory_zero import state_bytes
 from strategies.lowered import WEIGHT_KINDS
 from strategies.lowering import Lowered
-from strategies.pieces import drop_positions
+from strategies.pieces import drop_positions, key_readers
 from strategies.schedule import chunk_of, device_passes, warmups
 
 __all__ = ["peak_memory", "memory_breakdown", "MemoryBreakdown", "OPTIMIZER_STATE", "activation_peaks"]
@@ -184,7 +184,7 @@ def _dropped_rows(lowered: Lowered, ops: list, held: np.ndarray, at: list[int], 
     names = list(position)
     row = {names[i]: k for k, i in enumerate(at)}
     which, fs, rs = [], [], []  # ops with one point for all their devices (their bytes are 0 elsewhere)
-    for name, groups in drop_positions(graph, lowered.strategy, position).items():
+    for name, groups in _drop_positions(graph, lowered.strategy, position).items():
         k = row[name]
         if len(groups) == 1:
             which.append(k)
@@ -199,6 +199,32 @@ def _dropped_rows(lowered: Lowered, ops: list, held: np.ndarray, at: list[int], 
     once = np.array([ops[at[k]].recompute for k in which], dtype=bool)
     np.add.at(redone, np.asarray(rs, dtype=np.int64)[once], dropped[which][once])
     return held, freed, redone, gone
+
+
+def _drop_positions(graph, strategy, position: dict[str, int]) -> dict[str, list[tuple[tuple[int, ...], int, int]]]:
+    """``strategies.pieces.drop_positions``, patched from the last one of ``graph`` (a search's
+    last plan): where neither plan recomputes, an op's entry reads its own and its consumers'
+    devices only, so the entries found again are those of the ops whose devices changed and of
+    their producers (``key_readers``); else every entry. The result is shared: read it only."""
+    keys = [(name, cfg.devices, cfg.recompute) for name, cfg in strategy.configs]
+    last = _DROPS.get(id(graph))
+    if last is None or last[0] is not graph or len(last[1]) != len(keys) or any(k[2] for k in keys) \
+            or any(k[2] for k in last[1]):
+        out = drop_positions(graph, strategy, position)
+    else:
+        changed = {k[0] for pair in zip(keys, last[1]) if pair[0] != pair[1] for k in pair}
+        again = changed.union(*(key_readers(graph, name) for name in changed))
+        out = {name: groups for name, groups in last[2].items() if name not in again}
+        out.update(drop_positions(graph, strategy, position, again))
+    if len(_DROPS) > 8:
+        _DROPS.clear()
+    _DROPS[id(graph)] = (graph, keys, out)
+    return out
+
+
+_DROPS: dict[int, tuple[object, list, dict]] = {}
+"""Graph id -> (graph, each op's (name, devices, recompute), its ``drop_positions``) of the
+last plan ``_drop_positions`` saw."""
 
 
 def _rises(held: np.ndarray, freed: np.ndarray, redone: np.ndarray, gone: np.ndarray

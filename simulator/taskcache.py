@@ -34,7 +34,7 @@ class TaskCache:
         """Devices simulated (a folded plan's copy 0, ``simulator.fold``; None: all) -> [graph,
         its ``_layout``, the last ``_Joined``]: a search moving between folded and per-device
         plans keeps the blocks of both."""
-        self._current: list = [None, ([], {}, [], [], [], []), None]
+        self._current: list = [None, ([], {}, [], [], []), None]
 
     def layout(self, graph: OpGraph, kept: frozenset[int] | None = None) -> _Layout:
         """``_layout(graph)`` for the devices ``kept``, its blocks kept from the graphs built
@@ -108,7 +108,7 @@ class _Joined:
         self.blocks, self.arrays, self.first = blocks, tuple(joined), self._first()
 
 
-_Layout = tuple[list[OpNode], dict[str, int], list[Any], list[dict[tuple, Any]], list[Any], list[dict]]
+_Layout = tuple[list[OpNode], dict[str, int], list[Any], list[dict[tuple, Any]], list[Any]]
 
 
 def block_key(pieces: OpPieces) -> tuple:
@@ -128,9 +128,8 @@ def _layout(graph: OpGraph) -> _Layout:
     """``graph``'s nodes in order, op name -> its index (its block's position), and for each op
     the last graph's block, the blocks built before it by their pieces' ``block_key`` (each block
     holds its pieces, so an id stays theirs while kept; ``KNOWN`` of them, oldest first), then
-    the pieces of the last graph's blocks (compared with a new lowering's in one C-level pass),
-    and each op's partition times (``simulator.tasks._op_block``: (box, input regions, weight
-    regions, device cost key) -> ``CostModel.partition_time``, a pure function of them)."""
+    and the pieces of the last graph's blocks (compared with a new lowering's in one C-level
+    pass). Partition times are the cost model's (``CostModel.partition_time``'s memo)."""
     nodes = list(graph)
     return (nodes, {node.name: i for i, node in enumerate(nodes)}, [None] * len(nodes),
-            [{} for _ in nodes], [None] * len(nodes), [{} for _ in nodes])
+            [{} for _ in nodes], [None] * len(nodes))

@@ -129,22 +129,16 @@ class _Block:
 
 def _op_block(node: OpNode, pieces: OpPieces, graph: OpGraph, producers: dict[str, _Block],
               position: int, topology: Topology, cost: CostModel, wires: dict,
-              keep: frozenset[int] | None = None, times: dict | None = None) -> _Block:
+              keep: frozenset[int] | None = None) -> _Block:
     """``producers``: the blocks of the ops ``node`` reads (their partitions' and reductions'
     local ids depend on their configs only, which ``pieces`` was derived from). ``keep``: the
     devices simulated (a folded plan's copy 0, ``simulator.fold``; None: all); a partition
     elsewhere has no tasks (``fwd``, ``fwd_done`` and ``bwd_done`` are then dicts by partition index).
-    ``times``: the op's partition times by (box, input regions, weight regions, device cost
-    key), kept from block to block (``TaskCache``); hashing them costs less than the cost
-    model's memo by their shapes."""
+    Partition times come from ``CostModel.partition_time``'s memo by partition."""
     backward = graph.needs_grad[node.name]
     b = _Block(pieces, position)
     devices = topology.devices
     op_time = cost.partition_time  # the regions the lowering stored on each partition
-    if times is None:
-        times = {}
-    elif len(times) > _TIMES:
-        times.clear()
     runs = node.kind not in WEIGHT_KINDS  # the executor reads weights in place: no host work
     fwd_bwd = (TaskKind.FORWARD, TaskKind.BACKWARD)
     redo = 1 if pieces.recompute else 0  # its forward again, before its backward (docs/design.md, "Recompute")
@@ -157,11 +151,7 @@ def _op_block(node: OpNode, pieces: OpPieces, graph: OpGraph, producers: dict[st
             d = p.device
             if keep is not None and d not in keep:
                 continue
-            shape = (p.box, p.input_regions, p.weight_regions, devices[d].cost_key)
-            hit = times.get(shape)
-            if hit is None:
-                hit = times[shape] = op_time(node, p, devices[d])
-            f_s, b_s = hit
+            f_s, b_s = op_time(node, p, devices[d])
             over = devices[d].task_overhead if runs else 0.0
             t = len(durs)
             if keep is None:
@@ -186,10 +176,6 @@ def _op_block(node: OpNode, pieces: OpPieces, graph: OpGraph, producers: dict[st
     _add_reductions(b, node, pieces.reductions, backward, topology, keep)
     _add_transfers(b, pieces.transfers, producers, topology, wires, graph, keep)
     return b.seal()
-
-
-_TIMES = 4096
-"""Partition times a ``TaskCache`` keeps per op (emptied past it)."""
 
 
 def task_seconds(forward: float, backward_s: float, overhead: float, backward: bool, redo: int) -> tuple[float, float]:
@@ -468,7 +454,7 @@ def _blocks(lowered: Lowered, topology: Topology, cost: CostModel, cache: TaskCa
     else one built before for the same partitions, transfers and reductions (``block_key``),
     else built (and kept in the cache); ``keep``: the devices simulated (None: all)."""
     graph = lowered.graph
-    nodes, position, kept, known, was, times = cache.layout(graph, keep)
+    nodes, position, kept, known, was = cache.layout(graph, keep)
     wires = cache.wires
     pieces = list(map(lowered.pieces.__getitem__, position))  # position: the op names in graph order
     for i in list(itertools.compress(range(len(pieces)), map(operator.is_not, pieces, was))):
@@ -480,7 +466,7 @@ def _blocks(lowered: Lowered, topology: Topology, cost: CostModel, cache: TaskCa
             node = nodes[i]  # in graph order: its producers' blocks are current
             producers = {src: kept[position[src]] for src in node.inputs}
             b = (twin_block(lowered, node, p, producers, i, kept, position)  # its twin's, renamed
-                 or _op_block(node, p, graph, producers, i, topology, cost, wires, keep, times[i]))
+                 or _op_block(node, p, graph, producers, i, topology, cost, wires, keep))
         while len(mine) > KNOWN:
             del mine[next(iter(mine))]  # the least recently used
         kept[i], was[i] = b, p

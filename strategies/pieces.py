@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 import itertools
 import operator
-from typing import NamedTuple, Sequence
+from typing import Collection, NamedTuple, Sequence
 
 from strategies.errors import PlanError
 from strategies.graph import DTYPE_BYTES, OpGraph, OpNode
@@ -228,12 +228,14 @@ def drop_points(graph: OpGraph, strategy: Strategy) -> dict[tuple[str, int], Dro
             for name, groups in drop_positions(graph, strategy).items() for devices, f, r in groups for d in devices}
 
 
-def drop_positions(graph: OpGraph, strategy: Strategy, position: dict[str, int] | None = None
-                   ) -> dict[str, list[tuple[tuple[int, ...], int, int]]]:
+def drop_positions(graph: OpGraph, strategy: Strategy, position: dict[str, int] | None = None,
+                   only: Collection[str] | None = None) -> dict[str, list[tuple[tuple[int, ...], int, int]]]:
     """``drop_points`` as graph positions, for the memory model's walk (``position``: op -> its
     index in graph order, where the caller has it): dropped op -> [(devices, free_after,
     recompute_at)], one entry for all its devices where they agree (every consumer on all of
-    them, the common case), else one per device."""
+    them, the common case), else one per device. ``only``: these ops' entries alone, exact
+    where no op recomputes (an entry then reads its op's and its consumers' devices only; with
+    recompute it reads its consumers' entries)."""
     position = {node.name: i for i, node in enumerate(graph)} if position is None else position
     config = strategy.__getitem__
     out: dict[str, list[tuple[tuple[int, ...], int, int]]] = {}
@@ -241,6 +243,8 @@ def drop_positions(graph: OpGraph, strategy: Strategy, position: dict[str, int] 
     same: dict[str, int | None] = {}  # dropped op -> its recompute_at where one for all its devices
     for node in reversed(graph.nodes):
         name = node.name
+        if only is not None and name not in only:
+            continue
         cfg = config(name)
         if not (drops_output(graph, strategy, name) if cfg.recompute else transient(graph, strategy, name)):
             continue

@@ -63,6 +63,22 @@ class Strategy:
     (``strategies.repeats``: a transformer layer, FSDP2's ``fully_shard`` per block)."""
     _index: Mapping[str, ParallelConfig] = field(default=None, compare=False, repr=False, hash=False)  # type: ignore[assignment]
 
+    def __hash__(self) -> int:
+        """The compared fields' hash, computed once (a search keys its results by plan value,
+        ``soapsearch.search.api.Evaluator``, and asks for it several times a proposal)."""
+        got = self.__dict__.get("_hash")
+        if got is None:
+            got = hash((self.configs, self.num_devices, self.microbatches, self.schedule, self.precision,
+                        self.bucket_cap_mb, self.fsdp_unit))
+            object.__setattr__(self, "_hash", got)
+        return got
+
+    def __getstate__(self) -> dict:
+        """The fields without the kept hash: a string's hash differs from process to process."""
+        state = dict(self.__dict__)
+        state.pop("_hash", None)
+        return state
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "configs", tuple((str(k), v) for k, v in self.configs))
         object.__setattr__(self, "_index", dict(self.configs))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from simulator import cost
 from simulator.presets import get_topology
 from strategies import Strategy, enumerate_configs
 from strategies.baselines import baseline, recomputed
@@ -66,3 +67,23 @@ def test_partition_time_equals_op_time_on_every_partition(case):
     assert shared.calls == calls
     if case == "resnet spatial":
         assert halos > 0  # edge and inner partitions of a conv read different input shapes
+
+
+def test_partition_time_memo_by_partition_answers_again_and_stays_bounded(monkeypatch):
+    # the task blocks ask for every partition's times: a second ask is the memo's same tuple,
+    # no shape key built again; past _BY_PARTITION entries the memo empties and starts over
+    graph, plan_ = plan("gpt megatron sp")
+    devices = get_topology("a100-1x8").devices
+    low = lower(graph, plan_)
+    parts = [(graph[name], p) for name, per_mb in low.partitions.items() for ps in per_mb for p in ps]
+    model = Counting()
+    first = [model.partition_time(node, p, devices[p.device]) for node, p in parts]
+    shapes = model.calls
+    timed = []
+    monkeypatch.setattr(model, "_timed", lambda *args: timed.append(args))
+    again = [model.partition_time(node, p, devices[p.device]) for node, p in parts]
+    assert timed == [] and all(a is b for a, b in zip(first, again)) and len(parts) > 100
+    monkeypatch.setattr(cost, "_BY_PARTITION", 8)
+    bounded = Counting()
+    assert [bounded.partition_time(node, p, devices[p.device]) for node, p in parts] == first
+    assert 0 < len(bounded._by_partition) <= 8 and bounded.calls == shapes  # the memo by shapes keeps all
