@@ -61,7 +61,7 @@ def twin_block(lowered: Lowered, node: OpNode, pieces: OpPieces, producers: dict
             return None
     cols = Columns()
     cols.category, cols.duration, cols.nbytes = t.cols.category, t.cols.duration, t.cols.nbytes
-    cols.name = _names(t.cols.name, node.name, dict(zip(map(id, source.transfers), pieces.transfers)))
+    cols.name = _Names(t.cols.name, node.name, source.transfers, pieces.transfers)
     if not delta:
         cols.resources, cols.device, res = t.cols.resources, t.cols.device, t.segment.res
     else:
@@ -118,8 +118,29 @@ def _alike(topology: Topology, delta: int) -> bool:
                for d in range(lo, hi))
 
 
-def _names(names: list, op: str, transfers: dict[int, Any]) -> list:
-    """Labels of a twin's tasks from its op's: a partition's (what, op, index, micro-batch)
-    with the twin's op, a transfer's (what, transfer) with the twin's transfer."""
-    moved = transfers.__getitem__
-    return [(x[0], op, x[2], x[3]) if len(x) == 4 else (x[0], moved(id(x[1]))) for x in names]
+class _Names:
+    """Labels of a twin's tasks from its op's, made when first read (traces, ``device_steps``; a
+    simulation reads none): a partition's (what, op, index, micro-batch) with the twin's op, a
+    transfer's (what, transfer) with the twin's transfer (``theirs[i]`` for ``ours[i]``)."""
+
+    __slots__ = ("_source", "_op", "_ours", "_theirs", "_list")
+
+    def __init__(self, source: Sequence, op: str, ours: Sequence, theirs: Sequence):
+        self._source, self._op, self._ours, self._theirs = source, op, ours, theirs
+        self._list: list | None = None
+
+    def _made(self) -> list:
+        if self._list is None:
+            op, moved = self._op, dict(zip(map(id, self._ours), self._theirs)).__getitem__
+            self._list = [(x[0], op, x[2], x[3]) if len(x) == 4 else (x[0], moved(id(x[1]))) for x in self._source]
+            self._source = self._ours = self._theirs = ()  # the list holds what was read of them
+        return self._list
+
+    def __iter__(self):
+        return iter(self._made())
+
+    def __len__(self) -> int:
+        return len(self._list) if self._list is not None else len(self._source)
+
+    def __getitem__(self, i):
+        return self._made()[i]
