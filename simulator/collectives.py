@@ -51,6 +51,7 @@ def add_collectives(tg: TaskGraph, lowered: Lowered, topology: Topology, blocks:
     times: dict[tuple, float] = {}
     lives = buffer_lives(lowered)
     starts = first.tolist()  # read per member: list items cost less than numpy scalars
+    esrc, edst = tg.edge_src, tg.edge_dst  # edges appended in bulk, in ``tg.edge``'s order
     for life, (fwd_steps, bwd_steps) in zip(lives, collective_steps(lowered)):
         c = life.collective
         members = [(d, q) for d, q in zip(c.devices, c.holders) if keep is None or d in keep]
@@ -70,14 +71,17 @@ def add_collectives(tg: TaskGraph, lowered: Lowered, topology: Topology, blocks:
         label = f"{c.kind} {c.op}@mb{j} devices {shown}"
         f = tg.add(label, TaskKind.COLLECTIVE, _time(times, topology, c.kind, c.devices, c.nbytes), links,
                    c.devices[0], c.nbytes)
-        for _, q in members:
-            tg.edge(at + holder.fwd_done[j][q], f)
+        done = holder.fwd_done[j]
+        esrc += [at + done[q] for _, q in members]
+        edst += [f] * len(members)
         _arrive(tg, f, fwd_steps, blocks, starts, position, arrivals, label)
         ends = dict(zip(simulated, member_ends(tg.add, tg.edge, topology, f, c.devices, label,
                                                TaskKind.COLLECTIVE, simulated)))
         mine = readers[c] if keep is None else [r for r in readers[c] if r.device in keep]
-        for r in mine:
-            tg.edge(ends[r.device], starts[position[r.dst_op]] + blocks[position[r.dst_op]].fwd[j][r.dst_index])
+        places = [position[r.dst_op] for r in mine]
+        forwards = [starts[i] + blocks[i].fwd[j][r.dst_index] for i, r in zip(places, mine)]
+        esrc += [ends[r.device] for r in mine]
+        edst += forwards
         if life.regather is not None:
             again = f"{c.kind} again {c.op}@mb{j} devices {shown}"
             g = tg.add(again, TaskKind.COLLECTIVE, _time(times, topology, c.kind, c.devices, c.nbytes), links,
@@ -86,20 +90,21 @@ def add_collectives(tg: TaskGraph, lowered: Lowered, topology: Topology, blocks:
             _arrive(tg, g, steps, blocks, starts, position, arrivals, again)
             ends = dict(zip(simulated, member_ends(tg.add, tg.edge, topology, g, c.devices, again,
                                                    TaskKind.COLLECTIVE, simulated)))
-            for r in mine:
-                tg.edge(ends[r.device], starts[position[r.dst_op]] + blocks[position[r.dst_op]].fwd[j][r.dst_index] + 1)
+            esrc += [ends[r.device] for r in mine]
+            edst += [t + 1 for t in forwards]  # the readers' backwards
         if not c.grad:
             continue
         label = f"{c.backward_kind} grad {c.op}@mb{j} devices {shown}"
         b = tg.add(label, TaskKind.COLLECTIVE, _time(times, topology, c.backward_kind, c.devices, c.nbytes),
                    links, c.devices[0], c.nbytes)
-        for r in mine:
-            tg.edge(starts[position[r.dst_op]] + blocks[position[r.dst_op]].bwd_done[j][r.dst_index], b)
+        esrc += [starts[i] + blocks[i].bwd_done[j][r.dst_index] for i, r in zip(places, mine)]
+        edst += [b] * len(mine)
         _arrive(tg, b, bwd_steps, blocks, starts, position, arrivals, label)
         ends = dict(zip(simulated, member_ends(tg.add, tg.edge, topology, b, c.devices, label,
                                                TaskKind.COLLECTIVE, simulated)))
-        for d, q in members:
-            tg.edge(ends[d], at + holder.fwd[j][q] + 1)
+        forward = holder.fwd[j]
+        esrc += [ends[d] for d, _ in members]
+        edst += [at + forward[q] + 1 for _, q in members]
     return np.asarray(arrivals, dtype=INDEX).reshape(-1, 2).T
 
 
