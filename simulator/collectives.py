@@ -56,6 +56,8 @@ def add_collectives(tg: TaskGraph, lowered: Lowered, topology: Topology, blocks:
     rings: dict[tuple[int, ...], tuple[tuple[int, ...], str]] = {}  # a group's ring links and its devices shown, once
     times: dict[tuple, float] = {}
     lives = buffer_lives(lowered)
+    starts = first.tolist()  # read per member: list items cost less than numpy scalars
+    esrc, edst = tg.edge_src, tg.edge_dst  # edges appended in bulk, in ``tg.edge``'s order
     for life, (fwd_steps, bwd_steps) in zip(lives, collective_steps(lowered)):
         c = life.collective
         members = [(d, q) for d, q in zip(c.devices, c.holders) if keep is None or d in keep]
@@ -71,28 +73,31 @@ def add_collectives(tg: TaskGraph, lowered: Lowered, topology: Topology, blocks:
                                        ",".join(map(str, c.devices)))
         j, (links, shown) = c.microbatch, ring
         holder = blocks[position[c.op]]
-        at = int(first[position[c.op]])
+        at = starts[position[c.op]]
         label = f"{c.kind} {c.op}@mb{j} devices {shown}"
         f = tg.add(label, TaskKind.COLLECTIVE, _time(times, topology, c.kind, c.devices, c.nbytes), links,
                    c.devices[0], c.nbytes)
-        for _, q in members:
-            tg.edge(at + holder.fwd_done[j][q], f)
-        _arrive(tg, f, fwd_steps, blocks, first, position, arrivals, label)
+        done = holder.fwd_done[j]
+        esrc += [at + done[q] for _, q in members]
+        edst += [f] * len(members)
+        _arrive(tg, f, fwd_steps, blocks, starts, position, arrivals, label)
         ends = dict(zip(simulated, member_ends(tg.add, tg.edge, topology, f, c.devices, label,
                                                TaskKind.COLLECTIVE, simulated)))
         mine = readers[c] if keep is None else [r for r in readers[c] if r.device in keep]
-        for r in mine:
-            tg.edge(ends[r.device], int(first[position[r.dst_op]]) + blocks[position[r.dst_op]].fwd[j][r.dst_index])
+        places = [position[r.dst_op] for r in mine]
+        forwards = [starts[i] + blocks[i].fwd[j][r.dst_index] for i, r in zip(places, mine)]
+        esrc += [ends[r.device] for r in mine]
+        edst += forwards
         if life.regather is not None:
             again = f"{c.kind} again {c.op}@mb{j} devices {shown}"
             g = tg.add(again, TaskKind.COLLECTIVE, _time(times, topology, c.kind, c.devices, c.nbytes), links,
                        c.devices[0], c.nbytes)
             steps = {d: s for d, s in regather_steps(lowered, life).items() if d in simulated}
-            _arrive(tg, g, steps, blocks, first, position, arrivals, again)
+            _arrive(tg, g, steps, blocks, starts, position, arrivals, again)
             ends = dict(zip(simulated, member_ends(tg.add, tg.edge, topology, g, c.devices, again,
                                                    TaskKind.COLLECTIVE, simulated)))
-            for r in mine:
-                tg.edge(ends[r.device], int(first[position[r.dst_op]]) + blocks[position[r.dst_op]].fwd[j][r.dst_index] + 1)
+            esrc += [ends[r.device] for r in mine]
+            edst += [t + 1 for t in forwards]  # the readers' backwards
         if not c.grad:
             continue
         label = f"{c.backward_kind} grad {c.op}@mb{j} devices {shown}"
@@ -100,13 +105,14 @@ def add_collectives(tg: TaskGraph, lowered: Lowered, topology: Topology, blocks:
         if cost is not None and cost.input_grad_overlap:
             seconds = max(0.0, seconds - hidden_by_readers(lowered, readers[c], topology, cost))
         b = tg.add(label, TaskKind.COLLECTIVE, seconds, links, c.devices[0], c.nbytes)
-        for r in mine:
-            tg.edge(int(first[position[r.dst_op]]) + blocks[position[r.dst_op]].bwd_done[j][r.dst_index], b)
-        _arrive(tg, b, bwd_steps, blocks, first, position, arrivals, label)
+        esrc += [starts[i] + blocks[i].bwd_done[j][r.dst_index] for i, r in zip(places, mine)]
+        edst += [b] * len(mine)
+        _arrive(tg, b, bwd_steps, blocks, starts, position, arrivals, label)
         ends = dict(zip(simulated, member_ends(tg.add, tg.edge, topology, b, c.devices, label,
                                                TaskKind.COLLECTIVE, simulated)))
-        for d, q in members:
-            tg.edge(ends[d], at + holder.fwd[j][q] + 1)
+        forward = holder.fwd[j]
+        esrc += [ends[d] for d, _ in members]
+        edst += [at + forward[q] + 1 for _, q in members]
     return np.asarray(arrivals, dtype=INDEX).reshape(-1, 2).T
 
 
@@ -136,11 +142,20 @@ def _time(known: dict, topology: Topology, kind: str, devices: tuple[int, ...], 
     return got
 
 
-def _arrive(tg: TaskGraph, collective: int, steps: dict, blocks: Sequence, first: np.ndarray,
+def _arrive(tg: TaskGraph, collective: int, steps: dict, blocks: Sequence, first: list[int],
             position: dict[str, int], arrivals: list[int], label: str) -> None:
-    """Each member's call of ``collective`` at the start of its step (``steps``: device -> Step)."""
-    for d, s in steps.items():
-        a = tg.add(f"call {label} device {d}", TaskKind.COLLECTIVE, 0.0, (), d)
-        tg.edge(a, collective)
-        step = int(first[position[s.op]]) + blocks[position[s.op]].fwd[s.microbatch][s.index] + int(s.backward)
-        arrivals += (a, step)
+    """Each member's call of ``collective`` at the start of its step (``steps``: device -> Step),
+    appended to ``tg``'s tail column by column (``first``: each block's first task id)."""
+    k, a = len(steps), len(tg)  # the calls' ids: a, a + 1, ...
+    tail = tg.tail
+    tail.name += [f"call {label} device {d}" for d in steps]
+    tail.category += [TaskKind.COLLECTIVE] * k
+    tail.duration += [0.0] * k
+    tail.resources += [()] * k
+    tail.device += list(steps)
+    tail.nbytes += [0] * k
+    tg.edge_src += range(a, a + k)
+    tg.edge_dst += [collective] * k
+    for i, s in enumerate(steps.values()):
+        at = position[s.op]
+        arrivals += (a + i, first[at] + blocks[at].fwd[s.microbatch][s.index] + s.backward)

@@ -27,7 +27,7 @@ class TaskCache:
     def __init__(self, topology: Topology, cost: CostModel):
         self.topology, self.cost = topology, cost
         self.wires: dict[tuple[int, int, int], tuple] = {}
-        """(source, target, bytes) -> ``simulator.tasks._wire``'s times and resources (a pure function of them)."""
+        """(source, target, bytes) -> ``simulator.wires.Wire``: times and resources (a pure function of them)."""
         self.gathers: dict = {}
         """Level-2/3 groups' tasks per micro-batch, recorded (``simulator.zero3._Chunk``)."""
         self._states: dict[frozenset[int] | None, list] = {}

@@ -34,12 +34,12 @@ from __future__ import annotations
 import functools
 import itertools
 import operator
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
 from simulator.collectives import add_collectives
-from simulator.comm import allgather_time, group_sum_time, ring_links, transfer_time
+from simulator.comm import allgather_time, group_sum_time, ring_links
 from simulator.cost import CostModel
 from simulator.fold import FoldError
 from simulator.memory import MASTER
@@ -50,6 +50,7 @@ from simulator.taskcache import KNOWN, TaskCache, block_key
 from simulator.taskgraph import CATEGORY, INDEX, Columns, Segment, StepOrder, TaskGraph, TaskKind
 from simulator.topology import Topology
 from simulator.twins import twin_block
+from simulator.wires import Wire, wire_of
 from strategies.graph import OpGraph, OpNode
 from strategies.lowered import Gate
 from strategies.lowering import WEIGHT_KINDS, Lowered, OpPieces, ReductionGroup, Transfer
@@ -57,7 +58,8 @@ from strategies.overlap import bucket_plan
 from strategies.rules import get_rule
 from strategies.schedule import Step, chunk_of, device_passes
 
-__all__ = ["TaskGraph", "TaskCache", "TaskKind", "CATEGORY", "Wire", "build_tasks", "device_steps", "task_seconds"]
+__all__ = ["TaskGraph", "TaskCache", "TaskKind", "CATEGORY", "Wire", "build_tasks", "device_steps", "task_seconds",
+           "wire_of"]
 
 
 class _Block:
@@ -125,6 +127,41 @@ class _Block:
         self.slots = []
         self.arrays = (self.edges, self.steps, self.segment.duration, self.segment.res_len, self.segment.res, slots)
         return self
+
+    def moved(self, pieces: OpPieces, at: int, positions: dict[int, int], delta: int, cols: Columns,
+              res: np.ndarray) -> "_Block":
+        """This sealed block as another op's at position ``at`` (``simulator.twins``): ``pieces``
+        its, every block position ``positions`` maps (its own and its producers') mapped, every
+        device ``delta`` on, its tasks ``cols`` (their flat resources ``res``); local ids kept."""
+        b = object.__new__(_Block)
+        b.__dict__.update(self.__dict__)  # fwd, fwd_done, bwd_done: local ids, the same
+        b.pieces, b.position, b.cols, b.add = pieces, at, cols, cols.add
+        b.segment = object.__new__(Segment)
+        b.segment.__dict__.update(self.segment.__dict__)
+        b.segment.cols, b.segment.res = cols, res
+        b.edge_src, b.edge_dst, b.cross, b.slots, b.step_reductions = [], [], [], [], []
+        edges, steps, duration, res_len, _, slots = self.arrays
+        edges, slots, steps = _positions(edges, positions), _positions(slots, positions), steps.copy()
+        steps[1] += delta  # rows: task, device, micro-batch, fwd_done, bwd_done, position
+        steps[5] = at
+        b.edges, b.steps = edges, steps
+        b.arrays = (edges, steps, duration, res_len, res, slots)
+        return b
+
+
+def _positions(a: np.ndarray, moved: dict[int, int]) -> np.ndarray:
+    """``a`` (a block's ``edges`` or ``slots``: block positions in rows 1 and 3, each one of
+    ``moved``'s keys) with its positions mapped by ``moved``."""
+    out = a.copy()
+    shifts = {new - old for old, new in moved.items()}
+    if len(shifts) == 1:  # a layer's op reading its own layer's ops: every position one offset on
+        out[1:4:2] += shifts.pop()
+        return out
+    for r in (1, 3):
+        for old, new in moved.items():
+            if old != new:
+                out[r][a[r] == old] = new
+    return out
 
 
 def _op_block(node: OpNode, pieces: OpPieces, graph: OpGraph, producers: dict[str, _Block],
@@ -227,9 +264,9 @@ def _add_transfers(b: _Block, transfers: tuple[Transfer, ...], producers: dict[s
             cross += (src_f, at, dst_f, position, dst_b, position, src_b, at)
             continue
         key = (src_device, dst_device, size)
-        wire = wires.get(key)
+        wire = wires.get(key)  # inlined: the hot loop
         if wire is None:
-            wire = wires[key] = _wire(topology, *key)
+            wire = wire_of(topology, wires, key)
         grad = grads[src_op]
         tf = len(durs)  # the send, then its gradient's (tf + 1) where it moves
         if grad:
@@ -288,34 +325,6 @@ def _send(b: _Block, name: tuple, category: TaskKind, seconds: float, device: in
     h = b.add(name, category, seconds, (device,), device)
     b.slots += (h, b.position, step, at, 0)
     return h
-
-
-class Wire(NamedTuple):
-    """What a piece of some size costs sent from one device to another, and its gradient sent
-    back: kept per (source, target, bytes) in ``TaskCache.wires``."""
-
-    seconds: float
-    """``transfer_time`` of the piece."""
-    links: tuple[int, ...]
-    """The resources it holds: its route's links (link l is resource num_devices + l)."""
-    grad_seconds: float
-    """``transfer_time`` of its gradient, on the route back."""
-    grad_links: tuple[int, ...]
-    """The resources the gradient holds."""
-    send_hold: float
-    """Seconds the piece holds its sender's host (``Link.send_time`` of the route's first link; 0: not held)."""
-    grad_send_hold: float
-    """Seconds the gradient holds its sender's host (0: not held)."""
-
-
-def _wire(topology: Topology, src: int, dst: int, nbytes: int) -> Wire:
-    """The ``Wire`` of ``nbytes`` sent ``src`` -> ``dst``."""
-    n = topology.num_devices
-    there, back = topology.route(src, dst), topology.route(dst, src)
-    return Wire(transfer_time(topology, src, dst, nbytes), tuple(n + l for l in there),
-                transfer_time(topology, dst, src, nbytes), tuple(n + l for l in back),
-                topology.links[there[0]].send_time(nbytes) if there else 0.0,
-                topology.links[back[0]].send_time(nbytes) if back else 0.0)
 
 
 def _add_reductions(b: _Block, node: OpNode, reductions: tuple[ReductionGroup, ...], backward: bool,
@@ -465,7 +474,7 @@ def _blocks(lowered: Lowered, topology: Topology, cost: CostModel, cache: TaskCa
         if b is None:
             node = nodes[i]  # in graph order: its producers' blocks are current
             producers = {src: kept[position[src]] for src in node.inputs}
-            b = (twin_block(lowered, node, p, producers, i, kept, position)  # its twin's, renamed
+            b = (twin_block(lowered, node, p, producers, i, kept, position, topology, wires)  # its twin's, renamed
                  or _op_block(node, p, graph, producers, i, topology, cost, wires, keep))
         while len(mine) > KNOWN:
             del mine[next(iter(mine))]  # the least recently used

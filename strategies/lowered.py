@@ -413,10 +413,11 @@ class Lowered:
     (``strategies.lowering_copies``): copy 0's partitions, transfers and collectives; reduction
     groups, weight shards and buckets whole; ``device_bytes`` and ``gradient_sync.tensors`` of
     every device. ``check_whole`` refuses it where every device's partitions are needed."""
-    twins: dict[str, tuple[str, OpPieces]] = field(default_factory=dict, compare=False, repr=False)
-    """Op -> (op T, T's pieces) where the op's pieces are T's renamed (``strategies.lowering_shared``:
-    one shape, one config), for T's pieces that object: what is built from T's pieces may be
-    renamed for the op (``simulator.twins``). Not part of the lowering's value."""
+    twins: dict[str, tuple[str, OpPieces, int]] = field(default_factory=dict, compare=False, repr=False)
+    """Op -> (op T, T's pieces, delta) where the op's pieces are T's renamed (``strategies.lowering_shared``:
+    one shape, one config; delta 0) or renamed and every device moved delta on (``relative_key``:
+    T's layer in another pipeline stage), for T's pieces that object: what is built from T's
+    pieces may be renamed and moved for the op (``simulator.twins``). Not part of the lowering's value."""
 
     def check_whole(self, what: str) -> None:
         """PlanError unless this lowering holds every device's partitions (``copies`` None)."""

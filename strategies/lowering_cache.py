@@ -63,13 +63,17 @@ def update(graph: OpGraph, strategy: Strategy, cache: dict, last: "Last", affect
         shape = (shapes[node.name], *by)
         names = last.names(node.name)
         if pieces is None:
-            pieces = cache[key] = _lowered(graph, strategy, cache, node, shape, names)
+            pieces = cache[key] = _lowered(graph, strategy, cache, node, shape, names, key)
         last.shaped[node.name] = shape
         first = cache.get(shape)  # the op these pieces rename, where they do
-        if first is None or first[1] is pieces or name_map(first[0], names) is None:
-            last.twins.pop(node.name, None)
+        if first is not None and first[1] is not pieces and name_map(first[0], names) is not None:
+            last.twins[node.name] = (first[0][0], first[1], 0)
         else:
-            last.twins[node.name] = (first[0][0], first[1])
+            moved = cache.get((_MOVED, key))  # renamed and moved (another stage's layer)
+            if moved is not None and moved[0] is pieces:
+                last.twins[node.name] = moved[1:]
+            else:
+                last.twins.pop(node.name, None)
         old = last.by_op.get(node.name)
         if old is pieces:
             continue
@@ -103,13 +107,17 @@ def shape_ids(graph: OpGraph, cache: dict) -> dict[str, int]:
         shapes = cache[_SHAPES] = shapes_of(graph)
     return shapes
 
+_MOVED = "moved"
+"""The first item of the cache's keys of (pieces, op, its pieces, delta) where an op's pieces
+are that op's renamed and moved delta on (``Lowered.twins``)."""
+
 _RELATIVE = "relative"
 """The first item of the cache's keys of pieces by configs relative to their op's first device
 (``lowering_shared.relative_key``)."""
 
 
 def _lowered(graph: OpGraph, strategy: Strategy, cache: dict, node: OpNode, shape: tuple,
-             names: tuple[str, ...]) -> OpPieces:
+             names: tuple[str, ...], key: tuple) -> OpPieces:
     """``node``'s pieces (its names ``names``, ``names_of``), the first found of: its own pieces
     under other sharding levels, relevelled (``strategies.lowering_memo``: the same partitions,
     transfers and reductions, so the task blocks built for them serve too); another op's of the
@@ -117,7 +125,8 @@ def _lowered(graph: OpGraph, strategy: Strategy, cache: dict, node: OpNode, shap
     (``strategies.lowering_shared``); another op's of that shape under other levels renamed
     and relevelled; those of an op of its shape cut alike on devices moved by one offset
     (``lowering_shared.relative_key``: the same layer in another pipeline stage) renamed and
-    moved; else lowered. The config is validated where the pieces are not another op's of the
+    moved (kept under ``(_MOVED, key)`` with that op, its pieces and the move: ``Lowered.twins``);
+    else lowered. The config is validated where the pieces are not another op's of the
     same ``shape``, and the pieces are kept for the others."""
     levels = levels_key(shape, strategy, node)
     own = cache.get((node.name, *levels))
@@ -148,6 +157,8 @@ def _lowered(graph: OpGraph, strategy: Strategy, cache: dict, node: OpNode, shap
         if alike is not None:
             strategy.validate_op(node)
             pieces = renamed(alike[1], alike[0], names, base - alike[2])
+            if pieces is not None:
+                cache[(_MOVED, key)] = (pieces, alike[0][0], alike[1], base - alike[2])
     if pieces is None:
         strategy.validate_op(node)
         pieces = lower_op(graph, strategy, node, shape[1], shape[-1])
@@ -184,7 +195,7 @@ class Last:
         """The copies whose copy 0 is lowered (None: every device)."""
         self.shaped: dict[str, tuple] = {}
         """Op -> the shape its pieces were found by (``_lowered``)."""
-        self.twins: dict[str, tuple[str, OpPieces]] = {}
+        self.twins: dict[str, tuple[str, OpPieces, int]] = {}
         """``Lowered.twins``."""
         self._names: dict[str, tuple[str, ...]] = {}
         self.configs: tuple = ()
@@ -238,7 +249,7 @@ class Last:
             return None
         op = self.readers[name][0]
         twin = self.twins.get(op)
-        if twin is None:
+        if twin is None or twin[2]:  # moved: its shards lie on other devices
             return None
         first = cache.get(self.shaped[op])  # (the names of twin[0], its pieces twin[1])
         was = first[0][self.names(op).index(name)]

@@ -92,14 +92,14 @@ def renamed(pieces: OpPieces, old: tuple[str, ...], new: tuple[str, ...], delta:
     per_device = _moved_bytes(pieces, delta)
     if per_device is None:
         return None
-    if not delta:  # the hot loops: records made as the tuples they are
-        parts = tuple(tuple(_new(Partition, (op, *p[1:])) for p in mb) for mb in pieces.partitions)
-        transfers = tuple(_new(Transfer, (at(t[0]), t[1], op, *t[3:])) for t in pieces.transfers)
-    else:
-        parts = tuple(tuple(_new(Partition, (op, p[1], p[2], p[3] + delta, *p[4:])) for p in mb)
-                      for mb in pieces.partitions)
-        transfers = tuple(_new(Transfer, (at(t[0]), t[1], op, t[3], t[4], t[5], t[6] + delta, t[7] + delta,
-                                          *t[8:])) for t in pieces.transfers)
+    # the hot loops: records made as the tuples they are, their fields unpacked by name
+    # (Partition: op, index, microbatch, device, box, input_regions, weight_regions, output;
+    # Transfer: src_op, src_index, dst_op, dst_index, slot, microbatch, src_device, dst_device,
+    # region, nbytes, partial)
+    parts = tuple(tuple([_new(Partition, (op, k, j, d + delta, box, ins, ws, out))
+                         for _, k, j, d, box, ins, ws, out in mb]) for mb in pieces.partitions)
+    transfers = tuple([_new(Transfer, (at(src), k, op, q, slot, j, s + delta, d + delta, region, size, partial))
+                       for src, k, _, q, slot, j, s, d, region, size, partial in pieces.transfers])
     reductions = tuple(dataclasses.replace(g, op=op, devices=_plus(g.devices, delta)) for g in pieces.reductions)
     reads = tuple(_new(WeightRead, (at(r[0]), r[1], r[2] + delta, op, *r[4:])) for r in pieces.weight_reads)
     collectives: dict = {}

@@ -67,13 +67,13 @@ def op_seconds(graph: OpGraph, plan: Strategy, topology: Topology, cost: CostMod
 
 def _lowered_seconds(lowered: Lowered, topology: Topology, cost: CostModel) -> dict[str, float]:
     """``op_seconds`` of one lowering: copy 0's devices stand for every copy's (alike devices);
-    an op whose pieces are its twin's renamed (``Lowered.twins``) has its twin's tasks
+    an op whose pieces are its twin's renamed on its devices (``Lowered.twins``, delta 0) has its twin's tasks
     (``simulator.twins``: the block copied, durations and all)."""
     devices, graph, out = topology.devices, lowered.graph, {}
     for node in graph:
         pieces = lowered.pieces[node.name]
         twin = lowered.twins.get(node.name)
-        if twin is not None and twin[0] in out and lowered.pieces.get(twin[0]) is twin[1]:
+        if twin is not None and not twin[2] and twin[0] in out and lowered.pieces.get(twin[0]) is twin[1]:
             out[node.name] = out[twin[0]]
             continue
         runs = node.kind not in WEIGHT_KINDS  # the executor reads weights in place: no host work

@@ -130,11 +130,20 @@ def test_blocks_copied_from_a_twin_are_the_blocks_built(name, n, fold, monkeypat
             graphs.append(build_tasks(low, topology, cost, "adam", copies=copies))
     half = len(graphs) // 2
     for got, want in zip(graphs[:half], graphs[half:]):
-        assert [label(x) for x in got.name] == [label(x) for x in want.name]
-        assert got.duration == want.duration and got.resources == want.resources
-        assert sorted(zip(*map(np.ndarray.tolist, got.edge_arrays()))) == \
-            sorted(zip(*map(np.ndarray.tolist, want.edge_arrays())))
+        _assert_same_tasks(got, want)
     assert copied[half:] == [0] * half and min(copied[:half]) > 0, copied
+
+
+def _assert_same_tasks(got, want):
+    """Two task graphs task for task: labels, durations, resources (listed and flat), devices,
+    bytes, edges."""
+    assert [label(x) for x in got.name] == [label(x) for x in want.name]
+    assert got.duration == want.duration and got.resources == want.resources
+    assert got.device == want.device and got.nbytes == want.nbytes and got.category == want.category
+    for a, b in zip(got.arrays(), want.arrays()):
+        np.testing.assert_array_equal(a, b)
+    assert sorted(zip(*map(np.ndarray.tolist, got.edge_arrays()))) == \
+        sorted(zip(*map(np.ndarray.tolist, want.edge_arrays())))
 
 
 def test_a_change_to_one_layer_leaves_the_others_shared_and_delta_equals_full(monkeypatch):
@@ -241,3 +250,46 @@ def test_pieces_moved_there_and_back_are_the_same_and_not_past_the_last_device()
     assert {p.device for mb in there.partitions for p in mb} == {12, 13, 14, 15}
     assert renamed(there, names, names, -12) == pieces
     assert renamed(pieces, names, names, 13) is None  # device 3's bytes would move to device 16 of 16
+
+
+@pytest.mark.parametrize("fold", [False, True])
+def test_blocks_of_a_layer_in_another_stage_are_copied_moved_and_equal_the_blocks_built(fold, monkeypatch):
+    # megatron_lm on 16 devices of a100-2x8: stages 1-3's layers take stage 0's blocks with
+    # every device moved 4, 8 or 12 on and each route's links mapped to the moved route's
+    # (simulator.twins); the task graph equals the one built with no block copied, task for task
+    graph, plan = _megatron_lm_gpt()
+    topology, cost = _topology_and_cost("a100-2x8")
+    copies = find_copies(graph, plan) if fold else None
+    low = lower(graph, plan, None, copies)
+    deltas = sorted({twin[2] for twin in low.twins.values()})
+    assert deltas == [0, 4, 8, 12], deltas
+    copied = []
+
+    def counting(*args):
+        b = twin_block(*args)
+        copied.append(b is not None and args[0].twins[args[1].name][2])
+        return b
+
+    monkeypatch.setattr(tasks, "twin_block", counting)
+    got = build_tasks(low, topology, cost, "adam", copies=copies)
+    assert sorted(set(copied) - {False}) == [4, 8, 12], copied
+    monkeypatch.setattr(tasks, "twin_block", lambda *args: None)
+    _assert_same_tasks(got, build_tasks(low, topology, cost, "adam", copies=copies))
+
+
+def test_a_block_is_not_moved_onto_devices_unlike_its_own():
+    # a topology whose second node's devices have another host overhead: a stage's layer there
+    # is built, not copied, and its tasks carry that node's overhead
+    import dataclasses
+    graph, plan = _megatron_lm_gpt()
+    topology, cost = _topology_and_cost("a100-2x8")
+    slow = [d if d.node == 0 else dataclasses.replace(d, task_overhead=d.task_overhead + 1e-3)
+            for d in topology.devices]
+    other = dataclasses.replace(topology, devices=slow)
+    low = lower(graph, plan)
+    got = build_tasks(low, other, cost, "adam")
+    op = next(op for op, twin in low.twins.items() if twin[2] == 8)  # stage 2, node 1
+    src = low.twins[op][0]
+    [f_got] = [got.duration[t] for t, x in enumerate(got.name) if x[:3] == ("fwd", op, 0) and x[3] == 0]
+    [f_src] = [got.duration[t] for t, x in enumerate(got.name) if x[:3] == ("fwd", src, 0) and x[3] == 0]
+    assert f_got == pytest.approx(f_src + 1e-3)
