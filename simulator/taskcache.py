@@ -127,8 +127,8 @@ turn, and a rejected proposal is followed by its current plan's ops again."""
 def _layout(graph: OpGraph) -> _Layout:
     """``graph``'s nodes in order, op name -> its index (its block's position), and for each op
     the last graph's block, the blocks built before it by their pieces' ``block_key`` (each block
-    holds its pieces, so an id stays theirs while kept; ``KNOWN`` of them, oldest first), then
-    and the pieces of the last graph's blocks (compared with a new lowering's in one C-level
+    holds its pieces, so an id stays theirs while kept; ``KNOWN`` of them, oldest first), and
+    the pieces of the last graph's blocks (compared with a new lowering's in one C-level
     pass). Partition times are the cost model's (``CostModel.partition_time``'s memo)."""
     nodes = list(graph)
     return (nodes, {node.name: i for i, node in enumerate(nodes)}, [None] * len(nodes),

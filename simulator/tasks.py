@@ -50,7 +50,7 @@ from simulator.taskcache import KNOWN, TaskCache, block_key
 from simulator.taskgraph import CATEGORY, INDEX, Columns, Segment, StepOrder, TaskGraph, TaskKind
 from simulator.topology import Topology
 from simulator.twins import twin_block
-from simulator.wires import Wire, wire_of
+from simulator.wires import wire_of
 from strategies.graph import OpGraph, OpNode
 from strategies.lowered import Gate
 from strategies.lowering import WEIGHT_KINDS, Lowered, OpPieces, ReductionGroup, Transfer
@@ -58,8 +58,7 @@ from strategies.overlap import bucket_plan
 from strategies.rules import get_rule
 from strategies.schedule import Step, chunk_of, device_passes
 
-__all__ = ["TaskGraph", "TaskCache", "TaskKind", "CATEGORY", "Wire", "build_tasks", "device_steps", "task_seconds",
-           "wire_of"]
+__all__ = ["TaskGraph", "TaskCache", "TaskKind", "CATEGORY", "build_tasks", "device_steps", "task_seconds"]
 
 
 class _Block:

@@ -84,8 +84,10 @@ class Evaluator:
 
     def remember(self, plan: Strategy, result: SimResult) -> None:
         """``plan``'s ``result`` returned when ``plan`` is asked again without a summary or
-        timeline."""
-        self._keep(self.planned(plan), False, result)
+        timeline (with one too where ``result`` is the summarized one kept already)."""
+        plan = self.planned(plan)
+        seen = self._seen.get(plan)
+        self._keep(plan, seen is not None and seen[0] and seen[1] is result, result)
 
     def _keep(self, plan: Strategy, summarized: bool, result: SimResult) -> None:
         """``plan``'s ``result`` the most recently used of the last ``SEEN``."""
@@ -402,16 +404,16 @@ def search(model: torch.nn.Module | OpGraph, example_inputs: Sequence[Any] | Non
         count = search_exhaustively(candidates, evaluate, stats, started, n, microbatches, schedule,
                                     config.precision, deadline, pace)
         return done(stats, False, 1, count, size)
-    if _past(deadline):  # the budget went on the moves' space (made lazily: what its first draws read)
+    if _past(deadline):  # the budget went on the moves' space (candidates.py: one list per op signature)
         return done(stats, False, 1, 0, 0)
     init = ("hybrid",) if config.init is None else config.init  # hybrid: data parallel where n divides the batch
     starts: list[Strategy] = []
     if swept and moves.globals:  # the factorizations timed best-first (sweep.py)
         share = None if deadline is None else time.perf_counter() + SWEEP_SHARE * (deadline - time.perf_counter())
-        starts = swept_starts(graph, topo, moves.globals, evaluate, share,
-                              None if deadline is not None else SWEEP_TIMINGS, plans, results, stats, started,
-                              pace=pace)
-        starts = restaged_starts(moves.globals, evaluate, starts, stats, started, deadline, pace)  # stageinit.py
+        timed = swept_starts(graph, topo, moves.globals, evaluate, share,
+                             None if deadline is not None else SWEEP_TIMINGS, plans, results, stats, started,
+                             pace=pace)
+        starts = restaged_starts(moves.globals, evaluate, timed, stats, started, deadline, pace)  # stageinit.py
         if not starts and stats.best is not None:  # nothing fit, or nothing was timed, in the sweep's share:
             starts = [stats.best]  # the best plan scored so far (a baseline) starts the chains
         if _past(deadline):

@@ -1,7 +1,8 @@
-"""The op moves' configs, made when first read: every valid config of an op
-(``strategies.config.enumerate_configs``' order), one list per op signature and count of
-micro-batches, so that the repeated layers of a transformer share one list (GPT-3 175B: 2,123 ops,
-21 signatures) and nothing is enumerated before a move reads it."""
+"""The op moves' configs: every valid config of an op (``strategies.config.enumerate_configs``'
+order), one list per op signature and count of micro-batches, made when first read, so that the
+repeated layers of a transformer share one list (GPT-3 175B: 2,123 ops, 21 signatures) and a count
+of micro-batches no move reaches enumerates nothing (a count's space, ``moves.Space``, reads
+every op's list when it is built)."""
 
 from __future__ import annotations
 

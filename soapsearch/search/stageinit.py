@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from simulator.result import SimResult
 from soapsearch.search.mcmc import ChainStats, consider, plan_cost, rank
 from soapsearch.search.pace import SUMMARY, Pace
-from soapsearch.search.stagemove import restage, stage_count
+from soapsearch.search.stagemove import _cut, restage, stage_count
 from strategies.errors import PlanError
 from strategies.strategy import Strategy
 
@@ -25,22 +26,27 @@ RESTAGED_STARTS = 2
 """Pipelined plans of the sweep's ranking restaged as starts, the best first (0: none)."""
 
 
-def restaged_starts(moves: "GlobalMoves", evaluate: "Evaluator", starts: list[Strategy], stats: ChainStats,
-                    started: float, deadline: float | None, pace: Pace,
+def restaged_starts(moves: "GlobalMoves", evaluate: "Evaluator", starts: list[tuple[Strategy, SimResult]],
+                    stats: ChainStats, started: float, deadline: float | None, pace: Pace,
                     count: int | None = None) -> list[Strategy]:
-    """``starts`` (the sweep's timed plans, ``evaluate`` remembering their results, by rank)
-    with each of the ``count`` (default ``RESTAGED_STARTS``) best pipelined ones (not interleaved) restaged by
-    ``moves.op_seconds``; the restaged plan scored, considered in ``stats`` and remembered, and
-    put in its plan's place where it ranks before it; the list sorted by rank again (stable).
-    A restage predicted to end past ``deadline`` (kind "restage": the op times, the dynamic
-    program and the scoring, with a summary's pass after it) is not made."""
+    """The plans of ``starts`` (the sweep's timed plans with their results, by rank) with each
+    of the ``count`` (default ``RESTAGED_STARTS``) best pipelined ones (not interleaved)
+    restaged by ``moves.op_seconds``; the restaged plan scored, considered in ``stats`` and
+    remembered, and put in its plan's place where it ranks before it; the list sorted by rank
+    again (stable). Ranked by the results given, so no start is simulated again however many
+    the sweep timed. A restage predicted to end past ``deadline`` (kind "restage": the op times,
+    the dynamic program and the scoring, with a summary's pass after it) is not made."""
     count = RESTAGED_STARTS if count is None else count
     out = list(starts)
     made = 0
-    for k, plan in enumerate(starts):
+    cut = None
+    for k, (plan, old) in enumerate(starts):
         if made >= count:
             break
-        if plan.schedule == "interleaved" or stage_count(moves.graph, plan) == 1:
+        if plan.schedule == "interleaved":
+            continue
+        cut = _cut(moves.graph) if cut is None else cut
+        if stage_count(moves.graph, plan, cut) == 1:
             continue
         made += 1
         if not pace.fits("restage", deadline, SUMMARY):
@@ -56,12 +62,7 @@ def restaged_starts(moves: "GlobalMoves", evaluate: "Evaluator", starts: list[St
         cost = plan_cost(result)
         consider(stats, new, result, cost, started)
         evaluate.remember(new, result)  # the chain starting from it does not simulate it again
-        old = evaluate(plan)
         if rank(result.fits, cost) < rank(old.fits, plan_cost(old)):
-            out[k] = new
-    return sorted(out, key=lambda p: _rank(evaluate, p))
-
-
-def _rank(evaluate: "Evaluator", plan: Strategy) -> tuple:
-    result = evaluate(plan)  # remembered: no simulation
-    return rank(result.fits, plan_cost(result))
+            out[k] = (new, result)
+    out.sort(key=lambda s: rank(s[1].fits, plan_cost(s[1])))
+    return [plan for plan, _ in out]

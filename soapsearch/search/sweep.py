@@ -293,16 +293,18 @@ class _Order:
 
 def swept_starts(graph: OpGraph, topo: Topology, moves: GlobalMoves, evaluate, deadline: float | None,
                  limit: int | None, plans: dict[str, Strategy], results: dict[str, SimResult],
-                 stats: ChainStats, started: float, pace: Pace | None = None) -> list[Strategy]:
+                 stats: ChainStats, started: float, pace: Pace | None = None) -> list[tuple[Strategy, SimResult]]:
     """``sweep`` with ``evaluate``'s lowering cache and the scored baselines (``plans``,
-    ``results``) known; each timed plan considered in ``stats``; the timed plans by
-    ``mcmc.rank`` (those that fit first, then the fastest), the chains' starts."""
+    ``results``) known; each timed plan considered in ``stats``; the timed plans with their
+    results by ``mcmc.rank`` (those that fit first, then the fastest), the chains' starts, the
+    best remembered last (``Evaluator`` keeps the most recent)."""
     known = {plans[name]: results[name] for name in results if name in plans}
     done = sweep(graph, topo, moves, evaluate.optimizer, evaluate.precision, evaluate, evaluate.lowering_cache,
                  deadline, limit, known, pace)
     timed = [s for s in done if s.result is not None]
     for s in timed:
         consider(stats, s.plan, s.result, plan_cost(s.result), started)
-        evaluate.remember(s.plan, s.result)  # a chain starting from it does not simulate it again
     timed.sort(key=lambda s: rank(s.result.fits, plan_cost(s.result)))  # stable: the sweep's order on ties
-    return [s.plan for s in timed]
+    for s in reversed(timed):
+        evaluate.remember(s.plan, s.result)  # a chain starting from it does not simulate it again
+    return [(s.plan, s.result) for s in timed]

@@ -38,10 +38,9 @@ def test_the_restaged_start_is_the_brute_force_split_and_replaces_the_even_one()
     moves = GlobalMoves(graph, 4, (1, 2, 4), "bf16", evaluate)
     even = [moves.plan(Factorization(1, 4, 4, "gpipe", 0, False, False)),
             moves.plan(Factorization(2, 1, 4, "1f1b", 0, False, False))]
-    for plan in even:
-        evaluate.remember(plan, evaluate(plan))
+    timed = [(plan, evaluate(plan)) for plan in even]
     stats = ChainStats()
-    starts = stageinit.restaged_starts(moves, evaluate, even, stats, 0.0, None, Pace())
+    starts = stageinit.restaged_starts(moves, evaluate, timed, stats, 0.0, None, Pace())
     assert len(starts) == 2 and starts[1] is even[1]  # one stage: kept as it is
     new = starts[0]
     assert new is not even[0] and stage_count(graph, new) == 4
@@ -59,6 +58,22 @@ def test_the_restaged_start_is_the_brute_force_split_and_replaces_the_even_one()
     ms_even, ms_new = evaluate(even[0]).iteration_ms, evaluate(new).iteration_ms
     assert ms_new < 0.8 * ms_even
     assert stats.best is new and stats.best_result.iteration_ms == ms_new  # considered for the answer
+
+
+def test_the_starts_are_ranked_by_their_results_not_simulated_again(monkeypatch):
+    """The sweep may time more plans than the ``Evaluator`` keeps (``SEEN``): the restage ranks
+    the starts by the results it is given, so it simulates the restaged plan alone."""
+    graph = _heavy_head_gpt()
+    evaluate = Evaluator(graph, get_topology("p100-1x4"), get_cost_model("analytical"), "adam", "bf16")
+    moves = GlobalMoves(graph, 4, (1, 2, 4), "bf16", evaluate)
+    even = [moves.plan(Factorization(1, 4, 4, "gpipe", 0, False, False)),
+            moves.plan(Factorization(2, 1, 4, "1f1b", 0, False, False))]
+    timed = [(plan, evaluate(plan)) for plan in even]
+    monkeypatch.setattr(importlib.import_module("soapsearch.search.api"), "SEEN", 1)  # keeps the restaged plan only
+    calls = evaluate.calls
+    starts = stageinit.restaged_starts(moves, evaluate, timed, ChainStats(), 0.0, None, Pace())
+    assert evaluate.calls == calls + 1 and starts[1] is even[1] and stage_count(graph, starts[0]) == 4
+    assert evaluate(starts[0]) is not None and evaluate.calls == calls + 1  # remembered
 
 
 def test_a_search_from_the_restaged_starts_is_deterministic_and_no_worse(monkeypatch):
