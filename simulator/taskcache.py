@@ -17,7 +17,7 @@ from simulator.topology import Topology
 from strategies.graph import OpGraph, OpNode
 from strategies.lowered import OpPieces
 
-__all__ = ["KNOWN", "TaskCache", "block_key"]
+__all__ = ["KNOWN", "KNOWN_BYTES", "STATE_BYTES", "TaskCache", "block_key", "block_bytes"]
 
 
 class TaskCache:
@@ -35,6 +35,31 @@ class TaskCache:
         its ``_layout``, the last ``_Joined``]: a search moving between folded and per-device
         plans keeps the blocks of both."""
         self._current: list = [None, ([], {}, [], [], []), None]
+        self.known_bytes = 0
+        """``block_bytes`` of every state's known blocks (``_layout``); past ``KNOWN_BYTES``
+        they are all dropped (``hold``)."""
+
+    def hold(self, mine: dict, key: tuple, block: Any) -> None:
+        """``block`` the most recently used of an op's known blocks ``mine`` (``KNOWN`` of them,
+        the least recently used going first); past ``KNOWN_BYTES`` of known blocks in all, every
+        state's known blocks dropped (a block built again is the same: speed, never results)."""
+        was = mine.pop(key, None)
+        mine[key] = block
+        self.known_bytes += block_bytes(block) - (0 if was is None else block_bytes(was))
+        while len(mine) > KNOWN:
+            self.known_bytes -= block_bytes(mine.pop(next(iter(mine))))
+        if self.known_bytes > KNOWN_BYTES:
+            for state in self._states.values():
+                for known in state[1][3]:
+                    known.clear()
+            self.known_bytes = 0
+
+    def reuse(self, mine: dict, key: tuple) -> Any:
+        """The known block of ``mine`` under ``key``, taken out (None: none)."""
+        b = mine.pop(key, None)
+        if b is not None:
+            self.known_bytes -= block_bytes(b)
+        return b
 
     def layout(self, graph: OpGraph, kept: frozenset[int] | None = None) -> _Layout:
         """``_layout(graph)`` for the devices ``kept``, its blocks kept from the graphs built
@@ -43,11 +68,19 @@ class TaskCache:
         if state is None or state[0] is not graph:
             if any(s[0] is not graph for s in self._states.values()):
                 self._states.clear()
-            if len(self._states) >= _STATES:
-                del self._states[next(iter(self._states))]
+                self.known_bytes = 0
+            held = sum(_state_bytes(s) for s in self._states.values())
+            while self._states and (len(self._states) >= _STATES or held > STATE_BYTES):
+                held -= self._drop(next(iter(self._states)))
             state = self._states[kept] = [graph, _layout(graph), None]
         self._current = state
         return state[1]
+
+    def _drop(self, kept: frozenset[int] | None) -> int:
+        """The state of the devices ``kept`` dropped; its ``_state_bytes``."""
+        state = self._states.pop(kept)
+        self.known_bytes -= sum(block_bytes(b) for known in state[1][3] for b in known.values())
+        return _state_bytes(state)
 
     def join(self, blocks: list[Any]) -> "_Joined":
         """``blocks``' arrays joined, from the last graph's of the same devices (``_Joined``)."""
@@ -61,6 +94,27 @@ class TaskCache:
 
 _STATES = 8
 """Sets of simulated devices a ``TaskCache`` keeps blocks for (the oldest goes first)."""
+
+STATE_BYTES = 128 << 20
+"""The joined arrays (``_Joined``) of the states a ``TaskCache`` keeps besides the one it
+starts: past them the oldest states go first. A state's arrays grow with the devices simulated
+(a per-device plan of GPT-3 175B on 128 devices: 27 MB, its blocks with their pieces about 4x
+that), so a count alone does not bound a search's memory."""
+
+KNOWN_BYTES = 64 << 20
+"""The arrays of the blocks a ``TaskCache`` keeps besides the last graphs' (``block_bytes``),
+all states together (each block holds its pieces too, about 3x its arrays): past them every
+known block is dropped."""
+
+
+def block_bytes(block: Any) -> int:
+    """What a block's arrays hold (``_Block.arrays``: edges, steps, durations, resources, slots)."""
+    return sum(a.nbytes for a in block.arrays)
+
+
+def _state_bytes(state: list) -> int:
+    """What a state's joined arrays hold (0 before its first graph)."""
+    return 0 if state[2] is None else sum(a.nbytes for a in state[2].arrays)
 
 
 class _Joined:

@@ -46,7 +46,7 @@ from simulator.memory import MASTER
 from simulator.step import UPDATE_TRAFFIC, link_step, member_ends
 from simulator.symmetry import Copies
 from simulator.zero3 import add_gathers
-from simulator.taskcache import KNOWN, TaskCache, block_key
+from simulator.taskcache import TaskCache, block_key
 from simulator.taskgraph import CATEGORY, INDEX, Columns, Segment, StepOrder, TaskGraph, TaskKind
 from simulator.topology import Topology
 from simulator.twins import twin_block
@@ -468,15 +468,13 @@ def _blocks(lowered: Lowered, topology: Topology, cost: CostModel, cache: TaskCa
     for i in list(itertools.compress(range(len(pieces)), map(operator.is_not, pieces, was))):
         mine, p = known[i], pieces[i]
         if kept[i] is not None:
-            mine[block_key(kept[i].pieces)] = kept[i]
-        b = mine.pop(block_key(p), None)  # held blocks hold their pieces: an id is theirs
+            cache.hold(mine, block_key(kept[i].pieces), kept[i])
+        b = cache.reuse(mine, block_key(p))  # held blocks hold their pieces: an id is theirs
         if b is None:
             node = nodes[i]  # in graph order: its producers' blocks are current
             producers = {src: kept[position[src]] for src in node.inputs}
             b = (twin_block(lowered, node, p, producers, i, kept, position, topology, wires)  # its twin's, renamed
                  or _op_block(node, p, graph, producers, i, topology, cost, wires, keep))
-        while len(mine) > KNOWN:
-            del mine[next(iter(mine))]  # the least recently used
         kept[i], was[i] = b, p
     return list(kept)
 
