@@ -1,7 +1,7 @@
 """The state ``simulator.tasks.build_tasks`` keeps between task graphs of one op graph (delta
 simulation, see ``simulator.tasks``): each op's task block of the last graph and the ``KNOWN``
 blocks built before it, by their pieces, and the blocks' arrays joined (``_Joined``), patched
-where blocks changed."""
+where blocks changed; bounded by bytes as well as counts (``KNOWN_BYTES``, ``STATE_BYTES``)."""
 
 from __future__ import annotations
 
@@ -109,12 +109,16 @@ known block is dropped."""
 
 def block_bytes(block: Any) -> int:
     """What a block's arrays hold (``_Block.arrays``: edges, steps, durations, resources, slots)."""
-    return sum(a.nbytes for a in block.arrays)
+    return _nbytes(block.arrays)
 
 
 def _state_bytes(state: list) -> int:
     """What a state's joined arrays hold (0 before its first graph)."""
-    return 0 if state[2] is None else sum(a.nbytes for a in state[2].arrays)
+    return 0 if state[2] is None else _nbytes(state[2].arrays)
+
+
+def _nbytes(arrays: tuple[np.ndarray, ...]) -> int:
+    return sum(a.nbytes for a in arrays)
 
 
 class _Joined:
