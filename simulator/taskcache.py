@@ -98,12 +98,12 @@ _STATES = 8
 STATE_BYTES = 128 << 20
 """The joined arrays (``_Joined``) of the states a ``TaskCache`` keeps besides the one it
 starts: past them the oldest states go first. A state's arrays grow with the devices simulated
-(a per-device plan of GPT-3 175B on 128 devices: 27 MB, its blocks with their pieces about 4x
-that), so a count alone does not bound a search's memory."""
+(a per-device plan of GPT-3 175B on 128 devices: 27 MB, its blocks with the pieces they hold
+about 3.7x that), so a count alone does not bound a search's memory."""
 
 KNOWN_BYTES = 64 << 20
 """The arrays of the blocks a ``TaskCache`` keeps besides the last graphs' (``block_bytes``),
-all states together (each block holds its pieces too, about 3x its arrays): past them every
+all states together (each block holds its pieces too, about 3.7x its arrays): past them every
 known block is dropped."""
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from functools import cached_property
 from typing import Iterator, Mapping
 
@@ -68,8 +68,7 @@ class Strategy:
         ``soapsearch.search.api.Evaluator``, and asks for it several times a proposal)."""
         got = self.__dict__.get("_hash")
         if got is None:
-            got = hash((self.configs, self.num_devices, self.microbatches, self.schedule, self.precision,
-                        self.bucket_cap_mb, self.fsdp_unit))
+            got = hash(tuple(getattr(self, f.name) for f in fields(self) if f.compare))
             object.__setattr__(self, "_hash", got)
         return got
 
