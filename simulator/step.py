@@ -13,12 +13,12 @@ followed, on each member device, by that device's ``collective_overhead`` of hos
 from __future__ import annotations
 
 import functools
-
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 from simulator.comm import allgather_time, allreduce_time, collective_time, ring_links
 from simulator.devices import DeviceSpec
-from simulator.taskgraph import TaskGraph, TaskKind
+from simulator.taskgraph import Columns, TaskGraph, TaskKind
 from simulator.topology import Topology
 from strategies.config import format_devices
 from strategies.members import kept_members
@@ -64,7 +64,7 @@ def link_step(tg: TaskGraph, lowered: Lowered, topology: Topology,
               step_sums: list[tuple[int, list[tuple[ReductionGroup, list[int], bool]]]], last: dict[int, list[int]],
               optimizer: str, traffic: float, order: list[BucketKey],
               issued: dict[tuple[BucketKey, int], tuple[int, int | None]],
-              keep: frozenset[int] | None = None) -> None:
+              keep: frozenset[int] | None = None, memo: dict | None = None) -> None:
     """The end of the step as the executor runs it (``runtime.Executor.step``). The loss sums
     gated STEP (``step_sums``: per block with such sums, its first id and its sums with their members'
     forward tasks and whether the divisor needs the data) travel in the gradient bucket of
@@ -83,7 +83,10 @@ def link_step(tg: TaskGraph, lowered: Lowered, topology: Topology,
     is that far and overlapping the updates (nothing in them reads it; the step ends when it
     has). Each collective here ends on each member with its ``member_ends``. ``keep``: the
     devices simulated (a folded plan's copy 0, ``simulator.fold``; ``last`` and ``issued``
-    name only them): each collective is timed over its group, its member tasks made on them."""
+    name only them): each collective is timed over its group, its member tasks made on them.
+    ``memo``: a dict the caller keeps across the graphs of one topology: each bucket's tasks
+    recorded once (``_record_bucket``) and laid out again, the edges to the steps around them
+    made per graph (the same tasks and edges, in the same order, as recorded afresh)."""
     n = topology.num_devices
     mine = (lambda devs: devs) if keep is None else (lambda devs: kept_members(devs, keep))
     later: dict[int, list[int]] = {d: [] for d in last}  # what only its update waits on
@@ -111,40 +114,37 @@ def link_step(tg: TaskGraph, lowered: Lowered, topology: Topology,
     buckets = lowered.gradient_sync.buckets
     sharded = zero_buckets(lowered)
     synced = {d: last[d] + later[d] for d in last}
-    rings: dict[tuple[int, ...], tuple[int, ...]] = {}  # a device set's ring, once (its buckets share it)
+    memo = {} if memo is None else memo
+    if len(memo) >= MEMO:
+        memo.clear()
+    src, dst = tg.edge_src, tg.edge_dst
     for key in order:  # levels 0 and 1 (2 and 3: reduce-scattered per use, simulator.zero3)
-        devs = key.devices
-        links = rings.get(devs)
-        if links is None:
-            links = rings[devs] = tuple(n + l for l in ring_links(topology, devs))
         zb = sharded.get(key)
-        kind = "reduce_scatter" if zb is not None else "all_reduce"
-        label = f"{kind.replace('_', '')} {_bucket_name(key)}"
         extra, fwds = riders.get(key, (0, []))
-        nbytes = buckets[key] + extra if zb is None else zb.chunk_bytes * len(devs)  # padded to n chunks
-        ar = tg.add(label, TaskKind.ALLREDUCE, collective_time(topology, kind, devs, nbytes), links, devs[0], nbytes)
+        nbytes = buckets[key] + extra if zb is None else zb.chunk_bytes * len(key.devices)  # padded to n chunks
+        mkey = (key, nbytes, buckets[key], zb is not None, keep)
+        t = memo.get(mkey)
+        if t is None:
+            t = memo[mkey] = _record_bucket(topology, key, nbytes, buckets[key], zb is not None, mine(key.devices))
+        base = tg.extend(t.cols)
         for f in fwds:
-            tg.edge(f, ar)
-        packs = []
-        members = mine(devs)
-        for d in members:
-            pack = tg.add(f"pack {label} device {d}", TaskKind.ALLREDUCE, _copy_time(topology.devices[d], nbytes),
-                          (d,), d)
+            src.append(f)
+            dst.append(base)
+        for p, d in enumerate(t.members, base + 1):  # its pack, between two steps as the executor runs it
             after, before = issued[(key, d)]
-            tg.edge(after, pack)
-            if before is not None:  # run between two steps, as the executor does
-                tg.edge(pack, before)
-            tg.edge(pack, ar)
-            packs.append(pack)
-        for d, e in zip(members, _synced_ends(tg, topology, ar, devs, label, TaskKind.ALLREDUCE,
-                                              list(zip(members, packs)), members)):
-            if zb is not None:  # its chunk of the sum is the optimizer's gradient: nothing to copy back
-                synced[d].append(e)
-                continue
-            unpack = tg.add(f"unpack {label} device {d}", TaskKind.ALLREDUCE,
-                            _copy_time(topology.devices[d], buckets[key]), (d,), d)
-            tg.edge(e, unpack)
-            synced[d].append(unpack)
+            if before is None:
+                src += (after, p)
+                dst += (p, base)
+            else:
+                src += (after, p, p)
+                dst += (p, before, base)
+        src += [base + a for a in t.src]
+        dst += [base + b for b in t.dst]
+        if t.hosts:
+            tg.syncs.append((base, tuple((d, base + h) for d, h in t.hosts),
+                             tuple((d, p) for p, d in enumerate(t.members, base + 1)), t.count))
+        for d, e in zip(t.members, t.ends):
+            synced[d].append(base + e)
     if not loss_on_every_device(lowered):
         everyone = tuple(range(lowered.strategy.num_devices))
         rep = tg.add("allreduce loss", TaskKind.ALLREDUCE, allreduce_time(topology, everyone, _LOSS_BYTES),
@@ -164,6 +164,58 @@ def link_step(tg: TaskGraph, lowered: Lowered, topology: Topology,
     chunks = [(zb.key.devices, zb.chunk_bytes, _bucket_name(zb.key)[len("bucket "):]) for zb in sharded.values()]
     chunks += [(s.devices, shard_chunk_bytes(s), f"{s.name} zero2") for s in per_use_shards(lowered) if s.zero == 2]
     _gather_chunks(tg, topology, chunks, updates, mine)
+
+
+MEMO = 4096
+"""Gradient buckets' recorded tasks a ``link_step`` memo keeps (past them it starts empty)."""
+
+
+class _BucketTasks(NamedTuple):
+    """A gradient bucket's step-end tasks (``_record_bucket``), ids local to them: its
+    collective 0, member i's pack 1 + i, then the members' overhead tasks and unpacks."""
+
+    cols: Columns
+    members: tuple[int, ...]
+    """The members simulated, in order."""
+    hosts: tuple[tuple[int, int], ...]
+    """(member, its overhead task) of the members with one (``member_ends``)."""
+    src: list[int]
+    dst: list[int]
+    """The edges among them past the packs': the collective to the overhead tasks, each
+    member's end to its unpack."""
+    ends: tuple[int, ...]
+    """Each member's last task: what its update waits on."""
+    count: int
+    """The members each simulated one stands for (``TaskGraph.syncs``)."""
+
+
+def _record_bucket(topology: Topology, key: BucketKey, nbytes: int, unpacked: int, scattered: bool,
+                   members: Sequence[int]) -> _BucketTasks:
+    """Bucket ``key``'s tasks: its all-reduce (``scattered``: level 1's reduce-scatter) of
+    ``nbytes`` on its ring, each member's pack of them, its member ends and (level 0) its copy
+    of the ``unpacked`` bytes back; a pure function of its arguments, so ``link_step`` records
+    it once and lays it out again with the edges to the steps it waits on and before."""
+    n, devs = topology.num_devices, key.devices
+    cols, src, dst = Columns(), [], []
+    kind = "reduce_scatter" if scattered else "all_reduce"
+    label = f"{kind.replace('_', '')} {_bucket_name(key)}"
+    cols.add(label, TaskKind.ALLREDUCE, collective_time(topology, kind, devs, nbytes),
+             tuple(n + l for l in ring_links(topology, devs)), devs[0], nbytes)
+    for d in members:
+        cols.add(f"pack {label} device {d}", TaskKind.ALLREDUCE, _copy_time(topology.devices[d], nbytes), (d,), d)
+    ends = member_ends(cols.add, lambda a, b: (src.append(a), dst.append(b)), topology, 0, devs, label,
+                       TaskKind.ALLREDUCE, members)
+    hosts = tuple((d, e) for d, e in zip(members, ends) if e != 0)
+    if not scattered:  # level 0: the sums copied back (level 1: its chunk is the optimizer's gradient)
+        done = []
+        for d, e in zip(members, ends):
+            u = cols.add(f"unpack {label} device {d}", TaskKind.ALLREDUCE, _copy_time(topology.devices[d], unpacked),
+                         (d,), d)
+            src.append(e)
+            dst.append(u)
+            done.append(u)
+        ends = done
+    return _BucketTasks(cols, tuple(members), hosts, src, dst, tuple(ends), len(devs) // max(1, len(members)))
 
 
 def _bucket_name(key: BucketKey) -> str:

@@ -34,6 +34,10 @@ class TaskCache:
         """Devices simulated (a folded plan's copy 0, ``simulator.fold``; None: all) -> [graph,
         its ``_layout``, the last ``_Joined``]: a search moving between folded and per-device
         plans keeps the blocks of both."""
+        self.buckets: dict = {}
+        """The graph's gradient buckets' ready steps (``strategies.overlap.bucket_plan``'s memo)."""
+        self.step_tasks: dict = {}
+        """Gradient buckets' step-end tasks, recorded (``simulator.step.link_step``'s memo)."""
         self._current: list = [None, ([], {}, [], [], []), None]
         self.known_bytes = 0
         """``block_bytes`` of every state's known blocks (``_layout``); past ``KNOWN_BYTES``
@@ -68,6 +72,7 @@ class TaskCache:
         if state is None or state[0] is not graph:
             if any(s[0] is not graph for s in self._states.values()):
                 self._states.clear()
+                self.buckets.clear()
                 self.known_bytes = 0
             held = sum(_state_bytes(s) for s in self._states.values())
             while self._states and (len(self._states) >= _STATES or held > STATE_BYTES):

@@ -185,6 +185,18 @@ class TaskGraph:
             device: int, nbytes: int = 0) -> int:
         return self._head + self.tail.add(name, category, duration, resources, device, nbytes)
 
+    def extend(self, cols: Columns) -> int:
+        """Append ``cols``' tasks in order (a run recorded once and laid out again,
+        ``simulator.step``); returns the first one's id."""
+        first, tail = len(self), self.tail
+        tail.name += cols.name
+        tail.category += cols.category
+        tail.duration += cols.duration
+        tail.resources += cols.resources
+        tail.device += cols.device
+        tail.nbytes += cols.nbytes
+        return first
+
     def __len__(self) -> int:
         return self._head + len(self.tail)
 

@@ -424,21 +424,20 @@ def build_tasks(lowered: Lowered, topology: Topology, cost: CostModel, optimizer
     for d, ends in scattered.items():  # the update waits on the gradients' reduce-scatters
         last[d] += ends
     step_sums = [(int(first[i]), blocks[i].step_reductions) for i in joined.summing]
-    order, issues = bucket_plan(lowered)
+    order, issues = bucket_plan(lowered, position, cache.buckets)
     if keep is not None:
         issues = {d: mine for d, mine in issues.items() if d in keep}
     link_step(tg, lowered, topology, step_sums, last, optimizer, traffic, order,
-              _bucket_ready(tg, lowered, blocks, first, issues), keep)
+              _bucket_ready(tg, position, blocks, first, issues), keep, cache.step_tasks)
     return tg
 
 
-def _bucket_ready(tg: TaskGraph, lowered: Lowered, blocks: list[_Block], first: np.ndarray,
+def _bucket_ready(tg: TaskGraph, position: dict[str, int], blocks: list[_Block], first: np.ndarray,
                   issues: dict) -> dict[tuple, tuple[int, int | None]]:
     """(gradient bucket, member device) -> where its collective starts there: the end of the
     backward step after which the member starts it (``issues``: ``strategies.overlap.bucket_issues``) and
     the first task of the device's next step, which waits on it (the executor starts it
-    between the two), None after the device's last step."""
-    position = {node.name: i for i, node in enumerate(lowered.graph)}
+    between the two), None after the device's last step. ``position``: each op's block's."""
     order = tg.step_order
     ends = dict(zip(order.devices, order.last))
     out = {}

@@ -47,14 +47,17 @@ class BucketIssue(NamedTuple):
     after: Step
 
 
-def _bucket_ops(lowered: Lowered) -> tuple[dict[str, int], dict[BucketKey, set[str]]]:
-    """Each op's graph position, and the level-0 and level-1 buckets
+def _bucket_ops(lowered: Lowered, position: dict[str, int] | None = None
+                ) -> tuple[dict[str, int], dict[BucketKey, set[str]]]:
+    """Each op's graph position (``position`` when given), and the level-0 and level-1 buckets
     (``strategies.lowered.split_buckets``) with the ops reading their shards."""
     ops: dict[BucketKey, set[str]] = {}
     for s, key in zip(lowered.weight_shards, lowered.gradient_sync.shard_buckets):
         if key is not None and key.zero < 2:
             ops.setdefault(key, set()).update(s.ops)
-    return {node.name: i for i, node in enumerate(lowered.graph)}, ops
+    if position is None:
+        position = {node.name: i for i, node in enumerate(lowered.graph)}
+    return position, ops
 
 
 def _order(position: dict[str, int], ops: dict[BucketKey, set[str]]) -> list[BucketKey]:
@@ -73,22 +76,20 @@ def bucket_issues(lowered: Lowered) -> dict[int, list[BucketIssue]]:
     return bucket_plan(lowered)[1]
 
 
-def bucket_plan(lowered: Lowered) -> tuple[list[BucketKey], dict[int, list[BucketIssue]]]:
+def bucket_plan(lowered: Lowered, position: dict[str, int] | None = None, memo: dict | None = None
+                ) -> tuple[list[BucketKey], dict[int, list[BucketIssue]]]:
     """``bucket_order`` and ``bucket_issues`` at once (of copy 0's lowering, ``Lowered.copies``:
-    the issues of copy 0's devices; every copy's are their images)."""
-    position, ops = _bucket_ops(lowered)
+    the issues of copy 0's devices; every copy's are their images). ``position``: each op's
+    graph position, when the caller keeps it; ``memo``: a dict the caller keeps across the
+    lowerings of one graph, holding each bucket's ready steps with the reader ops' partitions
+    they were found from, so a plan that changes a few ops finds again only the buckets
+    those ops read (the same result as without it: ``_ready``)."""
+    position, ops = _bucket_ops(lowered, position)
     last = lowered.strategy.microbatches - 1
     kept = None if lowered.copies is None else lowered.copies.kept  # copy 0's lowering: its devices' issues
     ready: dict[tuple[int, BucketKey], tuple[int, int, Step]] = {}  # forward position: earlier runs later
     for key, names in ops.items():
-        todo = set(key.devices) if kept is None else set(kept.intersection(key.devices))
-        for op in sorted(names, key=position.__getitem__):  # the first op with a partition on d is d's
-            for k, p in enumerate(lowered.partitions[op][last]):
-                if p.device in todo:  # its first partition there
-                    todo.discard(p.device)
-                    ready[(p.device, key)] = (position[op], k, Step(True, op, p.index, last))
-            if not todo:
-                break
+        ready.update(_ready(lowered, key, names, position, last, kept, memo))
     out: dict[int, list[BucketIssue]] = {}
     issued: dict[int, tuple[int, int, Step]] = {}
     order = _order(position, ops)
@@ -98,3 +99,34 @@ def bucket_plan(lowered: Lowered) -> tuple[list[BucketKey], dict[int, list[Bucke
             issued[d] = here if d not in issued or here < issued[d] else issued[d]
             out.setdefault(d, []).append(BucketIssue(key, issued[d][2]))
     return order, out
+
+
+MEMO = 4096
+"""Buckets a ``bucket_plan`` memo keeps (past them it starts empty: speed, never results)."""
+
+
+def _ready(lowered: Lowered, key: BucketKey, names: set[str], position: dict[str, int], last: int,
+           kept: frozenset[int] | None, memo: dict | None) -> dict[tuple[int, BucketKey], tuple[int, int, Step]]:
+    """(member, ``key``) -> (forward position, partition index, step) of the backward step in
+    the last micro-batch after which the bucket's gradients are final on the member: the first
+    partition there of the first op of ``names`` in graph order. ``memo``: kept by (bucket,
+    devices simulated, micro-batch) with the reader ops and their partitions (by identity:
+    the memo holds them), found again only where they differ."""
+    parts = lowered.partitions
+    got = None if memo is None else memo.get((key, kept, last))
+    if got is not None and got[0] == names and all(parts[op] is p for op, p in got[1]):
+        return got[2]
+    out = {}
+    todo = set(key.devices) if kept is None else set(kept.intersection(key.devices))
+    for op in sorted(names, key=position.__getitem__):  # the first op with a partition on d is d's
+        for k, p in enumerate(parts[op][last]):
+            if p.device in todo:  # its first partition there
+                todo.discard(p.device)
+                out[(p.device, key)] = (position[op], k, Step(True, op, p.index, last))
+        if not todo:
+            break
+    if memo is not None:
+        if len(memo) >= MEMO:
+            memo.clear()
+        memo[(key, kept, last)] = (names, [(op, parts[op]) for op in names], out)
+    return out

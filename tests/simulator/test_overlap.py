@@ -48,10 +48,10 @@ def test_the_bucket_waits_on_its_ops_backward_only():
         assert f"bwd layers_1[{d}]@mb0" in after  # the device's next step waits on it
 
 
-def _step_end(lowered):
+def _step_end(lowered, *memos):
     """``bucket_plan`` with every bucket started after the device's last weighted backward step
     (no overlap)."""
-    order, issues = bucket_plan(lowered)
+    order, issues = bucket_plan(lowered, *memos)
     return order, {d: [BucketIssue(i.key, steps[-1].after) for i in steps] for d, steps in issues.items()}
 
 
