@@ -440,19 +440,25 @@ def _bucket_ready(tg: TaskGraph, position: dict[str, int], blocks: list[_Block],
     between the two), None after the device's last step. ``position``: each op's block's."""
     order = tg.step_order
     ends = dict(zip(order.devices, order.last))
-    out = {}
     if not issues:
-        return out
+        return {}
+    pairs, bwd, after, until = [], [], [], []  # per distinct (device, step): its backward task, end, device's last place
+    for d, mine in issues.items():
+        step = None
+        for key, now in mine:
+            if now is not step:  # a device's buckets share a step while none before is ready later
+                step = now
+                i = position[step.op]
+                at, fwd = int(first[i]), blocks[i]  # partitions are in index order; a folded block's by index
+                bwd.append(at + fwd.fwd[step.microbatch][step.index] + 1)
+                after.append(at + fwd.bwd_done[step.microbatch][step.index])
+                until.append(ends[d])
+            pairs.append(((key, d), len(bwd) - 1))
     place = np.full(len(tg), -1, dtype=np.int64)  # a step's first task -> its place in the step order
     place[order.tasks] = np.arange(len(order.tasks))  # each step once: every place is one task's
-    for d, mine in issues.items():
-        for key, step in mine:
-            i = position[step.op]
-            k = step.index  # partitions are in index order; a folded block's by index
-            at = int(place[int(first[i]) + blocks[i].fwd[step.microbatch][k] + 1])
-            after = int(first[i]) + blocks[i].bwd_done[step.microbatch][k]
-            out[(key, d)] = (after, int(order.tasks[at + 1]) if at < ends[d] else None)
-    return out
+    at = place[bwd]
+    nxt = np.where(at < until, order.tasks[np.minimum(at + 1, len(order.tasks) - 1)], -1).tolist()
+    return {pair: (after[j], None if nxt[j] < 0 else nxt[j]) for pair, j in pairs}
 
 
 def _blocks(lowered: Lowered, topology: Topology, cost: CostModel, cache: TaskCache,

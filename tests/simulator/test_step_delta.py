@@ -1,0 +1,64 @@
+"""The step end per proposal from the last plans' (``simulator.step``'s recorded buckets,
+``strategies.overlap.bucket_plan``'s memo): over a walk of one-op proposals (each with a drawn
+ZeRO level), bucket caps, whole-plan levels 0-3 and micro-batch counts, delta simulation equals
+a full simulation (iteration time, busy times, peak memory, bytes, tasks) at every step, the
+bucket plan from the memo equals a fresh ``bucket_plan``, and the memos were read."""
+
+from __future__ import annotations
+
+import random
+
+from simulator.cost import get_cost_model
+from simulator.presets import get_topology
+from soapsearch.search.api import Evaluator
+from soapsearch.search.mcmc import candidate_configs
+from strategies import data_parallel
+from strategies.baselines import sharded
+from strategies.errors import PlanError
+from strategies.lowering import lower
+from strategies.overlap import bucket_plan
+from tests.conftest import traced
+from tests.search.delta_check import assert_delta_equals_full
+
+
+def test_step_end_and_bucket_plan_from_the_last_plans_equal_fresh_ones_on_a_walk():
+    graph = traced("gpt", batch_size=16)
+    topo, cost = get_topology("p100-2x2"), get_cost_model("analytical")
+    n = topo.num_devices
+    evaluate = Evaluator(graph, topo, cost)
+    spaces = {m: candidate_configs(graph, n, m, topo.node_size) for m in (1, 2)}
+    choices = [op for op, cfgs in spaces[1].items() if len(cfgs) > 1]
+    weighted = {x.name for x in graph if any(w.trainable for w in x.weights)}
+    rng = random.Random(11)
+    current = data_parallel(graph, n).with_bucket_cap(0.01)  # several buckets per device set
+    memo: dict = {}
+    kinds = dict.fromkeys(("op", "level", "bucket", "count"), 0)
+    buckets = 0
+    for _ in range(90):
+        u = rng.random()
+        if u < 0.08:
+            proposal, kind = current.with_microbatches(rng.choice((1, 2)), rng.choice(("gpipe", "1f1b"))), "count"
+        elif u < 0.16:
+            proposal, kind = sharded(current, graph, rng.choice((0, 1, 2, 3))), "level"
+        elif u < 0.24:
+            proposal, kind = current.with_bucket_cap(rng.choice((0.001, 0.01, 25.0))), "bucket"
+        else:
+            op = rng.choice(choices)
+            cfg = rng.choice(spaces[current.microbatches][op])
+            proposal, kind = current.replace(op, cfg.with_memory(
+                zero=rng.choice((0, 1, 2, 3)) if op in weighted else 0)), "op"
+        try:
+            lower(graph, proposal)
+        except PlanError:
+            continue
+        assert_delta_equals_full(evaluate, proposal, (kind, proposal.microbatches, proposal.bucket_cap_mb))
+        low = lower(graph, proposal, evaluate.lowering_cache)  # the search's lowering: ops shared with the last
+        assert bucket_plan(low, None, memo) == bucket_plan(low), kind
+        buckets += len(low.gradient_sync.buckets)
+        kinds[kind] += 1
+        if rng.random() < 0.6:
+            current = proposal
+    assert kinds["op"] >= 40 and min(kinds.values()) >= 2, kinds
+    step_tasks = evaluate._tasks.step_tasks
+    assert 0 < len(step_tasks) < buckets / 4  # each bucket's tasks recorded once, laid out at most steps
+    assert len(memo) < buckets / 4
