@@ -150,8 +150,8 @@ def link_step(tg: TaskGraph, lowered: Lowered, topology: Topology,
         rep = tg.add("allreduce loss", TaskKind.ALLREDUCE, allreduce_time(topology, everyone, _LOSS_BYTES),
                      tuple(n + l for l in ring_links(topology, everyone)), 0, _LOSS_BYTES)
         arrivals = [(d, dep) for d in sorted(synced) for dep in dict.fromkeys(synced[d])]
-        for _, dep in arrivals:
-            tg.edge(dep, rep)
+        src += [dep for _, dep in arrivals]
+        dst += [rep] * len(arrivals)
         _synced_ends(tg, topology, rep, everyone, "allreduce loss", TaskKind.ALLREDUCE, arrivals, mine(everyone))
     updates = {}
     for d in sorted(last):
@@ -159,8 +159,9 @@ def link_step(tg: TaskGraph, lowered: Lowered, topology: Topology,
             u = updates[d] = tg.add(f"update {optimizer} device {d}", TaskKind.UPDATE,
                                     _update_time(topology.devices[d], traffic, weight_bytes[d], tensors[d]),
                                     (d,), d, weight_bytes[d])
-            for dep in dict.fromkeys(synced[d]):
-                tg.edge(dep, u)
+            deps = dict.fromkeys(synced[d])
+            src += deps
+            dst += [u] * len(deps)
     chunks = [(zb.key.devices, zb.chunk_bytes, _bucket_name(zb.key)[len("bucket "):]) for zb in sharded.values()]
     chunks += [(s.devices, shard_chunk_bytes(s), f"{s.name} zero2") for s in per_use_shards(lowered) if s.zero == 2]
     _gather_chunks(tg, topology, chunks, updates, mine)

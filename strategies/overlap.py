@@ -47,14 +47,23 @@ class BucketIssue(NamedTuple):
     after: Step
 
 
-def _bucket_ops(lowered: Lowered, position: dict[str, int] | None = None
+def _bucket_ops(lowered: Lowered, position: dict[str, int] | None = None, memo: dict | None = None
                 ) -> tuple[dict[str, int], dict[BucketKey, set[str]]]:
     """Each op's graph position (``position`` when given), and the level-0 and level-1 buckets
-    (``strategies.lowered.split_buckets``) with the ops reading their shards."""
-    ops: dict[BucketKey, set[str]] = {}
-    for s, key in zip(lowered.weight_shards, lowered.gradient_sync.shard_buckets):
-        if key is not None and key.zero < 2:
-            ops.setdefault(key, set()).update(s.ops)
+    (``strategies.lowered.split_buckets``) with the ops reading their shards; ``memo``: kept
+    with the last call's split (``GradientSync.shard_buckets``, by identity: the lowering
+    hands back the same split while its shards are the same objects)."""
+    of = lowered.gradient_sync.shard_buckets
+    last = None if memo is None else memo.get("ops")
+    if last is not None and last[0] is of:
+        ops = last[1]
+    else:
+        ops = {}
+        for s, key in zip(lowered.weight_shards, of):
+            if key is not None and key.zero < 2:
+                ops.setdefault(key, set()).update(s.ops)
+        if memo is not None:
+            memo["ops"] = (of, ops)
     if position is None:
         position = {node.name: i for i, node in enumerate(lowered.graph)}
     return position, ops
@@ -84,7 +93,7 @@ def bucket_plan(lowered: Lowered, position: dict[str, int] | None = None, memo: 
     lowerings of one graph, holding each bucket's ready steps with the reader ops' partitions
     they were found from, so a plan that changes a few ops finds again only the buckets
     those ops read (the same result as without it: ``_ready``)."""
-    position, ops = _bucket_ops(lowered, position)
+    position, ops = _bucket_ops(lowered, position, memo)
     last = lowered.strategy.microbatches - 1
     kept = None if lowered.copies is None else lowered.copies.kept  # copy 0's lowering: its devices' issues
     ready: dict[tuple[int, BucketKey], tuple[int, int, Step]] = {}  # forward position: earlier runs later
