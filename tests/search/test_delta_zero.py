@@ -25,7 +25,7 @@ from strategies.zero import (ShardedState, gather_groups, gather_uses, per_use_s
                              sharded_state, zero_buckets)
 from strategies.zero_alike import alike_readers
 from tests.conftest import traced
-from tests.search.delta_check import assert_delta_equals_full
+from tests.search.delta_check import assert_delta_equals_full, drawn_move
 from tests.strategies.test_zero_alike import _per_device  # each device's own walk over its whole run order
 
 
@@ -84,24 +84,7 @@ def test_zero_passes_and_delta_equal_fresh_ones_on_a_walk(monkeypatch):
     kinds = dict.fromkeys(("op", "level", "unit", "bucket", "count"), 0)
     coarser = 0
     for _ in range(28):
-        u = rng.random()
-        if u < 0.12:
-            proposal, kind = current.with_microbatches(rng.choice((1, 2)), rng.choice(("gpipe", "1f1b"))), "count"
-        elif u < 0.27:
-            proposal, kind = sharded(current, graph, rng.choice((0, 1, 2, 3))), "level"
-        elif u < 0.37:
-            proposal, kind = current.with_fsdp_unit("op" if current.fsdp_unit == "block" else "block"), "unit"
-        elif u < 0.45:
-            proposal, kind = current.with_bucket_cap(rng.choice((0.001, 0.01, 25.0))), "bucket"
-        elif u < 0.7:
-            op = rng.choice(weighted)
-            proposal, kind = current.replace(op, current[op].with_memory(zero=rng.choice((0, 1, 2, 3)))), "op"
-        else:
-            candidates = spaces[current.microbatches]
-            op = rng.choice([op for op, cfgs in candidates.items() if len(cfgs) > 1])
-            cfg = rng.choice(candidates[op])
-            proposal, kind = current.replace(op, cfg.with_memory(zero=rng.choice((0, 2, 3)) if any(
-                w.trainable for w in graph[op].weights) else 0)), "op"
+        proposal, kind = drawn_move(rng, current, graph, spaces, weighted, (0.12, 0.27, 0.37, 0.45, 0.7), (0, 2, 3))
         try:
             lower(graph, proposal)
         except PlanError:

@@ -13,12 +13,11 @@ from simulator.presets import get_topology
 from soapsearch.search.api import Evaluator
 from soapsearch.search.mcmc import candidate_configs
 from strategies import data_parallel
-from strategies.baselines import sharded
 from strategies.errors import PlanError
 from strategies.lowering import lower
 from strategies.overlap import bucket_plan
 from tests.conftest import traced
-from tests.search.delta_check import assert_delta_equals_full
+from tests.search.delta_check import assert_delta_equals_full, drawn_move
 
 
 def test_step_end_and_bucket_plan_from_the_last_plans_equal_fresh_ones_on_a_walk():
@@ -27,26 +26,15 @@ def test_step_end_and_bucket_plan_from_the_last_plans_equal_fresh_ones_on_a_walk
     n = topo.num_devices
     evaluate = Evaluator(graph, topo, cost)
     spaces = {m: candidate_configs(graph, n, m, topo.node_size) for m in (1, 2)}
-    choices = [op for op, cfgs in spaces[1].items() if len(cfgs) > 1]
-    weighted = {x.name for x in graph if any(w.trainable for w in x.weights)}
+    weighted = [x.name for x in graph if any(w.trainable for w in x.weights)]
     rng = random.Random(11)
     current = data_parallel(graph, n).with_bucket_cap(0.01)  # several buckets per device set
     memo: dict = {}
     kinds = dict.fromkeys(("op", "level", "bucket", "count"), 0)
     buckets = 0
     for _ in range(90):
-        u = rng.random()
-        if u < 0.08:
-            proposal, kind = current.with_microbatches(rng.choice((1, 2)), rng.choice(("gpipe", "1f1b"))), "count"
-        elif u < 0.16:
-            proposal, kind = sharded(current, graph, rng.choice((0, 1, 2, 3))), "level"
-        elif u < 0.24:
-            proposal, kind = current.with_bucket_cap(rng.choice((0.001, 0.01, 25.0))), "bucket"
-        else:
-            op = rng.choice(choices)
-            cfg = rng.choice(spaces[current.microbatches][op])
-            proposal, kind = current.replace(op, cfg.with_memory(
-                zero=rng.choice((0, 1, 2, 3)) if op in weighted else 0)), "op"
+        proposal, kind = drawn_move(rng, current, graph, spaces, weighted, (0.08, 0.16, 0.16, 0.24, 0.24),
+                                    (0, 1, 2, 3))
         try:
             lower(graph, proposal)
         except PlanError:
