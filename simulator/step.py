@@ -115,7 +115,7 @@ def link_step(tg: TaskGraph, lowered: Lowered, topology: Topology,
     sharded = zero_buckets(lowered)
     synced = {d: last[d] + later[d] for d in last}
     memo = {} if memo is None else memo
-    if len(memo) >= MEMO:
+    if len(memo) >= MEMO or memo.get(_HELD, 0) > MEMO_TASKS:
         memo.clear()
     src, dst = tg.edge_src, tg.edge_dst
     for key in order:  # levels 0 and 1 (2 and 3: reduce-scattered per use, simulator.zero3)
@@ -126,6 +126,7 @@ def link_step(tg: TaskGraph, lowered: Lowered, topology: Topology,
         t = memo.get(mkey)
         if t is None:
             t = memo[mkey] = _record_bucket(topology, key, nbytes, buckets[key], zb is not None, mine(key.devices))
+            memo[_HELD] = memo.get(_HELD, 0) + len(t.cols)
         base = tg.extend(t.cols)
         for f in fwds:
             src.append(f)
@@ -169,6 +170,11 @@ def link_step(tg: TaskGraph, lowered: Lowered, topology: Topology,
 
 MEMO = 4096
 """Gradient buckets' recorded tasks a ``link_step`` memo keeps (past them it starts empty)."""
+MEMO_TASKS = 1 << 18
+"""The tasks those recordings may hold in all (a bucket's grow with its members simulated:
+2-3 a member); past them the memo starts empty (speed, never results)."""
+_HELD = "tasks"
+"""The memo's entry counting the tasks it holds (its other keys are tuples)."""
 
 
 class _BucketTasks(NamedTuple):
