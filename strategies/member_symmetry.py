@@ -17,8 +17,6 @@ image in every other. Where either fails the plan is simulated as today.
 from __future__ import annotations
 
 import functools
-import math
-from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING
 
@@ -29,6 +27,7 @@ from strategies.graph import OpGraph, OpNode
 from strategies.lowered import WEIGHT_KINDS
 from strategies.region import box_shape
 from strategies.strategy import Strategy
+from strategies.symmetry import Copies
 
 if TYPE_CHECKING:
     from strategies.lowered import Lowered
@@ -36,22 +35,16 @@ if TYPE_CHECKING:
 __all__ = ["TensorMembers", "find_members", "member_classes", "members_apart"]
 
 
-@dataclass(frozen=True)
-class TensorMembers:
+class TensorMembers(Copies):
     """T member sets of G devices: ``members[m][i]`` is ψ_m(``members[0][i]``), the device at
-    position m of the group whose position 0 is ``members[0][i]``."""
-
-    members: tuple[tuple[int, ...], ...]
-
-    @property
-    def count(self) -> int:
-        """T, the members of each group."""
-        return len(self.members)
+    position m of the group whose position 0 is ``members[0][i]``. The structure of ``Copies``
+    (its count T, size G, representative and images serve as they are), read along the
+    tensor-parallel groups instead of the sample dim."""
 
     @property
-    def size(self) -> int:
-        """G, the groups (member 0's devices)."""
-        return len(self.members[0])
+    def members(self) -> tuple[tuple[int, ...], ...]:
+        """The member sets M_0..M_{T-1}, each in member 0's group order."""
+        return self.copies
 
     @cached_property
     def index(self) -> dict[int, tuple[int, int]]:

@@ -7,12 +7,15 @@ parallel) have no member fold."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from simulator.presets import get_topology
 from simulator.simulate import simulate_plan
 from strategies import ParallelConfig, Strategy
 from strategies.baselines import data_parallel, megatron_lm, recomputed
+from strategies.lowered import WEIGHT_KINDS
 from strategies.lowering import lower
 from strategies.megatron import megatron
 from strategies.member_symmetry import find_members, member_classes, members_apart
@@ -91,3 +94,31 @@ def _with(plan: Strategy, op: str, config: ParallelConfig) -> Strategy:
     configs = dict(plan.configs)
     configs[op] = config
     return Strategy.of(configs, plan.num_devices, plan.microbatches, plan.schedule, plan.precision)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_random_memory_features_keep_the_classes(seed):
+    """megatron at T 4, P 2, D 2 under GPipe or 1F1B with each op's recompute and ZeRO level
+    drawn at random: the classes are the same and each stays alike in the per-device simulation."""
+    graph = traced("gpt", "small")
+    rng = random.Random(seed)
+    schedule = rng.choice(("gpipe", "1f1b"))
+    base = megatron(graph, 16, tp=4, pp=2, microbatches=2, sequence_parallel=True)
+    configs = {}
+    for node in graph:
+        c = base[node.name]
+        zero = rng.choice((0, 1, 2, 3)) if any(w.trainable for w in node.weights) else 0
+        recompute = node.kind not in (*WEIGHT_KINDS, "input") and graph.needs_grad[node.name] and rng.random() < 0.3
+        configs[node.name] = c.with_memory(zero, recompute)
+    plan = Strategy.of(configs, 16, 2, schedule)
+    found = find_members(graph, plan)
+    assert found is not None and found.count == 4 and found.size == 4
+    lowered = lower(graph, plan)
+    assert members_apart(lowered, found) is None
+    assert member_classes(lowered, found) == ((0,), (1, 2, 3))
+    result = simulate_plan(graph, plan, get_topology("a100-2x8"), fold=False)
+    busy, peak = result.busy_time, result.peak_memory_bytes
+    for m in (2, 3):
+        for d1, d in zip(found.members[1], found.members[m]):
+            assert busy[d] == pytest.approx(busy[d1], rel=1e-12, abs=0)
+            assert peak[d] == peak[d1]
