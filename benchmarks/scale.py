@@ -14,7 +14,9 @@ milliseconds of each phase of one full simulation as ``simulator.simulate_plan``
 lowering again for fewer copies; event loop; memory) and its process time (cpu ms: less
 sensitive than the wall to other jobs on the cores), the copies a replicated plan is folded on
 (``simulator.fold``; ``--per-device``: none, every device simulated), the task count, and the
-process's peak RSS; a row that
+process's peak RSS, and the tensor-parallel member classes found (``strategies.member_symmetry``,
+outside the timed phases: ``8:1+7`` is 8 members, member 0 a class of its own, members 1-7 one;
+``none``; ``apart`` where the lowering's pieces cross members) with the ms to find them; a row that
 fails (too many devices for the preset, MemoryError, past ``--timeout``) prints why. The last
 lines fit total ms = c * devices^k over each model and plan's rows (least squares in log-log).
 
@@ -83,12 +85,25 @@ def _row(model: str, kind: str, n: int, fold: bool, out) -> None:  # out: the ch
             peak = max(m.total for m in memory_breakdown(lowerings.last, "adam"))
             t4 = time.perf_counter()
             c4 = time.process_time()
-        out.send({"tasks": len(tg), "copies": tg.copies.count if tg.copies else 1, "lower": t1 - t0,
+            members, member_s = _members(graph, plan, lowerings.last)
+        out.send({"members": members, "member_ms": member_s * 1e3, "tasks": len(tg), "copies": tg.copies.count if tg.copies else 1, "lower": t1 - t0,
                   "build": phases["tasks"], "events": phases["events"],
                  "memory": t4 - t3, "total": t4 - t0, "cpu": c4 - c0, "iter_ms": float(end.max()) * 1e3,
                  "peak_gib": peak / 2**30, "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024})
     except (MemoryError, ValueError) as e:  # ValueError: a preset refused, a plan that does not apply
         out.send({"error": f"{type(e).__name__}: {str(e).splitlines()[0][:90]}"})
+
+
+def _members(graph, plan, lowered) -> tuple[str, float]:
+    """The member classes (``strategies.member_symmetry``, not yet folded) as ``T:sizes`` (``8:1+7``:
+    8 members, member 0 a class, the other 7 one) or why there are none, and the seconds to find them."""
+    from strategies.member_symmetry import find_members, member_classes, members_apart
+
+    t0 = time.perf_counter()
+    found = find_members(graph, plan)
+    why = members_apart(lowered, found) if found is not None else "none"
+    text = why if why is not None else f"{found.count}:" + "+".join(str(len(c)) for c in member_classes(lowered, found))
+    return (text if why is None or why == "none" else "apart"), time.perf_counter() - t0
 
 
 def _run(model: str, kind: str, n: int, timeout: float, fold: bool = True) -> dict:
@@ -128,7 +143,8 @@ def main() -> None:
                     help="simulate every device (no replica folding, simulator.fold): the baseline")
     args = ap.parse_args()
     print(f"{'model':10s} {'plan':9s} {'devices':>7s} {'copies':>6s} {'tasks':>8s} {'lower ms':>9s} {'tasks ms':>9s} "
-          f"{'events ms':>9s} {'memory ms':>9s} {'total ms':>9s} {'cpu ms':>8s} {'RSS MiB':>8s} {'iter ms':>9s} {'peak GiB':>8s}",
+          f"{'events ms':>9s} {'memory ms':>9s} {'total ms':>9s} {'cpu ms':>8s} {'RSS MiB':>8s} {'iter ms':>9s} {'peak GiB':>8s} "
+          f"{'members':>8s} {'member ms':>9s}",
           flush=True)
     rows, fits = [], {}
     for model in args.models.split(","):
@@ -144,7 +160,7 @@ def main() -> None:
                 fits.setdefault((model, kind), []).append((n, r["total"]))
                 print(f"{model:10s} {kind:9s} {n:7d} {r['copies']:6d} {r['tasks']:8d} {r['lower'] * 1e3:9.0f} {r['build'] * 1e3:9.0f} "
                       f"{r['events'] * 1e3:9.0f} {r['memory'] * 1e3:9.0f} {r['total'] * 1e3:9.0f} {r['cpu'] * 1e3:8.0f} "
-                      f"{r['rss_mib']:8.0f} {r['iter_ms']:9.1f} {r['peak_gib']:8.1f}", flush=True)
+                      f"{r['rss_mib']:8.0f} {r['iter_ms']:9.1f} {r['peak_gib']:8.1f} {r['members']:>8s} {r['member_ms']:9.0f}", flush=True)
     for (model, kind), points in fits.items():
         k = _exponent(points)
         print(f"growth {model} {kind}: total ms ~ devices^{k:.2f}" if k is not None

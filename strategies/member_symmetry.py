@@ -1,0 +1,186 @@
+"""Member folding's classes: the members of tensor-parallel groups that run the same shapes,
+found from the Strategy (the design: docs/design.md, "Member folding").
+
+Within one data-parallel copy (``strategies.symmetry``) and one pipeline stage, a Megatron-LM
+layer runs on a group of T devices that cut its non-sample dims (heads, hidden features, the
+sequence under sequence parallelism); member m of every group computes the same shapes as
+member 0 on another shard. A plan has a T-member fold when, for every non-weight op and every
+sample coordinate c, the partitions at c (other coordinates in mixed-radix order, last dim
+fastest) are T in number, cut evenly, and the one at position m runs on ψ_m of the device of the
+one at position 0, with one ψ_m: M_0 -> M_m for all ops and disjoint sets M_0..M_{T-1}
+(``find_members``). The lowering's pieces must then keep the members apart as well
+(``members_apart``): a transfer between two devices keeps its member index, and a collective
+either spans whole groups (one task, the same under every ψ_m) or lies in one member set with its
+image in every other. Where either fails the plan is simulated as today.
+"""
+
+from __future__ import annotations
+
+import functools
+from functools import cached_property
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from strategies.config import ParallelConfig
+from strategies.graph import OpGraph, OpNode
+from strategies.lowered import WEIGHT_KINDS
+from strategies.region import box_shape
+from strategies.strategy import Strategy
+from strategies.symmetry import Copies
+
+if TYPE_CHECKING:
+    from strategies.lowered import Lowered
+
+__all__ = ["TensorMembers", "find_members", "member_classes", "members_apart"]
+
+
+class TensorMembers(Copies):
+    """T member sets of G devices: ``members[m][i]`` is ψ_m(``members[0][i]``), the device at
+    position m of the group whose position 0 is ``members[0][i]``. The structure of ``Copies``
+    (its count T, size G, representative and images serve as they are), read along the
+    tensor-parallel groups instead of the sample dim."""
+
+    @property
+    def members(self) -> tuple[tuple[int, ...], ...]:
+        """The member sets M_0..M_{T-1}, each in member 0's group order."""
+        return self.copies
+
+    @cached_property
+    def index(self) -> dict[int, tuple[int, int]]:
+        """Device -> (its member index m, its group i)."""
+        return {d: (m, i) for m, row in enumerate(self.members) for i, d in enumerate(row)}
+
+    @cached_property
+    def groups(self) -> tuple[frozenset[int], ...]:
+        """Each group's devices, by group i."""
+        return tuple(frozenset(row[i] for row in self.members) for i in range(self.size))
+
+    def image(self, devices: tuple[int, ...], m: int) -> tuple[int, ...]:
+        """ψ_m ∘ ψ_(member of devices)⁻¹ of devices that lie in one member set."""
+        return tuple(self.members[m][self.index[d][1]] for d in devices)
+
+    def __str__(self) -> str:
+        return f"{self.count} members of {self.size} group(s)"
+
+
+def find_members(graph: OpGraph, strategy: Strategy) -> TensorMembers | None:
+    """The member fold of ``strategy`` (module docstring), or None where some op runs another
+    member count, cuts a member dim unevenly, places its positions otherwise than the ops before
+    it, or the member sets overlap; a plan whose groups are single devices (T = 1) has none. An
+    op cut on its sample dim alone (the loss's flattened tokens over a stage's devices) has
+    groups of one: it is alike where every dim is cut evenly and its devices are closed under
+    every ψ_m."""
+    images: dict[int, tuple[int, ...]] = {}  # ψ: member-0 device -> (d, ψ_1(d), ...)
+    count = None
+    seen: set[int] = set()
+    single: list[tuple[OpNode, ParallelConfig]] = []
+    for node in graph:
+        if node.kind in WEIGHT_KINDS:
+            continue
+        config = strategy[node.name]
+        got = _op_groups(node, config)
+        if got is None:
+            return None
+        if id(got) in seen:  # a config cut alike: its groups are checked
+            continue
+        seen.add(id(got))
+        if len(got[0]) == 1:
+            single.append((node, config))
+            continue
+        for group in got:
+            if count is None:
+                count = len(group)
+            if len(group) != count or images.setdefault(group[0], group) != group:
+                return None
+    if not count:
+        return None
+    every = [d for group in images.values() for d in group]
+    if len(set(every)) != len(every):  # a device at two positions, or in two groups
+        return None
+    found = TensorMembers(tuple(tuple(images[d][m] for d in sorted(images)) for m in range(count)))
+    index = found.index
+    for node, config in single:
+        placed = set(config.devices)
+        if any(dim.size % k for dim, k in zip(node.dims, config.degrees)):
+            return None
+        if not all(d in index and {row[index[d][1]] for row in found.members} <= placed for d in placed):
+            return None
+    return found
+
+
+def _op_groups(node: OpNode, config: ParallelConfig) -> tuple[tuple[int, ...], ...] | None:
+    """The groups of ``config`` on ``node`` (one per sample coordinate: its partitions' devices,
+    in mixed-radix order over the other dims), or None where the op has no sample dim or cuts
+    a member dim unevenly (members would compute different shapes)."""
+    i = node.sample_dim
+    if i is None:
+        return None
+    for j, (dim, k) in enumerate(zip(node.dims, config.degrees)):
+        if j != i and dim.size % k:
+            return None
+    return _groups(config, i)
+
+
+@functools.lru_cache(maxsize=4096)  # a config's devices: up to thousands of ints per entry
+def _groups(config: ParallelConfig, sample: int) -> tuple[tuple[int, ...], ...]:
+    grid = np.asarray(config.devices, dtype=np.int64).reshape(config.degrees)
+    rows = np.moveaxis(grid, sample, 0).reshape(config.degrees[sample], -1)
+    return tuple(map(tuple, rows.tolist()))
+
+
+def members_apart(lowered: Lowered, members: TensorMembers) -> str | None:
+    """Why ``lowered``'s pieces break ``members``' symmetry (one line naming the piece), or None
+    where they keep it: every transfer between two devices keeps its member index, and every
+    collective spans whole groups or lies in one member set with its image under every ψ_m
+    among the collectives of its op and micro-batch."""
+    index = members.index
+    for t in lowered.transfers:
+        if t.src_device == t.dst_device:
+            continue
+        a, b = index.get(t.src_device), index.get(t.dst_device)
+        if a is None or b is None or a[0] != b[0]:
+            return (f"transfer {t.src_op}[{t.src_index}] -> {t.dst_op}[{t.dst_index}]: device {t.src_device} -> "
+                    f"{t.dst_device} crosses members; a member's transfers must stay among its own devices")
+    kept: dict[tuple, set[tuple[int, ...]]] = {}
+    for c in lowered.collectives:
+        kept.setdefault((c.kind, c.op, c.microbatch, c.nbytes), set()).add(tuple(sorted(c.devices)))
+    groups = members.groups
+    for (kind, op, mb, _), sets in kept.items():
+        for devices in sets:
+            at = [index.get(d) for d in devices]
+            if any(x is None for x in at):
+                return f"{kind} of {op} (micro-batch {mb}): devices {list(devices)} include one in no group"
+            if set(devices) == set().union(*(groups[i] for _, i in at)):
+                continue  # whole groups: the same set under every ψ_m
+            ms = {m for m, _ in at}
+            if len(ms) != 1:
+                return (f"{kind} of {op} (micro-batch {mb}): devices {list(devices)} mix members of part of "
+                        f"their groups; a collective spans whole groups or one member's devices")
+            for m in range(members.count):
+                if tuple(sorted(members.image(devices, m))) not in sets:
+                    return f"{kind} of {op} (micro-batch {mb}): devices {list(devices)} have no image in member {m}"
+    return None
+
+
+def member_classes(lowered: Lowered, members: TensorMembers) -> tuple[tuple[int, ...], ...]:
+    """The member indices split into classes of alike members: m and m' are alike where, in
+    every group, their devices hold partitions of the same ops, micro-batches, extents and
+    weight-region extents (a row-parallel linear's bias is read only where its in_features
+    range starts at 0, so member 0 of such a plan is a class of its own, and so is a weight op
+    placed on one member). Classes in order of their first member."""
+    index = members.index
+    held: list[list[list]] = [[[] for _ in range(members.size)] for _ in range(members.count)]
+    for per_mb in lowered.partitions.values():
+        for parts in per_mb:
+            for p in parts:
+                at = index.get(p.device)
+                if at is None:
+                    continue
+                held[at[0]][at[1]].append((p.op, p.microbatch, box_shape(p.box),
+                                           tuple((role, box_shape(box)) for role, box in p.weight_regions)))
+    keys = [tuple(tuple(sorted(group)) for group in per_member) for per_member in held]
+    classes: dict[tuple, list[int]] = {}
+    for m, key in enumerate(keys):
+        classes.setdefault(key, []).append(m)
+    return tuple(tuple(ms) for ms in classes.values())
