@@ -23,7 +23,7 @@ from strategies.region import Box
 from strategies.strategy import Strategy
 from strategies.symmetry import Copies
 
-__all__ = ["Last", "changed_ops", "shape_ids", "update"]
+__all__ = ["Held", "Last", "changed_ops", "shape_ids", "update"]
 
 
 def changed_ops(last: "Last | None", configs: tuple[tuple[str, Any], ...]) -> list[str] | None:
@@ -172,7 +172,7 @@ def _lowered(graph: OpGraph, strategy: Strategy, cache: dict, node: OpNode, shap
     return pieces
 
 
-class _Held(NamedTuple):
+class Held(NamedTuple):
     """One weight's shards, given the pieces of the ops reading it (``read_by``, kept so the
     cache's key by their ids stays sound), and what they add to the per-device totals."""
 
@@ -204,7 +204,7 @@ class Last:
         self.partitions: dict[str, tuple[tuple[Partition, ...], ...]] = {}
         self.readers: dict[str, list[str]] | None = None
         """Weight -> the ops reading it, in graph order."""
-        self.held: dict[str, _Held] = {}
+        self.held: dict[str, Held] = {}
         self.totals: list = [[0] * n for _ in DeviceBytes._fields[:3]]
         self.totals += [np.zeros(n, dtype=np.int64) for _ in DeviceBytes._fields[3:]]  # weight bytes: numpy
         self.tensors = np.zeros(n, dtype=np.int64)
@@ -241,7 +241,7 @@ class Last:
             self.held[name] = new
 
 
-    def _renamed(self, name: str, read_by: tuple[OpPieces, ...], cache: dict) -> "_Held | None":
+    def _renamed(self, name: str, read_by: tuple[OpPieces, ...], cache: dict) -> "Held | None":
         """The shards of weight ``name`` read by one op alone, as the shards of the weight in the same
         place of the op whose pieces its pieces rename (``_lowered``), renamed; None where it has
         other readers or its pieces are not a renaming."""
@@ -258,7 +258,7 @@ class Last:
         if got is None:
             got = cache[key] = _weight_shards(was, (twin[1],), len(self.tensors), self.copies)
         shards = [dataclasses.replace(s, name=name, ops=(op,)) for s in got.shards]  # one reader: ops (twin[0],)
-        return _Held(read_by, shards, got.per_device, got.holders)
+        return Held(read_by, shards, got.per_device, got.holders)
 
     def names(self, op: str) -> tuple[str, ...]:
         """``names_of`` op, found once."""
@@ -287,7 +287,7 @@ def _patch(total: list[int], old: tuple[int, ...] | None, new: tuple[int, ...], 
             total[d] += b - a
 
 
-def _weight_shards(name: str, read_by: tuple[OpPieces, ...], n: int, copies: Copies | None = None) -> _Held:
+def _weight_shards(name: str, read_by: tuple[OpPieces, ...], n: int, copies: Copies | None = None) -> Held:
     """The shards of weight ``name`` read by ``read_by`` and what they add to the totals of the
     ``n`` devices; ``copies``: ``read_by`` are copy 0's, each region's holders their images in
     every copy too (``expand_holders``)."""
@@ -310,4 +310,4 @@ def _weight_shards(name: str, read_by: tuple[OpPieces, ...], n: int, copies: Cop
     for s, devices in zip(shards, on):
         per_device[devices] += s.nbytes  # a shard's devices are distinct
     holders = np.zeros(0, np.int64) if not seen.trainable else on[0] if len(on) == 1 else np.unique(np.concatenate(on))
-    return _Held(read_by, shards, per_device, holders)
+    return Held(read_by, shards, per_device, holders)
