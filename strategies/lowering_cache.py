@@ -16,14 +16,14 @@ from strategies.graph import OpGraph, OpNode
 from strategies.lowered import WEIGHT_KINDS, DeviceBytes, OpPieces, Partition, WeightShard, weight_shards
 from strategies.lowering_copies import expand_holders
 from strategies.lowering_memo import levels_key, relevelled
-from strategies.lowering_shared import name_map, names_of, relative_key, renamed, shapes_of
+from strategies.lowering_shared import name_map, names_of, relative_key, renamed
 from strategies.members import Members
-from strategies.pieces import lower_op, recompute_key
+from strategies.pieces import lower_op, recompute_key, shape_ids
 from strategies.region import Box
 from strategies.strategy import Strategy
 from strategies.symmetry import Copies
 
-__all__ = ["Held", "Last", "changed_ops", "shape_ids", "update"]
+__all__ = ["Held", "Last", "changed_ops", "update"]
 
 
 def changed_ops(last: "Last | None", configs: tuple[tuple[str, Any], ...]) -> list[str] | None:
@@ -54,7 +54,7 @@ def update(graph: OpGraph, strategy: Strategy, cache: dict, last: "Last", affect
     config = strategy.__getitem__
     weights: set[str] = set()  # read by an affected op, in the previous call's pieces or this call's
     regroup = last.readers is None  # an op reads other weights than in the previous call: readers gathered again
-    shapes = shape_ids(graph, cache)
+    shapes = shape_ids(graph)
     for node in affected:
         by = (m, strategy.num_devices, config(node.name), tuple(map(config, node.inputs)),
               recompute_key(graph, strategy, node.name), keep)
@@ -95,17 +95,6 @@ def update(graph: OpGraph, strategy: Strategy, cache: dict, last: "Last", affect
     if regroup:
         last.held = {name: last.held[name] for name in last.readers}  # the readers' order
 
-
-_SHAPES = ("shapes",)
-"""The cache's key of the graph's op shapes (``lowering_shared.shapes_of``)."""
-
-
-def shape_ids(graph: OpGraph, cache: dict) -> dict[str, int]:
-    """``lowering_shared.shapes_of`` ``graph``, kept in ``cache`` (one graph's)."""
-    shapes = cache.get(_SHAPES)
-    if shapes is None:
-        shapes = cache[_SHAPES] = shapes_of(graph)
-    return shapes
 
 _MOVED = "moved"
 """The first item of the cache's keys of (pieces, op, its pieces, delta) where an op's pieces

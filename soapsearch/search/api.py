@@ -36,7 +36,6 @@ from soapsearch.search.blockmove import BlockMoves
 from strategies.megatron import megatron_blocks
 from strategies.config import validate_config
 from strategies.lowering_bytes import LoweringCache
-from strategies.lowering_shared import shapes_of
 from strategies.pieces import check_microbatches
 
 __all__ = ["FoundPlan", "SearchConfig", "SearchResult", "search", "best_baselines", "Evaluator", "save_found"]
@@ -311,7 +310,7 @@ def _initial(item: Any, graph: OpGraph, n: int, rng: random.Random, candidates, 
         raise PlanError(None, "num_devices", plan.num_devices, f"the search uses {n} devices", where)
     if plan.microbatches != microbatches:  # a chain runs its start's own count (its moves follow it)
         try:
-            check_microbatches(graph, plan.microbatches, shapes_of(graph))
+            check_microbatches(graph, plan.microbatches)
             for node in graph:
                 validate_config(node, plan[node.name], n, plan.microbatches)
         except PlanError as e:
@@ -354,7 +353,7 @@ def search(model: torch.nn.Module | OpGraph, example_inputs: Sequence[Any] | Non
     microbatches, schedule, seed = config.microbatches, config.schedule, config.seed
     graph = model if isinstance(model, OpGraph) else trace(model, example_inputs)
     check_scalar_loss(graph)
-    check_microbatches(graph, microbatches, shapes_of(graph))  # an op that mixes samples across micro-batches: said now
+    check_microbatches(graph, microbatches)  # an op that mixes samples across micro-batches: said now
     topo = get_topology(topology) if isinstance(topology, (str, os.PathLike)) else topology
     n = topo.num_devices if config.num_devices is None else config.num_devices
     if n > topo.num_devices:

@@ -35,7 +35,6 @@ from strategies.baselines import recomputed, sharded
 from strategies.config import ZERO_LEVELS
 from strategies.errors import PlanError
 from strategies.graph import OpGraph
-from strategies.lowering_shared import shapes_of
 from strategies.megatron import megatron, megatron_blocks
 from strategies.megatron_layers import layer_ops, layer_recomputed
 from strategies.pieces import check_microbatches
@@ -81,7 +80,7 @@ def _counts(graph: OpGraph, choices: Sequence[int], d: int, apart: dict[int, boo
     if one is not None and one not in choices:
         if one not in apart:
             try:
-                check_microbatches(graph, one, shapes_of(graph))
+                check_microbatches(graph, one)
                 apart[one] = True
             except PlanError:
                 apart[one] = False

@@ -39,7 +39,6 @@ from soapsearch.search.repeatmove import RepeatMoves
 from soapsearch.search.subgraph import SubgraphMoves
 from strategies.config import ZERO_LEVELS, ParallelConfig, validate_config
 from strategies.errors import PlanError
-from strategies.lowering_shared import shapes_of
 from strategies.graph import OpGraph
 from strategies.lowered import WEIGHT_KINDS
 from strategies.megatron import megatron_blocks
@@ -147,7 +146,7 @@ def microbatch_choices(graph: OpGraph, counts: Sequence[int], own: int) -> tuple
     for m in counts:
         if batch and batch % m == 0:
             try:
-                check_microbatches(graph, m, shapes_of(graph))
+                check_microbatches(graph, m)
             except PlanError:
                 continue
             out.add(m)
