@@ -6,13 +6,13 @@ results."""
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any
 
 from strategies.lowered import OpPieces
 from strategies.lowering import is_patched_state
 from strategies.lowering_cache import Held
 
-__all__ = ["LOWERING_BYTES", "RECORD_BYTES", "LoweringCache", "held_bytes", "pieces_bytes"]
+__all__ = ["LOWERING_BYTES", "RECORD_BYTES", "LoweringCache", "counted", "held_bytes", "item_bytes", "pieces_bytes"]
 
 LOWERING_BYTES = 256 << 20
 """The bytes (``pieces_bytes``, ``held_bytes``) a search's lowering cache holds before its oldest
@@ -26,15 +26,21 @@ collective read; a weight shard) holds with its share of the boxes it names: abo
 ``sys.getsizeof`` with the boxes shared between records counted once."""
 
 _SLOT = 8
-"""Bytes of one entry of a per-device tuple (a pointer; small ints are shared)."""
+"""Bytes of one entry of a per-device tuple (a pointer; small ints are shared); ``_TUPLE`` its
+header."""
+_TUPLE = 40
 
 
 def pieces_bytes(pieces: OpPieces) -> int:
-    """What an op's pieces hold: ``RECORD_BYTES`` a record, ``_SLOT`` a per-device entry."""
-    records = (sum(map(len, pieces.partitions)) + len(pieces.transfers) + len(pieces.reductions)
-               + len(pieces.weight_reads) + len(pieces.collective_reads))
-    slots = len(pieces.activations) + len(pieces.receives[0]) + len(pieces.receives[1]) + len(pieces.dropped)
-    return RECORD_BYTES * records + _SLOT * slots
+    """What an op's pieces hold besides their per-device tuples (``_per_device``, counted
+    apart: renamed pieces share them): ``RECORD_BYTES`` a record."""
+    return RECORD_BYTES * (sum(map(len, pieces.partitions)) + len(pieces.transfers) + len(pieces.reductions)
+                           + len(pieces.weight_reads) + len(pieces.collective_reads))
+
+
+def _per_device(pieces: OpPieces) -> tuple[tuple[int, ...], ...]:
+    """An op's per-device tuples (activations, receives, dropped): one entry a device each."""
+    return pieces.activations, pieces.receives[0], pieces.receives[1], pieces.dropped
 
 
 def held_bytes(held: Held) -> int:
@@ -42,25 +48,35 @@ def held_bytes(held: Held) -> int:
     return RECORD_BYTES * len(held.shards) + held.per_device.nbytes + held.holders.nbytes
 
 
-def _counted(value: Any) -> Iterable[Any]:
-    """The pieces and shards an entry's value holds (a tuple's items one deep; a ``Held``'s
-    readers' pieces too: it keeps them alive)."""
-    if type(value) is OpPieces:
-        return (value,)
-    if type(value) is Held:
-        return (value, *value.read_by)
+def counted(value: Any) -> list[Any]:
+    """The pieces, their per-device tuples and the shards a cache entry's ``value`` holds (a
+    tuple's items one deep; a ``Held``'s readers' pieces too: it keeps them alive)."""
     if type(value) is tuple:
-        return [v for v in value if type(v) is OpPieces or type(v) is Held]
-    return ()
+        items = [v for v in value if type(v) is OpPieces or type(v) is Held]
+    else:
+        items = [value] if type(value) is OpPieces or type(value) is Held else []
+    out = []
+    for item in items:
+        out.append(item)
+        for pieces in ((item,) if type(item) is OpPieces else item.read_by):
+            if pieces is not item:
+                out.append(pieces)
+            out.extend(_per_device(pieces))
+    return out
 
 
-def _bytes(item: Any) -> int:
-    return pieces_bytes(item) if type(item) is OpPieces else held_bytes(item)
+def item_bytes(item: Any) -> int:
+    """``pieces_bytes``, ``held_bytes`` or a per-device tuple's bytes."""
+    if type(item) is OpPieces:
+        return pieces_bytes(item)
+    if type(item) is Held:
+        return held_bytes(item)
+    return _TUPLE + _SLOT * len(item)
 
 
 class LoweringCache(dict):
-    """A dict ``lower`` reads and writes whose ``nbytes`` is ``pieces_bytes`` + ``held_bytes`` of
-    every distinct pieces and shards object its entries hold (``Last``, the state ``lower``
+    """A dict ``lower`` reads and writes whose ``nbytes`` is ``item_bytes`` of every distinct
+    pieces, per-device tuple and shards object its entries hold (``counted``) (``Last``, the state ``lower``
     patches in place, holds one plan's pieces besides). ``trim``: past ``limit``, the oldest
     entries go until half of it is held. A nested cache (a precision's) is one too, with its
     own count and bound."""
@@ -73,17 +89,17 @@ class LoweringCache(dict):
         """id -> [the object, entries holding it, its bytes]."""
 
     def _add(self, value: Any) -> None:
-        for item in _counted(value):
+        for item in counted(value):
             got = self._held.get(id(item))
             if got is None:
-                size = _bytes(item)
+                size = item_bytes(item)
                 self._held[id(item)] = [item, 1, size]
                 self.nbytes += size
             else:
                 got[1] += 1
 
     def _release(self, value: Any) -> None:
-        for item in _counted(value):
+        for item in counted(value):
             got = self._held[id(item)]
             got[1] -= 1
             if not got[1]:

@@ -1,5 +1,5 @@
 """An Evaluator's lowering cache bounded by bytes (``strategies.lowering_bytes``): the count
-equals the bytes of the distinct pieces and shards its entries hold, it stays under the bound,
+equals the bytes of the distinct pieces, per-device tuples and shards its entries hold, it stays under the bound,
 the oldest entries go, and every result equals a full simulation."""
 
 import random
@@ -11,23 +11,15 @@ from soapsearch.search.globalmove import GlobalMoves
 from soapsearch.search.mcmc import candidate_configs
 from strategies import data_parallel, model_parallel
 from strategies.lowered import OpPieces
-from strategies.lowering_bytes import LoweringCache, held_bytes, pieces_bytes
-from strategies.lowering_cache import Held
+from strategies.lowering_bytes import LoweringCache, counted, item_bytes, pieces_bytes
 from tests.conftest import traced
 from tests.search.delta_check import assert_delta_equals_full
 
 
 def _real(cache: LoweringCache) -> int:
-    """The bytes of the distinct pieces and shards the cache's entries hold, found afresh."""
-    found = {}
-    for value in dict.values(cache):
-        items = [value] if isinstance(value, (OpPieces, Held)) else (
-            [v for v in value if isinstance(v, (OpPieces, Held))] if type(value) is tuple else [])
-        for item in items:
-            found[id(item)] = item
-            if type(item) is Held:
-                found.update((id(p), p) for p in item.read_by)
-    return sum(pieces_bytes(v) if type(v) is OpPieces else held_bytes(v) for v in found.values())
+    """The bytes of the distinct objects the cache's entries hold, found afresh."""
+    found = {id(item): item for value in dict.values(cache) for item in counted(value)}
+    return sum(map(item_bytes, found.values()))
 
 
 def test_the_lowering_cache_stays_under_its_bytes_and_results_stay_exact():
@@ -67,6 +59,7 @@ def test_a_nested_cache_and_a_replaced_entry_keep_the_count_true():
     assert cache.nbytes == _real(cache) > first
     key = next(k for k, v in dict.items(cache) if type(v) is OpPieces)
     cache[key] = cache[key]  # the same pieces again: counted once
+    assert cache.nbytes == _real(cache) >= pieces_bytes(cache[key])
     assert cache.nbytes == _real(cache)
     del cache[key]
     assert cache.nbytes == _real(cache)
