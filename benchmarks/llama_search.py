@@ -102,13 +102,14 @@ def _reachable(root, skip: set[int]) -> int:
 def _cache_table(graph, evaluate: Evaluator) -> None:
     """Each cache of the search's Evaluator: its reachable MiB (the graph's objects, and each
     cache's from the ones above it, not counted again: the task blocks hold the lowering's
-    pieces too), and the lowering cache's own count."""
+    pieces and the cost model too), and the lowering cache's own count. The ids kept add to the
+    process's peak RSS."""
     skip: set[int] = set()
     _reachable(graph, skip)
     cost = evaluate.cost
-    rows = [("lowering cache", evaluate.lowering_cache), ("TaskCache", evaluate._tasks),
-            ("`_seen` results", evaluate._seen),
-            ("cost model memos", (cost._by_box, cost._by_partition, cost._by_shape, cost._nodes, cost._ops))]
+    rows = [("lowering cache", evaluate.lowering_cache),
+            ("cost model memos", (cost._by_box, cost._by_partition, cost._by_shape, cost._nodes, cost._ops)),
+            ("`_seen` results", evaluate._seen), ("TaskCache", evaluate._tasks)]
     print("| cache | reachable MiB |")
     print("| --- | ---: |")
     for name, obj in rows:
