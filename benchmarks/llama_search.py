@@ -36,18 +36,22 @@ search out.
 from __future__ import annotations
 
 import argparse
+import gc
 import resource
+import sys
 import time
 
 from simulator.cost import get_cost_model
 from simulator.presets import get_topology
 from soapsearch import trace, zoo
 from soapsearch.search import search
+from soapsearch.search import api
 from soapsearch.search.api import Evaluator
 from soapsearch.search.globalmove import Factorization, GlobalMoves
 from soapsearch.search.stagemove import restage
 from strategies import PlanError, baseline
 from strategies.baselines import hybrid, megatron_lm, recomputed, sharded
+from strategies.lowering_bytes import LOWERING_BYTES
 
 PRECISION, OPTIMIZER, BATCH = "bf16", "adam", 16
 
@@ -81,6 +85,39 @@ def _restage_table(graph, evaluate: Evaluator, n: int) -> None:
               f"{took:.2f} | {new_ms:.1f} | {new_ms / ms:.3f} |", flush=True)
 
 
+def _reachable(root, skip: set[int]) -> int:
+    """``sys.getsizeof`` of every object reachable from ``root`` (``gc.get_referents``) not in
+    ``skip``, each once; the ids counted join ``skip``."""
+    stack, total = [root], 0
+    while stack:
+        obj = stack.pop()
+        if id(obj) in skip or isinstance(obj, type):
+            continue
+        skip.add(id(obj))
+        total += sys.getsizeof(obj)
+        stack.extend(gc.get_referents(obj))
+    return total
+
+
+def _cache_table(graph, evaluate: Evaluator) -> None:
+    """Each cache of the search's Evaluator: its reachable MiB (the graph's objects, and each
+    cache's from the ones above it, not counted again: the task blocks hold the lowering's
+    pieces and the cost model too), and the lowering cache's own count. The ids kept add to the
+    process's peak RSS."""
+    skip: set[int] = set()
+    _reachable(graph, skip)
+    cost = evaluate.cost
+    rows = [("lowering cache", evaluate.lowering_cache),
+            ("cost model memos", (cost._by_box, cost._by_partition, cost._by_shape, cost._nodes, cost._ops)),
+            ("`_seen` results", evaluate._seen), ("TaskCache", evaluate._tasks)]
+    print("| cache | reachable MiB |")
+    print("| --- | ---: |")
+    for name, obj in rows:
+        print(f"| {name} | {_reachable(obj, skip) / 2**20:.1f} |")
+    print(f"lowering cache's count (pieces_bytes, held_bytes): {evaluate.lowering_cache.total() / 2**20:.1f} MiB, "
+          f"bound {LOWERING_BYTES / 2**20:.0f} MiB a cache")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", choices=("llama", "gpt3-175b"), default="llama")
@@ -90,6 +127,7 @@ def main() -> None:
     ap.add_argument("--long", type=float, default=900.0, help="seconds of the long search (0: none)")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--restage", action="store_true", help="one restage of three pipelined plans, no search")
+    ap.add_argument("--caches", action="store_true", help="each cache's bytes after the short search")
     args = ap.parse_args()
     topo = get_topology(args.topology)
     n = topo.num_devices
@@ -113,7 +151,13 @@ def main() -> None:
         res = evaluate(plan)
         rows.append((name, res.iteration_ms, res.fits, time.perf_counter() - t))
     evaluate = plan = res = None  # the experts' lowerings: the search lowers into a cache of its own
-    found = {}
+    found, searched = {}, []
+    if args.caches:  # the short search's Evaluator, kept to read its caches after the run
+        class Kept(Evaluator):
+            def __init__(self, *a, **k):
+                super().__init__(*a, **k)
+                searched.append(self)
+        api.Evaluator = Kept
     for label, budget in (("search", args.budget), ("long search", args.long)):
         if not budget:
             continue
@@ -142,6 +186,8 @@ def main() -> None:
               f"{sum(1 for op in s if s[op].zero)} ops sharded, {sum(1 for op in s if s[op].recompute)} recomputed, "
               f"devices used {len(s.devices_used)}, best found at {r.history[-1][0] if r.history else 0.0:.1f} s, "
               f"baselines unscored: {', '.join(r.unscored) or 'none'}")
+    if searched:
+        _cache_table(graph, searched[0])
     print(f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB (this process; "
           "workers' apart)")
 

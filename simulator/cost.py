@@ -129,8 +129,9 @@ def has_trainable_params(node: OpNode) -> bool:
 
 
 _BY_PARTITION = 1 << 18
-"""Entries of ``CostModel.partition_time``'s memo by partition (emptied past it; the memo by
-shapes stays)."""
+"""Entries of ``CostModel.partition_time``'s memo by partition, and of ``op_time``'s by box, each
+emptied past it (the memo by shapes stays): both grow with the plans a search scores, an entry
+(its key's boxes and regions, two floats) about 200-250 bytes, so each holds at most ~64 MiB."""
 
 
 class CostModel(abc.ABC):
@@ -168,6 +169,8 @@ class CostModel(abc.ABC):
         if hit is not None:
             return hit
         regions, weights = partition_regions(node, box)
+        if len(self._by_box) >= _BY_PARTITION:
+            self._by_box.clear()
         hit = self._by_box[exact] = self._timed(node, box, tuple(regions), tuple(
             (w.role, weights[w.role]) for w in node.weights if w.role in weights), device)
         return hit

@@ -21,7 +21,7 @@ from strategies.graph import OpGraph
 from strategies.lowered import (WEIGHT_KINDS, BucketKey, DeviceBytes, Gate, GradientSync, Lowered, OpPieces,
                                 Partition, ReductionGroup, Transfer, WeightRead, WeightShard, bucket_key,
                                 split_buckets)
-from strategies.lowering_cache import Last, changed_ops, shape_ids, update
+from strategies.lowering_cache import Last, changed_ops, update
 from strategies.lowering_copies import expand_totals
 from strategies.lowering_reference import lower_reference
 from strategies.precision import compute_graph
@@ -120,7 +120,7 @@ def lower(graph: OpGraph, strategy: Strategy, cache: dict | None = None, copies:
     changed = changed_ops(last, strategy.configs)
     if changed is None:  # another list of ops than the last call's (a search's plans all name the same)
         strategy.validate(graph, configs=False)
-        check_microbatches(graph, m, shape_ids(graph, cache))
+        check_microbatches(graph, m)
         last = cache[_state("last", m, n, copies)] = Last(graph, n, copies)
         affected = list(graph)
     else:

@@ -16,14 +16,14 @@ from strategies.graph import OpGraph, OpNode
 from strategies.lowered import WEIGHT_KINDS, DeviceBytes, OpPieces, Partition, WeightShard, weight_shards
 from strategies.lowering_copies import expand_holders
 from strategies.lowering_memo import levels_key, relevelled
-from strategies.lowering_shared import name_map, names_of, relative_key, renamed, shapes_of
+from strategies.lowering_shared import name_map, names_of, relative_key, renamed
 from strategies.members import Members
-from strategies.pieces import lower_op, recompute_key
+from strategies.pieces import lower_op, recompute_key, shape_ids
 from strategies.region import Box
 from strategies.strategy import Strategy
 from strategies.symmetry import Copies
 
-__all__ = ["Last", "changed_ops", "shape_ids", "update"]
+__all__ = ["Held", "Last", "changed_ops", "update"]
 
 
 def changed_ops(last: "Last | None", configs: tuple[tuple[str, Any], ...]) -> list[str] | None:
@@ -54,7 +54,7 @@ def update(graph: OpGraph, strategy: Strategy, cache: dict, last: "Last", affect
     config = strategy.__getitem__
     weights: set[str] = set()  # read by an affected op, in the previous call's pieces or this call's
     regroup = last.readers is None  # an op reads other weights than in the previous call: readers gathered again
-    shapes = shape_ids(graph, cache)
+    shapes = shape_ids(graph)
     for node in affected:
         by = (m, strategy.num_devices, config(node.name), tuple(map(config, node.inputs)),
               recompute_key(graph, strategy, node.name), keep)
@@ -95,17 +95,6 @@ def update(graph: OpGraph, strategy: Strategy, cache: dict, last: "Last", affect
     if regroup:
         last.held = {name: last.held[name] for name in last.readers}  # the readers' order
 
-
-_SHAPES = ("shapes",)
-"""The cache's key of the graph's op shapes (``lowering_shared.shapes_of``)."""
-
-
-def shape_ids(graph: OpGraph, cache: dict) -> dict[str, int]:
-    """``lowering_shared.shapes_of`` ``graph``, kept in ``cache`` (one graph's)."""
-    shapes = cache.get(_SHAPES)
-    if shapes is None:
-        shapes = cache[_SHAPES] = shapes_of(graph)
-    return shapes
 
 _MOVED = "moved"
 """The first item of the cache's keys of (pieces, op, its pieces, delta) where an op's pieces
@@ -172,7 +161,7 @@ def _lowered(graph: OpGraph, strategy: Strategy, cache: dict, node: OpNode, shap
     return pieces
 
 
-class _Held(NamedTuple):
+class Held(NamedTuple):
     """One weight's shards, given the pieces of the ops reading it (``read_by``, kept so the
     cache's key by their ids stays sound), and what they add to the per-device totals."""
 
@@ -204,7 +193,7 @@ class Last:
         self.partitions: dict[str, tuple[tuple[Partition, ...], ...]] = {}
         self.readers: dict[str, list[str]] | None = None
         """Weight -> the ops reading it, in graph order."""
-        self.held: dict[str, _Held] = {}
+        self.held: dict[str, Held] = {}
         self.totals: list = [[0] * n for _ in DeviceBytes._fields[:3]]
         self.totals += [np.zeros(n, dtype=np.int64) for _ in DeviceBytes._fields[3:]]  # weight bytes: numpy
         self.tensors = np.zeros(n, dtype=np.int64)
@@ -241,7 +230,7 @@ class Last:
             self.held[name] = new
 
 
-    def _renamed(self, name: str, read_by: tuple[OpPieces, ...], cache: dict) -> "_Held | None":
+    def _renamed(self, name: str, read_by: tuple[OpPieces, ...], cache: dict) -> "Held | None":
         """The shards of weight ``name`` read by one op alone, as the shards of the weight in the same
         place of the op whose pieces its pieces rename (``_lowered``), renamed; None where it has
         other readers or its pieces are not a renaming."""
@@ -258,7 +247,7 @@ class Last:
         if got is None:
             got = cache[key] = _weight_shards(was, (twin[1],), len(self.tensors), self.copies)
         shards = [dataclasses.replace(s, name=name, ops=(op,)) for s in got.shards]  # one reader: ops (twin[0],)
-        return _Held(read_by, shards, got.per_device, got.holders)
+        return Held(read_by, shards, got.per_device, got.holders)
 
     def names(self, op: str) -> tuple[str, ...]:
         """``names_of`` op, found once."""
@@ -287,7 +276,7 @@ def _patch(total: list[int], old: tuple[int, ...] | None, new: tuple[int, ...], 
             total[d] += b - a
 
 
-def _weight_shards(name: str, read_by: tuple[OpPieces, ...], n: int, copies: Copies | None = None) -> _Held:
+def _weight_shards(name: str, read_by: tuple[OpPieces, ...], n: int, copies: Copies | None = None) -> Held:
     """The shards of weight ``name`` read by ``read_by`` and what they add to the totals of the
     ``n`` devices; ``copies``: ``read_by`` are copy 0's, each region's holders their images in
     every copy too (``expand_holders``)."""
@@ -310,4 +299,4 @@ def _weight_shards(name: str, read_by: tuple[OpPieces, ...], n: int, copies: Cop
     for s, devices in zip(shards, on):
         per_device[devices] += s.nbytes  # a shard's devices are distinct
     holders = np.zeros(0, np.int64) if not seen.trainable else on[0] if len(on) == 1 else np.unique(np.concatenate(on))
-    return _Held(read_by, shards, per_device, holders)
+    return Held(read_by, shards, per_device, holders)

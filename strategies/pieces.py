@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import itertools
 import operator
+import weakref
 from typing import Collection, NamedTuple, Sequence
 
 from strategies.errors import PlanError
@@ -23,8 +24,9 @@ from strategies.rules.cross_entropy import CLASS_SUMS, class_sum_terms
 from strategies.strategy import Strategy
 from strategies.symmetry import CrossCopy
 from strategies.lowering_copies import kept_indices, reduction_members
+from strategies.lowering_shared import shapes_of
 
-__all__ = ["lower_op", "partition_box_mb", "box_at", "grid_of", "overlapping", "gates", "check_microbatches", "drops_output",
+__all__ = ["lower_op", "partition_box_mb", "box_at", "grid_of", "overlapping", "gates", "check_microbatches", "shape_ids", "drops_output",
            "check_recompute", "recomputable",
            "drop_points", "drop_positions", "DropPoints", "READS_NO_INPUT", "recompute_key", "key_readers", "reads_back", "output_needed", "transient"]
 
@@ -52,21 +54,31 @@ def _boxes(grid: Sequence[tuple[int, int]], degrees: Sequence[int]) -> list[Box]
     return [tuple(x) for x in itertools.product(*ranges)]
 
 
-def check_microbatches(graph: OpGraph, m: int, shapes: dict[str, int] | None = None) -> None:
+_SHAPE_IDS: "weakref.WeakKeyDictionary[OpGraph, dict[str, int]]" = weakref.WeakKeyDictionary()
+
+
+def shape_ids(graph: OpGraph) -> dict[str, int]:
+    """``strategies.lowering_shared.shapes_of`` ``graph``, found once per graph (kept while it lives)."""
+    shapes = _SHAPE_IDS.get(graph)
+    if shapes is None:
+        shapes = _SHAPE_IDS[graph] = shapes_of(graph)
+    return shapes
+
+
+def check_microbatches(graph: OpGraph, m: int) -> None:
     """Raise PlanError unless every op's micro-batch j reads only micro-batch j of each producer
     with a sample dim (rows [j·P/m, (j+1)·P/m) of it), as ``lower_op`` assumes: a reshape that
     flattens the batch inside another dim (x.permute(1, 0, 2).reshape(-1, H)) mixes samples
-    across micro-batches, and its plans would move only part of what it reads. ``shapes``
-    (``strategies.lowering_shared.shapes_of``): ops of one shape are checked once (the check
-    reads the op and its producers' kinds, dims and sample dims, which the id holds)."""
+    across micro-batches, and its plans would move only part of what it reads. Ops of one
+    shape (``shape_ids``) are checked once (the check reads the op and its producers' kinds,
+    dims and sample dims, which the id holds)."""
     if m == 1:
         return
-    seen: set[int] = set()  # ``shapes`` (``lowering_shared.shapes_of``): ids of ops checked, each once
+    shapes, seen = shape_ids(graph), set()  # ids of the shapes checked
     for node in graph:
-        if shapes is not None:
-            if shapes[node.name] in seen:
-                continue
-            seen.add(shapes[node.name])
+        if shapes[node.name] in seen:
+            continue
+        seen.add(shapes[node.name])
         i = node.sample_dim
         if i is None or not node.inputs or node.shape[i] % m:
             continue  # no micro-batches here, or one the config checks refuse with their own message

@@ -35,27 +35,14 @@ from strategies.baselines import BASELINES, hybrid, megatron_lm
 from soapsearch.search.blockmove import BlockMoves
 from strategies.megatron import megatron_blocks
 from strategies.config import validate_config
-from strategies.lowering_shared import shapes_of
+from strategies.lowering_bytes import LoweringCache
 from strategies.pieces import check_microbatches
 
-__all__ = ["LOWERING_ENTRIES_PER_OP", "FoundPlan", "SearchConfig", "SearchResult", "search", "best_baselines", "Evaluator",
-           "lowering_entries", "save_found"]
+__all__ = ["FoundPlan", "SearchConfig", "SearchResult", "search", "best_baselines", "Evaluator", "save_found"]
 
 PIPELINE_MICROBATCHES = (2, 4, 8)
 SEEN = 64
 """Results an ``Evaluator`` keeps by plan (``Evaluator._seen``)."""
-
-LOWERING_ENTRIES_PER_OP = 24
-"""The entries an ``Evaluator``'s lowering cache holds at most, per op of the graph: a plan of new
-configs (a factorization's) adds 3 to 13 an op, a one-op proposal a few entries; past the bound
-the cache is emptied, so a search's memory stays bounded however many plans it scores."""
-
-
-def lowering_entries(cache: dict, precision: str) -> int:
-    """Entries of a lowering cache, with those of ``precision``'s own graph
-    (``strategies.lowering.lower`` keeps a mixed-precision plan's in a nested cache)."""
-    return len(cache) + len(cache.get(("precision", precision), ()))
-
 
 class Evaluator:
     """Simulates plans of one graph on one topology, reusing each unchanged op's lowering."""
@@ -71,9 +58,11 @@ class Evaluator:
         """The rank of the best result returned so far."""
         self.pace = Pace() if pace is None else pace
         """Where the seconds of each summary's pass go (kind "summary")."""
-        self.lowering_cache: dict = {}
+        self.lowering_cache = LoweringCache()
         """The cache ``strategies.lowering.lower`` reuses across this search's plans (the sweep's
-        trials read it through ``scratch.Scratch``)."""
+        trials read it through ``scratch.Scratch``), bounded by bytes (``LOWERING_BYTES``: the
+        oldest entries go first, before a simulation), so a search's memory stays bounded
+        however many plans it scores."""
         self._tasks = TaskCache(topology, cost)
         self.calls = 0
         self._seen: dict[Strategy, tuple[bool, SimResult]] = {}
@@ -106,8 +95,7 @@ class Evaluator:
             if seen[0] or not summary:  # a plan returned before never leads (``_leads``) again
                 return seen[1]
         self.calls += 1
-        if lowering_entries(self.lowering_cache, plan.precision) > LOWERING_ENTRIES_PER_OP * len(self.graph):
-            self.lowering_cache.clear()
+        self.lowering_cache.trim()
         made: list[float] = []  # when a summary was asked for: its pass is timed
 
         def wanted(quick: SimResult) -> bool:
@@ -322,7 +310,7 @@ def _initial(item: Any, graph: OpGraph, n: int, rng: random.Random, candidates, 
         raise PlanError(None, "num_devices", plan.num_devices, f"the search uses {n} devices", where)
     if plan.microbatches != microbatches:  # a chain runs its start's own count (its moves follow it)
         try:
-            check_microbatches(graph, plan.microbatches, shapes_of(graph))
+            check_microbatches(graph, plan.microbatches)
             for node in graph:
                 validate_config(node, plan[node.name], n, plan.microbatches)
         except PlanError as e:
@@ -365,7 +353,7 @@ def search(model: torch.nn.Module | OpGraph, example_inputs: Sequence[Any] | Non
     microbatches, schedule, seed = config.microbatches, config.schedule, config.seed
     graph = model if isinstance(model, OpGraph) else trace(model, example_inputs)
     check_scalar_loss(graph)
-    check_microbatches(graph, microbatches, shapes_of(graph))  # an op that mixes samples across micro-batches: said now
+    check_microbatches(graph, microbatches)  # an op that mixes samples across micro-batches: said now
     topo = get_topology(topology) if isinstance(topology, (str, os.PathLike)) else topology
     n = topo.num_devices if config.num_devices is None else config.num_devices
     if n > topo.num_devices:

@@ -26,16 +26,16 @@ a factorization drawn with its seed.
 
 from __future__ import annotations
 
+import functools
 import random
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
-from soapsearch.search.stagemove import op_seconds, restage
+from soapsearch.search.stagemove import op_seconds, restage, stage_units
 from strategies.baselines import recomputed, sharded
 from strategies.config import ZERO_LEVELS
 from strategies.errors import PlanError
 from strategies.graph import OpGraph
-from strategies.lowering_shared import shapes_of
 from strategies.megatron import megatron, megatron_blocks
 from strategies.megatron_layers import layer_ops, layer_recomputed
 from strategies.pieces import check_microbatches
@@ -81,7 +81,7 @@ def _counts(graph: OpGraph, choices: Sequence[int], d: int, apart: dict[int, boo
     if one is not None and one not in choices:
         if one not in apart:
             try:
-                check_microbatches(graph, one, shapes_of(graph))
+                check_microbatches(graph, one)
                 apart[one] = True
             except PlanError:
                 apart[one] = False
@@ -156,6 +156,12 @@ class GlobalMoves:
             self._made[f] = plan
         return self._made[f]
 
+    @functools.cached_property
+    def units(self) -> list[list[str]]:
+        """``stagemove.stage_units`` of the graph (the units a restage moves between stages),
+        made when first read."""
+        return stage_units(self.graph)
+
     def op_seconds(self, plan: Strategy) -> dict[str, float]:
         """``stagemove.op_seconds`` of ``plan`` in the search's precision, from its lowering cache."""
         ev = self.evaluate
@@ -169,6 +175,6 @@ class GlobalMoves:
         """A drawn factorization's plan, or (``RESTAGE``) ``current`` restaged; None where it is
         ``current`` or not valid."""
         if self.evaluate is not None and current.schedule != "interleaved" and rng.random() < RESTAGE:
-            return restage(self.graph, current, self.op_seconds)
+            return restage(self.graph, current, self.op_seconds, self.units)
         plan = self.draw(rng)
         return None if plan is None or plan == current else plan

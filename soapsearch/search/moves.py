@@ -39,7 +39,6 @@ from soapsearch.search.repeatmove import RepeatMoves
 from soapsearch.search.subgraph import SubgraphMoves
 from strategies.config import ZERO_LEVELS, ParallelConfig, validate_config
 from strategies.errors import PlanError
-from strategies.lowering_shared import shapes_of
 from strategies.graph import OpGraph
 from strategies.lowered import WEIGHT_KINDS
 from strategies.megatron import megatron_blocks
@@ -89,8 +88,8 @@ class MoveRates:
 class Space:
     """What op moves draw from for one count of micro-batches: every op's valid configs
     (``candidates``), the ops with a choice (``ops``), the configs per (op, devices) for group
-    moves (``on_devices``), the group moves' neighbours and the block moves. Each is made when a
-    move first reads it."""
+    moves (``on_devices``), each op's configs as a set for subgraph moves (``config_set``), the
+    group moves' neighbours and the block moves. Each is made when a move first reads it."""
 
     candidates: Mapping[str, list[ParallelConfig]]
     neighbors: dict[str, tuple[str, ...]] | None = None
@@ -98,9 +97,11 @@ class Space:
     _ops: list[str] | None = field(init=False, default=None, repr=False)
     _by_devices: dict[int, dict[tuple[int, ...], list[ParallelConfig]]] = field(init=False, repr=False)
     """By the identity of an op's list of configs: its configs per device tuple."""
+    _sets: dict[int, frozenset[ParallelConfig]] = field(init=False, repr=False)
+    """By the identity of an op's list of configs: them as a set."""
 
     def __post_init__(self) -> None:
-        self._by_devices = {}
+        self._by_devices, self._sets = {}, {}
 
     @property
     def ops(self) -> list[str]:
@@ -120,6 +121,15 @@ class Space:
             for c in cfgs:
                 index.setdefault(c.devices, []).append(c)
         return index.get(devices, [])
+
+    def config_set(self, op: str) -> frozenset[ParallelConfig]:
+        """``op``'s configs as a set, made when a move first asks and shared by the ops that
+        share one list of configs (``candidates.ConfigSpace``)."""
+        cfgs = self.candidates.get(op, ())
+        got = self._sets.get(id(cfgs))
+        if got is None:
+            got = self._sets[id(cfgs)] = frozenset(cfgs)
+        return got
 
 
 def candidate_configs(graph: OpGraph, num_devices: int, microbatches: int,
@@ -147,7 +157,7 @@ def microbatch_choices(graph: OpGraph, counts: Sequence[int], own: int) -> tuple
     for m in counts:
         if batch and batch % m == 0:
             try:
-                check_microbatches(graph, m, shapes_of(graph))
+                check_microbatches(graph, m)
             except PlanError:
                 continue
             out.add(m)
@@ -245,7 +255,7 @@ class Moves:
         m = current.microbatches
         if m not in self._subgraphs:
             here = self.space(m)
-            self._subgraphs[m] = SubgraphMoves(self.graph, self.num_devices, here.candidates,
+            self._subgraphs[m] = SubgraphMoves(self.graph, self.num_devices, here,
                                                here.neighbors or neighbor_ops(self.graph, here.candidates),
                                                self.node_size)
         return self._subgraphs[m].propose(current, rng)

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from simulator.result import SimResult
 from soapsearch.search.mcmc import ChainStats, consider, plan_cost, rank
 from soapsearch.search.pace import SUMMARY, Pace
-from soapsearch.search.stagemove import _cut, restage, stage_count
+from soapsearch.search.stagemove import restage, stage_count
 from strategies.errors import PlanError
 from strategies.strategy import Strategy
 
@@ -39,20 +39,18 @@ def restaged_starts(moves: "GlobalMoves", evaluate: "Evaluator", starts: list[tu
     count = RESTAGED_STARTS if count is None else count
     out = list(starts)
     made = 0
-    cut = None
     for k, (plan, old) in enumerate(starts):
         if made >= count:
             break
         if plan.schedule == "interleaved":
             continue
-        cut = _cut(moves.graph) if cut is None else cut
-        if stage_count(moves.graph, plan, cut) == 1:
+        if stage_count(moves.graph, plan, moves.units) == 1:
             continue
         made += 1
         if not pace.fits("restage", deadline, SUMMARY):
             break
         with pace.timed("restage"):
-            new = restage(moves.graph, plan, moves.op_seconds)
+            new = restage(moves.graph, plan, moves.op_seconds, moves.units)
             try:
                 result = None if new is None else evaluate(new)
             except PlanError:  # a rule only the lowering checks: no start

@@ -26,7 +26,7 @@ from strategies.repeats import RepeatedBlock, repeated_blocks
 from strategies.stages import dp_partition
 from strategies.strategy import Strategy
 
-__all__ = ["op_seconds", "pipeline_groups", "restage", "stage_count", "units"]
+__all__ = ["op_seconds", "pipeline_groups", "restage", "stage_count", "stage_units", "units"]
 
 _LEAF = {"input", "parameter", "constant"}
 
@@ -102,7 +102,7 @@ def pipeline_groups(plan: Strategy, ops: list[str]) -> int:
     return 1
 
 
-def _cut(graph: OpGraph) -> list[list[str]]:
+def stage_units(graph: OpGraph) -> list[list[str]]:
     """``units`` of the largest repeated block (by its ops in all instances)."""
     blocks = repeated_blocks(graph)
     return units(graph, max(blocks, key=lambda b: len(b) * b.length) if blocks else None)
@@ -110,16 +110,17 @@ def _cut(graph: OpGraph) -> list[list[str]]:
 
 def stage_count(graph: OpGraph, plan: Strategy, cut: list[list[str]] | None = None) -> int:
     """The pipeline stages ``restage`` finds in ``plan`` (``pipeline_groups`` of its computing
-    ops; ``cut``: the graph's ``_cut``, made here where not given)."""
-    cut = _cut(graph) if cut is None else cut
+    ops; ``cut``: the graph's ``stage_units``, made here where not given)."""
+    cut = stage_units(graph) if cut is None else cut
     return pipeline_groups(plan, [op for u in cut for op in u if graph[op].kind not in _LEAF])
 
 
-def restage(graph: OpGraph, plan: Strategy, seconds: Callable[[Strategy], dict[str, float]]) -> Strategy | None:
+def restage(graph: OpGraph, plan: Strategy, seconds: Callable[[Strategy], dict[str, float]],
+            cut: list[list[str]] | None = None) -> Strategy | None:
     """``plan`` with its pipeline stages rebalanced (module docstring) by ``seconds`` (a plan's
     ``op_seconds``); None where the plan has one stage, fewer units than stages, or the
-    balanced split is the one it has."""
-    cut = _cut(graph)
+    balanced split is the one it has. ``cut``: the graph's ``stage_units``, made here where not given."""
+    cut = stage_units(graph) if cut is None else cut
     p = stage_count(graph, plan, cut)
     if p == 1 or len(cut) < p:
         return None

@@ -26,10 +26,14 @@ from __future__ import annotations
 
 import random
 from collections import deque
+from typing import TYPE_CHECKING
 
 from strategies.config import ParallelConfig, device_blocks
 from strategies.graph import OpGraph
 from strategies.strategy import Strategy
+
+if TYPE_CHECKING:
+    from soapsearch.search.moves import Space
 
 __all__ = ["MAX_OPS", "SubgraphMoves"]
 
@@ -39,20 +43,14 @@ MAX_OPS = 8
 
 class SubgraphMoves:
     """The subgraph moves of one graph on ``num_devices`` devices, for one count of
-    micro-batches: ``candidates`` (op -> its valid configs) and ``neighbors`` (op -> its
-    producers and consumers with a choice) are that count's ``moves.Space``'s."""
+    micro-batches: ``space`` is that count's ``moves.Space`` (the ops with a choice, each op's
+    configs as a set), ``neighbors`` (op -> its producers and consumers with a choice) its
+    neighbours."""
 
-    def __init__(self, graph: OpGraph, num_devices: int, candidates: dict[str, list[ParallelConfig]],
+    def __init__(self, graph: OpGraph, num_devices: int, space: "Space",
                  neighbors: dict[str, tuple[str, ...]], node_size: int | None = None):
-        self.graph, self.neighbors = graph, neighbors
-        self.ops = [op for op, cfgs in candidates.items() if len(cfgs) > 1]
-        sets: dict[int, set[ParallelConfig]] = {}  # ops that share one list of configs share its set
-        self.valid: dict[str, set[ParallelConfig]] = {}
-        for op in self.ops:
-            cfgs = candidates[op]
-            if id(cfgs) not in sets:
-                sets[id(cfgs)] = set(cfgs)
-            self.valid[op] = sets[id(cfgs)]
+        self.graph, self.space, self.neighbors = graph, space, neighbors
+        self.ops = space.ops
         self.groups = [block for g in range(1, num_devices + 1) if num_devices % g == 0
                        for block in device_blocks(g, num_devices, node_size)]
 
@@ -66,7 +64,7 @@ class SubgraphMoves:
                 return None
             degrees[node.sample_dim] = len(devices)
         cfg = ParallelConfig(tuple(degrees), devices)
-        return cfg if cfg in self.valid.get(op, ()) else None
+        return cfg if cfg in self.space.config_set(op) else None
 
     def propose(self, current: Strategy, rng: random.Random) -> Strategy | None:
         """``current`` with a connected set of ops grown from a random op given one layout on

@@ -19,7 +19,7 @@ from soapsearch.search.api import Evaluator
 from soapsearch.search.globalmove import Factorization, GlobalMoves
 from soapsearch.search.mcmc import ChainStats
 from soapsearch.search.pace import Pace
-from soapsearch.search.stagemove import _cut, op_seconds, stage_count
+from soapsearch.search.stagemove import op_seconds, stage_count, stage_units
 from tests.strategies.test_stages_dp import _brute
 
 
@@ -45,7 +45,7 @@ def test_the_restaged_start_is_the_brute_force_split_and_replaces_the_even_one()
     new = starts[0]
     assert new is not even[0] and stage_count(graph, new) == 4
     new.validate(graph)
-    cut = _cut(graph)
+    cut = stage_units(graph)
     assert [len(u) for u in cut][1:-1] == [22] * 4  # the layers between the embedding and the head
     per_op = op_seconds(graph, evaluate.planned(even[0]), topo, cost)
     times = [sum(per_op.get(op, 0.0) for op in u) for u in cut]

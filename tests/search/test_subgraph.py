@@ -9,7 +9,7 @@ from simulator.presets import get_topology
 from simulator.simulate import simulate_plan
 from soapsearch.search.api import Evaluator, search
 from soapsearch.search.mcmc import candidate_configs
-from soapsearch.search.moves import neighbor_ops
+from soapsearch.search.moves import Space, neighbor_ops
 from soapsearch.search.subgraph import MAX_OPS, SubgraphMoves
 from strategies import data_parallel, owt
 from tests.conftest import traced
@@ -17,7 +17,7 @@ from tests.conftest import traced
 
 def _moves(graph, topo, m=1):
     candidates = candidate_configs(graph, topo.num_devices, m, topo.node_size)
-    return SubgraphMoves(graph, topo.num_devices, candidates, neighbor_ops(graph, candidates), topo.node_size)
+    return SubgraphMoves(graph, topo.num_devices, Space(candidates), neighbor_ops(graph, candidates), topo.node_size)
 
 
 def test_a_subgraph_move_places_a_connected_set_on_one_device_set():

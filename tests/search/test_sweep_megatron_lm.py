@@ -13,7 +13,7 @@ from simulator.presets import get_topology
 from simulator.simulate import simulate_plan
 from soapsearch import trace, zoo
 from soapsearch.search import api
-from soapsearch.search.api import Evaluator, best_baselines, lowering_entries
+from soapsearch.search.api import Evaluator, best_baselines
 from soapsearch.search.globalmove import Factorization, GlobalMoves
 from soapsearch.search.sweep import _shape, estimate, megatron_lm_factors
 from strategies.baselines import megatron_lm
@@ -77,22 +77,3 @@ def test_megatron_lm_is_a_baseline_at_the_degrees_the_estimate_picks():
     r = api.search(tiny, topology="p100-1x4", budget_s=None, proposals=4, seed=0, init="swept", optimizer="adam",
                    precision="bf16", exhaustive_limit=0, workers=1)
     assert "megatron_lm" in r.baselines and r.predicted_ms <= r.baselines["megatron_lm"] * (1 + 1e-12)
-
-
-def test_the_lowering_cache_stays_bounded_over_many_plans(monkeypatch):
-    graph = traced("gpt", batch_size=16)
-    monkeypatch.setattr(api, "LOWERING_ENTRIES_PER_OP", 6)
-    evaluate = Evaluator(graph, get_topology("p100-1x4"), get_cost_model("analytical"), "adam", "bf16")
-    moves = GlobalMoves(graph, 4, (1, 2), "bf16")
-    bound, most, seen = 6 * len(graph), 0, []
-    for f in moves.factorizations[::7][:24]:
-        plan = moves.plan(f)
-        if plan is None:
-            continue
-        before = lowering_entries(evaluate.lowering_cache, "bf16")
-        evaluate(plan)
-        after = lowering_entries(evaluate.lowering_cache, "bf16")
-        most = max(most, after - (before if before <= bound else 0))  # what one plan adds
-        seen.append(after)
-    assert len(seen) >= 12 and max(seen) <= bound + most
-    assert any(b < a for a, b in zip(seen, seen[1:]))  # emptied on the way

@@ -12,6 +12,7 @@ from soapsearch import trace, zoo
 from soapsearch.search import search
 from strategies import PlanError, data_parallel
 from strategies.lowering import lower
+from strategies.lowering_shared import shapes_of
 from strategies.pieces import check_microbatches
 from tests.conftest import traced
 
@@ -55,3 +56,19 @@ def test_an_op_that_mixes_micro_batches_is_refused(seq_first):
     found = search(seq_first, topology="p100-1x2", budget_s=None, proposals=5)
     assert "pipeline" not in found.baselines  # every pipeline needs micro-batches
     assert found.strategy.microbatches == 1 and {"data_parallel", "model_parallel"} <= set(found.baselines)
+
+
+def test_the_shape_ids_are_found_once_per_graph(monkeypatch):
+    import weakref
+    import strategies.pieces as pieces
+    found = []
+    monkeypatch.setattr(pieces, "_SHAPE_IDS", weakref.WeakKeyDictionary())  # the graphs checked before: forgotten
+    monkeypatch.setattr(pieces, "shapes_of", lambda graph: found.append(graph) or shapes_of(graph))
+    g = traced("gpt", batch_size=8)
+    for m in (2, 4, 2):
+        check_microbatches(g, m)
+    assert found == [g] and pieces.shape_ids(g) == shapes_of(g)
+    seq_first = trace(SeqFirst(), (torch.randn(4, 3, 4),))
+    with pytest.raises(PlanError, match="micro-batch"):
+        check_microbatches(seq_first, 2)
+    assert found == [g, seq_first]  # another graph: its own ids

@@ -1,0 +1,67 @@
+"""An Evaluator's lowering cache bounded by bytes (``strategies.lowering_bytes``): the count
+equals the bytes of the distinct pieces, per-device tuples and shards its entries hold, it stays under the bound,
+the oldest entries go, and every result equals a full simulation."""
+
+import random
+
+from simulator.cost import get_cost_model
+from simulator.presets import get_topology
+from soapsearch.search.api import Evaluator
+from soapsearch.search.globalmove import GlobalMoves
+from soapsearch.search.mcmc import candidate_configs
+from strategies import data_parallel, model_parallel
+from strategies.lowered import OpPieces
+from strategies.lowering_bytes import LoweringCache, counted, item_bytes, pieces_bytes
+from tests.conftest import traced
+from tests.search.delta_check import assert_delta_equals_full
+
+
+def _real(cache: LoweringCache) -> int:
+    """The bytes of the distinct objects the cache's entries hold, found afresh."""
+    found = {id(item): item for value in dict.values(cache) for item in counted(value)}
+    return sum(map(item_bytes, found.values()))
+
+
+def test_the_lowering_cache_stays_under_its_bytes_and_results_stay_exact():
+    graph, topo = traced("gpt", batch_size=16), get_topology("p100-1x4")
+    evaluate = Evaluator(graph, topo, get_cost_model("analytical"), "adam", "bf16")
+    moves = GlobalMoves(graph, 4, (1, 2), "bf16")
+    plans = [p for p in map(moves.plan, moves.factorizations[::5]) if p is not None][:6]
+    evaluate(plans[0])
+    one = evaluate.lowering_cache.total()  # one plan's pieces and shards
+    assert one > 0
+    evaluate.lowering_cache[("precision", "bf16")].limit = bound = 2 * one
+    candidates = candidate_configs(graph, 4, 1, topo.node_size)
+    ops = [op for op, cfgs in candidates.items() if len(cfgs) > 1]
+    rng, held = random.Random(3), []
+    for k in range(24):
+        plan = plans[k % len(plans)]
+        if k % 3 == 2:  # a one-op proposal from a factorization's plan
+            op = rng.choice(ops)
+            plan = plan.replace(op, rng.choice(candidates[op]))
+        assert_delta_equals_full(evaluate, plan, (k, plan.microbatches))
+        nested = evaluate.lowering_cache[("precision", "bf16")]
+        assert nested.nbytes == _real(nested)
+        held.append(nested.nbytes)
+        nested.trim()
+        assert nested.nbytes == _real(nested) <= bound
+    assert max(held) > bound and min(held) > 0  # past the bound, then the oldest dropped
+
+
+def test_a_nested_cache_and_a_replaced_entry_keep_the_count_true():
+    graph = traced("mlp", batch_size=16)
+    evaluate = Evaluator(graph, get_topology("p100-2x2"), get_cost_model("analytical"))
+    evaluate(data_parallel(graph, 4))
+    cache = evaluate.lowering_cache
+    first = cache.nbytes
+    assert first == _real(cache) > 0
+    evaluate(model_parallel(graph, 4))
+    assert cache.nbytes == _real(cache) > first
+    key = next(k for k, v in dict.items(cache) if type(v) is OpPieces)
+    cache[key] = cache[key]  # the same pieces again: counted once
+    assert cache.nbytes == _real(cache) >= pieces_bytes(cache[key])
+    assert cache.nbytes == _real(cache)
+    del cache[key]
+    assert cache.nbytes == _real(cache)
+    cache.limit = 1
+    assert cache.trim() and cache.nbytes == _real(cache) == 0 and len(cache) == 0
