@@ -23,6 +23,7 @@ from simulator.topology import Topology
 from strategies.config import format_devices
 from strategies.members import kept_members
 from strategies.lowering import BucketKey, Lowered, ReductionGroup, bucket_sums, loss_on_every_device
+from strategies.precision import reduce_scale
 from strategies.zero import per_use_shards, shard_chunk_bytes, sharded_state, zero_buckets
 
 __all__ = ["COPY_TRAFFIC", "link_step", "member_ends", "UPDATE_TRAFFIC"]
@@ -121,7 +122,8 @@ def link_step(tg: TaskGraph, lowered: Lowered, topology: Topology,
         kind = "reduce_scatter" if zb is not None else "all_reduce"
         label = f"{kind.replace('_', '')} {_bucket_name(key)}"
         extra, fwds = riders.get(key, (0, []))
-        nbytes = buckets[key] + extra if zb is None else zb.chunk_bytes * len(devs)  # padded to n chunks
+        wide = reduce_scale(lowered.strategy, key.dtype)  # summed in the plan's reduce dtype (FSDP2's reduce_dtype)
+        nbytes = buckets[key] * wide + extra if zb is None else zb.chunk_bytes * wide * len(devs)  # padded to n chunks
         ar = tg.add(label, TaskKind.ALLREDUCE, collective_time(topology, kind, devs, nbytes), links, devs[0], nbytes)
         for f in fwds:
             tg.edge(f, ar)
@@ -142,7 +144,7 @@ def link_step(tg: TaskGraph, lowered: Lowered, topology: Topology,
                 synced[d].append(e)
                 continue
             unpack = tg.add(f"unpack {label} device {d}", TaskKind.ALLREDUCE,
-                            _copy_time(topology.devices[d], buckets[key]), (d,), d)
+                            _copy_time(topology.devices[d], buckets[key] * wide), (d,), d)
             tg.edge(e, unpack)
             synced[d].append(unpack)
     if not loss_on_every_device(lowered):
