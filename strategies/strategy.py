@@ -12,7 +12,7 @@ from strategies.errors import PlanError
 from strategies.graph import OpGraph, OpNode
 
 __all__ = ["Strategy", "SCHEDULES", "PLAN_SCHEDULES", "PRECISIONS", "COMPUTE_DTYPES", "DTYPE_FLAGS", "FSDP_UNITS",
-           "REDUCE_DTYPES", "check_bucket_cap"]
+           "REDUCE_DTYPES", "REDUCE_HELP", "check_bucket_cap"]
 
 SCHEDULES = ("gpipe", "1f1b")
 """The schedules any plan can run (the search draws among them)."""
@@ -30,6 +30,9 @@ REDUCE_DTYPES = ("compute", "float32")
 """What a mixed precision plan reduces its gradients in (``Strategy.reduce_dtype``; FSDP2's
 ``MixedPrecisionPolicy.reduce_dtype``): ``compute``, the compute dtype (reduce_dtype =
 param_dtype), or ``float32`` (torchtitan's ``mixed_precision_reduce`` default)."""
+REDUCE_HELP = ("the dtype gradients are summed in under bf16/fp16 (FSDP2's reduce_dtype): compute, the compute "
+               "dtype, or float32 (torchtitan's default; 2x the bytes on the wire); default compute)")
+"""The command line's help of ``--reduce-dtype`` (plan, simulate, search, run)."""
 FSDP_UNITS = ("op", "block")
 """A plan's ZeRO-3 prefetch unit (``Strategy.fsdp_unit``)."""
 COMPUTE_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}

@@ -89,3 +89,29 @@ def test_delta_equals_full_reducing_in_float32(mlp):
         if rng.random() < 0.5:
             current = proposal
     assert compared >= 20
+
+
+def test_the_cli_writes_and_simulates_it(tmp_path, capsys):
+    """``plan --reduce-dtype float32`` records it, ``simulate --reduce-dtype`` replaces it (twice
+    the bucket bytes moved in float32), and fp32 with float32 is refused in one line."""
+    import json
+
+    from soapsearch.cli import main
+    from tests.conftest import cli_error
+
+    path = tmp_path / "p.json"
+    common = ["mlp", "--variant", "tiny", "--topology", "a100-1x8"]
+    assert main(["plan", *common, "--baseline", "data_parallel", "--devices", "2", "--dtype", "bf16",
+                 "--reduce-dtype", "float32", "-o", str(path)]) == 0
+    assert json.loads(path.read_text())["reduce_dtype"] == "float32"
+    capsys.readouterr()
+    moved = []
+    for extra in ([], ["--reduce-dtype", "compute"]):
+        assert main(["simulate", *common, "--plan", str(path), "--json", *extra]) == 0
+        moved.append(sum(json.loads(capsys.readouterr().out)["bytes_moved"].values()))
+    buckets = sum(lower(traced("mlp"), data_parallel(traced("mlp"), 2).with_precision("bf16"))
+                  .gradient_sync.buckets.values())
+    assert moved[0] - moved[1] == buckets
+    err = cli_error(capsys, ["plan", *common, "--baseline", "data_parallel", "--devices", "2",
+                             "--reduce-dtype", "float32", "-o", str(tmp_path / "q.json")])
+    assert "reduce_dtype = 'float32': a gradient reduce dtype other than 'compute' needs mixed precision" in err
