@@ -61,9 +61,12 @@ class Evaluator:
     """Simulates plans of one graph on one topology, reusing each unchanged op's lowering."""
 
     def __init__(self, graph: OpGraph, topology: Topology, cost: CostModel, optimizer: str = "sgd",
-                 precision: str = "model", summarize_best: bool = False, pace: Pace | None = None):
+                 precision: str = "model", summarize_best: bool = False, pace: Pace | None = None,
+                 reduce_dtype: str = "compute"):
         self.graph, self.topology, self.cost, self.optimizer = graph, topology, cost, optimizer
         self.precision = precision
+        self.reduce_dtype = reduce_dtype if precision != "model" else "compute"
+        """What its plans sum gradients in (``Strategy.reduce_dtype``; ``planned``)."""
         self.summarize_best = summarize_best
         """Every result that ranks before each one returned before (``mcmc.rank``) comes with
         its summary, made from its own timeline: a search's answer is never simulated again."""
@@ -135,8 +138,11 @@ class Evaluator:
         return True
 
     def planned(self, plan: Strategy) -> Strategy:
-        """``plan`` in the search's precision (a baseline or initial plan is made in "model")."""
-        return plan if plan.precision == self.precision else plan.with_precision(self.precision)
+        """``plan`` in the search's precision and reduce dtype (a baseline or initial plan is made
+        in "model")."""
+        if plan.precision == self.precision and plan.reduce_dtype == self.reduce_dtype:
+            return plan
+        return plan.with_precision(self.precision, self.reduce_dtype)
 
 
 @dataclass
@@ -372,7 +378,8 @@ def search(model: torch.nn.Module | OpGraph, example_inputs: Sequence[Any] | Non
         raise ValueError(f"search num_devices = {n}: more than the {topo.num_devices} devices of {topo.name!r}")
     cost = get_cost_model(config.cost_model) if isinstance(config.cost_model, str) else config.cost_model
     pace = Pace()  # each kind of step's mean seconds: one that would end past the deadline does not start
-    evaluate = Evaluator(graph, topo, cost, config.optimizer, config.precision, summarize_best=True, pace=pace)
+    evaluate = Evaluator(graph, topo, cost, config.optimizer, config.precision, summarize_best=True, pace=pace,
+                         reduce_dtype=config.reduce_dtype)
     rng = random.Random(seed)
     unscored: list[str] = []
     swept = any(isinstance(i, str) and i == "swept" for i in config.init or ())

@@ -115,3 +115,27 @@ def test_the_cli_writes_and_simulates_it(tmp_path, capsys):
     err = cli_error(capsys, ["plan", *common, "--baseline", "data_parallel", "--devices", "2",
                              "--reduce-dtype", "float32", "-o", str(tmp_path / "q.json")])
     assert "reduce_dtype = 'float32': a gradient reduce dtype other than 'compute' needs mixed precision" in err
+
+
+def test_search_keeps_the_reduce_dtype_the_user_set(tmp_path, capsys):
+    """``search --dtype bf16 --reduce-dtype float32`` returns a plan reducing in float32, its
+    predicted time the one a full simulation of it gives; with fp32 it is refused in one line."""
+    import json
+
+    from soapsearch.cli import main
+    from tests.conftest import cli_error
+
+    path = tmp_path / "found.json"
+    args = ["search", "mlp", "--variant", "tiny", "--topology", "a100-1x8", "--devices", "2", "--proposals", "20",
+            "--workers", "1", "--optimizer", "adam"]
+    assert main([*args, "--dtype", "bf16", "--reduce-dtype", "float32", "-o", str(path), "--json"]) == 0
+    capsys.readouterr()
+    found = json.loads(path.read_text())
+    assert (found["precision"], found["reduce_dtype"]) == ("bf16", "float32")
+    from strategies import load_strategy
+    graph = traced("mlp")
+    plan = load_strategy(found, graph)
+    full = simulate_plan(graph, plan, get_topology("a100-1x8"), get_cost_model("analytical"), optimizer="adam")
+    assert found["predicted"]["iteration_ms"] == pytest.approx(full.iteration_time * 1e3, rel=1e-9)
+    err = cli_error(capsys, [*args, "--reduce-dtype", "float32", "-o", str(tmp_path / "x.json")])
+    assert "search reduce_dtype = 'float32'" in err and "bf16 or fp16" in err
