@@ -62,11 +62,12 @@ class Evaluator:
 
     def __init__(self, graph: OpGraph, topology: Topology, cost: CostModel, optimizer: str = "sgd",
                  precision: str = "model", summarize_best: bool = False, pace: Pace | None = None,
-                 reduce_dtype: str = "compute"):
+                 reduce_dtype: str | None = None):
         self.graph, self.topology, self.cost, self.optimizer = graph, topology, cost, optimizer
         self.precision = precision
-        self.reduce_dtype = reduce_dtype if precision != "model" else "compute"
-        """What its plans sum gradients in (``Strategy.reduce_dtype``; ``planned``)."""
+        self.reduce_dtype = reduce_dtype if precision != "model" else None
+        """What its plans sum gradients in (``Strategy.reduce_dtype``; ``planned``); None: each
+        plan's own (a search sets its ``SearchConfig.reduce_dtype``)."""
         self.summarize_best = summarize_best
         """Every result that ranks before each one returned before (``mcmc.rank``) comes with
         its summary, made from its own timeline: a search's answer is never simulated again."""
@@ -139,8 +140,8 @@ class Evaluator:
 
     def planned(self, plan: Strategy) -> Strategy:
         """``plan`` in the search's precision and reduce dtype (a baseline or initial plan is made
-        in "model")."""
-        if plan.precision == self.precision and plan.reduce_dtype == self.reduce_dtype:
+        in "model"; with ``reduce_dtype`` None, a mixed-precision plan keeps its own)."""
+        if plan.precision == self.precision and self.reduce_dtype in (None, plan.reduce_dtype):
             return plan
         return plan.with_precision(self.precision, self.reduce_dtype)
 

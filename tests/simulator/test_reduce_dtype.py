@@ -65,7 +65,7 @@ def test_delta_equals_full_reducing_in_float32(mlp):
     drawn (0-3): the search's Evaluator (delta) equals a full simulation on each valid one."""
     topo = get_topology("a100-1x8")
     n, cost = topo.num_devices, get_cost_model("analytical")
-    evaluate = Evaluator(mlp, topo, cost, "adam", "bf16")
+    evaluate = Evaluator(mlp, topo, cost, "adam", "bf16", reduce_dtype="float32")
     candidates = candidate_configs(mlp, n, 1, topo.node_size)
     ops = [op for op in candidates if any(w.trainable for w in mlp[op].weights)]
     rng = random.Random("reduce-float32")
