@@ -113,6 +113,11 @@ class Run:
     """Model chunks per device of the published pipeline schedule: 1 for 1F1B, v > 1 for
     interleaved 1F1B (Narayanan et al. §2.2.2), run as ``megatron(virtual_stages=v)``."""
     dtype: str = "bf16"
+    reduce_dtype: str = "compute"
+    """What the run sums gradients in (``Strategy.reduce_dtype``): ``compute`` (Megatron-LM's
+    DDP all-reduces the fp16/bf16 gradients) or ``float32`` (torchtitan's FSDP2:
+    ``MixedPrecisionPolicy(reduce_dtype=float32)`` from its ``training.mixed_precision_reduce``,
+    default and only choice "float32", torchtitan/config/job_config.py)."""
     ddp: str = "torch"
     """How the data-parallel gradients are all-reduced: one of ``DDP_IMPLS``."""
     device: str = "a100"
@@ -190,7 +195,8 @@ _OP_AC = "torchtitan's selective op checkpointing (a per-op save list) has no pl
 _TORCHTITAN_ROWS = tuple(
     Run(name, p, a, h, l, 1, 1, 64, 64 * local, f"{TORCHTITAN}, {table}, row {name}", "torchtitan-a100",
         wps=wps, mfu=mfu, seq=seq, vocab=v, microbatch=local, recompute=rec,
-        unsupported=_OP_AC if rec == "op" else None, dtype="bf16", attention="flash", model="llama", ffn=f,
+        unsupported=_OP_AC if rec == "op" else None, dtype="bf16", reduce_dtype="float32", attention="flash",
+        model="llama", ffn=f,
         kv_heads=kv, plan="fsdp")
     for name, table, p, a, kv, h, l, f, v, seq, local, rec, wps, mfu in (
         # name, table, params (B), heads, kv heads, hidden, layers, ffn, vocab, seq,

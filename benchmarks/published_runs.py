@@ -143,7 +143,8 @@ def build_plan(run: Run, graph: OpGraph) -> Strategy:
     and chunks per device (1F1B, or interleaved 1F1B where ``chunks`` > 1), or ``fsdp`` over
     every GPU; its recompute (full: every layer but its closing residual add, ``layer_ops``;
     selective: each attention core, Korthikanti et al. §5; alternate: every second layer's,
-    torchtitan's selective layer checkpointing) and its dtype."""
+    torchtitan's selective layer checkpointing), its dtype and the dtype it sums gradients in
+    (``Run.reduce_dtype``: torchtitan's FSDP2 in float32)."""
     if run.plan == "fsdp":
         plan = fsdp(graph, run.gpus)
     else:
@@ -155,12 +156,11 @@ def build_plan(run: Run, graph: OpGraph) -> Strategy:
     elif run.recompute == "op":
         raise ValueError(f"row {run.name!r}: {run.unsupported}")
     elif run.recompute == "selective":
-        plan = Strategy.of({name: cfg.with_memory(recompute=True) if graph[name].kind == "attention" else cfg
-                            for name, cfg in plan.items()},
-                           plan.num_devices, plan.microbatches, plan.schedule, plan.precision)
+        plan = plan.with_configs({name: cfg.with_memory(recompute=True) if graph[name].kind == "attention" else cfg
+                                  for name, cfg in plan.items()})
     if run.ddp == "local":
         plan = plan.with_bucket_cap(LOCAL_DDP_BUCKET_MB)
-    return plan.with_precision(run.dtype)
+    return plan.with_precision(run.dtype, run.reduce_dtype)
 
 
 def layer_ops(graph: OpGraph, run: Run) -> list[set[str]]:

@@ -23,6 +23,7 @@ from simulator.topology import Topology
 from strategies.config import format_devices
 from strategies.members import kept_members
 from strategies.lowering import BucketKey, Lowered, ReductionGroup, bucket_sums, loss_on_every_device
+from strategies.precision import reduce_scale
 from strategies.zero import per_use_shards, shard_chunk_bytes, sharded_state, zero_buckets
 
 __all__ = ["COPY_TRAFFIC", "link_step", "member_ends", "UPDATE_TRAFFIC"]
@@ -121,11 +122,14 @@ def link_step(tg: TaskGraph, lowered: Lowered, topology: Topology,
     for key in order:  # levels 0 and 1 (2 and 3: reduce-scattered per use, simulator.zero3)
         zb = sharded.get(key)
         extra, fwds = riders.get(key, (0, []))
-        nbytes = buckets[key] + extra if zb is None else zb.chunk_bytes * len(key.devices)  # padded to n chunks
-        mkey = (key, nbytes, buckets[key], zb is not None, keep)
+        wide = reduce_scale(lowered.strategy, key.dtype)  # summed in the plan's reduce dtype (FSDP2's reduce_dtype)
+        # padded to n chunks at level 1
+        nbytes = buckets[key] * wide + extra if zb is None else zb.chunk_bytes * wide * len(key.devices)
+        mkey = (key, nbytes, buckets[key] * wide, zb is not None, keep)
         t = memo.get(mkey)
         if t is None:
-            t = memo[mkey] = _record_bucket(topology, key, nbytes, buckets[key], zb is not None, mine(key.devices))
+            t = memo[mkey] = _record_bucket(topology, key, nbytes, buckets[key] * wide, zb is not None,
+                                            mine(key.devices))
             memo[_HELD] = memo.get(_HELD, 0) + len(t.cols)
         base = tg.extend(t.cols)
         for f in fwds:

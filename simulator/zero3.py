@@ -36,6 +36,7 @@ from simulator.taskgraph import INDEX, Columns, TaskGraph, TaskKind
 from simulator.topology import Topology
 from strategies.config import format_devices
 from strategies.lowering import Lowered
+from strategies.precision import reduce_scale
 from strategies.prefetch import call_key, calls_at, issue_positions, step_units
 from strategies.schedule import Step
 from strategies.zero import gather_groups
@@ -84,10 +85,11 @@ def add_gathers(tg: TaskGraph, lowered: Lowered, topology: Topology, blocks: Seq
         for g, u, members, i, phases in uses:
             block = blocks[i]
             units = tuple(_unit(of.get((g, phase, j)), made, unit_bytes) for phase in phases) if of else ()
-            key = (u, j, phases, keep, units)
+            wide = reduce_scale(lowered.strategy, u.shards[0].dtype)
+            key = (u, j, phases, keep, units, wide)
             c = memo.get(key)
             if c is None or c.block is not block:
-                c = memo[key] = _record(topology, u, j, members, phases, block, chunks, of, calls, units, g)
+                c = memo[key] = _record(topology, u, j, members, phases, block, chunks, of, calls, units, g, wide)
             for unit, done in c.made:
                 made[unit] = {d: t + base for d, t in done.items()}
             laid.append((c, base, int(first[i]), [made[k][d] for k, d in c.refs]))
@@ -140,7 +142,7 @@ def _unit(key, made: dict, unit_bytes: dict) -> tuple | None:
 
 
 def _record(topology: Topology, u, j: int, members: list, phases: tuple, block, chunks: list, of: dict,
-            calls: dict, units: tuple, g: int) -> _Chunk:
+            calls: dict, units: tuple, g: int, wide: int = 1) -> _Chunk:
     """``_use_tasks`` of group ``u`` (index ``g``) in micro-batch ``j``, recorded as a ``_Chunk``."""
     cols = Columns()
     src: list[int] = []
@@ -156,7 +158,7 @@ def _record(topology: Topology, u, j: int, members: list, phases: tuple, block, 
             refs += [(unit[0], d) for d in simulated]
     before = set(made)
     _use_tasks(cols.add, lambda a, b: (src.append(a), dst.append(b)), topology, u, j, members, phases, _BLOCK,
-               block, chunks, mine, ends, of, calls, made, g)
+               block, chunks, mine, ends, of, calls, made, g, wide)
     return _Chunk(block, cols, np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64), mine,
                   [(d, e) for d, es in ends.items() for e in es], refs,
                   [(k, v) for k, v in made.items() if k not in before])
@@ -182,12 +184,13 @@ def _placed(laid: list) -> np.ndarray:
 def _use_tasks(add: Callable[..., int], edge: Callable[[int, int], None], topology: Topology, u, j: int,
                members: list, phases: tuple, at: int, block, chunks: list, calls_made: list,
                ends: dict[int, list[int]], of: dict | None = None, calls: dict | None = None,
-               made: dict | None = None, g: int = -1) -> None:
+               made: dict | None = None, g: int = -1, wide: int = 1) -> None:
     """Group ``u``'s tasks in micro-batch ``j`` through ``add`` and ``edge`` (a graph's or a
     recorder's): at level 3 one all-gather per phase (or the unit's call, once, ``of``,
     ``calls``, ``made``), each member's call of it (``calls_made``: (call, (device, step))),
     the edges into its partitions' steps (``at``: its reader block's first id); then the
-    reduce-scatter after the members' backwards, its member ends into ``ends``."""
+    reduce-scatter after the members' backwards, its member ends into ``ends``, its bytes
+    ``wide`` per gradient byte (``strategies.precision.reduce_scale``: 2 for bf16 summed in float32)."""
     n, devs = topology.num_devices, u.devices
     names = "+".join(s.name for s in u.shards)
     links = tuple(n + l for l in ring_links(topology, devs))
@@ -218,8 +221,8 @@ def _use_tasks(add: Callable[..., int], edge: Callable[[int, int], None], topolo
         for d, k in members:
             edge(done[d], at + fwd[k] + int(backward))
     label = f"reducescatter grad {names} {u.op}@mb{j} zero{u.zero}"
-    rs = add(label, TaskKind.COLLECTIVE, reduce_scatter_time(topology, devs, chunk * len(devs)), links,
-             devs[0], chunk * len(devs))
+    summed = u.chunk_bytes * wide * len(devs)  # the group's own chunks, in the plan's reduce dtype
+    rs = add(label, TaskKind.COLLECTIVE, reduce_scatter_time(topology, devs, summed), links, devs[0], summed)
     done_b = block.bwd_done[j]
     for _, k in members:
         edge(at + done_b[k], rs)

@@ -36,17 +36,17 @@ def simulate(graph: OpGraph, plan: Strategy | str | os.PathLike, *,
              topology: Topology | str = DEFAULT_TOPOLOGY, cost_model: CostModel | str = "analytical",
              optimizer: str = "sgd", microbatches: int | None = None,
              trace: str | os.PathLike | None = None, precision: str | None = None,
-             bucket_cap_mb: float | None = None) -> SimResult:
+             bucket_cap_mb: float | None = None, reduce_dtype: str | None = None) -> SimResult:
     """Simulated cost of one training iteration of ``plan`` (a Strategy, a baseline name or a
     plan file) for ``graph`` on ``topology``; ``trace`` writes the timeline (Chrome trace);
-    ``precision`` (``strategies.strategy.PRECISIONS``) and ``bucket_cap_mb`` (the gradient
-    buckets' cap, ``Strategy.bucket_cap_mb``) replace the plan's."""
+    ``precision`` (``strategies.strategy.PRECISIONS``), ``reduce_dtype`` (``Strategy.reduce_dtype``)
+    and ``bucket_cap_mb`` (the gradient buckets' cap, ``Strategy.bucket_cap_mb``) replace the plan's."""
     topo = get_topology(topology) if isinstance(topology, (str, os.PathLike)) else topology
     if not isinstance(topo, Topology):
         raise ValueError(f"topology = {topology!r}: must be a preset name, a topology JSON path or a Topology")
     strategy = resolve_plan(graph, plan, topo.num_devices, microbatches)
-    if precision is not None:
-        strategy = strategy.with_precision(precision)
+    if precision is not None or reduce_dtype is not None:
+        strategy = strategy.with_precision(precision or strategy.precision, reduce_dtype)
     if bucket_cap_mb is not None:
         strategy = strategy.with_bucket_cap(bucket_cap_mb)
     if strategy.num_devices > topo.num_devices:

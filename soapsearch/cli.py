@@ -19,7 +19,7 @@ from soapsearch.search.cli import add_search_parsers
 from soapsearch.search.output import check_plan_output, wrote
 from soapsearch.trace import CAPTURES, TraceError, check_scalar_loss, trace
 from strategies import BASELINES, OpGraph, PlanError, baseline, get_rule, save_strategy
-from strategies.strategy import DTYPE_FLAGS, FSDP_UNITS, Strategy
+from strategies.strategy import DTYPE_FLAGS, FSDP_UNITS, REDUCE_DTYPES, REDUCE_HELP, Strategy
 from strategies.serialize import check_writable
 from strategies.config import ROLE_LETTER
 from strategies.rules import OPAQUE
@@ -120,7 +120,7 @@ def _cmd_plan(args) -> int:
         raise ValueError(f"{megatron_only[0]} is a flag of --baseline megatron, not of --baseline {args.baseline}")
     plan = baseline(args.baseline, graph, devices, args.microbatches, args.tp, args.pp, args.sequence_parallel,
                     args.recompute, args.virtual_stages)
-    plan = plan.with_precision(DTYPE_FLAGS[args.dtype]).with_bucket_cap(args.bucket_cap_mb)
+    plan = plan.with_precision(DTYPE_FLAGS[args.dtype], args.reduce_dtype).with_bucket_cap(args.bucket_cap_mb)
     if args.fsdp_unit is not None:
         plan = plan.with_fsdp_unit(args.fsdp_unit)
     save_strategy(args.output, plan, graph, topology=topo.name)
@@ -152,7 +152,7 @@ def _cmd_simulate(args) -> int:
                       cost_model=cost_model_for(args.cost_model, args.topology),
                       optimizer=args.optimizer, microbatches=args.microbatches, trace=args.trace,
                       precision=None if args.dtype is None else DTYPE_FLAGS[args.dtype],
-                      bucket_cap_mb=args.bucket_cap_mb)
+                      bucket_cap_mb=args.bucket_cap_mb, reduce_dtype=args.reduce_dtype)
     if args.json:
         print(json.dumps(result.to_json()))
         return 0
@@ -231,6 +231,7 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--dtype", default="fp32", choices=sorted(DTYPE_FLAGS),
                       help="the plan's precision: fp32 computes in the model's dtype, bf16/fp16 in mixed "
                            "precision (float32 master weights and optimizer state)")
+    plan.add_argument("--reduce-dtype", default=Strategy.reduce_dtype, choices=REDUCE_DTYPES, help=REDUCE_HELP)
     plan.add_argument("--bucket-cap-mb", type=float, default=Strategy.bucket_cap_mb,
                       help="cap of the gradient buckets in MiB (DDP's bucket_cap_mb; default 25): each device "
                            "set's gradients are synced in buckets of about this size, each as soon as it is final")
@@ -256,6 +257,8 @@ def _parser() -> argparse.ArgumentParser:
     sim.add_argument("--dtype", default=None, choices=sorted(DTYPE_FLAGS),
                      help="simulate in this precision (fp32: the model's dtype; bf16/fp16: mixed "
                           "precision); default: the plan's")
+    sim.add_argument("--reduce-dtype", default=None, choices=REDUCE_DTYPES,
+                     help=REDUCE_HELP.replace("compute)", "the plan's)"))
     sim.add_argument("--microbatches", type=int, default=None,
                      help="micro-batches of --baseline pipeline (default 4) or megatron (default 1)")
     sim.add_argument("--bucket-cap-mb", type=float, default=None,

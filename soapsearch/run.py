@@ -28,7 +28,7 @@ from soapsearch.executor.launch import prepare
 from soapsearch.zoo import VARIANTS
 from strategies.errors import PlanError
 from strategies.serialize import atomic_open, atomic_write_text
-from strategies.strategy import DTYPE_FLAGS, check_bucket_cap
+from strategies.strategy import DTYPE_FLAGS, REDUCE_DTYPES, REDUCE_HELP, check_bucket_cap
 
 __all__ = ["add_arguments", "to_argv", "check_backend", "precision_flag", "main", "MODEL_DTYPES"]
 
@@ -66,6 +66,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the plan's precision, as on plan/simulate/search, replacing the plan's: fp32 computes "
                         "in the model's dtype, bf16/fp16 in mixed precision (torch.autocast, float32 master "
                         "weights and optimizer state; fp16 with a dynamic loss scaler); default: the plan's")
+    p.add_argument("--reduce-dtype", default=None, choices=REDUCE_DTYPES,
+                   help=REDUCE_HELP.replace("compute)", "the plan's)"))
     p.add_argument("--bucket-cap-mb", type=float, default=None,
                    help="cap of the gradient buckets in MiB, replacing the plan's (DDP's bucket_cap_mb; "
                         "plans default to its 25)")
@@ -87,7 +89,7 @@ def to_argv(args: argparse.Namespace) -> list[str]:
     """``args`` (parsed by ``add_arguments``) back into the flags of ``soapsearch.run``."""
     out = [str(args.plan), "--model", args.model]
     for flag in ("variant", "batch_size", "steps", "optimizer", "lr", "momentum", "backend", "dtype",
-                 "bucket_cap_mb", "model_dtype", "loss_scale", "seed", "timeout", "save", "trace", "capture"):
+                 "reduce_dtype", "bucket_cap_mb", "model_dtype", "loss_scale", "seed", "timeout", "save", "trace", "capture"):
         v = getattr(args, flag)
         if v is not None:
             out += [f"--{flag.replace('_', '-')}", str(v)]
@@ -146,7 +148,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = train_config(args)
         built, strategy = prepare(args.plan, args.model, args.variant, args.batch_size, args.seed,
                                   args.model_dtype, world, capture=args.capture,
-                                  precision=precision_flag(args.dtype), bucket_cap_mb=args.bucket_cap_mb)
+                                  precision=precision_flag(args.dtype), bucket_cap_mb=args.bucket_cap_mb,
+                                  reduce_dtype=args.reduce_dtype)
     except (PlanError, ExecutorError, ValueError) as e:
         print(f"soapsearch run (rank {rank}): {e}", file=sys.stderr)
         return 2

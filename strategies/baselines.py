@@ -85,8 +85,7 @@ def sharded(plan: Strategy, graph: OpGraph, zero: int) -> Strategy:
     to shard over)."""
     configs = {name: cfg.with_memory(zero=zero) if shardable(graph, plan, name) else cfg
                for name, cfg in plan.items()}
-    return Strategy.of(configs, plan.num_devices, plan.microbatches, plan.schedule, plan.precision,
-                       plan.bucket_cap_mb, plan.fsdp_unit)
+    return plan.with_configs(configs)
 
 
 def recomputed(plan: Strategy, graph: OpGraph) -> Strategy:
@@ -100,8 +99,7 @@ def recomputed(plan: Strategy, graph: OpGraph) -> Strategy:
     inside = {op for cols, mid, row in blocks for op in (*cols, *mid, row)}
     configs = {name: cfg.with_memory(recompute=True) if name in inside and recomputable(graph, graph[name]) else cfg
                for name, cfg in plan.items()}
-    return Strategy.of(configs, plan.num_devices, plan.microbatches, plan.schedule, plan.precision,
-                       plan.bucket_cap_mb, plan.fsdp_unit)
+    return plan.with_configs(configs)
 
 
 def megatron_lm(graph: OpGraph, num_devices: int, tp: int, pp: int, micro_batch: int = 1,

@@ -15,6 +15,7 @@ from strategies.errors import PlanError
 from strategies.graph import DTYPE_BYTES, OpGraph
 from strategies.members import members
 from strategies.region import Box, box_numel, intersect
+from strategies.precision import reduce_scale
 from strategies.strategy import Strategy
 
 if TYPE_CHECKING:
@@ -235,7 +236,7 @@ FIRST_BUCKET_BYTES = 1 << 20
 (1 MiB, so the first all-reduce starts early in the backward)."""
 
 
-def split_buckets(shards: Sequence[WeightShard], cap: int
+def split_buckets(shards: Sequence[WeightShard], cap: int, strategy: Strategy | None = None
                   ) -> tuple[dict[BucketKey, int], tuple[BucketKey | None, ...]]:
     """The gradient buckets of ``shards`` (``Lowered.weight_shards`` order) at a cap of ``cap``
     bytes, as DDP assigns them (torch.distributed's ``_compute_bucket_assignment_by_size``):
@@ -244,8 +245,14 @@ def split_buckets(shards: Sequence[WeightShard], cap: int
     group's open bucket, which closes once its bytes reach its limit, min(1 MiB, cap) for the
     group's first bucket (``FIRST_BUCKET_BYTES``), ``cap`` for the others; bucket i is index i.
     Levels 2 and 3 are reduce-scattered per use (``strategies.zero``): one key per group.
-    Returns bucket -> bytes, and each shard's bucket (None: summed nowhere), in ``shards``' order."""
+    A bucket's bytes are counted against its limit in the dtype it is reduced in
+    (``strategies.precision.reduce_scale`` under ``strategy``: float32 buckets fill at half the
+    bf16 gradients). Returns bucket -> bytes (in the shards' dtype), and each shard's bucket
+    (None: summed nowhere), in ``shards``' order."""
     first = min(FIRST_BUCKET_BYTES, cap)
+    wide = {}  # a group's key -> bytes reduced per byte held
+    if strategy is not None and strategy.reduce_dtype != "compute":
+        wide = {g: reduce_scale(strategy, g.dtype) for g in {s.bucket_group for s in shards} if g is not None}
     open_: dict[int, list] = {}  # id of a group (one object per key) -> [its open bucket, bytes in it]
     sizes: dict[BucketKey, int] = {}
     of: list[BucketKey | None] = [None] * len(shards)
@@ -259,7 +266,7 @@ def split_buckets(shards: Sequence[WeightShard], cap: int
             entry = open_[id(group)] = [group, 0]
         key = of[i] = entry[0]
         entry[1] += s.nbytes
-        if entry[1] >= (cap if key.index else first) and group.zero < 2:
+        if entry[1] * wide.get(group, 1) >= (cap if key.index else first) and group.zero < 2:
             sizes[key] = entry[1]
             entry[0], entry[1] = BucketKey(group.devices, group.dtype, group.zero, key.index + 1), 0
     for key, b in open_.values():

@@ -135,9 +135,9 @@ def lower(graph: OpGraph, strategy: Strategy, cache: dict | None = None, copies:
         raise
     last.configs = strategy.configs
     shards = tuple(itertools.chain.from_iterable(map(_shards, last.held.values())))
-    cap, split = strategy.bucket_cap_bytes, cache.get(_state("buckets", m, n, copies))  # the last call's, where its shards are these
+    cap, split = (strategy.bucket_cap_bytes, strategy.reduce_dtype), cache.get(_state("buckets", m, n, copies))  # the last call's, where its shards are these
     if split is None or split[0] != cap or len(split[1]) != len(shards) or not all(map(operator.is_, split[1], shards)):
-        split = cache[_state("buckets", m, n, copies)] = (cap, shards, split_buckets(shards, cap))
+        split = cache[_state("buckets", m, n, copies)] = (cap, shards, split_buckets(shards, cap[0], strategy))
     buckets, of = split[2]
     sync = GradientSync(buckets, tuple(last.tensors.tolist()), of)
     totals = [tuple(t) for t in last.totals[:3]] + [tuple(t.tolist()) for t in last.totals[3:]]

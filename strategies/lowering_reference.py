@@ -54,7 +54,7 @@ def lower_reference(graph: OpGraph, strategy: Strategy) -> Lowered:
             (trainable if s.trainable else frozen)[d] += s.nbytes
     device_bytes = DeviceBytes(*map(tuple, (kept, received, received_grad, trainable, frozen)))
 
-    buckets, of = split_buckets(shards, strategy.bucket_cap_bytes)
+    buckets, of = split_buckets(shards, strategy.bucket_cap_bytes, strategy)
     tensors = [0] * n
     for name in reads:
         held_by = {d for s in shards if s.name == name and s.trainable for d in s.devices}

@@ -52,6 +52,5 @@ def layer_recomputed(plan: Strategy, graph: OpGraph, layers: list[set[str]] | No
     """``plan`` with every op of ``layers`` (default: every layer's, ``layer_ops``) recomputed
     in the backward: Megatron-LM's full recompute, each layer keeping its input only."""
     ops = set().union(*(layer_ops(graph) if layers is None else layers))
-    return Strategy.of({name: cfg.with_memory(recompute=True) if name in ops else cfg for name, cfg in plan.items()},
-                       plan.num_devices, plan.microbatches, plan.schedule, plan.precision, plan.bucket_cap_mb,
-                       plan.fsdp_unit)
+    return plan.with_configs({name: cfg.with_memory(recompute=True) if name in ops else cfg
+                              for name, cfg in plan.items()})

@@ -1,18 +1,20 @@
 """Mixed precision as the lowering sees it (docs/design.md, "Mixed precision"): the graph a
 ``bf16``/``fp16`` plan runs, every float32 tensor (activations, the inputs ops read, the weights'
 working copies) in the compute dtype, a loss's value left in float32 (torch.autocast's op lists
-run losses in float32). Transfers, kept activations, weight reads, gradient buckets (reduced in
-the compute dtype, FSDP2's reduce_dtype default) and each op's peak FLOP/s then follow from the
-dtypes as in any plan; ``simulator.memory`` adds the float32 master weights."""
+run losses in float32). Transfers, kept activations, weight reads, gradient buckets and each op's peak
+FLOP/s then follow from the dtypes as in any plan; gradients are summed in ``reduce_dtype``
+(the plan's ``Strategy.reduce_dtype``: the compute dtype, or float32); ``simulator.memory``
+adds the float32 master weights."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
 from strategies.errors import PlanError
-from strategies.graph import OpGraph, OpNode, TensorSpec, Weight
+from strategies.graph import DTYPE_BYTES, OpGraph, OpNode, TensorSpec, Weight
+from strategies.strategy import COMPUTE_DTYPES, Strategy
 
-__all__ = ["compute_graph", "MASTER_DTYPE"]
+__all__ = ["compute_graph", "MASTER_DTYPE", "reduce_dtype", "reduce_scale"]
 
 MASTER_DTYPE = "float32"
 """The dtype of master weights and optimizer state in mixed precision (Micikevicius et al. 2018)."""
@@ -45,3 +47,20 @@ def compute_graph(graph: OpGraph, dtype: str | None) -> OpGraph:
                                     f"weight {w.name!r} is {w.spec.dtype}: use precision 'model' (--dtype fp32)")
         made[dtype] = OpGraph([_node(n, dtype) for n in graph], graph.outputs, graph.name, graph.capture)
     return made[dtype]
+
+
+_HALF = frozenset(COMPUTE_DTYPES.values())
+
+
+def reduce_dtype(strategy: Strategy, dtype: str) -> str:
+    """The dtype the gradient of a weight held in ``dtype`` is summed in under ``strategy``:
+    float32 where the plan's ``reduce_dtype`` is ``float32`` and ``dtype`` is a compute dtype
+    (FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=float32)``: the gradient is
+    cast up before its all-reduce / reduce-scatter), else ``dtype`` itself."""
+    return MASTER_DTYPE if strategy.reduce_dtype == MASTER_DTYPE and dtype in _HALF else dtype
+
+
+def reduce_scale(strategy: Strategy, dtype: str) -> int:
+    """Bytes on the wire per byte of a ``dtype`` gradient: ``reduce_dtype``'s itemsize over
+    ``dtype``'s (2 for a bf16/fp16 gradient reduced in float32, else 1)."""
+    return DTYPE_BYTES[reduce_dtype(strategy, dtype)] // DTYPE_BYTES[dtype]

@@ -27,6 +27,7 @@ from typing import Callable, Hashable, Sequence, TypeVar
 from strategies.graph import OpGraph
 from strategies.lowering import Lowered
 from strategies.memo import per_lowered
+from strategies.precision import reduce_scale
 from strategies.repeats import repeated_blocks
 from strategies.schedule import Step
 from strategies.zero import gather_groups
@@ -114,14 +115,16 @@ def calls_at(gathers: Sequence[Sequence[T]], units: Sequence[Hashable] | None,
 def gathered_bytes(lowered: Lowered) -> tuple[int, ...]:
     """Per device, the most its level-2 and level-3 uses hold besides their chunks at once: at
     a step reading such shards, each of its groups' full gradient before the reduce-scatter
-    and, at level 3, the gathered weights (2 × the group's bytes at level 3, 1 × at level 2;
+    (with its float32 copy where the plan reduces in float32, ``Strategy.reduce_dtype``) and, at level 3, the gathered weights (2 × the group's bytes at level 3, 1 × at level 2;
     a partition's groups are all gathered at its step), plus the buffers of the all-gather calls
     issued at or before this step (``calls_at``) whose last reader comes later, each alive from
     its issue to its last reader (which copies it out)."""
     n = lowered.strategy.num_devices
     groups = gather_groups(lowered)
     gathered = [(u.nbytes, call_key(u)) if u.zero == 3 else None for u in groups]  # once per group
-    held = [(2 if u.zero == 3 else 1) * u.nbytes for u in groups]
+    # the gradient, and where the plan reduces in float32 its copy cast up for the reduce-scatter
+    # (FSDP2's reduce_dtype: foreach_reduce copies the gradients into a float32 input)
+    held = [(int(u.zero == 3) + 1 + _widened(lowered.strategy, u)) * u.nbytes for u in groups]
     out = [0] * n
     for c in alike_readers(lowered):  # the walk once per class: its members hold alike
         each = tuple(tuple((q, gathered[g]) for g in gs if gathered[g] is not None) for q, gs in enumerate(c.reads))
@@ -134,6 +137,13 @@ def gathered_bytes(lowered: Lowered) -> tuple[int, ...]:
         for d in c.devices:
             out[d] = most
     return tuple(out)
+
+
+def _widened(strategy, group) -> int:
+    """Bytes of the float32 copy a group's gradient is reduce-scattered from, per gradient
+    byte: ``reduce_scale`` where it is above 1 (the compute-dtype gradient is cast up), else 0."""
+    wide = reduce_scale(strategy, group.shards[0].dtype)
+    return wide if wide > 1 else 0
 
 
 def _ahead(calls: list[list[tuple[Hashable, tuple]]]) -> list[int]:

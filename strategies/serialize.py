@@ -13,7 +13,7 @@ from typing import IO, Any, Iterator, Mapping
 from strategies.config import ParallelConfig
 from strategies.errors import PlanError
 from strategies.graph import OpGraph
-from strategies.strategy import PRECISIONS, Strategy
+from strategies.strategy import PRECISIONS, REDUCE_DTYPES, Strategy
 
 __all__ = ["FORMAT", "VERSION", "PlanFile", "check_writable", "parse_plan", "strategy_to_json", "save_strategy", "load_strategy",
            "read_plan", "atomic_open", "atomic_write_text"]
@@ -24,7 +24,7 @@ READS = (1, 2, 3, 4)
 """The versions this soapsearch reads: version 1 (no ``precision`` field) loads as "model"
 precision; versions 1 and 2 (no per-op ``zero`` / ``recompute``) as "Replicate, keep";
 versions 1 to 3 (no ``bucket_cap_mb``, ``fsdp_unit``) with DDP's 25 MiB gradient buckets and
-ZeRO-3 units of one op."""
+ZeRO-3 units of one op; a plan without ``reduce_dtype`` reduces in its compute dtype."""
 
 
 @dataclass(frozen=True)
@@ -93,6 +93,7 @@ def strategy_to_json(strategy: Strategy, graph: OpGraph, *, topology: str | Mapp
         "topology": topo,
         "microbatches": strategy.microbatches, "schedule": strategy.schedule, "precision": strategy.precision,
         "bucket_cap_mb": strategy.bucket_cap_mb, "fsdp_unit": strategy.fsdp_unit,
+        "reduce_dtype": strategy.reduce_dtype,
         "ops": [{"name": n.name, "kind": n.kind, "dims": [d.name for d in n.dims],
                  "shape": list(n.output.shape), "dtype": n.output.dtype,
                  "degrees": list(strategy[n.name].degrees), "devices": list(strategy[n.name].devices),
@@ -169,6 +170,9 @@ def parse_plan(source: str | os.PathLike | Mapping[str, Any], devices_in_range: 
         raise PlanError(None, "precision", precision, f"must be one of {list(PRECISIONS)}", where)
     cap = obj.get("bucket_cap_mb", Strategy.bucket_cap_mb) if version >= 4 else Strategy.bucket_cap_mb
     unit = obj.get("fsdp_unit", Strategy.fsdp_unit) if version >= 4 else Strategy.fsdp_unit
+    reduce = obj.get("reduce_dtype", Strategy.reduce_dtype) if version >= 4 else Strategy.reduce_dtype
+    if reduce not in REDUCE_DTYPES:
+        raise PlanError(None, "reduce_dtype", reduce, f"must be one of {list(REDUCE_DTYPES)}", where)
     ops = _need(obj, "ops", list, where)
     if not ops:
         raise PlanError(None, "ops", ops, "a plan has a config for every op of its model", where)
@@ -192,7 +196,7 @@ def parse_plan(source: str | os.PathLike | Mapping[str, Any], devices_in_range: 
             raise PlanError(name, "devices", devices, f"device {bad[0]} is out of range for "
                             f"{num_devices} devices (0-{num_devices - 1})", where)
     try:
-        strategy = Strategy(tuple(configs.items()), num_devices, microbatches, schedule, precision, cap, unit)
+        strategy = Strategy(tuple(configs.items()), num_devices, microbatches, schedule, precision, cap, unit, reduce)
     except PlanError as e:
         raise PlanError(e.op, e.field, e.value, e.rule, where) from None
     return obj, where, strategy

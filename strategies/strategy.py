@@ -12,7 +12,7 @@ from strategies.errors import PlanError
 from strategies.graph import OpGraph, OpNode
 
 __all__ = ["Strategy", "SCHEDULES", "PLAN_SCHEDULES", "PRECISIONS", "COMPUTE_DTYPES", "DTYPE_FLAGS", "FSDP_UNITS",
-           "check_bucket_cap"]
+           "REDUCE_DTYPES", "REDUCE_HELP", "check_bucket_cap"]
 
 SCHEDULES = ("gpipe", "1f1b")
 """The schedules any plan can run (the search draws among them)."""
@@ -25,7 +25,14 @@ is mixed precision (Micikevicius et al. 2018; FSDP2's ``MixedPrecisionPolicy`` w
 param_dtype = reduce_dtype = the compute dtype): each partition runs under
 ``torch.autocast(dtype)`` (its op lists keep what they keep in float32), weights and the
 optimizer state stay float32 (master weights), activations and transfers move in the compute
-dtype, gradients are reduced in it."""
+dtype, gradients are reduced in ``Strategy.reduce_dtype``."""
+REDUCE_DTYPES = ("compute", "float32")
+"""What a mixed precision plan reduces its gradients in (``Strategy.reduce_dtype``; FSDP2's
+``MixedPrecisionPolicy.reduce_dtype``): ``compute``, the compute dtype (reduce_dtype =
+param_dtype), or ``float32`` (torchtitan's ``mixed_precision_reduce`` default)."""
+REDUCE_HELP = ("the dtype gradients are summed in under bf16/fp16 (FSDP2's reduce_dtype): compute, the compute "
+               "dtype, or float32 (torchtitan's default; 2x the bytes on the wire); default compute)")
+"""The command line's help of ``--reduce-dtype`` (plan, simulate, search, run)."""
 FSDP_UNITS = ("op", "block")
 """A plan's ZeRO-3 prefetch unit (``Strategy.fsdp_unit``)."""
 COMPUTE_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
@@ -61,6 +68,11 @@ class Strategy:
     """What one ZeRO-3 prefetch unit is (``strategies.prefetch``, ``FSDP_UNITS``): ``op``, each
     step reading level-3 weights; ``block``, each instance of a repeated block
     (``strategies.repeats``: a transformer layer, FSDP2's ``fully_shard`` per block)."""
+    reduce_dtype: str = "compute"
+    """The dtype gradients are summed in (``REDUCE_DTYPES``; FSDP2's ``reduce_dtype``): under
+    mixed precision ``compute`` casts each bucket and reduce-scatter input to the compute dtype,
+    ``float32`` keeps them in float32 (``strategies.precision.reduce_dtype``); only ``compute``
+    in "model" precision, where the two are one."""
     _index: Mapping[str, ParallelConfig] = field(default=None, compare=False, repr=False, hash=False)  # type: ignore[assignment]
 
     def __hash__(self) -> int:
@@ -95,12 +107,20 @@ class Strategy:
         if self.fsdp_unit not in FSDP_UNITS:
             raise PlanError(None, "fsdp_unit", self.fsdp_unit, f"must be one of {list(FSDP_UNITS)} (the ZeRO-3 "
                             "prefetch unit: each op's step, or each repeated block's instance)")
+        if self.reduce_dtype not in REDUCE_DTYPES:
+            raise PlanError(None, "reduce_dtype", self.reduce_dtype, f"must be one of {list(REDUCE_DTYPES)} (FSDP2's "
+                            "reduce_dtype: the compute dtype's or float32)")
+        if self.reduce_dtype != "compute" and self.precision == "model":
+            raise PlanError(None, "reduce_dtype", self.reduce_dtype, "a gradient reduce dtype other than 'compute' "
+                            "needs mixed precision (precision bf16 or fp16): in 'model' precision gradients are "
+                            "reduced in the model's dtype")
 
     @classmethod
     def of(cls, configs: Mapping[str, ParallelConfig], num_devices: int, microbatches: int = 1,
            schedule: str = "gpipe", precision: str = "model", bucket_cap_mb: float = 25.0,
-           fsdp_unit: str = "op") -> "Strategy":
-        return cls(tuple(configs.items()), num_devices, microbatches, schedule, precision, bucket_cap_mb, fsdp_unit)
+           fsdp_unit: str = "op", reduce_dtype: str = "compute") -> "Strategy":
+        return cls(tuple(configs.items()), num_devices, microbatches, schedule, precision, bucket_cap_mb, fsdp_unit,
+                   reduce_dtype)
 
     @property
     def bucket_cap_bytes(self) -> int:
@@ -143,7 +163,8 @@ class Strategy:
         for f, value in (("configs", self.configs[:at] + ((name, config),) + self.configs[at + 1:]),
                          ("num_devices", self.num_devices), ("microbatches", self.microbatches),
                          ("schedule", self.schedule), ("precision", self.precision),
-                         ("bucket_cap_mb", self.bucket_cap_mb), ("fsdp_unit", self.fsdp_unit), ("_index", {**self._index, name: config})):
+                         ("bucket_cap_mb", self.bucket_cap_mb), ("fsdp_unit", self.fsdp_unit),
+                         ("reduce_dtype", self.reduce_dtype), ("_index", {**self._index, name: config})):
             object.__setattr__(new, f, value)
         new.__dict__["_positions"] = self._positions  # cached properties live in __dict__
         uses = self.__dict__.get("_uses")
@@ -156,24 +177,33 @@ class Strategy:
             new.__dict__["_uses"] = {d: c for d, c in uses.items() if c}
         return new
 
+    def with_configs(self, configs: Mapping[str, ParallelConfig]) -> "Strategy":
+        """``configs`` (op -> config) under this plan's other fields (micro-batches, schedule,
+        precision, bucket cap, prefetch unit, reduce dtype)."""
+        return Strategy(tuple(configs.items()), self.num_devices, self.microbatches, self.schedule, self.precision,
+                        self.bucket_cap_mb, self.fsdp_unit, self.reduce_dtype)
+
     def with_microbatches(self, microbatches: int, schedule: str | None = None) -> "Strategy":
         return Strategy(self.configs, self.num_devices, microbatches, schedule or self.schedule, self.precision,
-                        self.bucket_cap_mb, self.fsdp_unit)
+                        self.bucket_cap_mb, self.fsdp_unit, self.reduce_dtype)
 
-    def with_precision(self, precision: str) -> "Strategy":
-        """The same plan computing in ``precision`` (``PRECISIONS``)."""
+    def with_precision(self, precision: str, reduce_dtype: str | None = None) -> "Strategy":
+        """The same plan computing in ``precision`` (``PRECISIONS``), its gradients reduced in
+        ``reduce_dtype`` (None: this plan's where ``precision`` is mixed, else ``compute``)."""
+        if reduce_dtype is None:
+            reduce_dtype = self.reduce_dtype if precision != "model" else "compute"
         return Strategy(self.configs, self.num_devices, self.microbatches, self.schedule, precision,
-                        self.bucket_cap_mb, self.fsdp_unit)
+                        self.bucket_cap_mb, self.fsdp_unit, reduce_dtype)
 
     def with_bucket_cap(self, bucket_cap_mb: float) -> "Strategy":
         """The same plan with gradient buckets capped at ``bucket_cap_mb`` MiB."""
         return Strategy(self.configs, self.num_devices, self.microbatches, self.schedule, self.precision,
-                        bucket_cap_mb, self.fsdp_unit)
+                        bucket_cap_mb, self.fsdp_unit, self.reduce_dtype)
 
     def with_fsdp_unit(self, fsdp_unit: str) -> "Strategy":
         """The same plan with ZeRO-3 prefetch units of ``fsdp_unit`` (``FSDP_UNITS``)."""
         return Strategy(self.configs, self.num_devices, self.microbatches, self.schedule, self.precision,
-                        self.bucket_cap_mb, fsdp_unit)
+                        self.bucket_cap_mb, fsdp_unit, self.reduce_dtype)
 
     @cached_property
     def devices_used(self) -> tuple[int, ...]:

@@ -32,7 +32,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     _check_flags(args)
     nproc = check_plan(args.plan, args.model, variant=args.variant, batch_size=args.batch_size,
                        seed=args.seed, dtype=args.model_dtype, nproc=args.nproc, capture=args.capture,
-                       precision=precision_flag(args.dtype), bucket_cap_mb=args.bucket_cap_mb)
+                       precision=precision_flag(args.dtype), bucket_cap_mb=args.bucket_cap_mb,
+                       reduce_dtype=args.reduce_dtype)
     check_backend(args.backend, nproc)  # one GPU per process: torchrun starts them all on this machine
     return launch(args.plan, to_argv(args)[1:], nproc)
 

@@ -25,17 +25,21 @@ import torch.distributed as dist
 
 from soapsearch.executor.comm import ProcessGroups, run_collective
 from strategies.lowered import WeightShard
+from strategies.precision import reduce_dtype
+from strategies.strategy import Strategy
 from strategies.region import box_numel, slice_box
 from strategies.zero import GatherGroup, chunk_numel, chunk_span, gather_groups, per_use_shards
 
 __all__ = ["GatheredWeights"]
 
 
-def _wire(t: torch.Tensor, shard: WeightShard) -> torch.Tensor:
+def _wire(t: torch.Tensor, shard: WeightShard, strategy: Strategy | None = None) -> torch.Tensor:
     """``t`` in the dtype its collective moves it in: the shard's in the lowering (a mixed
-    precision plan's compute dtype, FSDP2's param_dtype and reduce_dtype; the chunks and leaves
-    stay float32 masters)."""
-    return t.to(getattr(torch, shard.dtype))
+    precision plan's compute dtype, FSDP2's param_dtype; the chunks and leaves stay float32
+    masters), or with ``strategy`` a gradient's, the plan's reduce dtype (FSDP2's reduce_dtype,
+    ``strategies.precision.reduce_dtype``)."""
+    dtype = shard.dtype if strategy is None else reduce_dtype(strategy, shard.dtype)
+    return t.to(getattr(torch, dtype))
 
 
 class GatheredWeights:
@@ -45,6 +49,7 @@ class GatheredWeights:
 
     def __init__(self, lowered, rank: int, tensors: dict[str, torch.Tensor], index, state) -> None:
         self.rank, self.tensors, self.index = rank, tensors, index
+        self.strategy = lowered.strategy
         shards = per_use_shards(lowered)
         self.groups = ProcessGroups([s.devices for s in shards], lowered.strategy.num_devices)
         self.mine = [s for s in shards if rank in s.devices]
@@ -148,7 +153,7 @@ class GatheredWeights:
                     leaf, index = self.tensors[s.name], self.index(s.name, s.region)
                     grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
                     g = (grad if index is None else grad[index]).reshape(-1)
-                    rows.append(_wire(torch.nn.functional.pad(g, (0, c * n - g.numel())), s).view(n, c))
+                    rows.append(_wire(torch.nn.functional.pad(g, (0, c * n - g.numel())), s, self.strategy).view(n, c))
                 x = torch.cat(rows, dim=1).reshape(-1) if len(rows) > 1 else rows[0].reshape(-1)
                 out = x.new_empty(sum(u.chunks))
                 work = dist.reduce_scatter_tensor(out, x, op=dist.ReduceOp.SUM, group=self.groups.get(u.devices),

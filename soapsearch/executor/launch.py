@@ -37,11 +37,12 @@ def plan_devices(plan_path: str | os.PathLike) -> int:
 
 def prepare(plan_path: str | os.PathLike, model: str, variant: str, batch_size: int | None, seed: int,
             dtype: str | None, devices: int, device: str = "cpu", capture: str | None = None,
-            precision: str | None = None, bucket_cap_mb: float | None = None) -> tuple[Any, Strategy]:
+            precision: str | None = None, bucket_cap_mb: float | None = None,
+            reduce_dtype: str | None = None) -> tuple[Any, Strategy]:
     """What a rank does before any work: the model built (``build_model`` on ``device``), the
     plan read against it (``read_plan``: fingerprint, ops, degrees, devices) and checked
     runnable on ``devices`` processes (``check_runnable``), in ``precision`` when given (a
-    ``Strategy.precision``, replacing the plan's) and with gradient buckets capped at
+    ``Strategy.precision``, replacing the plan's; ``reduce_dtype`` likewise) and with gradient buckets capped at
     ``bucket_cap_mb`` when given (``Strategy.bucket_cap_mb``, replacing the plan's). The model is captured by the front end the
     plan records (``model.capture``; absent: fx) unless ``capture`` says otherwise. ``dtype``
     casts the model (``build_model``). Returns (the built model, the plan)."""
@@ -49,8 +50,8 @@ def prepare(plan_path: str | os.PathLike, model: str, variant: str, batch_size: 
         capture = parse_plan(plan_path)[0]["model"].get("capture", "fx")
     built = build_model(model, variant, batch_size, seed, dtype, device, capture)
     strategy = read_plan(plan_path, built.graph).strategy
-    if precision is not None:
-        strategy = strategy.with_precision(precision)
+    if precision is not None or reduce_dtype is not None:
+        strategy = strategy.with_precision(precision or strategy.precision, reduce_dtype)
     if bucket_cap_mb is not None:
         strategy = strategy.with_bucket_cap(bucket_cap_mb)
     check_runnable(lower(built.graph, strategy), devices)
@@ -60,7 +61,7 @@ def prepare(plan_path: str | os.PathLike, model: str, variant: str, batch_size: 
 def check_plan(plan_path: str | os.PathLike, model: str, *, variant: str = "default",
                batch_size: int | None = None, seed: int = 0, dtype: str | None = None,
                nproc: int | None = None, capture: str | None = None, precision: str | None = None,
-               bucket_cap_mb: float | None = None) -> int:
+               bucket_cap_mb: float | None = None, reduce_dtype: str | None = None) -> int:
     """What each rank checks before any work, done once here: the plan's device count against
     ``nproc``, then ``prepare``. Returns the number of processes to start; raises PlanError / ModelLoadError / TraceError
     / ValueError naming the file, field and value."""
@@ -73,7 +74,7 @@ def check_plan(plan_path: str | os.PathLike, model: str, *, variant: str = "defa
         # a zoo model on the meta device: the same graph and checks without allocating and
         # initializing its weights (every rank builds them anyway)
         built, strategy = prepare(plan_path, model, variant, batch_size, seed, dtype, devices, "meta",
-                                  capture, precision, bucket_cap_mb)
+                                  capture, precision, bucket_cap_mb, reduce_dtype)
     except ExecutorError as e:
         raise ValueError(f"{plan_path}: {e}") from None
     # a factory's model has its weights: the traced GraphModule's reference cycles would keep

@@ -25,6 +25,7 @@ from soapsearch.executor.comm import ProcessGroups, run_collective
 from soapsearch.executor.gathered import GatheredWeights
 from strategies.lowering import BucketKey, Lowered
 from strategies.overlap import bucket_order
+from strategies.precision import reduce_dtype
 from strategies.region import Box, box_numel, index_in, shift_box, slice_box
 from strategies.zero import ZeroBucket, chunk_span, zero_buckets
 
@@ -124,8 +125,8 @@ class LocalWeights:
 
     def start_bucket(self, key: BucketKey, groups: ProcessGroups, riders: Sequence[torch.Tensor] = ()) -> None:
         """Start gradient bucket ``key``'s collective without waiting (``async_op``, as DDP's
-        buckets): its gradients packed into one flat tensor in the bucket's (compute) dtype,
-        FSDP2's reduce_dtype, all-reduced, or at level 1 reduce-scattered (this rank's chunk of
+        buckets): its gradients packed into one flat tensor in the dtype the plan reduces them
+        in (``strategies.precision.reduce_dtype``, FSDP2's reduce_dtype), all-reduced, or at level 1 reduce-scattered (this rank's chunk of
         the sum is its chunk's gradient). Called once the bucket's gradients are final here
         (``strategies.overlap.bucket_issues``), in ``bucket_order`` on every member. ``riders``
         (small tensors in one order on every member: the STEP sums of
@@ -135,7 +136,7 @@ class LocalWeights:
             t = self.tensors[name]
             if t.grad is None:
                 t.grad = torch.zeros_like(t)
-        dtype = getattr(torch, key.dtype)
+        dtype = getattr(torch, reduce_dtype(self.lowered.strategy, key.dtype))
         if key in self.zero:
             x = self._flat(key, grads=True).to(dtype)
             out = x.new_empty(self.zero[key].chunk)

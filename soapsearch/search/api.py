@@ -48,9 +48,13 @@ class Evaluator:
     """Simulates plans of one graph on one topology, reusing each unchanged op's lowering."""
 
     def __init__(self, graph: OpGraph, topology: Topology, cost: CostModel, optimizer: str = "sgd",
-                 precision: str = "model", summarize_best: bool = False, pace: Pace | None = None):
+                 precision: str = "model", summarize_best: bool = False, pace: Pace | None = None,
+                 reduce_dtype: str | None = None):
         self.graph, self.topology, self.cost, self.optimizer = graph, topology, cost, optimizer
         self.precision = precision
+        self.reduce_dtype = reduce_dtype if precision != "model" else None
+        """What its plans sum gradients in (``Strategy.reduce_dtype``; ``planned``); None: each
+        plan's own (a search sets its ``SearchConfig.reduce_dtype``)."""
         self.summarize_best = summarize_best
         """Every result that ranks before each one returned before (``mcmc.rank``) comes with
         its summary, made from its own timeline: a search's answer is never simulated again."""
@@ -123,8 +127,11 @@ class Evaluator:
         return True
 
     def planned(self, plan: Strategy) -> Strategy:
-        """``plan`` in the search's precision (a baseline or initial plan is made in "model")."""
-        return plan if plan.precision == self.precision else plan.with_precision(self.precision)
+        """``plan`` in the search's precision and reduce dtype (a baseline or initial plan is made
+        in "model"; with ``reduce_dtype`` None, a mixed-precision plan keeps its own)."""
+        if plan.precision == self.precision and self.reduce_dtype in (None, plan.reduce_dtype):
+            return plan
+        return plan.with_precision(self.precision, self.reduce_dtype)
 
 
 @dataclass
@@ -360,7 +367,8 @@ def search(model: torch.nn.Module | OpGraph, example_inputs: Sequence[Any] | Non
         raise ValueError(f"search num_devices = {n}: more than the {topo.num_devices} devices of {topo.name!r}")
     cost = get_cost_model(config.cost_model) if isinstance(config.cost_model, str) else config.cost_model
     pace = Pace()  # each kind of step's mean seconds: one that would end past the deadline does not start
-    evaluate = Evaluator(graph, topo, cost, config.optimizer, config.precision, summarize_best=True, pace=pace)
+    evaluate = Evaluator(graph, topo, cost, config.optimizer, config.precision, summarize_best=True, pace=pace,
+                         reduce_dtype=config.reduce_dtype)
     rng = random.Random(seed)
     unscored: list[str] = []
     swept = any(isinstance(i, str) and i == "swept" for i in config.init or ())

@@ -14,7 +14,7 @@ from soapsearch.search.output import check_plan_output, wrote
 from soapsearch.search.study import study_search
 from strategies.config import format_devices
 from strategies.serialize import atomic_open, check_writable, parse_plan
-from strategies.strategy import DTYPE_FLAGS, SCHEDULES
+from strategies.strategy import DTYPE_FLAGS, REDUCE_DTYPES, REDUCE_HELP, SCHEDULES
 
 __all__ = ["add_search_parsers", "config_of", "table"]
 
@@ -45,6 +45,7 @@ def add_search_parsers(sub, model_args, graph_of) -> None:
     sp.add_argument("--dtype", default="fp32", choices=sorted(DTYPE_FLAGS),
                     help="the plans' precision: fp32 computes in the model's dtype, bf16/fp16 in mixed "
                          "precision (default fp32)")
+    sp.add_argument("--reduce-dtype", default=c.reduce_dtype, choices=REDUCE_DTYPES, help=REDUCE_HELP)
     sp.add_argument("--devices", type=int, default=c.num_devices,
                     help="use only the first N devices (default all of the topology's)")
     sp.add_argument("--chains", type=int, default=c.chains,
@@ -116,7 +117,7 @@ def config_of(args, cost_model) -> SearchConfig:
     return SearchConfig(budget_s=args.budget or None, proposals=args.proposals, cost_model=cost_model,
                         init=None if args.init is None else tuple(args.init.split(",")), seed=args.seed,
                         microbatches=args.microbatches, schedule=args.schedule, optimizer=args.optimizer,
-                        precision=DTYPE_FLAGS[args.dtype],
+                        precision=DTYPE_FLAGS[args.dtype], reduce_dtype=args.reduce_dtype,
                         num_devices=args.devices,
                         chains=args.chains, workers=args.workers, exhaustive_limit=args.exhaustive_limit,
                         patience=args.patience, beta=args.beta, replicas=args.replicas,

@@ -12,7 +12,7 @@ from typing import Any, Mapping
 from simulator.cost import CostModel
 from simulator.memory import OPTIMIZER_STATE
 from soapsearch.search.mcmc import Budget, positive, whole
-from strategies.strategy import PRECISIONS, SCHEDULES, Strategy
+from strategies.strategy import PRECISIONS, REDUCE_DTYPES, SCHEDULES, Strategy
 
 __all__ = ["SearchConfig", "search_config"]
 
@@ -61,6 +61,9 @@ class SearchConfig:
     """The plans' precision (``strategies.strategy.PRECISIONS``): ``model`` computes in the
     model's dtype, ``bf16``/``fp16`` in mixed precision (the simulator's peak, bytes and memory
     follow)."""
+    reduce_dtype: str = "compute"
+    """What a mixed-precision plan sums its gradients in (``Strategy.reduce_dtype``): every plan
+    the search simulates and returns carries it (``Evaluator.planned``)."""
     zero_move: float = 0.05
     """The probability that a proposal sets a sharding level (ZeRO 0-3) of one weighted op, one
     block's or every one's (``moves.Moves.zero``)."""
@@ -138,6 +141,9 @@ class SearchConfig:
             raise ValueError(f"search optimizer = {self.optimizer!r}: must be one of {list(OPTIMIZER_STATE)}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"search precision = {self.precision!r}: must be one of {list(PRECISIONS)}")
+        if self.reduce_dtype not in REDUCE_DTYPES or (self.reduce_dtype != "compute" and self.precision == "model"):
+            raise ValueError(f"search reduce_dtype = {self.reduce_dtype!r}: must be one of {list(REDUCE_DTYPES)}, "
+                             "and 'compute' in 'model' precision (a gradient reduce dtype needs bf16 or fp16)")
         rates = {"zero_move": self.zero_move, "recompute_move": self.recompute_move,
                  "microbatch_move": self.microbatch_move, "subgraph_move": self.subgraph_move}
         for name, p in {**rates, "repeat_move": self.repeat_move, "global_move": self.global_move}.items():

@@ -56,6 +56,7 @@ def search_exhaustively(candidates: dict[str, list[ParallelConfig]], evaluate: C
     count = 0
     pace = Pace() if pace is None else pace
     for plan in gray_plans(candidates, num_devices, microbatches, schedule, precision):
+        plan = evaluate.planned(plan)  # the search's reduce dtype, the plan kept as simulated
         if not pace.fits("plan", deadline, SUMMARY):
             break
         with pace.timed("plan"):

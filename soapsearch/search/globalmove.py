@@ -152,7 +152,7 @@ class GlobalMoves:
                 if f.recompute:
                     plan = (recomputed(plan, self.graph) if self.layers is None
                             else layer_recomputed(plan, self.graph, self.layers))
-                plan = plan.with_precision(self.precision)
+                plan = self.evaluate.planned(plan) if self.evaluate is not None else plan.with_precision(self.precision)
             self._made[f] = plan
         return self._made[f]
 

@@ -102,5 +102,4 @@ def replaced(current: Strategy, changed: dict[str, ParallelConfig]) -> Strategy 
         for op, cfg in changed.items():
             plan = plan.replace(op, cfg)
         return plan
-    return Strategy(tuple((op, changed.get(op, cfg)) for op, cfg in current.configs), current.num_devices,
-                    current.microbatches, current.schedule, current.precision, current.bucket_cap_mb, current.fsdp_unit)
+    return current.with_configs({op: changed.get(op, cfg) for op, cfg in current.configs})

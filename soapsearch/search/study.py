@@ -133,9 +133,9 @@ class _Trials:
     def __init__(self, graph: OpGraph, topo: Topology, cost: CostModel, optimizer: str, seed: int,
                  budget: tuple[float | None, int | None], deadline: float | None,
                  device_choices: list[int], microbatch_choices: list[int], precision: str = "model",
-                 rates: MoveRates = MoveRates()):
+                 rates: MoveRates = MoveRates(), reduce_dtype: str = "compute"):
         self.graph, self.topo, self.cost, self.optimizer, self.seed = graph, topo, cost, optimizer, seed
-        self.precision = precision
+        self.precision, self.reduce_dtype = precision, reduce_dtype
         self.budget, self.deadline = budget, deadline
         self.device_choices, self.microbatch_choices = device_choices, microbatch_choices
         self.inits = INITS + (("megatron",) if megatron_blocks(graph) else ())
@@ -150,7 +150,8 @@ class _Trials:
 
     def evaluator(self, n: int) -> Evaluator:
         if n not in self._evaluators:
-            self._evaluators[n] = Evaluator(self.graph, self.topo, self.cost, self.optimizer, self.precision)
+            self._evaluators[n] = Evaluator(self.graph, self.topo, self.cost, self.optimizer, self.precision,
+                                            reduce_dtype=self.reduce_dtype)
         return self._evaluators[n]
 
     def moves(self, n: int) -> Moves:
@@ -260,7 +261,7 @@ def study_search(graph: OpGraph, *, topology: Topology | str = DEFAULT_TOPOLOGY,
     objective = _Trials(graph, topo, cost, config.optimizer, seed, (trial_budget_s, trial_proposals), deadline,
                         _device_choices(topo, num_devices_choices),
                         [m for m in MICROBATCHES if (not batch or batch % m == 0) and _takes(graph, m)],
-                        config.precision, MoveRates.of(config, factorization=False))
+                        config.precision, MoveRates.of(config, factorization=False), config.reduce_dtype)
     full = topo.num_devices if num_devices_choices is None else max(objective.device_choices)
     plans, results = best_baselines(graph, full, objective.evaluator(full))
 

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from soapsearch.executor import Executor, TrainConfig, build_model
+from strategies.precision import reduce_scale
 from strategies.strategy import COMPUTE_DTYPES
 from tests.executor.gloo import gloo_group
 from tests.executor.harness import launch
@@ -61,12 +62,21 @@ OVERFLOW = 2.0**40
 
 CASES_2 = [("mlp", "dp", "bf16"), ("mlp", "row", "bf16"), ("gpt", "dp", "bf16"), ("gpt", "megatron", "bf16"),
            ("mlp", "dp", "fp16"), ("gpt", "megatron", "fp16"), ("gpt", "zero3_dp+rc_blocks", "bf16"),
-           ("gpt", "zero1_dp", "fp16")]
+           ("gpt", "zero1_dp", "fp16"), ("gpt", "zero3_dp+rc_blocks", "bf16:float32"),
+           ("gpt", "zero1_dp", "fp16:float32")]
+"""A precision ``p:float32`` runs ``p`` with its gradients reduced in float32 (``Strategy.reduce_dtype``,
+FSDP2's ``reduce_dtype=torch.float32``): level 1's bucket and level 3's per-use reduce-scatters."""
 CASES_4 = [("mlp", "row", "fp16"), ("gpt", "megatron_pp2", "bf16"), ("gpt", "megatron_pp2", "fp16")]
 FLOAT32 = [("mlp", "dp", "model"), ("gpt", "dp", "model"), ("mlp", "row", "model")]
 """The bf16 plans of CASES_2 run in float32 (``test_bf16_loss_is_autocast_not_float32``)."""
 SKIP = [("mlp", "row", "fp16", OVERFLOW)]
 """fp16 with a loss scale that overflows: every rank skips the step, as one device's GradScaler."""
+
+
+def _with_precision(plan, precision: str):
+    """``plan`` in ``precision`` ("bf16", or "bf16:float32": its gradients reduced in float32)."""
+    precision, _, reduce = precision.partition(":")
+    return plan.with_precision(precision, reduce or None)
 
 
 def run_cases(rank: int, world: int, port: int, cases: list[tuple], out_dir: str) -> None:
@@ -76,7 +86,7 @@ def run_cases(rank: int, world: int, port: int, cases: list[tuple], out_dir: str
         for i, (model_name, plan, precision, *scale) in enumerate(cases):
             try:
                 built = build_model(model_name, "tiny")
-                strategy = make_plan(built.graph, plan, world).with_precision(precision)
+                strategy = _with_precision(make_plan(built.graph, plan, world), precision)
                 result = {}
                 for opt, cfg in OPTIMIZERS.items():
                     cfg = replace(cfg, loss_scale=scale[0]) if scale else cfg
@@ -108,8 +118,8 @@ def wire_cases(rank: int, world: int, port: int, cases: list[tuple], out_dir: st
         try:
             for i, (model_name, plan, precision) in enumerate(cases):
                 built = build_model(model_name, "tiny")
-                ex = Executor(built.graph, make_plan(built.graph, plan, world).with_precision(precision), built.state,
-                              built.inputs, OPTIMIZERS["sgd"])
+                ex = Executor(built.graph, _with_precision(make_plan(built.graph, plan, world), precision),
+                              built.state, built.inputs, OPTIMIZERS["sgd"])
                 got = {"forward": [], "backward": [], "collective": [], "bucket": []}
                 send, start, syncing = ex.p2p.send, ex.weights.start_bucket, []
 
@@ -148,7 +158,8 @@ def wire_cases(rank: int, world: int, port: int, cases: list[tuple], out_dir: st
                         "collective": sum(c.nbytes // (len(c.devices) if kind == "all_gather" else 1)
                                           for c in calls for kind in (c.kind, c.backward_kind if c.grad else None)
                                           if kind is not None),
-                        "bucket": sum(b for key, b in low.gradient_sync.buckets.items() if rank in key.devices)}
+                        "bucket": sum(b * reduce_scale(low.strategy, key.dtype)
+                                      for key, b in low.gradient_sync.buckets.items() if rank in key.devices)}
                 mine = {"got": {k: sum(b for _, b in v) for k, v in got.items()}, "want": want,
                         "dtypes": {k: sorted({str(d) for d, _ in v}) for k, v in got.items()}}
                 every = [None] * world
@@ -218,6 +229,7 @@ def distances(result: dict, ref: dict, start: dict[str, torch.Tensor], opt: str,
 
 def check(case: tuple, result: dict) -> None:
     model, _, precision = case
+    precision = precision.split(":")[0]
     assert "error" not in result, result.get("error")
     tol = TOLERANCE[precision]
     for opt in OPTIMIZERS:
@@ -325,22 +337,29 @@ def test_run_bad_dtype_flags_in_one_line(bf16_plan, capsys, argv, says):
     assert err.count("\n") == 1 and says in err, err
 
 
-WIRE = [("gpt", "megatron", "bf16"), ("gpt", "megatron_sp", "bf16"), ("mlp", "row", "fp16")]
+WIRE = [("gpt", "megatron", "bf16"), ("gpt", "megatron_sp", "bf16"), ("mlp", "row", "fp16"),
+        ("gpt", "megatron", "bf16:float32")]
 
 
 def test_what_moves_is_what_the_simulator_charges():
     """Every byte a bf16/fp16 plan moves between ranks, per rank: the point-to-point pieces
     sent forward and backward, each collective's input and each gradient bucket's all-reduce,
     equal the lowering's transfers, collectives and buckets (the simulator's input), all in the
-    compute dtype; the plans move all four kinds."""
+    compute dtype but a plan reducing in float32's buckets, which move twice the bucket's bytes
+    in float32 (``strategies.precision.reduce_scale``, as ``simulator.step`` charges them); the
+    plans move all four kinds."""
     results = launch(WIRE, 2, wire_cases)
     moved = set()
     for i, (model, plan, precision) in enumerate(WIRE):
         assert "error" not in results[i], results[i]["error"]
+        precision, _, reduce = precision.partition(":")
         half = str(getattr(torch, COMPUTE_DTYPES[precision]))
         for rank, r in enumerate(results[i]):
             assert r["got"] == r["want"], (model, plan, rank, r)
             for kind, dtypes in r["dtypes"].items():
-                assert set(dtypes) <= {half, "torch.int64"}, (model, plan, rank, kind, dtypes)
+                wire = "torch.float32" if kind == "bucket" and reduce else half
+                assert set(dtypes) <= {wire, "torch.int64"}, (model, plan, rank, kind, dtypes)
+            if reduce:
+                assert r["dtypes"]["bucket"] == ["torch.float32"] and r["got"]["bucket"], (model, plan, rank, r)
             moved |= {k for k, b in r["got"].items() if b}
     assert moved == {"forward", "backward", "collective", "bucket"}
