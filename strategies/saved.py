@@ -3,8 +3,10 @@
 ``tests/strategies/test_saved.py`` checks each rule against them), the per-op rule behind
 Korthikanti et al. 2022 §4's count of a GPT layer (eq. 1–6): a linear saves its input, not its
 output; an add saves nothing; softmax its output; dropout its mask (1 byte an element); GELU
-and layer norm their input. A kind not listed here reads every input and its output back (what
-the memory model kept before these rules: an upper bound)."""
+and layer norm their input (and its row statistics: ``saved_extra``); a mul an operand only
+for the other's gradient (``reads_from``); a view nothing of its own. A kind not listed here
+reads every input and its output back (an upper bound). ``benchmarks/saved_bytes.py`` prints
+the bytes op by op against autograd's (``tests/strategies/test_saved_bytes.py``)."""
 
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ KIND_READS = {
     "linear": INPUT,  # addmm / mm: saves the input and the weight
     "matmul": INPUT,  # bmm: saves both operands
     "mul": INPUT,  # saves the other operand of each
-    "layernorm": INPUT,  # native_layer_norm: the input, its mean and rstd (rows · 8 bytes, not counted)
+    "layernorm": INPUT,  # native_layer_norm: the input, its mean and rstd (saved_extra)
     "rms_norm": INPUT,
     "embedding": INPUT,  # the indices
     "loss": INPUT,  # cross-entropy's log-softmax, the input's size
