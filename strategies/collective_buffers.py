@@ -62,7 +62,7 @@ def buffer_lives(lowered: Lowered, microbatch: int | None = None) -> tuple[Buffe
     of every reader op (``strategies.collectives``), as many on each."""
     graph, strategy, readers = lowered.graph, lowered.strategy, lowered.collective_readers
     position: dict[str, int] = {}
-    back: dict[str, bool] = {}  # reader op -> it reads the result again after its forward
+    back: dict[tuple[str, str], bool] = {}  # (reader op, producer) -> it reads the result again after its forward
     again: dict[str, int | None] | None = None  # recompute reader op -> where it is recomputed (None: not one step)
     out = []
     for c in lowered.collectives:
@@ -78,8 +78,8 @@ def buffer_lives(lowered: Lowered, microbatch: int | None = None) -> tuple[Buffe
                 count[r.dst_op] = count.get(r.dst_op, 0) + 1
         ops = sorted(count, key=position.__getitem__)
         for u in ops:
-            if u not in back:
-                back[u] = strategy[u].recompute or reads_back(graph, strategy, u)
+            if (u, c.op) not in back:
+                back[u, c.op] = strategy[u].recompute or reads_back(graph, strategy, u, c.op)
         regather = None
         if c.kind == "all_gather" and all(strategy[u].recompute for u in ops):
             if again is None:
@@ -87,7 +87,7 @@ def buffer_lives(lowered: Lowered, microbatch: int | None = None) -> tuple[Buffe
             at = [again.get(u, position[u]) for u in ops]
             if None not in at:
                 regather = graph.nodes[max(at)].name
-        out.append(BufferLife(c, ops[0], ops[-1], regather is None and any(back[u] for u in ops),
+        out.append(BufferLife(c, ops[0], ops[-1], regather is None and any(back[u, c.op] for u in ops),
                               tuple((u, count[u]) for u in ops) if c.grad else (), regather))
     return tuple(out)
 

@@ -17,7 +17,7 @@ from strategies.collectives import find_collectives
 from strategies.lowered import (WEIGHT_KINDS, CollectiveRead, Gate, OpPieces, Partition, ReductionGroup, Transfer,
                                 WeightRead)
 from strategies.region import Box, box_numel, partition_index
-from strategies.saved import KIND_READS, NOTHING, aliases, reads_input, saved_extra, saves_output
+from strategies.saved import KIND_READS, NOTHING, aliases, reads_from, saved_extra, saves_output
 from strategies.rules import get_rule
 from strategies.rules.base import Reduction
 from strategies.rules.cross_entropy import CLASS_SUMS, class_sum_terms
@@ -176,11 +176,12 @@ READS_NO_INPUT = frozenset(kind for kind, what in KIND_READS.items() if what == 
 ∂(a + b) passes the output's gradient on): such a consumer saves nothing of what it reads."""
 
 
-def reads_back(graph: OpGraph, strategy: Strategy, user: str) -> bool:
-    """Consumer ``user``'s backward reads what it reads (``strategies.saved``): a view's where
-    its own output is needed after its forward (``output_needed``)."""
+def reads_back(graph: OpGraph, strategy: Strategy, user: str, producer: str) -> bool:
+    """Consumer ``user``'s backward reads what it reads of ``producer`` (``strategies.saved.
+    reads_from``: x·cos reads x back only where cos needs a gradient): a view's where its own
+    output is needed after its forward (``output_needed``)."""
     node = graph[user]
-    return output_needed(graph, strategy, user) if aliases(node) else reads_input(node)
+    return output_needed(graph, strategy, user) if aliases(node) else reads_from(graph, node, producer)
 
 
 def output_needed(graph: OpGraph, strategy: Strategy, name: str) -> bool:
@@ -192,7 +193,7 @@ def output_needed(graph: OpGraph, strategy: Strategy, name: str) -> bool:
     if (node.kind in WEIGHT_KINDS or node.kind == "input" or not graph.needs_grad[name] or name in graph.outputs
             or saves_output(node)):
         return True
-    return any(strategy[u].recompute or reads_back(graph, strategy, u) for u in graph.users(name))
+    return any(strategy[u].recompute or reads_back(graph, strategy, u, name) for u in graph.users(name))
 
 
 def transient(graph: OpGraph, strategy: Strategy, name: str) -> bool:
@@ -212,7 +213,7 @@ def drops_output(graph: OpGraph, strategy: Strategy, name: str) -> bool:
     recomputes it (the chain back to the nearest kept output: Chen et al. 2016's segments),
     so a transformer layer recomputed up to its closing residual add keeps its input only
     (Korthikanti et al. 2022, §4.1: 2sbh bytes a layer at 16 bits)."""
-    return strategy[name].recompute and all(strategy[u].recompute or not reads_back(graph, strategy, u)
+    return strategy[name].recompute and all(strategy[u].recompute or not reads_back(graph, strategy, u, name)
                                             for u in graph.users(name))
 
 
@@ -353,6 +354,7 @@ def lower_op(graph: OpGraph, strategy: Strategy, node: OpNode, m: int,
     sources = [(graph[src], strategy[src]) for src in node.inputs]
     moves_grad = [graph.moves_grad(src, node.name) for src in node.inputs]
     itemsize, loss, reads_weights = DTYPE_BYTES[node.output.dtype], node.kind == "loss", node.kind not in WEIGHT_KINDS
+    alias = aliases(node) and bool(node.inputs)
     out_ndim = len(node.output.shape)
     # per input: the full ranges of its producer's reduction dims (every holder of a Partial
     # region is a source) and whether they are cut (the pieces are Partial sums); a loss's
@@ -395,7 +397,8 @@ def lower_op(graph: OpGraph, strategy: Strategy, node: OpNode, m: int,
             dev, ins = p.device, p.input_regions
             if j == 0:
                 numel = box_numel(p.output)
-                dropped[dev] += 8 if loss else itemsize * numel  # kept for backward (or dropped)
+                if not (alias and _one_piece(overlaps[0][k], shared[0].get(p.index))):  # a view: its input's storage
+                    dropped[dev] += 8 if loss else itemsize * numel  # kept for backward (or dropped)
                 if not cfg.recompute:  # a dropout's mask (recomputed with its output otherwise)
                     kept[dev] += saved_extra(node, numel)
                 if reads_weights:
@@ -448,6 +451,13 @@ def lower_op(graph: OpGraph, strategy: Strategy, node: OpNode, m: int,
                     tuple(dict.fromkeys(map(_name, reads))), frozenset(couples), tuple(kept),
                     (tuple(fwd), tuple(grad)), tuple(collective_reads), cfg.recompute,
                     tuple(dropped) if drop else ())
+
+
+def _one_piece(pieces, collective) -> bool:
+    """A view's input is one tensor, its output a view of that storage (counted where it is
+    kept: its producer's output, or one received piece): its partition reads one piece and no
+    collective's result. A view of a weight (no pieces) is the weight's storage."""
+    return collective is None and (pieces is None or len(pieces) == 1)
 
 
 def _groups(node: OpNode, degrees: Sequence[int], devices: Sequence[int], reds, grid, microbatch: int, m: int,

@@ -3,15 +3,19 @@
 ``tests/strategies/test_saved.py`` checks each rule against them), the per-op rule behind
 Korthikanti et al. 2022 §4's count of a GPT layer (eq. 1–6): a linear saves its input, not its
 output; an add saves nothing; softmax its output; dropout its mask (1 byte an element); GELU
-and layer norm their input. A kind not listed here reads every input and its output back (what
-the memory model kept before these rules: an upper bound)."""
+and layer norm their input (and its row statistics: ``saved_extra``); a mul an operand only
+for the other's gradient (``reads_from``); a view nothing of its own. A kind not listed here
+reads every input and its output back (an upper bound). ``benchmarks/saved_bytes.py`` prints
+the bytes op by op against autograd's (``tests/strategies/test_saved_bytes.py``)."""
 
 from __future__ import annotations
 
+import math
+
 from strategies.graph import OpNode
 
-__all__ = ["KIND_READS", "INPUT", "OUTPUT", "NOTHING", "ALIAS", "backward_reads", "reads_input", "saves_output", "aliases",
-           "saved_extra"]
+__all__ = ["KIND_READS", "INPUT", "OUTPUT", "NOTHING", "ALIAS", "backward_reads", "reads_input", "reads_from",
+           "saves_output", "aliases", "saved_extra", "mask_bytes"]
 
 INPUT, OUTPUT, NOTHING, ALIAS = "input", "output", "nothing", "alias"
 """What a backward reads: its inputs (not its output), its output only, nothing, or nothing of
@@ -21,7 +25,7 @@ KIND_READS = {
     "linear": INPUT,  # addmm / mm: saves the input and the weight
     "matmul": INPUT,  # bmm: saves both operands
     "mul": INPUT,  # saves the other operand of each
-    "layernorm": INPUT,  # native_layer_norm: the input, its mean and rstd (rows · 8 bytes, not counted)
+    "layernorm": INPUT,  # native_layer_norm: the input, its mean and rstd (saved_extra)
     "rms_norm": INPUT,
     "embedding": INPUT,  # the indices
     "loss": INPUT,  # cross-entropy's log-softmax, the input's size
@@ -68,6 +72,25 @@ def reads_input(node: OpNode) -> bool:
     return backward_reads(node) in (INPUT, None)
 
 
+OPERANDS = frozenset({"mul", "matmul"})
+"""Kinds whose backward reads each operand for the other's gradient only (derivatives.yaml
+``mul.Tensor``: self's gradient is grad·other, other's grad·self; ``bmm`` alike): autograd saves
+an operand only where another one needs a gradient (x·cos with a constant cos saves cos alone)."""
+
+
+def reads_from(graph, node: OpNode, producer: str) -> bool:
+    """Its backward reads the output of ``producer`` (one of its inputs): ``reads_input``, and
+    for ``OPERANDS`` only where another operand needs a gradient (an input of another slot, a
+    trainable weight), or ``producer`` fills two slots (x·x)."""
+    if not reads_input(node):
+        return False
+    if node.kind not in OPERANDS:
+        return True
+    slots = sum(1 for s in node.inputs if s == producer)
+    return (any(graph.needs_grad[s] for s in node.inputs if s != producer) or any(w.trainable for w in node.weights)
+            or (slots > 1 and graph.needs_grad[producer]))
+
+
 def saves_output(node: OpNode) -> bool:
     """Its backward reads its own output (a kind not listed does)."""
     return backward_reads(node) in (OUTPUT, None)
@@ -78,8 +101,30 @@ def aliases(node: OpNode) -> bool:
     return backward_reads(node) == ALIAS
 
 
+def mask_bytes(node: OpNode, numel: int) -> int:
+    """A dropout that drops keeps its mask for ``numel`` output elements, one byte an element
+    (a bool tensor; Korthikanti et al. 2022 §4.1's sbh); 0 for any other op."""
+    return numel if node.kind == "dropout" and not _identity_dropout(node) else 0
+
+
+def _stat_bytes(node: OpNode) -> int:
+    """Bytes of one row statistic in the accumulate type torch keeps (float32; float64 for a
+    float64 tensor)."""
+    return 8 if node.output.dtype == "float64" else 4
+
+
 def saved_extra(node: OpNode, numel: int) -> int:
     """Bytes its backward keeps besides inputs and output for ``numel`` output elements: a
-    dropout that drops keeps its mask, one byte an element (a bool tensor; Korthikanti et al.
-    2022 §4.1's sbh)."""
-    return numel if node.kind == "dropout" and not _identity_dropout(node) else 0
+    dropout's mask (``mask_bytes``); layer norm's mean and rstd per row (derivatives.yaml
+    ``native_layer_norm``: input, mean, rstd), RMSNorm's rstd per row (``_fused_rms_norm``:
+    input, rstd), scaled-dot-product attention's logsumexp per query row and head (``_scaled_
+    dot_product_flash_attention``: q, k, v, output, logsumexp), each in the accumulate type."""
+    kind = node.kind
+    if kind == "dropout":
+        return mask_bytes(node, numel)
+    if kind in ("layernorm", "rms_norm"):
+        row = math.prod(node.attrs["normalized_shape"])
+        return (2 if kind == "layernorm" else 1) * (numel // row) * _stat_bytes(node)
+    if kind == "attention":  # output [.., heads, queries, head dim]: a logsumexp per (.., head, query)
+        return numel // node.output.shape[-1] * _stat_bytes(node)
+    return 0

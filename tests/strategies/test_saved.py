@@ -14,7 +14,7 @@ from soapsearch.executor import build_model
 from strategies.lowered import WEIGHT_KINDS
 from strategies.region import full_box, slice_box
 from strategies.rules import get_rule
-from strategies.saved import ALIAS, INPUT, NOTHING, OUTPUT, backward_reads, saved_extra
+from strategies.saved import ALIAS, INPUT, NOTHING, OUTPUT, backward_reads, mask_bytes
 
 
 def _values(built) -> dict[str, torch.Tensor]:
@@ -73,7 +73,7 @@ def test_each_rule_is_what_autograd_saves(model):
         else:
             assert reads_in == (what == INPUT), (node.name, what)
         assert reads_out == (what == OUTPUT), (node.name, what)
-        assert masks == saved_extra(node, out.numel()), node.name
+        assert masks == mask_bytes(node, out.numel()), node.name
         assert (_storage(out) in inputs) == (what == ALIAS), (node.name, what)
         seen.add(what)
     want = {"gpt": {INPUT, NOTHING, ALIAS}, "llama": {INPUT, NOTHING, ALIAS}, "mlp": {INPUT, OUTPUT}}[model]
