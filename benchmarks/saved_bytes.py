@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> None:
         rows, unit = saved_table(built), _layer_unit(built)
         layers = sum(1 for n in built.graph if n.kind in ("layernorm", "rms_norm")) // 2
         print(f"{model} {args.variant} {args.dtype}: s·b·h = {unit} bytes, {layers} layers")
-        print(f"| op | kind | model B | torch B | model − torch (s·b·h) |\n| --- | --- | ---: | ---: | ---: |")
+        print("| op | kind | model B | torch B | model − torch (s·b·h) |\n| --- | --- | ---: | ---: | ---: |")
         for name, kind, ours, theirs in rows:
             if args.all or ours != theirs:
                 print(f"| {name} | {kind} | {ours} | {theirs} | {(ours - theirs) / unit:+.2f} |")
