@@ -115,7 +115,8 @@ class Run:
     dtype: str = "bf16"
     reduce_dtype: str = "compute"
     """What the run sums gradients in (``Strategy.reduce_dtype``): ``compute`` (Megatron-LM's
-    DDP all-reduces the fp16/bf16 gradients) or ``float32`` (torchtitan's FSDP2:
+    DDP all-reduces fp16 gradients in fp16) or ``float32`` (Megatron-LM under ``--bf16``: its
+    arguments.py sets ``accumulate_allreduce_grads_in_fp32``; torchtitan's FSDP2:
     ``MixedPrecisionPolicy(reduce_dtype=float32)`` from its ``training.mixed_precision_reduce``,
     default and only choice "float32", torchtitan/config/job_config.py)."""
     ddp: str = "torch"
@@ -176,7 +177,8 @@ _NARAYANAN_ROWS = tuple(
 
 _KORTHIKANTI_ROWS = tuple(
     Run(f"{name} {label}", p, a, h, l, t, pp, n, b, f"{KORTHIKANTI}, row {name}, {column}", f"korthikanti-{name}",
-        seconds=s, mfu=mfu, microbatch=mb, recompute=rec, sequence_parallel=sp, chunks=v, input_grad_overlap=True)
+        seconds=s, mfu=mfu, microbatch=mb, recompute=rec, sequence_parallel=sp, chunks=v, input_grad_overlap=True,
+        reduce_dtype="float32")
     for name, p, a, h, l, t, pp, n, b, mb, v, full_s, present_s, mfu_present in (
         # Table 3: size, heads, hidden, layers, TP, PP, GPUs, batch, micro-batch; §6: chunks;
         # Table 5: iteration s with full recompute, with present work; MFU % of present work

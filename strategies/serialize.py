@@ -19,12 +19,12 @@ __all__ = ["FORMAT", "VERSION", "PlanFile", "check_writable", "parse_plan", "str
            "read_plan", "atomic_open", "atomic_write_text"]
 
 FORMAT = "soapsearch.strategy"
-VERSION = 4
-READS = (1, 2, 3, 4)
+VERSION = 5
+READS = (1, 2, 3, 4, 5)
 """The versions this soapsearch reads: version 1 (no ``precision`` field) loads as "model"
 precision; versions 1 and 2 (no per-op ``zero`` / ``recompute``) as "Replicate, keep";
 versions 1 to 3 (no ``bucket_cap_mb``, ``fsdp_unit``) with DDP's 25 MiB gradient buckets and
-ZeRO-3 units of one op; a plan without ``reduce_dtype`` reduces in its compute dtype."""
+ZeRO-3 units of one op; versions 1 to 4 (no ``reduce_dtype``) reduce in their compute dtype."""
 
 
 @dataclass(frozen=True)
@@ -170,7 +170,7 @@ def parse_plan(source: str | os.PathLike | Mapping[str, Any], devices_in_range: 
         raise PlanError(None, "precision", precision, f"must be one of {list(PRECISIONS)}", where)
     cap = obj.get("bucket_cap_mb", Strategy.bucket_cap_mb) if version >= 4 else Strategy.bucket_cap_mb
     unit = obj.get("fsdp_unit", Strategy.fsdp_unit) if version >= 4 else Strategy.fsdp_unit
-    reduce = obj.get("reduce_dtype", Strategy.reduce_dtype) if version >= 4 else Strategy.reduce_dtype
+    reduce = obj.get("reduce_dtype", Strategy.reduce_dtype) if version >= 5 else Strategy.reduce_dtype
     if reduce not in REDUCE_DTYPES:
         raise PlanError(None, "reduce_dtype", reduce, f"must be one of {list(REDUCE_DTYPES)}", where)
     ops = _need(obj, "ops", list, where)

@@ -24,7 +24,7 @@ def test_round_trip_is_lossless(tmp_path, name):
     assert loaded.topology == {"name": "p100-4x4", "num_devices": 4}
     assert loaded.model["fingerprint"] == g.fingerprint()
     obj = json.loads(path.read_text())
-    assert obj["format"] == "soapsearch.strategy" and obj["version"] == 4
+    assert obj["format"] == "soapsearch.strategy" and obj["version"] == 5
     assert [o["name"] for o in obj["ops"]] == [n.name for n in g]
     # same bytes when written again
     save_strategy(tmp_path / "again.json", loaded.strategy, g, topology="p100-4x4",
@@ -41,7 +41,7 @@ def _op(obj, name):
 
 
 def _mutations():
-    def version(o): o["version"] = 5
+    def version(o): o["version"] = 6
     def cap(o): o["bucket_cap_mb"] = 0
     def cap_type(o): o["bucket_cap_mb"] = "25"
     def unit(o): o["fsdp_unit"] = "layer"
@@ -62,7 +62,7 @@ def _mutations():
     def microbatches(o): o["microbatches"] = 3
     def schedule(o): o["schedule"] = "zigzag"
     return [
-        (version, r"version = 5: this soapsearch reads versions 1, 2, 3, 4"),
+        (version, r"version = 6: this soapsearch reads versions 1, 2, 3, 4, 5"),
         (cap, r"bucket_cap_mb = 0: the gradient bucket cap in MiB must be a finite number > 0"),
         (cap_type, r"bucket_cap_mb = '25': the gradient bucket cap in MiB must be a finite number > 0"),
         (unit, r"fsdp_unit = 'layer': must be one of \['op', 'block'\] \(the ZeRO-3 prefetch unit"),
