@@ -26,7 +26,7 @@ from strategies.lowering import BucketKey, Lowered, ReductionGroup, bucket_sums,
 from strategies.precision import reduce_scale
 from strategies.zero import per_use_shards, shard_chunk_bytes, sharded_state, zero_buckets
 
-__all__ = ["COPY_TRAFFIC", "link_step", "member_ends", "UPDATE_TRAFFIC"]
+__all__ = ["BucketRecords", "COPY_TRAFFIC", "link_step", "member_ends", "UPDATE_TRAFFIC"]
 
 UPDATE_TRAFFIC = {"sgd": 5, "adam": 7}
 """Optimizer update bytes per weight byte (memory-bound: read weight, gradient and state, write
@@ -65,7 +65,7 @@ def link_step(tg: TaskGraph, lowered: Lowered, topology: Topology,
               step_sums: list[tuple[int, list[tuple[ReductionGroup, list[int], bool]]]], last: dict[int, list[int]],
               optimizer: str, traffic: float, order: list[BucketKey],
               issued: dict[tuple[BucketKey, int], tuple[int, int | None]],
-              keep: frozenset[int] | None = None, memo: dict | None = None) -> None:
+              keep: frozenset[int] | None = None, memo: BucketRecords | None = None) -> None:
     """The end of the step as the executor runs it (``runtime.Executor.step``). The loss sums
     gated STEP (``step_sums``: per block with such sums, its first id and its sums with their members'
     forward tasks and whether the divisor needs the data) travel in the gradient bucket of
@@ -85,9 +85,10 @@ def link_step(tg: TaskGraph, lowered: Lowered, topology: Topology,
     has). Each collective here ends on each member with its ``member_ends``. ``keep``: the
     devices simulated (a folded plan's copy 0, ``simulator.fold``; ``last`` and ``issued``
     name only them): each collective is timed over its group, its member tasks made on them.
-    ``memo``: a dict the caller keeps across the graphs of one topology: each bucket's tasks
-    recorded once (``_record_bucket``) and laid out again, the edges to the steps around them
-    made per graph (the same tasks and edges, in the same order, as recorded afresh)."""
+    ``memo``: the ``BucketRecords`` the caller keeps across the graphs of one topology: each
+    bucket's tasks recorded once (``_record_bucket``) and laid out again, the edges to the
+    steps around them made per graph (the same tasks and edges, in the same order, as recorded
+    afresh)."""
     n = topology.num_devices
     mine = (lambda devs: devs) if keep is None else (lambda devs: kept_members(devs, keep))
     later: dict[int, list[int]] = {d: [] for d in last}  # what only its update waits on
@@ -115,9 +116,8 @@ def link_step(tg: TaskGraph, lowered: Lowered, topology: Topology,
     buckets = lowered.gradient_sync.buckets
     sharded = zero_buckets(lowered)
     synced = {d: last[d] + later[d] for d in last}
-    memo = {} if memo is None else memo
-    if len(memo) >= MEMO or memo.get(_HELD, 0) > MEMO_TASKS:
-        memo.clear()
+    memo = BucketRecords() if memo is None else memo
+    memo.bound()
     src, dst = tg.edge_src, tg.edge_dst
     for key in order:  # levels 0 and 1 (2 and 3: reduce-scattered per use, simulator.zero3)
         zb = sharded.get(key)
@@ -126,11 +126,10 @@ def link_step(tg: TaskGraph, lowered: Lowered, topology: Topology,
         # padded to n chunks at level 1
         nbytes = buckets[key] * wide + extra if zb is None else zb.chunk_bytes * wide * len(key.devices)
         mkey = (key, nbytes, buckets[key] * wide, zb is not None, keep)
-        t = memo.get(mkey)
+        t = memo.records.get(mkey)
         if t is None:
-            t = memo[mkey] = _record_bucket(topology, key, nbytes, buckets[key] * wide, zb is not None,
-                                            mine(key.devices))
-            memo[_HELD] = memo.get(_HELD, 0) + len(t.cols)
+            t = memo.record(mkey, _record_bucket(topology, key, nbytes, buckets[key] * wide, zb is not None,
+                                                 mine(key.devices)))
         base = tg.extend(t.cols)
         for f in fwds:
             src.append(f)
@@ -177,8 +176,27 @@ MEMO = 4096
 MEMO_TASKS = 1 << 18
 """The tasks those recordings may hold in all (a bucket's grow with its members simulated:
 2-3 a member); past them the memo starts empty (speed, never results)."""
-_HELD = "tasks"
-"""The memo's entry counting the tasks it holds (its other keys are tuples)."""
+
+
+class BucketRecords:
+    """``link_step``'s memo, kept by the caller across the graphs of one topology: each
+    gradient bucket's tasks recorded (``_record_bucket``) by (bucket, bytes, unpacked bytes,
+    level 1, devices simulated), and the tasks they hold in all."""
+
+    def __init__(self) -> None:
+        self.records: dict[tuple, _BucketTasks] = {}
+        self.tasks = 0
+
+    def record(self, key: tuple, tasks: "_BucketTasks") -> "_BucketTasks":
+        self.records[key] = tasks
+        self.tasks += len(tasks.cols)
+        return tasks
+
+    def bound(self) -> None:
+        """Empty past ``MEMO`` records or ``MEMO_TASKS`` tasks (speed, never results)."""
+        if len(self.records) >= MEMO or self.tasks > MEMO_TASKS:
+            self.records.clear()
+            self.tasks = 0
 
 
 class _BucketTasks(NamedTuple):

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from simulator.cost import CostModel
+from simulator.step import BucketRecords
 from simulator.taskgraph import INDEX, join
 from simulator.topology import Topology
 from strategies.graph import OpGraph, OpNode
@@ -36,7 +37,7 @@ class TaskCache:
         plans keeps the blocks of both."""
         self.buckets: dict = {}
         """The graph's gradient buckets' ready steps (``strategies.overlap.bucket_plan``'s memo)."""
-        self.step_tasks: dict = {}
+        self.step_tasks = BucketRecords()
         """Gradient buckets' step-end tasks, recorded (``simulator.step.link_step``'s memo)."""
         self._current: list = [None, ([], {}, [], [], []), None]
         self.known_bytes = 0

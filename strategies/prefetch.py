@@ -115,8 +115,9 @@ def calls_at(gathers: Sequence[Sequence[T]], units: Sequence[Hashable] | None,
 def gathered_bytes(lowered: Lowered) -> tuple[int, ...]:
     """Per device, the most its level-2 and level-3 uses hold besides their chunks at once: at
     a step reading such shards, each of its groups' full gradient before the reduce-scatter
-    (with its float32 copy where the plan reduces in float32, ``Strategy.reduce_dtype``) and, at level 3, the gathered weights (2 × the group's bytes at level 3, 1 × at level 2;
-    a partition's groups are all gathered at its step), plus the buffers of the all-gather calls
+    (with its float32 copy where the plan reduces in float32, ``Strategy.reduce_dtype``) and,
+    at level 3, the gathered weights (2 × the group's bytes at level 3, 1 × at level 2; a
+    partition's groups are all gathered at its step), plus the buffers of the all-gather calls
     issued at or before this step (``calls_at``) whose last reader comes later, each alive from
     its issue to its last reader (which copies it out)."""
     n = lowered.strategy.num_devices

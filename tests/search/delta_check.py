@@ -2,6 +2,8 @@
 simulation from scratch, shared by the tests of moves that change several ops at once."""
 
 from strategies.baselines import sharded
+from strategies.errors import PlanError
+from strategies.lowering import lower
 from simulator.simulate import simulate_plan
 
 
@@ -42,3 +44,14 @@ def assert_delta_equals_full(evaluate, plan, context=None) -> None:
     full = simulate_plan(evaluate.graph, evaluate.planned(plan), evaluate.topology, evaluate.cost,
                          optimizer=evaluate.optimizer, summary=True)
     assert_same_result(delta, full, context)
+
+
+def checked_lowering(evaluate, plan, context=None):
+    """None where ``plan`` is refused (PlanError); else, delta = full asserted on it, the
+    search's lowering of it (``evaluate.lowering_cache``: the ops shared with the last plan's)."""
+    try:
+        lower(evaluate.graph, plan)
+    except PlanError:
+        return None
+    assert_delta_equals_full(evaluate, plan, context)
+    return lower(evaluate.graph, plan, evaluate.lowering_cache)

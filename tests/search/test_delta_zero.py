@@ -18,14 +18,12 @@ from soapsearch.search.api import Evaluator
 from soapsearch.search.mcmc import candidate_configs
 from strategies import data_parallel
 from strategies.baselines import sharded
-from strategies.errors import PlanError
-from strategies.lowering import lower
 from strategies.prefetch import gathered_bytes, issue_positions, step_units
 from strategies.zero import (ShardedState, gather_groups, gather_uses, per_use_shards, shard_chunk_bytes,
                              sharded_state, zero_buckets)
 from strategies.zero_alike import alike_readers
 from tests.conftest import traced
-from tests.search.delta_check import assert_delta_equals_full, drawn_move
+from tests.search.delta_check import checked_lowering, drawn_move
 from tests.strategies.test_zero_alike import _per_device  # each device's own walk over its whole run order
 
 
@@ -85,12 +83,9 @@ def test_zero_passes_and_delta_equal_fresh_ones_on_a_walk(monkeypatch):
     coarser = 0
     for _ in range(28):
         proposal, kind = drawn_move(rng, current, graph, spaces, weighted, (0.12, 0.27, 0.37, 0.45, 0.7), (0, 2, 3))
-        try:
-            lower(graph, proposal)
-        except PlanError:
+        low = checked_lowering(evaluate, proposal, (kind, proposal.microbatches, proposal.fsdp_unit))
+        if low is None:
             continue
-        assert_delta_equals_full(evaluate, proposal, (kind, proposal.microbatches, proposal.fsdp_unit))
-        low = lower(graph, proposal, evaluate.lowering_cache)  # the search's lowering: ops shared with the last
         kept = {fn.__name__: fn(low) for fn in (gather_uses, gather_groups, sharded_state, alike_readers,
                                                 gathered_bytes)}
         strategies.zero._KEPT[:] = [None, {}]  # gather_uses' per-op memo, emptied: every fact found afresh

@@ -16,11 +16,9 @@ from simulator.presets import get_topology
 from soapsearch.search.api import Evaluator
 from soapsearch.search.mcmc import candidate_configs
 from strategies import data_parallel
-from strategies.errors import PlanError
-from strategies.lowering import lower
 from strategies.overlap import bucket_plan
 from tests.conftest import traced
-from tests.search.delta_check import assert_delta_equals_full, drawn_move
+from tests.search.delta_check import checked_lowering, drawn_move
 
 
 def _walk(moves: int, seed: int):
@@ -39,12 +37,9 @@ def _walk(moves: int, seed: int):
     for _ in range(moves):
         proposal, kind = drawn_move(rng, current, graph, spaces, weighted, (0.08, 0.16, 0.16, 0.24, 0.24),
                                     (0, 1, 2, 3))
-        try:
-            lower(graph, proposal)
-        except PlanError:
+        low = checked_lowering(evaluate, proposal, (kind, proposal.microbatches, proposal.bucket_cap_mb))
+        if low is None:
             continue
-        assert_delta_equals_full(evaluate, proposal, (kind, proposal.microbatches, proposal.bucket_cap_mb))
-        low = lower(graph, proposal, evaluate.lowering_cache)  # the search's lowering: ops shared with the last
         assert bucket_plan(low, None, memo) == bucket_plan(low), kind
         buckets += len(low.gradient_sync.buckets)
         kinds[kind] += 1
@@ -57,7 +52,7 @@ def test_step_end_and_bucket_plan_from_the_last_plans_equal_fresh_ones_on_a_walk
     evaluate, memo, kinds, buckets = _walk(90, 11)
     assert kinds["op"] >= 40 and min(kinds.values()) >= 2, kinds
     step_tasks = evaluate._tasks.step_tasks
-    assert 0 < len(step_tasks) < buckets / 4  # each bucket's tasks recorded once, laid out at most steps
+    assert 0 < len(step_tasks.records) < buckets / 4  # each bucket's tasks recorded once, laid out at most steps
     assert len(memo) < buckets / 4
 
 
@@ -66,5 +61,5 @@ def test_the_recorded_buckets_stay_bounded(monkeypatch):
     evaluate, _, kinds, _ = _walk(12, 3)  # delta = full at every step
     held = evaluate._tasks.step_tasks
     assert sum(kinds.values()) >= 8
-    assert held[simulator.step._HELD] == sum(len(t.cols) for k, t in held.items() if k != simulator.step._HELD)
-    assert held[simulator.step._HELD] <= 40 + max(len(t.cols) for k, t in held.items() if k != simulator.step._HELD)
+    assert held.tasks == sum(len(t.cols) for t in held.records.values())
+    assert held.tasks <= 40 + max(len(t.cols) for t in held.records.values())
