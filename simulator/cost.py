@@ -14,6 +14,7 @@ import abc
 from collections.abc import Callable
 from typing import Any
 
+from simulator.attention_efficiency import FLASH_BACKWARD, causal_fraction, flash_rate
 from simulator.devices import DeviceSpec
 from strategies.graph import DTYPE_BYTES, OpNode
 from strategies.lowered import Partition
@@ -55,7 +56,9 @@ CPU_LAUNCH_OVERHEAD = 2e-6
 """Seconds per op on a CPU: no launch, only the framework's dispatch (1-5 µs an eager op)."""
 ATTENTION_KERNELS = ("flash", "math", "megatron")
 """How an ``attention`` op is costed: "flash" (Dao et al. 2022: the scores never leave on-chip
-memory, HBM traffic q, k, v and the output; torch's SDPA on A100/H100), "math" (their
+memory, HBM traffic q, k, v and the output; torch's SDPA on A100/H100; on a GPU with a published
+FlashAttention-2 curve, ``simulator.attention_efficiency``, at its rate by keys, head dim and
+causal mask), "math" (their
 Algorithm 0, the standard attention: q·kᵀ, softmax and ·v as separate kernels, the
 queries × keys scores S and probabilities P of every head written to and read from HBM) or
 "megatron" ("math" with dropout on the probabilities, Megatron-LM's ``CoreAttention``: baddbmm,
@@ -226,7 +229,8 @@ class AnalyticalCostModel(CostModel):
 
     ``efficiency``: (compute, memory) fractions, or one float for both. ``launch_overhead``:
     seconds per kernel; None picks ``GPU_LAUNCH_OVERHEAD`` or ``CPU_LAUNCH_OVERHEAD`` per device.
-    ``attention``: the kernel an ``attention`` op runs (``ATTENTION_KERNELS``); "math" adds the
+    ``attention``: the kernel an ``attention`` op runs (``ATTENTION_KERNELS``); "flash" on a GPU
+    with a published FlashAttention-2 curve runs at its rate instead (``_flash``); "math" adds the
     queries × keys scores' HBM passes (``MATH_ATTENTION_PASSES``) and kernels to its bytes;
     "megatron" adds the dropout's too (``DROPOUT_PASSES``, its mask, one kernel each way).
     ``input_grad_overlap``: ``CostModel.input_grad_overlap``.
@@ -279,6 +283,9 @@ class AnalyticalCostModel(CostModel):
         eff = gemm_efficiency(node, box, device)
         weighted = has_trainable_params(node)
         kernels, bwd_bytes, extra = (1, 2 if weighted else 1), 2 * nbytes, (0, 0)
+        if node.kind == "attention" and self.attention == "flash" and (
+                timed := self._flash(node, box, regions, flops, nbytes, dtype, device)) is not None:
+            return timed
         if node.kind == "attention" and self.attention != "flash":
             count = box_numel(box[:-1]) * _span(regions[1][-2])  # every head's queries × keys
             kernels = MATH_ATTENTION_KERNELS
@@ -296,6 +303,26 @@ class AnalyticalCostModel(CostModel):
                             dtype, device,
                             kernels=kernels[1], efficiency=eff)
         return fwd, bwd
+
+    def _flash(self, node: OpNode, box: Box, regions: tuple[Box | None, ...], flops: float, nbytes: float,
+               dtype: str, device: DeviceSpec) -> tuple[float, float] | None:
+        """The flash kernel at FlashAttention-2's published rate on ``device``'s kind
+        (``attention_efficiency.flash_rate``: by the keys the partition reads, head dim, causal
+        mask), or None (no curve for the kind or dtype, or a mask: torch runs another kernel).
+        Its work is the FLOPs the benchmark counts: the op's, times the share of queries × keys a
+        causal mask leaves (the kernel skips the rest), forward once and backward
+        ``FLASH_BACKWARD`` times (the scores recomputed), both at the curve's rate; one kernel
+        each way."""
+        if node.attrs.get("has_mask"):
+            return None
+        causal, keys = bool(node.attrs.get("is_causal")), regions[1][-2]
+        rate = flash_rate(device.kind, dtype, _span(keys), node.input_specs[0].shape[-1], causal)
+        if rate is None:
+            return None
+        work = flops * (causal_fraction(box[-2], keys, node.input_specs[1].shape[-2]) if causal else 1.0)
+        eff = rate / device.flops_for(dtype)
+        return (self.roofline(work, nbytes, dtype, device, efficiency=eff),
+                self.roofline(FLASH_BACKWARD * work, 2 * nbytes, dtype, device, efficiency=eff))
 
 
 def gemm_efficiency(node: OpNode, box: Box, device: DeviceSpec) -> float | None:
