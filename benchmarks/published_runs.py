@@ -6,7 +6,8 @@ with the row's flags (full recompute of every block as ``plan --recompute``, sel
 recompute as the attention cores recomputed, sequence parallelism, bf16 or fp16 as ``plan
 --dtype``, Megatron-LM's local DDP as one gradient bucket: ``LOCAL_DDP_BUCKET_MB``), predicts the iteration with the analytical model (the row's attention kernel:
 "megatron" for Megatron-LM of 2021-2022, its unfused kernels with dropout on the
-probabilities; Korthikanti's rows with Megatron-LM's asynchronous tensor-parallel communication,
+probabilities; torchtitan's "flash" at FlashAttention-2's published rates,
+``simulator.attention_efficiency``; Korthikanti's rows with Megatron-LM's asynchronous tensor-parallel communication,
 ``Run.input_grad_overlap``: ``row_cost``) on the row's preset (a100-<N/8>x8) and prints predicted vs
 published iteration seconds, TFLOP/s per GPU where the source prints them, the relative error
 of the throughput (published / predicted seconds - 1), Spearman's ρ per sweep, and a
@@ -28,6 +29,7 @@ Rows over ``--max-gpus`` devices (default 128: what the simulator runs in a few 
     python benchmarks/published_runs.py --sweep narayanan-table1 --max-gpus 64
     python benchmarks/published_runs.py --row 7.5B --row "22B full"
     python benchmarks/published_runs.py --attention flash  # as if FlashAttention ran
+    python benchmarks/published_runs.py --row 39B --max-gpus 512 --chunks 3  # interleaved, as §5.1 says
     python benchmarks/published_runs.py --row 1.7B --shares  # one layer's time by op kind
     python benchmarks/published_runs.py --row 18B --max-gpus 512 --breakdown  # device 0's iteration by part
 """
@@ -334,6 +336,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--row", action="append", help="only the row of this name (repeatable), e.g. 7.5B, '22B full'")
     ap.add_argument("--max-gpus", type=int, default=MAX_GPUS, help="rows of more devices are listed, not simulated")
     ap.add_argument("--attention", choices=ATTENTION_KERNELS, help="every row with this attention kernel")
+    ap.add_argument("--chunks", type=int, help="every row with this many model chunks a device (1: 1F1B, "
+                    "more: interleaved 1F1B; Narayanan et al. §5.1 say Table 1 ran interleaved, its launch script "
+                    "gives 39B and 1T none)")
     ap.add_argument("--shares", action="store_true", help="print each row's per-layer time by op kind, not the table")
     ap.add_argument("--breakdown", action="store_true", help="print where device 0's predicted iteration goes "
                     "(compute by kind, exposed communication by link, idle), not the table")
@@ -342,6 +347,8 @@ def main(argv: list[str] | None = None) -> None:
                  and (args.row is None or r.name in args.row))
     if args.attention is not None:
         rows = tuple(replace(r, attention=args.attention) for r in rows)
+    if args.chunks is not None:
+        rows = tuple(replace(r, chunks=args.chunks) for r in rows)
     if args.shares:
         for run in rows:
             _print_shares(run)
