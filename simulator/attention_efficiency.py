@@ -6,12 +6,12 @@ release's README, Dao-AILab/flash-attention ``assets/flash2_a100_fwd_bwd_benchma
 ``assets/flash2_h100_fwd_bwd_benchmark.png``). torch's ``scaled_dot_product_attention`` runs
 this kernel (its flash backend) on both GPUs for fp16 and bf16 without a mask.
 
-The benchmark (``benchmarks/benchmark_flash_attention.py`` there): 16k tokens a call (batch ·
-seqlen), hidden 2048 (16 heads at head dim 128, 32 at 64), fp16; it counts 4·batch·heads·
-seqlen²·head_dim FLOPs forward, half that with the causal mask (its kernel skips the key blocks
-past the diagonal), and 2.5 times the forward's backward (the backward recomputes the scores:
-five products to the forward's two), and prints their 3.5 times the forward's over the forward +
-backward time. ``flash_rate`` interpolates the figure's bars linearly in log2(seqlen) and in
+The benchmark (``benchmarks/benchmark_flash_attention.py`` there; the README: "Batch size set
+to 16k / seqlen", "hidden dimension 2048 (i.e. either 32 or 16 heads)", FP16/BF16) counts
+4·batch·heads·seqlen²·head_dim FLOPs forward, half that with the causal mask (its kernel skips
+the key blocks past the diagonal), and 2.5 times the forward's backward (the backward recomputes
+the scores: five products to the forward's two), and prints their 3.5 times the forward's over
+the forward + backward time. ``flash_rate`` interpolates the figure's bars linearly in log2(seqlen) and in
 head dim between the published points and holds the end values past them (below 512 and above
 16k keys, head dims outside 64-128): one curve per GPU class, keyed by ``DeviceSpec.kind`` like
 the profiled model's cache (what was measured on one device of a kind holds for all).
@@ -71,8 +71,8 @@ A100_FLASH = FlashRates(
     })
 H100_FLASH = FlashRates(
     "H100-SXM5-80GB",
-    "Dao-AILab/flash-attention README, FlashAttention-2 on H100 80GB SXM5 "
-    "(assets/flash2_h100_fwd_bwd_benchmark.png), FlashAttention-2 bars",
+    "Dao-AILab/flash-attention README of the FlashAttention-2 release, \"FlashAttention speedup on "
+    "H100 SXM5 with FP16/BF16\" (assets/flash2_h100_fwd_bwd_benchmark.png), FlashAttention-2 bars",
     {
         (False, 64): (215, 254, 274, 288, 294, 296),
         (False, 128): (248, 294, 320, 326, 335, 338),
