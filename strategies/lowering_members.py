@@ -115,6 +115,21 @@ class MemberFold(Copies):
         rep = self.member_rep
         return {d: rep[r] for d, r in super().representative.items()}
 
+    @cached_property
+    def stands_for(self) -> dict[int, tuple[int, ...]]:
+        """Each kept device -> the devices its work stands for: its copy images, and a member-1
+        device its member images' too."""
+        out: dict[int, list[int]] = {}
+        for d, r in self.representative.items():
+            out.setdefault(r, []).append(d)
+        return {r: tuple(sorted(ds)) for r, ds in out.items()}
+
+    @cached_property
+    def member_rows(self) -> tuple[tuple[int, ...], ...]:
+        """Member m's devices in every copy (``members.members[m]``' and their copy images)."""
+        images = self.images
+        return tuple(tuple(x for d in row for x in images.get(d, (d,))) for row in self.members.members)
+
     def rep_array(self, n: int) -> np.ndarray:
         """Device -> the kept device it is the image of (its copy-0 image's representative)."""
         out = super().rep_array(n).copy()
