@@ -88,11 +88,13 @@ class Lowerings:
         self.graph, self.plan, self.cache = graph, plan, {} if cache is None else cache
         self.last: Lowered | None = None
 
-    def first(self, topology: Topology, fold: bool) -> Lowered:
-        """Copy 0's lowering where ``fold`` and the plan has copies (``find_copies``) that may
-        fold on ``topology`` (not contended), else every device's."""
+    def first(self, topology: Topology, fold: bool, members: bool = True) -> Lowered:
+        """Where ``fold`` and ``topology`` is not contended: the lowering of members 0 and 1 of
+        copy 0 where the plan has alike tensor-parallel members (``members``;
+        ``strategies.lowering_members``), else copy 0's where it has copies (``find_copies``),
+        else every device's."""
         copies = find_copies(self.graph, self.plan) if fold and not contended(topology) else None
-        members = member_fold(self.graph, self.plan, copies) if fold and not contended(topology) else None
+        members = member_fold(self.graph, self.plan, copies) if members and fold and not contended(topology) else None
         self.why = members if isinstance(members, str) else None
         if isinstance(members, MemberFold):  # members 0 and 1 for all (strategies.lowering_members)
             got = self(members)

@@ -6,34 +6,17 @@ recompute, megatron_lm (sequence parallel, ZeRO-1, bf16) and random recompute/Ze
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
 from simulator.presets import get_topology
 from simulator.simulate import Lowerings, simulate_plan
-from strategies import Strategy
 from strategies.baselines import megatron_lm, recomputed
-from strategies.lowered import WEIGHT_KINDS
 from strategies.lowering import lower
 from strategies.lowering_members import MemberFold
 from strategies.megatron import megatron
 from strategies.symmetry import Copies
 from tests.conftest import traced
-
-
-def _random(graph, n: int, seed: int) -> Strategy:
-    """megatron T 4, P 2 on ``n`` devices with each op's recompute and ZeRO level (0 or 1) drawn
-    at random, GPipe or 1F1B."""
-    rng = random.Random(seed)
-    base = megatron(graph, n, tp=4, pp=2, microbatches=2, sequence_parallel=True)
-    configs = {}
-    for node in graph:
-        c = base[node.name]
-        zero = rng.choice((0, 1)) if any(w.trainable for w in node.weights) else 0
-        recompute = node.kind not in (*WEIGHT_KINDS, "input") and graph.needs_grad[node.name] and rng.random() < 0.3
-        configs[node.name] = c.with_memory(zero, recompute)
-    return Strategy.of(configs, n, 2, rng.choice(("gpipe", "1f1b")))
+from tests.strategies.test_lowering_members import random_plan
 
 
 def _plans():
@@ -45,10 +28,10 @@ def _plans():
                      id="megatron-T4-P2-D2-1f1b-recompute"),
         pytest.param(megatron(small, 8, tp=4, pp=2, microbatches=2), "a100-1x8", id="megatron-T4-P2-D1"),
         pytest.param(megatron_lm(small, 16, 4, 2), "a100-2x8", id="megatron_lm-T4-P2-D2"),
-        *(pytest.param(_random(small, 16, seed), "a100-2x8", id=f"random-{seed}-16") for seed in (0, 1)),
+        *(pytest.param(random_plan(small, 16, seed), "a100-2x8", id=f"random-{seed}-16") for seed in (0, 1)),
         pytest.param(recomputed(megatron(small, 64, tp=4, pp=2, microbatches=2, sequence_parallel=True)
                                 .with_microbatches(2, "1f1b"), small), "a100-8x8", id="megatron-T4-P2-D8-1f1b-recompute"),
-        pytest.param(_random(small, 64, 3), "a100-8x8", id="random-3-64"),
+        pytest.param(random_plan(small, 64, 3), "a100-8x8", id="random-3-64"),
     ]
 
 
@@ -88,7 +71,7 @@ def test_member_fold_equals_the_copy_fold(seed, n, preset):
     """Random plans whose copy fold is itself not the per-device simulation (its iteration time
     0.15-0.4 % apart on these; not the members' doing): the member fold is the copy fold."""
     graph, topo = traced("gpt", "small"), get_topology(preset)
-    plan = _random(graph, n, seed)
+    plan = random_plan(graph, n, seed)
     lowerings = Lowerings(graph, plan)
     lowered = lowerings.first(topo, True)
     assert isinstance(lowered.copies, MemberFold), lowerings.why

@@ -21,18 +21,18 @@ from strategies.symmetry import CrossCopy, find_copies
 from tests.conftest import traced
 
 
-def _random(seed: int) -> Strategy:
-    """megatron T 4, P 2, D 2 with each op's recompute and ZeRO level (0 or 1) drawn at random."""
-    graph = traced("gpt", "small")
+def random_plan(graph, n: int, seed: int) -> Strategy:
+    """megatron T 4, P 2 on ``n`` devices with each op's recompute and ZeRO level (0 or 1) drawn
+    at random, GPipe or 1F1B."""
     rng = random.Random(seed)
-    base = megatron(graph, 16, tp=4, pp=2, microbatches=2, sequence_parallel=True)
+    base = megatron(graph, n, tp=4, pp=2, microbatches=2, sequence_parallel=True)
     configs = {}
     for node in graph:
         c = base[node.name]
         zero = rng.choice((0, 1)) if any(w.trainable for w in node.weights) else 0
         recompute = node.kind not in (*WEIGHT_KINDS, "input") and graph.needs_grad[node.name] and rng.random() < 0.3
         configs[node.name] = c.with_memory(zero, recompute)
-    return Strategy.of(configs, 16, 2, rng.choice(("gpipe", "1f1b")))
+    return Strategy.of(configs, n, 2, rng.choice(("gpipe", "1f1b")))
 
 
 def _plans():
@@ -43,7 +43,7 @@ def _plans():
         pytest.param(recomputed(sp.with_microbatches(2, "1f1b"), small), id="megatron-T4-P2-D2-1f1b-recompute"),
         pytest.param(megatron(small, 8, tp=4, pp=1, microbatches=2), id="megatron-T4-D2"),
         pytest.param(megatron_lm(small, 16, 4, 2), id="megatron_lm-T4-P2-D2"),  # ZeRO-1, bf16, 1F1B
-        *(pytest.param(_random(seed), id=f"random-{seed}") for seed in (0, 1, 2)),
+        *(pytest.param(random_plan(small, 16, seed), id=f"random-{seed}") for seed in (0, 1, 2)),
     ]
 
 
