@@ -6,11 +6,16 @@ recompute, megatron_lm (sequence parallel, ZeRO-1, bf16) and random recompute/Ze
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
+from simulator.cost import get_cost_model
 from simulator.presets import get_topology
 from simulator.simulate import Lowerings, simulate_plan
+from simulator.tasks import TaskCache
 from strategies.baselines import megatron_lm, recomputed
+from strategies.lowered import WEIGHT_KINDS
 from strategies.lowering import lower
 from strategies.lowering_members import MemberFold
 from strategies.megatron import megatron
@@ -105,3 +110,28 @@ def test_fallback_names_why():
     lowerings = Lowerings(tiny, megatron(tiny, 8, tp=2, pp=2, microbatches=2))
     lowerings.first(topo, True)
     assert lowerings.why == "2 members: members 0 and 1 are all of them"
+
+
+def test_delta_simulation_of_member_folds_equals_full():
+    """A walk of one-op proposals (recompute toggled, ZeRO 0 or 1 drawn: the members stay alike)
+    from megatron_lm T4 P2 D2, each simulated member-folded with the search's caches (lowering
+    and task blocks kept across proposals) and equal to a per-device run from scratch."""
+    graph, topo = traced("gpt", "small"), get_topology("a100-2x8")
+    cost = get_cost_model("analytical")
+    plan = megatron_lm(graph, 16, 4, 2)
+    rng = random.Random(0)
+    lowering, tasks = {}, TaskCache(topo, cost)
+    ops = [n.name for n in graph if n.kind not in (*WEIGHT_KINDS, "input") and graph.needs_grad[n.name]]
+    folded = 0
+    for _ in range(10):
+        op = rng.choice(ops)
+        c = plan[op]
+        zero = rng.choice((0, 1)) if any(w.trainable for w in graph[op].weights) else c.zero
+        proposal = plan.replace(op, c.with_memory(zero, not c.recompute))
+        for p in (plan, proposal):
+            got = simulate_plan(graph, p, topo, cost, cache=tasks, lowering_cache=lowering, fold=True)
+            assert_same(got, simulate_plan(graph, p, topo, cost, fold=False))
+            folded += isinstance(Lowerings(graph, p, lowering).first(topo, True).copies, MemberFold)
+        if rng.random() < 0.5:
+            plan = proposal
+    assert folded == 20
