@@ -11,7 +11,9 @@ on the conditions of the copy fold (``simulator.fold``) read along the members:
   link onto member m's (``link_maps`` of the member rows); member 0's routes cross none of them;
 - a task shared by members (a group collective) holds every image of a member-1 link it holds,
   or runs after the members' own traffic on it (``Folded.holds``);
-- no device slows another (``simulator.contention``; ``simulate_plan`` folds only then).
+- no device slows another (``simulator.contention``; ``simulate_plan`` folds only then), and
+  no step-end collective with an overhead (``simulator.stragglers``) waits on both member 0 and
+  another member (each simulated host stands for the same count there).
 
 A task then stands for (its copies) × (its members) tasks of the full simulation: a member-1
 task that holds only member 1's links for T - 1, any other for 1 (``MemberFolded.copies``).
@@ -75,6 +77,11 @@ def fold_members(tg: TaskGraph, topology: Topology, fold: MemberFold, copy_maps:
     maps = member_maps(topology, fold)
     if isinstance(maps, str):
         raise FoldError(maps)
+    member = fold.kept.member
+    for c, hosts, _, _ in tg.syncs:  # simulator.stragglers weighs each simulated host alike
+        if len({member.get(d, -1) == 0 for d, _ in hosts}) > 1:
+            raise FoldError(f"step-end collective {tg.label(c)!r} waits on members 0 and 1, which stand for "
+                            "different member counts: its straggler scaling (simulator.stragglers) is per device")
     count = fold.members.count - 1
     by_member = task_copies(tg, maps, count)
     ones = np.zeros(tg.num_devices, dtype=bool)

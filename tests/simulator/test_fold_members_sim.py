@@ -6,14 +6,16 @@ recompute, megatron_lm (sequence parallel, ZeRO-1, bf16) and random recompute/Ze
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
 
 from simulator.cost import get_cost_model
 from simulator.presets import get_topology
-from simulator.simulate import Lowerings, simulate_plan
+from simulator.simulate import Lowerings, simulate_plan, timed_graph
 from simulator.tasks import TaskCache
+from simulator.topology import Topology
 from strategies.baselines import megatron_lm, recomputed
 from strategies.lowered import WEIGHT_KINDS
 from strategies.lowering import lower
@@ -135,3 +137,21 @@ def test_delta_simulation_of_member_folds_equals_full():
         if rng.random() < 0.5:
             plan = proposal
     assert folded == 20
+
+
+def test_stragglers_over_members_fall_back_named():
+    """With a collective overhead (``simulator.stragglers``) a step-end bucket over every member
+    weighs its simulated hosts alike, which members 0 and 1 are not: simulated on the copies,
+    named, equal to per device (member-folded its iteration time would be 6e-8 relatively off)."""
+    base = get_topology("a100-2x8")
+    topo = Topology(base.name + "-overhead", tuple(dataclasses.replace(d, collective_overhead=2e-5)
+                                                    for d in base.devices), base.links, base.routes)
+    graph = traced("gpt", "small")
+    plan = megatron_lm(graph, 16, 4, 2)
+    lowerings = Lowerings(graph, plan)
+    lowered = lowerings.first(topo, True)
+    assert isinstance(lowered.copies, MemberFold)
+    timed_graph(lowered, topo, get_cost_model("analytical"), relower=lowerings)
+    assert type(lowerings.last.copies) is Copies
+    assert lowerings.why.startswith("step-end collective 'reducescatter bucket 8-15 zero1' waits on members 0 and 1")
+    assert_same(simulate_plan(graph, plan, topo, fold=True), simulate_plan(graph, plan, topo, fold=False))
