@@ -16,12 +16,15 @@ sensitive than the wall to other jobs on the cores), the copies a replicated pla
 (``simulator.fold``; ``--per-device``: none, every device simulated), the task count, and the
 process's peak RSS, and the tensor-parallel member classes found (``strategies.member_symmetry``,
 outside the timed phases: ``8:1+7`` is 8 members, member 0 a class of its own, members 1-7 one;
-``none``; ``apart`` where the lowering's pieces cross members) with the ms to find them; a row that
+``none``; ``apart`` where the lowering's pieces cross members) with the ms to find them, or
+``8:fold`` where members 0 and 1 were simulated for all (``simulator.fold_members``; ``--members
+both``: each row without, then with, and the ratios); a row that
 fails (too many devices for the preset, MemoryError, past ``--timeout``) prints why. The last
 lines fit total ms = c * devices^k over each model and plan's rows (least squares in log-log).
 
     python benchmarks/scale.py [--models gpt,gpt3-175b] [--plans dp,megatron]
                                [--devices 8,64,512,1024] [--timeout 240] [--per-device]
+                               [--members on|off|both]
 """
 
 from __future__ import annotations
@@ -59,7 +62,7 @@ def _plan(model: str, graph, kind: str, n: int):
     return recomputed(plan.with_microbatches(m, "1f1b"), graph).with_precision("bf16")
 
 
-def _row(model: str, kind: str, n: int, fold: bool, out) -> None:  # out: the child's end of a Pipe
+def _row(model: str, kind: str, n: int, fold: bool, out, members: bool = True) -> None:  # out: the child's end of a Pipe
     """One full simulation, timed by phase (simulate_plan's phases, in its order)."""
     try:
         from _paper import paper_graph
@@ -77,7 +80,7 @@ def _row(model: str, kind: str, n: int, fold: bool, out) -> None:  # out: the ch
             c0 = time.process_time()
             t0 = time.perf_counter()
             lowerings = Lowerings(graph, plan)  # copy 0's where it folds (simulate_plan's order)
-            lowered = lowerings.first(topo, fold)
+            lowered = lowerings.first(topo, fold, members)
             t1 = time.perf_counter()
             phases: dict[str, float] = {}
             tg, _, _, end = timed_graph(lowered, topo, cost, "adam", fold=fold, phases=phases, relower=lowerings)
@@ -85,8 +88,8 @@ def _row(model: str, kind: str, n: int, fold: bool, out) -> None:  # out: the ch
             peak = max(m.total for m in memory_breakdown(lowerings.last, "adam"))
             t4 = time.perf_counter()
             c4 = time.process_time()
-            members, member_s = _members(graph, plan, lowerings.last)
-        out.send({"members": members, "member_ms": member_s * 1e3, "tasks": len(tg), "copies": tg.copies.count if tg.copies else 1, "lower": t1 - t0,
+            member, member_s = _members(graph, plan, lowerings.last)
+        out.send({"members": member, "member_ms": member_s * 1e3, "tasks": len(tg), "copies": tg.copies.count if tg.copies else 1, "lower": t1 - t0,
                   "build": phases["tasks"], "events": phases["events"],
                  "memory": t4 - t3, "total": t4 - t0, "cpu": c4 - c0, "iter_ms": float(end.max()) * 1e3,
                  "peak_gib": peak / 2**30, "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024})
@@ -97,8 +100,11 @@ def _row(model: str, kind: str, n: int, fold: bool, out) -> None:  # out: the ch
 def _members(graph, plan, lowered) -> tuple[str, float]:
     """The member classes (``strategies.member_symmetry``, not yet folded) as ``T:sizes`` (``8:1+7``:
     8 members, member 0 a class, the other 7 one) or why there are none, and the seconds to find them."""
+    from strategies.lowering_members import MemberFold
     from strategies.member_symmetry import find_members, member_classes, members_apart
 
+    if isinstance(lowered.copies, MemberFold):  # folded on them (simulator.fold_members)
+        return f"{lowered.copies.members.count}:fold", 0.0
     t0 = time.perf_counter()
     found = find_members(graph, plan)
     why = members_apart(lowered, found) if found is not None else "none"
@@ -106,10 +112,10 @@ def _members(graph, plan, lowered) -> tuple[str, float]:
     return (text if why is None or why == "none" else "apart"), time.perf_counter() - t0
 
 
-def _run(model: str, kind: str, n: int, timeout: float, fold: bool = True) -> dict:
+def _run(model: str, kind: str, n: int, timeout: float, fold: bool = True, members: bool = True) -> dict:
     ctx = mp.get_context("spawn")
     mine, theirs = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_row, args=(model, kind, n, fold, theirs))
+    proc = ctx.Process(target=_row, args=(model, kind, n, fold, theirs, members))
     proc.start()
     theirs.close()
     try:
@@ -141,7 +147,11 @@ def main() -> None:
     ap.add_argument("--json", help="also write the rows to this file")
     ap.add_argument("--per-device", action="store_true",
                     help="simulate every device (no replica folding, simulator.fold): the baseline")
+    ap.add_argument("--members", choices=("on", "off", "both"), default="on",
+                    help="fold tensor-parallel members (simulator.fold_members): on, off (copies alone), or both: "
+                         "each row twice, off then on, with the on row's ratios to the off row's")
     args = ap.parse_args()
+    runs = {"on": (True,), "off": (False,), "both": (False, True)}[args.members]
     print(f"{'model':10s} {'plan':9s} {'devices':>7s} {'copies':>6s} {'tasks':>8s} {'lower ms':>9s} {'tasks ms':>9s} "
           f"{'events ms':>9s} {'memory ms':>9s} {'total ms':>9s} {'cpu ms':>8s} {'RSS MiB':>8s} {'iter ms':>9s} {'peak GiB':>8s} "
           f"{'members':>8s} {'member ms':>9s}",
@@ -152,15 +162,25 @@ def main() -> None:
             for n in map(int, args.devices.split(",")):
                 if kind == "megatron" and n % (MEGATRON[model][0] * MEGATRON[model][1]):
                     continue
-                r = _run(model, kind, n, args.timeout, not args.per_device)
-                rows.append({"model": model, "plan": kind, "devices": n, **r})
-                if "error" in r:
-                    print(f"{model:10s} {kind:9s} {n:7d} {r['error']}", flush=True)
-                    continue
-                fits.setdefault((model, kind), []).append((n, r["total"]))
-                print(f"{model:10s} {kind:9s} {n:7d} {r['copies']:6d} {r['tasks']:8d} {r['lower'] * 1e3:9.0f} {r['build'] * 1e3:9.0f} "
-                      f"{r['events'] * 1e3:9.0f} {r['memory'] * 1e3:9.0f} {r['total'] * 1e3:9.0f} {r['cpu'] * 1e3:8.0f} "
-                      f"{r['rss_mib']:8.0f} {r['iter_ms']:9.1f} {r['peak_gib']:8.1f} {r['members']:>8s} {r['member_ms']:9.0f}", flush=True)
+                off = None
+                for members in runs:
+                    r = _run(model, kind, n, args.timeout, not args.per_device, members)
+                    rows.append({"model": model, "plan": kind, "devices": n, "fold_members": members, **r})
+                    if "error" in r:
+                        print(f"{model:10s} {kind:9s} {n:7d} {r['error']}", flush=True)
+                        continue
+                    if members or len(runs) == 1:
+                        fits.setdefault((model, kind), []).append((n, r["total"]))
+                    print(f"{model:10s} {kind:9s} {n:7d} {r['copies']:6d} {r['tasks']:8d} {r['lower'] * 1e3:9.0f} "
+                          f"{r['build'] * 1e3:9.0f} {r['events'] * 1e3:9.0f} {r['memory'] * 1e3:9.0f} {r['total'] * 1e3:9.0f} "
+                          f"{r['cpu'] * 1e3:8.0f} {r['rss_mib']:8.0f} {r['iter_ms']:9.1f} {r['peak_gib']:8.1f} "
+                          f"{r['members']:>8s} {r['member_ms']:9.0f}", flush=True)
+                    if off is not None and members:
+                        print(f"{'':10s} {'on/off':9s} {'':7s} {'':6s} {r['tasks'] / off['tasks']:8.2f} "
+                              + " ".join(f"{r[k] / off[k]:9.2f}" for k in ("lower", "build", "events", "memory", "total"))
+                              + f" {r['cpu'] / off['cpu']:8.2f} {r['rss_mib'] / off['rss_mib']:8.2f} "
+                              f"{'same' if r['iter_ms'] == off['iter_ms'] else 'DIFFERS':>9s}", flush=True)
+                    off = r if not members else None
     for (model, kind), points in fits.items():
         k = _exponent(points)
         print(f"growth {model} {kind}: total ms ~ devices^{k:.2f}" if k is not None

@@ -121,12 +121,13 @@ class Folded(NamedTuple):
         return bool(np.all(start[self.tasks] >= last[self.links]))
 
 
-def task_copies(tg: TaskGraph, maps: LinkMaps) -> Folded:
+def task_copies(tg: TaskGraph, maps: LinkMaps, count: int | None = None) -> Folded:
     """``Folded`` of the folded graph ``tg``: each task's copy count, and the shared tasks that
     hold copy links asymmetrically (some of a copy-0 link's images, not all): the loss value's
     all-reduce rings every device through some copies' NICs only. Exact only where such a task
-    runs after the copies' own traffic on those links (``Folded.holds``)."""
-    count = tg.copies.count
+    runs after the copies' own traffic on those links (``Folded.holds``). ``count``: the copies
+    ``maps`` were made of (None: ``tg.copies``')."""
+    count = tg.copies.count if count is None else count
     distinct, which = distinct_resources(tg)  # worked out per distinct tuple: the rings repeat
     n, num_links = tg.num_devices, tg.num_links
     lens = np.fromiter(map(len, distinct), np.int64, len(distinct))

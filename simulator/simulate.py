@@ -14,6 +14,7 @@ from simulator.stragglers import straggler_durations
 from simulator.cost import CostModel, get_cost_model
 from simulator.engine import event_times
 from simulator.fold import FoldError, Folded, link_maps, task_copies
+from simulator.fold_members import fold_members
 from simulator.memory import memory_breakdown, peak_memory
 from simulator.presets import get_topology
 from simulator.result import SimResult, summarize
@@ -23,6 +24,7 @@ from simulator.tasks import TaskCache, build_tasks
 from simulator.topology import Topology
 from strategies.graph import OpGraph
 from strategies.lowering import Lowered, lower
+from strategies.lowering_members import MemberFold, member_fold
 from strategies.strategy import Strategy
 
 __all__ = ["FOLD_FROM", "Lowerings", "simulate_plan", "paused_gc", "run_timeline", "task_graph", "timed_graph"]
@@ -86,18 +88,32 @@ class Lowerings:
         self.graph, self.plan, self.cache = graph, plan, {} if cache is None else cache
         self.last: Lowered | None = None
 
-    def first(self, topology: Topology, fold: bool) -> Lowered:
-        """Copy 0's lowering where ``fold`` and the plan has copies (``find_copies``) that may
-        fold on ``topology`` (not contended), else every device's."""
+    def first(self, topology: Topology, fold: bool, members: bool = True) -> Lowered:
+        """Where ``fold`` and ``topology`` is not contended: the lowering of members 0 and 1 of
+        copy 0 where the plan has alike tensor-parallel members (``members``;
+        ``strategies.lowering_members``), else copy 0's where it has copies (``find_copies``),
+        else every device's."""
         copies = find_copies(self.graph, self.plan) if fold and not contended(topology) else None
+        members = member_fold(self.graph, self.plan, copies) if members and fold and not contended(topology) else None
+        self.why = members if isinstance(members, str) else None
+        if isinstance(members, MemberFold):  # members 0 and 1 for all (strategies.lowering_members)
+            got = self(members)
+            if got is not None:
+                return got
         return (copies is not None and self(copies)) or self(None)
+
+    why: str | None = None
+    """Why the plan's members were not folded (``member_fold``'s line, or the lowering's or the
+    task graph's ``CrossCopy``); None where they were or no fold was asked for."""
 
     def __call__(self, copies: Copies | None) -> Lowered | None:
         """The lowering of ``copies``' copy 0 (None: every device); None where the plan's pieces
         cross those copies (``CrossCopy``)."""
         try:
             self.last = lower(self.graph, self.plan, self.cache, copies)
-        except CrossCopy:
+        except CrossCopy as e:
+            if isinstance(copies, MemberFold):
+                self.why = str(e)
             return None
         return self.last
 
@@ -121,12 +137,21 @@ def timed_graph(lowered: Lowered, topology: Topology, cost: CostModel, optimizer
     while True:
         t0 = time.perf_counter()
         want, count = tries[-1]
+        if isinstance(lowered.copies, MemberFold) and not want:  # its timeline not every member's: its copies'
+            if relower is not None:
+                relower.why = "the member-folded timeline is not every member's (Folded.holds)"
+            folds = lowered.copies.count > 1
+            lowered = again(Copies(lowered.copies.copies) if folds else None)
+            want = folds
         if lowered.copies is not None and (not want or count not in (None, lowered.copies.count)):
             lowered = again(copies_of(lowered.graph, lowered.strategy, count) if want else None)
         try:
             tg, folded = task_graph(lowered, topology, cost, optimizer, cache, want, count)
-        except FoldError:  # copy 0's lowering that does not fold on this topology: every device's
-            lowered = again(None)
+        except FoldError as e:  # copy 0's lowering that does not fold on this topology: every device's
+            members = lowered.copies if isinstance(lowered.copies, MemberFold) else None  # or its copies'
+            if members is not None and relower is not None:
+                relower.why = str(e)
+            lowered = again(Copies(members.copies) if members is not None and members.count > 1 else None)
             tg, folded = task_graph(lowered, topology, cost, optimizer, cache, False)
         t1 = time.perf_counter()
         times = run_timeline(tg, topology, folded)
@@ -167,9 +192,13 @@ def task_graph(lowered: Lowered, topology: Topology, cost: CostModel, optimizer:
     elif fold and not contended(topology):
         graph, plan = lowered.graph, lowered.strategy
         copies = find_copies(graph, plan) if count is None else copies_of(graph, plan, count)
-    maps = link_maps(topology, copies) if copies is not None else None
-    if maps is None and lowered.copies is not None:
+    members = isinstance(copies, MemberFold)
+    maps = link_maps(topology, copies) if copies is not None and not (members and copies.count == 1) else None
+    if maps is None and lowered.copies is not None and not (members and copies.count == 1):
         raise FoldError(f"{copies} do not own their links on {topology.name!r}")
+    if members:  # members 0 and 1 for all (simulator.fold_members)
+        tg = build_tasks(lowered, topology, cost, optimizer, cache, copies)
+        return tg, fold_members(tg, topology, copies, maps)
     if maps is not None:
         try:
             tg = build_tasks(lowered, topology, cost, optimizer, cache, copies)

@@ -120,6 +120,8 @@ def link_step(tg: TaskGraph, lowered: Lowered, topology: Topology,
     memo.bound()
     src, dst = tg.edge_src, tg.edge_dst
     for key in order:  # levels 0 and 1 (2 and 3: reduce-scattered per use, simulator.zero3)
+        if keep is not None and not mine(key.devices):  # a member fold's member m >= 2: member 1's image
+            continue
         zb = sharded.get(key)
         extra, fwds = riders.get(key, (0, []))
         wide = reduce_scale(lowered.strategy, key.dtype)  # summed in the plan's reduce dtype (FSDP2's reduce_dtype)
@@ -267,10 +269,12 @@ def _gather_chunks(tg: TaskGraph, topology: Topology, chunks, updates: dict[int,
     (``_copy_time``); ``mine``: a group's members simulated."""
     n = topology.num_devices
     for devs, chunk, what in chunks:
+        members = mine(devs)
+        if not members:  # a member fold's member m >= 2: member 1's image
+            continue
         label = f"allgather weights {what}"
         ag = tg.add(label, TaskKind.ALLREDUCE, allgather_time(topology, devs, chunk),
                     tuple(n + l for l in ring_links(topology, devs)), devs[0], chunk * len(devs))
-        members = mine(devs)
         for d in members:
             tg.edge(updates[d], ag)
         for d, e in zip(members, _synced_ends(tg, topology, ag, devs, label, TaskKind.ALLREDUCE,

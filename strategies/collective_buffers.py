@@ -105,5 +105,7 @@ def regather_steps(lowered: Lowered, life: BufferLife) -> dict[int, Step]:
     """Member -> the step at whose start it calls ``life``'s all-gather again: its first backward
     step of ``life.regather`` (the op's last partition there), where the executor recomputes."""
     c, op = life.collective, life.regather
-    return {d: Step(True, op, max(p.index for p in lowered.partitions[op][c.microbatch] if p.device == d),
-                    c.microbatch) for d in c.devices}
+    last: dict[int, int] = {}  # device -> its last partition of op (a member fold's: the kept members')
+    for p in lowered.partitions[op][c.microbatch]:
+        last[p.device] = max(last.get(p.device, p.index), p.index)
+    return {d: Step(True, op, last[d], c.microbatch) for d in c.devices if d in last}

@@ -46,7 +46,7 @@ def loss_on_every_device(lowered: "Lowered") -> bool:
     micro-batch: each then learns the step's loss from its group's sum, and no all-reduce of
     the loss value is needed (the executor runs one otherwise, the simulator charges it)."""
     everyone = set(range(lowered.strategy.num_devices))
-    images = {} if lowered.copies is None else lowered.copies.images  # copy 0's: every copy's too
+    images = {} if lowered.copies is None else lowered.copies.stands_for  # copy 0's: every copy's too
     return all({x for p in parts for x in images.get(p.device, (p.device,))} == everyone
                for parts in lowered.partitions[lowered.graph.outputs[0]])
 

@@ -126,8 +126,15 @@ def relative_key(config: ParallelConfig, producers: Sequence[ParallelConfig], ke
     ``strategies.megatron``)."""
     base = config.devices[0] if config.devices else 0
     key = tuple((c.degrees, tuple([d - base for d in c.devices]), c.zero, c.recompute,
-                 None if keep is None else kept_indices(c, keep)) for c in (config, *producers))
+                 None if keep is None else kept_indices(c, keep), _members(c, keep)) for c in (config, *producers))
     return key, base
+
+
+def _members(config: ParallelConfig, keep) -> tuple | None:
+    """A member fold's keep (``strategies.lowering_members``): each partition's member index and
+    whether it is kept (its weight reads are derived for all); None otherwise."""
+    member = getattr(keep, "member", None)
+    return None if member is None else tuple(member.get(d, -1) for d in config.devices)
 
 
 def _plus(devices: tuple[int, ...], delta: int) -> tuple[int, ...]:

@@ -24,6 +24,7 @@ from strategies.rules.cross_entropy import CLASS_SUMS, class_sum_terms
 from strategies.strategy import Strategy
 from strategies.symmetry import CrossCopy
 from strategies.lowering_copies import kept_indices, reduction_members
+from strategies.lowering_members import MemberKeep, member_reads, other_partitions, other_reads
 from strategies.lowering_shared import shapes_of
 
 __all__ = ["lower_op", "partition_box_mb", "box_at", "grid_of", "overlapping", "gates", "check_microbatches", "shape_ids", "drops_output",
@@ -364,10 +365,14 @@ def lower_op(graph: OpGraph, strategy: Strategy, node: OpNode, m: int,
     if node.kind in WEIGHT_KINDS:
         keep = None  # a weight op runs where its config says, in no copy
     kept_at = None if keep is None else kept_indices(cfg, keep)
+    fold = keep if isinstance(keep, MemberKeep) else None  # members 0 and 1 lowered for all
+    kept_set = frozenset(kept_at) if fold is not None else None
+    spans: list[tuple[int, int, int]] = []  # a member fold's: (partition, its reads' start, end)
     for j in range(m):
         parts, weight_regions = [], []
         grids = [grid_of(p, c.degrees, j, m) for p, c in sources]
         grid = grid_of(node, cfg.degrees, j, m)
+        others = () if fold is None else other_partitions(node, cfg, rule, fold, grid)
         for k, box in (enumerate(_boxes(grid, cfg.degrees)) if kept_at is None else
                        ((k, box_at(grid, cfg.degrees, k)) for k in kept_at)):
             ins = rule.input_regions(node, box)
@@ -384,17 +389,21 @@ def lower_op(graph: OpGraph, strategy: Strategy, node: OpNode, m: int,
                   for p in parts]
             overlaps.append(ov)
             found = {}
-            if len(pcfg.devices) > 1 and len(parts) > 1 and producer.kind not in WEIGHT_KINDS:
+            if len(pcfg.devices) > 1 and len(parts) + len(others) > 1 and producer.kind not in WEIGHT_KINDS:
                 found = find_collectives(producer, pcfg.devices, pcfg.degrees, grids[slot], partial[slot], j,
                                          moves_grad[slot], [(p.index, p.device, p.input_regions[slot],
                                                              tuple(q for q, _, _ in o))
-                                                            for p, o in zip(parts, ov) if o is not None])
+                                                            for p, o in zip(parts, ov) if o is not None]
+                                         + other_reads(others, slot, grids[slot], pcfg.degrees, extra))
+                if others:  # the other members read alike: the kept partitions' collectives only
+                    found = {k: c for k, c in found.items() if k in kept_set}
             shared.append(found)
             for c in dict.fromkeys(found.values()):  # a collective couples its members both ways
                 couples.update(zip(c.devices, c.devices[1:] + c.devices[:1]))
                 couples.update(zip(c.devices[1:] + c.devices[:1], c.devices))
         for k, p in enumerate(parts):
             dev, ins = p.device, p.input_regions
+            start = len(reads)
             if j == 0:
                 numel = box_numel(p.output)
                 if not (alias and _one_piece(overlaps[0][k], shared[0].get(p.index))):  # a view: its input's storage
@@ -418,7 +427,7 @@ def lower_op(graph: OpGraph, strategy: Strategy, node: OpNode, m: int,
                     continue
                 c = shared[slot].get(p.index)
                 if c is not None:
-                    collective_reads.append(CollectiveRead(c, node.name, k, slot, dev))
+                    collective_reads.append(CollectiveRead(c, node.name, p.index, slot, dev))
                     continue
                 size, src, devices = DTYPE_BYTES[producer.output.dtype], producer.name, pcfg.devices
                 extra = sums[slot]
@@ -427,11 +436,14 @@ def lower_op(graph: OpGraph, strategy: Strategy, node: OpNode, m: int,
                         piece = piece[:len(region)]
                         numel = box_numel(piece)
                     src_dev, nbytes = devices[q], numel * size
+                    if fold is not None and src_dev != dev and fold.member.get(src_dev) != fold.member[dev]:
+                        raise CrossCopy(f"transfer {src}[{q}] -> {node.name}[{p.index}]: device {src_dev} -> {dev} "
+                                        "crosses members; a member's transfers must stay among its own devices")
                     if keep is not None and src_dev not in keep:
                         raise CrossCopy(f"op {node.name!r} reads {src!r} on device {src_dev}, in another copy "
                                         f"than its partition {p.index} on device {dev}")
                     # the hot loop: a Transfer made as the tuple it is (no Python-level __new__)
-                    transfers.append(_new(Transfer, (src, q, node.name, k, slot, j, src_dev, dev, piece, nbytes,
+                    transfers.append(_new(Transfer, (src, q, node.name, p.index, slot, j, src_dev, dev, piece, nbytes,
                                                      partial[slot])))
                     if src_dev != dev:
                         couples.add((src_dev, dev))
@@ -440,11 +452,15 @@ def lower_op(graph: OpGraph, strategy: Strategy, node: OpNode, m: int,
                             fwd[dev] += nbytes
                             if moves_grad[slot]:
                                 grad[src_dev] += nbytes
+            if fold is not None and j == 0:
+                spans.append((p.index, start, len(reads)))
         per_mb.append(tuple(parts))
         reds = rule.reductions(node, cfg.degrees)
         if reds:
             reductions.extend(_groups(node, cfg.degrees, cfg.devices, reds, grid, j, m, n, node.name in graph.outputs,
                                       kept_at))
+    if fold is not None:  # every member's weight reads (members 0 and 1 stand for the rest)
+        reads = member_reads(node, cfg, rule, fold, sources, m, reads, spans)
     for g in reductions:  # a collective couples its devices both ways
         couples.update(zip(g.devices, g.devices[1:] + g.devices[:1]))
     return OpPieces(tuple(per_mb), tuple(transfers), tuple(reductions), tuple(reads),

@@ -77,8 +77,9 @@ def collective_steps(lowered: Lowered) -> list[tuple[dict[int, Step], dict[int, 
     for c in lowered.collectives:
         first, j = readers[c][0].dst_op, c.microbatch
         lo, hi = _spans(lowered, first, j, spans), _spans(lowered, c.op, j, spans)
-        fwd = {d: Step(False, first, lo[d][0], j) for d in c.devices}
-        bwd = {d: Step(True, c.op, hi[d][1], j) for d in c.devices} if c.grad else {}
+        on = [d for d in c.devices if d in lo]  # a member fold's: the kept members (strategies.lowering_members)
+        fwd = {d: Step(False, first, lo[d][0], j) for d in on}
+        bwd = {d: Step(True, c.op, hi[d][1], j) for d in on} if c.grad else {}
         out.append((fwd, bwd))
     return out
 

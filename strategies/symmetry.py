@@ -71,6 +71,12 @@ class Copies:
         """C_0's device -> (φ_0(d) = d, φ_1(d), ..., φ_{R-1}(d))."""
         return {d: tuple(copy[i] for copy in self.copies) for i, d in enumerate(self.copies[0])}
 
+    @property
+    def stands_for(self) -> dict[int, tuple[int, ...]]:
+        """Each simulated device -> the devices whose work its partitions stand for (here
+        ``images``; a member fold's: its member images' too, ``strategies.lowering_members``)."""
+        return self.images
+
     @cached_property
     def image_sets(self) -> dict[frozenset[int], tuple[int, ...]]:
         """Sets of C_0's devices -> their images in every copy, sorted (``strategies

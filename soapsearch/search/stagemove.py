@@ -62,7 +62,8 @@ def op_seconds(graph: OpGraph, plan: Strategy, topology: Topology, cost: CostMod
     alike devices, ``lowering_cache`` reused), no task graph built."""
     fold = plan.num_devices >= FOLD_FROM and len({(d.cost_key, d.task_overhead)
                                                   for d in topology.devices[:plan.num_devices]}) == 1
-    return _lowered_seconds(Lowerings(graph, plan, lowering_cache).first(topology, fold), topology, cost)
+    # copies alone: members 0 and 1 (simulator.fold_members) would weigh member 0 as half the devices
+    return _lowered_seconds(Lowerings(graph, plan, lowering_cache).first(topology, fold, members=False), topology, cost)
 
 
 def _lowered_seconds(lowered: Lowered, topology: Topology, cost: CostModel) -> dict[str, float]:
