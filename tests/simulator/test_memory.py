@@ -1,15 +1,12 @@
 """The peak's breakdown by category (simulator.memory.memory_breakdown): each category counted
 by hand on plans of known shapes, and the categories summing to ``peak_memory``'s figure."""
 
-import random
-
 import pytest
 
 from simulator.memory import MemoryBreakdown, _rises, activation_peaks, memory_breakdown, peak_memory
 from simulator.memory_collectives import collective_rows
 from simulator.simulate import simulate_plan
-from soapsearch.search.mcmc import candidate_configs
-from strategies import Strategy, baseline, data_parallel, pipeline
+from strategies import baseline, data_parallel, pipeline
 from strategies.lowering import lower
 from tests.conftest import traced
 from tests.simulator.test_simulate import mesh
