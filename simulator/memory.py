@@ -1,7 +1,8 @@
 """Per-device peak memory of a plan: weights + gradients + optimizer state + the activations
 kept for backward of the micro-batches in flight + the receive buffers the executor posts
-ahead + the collectives' buffers + the gradient buckets' flat tensors. ``peak_memory`` gives the figure (the search scores every
-proposal with it); ``memory_breakdown`` the same figure by category, for reports."""
+ahead + the collectives' buffers + the gradient buckets' flat tensors. ``peak_memory`` gives
+the figure (the search scores every proposal with it); ``memory_breakdown`` the same figure by
+category, for reports."""
 
 from __future__ import annotations
 

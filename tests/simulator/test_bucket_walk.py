@@ -13,7 +13,6 @@ from __future__ import annotations
 import pytest
 
 from simulator.memory import _issued, _positions, _rows, activation_peaks
-from strategies import data_parallel
 from strategies.lowering import lower
 from strategies.megatron import megatron
 from strategies.schedule import device_order
