@@ -1,7 +1,8 @@
 """Per-device peak memory of a plan: weights + gradients + optimizer state + the activations
 kept for backward of the micro-batches in flight + the receive buffers the executor posts
-ahead + the collectives' buffers. ``peak_memory`` gives the figure (the search scores every
-proposal with it); ``memory_breakdown`` the same figure by category, for reports."""
+ahead + the collectives' buffers + the gradient buckets' flat tensors. ``peak_memory`` gives
+the figure (the search scores every proposal with it); ``memory_breakdown`` the same figure by
+category, for reports."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from simulator.memory_collectives import collective_rows
+from simulator.memory_collectives import bucket_rows, collective_rows
 from simulator.memory_zero import state_bytes
 from strategies.lowered import WEIGHT_KINDS
 from strategies.lowering import Lowered
@@ -55,6 +56,10 @@ class MemoryBreakdown(NamedTuple):
     gathered_weights: int = 0
     """Levels 2 and 3 (``zero``, per use): the most one use holds besides, its level-3 shards
     gathered and the full gradient of its shards before their reduce-scatter."""
+    gradient_buckets: int = 0
+    """What the level-0/1 gradient buckets' flat tensors add to the activations' peak (with the
+    collectives' buffers): each held from its issue in the last backward pass to the step's
+    sync, in the reduce dtype (``strategies.collective_buffers.bucket_buffers``)."""
 
     @property
     def total(self) -> int:
@@ -109,7 +114,8 @@ def _positions(graph) -> dict[str, int]:
     return hit[1]
 
 
-def activation_peaks(lowered: Lowered, ws: dict[int, int] | None = None, collectives: bool = True) -> list[int]:
+def activation_peaks(lowered: Lowered, ws: dict[int, int] | None = None, collectives: bool = True,
+                     buckets: bool = True) -> list[int]:
     """Per device, the peak of the activations it holds over its run order
     (``strategies.schedule.passes``: w warm-up forwards, then backward and forward in turn).
     A forward pass of a micro-batch adds, op by op in graph order, what each op keeps
@@ -122,22 +128,54 @@ def activation_peaks(lowered: Lowered, ws: dict[int, int] | None = None, collect
     readers' gradients until the dual). Every
     micro-batch's passes are alike, so with K kept per micro-batch, r_f the forward pass's
     highest rise and r_b the backward pass's, the peak is max((w − 1)·K + r_f, w·K + r_b);
-    without dropped outputs or collectives r_f = K and r_b = 0: w·K. ``ws``: ``warmups(lowered)``, where
-    the caller has it. Under the interleaved schedule a pass is one chunk's
-    (``_interleaved_peaks``)."""
+    without dropped outputs or collectives r_f = K and r_b = 0: w·K. With ``buckets``, the
+    last backward pass (the last micro-batch's, one in flight) also holds the level-0/1
+    gradient buckets' flat tensors from each one's issue to the step's sync
+    (``simulator.memory_collectives.bucket_rows``): K + r_last (``_last_rise``). ``ws``:
+    ``warmups(lowered)``, where the caller has it. Under the interleaved schedule a pass is one
+    chunk's (``_interleaved_peaks``)."""
     if lowered.strategy.schedule == "interleaved":
-        return _interleaved_peaks(lowered, collectives)
+        return _interleaved_peaks(lowered, collectives, buckets)
     b, ws = lowered.device_bytes, device_warmups(lowered) if ws is None else ws
+    issued = _issued(lowered, len(b.kept)) if buckets else None
     if not any(map(_dropped, lowered.pieces.values())) and not (collectives and lowered.collectives):
-        return [ws.get(d, 0) * k for d, k in enumerate(b.kept)]  # the search's hot path: one C-level pass
+        out = [ws.get(d, 0) * k for d, k in enumerate(b.kept)]  # the search's hot path: one C-level pass
+        if issued is None:
+            return out
+        # the last pass only frees, so it rises over w·K only where K + the buckets' bytes do
+        total = issued.sum(axis=0).tolist()
+        if all(p >= k + t for p, k, t in zip(out, b.kept, total)):
+            return out
     rows = _rows(lowered, collectives)
     kept = (rows[0].sum(axis=0) - rows[1].sum(axis=0)).tolist()  # b.kept, and the kept collective results
     rise_f, rise_b = (x.tolist() for x in _rises(*rows))
+    last = _last_rise(rows[2], rows[3], issued).tolist() if issued is not None else None
     out = []
     for d, k in enumerate(kept):
         w = ws.get(d, 0)
-        out.append(max((w - 1) * k + rise_f[d], w * k + rise_b[d]) if w else 0)
+        peak = max((w - 1) * k + rise_f[d], w * k + rise_b[d]) if w else 0
+        out.append(max(peak, k + last[d]) if w and last is not None else peak)
     return out
+
+
+def _issued(lowered: Lowered, n: int) -> np.ndarray | None:
+    """``bucket_rows`` with every device's columns (of copy 0's lowering: a device's copy-0
+    image's, the copies running alike); None without level-0/1 buckets."""
+    rows = bucket_rows(lowered, _positions(lowered.graph), n)
+    if rows is not None and lowered.copies is not None:
+        rows = rows[:, lowered.copies.rep_array(n)]
+    return rows
+
+
+def _last_rise(redone: np.ndarray, gone: np.ndarray, issued: np.ndarray) -> np.ndarray:
+    """Per device, the last backward pass's highest rise over its start: the backward walk of
+    ``_rises`` with the buckets issued after each op's backward (``issued``) held from there on,
+    and their sum at the pass's end (everything kept freed, every bucket held to the sync)."""
+    level = np.cumsum(redone[::-1], axis=0)
+    level[1:] -= np.cumsum(gone[::-1], axis=0)[:-1]
+    level[1:] += np.cumsum(issued[::-1], axis=0)[:-1]
+    end = redone.sum(axis=0) - gone.sum(axis=0) + issued.sum(axis=0)
+    return np.maximum(np.maximum(level.max(axis=0), end), 0)
 
 
 def _rows(lowered: Lowered, collectives: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -237,27 +275,38 @@ def _rises(held: np.ndarray, freed: np.ndarray, redone: np.ndarray, gone: np.nda
     return np.maximum(fwd.max(axis=0), 0), np.maximum(bwd.max(axis=0), 0)
 
 
-def _interleaved_peaks(lowered: Lowered, collectives: bool = True) -> list[int]:
+def _interleaved_peaks(lowered: Lowered, collectives: bool = True, buckets: bool = True) -> list[int]:
     """Per device, the activations' peak over its interleaved run order (Narayanan et al.
     SC'21, section 2.2.2: more passes in flight than 1F1B): each (micro-batch, chunk) pass adds
     or frees its chunk's K_c, the chunk's ops' rows of ``_rows`` giving its rises, walked over
-    ``strategies.schedule.device_passes``."""
+    ``strategies.schedule.device_passes``; with ``buckets``, a backward pass of the last
+    micro-batch issues its chunk's gradient buckets (``_last_rise``), held from there to the end."""
     chunk = chunk_of(lowered)
     n = len(lowered.device_bytes.kept)
     held, freed, redone, gone = _rows(lowered, collectives)
+    issued = _issued(lowered, n) if buckets else None
+    if issued is None:
+        issued = np.zeros_like(held)
+    last_mb = lowered.strategy.microbatches - 1
     kept = held - freed  # a chunk's dropped outputs are freed at ops of the chunk (one rank runs it)
     of = np.fromiter((chunk[node.name] for node in lowered.graph), np.int64, len(lowered.graph))
-    per: dict[int, tuple[list[int], list[int], list[int]]] = {}
+    per: dict[int, tuple[list[int], ...]] = {}
     for c in range(int(of.max()) + 1):
         mask = (of == c)[:, None]
         f, r = _rises(held * mask, freed * mask, redone * mask, gone * mask)
-        per[c] = ((kept * mask).sum(axis=0).tolist(), f.tolist(), r.tolist())
+        last = _last_rise(redone * mask, gone * mask, issued * mask)
+        per[c] = ((kept * mask).sum(axis=0).tolist(), f.tolist(), r.tolist(), last.tolist(),
+                  (issued * mask).sum(axis=0).tolist())
     out = [0] * n
     for d, passes in device_passes(lowered).items():
-        level = peak = 0
-        for backward, _, c in passes:
-            k, rise_f, rise_b = per[c]
-            peak = max(peak, level + (rise_b if backward else rise_f)[d])
+        level = peak = synced = 0  # synced: the buckets issued so far, held to the step's sync
+        for backward, j, c in passes:
+            k, rise_f, rise_b, last, total = per[c]
+            if backward and j == last_mb:
+                peak = max(peak, level + synced + last[d])
+                synced += total[d]
+            else:
+                peak = max(peak, level + synced + (rise_b if backward else rise_f)[d])
             level += -k[d] if backward else k[d]
         out[d] = peak
     return out
@@ -283,7 +332,9 @@ def peak_memory(lowered: Lowered, optimizer: str = "sgd") -> list[int]:
     forward pieces of one more micro-batch when w < m, and the gradient pieces of min(2, m)
     micro-batches; the collectives' buffers are in the same walk (``simulator.memory_collectives``:
     what each call leaves a member, kept per micro-batch in flight or let go after its last
-    reader's forward, and its readers' gradients from their backward to the dual's).
+    reader's forward, and its readers' gradients from their backward to the dual's), and so
+    are the level-0/1 gradient buckets' flat tensors, each from its issue in the last backward
+    pass to the step's sync (``strategies.collective_buffers.bucket_buffers``).
     In mixed precision the weights and gradients held are the compute dtype's (2 bytes a
     parameter) and a float32 master copy and the optimizer state in float32 are added: ZeRO's
     2 + 2 + 12 = 16 bytes a parameter with Adam, 2 + 2 + 4 + 4 with SGD's momentum
@@ -305,14 +356,16 @@ def peak_memory(lowered: Lowered, optimizer: str = "sgd") -> list[int]:
 def memory_breakdown(lowered: Lowered, optimizer: str = "sgd") -> list[MemoryBreakdown]:
     """``peak_memory``'s figure per device by category: each device's fields sum to it. The
     activations are their walk's peak without the collectives; ``collective_buffers`` what the
-    collectives' buffers add to it (``activation_peaks`` with them, less without)."""
+    collectives' buffers add to it (``activation_peaks`` with them, less without), and
+    ``gradient_buckets`` what the buckets' flat tensors add to that."""
     state = state_bytes(lowered, _check(optimizer), _master(lowered))
     n = lowered.strategy.num_devices
     b = lowered.device_bytes
     m = lowered.strategy.microbatches
     ws = device_warmups(lowered)
-    acts = activation_peaks(lowered, ws, collectives=False)
-    both = activation_peaks(lowered, ws) if lowered.collectives else acts
+    acts = activation_peaks(lowered, ws, collectives=False, buckets=False)
+    both = activation_peaks(lowered, ws, buckets=False) if lowered.collectives else acts
+    full = activation_peaks(lowered, ws)
     out = []
     for d in range(n):
         w = ws.get(d, 0)
@@ -321,5 +374,5 @@ def memory_breakdown(lowered: Lowered, optimizer: str = "sgd") -> list[MemoryBre
             optimizer_state=state[d].optimizer_state, activations=acts[d],
             receive_buffers=(b.received[d] if w < m else 0) + min(2, m) * b.received_grad[d],
             collective_buffers=both[d] - acts[d], master_weights=state[d].master_weights,
-            gathered_weights=state[d].gathered_weights))
+            gathered_weights=state[d].gathered_weights, gradient_buckets=full[d] - both[d]))
     return out

@@ -1,16 +1,19 @@
 """The collectives' buffers as rows of the memory model's walk (``simulator.memory._rows``): what
 each call leaves a member and its readers' gradients, added and freed at the ops where
-``strategies.collective_buffers`` says the executor holds them."""
+``strategies.collective_buffers`` says the executor holds them; and the level-0/1 gradient
+buckets' flat tensors, added where each member issues them in the last backward pass and held
+to the step's sync (``bucket_rows``)."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from strategies.collective_buffers import buffer_lives
+from strategies.collective_buffers import bucket_buffers, buffer_lives
 from strategies.lowering import Lowered
+from strategies.overlap import bucket_plan
 from strategies.region import box_numel
 
-__all__ = ["collective_rows"]
+__all__ = ["collective_rows", "bucket_rows"]
 
 
 def collective_rows(lowered: Lowered, position: dict[str, int], n: int
@@ -43,3 +46,33 @@ def collective_rows(lowered: Lowered, position: dict[str, int], n: int
                 redone[position[op], d] += k * nbytes
                 gone[holder, d] += k * nbytes
     return held, freed, redone, gone
+
+
+def bucket_rows(lowered: Lowered, position: dict[str, int], n: int) -> np.ndarray | None:
+    """(ops in graph order) x devices: the bytes of the level-0/1 gradient buckets' flat tensors
+    (``strategies.collective_buffers.bucket_buffers``) each member issues right after that op's
+    backward step in the last micro-batch (``strategies.overlap.bucket_issues``), held until the
+    step's sync. Of copy 0's lowering (``Lowered.copies``): copy 0's devices' columns only. None
+    where the plan has no such bucket."""
+    sizes = bucket_buffers(lowered)
+    if not sizes:
+        return None
+    _, issues = bucket_plan(lowered, position, _memo(lowered.graph))
+    out = np.zeros((len(position), n), dtype=np.int64)
+    for d, its in issues.items():
+        for issue in its:
+            out[position[issue.after.op], d] += sizes[issue.key]
+    return out
+
+
+_MEMOS: dict[int, tuple[object, dict]] = {}
+"""Graph id -> (graph, the ``bucket_plan`` memo kept across its lowerings)."""
+
+
+def _memo(graph) -> dict:
+    hit = _MEMOS.get(id(graph))
+    if hit is None or hit[0] is not graph:
+        if len(_MEMOS) > 8:
+            _MEMOS.clear()
+        hit = _MEMOS[id(graph)] = (graph, {})
+    return hit[1]

@@ -21,17 +21,26 @@ input's gradient (one buffer of the result's size a reader) from its own backwar
 end of the holder's backward step, at whose start the member calls the dual with their sum
 (DDP and Megatron-LM free a collective's gradient buffer once its reduction ends; Li et al.,
 VLDB 2020). Inside that step the dual's result is the holder's output gradient, which, as any
-op's output gradient, is not counted."""
+op's output gradient, is not counted.
+
+A level-0 or level-1 gradient bucket (``strategies.overlap``) is a flat tensor of its own: each
+member packs the bucket's gradients into it, in the plan's reduce dtype
+(``strategies.precision.reduce_dtype``), right after the backward step that
+``strategies.overlap.bucket_issues`` names, and holds it until the step's gradient sync has
+waited its collective and copied the sum back (``soapsearch.executor.shards``: ``start_bucket``,
+``sync_grads``; DDP keeps its bucket buffers so too). ``bucket_buffers`` gives its bytes."""
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
-from strategies.lowered import Collective, Lowered
+from strategies.lowered import BucketKey, Collective, Lowered
 from strategies.pieces import drop_positions, reads_back
+from strategies.precision import reduce_scale
 from strategies.schedule import Step
+from strategies.zero import zero_buckets
 
-__all__ = ["BufferLife", "buffer_lives", "regather_steps"]
+__all__ = ["BufferLife", "buffer_lives", "regather_steps", "bucket_buffers"]
 
 
 class BufferLife(NamedTuple):
@@ -109,3 +118,19 @@ def regather_steps(lowered: Lowered, life: BufferLife) -> dict[int, Step]:
     for p in lowered.partitions[op][c.microbatch]:
         last[p.device] = max(last.get(p.device, p.index), p.index)
     return {d: Step(True, op, last[d], c.microbatch) for d in c.devices if d in last}
+
+
+def bucket_buffers(lowered: Lowered) -> dict[BucketKey, int]:
+    """Level-0 and level-1 gradient bucket -> the bytes each member holds of it from its issue to
+    the step's sync, in the reduce dtype (``reduce_scale`` × the bucket's bytes): level 0 its
+    flat tensor of the bucket's gradients; level 1 that tensor padded to n chunks
+    (``strategies.zero``) and the member's chunk of the sum, n + 1 chunks. The loss sums riding
+    a level-0 bucket (``strategies.lowering.bucket_sums``: a few scalars) aside."""
+    sharded = zero_buckets(lowered)
+    out = {}
+    for key, nbytes in lowered.gradient_sync.buckets.items():
+        if key.zero > 1:
+            continue
+        wide, zb = reduce_scale(lowered.strategy, key.dtype), sharded.get(key)
+        out[key] = nbytes * wide if zb is None else zb.chunk_bytes * wide * (len(key.devices) + 1)
+    return out

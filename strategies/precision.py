@@ -52,15 +52,17 @@ def compute_graph(graph: OpGraph, dtype: str | None) -> OpGraph:
 _HALF = frozenset(COMPUTE_DTYPES.values())
 
 
-def reduce_dtype(strategy: Strategy, dtype: str) -> str:
-    """The dtype the gradient of a weight held in ``dtype`` is summed in under ``strategy``:
-    float32 where the plan's ``reduce_dtype`` is ``float32`` and ``dtype`` is a compute dtype
-    (FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=float32)``: the gradient is
-    cast up before its all-reduce / reduce-scatter), else ``dtype`` itself."""
-    return MASTER_DTYPE if strategy.reduce_dtype == MASTER_DTYPE and dtype in _HALF else dtype
+def reduce_dtype(strategy: Strategy | str, dtype: str) -> str:
+    """The dtype the gradient of a weight held in ``dtype`` is summed in under ``strategy`` (a
+    plan, or its ``reduce_dtype``): float32 where the plan's ``reduce_dtype`` is ``float32`` and
+    ``dtype`` is a compute dtype (FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16,
+    reduce_dtype=float32)``: the gradient is cast up before its all-reduce / reduce-scatter),
+    else ``dtype`` itself."""
+    wanted = strategy if isinstance(strategy, str) else strategy.reduce_dtype
+    return MASTER_DTYPE if wanted == MASTER_DTYPE and dtype in _HALF else dtype
 
 
-def reduce_scale(strategy: Strategy, dtype: str) -> int:
+def reduce_scale(strategy: Strategy | str, dtype: str) -> int:
     """Bytes on the wire per byte of a ``dtype`` gradient: ``reduce_dtype``'s itemsize over
     ``dtype``'s (2 for a bf16/fp16 gradient reduced in float32, else 1)."""
     return DTYPE_BYTES[reduce_dtype(strategy, dtype)] // DTYPE_BYTES[dtype]

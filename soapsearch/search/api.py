@@ -260,7 +260,8 @@ def _baseline_plan(name: str, graph: OpGraph, n: int, evaluate: Evaluator) -> St
     ``sweep.megatron_lm_factors`` picks for this topology (a PlanError where it picks none)."""
     if name != "megatron_lm":
         return baseline(name, graph, n)
-    factors = megatron_lm_factors(graph, evaluate.topology, n, evaluate.optimizer, evaluate.precision)
+    factors = megatron_lm_factors(graph, evaluate.topology, n, evaluate.optimizer, evaluate.precision,
+                                  evaluate.reduce_dtype or "compute")
     if factors is None:
         raise PlanError(None, "baseline", name, f"model {graph.name!r} on {n} devices has no transformer layers "
                         "or no data-parallel degree dividing its batch")

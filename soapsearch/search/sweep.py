@@ -9,13 +9,17 @@ its devices' peak with the pipeline's bubble (Narayanan et al., SC'21: (p − 1)
 compute), the tensor-parallel all-reduces of each block's output (Shoeybi et al. 2019: one
 forward and one backward per block, a second forward with recompute) and the data-parallel gradient
 all-reduce (ZeRO-3: the weights gathered again per micro-batch, Rajbhandari et al. SC'20), each
-ring moving 2(g − 1)/g of its bytes at its group's bandwidth; its memory is the weights'
+ring moving 2(g − 1)/g of its bytes at its group's bandwidth, the gradients' half of it in the
+plan's reduce dtype (``strategies.precision.reduce_scale``: twice the bytes for a bf16/fp16
+plan reducing in float32); its memory is the weights'
 states over the devices that hold them (ZeRO's levels; the ops outside the blocks on one
 stage, a tied weight once per op reading it), the activations in flight (1F1B: min(p, m) of
 the m micro-batches; recompute: each layer's input and one layer live; those between the
 blocks cut tp ways with sequence parallelism alone, Korthikanti et al. 2022) and the
 tensor-parallel collectives' buffers (each block's result per micro-batch in flight and one
-micro-batch's gradient buffers). Then, best-first
+micro-batch's gradient buffers), or, where more, the gradient buckets' flat tensors at the
+step's sync (levels 0 and 1, in the reduce dtype: ``strategies.collective_buffers``), when the
+activations are freed. Then, best-first
 (``_Order``: those estimated to fit first, the less memory first on a tie; the first of each tensor × pipeline degrees ×
 micro-batches before the others; the estimate corrected by the simulated / estimated ratio
 seen at each pipeline degree), each plan is lowered and its peak memory
@@ -42,7 +46,8 @@ from soapsearch.search.scratch import Scratch
 from strategies.errors import PlanError
 from strategies.graph import OpGraph
 from strategies.megatron import megatron_blocks
-from strategies.strategy import Strategy
+from strategies.precision import reduce_scale
+from strategies.strategy import COMPUTE_DTYPES, Strategy
 
 __all__ = ["SWEEP_SHARE", "SWEEP_TIMINGS", "SWEPT_BASELINES", "Estimate", "Swept", "estimate", "megatron_lm_factors",
            "sweep", "swept_starts"]
@@ -100,6 +105,9 @@ class _Shape:
     layers: int
     value: int
     """Bytes of a weight or gradient in the compute dtype."""
+    reduce: int
+    """Bytes a gradient byte is summed in (``strategies.precision.reduce_scale``: 2 for a
+    bf16/fp16 plan reducing in float32, else 1)."""
     master: int
     optimizer: int
     peak_flops: float
@@ -109,7 +117,8 @@ class _Shape:
     node: int
 
 
-def _shape(graph: OpGraph, topo: Topology, n: int, optimizer: str, precision: str) -> _Shape:
+def _shape(graph: OpGraph, topo: Topology, n: int, optimizer: str, precision: str,
+           reduce_dtype: str = "compute") -> _Shape:
     blocks = megatron_blocks(graph)
     layered = blocks[0::2] if blocks and layers_of(graph) is not None else blocks  # each layer's attention block
     weights = {w.name: w.spec for node in graph for w in node.weights}
@@ -131,7 +140,9 @@ def _shape(graph: OpGraph, topo: Topology, n: int, optimizer: str, precision: st
         activations=acts * scale, between=between * scale,
         block_out=(graph[blocks[0][2]].output.nbytes * scale) if blocks else 0.0,
         layer_in=sum(graph[graph[b[0][0]].inputs[0]].output.nbytes for b in layered) * scale,
-        blocks=len(blocks), layers=max(len(layered), 1), value=value, master=4 if precision in _MIXED else 0,
+        blocks=len(blocks), layers=max(len(layered), 1), value=value,
+        reduce=reduce_scale(reduce_dtype, COMPUTE_DTYPES[precision]) if precision in _MIXED else 1,
+        master=4 if precision in _MIXED else 0,
         optimizer=_OPTIMIZER_BYTES.get(optimizer, 4), peak_flops=device.flops_for("bfloat16" if value == 2 else "float32"),
         capacity=float(device.memory_bytes), intra=topo.route_ring_bandwidth(0, 1) if n > 1 else float("inf"),
         inter=topo.route_ring_bandwidth(0, node) if node < n else float("inf"), node=node)
@@ -155,7 +166,10 @@ def estimate(f: Factorization, n: int, shape: _Shape) -> Estimate:
     layers = shape.blocks / p
     tensor = layers * (3 if f.recompute else 2) * _ring(shape.block_out / d, t, t, shape)
     held = shape.held_inside / (t * p) + shape.held_outside / t  # parameters per device before ZeRO
-    grads = _ring(held * shape.value, d, d * t, shape)
+    # level 0 all-reduces in the reduce dtype; levels 1-3 reduce-scatter in it and all-gather the
+    # weights in the compute dtype (a ring's halves)
+    wide = shape.reduce if f.zero == 0 else (1 + shape.reduce) / 2
+    grads = _ring(held * shape.value * wide, d, d * t, shape)
     if f.zero == 3:  # two all-gathers (half a ring each) of the weights per micro-batch
         grads += m * _ring(held * shape.value, d, d * t, shape)
     states = held * (shape.value * (1 if f.zero < 3 else 1 / d) + shape.value * (1 if f.zero < 2 else 1 / d)
@@ -174,19 +188,24 @@ def estimate(f: Factorization, n: int, shape: _Shape) -> Estimate:
     # gradient buffers of its duals (each lives from its reader's backward to the dual's call)
     kept = shape.block_out / (t if f.recompute and f.sequence_parallel else 1)
     collective = (shape.blocks * kept * held_mb + shape.block_out * _DUALS) * per if t > 1 else 0.0
-    return Estimate(compute + tensor + grads, states + acts + collective)
+    # levels 0 and 1: every bucket's flat tensor held at the step's sync, in the reduce dtype
+    # (level 1: padded to d chunks and the device's chunk of the sum besides)
+    buckets = held * shape.value * shape.reduce * (1 if f.zero == 0 else (d + 1) / d) if f.zero < 2 and d > 1 else 0.0
+    return Estimate(compute + tensor + grads, states + max(acts + collective, buckets))
 
 
-def megatron_lm_factors(graph: OpGraph, topo: Topology, n: int, optimizer: str, precision: str) -> tuple[int, int] | None:
+def megatron_lm_factors(graph: OpGraph, topo: Topology, n: int, optimizer: str, precision: str,
+                        reduce_dtype: str = "compute") -> tuple[int, int] | None:
     """The tensor × pipeline degrees of ``strategies.baselines.megatron_lm`` on ``n`` devices
     (one sequence a micro-batch, 1F1B, sequence parallelism, layers recomputed, ZeRO-1): of the
     degrees ``GlobalMoves`` factors (t ≤ 8 within a node, t > 1, p at most the layers),
     the one ``estimate`` times fastest among those estimated to fit, else the one of least
-    memory; None where the graph has no layers or the batch leaves no data-parallel degree."""
+    memory; None where the graph has no layers or the batch leaves no data-parallel degree.
+    ``reduce_dtype``: what the plan sums gradients in (``Strategy.reduce_dtype``)."""
     layers = layers_of(graph)
     if not layers or not graph.batch_size:
         return None
-    shape = _shape(graph, topo, n, optimizer, precision)
+    shape = _shape(graph, topo, n, optimizer, precision, reduce_dtype)
     out = []
     for t in (t for t in divisors(n) if 1 < t <= 8):
         for p in (p for p in divisors(n // t) if p <= len(layers)):
@@ -213,15 +232,16 @@ class Swept:
 def sweep(graph: OpGraph, topo: Topology, moves: GlobalMoves, optimizer: str, precision: str,
           evaluate: Callable[[Strategy], SimResult], cache: dict, deadline: float | None,
           limit: int | None, known: dict[Strategy, SimResult] | None = None,
-          pace: Pace | None = None) -> list[Swept]:
+          pace: Pace | None = None, reduce_dtype: str = "compute") -> list[Swept]:
     """The factorizations of ``moves`` best-first (``_Order``), each lowered with ``cache``
     (the evaluator's, so its simulation reuses the lowering) and timed by ``evaluate`` where
     its peak memory fits; a plan in ``known`` takes its result. Stops where the next plan's
     memory check, or a fitting plan's simulation, would end past ``deadline``
     (``time.perf_counter()``; ``pace`` predicts them from those before, kinds "sweep/check" and
-    "sweep/timed") or after ``limit`` timed plans, whichever first."""
+    "sweep/timed") or after ``limit`` timed plans, whichever first. ``reduce_dtype``: what the
+    plans sum gradients in (``Strategy.reduce_dtype``), for the estimates."""
     n = moves.num_devices
-    shape = _shape(graph, topo, n, optimizer, precision)
+    shape = _shape(graph, topo, n, optimizer, precision, reduce_dtype)
     order = _Order(moves.factorizations, {f: estimate(f, n, shape) for f in moves.factorizations}, shape.capacity)
     known = dict(known or {})  # grows with the timed plans: a factorization whose plan is another's
     capacity = [d.memory_bytes for d in topo.devices]
@@ -300,7 +320,7 @@ def swept_starts(graph: OpGraph, topo: Topology, moves: GlobalMoves, evaluate, d
     best remembered last (``Evaluator`` keeps the most recent)."""
     known = {plans[name]: results[name] for name in results if name in plans}
     done = sweep(graph, topo, moves, evaluate.optimizer, evaluate.precision, evaluate, evaluate.lowering_cache,
-                 deadline, limit, known, pace)
+                 deadline, limit, known, pace, getattr(evaluate, "reduce_dtype", None) or "compute")
     timed = [s for s in done if s.result is not None]
     for s in timed:
         consider(stats, s.plan, s.result, plan_cost(s.result), started)

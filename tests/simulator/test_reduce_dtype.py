@@ -37,7 +37,8 @@ def test_data_parallel_all_reduces_twice_the_bucket_bytes(mlp):
     moved = sum(buckets.values())  # one all-reduce of the bf16 gradients; the loss sum rides in float32
     assert sum(wide.bytes_moved.values()) - sum(half.bytes_moved.values()) == moved
     assert wide.iteration_time > half.iteration_time
-    assert wide.peak_memory_bytes == half.peak_memory_bytes  # the flat buckets are counted in neither dtype (docs/design.md)
+    # the flat bucket, held from its issue to the sync at the peak, is in float32: twice the bf16 one
+    assert [w - h for w, h in zip(wide.peak_memory_bytes, half.peak_memory_bytes)] == [moved] * 8
 
 
 def test_fsdp_reduce_scatters_in_float32_and_gathers_in_bf16(mlp):

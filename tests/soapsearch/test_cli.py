@@ -163,7 +163,8 @@ def test_simulate_json_and_trace(tmp_path, capsys):
     peak = obj["peak_memory"]  # the busiest device's peak and its breakdown, bytes
     assert peak["bytes"] == max(obj["peak_memory_bytes"]) == obj["peak_memory_bytes"][peak["device"]]
     assert set(peak["breakdown"]) == {"weights", "gradients", "optimizer_state", "activations",
-                                      "receive_buffers", "collective_buffers", "master_weights", "gathered_weights"}
+                                      "receive_buffers", "collective_buffers", "master_weights", "gathered_weights",
+                                      "gradient_buckets"}
     assert sum(peak["breakdown"].values()) == peak["bytes"] and peak["breakdown"]["activations"] > 0
     from strategies import owt
     from strategies.lowering import lower
