@@ -6,7 +6,7 @@ and every device moved by one offset δ, each record otherwise the same: the sam
 between devices s + δ -> d + δ, the same collectives over D + δ, the same partitions on d + δ
 with the same extents. So what the member check reads of them (``member_symmetry``: the device
 pairs of remote transfers, the device sets of collectives read, each device's partition
-extents) is the first op's moved by δ; GPT-3 175B's 2,123 ops at T = 8, P = 16 have ~50 such
+extents) is the first op's moved by δ; GPT-3 175B's 2,123 ops at T = 8, P = 16 have 32 such
 first ops (``origins``), and their summaries are kept across calls (a search's proposals share
 every unchanged op's pieces) in a bounded cache keyed by the object (held, so its id is not
 reused while kept)."""
@@ -23,8 +23,10 @@ if TYPE_CHECKING:
 
 __all__ = ["origins", "remote_pairs", "collective_sets", "held_extents", "ops_crossing_members", "ops_splitting_groups"]
 
-_CACHE_SIZE = 4096
-"""Summaries kept per kind (each holds its pieces object alive)."""
+_CACHE_SIZE = 256
+"""Summaries kept per kind: each holds its pieces object alive (175B's 32 first ops' pieces,
+10³–10⁴ records each, are held by the lowering cache anyway; a bound keeps a long search from
+holding every proposal's)."""
 
 _caches: dict[str, dict[int, tuple[object, object]]] = {}
 

@@ -11,7 +11,9 @@ one at position 0, with one ψ_m: M_0 -> M_m for all ops and disjoint sets M_0..
 (``find_members``). The lowering's pieces must then keep the members apart as well
 (``members_apart``): a transfer between two devices keeps its member index, and a collective
 either spans whole groups (one task, the same under every ψ_m) or lies in one member set with its
-image in every other. Where either fails the plan is simulated as today.
+image in every other. Where either fails the plan is simulated as today. Both checks and the
+classes (``member_classes``) are decided per op (``strategies.member_pieces``); the per-record
+reference is ``strategies.member_reference``.
 """
 
 from __future__ import annotations
