@@ -3,8 +3,9 @@
 (``strategies.member_reference``): the same verdict, the same line naming the piece, the same
 classes, on the plans of test_fold_members and on plans whose ops take random configs of the
 search's candidates (which often move an op's pieces across members), lowered per device and
-as copy 0, one lowering cache through a sequence of plans as a search keeps it. A lowering with
-one record broken in one micro-batch is caught as the per-record check catches it."""
+as copy 0, one lowering cache through a sequence of plans as a search keeps it; per op, for
+members reshuffled per group too (a pipeline stage's δ then matters). A lowering with one
+record broken in one micro-batch is caught as the per-record check catches it."""
 
 from __future__ import annotations
 
