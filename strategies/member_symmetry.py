@@ -11,7 +11,9 @@ one at position 0, with one ψ_m: M_0 -> M_m for all ops and disjoint sets M_0..
 (``find_members``). The lowering's pieces must then keep the members apart as well
 (``members_apart``): a transfer between two devices keeps its member index, and a collective
 either spans whole groups (one task, the same under every ψ_m) or lies in one member set with its
-image in every other. Where either fails the plan is simulated as today.
+image in every other. Where either fails the plan is simulated as today. Both checks and the
+classes (``member_classes``) are decided per op (``strategies.member_pieces``); the per-record
+reference is ``strategies.member_reference``.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ import numpy as np
 from strategies.config import ParallelConfig
 from strategies.graph import OpGraph, OpNode
 from strategies.lowered import WEIGHT_KINDS
-from strategies.region import box_shape
+from strategies.member_pieces import held_extents, ops_crossing_members, ops_splitting_groups, origins
+from strategies.member_reference import collectives_apart, transfers_apart
 from strategies.strategy import Strategy
 from strategies.symmetry import Copies
 
@@ -133,33 +136,23 @@ def members_apart(lowered: Lowered, members: TensorMembers) -> str | None:
     """Why ``lowered``'s pieces break ``members``' symmetry (one line naming the piece), or None
     where they keep it: every transfer between two devices keeps its member index, and every
     collective spans whole groups or lies in one member set with its image under every ψ_m
-    among the collectives of its op and micro-batch."""
-    index = members.index
-    for t in lowered.transfers:
-        if t.src_device == t.dst_device:
-            continue
-        a, b = index.get(t.src_device), index.get(t.dst_device)
-        if a is None or b is None or a[0] != b[0]:
-            return (f"transfer {t.src_op}[{t.src_index}] -> {t.dst_op}[{t.dst_index}]: device {t.src_device} -> "
-                    f"{t.dst_device} crosses members; a member's transfers must stay among its own devices")
-    kept: dict[tuple, set[tuple[int, ...]]] = {}
-    for c in lowered.collectives:
-        kept.setdefault((c.kind, c.op, c.microbatch, c.nbytes), set()).add(tuple(sorted(c.devices)))
-    groups = members.groups
-    for (kind, op, mb, _), sets in kept.items():
-        for devices in sets:
-            at = [index.get(d) for d in devices]
-            if any(x is None for x in at):
-                return f"{kind} of {op} (micro-batch {mb}): devices {list(devices)} include one in no group"
-            if set(devices) == set().union(*(groups[i] for _, i in at)):
-                continue  # whole groups: the same set under every ψ_m
-            ms = {m for m, _ in at}
-            if len(ms) != 1:
-                return (f"{kind} of {op} (micro-batch {mb}): devices {list(devices)} mix members of part of "
-                        f"their groups; a collective spans whole groups or one member's devices")
-            for m in range(members.count):
-                if tuple(sorted(members.image(devices, m))) not in sets:
-                    return f"{kind} of {op} (micro-batch {mb}): devices {list(devices)} have no image in member {m}"
+    among the collectives of its op and micro-batch.
+
+    Decided per op, not per record (``strategies.member_pieces``): an op's transfers keep the
+    members where every (source, destination) device pair among them does, and its
+    collectives where each device set among them spans whole groups; both are read once per
+    pieces object and moved by each op's δ (``origins``), and judged once per (pieces, δ). The
+    first op that fails has its records read one at a time to name the piece
+    (``strategies.member_reference``: the same line as the per-record check); where a
+    collective lies in one member set its images are looked for among all the plan's."""
+    origin = origins(lowered)
+    for op in ops_crossing_members(lowered, members, origin):
+        why = transfers_apart(lowered.pieces[op].transfers, members.index)
+        if why is not None:
+            return why
+    if next(ops_splitting_groups(lowered, members, origin), None) is not None:
+        # one member's set (or one across members): judged against the plan's others
+        return collectives_apart((r.collective for p in lowered.pieces.values() for r in p.collective_reads), members)
     return None
 
 
@@ -168,19 +161,27 @@ def member_classes(lowered: Lowered, members: TensorMembers) -> tuple[tuple[int,
     every group, their devices hold partitions of the same ops, micro-batches, extents and
     weight-region extents (a row-parallel linear's bias is read only where its in_features
     range starts at 0, so member 0 of such a plan is a class of its own, and so is a weight op
-    placed on one member). Classes in order of their first member."""
-    index = members.index
-    held: list[list[list]] = [[[] for _ in range(members.size)] for _ in range(members.count)]
-    for per_mb in lowered.partitions.values():
-        for parts in per_mb:
-            for p in parts:
-                at = index.get(p.device)
-                if at is None:
-                    continue
-                held[at[0]][at[1]].append((p.op, p.microbatch, box_shape(p.box),
-                                           tuple((role, box_shape(box)) for role, box in p.weight_regions)))
-    keys = [tuple(tuple(sorted(group)) for group in per_member) for per_member in held]
+    placed on one member). Classes in order of their first member.
+
+    Decided per op: each pieces object's partitions are summarised once per device
+    (``member_pieces.held_extents``), and the ops that share one pieces object and δ
+    (``origins``) give every member the same row of those per group; members are alike where
+    all their rows are (the per-record ``member_reference.member_classes_reference`` sorts
+    every partition into its device's list instead)."""
+    origin = origins(lowered)
+    rows: dict[tuple[int, int], tuple[tuple[int, ...], ...]] = {}
+    for op, parts in lowered.partitions.items():
+        pieces = lowered.pieces.get(op)
+        if pieces is not None and pieces.partitions is parts:
+            first, delta = origin[op]
+            parts = first.partitions
+        else:  # partitions apart from the op's pieces: read as they are
+            delta = 0
+        key = (id(parts), delta)
+        if key not in rows:
+            held = held_extents(parts)
+            rows[key] = tuple(tuple(held.get(d - delta, -1) for d in row) for row in members.members)
     classes: dict[tuple, list[int]] = {}
-    for m, key in enumerate(keys):
-        classes.setdefault(key, []).append(m)
+    for m in range(members.count):
+        classes.setdefault(tuple(row[m] for row in rows.values()), []).append(m)
     return tuple(tuple(ms) for ms in classes.values())
