@@ -1,6 +1,6 @@
 """Where one GPU's predicted iteration goes (``published_runs.py --breakdown``): device 0's
 timeline of a row's simulation split into compute by op kind (the products of ``linear`` ops,
-attention, everything else, the optimizer update), the communication that no compute of that
+attention, everything else, the optimizer update, FSDP2's copies), the communication that no compute of that
 device hides, by the link kinds it crosses (inside a node: ``nvswitch``; between nodes: ``ib``),
 and the rest, when device 0 neither computes nor waits on its own collectives: the pipeline
 bubble and waits for other devices.
@@ -23,6 +23,8 @@ __all__ = ["Breakdown", "breakdown", "exposed", "union"]
 
 _KINDS = {"linear": "gemm", "attention": "attention"}
 """An op kind's part of the compute (any other kind: "other")."""
+_COPIES = ("copy-out ", "copy-in ")
+"""The labels of FSDP2's copies (``simulator.zero3``, ``CostModel.fsdp_copies``): their part "fsdp copies"."""
 
 
 class Breakdown(NamedTuple):
@@ -87,7 +89,8 @@ def breakdown(graph: OpGraph, plan: Strategy, topology: str, cost: CostModel, de
             comm.setdefault("+".join(links), []).append(span)
         elif res[0] == device:
             name = tg.name[t]
-            part = "update" if CATEGORY[tg.category[t]] == "update" else _KINDS.get(
+            part = "update" if CATEGORY[tg.category[t]] == "update" else "fsdp copies" if str(name).startswith(
+                _COPIES) else _KINDS.get(
                 kinds.get(name[1]) if isinstance(name, tuple) and len(name) == 4 else None, "other")
             compute[part] = compute.get(part, 0.0) + span[1] - span[0]
             busy.append(span)

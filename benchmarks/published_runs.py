@@ -191,10 +191,12 @@ def reachable(run: Run, max_gpus: int | None = None) -> str | None:
 
 
 def row_cost(run: Run) -> CostModel:
-    """The analytical model as the row's software ran: its attention kernel and whether its
+    """The analytical model as the row's software ran: its attention kernel, whether its
     tensor-parallel input gradients' collectives overlap the weight gradients
-    (``Run.input_grad_overlap``)."""
-    return get_cost_model("analytical", attention=run.attention, input_grad_overlap=run.input_grad_overlap)
+    (``Run.input_grad_overlap``) and, for FSDP2's rows, FSDP2's copies on the compute stream
+    (``CostModel.fsdp_copies``: each all-gather's copy-out, each reduce-scatter's copy-in)."""
+    return get_cost_model("analytical", attention=run.attention, input_grad_overlap=run.input_grad_overlap,
+                          fsdp_copies=run.plan == "fsdp")
 
 
 def predict(run: Run, graph: OpGraph | None = None, topology: Topology | None = None,

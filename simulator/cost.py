@@ -158,6 +158,16 @@ class CostModel(abc.ABC):
     ``--no-async-tensor-model-parallel-allreduce``: "Disable asynchronous execution of
     tensor-model-parallel all-reduce with weight gradient computation of a column-linear layer");
     the project's executor runs it after them (False)."""
+    fsdp_copies = False
+    """Whether each level-3 all-gather and level-2/3 reduce-scatter also pays the memory-bound
+    copies FSDP2 runs on the compute stream (``simulator.zero3``; ``_fsdp_collectives.py``:
+    ``foreach_all_gather_copy_out``'s ``split_with_sizes_copy`` out of the flat all-gather
+    buffer, waited on by the default stream; ``foreach_reduce_scatter``'s ``torch.cat`` of the
+    gradients into the flat reduce-scatter input in the reduce dtype and its pre-divide
+    ``div_``, which the default stream waits on before it frees the gradients). Off by default:
+    the project's figures were set without it, though its executor copies alike
+    (``soapsearch/executor/gathered.py``: a ``copy_`` per shard out of the gathered flat tensor,
+    a ``torch.cat`` of the gradient rows before the reduce-scatter, no pre-divide)."""
 
     def __init__(self) -> None:
         self._by_box: dict[Any, tuple[float, float]] = {}
@@ -233,14 +243,16 @@ class AnalyticalCostModel(CostModel):
     with a published FlashAttention-2 curve runs at its rate instead (``_flash``); "math" adds the
     queries × keys scores' HBM passes (``MATH_ATTENTION_PASSES``) and kernels to its bytes;
     "megatron" adds the dropout's too (``DROPOUT_PASSES``, its mask, one kernel each way).
-    ``input_grad_overlap``: ``CostModel.input_grad_overlap``.
+    ``input_grad_overlap``: ``CostModel.input_grad_overlap``; ``fsdp_copies``:
+    ``CostModel.fsdp_copies``.
     """
 
     def __init__(self, efficiency: float | tuple[float, float] = (COMPUTE_EFFICIENCY, MEMORY_EFFICIENCY),
                  launch_overhead: float | None = None, attention: str = "flash",
-                 input_grad_overlap: bool = False) -> None:
+                 input_grad_overlap: bool = False, fsdp_copies: bool = False) -> None:
         super().__init__()
         self.input_grad_overlap = bool(input_grad_overlap)
+        self.fsdp_copies = bool(fsdp_copies)
         if attention not in ATTENTION_KERNELS:
             raise ValueError(f"AnalyticalCostModel: attention {attention!r} must be one of {list(ATTENTION_KERNELS)}")
         self.attention = attention
@@ -256,7 +268,7 @@ class AnalyticalCostModel(CostModel):
     def __repr__(self) -> str:
         return (f"AnalyticalCostModel(efficiency=({self.compute_efficiency}, "
                 f"{self.memory_efficiency}), launch_overhead={self.launch_overhead}, attention={self.attention!r}, "
-                f"input_grad_overlap={self.input_grad_overlap})")
+                f"input_grad_overlap={self.input_grad_overlap}, fsdp_copies={self.fsdp_copies})")
 
     def launch(self, device: DeviceSpec) -> float:
         """Seconds of overhead per kernel on ``device``."""

@@ -417,7 +417,7 @@ def build_tasks(lowered: Lowered, topology: Topology, cost: CostModel, optimizer
     tg.chunks.append((edges[0] + first[edges[1]], edges[2] + first[edges[3]]))
     position = cache.layout(lowered.graph, keep)[1]
     arrivals = add_collectives(tg, lowered, topology, blocks, first, position, keep, cost)
-    gathers, scattered = add_gathers(tg, lowered, topology, blocks, first, position, keep, cache.gathers)
+    gathers, scattered = add_gathers(tg, lowered, topology, blocks, first, position, keep, cache.gathers, cost)
     if gathers.shape[1]:  # level-3 weights (FSDP): their calls sit in the schedules like collectives'
         arrivals = np.concatenate([arrivals, gathers], axis=1)
     last = _link_schedule(tg, lowered, steps, first, slots, arrivals)

@@ -19,7 +19,13 @@ A call is an arrival task of no duration in the member's schedule, as a lowering
 (``simulator.collectives``). Delta simulation: each group's tasks in one micro-batch are
 recorded once (``_Chunk``) and laid out again in every graph where the group, its phases, its
 reader op's block and its unit's call are the same; the calls' places in the schedules (the
-issue positions) are found per graph."""
+issue positions) are found per graph.
+Under a cost model with ``fsdp_copies`` (``CostModel.fsdp_copies``: FSDP2's copies on the
+compute stream, PyTorch's ``_fsdp_collectives.py`` as torchtitan's published runs ran it) each
+member also pays, on its device, the all-gather's copy-out after each gather (the bytes of the
+groups it gathers, read and written, ``COPY_TRAFFIC``), which the reader waits on, and before each
+reduce-scatter its copy-in (``fsdp_copy_in_traffic``): the gradients read in the compute dtype,
+written in the reduce dtype, then divided in place by the pre-divide factor."""
 
 from __future__ import annotations
 
@@ -31,7 +37,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 import numpy as np
 
 from simulator.comm import allgather_time, reduce_scatter_time, ring_links
-from simulator.step import member_ends
+from simulator.step import COPY_TRAFFIC, member_ends
 from simulator.taskgraph import INDEX, Columns, TaskGraph, TaskKind
 from simulator.topology import Topology
 from strategies.config import format_devices
@@ -42,12 +48,22 @@ from strategies.schedule import Step
 from strategies.zero import gather_groups
 from strategies.zero_alike import alike_readers
 
-__all__ = ["add_gathers"]
+__all__ = ["add_gathers", "fsdp_copy_in_traffic"]
+
+
+def fsdp_copy_in_traffic(gradient_bytes: int, wide: int) -> int:
+    """Bytes FSDP2's reduce-scatter copy-in moves through memory for ``gradient_bytes`` of a
+    group's gradients in the compute dtype reduced at ``wide`` times their bytes
+    (``strategies.precision.reduce_scale``): ``torch.cat`` reads them and writes the flat
+    input (1 + wide), then ``_div_if_needed(input, predivide_factor)`` reads and writes it (2 ·
+    wide; the factor is at least 2 for any group of 2 or more, ``FSDPParamGroup
+    ._init_grad_divide_factors``): (1 + 3·wide) times the gradients' bytes."""
+    return (1 + 3 * wide) * gradient_bytes
 
 
 def add_gathers(tg: TaskGraph, lowered: Lowered, topology: Topology, blocks: Sequence, first: np.ndarray,
-                position: dict[str, int], keep: frozenset[int] | None = None, memo: dict | None = None
-                ) -> tuple[np.ndarray, dict[int, list[int]]]:
+                position: dict[str, int], keep: frozenset[int] | None = None, memo: dict | None = None,
+                cost: Any = None) -> tuple[np.ndarray, dict[int, list[int]]]:
     """Add every level-2 and level-3 use's tasks to ``tg`` (``blocks``, ``first``, ``position`` as
     ``simulator.collectives.add_collectives`` takes them). Returns the arrivals' places in the
     devices' schedules as rows (arrival task, the step's first task), and per device the
@@ -57,7 +73,9 @@ def add_gathers(tg: TaskGraph, lowered: Lowered, topology: Topology, blocks: Seq
     (``_Chunk``) and laid out again while the group, its reader's block and its phases are
     the same (delta simulation, as the op blocks); where a level-3 unit gathers several groups
     in one call (``fsdp_unit`` "block"), the first group's chunk makes the call and the others'
-    refer to its member ends (``_Chunk.refs``)."""
+    refer to its member ends (``_Chunk.refs``). ``cost``: the cost model timing the blocks (its
+    ``fsdp_copies``; None: no copies)."""
+    copies = bool(getattr(cost, "fsdp_copies", False))
     groups = gather_groups(lowered)
     ends: dict[int, list[int]] = {}
     if not groups:
@@ -86,10 +104,11 @@ def add_gathers(tg: TaskGraph, lowered: Lowered, topology: Topology, blocks: Seq
             block = blocks[i]
             units = tuple(_unit(of.get((g, phase, j)), made, unit_bytes) for phase in phases) if of else ()
             wide = reduce_scale(lowered.strategy, u.shards[0].dtype)
-            key = (u, j, phases, keep, units, wide)
+            key = (u, j, phases, keep, units, wide, copies)
             c = memo.get(key)
             if c is None or c.block is not block:
-                c = memo[key] = _record(topology, u, j, members, phases, block, chunks, of, calls, units, g, wide)
+                c = memo[key] = _record(topology, u, j, members, phases, block, chunks, of, calls, units, g, wide,
+                                        copies)
             for unit, done in c.made:
                 made[unit] = {d: t + base for d, t in done.items()}
             laid.append((c, base, int(first[i]), [made[k][d] for k, d in c.refs]))
@@ -142,7 +161,7 @@ def _unit(key, made: dict, unit_bytes: dict) -> tuple | None:
 
 
 def _record(topology: Topology, u, j: int, members: list, phases: tuple, block, chunks: list, of: dict,
-            calls: dict, units: tuple, g: int, wide: int = 1) -> _Chunk:
+            calls: dict, units: tuple, g: int, wide: int = 1, copies: bool = False) -> _Chunk:
     """``_use_tasks`` of group ``u`` (index ``g``) in micro-batch ``j``, recorded as a ``_Chunk``."""
     cols = Columns()
     src: list[int] = []
@@ -158,7 +177,7 @@ def _record(topology: Topology, u, j: int, members: list, phases: tuple, block, 
             refs += [(unit[0], d) for d in simulated]
     before = set(made)
     _use_tasks(cols.add, lambda a, b: (src.append(a), dst.append(b)), topology, u, j, members, phases, _BLOCK,
-               block, chunks, mine, ends, of, calls, made, g, wide)
+               block, chunks, mine, ends, of, calls, made, g, wide, copies)
     return _Chunk(block, cols, np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64), mine,
                   [(d, e) for d, es in ends.items() for e in es], refs,
                   [(k, v) for k, v in made.items() if k not in before])
@@ -184,13 +203,15 @@ def _placed(laid: list) -> np.ndarray:
 def _use_tasks(add: Callable[..., int], edge: Callable[[int, int], None], topology: Topology, u, j: int,
                members: list, phases: tuple, at: int, block, chunks: list, calls_made: list,
                ends: dict[int, list[int]], of: dict | None = None, calls: dict | None = None,
-               made: dict | None = None, g: int = -1, wide: int = 1) -> None:
+               made: dict | None = None, g: int = -1, wide: int = 1, copies: bool = False) -> None:
     """Group ``u``'s tasks in micro-batch ``j`` through ``add`` and ``edge`` (a graph's or a
     recorder's): at level 3 one all-gather per phase (or the unit's call, once, ``of``,
     ``calls``, ``made``), each member's call of it (``calls_made``: (call, (device, step))),
     the edges into its partitions' steps (``at``: its reader block's first id); then the
     reduce-scatter after the members' backwards, its member ends into ``ends``, its bytes
-    ``wide`` per gradient byte (``strategies.precision.reduce_scale``: 2 for bf16 summed in float32)."""
+    ``wide`` per gradient byte (``strategies.precision.reduce_scale``: 2 for bf16 summed in float32).
+    ``copies``: each member's FSDP2 copy-out after each all-gather and copy-in before the
+    reduce-scatter, on its device (``CostModel.fsdp_copies``)."""
     n, devs = topology.num_devices, u.devices
     names = "+".join(s.name for s in u.shards)
     links = tuple(n + l for l in ring_links(topology, devs))
@@ -203,10 +224,13 @@ def _use_tasks(add: Callable[..., int], edge: Callable[[int, int], None], topolo
         if done is None:
             if key is None:
                 label, nbytes = f"allgather {phase} {names} {u.op}@mb{j} zero{u.zero}", chunk
+                gathered = chunk
             else:  # one call for the unit's groups on this device set
                 (_, _, (b, c)), _ = key
                 label = f"allgather {phase} block{b}.{c} {format_devices(devs)} @mb{j} zero3"
                 nbytes = sum(chunks[x] for x, _, _ in calls[key])
+                # each group once: a recomputed op's backward call lists it for both its phases
+                gathered = sum(chunks[x] for x in dict.fromkeys(x for x, _, _ in calls[key]))
             ag = add(label, TaskKind.COLLECTIVE, allgather_time(topology, devs, nbytes), links, devs[0],
                      nbytes * len(devs))
             for d, k in members:
@@ -215,6 +239,12 @@ def _use_tasks(add: Callable[..., int], edge: Callable[[int, int], None], topolo
                 calls_made.append((a, (d, Step(backward, u.op, k, j))))
             done = dict(zip(simulated, member_ends(add, edge, topology, ag, devs, label, TaskKind.COLLECTIVE,
                                                    simulated)))
+            if copies:  # split_with_sizes_copy out of the flat buffer, on the compute stream
+                for d in simulated:
+                    out = add(f"copy-out {label} device {d}", TaskKind.COLLECTIVE,
+                              COPY_TRAFFIC * gathered * len(devs) / topology.devices[d].memory_bandwidth, (d,), d)
+                    edge(done[d], out)
+                    done[d] = out
             if key is not None:
                 made[key] = done
         fwd = block.fwd[j]
@@ -224,8 +254,14 @@ def _use_tasks(add: Callable[..., int], edge: Callable[[int, int], None], topolo
     summed = u.chunk_bytes * wide * len(devs)  # the group's own chunks, in the plan's reduce dtype
     rs = add(label, TaskKind.COLLECTIVE, reduce_scatter_time(topology, devs, summed), links, devs[0], summed)
     done_b = block.bwd_done[j]
-    for _, k in members:
-        edge(at + done_b[k], rs)
+    for d, k in members:
+        if copies:  # torch.cat into the flat input in the reduce dtype, then the pre-divide
+            into = add(f"copy-in {label} device {d}", TaskKind.COLLECTIVE, fsdp_copy_in_traffic(
+                u.chunk_bytes * len(devs), wide) / topology.devices[d].memory_bandwidth, (d,), d)
+            edge(at + done_b[k], into)
+            edge(into, rs)
+        else:
+            edge(at + done_b[k], rs)
     for d, e in zip(simulated, member_ends(add, edge, topology, rs, devs, label, TaskKind.COLLECTIVE, simulated)):
         ends.setdefault(d, []).append(e)
 

@@ -14,13 +14,14 @@ from strategies.errors import PlanError
 from strategies.lowering import lower_reference
 
 
-def delta_walk(graph, topology: str, start, levels: tuple[int, ...], seed: int, steps: int = 30) -> list:
+def delta_walk(graph, topology: str, start, levels: tuple[int, ...], seed: int, steps: int = 30,
+               cost=None) -> list:
     """From plan ``start`` (a function of the device count), ``steps`` proposals each setting a
     weighted op's config (half the time a drawn one) and a level drawn from ``levels``, about
     half kept; asserts delta and full simulation agree to the bit on each valid one and
-    returns their reference lowerings."""
+    returns their reference lowerings. ``cost``: the cost model (default the analytical one)."""
     topo = get_topology(topology)
-    n, cost = topo.num_devices, get_cost_model("analytical")
+    n, cost = topo.num_devices, get_cost_model("analytical") if cost is None else cost
     evaluate = Evaluator(graph, topo, cost)
     candidates = candidate_configs(graph, n, 1, topo.node_size)
     ops = [op for op in candidates if any(w.trainable for w in graph[op].weights)]

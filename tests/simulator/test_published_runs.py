@@ -207,16 +207,17 @@ def test_korthikanti_175b_recompute_sweep():
 def test_torchtitan_llama2_13b_recompute_sweep():
     """FSDP over 64 GPUs, held out of the n½ fit (products of 5,120-13,824 by 8,192 tokens,
     larger than any fitted row's): no checkpointing faster than every second layer's, as
-    published, each within 13 % (benchmarks/README.md: +12.2 % and +9.0 %, predicted fast, with
-    flash attention at FlashAttention-2's published rates; +7.0 and +3.8 % when it was charged
-    the op's FLOPs, the causal mask's masked half too, at the constant efficiency)."""
+    published, each within 9 % (benchmarks/README.md: +7.7 % and +5.3 %, predicted fast, with
+    FSDP2's copies on the compute stream, ``CostModel.fsdp_copies``; +12.2 and +9.0 % without
+    them, with flash attention at FlashAttention-2's published rates; +7.0 and +3.8 % when it was
+    charged the op's FLOPs, the causal mask's masked half too, at the constant efficiency)."""
     none, alternate = (r for r in TORCHTITAN if r.name.startswith("LLaMA-2 13B") and r.recompute != "op")
     assert not {none.name, alternate.name} & set(FIT_ROWS)
     graph = build_graph(none)
     times = {r.recompute: predict(r, graph) for r in (none, alternate)}
     assert times["none"].iteration_time < times["alternate"].iteration_time
     for r in (none, alternate):
-        assert 0 < throughput_error(r, times[r.recompute]) <= 0.13, r.name
+        assert 0 < throughput_error(r, times[r.recompute]) <= 0.09, r.name
 
 
 @pytest.mark.slow
