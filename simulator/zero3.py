@@ -62,7 +62,8 @@ def add_gathers(tg: TaskGraph, lowered: Lowered, topology: Topology, blocks: Seq
     ends: dict[int, list[int]] = {}
     if not groups:
         return np.empty((2, 0), dtype=INDEX), ends
-    calls_made: list = []
+    call_ids: list = []  # each laid chunk's calls' ids (arrays)
+    call_steps: list = []  # and the (device, step) each reads, in the same order
     issue = _issue_tasks(lowered, groups, blocks, first, position, keep) if any(u.zero == 3 for u in groups) else {}
     of, calls = _unit_calls(lowered, groups, keep) if issue and lowered.strategy.fsdp_unit == "block" else ({}, {})
     made: dict = {}  # a unit's call -> its simulated members' ends, by device
@@ -93,17 +94,22 @@ def add_gathers(tg: TaskGraph, lowered: Lowered, topology: Topology, blocks: Seq
             for unit, done in c.made:
                 made[unit] = {d: t + base for d, t in done.items()}
             laid.append((c, base, int(first[i]), [made[k][d] for k, d in c.refs]))
-            calls_made += [(a + base, step) for a, step in c.calls]
+            if c.calls:
+                call_ids.append(c.call_ids + base)
+                call_steps.append(c.call_steps)
             for d, e in c.ends:
                 ends.setdefault(d, []).append(e + base)
             base += len(c.cols)
     for field in _FIELDS:
         getattr(tail, field).extend(itertools.chain.from_iterable(getattr(c.cols, field) for c, *_ in laid))
-    if laid:
-        tg.edge_src.extend(_placed([(c.src, *rest) for c, *rest in laid]).tolist())
-        tg.edge_dst.extend(_placed([(c.dst, *rest) for c, *rest in laid]).tolist())
-    arrivals = [x for a, step in calls_made for x in (a, issue[step])]
-    return np.asarray(arrivals, dtype=INDEX).reshape(-1, 2).T, ends
+    if laid:  # one chunk of edges (``TaskGraph.chunks``), not a list of ints
+        tg.chunks.append((_placed([(c.src, *rest) for c, *rest in laid]).astype(INDEX),
+                          _placed([(c.dst, *rest) for c, *rest in laid]).astype(INDEX)))
+    if not call_ids:
+        return np.empty((2, 0), dtype=INDEX), ends
+    steps = list(itertools.chain.from_iterable(call_steps))
+    return np.stack([np.concatenate(call_ids), np.fromiter(map(issue.__getitem__, steps), np.int64, len(steps))]
+                    ).astype(INDEX), ends
 
 
 _BLOCK = 1 << 40
@@ -127,6 +133,10 @@ class _Chunk(NamedTuple):
     dst: np.ndarray
     calls: list
     """(a member's call task, (device, the step it reads)): its arrival's place is the issuing step's."""
+    call_ids: np.ndarray
+    """``calls``' tasks as an array."""
+    call_steps: list
+    """``calls``' (device, step) in the same order."""
     ends: list
     """(device, its end of the reduce-scatter): what its optimizer update waits on."""
     refs: list
@@ -160,6 +170,7 @@ def _record(topology: Topology, u, j: int, members: list, phases: tuple, block, 
     _use_tasks(cols.add, lambda a, b: (src.append(a), dst.append(b)), topology, u, j, members, phases, _BLOCK,
                block, chunks, mine, ends, of, calls, made, g, wide)
     return _Chunk(block, cols, np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64), mine,
+                  np.fromiter((a for a, _ in mine), np.int64, len(mine)), [step for _, step in mine],
                   [(d, e) for d, es in ends.items() for e in es], refs,
                   [(k, v) for k, v in made.items() if k not in before])
 
