@@ -23,6 +23,7 @@ issue positions) are found per graph."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 from itertools import repeat
 from operator import add, getitem
@@ -62,7 +63,8 @@ def add_gathers(tg: TaskGraph, lowered: Lowered, topology: Topology, blocks: Seq
     ends: dict[int, list[int]] = {}
     if not groups:
         return np.empty((2, 0), dtype=INDEX), ends
-    call_ids: list = []  # each laid chunk's calls' ids (arrays)
+    call_ids: list = []  # each laid chunk's calls' ids (arrays, from 0)
+    call_bases: list = []  # and its first id
     call_steps: list = []  # and the (device, step) each reads, in the same order
     issue = _issue_tasks(lowered, groups, blocks, first, position, keep) if any(u.zero == 3 for u in groups) else {}
     of, calls = _unit_calls(lowered, groups, keep) if issue and lowered.strategy.fsdp_unit == "block" else ({}, {})
@@ -74,7 +76,8 @@ def add_gathers(tg: TaskGraph, lowered: Lowered, topology: Topology, blocks: Seq
         members = [(d, k) for d, k in zip(u.devices, u.partitions) if keep is None or d in keep]
         if members:
             again = ("recompute",) if lowered.strategy[u.op].recompute else ()  # gathered for its recomputation too
-            uses.append((g, u, members, position[u.op], ("fwd", *again, "bwd") if u.zero == 3 else ()))
+            uses.append((g, u, members, position[u.op], ("fwd", *again, "bwd") if u.zero == 3 else (),
+                         reduce_scale(lowered.strategy, u.shards[0].dtype)))
     if memo is None:
         memo = {}
     elif len(memo) > _CHUNKS:
@@ -82,20 +85,21 @@ def add_gathers(tg: TaskGraph, lowered: Lowered, topology: Topology, blocks: Seq
     tail = tg.tail
     laid: list = []  # (chunk, its first id, its reader block's first id, its refs' ids)
     base = len(tg)
+    at = first.tolist()
     for j in range(lowered.strategy.microbatches):
-        for g, u, members, i, phases in uses:
+        for g, u, members, i, phases, wide in uses:
             block = blocks[i]
             units = tuple(_unit(of.get((g, phase, j)), made, unit_bytes) for phase in phases) if of else ()
-            wide = reduce_scale(lowered.strategy, u.shards[0].dtype)
             key = (u, j, phases, keep, units, wide)
             c = memo.get(key)
             if c is None or c.block is not block:
                 c = memo[key] = _record(topology, u, j, members, phases, block, chunks, of, calls, units, g, wide)
             for unit, done in c.made:
                 made[unit] = {d: t + base for d, t in done.items()}
-            laid.append((c, base, int(first[i]), [made[k][d] for k, d in c.refs]))
+            laid.append((c, base, at[i], [made[k][d] for k, d in c.refs] if c.refs else None))
             if c.calls:
-                call_ids.append(c.call_ids + base)
+                call_ids.append(c.call_ids)
+                call_bases.append(base)
                 call_steps.append(c.call_steps)
             for d, e in c.ends:
                 ends.setdefault(d, []).append(e + base)
@@ -108,7 +112,8 @@ def add_gathers(tg: TaskGraph, lowered: Lowered, topology: Topology, blocks: Seq
     if not call_ids:
         return np.empty((2, 0), dtype=INDEX), ends
     steps = list(itertools.chain.from_iterable(call_steps))
-    return np.stack([np.concatenate(call_ids), np.fromiter(map(issue.__getitem__, steps), np.int64, len(steps))]
+    ids = np.concatenate(call_ids) + np.repeat(np.asarray(call_bases, dtype=np.int64), list(map(len, call_ids)))
+    return np.stack([ids, np.fromiter(map(issue.__getitem__, steps), np.int64, len(steps))]
                     ).astype(INDEX), ends
 
 
@@ -266,9 +271,14 @@ def _issue_tasks(lowered: Lowered, groups: Sequence, blocks: Sequence, first: np
                 qs.append(q), backwards.append(s.backward), ops.append(s.op), js.append(s.microbatch)
                 ps.append(p), bases.append(at[b] + i.backward), fwds.append(blocks[b].fwd[i.microbatch])
         for d, ks in mine:  # C-level passes over the positions, one member at a time
-            steps = map(Step._make, zip(backwards, ops, map(ks.__getitem__, qs), js))
+            steps = map(_step, zip(backwards, ops, map(ks.__getitem__, qs), js))
             out.update(zip(zip(repeat(d), steps), map(add, bases, map(getitem, fwds, map(ks.__getitem__, ps)))))
     return out
+
+
+_step = functools.partial(tuple.__new__, Step)
+"""``Step._make`` without its Python frame (a C-level call per step: ``_issue_tasks`` makes one
+per member and reading step)."""
 
 
 def _unit_calls(lowered: Lowered, groups: Sequence, keep: frozenset[int] | None = None) -> tuple[dict, dict]:
