@@ -29,6 +29,7 @@ written in the reduce dtype, then divided in place by the pre-divide factor."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 from itertools import repeat
 from operator import add, getitem
@@ -80,7 +81,9 @@ def add_gathers(tg: TaskGraph, lowered: Lowered, topology: Topology, blocks: Seq
     ends: dict[int, list[int]] = {}
     if not groups:
         return np.empty((2, 0), dtype=INDEX), ends
-    calls_made: list = []
+    call_ids: list = []  # each laid chunk's calls' ids (arrays, from 0)
+    call_bases: list = []  # and its first id
+    call_steps: list = []  # and the (device, step) each reads, in the same order
     issue = _issue_tasks(lowered, groups, blocks, first, position, keep) if any(u.zero == 3 for u in groups) else {}
     of, calls = _unit_calls(lowered, groups, keep) if issue and lowered.strategy.fsdp_unit == "block" else ({}, {})
     made: dict = {}  # a unit's call -> its simulated members' ends, by device
@@ -91,7 +94,8 @@ def add_gathers(tg: TaskGraph, lowered: Lowered, topology: Topology, blocks: Seq
         members = [(d, k) for d, k in zip(u.devices, u.partitions) if keep is None or d in keep]
         if members:
             again = ("recompute",) if lowered.strategy[u.op].recompute else ()  # gathered for its recomputation too
-            uses.append((g, u, members, position[u.op], ("fwd", *again, "bwd") if u.zero == 3 else ()))
+            uses.append((g, u, members, position[u.op], ("fwd", *again, "bwd") if u.zero == 3 else (),
+                         reduce_scale(lowered.strategy, u.shards[0].dtype)))
     if memo is None:
         memo = {}
     elif len(memo) > _CHUNKS:
@@ -99,11 +103,11 @@ def add_gathers(tg: TaskGraph, lowered: Lowered, topology: Topology, blocks: Seq
     tail = tg.tail
     laid: list = []  # (chunk, its first id, its reader block's first id, its refs' ids)
     base = len(tg)
+    at = first.tolist()
     for j in range(lowered.strategy.microbatches):
-        for g, u, members, i, phases in uses:
+        for g, u, members, i, phases, wide in uses:
             block = blocks[i]
             units = tuple(_unit(of.get((g, phase, j)), made, unit_bytes) for phase in phases) if of else ()
-            wide = reduce_scale(lowered.strategy, u.shards[0].dtype)
             key = (u, j, phases, keep, units, wide, copies)
             c = memo.get(key)
             if c is None or c.block is not block:
@@ -111,18 +115,25 @@ def add_gathers(tg: TaskGraph, lowered: Lowered, topology: Topology, blocks: Seq
                                         copies)
             for unit, done in c.made:
                 made[unit] = {d: t + base for d, t in done.items()}
-            laid.append((c, base, int(first[i]), [made[k][d] for k, d in c.refs]))
-            calls_made += [(a + base, step) for a, step in c.calls]
+            laid.append((c, base, at[i], [made[k][d] for k, d in c.refs] if c.refs else None))
+            if c.calls:
+                call_ids.append(c.call_ids)
+                call_bases.append(base)
+                call_steps.append(c.call_steps)
             for d, e in c.ends:
                 ends.setdefault(d, []).append(e + base)
             base += len(c.cols)
     for field in _FIELDS:
         getattr(tail, field).extend(itertools.chain.from_iterable(getattr(c.cols, field) for c, *_ in laid))
-    if laid:
-        tg.edge_src.extend(_placed([(c.src, *rest) for c, *rest in laid]).tolist())
-        tg.edge_dst.extend(_placed([(c.dst, *rest) for c, *rest in laid]).tolist())
-    arrivals = [x for a, step in calls_made for x in (a, issue[step])]
-    return np.asarray(arrivals, dtype=INDEX).reshape(-1, 2).T, ends
+    if laid:  # one chunk of edges (``TaskGraph.chunks``), not a list of ints
+        tg.chunks.append((_placed([(c.src, *rest) for c, *rest in laid]).astype(INDEX),
+                          _placed([(c.dst, *rest) for c, *rest in laid]).astype(INDEX)))
+    if not call_ids:
+        return np.empty((2, 0), dtype=INDEX), ends
+    steps = list(itertools.chain.from_iterable(call_steps))
+    ids = np.concatenate(call_ids) + np.repeat(np.asarray(call_bases, dtype=np.int64), list(map(len, call_ids)))
+    return np.stack([ids, np.fromiter(map(issue.__getitem__, steps), np.int64, len(steps))]
+                    ).astype(INDEX), ends
 
 
 _BLOCK = 1 << 40
@@ -146,6 +157,10 @@ class _Chunk(NamedTuple):
     dst: np.ndarray
     calls: list
     """(a member's call task, (device, the step it reads)): its arrival's place is the issuing step's."""
+    call_ids: np.ndarray
+    """``calls``' tasks as an array."""
+    call_steps: list
+    """``calls``' (device, step) in the same order."""
     ends: list
     """(device, its end of the reduce-scatter): what its optimizer update waits on."""
     refs: list
@@ -179,6 +194,7 @@ def _record(topology: Topology, u, j: int, members: list, phases: tuple, block, 
     _use_tasks(cols.add, lambda a, b: (src.append(a), dst.append(b)), topology, u, j, members, phases, _BLOCK,
                block, chunks, mine, ends, of, calls, made, g, wide, copies)
     return _Chunk(block, cols, np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64), mine,
+                  np.fromiter((a for a, _ in mine), np.int64, len(mine)), [step for _, step in mine],
                   [(d, e) for d, es in ends.items() for e in es], refs,
                   [(k, v) for k, v in made.items() if k not in before])
 
@@ -291,9 +307,14 @@ def _issue_tasks(lowered: Lowered, groups: Sequence, blocks: Sequence, first: np
                 qs.append(q), backwards.append(s.backward), ops.append(s.op), js.append(s.microbatch)
                 ps.append(p), bases.append(at[b] + i.backward), fwds.append(blocks[b].fwd[i.microbatch])
         for d, ks in mine:  # C-level passes over the positions, one member at a time
-            steps = map(Step._make, zip(backwards, ops, map(ks.__getitem__, qs), js))
+            steps = map(_step, zip(backwards, ops, map(ks.__getitem__, qs), js))
             out.update(zip(zip(repeat(d), steps), map(add, bases, map(getitem, fwds, map(ks.__getitem__, ps)))))
     return out
+
+
+_step = functools.partial(tuple.__new__, Step)
+"""``Step._make`` without its Python frame (a C-level call per step: ``_issue_tasks`` makes one
+per member and reading step)."""
 
 
 def _unit_calls(lowered: Lowered, groups: Sequence, keep: frozenset[int] | None = None) -> tuple[dict, dict]:

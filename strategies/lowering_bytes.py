@@ -87,6 +87,9 @@ class LoweringCache(dict):
         self.nbytes = 0
         self._held: dict[int, list] = {}
         """id -> [the object, entries holding it, its bytes]."""
+        self._nested: dict[Any, LoweringCache] = {}
+        """Key -> the nested cache under it (a precision's): what ``trim`` and ``total`` visit,
+        not every entry."""
 
     def _add(self, value: Any) -> None:
         for item in counted(value):
@@ -109,17 +112,23 @@ class LoweringCache(dict):
     def __setitem__(self, key: Any, value: Any) -> None:
         old = dict.get(self, key)
         dict.__setitem__(self, key, value)
+        if isinstance(value, LoweringCache):
+            self._nested[key] = value
+        elif old is not None and key in self._nested:
+            del self._nested[key]
         self._add(value)
         if old is not None:
             self._release(old)
 
     def __delitem__(self, key: Any) -> None:
+        self._nested.pop(key, None)
         self._release(dict.pop(self, key))
 
     def pop(self, key: Any, *default: Any) -> Any:
         if not dict.__contains__(self, key):
             return dict.pop(self, key, *default)
         value = dict.pop(self, key)
+        self._nested.pop(key, None)
         self._release(value)
         return value
 
@@ -140,16 +149,18 @@ class LoweringCache(dict):
     def clear(self) -> None:
         dict.clear(self)
         self._held.clear()
+        self._nested.clear()
         self.nbytes = 0
 
     def popitem(self) -> tuple[Any, Any]:
         key, value = dict.popitem(self)
+        self._nested.pop(key, None)
         self._release(value)
         return key, value
 
     def total(self) -> int:
         """``nbytes`` with the nested caches'."""
-        return self.nbytes + sum(v.total() for v in dict.values(self) if isinstance(v, LoweringCache))
+        return self.nbytes + sum(v.total() for v in self._nested.values())
 
     def trim(self) -> bool:
         """Past ``limit`` (this cache's or a nested one's): the oldest entries dropped until half
@@ -157,9 +168,8 @@ class LoweringCache(dict):
         its last lowering names entries by their keys) dropped with them, so the next call lowers
         afresh from what is kept. Between calls only. Whether anything was dropped."""
         dropped = False
-        for value in list(dict.values(self)):
-            if isinstance(value, LoweringCache):
-                dropped = value.trim() or dropped
+        for value in list(self._nested.values()):
+            dropped = value.trim() or dropped
         if self.nbytes <= self.limit:
             return dropped
         for key in [k for k in dict.keys(self) if is_patched_state(k)]:

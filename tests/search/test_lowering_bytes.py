@@ -65,3 +65,33 @@ def test_a_nested_cache_and_a_replaced_entry_keep_the_count_true():
     assert cache.nbytes == _real(cache)
     cache.limit = 1
     assert cache.trim() and cache.nbytes == _real(cache) == 0 and len(cache) == 0
+
+
+def test_trim_and_total_visit_exactly_the_nested_caches_held():
+    # LoweringCache._nested: the nested caches trim and total visit, kept as entries are set,
+    # replaced, popped and cleared (not found by a pass over every entry)
+    graph = traced("mlp", batch_size=16)
+    evaluate = Evaluator(graph, get_topology("p100-2x2"), get_cost_model("analytical"), precision="bf16")
+    evaluate(data_parallel(graph, 4))
+    cache = evaluate.lowering_cache
+    nested = cache[("precision", "bf16")]
+    assert isinstance(nested, LoweringCache) and nested.nbytes == _real(nested) > 0
+    assert cache.total() == cache.nbytes + nested.nbytes
+    nested.limit = 1
+    assert cache.trim() and nested.nbytes == 0  # trimmed through the outer cache
+    evaluate(model_parallel(graph, 4))
+    assert cache.total() == cache.nbytes + nested.nbytes > cache.nbytes
+    cache[("precision", "bf16")] = 0  # replaced by a plain value: no longer visited
+    assert cache.total() == cache.nbytes and not cache.trim()
+    other = cache.setdefault(("precision", "fp16"), {})
+    other[("x",)] = next(v for v in dict.values(nested) if type(v) is OpPieces)
+    assert cache.total() == cache.nbytes + other.nbytes > cache.nbytes
+    cache.pop(("precision", "fp16"))
+    assert cache.total() == cache.nbytes
+    cache.setdefault(("precision", "fp16"), {})[("x",)] = other[("x",)]
+    assert cache.total() > cache.nbytes
+    del cache[("precision", "fp16")]
+    assert cache.total() == cache.nbytes
+    cache.setdefault(("precision", "fp16"), {})[("x",)] = other[("x",)]
+    cache.clear()
+    assert cache.total() == 0
