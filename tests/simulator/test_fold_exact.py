@@ -6,7 +6,7 @@ GPT's position table is a weight op on device 0 alone, whose zero-duration steps
 device 0 runs and its images do not. A bucket's pack issued right before such a step once
 delayed the collective calls of the step after it on device 0 only (a call waited on the
 step before it, not on the packs between), so copy 0 ran behind its images and the folded
-timeline was 0.15-3.4 % off; a step's calls and receives now wait on what the host runs before
+timeline was up to 3.4 % off; a step's calls and receives now wait on what the host runs before
 the step (``simulator.tasks._before_inside``), on every device alike. With a collective
 overhead (``DeviceSpec.collective_overhead``) device 0's weight-op step also waited for a host
 task of another collective, which its images' calls did not: a weight op's steps now hold no
