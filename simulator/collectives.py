@@ -16,7 +16,8 @@ is called again in the backward (``strategies.collective_buffers``: ``BufferLife
 at the step where its first reader is recomputed, and its readers' backwards wait on it.
 
 A member's call is an *arrival* task of no duration in the device's schedule
-(``simulator.tasks._link_schedule``'s slots): after the step before the call's step, before the
+(``simulator.tasks._link_schedule``'s slots): after the step before the call's step and what
+the host runs between the two (its sends, the buckets' packs started there), before the
 collective. Built afresh for every task graph from ``Lowered.collectives`` (a collective shared
 by several consumer ops belongs to no one op's block), so delta simulation needs nothing more.
 """

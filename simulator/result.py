@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from simulator.memory import MemoryBreakdown
-from simulator.taskgraph import CATEGORY, TaskGraph
+from simulator.taskgraph import CATEGORY, TaskGraph, TaskKind
 from simulator.topology import Topology
 from strategies.serialize import atomic_write_text
 
@@ -112,7 +112,7 @@ def summarize(tg: TaskGraph, topology: Topology, start: list[float], end: list[f
             busy[on] += end[t] - start[t]
         for kind in link_kinds:
             moved[kind] = moved.get(kind, 0) + nbytes[t] * (1 if copies is None else copies[t])
-        if keep_timeline and res:
+        if keep_timeline and (res or category[t] <= TaskKind.BACKWARD):  # a weight op's steps hold nothing
             timeline.append((tg.label(t), device[t], lane, start[t], end[t], CATEGORY[category[t]]))
     if tg.copies is not None:
         image = tg.copies.representative

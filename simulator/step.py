@@ -65,7 +65,7 @@ def link_step(tg: TaskGraph, lowered: Lowered, topology: Topology,
               step_sums: list[tuple[int, list[tuple[ReductionGroup, list[int], bool]]]], last: dict[int, list[int]],
               optimizer: str, traffic: float, order: list[BucketKey],
               issued: dict[tuple[BucketKey, int], tuple[int, int | None]],
-              keep: frozenset[int] | None = None, memo: BucketRecords | None = None) -> None:
+              keep: frozenset[int] | None = None, memo: BucketRecords | None = None) -> list[tuple[int, int]]:
     """The end of the step as the executor runs it (``runtime.Executor.step``). The loss sums
     gated STEP (``step_sums``: per block with such sums, its first id and its sums with their members'
     forward tasks and whether the divisor needs the data) travel in the gradient bucket of
@@ -88,7 +88,7 @@ def link_step(tg: TaskGraph, lowered: Lowered, topology: Topology,
     ``memo``: the ``BucketRecords`` the caller keeps across the graphs of one topology: each
     bucket's tasks recorded once (``_record_bucket``) and laid out again, the edges to the
     steps around them made per graph (the same tasks and edges, in the same order, as recorded
-    afresh)."""
+    afresh). Returns (pack, the next step's first task) of each pack before a step."""
     n = topology.num_devices
     mine = (lambda devs: devs) if keep is None else (lambda devs: kept_members(devs, keep))
     later: dict[int, list[int]] = {d: [] for d in last}  # what only its update waits on
@@ -119,6 +119,7 @@ def link_step(tg: TaskGraph, lowered: Lowered, topology: Topology,
     memo = BucketRecords() if memo is None else memo
     memo.bound()
     src, dst = tg.edge_src, tg.edge_dst
+    packs: list[tuple[int, int]] = []
     for key in order:  # levels 0 and 1 (2 and 3: reduce-scattered per use, simulator.zero3)
         if keep is not None and not mine(key.devices):  # a member fold's member m >= 2: member 1's image
             continue
@@ -144,6 +145,7 @@ def link_step(tg: TaskGraph, lowered: Lowered, topology: Topology,
             else:
                 src += (after, p, p)
                 dst += (p, before, base)
+                packs.append((p, before))
         src += [base + a for a in t.src]
         dst += [base + b for b in t.dst]
         if t.hosts:
@@ -171,6 +173,7 @@ def link_step(tg: TaskGraph, lowered: Lowered, topology: Topology,
     chunks = [(zb.key.devices, zb.chunk_bytes, _bucket_name(zb.key)[len("bucket "):]) for zb in sharded.values()]
     chunks += [(s.devices, shard_chunk_bytes(s), f"{s.name} zero2") for s in per_use_shards(lowered) if s.zero == 2]
     _gather_chunks(tg, topology, chunks, updates, mine)
+    return packs
 
 
 MEMO = 4096

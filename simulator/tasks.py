@@ -1,7 +1,8 @@
 """The task graph of one training iteration, built from the lowering (never re-derived).
 
 Tasks: forward and backward of every partition of every micro-batch (on its device, each
-charged the device's ``task_overhead`` of host work where the executor runs it; a recompute
+charged the device's ``task_overhead`` of host work where the executor runs it; a weight op's,
+which does no work, holds no device and so delays none of the device's tasks; a recompute
 op's backward is charged its forward task's duration again, the recomputation the executor
 runs in that step or for it); every transfer
 that crosses devices, forward and its mirrored gradient backward where the gradient moves
@@ -198,7 +199,7 @@ def _op_block(node: OpNode, pieces: OpPieces, graph: OpGraph, producers: dict[st
             names += (("fwd",) + key, ("bwd",) + key)
             cats += fwd_bwd
             durs += task_seconds(f_s, b_s, over, backward, redo)
-            res += ((d,), (d,))
+            res += ((d,), (d,)) if runs else ((), ())  # a weight op's steps hold nothing: no work
             devs += (d, d)
             nbytes += (0, 0)
             esrc.append(t)
@@ -420,16 +421,34 @@ def build_tasks(lowered: Lowered, topology: Topology, cost: CostModel, optimizer
     gathers, scattered = add_gathers(tg, lowered, topology, blocks, first, position, keep, cache.gathers, cost)
     if gathers.shape[1]:  # level-3 weights (FSDP): their calls sit in the schedules like collectives'
         arrivals = np.concatenate([arrivals, gathers], axis=1)
-    last = _link_schedule(tg, lowered, steps, first, slots, arrivals)
+    last, inside = _link_schedule(tg, lowered, steps, first, slots, arrivals)
     for d, ends in scattered.items():  # the update waits on the gradients' reduce-scatters
         last[d] += ends
     step_sums = [(int(first[i]), blocks[i].step_reductions) for i in joined.summing]
     order, issues = bucket_plan(lowered, position, cache.buckets)
     if keep is not None:
         issues = {d: mine for d, mine in issues.items() if d in keep}
-    link_step(tg, lowered, topology, step_sums, last, optimizer, traffic, order,
-              _bucket_ready(tg, position, blocks, first, issues), keep, cache.step_tasks)
+    packs = link_step(tg, lowered, topology, step_sums, last, optimizer, traffic, order,
+                      _bucket_ready(tg, position, blocks, first, issues), keep, cache.step_tasks)
+    if packs and len(inside[0]):  # a step's calls and receives follow the packs the host ran before it
+        tg.chunks.append(_before_inside(*(np.asarray(x, dtype=INDEX) for x in zip(*packs)), *inside))
     return tg
+
+
+def _before_inside(tasks: np.ndarray, steps: np.ndarray, at: np.ndarray, inside: np.ndarray
+                   ) -> tuple[np.ndarray, np.ndarray]:
+    """Edges from each of ``tasks`` (run by a device's host right before the step whose first
+    task is ``steps[i]``: a send at the end of the step before, a bucket's pack) to every task
+    ``inside`` that step (``at``: each one's step, its first task): a receive or a collective's
+    call in a step starts after what the host did before the step (the executor runs them in
+    that order, ``runtime.Executor.step``), not only after the step before it."""
+    order = np.argsort(at, kind="stable")
+    at, inside = at[order], inside[order]
+    lo, hi = np.searchsorted(at, steps, "left"), np.searchsorted(at, steps, "right")
+    cnt = hi - lo
+    total = int(cnt.sum())
+    pick = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(cnt) - cnt, cnt) + np.repeat(lo, cnt)
+    return np.repeat(tasks, cnt).astype(INDEX), inside[pick].astype(INDEX)
 
 
 def _bucket_ready(tg: TaskGraph, position: dict[str, int], blocks: list[_Block], first: np.ndarray,
@@ -492,9 +511,11 @@ def _link_schedule(tg: TaskGraph, lowered: Lowered, steps: np.ndarray, first: np
     in it included (the executor's collectives run inside its forward and backward steps), and
     the sends at the end of the step before; a receive in a step starts once the step before
     it is done, and so does a member's call of a collective (``arrivals``: rows (call, the
-    step's first task), global ids; ``simulator.collectives``). ``steps``, ``slots``: the
-    blocks' rows (``_Block``); returns each device's last step and the sends after it (its
-    backward pass is over after them)."""
+    step's first task), global ids; ``simulator.collectives``), and the sends at the end of
+    the step before (the host sends them first). ``steps``, ``slots``: the blocks' rows
+    (``_Block``); returns each device's last step and the sends after it (its backward pass is
+    over after them), and the receives and calls inside steps as (each one's step's first
+    task, it), which ``build_tasks`` has wait on the buckets' packs before the step too."""
     n, m = tg.num_devices, lowered.strategy.microbatches
     chunk = chunk_of(lowered)  # interleaved: a step is one chunk's partitions (strategies.chunks)
     v = 1 + max(chunk.values()) if chunk else 1
@@ -523,24 +544,29 @@ def _link_schedule(tg: TaskGraph, lowered: Lowered, steps: np.ndarray, first: np
     chained[device_ends[:-1]] = False
     tg.chunks.append((ends[:-1][chained], seq[1:][chained]))
     last = {d: [e] for d, e in zip(devices, ends[device_ends].tolist())}
-    if slots.shape[1] or arrivals.shape[1]:
-        task, step = slots[0] + first[slots[1]], slots[2] + first[slots[3]]
-        before = slots[4].astype(bool)
-        link = np.full(len(tg), -1, dtype=INDEX)
-        link[seq[:-1][chained]] = seq[1:][chained]  # a step's first task -> the next step's
-        sends, after = task[~before], link[step[~before]]
-        has = after >= 0
-        tg.chunks.append((sends[has], after[has]))
-        device_of_last = dict(zip(seq[device_ends].tolist(), devices))
-        for s, t in zip(step[~before][~has].tolist(), sends[~has].tolist()):  # after a device's last step
-            last[device_of_last[s]].append(t)  # its step end waits on it
-        link[:] = -1
-        link[seq[1:][chained]] = ends[:-1][chained]  # a step's first task -> the end of the one before
-        inside, at = np.concatenate([task[before], arrivals[0]]), np.concatenate([step[before], arrivals[1]])
-        prior = link[at]
-        has = prior >= 0  # no step before a device's first
-        tg.chunks.append((prior[has], inside[has]))
-    return last
+    none = np.empty(0, dtype=INDEX)
+    if not (slots.shape[1] or arrivals.shape[1]):
+        return last, (none, none)
+    task, step = slots[0] + first[slots[1]], slots[2] + first[slots[3]]
+    before = slots[4].astype(bool)
+    link = np.full(len(tg), -1, dtype=INDEX)
+    link[seq[:-1][chained]] = seq[1:][chained]  # a step's first task -> the next step's
+    sends, after = task[~before], link[step[~before]]
+    sent = after >= 0
+    tg.chunks.append((sends[sent], after[sent]))
+    device_of_last = dict(zip(seq[device_ends].tolist(), devices))
+    for s, t in zip(step[~before][~sent].tolist(), sends[~sent].tolist()):  # after a device's last step
+        last[device_of_last[s]].append(t)  # its step end waits on it
+    link[:] = -1
+    link[seq[1:][chained]] = ends[:-1][chained]  # a step's first task -> the end of the one before
+    inside, at = np.concatenate([task[before], arrivals[0]]), np.concatenate([step[before], arrivals[1]])
+    inside, at = inside.astype(INDEX), at.astype(INDEX)
+    prior = link[at]
+    has = prior >= 0  # no step before a device's first
+    tg.chunks.append((prior[has], inside[has]))
+    if sent.any():  # and after the sends at the end of the step before
+        tg.chunks.append(_before_inside(sends[sent], after[sent], at, inside))
+    return last, (at, inside)
 
 
 def device_steps(tg: TaskGraph) -> dict[int, list[Step]]:
