@@ -6,11 +6,9 @@ the step's all-gather bytes equal those without recompute; with units of one op 
 again. Delta simulation equals full and the folded simulation the per-device one on such plans.
 The executor's gathers, counted: ``tests/executor/test_gather_count.py``."""
 
-import pytest
 
 from simulator.cost import get_cost_model
 from simulator.presets import get_topology
-from simulator.simulate import simulate_plan
 from simulator.tasks import build_tasks
 from strategies import baseline
 from strategies.lowering import lower
@@ -19,7 +17,7 @@ from strategies.prefetch import recomputed_in_unit
 from strategies.zero import gather_groups
 from tests.conftest import traced
 from tests.executor.plans import recompute, recompute_ops
-from tests.simulator.delta_walk import delta_walk
+from tests.simulator.delta_walk import delta_walk, fold_equals_full
 
 COST = get_cost_model("analytical")
 
@@ -81,11 +79,4 @@ def test_delta_equals_full_with_recomputed_layers():
 
 def test_folded_equals_per_device_with_recomputed_layers():
     graph = traced("llama", batch_size=16)
-    _, plan = _recomputed(graph, 16, 2)
-    topo = get_topology("a100-2x8")
-    folded = simulate_plan(graph, plan, topo, COST, optimizer="adam", fold=True)
-    full = simulate_plan(graph, plan, topo, COST, optimizer="adam", fold=False)
-    assert folded.num_tasks < full.num_tasks
-    assert folded.iteration_time == pytest.approx(full.iteration_time, rel=1e-12)
-    assert folded.peak_memory_bytes == full.peak_memory_bytes
-    assert folded.busy_time == pytest.approx(full.busy_time, rel=1e-12)
+    fold_equals_full(graph, _recomputed(graph, 16, 2)[1], "a100-2x8", COST)
