@@ -9,7 +9,8 @@ of the partition's forward step, which its forward waits on, and another at the 
 backward step, which its backward waits on (a reader op with recompute: two there, the first
 for the recomputation, which the executor runs with the weights gathered at the step where it
 recomputes the op, its own backward step or the one of the last op of its dropped chain,
-"Recompute").
+"Recompute"; under ``fsdp_unit`` "block" one, where that step is in the op's own backward
+unit: ``strategies.prefetch.recomputed_in_unit``, as FSDP2 gathers a checkpointed layer once).
 Each all-gather is issued ahead, as FSDP2 prefetches (``strategies.prefetch``): a member's call
 starts at the start of the previous unit in its run order that all-gathers (a step, or a
 repeated block's instance under ``fsdp_unit`` "block", whose groups on one device set are one
@@ -44,7 +45,7 @@ from simulator.topology import Topology
 from strategies.config import format_devices
 from strategies.lowering import Lowered
 from strategies.precision import reduce_scale
-from strategies.prefetch import call_key, calls_at, issue_positions, step_units
+from strategies.prefetch import call_key, calls_at, issue_positions, recomputed_in_unit, step_units
 from strategies.schedule import Step
 from strategies.zero import gather_groups
 from strategies.zero_alike import alike_readers
@@ -245,7 +246,7 @@ def _use_tasks(add: Callable[..., int], edge: Callable[[int, int], None], topolo
                 (_, _, (b, c)), _ = key
                 label = f"allgather {phase} block{b}.{c} {format_devices(devs)} @mb{j} zero3"
                 nbytes = sum(chunks[x] for x, _, _ in calls[key])
-                # each group once: a recomputed op's backward call lists it for both its phases
+                # each group once: a recomputed op's backward call may list it for both its phases
                 gathered = sum(chunks[x] for x in dict.fromkeys(x for x, _, _ in calls[key]))
             ag = add(label, TaskKind.COLLECTIVE, allgather_time(topology, devs, nbytes), links, devs[0],
                      nbytes * len(devs))
@@ -321,13 +322,15 @@ def _unit_calls(lowered: Lowered, groups: Sequence, keep: frozenset[int] | None 
     """Under ``fsdp_unit`` "block": each level-3 gather (group's index in ``groups``, phase,
     micro-batch) of a unit's call -> the call's key, and each such key -> its gathers
     (``strategies.prefetch.calls_at``, the rule the executor runs: a unit's groups on one device
-    set move in one all-gather), found once per class of devices reading alike
+    set move in one all-gather; a group recomputed in its own unit, ``recomputed_in_unit``,
+    listed once for its recomputation and backward), found once per class of devices reading alike
     (``strategies.zero_alike``: the same calls). ``keep``: the devices simulated; a call with a
     simulated member is found from its order."""
     keys = [call_key(u) if u.zero == 3 else None for u in groups]  # once per group: its items are keyed by it
     of: dict = {}
     calls: dict = {}
     phases_of = {}
+    once = recomputed_in_unit(lowered)
     for c in alike_readers(lowered):
         if keep is not None and not any(d in keep for d in c.devices):
             continue
@@ -345,8 +348,8 @@ def _unit_calls(lowered: Lowered, groups: Sequence, keep: frozenset[int] | None 
         for at in calls_at(each, step_units(lowered, c.order), _last):
             for key, items in at:
                 if key[0] != "own":
-                    gathers = [x[:3] for x in items]
-                    calls.setdefault(key, gathers)
+                    gathers = [x[:3] for x in items]  # a recomputation in its own unit: gathered once
+                    calls.setdefault(key, [x for x in gathers if x[1] != "recompute" or groups[x[0]].op not in once])
                     of.update(dict.fromkeys(gathers, key))
     return of, calls
 

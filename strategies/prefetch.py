@@ -14,8 +14,12 @@ layer). A unit's all-gathers (each step's recomputations' first, then its own;
 ``strategies.zero.gather_groups``) are all issued at the start of the previous gathering
 unit's first gathering step (the first unit's at its own) and each waited right before the
 step reading it computes; a block unit's groups on one device set are one call
-(``calls_at``, FSDP2's one all-gather per unit). Issue order on a device is its run order, so every member of a
-group issues the group's calls in the same order. A prefetched gather's buffer is alive from
+(``calls_at``, FSDP2's one all-gather per unit). A recomputed op whose recomputation runs in a
+step of its own backward unit (``recomputed_in_unit``) is gathered once by that call, for the
+recomputation and the backward (FSDP2's ``_pre_forward`` returns early in the backward, so a
+checkpointed layer's recomputation reads the weights its pre-backward unshard gathered).
+Issue order on a device is its run order, so every member of a group issues the group's calls
+in the same order. A prefetched gather's buffer is alive from
 its issue to the end of the step that reads it.
 """
 
@@ -27,13 +31,15 @@ from typing import Callable, Hashable, Sequence, TypeVar
 from strategies.graph import OpGraph
 from strategies.lowering import Lowered
 from strategies.memo import per_lowered
+from strategies.pieces import drop_positions
 from strategies.precision import reduce_scale
 from strategies.repeats import repeated_blocks
 from strategies.schedule import Step
 from strategies.zero import gather_groups
 from strategies.zero_alike import alike_readers
 
-__all__ = ["issue_positions", "issued_at", "calls_at", "call_key", "gathered_bytes", "block_units", "step_units"]
+__all__ = ["issue_positions", "issued_at", "calls_at", "call_key", "gathered_bytes", "block_units", "step_units",
+           "recomputed_in_unit"]
 
 
 @functools.lru_cache(maxsize=8)
@@ -53,6 +59,27 @@ def step_units(lowered: Lowered, order: Sequence[Step]) -> list[Hashable] | None
         return None
     blocks = block_units(lowered.graph)
     return [(s.backward, s.microbatch, blocks[s.op]) if s.op in blocks else None for s in order]
+
+
+@per_lowered
+def recomputed_in_unit(lowered: Lowered) -> frozenset[str]:
+    """Under ``fsdp_unit`` "block": the recomputed ops reading level-3 weights whose
+    recomputation runs in their own backward unit (the executor recomputes an op at the backward
+    step of the last op of its dropped chain, ``strategies.pieces.drop_positions``, or at its
+    own where it keeps its output; both ops of one repeated block's instance), so that unit's
+    call lists its groups for the recomputation and the backward and gathers them once. A chain
+    reaching into another unit (or whose point differs between devices) is gathered twice."""
+    strategy = lowered.strategy
+    if strategy.fsdp_unit != "block":
+        return frozenset()
+    blocks = block_units(lowered.graph)
+    readers = {u.op for u in gather_groups(lowered) if u.zero == 3 and strategy[u.op].recompute and u.op in blocks}
+    if not readers:
+        return frozenset()
+    names = [node.name for node in lowered.graph]
+    drops = drop_positions(lowered.graph, strategy, {name: i for i, name in enumerate(names)})
+    return frozenset(op for op in readers if op not in drops or (
+        len({r for _, _, r in drops[op]}) == 1 and blocks.get(names[drops[op][0][2]]) == blocks[op]))
 
 
 def issue_positions(gathers: Sequence[bool], units: Sequence[Hashable] | None = None) -> list[int]:

@@ -77,8 +77,8 @@ class GatheredWeights:
         self.pending: list[tuple[GatherGroup, object, torch.Tensor, torch.Tensor]] = []
         self.inflight: list[list] = []
         """Level-3 all-gather calls started (``start``) whose groups are not all copied out, in
-        start order: [its groups, the indices of those not copied yet, the work (None once
-        waited), its buffer]."""
+        start order: [its groups, the index of each read not copied yet (a group read twice:
+        twice), the work (None once waited), its buffer]."""
         for name in self.freed:
             self._free(name)
 
@@ -94,11 +94,14 @@ class GatheredWeights:
         """Start each call's all-gather (async): one call of the members' chunks of its level-3
         groups concatenated, n rows of Σ c_s over its groups' shards, row i holding member i's
         chunk of each shard in turn (a call of one group: that group's; of a unit's groups:
-        ``strategies.prefetch.calls_at``); ``unshard`` waits it."""
-        for call in calls:
-            call = [u for u in call if u.zero == 3]
-            if not call:
+        ``strategies.prefetch.calls_at``); ``unshard`` waits it. A group the call lists twice (a
+        recomputation in its own unit, then the backward: ``strategies.prefetch
+        .recomputed_in_unit``) is gathered once and its buffer kept until both copied it out."""
+        for reads in calls:
+            reads = [u for u in reads if u.zero == 3]
+            if not reads:
                 continue
+            call = list(dict.fromkeys(reads))  # a group read twice (recomputed in its unit): gathered once
             mine = torch.cat([_wire(self.chunks[s].detach(), s) for u in call for s in u.shards])
             pg = self.groups.get(call[0].devices)
             out = mine.new_empty(len(call[0].devices) * mine.numel())
@@ -107,7 +110,7 @@ class GatheredWeights:
             except (RuntimeError, NotImplementedError, ValueError):  # the backend has none: into a list
                 out = [torch.empty_like(mine) for _ in call[0].devices]
                 work = dist.all_gather(out, mine, group=pg, async_op=True)
-            self.inflight.append([call, list(range(len(call))), work, out])
+            self.inflight.append([call, [call.index(u) for u in reads], work, out])
 
     def unshard(self, groups: Sequence[GatherGroup]) -> None:
         """Wait the all-gather of each level-3 group (started now where ``start`` did not; a

@@ -19,7 +19,8 @@ from tests.executor.plans import make_plan
 pytestmark = pytest.mark.distributed
 
 CASES_2 = [("mlp", "cap4k_dp"), ("gpt", "cap8k_zero1_dp"), ("gpt", "unitblock_zero3_dp")]
-SLOW_2 = [("gpt", "cap8k_dp_mb2"), ("gpt", "unitblock_zero3_dp_mb2"), ("gpt", "unitblock_zero3_dp+rc_blocks")]
+SLOW_2 = [("gpt", "cap8k_dp_mb2"), ("gpt", "unitblock_zero3_dp_mb2"), ("gpt", "unitblock_zero3_dp+rc_blocks"),
+          ("gpt", "unitblock_zero3_dp+rc_layers")]
 """Run under ``pytest -m slow`` (tests/executor/test_parity_buckets_slow.py): the README's test
 command stays within CI's time."""
 
@@ -33,7 +34,8 @@ def test_the_plans_have_several_buckets(model, plan, buckets):
 
 def test_the_block_plans_prefetch_whole_layers():
     g = build_model("gpt", "tiny", dtype="float64").graph
-    for name in ("unitblock_zero3_dp", "unitblock_zero3_dp_mb2", "unitblock_zero3_dp+rc_blocks"):
+    for name in ("unitblock_zero3_dp", "unitblock_zero3_dp_mb2", "unitblock_zero3_dp+rc_blocks",
+                 "unitblock_zero3_dp+rc_layers"):
         plan = make_plan(g, name, 2)
         assert plan.fsdp_unit == "block" and {c.zero for _, c in plan.items() if c.zero} == {3}
 

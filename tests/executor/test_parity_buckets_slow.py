@@ -1,7 +1,8 @@
 """The longer cases of ``test_parity_buckets`` (gpt data parallel with 2 micro-batches at an 8 KiB
 cap; gpt at ZeRO level 3 with layer units at 2 micro-batches and with every layer op
-recomputed), 2 gloo processes, float64, SGD and Adam, against one device; under ``pytest -m
-slow``, keeping the README's test command within CI's time."""
+recomputed, and every layer op but its closing residual add, gathered once for its
+recomputation and backward), 2 gloo processes, float64, SGD and Adam, against one device;
+under ``pytest -m slow``, keeping the README's test command within CI's time."""
 
 from __future__ import annotations
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from simulator.cost import get_cost_model
 from simulator.presets import get_topology
 from simulator.simulate import simulate_plan
@@ -43,3 +45,15 @@ def delta_walk(graph, topology: str, start, levels: tuple[int, ...], seed: int, 
         if rng.random() < 0.5:
             current = proposal
     return compared
+
+
+def fold_equals_full(graph, plan, topology: str, cost) -> None:
+    """Asserts the folded simulation of ``plan`` (fewer tasks) equals the per-device one in
+    iteration time, peaks and busy time (Adam)."""
+    topo = get_topology(topology)
+    folded = simulate_plan(graph, plan, topo, cost, optimizer="adam", fold=True)
+    full = simulate_plan(graph, plan, topo, cost, optimizer="adam", fold=False)
+    assert folded.num_tasks < full.num_tasks
+    assert folded.iteration_time == pytest.approx(full.iteration_time, rel=1e-12)
+    assert folded.peak_memory_bytes == full.peak_memory_bytes
+    assert folded.busy_time == pytest.approx(full.busy_time, rel=1e-12)

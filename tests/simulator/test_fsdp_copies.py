@@ -18,7 +18,7 @@ from strategies import baseline
 from strategies.megatron_layers import layer_ops, layer_recomputed
 from strategies.zero import gather_groups
 from tests.conftest import traced
-from tests.simulator.delta_walk import delta_walk
+from tests.simulator.delta_walk import delta_walk, fold_equals_full
 
 COPIES = get_cost_model("analytical", fsdp_copies=True)
 PLAIN = get_cost_model("analytical")
@@ -98,14 +98,7 @@ def test_folded_equals_per_device_with_copies():
     """FSDP over two a100 nodes' 16 devices with the copies: the folded simulation (fewer tasks)
     equals the per-device one in iteration time, peaks and busy time."""
     graph = traced("mlp", batch_size=32)
-    plan = baseline("fsdp", graph, 16).with_precision("bf16", "float32")
-    topo = get_topology("a100-2x8")
-    folded = simulate_plan(graph, plan, topo, COPIES, optimizer="adam", fold=True)
-    full = simulate_plan(graph, plan, topo, COPIES, optimizer="adam", fold=False)
-    assert folded.num_tasks < full.num_tasks
-    assert folded.iteration_time == pytest.approx(full.iteration_time, rel=1e-12)
-    assert folded.peak_memory_bytes == full.peak_memory_bytes
-    assert folded.busy_time == pytest.approx(full.busy_time, rel=1e-12)
+    fold_equals_full(graph, baseline("fsdp", graph, 16).with_precision("bf16", "float32"), "a100-2x8", COPIES)
 
 
 def test_published_rows_charge_them_on_fsdp2_rows_only():
