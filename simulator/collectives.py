@@ -59,7 +59,6 @@ def add_collectives(tg: TaskGraph, lowered: Lowered, topology: Topology, blocks:
     overlap = cost is not None and cost.input_grad_overlap
     known = _Known(topology)
     run = _Run(tg, blocks, first.tolist(), _record)
-    regathers: dict[tuple, dict] = {}  # (op, micro-batch, group) -> its members' regather steps
     for life, (fwd_steps, bwd_steps) in zip(buffer_lives(lowered), collective_steps(lowered)):
         c = life.collective
         j = c.microbatch
@@ -72,12 +71,7 @@ def add_collectives(tg: TaskGraph, lowered: Lowered, topology: Topology, blocks:
                 bwd_steps = {d: s for d, s in bwd_steps.items() if d in keep}
             reads = [r for r in reads if r.device in keep]
         hidden = hidden_by_readers(lowered, readers[c], topology, cost) if overlap and c.grad else 0.0
-        again = None
-        if life.regather is not None:
-            at = (life.regather, j, c.devices)
-            again = regathers.get(at)
-            if again is None:
-                again = regathers[at] = regather_steps(lowered, life)
+        again = None if life.regather is None else regather_steps(lowered, life)
         key = (c.kind, c.op, c.devices, c.holders, c.nbytes, c.grad, hidden, tuple([r[1:] for r in reads]),
                _steps_key(fwd_steps, j), _steps_key(bwd_steps, j), again and _steps_key(again, j))
         run.add(c.op, key, j, (life, fwd_steps, bwd_steps, again, reads, keep, known, hidden, position))
@@ -112,8 +106,8 @@ class _Known:
 class _Recorded(NamedTuple):
     """One collective's tasks, edges and arrivals with its micro-batch left open: names as
     ``str.format`` templates of it; an edge end or an arrival's step as a local task (an int,
-    from 0) or a block reference (position, field, partition index, plus: ``first[position] +
-    block.field[micro-batch][index] + plus``)."""
+    from 0) or a block reference (position, field, partition index, plus, micro-batch offset dj:
+    ``first[position] + block.field[micro-batch + dj][index] + plus``)."""
 
     names: list[str]
     shifts: list[int]
