@@ -24,13 +24,12 @@ by several consumer ops belongs to no one op's block), so delta simulation needs
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 
 from simulator.comm import collective_time, ring_links
 from simulator.cost import CostModel, has_trainable_params
-from simulator.step import member_ends
 from simulator.taskgraph import INDEX, TaskGraph, TaskKind
 from simulator.topology import Topology
 from strategies.collective_buffers import buffer_lives, regather_steps
@@ -48,73 +47,255 @@ def add_collectives(tg: TaskGraph, lowered: Lowered, topology: Topology, blocks:
     that timed the blocks (its ``input_grad_overlap``; None: no overlap); ``keep``: the devices
     simulated (``simulator.fold``: a collective timed over its group, its member tasks and
     edges on them; one with no member there has no tasks). Returns the arrivals' places in the
-    devices' schedules as rows (arrival task, the step's first task), global ids."""
+    devices' schedules as rows (arrival task, the step's first task), global ids.
+
+    One op's collectives (consecutive in ``Lowered.collectives``) that repeat with a period
+    alike but for their micro-batch (the same kind, group, holders, bytes, readers, steps and
+    regather steps: ``key``; a layer's in every micro-batch) are recorded once a period
+    (``_record``: block references by micro-batch) and laid out for every period with numpy
+    (``_Run``): the same tasks, edges and arrivals, in the same order, as one by one."""
     if not lowered.collectives:
         return np.empty((2, 0), dtype=INDEX)
-    n = topology.num_devices
     readers = lowered.collective_readers
-    arrivals: list[int] = []
-    rings: dict[tuple[int, ...], tuple[tuple[int, ...], str]] = {}  # a group's ring links and its devices shown, once
-    times: dict[tuple, float] = {}
-    lives = buffer_lives(lowered)
-    starts = first.tolist()  # read per member: list items cost less than numpy scalars
-    esrc, edst = tg.edge_src, tg.edge_dst  # edges appended in bulk, in ``tg.edge``'s order
-    for life, (fwd_steps, bwd_steps) in zip(lives, collective_steps(lowered)):
+    overlap = cost is not None and cost.input_grad_overlap
+    known = _Known(topology)
+    run = _Run(tg, blocks, first.tolist(), _record)
+    for life, (fwd_steps, bwd_steps) in zip(buffer_lives(lowered), collective_steps(lowered)):
         c = life.collective
-        members = [(d, q) for d, q in zip(c.devices, c.holders) if keep is None or d in keep]
-        if not members:
-            continue
-        if len(members) < len(c.devices):
-            fwd_steps = {d: s for d, s in fwd_steps.items() if d in keep}
-            bwd_steps = {d: s for d, s in bwd_steps.items() if d in keep}
-        simulated = [d for d, _ in members]
-        ring = rings.get(c.devices)
-        if ring is None:
-            ring = rings[c.devices] = (tuple(n + l for l in ring_links(topology, c.devices)),
-                                       ",".join(map(str, c.devices)))
-        j, (links, shown) = c.microbatch, ring
-        holder = blocks[position[c.op]]
-        at = starts[position[c.op]]
-        label = f"{c.kind} {c.op}@mb{j} devices {shown}"
-        f = tg.add(label, TaskKind.COLLECTIVE, _time(times, topology, c.kind, c.devices, c.nbytes), links,
-                   c.devices[0], c.nbytes)
-        done = holder.fwd_done[j]
-        esrc += [at + done[q] for _, q in members]
-        edst += [f] * len(members)
-        _arrive(tg, f, fwd_steps, blocks, starts, position, arrivals, label)
-        ends = dict(zip(simulated, member_ends(tg.add, tg.edge, topology, f, c.devices, label,
-                                               TaskKind.COLLECTIVE, simulated)))
-        mine = readers[c] if keep is None else [r for r in readers[c] if r.device in keep]
-        places = [position[r.dst_op] for r in mine]
-        forwards = [starts[i] + blocks[i].fwd[j][r.dst_index] for i, r in zip(places, mine)]
-        esrc += [ends[r.device] for r in mine]
-        edst += forwards
-        if life.regather is not None:
-            again = f"{c.kind} again {c.op}@mb{j} devices {shown}"
-            g = tg.add(again, TaskKind.COLLECTIVE, _time(times, topology, c.kind, c.devices, c.nbytes), links,
-                       c.devices[0], c.nbytes)
-            steps = {d: s for d, s in regather_steps(lowered, life).items() if d in simulated}
-            _arrive(tg, g, steps, blocks, starts, position, arrivals, again)
-            ends = dict(zip(simulated, member_ends(tg.add, tg.edge, topology, g, c.devices, again,
-                                                   TaskKind.COLLECTIVE, simulated)))
-            esrc += [ends[r.device] for r in mine]
-            edst += [t + 1 for t in forwards]  # the readers' backwards
-        if not c.grad:
-            continue
-        label = f"{c.backward_kind} grad {c.op}@mb{j} devices {shown}"
-        seconds = _time(times, topology, c.backward_kind, c.devices, c.nbytes)
-        if cost is not None and cost.input_grad_overlap:
-            seconds = max(0.0, seconds - hidden_by_readers(lowered, readers[c], topology, cost))
-        b = tg.add(label, TaskKind.COLLECTIVE, seconds, links, c.devices[0], c.nbytes)
-        esrc += [starts[i] + blocks[i].bwd_done[j][r.dst_index] for i, r in zip(places, mine)]
-        edst += [b] * len(mine)
-        _arrive(tg, b, bwd_steps, blocks, starts, position, arrivals, label)
-        ends = dict(zip(simulated, member_ends(tg.add, tg.edge, topology, b, c.devices, label,
-                                               TaskKind.COLLECTIVE, simulated)))
-        forward = holder.fwd[j]
-        esrc += [ends[d] for d, _ in members]
-        edst += [at + forward[q] + 1 for _, q in members]
-    return np.asarray(arrivals, dtype=INDEX).reshape(-1, 2).T
+        j = c.microbatch
+        reads = readers[c]
+        if keep is not None:
+            if not any(d in keep for d in c.devices):
+                continue
+            if len(fwd_steps) + len(bwd_steps) and not all(d in keep for d in (*fwd_steps, *bwd_steps)):
+                fwd_steps = {d: s for d, s in fwd_steps.items() if d in keep}
+                bwd_steps = {d: s for d, s in bwd_steps.items() if d in keep}
+            reads = [r for r in reads if r.device in keep]
+        hidden = hidden_by_readers(lowered, readers[c], topology, cost) if overlap and c.grad else 0.0
+        again = None if life.regather is None else regather_steps(lowered, life)
+        key = (c.kind, c.op, c.devices, c.holders, c.nbytes, c.grad, hidden, tuple([r[1:] for r in reads]),
+               _steps_key(fwd_steps, j), _steps_key(bwd_steps, j), again and _steps_key(again, j))
+        run.add(c.op, key, j, (life, fwd_steps, bwd_steps, again, reads, keep, known, hidden, position))
+    run.flush()
+    return np.asarray(run.arrivals, dtype=INDEX).reshape(-1, 2).T
+
+
+def _steps_key(steps: dict, j: int) -> tuple:
+    """Member -> step as (device, backward, op, index, its micro-batch less ``j``)."""
+    return tuple([(d, s[0], s[1], s[2], s[3] - j) for d, s in steps.items()])
+
+
+class _Known:
+    """What a graph's collectives share: each group's ring links and its devices shown, each
+    (kind, group, bytes)'s seconds (``_time``), each device's ``collective_overhead``."""
+
+    def __init__(self, topology: Topology) -> None:
+        self.topology = topology
+        self.rings: dict[tuple[int, ...], tuple[tuple[int, ...], str]] = {}
+        self.times: dict[tuple, float] = {}
+        self.overhead = [d.collective_overhead for d in topology.devices]
+
+    def ring(self, devices: tuple[int, ...]) -> tuple[tuple[int, ...], str]:
+        got = self.rings.get(devices)
+        if got is None:
+            n = self.topology.num_devices
+            got = self.rings[devices] = (tuple(n + l for l in ring_links(self.topology, devices)),
+                                         ",".join(map(str, devices)))
+        return got
+
+
+class _Recorded(NamedTuple):
+    """One collective's tasks, edges and arrivals with its micro-batch left open: names as
+    ``str.format`` templates of it; an edge end or an arrival's step as a local task (an int,
+    from 0) or a block reference (position, field, partition index, plus, micro-batch offset dj:
+    ``first[position] + block.field[micro-batch + dj][index] + plus``)."""
+
+    names: list[str]
+    shifts: list[int]
+    """Each task's micro-batch less the first collective's (``_merge``): its name's."""
+    category: list[int]
+    duration: list[float]
+    resources: list[tuple[int, ...]]
+    device: list[int]
+    nbytes: list[int]
+    src: list
+    dst: list
+    arrivals: list
+
+
+def _record(life, fwd_steps: dict, bwd_steps: dict, again: dict | None, reads: Sequence, keep, known: _Known,
+            hidden: float, position: dict[str, int]) -> _Recorded:
+    """``life``'s collective's tasks (``_Recorded``), as ``add_collectives`` lays them out:
+    forward: the collective after every holder's forward and every member's call, each
+    simulated member's end of it (``step.member_ends``), before its readers' forwards; again
+    where its readers recompute; backward where the gradient moves."""
+    c = life.collective
+    topology = known.topology
+    members = [(d, q) for d, q in zip(c.devices, c.holders) if keep is None or d in keep]
+    simulated = [d for d, _ in members]
+    links, shown = known.ring(c.devices)
+    out = _Recorded([], [], [], [], [], [], [], [], [], [])
+    op = c.op
+    name = op.replace("{", "{{").replace("}", "}}")
+
+    def task(label: str, seconds: float, resources: tuple, device: int, nbytes: int) -> int:
+        out.names.append(label)
+        out.shifts.append(0)
+        out.category.append(TaskKind.COLLECTIVE)
+        out.duration.append(seconds)
+        out.resources.append(resources)
+        out.device.append(device)
+        out.nbytes.append(nbytes)
+        return len(out.names) - 1
+
+    def collective(label: str, seconds: float, before: list, steps: dict) -> dict[int, int]:
+        x = task(label, seconds, links, c.devices[0], c.nbytes)
+        out.src.extend(before)
+        out.dst.extend([x] * len(before))
+        for d, s in steps.items():  # each member's call at the start of its step (``_link_schedule``'s slots)
+            a = task(f"call {label} device {d}", 0.0, (), d, 0)
+            out.src.append(a)
+            out.dst.append(x)
+            out.arrivals.append((a, (position[s.op], "fwd", s.index, s.backward, s.microbatch - c.microbatch)))
+        ends = {}
+        for d in simulated:  # ``step.member_ends``
+            over = known.overhead[d]
+            if over and len(c.devices) > 1:
+                h = task(f"{label} host device {d}", over, (d,), d, 0)
+                out.src.append(x)
+                out.dst.append(h)
+                ends[d] = h
+            else:
+                ends[d] = x
+        return ends
+
+    holder = position[op]
+    places = [position[r.dst_op] for r in reads]
+    seconds = _time(known.times, topology, c.kind, c.devices, c.nbytes)
+    ends = collective(f"{c.kind} {name}@mb{{0}} devices {shown}", seconds,
+                      [(holder, "fwd_done", q, 0, 0) for _, q in members], fwd_steps)
+    forwards = [(i, "fwd", r.dst_index, 0, 0) for i, r in zip(places, reads)]
+    out.src.extend([ends[r.device] for r in reads])
+    out.dst.extend(forwards)
+    if again is not None:
+        steps = {d: s for d, s in again.items() if d in simulated}
+        ends = collective(f"{c.kind} again {name}@mb{{0}} devices {shown}", seconds, [], steps)
+        out.src.extend([ends[r.device] for r in reads])
+        out.dst.extend([(i, "fwd", k, 1, 0) for i, _, k, _, _ in forwards])  # the readers' backwards
+    if c.grad:
+        seconds = max(0.0, _time(known.times, topology, c.backward_kind, c.devices, c.nbytes) - hidden)
+        ends = collective(f"{c.backward_kind} grad {name}@mb{{0}} devices {shown}", seconds,
+                          [(i, "bwd_done", r.dst_index, 0, 0) for i, r in zip(places, reads)], bwd_steps)
+        out.src.extend([ends[d] for d, _ in members])
+        out.dst.extend([(holder, "fwd", q, 1, 0) for _, q in members])
+    return out
+
+
+class _Run:
+    """One op's collectives (``add``), laid out on ``tg``'s tail (``flush``) one after another:
+    the shortest period their keys and micro-batches repeat with (``_period``) recorded once
+    (``record``), then each period's tasks; the arrivals' (call, step) ids collected flat."""
+
+    def __init__(self, tg: TaskGraph, blocks: Sequence, starts: list[int], record) -> None:
+        self.tg, self.blocks, self.starts, self.record = tg, blocks, starts, record
+        self.op: str | None = None
+        self.pending: list[tuple[tuple, int, tuple]] = []  # (key, micro-batch, record's arguments)
+        self.arrivals: list[int] = []
+
+    def add(self, op: str, key: tuple, j: int, args: tuple) -> None:
+        if op != self.op:
+            self.flush()
+            self.op = op
+        self.pending.append((key, j, args))
+
+    def flush(self) -> None:
+        """Lay the pending collectives out, period after period."""
+        pending, self.pending = self.pending, []
+        if not pending:
+            return
+        keys, js = [p[0] for p in pending], [p[1] for p in pending]
+        p = _period(keys, js)
+        self.lay(_merge([self.record(*args) for _, _, args in pending[:p]], [j - js[0] for j in js[:p]]), js[::p])
+
+    def lay(self, r: _Recorded, js: list[int]) -> None:
+        """``r`` laid out for each micro-batch of ``js`` (its first collective's): its tasks in
+        the recorded order from the tail's next id, then its edges and arrivals."""
+        tg, tail, n, k = self.tg, self.tg.tail, len(js), len(r.names)
+        x = len(tg)
+        tail.name += [f.format(j + s) for j in js for f, s in zip(r.names, r.shifts)]
+        tail.category += r.category * n
+        tail.duration += r.duration * n
+        tail.resources += r.resources * n
+        tail.device += r.device * n
+        tail.nbytes += r.nbytes * n
+        flat = [end for pair in r.arrivals for end in pair]
+        if n == 1:  # one collective: its ids in Python
+            j = js[0]
+            at = [x + e if type(e) is int else self._ref(e, j) for e in r.src + r.dst + flat]
+            e = len(r.src)
+            tg.edge_src += at[:e]
+            tg.edge_dst += at[e:2 * e]
+            self.arrivals += at[2 * e:]
+            return
+        firsts = np.arange(x, x + n * k, k, dtype=np.int64)
+        known: dict = {}
+
+        def column(e) -> np.ndarray:
+            if type(e) is int:
+                return firsts + e
+            got = known.get(e)
+            if got is None:
+                got = known[e] = self._refs(e, js)
+            return got
+
+        for ends, into in ((r.src, tg.edge_src), (r.dst, tg.edge_dst), (flat, self.arrivals)):
+            if ends:  # (collective, end) row-major: collective after collective, as one by one
+                into += np.stack([column(e) for e in ends], axis=1).ravel().tolist()
+
+    def _ref(self, ref: tuple, j: int) -> int:
+        """A block reference's task id in micro-batch ``j`` (``_Recorded``)."""
+        at, field, index, plus, dj = ref
+        return self.starts[at] + getattr(self.blocks[at], field)[j + dj][index] + plus
+
+    def _refs(self, ref: tuple, js: list[int]) -> np.ndarray:
+        """``_ref`` in each of the micro-batches ``js``."""
+        at, field, index, plus, dj = ref
+        rows = getattr(self.blocks[at], field)
+        return np.fromiter([rows[j + dj][index] for j in js], np.int64, len(js)) + (self.starts[at] + plus)
+
+
+def _period(keys: list[tuple], js: list[int]) -> int:
+    """The fewest leading collectives whose keys, and micro-batches counted from the first's,
+    every later period repeats (``len(keys)`` where none fewer)."""
+    n = len(keys)
+    for p in range(1, n):
+        if n % p == 0 and keys[p:] == keys[:n - p] and all(js[i] - js[i - i % p] == js[i % p] - js[0]
+                                                             for i in range(p, n)):
+            return p
+    return n
+
+
+def _merge(parts: list[_Recorded], shifts: list[int]) -> _Recorded:
+    """``parts`` (collectives of micro-batches ``shifts`` on from the first's) as one
+    ``_Recorded``: their tasks one after another, block references moved to the first's
+    micro-batch."""
+    if len(parts) == 1 and not shifts[0]:
+        return parts[0]
+    out = _Recorded(*([] for _ in _Recorded._fields))
+    for r, s in zip(parts, shifts):
+        base = len(out.names)
+
+        def local(e, base=base, s=s):
+            return e + base if type(e) is int else (*e[:4], e[4] + s)
+
+        out.names.extend(r.names)
+        out.shifts.extend([x + s for x in r.shifts])
+        for field in ("category", "duration", "resources", "device", "nbytes"):
+            getattr(out, field).extend(getattr(r, field))
+        out.src.extend(map(local, r.src))
+        out.dst.extend(map(local, r.dst))
+        out.arrivals.extend((local(a), local(b)) for a, b in r.arrivals)
+    return out
 
 
 def hidden_by_readers(lowered: Lowered, reads: Sequence, topology: Topology, cost: CostModel) -> float:
@@ -141,22 +322,3 @@ def _time(known: dict, topology: Topology, kind: str, devices: tuple[int, ...], 
     if got is None:
         got = known[key] = collective_time(topology, kind, devices, nbytes)
     return got
-
-
-def _arrive(tg: TaskGraph, collective: int, steps: dict, blocks: Sequence, first: list[int],
-            position: dict[str, int], arrivals: list[int], label: str) -> None:
-    """Each member's call of ``collective`` at the start of its step (``steps``: device -> Step),
-    appended to ``tg``'s tail column by column (``first``: each block's first task id)."""
-    k, a = len(steps), len(tg)  # the calls' ids: a, a + 1, ...
-    tail = tg.tail
-    tail.name += [f"call {label} device {d}" for d in steps]
-    tail.category += [TaskKind.COLLECTIVE] * k
-    tail.duration += [0.0] * k
-    tail.resources += [()] * k
-    tail.device += list(steps)
-    tail.nbytes += [0] * k
-    tg.edge_src += range(a, a + k)
-    tg.edge_dst += [collective] * k
-    for i, s in enumerate(steps.values()):
-        at = position[s.op]
-        arrivals += (a + i, first[at] + blocks[at].fwd[s.microbatch][s.index] + s.backward)

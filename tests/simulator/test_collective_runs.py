@@ -1,0 +1,119 @@
+"""``simulator.collectives``' runs: the collectives of consecutive micro-batches alike but for
+the micro-batch recorded once and laid out for each (``_Run``) give the task graph that laying
+each collective out on its own gives, task for task, edge for edge, arrival for arrival."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+import simulator.collectives as collectives
+from simulator.cost import get_cost_model
+from simulator.presets import get_topology
+from simulator.simulate import Lowerings
+from simulator.tasks import build_tasks
+from simulator.topology import Topology
+from strategies.baselines import megatron_lm, recomputed
+from strategies.megatron import megatron
+from tests.conftest import traced
+from tests.strategies.test_lowering_members import random_plan
+
+
+def _overhead(preset: str) -> Topology:
+    base = get_topology(preset)
+    return Topology(base.name + "-overhead", tuple(dataclasses.replace(d, collective_overhead=2e-5)
+                                                    for d in base.devices), base.links, base.routes)
+
+
+def _graph(lowered, topo, cost, monkeypatch, runs: bool):
+    """Every task's columns, the edges in order and the schedule's steps, built with runs or
+    with every collective laid out on its own."""
+    with monkeypatch.context() as m:
+        if not runs:
+            m.setattr(collectives, "_period", lambda keys, js: len(keys))
+        arrivals = []
+        real = collectives.add_collectives
+
+        def spy(*a, **k):
+            got = real(*a, **k)
+            arrivals.append(got.tolist())
+            return got
+
+        m.setattr("simulator.tasks.add_collectives", spy)
+        tg = build_tasks(lowered, topo, cost, "adam", copies=lowered.copies)
+    src, dst = tg.edge_arrays()
+    return ([tg.label(t) for t in range(len(tg))], tg.category, tg.duration, tg.resources, tg.device, tg.nbytes,
+            src.tolist(), dst.tolist(), arrivals, tg.step_order.tasks.tolist())
+
+
+def _plans():
+    small = traced("gpt", "small")
+    sp = megatron(small, 16, tp=4, pp=2, microbatches=4, sequence_parallel=True)
+    return [
+        pytest.param(sp, "a100-2x8", False, id="megatron-T4-P2-m4-gpipe"),
+        pytest.param(recomputed(sp.with_microbatches(4, "1f1b"), small), "a100-2x8", False, id="1f1b-recompute"),
+        pytest.param(megatron_lm(small, 16, 4, 2), "overhead", True, id="megatron_lm-overhead-overlap"),
+        pytest.param(random_plan(small, 16, 0), "overhead", False, id="random-0"),
+        pytest.param(random_plan(small, 16, 1), "a100-2x8", True, id="random-1-overlap"),
+    ]
+
+
+@pytest.mark.parametrize("plan,preset,overlap", _plans())
+@pytest.mark.parametrize("fold", [False, True])
+def test_runs_equal_one_by_one(plan, preset, overlap, fold, monkeypatch):
+    graph = traced("gpt", "small")
+    topo = _overhead("a100-2x8") if preset == "overhead" else get_topology(preset)
+    cost = get_cost_model("analytical", input_grad_overlap=True) if overlap else get_cost_model("analytical")
+    lowered = Lowerings(graph, plan).first(topo, fold)
+    ran = _graph(lowered, topo, cost, monkeypatch, True)
+    alone = _graph(lowered, topo, cost, monkeypatch, False)
+    assert len(ran[0]) > 0 and len(ran[8][0]) > 0
+    for a, b in zip(ran, alone):
+        assert a == b
+
+
+def _perturbed(monkeypatch, what: str):
+    """Micro-batch 1's collectives made unlike micro-batch 0's in ``what`` (a run key's field):
+    its members' forward calls at another partition's step, its reads in reverse order, its
+    backward charged more (``hidden_by_readers``), or its holders reversed."""
+    steps, hidden = collectives.collective_steps, collectives.hidden_by_readers
+    if what == "steps":
+        def moved(lowered):
+            out = []
+            for c, (fwd, bwd) in zip(lowered.collectives, steps(lowered)):
+                if c.microbatch == 1:
+                    fwd = {d: s._replace(backward=True, op=c.op, index=c.holders[0]) for d, s in fwd.items()}
+                out.append((fwd, bwd))
+            return out
+        monkeypatch.setattr(collectives, "collective_steps", moved)
+    elif what == "hidden":
+        monkeypatch.setattr(collectives, "hidden_by_readers",
+                            lambda lowered, reads, *a: hidden(lowered, reads, *a) * (1 + reads[0].collective.microbatch))
+
+
+@pytest.mark.parametrize("what", ["steps", "reads", "hidden", "holders"])
+def test_runs_keyed_on_what_differs(what, monkeypatch):
+    """Collectives of consecutive micro-batches that differ in one of the run key's fields are
+    laid out each on its own: equal to one by one (fails where the key leaves the field out)."""
+    graph = traced("gpt", "small")
+    plan = megatron_lm(graph, 16, 4, 2)
+    topo = _overhead("a100-2x8")
+    cost = get_cost_model("analytical", input_grad_overlap=True)
+    lowered = Lowerings(graph, plan).first(topo, False)
+    readers = dict(lowered.collective_readers)
+    if what in ("reads", "holders"):
+        for c, reads in list(readers.items()):
+            if c.microbatch == 1 and len(reads) > 1:
+                readers[c] = reads[::-1] if what == "reads" else reads
+        if what == "holders":
+            flipped = {c: c._replace(holders=c.holders[::-1]) if c.microbatch == 1 else c for c in lowered.collectives}
+            lowered.__dict__["collectives"] = tuple(flipped.values())
+            readers = {flipped[c]: reads for c, reads in readers.items()}
+    lowered.__dict__["collective_readers"] = readers
+    with monkeypatch.context() as m:
+        _perturbed(m, what)
+        ran = _graph(lowered, topo, cost, m, True)
+        alone = _graph(lowered, topo, cost, m, False)
+    for a, b in zip(ran, alone):
+        assert a == b
