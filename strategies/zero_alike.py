@@ -54,11 +54,44 @@ class AlikeReaders(NamedTuple):
 def alike_readers(lowered: Lowered) -> tuple[AlikeReaders, ...]:
     """The classes of the devices reading some level-2 or level-3 group, in order of their
     first member: devices with equal (op, pass, micro-batch, groups read) at every position of
-    their reading orders (module docstring)."""
+    their reading orders (module docstring). Kept by what decides them (``_decided``: the
+    lowerings of a search's plans that differ in ops reading no level-2/3 weight, or that come
+    back to a plan's readers, share one answer; callers must not change it)."""
     groups = gather_groups(lowered)
     if not groups:
         return ()
-    chunk = chunk_of(lowered)
+    chunk, passes = chunk_of(lowered), device_passes(lowered)
+    key = _decided(lowered, groups, chunk, passes)
+    got = _KEPT.pop(key, None)
+    if got is None:
+        got = _classes(lowered, groups, chunk, passes)
+        if len(_KEPT) >= KEPT:
+            del _KEPT[next(iter(_KEPT))]
+    _KEPT[key] = got  # the most recently used last
+    return got
+
+
+KEPT = 64
+"""Answers ``alike_readers`` keeps by ``_decided`` (the least recently used going first)."""
+
+_KEPT: dict[tuple, tuple[AlikeReaders, ...]] = {}
+
+
+def _decided(lowered: Lowered, groups: tuple, chunk, passes: dict) -> tuple:
+    """What ``_classes`` reads of a lowering: each group's reader op, partition indices and
+    members (in ``gather_groups`` order: the group indices), each reader op's chunk, the order
+    of the partition indices of the reader ops of several groups (``_op_reads``' rank), and
+    every device's passes."""
+    parts = lowered.partitions
+    ops = tuple((g.op, g.partitions, g.shards[0].devices) for g in groups)
+    several = tuple((a[0], tuple(p.index for p in parts[a[0]][0]))
+                    for a, b in zip(ops, ops[1:]) if a[0] == b[0])
+    return (ops, several, None if chunk is None else tuple(chunk[op] for op, _, _ in ops),
+            tuple((d, tuple(p)) for d, p in passes.items()))
+
+
+def _classes(lowered: Lowered, groups: tuple, chunk, passes: dict) -> tuple[AlikeReaders, ...]:
+    """``alike_readers``' answer, found from the groups."""
     seqs: dict[int, dict[int, list[tuple[str, int, tuple[int, ...]]]]] = {}  # device -> chunk -> reading steps
     i = 0
     while i < len(groups):  # one reader op's groups at a time (graph order; they are consecutive)
@@ -69,7 +102,6 @@ def alike_readers(lowered: Lowered) -> tuple[AlikeReaders, ...]:
         for d, steps in _op_reads(lowered, groups, i, j):
             seqs.setdefault(d, {}).setdefault(c, []).extend(steps)
         i = j
-    passes = device_passes(lowered)
     classes: dict[tuple, list[int]] = {}
     for d in sorted(seqs):
         mine = seqs[d]
