@@ -92,7 +92,12 @@ def bucket_plan(lowered: Lowered, position: dict[str, int] | None = None, memo: 
     graph position, when the caller keeps it; ``memo``: a dict the caller keeps across the
     lowerings of one graph, holding each bucket's ready steps with the reader ops' partitions
     they were found from, so a plan that changes a few ops finds again only the buckets
-    those ops read (the same result as without it: ``_ready``)."""
+    those ops read (the same result as without it: ``_ready``). A call with a memo for the
+    lowering the last such call planned gets that call's result (``_LAST``; callers must not
+    change it): one simulation's task build (``simulator.tasks``) and memory model
+    (``simulator.memory_collectives``) plan the same lowering, each with its own memo."""
+    if memo is not None and _LAST[0] is lowered:
+        return _LAST[1]
     position, ops = _bucket_ops(lowered, position, memo)
     last = lowered.strategy.microbatches - 1
     kept = None if lowered.copies is None else lowered.copies.kept  # copy 0's lowering: its devices' issues
@@ -107,7 +112,14 @@ def bucket_plan(lowered: Lowered, position: dict[str, int] | None = None, memo: 
             here = ready[(d, key)]
             issued[d] = here if d not in issued or here < issued[d] else issued[d]
             out.setdefault(d, []).append(BucketIssue(key, issued[d][2]))
+    if memo is not None:
+        _LAST[:] = lowered, (order, out)
     return order, out
+
+
+_LAST: list = [None, None]
+"""The lowering the last ``bucket_plan`` call with a memo planned, and its result (a lowering
+never changes once made, ``strategies.memo``; ``position`` is its graph's, whoever passes it)."""
 
 
 MEMO = 4096

@@ -54,26 +54,64 @@ class AlikeReaders(NamedTuple):
 def alike_readers(lowered: Lowered) -> tuple[AlikeReaders, ...]:
     """The classes of the devices reading some level-2 or level-3 group, in order of their
     first member: devices with equal (op, pass, micro-batch, groups read) at every position of
-    their reading orders (module docstring)."""
+    their reading orders (module docstring). Kept by what decides them (``_decided``: the
+    lowerings of a search's plans that differ in ops reading no level-2/3 weight, or that come
+    back to a plan's readers, share one answer; callers must not change it)."""
     groups = gather_groups(lowered)
     if not groups:
         return ()
-    chunk = chunk_of(lowered)
-    seqs: dict[int, dict[int, list[tuple[str, int, tuple[int, ...]]]]] = {}  # device -> chunk -> reading steps
-    i = 0
+    chunk, passes = chunk_of(lowered), device_passes(lowered)
+    key = _decided(lowered, groups, chunk, passes)
+    got = _KEPT.pop(key, None)
+    if got is None:
+        got = _classes(lowered, groups, chunk, passes)
+        if len(_KEPT) >= KEPT:
+            del _KEPT[next(iter(_KEPT))]
+    _KEPT[key] = got  # the most recently used last
+    return got
+
+
+KEPT = 64
+"""Answers ``alike_readers`` keeps by ``_decided`` (the least recently used going first)."""
+
+_KEPT: dict[tuple, tuple[AlikeReaders, ...]] = {}
+
+
+def _decided(lowered: Lowered, groups: tuple, chunk, passes: dict) -> tuple:
+    """What ``_classes`` reads of a lowering: each group's reader op, partition indices and
+    members (in ``gather_groups`` order: the group indices), each reader op's chunk, the order
+    of the partition indices of the reader ops of several groups (``_op_reads``' rank), and
+    every device's passes."""
+    parts = lowered.partitions
+    ops = tuple((g.op, g.partitions, g.shards[0].devices) for g in groups)
+    several = tuple((a[0], tuple(p.index for p in parts[a[0]][0]))
+                    for a, b in zip(ops, ops[1:]) if a[0] == b[0])
+    return (ops, several, None if chunk is None else tuple(chunk[op] for op, _, _ in ops),
+            tuple((d, tuple(p)) for d, p in passes.items()))
+
+
+def _classes(lowered: Lowered, groups: tuple, chunk, passes: dict) -> tuple[AlikeReaders, ...]:
+    """``alike_readers``' answer, found from the groups."""
+    seqs: dict[int, dict[int, tuple[list, list]]] = {}  # device -> chunk -> its reading steps'
+    i = 0                                                # (op, groups read), their partition indices
     while i < len(groups):  # one reader op's groups at a time (graph order; they are consecutive)
         op, j = groups[i].op, i + 1
         while j < len(groups) and groups[j].op == op:
             j += 1
         c = chunk[op] if chunk else 0
-        for d, steps in _op_reads(lowered, groups, i, j):
-            seqs.setdefault(d, {}).setdefault(c, []).extend(steps)
+        for d, reads, ks in _op_reads(lowered, groups, i, j):
+            mine = seqs.get(d)
+            if mine is None:
+                mine = seqs[d] = {}
+            s = mine.get(c)
+            if s is None:
+                s = mine[c] = ([], [])
+            s[0].extend(reads)
+            s[1].extend(ks)
         i = j
-    passes = device_passes(lowered)
     classes: dict[tuple, list[int]] = {}
     for d in sorted(seqs):
-        mine = seqs[d]
-        key = (tuple(passes[d]), tuple((c, tuple((op, gs) for op, _, gs in s)) for c, s in sorted(mine.items())))
+        key = (tuple(passes[d]), tuple((c, tuple(s[0])) for c, s in sorted(seqs[d].items())))
         classes.setdefault(key, []).append(d)
     out = []
     for (runs, _), members in classes.items():
@@ -81,8 +119,9 @@ def alike_readers(lowered: Lowered) -> tuple[AlikeReaders, ...]:
         order: list[Step] = []
         each: list[tuple[int, ...]] = []
         for backward, j, c in runs:
-            s = first.get(c, ())
-            for op, k, gs in (reversed(s) if backward else s):
+            reads, ks = first.get(c, ((), ()))
+            steps = zip(reads, ks)
+            for (op, gs), k in (reversed(list(steps)) if backward else steps):
                 order.append(_step(Step, (backward, op, k, j)))
                 each.append(gs)
         out.append(AlikeReaders(tuple(members), order, tuple(each), tuple(_indices(seqs[d], runs) for d in members)))
@@ -90,26 +129,32 @@ def alike_readers(lowered: Lowered) -> tuple[AlikeReaders, ...]:
 
 
 def _op_reads(lowered: Lowered, groups: tuple, i: int, j: int) -> list:
-    """(device, its reading steps of the op of ``groups[i:j]``, (op, partition index, groups
-    read) in the order it runs its partitions of the op) per member."""
+    """(device, its reading steps of the op of ``groups[i:j]`` as (op, groups read), their
+    partition indices) per member, in the order it runs its partitions of the op."""
     u = groups[i]
     if j == i + 1:  # one group: each member reads it through one partition
-        return [(d, ((u.op, k, (i,)),)) for d, k in zip(u.devices, u.partitions)]
+        reads = ((u.op, (i,)),)
+        return [(d, reads, (k,)) for d, k in zip(u.devices, u.partitions)]
     on: dict[int, dict[int, tuple[int, ...]]] = {}
     for g in range(i, j):
         for d, k in zip(groups[g].devices, groups[g].partitions):
             ks = on.setdefault(d, {})
             ks[k] = ks.get(k, ()) + (g,)
     rank = {p.index: r for r, p in enumerate(lowered.partitions[u.op][0])}  # a device runs them in list order
-    return [(d, tuple((u.op, k, ks[k]) for k in sorted(ks, key=rank.__getitem__))) for d, ks in on.items()]
+    out = []
+    for d, ks in on.items():
+        mine = sorted(ks, key=rank.__getitem__)
+        out.append((d, tuple((u.op, ks[k]) for k in mine), mine))
+    return out
 
 
-def _indices(seqs: dict[int, list[tuple[str, int, tuple[int, ...]]]], runs: tuple) -> list[int]:
+def _indices(seqs: dict[int, tuple[list, list]], runs: tuple) -> list[int]:
     """A member's partition index at each position of its reading order (``seqs``: its reading
-    steps per chunk; ``runs``: its passes)."""
-    ks = {c: [k for _, k, _ in s] for c, s in seqs.items()}
-    back = {c: k[::-1] for c, k in ks.items()}
+    steps per chunk, with their partition indices; ``runs``: its passes)."""
+    back = {c: s[1][::-1] for c, s in seqs.items()}
     out: list[int] = []
     for backward, _, c in runs:
-        out += (back if backward else ks).get(c, ())
+        got = (back.get(c) if backward else seqs[c][1] if c in seqs else None)
+        if got:
+            out += got
     return out

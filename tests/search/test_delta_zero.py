@@ -12,6 +12,7 @@ import random
 import simulator.zero3
 import strategies.prefetch
 import strategies.zero
+import strategies.zero_alike
 from simulator.cost import get_cost_model
 from simulator.presets import get_topology
 from soapsearch.search.api import Evaluator
@@ -89,6 +90,7 @@ def test_zero_passes_and_delta_equal_fresh_ones_on_a_walk(monkeypatch):
         kept = {fn.__name__: fn(low) for fn in (gather_uses, gather_groups, sharded_state, alike_readers,
                                                 gathered_bytes)}
         strategies.zero._KEPT[:] = [None, {}]  # gather_uses' per-op memo, emptied: every fact found afresh
+        strategies.zero_alike._KEPT.clear()  # alike_readers' answers by what decides them, emptied
         for fn in (gather_uses, gather_groups, sharded_state, alike_readers, gathered_bytes):
             assert fn.__wrapped__(low) == kept[fn.__name__], (fn.__name__, kind)
         classes, each = alike_readers(low), _per_device(low)
