@@ -24,7 +24,8 @@ from simulator.tasks import TaskCache, build_tasks
 from simulator.topology import Topology
 from strategies.graph import OpGraph
 from strategies.lowering import Lowered, lower
-from strategies.lowering_members import MemberFold, member_fold
+from strategies.lowering_members import MemberFold
+from strategies.member_memo import member_memo
 from strategies.strategy import Strategy
 
 __all__ = ["FOLD_FROM", "Lowerings", "simulate_plan", "paused_gc", "run_timeline", "task_graph", "timed_graph"]
@@ -92,12 +93,16 @@ class Lowerings:
         """Where ``fold`` and ``topology`` is not contended: the lowering of members 0 and 1 of
         copy 0 where the plan has alike tensor-parallel members (``members``;
         ``strategies.lowering_members``), else copy 0's where it has copies (``find_copies``),
-        else every device's."""
-        copies = find_copies(self.graph, self.plan) if fold and not contended(topology) else None
-        members = member_fold(self.graph, self.plan, copies) if members and fold and not contended(topology) else None
+        else every device's. The members, and a member lowering refused before under the
+        refusing op's same configs, are read off the cache's ``strategies.member_memo``."""
+        fold = fold and not contended(topology)
+        copies = find_copies(self.graph, self.plan) if fold else None
+        memo = member_memo(self.cache) if members and fold else None  # what decided the plans before
+        members = memo.fold(self.graph, self.plan, copies) if memo is not None else None
         self.why = members if isinstance(members, str) else None
         if isinstance(members, MemberFold):  # members 0 and 1 for all (strategies.lowering_members)
-            got = self(members)
+            self.why = memo.refused(self.graph, self.plan, members)  # an op refused alike before
+            got = self(members) if self.why is None else None
             if got is not None:
                 return got
         return (copies is not None and self(copies)) or self(None)
@@ -114,6 +119,7 @@ class Lowerings:
         except CrossCopy as e:
             if isinstance(copies, MemberFold):
                 self.why = str(e)
+                member_memo(self.cache).refuse(self.graph, self.plan, copies, e)  # not lowered again alike
             return None
         return self.last
 

@@ -241,6 +241,8 @@ class Last:
         if twin is None or twin[2]:  # moved: its shards lie on other devices
             return None
         first = cache.get(self.shaped[op])  # (the names of twin[0], its pieces twin[1])
+        if first is None or first[1] is not twin[1]:  # that entry trimmed, or another op's since
+            return None
         was = first[0][self.names(op).index(name)]
         key = ("shards", was, self.copies, id(twin[1]))
         got = cache.get(key)

@@ -42,7 +42,7 @@ from strategies.region import box_shape
 from strategies.strategy import Strategy
 from strategies.symmetry import Copies, CrossCopy
 
-__all__ = ["MemberKeep", "MemberFold", "member_fold", "member_reads", "other_partitions", "other_reads"]
+__all__ = ["MemberKeep", "MemberFold", "fold_of", "member_fold", "member_reads", "other_partitions", "other_reads"]
 
 _new = tuple.__new__
 
@@ -143,12 +143,17 @@ class MemberFold(Copies):
 def member_fold(graph: OpGraph, strategy: Strategy, copies: Copies | None = None) -> MemberFold | str:
     """The member fold of ``strategy`` within copy 0 of ``copies`` (None: one copy of every
     device), or why there is none (one line)."""
-    found = find_members(graph, strategy)
+    return fold_of(find_members(graph, strategy), strategy.num_devices, copies)
+
+
+def fold_of(found: TensorMembers | None, n: int, copies: Copies | None = None) -> MemberFold | str:
+    """The member fold within copy 0 of ``copies`` (None: one copy of each of ``n`` devices) of a
+    plan whose members are ``found`` (``find_members``), or why there is none (one line)."""
     if found is None:
         return "no tensor-parallel members alike on every op (find_members)"
     if found.count < 3:
         return f"{found.count} members: members 0 and 1 are all of them"
-    rows = copies.copies if copies is not None else (tuple(range(strategy.num_devices)),)
+    rows = copies.copies if copies is not None else (tuple(range(n)),)
     first = set(rows[0])
     keep = [i for i, d in enumerate(found.members[0]) if d in first]
     if not keep or any(not group <= first for group in (found.groups[i] for i in keep)):
@@ -209,7 +214,7 @@ def member_reads(node: OpNode, cfg: ParallelConfig, rule, keep: MemberKeep, sour
         if base != dev and sorted(sign) != sorted(signs.get(base, ())):
             raise CrossCopy(f"op {node.name!r}: device {dev} (member {member[dev]}) computes other shapes or reads "
                             f"other members than its member-1 image, device {base}; member folding needs members "
-                            "1..T-1 alike")
+                            "1..T-1 alike", node.name)
     return out
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 from functools import cached_property
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterable, NamedTuple
 
 import numpy as np
 
@@ -35,7 +35,7 @@ from strategies.symmetry import Copies
 if TYPE_CHECKING:
     from strategies.lowered import Lowered
 
-__all__ = ["TensorMembers", "find_members", "member_classes", "members_apart"]
+__all__ = ["OpCut", "TensorMembers", "find_members", "member_classes", "members_apart", "members_of", "op_cut"]
 
 
 class TensorMembers(Copies):
@@ -73,25 +73,56 @@ def find_members(graph: OpGraph, strategy: Strategy) -> TensorMembers | None:
     it, or the member sets overlap; a plan whose groups are single devices (T = 1) has none. An
     op cut on its sample dim alone (the loss's flattened tokens over a stage's devices) has
     groups of one: it is alike where every dim is cut evenly and its devices are closed under
-    every ψ_m."""
-    images: dict[int, tuple[int, ...]] = {}  # ψ: member-0 device -> (d, ψ_1(d), ...)
-    count = None
-    seen: set[int] = set()
-    single: list[tuple[OpNode, ParallelConfig]] = []
+    every ψ_m. ``op_cut`` of every non-weight op, then ``members_of`` their distinct cuts."""
+    cuts: dict[tuple, OpCut] = {}
     for node in graph:
         if node.kind in WEIGHT_KINDS:
             continue
-        config = strategy[node.name]
-        got = _op_groups(node, config)
-        if got is None:
+        cut = op_cut(node, strategy[node.name])
+        if cut is None:
             return None
-        if id(got) in seen:  # a config cut alike: its groups are checked
+        cuts.setdefault(cut.key, cut)  # a config cut alike: its groups are checked once
+    return members_of(cuts.values())
+
+
+class OpCut(NamedTuple):
+    """What ``find_members`` reads of one op under its config: its groups (``_groups``: one per
+    sample coordinate), and for an op whose groups are single devices its dims' sizes and its
+    config (``members_of`` checks them against the members found)."""
+
+    groups: tuple[tuple[int, ...], ...]
+    sizes: tuple[int, ...] | None = None
+    config: ParallelConfig | None = None
+
+    @property
+    def key(self) -> tuple:
+        """Equal for two ops whose cuts ``members_of`` reads alike (the groups object, shared by
+        equal configs, and an op of groups of one its sizes)."""
+        return id(self.groups), self.sizes
+
+
+def op_cut(node: OpNode, config: ParallelConfig) -> OpCut | None:
+    """``node``'s cut under ``config`` (``OpCut``), or None where it has no sample dim or cuts a
+    member dim unevenly (no member fold)."""
+    groups = _op_groups(node, config)
+    if groups is None:
+        return None
+    if len(groups[0]) == 1:
+        return OpCut(groups, tuple(dim.size for dim in node.dims), config)
+    return OpCut(groups)
+
+
+def members_of(cuts: Iterable[OpCut]) -> TensorMembers | None:
+    """The member fold of a plan whose non-weight ops' distinct cuts are ``cuts`` (``op_cut``;
+    any order, repeats allowed), or None (``find_members``)."""
+    images: dict[int, tuple[int, ...]] = {}  # ψ: member-0 device -> (d, ψ_1(d), ...)
+    count = None
+    single: list[OpCut] = []
+    for cut in cuts:
+        if cut.sizes is not None:
+            single.append(cut)
             continue
-        seen.add(id(got))
-        if len(got[0]) == 1:
-            single.append((node, config))
-            continue
-        for group in got:
+        for group in cut.groups:
             if count is None:
                 count = len(group)
             if len(group) != count or images.setdefault(group[0], group) != group:
@@ -103,9 +134,10 @@ def find_members(graph: OpGraph, strategy: Strategy) -> TensorMembers | None:
         return None
     found = TensorMembers(tuple(tuple(images[d][m] for d in sorted(images)) for m in range(count)))
     index = found.index
-    for node, config in single:
+    for cut in single:
+        config = cut.config
         placed = set(config.devices)
-        if any(dim.size % k for dim, k in zip(node.dims, config.degrees)):
+        if any(size % k for size, k in zip(cut.sizes, config.degrees)):
             return None
         if not all(d in index and {row[index[d][1]] for row in found.members} <= placed for d in placed):
             return None

@@ -438,10 +438,10 @@ def lower_op(graph: OpGraph, strategy: Strategy, node: OpNode, m: int,
                     src_dev, nbytes = devices[q], numel * size
                     if fold is not None and src_dev != dev and fold.member.get(src_dev) != fold.member[dev]:
                         raise CrossCopy(f"transfer {src}[{q}] -> {node.name}[{p.index}]: device {src_dev} -> {dev} "
-                                        "crosses members; a member's transfers must stay among its own devices")
+                                        "crosses members; a member's transfers must stay among its own devices", node.name)
                     if keep is not None and src_dev not in keep:
                         raise CrossCopy(f"op {node.name!r} reads {src!r} on device {src_dev}, in another copy "
-                                        f"than its partition {p.index} on device {dev}")
+                                        f"than its partition {p.index} on device {dev}", node.name)
                     # the hot loop: a Transfer made as the tuple it is (no Python-level __new__)
                     transfers.append(_new(Transfer, (src, q, node.name, p.index, slot, j, src_dev, dev, piece, nbytes,
                                                      partial[slot])))

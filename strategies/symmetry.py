@@ -36,7 +36,13 @@ __all__ = ["Copies", "CrossCopy", "copies_of", "find_copies"]
 
 class CrossCopy(Exception):
     """A plan's pieces break its copies' symmetry (a transfer between two copies): the plan is
-    lowered and simulated per device instead (``simulator.fold.FoldError`` is one)."""
+    lowered and simulated per device instead (``simulator.fold.FoldError`` is one). ``op``:
+    the op whose pieces refused, where one did (its pieces are a function of its config, its
+    producers' and the copy set: ``strategies.member_memo`` remembers such a refusal)."""
+
+    def __init__(self, message: str, op: str | None = None):
+        super().__init__(message)
+        self.op = op
 
 
 @dataclass(frozen=True)

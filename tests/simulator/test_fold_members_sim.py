@@ -17,6 +17,7 @@ from simulator.simulate import Lowerings, simulate_plan, timed_graph
 from simulator.tasks import TaskCache
 from simulator.topology import Topology
 from strategies.baselines import megatron_lm, recomputed
+from strategies.config import ParallelConfig
 from strategies.lowered import WEIGHT_KINDS
 from strategies.lowering import lower
 from strategies.lowering_members import MemberFold
@@ -158,3 +159,81 @@ def test_stragglers_over_members_fall_back_named():
     assert type(lowerings.last.copies) is Copies
     assert lowerings.why.startswith("step-end collective 'reducescatter bucket 8-15 zero1' waits on members 0 and 1")
     assert_same(simulate_plan(graph, plan, topo, fold=True), simulate_plan(graph, plan, topo, fold=False))
+
+
+def test_memo_refusals_on_a_delta_walk(monkeypatch):
+    """The member memo (``strategies.member_memo``) on a walk with the search's caches: a plan
+    whose view of the targets reads them across members (the targets' devices swapped, then the
+    view's) is refused at that op and remembered; the same op under the same configs (the plan
+    again, with another op changed besides) is refused without a member lowering; the plan before
+    each swap folds again (a memo keyed without the op's own config or without its producers'
+    would refuse it). Every result equals a per-device run from scratch."""
+    import simulator.simulate as simulate
+
+    graph, topo = traced("gpt", "small"), get_topology("a100-2x8")
+    cost = get_cost_model("analytical")
+    swapped = (9, 8, 10, 11, 13, 12, 14, 15)  # members 0 and 1 swapped in both copies: the same fold
+    base = megatron_lm(graph, 16, 4, 2).with_microbatches(2).replace("targets", ParallelConfig((8, 1), range(8, 16)))
+    by_targets = base.replace("targets", ParallelConfig((8, 1), swapped))
+    by_view = base.replace("view_9", ParallelConfig((8,), swapped))
+    other = next(n.name for n in graph if n.kind == "linear")
+    again = by_targets.replace(other, by_targets[other].with_memory(recompute=True))
+    lowered: list[str] = []
+    real = simulate.lower
+
+    def counted(graph, plan, cache=None, copies=None):
+        if isinstance(copies, MemberFold):
+            lowered.append(plan)
+        return real(graph, plan, cache, copies)
+
+    monkeypatch.setattr(simulate, "lower", counted)
+    lowering, tasks = {}, TaskCache(topo, cost)
+    walk = [(base, False), (by_targets, True), (base, False), (by_view, True), (base, False), (by_targets, "memo"),
+            (again, "memo"), (by_view, "memo")]
+    for plan, refused in walk:
+        del lowered[:]
+        lowerings = Lowerings(graph, plan, lowering)
+        got = lowerings.first(topo, True)
+        if not refused:
+            assert isinstance(got.copies, MemberFold), lowerings.why
+        else:
+            assert type(got.copies) is Copies
+            assert lowerings.why.startswith("transfer targets[0] -> view_9[0]: device ")
+            assert lowered == ([] if refused == "memo" else [plan])  # remembered: no member lowering
+        assert_same(simulate_plan(graph, plan, topo, cost, cache=tasks, lowering_cache=lowering, fold=True),
+                    simulate_plan(graph, plan, topo, cost, fold=False))
+
+
+def test_memo_members_equal_find_members():
+    """A walk of one-op proposals (recompute toggled, an op's devices swapped within a group or
+    between groups, which breaks the members, and back; a plan of other degrees): the memo's
+    members, cutting again only the changed ops, and its fold equal ``find_members``' and
+    ``member_fold``'s of each plan from scratch."""
+    from strategies.lowering_members import member_fold
+    from strategies.member_memo import MemberMemo
+    from strategies.member_symmetry import find_members
+
+    graph = traced("gpt", "small")
+    rng = random.Random(1)
+    start = megatron_lm(graph, 16, 4, 2)
+    others = [megatron(graph, 16, tp=2, pp=2, microbatches=2), random_plan(graph, 16, 0), start]
+    ops = [n.name for n in graph if n.kind not in WEIGHT_KINDS]
+    memo, plan, kinds = MemberMemo(), start, set()
+    for step in range(120):
+        if step % 40 == 39:
+            plan = others[step // 40]
+        else:
+            op = rng.choice(ops)
+            c = plan[op]
+            devices = list(c.devices)
+            i, j = rng.sample(range(len(devices)), 2) if len(devices) > 1 else (0, 0)
+            devices[i], devices[j] = devices[j], devices[i]
+            choice = rng.random()
+            new = (c.with_memory(recompute=not c.recompute) if choice < 0.4 or not graph.needs_grad[op]
+                   else ParallelConfig(c.degrees, devices, c.zero, c.recompute) if choice < 0.7 else start[op])
+            plan = plan.replace(op, new)
+        want = find_members(graph, plan)
+        assert memo.members(graph, plan) == want
+        assert memo.fold(graph, plan, None) == member_fold(graph, plan)
+        kinds.add(want is None)
+    assert kinds == {True, False}
