@@ -16,6 +16,7 @@ from simulator.cost import CostModel
 from simulator.presets import get_topology
 from simulator.simulate import Lowerings, timed_graph
 from simulator.taskgraph import CATEGORY
+from simulator.zero3 import FSDP_COPY_LABELS
 from strategies import OpGraph, Strategy
 from strategies.precision import compute_graph
 
@@ -23,8 +24,6 @@ __all__ = ["Breakdown", "breakdown", "exposed", "union"]
 
 _KINDS = {"linear": "gemm", "attention": "attention"}
 """An op kind's part of the compute (any other kind: "other")."""
-_COPIES = ("copy-out ", "copy-in ")
-"""The labels of FSDP2's copies (``simulator.zero3``, ``CostModel.fsdp_copies``): their part "fsdp copies"."""
 
 
 class Breakdown(NamedTuple):
@@ -90,7 +89,7 @@ def breakdown(graph: OpGraph, plan: Strategy, topology: str, cost: CostModel, de
         elif res[0] == device:
             name = tg.name[t]
             part = "update" if CATEGORY[tg.category[t]] == "update" else "fsdp copies" if str(name).startswith(
-                _COPIES) else _KINDS.get(
+                FSDP_COPY_LABELS) else _KINDS.get(
                 kinds.get(name[1]) if isinstance(name, tuple) and len(name) == 4 else None, "other")
             compute[part] = compute.get(part, 0.0) + span[1] - span[0]
             busy.append(span)

@@ -16,7 +16,7 @@ is called again in the backward (``strategies.collective_buffers``: ``BufferLife
 at the step where its first reader is recomputed, and its readers' backwards wait on it.
 
 A member's call is an *arrival* task of no duration in the device's schedule
-(``simulator.tasks._link_schedule``'s slots): after the step before the call's step and what
+(``simulator.step_order.link_schedule``'s slots): after the step before the call's step and what
 the host runs between the two (its sends, the buckets' packs started there), before the
 collective. Built afresh for every task graph from ``Lowered.collectives`` (a collective shared
 by several consumer ops belongs to no one op's block), so delta simulation needs nothing more.
@@ -30,6 +30,7 @@ import numpy as np
 
 from simulator.comm import collective_time, ring_links
 from simulator.cost import CostModel, has_trainable_params
+from simulator.step import member_ends
 from simulator.taskgraph import INDEX, TaskGraph, TaskKind
 from simulator.topology import Topology
 from strategies.collective_buffers import buffer_lives, regather_steps
@@ -87,13 +88,12 @@ def _steps_key(steps: dict, j: int) -> tuple:
 
 class _Known:
     """What a graph's collectives share: each group's ring links and its devices shown, each
-    (kind, group, bytes)'s seconds (``_time``), each device's ``collective_overhead``."""
+    (kind, group, bytes)'s seconds (``_time``)."""
 
     def __init__(self, topology: Topology) -> None:
         self.topology = topology
         self.rings: dict[tuple[int, ...], tuple[tuple[int, ...], str]] = {}
         self.times: dict[tuple, float] = {}
-        self.overhead = [d.collective_overhead for d in topology.devices]
 
     def ring(self, devices: tuple[int, ...]) -> tuple[tuple[int, ...], str]:
         got = self.rings.get(devices)
@@ -152,22 +152,15 @@ def _record(life, fwd_steps: dict, bwd_steps: dict, again: dict | None, reads: S
         x = task(label, seconds, links, c.devices[0], c.nbytes)
         out.src.extend(before)
         out.dst.extend([x] * len(before))
-        for d, s in steps.items():  # each member's call at the start of its step (``_link_schedule``'s slots)
+        for d, s in steps.items():  # each member's call at the start of its step (``step_order.link_schedule``'s slots)
             a = task(f"call {label} device {d}", 0.0, (), d, 0)
             out.src.append(a)
             out.dst.append(x)
             out.arrivals.append((a, (position[s.op], "fwd", s.index, s.backward, s.microbatch - c.microbatch)))
-        ends = {}
-        for d in simulated:  # ``step.member_ends``
-            over = known.overhead[d]
-            if over and len(c.devices) > 1:
-                h = task(f"{label} host device {d}", over, (d,), d, 0)
-                out.src.append(x)
-                out.dst.append(h)
-                ends[d] = h
-            else:
-                ends[d] = x
-        return ends
+        ends = member_ends(lambda name, _category, seconds, resources, d: task(name, seconds, resources, d, 0),
+                           lambda a, b: (out.src.append(a), out.dst.append(b)), topology, x, c.devices, label,
+                           TaskKind.COLLECTIVE, simulated)
+        return dict(zip(simulated, ends))
 
     holder = position[op]
     places = [position[r.dst_op] for r in reads]

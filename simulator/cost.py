@@ -165,9 +165,10 @@ class CostModel(abc.ABC):
     buffer, waited on by the default stream; ``foreach_reduce_scatter``'s ``torch.cat`` of the
     gradients into the flat reduce-scatter input in the reduce dtype and its pre-divide
     ``div_``, which the default stream waits on before it frees the gradients). Off by default:
-    the project's figures were set without it, though its executor copies alike
-    (``soapsearch/executor/gathered.py``: a ``copy_`` per shard out of the gathered flat tensor,
-    a ``torch.cat`` of the gradient rows before the reduce-scatter, no pre-divide)."""
+    it models FSDP2's runtime (``benchmarks/published_runs.row_cost`` sets it on FSDP2's rows),
+    not the project's executor, which copies otherwise (``soapsearch/executor/gathered.py``: a
+    ``copy_`` per shard out of the gathered flat tensor, a ``torch.cat`` of the gradient rows
+    before the reduce-scatter, no pre-divide) and whose copies no cost model charges yet."""
 
     def __init__(self) -> None:
         self._by_box: dict[Any, tuple[float, float]] = {}

@@ -80,8 +80,8 @@ def fold_members(tg: TaskGraph, topology: Topology, fold: MemberFold, copy_maps:
     member = fold.kept.member
     for c, hosts, _, _ in tg.syncs:  # simulator.stragglers weighs each simulated host alike
         if len({member.get(d, -1) == 0 for d, _ in hosts}) > 1:
-            raise FoldError(f"step-end collective {tg.label(c)!r} waits on members 0 and 1, which stand for "
-                            "different member counts: its straggler scaling (simulator.stragglers) is per device")
+            raise FoldError(f"step-end collective {tg.label(c)!r} waits on member 0 and another member, which "
+                            "stand for different member counts: its straggler scaling (simulator.stragglers) is per device")
     count = fold.members.count - 1
     by_member = task_copies(tg, maps, count)
     ones = np.zeros(tg.num_devices, dtype=bool)

@@ -158,7 +158,11 @@ def timed_graph(lowered: Lowered, topology: Topology, cost: CostModel, optimizer
             if members is not None and relower is not None:
                 relower.why = str(e)
             lowered = again(Copies(members.copies) if members is not None and members.count > 1 else None)
-            tg, folded = task_graph(lowered, topology, cost, optimizer, cache, False)
+            try:
+                tg, folded = task_graph(lowered, topology, cost, optimizer, cache, False)
+            except FoldError:  # the member fold's copies that do not fold either: every device's
+                lowered = again(None)
+                tg, folded = task_graph(lowered, topology, cost, optimizer, cache, False)
         t1 = time.perf_counter()
         times = run_timeline(tg, topology, folded)
         if phases is not None:

@@ -50,7 +50,11 @@ from strategies.schedule import Step
 from strategies.zero import gather_groups
 from strategies.zero_alike import alike_readers
 
-__all__ = ["add_gathers", "fsdp_copy_in_traffic"]
+__all__ = ["FSDP_COPY_LABELS", "add_gathers", "fsdp_copy_in_traffic"]
+
+FSDP_COPY_LABELS = ("copy-out ", "copy-in ")
+"""How the labels of FSDP2's copies start (``CostModel.fsdp_copies``): an all-gather's copy-out,
+a reduce-scatter's copy-in."""
 
 
 def fsdp_copy_in_traffic(gradient_bytes: int, wide: int) -> int:
@@ -258,7 +262,7 @@ def _use_tasks(add: Callable[..., int], edge: Callable[[int, int], None], topolo
                                                    simulated)))
             if copies:  # split_with_sizes_copy out of the flat buffer, on the compute stream
                 for d in simulated:
-                    out = add(f"copy-out {label} device {d}", TaskKind.COLLECTIVE,
+                    out = add(f"{FSDP_COPY_LABELS[0]}{label} device {d}", TaskKind.COLLECTIVE,
                               COPY_TRAFFIC * gathered * len(devs) / topology.devices[d].memory_bandwidth, (d,), d)
                     edge(done[d], out)
                     done[d] = out
@@ -273,7 +277,7 @@ def _use_tasks(add: Callable[..., int], edge: Callable[[int, int], None], topolo
     done_b = block.bwd_done[j]
     for d, k in members:
         if copies:  # torch.cat into the flat input in the reduce dtype, then the pre-divide
-            into = add(f"copy-in {label} device {d}", TaskKind.COLLECTIVE, fsdp_copy_in_traffic(
+            into = add(f"{FSDP_COPY_LABELS[1]}{label} device {d}", TaskKind.COLLECTIVE, fsdp_copy_in_traffic(
                 u.chunk_bytes * len(devs), wide) / topology.devices[d].memory_bandwidth, (d,), d)
             edge(at + done_b[k], into)
             edge(into, rs)

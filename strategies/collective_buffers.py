@@ -114,9 +114,15 @@ def regather_steps(lowered: Lowered, life: BufferLife) -> dict[int, Step]:
     """Member -> the step at whose start it calls ``life``'s all-gather again: its first backward
     step of ``life.regather`` (the op's last partition there), where the executor recomputes."""
     c, op = life.collective, life.regather
-    last: dict[int, int] = {}  # device -> its last partition of op (a member fold's: the kept members')
+    last: dict[int, int] = {}  # device -> its last partition of op
     for p in lowered.partitions[op][c.microbatch]:
         last[p.device] = max(last.get(p.device, p.index), p.index)
+    kept = None if lowered.copies is None else lowered.copies.kept  # a folded lowering's devices
+    missing = [d for d in c.devices if d not in last and (kept is None or d in kept)]
+    if missing:
+        raise ValueError(f"op {op!r}: device {missing[0]} is a member of the {c.kind} of {c.op!r} "
+                         f"(micro-batch {c.microbatch}) re-gathered for its recomputation but holds no "
+                         f"partition of {op!r}")
     return {d: Step(True, op, last[d], c.microbatch) for d in c.devices if d in last}
 
 

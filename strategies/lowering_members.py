@@ -211,7 +211,7 @@ def member_reads(node: OpNode, cfg: ParallelConfig, rule, keep: MemberKeep, sour
                                           tuple(froms)))
     for dev, sign in signs.items():
         base = keep.rep[dev]
-        if base != dev and sorted(sign) != sorted(signs.get(base, ())):
+        if base != dev and sign != signs.get(base, []):  # in partition order: the run order alike
             raise CrossCopy(f"op {node.name!r}: device {dev} (member {member[dev]}) computes other shapes or reads "
                             f"other members than its member-1 image, device {base}; member folding needs members "
                             "1..T-1 alike", node.name)

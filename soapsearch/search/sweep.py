@@ -319,8 +319,9 @@ def swept_starts(graph: OpGraph, topo: Topology, moves: GlobalMoves, evaluate, d
     results by ``mcmc.rank`` (those that fit first, then the fastest), the chains' starts, the
     best remembered last (``Evaluator`` keeps the most recent)."""
     known = {plans[name]: results[name] for name in results if name in plans}
+    # the Evaluator's reduce dtype None (each plan its own): the estimate reduces in the compute dtype
     done = sweep(graph, topo, moves, evaluate.optimizer, evaluate.precision, evaluate, evaluate.lowering_cache,
-                 deadline, limit, known, pace, getattr(evaluate, "reduce_dtype", None) or "compute")
+                 deadline, limit, known, pace, evaluate.reduce_dtype or "compute")
     timed = [s for s in done if s.result is not None]
     for s in timed:
         consider(stats, s.plan, s.result, plan_cost(s.result), started)

@@ -12,7 +12,7 @@ from torch import nn
 
 from simulator.attention_efficiency import (A100_FLASH, FLASH_BACKWARD, FLASH_RATES, FlashRates, causal_fraction,
                                             flash_rate)
-from simulator.cost import GPU_LAUNCH_OVERHEAD, AnalyticalCostModel, partition_flops
+from simulator.cost import COMPUTE_EFFICIENCY, GPU_LAUNCH_OVERHEAD, AnalyticalCostModel, partition_flops
 from simulator.presets import get_topology
 from soapsearch.trace import trace
 from strategies.region import full_box
@@ -116,5 +116,5 @@ def test_float32_and_other_kinds_keep_the_roofline():
     box = full_box(op.shape)
     flops = partition_flops(op, box)
     fwd, bwd = AnalyticalCostModel(launch_overhead=0.0).op_time(op, box, A100)
-    assert fwd == pytest.approx(flops / (0.6 * A100.flops_for("float32")))
+    assert fwd == pytest.approx(flops / (COMPUTE_EFFICIENCY * A100.flops_for("float32")))
     assert bwd == pytest.approx(2 * fwd)

@@ -3,14 +3,11 @@ plans with random ZeRO-1 and recompute (``random_plan``), GPipe and 1F1B, at 16 
 devices: iteration time, busy time per device, peak memory per device and bytes per link kind.
 
 GPT's position table is a weight op on device 0 alone, whose zero-duration steps copy 0's
-device 0 runs and its images do not. A bucket's pack issued right before such a step once
-delayed the collective calls of the step after it on device 0 only (a call waited on the
-step before it, not on the packs between), so copy 0 ran behind its images and the folded
-timeline was up to 3.4 % off; a step's calls and receives now wait on what the host runs before
-the step (``simulator.tasks._before_inside``), on every device alike. With a collective
-overhead (``DeviceSpec.collective_overhead``) device 0's weight-op step also waited for a host
-task of another collective, which its images' calls did not: a weight op's steps now hold no
-device (they do no work), so they delay nothing (0.24 % off before, seed 0 at 16 devices)."""
+device 0 runs and its images do not. The plans hold what that takes to stay alike on every
+copy: a step's calls and receives wait on what the host runs before the step, the bucket
+packs included (``simulator.step_order.before_inside``), and a weight op's steps hold no device
+(they do no work), so they delay nothing, with a collective overhead
+(``DeviceSpec.collective_overhead``) too."""
 
 from __future__ import annotations
 
@@ -28,8 +25,8 @@ from tests.simulator.test_fold_members_sim import assert_same
 from tests.strategies.test_lowering_members import random_plan
 
 CASES = [(2, 16), (0, 16), (8, 16), (2, 64), (4, 64), (5, 64), (6, 64), (12, 64)]
-"""(seed, devices): the first five are the plans main's copy fold was off on (seed 2 at 16
-devices +0.15 %, seeds 2, 4, 5, 6 at 64 +0.4, +0.3, +3.4, +1.6 %), with both schedules."""
+"""(seed, devices): random plans on which a fold without those two rules differs from the
+per-device simulation (``benchmarks/fold_exact.py`` prints the gaps), both schedules among them."""
 
 
 OVERHEAD = [(0, 16), (5, 16), (0, 64), (5, 64)]

@@ -157,7 +157,7 @@ def test_stragglers_over_members_fall_back_named():
     assert isinstance(lowered.copies, MemberFold)
     timed_graph(lowered, topo, get_cost_model("analytical"), relower=lowerings)
     assert type(lowerings.last.copies) is Copies
-    assert lowerings.why.startswith("step-end collective 'reducescatter bucket 8-15 zero1' waits on members 0 and 1")
+    assert lowerings.why.startswith("step-end collective 'reducescatter bucket 8-15 zero1' waits on member 0 and another member")
     assert_same(simulate_plan(graph, plan, topo, fold=True), simulate_plan(graph, plan, topo, fold=False))
 
 
@@ -237,3 +237,17 @@ def test_memo_members_equal_find_members():
         assert memo.fold(graph, plan, None) == member_fold(graph, plan)
         kinds.add(want is None)
     assert kinds == {True, False}
+
+
+def test_copies_that_do_not_own_their_links_fall_back_per_device(monkeypatch):
+    """A member fold refused on a topology where neither the members nor their copies own their
+    links (``link_maps`` None, as a topology JSON whose copies share a link) is simulated per
+    device, not left as a FoldError."""
+    import simulator.simulate as simulate
+    graph, topo = traced("gpt", "small"), get_topology("a100-2x8")
+    plan = megatron(graph, 16, tp=4, pp=2, microbatches=2, sequence_parallel=True)
+    full = simulate_plan(graph, plan, topo, fold=False)
+    monkeypatch.setattr(simulate, "link_maps", lambda topology, copies: None)
+    result = simulate_plan(graph, plan, topo, fold=True)
+    assert_same(result, full)
+    assert result.num_tasks == full.num_tasks

@@ -26,6 +26,10 @@ BOUND = 0.08
 22B −5.3 % and −7.3 % with Megatron-LM's input gradients' collectives beside the weight gradients,
 ``Run.input_grad_overlap``; the rest: Korthikanti's 22B runs faster than n½ = 850, fitted on
 Table 1, gives its 768-wide tensor-parallel products)."""
+TORCHTITAN_BOUND = 0.09
+"""published / predicted seconds - 1 of torchtitan's LLaMA-2 13B rows (benchmarks/README.md
+published_runs: +7.7 % without checkpointing, +5.4 % every second layer): predicted fast, what
+FSDP2's runs spend beside the modelled kernels and copies not charged."""
 FIT_BOUND = 0.02
 """|error| the model reaches on the rows n½ is fitted on (``published_fit.FIT_ROWS``: Table 1's
 1.7B −1.4 %, 3.6B +0.6 %, 7.5B −2.0 %, at their launch script's micro-batches, with the
@@ -207,17 +211,16 @@ def test_korthikanti_175b_recompute_sweep():
 def test_torchtitan_llama2_13b_recompute_sweep():
     """FSDP over 64 GPUs, held out of the n½ fit (products of 5,120-13,824 by 8,192 tokens,
     larger than any fitted row's): no checkpointing faster than every second layer's, as
-    published, each within 9 % (benchmarks/README.md: +7.7 % and +5.3 %, predicted fast, with
-    FSDP2's copies on the compute stream, ``CostModel.fsdp_copies``; +12.2 and +9.0 % without
-    them, with flash attention at FlashAttention-2's published rates; +7.0 and +3.8 % when it was
-    charged the op's FLOPs, the causal mask's masked half too, at the constant efficiency)."""
+    published, each within ``TORCHTITAN_BOUND`` (benchmarks/README.md published_runs: +7.7 % and
+    +5.4 %, predicted fast, with FSDP2's copies on the compute stream, ``CostModel.fsdp_copies``,
+    and flash attention at FlashAttention-2's published rates)."""
     none, alternate = (r for r in TORCHTITAN if r.name.startswith("LLaMA-2 13B") and r.recompute != "op")
     assert not {none.name, alternate.name} & set(FIT_ROWS)
     graph = build_graph(none)
     times = {r.recompute: predict(r, graph) for r in (none, alternate)}
     assert times["none"].iteration_time < times["alternate"].iteration_time
     for r in (none, alternate):
-        assert 0 < throughput_error(r, times[r.recompute]) <= 0.09, r.name
+        assert 0 < throughput_error(r, times[r.recompute]) <= TORCHTITAN_BOUND, r.name
 
 
 @pytest.mark.slow
@@ -225,8 +228,8 @@ def test_torchtitan_ranks_llama3_8b_over_llama2_13b_layer():
     """LLaMA-3 8B (8,192 keys, attention 15 % of its iteration) above LLaMA-2 13B (4,096 keys),
     both every second layer recomputed, as published (56.3 > 54.1 % MFU): flash attention at
     FlashAttention-2's published rates (``simulator.attention_efficiency``) does the causal
-    mask's half of the op's FLOPs; charged all of them at the constant efficiency, the 8B's
-    attention was 23 % of its iteration and it ranked below (55.9 < 56.2 %)."""
+    mask's half of the op's FLOPs (charged all of them at the constant efficiency, the 8B's
+    attention weighs 1.6-1.7x more and it ranks below)."""
     by_name = {r.name: r for r in TORCHTITAN}
     eight, thirteen = by_name["LLaMA-3 8B layer"], by_name["LLaMA-2 13B layer"]
     mfu = {r.name: predicted_mfu(r, predict(r)) for r in (eight, thirteen)}
