@@ -117,3 +117,33 @@ def test_runs_keyed_on_what_differs(what, monkeypatch):
         alone = _graph(lowered, topo, cost, m, False)
     for a, b in zip(ran, alone):
         assert a == b
+
+
+@pytest.mark.parametrize("plan", [pytest.param(p.values[0], id=p.id) for p in _plans()[:3]])
+def test_tasks_counted_from_the_lowering(plan):
+    """Counted from the lowering alone, not from ``_record``: each collective one task on its
+    links (again where it is re-gathered for a recomputation, and its dual where the gradient
+    moves back), of its bytes; one call per member step (``collective_steps``,
+    ``regather_steps``); one host task per member and task under a collective overhead."""
+    from strategies.collective_buffers import buffer_lives, regather_steps
+    from strategies.lowering import lower
+    from strategies.schedule import collective_steps
+
+    graph, topo = traced("gpt", "small"), _overhead("a100-2x8")
+    lowered = lower(graph, plan)
+    tg = build_tasks(lowered, topo, get_cost_model("analytical"), "adam")
+    kinds = ("all_reduce ", "reduce_scatter ", "all_gather ")
+    labels = [tg.label(t) for t in range(len(tg))]
+    ours = [t for t, label in enumerate(labels) if label.startswith(kinds) and "@mb" in label]
+    main = [t for t in ours if " host device " not in labels[t]]
+    calls = sum(label.startswith("call ") and label[5:].startswith(kinds) for label in labels)
+    tasks = nbytes = members = 0
+    for life, (fwd, bwd) in zip(buffer_lives(lowered), collective_steps(lowered)):
+        c = life.collective
+        again = None if life.regather is None else regather_steps(lowered, life)
+        n = 1 + (again is not None) + c.grad
+        tasks, nbytes = tasks + n, nbytes + n * c.nbytes
+        members += len(fwd) + (len(again) if again else 0) + (len(bwd) if c.grad else 0)
+    assert (len(main), sum(int(tg.nbytes[t]) for t in main), calls) == (tasks, nbytes, members)
+    assert len(ours) - len(main) == sum(len(c.devices) * (1 + c.grad + (life.regather is not None))
+                                        for life in buffer_lives(lowered) for c in [life.collective])
