@@ -69,22 +69,25 @@ class TaskCache:
         return held + 2 * sum(map(_state_bytes, self._states.values()))
 
     def trim(self, limit: int | None = None) -> bool:
-        """Past ``limit`` (``CACHE_BYTES``) of ``nbytes``: the known blocks, the recorded gathers
-        and step-end tasks, the buckets' memo and every state but the current one dropped (each
-        is built again the same when asked: speed, never results). Between graphs only.
-        Whether anything was dropped."""
-        if self.nbytes() <= (CACHE_BYTES if limit is None else limit):
+        """Past ``limit`` (``CACHE_BYTES``) of ``nbytes``: the known blocks and every state but the
+        current one dropped, and where the recorded gathers and step-end tasks still hold more
+        than half of it, they and the buckets' memo too (the current graph's blocks stay: the
+        next proposal's delta reads them). Each is built again the same when asked: speed, never
+        results. Between graphs only. Whether anything was dropped."""
+        limit = CACHE_BYTES if limit is None else limit
+        if self.nbytes() <= limit:
             return False
         for state in self._states.values():
             for known in state[1][3]:
                 known.clear()
         self.known_bytes = 0
-        self.gathers.clear()
-        self.step_tasks.records.clear()
-        self.step_tasks.tasks = 0
-        self.buckets.clear()
         for kept in [k for k, s in self._states.items() if s is not self._current]:
             del self._states[kept]
+        if TASK_BYTES * (self.gathers.tasks + self.step_tasks.tasks) > limit // 2:
+            self.gathers.clear()
+            self.step_tasks.records.clear()
+            self.step_tasks.tasks = 0
+            self.buckets.clear()
         return True
 
     def reuse(self, mine: dict, key: tuple) -> Any:
@@ -136,8 +139,8 @@ starts: past them the oldest states go first. A state's arrays grow with the dev
 about 3.7x that), so a count alone does not bound a search's memory."""
 
 CACHE_BYTES = 512 << 20
-"""What a ``TaskCache`` holds in all (``TaskCache.nbytes``) before ``trim`` drops all but the
-current graph's blocks: the bounds above are by part, and the recorded gathers and step-end
+"""What a ``TaskCache`` holds in all (``TaskCache.nbytes``) before ``trim`` drops the known
+blocks and the other states (and the recorded tasks where they hold half of it): the bounds above are by part, and the recorded gathers and step-end
 tasks hold tasks (the gathers their reader blocks too, with those blocks' pieces) that none of
 them counts. The blocks hold their pieces besides their arrays (about 3.7x, ``STATE_BYTES``),
 so what is reachable is a few times the count."""

@@ -54,25 +54,30 @@ def test_the_task_cache_bound_fires_and_results_stay_exact(monkeypatch):
     evaluate(data_parallel(graph, 4).with_bucket_cap(0.01))
     bound = 3 * evaluate._tasks.nbytes() // 2  # about one graph's blocks and records and a half
     monkeypatch.setattr(simulator.taskcache, "CACHE_BYTES", bound)
-    fired, gathered = [], []
+    fired, gathered, records = [], [], []
     trim = TaskCache.trim
 
     def checked(cache: TaskCache, limit=None) -> bool:
         held = cache.nbytes()
+        tasks = simulator.taskcache.TASK_BYTES * (cache.gathers.tasks + cache.step_tasks.tasks)
         dropped = trim(cache, limit)
         assert dropped == (held > bound)
-        if dropped:  # all but the current graph's blocks gone
+        if dropped:  # the known blocks and the other states gone; the records past half the bound
             fired.append(held)
-            assert not cache.gathers and not cache.step_tasks.records and not cache.buckets
             assert not any(known for s in cache._states.values() for known in s[1][3])
             assert list(cache._states.values()) in ([], [cache._current])
+            if tasks > bound // 2:
+                records.append(tasks)
+                assert not cache.gathers and not cache.step_tasks.records and not cache.buckets
+            else:
+                assert cache.gathers.tasks + cache.step_tasks.tasks == tasks // simulator.taskcache.TASK_BYTES
         _counts_true(cache)
         return dropped
 
     monkeypatch.setattr(TaskCache, "trim", checked)
     scored_ = _walk(evaluate, 40, 5, lambda: gathered.append(evaluate._tasks.gathers.tasks))
     assert scored_ >= 30
-    assert len(fired) >= 3 and max(gathered) > 0, (fired, gathered)  # level-2/3 gathers recorded
+    assert len(fired) >= 3 and records and max(gathered) > 0, (fired, records, gathered)
 
 
 def test_the_results_kept_by_plan_hold_only_the_leaders_summary():
