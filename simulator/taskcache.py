@@ -1,7 +1,8 @@
 """The state ``simulator.tasks.build_tasks`` keeps between task graphs of one op graph (delta
 simulation, see ``simulator.tasks``): each op's task block of the last graph and the ``KNOWN``
 blocks built before it, by their pieces, and the blocks' arrays joined (``_Joined``), patched
-where blocks changed; bounded by bytes as well as counts (``KNOWN_BYTES``, ``STATE_BYTES``)."""
+where blocks changed; bounded by bytes as well as counts (``KNOWN_BYTES``, ``STATE_BYTES``), and
+as a whole between graphs (``CACHE_BYTES``, ``TaskCache.trim``)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from simulator.topology import Topology
 from strategies.graph import OpGraph, OpNode
 from strategies.lowered import OpPieces
 
-__all__ = ["KNOWN", "KNOWN_BYTES", "STATE_BYTES", "TaskCache", "block_key", "block_bytes"]
+__all__ = ["CACHE_BYTES", "KNOWN", "KNOWN_BYTES", "STATE_BYTES", "TASK_BYTES", "TaskCache", "block_key", "block_bytes"]
 
 
 class TaskCache:
@@ -29,8 +30,9 @@ class TaskCache:
         self.topology, self.cost = topology, cost
         self.wires: dict[tuple[int, int, int], tuple] = {}
         """(source, target, bytes) -> ``simulator.wires.Wire``: times and resources (a pure function of them)."""
-        self.gathers: dict = {}
-        """Level-2/3 groups' tasks per micro-batch, recorded (``simulator.zero3._Chunk``)."""
+        self.gathers = _Chunks()
+        """Level-2/3 groups' tasks per micro-batch, recorded (``simulator.zero3._Chunk``), with
+        the tasks they hold."""
         self._states: dict[frozenset[int] | None, list] = {}
         """Devices simulated (a folded plan's copy 0, ``simulator.fold``; None: all) -> [graph,
         its ``_layout``, the last ``_Joined``]: a search moving between folded and per-device
@@ -58,6 +60,35 @@ class TaskCache:
                 for known in state[1][3]:
                     known.clear()
             self.known_bytes = 0
+
+    def nbytes(self) -> int:
+        """What the cache holds, counted: every state's joined arrays and its last graph's
+        blocks' arrays (the same bytes again: joined from them), the known blocks' arrays
+        (``known_bytes``), and ``TASK_BYTES`` a task of the recorded gathers and step-end tasks."""
+        held = self.known_bytes + TASK_BYTES * (self.gathers.tasks + self.step_tasks.tasks)
+        return held + 2 * sum(map(_state_bytes, self._states.values()))
+
+    def trim(self, limit: int | None = None) -> bool:
+        """Past ``limit`` (``CACHE_BYTES``) of ``nbytes``: the known blocks and every state but the
+        current one dropped, and where the recorded gathers and step-end tasks still hold more
+        than half of it, they and the buckets' memo too (the current graph's blocks stay: the
+        next proposal's delta reads them). Each is built again the same when asked: speed, never
+        results. Between graphs only. Whether anything was dropped."""
+        limit = CACHE_BYTES if limit is None else limit
+        if self.nbytes() <= limit:
+            return False
+        for state in self._states.values():
+            for known in state[1][3]:
+                known.clear()
+        self.known_bytes = 0
+        for kept in [k for k, s in self._states.items() if s is not self._current]:
+            del self._states[kept]
+        if TASK_BYTES * (self.gathers.tasks + self.step_tasks.tasks) > limit // 2:
+            self.gathers.clear()
+            self.step_tasks.records.clear()
+            self.step_tasks.tasks = 0
+            self.buckets.clear()
+        return True
 
     def reuse(self, mine: dict, key: tuple) -> Any:
         """The known block of ``mine`` under ``key``, taken out (None: none)."""
@@ -107,10 +138,38 @@ starts: past them the oldest states go first. A state's arrays grow with the dev
 (a per-device plan of GPT-3 175B on 128 devices: 27 MB, its blocks with the pieces they hold
 about 3.7x that), so a count alone does not bound a search's memory."""
 
+CACHE_BYTES = 512 << 20
+"""What a ``TaskCache`` holds in all (``TaskCache.nbytes``) before ``trim`` drops the known
+blocks and the other states (and the recorded tasks where they hold half of it): the bounds above are by part, and the recorded gathers and step-end
+tasks hold tasks (the gathers their reader blocks too, with those blocks' pieces) that none of
+them counts. The blocks hold their pieces besides their arrays (about 3.7x, ``STATE_BYTES``),
+so what is reachable is a few times the count."""
+
+TASK_BYTES = 200
+"""Bytes one recorded task holds (``Columns``: six list slots, its duration float, its
+resources tuple and label, about ``sys.getsizeof`` of each)."""
+
 KNOWN_BYTES = 64 << 20
 """The arrays of the blocks a ``TaskCache`` keeps besides the last graphs' (``block_bytes``),
 all states together (each block holds its pieces too, about 3.7x its arrays): past them every
 known block is dropped."""
+
+
+class _Chunks(dict):
+    """``simulator.zero3``'s memo of recorded chunks with the tasks they hold (``tasks``)."""
+
+    tasks = 0
+
+    def __setitem__(self, key: Any, chunk: Any) -> None:
+        old = dict.get(self, key)
+        if old is not None:
+            self.tasks -= len(old.cols)
+        dict.__setitem__(self, key, chunk)
+        self.tasks += len(chunk.cols)
+
+    def clear(self) -> None:
+        dict.clear(self)
+        self.tasks = 0
 
 
 def block_bytes(block: Any) -> int:

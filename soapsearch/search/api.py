@@ -38,7 +38,8 @@ from strategies.config import validate_config
 from strategies.lowering_bytes import LoweringCache
 from strategies.pieces import check_microbatches
 
-__all__ = ["FoundPlan", "SearchConfig", "SearchResult", "search", "best_baselines", "Evaluator", "save_found"]
+__all__ = ["FoundPlan", "SearchConfig", "SearchResult", "search", "best_baselines", "Evaluator", "save_found",
+           "scored"]
 
 PIPELINE_MICROBATCHES = (2, 4, 8)
 SEEN = 64
@@ -73,7 +74,12 @@ class Evaluator:
         """The results of the last ``SEEN`` plans simulated, by value (the least recently used
         going first), each with whether it holds its summary: a micro-batch or global move back
         to a plan simulated before (the same simulation, the same result) is not simulated again, nor
-        is a chain's start taken from the sweep's plans (``remember``)."""
+        is a chain's start taken from the sweep's plans (``remember``). Only the leader's result
+        keeps its summary (busy times, bytes moved, each device's memory breakdown: megabytes at
+        1,024 devices); the others are kept ``scored``, as a scoring without one returns them."""
+        self._leader: Strategy | None = None
+        """The plan whose result ranked first when it was simulated (``_leads``): the one
+        ``_seen`` keeps with its summary (a search's answer is not simulated again)."""
 
     def remember(self, plan: Strategy, result: SimResult) -> None:
         """``plan``'s ``result`` returned when ``plan`` is asked again without a summary or
@@ -83,11 +89,22 @@ class Evaluator:
         self._keep(plan, seen is not None and seen[0] and seen[1] is result, result)
 
     def _keep(self, plan: Strategy, summarized: bool, result: SimResult) -> None:
-        """``plan``'s ``result`` the most recently used of the last ``SEEN``."""
+        """``plan``'s ``result`` the most recently used of the last ``SEEN``; with its summary
+        only where ``plan`` is the leader (``_leader``), else as a scoring returns it
+        (``scored``: what the search reads of it)."""
+        if not summarized or plan != self._leader:
+            summarized, result = False, scored(result)
         self._seen.pop(plan, None)
         self._seen[plan] = (summarized, result)
         if len(self._seen) > SEEN:
             del self._seen[next(iter(self._seen))]
+
+    def _lead(self, plan: Strategy) -> None:
+        """``plan`` the leader: the leader before it keeps only its ``scored`` result."""
+        old, self._leader = self._leader, plan
+        seen = None if old is None or old == plan else self._seen.get(old)
+        if seen is not None and seen[0]:
+            self._seen[old] = (False, scored(seen[1]))  # its place in the order kept
 
     def __call__(self, plan: Strategy, summary: bool = False, timeline: bool = False) -> SimResult:
         """Iteration time and memory of ``plan`` (``summary``, or ``summarize_best`` and the
@@ -100,6 +117,8 @@ class Evaluator:
                 return seen[1]
         self.calls += 1
         self.lowering_cache.trim()
+        self._tasks.trim()
+        before = self.best
         made: list[float] = []  # when a summary was asked for: its pass is timed
 
         def wanted(quick: SimResult) -> bool:
@@ -113,7 +132,11 @@ class Evaluator:
                                lowering_cache=self.lowering_cache)
         if made:
             self.pace.record("summary", time.perf_counter() - made[0])
+        self.lowering_cache.trim()  # a lowering past the bound is not held while the next is made
+        self._tasks.trim()
         self._leads(result)
+        if self.best != before:  # it leads: the one result kept with its summary
+            self._lead(plan)
         if not timeline:
             self._keep(plan, bool(summary or made), result)
         return result
@@ -132,6 +155,15 @@ class Evaluator:
         if plan.precision == self.precision and self.reduce_dtype in (None, plan.reduce_dtype):
             return plan
         return plan.with_precision(self.precision, self.reduce_dtype)
+
+
+def scored(result: SimResult) -> SimResult:
+    """``result`` as ``simulate_plan(..., summary=False)`` returns it: iteration time, peak
+    memory, capacities and task count, no busy times, bytes moved, breakdown or timeline."""
+    if not (result.busy_time or result.bytes_moved or result.timeline or result.memory):
+        return result
+    return SimResult(result.iteration_time, (), result.peak_memory_bytes, result.memory_capacity, {},
+                     result.num_tasks)
 
 
 @dataclass
