@@ -77,7 +77,7 @@ class Strategy:
 
     def __hash__(self) -> int:
         """The compared fields' hash, computed once (a search keys its results by plan value,
-        ``soapsearch.search.api.Evaluator``, and asks for it several times a proposal)."""
+        ``soapsearch.search.evaluator.Evaluator``, and asks for it several times a proposal)."""
         got = self.__dict__.get("_hash")
         if got is None:
             got = hash(tuple(getattr(self, f.name) for f in fields(self) if f.compare))

@@ -7,7 +7,7 @@ families timed so far (none timed: it starts), so a chain's first proposal after
 waits for room for one of them.
 
 A scored plan that leads the search is summarized at once from its own timeline
-(``api.Evaluator.summarize_best``; kind "summary": that pass alone), so nothing is simulated
+(``evaluator.Evaluator.summarize_best``; kind "summary": that pass alone), so nothing is simulated
 after the chains, and a step that may lead is predicted with a summary's pass after it. The
 search's last step then ends within the budget plus that step's error against its prediction."""
 

@@ -79,8 +79,8 @@ far below the injected delays."""
 def _slowed(monkeypatch, delay: float) -> list[float]:
     """Every summary a search's simulation makes takes ``delay`` s more (a baseline's, the
     answer's); the times (perf_counter) each of them ends are returned, as they come."""
-    api = importlib.import_module("soapsearch.search.api")  # soapsearch.search is also the function
-    real, ends = api.simulate_plan, []
+    scorer = importlib.import_module("soapsearch.search.evaluator")
+    real, ends = scorer.simulate_plan, []
 
     def slow(*args, summary=True, **kw):
         if callable(summary):  # asked of the result without its summary: slowed where it says yes
@@ -95,7 +95,7 @@ def _slowed(monkeypatch, delay: float) -> list[float]:
             ends.append(time.perf_counter())
         return result
 
-    monkeypatch.setattr(api, "simulate_plan", slow)
+    monkeypatch.setattr(scorer, "simulate_plan", slow)
     return ends
 
 
@@ -134,7 +134,8 @@ def test_the_answer_is_summarized_when_scored_not_simulated_again(workers, monke
     # nothing is simulated after the chains, and its figures are a fresh simulation's.
     api = importlib.import_module("soapsearch.search.api")
     g = traced("mlp")
-    real_chains, real_sim, after = api.run_chains, api.simulate_plan, []
+    scorer = importlib.import_module("soapsearch.search.evaluator")
+    real_chains, real_sim, after = api.run_chains, scorer.simulate_plan, []
 
     def chains(*args, **kw):
         out = real_chains(*args, **kw)
@@ -147,7 +148,7 @@ def test_the_answer_is_summarized_when_scored_not_simulated_again(workers, monke
         return real_sim(*args, **kw)
 
     monkeypatch.setattr(api, "run_chains", chains)
-    monkeypatch.setattr(api, "simulate_plan", sim)
+    monkeypatch.setattr(scorer, "simulate_plan", sim)
     r = search(g, topology="p100-1x4", budget_s=None, proposals=100, seed=1, chains=2, workers=workers)
     assert after == ["chains"] and r.history and r.history[-1][1] > 0  # a chain's plan, scored once
     assert not any(r.strategy == p for p in r.baseline_plans.values())

@@ -14,7 +14,7 @@ from simulator.simulate import simulate_plan
 from simulator import tasks
 from simulator.tasks import TaskCache
 from simulator.topology import Topology
-from soapsearch.search import api
+from soapsearch.search import evaluator as scorer
 from soapsearch.search.api import Evaluator
 from soapsearch.search.mcmc import candidate_configs
 from strategies import data_parallel, owt
@@ -247,13 +247,13 @@ def test_a_count_seen_before_under_other_sharding_levels_lowers_and_builds_nothi
 def test_a_plan_simulated_before_is_not_simulated_again(monkeypatch):
     # A micro-batch move and its reverse: the plan back at 1 micro-batch equals the first (a
     # new object) and gets its result without a simulation; a summary is simulated once where
-    # the kept result has none; past api.SEEN other plans the first is simulated again.
+    # the kept result has none; past evaluator.SEEN other plans the first is simulated again.
     graph, topo, cost = traced("mlp", batch_size=16), get_topology("p100-2x2"), get_cost_model("analytical")
     evaluate = Evaluator(graph, topo, cost)
     simulated = []
-    real = api.simulate_plan
-    monkeypatch.setattr(api, "simulate_plan", lambda g, plan, *a, **k: simulated.append(plan) or real(g, plan, *a, **k))
-    monkeypatch.setattr(api, "SEEN", 2)
+    real = scorer.simulate_plan
+    monkeypatch.setattr(scorer, "simulate_plan", lambda g, plan, *a, **k: simulated.append(plan) or real(g, plan, *a, **k))
+    monkeypatch.setattr(scorer, "SEEN", 2)
     dp = data_parallel(graph, 4)
     first = evaluate(dp)
     evaluate(dp.with_microbatches(2))

@@ -69,7 +69,7 @@ def test_the_starts_are_ranked_by_their_results_not_simulated_again(monkeypatch)
     even = [moves.plan(Factorization(1, 4, 4, "gpipe", 0, False, False)),
             moves.plan(Factorization(2, 1, 4, "1f1b", 0, False, False))]
     timed = [(plan, evaluate(plan)) for plan in even]
-    monkeypatch.setattr(importlib.import_module("soapsearch.search.api"), "SEEN", 1)  # keeps the restaged plan only
+    monkeypatch.setattr(importlib.import_module("soapsearch.search.evaluator"), "SEEN", 1)  # keeps the restaged plan only
     calls = evaluate.calls
     starts = stageinit.restaged_starts(moves, evaluate, timed, ChainStats(), 0.0, None, Pace())
     assert evaluate.calls == calls + 1 and starts[1] is even[1] and stage_count(graph, starts[0]) == 4

@@ -176,7 +176,7 @@ def test_a_sweep_that_times_nothing_starts_the_chains_from_the_best_baseline(mon
     every plan's memory check outlasts it) no longer ends the search: the best scored baseline
     starts the chains."""
     import sys
-    api = sys.modules[Evaluator.__module__]
+    api = sys.modules[best_baselines.__module__]
     starts = []
 
     def nothing(*args, **kwargs):
