@@ -146,9 +146,8 @@ def timed_graph(lowered: Lowered, topology: Topology, cost: CostModel, optimizer
         if isinstance(lowered.copies, MemberFold) and not want:  # its timeline not every member's: its copies'
             if relower is not None:
                 relower.why = "the member-folded timeline is not every member's (Folded.holds)"
-            folds = lowered.copies.count > 1
-            lowered = again(Copies(lowered.copies.copies) if folds else None)
-            want = folds
+            want = lowered.copies.count > 1
+            lowered = again(_copies_alone(lowered.copies))
         if lowered.copies is not None and (not want or count not in (None, lowered.copies.count)):
             lowered = again(copies_of(lowered.graph, lowered.strategy, count) if want else None)
         try:
@@ -157,7 +156,7 @@ def timed_graph(lowered: Lowered, topology: Topology, cost: CostModel, optimizer
             members = lowered.copies if isinstance(lowered.copies, MemberFold) else None  # or its copies'
             if members is not None and relower is not None:
                 relower.why = str(e)
-            lowered = again(Copies(members.copies) if members is not None and members.count > 1 else None)
+            lowered = again(None if members is None else _copies_alone(members))
             try:
                 tg, folded = task_graph(lowered, topology, cost, optimizer, cache, False)
             except FoldError:  # the member fold's copies that do not fold either: every device's
@@ -172,6 +171,11 @@ def timed_graph(lowered: Lowered, topology: Topology, cost: CostModel, optimizer
             return (tg, folded, *times)
         fewer = folded.coarser()
         tries.append((fewer is not None, fewer))
+
+
+def _copies_alone(fold: MemberFold) -> Copies | None:
+    """A member fold's copies without its members (None: one copy, every device)."""
+    return Copies(fold.copies) if fold.count > 1 else None
 
 
 def run_timeline(tg: TaskGraph, topology: Topology, folded: Folded | None = None
@@ -203,8 +207,9 @@ def task_graph(lowered: Lowered, topology: Topology, cost: CostModel, optimizer:
         graph, plan = lowered.graph, lowered.strategy
         copies = find_copies(graph, plan) if count is None else copies_of(graph, plan, count)
     members = isinstance(copies, MemberFold)
-    maps = link_maps(topology, copies) if copies is not None and not (members and copies.count == 1) else None
-    if maps is None and lowered.copies is not None and not (members and copies.count == 1):
+    one_copy = members and copies.count == 1  # members folded inside a single copy: no copy maps
+    maps = link_maps(topology, copies) if copies is not None and not one_copy else None
+    if maps is None and lowered.copies is not None and not one_copy:
         raise FoldError(f"{copies} do not own their links on {topology.name!r}")
     if members:  # members 0 and 1 for all (simulator.fold_members)
         tg = build_tasks(lowered, topology, cost, optimizer, cache, copies)

@@ -197,11 +197,14 @@ class BucketRecords:
         self.tasks += len(tasks.cols)
         return tasks
 
+    def clear(self) -> None:
+        self.records.clear()
+        self.tasks = 0
+
     def bound(self) -> None:
         """Empty past ``MEMO`` records or ``MEMO_TASKS`` tasks (speed, never results)."""
         if len(self.records) >= MEMO or self.tasks > MEMO_TASKS:
-            self.records.clear()
-            self.tasks = 0
+            self.clear()
 
 
 class _BucketTasks(NamedTuple):

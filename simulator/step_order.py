@@ -14,7 +14,8 @@ __all__ = ["before_inside", "bucket_ready", "device_steps", "link_schedule"]
 
 
 def link_schedule(tg: TaskGraph, lowered: Lowered, steps: np.ndarray, first: np.ndarray,
-                   slots: np.ndarray, arrivals: np.ndarray) -> dict[int, list[int]]:
+                   slots: np.ndarray, arrivals: np.ndarray
+                   ) -> tuple[dict[int, list[int]], tuple[np.ndarray, np.ndarray]]:
     """Each device runs the schedule's order (strategies/schedule.py): per micro-batch its
     forwards in graph and partition order (a stable sort by device and micro-batch), a backward
     pass running them in reverse. A step starts once the one before it is done, a blocking sum
@@ -101,10 +102,10 @@ def bucket_ready(tg: TaskGraph, position: dict[str, int], blocks: list, first: n
     backward step after which the member starts it (``issues``: ``strategies.overlap.bucket_issues``) and
     the first task of the device's next step, which waits on it (the executor starts it
     between the two), None after the device's last step. ``position``: each op's block's."""
-    order = tg.step_order
-    ends = dict(zip(order.devices, order.last))
     if not issues:
         return {}
+    order = tg.step_order
+    ends = dict(zip(order.devices, order.last))
     pairs, bwd, after, until = [], [], [], []  # per distinct (device, step): its backward task, end, device's last place
     for d, mine in issues.items():
         step = None

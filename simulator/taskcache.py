@@ -85,8 +85,7 @@ class TaskCache:
             del self._states[kept]
         if TASK_BYTES * (self.gathers.tasks + self.step_tasks.tasks) > limit // 2:
             self.gathers.clear()
-            self.step_tasks.records.clear()
-            self.step_tasks.tasks = 0
+            self.step_tasks.clear()
             self.buckets.clear()
         return True
 

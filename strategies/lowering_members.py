@@ -27,6 +27,7 @@ copies alone.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Sequence
@@ -131,13 +132,20 @@ class MemberFold(Copies):
         return tuple(tuple(x for d in row for x in images.get(d, (d,))) for row in self.members.members)
 
     def rep_array(self, n: int) -> np.ndarray:
-        """Device -> the kept device it is the image of (its copy-0 image's representative)."""
-        out = super().rep_array(n).copy()
-        rep = self.member_rep
-        return np.fromiter((rep.get(d, d) for d in out.tolist()), np.int64, n)
+        """Device -> the kept device it is the image of (its copy-0 image's representative);
+        read-only, made once per fold and device count."""
+        return _member_rep_array(self, n)
 
     def __str__(self) -> str:
         return f"{self.count} copies of {self.size} device(s), {self.members}"
+
+
+@functools.lru_cache(maxsize=64)
+def _member_rep_array(fold: "MemberFold", n: int) -> np.ndarray:
+    rep = fold.member_rep
+    out = np.fromiter((rep.get(d, d) for d in Copies.rep_array(fold, n).tolist()), np.int64, n)
+    out.flags.writeable = False
+    return out
 
 
 def member_fold(graph: OpGraph, strategy: Strategy, copies: Copies | None = None) -> MemberFold | str:
@@ -235,5 +243,5 @@ def other_reads(others: Sequence[tuple[int, int, tuple]], slot: int, grid: tuple
     from strategies.pieces import overlapping  # pieces imports this module
 
     return [(k, dev, ins[slot], tuple(q for q, _, _ in overlapping(grid, degrees,
-                                                                  ins[slot] + extra if extra else ins[slot])))
+                                                                  ins[slot] + extra)))
             for k, dev, ins in others if ins[slot] is not None]

@@ -16,16 +16,16 @@ __all__ = ["per_lowered"]
 R = TypeVar("R")
 
 
-def per_lowered(fn: Callable[[object], R]) -> Callable[[object], R]:
-    """``fn(lowered)`` computed when ``lowered`` is not the object of the last call, else the
-    last result (the same object: callers must not change it). A call that raises keeps
-    nothing."""
+def per_lowered(fn: Callable[..., R]) -> Callable[..., R]:
+    """``fn(lowered, *rest)`` computed when ``lowered`` is not the object of the last call, else
+    the last result (the same object: callers must not change it); ``rest`` must not change
+    the result (what the caller keeps to compute it faster). A call that raises keeps nothing."""
     last: list = [None, None]
 
     @functools.wraps(fn)
-    def kept(lowered):
+    def kept(lowered, *rest):
         if last[0] is not lowered:
-            result = fn(lowered)
+            result = fn(lowered, *rest)
             last[0], last[1] = lowered, result
         return last[1]
     return kept

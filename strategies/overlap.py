@@ -33,6 +33,7 @@ from typing import NamedTuple
 
 from strategies.members import kept_members
 from strategies.lowered import BucketKey, Lowered
+from strategies.memo import per_lowered
 from strategies.schedule import Step
 
 __all__ = ["BucketIssue", "bucket_order", "bucket_issues", "bucket_plan"]
@@ -93,11 +94,14 @@ def bucket_plan(lowered: Lowered, position: dict[str, int] | None = None, memo: 
     lowerings of one graph, holding each bucket's ready steps with the reader ops' partitions
     they were found from, so a plan that changes a few ops finds again only the buckets
     those ops read (the same result as without it: ``_ready``). A call with a memo for the
-    lowering the last such call planned gets that call's result (``_LAST``; callers must not
-    change it): one simulation's task build (``simulator.tasks``) and memory model
-    (``simulator.memory_collectives``) plan the same lowering, each with its own memo."""
-    if memo is not None and _LAST[0] is lowered:
-        return _LAST[1]
+    lowering the last such call planned gets that call's result (``strategies.memo.per_lowered``;
+    callers must not change it): one simulation's task build (``simulator.tasks``) and memory
+    model (``simulator.memory_collectives``) plan the same lowering."""
+    return _plan(lowered, position, None) if memo is None else _kept_plan(lowered, position, memo)
+
+
+def _plan(lowered: Lowered, position: dict[str, int] | None, memo: dict | None
+          ) -> tuple[list[BucketKey], dict[int, list[BucketIssue]]]:
     position, ops = _bucket_ops(lowered, position, memo)
     last = lowered.strategy.microbatches - 1
     kept = None if lowered.copies is None else lowered.copies.kept  # copy 0's lowering: its devices' issues
@@ -112,14 +116,12 @@ def bucket_plan(lowered: Lowered, position: dict[str, int] | None = None, memo: 
             here = ready[(d, key)]
             issued[d] = here if d not in issued or here < issued[d] else issued[d]
             out.setdefault(d, []).append(BucketIssue(key, issued[d][2]))
-    if memo is not None:
-        _LAST[:] = lowered, (order, out)
     return order, out
 
 
-_LAST: list = [None, None]
-"""The lowering the last ``bucket_plan`` call with a memo planned, and its result (a lowering
-never changes once made, ``strategies.memo``; ``position`` is its graph's, whoever passes it)."""
+_kept_plan = per_lowered(_plan)
+"""``_plan`` of the lowering the last call with a memo planned, kept (a lowering never changes
+once made; ``position`` is its graph's, whoever passes it)."""
 
 
 MEMO = 4096

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field, fields
 from functools import cached_property
 from typing import Iterator, Mapping
@@ -180,30 +181,25 @@ class Strategy:
     def with_configs(self, configs: Mapping[str, ParallelConfig]) -> "Strategy":
         """``configs`` (op -> config) under this plan's other fields (micro-batches, schedule,
         precision, bucket cap, prefetch unit, reduce dtype)."""
-        return Strategy(tuple(configs.items()), self.num_devices, self.microbatches, self.schedule, self.precision,
-                        self.bucket_cap_mb, self.fsdp_unit, self.reduce_dtype)
+        return dataclasses.replace(self, configs=tuple(configs.items()))
 
     def with_microbatches(self, microbatches: int, schedule: str | None = None) -> "Strategy":
-        return Strategy(self.configs, self.num_devices, microbatches, schedule or self.schedule, self.precision,
-                        self.bucket_cap_mb, self.fsdp_unit, self.reduce_dtype)
+        return dataclasses.replace(self, microbatches=microbatches, schedule=schedule or self.schedule)
 
     def with_precision(self, precision: str, reduce_dtype: str | None = None) -> "Strategy":
         """The same plan computing in ``precision`` (``PRECISIONS``), its gradients reduced in
         ``reduce_dtype`` (None: this plan's where ``precision`` is mixed, else ``compute``)."""
         if reduce_dtype is None:
             reduce_dtype = self.reduce_dtype if precision != "model" else "compute"
-        return Strategy(self.configs, self.num_devices, self.microbatches, self.schedule, precision,
-                        self.bucket_cap_mb, self.fsdp_unit, reduce_dtype)
+        return dataclasses.replace(self, precision=precision, reduce_dtype=reduce_dtype)
 
     def with_bucket_cap(self, bucket_cap_mb: float) -> "Strategy":
         """The same plan with gradient buckets capped at ``bucket_cap_mb`` MiB."""
-        return Strategy(self.configs, self.num_devices, self.microbatches, self.schedule, self.precision,
-                        bucket_cap_mb, self.fsdp_unit, self.reduce_dtype)
+        return dataclasses.replace(self, bucket_cap_mb=bucket_cap_mb)
 
     def with_fsdp_unit(self, fsdp_unit: str) -> "Strategy":
         """The same plan with ZeRO-3 prefetch units of ``fsdp_unit`` (``FSDP_UNITS``)."""
-        return Strategy(self.configs, self.num_devices, self.microbatches, self.schedule, self.precision,
-                        self.bucket_cap_mb, fsdp_unit, self.reduce_dtype)
+        return dataclasses.replace(self, fsdp_unit=fsdp_unit)
 
     @cached_property
     def devices_used(self) -> tuple[int, ...]:

@@ -151,10 +151,9 @@ def _op_reads(lowered: Lowered, groups: tuple, i: int, j: int) -> list:
 def _indices(seqs: dict[int, tuple[list, list]], runs: tuple) -> list[int]:
     """A member's partition index at each position of its reading order (``seqs``: its reading
     steps per chunk, with their partition indices; ``runs``: its passes)."""
-    back = {c: s[1][::-1] for c, s in seqs.items()}
     out: list[int] = []
     for backward, _, c in runs:
-        got = (back.get(c) if backward else seqs[c][1] if c in seqs else None)
-        if got:
-            out += got
+        seq = seqs.get(c)
+        if seq and seq[1]:
+            out += seq[1][::-1] if backward else seq[1]
     return out

@@ -4,6 +4,7 @@ and keeping recent results by plan."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from simulator.cost import CostModel
@@ -92,8 +93,7 @@ class Evaluator:
             if seen[0] or not summary:  # a plan returned before never leads (``_leads``) again
                 return seen[1]
         self.calls += 1
-        self.lowering_cache.trim()
-        self._tasks.trim()
+        self.lowering_cache.trim()  # the sweep and the stage moves lower through it between calls
         before = self.best
         made: list[float] = []  # when a summary was asked for: its pass is timed
 
@@ -138,5 +138,4 @@ def scored(result: SimResult) -> SimResult:
     memory, capacities and task count, no busy times, bytes moved, breakdown or timeline."""
     if not (result.busy_time or result.bytes_moved or result.timeline or result.memory):
         return result
-    return SimResult(result.iteration_time, (), result.peak_memory_bytes, result.memory_capacity, {},
-                     result.num_tasks)
+    return dataclasses.replace(result, busy_time=(), bytes_moved={}, timeline=(), memory=())

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import random
 
-import pytest
-
 from simulator.cost import get_cost_model
 from simulator.presets import get_topology
 from simulator.simulate import simulate_plan
@@ -48,12 +46,9 @@ def delta_walk(graph, topology: str, start, levels: tuple[int, ...], seed: int, 
 
 
 def fold_equals_full(graph, plan, topology: str, cost) -> None:
-    """Asserts the folded simulation of ``plan`` (fewer tasks) equals the per-device one in
-    iteration time, peaks and busy time (Adam)."""
-    topo = get_topology(topology)
-    folded = simulate_plan(graph, plan, topo, cost, optimizer="adam", fold=True)
-    full = simulate_plan(graph, plan, topo, cost, optimizer="adam", fold=False)
+    """Asserts the folded simulation of ``plan`` (fewer tasks) equals the per-device one
+    (``test_fold.assert_same``, Adam)."""
+    from tests.simulator.test_fold import assert_same
+
+    full, folded = assert_same(graph, plan, get_topology(topology), "adam", cost)
     assert folded.num_tasks < full.num_tasks
-    assert folded.iteration_time == pytest.approx(full.iteration_time, rel=1e-12)
-    assert folded.peak_memory_bytes == full.peak_memory_bytes
-    assert folded.busy_time == pytest.approx(full.busy_time, rel=1e-12)

@@ -1,5 +1,5 @@
 """One bucket plan per lowering for the task build and the memory model
-(``strategies.overlap.bucket_plan``'s ``_LAST``): over a walk of one-op proposals (drawn
+(``strategies.overlap.bucket_plan``, kept per lowering): over a walk of one-op proposals (drawn
 configs and ZeRO levels 0-1, several buckets per device set), each lowering's buckets are
 planned once, by the task build, and the memory model's bucket rows read that plan and equal
 the rows of a fresh ``bucket_plan`` (no memo) at every step."""
