@@ -239,14 +239,14 @@ def _record_bucket(topology: Topology, key: BucketKey, nbytes: int, unpacked: in
     cols.add(label, TaskKind.ALLREDUCE, collective_time(topology, kind, devs, nbytes),
              tuple(n + l for l in ring_links(topology, devs)), devs[0], nbytes)
     for d in members:
-        cols.add(f"pack {label} device {d}", TaskKind.ALLREDUCE, _copy_time(topology.devices[d], nbytes), (d,), d)
+        cols.add(f"pack {label} device {d}", TaskKind.ALLREDUCE, copy_time(topology.devices[d], nbytes), (d,), d)
     ends = member_ends(cols.add, lambda a, b: (src.append(a), dst.append(b)), topology, 0, devs, label,
                        TaskKind.ALLREDUCE, members)
     hosts = tuple((d, e) for d, e in zip(members, ends) if e != 0)
     if not scattered:  # level 0: the sums copied back (level 1: its chunk is the optimizer's gradient)
         done = []
         for d, e in zip(members, ends):
-            u = cols.add(f"unpack {label} device {d}", TaskKind.ALLREDUCE, _copy_time(topology.devices[d], unpacked),
+            u = cols.add(f"unpack {label} device {d}", TaskKind.ALLREDUCE, copy_time(topology.devices[d], unpacked),
                          (d,), d)
             src.append(e)
             dst.append(u)
@@ -286,7 +286,7 @@ def _gather_chunks(tg: TaskGraph, topology: Topology, chunks, updates: dict[int,
         for d, e in zip(members, _synced_ends(tg, topology, ag, devs, label, TaskKind.ALLREDUCE,
                                               [(d, updates[d]) for d in members], members)):
             unpack = tg.add(f"unpack {label} device {d}", TaskKind.ALLREDUCE,
-                            _copy_time(topology.devices[d], chunk * len(devs)), (d,), d)
+                            copy_time(topology.devices[d], chunk * len(devs)), (d,), d)
             tg.edge(e, unpack)
 
 
@@ -309,11 +309,12 @@ _LOSS_BYTES = 8
 """The step's loss value the executor all-reduces when not every device knows it: one float64."""
 
 
-def _copy_time(spec: DeviceSpec, nbytes: int) -> float:
-    """Seconds to copy ``nbytes`` on the device, ``COPY_TRAFFIC * nbytes / memory_bandwidth``:
-    a bucket's gradients packed into one flat tensor before its all-reduce and the sums copied
-    back after it, as ``shards.LocalWeights.sync_grads`` (and DDP's buckets) do."""
-    return COPY_TRAFFIC * nbytes / spec.memory_bandwidth
+def copy_time(spec: DeviceSpec, nbytes: int, traffic: float = COPY_TRAFFIC) -> float:
+    """Seconds to copy ``nbytes`` on the device, ``traffic * nbytes / memory_bandwidth``
+    (``traffic`` bytes moved per byte; ``COPY_TRAFFIC``, read + write): a bucket's gradients
+    packed into one flat tensor before its all-reduce and the sums copied back after it, as
+    ``shards.LocalWeights.sync_grads`` (and DDP's buckets) do; FSDP2's copies (``zero3``)."""
+    return traffic * nbytes / spec.memory_bandwidth
 
 
 def _update_time(spec: DeviceSpec, traffic: float, nbytes: int, tensors: int) -> float:

@@ -39,7 +39,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 import numpy as np
 
 from simulator.comm import allgather_time, reduce_scatter_time, ring_links
-from simulator.step import COPY_TRAFFIC, member_ends
+from simulator.step import copy_time, member_ends
 from simulator.taskgraph import INDEX, Columns, TaskGraph, TaskKind
 from simulator.topology import Topology
 from strategies.config import format_devices
@@ -263,7 +263,7 @@ def _use_tasks(add: Callable[..., int], edge: Callable[[int, int], None], topolo
             if copies:  # split_with_sizes_copy out of the flat buffer, on the compute stream
                 for d in simulated:
                     out = add(f"{FSDP_COPY_LABELS[0]}{label} device {d}", TaskKind.COLLECTIVE,
-                              COPY_TRAFFIC * gathered * len(devs) / topology.devices[d].memory_bandwidth, (d,), d)
+                              copy_time(topology.devices[d], gathered * len(devs)), (d,), d)
                     edge(done[d], out)
                     done[d] = out
             if key is not None:
@@ -277,8 +277,8 @@ def _use_tasks(add: Callable[..., int], edge: Callable[[int, int], None], topolo
     done_b = block.bwd_done[j]
     for d, k in members:
         if copies:  # torch.cat into the flat input in the reduce dtype, then the pre-divide
-            into = add(f"{FSDP_COPY_LABELS[1]}{label} device {d}", TaskKind.COLLECTIVE, fsdp_copy_in_traffic(
-                u.chunk_bytes * len(devs), wide) / topology.devices[d].memory_bandwidth, (d,), d)
+            into = add(f"{FSDP_COPY_LABELS[1]}{label} device {d}", TaskKind.COLLECTIVE,
+                       copy_time(topology.devices[d], fsdp_copy_in_traffic(u.chunk_bytes * len(devs), wide), 1), (d,), d)
             edge(at + done_b[k], into)
             edge(into, rs)
         else:

@@ -231,7 +231,8 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--dtype", default="fp32", choices=sorted(DTYPE_FLAGS),
                       help="the plan's precision: fp32 computes in the model's dtype, bf16/fp16 in mixed "
                            "precision (float32 master weights and optimizer state)")
-    plan.add_argument("--reduce-dtype", default=Strategy.reduce_dtype, choices=REDUCE_DTYPES, help=REDUCE_HELP)
+    plan.add_argument("--reduce-dtype", default=Strategy.reduce_dtype, choices=REDUCE_DTYPES,
+                      help=REDUCE_HELP.format("compute"))
     plan.add_argument("--bucket-cap-mb", type=float, default=Strategy.bucket_cap_mb,
                       help="cap of the gradient buckets in MiB (DDP's bucket_cap_mb; default 25): each device "
                            "set's gradients are synced in buckets of about this size, each as soon as it is final")
@@ -258,7 +259,7 @@ def _parser() -> argparse.ArgumentParser:
                      help="simulate in this precision (fp32: the model's dtype; bf16/fp16: mixed "
                           "precision); default: the plan's")
     sim.add_argument("--reduce-dtype", default=None, choices=REDUCE_DTYPES,
-                     help=REDUCE_HELP.replace("compute)", "the plan's)"))
+                     help=REDUCE_HELP.format("the plan's"))
     sim.add_argument("--microbatches", type=int, default=None,
                      help="micro-batches of --baseline pipeline (default 4) or megatron (default 1)")
     sim.add_argument("--bucket-cap-mb", type=float, default=None,

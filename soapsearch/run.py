@@ -67,7 +67,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "in the model's dtype, bf16/fp16 in mixed precision (torch.autocast, float32 master "
                         "weights and optimizer state; fp16 with a dynamic loss scaler); default: the plan's")
     p.add_argument("--reduce-dtype", default=None, choices=REDUCE_DTYPES,
-                   help=REDUCE_HELP.replace("compute)", "the plan's)"))
+                   help=REDUCE_HELP.format("the plan's"))
     p.add_argument("--bucket-cap-mb", type=float, default=None,
                    help="cap of the gradient buckets in MiB, replacing the plan's (DDP's bucket_cap_mb; "
                         "plans default to its 25)")

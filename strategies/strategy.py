@@ -32,8 +32,8 @@ REDUCE_DTYPES = ("compute", "float32")
 ``MixedPrecisionPolicy.reduce_dtype``): ``compute``, the compute dtype (reduce_dtype =
 param_dtype), or ``float32`` (torchtitan's ``mixed_precision_reduce`` default)."""
 REDUCE_HELP = ("the dtype gradients are summed in under bf16/fp16 (FSDP2's reduce_dtype): compute, the compute "
-               "dtype, or float32 (torchtitan's default; 2x the bytes on the wire); default compute)")
-"""The command line's help of ``--reduce-dtype`` (plan, simulate, search, run)."""
+               "dtype, or float32 (torchtitan's default; 2x the bytes on the wire); default {})")
+"""The command line's help of ``--reduce-dtype`` (plan, simulate, search, run), its default to fill in."""
 FSDP_UNITS = ("op", "block")
 """A plan's ZeRO-3 prefetch unit (``Strategy.fsdp_unit``)."""
 COMPUTE_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}

@@ -45,7 +45,8 @@ def add_search_parsers(sub, model_args, graph_of) -> None:
     sp.add_argument("--dtype", default="fp32", choices=sorted(DTYPE_FLAGS),
                     help="the plans' precision: fp32 computes in the model's dtype, bf16/fp16 in mixed "
                          "precision (default fp32)")
-    sp.add_argument("--reduce-dtype", default=c.reduce_dtype, choices=REDUCE_DTYPES, help=REDUCE_HELP)
+    sp.add_argument("--reduce-dtype", default=c.reduce_dtype, choices=REDUCE_DTYPES,
+                    help=REDUCE_HELP.format("compute"))
     sp.add_argument("--devices", type=int, default=c.num_devices,
                     help="use only the first N devices (default all of the topology's)")
     sp.add_argument("--chains", type=int, default=c.chains,

@@ -3,7 +3,7 @@ backward, worked out by hand on zoo mlp data parallel over 2 k80 devices: at a 4
 (layers_2 and layers_4, 5,544 B and the loss sum's 8 B riding it) is packed after layers_2's
 backward and all-reduced while layers_1's and layers_0's run; it is done before layers_0's
 ends, so only bucket 1 (layers_0, 2,176 B) is all-reduced after the backward. The packs and
-unpacks copy the same bytes in all (``_copy_time`` is linear), so the iteration is shorter than
+unpacks copy the same bytes in all (``copy_time`` is linear), so the iteration is shorter than
 with one bucket by exactly allreduce(7,728 B) - allreduce(2,176 B). Delta = full with several
 buckets on walks of one-op proposals."""
 
