@@ -11,6 +11,8 @@ from dataclasses import dataclass, replace
 from collections.abc import Iterator, Mapping
 from typing import NamedTuple
 
+import numpy as np
+
 from simulator.devices import DeviceSpec, Link
 from simulator.errors import field_error
 
@@ -70,6 +72,7 @@ class ClusterRoutes(Mapping):
         self.per_node, self.n, self._mesh = per_node, n, mesh
         self._up, self._down, self._out, self._in, self.nic_of = up, down, nic_out, nic_in, nic_of
         self.key = (per_node, n, nic_of, mesh is not None)
+        self._mesh_table: np.ndarray | None = None  # mesh[s, d] as an n x per_node array, made when first used
 
     def _intra(self, s: int, d: int) -> tuple[int, ...]:
         return (self._mesh[s, d],) if self._mesh is not None else (self._up[s], self._down[d])
@@ -87,6 +90,39 @@ class ClusterRoutes(Mapping):
             return (self._out[s], self._in[d])
         via = s - s % p + d % p  # rail: to the source node's device on the destination's rail first
         return (*self._intra(s, via), self._out[via], self._in[d])
+
+    def links_array(self, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
+        """``self[src[i], dst[i]]`` for every i at once: row i the route's links in order, then -1
+        (4 columns: a rail route crosses at most 4 links). Every pair distinct and in range."""
+        s, d, p = np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64), self.per_node
+        out = np.full((len(s), 4), -1, dtype=np.int64)
+        inter = s // p != d // p
+        rail = inter & (s % p != d % p) if self.nic_of == "rail" else np.zeros(len(s), dtype=bool)
+        via = np.where(rail, s - s % p + d % p, s)  # rail: to the source node's device on d's rail first
+        hop = ~inter | rail  # rows whose route starts inside the source node
+        width = self._intra_array(s[hop], np.where(inter, via, d)[hop], out, hop)
+        nic = np.flatnonzero(inter)
+        if self.nic_of == "node":
+            a, b = np.asarray(self._out)[s[nic] // p], np.asarray(self._in)[d[nic] // p]
+        else:
+            a, b = np.asarray(self._out)[via[nic]], np.asarray(self._in)[d[nic]]
+        out[nic, width[nic]], out[nic, width[nic] + 1] = a, b
+        return out
+
+    def _intra_array(self, s: np.ndarray, d: np.ndarray, out: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """Write the intra-node hops ``s -> d`` into ``out``'s first columns at ``rows`` (a mask);
+        return each row's hop count (0 where not written)."""
+        width = np.zeros(len(out), dtype=np.int64)
+        if self._mesh is not None:
+            if self._mesh_table is None:
+                table = np.full((self.n, self.per_node), -1, dtype=np.int64)
+                for (a, b), link in self._mesh.items():
+                    table[a, b % self.per_node] = link
+                self._mesh_table = table
+            out[rows, 0], width[rows] = self._mesh_table[s, d % self.per_node], 1
+        else:
+            out[rows, 0], out[rows, 1], width[rows] = np.asarray(self._up)[s], np.asarray(self._down)[d], 2
+        return width
 
     def __iter__(self) -> Iterator[tuple[int, int]]:
         return ((s, d) for s in range(self.n) for d in range(self.n) if s != d)

@@ -59,24 +59,26 @@ def link_maps(topology: Topology, copies: Copies) -> LinkMaps | None:
     """The link maps of ``copies`` on ``topology`` (``LinkMaps``), or None where one copy's
     routes share a link with another's or do not map link by link onto copy 0's (G² routes
     per copy; kept per topology and copies)."""
-    first = copies.copies[0]
-    pairs = [(i, k) for i in range(len(first)) for k in range(len(first)) if i != k]
-    route = topology.route
-    routes = [route(first[i], first[k]) for i, k in pairs]
-    domain = {l: j for j, l in enumerate(sorted({l for r in routes for l in r}))}  # copy 0's links
-    owner = np.full(len(topology.links), -1, dtype=np.int64)
-    base = np.full(len(topology.links), -1, dtype=np.int64)
+    first = np.asarray(copies.copies[0], dtype=np.int64)
+    i, k = np.nonzero(~np.eye(len(first), dtype=bool))  # every ordered pair of copy 0's devices
+    routes = topology.route_links(first[i], first[k])
+    held = routes >= 0
+    at = np.flatnonzero(held)  # the (pair, hop) cells of copy 0's routes, row by row
+    n = len(topology.links)
+    keys = []  # (r, l0, l) as one integer: copy r's route crosses l where copy 0's crosses l0
     for r, copy in enumerate(copies.copies):
-        image = [-1] * len(domain)  # φ_r of each copy-0 link
-        for (i, k), links in zip(pairs, routes):
-            mapped = route(copy[i], copy[k])
-            if len(mapped) != len(links):
-                return None
-            for l0, l in zip(links, mapped):
-                j = domain[l0]
-                if image[j] not in (-1, l) or owner[l] not in (-1, r) or base[l] not in (-1, l0):
-                    return None  # φ_r not a map, or a link of two copies, or of two copy-0 links
-                image[j], owner[l], base[l] = l, r, l0
+        copy = np.asarray(copy, dtype=np.int64)
+        mapped = topology.route_links(copy[i], copy[k])
+        if mapped.shape != routes.shape or not np.array_equal(mapped >= 0, held):
+            return None  # a route of another length
+        keys.append((r * n + routes.ravel()[at]) * n + mapped.ravel()[at])
+    triples = np.unique(np.concatenate(keys))
+    source, link = triples // n, triples % n  # source: r * n + l0
+    if len(np.unique(source)) != len(triples) or len(np.unique(link)) != len(triples):
+        return None  # φ_r not a map, or a link of two copies, or of two copy-0 links
+    owner = np.full(n, -1, dtype=np.int64)
+    base = np.full(n, -1, dtype=np.int64)
+    owner[link], base[link] = source // n, source % n
     return LinkMaps(owner, base)
 
 

@@ -62,12 +62,13 @@ def member_maps(topology: Topology, fold: MemberFold) -> LinkMaps | str:
     if maps is None:
         return (f"members 1..{len(rows) - 1} do not own their links on {topology.name!r} (a route shared "
                 "between members, or not mapped link by link)")
-    route, owner = topology.route, maps.owner
-    zero = rows[0]
-    for a in zero:
-        for b in zero:
-            if a != b and any(owner[l] >= 0 for l in route(a, b)):
-                return f"member 0's route {a} -> {b} crosses a link of members 1..{len(rows) - 1}"
+    zero = np.asarray(rows[0], dtype=np.int64)
+    a, b = (zero[x] for x in np.nonzero(~np.eye(len(zero), dtype=bool)))  # every ordered pair, a-major
+    routes = topology.route_links(a, b)
+    crossed = ((routes >= 0) & (maps.owner[routes] >= 0)).any(axis=1)
+    if crossed.any():
+        j = int(np.argmax(crossed))
+        return f"member 0's route {a[j]} -> {b[j]} crosses a link of members 1..{len(rows) - 1}"
     return maps
 
 

@@ -41,6 +41,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+import numpy as np
+
 from simulator.cluster import ClusterRoutes
 from simulator.devices import OVERHEAD_FIELDS, DeviceSpec, Link
 from simulator.errors import field_error
@@ -193,6 +195,20 @@ class Topology:
         """Indices into ``links`` a transfer from ``src`` to ``dst`` crosses, in order."""
         i = self._index(src, dst)
         return self._ruled(i)[0] if self._route is None else self._route[i]
+
+    def route_links(self, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
+        """``route(src[i], dst[i])`` for every i at once, as rows of link indices padded with -1
+        (every pair distinct): a cluster's rule computes them with numpy, a table is read."""
+        if isinstance(self.routes, ClusterRoutes):
+            for x in (src, dst):
+                if len(x) and not (0 <= np.min(x) and np.max(x) < len(self.devices)):
+                    self._index(int(np.min(x)), int(np.max(x)))  # raises, naming the range
+            return self.routes.links_array(src, dst)
+        rows = [self.route(int(a), int(b)) for a, b in zip(src, dst)]
+        out = np.full((len(rows), max(map(len, rows), default=0)), -1, dtype=np.int64)
+        for i, r in enumerate(rows):
+            out[i, :len(r)] = r
+        return out
 
     def route_latency(self, src: int, dst: int) -> float:
         """Sum of the route's link latencies (0 when src == dst); precomputed."""
