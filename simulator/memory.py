@@ -134,28 +134,50 @@ def activation_peaks(lowered: Lowered, ws: dict[int, int] | None = None, collect
     (``simulator.memory_collectives.bucket_rows``): K + r_last (``_last_rise``). ``ws``:
     ``warmups(lowered)``, where the caller has it. Under the interleaved schedule a pass is one
     chunk's (``_interleaved_peaks``)."""
-    if lowered.strategy.schedule == "interleaved":
-        return _interleaved_peaks(lowered, collectives, buckets)
-    b, ws = lowered.device_bytes, device_warmups(lowered) if ws is None else ws
-    issued = _issued(lowered, len(b.kept)) if buckets else None
-    if not any(map(_dropped, lowered.pieces.values())) and not (collectives and lowered.collectives):
-        out = [ws.get(d, 0) * k for d, k in enumerate(b.kept)]  # the search's hot path: one C-level pass
-        if issued is None:
-            return out
-        # the last pass only frees, so it rises over w·K only where K + the buckets' bytes do
-        total = issued.sum(axis=0).tolist()
-        if all(p >= k + t for p, k, t in zip(out, b.kept, total)):
-            return out
-    rows = _rows(lowered, collectives)
-    kept = (rows[0].sum(axis=0) - rows[1].sum(axis=0)).tolist()  # b.kept, and the kept collective results
-    rise_f, rise_b = (x.tolist() for x in _rises(*rows))
-    last = _last_rise(rows[2], rows[3], issued).tolist() if issued is not None else None
-    out = []
-    for d, k in enumerate(kept):
-        w = ws.get(d, 0)
-        peak = max((w - 1) * k + rise_f[d], w * k + rise_b[d]) if w else 0
-        out.append(max(peak, k + last[d]) if w and last is not None else peak)
-    return out
+    return _Walks(lowered, ws).peaks(collectives, buckets)
+
+
+class _Walks:
+    """``activation_peaks``'s walks of one lowering, what they share made once: the ops' rows
+    (``_dropped_rows``), with the collectives' added (``_rows``), each set's kept bytes and
+    rises (``memory_breakdown`` walks without the collectives, with them, and with the buckets)."""
+
+    def __init__(self, lowered: Lowered, ws: dict[int, int] | None) -> None:
+        self.lowered, self.ws = lowered, device_warmups(lowered) if ws is None else ws
+        self.walked: dict[bool, tuple] = {}  # collectives -> (rows, kept, rise_f, rise_b)
+
+    def walk(self, collectives: bool) -> tuple:
+        got = self.walked.get(collectives)
+        if got is None:
+            base = self.walk(False)[0] if collectives else None
+            rows = _rows(self.lowered, collectives, base)
+            kept = (rows[0].sum(axis=0) - rows[1].sum(axis=0)).tolist()  # b.kept, and the kept collective results
+            got = self.walked[collectives] = (rows, kept, *(x.tolist() for x in _rises(*rows)))
+        return got
+
+    def peaks(self, collectives: bool, buckets: bool) -> list[int]:
+        """``activation_peaks(lowered, ws, collectives, buckets)``."""
+        lowered, ws = self.lowered, self.ws
+        if lowered.strategy.schedule == "interleaved":
+            return _interleaved_peaks(lowered, collectives, buckets)
+        b = lowered.device_bytes
+        issued = _issued(lowered, len(b.kept)) if buckets else None
+        if not any(map(_dropped, lowered.pieces.values())) and not (collectives and lowered.collectives):
+            out = [ws.get(d, 0) * k for d, k in enumerate(b.kept)]  # the search's hot path: one C-level pass
+            if issued is None:
+                return out
+            # the last pass only frees, so it rises over w·K only where K + the buckets' bytes do
+            total = issued.sum(axis=0).tolist()
+            if all(p >= k + t for p, k, t in zip(out, b.kept, total)):
+                return out
+        rows, kept, rise_f, rise_b = self.walk(collectives)
+        last = _last_rise(rows[2], rows[3], issued).tolist() if issued is not None else None
+        out = []
+        for d, k in enumerate(kept):
+            w = ws.get(d, 0)
+            peak = max((w - 1) * k + rise_f[d], w * k + rise_b[d]) if w else 0
+            out.append(max(peak, k + last[d]) if w and last is not None else peak)
+        return out
 
 
 def _issued(lowered: Lowered, n: int) -> np.ndarray | None:
@@ -178,30 +200,42 @@ def _last_rise(redone: np.ndarray, gone: np.ndarray, issued: np.ndarray) -> np.n
     return np.maximum(np.maximum(level.max(axis=0), end), 0)
 
 
-def _rows(lowered: Lowered, collectives: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def _rows(lowered: Lowered, collectives: bool = True, base: tuple | None = None
+          ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(ops in graph order) x devices: the bytes each op's forward adds (what it keeps and its
     dropped or transient outputs), the dropped and transient bytes freed after each op's
     forward, those recomputed at each op's backward (``strategies.pieces.drop_points``) and
     those freed after it (what it keeps and its recomputed output: a transient one, read by no
     backward, was freed in the forward, ``strategies.pieces.transient``); with ``collectives``,
-    the collectives' buffers besides (``simulator.memory_collectives``)."""
+    the collectives' buffers besides (``simulator.memory_collectives``). ``base``: the rows
+    without the collectives, where made already (read only)."""
+    n = len(lowered.device_bytes.kept)
+    rows = _op_rows(lowered) if base is None else base
+    extra = collective_rows(lowered, _positions(lowered.graph), n) if collectives else None
+    if extra is None:
+        return rows
+    if lowered.copies is not None:  # copy 0's columns are every copy's
+        rep = lowered.copies.rep_array(n)
+        extra = tuple(x[:, rep] for x in extra)
+    return tuple(a + b for a, b in zip(rows, extra))
+
+
+def _op_rows(lowered: Lowered) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``_rows`` without the collectives."""
     graph, pieces = lowered.graph, lowered.pieces
     position = _positions(graph)
     ops = list(map(pieces.__getitem__, position))
     n = len(lowered.device_bytes.kept)
     held = np.fromiter(itertools.chain.from_iterable(map(_activations, ops)), np.int64, len(ops) * n).reshape(-1, n)
     at = [i for i, p in enumerate(ops) if p.dropped]  # (op in graph order, device), then its dropped outputs
-    extra = collective_rows(lowered, position, n) if collectives else None
+    rep = None
     if lowered.copies is not None:  # copy 0's columns are every copy's; weight ops' where they run
         rep = lowered.copies.rep_array(n)
         weight = [i for i, node in enumerate(graph) if node.kind in WEIGHT_KINDS]
         whole = held[:, rep]
         whole[weight] = held[weight]
         held = whole
-        if extra is not None:
-            extra = tuple(x[:, rep] for x in extra)
-    rows = _dropped_rows(lowered, ops, held, at, rep if lowered.copies is not None else None)
-    return rows if extra is None else tuple(a + b for a, b in zip(rows, extra))
+    return _dropped_rows(lowered, ops, held, at, rep)
 
 
 def _dropped_rows(lowered: Lowered, ops: list, held: np.ndarray, at: list[int], rep: np.ndarray | None
@@ -363,9 +397,10 @@ def memory_breakdown(lowered: Lowered, optimizer: str = "sgd") -> list[MemoryBre
     b = lowered.device_bytes
     m = lowered.strategy.microbatches
     ws = device_warmups(lowered)
-    acts = activation_peaks(lowered, ws, collectives=False, buckets=False)
-    both = activation_peaks(lowered, ws, buckets=False) if lowered.collectives else acts
-    full = activation_peaks(lowered, ws)
+    walks = _Walks(lowered, ws)  # the three walks share their rows
+    acts = walks.peaks(False, False)
+    both = walks.peaks(True, False) if lowered.collectives else acts
+    full = walks.peaks(True, True)
     out = []
     for d in range(n):
         w = ws.get(d, 0)
