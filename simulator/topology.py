@@ -200,9 +200,10 @@ class Topology:
         """``route(src[i], dst[i])`` for every i at once, as rows of link indices padded with -1
         (every pair distinct): a cluster's rule computes them with numpy, a table is read."""
         if isinstance(self.routes, ClusterRoutes):
-            for x in (src, dst):
-                if len(x) and not (0 <= np.min(x) and np.max(x) < len(self.devices)):
-                    self._index(int(np.min(x)), int(np.max(x)))  # raises, naming the range
+            n = len(self.devices)
+            for what, x in (("src", src), ("dst", dst)):
+                if len(x) and not (0 <= np.min(x) and np.max(x) < n):
+                    raise IndexError(f"topology {self.name!r}: {what} devices {np.min(x)}..{np.max(x)} out of range 0..{n - 1}")
             return self.routes.links_array(src, dst)
         rows = [self.route(int(a), int(b)) for a, b in zip(src, dst)]
         out = np.full((len(rows), max(map(len, rows), default=0)), -1, dtype=np.int64)

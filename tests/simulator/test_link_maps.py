@@ -61,6 +61,12 @@ def test_route_links_are_the_rules_routes(shape):
     assert np.array_equal(read, got[:, :read.shape[1]]) and (got[:, read.shape[1]:] == -1).all()
 
 
+def test_route_links_refuse_devices_out_of_range():
+    topo = get_topology("a100-2x8")
+    with pytest.raises(IndexError, match=r"dst devices 3..16 out of range 0..15"):
+        topo.route_links(np.array([0, 1]), np.array([3, 16]))
+
+
 def _copies_cases(n: int, rng: random.Random):
     """Copies of several sizes: contiguous blocks, strided rows, and shuffled ones (most refused)."""
     for size in (d for d in (1, 2, 4, n // 2) if d and n % d == 0 and d < n):
