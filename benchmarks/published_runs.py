@@ -68,7 +68,7 @@ from strategies.lowering import lower  # noqa: E402
 from strategies.precision import compute_graph  # noqa: E402
 
 __all__ = ["MICROBATCH", "ROWS", "Run", "block_wave_efficiency", "build_graph", "build_plan",
-           "korthikanti_activations", "korthikanti_model_flops", "layer_ops", "layer_shares", "llama_params",
+           "korthikanti_activations", "korthikanti_model_flops", "layer_ops", "layer_products", "layer_shares", "llama_params",
            "narayanan_flops", "narayanan_params", "predict",
            "predicted_mfu", "predicted_tflops", "published_seconds", "reachable", "row_cost", "throughput_error",
            "tile_wave_efficiency", "torchtitan_flops"]
@@ -268,17 +268,23 @@ def tile_wave_efficiency(m: int, n: int, sms: int = A100_SMS) -> float:
     return best
 
 
-def block_wave_efficiency(run: Run) -> float:
-    """FLOP-weighted tile and wave efficiency of one transformer layer's GEMMs per GPU (q/k/v,
-    projection, MLP up (a SwiGLU's two) and down at the row's TP, micro-batch · sequence rows), each
-    forward (rows × out) and both backward products (rows × in, out × in). A diagnostic of
-    the shape effect, not part of the cost model."""
+def layer_products(run: Run) -> list[tuple[int, int, int]]:
+    """(rows, out, in) of each linear of one transformer layer on one GPU: q/k/v, projection, MLP
+    up (a SwiGLU's two) and down at the row's TP, micro-batch · sequence rows."""
     rows, h, t = run.microbatch * run.seq, run.hidden, run.tp
     kv = h if run.kv_heads is None else run.kv_heads * (h // run.heads)
     ffn = 4 * h if run.ffn is None else run.ffn
     ups = 1 if run.model == "gpt" else 2  # a SwiGLU's two up products
+    return [(rows, out, inner) for out, inner in (((h + 2 * kv) // t, h), (h, h // t), *[(ffn // t, h)] * ups,
+                                                  (h, ffn // t))]
+
+
+def block_wave_efficiency(run: Run) -> float:
+    """FLOP-weighted tile and wave efficiency of one transformer layer's GEMMs per GPU
+    (``layer_products``), each forward (rows × out) and both backward products (rows × in,
+    out × in). A diagnostic of the shape effect, not part of the cost model."""
     flops = weighted = 0.0
-    for out, inner in ((h + 2 * kv) // t, h), (h, h // t), *[(ffn // t, h)] * ups, (h, ffn // t):
+    for rows, out, inner in layer_products(run):
         for m, n in ((rows, out), (rows, inner), (out, inner)):
             flops += rows * out * inner
             weighted += rows * out * inner / tile_wave_efficiency(m, n)
