@@ -74,6 +74,11 @@ class _Last(NamedTuple):
     """Whether some op recomputes (no patch from or to such rows)."""
 
 
+PATCH_SHARE = 16
+"""Rows are patched where at most 1 in ``PATCH_SHARE`` of the ops changed, else built afresh (a
+full simulation's lowering, or another chain's plan): a patched op costs a few small array
+operations, about ten ops' share of building every row again (speed, never results)."""
+
 _LAST: dict[int, _Last] = {}
 """Graph id -> the last rows ``piece_rows`` gave for it (a few graphs: a search asks for one)."""
 
@@ -93,9 +98,11 @@ def piece_rows(lowered: Lowered, ops: list, position: dict[str, int], drops: Dro
             names = list(position)
             moved = {position[name] for name in drops.keys() | last.drops.keys()
                      if drops.get(name) is not last.drops.get(name)}
-            rows = _patched(last, ops, drops, names, sorted(moved.union(changed)))
-            _keep(graph, ops, drops, rows, False)
-            return rows
+            again = moved.union(changed)
+            if len(again) * PATCH_SHARE <= len(ops):
+                rows = _patched(last, ops, drops, names, sorted(again))
+                _keep(graph, ops, drops, rows, False)
+                return rows
     held = np.fromiter(itertools.chain.from_iterable(map(_activations, ops)), np.int64, len(ops) * n).reshape(-1, n)
     at = [i for i, p in enumerate(ops) if p.dropped]
     rows = dropped_rows(lowered, ops, held, at, None, drops, position)
