@@ -45,6 +45,10 @@ def test_patched_rows_equal_fresh_ones_on_a_walk(monkeypatch):
     monkeypatch.setattr(memory_rows, "PATCH_SHARE", 4)  # gpt's 55 ops: patch up to 13 of them
     rng = random.Random(5)
     current, cache, compared, dropping = data_parallel(graph, 4), {}, 0, 0
+    memory._rows(lower(graph, current, cache), collectives=False)
+    count = len(patched)
+    memory._rows(lower(graph, current), collectives=False)  # every op's pieces new (a full simulation's)
+    assert len(patched) == count  # built afresh, not patched op by op
     for step in range(120):
         op = rng.choice(ops)
         recompute = step >= 80 and rng.random() < 0.3  # the last third toggles recompute too
@@ -65,9 +69,6 @@ def test_patched_rows_equal_fresh_ones_on_a_walk(monkeypatch):
             current = proposal
     assert compared > 100 and dropping > compared  # every plan frees transient outputs
     assert len(patched) > 60 and sum(1 for k in patched if k) > 40  # most proposals patched some ops
-    count = len(patched)
-    memory._rows(lower(graph, current), collectives=False)  # every op's pieces new (a full simulation's)
-    assert len(patched) == count  # built afresh, not patched op by op
 
 
 def test_rows_follow_recompute_set_op_by_op():
