@@ -9,13 +9,12 @@ import numpy as np
 import pytest
 
 from simulator import memory, memory_rows
-from simulator.presets import get_topology
-from soapsearch.search.mcmc import candidate_configs
 from strategies import data_parallel
 from strategies.errors import PlanError
 from strategies.lowering import lower
 from strategies.pieces import drop_positions
 from tests.conftest import traced
+from tests.simulator.test_memory_delta import gpt_walk
 
 
 def _fresh(low, position):
@@ -29,11 +28,7 @@ def _fresh(low, position):
 
 
 def test_patched_rows_equal_fresh_ones_on_a_walk(monkeypatch):
-    graph = traced("gpt", batch_size=16)
-    topo = get_topology("p100-2x2")
-    candidates = candidate_configs(graph, 4, 1, topo.node_size)
-    ops = [op for op, cfgs in candidates.items() if len(cfgs) > 1]
-    position = {node.name: i for i, node in enumerate(graph)}
+    graph, candidates, ops, position = gpt_walk()
     patched = []
     real = memory_rows._patched
 
