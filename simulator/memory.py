@@ -13,6 +13,7 @@ from typing import NamedTuple
 import numpy as np
 
 from simulator.memory_collectives import bucket_rows, collective_rows
+from simulator.memory_rows import dropped_rows, piece_rows
 from simulator.memory_zero import state_bytes
 from strategies.lowered import WEIGHT_KINDS
 from strategies.lowering import Lowered
@@ -139,7 +140,7 @@ def activation_peaks(lowered: Lowered, ws: dict[int, int] | None = None, collect
 
 class _Walks:
     """``activation_peaks``'s walks of one lowering, what they share made once: the ops' rows
-    (``_dropped_rows``), with the collectives' added (``_rows``), each set's kept bytes and
+    (``simulator.memory_rows.dropped_rows``), with the collectives' added (``_rows``), each set's kept bytes and
     rises (``memory_breakdown`` walks without the collectives, with them, and with the buckets)."""
 
     def __init__(self, lowered: Lowered, ws: dict[int, int] | None) -> None:
@@ -221,82 +222,60 @@ def _rows(lowered: Lowered, collectives: bool = True, base: tuple | None = None
 
 
 def _op_rows(lowered: Lowered) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """``_rows`` without the collectives."""
+    """``_rows`` without the collectives. Every device's rows are patched from the last
+    plan's (``simulator.memory_rows.piece_rows``): read them only."""
     graph, pieces = lowered.graph, lowered.pieces
     position = _positions(graph)
     ops = list(map(pieces.__getitem__, position))
     n = len(lowered.device_bytes.kept)
+    drops = _drop_positions(graph, lowered.strategy, position)
+    if lowered.copies is None:
+        return piece_rows(lowered, ops, position, drops)
     held = np.fromiter(itertools.chain.from_iterable(map(_activations, ops)), np.int64, len(ops) * n).reshape(-1, n)
     at = [i for i, p in enumerate(ops) if p.dropped]  # (op in graph order, device), then its dropped outputs
-    rep = None
-    if lowered.copies is not None:  # copy 0's columns are every copy's; weight ops' where they run
-        rep = lowered.copies.rep_array(n)
-        weight = [i for i, node in enumerate(graph) if node.kind in WEIGHT_KINDS]
-        whole = held[:, rep]
-        whole[weight] = held[weight]
-        held = whole
-    return _dropped_rows(lowered, ops, held, at, rep)
-
-
-def _dropped_rows(lowered: Lowered, ops: list, held: np.ndarray, at: list[int], rep: np.ndarray | None
-                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """``_rows`` of the ops' pieces (``held``: what each op keeps, every device's columns; ``at``:
-    the ops that drop or let go of their outputs), without the collectives."""
-    graph, position, n = lowered.graph, _positions(lowered.graph), held.shape[1]
-    freed, redone = np.zeros_like(held), np.zeros_like(held)  # after an op's forward; at its backward
-    if not at:
-        return held, freed, redone, held
-    dropped = np.array([ops[i].dropped for i in at], dtype=np.int64).reshape(len(at), n)
-    if rep is not None:
-        dropped = dropped[:, rep]
-    gone = held.copy()
-    held[at] += dropped
-    redo = [k for k, i in enumerate(at) if ops[i].recompute]
-    gone[[at[k] for k in redo]] += dropped[redo]
-    names = list(position)
-    row = {names[i]: k for k, i in enumerate(at)}
-    which, fs, rs = [], [], []  # ops with one point for all their devices (their bytes are 0 elsewhere)
-    for name, groups in _drop_positions(graph, lowered.strategy, position).items():
-        k = row[name]
-        if len(groups) == 1:
-            which.append(k)
-            fs.append(groups[0][1])
-            rs.append(groups[0][2])
-            continue
-        for (d,), f, r in groups:
-            freed[f, d] += dropped[k, d]
-            if ops[at[k]].recompute:
-                redone[r, d] += dropped[k, d]
-    np.add.at(freed, fs, dropped[which])
-    once = np.array([ops[at[k]].recompute for k in which], dtype=bool)
-    np.add.at(redone, np.asarray(rs, dtype=np.int64)[once], dropped[which][once])
-    return held, freed, redone, gone
+    rep = lowered.copies.rep_array(n)  # copy 0's columns are every copy's; weight ops' where they run
+    weight = [i for i, node in enumerate(graph) if node.kind in WEIGHT_KINDS]
+    whole = held[:, rep]
+    whole[weight] = held[weight]
+    return dropped_rows(lowered, ops, whole, at, rep, drops, position)
 
 
 def _drop_positions(graph, strategy, position: dict[str, int]) -> dict[str, list[tuple[tuple[int, ...], int, int]]]:
     """``strategies.pieces.drop_positions``, patched from the last one of ``graph`` (a search's
     last plan): where neither plan recomputes, an op's entry reads its own and its consumers'
     devices only, so the entries found again are those of the ops whose devices changed and of
-    their producers (``key_readers``); else every entry. The result is shared: read it only."""
-    keys = [(name, cfg.devices, cfg.recompute) for name, cfg in strategy.configs]
+    their producers (``key_readers``); else every entry. The plans' (name, config) pairs are
+    compared by identity first (``Strategy.replace`` keeps the unchanged ones). The result is
+    shared: read it only."""
+    configs = strategy.configs
     last = _DROPS.get(id(graph))
-    if last is None or last[0] is not graph or len(last[1]) != len(keys) or any(k[2] for k in keys) \
-            or any(k[2] for k in last[1]):
-        out = drop_positions(graph, strategy, position)
+    if last is None or last[0] is not graph or len(last[1]) != len(configs) or last[2]:
+        out, recompute = drop_positions(graph, strategy, position), any(c.recompute for _, c in configs)
     else:
-        changed = {k[0] for pair in zip(keys, last[1]) if pair[0] != pair[1] for k in pair}
-        again = changed.union(*(key_readers(graph, name) for name in changed))
-        out = {name: groups for name, groups in last[2].items() if name not in again}
-        out.update(drop_positions(graph, strategy, position, again))
+        pairs = [(configs[i], last[1][i]) for i in
+                 itertools.compress(range(len(configs)), map(operator.is_not, configs, last[1]))]
+        recompute = any(new[1].recompute for new, _ in pairs)
+        if recompute:
+            out = drop_positions(graph, strategy, position)
+        else:
+            changed = {name for pair in pairs if _drop_key(pair[0]) != _drop_key(pair[1]) for name, _ in pair}
+            again = changed.union(*(key_readers(graph, name) for name in changed))
+            out = {name: groups for name, groups in last[3].items() if name not in again}
+            out.update(drop_positions(graph, strategy, position, again))
     if len(_DROPS) > 8:
         _DROPS.clear()
-    _DROPS[id(graph)] = (graph, keys, out)
+    _DROPS[id(graph)] = (graph, configs, recompute, out)
     return out
 
 
-_DROPS: dict[int, tuple[object, list, dict]] = {}
-"""Graph id -> (graph, each op's (name, devices, recompute), its ``drop_positions``) of the
-last plan ``_drop_positions`` saw."""
+def _drop_key(pair: tuple) -> tuple:
+    """What an op's drop entries read of its (name, config) pair."""
+    return pair[0], pair[1].devices, pair[1].recompute
+
+
+_DROPS: dict[int, tuple[object, tuple, bool, dict]] = {}
+"""Graph id -> (graph, the configs of the last plan ``_drop_positions`` saw, whether one of them
+recomputes, its ``drop_positions``)."""
 
 
 def _rises(held: np.ndarray, freed: np.ndarray, redone: np.ndarray, gone: np.ndarray

@@ -255,10 +255,9 @@ def drop_positions(graph: OpGraph, strategy: Strategy, position: dict[str, int] 
     out: dict[str, list[tuple[tuple[int, ...], int, int]]] = {}
     at_device: dict[tuple[str, int], int] = {}  # (dropped op, device) -> recompute_at, where not one for all
     same: dict[str, int | None] = {}  # dropped op -> its recompute_at where one for all its devices
-    for node in reversed(graph.nodes):
-        name = node.name
-        if only is not None and name not in only:
-            continue
+    names = (node.name for node in reversed(graph.nodes)) if only is None else \
+        sorted((n for n in only if n in position), key=position.__getitem__, reverse=True)  # those alone
+    for name in names:
         cfg = config(name)
         if not (drops_output(graph, strategy, name) if cfg.recompute else transient(graph, strategy, name)):
             continue

@@ -12,12 +12,17 @@ from strategies.pieces import drop_positions
 from tests.conftest import traced
 
 
-def test_patched_drop_positions_equal_fresh_ones_on_a_walk(monkeypatch):
+def gpt_walk():
+    """gpt (batch 16) on p100-2x2's 4 devices: the graph, each op's candidate configs, the ops
+    with more than one, and op -> its position in graph order."""
     graph = traced("gpt", batch_size=16)
-    topo = get_topology("p100-2x2")
-    candidates = candidate_configs(graph, 4, 1, topo.node_size)
+    candidates = candidate_configs(graph, 4, 1, get_topology("p100-2x2").node_size)
     ops = [op for op, cfgs in candidates.items() if len(cfgs) > 1]
-    position = {node.name: i for i, node in enumerate(graph)}
+    return graph, candidates, ops, {node.name: i for i, node in enumerate(graph)}
+
+
+def test_patched_drop_positions_equal_fresh_ones_on_a_walk(monkeypatch):
+    graph, candidates, ops, position = gpt_walk()
     patched = []
     real = memory.drop_positions
 

@@ -1,0 +1,144 @@
+"""The memory walk's rows of the ops' pieces (``simulator.memory._rows`` without the collectives):
+(ops in graph order) x devices, the bytes each op's forward adds, those freed after it, those
+recomputed at each op's backward and those freed after it. A search's next plan changes a few
+ops: where neither it nor the last plan of the same graph recomputes and every device is
+simulated, each op's rows are the sum of its own terms (what it keeps, its dropped or transient
+output and the point that frees it, ``strategies.pieces.drop_positions``), so the last plan's
+rows are patched, the terms of each op whose pieces or drop entry changed taken out and its new
+ones put in (integer bytes: the same arrays as built afresh)."""
+
+from __future__ import annotations
+
+import itertools
+import operator
+from typing import NamedTuple
+
+import numpy as np
+
+from strategies.lowering import Lowered
+
+__all__ = ["dropped_rows", "piece_rows"]
+
+Drops = dict[str, list[tuple[tuple[int, ...], int, int]]]
+"""``strategies.pieces.drop_positions``: dropped op -> [(devices, free_after, recompute_at)]."""
+
+_activations = operator.attrgetter("activations")
+
+
+def dropped_rows(lowered: Lowered, ops: list, held: np.ndarray, at: list[int], rep: np.ndarray | None,
+                 drops: Drops, position: dict[str, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The rows built afresh from the ops' pieces (``held``: what each op keeps, every device's
+    columns; ``at``: the ops that drop or let go of their outputs; ``drops``: their points),
+    without the collectives."""
+    n = held.shape[1]
+    freed, redone = np.zeros_like(held), np.zeros_like(held)  # after an op's forward; at its backward
+    if not at:
+        return held, freed, redone, held
+    dropped = np.array([ops[i].dropped for i in at], dtype=np.int64).reshape(len(at), n)
+    if rep is not None:
+        dropped = dropped[:, rep]
+    gone = held.copy()
+    held[at] += dropped
+    redo = [k for k, i in enumerate(at) if ops[i].recompute]
+    gone[[at[k] for k in redo]] += dropped[redo]
+    names = list(position)
+    row = {names[i]: k for k, i in enumerate(at)}
+    which, fs, rs = [], [], []  # ops with one point for all their devices (their bytes are 0 elsewhere)
+    for name, groups in drops.items():
+        k = row[name]
+        if len(groups) == 1:
+            which.append(k)
+            fs.append(groups[0][1])
+            rs.append(groups[0][2])
+            continue
+        for (d,), f, r in groups:
+            freed[f, d] += dropped[k, d]
+            if ops[at[k]].recompute:
+                redone[r, d] += dropped[k, d]
+    np.add.at(freed, fs, dropped[which])
+    once = np.array([ops[at[k]].recompute for k in which], dtype=bool)
+    np.add.at(redone, np.asarray(rs, dtype=np.int64)[once], dropped[which][once])
+    return held, freed, redone, gone
+
+
+class _Last(NamedTuple):
+    """The last rows ``piece_rows`` gave for a graph, with what they were built from."""
+
+    graph: object
+    ops: list
+    """Each op's pieces, in graph order."""
+    drops: Drops
+    rows: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+    """held, freed, redone, gone: read-only (a patch writes copies)."""
+    recompute: bool
+    """Whether some op recomputes (no patch from or to such rows)."""
+
+
+PATCH_SHARE = 16
+"""Rows are patched where at most 1 in ``PATCH_SHARE`` of the ops changed, else built afresh (a
+full simulation's lowering, or another chain's plan): a patched op costs a few small array
+operations, about ten ops' share of building every row again (speed, never results)."""
+
+_LAST: dict[int, _Last] = {}
+"""Graph id -> the last rows ``piece_rows`` gave for it (a few graphs: a search asks for one)."""
+
+
+def piece_rows(lowered: Lowered, ops: list, position: dict[str, int], drops: Drops
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``dropped_rows`` of every device's columns (``lowered.copies`` None), patched from the last
+    call's rows of the same graph where neither plan recomputes (``ops``: the pieces in graph
+    order, ``position``: op -> index, ``drops``: the plan's drop points). The arrays are
+    read-only and may be the last call's."""
+    graph, n = lowered.graph, len(lowered.device_bytes.kept)
+    last = _LAST.get(id(graph))
+    if last is not None and last.graph is graph and not last.recompute and len(last.ops) == len(ops) \
+            and last.rows[0].shape[1] == n:
+        changed = list(itertools.compress(range(len(ops)), map(operator.is_not, ops, last.ops)))
+        if not any(ops[i].recompute for i in changed):
+            names = list(position)
+            moved = {position[name] for name in drops.keys() | last.drops.keys()
+                     if drops.get(name) is not last.drops.get(name)}
+            again = moved.union(changed)
+            if len(again) * PATCH_SHARE <= len(ops):
+                rows = _patched(last, ops, drops, names, sorted(again))
+                _keep(graph, ops, drops, rows, False)
+                return rows
+    held = np.fromiter(itertools.chain.from_iterable(map(_activations, ops)), np.int64, len(ops) * n).reshape(-1, n)
+    at = [i for i, p in enumerate(ops) if p.dropped]
+    rows = dropped_rows(lowered, ops, held, at, None, drops, position)
+    _keep(graph, ops, drops, rows, any(p.recompute for p in ops))
+    return rows
+
+
+def _keep(graph, ops: list, drops: Drops, rows: tuple, recompute: bool) -> None:
+    for a in rows:
+        a.flags.writeable = False
+    if len(_LAST) > 8:
+        _LAST.clear()
+    _LAST[id(graph)] = _Last(graph, ops, drops, rows, recompute)
+
+
+def _patched(last: _Last, ops: list, drops: Drops, names: list[str], again: list[int]
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``last``'s rows with the terms of the ops at ``again`` taken out (their last pieces and
+    drop entries) and put in again (their new ones); no op recomputes, so nothing is redone."""
+    if not again:
+        return last.rows
+    held, freed, redone, gone = (a.copy() for a in last.rows)
+    for i in again:
+        for sign, p, groups in ((-1, last.ops[i], last.drops.get(names[i])), (1, ops[i], drops.get(names[i]))):
+            kept = sign * np.asarray(p.activations, dtype=np.int64)
+            held[i] += kept
+            gone[i] += kept
+            if not p.dropped:
+                continue
+            dropped = sign * np.asarray(p.dropped, dtype=np.int64)
+            held[i] += dropped
+            if groups is None:
+                continue
+            if len(groups) == 1:  # one point for all its devices (its bytes are 0 elsewhere)
+                freed[groups[0][1]] += dropped
+                continue
+            for (d,), f, _ in groups:
+                freed[f, d] += dropped[d]
+    return held, freed, redone, gone
