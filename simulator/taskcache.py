@@ -2,7 +2,8 @@
 simulation, see ``simulator.tasks``): each op's task block of the last graph and the ``KNOWN``
 blocks built before it, by their pieces, and the blocks' arrays joined (``_Joined``), patched
 where blocks changed; bounded by bytes as well as counts (``KNOWN_BYTES``, ``STATE_BYTES``), and
-as a whole between graphs (``CACHE_BYTES``, ``TaskCache.trim``)."""
+as a whole between graphs (``CACHE_BYTES``, ``TaskCache.trim``) by what its blocks keep alive
+(``simulator.block_bytes``: their lists and pieces besides their arrays, each object once)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from simulator.block_bytes import HeldBytes, block_items
 from simulator.cost import CostModel
 from simulator.step import BucketRecords
 from simulator.taskgraph import INDEX, join
@@ -30,7 +32,10 @@ class TaskCache:
         self.topology, self.cost = topology, cost
         self.wires: dict[tuple[int, int, int], tuple] = {}
         """(source, target, bytes) -> ``simulator.wires.Wire``: times and resources (a pure function of them)."""
-        self.gathers = _Chunks()
+        self.held = HeldBytes()
+        """Every block the cache holds (the states' current and known blocks, the recorded
+        gathers' readers), what they keep alive counted once."""
+        self.gathers = _Chunks(self.held)
         """Level-2/3 groups' tasks per micro-batch, recorded (``simulator.zero3._Chunk``), with
         the tasks they hold."""
         self._states: dict[frozenset[int] | None, list] = {}
@@ -43,8 +48,8 @@ class TaskCache:
         """Gradient buckets' step-end tasks, recorded (``simulator.step.link_step``'s memo)."""
         self._current: list = [None, ([], {}, [], [], []), None]
         self.known_bytes = 0
-        """``block_bytes`` of every state's known blocks (``_layout``); past ``KNOWN_BYTES``
-        they are all dropped (``hold``)."""
+        """``block_bytes`` of every state's known blocks (``_layout``), each block apart; past
+        ``KNOWN_BYTES`` they are all dropped (``hold``)."""
 
     def hold(self, mine: dict, key: tuple, block: Any) -> None:
         """``block`` the most recently used of an op's known blocks ``mine`` (``KNOWN`` of them,
@@ -52,21 +57,36 @@ class TaskCache:
         state's known blocks dropped (a block built again is the same: speed, never results)."""
         was = mine.pop(key, None)
         mine[key] = block
-        self.known_bytes += block_bytes(block) - (0 if was is None else block_bytes(was))
+        self.held.add(block)
+        self.known_bytes += block_bytes(block)
+        if was is not None:
+            self._forget(was)
         while len(mine) > KNOWN:
-            self.known_bytes -= block_bytes(mine.pop(next(iter(mine))))
+            self._forget(mine.pop(next(iter(mine))))
         if self.known_bytes > KNOWN_BYTES:
-            for state in self._states.values():
-                for known in state[1][3]:
-                    known.clear()
-            self.known_bytes = 0
+            self._clear_known()
+
+    def _forget(self, block: Any) -> None:
+        """A known ``block`` let go."""
+        self.known_bytes -= block_bytes(block)
+        self.held.release(block)
+
+    def _clear_known(self) -> None:
+        """Every state's known blocks let go."""
+        for state in self._states.values():
+            for known in state[1][3]:
+                for b in known.values():
+                    self.held.release(b)
+                known.clear()
+        self.known_bytes = 0
 
     def nbytes(self) -> int:
-        """What the cache holds, counted: every state's joined arrays and its last graph's
-        blocks' arrays (the same bytes again: joined from them), the known blocks' arrays
-        (``known_bytes``), and ``TASK_BYTES`` a task of the recorded gathers and step-end tasks."""
-        held = self.known_bytes + TASK_BYTES * (self.gathers.tasks + self.step_tasks.tasks)
-        return held + 2 * sum(map(_state_bytes, self._states.values()))
+        """What the cache holds, counted: what its blocks keep alive (``held``: the states'
+        current and known blocks and the recorded gathers' readers, with their lists and
+        pieces, each object once), every state's joined arrays, and ``TASK_BYTES`` a task of
+        the recorded gathers and step-end tasks."""
+        held = self.held.nbytes + TASK_BYTES * (self.gathers.tasks + self.step_tasks.tasks)
+        return held + sum(map(_state_bytes, self._states.values()))
 
     def trim(self, limit: int | None = None) -> bool:
         """Past ``limit`` (``CACHE_BYTES``) of ``nbytes``: the known blocks and every state but the
@@ -77,12 +97,9 @@ class TaskCache:
         limit = CACHE_BYTES if limit is None else limit
         if self.nbytes() <= limit:
             return False
-        for state in self._states.values():
-            for known in state[1][3]:
-                known.clear()
-        self.known_bytes = 0
+        self._clear_known()
         for kept in [k for k, s in self._states.items() if s is not self._current]:
-            del self._states[kept]
+            self._drop(kept)
         if TASK_BYTES * (self.gathers.tasks + self.step_tasks.tasks) > limit // 2:
             self.gathers.clear()
             self.step_tasks.clear()
@@ -93,7 +110,7 @@ class TaskCache:
         """The known block of ``mine`` under ``key``, taken out (None: none)."""
         b = mine.pop(key, None)
         if b is not None:
-            self.known_bytes -= block_bytes(b)
+            self._forget(b)
         return b
 
     def layout(self, graph: OpGraph, kept: frozenset[int] | None = None) -> _Layout:
@@ -102,9 +119,9 @@ class TaskCache:
         state = self._states.get(kept)
         if state is None or state[0] is not graph:
             if any(s[0] is not graph for s in self._states.values()):
-                self._states.clear()
+                for kept_ in list(self._states):
+                    self._drop(kept_)
                 self.buckets.clear()
-                self.known_bytes = 0
             held = sum(_state_bytes(s) for s in self._states.values())
             while self._states and (len(self._states) >= _STATES or held > STATE_BYTES):
                 held -= self._drop(next(iter(self._states)))
@@ -115,7 +132,12 @@ class TaskCache:
     def _drop(self, kept: frozenset[int] | None) -> int:
         """The state of the devices ``kept`` dropped; its ``_state_bytes``."""
         state = self._states.pop(kept)
-        self.known_bytes -= sum(block_bytes(b) for known in state[1][3] for b in known.values())
+        for known in state[1][3]:
+            for b in known.values():
+                self._forget(b)
+        if state[2] is not None:
+            for b in state[2].blocks:
+                self.held.release(b)
         return _state_bytes(state)
 
     def join(self, blocks: list[Any]) -> "_Joined":
@@ -123,8 +145,13 @@ class TaskCache:
         state = self._current
         if state[2] is None:
             state[2] = _Joined(blocks)
+            for b in blocks:
+                self.held.add(b)
         else:
-            state[2].update(blocks)
+            was = state[2].blocks
+            for i in state[2].update(blocks):
+                self.held.add(blocks[i])
+                self.held.release(was[i])
         return state[2]
 
 
@@ -138,42 +165,50 @@ starts: past them the oldest states go first. A state's arrays grow with the dev
 about 3.7x that), so a count alone does not bound a search's memory."""
 
 CACHE_BYTES = 512 << 20
-"""What a ``TaskCache`` holds in all (``TaskCache.nbytes``) before ``trim`` drops the known
-blocks and the other states (and the recorded tasks where they hold half of it): the bounds above are by part, and the recorded gathers and step-end
-tasks hold tasks (the gathers their reader blocks too, with those blocks' pieces) that none of
-them counts. The blocks hold their pieces besides their arrays (about 3.7x, ``STATE_BYTES``),
-so what is reachable is a few times the count."""
+"""What a ``TaskCache`` holds in all (``TaskCache.nbytes``: what its blocks keep alive, each
+object once, ``simulator.block_bytes``; the joined arrays; the recorded tasks) before ``trim``
+drops the known blocks and the other states (and the recorded tasks where they hold half of
+it): the bounds above are by part. The current state's blocks stay: at 1,024 devices one plan
+simulated on its copies keeps 0.7-1.1 GiB alive alone, so the bound then fires after each
+such simulation."""
 
 TASK_BYTES = 200
 """Bytes one recorded task holds (``Columns``: six list slots, its duration float, its
 resources tuple and label, about ``sys.getsizeof`` of each)."""
 
 KNOWN_BYTES = 64 << 20
-"""The arrays of the blocks a ``TaskCache`` keeps besides the last graphs' (``block_bytes``),
-all states together (each block holds its pieces too, about 3.7x its arrays): past them every
-known block is dropped."""
+"""What the blocks a ``TaskCache`` keeps besides the last graphs' keep alive (``block_bytes``,
+each block apart), all states together: past it every known block is dropped."""
 
 
 class _Chunks(dict):
-    """``simulator.zero3``'s memo of recorded chunks with the tasks they hold (``tasks``)."""
+    """``simulator.zero3``'s memo of recorded chunks with the tasks they hold (``tasks``); each
+    chunk's reader block held in ``held`` (it keeps the block alive past its graph)."""
 
-    tasks = 0
+    def __init__(self, held: HeldBytes):
+        super().__init__()
+        self.held, self.tasks = held, 0
 
     def __setitem__(self, key: Any, chunk: Any) -> None:
         old = dict.get(self, key)
+        self.held.add(chunk.block)
         if old is not None:
             self.tasks -= len(old.cols)
+            self.held.release(old.block)
         dict.__setitem__(self, key, chunk)
         self.tasks += len(chunk.cols)
 
     def clear(self) -> None:
+        for chunk in self.values():
+            self.held.release(chunk.block)
         dict.clear(self)
         self.tasks = 0
 
 
 def block_bytes(block: Any) -> int:
-    """What a block's arrays hold (``_Block.arrays``: edges, steps, durations, resources, slots)."""
-    return _nbytes(block.arrays)
+    """What a block keeps alive, alone (``simulator.block_bytes.block_items``: its arrays, its
+    columns' lists, its step lists, its pieces; a twin's shared lists counted again)."""
+    return sum(size for _, size in block_items(block))
 
 
 def _state_bytes(state: list) -> int:
@@ -208,10 +243,11 @@ class _Joined:
         np.cumsum(self.sizes[:, 2], dtype=INDEX, out=first[1:])  # field 2: durations, one per task
         return first
 
-    def update(self, blocks: list[Any]) -> None:
+    def update(self, blocks: list[Any]) -> list[int]:
+        """The joined arrays of ``blocks``; the positions whose block changed."""
         changed = list(itertools.compress(range(len(blocks)), map(operator.is_not, blocks, self.blocks)))
         if not changed:
-            return
+            return changed
         bounds = np.zeros((len(blocks) + 1, self.sizes.shape[1]), dtype=np.int64)
         np.cumsum(self.sizes, axis=0, out=bounds[1:])
         starts, stops = bounds[changed].T.tolist(), bounds[[i + 1 for i in changed]].T.tolist()
@@ -228,6 +264,7 @@ class _Joined:
             if (i in self.summing) != bool(blocks[i].step_reductions):
                 self.summing = sorted(set(self.summing) ^ {i})
         self.blocks, self.arrays, self.first = blocks, tuple(joined), self._first()
+        return changed
 
 
 _Layout = tuple[list[OpNode], dict[str, int], list[Any], list[dict[tuple, Any]], list[Any]]

@@ -18,6 +18,7 @@ from soapsearch.search.api import Evaluator, scored
 from soapsearch.search.mcmc import candidate_configs
 from strategies import data_parallel
 from tests.conftest import traced
+from tests.simulator.test_taskcache_held import held_from_scratch
 from tests.search.delta_check import checked_lowering, drawn_move
 
 
@@ -46,11 +47,15 @@ def _counts_true(cache: TaskCache) -> None:
     assert cache.step_tasks.tasks == sum(len(t.cols) for t in cache.step_tasks.records.values())
     assert cache.known_bytes == sum(simulator.taskcache.block_bytes(b) for s in cache._states.values()
                                     for known in s[1][3] for b in known.values())
+    assert cache.held.nbytes == held_from_scratch(cache)
 
 
 def test_the_task_cache_bound_fires_and_results_stay_exact(monkeypatch):
     graph, topo = traced("gpt", batch_size=16), get_topology("p100-2x2")
     evaluate = Evaluator(graph, topo, get_cost_model("analytical"))
+    # the blocks, counted with the lists and pieces they keep alive, outweigh the records many
+    # times at this size: each record counted as a block's share of the tasks, so both branches run
+    monkeypatch.setattr(simulator.taskcache, "TASK_BYTES", 4000)
     evaluate(data_parallel(graph, 4).with_bucket_cap(0.01))
     bound = 3 * evaluate._tasks.nbytes() // 2  # about one graph's blocks and records and a half
     monkeypatch.setattr(simulator.taskcache, "CACHE_BYTES", bound)
