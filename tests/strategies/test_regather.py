@@ -36,3 +36,13 @@ def test_linears_gather_again_in_their_backward():
     }
     others = [life for op, life in gathers.items() if op not in linear]
     assert len(others) == 2 and all(life.kept and life.regather is None for life in others)
+
+
+def test_samples_and_features_gathered_stay_kept():
+    """Krizhevsky's one weird trick (``owt``) all-gathers alexnet's samples into its first linear
+    and the features the next two contract: what autograd saves, kept for the backward."""
+    from strategies.baselines import baseline
+    g = traced("alexnet")
+    lives = buffer_lives(lower(g, baseline("owt", g, 2)))
+    assert [(g[life.collective.op].dims[life.collective.dim].role, life.kept, life.regather) for life in lives] == [
+        ("sample", True, None), ("attribute", True, None), ("attribute", True, None)]
