@@ -12,8 +12,12 @@ member's holder partition's backward waits on; under a cost model whose
 ``input_grad_overlap`` is set (Megatron-LM's asynchronous tensor-parallel communication), that
 dual runs beside its readers' parameter-gradient products, so it is charged only what the
 shortest of them leaves (``hidden_by_readers``). An all-gather whose readers all recompute
-is called again in the backward (``strategies.collective_buffers``: ``BufferLife.regather``),
-at the step where its first reader is recomputed, and its readers' backwards wait on it.
+or are linears is called again in the backward (``strategies.collective_buffers``:
+``BufferLife.regather``), at the step where its first reader is recomputed or runs its backward,
+and its readers' backwards wait on it; where none of them recomputes and ``input_grad_overlap``
+is set, it runs beside their input-gradient products (Megatron-LM's
+``LinearWithGradAccumulationAndAsyncCommunication.backward`` starts the all-gather, computes
+``grad_output.matmul(weight)``, then waits), so it too is charged what the shortest leaves.
 
 A member's call is an *arrival* task of no duration in the device's schedule
 (``simulator.step_order.link_schedule``'s slots): after the step before the call's step and what
@@ -72,11 +76,12 @@ def add_collectives(tg: TaskGraph, lowered: Lowered, topology: Topology, blocks:
                 fwd_steps = {d: s for d, s in fwd_steps.items() if d in keep}
                 bwd_steps = {d: s for d, s in bwd_steps.items() if d in keep}
             reads = [r for r in reads if r.device in keep]
-        hidden = hidden_by_readers(lowered, readers[c], topology, cost) if overlap and c.grad else 0.0
         again = None if life.regather is None else regather_steps(lowered, life)
+        beside = again is not None and not any(lowered.strategy[r.dst_op].recompute for r in readers[c])
+        hidden = hidden_by_readers(lowered, readers[c], topology, cost) if overlap and (c.grad or beside) else 0.0
         key = (c.kind, c.op, c.devices, c.holders, c.nbytes, c.grad, hidden, tuple([r[1:] for r in reads]),
-               _steps_key(fwd_steps, j), _steps_key(bwd_steps, j), again and _steps_key(again, j))
-        run.add(c.op, key, j, (life, fwd_steps, bwd_steps, again, reads, keep, known, hidden, position))
+               _steps_key(fwd_steps, j), _steps_key(bwd_steps, j), again and _steps_key(again, j), beside)
+        run.add(c.op, key, j, (life, fwd_steps, bwd_steps, again, reads, keep, known, hidden, position, beside))
     run.flush()
     return np.asarray(run.arrivals, dtype=INDEX).reshape(-1, 2).T
 
@@ -124,11 +129,12 @@ class _Recorded(NamedTuple):
 
 
 def _record(life, fwd_steps: dict, bwd_steps: dict, again: dict | None, reads: Sequence, keep, known: _Known,
-            hidden: float, position: dict[str, int]) -> _Recorded:
+            hidden: float, position: dict[str, int], beside: bool = False) -> _Recorded:
     """``life``'s collective's tasks (``_Recorded``), as ``add_collectives`` lays them out:
     forward: the collective after every holder's forward and every member's call, each
     simulated member's end of it (``step.member_ends``), before its readers' forwards; again
-    where its readers recompute; backward where the gradient moves."""
+    where its readers recompute or are linears (less ``hidden`` where ``beside``: beside the
+    linears' input-gradient products); backward where the gradient moves."""
     c = life.collective
     topology = known.topology
     members = [(d, q) for d, q in zip(c.devices, c.holders) if keep is None or d in keep]
@@ -172,7 +178,8 @@ def _record(life, fwd_steps: dict, bwd_steps: dict, again: dict | None, reads: S
     out.dst.extend(forwards)
     if again is not None:
         steps = {d: s for d, s in again.items() if d in simulated}
-        ends = collective(f"{c.kind} again {name}@mb{{0}} devices {shown}", seconds, [], steps)
+        ends = collective(f"{c.kind} again {name}@mb{{0}} devices {shown}",
+                          max(0.0, seconds - hidden) if beside else seconds, [], steps)
         out.src.extend([ends[r.device] for r in reads])
         out.dst.extend([(i, "fwd", k, 1, 0) for i, _, k, _, _ in forwards])  # the readers' backwards
     if c.grad:

@@ -4,12 +4,17 @@ model (``simulator.memory``) walks and the executor (``soapsearch.executor``) fr
 A member calls collective c at the start of its first reader op's forward step
 (``strategies.schedule.collective_steps``). What the call leaves it (``Collective.result``):
 
-- is *gathered again* where it is an all-gather and every reader op recomputes (sequence
-  parallelism's gathered input to a recomputed layer; Korthikanti et al. 2022 §4.2.2: Megatron-LM
-  keeps the shard and gathers again in the backward): it lives until the forward step of the
-  last reader op, and each member calls the all-gather again at the backward step where its
-  first reader is recomputed (``regather``), the result living until the backward step of the
-  first reader op in graph order (the last of them to run backward);
+- is *gathered again* where it is an all-gather and every reader op recomputes, or is a linear
+  and the all-gather is along the sequence (``REGATHERED``, ``sequence_gather``; sequence
+  parallelism's gathered input to a recomputed layer or to a column-parallel linear; Korthikanti et al. 2022 §4.2.2: Megatron-LM keeps the shard and
+  gathers again in the backward; its ``LinearWithGradAccumulationAndAsyncCommunication``,
+  ``megatron/core/tensor_parallel/layers.py``, saves the shard with ``save_for_backward(input,
+  weight)``, all-gathers into a buffer for the forward product and all-gathers again in the
+  backward for the weight gradient): it lives until the forward step of the last reader op,
+  and each member calls the all-gather again at the backward step where its first reader is
+  recomputed, or where a linear reader that does not recompute runs its backward first (the
+  last in graph order) (``regather``), the result living until the backward step of the first
+  reader op in graph order (the last of them to run backward);
 - else is *kept* for the backward where some reader op reads it back (``strategies.pieces.reads_back``:
   autograd saves it) or recomputes (its recomputation reads it again): then it lives until the
   backward step of the first reader op in graph order;
@@ -40,7 +45,22 @@ from strategies.precision import reduce_scale
 from strategies.schedule import Step
 from strategies.zero import zero_buckets
 
-__all__ = ["BufferLife", "buffer_lives", "regather_steps", "bucket_buffers"]
+__all__ = ["BufferLife", "buffer_lives", "regather_steps", "bucket_buffers", "REGATHERED", "sequence_gather"]
+
+REGATHERED = ("linear",)
+"""Op kinds that keep a sequence-parallel all-gather's shard rather than its result where they
+do not recompute, gathering again in their backward (``sequence_gather``): Megatron-LM's
+column-parallel linear under sequence parallelism (``LinearWithGradAccumulationAndAsyncCommunication``:
+``ctx.save_for_backward(input, weight)`` of the shard; Korthikanti et al. 2022 §4.2.2, whose eq. 6
+counts the linears' inputs at sbh/t). An all-gather of the samples or of the features a linear
+contracts (Krizhevsky's one weird trick) stays what autograd saves."""
+
+
+def sequence_gather(graph, c: Collective) -> bool:
+    """``c`` is an all-gather along a dim that is neither the samples nor the last (the features
+    a linear contracts): sequence parallelism's, the tokens' dim."""
+    node = graph[c.op]
+    return c.kind == "all_gather" and node.dims[c.dim].role != "sample" and c.dim != len(node.output.shape) - 1
 
 
 class BufferLife(NamedTuple):
@@ -62,7 +82,7 @@ class BufferLife(NamedTuple):
     gradient does not move."""
     regather: str | None = None
     """The op at whose first backward step each member calls the all-gather again (where its
-    first reader is recomputed); None: called once."""
+    first reader is recomputed, or a linear reader runs its backward first); None: called once."""
 
 
 def buffer_lives(lowered: Lowered, microbatch: int | None = None) -> tuple[BufferLife, ...]:
@@ -90,7 +110,8 @@ def buffer_lives(lowered: Lowered, microbatch: int | None = None) -> tuple[Buffe
             if (u, c.op) not in back:
                 back[u, c.op] = strategy[u].recompute or reads_back(graph, strategy, u, c.op)
         regather = None
-        if c.kind == "all_gather" and all(strategy[u].recompute for u in ops):
+        if c.kind == "all_gather" and all(strategy[u].recompute or (graph[u].kind in REGATHERED
+                                                                    and sequence_gather(graph, c)) for u in ops):
             if again is None:
                 again = _recomputed_at(lowered, position)
             at = [again.get(u, position[u]) for u in ops]

@@ -405,7 +405,9 @@ def lower_op(graph: OpGraph, strategy: Strategy, node: OpNode, m: int,
             start = len(reads)
             if j == 0:
                 numel = box_numel(p.output)
-                if not (alias and _one_piece(overlaps[0][k], shared[0].get(p.index))):  # a view: its input's storage
+                # a view's output is its input's storage; a weight op's is its weight, held once
+                # (MemoryBreakdown.weights), not per micro-batch: the executor reads it in place
+                if reads_weights and not (alias and _one_piece(overlaps[0][k], shared[0].get(p.index))):
                     dropped[dev] += 8 if loss else itemsize * numel  # kept for backward (or dropped)
                 if not cfg.recompute:  # a dropout's mask (recomputed with its output otherwise)
                     kept[dev] += saved_extra(node, numel)

@@ -17,7 +17,7 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 from soapsearch.executor.errors import ExecutorError
 from strategies.collective_buffers import BufferLife
 
-__all__ = ["Released", "release", "hollow", "shares", "SavedStorages", "collective_releases"]
+__all__ = ["Released", "Regathered", "release", "hollow", "shares", "SavedStorages", "collective_releases"]
 
 
 class Released(NamedTuple):
@@ -51,30 +51,56 @@ def hollow(leaf: torch.Tensor) -> None:
     leaf.data = torch.zeros((), dtype=leaf.dtype, device=leaf.device).expand(leaf.shape)
 
 
+class Regathered(NamedTuple):
+    """What autograd saves of a collective's result gathered again in the backward
+    (``BufferLife.regather``): the collective and the view it saved, read from the result the
+    backward's call leaves (``SavedStorages.unpack``)."""
+
+    collective: int
+    size: torch.Size
+    stride: tuple[int, ...]
+    offset: int
+
+
 class SavedStorages:
     """The storages autograd saves in one forward step (``torch.autograd.graph.saved_tensors_hooks``),
     so a leaf is hollowed only where its own graph saved none of it: a leaf its backward reads
     is an op kind ``strategies.saved`` has wrong, refused in one line rather than a gradient
-    computed from zeros."""
+    computed from zeros. A view of a collective's result that is gathered again
+    (``regathered``: its storage -> the collective) is saved as a ``Regathered`` and read back
+    from ``shared``, the result the backward's call leaves (Megatron-LM's column-parallel linear
+    under sequence parallelism: it saves the shard and gathers again)."""
 
-    def __init__(self) -> None:
+    def __init__(self, regathered: dict[int, int] | None = None,
+                 shared: dict[int, torch.Tensor | Released] | None = None) -> None:
         self.ptrs: set[int] = set()
+        self.regathered = regathered or {}
+        self.shared = shared
 
-    def pack(self, t: torch.Tensor) -> torch.Tensor:
-        self.ptrs.add(t.untyped_storage().data_ptr())
+    def pack(self, t: torch.Tensor) -> torch.Tensor | Regathered:
+        ptr = t.untyped_storage().data_ptr()
+        i = self.regathered.get(ptr)
+        if i is not None:
+            return Regathered(i, t.size(), t.stride(), t.storage_offset())
+        self.ptrs.add(ptr)
         return t
 
+    def unpack(self, x: torch.Tensor | Regathered) -> torch.Tensor:
+        if not isinstance(x, Regathered):
+            return x
+        got = self.shared[x.collective]
+        if isinstance(got, Released):
+            raise ExecutorError(f"collective {x.collective}: its result is read by a backward before it was "
+                                f"gathered again")
+        return got.as_strided(x.size, x.stride, x.offset)
+
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
-        return torch.autograd.graph.saved_tensors_hooks(self.pack, _unpack)
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
     def check(self, leaf: torch.Tensor, op: str, kind: str, producer: str) -> None:
         if leaf.untyped_storage().data_ptr() in self.ptrs:
             raise ExecutorError(f"op {op!r} ({kind}): its backward reads its input from {producer!r}, which "
                                 f"strategies.saved counts as read by no backward (transient)")
-
-
-def _unpack(t: torch.Tensor) -> torch.Tensor:
-    return t
 
 
 def collective_releases(lives: Sequence[BufferLife], steps: Sequence[tuple[bool, object]],

@@ -174,7 +174,7 @@ class Executor:
                     self.readers.setdefault(task, []).append((r.id, k))
                 if r.id in self.transient:
                     self.readers.setdefault(r.id, []).append((r.id, k))
-        lives = buffer_lives(low)
+        self.lives = lives = buffer_lives(low)
         self.lets_go = collective_releases(lives, self.steps, self.collective_readers)
         """Step position -> the collectives whose result this rank lets go of after it
         (``strategies.collective_buffers``)."""
@@ -245,6 +245,7 @@ class Executor:
                             self._regraph(again)
                             if held:
                                 self.weights.fsdp.reshard(held, backward=False)
+                        self._regather(r)
                     for i in r.grad_calls if backward else r.calls:
                         self._call(i, backward)
                     gathered = self.weights.fsdp.uses.get((r.part.op, r.part.index))  # level-3 weights it reads
@@ -369,7 +370,7 @@ class Executor:
                 out = self._run(r, inputs)
             self.saved[r.id] = tuple(x if keep else None for x, keep in zip(inputs, r.keeps))
         elif r.id in self.guarded:
-            self.saved_storages[r.id] = seen = SavedStorages()
+            self.saved_storages[r.id] = seen = SavedStorages(self._regathered(r), self.shared)
             with seen.hooks():
                 inputs, self.leaves[r.id] = self._inputs(r)
                 out = self._run(r, inputs)
@@ -428,11 +429,27 @@ class Executor:
         the op, not of a generator's state), so no RNG state needs saving. A collective it reads
         that was let go is gathered again first (``BufferLife.regather``: at the same step on
         every member, before the step's duals)."""
-        for s in r.slots:
-            if s is not None and s.collective is not None and isinstance(self.shared[s.collective], Released):
-                self._call(s.collective, False)
+        self._regather(r)
         inputs, self.leaves[r.id] = self._inputs(r, self.saved.pop(r.id))
         self.outs[r.id] = self._run(r, inputs)
+
+    def _regather(self, r: Recipe) -> None:
+        """Gather again each collective ``r`` reads that was let go (``BufferLife.regather``: at
+        the same step on every member, before the step's duals): for its recomputation, or for
+        the backward of a linear that saved the shard (``release.SavedStorages``)."""
+        for s in r.slots:
+            if (s is not None and s.collective is not None and self.lives[s.collective].regather is not None
+                    and isinstance(self.shared[s.collective], Released)):
+                self._call(s.collective, False)
+
+    def _regathered(self, r: Recipe) -> dict[int, int]:
+        """Storage -> collective, of the results ``r`` reads that are gathered again in the
+        backward (``release.SavedStorages``: autograd saves them as the call to come)."""
+        out = {}
+        for s in r.slots:
+            if s is not None and s.collective is not None and self.lives[s.collective].regather is not None:
+                out[self.shared[s.collective].untyped_storage().data_ptr()] = s.collective
+        return out
 
     def _inputs(self, r: Recipe, saved: Sequence[torch.Tensor | None] | None = None, leaves: bool = True
                 ) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:

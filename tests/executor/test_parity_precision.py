@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from soapsearch.executor import Executor, TrainConfig, build_model
+from strategies.collective_buffers import buffer_lives
 from strategies.precision import reduce_scale
 from strategies.strategy import COMPUTE_DTYPES
 from tests.executor.gloo import gloo_group
@@ -157,7 +158,9 @@ def wire_cases(rank: int, world: int, port: int, cases: list[tuple], out_dir: st
                                         and low.graph.moves_grad(t.src_op, t.dst_op)),
                         "collective": sum(c.nbytes // (len(c.devices) if kind == "all_gather" else 1)
                                           for c in calls for kind in (c.kind, c.backward_kind if c.grad else None)
-                                          if kind is not None),
+                                          if kind is not None)
+                        + sum(life.collective.nbytes // len(life.collective.devices) for life in buffer_lives(low)
+                              if life.regather is not None and rank in life.collective.devices),
                         "bucket": sum(b * reduce_scale(low.strategy, key.dtype)
                                       for key, b in low.gradient_sync.buckets.items() if rank in key.devices)}
                 mine = {"got": {k: sum(b for _, b in v) for k, v in got.items()}, "want": want,
@@ -343,7 +346,8 @@ WIRE = [("gpt", "megatron", "bf16"), ("gpt", "megatron_sp", "bf16"), ("mlp", "ro
 
 def test_what_moves_is_what_the_simulator_charges():
     """Every byte a bf16/fp16 plan moves between ranks, per rank: the point-to-point pieces
-    sent forward and backward, each collective's input and each gradient bucket's all-reduce,
+    sent forward and backward, each collective's input (twice where it is gathered again in the
+    backward, ``BufferLife.regather``) and each gradient bucket's all-reduce,
     equal the lowering's transfers, collectives and buckets (the simulator's input), all in the
     compute dtype but a plan reducing in float32's buckets, which move twice the bucket's bytes
     in float32 (``strategies.precision.reduce_scale``, as ``simulator.step`` charges them); the

@@ -72,20 +72,24 @@ def test_pipeline_receive_buffers_by_hand(schedule):
 def test_megatron_sequence_parallel_has_collective_buffers():
     """A sequence-parallel megatron plan (T = 2, 4 devices, one micro-batch) all-gathers the
     column linears' inputs and reduce-scatters the row linears' sums. By hand, per member: the
-    all-gathered inputs are kept (a linear reads its input back): the batch's indices and the
-    cross-entropy's targets (128 bytes each) and five layer-norm outputs (1,024 each: two
-    blocks' ln_1 and ln_2, and ln_f), K = 5,376; a reduce-scatter's chunk (512) is read by a
-    dropout only, let go after it. In the backward the lm_head's input gradient (1,024) appears
-    once the cross-entropy's backward has freed its targets (128): r_b = 896, no higher later
-    (each layer's gradients come as its kept inputs go). So the walk's collective rows peak at
-    K + r_b, and the breakdown's category is what they add to the activations' walk."""
+    batch's indices and the cross-entropy's targets (128 bytes each) are kept, K = 256; the five
+    layer-norm outputs all-gathered (1,024 each: two blocks' ln_1 and ln_2, and ln_f) are read by
+    linears only, which keep the shard and gather again in the backward (Megatron-LM's
+    ``LinearWithGradAccumulationAndAsyncCommunication``), so each is let go after its last
+    reader's forward, as a reduce-scatter's chunk (512) read by a dropout only: r_f = 128 (the
+    indices) + 1,024 (one gathered output while its readers run). In the backward the attention's
+    all-gather comes again at its last reader's (v's) backward (1,024) with q, k and v's input
+    gradients (3 × 1,024) until ln_1's backward, the targets (128) freed by the cross-entropy's
+    backward first: r_b = 4,096 − 128 = 3,968. So the walk's collective rows peak at K + r_b, and
+    the breakdown's category is what they add to the activations' walk."""
     g = traced("gpt")
     lowered = lower(g, baseline("megatron", g, 4, None, 2, 1, True))
     held, freed, redone, gone = collective_rows(lowered, {n.name: i for i, n in enumerate(g)}, 4)
-    assert (held.sum(axis=0) - freed.sum(axis=0)).tolist() == [128 * 2 + 5 * 1024] * 4
-    assert freed.sum(axis=0).tolist() == [5 * 512] * 4  # the embedding's sum and 4 blocks' row linears
+    assert (held.sum(axis=0) - freed.sum(axis=0)).tolist() == [128 * 2] * 4
+    # the embedding's sum and 4 blocks' row linears; the five gathered layer-norm outputs
+    assert freed.sum(axis=0).tolist() == [5 * 512 + 5 * 1024] * 4
     rise_f, rise_b = _rises(held, freed, redone, gone)
-    assert rise_f.tolist() == [5376] * 4 and rise_b.tolist() == [896] * 4
+    assert rise_f.tolist() == [128 + 1024] * 4 and rise_b.tolist() == [1024 + 3 * 1024 - 128] * 4
     got = memory_breakdown(lowered, "adam")
     without = activation_peaks(lowered, collectives=False)
     assert [b.activations for b in got] == without
