@@ -127,15 +127,18 @@ def published_seconds(run: Run) -> float:
 
 def build_graph(run: Run) -> OpGraph:
     """The row's model on meta (zoo gpt's module at the row's shape: tied embeddings, learned
-    positions, the paper's vocabulary, dropout 0, which costs nothing on meta; or zoo llama's),
-    the whole global batch as the traced batch."""
+    positions, the paper's vocabulary, dropout 0, which costs nothing on meta, and Megatron-LM's
+    one query-key-value linear of width 3h, ``GPTConfig.fused_qkv``: ``megatron/model/
+    transformer.py`` ParallelAttention.query_key_value, a ColumnParallelLinear of 3·projection
+    size; or zoo llama's, whose wq, wk, wv are torchtitan's separate linears), the whole global
+    batch as the traced batch."""
     with torch.device("meta"):
         if run.model == "llama":
             model = Llama(LlamaConfig(n_layer=run.layers, d_model=run.hidden, ffn_hidden=run.ffn, n_head=run.heads,
                                       n_kv_head=run.kv_heads, vocab_size=run.vocab, seq_len=run.seq))
         else:
             model = GPT(GPTConfig(n_layer=run.layers, n_head=run.heads, n_embd=run.hidden, seq_len=run.seq,
-                                  vocab_size=run.vocab, dropout=0.0, tie_embeddings=True))
+                                  vocab_size=run.vocab, dropout=0.0, tie_embeddings=True, fused_qkv=True))
         tokens = torch.zeros(run.batch, run.seq, dtype=torch.long)
     return trace(model, (tokens, tokens), name=f"gpt-{run.params_b:g}b")
 

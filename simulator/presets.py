@@ -77,7 +77,8 @@ FDR_NODE_NIC = Fabric("node-nic", "ib", latency=5e-6, bandwidth=4 * 14.0625e9 * 
 A100_GEMM_HALF = 850.0
 """Hockney's n½ of a GPU's bf16 products, in the smallest dimension's elements, fitted on
 Narayanan et al.'s Table 1 rows of <= 128 GPUs with Megatron-LM's attention kernels
-(``simulator.cost`` "megatron": dropout on the probabilities), their launch script's
+(``simulator.cost`` "megatron": dropout on the probabilities), its one fused query-key-value
+product a layer (zoo gpt's ``fused_qkv``), their launch script's
 micro-batches and NCCL's bus bandwidth inside a node (``A100_NCCL_BUS_BANDWIDTH``), and checked on Korthikanti's and
 torchtitan's rows (``benchmarks/published_fit.py``, benchmarks/README.md)."""
 

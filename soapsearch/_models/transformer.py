@@ -63,6 +63,11 @@ class GPTConfig:
     tie_embeddings: bool = False
     """``lm_head`` reads ``wte``'s weight (GPT-2 and GPT-3 tie them; the zoo's default keeps
     them apart)."""
+    fused_qkv: bool = False
+    """One query-key-value linear of width 3·n_embd, its output per head [q k v] as Megatron-LM
+    lays it out (``megatron/model/transformer.py`` ParallelAttention.query_key_value;
+    ``megatron/core/transformer/attention.py`` SelfAttention.linear_qkv), so a column split
+    over whole heads gives each rank its heads' q, k and v; the default keeps three linears."""
 
     def __post_init__(self) -> None:
         if self.n_embd % self.n_head:
@@ -72,23 +77,33 @@ class GPTConfig:
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head causal self-attention with separate q, k, v projections."""
+    """Multi-head causal self-attention with separate q, k, v projections, or one fused
+    ``qkv`` projection (``GPTConfig.fused_qkv``)."""
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.n_head = cfg.n_head
         self.n_embd = cfg.n_embd
-        self.q = nn.Linear(cfg.n_embd, cfg.n_embd)
-        self.k = nn.Linear(cfg.n_embd, cfg.n_embd)
-        self.v = nn.Linear(cfg.n_embd, cfg.n_embd)
+        self.fused_qkv = cfg.fused_qkv
+        if cfg.fused_qkv:
+            self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
+        else:
+            self.q = nn.Linear(cfg.n_embd, cfg.n_embd)
+            self.k = nn.Linear(cfg.n_embd, cfg.n_embd)
+            self.v = nn.Linear(cfg.n_embd, cfg.n_embd)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C, H = x.size(0), x.size(1), self.n_embd, self.n_head
-        q = self.q(x).view(B, T, H, C // H).transpose(1, 2)
-        k = self.k(x).view(B, T, H, C // H).transpose(1, 2)
-        v = self.v(x).view(B, T, H, C // H).transpose(1, 2)
+        if self.fused_qkv:  # [B, T, 3C] viewed per head as [q k v] (Megatron-LM's split_tensor_along_last_dim)
+            qkv = self.qkv(x).view(B, T, H, 3 * (C // H)).split(C // H, dim=-1)
+            # items read by index: fx cannot unpack a traced split
+            q, k, v = qkv[0].transpose(1, 2), qkv[1].transpose(1, 2), qkv[2].transpose(1, 2)
+        else:
+            q = self.q(x).view(B, T, H, C // H).transpose(1, 2)
+            k = self.k(x).view(B, T, H, C // H).transpose(1, 2)
+            v = self.v(x).view(B, T, H, C // H).transpose(1, 2)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.dropout(self.proj(y))

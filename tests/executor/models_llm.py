@@ -23,6 +23,12 @@ def tied_gpt(batch_size: int = 4):
     return model, inputs
 
 
+def fused_gpt(batch_size: int = 4):
+    """The zoo's tiny GPT with Megatron-LM's fused query-key-value linear (``fused_qkv``: one
+    ``Linear(16, 48)`` viewed per head as [q k v])."""
+    return zoo.build("gpt", "tiny", batch_size=batch_size, fused_qkv=True)
+
+
 class TiedMatmul(nn.Module):
     """An embedding whose weight is read again by the model itself (``get_attr``, a parameter
     op) as the output projection: logits = tanh(E[x]) · Eᵀ."""

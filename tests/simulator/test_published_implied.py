@@ -12,9 +12,9 @@ from simulator.cost import GPU_LAUNCH_OVERHEAD
 from simulator.presets import get_topology
 
 BY_NAME = {r.name: r for r in ROWS}
-LAUNCH = 18 * GPU_LAUNCH_OVERHEAD
-"""Seconds of a layer's six linears' kernel launches (q, k, v, proj, MLP up and down: one kernel
-forward, two backward each)."""
+LAUNCH = 12 * GPU_LAUNCH_OVERHEAD
+"""Seconds of a layer's four linears' kernel launches (Megatron-LM's fused query-key-value
+linear, proj, MLP up and down: one kernel forward, two backward each)."""
 
 
 def test_implied_holds_the_idle_share_by_hand():
@@ -34,13 +34,14 @@ def test_charged_rate_of_a_layers_linears_by_hand():
     r_inf, n_half, peak = device.gemm_rate, device.gemm_half, device.flops_for("bfloat16")
     at_2048 = r_inf * 2048 / (2048 + n_half)
     at_1536 = r_inf * 1536 / (1536 + n_half)
-    # 1T, TP 8: q, k, v 2048 × 3200 × 25600 and proj 2048 × 25600 × 3200 (f = 2·2048·3200·25600 FLOPs
-    # each), the MLP's 2048 × 12800 × 25600 and back (4f each): every smallest dimension is the
+    # 1T, TP 8: qkv 2048 × 9600 × 25600 (3f) and proj 2048 × 25600 × 3200 (f = 2·2048·3200·25600
+    # FLOPs), the MLP's 2048 × 12800 × 25600 and back (4f each): every smallest dimension is the
     # micro-batch's 2,048 tokens; forward and backward 3 × 12f
     f = 2 * 2048 * 3200 * 25600
     assert layer_gemm_efficiency(BY_NAME["1T full"]) == pytest.approx(
         36 * f / (peak * (36 * f / (peak * at_2048) + LAUNCH)), rel=1e-9)
-    # 175B, TP 8: q, k, v 2048 × 1536 × 12288 and proj at m = 1536 (f each), the MLP's two at m = 2048
+    # 175B, TP 8: qkv 2048 × 4608 × 12288 (3f) at m = 2048, proj 2048 × 12288 × 1536 (f) at
+    # m = 1536, the MLP's two (4f each) at m = 2048
     f = 2 * 2048 * 1536 * 12288
     assert layer_gemm_efficiency(BY_NAME["175B full"]) == pytest.approx(
-        36 * f / (peak * (3 * (4 * f / at_1536 + 8 * f / at_2048) / peak + LAUNCH)), rel=1e-9)
+        36 * f / (peak * (3 * (f / at_1536 + 11 * f / at_2048) / peak + LAUNCH)), rel=1e-9)

@@ -21,19 +21,20 @@ from simulator.presets import A100_GEMM_HALF, get_topology
 from strategies.lowering import lower
 from strategies.overlap import bucket_issues
 
-BOUND = 0.08
-"""|published / predicted seconds - 1| the model reaches on the held-out rows tested (benchmarks/README.md:
-22B −5.3 % and −7.3 % with Megatron-LM's input gradients' collectives beside the weight gradients,
-``Run.input_grad_overlap``; the rest: Korthikanti's 22B runs faster than n½ = 850, fitted on
-Table 1, gives its 768-wide tensor-parallel products)."""
+BOUND = 0.05
+"""|published / predicted seconds - 1| the model reaches on the held-out rows tested: 22B +3.2 % and
++0.6 % with Megatron-LM's input gradients' collectives beside the weight gradients
+(``Run.input_grad_overlap``) and its fused query-key-value linear (one product of 2,304 columns a
+GPU at TP 8, where three of 768 were 5.3 and 7.3 % slow)."""
 TORCHTITAN_BOUND = 0.09
 """published / predicted seconds - 1 of torchtitan's LLaMA-2 13B rows (benchmarks/README.md
 published_runs: +7.7 % without checkpointing, +5.4 % every second layer): predicted fast, what
 FSDP2's runs spend beside the modelled kernels and copies not charged."""
 FIT_BOUND = 0.02
 """|error| the model reaches on the rows n½ is fitted on (``published_fit.FIT_ROWS``: Table 1's
-1.7B −1.4 %, 3.6B +0.6 %, 7.5B −2.0 %, at their launch script's micro-batches, with the
-all-gathers under full recompute gathered again in the backward)."""
+1.7B −1.4 %, 3.6B +1.5 %, 7.5B +1.2 %, at their launch script's micro-batches, with the
+all-gathers under full recompute gathered again in the backward and Megatron-LM's fused
+query-key-value linear)."""
 
 NARAYANAN = [r for r in ROWS if r.sweep == "narayanan-table1"]
 KORTHIKANTI = [r for r in ROWS if r.sweep.startswith("korthikanti")]
@@ -196,14 +197,14 @@ def test_tile_wave_efficiency_by_hand():
 @pytest.mark.slow
 def test_korthikanti_175b_recompute_sweep():
     """64 GPUs, PP 8 over 64 micro-batches, interleaved 1F1B with 3 chunks as run (a bubble of
-    7/192), Megatron-LM's attention kernels: predicted slow, within 21 % (benchmarks/README.md:
-    -14.9 and -20.4 % at n½ 850 fitted on Table 1 and NCCL's bus bandwidth; -3.9 and -5.8 % at
-    n½ 500), and ranked as published."""
+    7/192), Megatron-LM's attention kernels and fused query-key-value linear: predicted slow,
+    within 10 % (-6.5 and -8.1 % at n½ 850 fitted on Table 1; -8.4 and -10.0 % with three
+    query, key and value linears), and ranked as published."""
     full, selective = (r for r in KORTHIKANTI if r.name.startswith("175B"))
     graph = build_graph(full)
     times = {r.recompute: predict(r, graph) for r in (full, selective)}
     for r in (full, selective):
-        assert -0.21 <= throughput_error(r, times[r.recompute]) < -0.10, r.name
+        assert -0.10 <= throughput_error(r, times[r.recompute]) < -0.05, r.name
     assert times["selective"].iteration_time < times["full"].iteration_time
 
 
@@ -243,8 +244,8 @@ def test_layer_shares_charge_megatrons_attention_by_hand():
     run = replace(NARAYANAN[0], hidden=256, heads=4, seq=256, vocab=1024, gpus=2, batch=2, microbatch=1)
     shares = layer_shares(run)
     assert {k: n for k, (n, _, _) in shares.items()} == {
-        "layernorm": 2, "linear": 6, "reshape": 4, "permute": 4, "attention": 1, "dropout": 2, "add": 2,
-        "elementwise": 1}
+        "layernorm": 2, "linear": 4, "reshape": 2, "slice": 3, "permute": 4, "attention": 1, "dropout": 2, "add": 2,
+        "elementwise": 1}  # Megatron-LM's fused query-key-value linear, its view and its three slices
     count = 4 * 256 * 256  # heads x queries x keys, one sequence
     qkvo = 4 * 256 * 256 * 2  # q, k, v and out: s x h, bf16
     device = get_topology(run.topology).devices[0]
