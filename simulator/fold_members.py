@@ -27,7 +27,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from simulator.fold import Folded, FoldError, LinkMaps, link_maps, task_copies
+from simulator.fold import Folded, FoldError, LinkMaps, link_maps, task_copies, unkept_route
 from simulator.taskgraph import TaskGraph
 from simulator.topology import Topology
 from strategies.lowering_members import MemberFold
@@ -62,7 +62,7 @@ def member_maps(topology: Topology, fold: MemberFold) -> LinkMaps | str:
     if maps is None:
         return (f"members 1..{len(rows) - 1} do not own their links on {topology.name!r} (a route shared "
                 "between members, or not mapped link by link)")
-    route, owner = topology.route, maps.owner
+    route, owner = unkept_route(topology), maps.owner
     zero = rows[0]
     for a in zero:
         for b in zero:
