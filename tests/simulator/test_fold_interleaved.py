@@ -11,16 +11,23 @@ from __future__ import annotations
 import pickle
 
 import pytest
+import torch
 
 from simulator.fold import link_maps
 from simulator.fold_members import member_maps
 from simulator.presets import get_topology
+from simulator.memory import activation_peaks
 from simulator.simulate import Lowerings, simulate_plan
+from soapsearch import trace
+from soapsearch._models.transformer import GPT, GPTConfig
 from strategies.lowering_members import MemberFold
 from strategies.megatron import megatron
+from strategies.chunks import pipeline_chunks
+from strategies.lowering import lower
 from strategies.megatron_layers import layer_recomputed
 from strategies.symmetry import Copies
 from tests.conftest import traced
+from tests.simulator.test_bucket_walk import _walked
 from tests.simulator.test_fold_members_sim import assert_same
 
 
@@ -73,3 +80,22 @@ def test_link_maps_keep_no_routes():
     assert link_maps(topo, Copies(fold.copies)) is not None
     assert not isinstance(member_maps(topo, fold), str)
     assert len(topo._memo) == 0
+
+
+def test_ranks_alike_walk_their_own_passes():
+    """Eight equal layers on P 4, v 2, D 2: ranks 1 and 2 hold equal chunks (the same per-chunk
+    figures) and warm up differently, so the walk, made once per rank and figures, gives them
+    different peaks, each a step-by-step walk of its run order's (``test_bucket_walk._walked``);
+    the copy fold gives the per-device simulation's."""
+    with torch.device("meta"):
+        model = GPT(GPTConfig(n_layer=8, n_head=2, n_embd=16, seq_len=8, vocab_size=50))
+        tokens = torch.zeros(8, 8, dtype=torch.long)
+    graph = trace(model, (tokens, tokens), name="gpt-8-layers")
+    plan = megatron(graph, 8, tp=1, pp=4, microbatches=4, virtual_stages=2)
+    peaks = activation_peaks(lower(graph, plan))
+    assert peaks == _walked(lower(graph, plan))
+    ranks = pipeline_chunks(graph, plan).rank
+    assert (ranks[2], ranks[4]) == (1, 2) and peaks[2] != peaks[4], peaks
+    topo = get_topology("a100-1x8")
+    assert type(Lowerings(graph, plan).first(topo, True).copies) is Copies
+    assert_same(simulate_plan(graph, plan, topo, fold=True), simulate_plan(graph, plan, topo, fold=False))
