@@ -18,7 +18,8 @@ from simulator.memory_zero import state_bytes
 from strategies.lowered import WEIGHT_KINDS
 from strategies.lowering import Lowered
 from strategies.pieces import drop_positions, key_readers
-from strategies.schedule import chunk_of, device_passes, warmups
+from strategies.chunks import pipeline_chunks
+from strategies.schedule import chunk_of, interleaved_passes, warmups
 
 __all__ = ["peak_memory", "memory_breakdown", "MemoryBreakdown", "OPTIMIZER_STATE", "activation_peaks"]
 
@@ -293,7 +294,9 @@ def _interleaved_peaks(lowered: Lowered, collectives: bool = True, buckets: bool
     SC'21, section 2.2.2: more passes in flight than 1F1B): each (micro-batch, chunk) pass adds
     or frees its chunk's K_c, the chunk's ops' rows of ``_rows`` giving its rises, walked over
     ``strategies.schedule.device_passes``; with ``buckets``, a backward pass of the last
-    micro-batch issues its chunk's gradient buckets (``_last_rise``), held from there to the end."""
+    micro-batch issues its chunk's gradient buckets (``_last_rise``), held from there to the end.
+    The walk is a function of the rank's passes and the device's per-chunk figures: devices of
+    one rank with the same figures (a fold's copies and members) are walked once."""
     chunk = chunk_of(lowered)
     n = len(lowered.device_bytes.kept)
     held, freed, redone, gone = _rows(lowered, collectives)
@@ -303,26 +306,41 @@ def _interleaved_peaks(lowered: Lowered, collectives: bool = True, buckets: bool
     last_mb = lowered.strategy.microbatches - 1
     kept = held - freed  # a chunk's dropped outputs are freed at ops of the chunk (one rank runs it)
     of = np.fromiter((chunk[node.name] for node in lowered.graph), np.int64, len(lowered.graph))
-    per: dict[int, tuple[list[int], ...]] = {}
+    per = []  # per chunk: K_c, r_f, r_b, r_last and the buckets issued, each per device
     for c in range(int(of.max()) + 1):
         mask = (of == c)[:, None]
         f, r = _rises(held * mask, freed * mask, redone * mask, gone * mask)
         last = _last_rise(redone * mask, gone * mask, issued * mask)
-        per[c] = ((kept * mask).sum(axis=0).tolist(), f.tolist(), r.tolist(), last.tolist(),
-                  (issued * mask).sum(axis=0).tolist())
+        per.append(np.stack(((kept * mask).sum(axis=0), f, r, last, (issued * mask).sum(axis=0))))
+    figures = np.stack(per, axis=1)  # (figure, chunk, device)
+    ranks = pipeline_chunks(lowered.graph, lowered.strategy)
+    order = {}  # rank -> its passes (strategies.schedule.device_passes: every device of a rank runs them)
+    walked: dict[tuple[int, bytes], int] = {}  # a device's peak is a function of its rank's passes and its figures
     out = [0] * n
-    for d, passes in device_passes(lowered).items():
-        level = peak = synced = 0  # synced: the buckets issued so far, held to the step's sync
-        for backward, j, c in passes:
-            k, rise_f, rise_b, last, total = per[c]
-            if backward and j == last_mb:
-                peak = max(peak, level + synced + last[d])
-                synced += total[d]
-            else:
-                peak = max(peak, level + synced + (rise_b if backward else rise_f)[d])
-            level += -k[d] if backward else k[d]
-        out[d] = peak
+    for d in lowered.strategy.devices_used:
+        rank = ranks.rank[d]
+        key = (rank, figures[:, :, d].tobytes())
+        if key not in walked:
+            if rank not in order:
+                order[rank] = interleaved_passes(lowered.strategy.microbatches, ranks.ranks, rank, ranks.chunks)
+            walked[key] = _interleaved_walk(order[rank], figures[:, :, d].tolist(), last_mb)
+        out[d] = walked[key]
     return out
+
+
+def _interleaved_walk(passes: list[tuple[bool, int, int]], figures: list[list[int]], last_mb: int) -> int:
+    """One device's peak over its interleaved ``passes`` given its per-chunk ``figures``
+    (K_c, r_f, r_b, r_last, the buckets issued: ``_interleaved_peaks``)."""
+    k, rise_f, rise_b, last, total = figures
+    level = peak = synced = 0  # synced: the buckets issued so far, held to the step's sync
+    for backward, j, c in passes:
+        if backward and j == last_mb:
+            peak = max(peak, level + synced + last[c])
+            synced += total[c]
+        else:
+            peak = max(peak, level + synced + (rise_b if backward else rise_f)[c])
+        level += -k[c] if backward else k[c]
+    return peak
 
 
 def device_warmups(lowered: Lowered) -> dict[int, int]:

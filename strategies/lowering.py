@@ -106,11 +106,9 @@ def lower(graph: OpGraph, strategy: Strategy, cache: dict | None = None, copies:
     patched by what changed. ``copies`` (``strategies.symmetry.find_copies`` of this plan): the
     lowering of copy 0 only (``strategies.lowering_copies``; ``Lowered.copies``), kept in the
     cache apart from every other copy set's; ``CrossCopy`` where the plan's pieces cross
-    copies, it shards weights per use (levels 2 and 3: their uses pair up per device) or its
-    schedule is neither GPipe nor 1F1B (the memory model expands those two)."""
-    if copies is not None and strategy.schedule not in ("gpipe", "1f1b"):  # simulator.memory expands only these
-        raise CrossCopy(f"schedule {strategy.schedule!r}: its memory walk reads every device's passes: lowered "
-                        "per device")
+    copies or it shards weights per use (levels 2 and 3: their uses pair up per device). Any
+    schedule folds: the memory walks (``simulator.memory``, the interleaved one pass by pass)
+    read copy 0's rows expanded to every device and every device's passes."""
     cache = {} if cache is None else cache  # none given: one used for this call only
     if strategy.precision != "model":  # its own graph (strategies.precision), its own cache
         graph = compute_graph(graph, strategy.compute_dtype)
