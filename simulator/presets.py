@@ -24,7 +24,7 @@ from simulator.topology import Topology
 from simulator.topology_json import read_cluster
 from strategies.errors import PlanError
 
-__all__ = ["A100_GEMM_HALF", "A100_NCCL_BUS_BANDWIDTH", "PRESETS", "PATTERNS", "MAX_DEVICES", "INTRA_SHAPES", "INTER_SHAPES", "Fabric", "cluster",
+__all__ = ["A100_GEMM_HALF", "A100_NCCL_BUS_BANDWIDTH", "NCCL_OVERLAP_RATE", "PRESETS", "PATTERNS", "MAX_DEVICES", "INTRA_SHAPES", "INTER_SHAPES", "Fabric", "cluster",
            "check_plan_topology", "cluster_from_json", "get_topology"]
 
 
@@ -81,6 +81,15 @@ Narayanan et al.'s Table 1 rows of <= 128 GPUs with Megatron-LM's attention kern
 micro-batches and NCCL's bus bandwidth inside a node (``A100_NCCL_BUS_BANDWIDTH``), and checked on Korthikanti's and
 torchtitan's rows (``benchmarks/published_fit.py``, benchmarks/README.md)."""
 
+NCCL_OVERLAP_RATE = 1 / 1.189
+"""The fraction of its rate a GPU's compute keeps while its own NCCL collectives run beside it
+(``DeviceSpec.overlap_rate``): Lee et al., "Characterizing Compute-Communication Overlap in
+GPU-Accelerated Distributed Deep Learning: Performance and Power Implications" (arXiv
+2507.03114, 2025), abstract: overlapped with communication, GPT and LLaMA training's compute
+ran "an average computational slowdown of 18.9%, with a maximum of 40.0%" against the same
+compute alone, measured on 4 A100s, H100s, MI250s and MI210s. The mean over the four GPU types:
+no per-type figure is taken here, so the A100 and H100 presets carry the same."""
+
 A100 = DeviceSpec(  # NVIDIA A100 Tensor Core GPU datasheet, A100 80GB SXM column
     kind="A100-SXM4-80GB",
     memory_bytes=80 * GiB,           # "80GB HBM2e" (nvidia-smi: 81920 MiB)
@@ -95,6 +104,7 @@ A100 = DeviceSpec(  # NVIDIA A100 Tensor Core GPU datasheet, A100 80GB SXM colum
     # A100 SXM, CUDA 12.1)
     gemm_rate=267.9 / 312,
     gemm_half=A100_GEMM_HALF,
+    overlap_rate=NCCL_OVERLAP_RATE,
 )
 # NVLink 3: 12 links x 25 GB/s per direction = 300 GB/s per direction ("NVLink: 600GB/s" total),
 # through NVSwitch (DGX A100 user guide). ~2 µs per transfer (estimate). Inside NCCL's ring
@@ -122,6 +132,7 @@ H100 = DeviceSpec(  # NVIDIA H100 Tensor Core GPU datasheet, H100 SXM column
     memory_bandwidth=3.35e12,        # "GPU memory bandwidth 3.35TB/s"
     gemm_rate=792.1 / 989.4,         # the same table, H100 SXM: 792.1 of 989 TFLOP/s (CUDA 12.1)
     gemm_half=A100_GEMM_HALF,        # no published H100 run fitted: the A100's, in rows
+    overlap_rate=NCCL_OVERLAP_RATE,
 )
 # NVLink 4: 18 links x 25 GB/s per direction = 450 GB/s per direction ("NVLink: 900GB/s" total).
 H100_NVSWITCH = Fabric("switch", "nvswitch", latency=2e-6, bandwidth=450e9)
