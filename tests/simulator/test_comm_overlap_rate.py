@@ -108,3 +108,21 @@ def test_overlap_rate_round_trips_and_is_checked(tmp_path):
         DeviceSpec("gpu", 1, {"float32": 1.0}, 1.0, overlap_rate=0)
     with pytest.raises(ValueError, match="not both"):
         DeviceSpec("cpu", 1, {"float32": 1.0}, 1.0, contention=1.5, overlap_rate=0.9)
+
+
+def test_compiled_and_python_loops_give_the_same_slowed_timeline(monkeypatch):
+    """The passes feed durations to ``engine.event_times``: the C loop and the Python loop
+    place the slowed tasks alike, bit for bit (the C loop needs no change of its own)."""
+    import simulator.engine as engine
+    from simulator.native import library
+
+    if library() is None:
+        pytest.skip("no C compiler: the Python loop runs on both sides")
+    graph = traced("gpt", "small")
+    plan = data_parallel(graph, 8)
+    topo = get_topology("a100-1x8")
+    native = simulate_plan(graph, plan, topo, fold=False)
+    monkeypatch.setattr(engine, "library", lambda: None)
+    python = simulate_plan(graph, plan, topo, fold=False)
+    assert python.iteration_time == native.iteration_time
+    assert python.busy_time == native.busy_time
