@@ -70,25 +70,24 @@ def overlap_groups(tg: TaskGraph, topology: Topology, base: np.ndarray) -> list[
                          "they must be the same")
     _, res_first, res = tg.arrays()
     category = np.asarray(tg.category, dtype=np.int64)
-    device = np.asarray(tg.device, dtype=np.int64)
     nd = tg.num_devices
-    # every (collective task, member): its resources that are a device's own link
-    task_of = np.repeat(np.arange(len(tg)), np.diff(res_first))
-    is_link = res >= nd
-    owners = link_owners(topology)
-    member = np.full(len(res), -1, dtype=np.int64)
-    member[is_link] = owners[res[is_link] - nd]
-    pick = (member >= 0) & np.isin(category[task_of], _COLLECTIVE)
-    pairs = np.unique(np.stack([member[pick], task_of[pick]]), axis=1) if pick.any() else np.empty((2, 0), np.int64)
-    compute = np.isin(category, _COMPUTE) & (base > 0)
+    # every (member, collective task): the collective's resources that are a device's own link
+    coll = np.flatnonzero(np.isin(category, _COLLECTIVE))
+    counts = res_first[coll + 1] - res_first[coll]
+    entry = np.repeat(res_first[coll] - (np.cumsum(counts) - counts), counts) + np.arange(counts.sum())
+    held = res[entry].astype(np.int64)
+    member = np.where(held >= nd, link_owners(topology)[np.maximum(held - nd, 0)], -1)
+    pick = member >= 0
+    pairs = np.unique(np.stack([member[pick], np.repeat(coll, counts)[pick]]), axis=1)
+    work = np.flatnonzero(np.isin(category, _COMPUTE) & (base > 0))
+    work = work[np.argsort(np.asarray(tg.device, dtype=np.int64)[work], kind="stable")]  # by device, in task order
+    on = np.asarray(tg.device, dtype=np.int64)[work]
     groups = []
-    for d, spec in enumerate(topology.devices):
-        if spec.overlap_rate == 1.0:
-            continue
-        comm = pairs[1, pairs[0] == d]
-        work = np.flatnonzero(compute & (device == d))
-        if len(comm) and len(work):
-            groups.append((work, comm, spec.overlap_rate))
+    for d in np.unique(pairs[0]).tolist():
+        rate = topology.devices[d].overlap_rate
+        mine = work[np.searchsorted(on, d):np.searchsorted(on, d, side="right")]
+        if rate != 1.0 and len(mine):
+            groups.append((mine, pairs[1, np.searchsorted(pairs[0], d):np.searchsorted(pairs[0], d, side="right")], rate))
     return groups
 
 
