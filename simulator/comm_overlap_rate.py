@@ -9,8 +9,10 @@ tasks with fixed durations, so the slowdown is found in passes (``overlapped_tim
 ``simulator.contention`` does: from a timeline, each compute task of base duration D runs from
 its start at rate f inside the union of its device's collectives' intervals and at 1 outside;
 the instant its D seconds of work are done gives its next duration (one product of 10 ms
-beside one all-gather of 4 ms at f = 1/2: 4 ms at half rate, then 8 ms: 12 ms). ``PASSES`` is fixed, so the same inputs give the same times, on the compiled
-loop and the Python one alike (both take the durations, ``engine.event_times``).
+beside one all-gather of 4 ms at f = 1/2: 4 ms at half rate, then 8 ms: 12 ms); a task whose
+[start, start + D) meets no collective keeps D as is. ``PASSES`` is fixed, so the same inputs
+give the same times, on the compiled loop and the Python one alike (both take the durations,
+``engine.event_times``).
 
 A collective is a ring task on links (``TaskKind`` REDUCE, ALLREDUCE, COLLECTIVE with links);
 its members are the devices whose own links it holds: a link is a device's when every route
@@ -133,7 +135,10 @@ def overlapped_durations(groups: list[tuple[np.ndarray, np.ndarray, float]], bas
         if not len(comm):
             continue
         lo, hi = _blocks(start[comm], end[comm])
-        out[work] = finish_times(lo, hi, f, start[work], base[work]) - start[work]
+        s, d = start[work], base[work]
+        j = np.minimum(np.searchsorted(hi, s, side="right"), len(lo) - 1)  # the first block ending past s
+        beside = (hi[j] > s) & (lo[j] < s + d)  # [s, s + d) meets a block: slowed; else its base, as is
+        out[work[beside]] = finish_times(lo, hi, f, s[beside], d[beside]) - s[beside]
     return out
 
 

@@ -42,9 +42,11 @@ def test_one_product_beside_one_all_gather():
     tg = TaskGraph(topo.num_devices, len(topo.links))
     product = tg.add("fc1", TaskKind.FORWARD, 10 * MS, (0,), 0)
     gather = ring_task(tg, topo, (0, 1), 4)
+    next_one = tg.add("fc2", TaskKind.FORWARD, 3 * MS, (0,), 0)  # after it on the stream, beside nothing
     start, end = run(tg, topo)
     assert end[product] == pytest.approx(12 * MS, rel=1e-12)
     assert (start[gather], end[gather]) == (0.0, 4 * MS)
+    assert end[next_one] == start[next_one] + 3 * MS  # its base duration, bit for bit
     start, end = run(tg, with_rate("a100-1x2", 1.0))  # no slowdown: the event loop's times as they are
     assert end[product] == 10 * MS
 
