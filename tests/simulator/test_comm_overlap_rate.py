@@ -75,6 +75,17 @@ def test_finish_times_across_blocks():
     assert got.tolist() == [7.5, 4.5, 10.0]
 
 
+def test_presets_leave_the_rate_at_one():
+    """The presets do not slow compute beside NCCL (its passes double a large simulation's
+    event-loop time); published_runs sets the rate on its rows' topologies."""
+    from benchmarks.published_data import ROWS
+    from benchmarks.published_runs import row_topology
+    assert {d.overlap_rate for d in get_topology("a100-2x8").devices} == {1.0}
+    assert {d.overlap_rate for d in get_topology("h100-2x8").devices} == {1.0}
+    run = next(r for r in ROWS if r.gpus <= 64)
+    assert {d.overlap_rate for d in row_topology(run).devices} == {NCCL_OVERLAP_RATE}
+
+
 def test_link_owners_are_the_devices_own_ports():
     topo = get_topology("a100-2x8")
     owners = link_owners(topo)
@@ -90,7 +101,7 @@ def test_ddp_backward_beside_its_buckets_is_slower_and_folds_exactly():
     the backward, which now takes longer; the fold on the copies equals every device's."""
     graph = traced("gpt", "small")
     plan = data_parallel(graph, 16)
-    slowed, plain = get_topology("a100-2x8"), with_rate("a100-2x8", 1.0)
+    slowed, plain = with_rate("a100-2x8", NCCL_OVERLAP_RATE), get_topology("a100-2x8")
     full = simulate_plan(graph, plan, slowed, fold=False)
     assert full.iteration_time > simulate_plan(graph, plan, plain, fold=False).iteration_time
     folded = simulate_plan(graph, plan, slowed, fold=True)
@@ -122,7 +133,7 @@ def test_compiled_and_python_loops_give_the_same_slowed_timeline(monkeypatch):
         pytest.skip("no C compiler: the Python loop runs on both sides")
     graph = traced("gpt", "small")
     plan = data_parallel(graph, 8)
-    topo = get_topology("a100-1x8")
+    topo = with_rate("a100-1x8", NCCL_OVERLAP_RATE)
     native = simulate_plan(graph, plan, topo, fold=False)
     monkeypatch.setattr(engine, "library", lambda: None)
     python = simulate_plan(graph, plan, topo, fold=False)
