@@ -14,6 +14,7 @@ from typing import NamedTuple
 
 from simulator.cost import CostModel
 from simulator.presets import get_topology
+from simulator.topology import Topology
 from simulator.simulate import Lowerings, timed_graph
 from simulator.taskgraph import CATEGORY
 from simulator.zero3 import FSDP_COPY_LABELS
@@ -64,12 +65,12 @@ def exposed(busy: list[tuple[float, float]], hidden: list[tuple[float, float]]) 
     return total
 
 
-def breakdown(graph: OpGraph, plan: Strategy, topology: str, cost: CostModel, device: int = 0,
+def breakdown(graph: OpGraph, plan: Strategy, topology: Topology | str, cost: CostModel, device: int = 0,
               optimizer: str = "adam") -> Breakdown:
-    """Device ``device``'s iteration of ``plan`` on the preset ``topology`` timed by ``cost``
+    """Device ``device``'s iteration of ``plan`` on ``topology`` (or the preset of that name) timed by ``cost``
     (``published_runs.row_cost``): one folded simulation as ``simulate_plan`` runs it (device 0
     is always in the simulated copy)."""
-    topo = get_topology(topology)
+    topo = get_topology(topology) if isinstance(topology, str) else topology
     lowerings = Lowerings(graph, plan)
     tg, _, start, end = timed_graph(lowerings.first(topo, True), topo, cost, optimizer, None, True,
                                     relower=lowerings)

@@ -25,8 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.published_data import ROWS, Run  # noqa: E402
-from benchmarks.published_runs import MAX_GPUS, build_graph, build_plan, reachable, row_cost, throughput_error  # noqa: E402
-from simulator.presets import get_topology  # noqa: E402
+from benchmarks.published_runs import MAX_GPUS, build_graph, build_plan, reachable, row_cost, row_topology, throughput_error  # noqa: E402
 from simulator.simulate import simulate_plan  # noqa: E402
 from simulator.topology import Topology  # noqa: E402
 from strategies import OpGraph  # noqa: E402
@@ -58,7 +57,7 @@ def errors(rows: list[Run], candidates: list[float]) -> list[list[float]]:
         lowered = lower(graph[1], build_plan(run, graph[1]))
         cost = row_cost(run)
         for errs, n_half in zip(out, candidates):
-            result = simulate_plan(graph[1], lowered, with_gemm_half(get_topology(run.topology), n_half), cost,
+            result = simulate_plan(graph[1], lowered, with_gemm_half(row_topology(run), n_half), cost,
                                    optimizer="adam", summary=False)
             errs.append(throughput_error(run, result))
     return out

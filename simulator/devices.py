@@ -66,6 +66,11 @@ class DeviceSpec:
     reach (cuBLAS on a GPU: 0.80-0.86 of the datasheet's tensor-core peak), so a product of
     smallest dimension m runs at peak · gemm_rate · m / (m + gemm_half). Read only where
     ``gemm_half`` > 0; 1 where the peak is itself measured on a product (``soapsearch calibrate``)."""
+    overlap_rate: float = 1.0
+    """The fraction of its rate a compute task keeps while one of this device's own collectives
+    runs beside it (0 < f <= 1; 1: no slowdown): NCCL's kernels take SMs and HBM bandwidth from
+    the products they overlap (``simulator.comm_overlap_rate``). Not a cost-model figure: the
+    event passes apply it to the timeline."""
     cost_key: str = field(init=False, repr=False, compare=False)
     """The figures an op's time depends on (kind, peak FLOP/s, memory bandwidth, n½, r∞), as one
     string: cost models memoize by it, so two devices of one kind but other figures (a preset
@@ -88,6 +93,12 @@ class DeviceSpec:
         if not (math.isfinite(self.gemm_rate) and 0 < self.gemm_rate <= 1):
             raise ValueError(f"device {self.kind!r}: gemm_rate = {self.gemm_rate!r}: must be in (0, 1] "
                              "(the fraction of the peak its large matrix products reach)")
+        if not (math.isfinite(self.overlap_rate) and 0 < self.overlap_rate <= 1):
+            raise ValueError(f"device {self.kind!r}: overlap_rate = {self.overlap_rate!r}: must be in (0, 1] "
+                             "(the fraction of its rate a compute task keeps beside the device's collectives)")
+        if self.overlap_rate != 1.0 and self.contention != 1.0:
+            raise ValueError(f"device {self.kind!r}: overlap_rate {self.overlap_rate!r} with contention "
+                             f"{self.contention!r}: a device slows by one of them, not both")
         if not self.peak_flops or min(self.peak_flops.values()) <= 0:
             raise ValueError(f"device {self.kind!r}: peak_flops {dict(self.peak_flops)} needs at "
                              "least one dtype, every figure > 0")
@@ -97,7 +108,7 @@ class DeviceSpec:
     def __reduce__(self):  # the read-only mapping does not pickle; rebuild from a dict
         return (DeviceSpec, (self.kind, self.memory_bytes, dict(self.peak_flops), self.memory_bandwidth,
                              self.node, *(getattr(self, f) for f in OVERHEAD_FIELDS), self.contention,
-                             self.gemm_half, self.gemm_rate))
+                             self.gemm_half, self.gemm_rate, self.overlap_rate))
 
     def flops_for(self, dtype: str) -> float:
         """Peak FLOP/s for ``dtype`` (float32's when the dtype has no figure of its own)."""

@@ -24,7 +24,7 @@ from simulator.topology import Topology
 from simulator.topology_json import read_cluster
 from strategies.errors import PlanError
 
-__all__ = ["A100_GEMM_HALF", "A100_NCCL_BUS_BANDWIDTH", "PRESETS", "PATTERNS", "MAX_DEVICES", "INTRA_SHAPES", "INTER_SHAPES", "Fabric", "cluster",
+__all__ = ["A100_GEMM_HALF", "A100_NCCL_BUS_BANDWIDTH", "NCCL_OVERLAP_RATE", "PRESETS", "PATTERNS", "MAX_DEVICES", "INTRA_SHAPES", "INTER_SHAPES", "Fabric", "cluster",
            "check_plan_topology", "cluster_from_json", "get_topology"]
 
 
@@ -81,6 +81,18 @@ Narayanan et al.'s Table 1 rows of <= 128 GPUs with Megatron-LM's attention kern
 product a layer (zoo gpt's ``fused_qkv``), their launch script's
 micro-batches and NCCL's bus bandwidth inside a node (``A100_NCCL_BUS_BANDWIDTH``), and checked on Korthikanti's and
 torchtitan's rows (``benchmarks/published_fit.py``, benchmarks/README.md)."""
+
+NCCL_OVERLAP_RATE = 1 / 1.189
+"""The fraction of its rate a GPU's compute keeps while its own NCCL collectives run beside it
+(``DeviceSpec.overlap_rate``): Lee et al., "Characterizing Compute-Communication Overlap in
+GPU-Accelerated Distributed Deep Learning: Performance and Power Implications" (arXiv
+2507.03114, 2025), abstract: overlapped with communication, GPT and LLaMA training's compute
+ran "an average computational slowdown of 18.9%, with a maximum of 40.0%" against the same
+compute alone, measured on 4 A100s, H100s, MI250s and MI210s. The mean over the four GPU types:
+no per-type figure is taken here. The presets leave ``overlap_rate`` at 1: its passes run the
+event loop twice more (a 175B simulation at 1,024 GPUs takes about twice the process time), so
+it is set where fidelity is measured (``benchmarks/published_runs.py``) or in a topology JSON's
+device (``"overlap_rate"``)."""
 
 A100 = DeviceSpec(  # NVIDIA A100 Tensor Core GPU datasheet, A100 80GB SXM column
     kind="A100-SXM4-80GB",

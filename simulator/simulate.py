@@ -9,6 +9,7 @@ from typing import Callable
 
 import numpy as np
 
+from simulator.comm_overlap_rate import overlapped_times
 from simulator.contention import contended, contended_times
 from simulator.stragglers import straggler_durations
 from simulator.cost import CostModel, get_cost_model
@@ -181,7 +182,8 @@ def _copies_alone(fold: MemberFold) -> Copies | None:
 def run_timeline(tg: TaskGraph, topology: Topology, folded: Folded | None = None
                  ) -> tuple[np.ndarray, np.ndarray] | None:
     """The event loop's start and end of every task, again where ``simulator.stragglers``
-    scales a step-end collective's overhead, then ``simulator.contention``'s passes; None
+    scales a step-end collective's overhead, then ``simulator.contention``'s passes, then
+    ``simulator.comm_overlap_rate``'s (compute beside its device's collectives); None
     where ``folded`` (a folded graph's, ``task_graph``) does not hold on a timeline."""
     start, end = event_times(tg)
     base = straggler_durations(tg, topology, end)
@@ -190,6 +192,7 @@ def run_timeline(tg: TaskGraph, topology: Topology, folded: Folded | None = None
             return None
         start, end = event_times(tg, duration=base)
     start, end = contended_times(tg, topology, start, end, base)
+    start, end = overlapped_times(tg, topology, start, end, base)
     return None if folded is not None and not folded.holds(start, end) else (start, end)
 
 

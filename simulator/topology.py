@@ -8,7 +8,8 @@ JSON (format ``soapsearch.topology``, version 1), explicit form — what ``to_js
      (optional per device: "task_overhead", "message_overhead", "exchange_overhead", "collective_overhead", seconds,
       default 0; "contention", the slowdown when its node's devices compute at once, default 1;
       "gemm_half", the smallest matrix-product dimension at half the peak, default 0: not modelled;
-      "gemm_rate", the fraction of the peak large products reach, default 1)
+      "gemm_rate", the fraction of the peak large products reach, default 1; "overlap_rate", the
+      fraction of its rate compute keeps beside the device's collectives, default 1)
      "links": [{"name": "nvlink:0->1", "kind": "nvlink", "latency": 2e-06, "bandwidth": 2e10}, ...],
      (optional per link: "collective_bandwidth", bytes/s inside a ring collective, default bandwidth;
       "send_bandwidth" and "send_latency": a message holds the sender's host send_latency + bytes /
@@ -237,7 +238,8 @@ class Topology:
                          **{k: getattr(d, k) for k in OVERHEAD_FIELDS if getattr(d, k)},
                          **({"contention": d.contention} if d.contention != 1.0 else {}),
                          **({"gemm_half": d.gemm_half} if d.gemm_half else {}),
-                         **({"gemm_rate": d.gemm_rate} if d.gemm_rate != 1.0 else {})} for d in self.devices],
+                         **({"gemm_rate": d.gemm_rate} if d.gemm_rate != 1.0 else {}),
+                         **({"overlap_rate": d.overlap_rate} if d.overlap_rate != 1.0 else {})} for d in self.devices],
             "links": [{"name": k.name, "kind": k.kind, "latency": k.latency, "bandwidth": k.bandwidth,
                        **({"collective_bandwidth": k.collective_bandwidth}
                           if k.collective_bandwidth is not None else {}),

@@ -43,7 +43,7 @@ _RULES = {
 }
 
 
-_DEVICE = ("kind", "memory_bytes", "peak_flops", "memory_bandwidth", *OVERHEAD_FIELDS, "contention", "gemm_half", "gemm_rate")
+_DEVICE = ("kind", "memory_bytes", "peak_flops", "memory_bandwidth", *OVERHEAD_FIELDS, "contention", "gemm_half", "gemm_rate", "overlap_rate")
 _LINK_EXTRAS = ("collective_bandwidth", "send_bandwidth", "send_latency")
 _KEYS = {  # the keys each object of the JSON may hold (the module docstring's)
     "a topology": ("format", "version", "name", "devices", "links", "routes", "cluster"),
@@ -108,7 +108,8 @@ def _device(obj: Any, path: str, where: str, node: bool = True) -> DeviceSpec:
                         for k in OVERHEAD_FIELDS),
                       _get(obj, "contention", path, "num>=1", where) if "contention" in obj else 1.0,
                       _get(obj, "gemm_half", path, "num>=0", where) if "gemm_half" in obj else 0.0,
-                      _get(obj, "gemm_rate", path, "num>0", where) if "gemm_rate" in obj else 1.0)
+                      _get(obj, "gemm_rate", path, "num>0", where) if "gemm_rate" in obj else 1.0,
+                      _get(obj, "overlap_rate", path, "num>0", where) if "overlap_rate" in obj else 1.0)
 
 
 def _link(obj: Any, path: str, where: str) -> Link:
