@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.published_breakdown import Breakdown, breakdown  # noqa: E402
 from benchmarks.published_data import ROWS, Run  # noqa: E402
 from benchmarks.published_runs import (build_graph, build_plan, layer_products, layer_shares,  # noqa: E402
-                                       published_seconds, reachable, row_cost)
+                                       published_seconds, reachable, row_cost, row_topology)
 from simulator.presets import get_topology  # noqa: E402
 
 __all__ = ["Implied", "implied", "layer_gemm_efficiency"]
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{run.name:14s} {why}")
             continue
         graph = build_graph(run)
-        got = breakdown(graph, build_plan(run, graph), run.topology, row_cost(run))
+        got = breakdown(graph, build_plan(run, graph), row_topology(run), row_cost(run))
         found = implied(got, published_seconds(run))
         device = get_topology(run.topology).devices[0]
         eff = layer_gemm_efficiency(run)
