@@ -53,7 +53,13 @@ do not recompute, gathering again in their backward (``sequence_gather``): Megat
 column-parallel linear under sequence parallelism (``LinearWithGradAccumulationAndAsyncCommunication``:
 ``ctx.save_for_backward(input, weight)`` of the shard; Korthikanti et al. 2022 §4.2.2, whose eq. 6
 counts the linears' inputs at sbh/t). An all-gather of the samples or of the features a linear
-contracts (Krizhevsky's one weird trick) stays what autograd saves."""
+contracts (Krizhevsky's one weird trick) stays what autograd saves.
+
+A known gap (time, not memory): where such a linear recomputes (full recompute with sequence
+parallelism), Megatron-LM all-gathers twice in the backward, once in the checkpoint's recomputed
+forward and once more in the linear's own backward beside ``grad_output.matmul(weight)``; the
+model (``simulator.collectives``) and the executor call it again once, at the recompute step. No
+published row (``benchmarks.published_data.ROWS``) has full recompute with sequence parallelism."""
 
 
 def sequence_gather(graph, c: Collective) -> bool:
