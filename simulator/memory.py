@@ -15,7 +15,6 @@ import numpy as np
 from simulator.memory_collectives import bucket_rows, collective_rows
 from simulator.memory_rows import dropped_rows, piece_rows
 from simulator.memory_zero import state_bytes
-from strategies.lowered import WEIGHT_KINDS
 from strategies.lowering import Lowered
 from strategies.pieces import drop_positions, key_readers
 from strategies.chunks import pipeline_chunks
@@ -234,11 +233,8 @@ def _op_rows(lowered: Lowered) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.n
         return piece_rows(lowered, ops, position, drops)
     held = np.fromiter(itertools.chain.from_iterable(map(_activations, ops)), np.int64, len(ops) * n).reshape(-1, n)
     at = [i for i, p in enumerate(ops) if p.dropped]  # (op in graph order, device), then its dropped outputs
-    rep = lowered.copies.rep_array(n)  # copy 0's columns are every copy's; weight ops' where they run
-    weight = [i for i, node in enumerate(graph) if node.kind in WEIGHT_KINDS]
-    whole = held[:, rep]
-    whole[weight] = held[weight]
-    return dropped_rows(lowered, ops, whole, at, rep, drops, position)
+    rep = lowered.copies.rep_array(n)  # copy 0's columns are every copy's (a weight op keeps nothing)
+    return dropped_rows(lowered, ops, held[:, rep], at, rep, drops, position)
 
 
 def _drop_positions(graph, strategy, position: dict[str, int]) -> dict[str, list[tuple[tuple[int, ...], int, int]]]:
