@@ -140,7 +140,8 @@ def activation_peaks(lowered: Lowered, ws: dict[int, int] | None = None, collect
 
 class _Walks:
     """``activation_peaks``'s walks of one lowering, what they share made once: the ops' rows
-    (``simulator.memory_rows.dropped_rows``), with the collectives' added (``_rows``), each set's kept bytes and
+    (``simulator.memory_rows.piece_rows`` per device, patched, shared and read-only, which
+    ``_rows(base=...)`` relies on; ``dropped_rows`` where folded), with the collectives' added (``_rows``), each set's kept bytes and
     rises (``memory_breakdown`` walks without the collectives, with them, and with the buckets)."""
 
     def __init__(self, lowered: Lowered, ws: dict[int, int] | None) -> None:
@@ -289,7 +290,7 @@ def _interleaved_peaks(lowered: Lowered, collectives: bool = True, buckets: bool
     """Per device, the activations' peak over its interleaved run order (Narayanan et al.
     SC'21, section 2.2.2: more passes in flight than 1F1B): each (micro-batch, chunk) pass adds
     or frees its chunk's K_c, the chunk's ops' rows of ``_rows`` giving its rises, walked over
-    ``strategies.schedule.device_passes``; with ``buckets``, a backward pass of the last
+    each rank's ``strategies.schedule.interleaved_passes``; with ``buckets``, a backward pass of the last
     micro-batch issues its chunk's gradient buckets (``_last_rise``), held from there to the end.
     The walk is a function of the rank's passes and the device's per-chunk figures: devices of
     one rank with the same figures (a fold's copies and members) are walked once."""
@@ -310,7 +311,7 @@ def _interleaved_peaks(lowered: Lowered, collectives: bool = True, buckets: bool
         per.append(np.stack(((kept * mask).sum(axis=0), f, r, last, (issued * mask).sum(axis=0))))
     figures = np.stack(per, axis=1)  # (figure, chunk, device)
     ranks = pipeline_chunks(lowered.graph, lowered.strategy)
-    order = {}  # rank -> its passes (strategies.schedule.device_passes: every device of a rank runs them)
+    order = {}  # rank -> its passes (every device of a rank runs them)
     walked: dict[tuple[int, bytes], int] = {}  # a device's peak is a function of its rank's passes and its figures
     out = [0] * n
     for d in lowered.strategy.devices_used:

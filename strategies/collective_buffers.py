@@ -139,7 +139,8 @@ def _recomputed_at(lowered: Lowered, position: dict[str, int]) -> dict[str, int 
 
 def regather_steps(lowered: Lowered, life: BufferLife) -> dict[int, Step]:
     """Member -> the step at whose start it calls ``life``'s all-gather again: its first backward
-    step of ``life.regather`` (the op's last partition there), where the executor recomputes."""
+    step of ``life.regather`` (the op's last partition there), where it is gathered again at its
+    backward (recomputed, or a linear's own backward)."""
     c, op = life.collective, life.regather
     last: dict[int, int] = {}  # device -> its last partition of op
     for p in lowered.partitions[op][c.microbatch]:
@@ -148,7 +149,7 @@ def regather_steps(lowered: Lowered, life: BufferLife) -> dict[int, Step]:
     missing = [d for d in c.devices if d not in last and (kept is None or d in kept)]
     if missing:
         raise ValueError(f"op {op!r}: device {missing[0]} is a member of the {c.kind} of {c.op!r} "
-                         f"(micro-batch {c.microbatch}) re-gathered for its recomputation but holds no "
+                         f"(micro-batch {c.microbatch}) gathered again at its backward but holds no "
                          f"partition of {op!r}")
     return {d: Step(True, op, last[d], c.microbatch) for d in c.devices if d in last}
 
