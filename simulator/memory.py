@@ -13,12 +13,12 @@ from typing import NamedTuple
 import numpy as np
 
 from simulator.memory_collectives import bucket_rows, collective_rows
-from simulator.memory_rows import dropped_rows, piece_rows
+from simulator.memory_rows import dropped_rows, held_rows, piece_rows
 from simulator.memory_zero import state_bytes
 from strategies.lowering import Lowered
 from strategies.pieces import drop_positions, key_readers
 from strategies.chunks import pipeline_chunks
-from strategies.schedule import chunk_of, interleaved_passes, warmups
+from strategies.schedule import chunk_of, rank_passes, warmups
 
 __all__ = ["peak_memory", "memory_breakdown", "MemoryBreakdown", "OPTIMIZER_STATE", "activation_peaks"]
 
@@ -101,7 +101,7 @@ def _check(optimizer: str) -> int:
     return OPTIMIZER_STATE[optimizer]
 
 
-_dropped, _activations = operator.attrgetter("dropped"), operator.attrgetter("activations")
+_dropped = operator.attrgetter("dropped")
 _POSITIONS: dict[int, tuple[object, dict[str, int]]] = {}
 
 
@@ -232,8 +232,7 @@ def _op_rows(lowered: Lowered) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.n
     drops = _drop_positions(graph, lowered.strategy, position)
     if lowered.copies is None:
         return piece_rows(lowered, ops, position, drops)
-    held = np.fromiter(itertools.chain.from_iterable(map(_activations, ops)), np.int64, len(ops) * n).reshape(-1, n)
-    at = [i for i, p in enumerate(ops) if p.dropped]  # (op in graph order, device), then its dropped outputs
+    held, at = held_rows(ops, n)
     rep = lowered.copies.rep_array(n)  # copy 0's columns are every copy's (a weight op keeps nothing)
     return dropped_rows(lowered, ops, held[:, rep], at, rep, drops, position)
 
@@ -290,7 +289,7 @@ def _interleaved_peaks(lowered: Lowered, collectives: bool = True, buckets: bool
     """Per device, the activations' peak over its interleaved run order (Narayanan et al.
     SC'21, section 2.2.2: more passes in flight than 1F1B): each (micro-batch, chunk) pass adds
     or frees its chunk's K_c, the chunk's ops' rows of ``_rows`` giving its rises, walked over
-    each rank's ``strategies.schedule.interleaved_passes``; with ``buckets``, a backward pass of the last
+    ``strategies.schedule.rank_passes``; with ``buckets``, a backward pass of the last
     micro-batch issues its chunk's gradient buckets (``_last_rise``), held from there to the end.
     The walk is a function of the rank's passes and the device's per-chunk figures: devices of
     one rank with the same figures (a fold's copies and members) are walked once."""
@@ -311,15 +310,13 @@ def _interleaved_peaks(lowered: Lowered, collectives: bool = True, buckets: bool
         per.append(np.stack(((kept * mask).sum(axis=0), f, r, last, (issued * mask).sum(axis=0))))
     figures = np.stack(per, axis=1)  # (figure, chunk, device)
     ranks = pipeline_chunks(lowered.graph, lowered.strategy)
-    order = {}  # rank -> its passes (every device of a rank runs them)
+    order = rank_passes(lowered.graph, lowered.strategy)
     walked: dict[tuple[int, bytes], int] = {}  # a device's peak is a function of its rank's passes and its figures
     out = [0] * n
     for d in lowered.strategy.devices_used:
         rank = ranks.rank[d]
         key = (rank, figures[:, :, d].tobytes())
         if key not in walked:
-            if rank not in order:
-                order[rank] = interleaved_passes(lowered.strategy.microbatches, ranks.ranks, rank, ranks.chunks)
             walked[key] = _interleaved_walk(order[rank], figures[:, :, d].tolist(), last_mb)
         out[d] = walked[key]
     return out
