@@ -1,4 +1,4 @@
-"""The memory walk's rows of the ops' pieces (``simulator.memory._rows`` without the collectives):
+"""The memory walk's rows of the ops' pieces (``simulator.memory_walks._rows`` without the collectives):
 (ops in graph order) x devices, the bytes each op's forward adds, those freed after it, those
 recomputed at each op's backward and those freed after it. A search's next plan changes a few
 ops: where neither it nor the last plan of the same graph recomputes and every device is
