@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import operator
+from typing import NamedTuple
 
 import numpy as np
 
@@ -56,23 +57,48 @@ def activation_peaks(lowered: Lowered, ws: dict[int, int] | None = None, collect
     return Walks(lowered, ws).peaks(collectives, buckets)
 
 
+class Walked(NamedTuple):
+    """One set of rows (without or with the collectives) and what its walk reads of them."""
+
+    rows: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+    """held, freed, redone, gone (``_rows``)."""
+    kept: list[int]
+    """Per device, K: the bytes kept per micro-batch in flight."""
+    rise_f: list[int]
+    """Per device, a forward pass's highest rise over its start (``_rises``)."""
+    rise_b: list[int]
+    """Per device, a backward pass's highest rise over its start."""
+
+
+class Drops(NamedTuple):
+    """The last plan ``_drop_positions`` saw for a graph."""
+
+    graph: object
+    configs: tuple
+    """Its (name, config) pairs."""
+    recompute: bool
+    """Whether one of them recomputes (no patch from such a plan)."""
+    positions: dict
+    """Its ``drop_positions`` (shared: read only)."""
+
+
 class Walks:
     """``activation_peaks``'s walks of one lowering, what they share made once: the ops' rows
     (``simulator.memory_rows.piece_rows`` per device, patched, shared and read-only, which
-    ``_rows(base=...)`` relies on; ``dropped_rows`` where folded), with the collectives' added (``_rows``), each set's kept bytes and
-    rises (``memory_breakdown`` walks without the collectives, with them, and with the buckets)."""
+    ``_rows(base=...)`` relies on; ``dropped_rows`` where folded), with the collectives' added
+    (``_rows``), each set's kept bytes and rises (``memory_breakdown`` walks without the collectives, with them, and with the buckets)."""
 
     def __init__(self, lowered: Lowered, ws: dict[int, int] | None) -> None:
         self.lowered, self.ws = lowered, device_warmups(lowered) if ws is None else ws
-        self.walked: dict[bool, tuple] = {}  # collectives -> (rows, kept, rise_f, rise_b)
+        self.walked: dict[bool, Walked] = {}  # collectives -> its walk
 
-    def walk(self, collectives: bool) -> tuple:
+    def walk(self, collectives: bool) -> Walked:
         got = self.walked.get(collectives)
         if got is None:
-            base = self.walk(False)[0] if collectives else None
+            base = self.walk(False).rows if collectives else None
             rows = _rows(self.lowered, collectives, base)
             kept = (rows[0].sum(axis=0) - rows[1].sum(axis=0)).tolist()  # b.kept, and the kept collective results
-            got = self.walked[collectives] = (rows, kept, *(x.tolist() for x in _rises(*rows)))
+            got = self.walked[collectives] = Walked(rows, kept, *(x.tolist() for x in _rises(*rows)))
         return got
 
     def peaks(self, collectives: bool, buckets: bool) -> list[int]:
@@ -164,22 +190,22 @@ def _drop_positions(graph, strategy, position: dict[str, int]) -> dict[str, list
     shared: read it only."""
     configs = strategy.configs
     last = _DROPS.get(id(graph))
-    if last is None or last[0] is not graph or len(last[1]) != len(configs) or last[2]:
+    if last is None or last.graph is not graph or len(last.configs) != len(configs) or last.recompute:
         out, recompute = drop_positions(graph, strategy, position), any(c.recompute for _, c in configs)
     else:
-        pairs = [(configs[i], last[1][i]) for i in
-                 itertools.compress(range(len(configs)), map(operator.is_not, configs, last[1]))]
+        pairs = [(configs[i], last.configs[i]) for i in
+                 itertools.compress(range(len(configs)), map(operator.is_not, configs, last.configs))]
         recompute = any(new[1].recompute for new, _ in pairs)
         if recompute:
             out = drop_positions(graph, strategy, position)
         else:
             changed = {name for pair in pairs if _drop_key(pair[0]) != _drop_key(pair[1]) for name, _ in pair}
             again = changed.union(*(key_readers(graph, name) for name in changed))
-            out = {name: groups for name, groups in last[3].items() if name not in again}
+            out = {name: groups for name, groups in last.positions.items() if name not in again}
             out.update(drop_positions(graph, strategy, position, again))
     if len(_DROPS) > 8:
         _DROPS.clear()
-    _DROPS[id(graph)] = (graph, configs, recompute, out)
+    _DROPS[id(graph)] = Drops(graph, configs, recompute, out)
     return out
 
 
@@ -188,9 +214,8 @@ def _drop_key(pair: tuple) -> tuple:
     return pair[0], pair[1].devices, pair[1].recompute
 
 
-_DROPS: dict[int, tuple[object, tuple, bool, dict]] = {}
-"""Graph id -> (graph, the configs of the last plan ``_drop_positions`` saw, whether one of them
-recomputes, its ``drop_positions``)."""
+_DROPS: dict[int, Drops] = {}
+"""Graph id -> the last plan ``_drop_positions`` saw for it."""
 
 
 def _rises(held: np.ndarray, freed: np.ndarray, redone: np.ndarray, gone: np.ndarray

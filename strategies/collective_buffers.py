@@ -6,7 +6,8 @@ A member calls collective c at the start of its first reader op's forward step
 
 - is *gathered again* where it is an all-gather and every reader op recomputes, or is a linear
   and the all-gather is along the sequence (``REGATHERED``, ``sequence_gather``; sequence
-  parallelism's gathered input to a recomputed layer or to a column-parallel linear; Korthikanti et al. 2022 §4.2.2: Megatron-LM keeps the shard and
+  parallelism's gathered input to a recomputed layer or to a column-parallel linear;
+  Korthikanti et al. 2022 §4.2.2: Megatron-LM keeps the shard and
   gathers again in the backward; its ``LinearWithGradAccumulationAndAsyncCommunication``,
   ``megatron/core/tensor_parallel/layers.py``, saves the shard with ``save_for_backward(input,
   weight)``, all-gathers into a buffer for the forward product and all-gathers again in the

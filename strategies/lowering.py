@@ -30,7 +30,8 @@ from strategies.strategy import Strategy
 from strategies.symmetry import Copies, CrossCopy
 from strategies.zero import gather_uses
 
-__all__ = ["PATCHED", "is_patched_state", "WEIGHT_KINDS", "Partition", "Transfer", "WeightRead", "WeightShard", "BucketKey", "bucket_key",
+__all__ = ["PATCHED", "is_patched_state", "WEIGHT_KINDS", "Partition", "Transfer", "WeightRead", "WeightShard",
+           "BucketKey", "bucket_key",
            "ReductionGroup", "OpPieces", "Lowered", "DeviceBytes", "GradientSync", "Gate", "lower", "lower_reference",
            "partition_box_mb", "gates", "bucket_sums", "loss_on_every_device", "SMALL_SUM"]
 

@@ -176,6 +176,8 @@ class Executor:
                 if r.id in self.transient:
                     self.readers.setdefault(r.id, []).append((r.id, k))
         self.lives = lives = buffer_lives(low)
+        """Collective -> how long its buffers live on each member, per micro-batch
+        (``strategies.collective_buffers.BufferLife``: kept, let go or gathered again)."""
         self.lets_go = collective_releases(lives, self.steps, self.collective_readers)
         """Step position -> the collectives whose result this rank lets go of after it
         (``strategies.collective_buffers``)."""
