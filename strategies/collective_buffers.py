@@ -65,7 +65,9 @@ published row (``benchmarks.published_data.ROWS``) has full recompute with seque
 
 def sequence_gather(graph, c: Collective) -> bool:
     """``c`` is an all-gather along a dim that is neither the samples nor the last (the features
-    a linear contracts): sequence parallelism's, the tokens' dim."""
+    a linear contracts): sequence parallelism's, the tokens' dim. The rule is by position only:
+    any dim but the samples and the contracted one counts (a channel or heads dim read directly
+    by a linear would too; no zoo model gathers one)."""
     node = graph[c.op]
     return c.kind == "all_gather" and node.dims[c.dim].role != "sample" and c.dim != len(node.output.shape) - 1
 
