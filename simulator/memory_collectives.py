@@ -1,4 +1,4 @@
-"""The collectives' buffers as rows of the memory model's walk (``simulator.memory._rows``): what
+"""The collectives' buffers as rows of the memory model's walk (``simulator.memory_walks._rows``): what
 each call leaves a member and its readers' gradients, added and freed at the ops where
 ``strategies.collective_buffers`` says the executor holds them; and the level-0/1 gradient
 buckets' flat tensors, added where each member issues them in the last backward pass and held

@@ -1,4 +1,4 @@
-"""The memory walk's rows of the ops' pieces (``simulator.memory._rows`` without the collectives):
+"""The memory walk's rows of the ops' pieces (``simulator.memory_walks._rows`` without the collectives):
 (ops in graph order) x devices, the bytes each op's forward adds, those freed after it, those
 recomputed at each op's backward and those freed after it. A search's next plan changes a few
 ops: where neither it nor the last plan of the same graph recomputes and every device is
@@ -17,12 +17,19 @@ import numpy as np
 
 from strategies.lowering import Lowered
 
-__all__ = ["dropped_rows", "piece_rows"]
+__all__ = ["dropped_rows", "held_rows", "piece_rows"]
 
 Drops = dict[str, list[tuple[tuple[int, ...], int, int]]]
 """``strategies.pieces.drop_positions``: dropped op -> [(devices, free_after, recompute_at)]."""
 
 _activations = operator.attrgetter("activations")
+
+
+def held_rows(ops: list, n: int) -> tuple[np.ndarray, list[int]]:
+    """What each op keeps, (ops in graph order) x ``n`` devices, and the ops that drop or let go
+    of their outputs (``dropped_rows``' ``held`` and ``at``)."""
+    held = np.fromiter(itertools.chain.from_iterable(map(_activations, ops)), np.int64, len(ops) * n).reshape(-1, n)
+    return held, [i for i, p in enumerate(ops) if p.dropped]
 
 
 def dropped_rows(lowered: Lowered, ops: list, held: np.ndarray, at: list[int], rep: np.ndarray | None,
@@ -103,8 +110,7 @@ def piece_rows(lowered: Lowered, ops: list, position: dict[str, int], drops: Dro
                 rows = _patched(last, ops, drops, names, sorted(again))
                 _keep(graph, ops, drops, rows, False)
                 return rows
-    held = np.fromiter(itertools.chain.from_iterable(map(_activations, ops)), np.int64, len(ops) * n).reshape(-1, n)
-    at = [i for i, p in enumerate(ops) if p.dropped]
+    held, at = held_rows(ops, n)
     rows = dropped_rows(lowered, ops, held, at, None, drops, position)
     _keep(graph, ops, drops, rows, any(p.recompute for p in ops))
     return rows

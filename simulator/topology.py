@@ -204,7 +204,8 @@ class Topology:
             n = len(self.devices)
             for what, x in (("src", src), ("dst", dst)):
                 if len(x) and not (0 <= np.min(x) and np.max(x) < n):
-                    raise IndexError(f"topology {self.name!r}: {what} devices {np.min(x)}..{np.max(x)} out of range 0..{n - 1}")
+                    raise IndexError(f"topology {self.name!r}: {what} devices {np.min(x)}..{np.max(x)} "
+                                     f"out of range 0..{n - 1}")
             return self.routes.links_array(src, dst)
         rows = [self.route(int(a), int(b)) for a, b in zip(src, dst)]
         out = np.full((len(rows), max(map(len, rows), default=0)), -1, dtype=np.int64)

@@ -6,7 +6,8 @@ A member calls collective c at the start of its first reader op's forward step
 
 - is *gathered again* where it is an all-gather and every reader op recomputes, or is a linear
   and the all-gather is along the sequence (``REGATHERED``, ``sequence_gather``; sequence
-  parallelism's gathered input to a recomputed layer or to a column-parallel linear; Korthikanti et al. 2022 §4.2.2: Megatron-LM keeps the shard and
+  parallelism's gathered input to a recomputed layer or to a column-parallel linear;
+  Korthikanti et al. 2022 §4.2.2: Megatron-LM keeps the shard and
   gathers again in the backward; its ``LinearWithGradAccumulationAndAsyncCommunication``,
   ``megatron/core/tensor_parallel/layers.py``, saves the shard with ``save_for_backward(input,
   weight)``, all-gathers into a buffer for the forward product and all-gathers again in the
@@ -53,12 +54,20 @@ do not recompute, gathering again in their backward (``sequence_gather``): Megat
 column-parallel linear under sequence parallelism (``LinearWithGradAccumulationAndAsyncCommunication``:
 ``ctx.save_for_backward(input, weight)`` of the shard; Korthikanti et al. 2022 §4.2.2, whose eq. 6
 counts the linears' inputs at sbh/t). An all-gather of the samples or of the features a linear
-contracts (Krizhevsky's one weird trick) stays what autograd saves."""
+contracts (Krizhevsky's one weird trick) stays what autograd saves.
+
+A known gap (time, not memory): where such a linear recomputes (full recompute with sequence
+parallelism), Megatron-LM all-gathers twice in the backward, once in the checkpoint's recomputed
+forward and once more in the linear's own backward beside ``grad_output.matmul(weight)``; the
+model (``simulator.collectives``) and the executor call it again once, at the recompute step. No
+published row (``benchmarks.published_data.ROWS``) has full recompute with sequence parallelism."""
 
 
 def sequence_gather(graph, c: Collective) -> bool:
     """``c`` is an all-gather along a dim that is neither the samples nor the last (the features
-    a linear contracts): sequence parallelism's, the tokens' dim."""
+    a linear contracts): sequence parallelism's, the tokens' dim. The rule is by position only:
+    any dim but the samples and the contracted one counts (a channel or heads dim read directly
+    by a linear would too; no zoo model gathers one)."""
     node = graph[c.op]
     return c.kind == "all_gather" and node.dims[c.dim].role != "sample" and c.dim != len(node.output.shape) - 1
 
@@ -133,7 +142,8 @@ def _recomputed_at(lowered: Lowered, position: dict[str, int]) -> dict[str, int 
 
 def regather_steps(lowered: Lowered, life: BufferLife) -> dict[int, Step]:
     """Member -> the step at whose start it calls ``life``'s all-gather again: its first backward
-    step of ``life.regather`` (the op's last partition there), where the executor recomputes."""
+    step of ``life.regather`` (the op's last partition there), where it is gathered again at its
+    backward (recomputed, or a linear's own backward)."""
     c, op = life.collective, life.regather
     last: dict[int, int] = {}  # device -> its last partition of op
     for p in lowered.partitions[op][c.microbatch]:
@@ -142,7 +152,7 @@ def regather_steps(lowered: Lowered, life: BufferLife) -> dict[int, Step]:
     missing = [d for d in c.devices if d not in last and (kept is None or d in kept)]
     if missing:
         raise ValueError(f"op {op!r}: device {missing[0]} is a member of the {c.kind} of {c.op!r} "
-                         f"(micro-batch {c.microbatch}) re-gathered for its recomputation but holds no "
+                         f"(micro-batch {c.microbatch}) gathered again at its backward but holds no "
                          f"partition of {op!r}")
     return {d: Step(True, op, last[d], c.microbatch) for d in c.devices if d in last}
 

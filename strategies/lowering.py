@@ -30,7 +30,8 @@ from strategies.strategy import Strategy
 from strategies.symmetry import Copies, CrossCopy
 from strategies.zero import gather_uses
 
-__all__ = ["PATCHED", "is_patched_state", "WEIGHT_KINDS", "Partition", "Transfer", "WeightRead", "WeightShard", "BucketKey", "bucket_key",
+__all__ = ["PATCHED", "is_patched_state", "WEIGHT_KINDS", "Partition", "Transfer", "WeightRead", "WeightShard",
+           "BucketKey", "bucket_key",
            "ReductionGroup", "OpPieces", "Lowered", "DeviceBytes", "GradientSync", "Gate", "lower", "lower_reference",
            "partition_box_mb", "gates", "bucket_sums", "loss_on_every_device", "SMALL_SUM"]
 
@@ -140,9 +141,7 @@ def lower(graph: OpGraph, strategy: Strategy, cache: dict | None = None, copies:
     sync = GradientSync(buckets, tuple(last.tensors.tolist()), of)
     totals = [tuple(t) for t in last.totals[:3]] + [tuple(t.tolist()) for t in last.totals[3:]]
     if copies is not None:
-        weight_ops = [last.by_op[node.name].activations for node in graph if node.kind in WEIGHT_KINDS]
-        totals[:3] = expand_totals(totals[:3], [sum(b) for b in zip(*weight_ops)] if weight_ops else [0] * n,
-                                   copies)
+        totals[:3] = expand_totals(totals[:3], copies)
     lowered = Lowered(graph, strategy, dict(last.partitions), shards, dict(last.by_op), DeviceBytes(*totals), sync,
                       copies, dict(last.twins))
     if copies is not None and any(s.zero >= 2 for s in shards):

@@ -13,7 +13,7 @@ A plan replicated over R copies of G devices (``strategies.symmetry``) computes 
   images φ_r (``expand_holders``; a partition's weight region does not depend on its sample
   coordinate), so the gradient buckets, each all-reduced over every replica, are as per device;
 - per-device totals (``DeviceBytes``, ``GradientSync.tensors``) of every device: copy r's
-  device the image of its copy-0 device (``expand_totals``), weight ops' bytes where they run.
+  device the image of its copy-0 device (``expand_totals``).
 
 ``Lowered.copies`` names the copies; what needs every device's partitions (the executor, the
 per-device simulation, a timeline, export) refuses such a lowering (``Lowered.check_whole``).
@@ -85,15 +85,10 @@ def expand_holders(held: dict[Box, set[int]], copies: Copies) -> dict[Box, tuple
     return out
 
 
-def expand_totals(totals: Sequence[Sequence[int]], weight_kept: Sequence[int], copies: Copies
-                  ) -> list[tuple[int, ...]]:
-    """Every device's (kept, received, received_grad) from copy 0's: ``totals`` hold copy 0's
-    devices' and, in ``kept``, the weight ops' bytes (``weight_kept``, per device, where they
-    run); a device of copy r gets its copy-0 image's, less the weight ops' bytes there, plus
-    its own."""
+def expand_totals(totals: Sequence[Sequence[int]], copies: Copies) -> list[tuple[int, ...]]:
+    """Every device's (kept, received, received_grad) from copy 0's (``totals``): a device of
+    copy r gets its copy-0 image's (a weight op keeps no activations, ``strategies.pieces``, so
+    the ops that run outside the copies add nothing)."""
     t = np.asarray(totals, dtype=np.int64)
     rep = copies.rep_array(t.shape[1])
-    full = t[:, rep]
-    w = np.asarray(weight_kept, dtype=np.int64)
-    full[0] += w - w[rep]
-    return [tuple(row) for row in full.tolist()]
+    return [tuple(row) for row in t[:, rep].tolist()]

@@ -353,7 +353,7 @@ def lower_op(graph: OpGraph, strategy: Strategy, node: OpNode, m: int,
     dropped = [0] * n if drop else kept
     sources = [(graph[src], strategy[src]) for src in node.inputs]
     moves_grad = [graph.moves_grad(src, node.name) for src in node.inputs]
-    itemsize, loss, reads_weights = DTYPE_BYTES[node.output.dtype], node.kind == "loss", node.kind not in WEIGHT_KINDS
+    itemsize, loss, is_weight = DTYPE_BYTES[node.output.dtype], node.kind == "loss", node.kind in WEIGHT_KINDS
     alias = aliases(node) and bool(node.inputs)
     out_ndim = len(node.output.shape)
     # per input: the full ranges of its producer's reduction dims (every holder of a Partial
@@ -407,11 +407,11 @@ def lower_op(graph: OpGraph, strategy: Strategy, node: OpNode, m: int,
                 numel = box_numel(p.output)
                 # a view's output is its input's storage; a weight op's is its weight, held once
                 # (MemoryBreakdown.weights), not per micro-batch: the executor reads it in place
-                if reads_weights and not (alias and _one_piece(overlaps[0][k], shared[0].get(p.index))):
+                if not is_weight and not (alias and _one_piece(overlaps[0][k], shared[0].get(p.index))):
                     dropped[dev] += 8 if loss else itemsize * numel  # kept for backward (or dropped)
                 if not cfg.recompute:  # a dropout's mask (recomputed with its output otherwise)
                     kept[dev] += saved_extra(node, numel)
-                if reads_weights:
+                if not is_weight:
                     ws = weight_regions[k]
                     reads.extend(_new(WeightRead, (w.name, ws[w.role], dev, node.name, w.spec.dtype, w.trainable,
                                                      cfg.zero))

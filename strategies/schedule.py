@@ -43,7 +43,7 @@ from strategies.lowering import Lowered
 from strategies.memo import per_lowered
 from strategies.zero import per_use_shards
 
-__all__ = ["Step", "CollectiveCall", "chunk_of", "collective_calls", "collective_steps", "device_order",
+__all__ = ["Step", "CollectiveCall", "chunk_of", "collective_calls", "collective_steps", "device_order", "rank_passes",
            "device_passes", "interleaved_passes", "passes", "stages", "warmup", "warmups"]
 
 
@@ -208,9 +208,17 @@ def device_passes(lowered: Lowered) -> dict[int, list[tuple[bool, int, int]]]:
     for GPipe and 1F1B, ``interleaved_passes`` for the interleaved schedule."""
     s = lowered.strategy
     if s.schedule == "interleaved":
-        c = pipeline_chunks(lowered.graph, s)
-        return {d: interleaved_passes(s.microbatches, c.ranks, c.rank[d], c.chunks) for d in s.devices_used}
+        rank, by_rank = pipeline_chunks(lowered.graph, s).rank, rank_passes(lowered.graph, s)
+        return {d: by_rank[rank[d]] for d in s.devices_used}
     return {d: [(b, j, 0) for b, j in passes(s.microbatches, w)] for d, w in warmups(lowered).items()}
+
+
+def rank_passes(graph, strategy) -> dict[int, list[tuple[bool, int, int]]]:
+    """Pipeline rank -> its passes in order under the interleaved schedule (``interleaved_passes``
+    of ``strategies.chunks.pipeline_chunks``' ranks and chunks): every device of a rank runs
+    them (one list a rank: read it only)."""
+    c = pipeline_chunks(graph, strategy)
+    return {r: interleaved_passes(strategy.microbatches, c.ranks, r, c.chunks) for r in range(c.ranks)}
 
 
 @per_lowered

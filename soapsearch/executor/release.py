@@ -17,7 +17,8 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 from soapsearch.executor.errors import ExecutorError
 from strategies.collective_buffers import BufferLife
 
-__all__ = ["Released", "Regathered", "release", "hollow", "shares", "SavedStorages", "collective_releases"]
+__all__ = ["Released", "Regathered", "release", "hollow", "shares", "SavedStorages", "collective_releases",
+           "regather_calls", "regathered"]
 
 
 class Released(NamedTuple):
@@ -101,6 +102,23 @@ class SavedStorages:
         if leaf.untyped_storage().data_ptr() in self.ptrs:
             raise ExecutorError(f"op {op!r} ({kind}): its backward reads its input from {producer!r}, which "
                                 f"strategies.saved counts as read by no backward (transient)")
+
+
+def regather_calls(slots: Sequence, lives: Sequence[BufferLife], shared: dict) -> list[int]:
+    """The collectives a recipe's ``slots`` read that are gathered again (``BufferLife.regather``)
+    and were let go (``shared``: collective -> its result or ``Released``): called again at the
+    same step on every member, for the reader's recomputation or for the backward of a linear
+    that saved the shard (``SavedStorages``); once each, in slot order."""
+    return list(dict.fromkeys(s.collective for s in slots if s is not None and s.collective is not None
+                              and lives[s.collective].regather is not None
+                              and isinstance(shared[s.collective], Released)))
+
+
+def regathered(slots: Sequence, lives: Sequence[BufferLife], shared: dict) -> dict[int, int]:
+    """Storage -> collective, of the results a recipe's ``slots`` read that are gathered again in
+    the backward (``SavedStorages``: autograd saves them as the call to come)."""
+    return {shared[s.collective].untyped_storage().data_ptr(): s.collective for s in slots
+            if s is not None and s.collective is not None and lives[s.collective].regather is not None}
 
 
 def collective_releases(lives: Sequence[BufferLife], steps: Sequence[tuple[bool, object]],

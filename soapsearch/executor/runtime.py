@@ -54,7 +54,8 @@ from soapsearch.executor.errors import ExecutorError, check_runnable
 from soapsearch.executor.norm import batch_norm
 from soapsearch.executor.precision import Autocast, LossScaler, to_wire
 from soapsearch.executor.recipe import ROOT, SKIP, Piece, Recipe, Slot, receives_ahead, recipes
-from soapsearch.executor.release import Released, SavedStorages, collective_releases, hollow, release, shares
+from soapsearch.executor.release import (Released, SavedStorages, collective_releases, hollow, regather_calls,
+                                       regathered, release, shares)
 from soapsearch.executor.shards import LocalWeights
 from strategies.collective_buffers import buffer_lives
 from strategies.graph import OpGraph
@@ -175,6 +176,8 @@ class Executor:
                 if r.id in self.transient:
                     self.readers.setdefault(r.id, []).append((r.id, k))
         self.lives = lives = buffer_lives(low)
+        """Collective -> how long its buffers live on each member, per micro-batch
+        (``strategies.collective_buffers.BufferLife``: kept, let go or gathered again)."""
         self.lets_go = collective_releases(lives, self.steps, self.collective_readers)
         """Step position -> the collectives whose result this rank lets go of after it
         (``strategies.collective_buffers``)."""
@@ -370,7 +373,7 @@ class Executor:
                 out = self._run(r, inputs)
             self.saved[r.id] = tuple(x if keep else None for x, keep in zip(inputs, r.keeps))
         elif r.id in self.guarded:
-            self.saved_storages[r.id] = seen = SavedStorages(self._regathered(r), self.shared)
+            self.saved_storages[r.id] = seen = SavedStorages(regathered(r.slots, self.lives, self.shared), self.shared)
             with seen.hooks():
                 inputs, self.leaves[r.id] = self._inputs(r)
                 out = self._run(r, inputs)
@@ -434,22 +437,10 @@ class Executor:
         self.outs[r.id] = self._run(r, inputs)
 
     def _regather(self, r: Recipe) -> None:
-        """Gather again each collective ``r`` reads that was let go (``BufferLife.regather``: at
-        the same step on every member, before the step's duals): for its recomputation, or for
-        the backward of a linear that saved the shard (``release.SavedStorages``)."""
-        for s in r.slots:
-            if (s is not None and s.collective is not None and self.lives[s.collective].regather is not None
-                    and isinstance(self.shared[s.collective], Released)):
-                self._call(s.collective, False)
-
-    def _regathered(self, r: Recipe) -> dict[int, int]:
-        """Storage -> collective, of the results ``r`` reads that are gathered again in the
-        backward (``release.SavedStorages``: autograd saves them as the call to come)."""
-        out = {}
-        for s in r.slots:
-            if s is not None and s.collective is not None and self.lives[s.collective].regather is not None:
-                out[self.shared[s.collective].untyped_storage().data_ptr()] = s.collective
-        return out
+        """Gather again each collective ``r`` reads that was let go (``release.regather_calls``),
+        before the step's duals."""
+        for i in regather_calls(r.slots, self.lives, self.shared):
+            self._call(i, False)
 
     def _inputs(self, r: Recipe, saved: Sequence[torch.Tensor | None] | None = None, leaves: bool = True
                 ) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:

@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 import torch
 
-from simulator.memory import _positions, _rows, activation_peaks, memory_breakdown
+from simulator.memory import activation_peaks, memory_breakdown
+from simulator.memory_walks import _positions, _rows
 from simulator.memory_collectives import bucket_rows
 from soapsearch.executor import Executor, TrainConfig, build_model
 from strategies.lowering import lower

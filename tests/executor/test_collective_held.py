@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from simulator.memory import _rises, _positions, device_warmups
+from simulator.memory_walks import _positions, _rises, device_warmups
 from simulator.memory_collectives import collective_rows
 from soapsearch.executor import Executor, TrainConfig, build_model
 from strategies.collective_buffers import buffer_lives

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from simulator.memory import _issued, _positions, _rows, activation_peaks
+from simulator.memory_walks import _issued, _positions, _rows, activation_peaks
 from strategies.lowering import lower
 from strategies.megatron import megatron
 from strategies.schedule import device_order

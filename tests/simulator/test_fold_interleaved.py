@@ -2,7 +2,7 @@
 chunks a pipeline rank is lowered on copy 0 (``strategies.lowering_copies``) or on members 0
 and 1 of copy 0 (``strategies.lowering_members``), as under GPipe and 1F1B, and the folded
 simulation gives the per-device one's iteration time, busy time and peak memory per device
-and bytes per link kind (the memory walk pass by pass, ``simulator.memory._interleaved_peaks``,
+and bytes per link kind (the memory walk pass by pass, ``simulator.memory_walks._interleaved_peaks``,
 over every device's passes and copy 0's expanded rows); and ``link_maps`` leaves the
 topology's route memo as it was (a copy's G² routes are not held)."""
 

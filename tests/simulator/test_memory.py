@@ -3,7 +3,8 @@ by hand on plans of known shapes, and the categories summing to ``peak_memory``'
 
 import pytest
 
-from simulator.memory import MemoryBreakdown, _rises, activation_peaks, memory_breakdown, peak_memory
+from simulator.memory import MemoryBreakdown, activation_peaks, memory_breakdown, peak_memory
+from simulator.memory_walks import _rises
 from simulator.memory_collectives import collective_rows
 from simulator.simulate import simulate_plan
 from strategies import baseline, data_parallel, pipeline

@@ -1,10 +1,10 @@
-"""The memory model's dropped-output points patched from the last plan's (``simulator.memory
+"""The memory model's dropped-output points patched from the last plan's (``simulator.memory_walks
 ._drop_positions``) equal ``strategies.pieces.drop_positions`` found afresh, on a walk of
 one-op proposals that changes devices, degrees and, now and then, recompute flags."""
 
 import random
 
-from simulator import memory
+from simulator import memory_walks as memory
 from simulator.presets import get_topology
 from soapsearch.search.mcmc import candidate_configs
 from strategies import data_parallel

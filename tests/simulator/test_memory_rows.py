@@ -8,7 +8,8 @@ import random
 import numpy as np
 import pytest
 
-from simulator import memory, memory_rows
+from simulator import memory_rows
+from simulator import memory_walks as memory
 from strategies import data_parallel
 from strategies.errors import PlanError
 from strategies.lowering import lower

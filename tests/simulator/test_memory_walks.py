@@ -1,12 +1,13 @@
 """``memory_breakdown``'s three activation walks (without the collectives, with them, with the
-buckets) share their rows (``simulator.memory._Walks``): each equals ``activation_peaks`` run
+buckets) share their rows (``simulator.memory_walks.Walks``): each equals ``activation_peaks`` run
 alone, whatever order they are asked in, on per-device, copy-0 and member-folded lowerings."""
 
 from __future__ import annotations
 
 import pytest
 
-from simulator.memory import _Walks, activation_peaks, memory_breakdown
+from simulator.memory import memory_breakdown
+from simulator.memory_walks import Walks, activation_peaks
 from simulator.presets import get_topology
 from simulator.simulate import Lowerings
 from strategies.baselines import megatron_lm, recomputed
@@ -38,7 +39,7 @@ def test_shared_walks_equal_each_walk_alone(graph, make):
     alone = {w: activation_peaks(lowered, None, *w) for w in WALKS}
     assert alone[True, True] != alone[False, False]  # the walks differ: sharing a wrong row shows
     for order in (WALKS, WALKS[::-1]):
-        walks = _Walks(lowered, None)
+        walks = Walks(lowered, None)
         assert {w: walks.peaks(*w) for w in order} == alone
     got = memory_breakdown(lowered, "adam")
     assert [b.activations for b in got] == alone[False, False]

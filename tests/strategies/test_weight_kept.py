@@ -13,15 +13,11 @@ from tests.conftest import traced
 
 def test_weight_ops_keep_nothing_per_microbatch():
     """gpt tiny alone and on 2 stages x 2-way tensor parallelism with 4 micro-batches: no weight
-    op keeps a byte (``wpe``: 8 x 16 float32, 512 bytes, before), and each device's kept bytes
-    per micro-batch are its other ops'."""
+    op keeps a byte (``wpe``: 8 x 16 float32, 512 bytes, before)."""
     g = traced("gpt")
     weights = [n.name for n in g if n.kind in ("parameter", "constant")]
     assert "wpe" in weights and g["wpe"].output.numel == 8 * 16  # gpt tiny: seq_len 8 x n_embd 16
     for plan in (data_parallel(g, 1), megatron(g, 4, tp=2, pp=2, microbatches=4)):
         low = lower(g, plan)
         assert {w: low.pieces[w].activations for w in weights} == {w: (0,) * plan.num_devices for w in weights}
-        others = [sum(p.activations[d] for op, p in low.pieces.items() if op not in weights)
-                  for d in range(plan.num_devices)]
-        assert list(low.device_bytes.kept) == others
 
