@@ -16,11 +16,11 @@ from tests.simulator.test_memory_delta import gpt_walk
 
 
 def _walk(steps: int, seed: int):
-    """(proposal, its lowering through one cache) of a gpt walk on 4 devices, buckets cut at 4 MB
-    (gpt's ~120 trainable shards in 2 device sets: ~100 buckets)."""
+    """(proposal, its lowering through one cache) of a gpt walk on 4 devices, buckets cut at 2 KiB
+    (the traced gpt's ~40 weight shards, ~33 KB of data parallel gradients: 7 to 12 buckets)."""
     graph, candidates, ops, _ = gpt_walk()
     rng = random.Random(seed)
-    current, cache = dataclasses.replace(data_parallel(graph, 4), bucket_cap_mb=4.0), {}
+    current, cache = dataclasses.replace(data_parallel(graph, 4), bucket_cap_mb=2 / 1024), {}
     yield current, lower(graph, current, cache)
     for _ in range(steps):
         op = rng.choice(ops)
@@ -72,14 +72,15 @@ def test_patched_bucket_ops_equal_fresh_ones_on_a_walk(monkeypatch):
 
     monkeypatch.setattr(BucketOps, "_pairs", staticmethod(pairs))
     kept, moved, sizes = BucketOps(), 0, set()
-    last_of = ()
+    last_shards, last_of = (), ()
     for plan, low in _walk(150, 12):
         shards, of = low.weight_shards, low.gradient_sync.shard_buckets
         want = bucket_ops(shards, of)
         got = kept.update(shards, of)
         assert got == want, plan
-        moved += sum(a != b for a, b in zip(last_of, of))
-        last_of = of
+        if len(last_of) == len(of):  # the same place, another bucket: the moves the equal-count diff finds
+            moved += sum(a is b and x != y for a, b, x, y in zip(last_shards, shards, last_of, of))
+        last_shards, last_of = shards, of
         sizes.add(len(want))
     assert paths["equal"] > 50 and paths["unequal"] > 20  # both diffs taken
-    assert moved > 100 and len(sizes) > 3  # shards changed buckets; bucket counts varied
+    assert moved > 30 and len(sizes) > 3  # shards changed buckets; bucket counts varied
