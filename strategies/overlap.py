@@ -31,7 +31,6 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from strategies.bucket_ops import BucketOps, bucket_ops
 from strategies.members import kept_members
 from strategies.lowered import BucketKey, Lowered
 from strategies.memo import per_lowered
@@ -52,16 +51,20 @@ class BucketIssue(NamedTuple):
 def _bucket_ops(lowered: Lowered, position: dict[str, int] | None = None, memo: dict | None = None
                 ) -> tuple[dict[str, int], dict[BucketKey, set[str]]]:
     """Each op's graph position (``position`` when given), and the level-0 and level-1 buckets
-    (``strategies.lowered.split_buckets``) with the ops reading their shards; ``memo``: the
-    last call's kept (``strategies.bucket_ops.BucketOps``), patched by the shards and buckets
-    that differ from its."""
-    sync = lowered.gradient_sync
-    if memo is None:
-        ops = bucket_ops(lowered.weight_shards, sync.shard_buckets)
+    (``strategies.lowered.split_buckets``) with the ops reading their shards; ``memo``: kept
+    with the last call's split (``GradientSync.shard_buckets``, by identity: the lowering
+    hands back the same split while its shards are the same objects)."""
+    of = lowered.gradient_sync.shard_buckets
+    last = None if memo is None else memo.get("ops")
+    if last is not None and last[0] is of:
+        ops = last[1]
     else:
-        kept = memo.pop("ops", None) or BucketOps()  # out of the memo while patched
-        ops = kept.update(lowered.weight_shards, sync.shard_buckets)
-        memo["ops"] = kept
+        ops = {}
+        for s, key in zip(lowered.weight_shards, of):
+            if key is not None and key.zero < 2:
+                ops.setdefault(key, set()).update(s.ops)
+        if memo is not None:
+            memo["ops"] = (of, ops)
     if position is None:
         position = {node.name: i for i, node in enumerate(lowered.graph)}
     return position, ops

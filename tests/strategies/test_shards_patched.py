@@ -1,6 +1,5 @@
-"""The lowering's weight shards patched in place per weight (``lowering_cache.Last.shards``) and
-the buckets' reader ops patched by what differs (``strategies.bucket_ops.BucketOps``) equal
-the ones found afresh, on a walk of one-op proposals lowered through one cache (as the
+"""The lowering's weight shards patched in place per weight (``lowering_cache.Last.shards``), and
+the gradient buckets split from them, equal the ones found afresh, on a walk of one-op proposals lowered through one cache (as the
 search's Evaluator does: each proposal after the last, the current plan moving on half the
 time)."""
 
@@ -9,7 +8,6 @@ import random
 
 from strategies import data_parallel
 from strategies import lowering_cache
-from strategies.bucket_ops import BucketOps, bucket_ops
 from strategies.errors import PlanError
 from strategies.lowering import lower
 from tests.simulator.test_memory_delta import gpt_walk
@@ -60,27 +58,3 @@ def test_patched_shards_equal_fresh_ones_on_a_walk(monkeypatch):
     assert compared > 100
     assert sum(spliced) > 50 and sum(chained) > 10  # both ways taken, most lowerings patched in place
     assert sum(chained) < len(chained) // 2
-
-
-def test_patched_bucket_ops_equal_fresh_ones_on_a_walk(monkeypatch):
-    paths = {"equal": 0, "unequal": 0}
-    real = BucketOps._pairs
-
-    def pairs(old_s, old_of, shards, of):
-        paths["equal" if len(old_s) == len(shards) else "unequal"] += 1
-        return real(old_s, old_of, shards, of)
-
-    monkeypatch.setattr(BucketOps, "_pairs", staticmethod(pairs))
-    kept, moved, sizes = BucketOps(), 0, set()
-    last_shards, last_of = (), ()
-    for plan, low in _walk(150, 12):
-        shards, of = low.weight_shards, low.gradient_sync.shard_buckets
-        want = bucket_ops(shards, of)
-        got = kept.update(shards, of)
-        assert got == want, plan
-        if len(last_of) == len(of):  # the same place, another bucket: the moves the equal-count diff finds
-            moved += sum(a is b and x != y for a, b, x, y in zip(last_shards, shards, last_of, of))
-        last_shards, last_of = shards, of
-        sizes.add(len(want))
-    assert paths["equal"] > 50 and paths["unequal"] > 20  # both diffs taken
-    assert moved > 30 and len(sizes) > 3  # shards changed buckets; bucket counts varied
