@@ -13,6 +13,8 @@ with no cache: read it first.
 
 from __future__ import annotations
 
+import itertools
+import operator
 from typing import Iterable
 
 from strategies.graph import OpGraph
@@ -75,6 +77,10 @@ def bucket_sums(lowered: "Lowered", groups: "Iterable[ReductionGroup] | None" = 
     return out
 
 
+_shards = operator.attrgetter("shards")
+
+
+
 PATCHED = ("last", "buckets")
 """The kinds of state ``lower`` keeps in its cache and patches in place from call to call (a copy
 set's last lowering and its bucket split), keyed ``(kind, microbatches, devices, copies)``."""
@@ -128,9 +134,9 @@ def lower(graph: OpGraph, strategy: Strategy, cache: dict | None = None, copies:
         cache.pop(_state("last", m, n, copies), None)
         raise
     last.configs = strategy.configs
-    shards = last.shards()  # one object while no weight's shards change
+    shards = tuple(itertools.chain.from_iterable(map(_shards, last.held.values())))
     cap, split = (strategy.bucket_cap_bytes, strategy.reduce_dtype), cache.get(_state("buckets", m, n, copies))  # the last call's, where its shards are these
-    if split is None or split[0] != cap or split[1] is not shards:
+    if split is None or split[0] != cap or len(split[1]) != len(shards) or not all(map(operator.is_, split[1], shards)):
         split = cache[_state("buckets", m, n, copies)] = (cap, shards, split_buckets(shards, cap[0], strategy))
     buckets, of = split[2]
     sync = GradientSync(buckets, tuple(last.tensors.tolist()), of)

@@ -94,10 +94,6 @@ def update(graph: OpGraph, strategy: Strategy, cache: dict, last: "Last", affect
         last.hold(name, cache)
     if regroup:
         last.held = {name: last.held[name] for name in last.readers}  # the readers' order
-        last._start = None  # chained again in that order
-
-
-_shards = operator.attrgetter("shards")
 
 
 _MOVED = "moved"
@@ -201,36 +197,6 @@ class Last:
         self.totals: list = [[0] * n for _ in DeviceBytes._fields[:3]]
         self.totals += [np.zeros(n, dtype=np.int64) for _ in DeviceBytes._fields[3:]]  # weight bytes: numpy
         self.tensors = np.zeros(n, dtype=np.int64)
-        self._flat: list[WeightShard] = []
-        """Every weight's shards chained, in ``held``'s order (``shards``)."""
-        self._start: dict[str, int] | None = None
-        """Weight -> where its shards start in ``_flat``; None: ``_flat`` to be chained again."""
-        self._shards: tuple[WeightShard, ...] | None = None
-        """``_flat`` as the tuple ``shards`` handed out; None: changed since."""
-
-    def shards(self) -> tuple[WeightShard, ...]:
-        """Every weight's shards, in ``held``'s order: the same object while no weight's shards
-        changed, patched in place where a weight's shards were replaced by as many, chained
-        again where a count changed or ``held`` lost a weight or was ordered again."""
-        if self._start is None:
-            self._flat = list(itertools.chain.from_iterable(map(_shards, self.held.values())))
-            self._start = dict(zip(self.held, itertools.accumulate(map(len, map(_shards, self.held.values())),
-                                                                    initial=0)))
-            self._shards = None
-        if self._shards is None:
-            self._shards = tuple(self._flat)
-        return self._shards
-
-    def _replaced(self, name: str, old: "Held | None", new: "Held | None") -> None:
-        """Weight ``name``'s shards went from ``old``'s to ``new``'s (None: none)."""
-        self._shards = None
-        if self._start is None:
-            return
-        if old is None or new is None or len(old.shards) != len(new.shards):
-            self._start = None  # a weight came, went or changed its count: chained again
-            return
-        at = self._start[name]
-        self._flat[at:at + len(new.shards)] = new.shards
 
     def regroup(self, graph: OpGraph) -> None:
         self.readers = {}
@@ -258,7 +224,6 @@ class Last:
             total = trainable if h.shards[0].trainable else frozen
             total += sign * h.per_device
             self.tensors[h.holders] += sign
-        self._replaced(name, old, new)
         if new is None:
             self.held.pop(name, None)
         else:
