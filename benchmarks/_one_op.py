@@ -112,7 +112,8 @@ def one_op(args) -> None:
         graph = paper_graph(name, n)
         candidates = candidate_configs(graph, n, 1, topo.node_size)
         for start, plan in start_plans(graph, n, candidates, args.seed).items():
-            walk = proposals(graph, plan, candidates, count, args.seed)
+            Evaluator(graph, topo, cost)(plan)  # evaluated first, as MCMC's current plan: its proposals
+            walk = proposals(graph, plan, candidates, count, args.seed)  # patch its device-use counts
             gc.collect()
             with paused_gc():  # as the search's chains
                 _walk(graph, topo, cost, plan, walk, min(count, CHECKED))

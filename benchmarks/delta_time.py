@@ -5,7 +5,9 @@ proposals (as the search does) and times, per proposal, (a) a full simulation fr
 and task blocks (delta: the chain's current plan is evaluated before each proposal, as after an
 accepted one; chain: each proposal right after the last, as MCMC after a rejected one, whose
 ops go back to the current plan's). Checks all give the same iteration time and prints the
-medians, by phase, and the ratio to full. Asserts nothing but that equality. ``--plan fsdp``
+medians, by phase, and the ratio to full. The proposals are drawn from the start plan once it
+is evaluated, as MCMC draws them from its current plan (``Strategy.replace`` then patches the
+plan's device-use counts instead of counting them again). Asserts nothing but that equality. ``--plan fsdp``
 starts from the fsdp plan (ZeRO-3 on every weighted op; proposals keep each op's level).
 ``--search S``: instead, one ``search()`` of S seconds per model from its defaults, printing its
 proposals per second of the whole wall time (baselines scored included), the issue's measure.
@@ -108,12 +110,6 @@ def main() -> None:
         redo = [n.name for n in graph if graph.needs_grad[n.name] and n.kind not in ("input", "parameter", "constant")]
         for op in rng.sample(redo, int(args.recompute * len(redo))):
             plan = plan.replace(op, plan[op].with_memory(recompute=True))
-        proposals = []
-        while len(proposals) < args.proposals:
-            op = rng.choice(ops)
-            cfg = rng.choice(candidates[op]).with_memory(zero=plan[op].zero, recompute=plan[op].recompute)
-            if cfg != plan[op]:
-                proposals.append(plan.replace(op, cfg))
         lowering_cache: dict = {}
         task_cache = TaskCache(topo, cost)
         chain_lowering: dict = {}
@@ -122,6 +118,12 @@ def main() -> None:
         with paused_gc():  # as simulate_plan and the search's chains do
             _timed(graph, plan, topo, cost, None, None, fold)  # fills the cost model's memo
             _timed(graph, plan, topo, cost, chain_lowering, chain_tasks, fold)  # the chain's start
+            proposals = []  # from the evaluated plan, as MCMC: each patches its device-use counts
+            while len(proposals) < args.proposals:
+                op = rng.choice(ops)
+                cfg = rng.choice(candidates[op]).with_memory(zero=plan[op].zero, recompute=plan[op].recompute)
+                if cfg != plan[op]:
+                    proposals.append(plan.replace(op, cfg))
             rows: dict[str, list[list[float]]] = {"full": [], "delta": [], "chain": []}
             for proposal in proposals:
                 full_ms, full_t = _timed(graph, proposal, topo, cost, None, None, fold)
