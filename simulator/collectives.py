@@ -11,8 +11,9 @@ moves: the dual collective after every reader's backward and every member's call
 member's holder partition's backward waits on; under a cost model whose
 ``input_grad_overlap`` is set (Megatron-LM's asynchronous tensor-parallel communication), that
 dual runs beside its readers' parameter-gradient products, so it is charged only what the
-shortest of them leaves (``hidden_by_readers``). An all-gather whose readers all recompute
-or are linears and which is along the sequence (``sequence_gather``) is called again in the backward (``strategies.collective_buffers``:
+shortest of them leaves (``hidden_by_readers``). An all-gather whose readers all recompute,
+or one along the sequence (``sequence_gather``) whose readers are all linears, is called again
+in the backward (``strategies.collective_buffers``:
 ``BufferLife.regather``), at the step where its first reader is recomputed or runs its backward,
 and its readers' backwards wait on it; where none of them recomputes and ``input_grad_overlap``
 is set, it runs beside their input-gradient products (Megatron-LM's
@@ -299,12 +300,12 @@ def _merge(parts: list[_Recorded], shifts: list[int]) -> _Recorded:
 
 
 def hidden_by_readers(lowered: Lowered, reads: Sequence, topology: Topology, cost: CostModel) -> float:
-    """Seconds of a collective's backward that its readers' parameter-gradient products hide
-    where it runs beside them (``CostModel.input_grad_overlap``): the shortest reader's, half its
-    backward (both products are F, so the same figure sizes the regather beside the
-    input-gradient product and the dual beside the parameter-gradient one) (the cost model charges an op with trainable parameters 2F, its input and parameter
-    gradients alike); 0 where a reader has no parameters (its backward has no product to hide
-    the collective behind)."""
+    """Seconds of a collective that one of its readers' backward products hides where it runs
+    beside them (``CostModel.input_grad_overlap``): the shortest reader's, half its backward (the
+    cost model charges an op with trainable parameters 2F, its input and parameter gradients
+    alike, so the same figure sizes the second all-gather beside the input-gradient product and
+    the dual beside the parameter-gradient one); 0 where a reader has no parameters (its
+    backward has no product to hide the collective behind)."""
     hidden = float("inf")
     for r in reads:
         node = lowered.graph[r.dst_op]

@@ -47,19 +47,19 @@ def overlapped(topology: Topology) -> bool:
 @lru_cache(maxsize=8)
 def link_owners(topology: Topology) -> np.ndarray:
     """Per link, the device every route starting with it starts at; -1 where no route starts
-    with it or routes from several devices do (a switch's or a shared NIC's link)."""
-    owner = np.full(len(topology.links), -1, dtype=np.int64)
-    n = topology.num_devices
-    for d in range(n):
-        for x in range(n):
-            if x == d:
-                continue
-            route = topology.route(d, x)
-            if route:
-                first = route[0]
-                owner[first] = d if owner[first] in (-1, d) else -2
-    owner[owner == -2] = -1
-    return owner
+    with it or routes from several devices do (a switch's or a shared NIC's link). Read from
+    ``Topology.route_links`` a block of sources at a time (no route kept in the topology's memo)."""
+    n, links = topology.num_devices, len(topology.links)
+    lo, hi = np.full(links, n, dtype=np.int64), np.full(links, -1, dtype=np.int64)
+    step = max(1, (1 << 20) // n)
+    for first in range(0, n, step):
+        src, dst = np.divmod(np.arange(first * n, min(n, first + step) * n, dtype=np.int64), n)
+        src, dst = src[src != dst], dst[src != dst]
+        head = topology.route_links(src, dst)[:, 0] if len(src) else np.empty(0, dtype=np.int64)
+        held = head >= 0
+        np.minimum.at(lo, head[held], src[held])
+        np.maximum.at(hi, head[held], src[held])
+    return np.where(lo == hi, lo, -1)
 
 
 def overlap_groups(tg: TaskGraph, topology: Topology, base: np.ndarray) -> list[tuple[np.ndarray, np.ndarray, float]]:

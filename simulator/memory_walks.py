@@ -86,7 +86,9 @@ class Walks:
     """``activation_peaks``'s walks of one lowering, what they share made once: the ops' rows
     (``simulator.memory_rows.piece_rows`` per device, patched, shared and read-only, which
     ``_rows(base=...)`` relies on; ``dropped_rows`` where folded), with the collectives' added
-    (``_rows``), each set's kept bytes and rises (``memory_breakdown`` walks without the collectives, with them, and with the buckets)."""
+    (``_rows``), each set's kept bytes and rises (``memory_breakdown`` walks without the
+    collectives, with them, and with the buckets). Under the interleaved schedule each walk is
+    ``_interleaved_peaks``' own: nothing is shared."""
 
     def __init__(self, lowered: Lowered, ws: dict[int, int] | None) -> None:
         self.lowered, self.ws = lowered, device_warmups(lowered) if ws is None else ws

@@ -90,8 +90,8 @@ GPU-Accelerated Distributed Deep Learning: Performance and Power Implications" (
 ran "an average computational slowdown of 18.9%, with a maximum of 40.0%" against the same
 compute alone, measured on 4 A100s, H100s, MI250s and MI210s. The mean over the four GPU types:
 no per-type figure is taken here. The presets leave ``overlap_rate`` at 1: its passes run the
-event loop twice more (a 175B simulation at 1,024 GPUs takes about twice the process time), so
-it is set where fidelity is measured (``benchmarks/published_runs.py``) or in a topology JSON's
+event loop twice more wherever compute runs beside a collective (the search's time), so it is
+set where fidelity is measured (``benchmarks/published_runs.py``) or in a topology JSON's
 device (``"overlap_rate"``)."""
 
 A100 = DeviceSpec(  # NVIDIA A100 Tensor Core GPU datasheet, A100 80GB SXM column

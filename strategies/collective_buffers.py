@@ -1,5 +1,5 @@
 """How long what a collective leaves a member lives, per micro-batch: the one rule the memory
-model (``simulator.memory``) walks and the executor (``soapsearch.executor``) frees by.
+model (``simulator.memory_walks``) walks and the executor (``soapsearch.executor``) frees by.
 
 A member calls collective c at the start of its first reader op's forward step
 (``strategies.schedule.collective_steps``). What the call leaves it (``Collective.result``):
@@ -153,7 +153,7 @@ def regather_steps(lowered: Lowered, life: BufferLife) -> dict[int, Step]:
     if missing:
         raise ValueError(f"op {op!r}: device {missing[0]} is a member of the {c.kind} of {c.op!r} "
                          f"(micro-batch {c.microbatch}) gathered again at its backward but holds no "
-                         f"partition of {op!r}")
+                         f"partition of {op!r} (its partitions are on devices {sorted(last)})")
     return {d: Step(True, op, last[d], c.microbatch) for d in c.devices if d in last}
 
 

@@ -108,8 +108,8 @@ def lower(graph: OpGraph, strategy: Strategy, cache: dict | None = None, copies:
     lowering of copy 0 only (``strategies.lowering_copies``; ``Lowered.copies``), kept in the
     cache apart from every other copy set's; ``CrossCopy`` where the plan's pieces cross
     copies or it shards weights per use (levels 2 and 3: their uses pair up per device). Any
-    schedule folds: the memory walks (``simulator.memory``, the interleaved one pass by pass)
-    read copy 0's rows expanded to every device and every device's passes."""
+    schedule folds: the memory walks (``simulator.memory_walks``, the interleaved one once per
+    pipeline rank) read copy 0's rows expanded to every device."""
     cache = {} if cache is None else cache  # none given: one used for this call only
     if strategy.precision != "model":  # its own graph (strategies.precision), its own cache
         graph = compute_graph(graph, strategy.compute_dtype)

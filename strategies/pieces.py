@@ -225,7 +225,7 @@ class DropPoints(NamedTuple):
     the backward step of ``recompute_at`` (where a recompute consumer first needs it; the op
     itself where none does) to the end of the op's own backward step. A transient output
     (``transient``) lives the first span only (``recompute_at``: the op itself, unused). The
-    executor frees and recomputes there; ``simulator.memory`` walks the same spans."""
+    executor frees and recomputes there; ``simulator.memory_walks`` walks the same spans."""
 
     free_after: str
     recompute_at: str

@@ -67,7 +67,7 @@ class GPTConfig:
     """One query-key-value linear of width 3·n_embd, its output per head [q k v] as Megatron-LM
     lays it out (``megatron/model/transformer.py`` ParallelAttention.query_key_value;
     ``megatron/core/transformer/attention.py`` SelfAttention.linear_qkv), so a column split
-    over whole heads gives each rank its heads' q, k and v; the default keeps three linears."""
+    over whole heads gives each member of the tensor-parallel group its heads' q, k and v; the default keeps three linears."""
 
     def __post_init__(self) -> None:
         if self.n_embd % self.n_head:

@@ -5,7 +5,10 @@ dtype, device and autograd's gradient edge), and each leaf copy a consumer read 
 (``x.detach().requires_grad_()``, one storage with the output) is hollowed, its data swapped for
 one zero expanded to its shape. The bytes go back to the allocator when the last reference goes,
 as autograd frees what no graph saves; a tensor that still reads them (a view, a send in flight,
-a tensor autograd saved) keeps them alive and correct, so nothing reads freed memory."""
+a tensor autograd saved) keeps them alive and correct, so nothing reads freed memory. A
+sequence-parallel all-gather read by linears is not saved at all: autograd saves a
+``Regathered`` marker and the collective is called again before the backward step
+(``regather_calls``, ``regathered``)."""
 
 from __future__ import annotations
 

@@ -38,7 +38,7 @@ def test_plans_are_megatron_shaped(world, cases):
         g = traced(model) if ":" not in model else build_model(model, "tiny", device="meta").graph
         plan = make_plan(g, name, world)
         assert partial_sources(lower(g, plan)), (model, name)
-        if model == FUSED:  # the fused linear column-parallel: one head a rank
+        if model == FUSED:  # the fused linear column-parallel: one head a device
             assert plan["blocks_0_attn_qkv"].degrees[2] == 2 == plan["scaled_dot_product_attention"].degrees[1]
         if "_pp2" in name:
             first, last = plan[g.nodes[2].name].devices, plan[g.outputs[0]].devices

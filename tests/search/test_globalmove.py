@@ -4,7 +4,6 @@ rebalanced by the simulator's times and the dynamic program (stagemove.py); delt
 of a walk using them equals a full simulation; a search with them is deterministic for a seed
 with 1 and 3 workers."""
 
-import dataclasses
 import random
 
 import pytest
@@ -79,13 +78,11 @@ def _lopsided(plan):
 def test_op_seconds_are_the_timeline_s_compute_seconds(model, topology, tp, pp, fold_from, monkeypatch):
     """Per device (4 devices) and folded on copy 0 (8 devices: 2 data-parallel copies, the fold
     threshold lowered to reach it), recompute, bf16 and twin ops (their twin's tasks) included:
-    the lowering's seconds are the timeline's, op for op, where no device slows beside its
-    collectives (``DeviceSpec.overlap_rate`` 1: ``simulator.comm_overlap_rate`` stretches the
-    timeline's compute past the lowering's seconds)."""
+    the lowering's seconds are the timeline's, op for op (the presets' ``overlap_rate`` is 1:
+    ``simulator.comm_overlap_rate`` would stretch the timeline's compute past them)."""
     monkeypatch.setattr(stagemove, "FOLD_FROM", fold_from)
     graph = traced(model, batch_size=16)
     topo, cost = get_topology(topology), get_cost_model("analytical")
-    topo = dataclasses.replace(topo, devices=tuple(dataclasses.replace(d, overlap_rate=1.0) for d in topo.devices))
     n = topo.num_devices
     plan = recomputed(megatron(graph, n, tp=tp, pp=pp, microbatches=4), graph).with_precision("bf16")
     lowered = []

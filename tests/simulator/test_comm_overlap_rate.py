@@ -3,6 +3,7 @@ overlap rate (``DeviceSpec.overlap_rate``)."""
 
 import dataclasses
 import json
+import pickle
 
 import numpy as np
 import pytest
@@ -87,8 +88,18 @@ def test_presets_leave_the_rate_at_one():
 
 
 def test_link_owners_are_the_devices_own_ports():
-    topo = get_topology("a100-2x8")
+    """Every NVSwitch port's owner is its device, no link into a device has one, every route
+    starting with an owned link starts at its owner, and no route is kept in the topology's memo
+    (``Topology.route`` keeps each pair asked: G² at thousands of devices)."""
+    topo = pickle.loads(pickle.dumps(get_topology("a100-2x8")))  # a fresh memo
     owners = link_owners(topo)
+    assert len(topo._memo) == 0
+    n = topo.num_devices
+    for d in range(n):
+        for x in range(n):
+            first = topo.route(d, x)[:1] if x != d else ()
+            assert all(owners[f] in (-1, d) for f in first)
+    assert (owners >= 0).sum() == 2 * n  # each device's NVSwitch port and its own NIC
     for j, link in enumerate(topo.links):
         if link.name.startswith("nvswitch-up:"):
             assert owners[j] == int(link.name.split(":")[1])
@@ -121,6 +132,9 @@ def test_overlap_rate_round_trips_and_is_checked(tmp_path):
         DeviceSpec("gpu", 1, {"float32": 1.0}, 1.0, overlap_rate=0)
     with pytest.raises(ValueError, match="not both"):
         DeviceSpec("cpu", 1, {"float32": 1.0}, 1.0, contention=1.5, overlap_rate=0.9)
+    mixed = (dataclasses.replace(topo.devices[0], overlap_rate=1.0, contention=1.5), topo.devices[1])
+    with pytest.raises(ValueError, match=r"devices\[1\]\.overlap_rate .*devices\[0\] has contention 1.5.*not both"):
+        dataclasses.replace(topo, devices=mixed)
 
 
 def test_compiled_and_python_loops_give_the_same_slowed_timeline(monkeypatch):

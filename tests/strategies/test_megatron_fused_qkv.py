@@ -18,7 +18,7 @@ from strategies.megatron import megatron, megatron_blocks
 from tests.strategies.test_megatron import _layer_bytes
 
 HEADS, WIDTH = 8, 64
-"""8 heads of 8: one head a rank at TP 8."""
+"""8 heads of 8: one head a device at TP 8."""
 
 
 @functools.lru_cache(maxsize=None)
@@ -37,8 +37,8 @@ def test_block_is_the_fused_linear_then_the_heads():
 
 
 @pytest.mark.parametrize("devices,tp", [(8, 8), (8, 4), (8, 2)])
-def test_each_rank_computes_whole_heads(devices, tp):
-    """Device i·t + j (sample shard i, tensor rank j) computes qkv's columns [j·3C/t, (j+1)·3C/t),
+def test_each_device_computes_whole_heads(devices, tp):
+    """Device i·t + j (sample shard i, tensor-parallel member j) computes qkv's columns [j·3C/t, (j+1)·3C/t),
     which the per-head layout makes heads [j·H/t, (j+1)·H/t) (their q, k and v), and the
     attention of those heads: every piece inside the block is read on its own device."""
     g = _gpt(True)
