@@ -40,7 +40,9 @@ import gc
 import resource
 import sys
 import time
+import types
 
+from simulator import taskcache
 from simulator.cost import get_cost_model
 from simulator.presets import get_topology
 from soapsearch import trace, zoo
@@ -85,17 +87,24 @@ def _restage_table(graph, evaluate: Evaluator, n: int) -> None:
               f"{took:.2f} | {new_ms:.1f} | {new_ms / ms:.3f} |", flush=True)
 
 
+_CODE = (type, types.FunctionType, types.BuiltinFunctionType, types.ModuleType, types.CodeType)
+"""What ``_reachable`` neither counts nor follows: classes, functions and modules (a function's
+globals are its module's, not a cache's)."""
+
+
 def _reachable(root, skip: set[int]) -> int:
     """``sys.getsizeof`` of every object reachable from ``root`` (``gc.get_referents``) not in
-    ``skip``, each once; the ids counted join ``skip``."""
+    ``skip``, each once; the ids counted join ``skip``. Classes, functions and modules are
+    passed over (``_CODE``); of a bound method (a block's ``Columns.add``) only the object it is
+    bound to is followed."""
     stack, total = [root], 0
     while stack:
         obj = stack.pop()
-        if id(obj) in skip or isinstance(obj, type):
+        if id(obj) in skip or isinstance(obj, _CODE):
             continue
         skip.add(id(obj))
         total += sys.getsizeof(obj)
-        stack.extend(gc.get_referents(obj))
+        stack.extend((obj.__self__,) if isinstance(obj, types.MethodType) else gc.get_referents(obj))
     return total
 
 
@@ -128,7 +137,11 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--restage", action="store_true", help="one restage of three pipelined plans, no search")
     ap.add_argument("--caches", action="store_true", help="each cache's bytes after the short search")
+    ap.add_argument("--cache-mib", type=int, default=None,
+                    help="the task cache's bound (simulator.taskcache.CACHE_BYTES) in MiB, to compare policies")
     args = ap.parse_args()
+    if args.cache_mib is not None:
+        taskcache.CACHE_BYTES = args.cache_mib << 20
     topo = get_topology(args.topology)
     n = topo.num_devices
     batch = args.batch or (BATCH if args.model == "llama" else n)
@@ -161,9 +174,12 @@ def main() -> None:
     for label, budget in (("search", args.budget), ("long search", args.long)):
         if not budget:
             continue
-        t = time.perf_counter()
+        t, cpu = time.perf_counter(), time.process_time()
         r = search(graph, topology=topo, budget_s=budget, optimizer=OPTIMIZER, precision=PRECISION,
                    init=("swept", "swept"), chains=2, workers=args.workers, seed=0)
+        cpu = time.process_time() - cpu
+        print(f"{label}: {r.proposals} proposals in {cpu:.1f} CPU s of this process "
+              f"({r.proposals / cpu:.3f} a CPU s), task cache bound {taskcache.CACHE_BYTES >> 20} MiB", flush=True)
         found[label] = r
         rows.append((label, r.predicted_ms, r.result.fits, time.perf_counter() - t))
     print(f"{'LLaMA-3 8B shape' if args.model == 'llama' else 'GPT-3 175B shape'}, batch {batch}, {PRECISION}, "

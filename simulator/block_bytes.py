@@ -3,7 +3,8 @@
 A block (``simulator.tasks._Block``) keeps its arrays, the per-task lists its ``Segment`` keeps
 beside them for readers (``Columns``: labels, durations, resources, devices, bytes), its step
 lists (``fwd``, ``fwd_done``, ``bwd_done``: local ids per micro-batch and partition) and its
-pieces (their records and per-device tuples, ``strategies.lowering_bytes``), which stay alive
+pieces (their records, ``RECORD_BYTES`` each, and per-device tuples,
+``strategies.lowering_bytes``), which stay alive
 while the block does after the lowering cache has let them go. A twin's block shares its
 source's duration and bytes lists and arrays (``simulator.twins``), renamed pieces share their
 per-device tuples, and a block can be the current one of a state, a known one and a recorded
@@ -20,10 +21,9 @@ from typing import Any
 
 import numpy as np
 
-from strategies.lowered import OpPieces
-from strategies.lowering_bytes import RECORD_BYTES, counted, item_bytes, pieces_bytes
+from strategies.lowering_bytes import counted, item_bytes
 
-__all__ = ["HeldBytes", "ITEM_BYTES", "PIECE_RECORD_BYTES", "STEP_ITEM_BYTES", "block_items"]
+__all__ = ["HeldBytes", "ITEM_BYTES", "STEP_ITEM_BYTES", "block_items"]
 
 ITEM_BYTES = {"name": 72, "duration": 24, "resources": 48, "device": 0, "nbytes": 0, "category": 0}
 """Bytes an item of each ``Columns`` list holds besides its pointer (``sys.getsizeof`` in CPython
@@ -37,28 +37,12 @@ STEP_ITEM_BYTES = 8 + 28
 int of a local id (past 256 for all but a block's first tasks)."""
 
 
-PIECE_RECORD_BYTES = 216
-"""Bytes one record of an op's pieces (``pieces_bytes`` / ``RECORD_BYTES`` of them) keeps alive
-with the boxes and regions it alone names: an 8- or 11-field tuple (104 or 128 bytes) and its
-boxes' tuples. Measured: what GPT's (zoo ``gpt``) pieces free under tracemalloc once only task
-blocks hold them, 16 devices, 13 plans: 7.29 MB for 32,799 records and 0.25 MB of per-device
-tuples (215 bytes a record; ``tests/simulator/test_taskcache_held.py`` keeps the count within a
-factor of what is freed). The lowering cache counts ``RECORD_BYTES`` (96), the boxes shared
-between records once: there the records share them with the entries it keeps."""
-
 _ENTRY_BYTES = 88 + 32 + 2 * 112
 """What ``HeldBytes`` spends on a held block besides its objects: its entry's list (88), its id
 (32) and its two arrays' headers (112 each); ``_ITEM_BOOK`` an object of it (an item of each
 array) and ``_HOLDER_BYTES`` a distinct object (its holders' entry: an id, a count, a slot)."""
 _ITEM_BOOK = 16
 _HOLDER_BYTES = 140
-
-
-def _item_bytes(item: Any) -> int:
-    """An item ``counted`` names: pieces at ``PIECE_RECORD_BYTES`` a record, else ``item_bytes``."""
-    if type(item) is OpPieces:
-        return pieces_bytes(item) // RECORD_BYTES * PIECE_RECORD_BYTES
-    return item_bytes(item)
 
 
 def _list_bytes(items: Any, per_item: int) -> int:
@@ -83,7 +67,7 @@ def block_items(block: Any) -> list[tuple[Any, int]]:
     out = [(a, a.nbytes) for a in block.arrays]
     out += [(getattr(cols, f), _list_bytes(getattr(cols, f), n)) for f, n in ITEM_BYTES.items()]
     out.append((block.fwd, _steps_bytes(block.fwd) + _steps_bytes(block.fwd_done) + _steps_bytes(block.bwd_done)))
-    out += [(item, _item_bytes(item)) for item in counted(block.pieces)]
+    out += [(item, item_bytes(item)) for item in counted(block.pieces)]
     return out
 
 

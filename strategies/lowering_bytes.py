@@ -20,10 +20,18 @@ entries go (``LoweringCache.trim``). An op's pieces grow with the devices it is 
 (GPT-3 175B data parallel on 128 devices: 4.9 MB for 200 ops), so a count of entries per op
 does not bound a search's memory."""
 
-RECORD_BYTES = 96
+RECORD_BYTES = 216
 """Bytes one record of an op's pieces (a partition, transfer, reduction group, weight read or
-collective read; a weight shard) holds with its share of the boxes it names: about a record's
-``sys.getsizeof`` with the boxes shared between records counted once."""
+collective read; a weight shard) keeps alive with the boxes, regions and ints past 256 it alone
+names: an 8- or 11-field tuple (104 or 128 bytes, ``sys.getsizeof``) and its boxes' tuples.
+Measured two ways on GPT (zoo ``gpt``): the distinct tuples and ints a cache's records reach,
+walked record by record, 201 bytes a record (64 devices, factorizations) and 231 (16 devices,
+one-op proposals); what the pieces free under tracemalloc once only task blocks hold them, 215
+(16 devices, 13 plans). Where other memos hold the same boxes (the cost model's keys, the
+shapes' regions) less is freed when a holder lets go: a lowering cache of one-op proposals at 16
+devices frees 88 bytes a record (``tests/search/test_lowering_held.py``), one of factorizations
+at 64 devices 179. One constant for the lowering cache and the task blocks
+(``simulator.block_bytes``)."""
 
 _SLOT = 8
 """Bytes of one entry of a per-device tuple (a pointer; small ints are shared); ``_TUPLE`` its

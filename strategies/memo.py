@@ -9,6 +9,7 @@ another, so one entry, compared by identity, serves them all without hashing the
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Callable, TypeVar
 
 __all__ = ["per_lowered"]
@@ -19,13 +20,29 @@ R = TypeVar("R")
 def per_lowered(fn: Callable[..., R]) -> Callable[..., R]:
     """``fn(lowered, *rest)`` computed when ``lowered`` is not the object of the last call, else
     the last result (the same object: callers must not change it); ``rest`` must not change
-    the result (what the caller keeps to compute it faster). A call that raises keeps nothing."""
-    last: list = [None, None]
+    the result (what the caller keeps to compute it faster). A call that raises keeps nothing.
+    The lowering is held weakly and its result let go with it: a lowering the search has let go
+    (a sweep's memory check of a plan that does not fit, a simulated plan's, every op's pieces:
+    hundreds of MB at 1,024 devices) is not kept alive by the memo."""
+    last: list = [None, None]  # a weak reference to the last lowering, its result
+
+    def gone(ref: weakref.ref) -> None:  # the lowering died: its result goes too
+        if last[0] is ref:
+            last[0] = last[1] = None
 
     @functools.wraps(fn)
     def kept(lowered, *rest):
-        if last[0] is not lowered:
+        if last[0] is None or last[0]() is not lowered:
             result = fn(lowered, *rest)
-            last[0], last[1] = lowered, result
+            last[0], last[1] = _ref(lowered, gone), result
         return last[1]
     return kept
+
+
+def _ref(obj: object, gone: Callable[[weakref.ref], None]) -> Callable[[], object]:
+    """A weak reference to ``obj`` calling ``gone`` when it dies; a strong one (a function
+    returning it) where ``obj`` takes none (a plain object in a test)."""
+    try:
+        return weakref.ref(obj, gone)
+    except TypeError:
+        return lambda: obj

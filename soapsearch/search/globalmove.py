@@ -163,9 +163,13 @@ class GlobalMoves:
         return stage_units(self.graph)
 
     def op_seconds(self, plan: Strategy) -> dict[str, float]:
-        """``stagemove.op_seconds`` of ``plan`` in the search's precision, from its lowering cache."""
+        """``stagemove.op_seconds`` of ``plan`` in the search's precision, from its lowering cache,
+        trimmed after it as after a simulation (``LoweringCache.trim``: the stage moves and the
+        chains' start lower between the Evaluator's calls, past its bound otherwise)."""
         ev = self.evaluate
-        return op_seconds(self.graph, ev.planned(plan), ev.topology, ev.cost, ev.lowering_cache)
+        seconds = op_seconds(self.graph, ev.planned(plan), ev.topology, ev.cost, ev.lowering_cache)
+        ev.lowering_cache.trim()
+        return seconds
 
     def draw(self, rng: random.Random) -> Strategy | None:
         """The plan of a factorization drawn uniformly (None where the graph does not take it)."""

@@ -108,3 +108,18 @@ def test_trim_and_total_visit_exactly_the_nested_caches_held():
     cache.setdefault(("precision", "fp16"), {})[("x",)] = other[("x",)]
     cache.clear()
     assert cache.total() == 0
+
+
+def test_the_stage_moves_lowering_leaves_the_cache_under_its_bound():
+    # GlobalMoves.op_seconds lowers through the Evaluator's cache between its calls (the chains'
+    # start restages the sweep's plans): it trims after, as a simulation does
+    graph = traced("gpt", batch_size=16)
+    evaluate = Evaluator(graph, get_topology("p100-1x4"), get_cost_model("analytical"), "adam", "bf16")
+    moves = GlobalMoves(graph, 4, (1, 2), "bf16", evaluate)
+    plans = [p for p in map(moves.plan, moves.factorizations[::5]) if p is not None][:3]
+    evaluate(plans[0])
+    nested = evaluate.lowering_cache[("precision", "bf16")]
+    nested.limit = bound = nested.nbytes + 1  # the next plan's pieces take it past its bound
+    for plan in plans[1:]:
+        moves.op_seconds(plan)
+        assert nested.nbytes == _real(nested) <= bound
