@@ -206,6 +206,9 @@ class Topology:
     def route_links(self, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
         """``route(src[i], dst[i])`` for every i at once, as rows of link indices padded with -1
         (every pair distinct): a cluster's rule computes them with numpy, a table is read."""
+        if (same := np.flatnonzero(np.asarray(src) == np.asarray(dst))).size:
+            raise ValueError(f"topology {self.name!r}: route_links: pair ({src[same[0]]}, {dst[same[0]]}) is not "
+                             "distinct: a device reaches itself over no link")
         if isinstance(self.routes, ClusterRoutes):
             n = len(self.devices)
             for what, x in (("src", src), ("dst", dst)):

@@ -67,6 +67,14 @@ def test_route_links_refuse_devices_out_of_range():
         topo.route_links(np.array([0, 1]), np.array([3, 16]))
 
 
+@pytest.mark.parametrize("read_back", [False, True], ids=["rule", "table"])
+def test_route_links_refuse_a_device_paired_with_itself(read_back):
+    topo = get_topology("a100-1x4")
+    topo = Topology.from_json(topo.to_json()) if read_back else topo
+    with pytest.raises(ValueError, match=r"pair \(1, 1\) is not distinct: a device reaches itself over no link"):
+        topo.route_links(np.array([0, 1]), np.array([2, 1]))
+
+
 def _copies_cases(n: int, rng: random.Random):
     """Copies of several sizes: contiguous blocks, strided rows, and shuffled ones (most refused)."""
     for size in (d for d in (1, 2, 4, n // 2) if d and n % d == 0 and d < n):
