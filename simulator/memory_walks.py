@@ -18,7 +18,7 @@ from strategies.lowering import Lowered
 from strategies.pieces import drop_positions, key_readers
 from strategies.schedule import chunk_of, rank_passes, warmups
 
-__all__ = ["activation_peaks", "device_warmups", "Walks"]
+__all__ = ["activation_peaks", "device_warmups", "Walked", "Walks"]
 
 _dropped = operator.attrgetter("dropped")
 _POSITIONS: dict[int, tuple[object, dict[str, int]]] = {}
@@ -70,7 +70,7 @@ class Walked(NamedTuple):
     """Per device, a backward pass's highest rise over its start."""
 
 
-class Drops(NamedTuple):
+class _LastDrops(NamedTuple):
     """The last plan ``_drop_positions`` saw for a graph."""
 
     graph: object
@@ -207,7 +207,7 @@ def _drop_positions(graph, strategy, position: dict[str, int]) -> dict[str, list
             out.update(drop_positions(graph, strategy, position, again))
     if len(_DROPS) > 8:
         _DROPS.clear()
-    _DROPS[id(graph)] = Drops(graph, configs, recompute, out)
+    _DROPS[id(graph)] = _LastDrops(graph, configs, recompute, out)
     return out
 
 
@@ -216,7 +216,7 @@ def _drop_key(pair: tuple) -> tuple:
     return pair[0], pair[1].devices, pair[1].recompute
 
 
-_DROPS: dict[int, Drops] = {}
+_DROPS: dict[int, _LastDrops] = {}
 """Graph id -> the last plan ``_drop_positions`` saw for it."""
 
 
