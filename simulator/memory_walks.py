@@ -236,8 +236,8 @@ def _interleaved_peaks(lowered: Lowered, collectives: bool = True, buckets: bool
     or frees its chunk's K_c, the chunk's ops' rows of ``_rows`` giving its rises, walked over
     ``strategies.schedule.rank_passes``; with ``buckets``, a backward pass of the last
     micro-batch issues its chunk's gradient buckets (``_last_rise``), held from there to the end.
-    The walk is a function of the rank's passes and the device's per-chunk figures: devices of
-    one rank with the same figures (a fold's copies and members) are walked once."""
+    The walk is a function of the pipeline rank's passes and the device's per-chunk figures:
+    devices of one pipeline rank with the same figures (a fold's copies and members) are walked once."""
     chunk = chunk_of(lowered)
     n = len(lowered.device_bytes.kept)
     held, freed, redone, gone = _rows(lowered, collectives)
@@ -245,7 +245,7 @@ def _interleaved_peaks(lowered: Lowered, collectives: bool = True, buckets: bool
     if issued is None:
         issued = np.zeros_like(held)
     last_mb = lowered.strategy.microbatches - 1
-    kept = held - freed  # a chunk's dropped outputs are freed at ops of the chunk (one rank runs it)
+    kept = held - freed  # a chunk's dropped outputs are freed at ops of the chunk (one pipeline rank runs it)
     of = np.fromiter((chunk[node.name] for node in lowered.graph), np.int64, len(lowered.graph))
     per = []  # per chunk: K_c, r_f, r_b, r_last and the buckets issued, each per device
     for c in range(int(of.max()) + 1):
@@ -256,7 +256,7 @@ def _interleaved_peaks(lowered: Lowered, collectives: bool = True, buckets: bool
     figures = np.stack(per, axis=1)  # (figure, chunk, device)
     ranks = pipeline_chunks(lowered.graph, lowered.strategy)
     order = rank_passes(lowered.graph, lowered.strategy)
-    walked: dict[tuple[int, bytes], int] = {}  # a device's peak is a function of its rank's passes and its figures
+    walked: dict[tuple[int, bytes], int] = {}  # a device's peak: its pipeline rank's passes and its figures
     out = [0] * n
     for d in lowered.strategy.devices_used:
         rank = ranks.rank[d]
