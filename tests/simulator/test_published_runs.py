@@ -25,7 +25,7 @@ BOUND = 0.05
 """|published / predicted seconds - 1| the model reaches on the held-out rows tested: 22B +3.2 % and
 +0.6 % with Megatron-LM's input gradients' collectives beside the weight gradients
 (``Run.input_grad_overlap``) and its fused query-key-value linear (one product of 2,304 columns a
-GPU at TP 8, where three of 768 were 5.3 and 7.3 % slow)."""
+GPU at TP 8; benchmarks/README.md published_runs, "What moved")."""
 TORCHTITAN_BOUND = 0.09
 """published / predicted seconds - 1 of torchtitan's LLaMA-2 13B rows (benchmarks/README.md
 published_runs: +7.7 % without checkpointing, +5.4 % every second layer): predicted fast, what
@@ -198,8 +198,7 @@ def test_tile_wave_efficiency_by_hand():
 def test_korthikanti_175b_recompute_sweep():
     """64 GPUs, PP 8 over 64 micro-batches, interleaved 1F1B with 3 chunks as run (a bubble of
     7/192), Megatron-LM's attention kernels and fused query-key-value linear: predicted slow,
-    within 10 % (-6.5 and -8.1 % at n½ 850 fitted on Table 1; -8.4 and -10.0 % with three
-    query, key and value linears), and ranked as published."""
+    within 10 % (-6.5 and -8.1 % at n½ 850 fitted on Table 1), and ranked as published."""
     full, selective = (r for r in KORTHIKANTI if r.name.startswith("175B"))
     graph = build_graph(full)
     times = {r.recompute: predict(r, graph) for r in (full, selective)}
