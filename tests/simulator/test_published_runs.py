@@ -16,7 +16,8 @@ from benchmarks.published_fit import FIT_ROWS, rms_log, with_gemm_half
 from benchmarks.published_runs import (LOCAL_DDP_BUCKET_MB, ROWS, block_wave_efficiency, build_graph, build_plan, korthikanti_activations,
                                        korthikanti_model_flops, layer_ops, layer_shares, llama_params, narayanan_flops,
                                        narayanan_params, predict, predicted_mfu, predicted_tflops, published_seconds,
-                                       reachable, row_cost, throughput_error, tile_wave_efficiency, torchtitan_flops)
+                                       reachable, row_cost, row_topology, throughput_error, tile_wave_efficiency,
+                                       torchtitan_flops)
 from simulator.presets import A100_GEMM_HALF, get_topology
 from strategies.lowering import lower
 from strategies.overlap import bucket_issues
@@ -281,6 +282,8 @@ def test_breakdown_parts_by_hand():
     # a TP 2 layer on one node: products, attention and the tensor-parallel all-reduces on NVSwitch
     run = replace(NARAYANAN[1], hidden=512, heads=8, seq=256, vocab=1024, layers=2, gpus=2, batch=2, microbatch=1)
     graph = build_graph(run)
-    got = breakdown(graph, build_plan(run, graph), run.topology, row_cost(run))
-    assert {"gemm", "attention", "other", "update"} <= set(got.compute) and got.exposed["nvswitch"] > 0
-    assert got.idle >= -1e-12 and sum(got.compute.values()) + got.exposed["nvswitch"] + got.idle <= got.iteration + 1e-9
+    for topology in (run.topology, row_topology(run)):  # the preset's name, and the script's topology
+        got = breakdown(graph, build_plan(run, graph), topology, row_cost(run))
+        assert {"gemm", "attention", "other", "update"} <= set(got.compute) and got.exposed["nvswitch"] > 0
+        assert got.idle >= -1e-12
+        assert sum(got.compute.values()) + got.exposed["nvswitch"] + got.idle <= got.iteration + 1e-9
