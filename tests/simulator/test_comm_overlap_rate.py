@@ -109,7 +109,7 @@ def test_link_owners_are_the_devices_own_ports():
 
 def test_ddp_backward_beside_its_buckets_is_slower_and_folds_exactly():
     """A data-parallel plan on 16 A100s (two copies of 8): its buckets' all-reduces run beside
-    the backward, which now takes longer; the fold on the copies equals every device's."""
+    the backward, which takes longer than at rate 1; the fold on the copies equals every device's."""
     graph = traced("gpt", "small")
     plan = data_parallel(graph, 16)
     slowed, plain = with_rate("a100-2x8", NCCL_OVERLAP_RATE), get_topology("a100-2x8")

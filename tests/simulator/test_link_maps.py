@@ -1,4 +1,4 @@
-"""``Topology.route_links`` and ``fold.link_maps`` (numpy) against the per-pair rule they replace:
+"""``Topology.route_links`` and ``fold.link_maps`` (numpy) against the per-pair rule as loops:
 the same routes link for link, the same maps or the same refusal, on every cluster shape."""
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def _topology(intra: str, inter: str, nodes: int, per_node: int) -> Topology:
 
 
 def reference_link_maps(topology: Topology, copies: Copies):
-    """The per-pair loop ``link_maps`` ran before it was laid out with numpy: (owner, base) or None."""
+    """``link_maps``' rule as a per-pair loop (the reference): (owner, base) or None."""
     first = copies.copies[0]
     pairs = [(i, k) for i in range(len(first)) for k in range(len(first)) if i != k]
     routes = [topology.route(first[i], first[k]) for i, k in pairs]
