@@ -82,7 +82,8 @@ class Topology:
         for d, dev in enumerate(devices):
             if not isinstance(dev, DeviceSpec) or dev.node < 0:
                 raise field_error(where, f"devices[{d}]", dev, "must be a DeviceSpec with node >= 0")
-        slowed = [next((d for d, dev in enumerate(devices) if getattr(dev, f) != 1.0), None) for f in ("contention", "overlap_rate")]
+        slowed = [next((d for d, dev in enumerate(devices) if getattr(dev, f) != 1.0), None)
+                  for f in ("contention", "overlap_rate")]
         if None not in slowed:
             c, o = slowed
             raise field_error(where, f"devices[{o}].overlap_rate", devices[o].overlap_rate,
