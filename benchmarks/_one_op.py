@@ -3,14 +3,15 @@
 For each model and each of two start plans (data parallel; a random plan, every op a drawn
 candidate config of the search's, ``soapsearch.search.moves.candidate_configs``), a fixed
 sequence of N one-op proposals: a drawn op with a choice gets a drawn candidate config, its
-sharding level and recompute flag kept. One ``Evaluator`` scores the start plan and then each
-proposal after it (a chain after rejections: each proposal differs from the graph simulated
-before it in two ops at most). The sequence runs three times through fresh Evaluators: once
-checking each proposal's iteration time and peak memory against a from-scratch simulation
-(the first ``CHECKED``), once timed plainly (ms per proposal, proposals/s), once under
-cProfile (ms per proposal by phase: the cumulative time of the functions ``PHASES`` names,
-divided by N; cProfile's own overhead inflates them against the plain pass), then the
-functions that spend the most in themselves.
+sharding level and recompute flag kept. The start plan is evaluated once before the sequences
+(as MCMC's current plan is: its proposals patch its device-use counts). One ``Evaluator``
+scores the start plan and then each proposal after it (a chain after rejections: each proposal
+differs from the graph simulated before it in two ops at most). The sequence runs three times
+through fresh Evaluators: once checking each proposal's iteration time and peak memory against
+a from-scratch simulation (the first ``CHECKED``), once timed plainly (ms per proposal,
+proposals/s), once under cProfile (ms per proposal by phase: the cumulative time of the
+functions ``PHASES`` names, divided by N; cProfile's own overhead inflates them against the
+plain pass), then the functions that spend the most in themselves.
 """
 
 from __future__ import annotations
@@ -112,8 +113,9 @@ def one_op(args) -> None:
         graph = paper_graph(name, n)
         candidates = candidate_configs(graph, n, 1, topo.node_size)
         for start, plan in start_plans(graph, n, candidates, args.seed).items():
-            Evaluator(graph, topo, cost)(plan)  # evaluated first, as MCMC's current plan: its proposals
-            walk = proposals(graph, plan, candidates, count, args.seed)  # patch its device-use counts
+            # the start plan evaluated first, as MCMC's current plan: its proposals patch its device-use counts
+            Evaluator(graph, topo, cost)(plan)
+            walk = proposals(graph, plan, candidates, count, args.seed)
             gc.collect()
             with paused_gc():  # as the search's chains
                 _walk(graph, topo, cost, plan, walk, min(count, CHECKED))

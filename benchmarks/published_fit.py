@@ -25,7 +25,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.published_data import ROWS, Run  # noqa: E402
-from benchmarks.published_runs import MAX_GPUS, build_graph, build_plan, reachable, row_cost, row_topology, throughput_error  # noqa: E402
+from benchmarks.published_runs import (  # noqa: E402
+    MAX_GPUS, build_graph, build_plan, reachable, row_cost, row_topology, throughput_error)
 from simulator.simulate import simulate_plan  # noqa: E402
 from simulator.topology import Topology  # noqa: E402
 from strategies import OpGraph  # noqa: E402

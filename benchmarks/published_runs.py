@@ -69,10 +69,9 @@ from strategies.precision import compute_graph  # noqa: E402
 
 __all__ = ["MICROBATCH", "ROWS", "Run", "block_wave_efficiency", "build_graph", "build_plan",
            "korthikanti_activations", "korthikanti_model_flops", "layer_ops", "layer_products", "layer_shares",
-           "llama_params",
-           "narayanan_flops", "narayanan_params", "predict", "row_topology",
-           "predicted_mfu", "predicted_tflops", "published_seconds", "reachable", "row_cost", "throughput_error",
-           "tile_wave_efficiency", "torchtitan_flops"]
+           "llama_params", "narayanan_flops", "narayanan_params", "predict", "predicted_mfu", "predicted_tflops",
+           "published_seconds", "reachable", "row_cost", "row_topology", "throughput_error", "tile_wave_efficiency",
+           "torchtitan_flops"]
 
 GiB = 1 << 30
 LOCAL_DDP_BUCKET_MB = float(1 << 30)

@@ -130,7 +130,7 @@ class _Recorded(NamedTuple):
 
 
 def _record(life, fwd_steps: dict, bwd_steps: dict, again: dict | None, reads: Sequence, keep, known: _Known,
-            hidden: float, position: dict[str, int], beside: bool = False) -> _Recorded:
+            hidden: float, position: dict[str, int], beside: bool) -> _Recorded:
     """``life``'s collective's tasks (``_Recorded``), as ``add_collectives`` lays them out:
     forward: the collective after every holder's forward and every member's call, each
     simulated member's end of it (``step.member_ends``), before its readers' forwards; again

@@ -31,7 +31,8 @@ from simulator.engine import event_times
 from simulator.taskgraph import TaskGraph, TaskKind
 from simulator.topology import Topology
 
-__all__ = ["PASSES", "finish_times", "link_owners", "overlap_groups", "overlapped", "overlapped_durations", "overlapped_times"]
+__all__ = ["PASSES", "finish_times", "link_owners", "overlap_groups", "overlapped", "overlapped_durations",
+           "overlapped_times"]
 
 PASSES = 2
 """Timelines re-run after the first, each with the durations the previous one implies."""
@@ -89,7 +90,8 @@ def overlap_groups(tg: TaskGraph, topology: Topology, base: np.ndarray) -> list[
         rate = topology.devices[d].overlap_rate
         mine = work[np.searchsorted(on, d):np.searchsorted(on, d, side="right")]
         if rate != 1.0 and len(mine):
-            groups.append((mine, pairs[1, np.searchsorted(pairs[0], d):np.searchsorted(pairs[0], d, side="right")], rate))
+            comm = pairs[1, np.searchsorted(pairs[0], d):np.searchsorted(pairs[0], d, side="right")]
+            groups.append((mine, comm, rate))
     return groups
 
 

@@ -18,7 +18,7 @@ from strategies.lowering import Lowered
 from strategies.pieces import drop_positions, key_readers
 from strategies.schedule import chunk_of, rank_passes, warmups
 
-__all__ = ["activation_peaks", "device_warmups", "Walks"]
+__all__ = ["activation_peaks", "device_warmups", "Walked", "Walks"]
 
 _dropped = operator.attrgetter("dropped")
 _POSITIONS: dict[int, tuple[object, dict[str, int]]] = {}
@@ -70,7 +70,7 @@ class Walked(NamedTuple):
     """Per device, a backward pass's highest rise over its start."""
 
 
-class Drops(NamedTuple):
+class _LastDrops(NamedTuple):
     """The last plan ``_drop_positions`` saw for a graph."""
 
     graph: object
@@ -207,7 +207,7 @@ def _drop_positions(graph, strategy, position: dict[str, int]) -> dict[str, list
             out.update(drop_positions(graph, strategy, position, again))
     if len(_DROPS) > 8:
         _DROPS.clear()
-    _DROPS[id(graph)] = Drops(graph, configs, recompute, out)
+    _DROPS[id(graph)] = _LastDrops(graph, configs, recompute, out)
     return out
 
 
@@ -216,7 +216,7 @@ def _drop_key(pair: tuple) -> tuple:
     return pair[0], pair[1].devices, pair[1].recompute
 
 
-_DROPS: dict[int, Drops] = {}
+_DROPS: dict[int, _LastDrops] = {}
 """Graph id -> the last plan ``_drop_positions`` saw for it."""
 
 
@@ -236,8 +236,8 @@ def _interleaved_peaks(lowered: Lowered, collectives: bool = True, buckets: bool
     or frees its chunk's K_c, the chunk's ops' rows of ``_rows`` giving its rises, walked over
     ``strategies.schedule.rank_passes``; with ``buckets``, a backward pass of the last
     micro-batch issues its chunk's gradient buckets (``_last_rise``), held from there to the end.
-    The walk is a function of the rank's passes and the device's per-chunk figures: devices of
-    one rank with the same figures (a fold's copies and members) are walked once."""
+    The walk is a function of the pipeline rank's passes and the device's per-chunk figures:
+    devices of one pipeline rank with the same figures (a fold's copies and members) are walked once."""
     chunk = chunk_of(lowered)
     n = len(lowered.device_bytes.kept)
     held, freed, redone, gone = _rows(lowered, collectives)
@@ -245,7 +245,7 @@ def _interleaved_peaks(lowered: Lowered, collectives: bool = True, buckets: bool
     if issued is None:
         issued = np.zeros_like(held)
     last_mb = lowered.strategy.microbatches - 1
-    kept = held - freed  # a chunk's dropped outputs are freed at ops of the chunk (one rank runs it)
+    kept = held - freed  # a chunk's dropped outputs are freed at ops of the chunk (one pipeline rank runs it)
     of = np.fromiter((chunk[node.name] for node in lowered.graph), np.int64, len(lowered.graph))
     per = []  # per chunk: K_c, r_f, r_b, r_last and the buckets issued, each per device
     for c in range(int(of.max()) + 1):
@@ -256,7 +256,7 @@ def _interleaved_peaks(lowered: Lowered, collectives: bool = True, buckets: bool
     figures = np.stack(per, axis=1)  # (figure, chunk, device)
     ranks = pipeline_chunks(lowered.graph, lowered.strategy)
     order = rank_passes(lowered.graph, lowered.strategy)
-    walked: dict[tuple[int, bytes], int] = {}  # a device's peak is a function of its rank's passes and its figures
+    walked: dict[tuple[int, bytes], int] = {}  # a device's peak: its pipeline rank's passes and its figures
     out = [0] * n
     for d in lowered.strategy.devices_used:
         rank = ranks.rank[d]

@@ -24,8 +24,9 @@ from simulator.topology import Topology
 from simulator.topology_json import read_cluster
 from strategies.errors import PlanError
 
-__all__ = ["A100_GEMM_HALF", "A100_NCCL_BUS_BANDWIDTH", "NCCL_OVERLAP_RATE", "PRESETS", "PATTERNS", "MAX_DEVICES", "INTRA_SHAPES", "INTER_SHAPES", "Fabric", "cluster",
-           "check_plan_topology", "cluster_from_json", "get_topology"]
+__all__ = ["A100_GEMM_HALF", "A100_NCCL_BUS_BANDWIDTH", "NCCL_OVERLAP_RATE", "PRESETS", "PATTERNS", "MAX_DEVICES",
+           "INTRA_SHAPES", "INTER_SHAPES", "Fabric", "cluster", "check_plan_topology", "cluster_from_json",
+           "get_topology"]
 
 
 def cluster(name: str, device: DeviceSpec, nodes: int, per_node: int, intra: Fabric,

@@ -82,7 +82,8 @@ class Topology:
         for d, dev in enumerate(devices):
             if not isinstance(dev, DeviceSpec) or dev.node < 0:
                 raise field_error(where, f"devices[{d}]", dev, "must be a DeviceSpec with node >= 0")
-        slowed = [next((d for d, dev in enumerate(devices) if getattr(dev, f) != 1.0), None) for f in ("contention", "overlap_rate")]
+        slowed = [next((d for d, dev in enumerate(devices) if getattr(dev, f) != 1.0), None)
+                  for f in ("contention", "overlap_rate")]
         if None not in slowed:
             c, o = slowed
             raise field_error(where, f"devices[{o}].overlap_rate", devices[o].overlap_rate,
@@ -206,6 +207,9 @@ class Topology:
     def route_links(self, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
         """``route(src[i], dst[i])`` for every i at once, as rows of link indices padded with -1
         (every pair distinct): a cluster's rule computes them with numpy, a table is read."""
+        if (same := np.flatnonzero(np.asarray(src) == np.asarray(dst))).size:
+            raise ValueError(f"topology {self.name!r}: route_links: pair ({src[same[0]]}, {dst[same[0]]}) is not "
+                             "distinct: a device reaches itself over no link")
         if isinstance(self.routes, ClusterRoutes):
             n = len(self.devices)
             for what, x in (("src", src), ("dst", dst)):

@@ -43,7 +43,8 @@ _RULES = {
 }
 
 
-_DEVICE = ("kind", "memory_bytes", "peak_flops", "memory_bandwidth", *OVERHEAD_FIELDS, "contention", "gemm_half", "gemm_rate", "overlap_rate")
+_DEVICE = ("kind", "memory_bytes", "peak_flops", "memory_bandwidth", *OVERHEAD_FIELDS, "contention", "gemm_half",
+           "gemm_rate", "overlap_rate")
 _LINK_EXTRAS = ("collective_bandwidth", "send_bandwidth", "send_latency")
 _KEYS = {  # the keys each object of the JSON may hold (the module docstring's)
     "a topology": ("format", "version", "name", "devices", "links", "routes", "cluster"),

@@ -78,7 +78,7 @@ class BufferLife(NamedTuple):
     collective: Collective
     first: str
     """The first reader op in graph order: the call is at the start of its forward step; if
-    ``kept``, the result is freed after its backward step."""
+    ``kept``, or gathered again (``regather``), the result is freed after its backward step."""
     last: str
     """The last reader op in graph order: if not ``kept``, the result is freed after its forward
     step; where the gradient moves, the first reader gradient appears at its backward step."""

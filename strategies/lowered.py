@@ -351,8 +351,9 @@ class OpPieces(NamedTuple):
     activations: tuple[int, ...]
     """Bytes each device keeps for backward per micro-batch (one entry per device): each
     partition's output (unless ``dropped``), a dropout's mask (``strategies.saved``) and each
-    remote piece it receives (a recompute
-    op keeps those too: its recomputation's inputs; ``simulator.memory``)."""
+    remote piece it receives (a recompute op keeps those too: its recomputation's inputs;
+    ``simulator.memory``); a weight op's none (its output is its weight, held once:
+    ``MemoryBreakdown.weights``)."""
     receives: tuple[tuple[int, ...], tuple[int, ...]]
     """(forward, gradient) bytes each device receives per micro-batch (one entry per device):
     the remote pieces into the op on their consumer's device, and their gradients on the

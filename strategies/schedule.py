@@ -205,7 +205,8 @@ def chunk_of(lowered: Lowered) -> Mapping[str, int] | None:
 
 def device_passes(lowered: Lowered) -> dict[int, list[tuple[bool, int, int]]]:
     """Device -> its passes in order, (backward?, micro-batch, chunk): ``passes`` with chunk 0
-    for GPipe and 1F1B, ``interleaved_passes`` for the interleaved schedule."""
+    for GPipe and 1F1B, ``interleaved_passes`` for the interleaved schedule (devices of one
+    pipeline rank share one list: read it only)."""
     s = lowered.strategy
     if s.schedule == "interleaved":
         rank, by_rank = pipeline_chunks(lowered.graph, s).rank, rank_passes(lowered.graph, s)

@@ -119,9 +119,16 @@ def regather_calls(slots: Sequence, lives: Sequence[BufferLife], shared: dict) -
 
 def regathered(slots: Sequence, lives: Sequence[BufferLife], shared: dict) -> dict[int, int]:
     """Storage -> collective, of the results a recipe's ``slots`` read that are gathered again in
-    the backward (``SavedStorages``: autograd saves them as the call to come)."""
-    return {shared[s.collective].untyped_storage().data_ptr(): s.collective for s in slots
-            if s is not None and s.collective is not None and lives[s.collective].regather is not None}
+    the backward (``SavedStorages``: autograd saves them as the call to come); a result already
+    let go is refused in one line (it is let go after its last reader's forward only)."""
+    out: dict[int, int] = {}
+    for s in slots:
+        if s is not None and s.collective is not None and lives[s.collective].regather is not None:
+            got = shared[s.collective]
+            if isinstance(got, Released):
+                raise ExecutorError(f"collective {s.collective}: a forward reads its result after it was let go")
+            out[got.untyped_storage().data_ptr()] = s.collective
+    return out
 
 
 def collective_releases(lives: Sequence[BufferLife], steps: Sequence[tuple[bool, object]],

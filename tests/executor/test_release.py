@@ -1,15 +1,18 @@
 """Letting go of a transient output by dropping references (``soapsearch/executor/release.py``):
 the stand-in's backward equals the output's, a hollowed leaf still takes its gradient and holds
 one element, a view made before keeps the storage and its values, and a leaf its own graph
-saved is refused in one line."""
+saved is refused in one line, as is a let-go result that a regathered view reads before its
+second gather."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from soapsearch.executor.errors import ExecutorError
-from soapsearch.executor.release import Released, SavedStorages, hollow, release, shares
+from soapsearch.executor.release import Regathered, Released, SavedStorages, hollow, regathered, release, shares
 
 
 def test_the_stand_in_runs_the_backward_of_the_output():
@@ -52,3 +55,23 @@ def test_a_leaf_its_own_graph_saved_is_refused():
         (leaf + 1).sum()
     other.check(leaf, "add", "add", "ln")  # an add saved nothing
     assert out.shape == (2, 4)
+
+
+def test_a_regathered_view_reads_the_second_call_and_a_let_go_result_is_refused():
+    """A view of collective 0's result is saved as the call to come and read from the result in
+    ``shared`` at the backward; still ``Released`` there (not gathered again), or let go before
+    a forward reads it (``regathered``), it is refused in one line rather than read."""
+    gathered = torch.arange(12.0).reshape(3, 4)
+    slots, lives = [SimpleNamespace(collective=0), None], [SimpleNamespace(regather="fc")]
+    shared = {0: gathered}
+    seen = SavedStorages(regathered(slots, lives, shared), shared)
+    saved = seen.pack(gathered.t())
+    assert isinstance(saved, Regathered) and not seen.ptrs
+    shared[0] = gathered + 1  # the backward's call
+    assert torch.equal(seen.unpack(saved), (gathered + 1).t())
+    shared[0] = release(gathered)
+    with pytest.raises(ExecutorError, match=r"^collective 0: its result is read by a backward before it was "
+                       r"gathered again$"):
+        seen.unpack(saved)
+    with pytest.raises(ExecutorError, match=r"^collective 0: a forward reads its result after it was let go$"):
+        regathered(slots, lives, shared)

@@ -53,8 +53,9 @@ def _counts_true(cache: TaskCache) -> None:
 def test_the_task_cache_bound_fires_and_results_stay_exact(monkeypatch):
     graph, topo = traced("gpt", batch_size=16), get_topology("p100-2x2")
     evaluate = Evaluator(graph, topo, get_cost_model("analytical"))
-    # the blocks, counted with the lists and pieces they keep alive, outweigh the records many
-    # times at this size: each record counted as a block's share of the tasks, so both branches run
+    # each recorded task charged 4,000 bytes, many times TASK_BYTES: at this size the blocks, with
+    # the lists and pieces they keep alive, outweigh the records as charged, so the records then
+    # pass half the bound too and trim's records branch (TASK_BYTES * tasks > limit // 2) runs
     monkeypatch.setattr(simulator.taskcache, "TASK_BYTES", 4000)
     evaluate(data_parallel(graph, 4).with_bucket_cap(0.01))
     bound = 3 * evaluate._tasks.nbytes() // 2  # about one graph's blocks and records and a half

@@ -109,7 +109,7 @@ def test_link_owners_are_the_devices_own_ports():
 
 def test_ddp_backward_beside_its_buckets_is_slower_and_folds_exactly():
     """A data-parallel plan on 16 A100s (two copies of 8): its buckets' all-reduces run beside
-    the backward, which now takes longer; the fold on the copies equals every device's."""
+    the backward, which takes longer than at rate 1; the fold on the copies equals every device's."""
     graph = traced("gpt", "small")
     plan = data_parallel(graph, 16)
     slowed, plain = with_rate("a100-2x8", NCCL_OVERLAP_RATE), get_topology("a100-2x8")
@@ -153,3 +153,30 @@ def test_compiled_and_python_loops_give_the_same_slowed_timeline(monkeypatch):
     python = simulate_plan(graph, plan, topo, fold=False)
     assert python.iteration_time == native.iteration_time
     assert python.busy_time == native.busy_time
+
+
+@pytest.mark.parametrize("case", ["no collective", "zero-length gather", "gather before"])
+def test_compute_beside_no_collective_keeps_the_timeline_given(case):
+    """Where no compute meets a collective of its device (none at all: no group; a gather of
+    0 ms: no interval; a gather the product waits for), the timeline given comes back as it is,
+    the same arrays, with no pass of the event loop."""
+    topo = with_rate("a100-1x2", 0.5)
+    tg = TaskGraph(topo.num_devices, len(topo.links))
+    product = tg.add("fc1", TaskKind.FORWARD, 10 * MS, (0,), 0)
+    if case != "no collective":
+        gather = ring_task(tg, topo, (0, 1), 0 if case == "zero-length gather" else 4)
+        if case == "gather before":
+            tg.edge(gather, product)
+    start, end = event_times(tg)
+    got = overlapped_times(tg, topo, start, end)
+    assert got[0] is start and got[1] is end
+    assert end[product] - start[product] == 10 * MS
+
+
+def test_graph_and_topology_of_other_sizes_are_refused():
+    topo = with_rate("a100-1x2", 0.5)
+    tg = TaskGraph(4, len(topo.links))
+    tg.add("fc1", TaskKind.FORWARD, 10 * MS, (0,), 0)
+    with pytest.raises(ValueError, match=rf"the graph has 4 devices and {len(topo.links)} links, topology "
+                                         rf"'a100-1x2' 2 and {len(topo.links)}: they must be the same"):
+        overlapped_times(tg, topo, *event_times(tg))

@@ -1,4 +1,4 @@
-"""``Topology.route_links`` and ``fold.link_maps`` (numpy) against the per-pair rule they replace:
+"""``Topology.route_links`` and ``fold.link_maps`` (numpy) against the per-pair rule as loops:
 the same routes link for link, the same maps or the same refusal, on every cluster shape."""
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from strategies.symmetry import Copies
 DEVICE = get_topology("a100-1x8").devices[0]
 INTRA = {"mesh": Fabric("mesh", "nvlink", 2e-6, 2e10), "switch": Fabric("switch", "nvswitch", 2e-6, 3e11)}
 INTER = {shape: Fabric(shape, "ib", 5e-6, 2.5e10) for shape in ("node-nic", "device-nic", "rail")}
-SHAPES = [(intra, inter, nodes, per_node) for intra in INTRA for inter in INTER for nodes, per_node in ((4, 4), (3, 2), (2, 1))]
+SHAPES = [(intra, inter, nodes, per_node)
+          for intra in INTRA for inter in INTER for nodes, per_node in ((4, 4), (3, 2), (2, 1))]
 
 
 def _topology(intra: str, inter: str, nodes: int, per_node: int) -> Topology:
@@ -26,7 +27,7 @@ def _topology(intra: str, inter: str, nodes: int, per_node: int) -> Topology:
 
 
 def reference_link_maps(topology: Topology, copies: Copies):
-    """The per-pair loop ``link_maps`` ran before it was laid out with numpy: (owner, base) or None."""
+    """``link_maps``' rule as a per-pair loop (the reference): (owner, base) or None."""
     first = copies.copies[0]
     pairs = [(i, k) for i in range(len(first)) for k in range(len(first)) if i != k]
     routes = [topology.route(first[i], first[k]) for i, k in pairs]
@@ -67,6 +68,14 @@ def test_route_links_refuse_devices_out_of_range():
         topo.route_links(np.array([0, 1]), np.array([3, 16]))
 
 
+@pytest.mark.parametrize("read_back", [False, True], ids=["rule", "table"])
+def test_route_links_refuse_a_device_paired_with_itself(read_back):
+    topo = get_topology("a100-1x4")
+    topo = Topology.from_json(topo.to_json()) if read_back else topo
+    with pytest.raises(ValueError, match=r"pair \(1, 1\) is not distinct: a device reaches itself over no link"):
+        topo.route_links(np.array([0, 1]), np.array([2, 1]))
+
+
 def _copies_cases(n: int, rng: random.Random):
     """Copies of several sizes: contiguous blocks, strided rows, and shuffled ones (most refused)."""
     for size in (d for d in (1, 2, 4, n // 2) if d and n % d == 0 and d < n):
@@ -95,9 +104,9 @@ def test_link_maps_equal_the_per_pair_loop(shape):
     assert found and (refused or topo.num_devices < 4)
 
 
-def test_preset_copies_and_members_map_as_before():
-    """a100-4x8 (rail): 4 copies of 8 (one node each) map; 8 copies strided over the nodes map
-    too; members 1..3 of row-strided groups own their links, member 0 crosses none of them."""
+def test_preset_copies_map_as_the_per_pair_loop():
+    """a100-4x8 (rail): 4 copies of 8 (one node each) map, and so do 8 copies strided over the
+    nodes, with the per-pair loop's owners and bases (members: ``test_member_maps_refuse_...``)."""
     topo = get_topology("a100-4x8")
     for copies in (Copies(tuple(tuple(range(8 * r, 8 * r + 8)) for r in range(4))),
                    Copies(tuple(tuple(range(r, 32, 8)) for r in range(8)))):
@@ -124,8 +133,8 @@ def test_member_maps_refuse_as_the_per_pair_check(inter, rows, crosses):
     got = member_maps(topo, _Fold(rows))
     owner = reference_link_maps(topo, Copies(rows[1:]))
     assert owner is not None
-    first = next(((a, b) for a in rows[0] for b in rows[0] if a != b and any(owner[0][l] >= 0 for l in topo.route(a, b))),
-                 None)
+    first = next(((a, b) for a in rows[0] for b in rows[0]
+                  if a != b and any(owner[0][l] >= 0 for l in topo.route(a, b))), None)
     assert (first is not None) == crosses
     if crosses:
         assert got == f"member 0's route {first[0]} -> {first[1]} crosses a link of members 1..{len(rows) - 1}"

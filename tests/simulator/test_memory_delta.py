@@ -4,7 +4,7 @@ one-op proposals that changes devices, degrees and, now and then, recompute flag
 
 import random
 
-from simulator import memory_walks as memory
+from simulator import memory_walks
 from simulator.presets import get_topology
 from soapsearch.search.mcmc import candidate_configs
 from strategies import data_parallel
@@ -24,14 +24,14 @@ def gpt_walk():
 def test_patched_drop_positions_equal_fresh_ones_on_a_walk(monkeypatch):
     graph, candidates, ops, position = gpt_walk()
     patched = []
-    real = memory.drop_positions
+    real = memory_walks.drop_positions
 
     def counted(g, s, p, only=None):
         if only is not None:
             patched.append(len(only))
         return real(g, s, p, only)
 
-    monkeypatch.setattr(memory, "drop_positions", counted)
+    monkeypatch.setattr(memory_walks, "drop_positions", counted)
     rng = random.Random(3)
     current = data_parallel(graph, 4)
     dropping = 0
@@ -39,7 +39,7 @@ def test_patched_drop_positions_equal_fresh_ones_on_a_walk(monkeypatch):
         op = rng.choice(ops)
         recompute = step >= 80 and rng.random() < 0.3  # the last third toggles recompute too
         proposal = current.replace(op, rng.choice(candidates[op]).with_memory(recompute=recompute))
-        got = memory._drop_positions(graph, proposal, position)
+        got = memory_walks._drop_positions(graph, proposal, position)
         want = drop_positions(graph, proposal, position)
         assert got == want, (step, op, proposal[op].show())
         dropping += len(want)

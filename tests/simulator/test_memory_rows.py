@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from simulator import memory_rows
-from simulator import memory_walks as memory
+from simulator import memory_walks
 from strategies import data_parallel
 from strategies.errors import PlanError
 from strategies.lowering import lower
@@ -41,9 +41,9 @@ def test_patched_rows_equal_fresh_ones_on_a_walk(monkeypatch):
     monkeypatch.setattr(memory_rows, "PATCH_SHARE", 4)  # gpt's 55 ops: patch up to 13 of them
     rng = random.Random(5)
     current, cache, compared, dropping = data_parallel(graph, 4), {}, 0, 0
-    memory._rows(lower(graph, current, cache), collectives=False)
+    memory_walks._rows(lower(graph, current, cache), collectives=False)
     count = len(patched)
-    memory._rows(lower(graph, current), collectives=False)  # every op's pieces new (a full simulation's)
+    memory_walks._rows(lower(graph, current), collectives=False)  # every op's pieces new (a full simulation's)
     assert len(patched) == count  # built afresh, not patched op by op
     for step in range(120):
         op = rng.choice(ops)
@@ -53,7 +53,7 @@ def test_patched_rows_equal_fresh_ones_on_a_walk(monkeypatch):
             low = lower(graph, proposal, cache)
         except PlanError:
             continue
-        got = memory._rows(low, collectives=False)
+        got = memory_walks._rows(low, collectives=False)
         want = _fresh(low, position)
         for name, g, w in zip(("held", "freed", "redone", "gone"), got, want):
             assert np.array_equal(g, w), (step, op, proposal[op].show(), name)
@@ -78,6 +78,6 @@ def test_rows_follow_recompute_set_op_by_op():
     for op in rng.sample(redo, 40):
         current = current.replace(op, current[op].with_memory(recompute=True))
         low = lower(graph, current, cache)
-        assert memory._drop_positions(graph, current, position) == drop_positions(graph, current, position), op
-        for g, w in zip(memory._rows(low, collectives=False), _fresh(low, position)):
+        assert memory_walks._drop_positions(graph, current, position) == drop_positions(graph, current, position), op
+        for g, w in zip(memory_walks._rows(low, collectives=False), _fresh(low, position)):
             assert np.array_equal(g, w), op

@@ -24,7 +24,8 @@ def _lowerings():
     one = recomputed(sp.with_microbatches(2, "1f1b"), small)
     yield pytest.param(small, lambda: lower(small, one), id="megatron-1f1b-recompute")
     yield pytest.param(small, lambda: lower(small, megatron_lm(small, 16, 4, 2)), id="megatron_lm")
-    yield pytest.param(small, lambda: Lowerings(small, megatron_lm(small, 16, 4, 2)).first(get_topology("a100-2x8"), True),
+    lm = megatron_lm(small, 16, 4, 2)
+    yield pytest.param(small, lambda: Lowerings(small, lm).first(get_topology("a100-2x8"), True),
                        id="megatron_lm-member-fold")
     yield pytest.param(small, lambda: Lowerings(small, one).first(get_topology("a100-2x8"), True, False),
                        id="megatron-copy-0")

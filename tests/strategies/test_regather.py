@@ -5,9 +5,12 @@ megatron plan with its attention cores recomputed (Korthikanti et al. 2022's sel
 recompute) lets each layer-norm output's all-gather go after its last reader's forward and
 calls it again at the backward of that reader, the first of them to run backward."""
 
-from strategies.collective_buffers import buffer_lives
+import pytest
+
+from strategies.collective_buffers import buffer_lives, regather_steps
 from strategies.lowering import lower
 from strategies.megatron import megatron
+from strategies.schedule import Step
 from tests.conftest import traced
 
 
@@ -46,3 +49,16 @@ def test_samples_and_features_gathered_stay_kept():
     lives = buffer_lives(lower(g, baseline("owt", g, 2)))
     assert [(g[life.collective.op].dims[life.collective.dim].role, life.kept, life.regather) for life in lives] == [
         ("sample", True, None), ("attribute", True, None), ("attribute", True, None)]
+
+
+def test_each_member_gathers_again_at_its_partition_of_the_readers_backward():
+    """ln_2's all-gather is called again by each member at its own partition of the MLP's first
+    linear's backward; a regather op a member holds no partition of (gpt tiny's ``wpe``, on
+    device 0 alone) is refused in one line naming the devices that hold it."""
+    _, lowered = _selective_sp()
+    life = next(life for life in buffer_lives(lowered, microbatch=0) if life.collective.op == "blocks_0_ln_2")
+    assert regather_steps(lowered, life) == {d: Step(True, "blocks_0_mlp_fc", d, 0) for d in (0, 1)}
+    with pytest.raises(ValueError, match=r"^op 'wpe': device 1 is a member of the all_gather of 'blocks_0_ln_2' "
+                       r"\(micro-batch 0\) gathered again at its backward but holds no partition of 'wpe' "
+                       r"\(its partitions are on devices \[0\]\)$"):
+        regather_steps(lowered, life._replace(regather="wpe"))

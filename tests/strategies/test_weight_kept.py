@@ -13,7 +13,7 @@ from tests.conftest import traced
 
 def test_weight_ops_keep_nothing_per_microbatch():
     """gpt tiny alone and on 2 stages x 2-way tensor parallelism with 4 micro-batches: no weight
-    op keeps a byte (``wpe``: 8 x 16 float32, 512 bytes, before)."""
+    op keeps a byte, where ``wpe``'s output alone is 8 x 16 float32 (512 bytes a micro-batch)."""
     g = traced("gpt")
     weights = [n.name for n in g if n.kind in ("parameter", "constant")]
     assert "wpe" in weights and g["wpe"].output.numel == 8 * 16  # gpt tiny: seq_len 8 x n_embd 16
