@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from strategies.graph import OpGraph, OpNode
-from strategies.lowered import WEIGHT_KINDS, DeviceBytes, OpPieces, Partition, WeightShard, weight_shards
+from strategies.lowered import DeviceBytes, OpPieces, Partition, WeightShard, weight_shards
 from strategies.lowering_copies import expand_holders
 from strategies.lowering_memo import levels_key, relevelled
 from strategies.lowering_shared import name_map, names_of, relative_key, renamed
@@ -77,10 +77,10 @@ def update(graph: OpGraph, strategy: Strategy, cache: dict, last: "Last", affect
         old = last.by_op.get(node.name)
         if old is pieces:
             continue
-        at = mine if node.kind not in WEIGHT_KINDS else None  # copy 0's: its devices' entries only
-        _patch(kept, old and old.activations, pieces.activations, at)
-        _patch(received, old and old.receives[0], pieces.receives[0], at)
-        _patch(received_grad, old and old.receives[1], pieces.receives[1], at)
+        # copy 0's: its devices' entries only (a weight op keeps and receives nothing)
+        _patch(kept, old and old.activations, pieces.activations, mine)
+        _patch(received, old and old.receives[0], pieces.receives[0], mine)
+        _patch(received_grad, old and old.receives[1], pieces.receives[1], mine)
         last.by_op[node.name] = pieces
         last.partitions[node.name] = pieces.partitions
         weights.update(pieces.weights_read)
