@@ -34,7 +34,7 @@ def _lowerings():
                                                         sequence_parallel=True)), id="interleaved")
 
 
-@pytest.mark.parametrize("graph,make", _lowerings())
+@pytest.mark.parametrize("graph,make", list(_lowerings()))
 def test_shared_walks_equal_each_walk_alone(graph, make):
     lowered = make()
     alone = {w: activation_peaks(lowered, None, *w) for w in WALKS}
