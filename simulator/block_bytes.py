@@ -71,6 +71,16 @@ def block_items(block: Any) -> list[tuple[Any, int]]:
     return out
 
 
+class _Held:
+    """A held block: the block (kept, so its id and its objects' stay their own), its holders,
+    the ids of the objects it keeps alive and their bytes (``block_items``, as when first held)."""
+
+    __slots__ = ("block", "holders", "ids", "sizes")
+
+    def __init__(self, block: Any, ids: np.ndarray, sizes: np.ndarray) -> None:
+        self.block, self.holders, self.ids, self.sizes = block, 1, ids, sizes
+
+
 class HeldBytes:
     """Blocks held by any number of holders (a state's current blocks, the known ones, the
     recorded gathers' readers), each object they keep alive counted once (``nbytes``) while one
@@ -78,21 +88,20 @@ class HeldBytes:
 
     def __init__(self) -> None:
         self.nbytes = 0
-        self._blocks: dict[int, list] = {}
-        """id -> [the block, its holders, the ids of the objects it keeps alive, their bytes]
-        (``block_items``; the block kept, so its id and theirs stay their own)."""
+        self._blocks: dict[int, _Held] = {}
+        """id of a held block -> its entry."""
         self._holders: dict[int, int] = {}
         """id of an object a held block keeps alive -> the held blocks keeping it."""
 
     def add(self, block: Any) -> None:
         got = self._blocks.get(id(block))
         if got is not None:
-            got[1] += 1
+            got.holders += 1
             return
         items = block_items(block)
         ids = np.fromiter((id(obj) for obj, _ in items), np.int64, len(items))
         sizes = np.fromiter((size for _, size in items), np.int64, len(items))
-        self._blocks[id(block)] = [block, 1, ids, sizes]
+        self._blocks[id(block)] = _Held(block, ids, sizes)
         self.nbytes += _ENTRY_BYTES + _ITEM_BOOK * len(items)
         holders = self._holders
         for i, size in zip(ids.tolist(), sizes.tolist()):
@@ -103,19 +112,24 @@ class HeldBytes:
 
     def release(self, block: Any) -> None:
         got = self._blocks[id(block)]
-        got[1] -= 1
-        if got[1]:
+        got.holders -= 1
+        if got.holders:
             return
         del self._blocks[id(block)]
-        self.nbytes -= _ENTRY_BYTES + _ITEM_BOOK * len(got[2])
+        self.nbytes -= _ENTRY_BYTES + _ITEM_BOOK * len(got.ids)
         holders = self._holders
-        for i, size in zip(got[2].tolist(), got[3].tolist()):
+        for i, size in zip(got.ids.tolist(), got.sizes.tolist()):
             n = holders[i] - 1
             if n:
                 holders[i] = n
             else:
                 del holders[i]
                 self.nbytes -= size + _HOLDER_BYTES
+
+    def size(self, block: Any) -> int:
+        """What a held ``block`` keeps alive, alone, as counted when first held (a twin's labels
+        made later do not move it, so what ``hold`` adds ``_forget`` takes away)."""
+        return int(self._blocks[id(block)].sizes.sum())
 
     def __len__(self) -> int:
         """Blocks held."""

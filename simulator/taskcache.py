@@ -58,7 +58,7 @@ class TaskCache:
         was = mine.pop(key, None)
         mine[key] = block
         self.held.add(block)
-        self.known_bytes += block_bytes(block)
+        self.known_bytes += self.held.size(block)
         if was is not None:
             self._forget(was)
         while len(mine) > KNOWN:
@@ -68,7 +68,7 @@ class TaskCache:
 
     def _forget(self, block: Any) -> None:
         """A known ``block`` let go."""
-        self.known_bytes -= block_bytes(block)
+        self.known_bytes -= self.held.size(block)
         self.held.release(block)
 
     def _clear_known(self) -> None:
