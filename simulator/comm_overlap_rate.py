@@ -27,6 +27,7 @@ from functools import lru_cache
 
 import numpy as np
 
+from simulator.contention import COMPUTE_KINDS, PASSES
 from simulator.engine import event_times
 from simulator.taskgraph import TaskGraph, TaskKind
 from simulator.topology import Topology
@@ -34,9 +35,6 @@ from simulator.topology import Topology
 __all__ = ["PASSES", "finish_times", "link_owners", "overlap_groups", "overlapped", "overlapped_durations",
            "overlapped_times"]
 
-PASSES = 2
-"""Timelines re-run after the first, each with the durations the previous one implies."""
-_COMPUTE = (TaskKind.FORWARD, TaskKind.BACKWARD, TaskKind.UPDATE)
 _COLLECTIVE = (TaskKind.REDUCE, TaskKind.ALLREDUCE, TaskKind.COLLECTIVE)
 
 
@@ -82,9 +80,10 @@ def overlap_groups(tg: TaskGraph, topology: Topology, base: np.ndarray) -> list[
     member = np.where(held >= nd, link_owners(topology)[np.maximum(held - nd, 0)], -1)
     pick = member >= 0
     pairs = np.unique(np.stack([member[pick], np.repeat(coll, counts)[pick]]), axis=1)
-    work = np.flatnonzero(np.isin(category, _COMPUTE) & (base > 0))
-    work = work[np.argsort(np.asarray(tg.device, dtype=np.int64)[work], kind="stable")]  # by device, in task order
-    on = np.asarray(tg.device, dtype=np.int64)[work]
+    work = np.flatnonzero(np.isin(category, COMPUTE_KINDS) & (base > 0))
+    device = np.asarray(tg.device, dtype=np.int64)
+    work = work[np.argsort(device[work], kind="stable")]  # by device, in task order
+    on = device[work]
     groups = []
     for d in np.unique(pairs[0]).tolist():
         rate = topology.devices[d].overlap_rate
@@ -159,7 +158,7 @@ def overlapped_times(tg: TaskGraph, topology: Topology, start: np.ndarray, end: 
     if np.array_equal(slowed, base):  # nothing ran beside a collective: the timeline holds
         return start, end
     for i in range(PASSES):
-        if i:
-            slowed = overlapped_durations(groups, base, start, end)
         start, end = event_times(tg, duration=slowed)
+        if i + 1 < PASSES:
+            slowed = overlapped_durations(groups, base, start, end)
     return start, end

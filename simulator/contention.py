@@ -20,11 +20,13 @@ from simulator.engine import event_times
 from simulator.taskgraph import TaskGraph, TaskKind
 from simulator.topology import Topology
 
-__all__ = ["PASSES", "contended", "contended_times", "node_tasks", "slowed_durations"]
+__all__ = ["COMPUTE_KINDS", "PASSES", "contended", "contended_times", "node_tasks", "slowed_durations"]
 
 PASSES = 2
 """Timelines re-run after the first, each with the durations the previous one implies."""
-_COMPUTE = frozenset((TaskKind.FORWARD, TaskKind.BACKWARD, TaskKind.UPDATE))
+COMPUTE_KINDS = (TaskKind.FORWARD, TaskKind.BACKWARD, TaskKind.UPDATE)
+"""The tasks that compute (and slow): a forward, a backward, an optimizer update."""
+_COMPUTE = frozenset(COMPUTE_KINDS)
 
 
 def contended(topology: Topology) -> bool:

@@ -81,7 +81,7 @@ def add_gathers(tg: TaskGraph, lowered: Lowered, topology: Topology, blocks: Seq
     in one call (``fsdp_unit`` "block"), the first group's chunk makes the call and the others'
     refer to its member ends (``_Chunk.refs``). ``cost``: the cost model timing the blocks (its
     ``fsdp_copies``; None: no copies)."""
-    copies = bool(getattr(cost, "fsdp_copies", False))
+    copies = cost is not None and cost.fsdp_copies
     groups = gather_groups(lowered)
     ends: dict[int, list[int]] = {}
     if not groups:
