@@ -119,8 +119,9 @@ def buffer_lives(lowered: Lowered, microbatch: int | None = None) -> tuple[Buffe
             if (u, c.op) not in back:
                 back[u, c.op] = strategy[u].recompute or reads_back(graph, strategy, u, c.op)
         regather = None
-        if c.kind == "all_gather" and all(strategy[u].recompute or (graph[u].kind in REGATHERED
-                                                                    and sequence_gather(graph, c)) for u in ops):
+        plain = [u for u in ops if not strategy[u].recompute]  # readers that must be linears of a sequence gather
+        if c.kind == "all_gather" and all(graph[u].kind in REGATHERED for u in plain) and (
+                not plain or sequence_gather(graph, c)):
             if again is None:
                 again = _recomputed_at(lowered, position)
             at = [again.get(u, position[u]) for u in ops]

@@ -100,12 +100,7 @@ def _classes(lowered: Lowered, groups: tuple, chunk, passes: dict) -> tuple[Alik
             j += 1
         c = chunk[op] if chunk else 0
         for d, reads, ks in _op_reads(lowered, groups, i, j):
-            mine = seqs.get(d)
-            if mine is None:
-                mine = seqs[d] = {}
-            s = mine.get(c)
-            if s is None:
-                s = mine[c] = ([], [])
+            s = seqs.setdefault(d, {}).setdefault(c, ([], []))
             s[0].extend(reads)
             s[1].extend(ks)
         i = j
