@@ -12,7 +12,7 @@ sequence-parallel all-gather read by linears is not saved at all: autograd saves
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from typing import Iterator, NamedTuple, Sequence
 
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
@@ -107,14 +107,19 @@ class SavedStorages:
                                 f"strategies.saved counts as read by no backward (transient)")
 
 
+def _regathered_reads(slots: Sequence, lives: Sequence[BufferLife]) -> Iterator[int]:
+    """The collectives ``slots`` read that are gathered again (``BufferLife.regather``), in slot order."""
+    for s in slots:
+        if s is not None and s.collective is not None and lives[s.collective].regather is not None:
+            yield s.collective
+
+
 def regather_calls(slots: Sequence, lives: Sequence[BufferLife], shared: dict) -> list[int]:
     """The collectives a recipe's ``slots`` read that are gathered again (``BufferLife.regather``)
     and were let go (``shared``: collective -> its result or ``Released``): called again at the
     same step on every member, for the reader's recomputation or for the backward of a linear
     that saved the shard (``SavedStorages``); once each, in slot order."""
-    return list(dict.fromkeys(s.collective for s in slots if s is not None and s.collective is not None
-                              and lives[s.collective].regather is not None
-                              and isinstance(shared[s.collective], Released)))
+    return list(dict.fromkeys(c for c in _regathered_reads(slots, lives) if isinstance(shared[c], Released)))
 
 
 def regathered(slots: Sequence, lives: Sequence[BufferLife], shared: dict) -> dict[int, int]:
@@ -122,12 +127,11 @@ def regathered(slots: Sequence, lives: Sequence[BufferLife], shared: dict) -> di
     the backward (``SavedStorages``: autograd saves them as the call to come); a result already
     let go is refused in one line (it is let go after its last reader's forward only)."""
     out: dict[int, int] = {}
-    for s in slots:
-        if s is not None and s.collective is not None and lives[s.collective].regather is not None:
-            got = shared[s.collective]
-            if isinstance(got, Released):
-                raise ExecutorError(f"collective {s.collective}: a forward reads its result after it was let go")
-            out[got.untyped_storage().data_ptr()] = s.collective
+    for c in _regathered_reads(slots, lives):
+        got = shared[c]
+        if isinstance(got, Released):
+            raise ExecutorError(f"collective {c}: a forward reads its result after it was let go")
+        out[got.untyped_storage().data_ptr()] = c
     return out
 
 
