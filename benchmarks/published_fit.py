@@ -1,16 +1,19 @@
 """published_fit.py: the GPU presets' GEMM half-performance length n½ (``DeviceSpec.gemm_half``)
 fitted on a stated subset of the published runs and checked on the rest (issue 24).
 
-Hockney's form (Hockney & Jesshope 1988): a product of smallest dimension m runs at
-peak · r∞ · m / (m + n½). r∞ is measured, not fitted (``simulator.presets``: the largest bf16
-matmul rate found by Bekman's mamf-finder, 0.859 of an A100's peak); n½ is the one free figure.
-For each candidate n½ the script predicts the fit rows (default: Narayanan et al.'s Table 1
-rows of <= 128 GPUs) and prints each row's error (published / predicted seconds - 1) and the
-root mean square of log(published / predicted); the best candidate is then checked on the
-held-out rows (``--check``, default Korthikanti's 22B and torchtitan's rows of <= 128 GPUs).
+On the presets with SMs (``DeviceSpec.sms``) a product [M, K] × [K, N] runs at
+peak · r∞ · q(M, N) · K / (K + n½) (``simulator.gemm_shape``: q the tile and wave quantization
+over the SMs, NVIDIA's Matrix Multiplication Background User's Guide; Hockney & Jesshope 1988's
+n½ over the reduction length K). r∞ is measured, not fitted (``simulator.presets``: the largest
+bf16 matmul rate found by Bekman's mamf-finder, 0.859 of an A100's peak) and the SMs are the
+whitepaper's; n½ is the one free figure. For each candidate n½ the script predicts the fit rows
+(default: Narayanan et al.'s Table 1 rows of <= 128 GPUs) and prints each row's error
+(published / predicted seconds - 1) and the root mean square of log(published / predicted);
+the best candidate is then checked on the held-out rows (``--check``, default Korthikanti's
+22B and torchtitan's rows of <= 128 GPUs).
 
-    python benchmarks/published_fit.py                                 # n½ 500 .. 1100 on Table 1
-    python benchmarks/published_fit.py --candidates 450,500 --check ""  # the fit only
+    python benchmarks/published_fit.py                                    # n½ 1000 .. 1800 on Table 1
+    python benchmarks/published_fit.py --candidates 1300,1400 --check ""  # the fit only
 """
 
 from __future__ import annotations
@@ -71,7 +74,7 @@ def rms_log(errs: list[float]) -> float:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--candidates", default="500,700,800,850,900,1100", help="n½ values to try, comma separated")
+    ap.add_argument("--candidates", default="1000,1200,1300,1350,1400,1500,1800", help="n½ values to try, comma separated")
     ap.add_argument("--fit", default=",".join(FIT_ROWS), help="rows the fit uses, comma separated")
     ap.add_argument("--check", default=",".join(CHECK_ROWS), help="held-out rows, comma separated ('' : none)")
     args = ap.parse_args(argv)

@@ -9,8 +9,9 @@ the other ops, the optimizer update), its exposed communication X and its idle t
 slowest stage, the last with the logits, are a share of them too) and C and X as predicted:
 the published seconds P then leave the products G' = P·(1 − I/T) − C − X, so they must run
 G/G' times faster than charged. The charged rate is what the cost model charges one layer's
-linears (``layer_gemm_efficiency``: Hockney's r∞·m/(m + n½) of each linear's smallest dimension
-m, ``simulator.cost.gemm_efficiency``); the implied rate is that times G/G'.
+linears (``layer_gemm_efficiency``: each product at its shape's rate on a preset with SMs,
+``simulator.gemm_shape``, else Hockney's r∞·m/(m + n½) of its smallest dimension m;
+``simulator.cost.gemm_efficiency``); the implied rate is that times G/G'.
 
     python benchmarks/published_implied.py --sweep korthikanti-22B --sweep korthikanti-175B
     python benchmarks/published_implied.py --row "530B full" --row "1T full" --max-gpus 512
@@ -59,8 +60,8 @@ def implied(got: Breakdown, published: float) -> Implied:
 def layer_gemm_efficiency(run: Run) -> float:
     """Share of the bf16 peak the cost model charges one layer's linears on device 0 for one
     micro-batch: their FLOPs, forward and both backward products (``layer_products``: 2·rows·out·in
-    each), over the seconds ``published_runs.layer_shares`` charges them (Hockney's r∞·m/(m + n½),
-    m each linear's smallest dimension, ``simulator.cost.gemm_efficiency``; a kernel's launch)."""
+    each), over the seconds ``published_runs.layer_shares`` charges them (their shapes' rates,
+    ``simulator.cost.gemm_efficiency``; a kernel's launch)."""
     _, forward, backward = layer_shares(run)["linear"]
     flops = 3 * sum(2 * rows * out * inner for rows, out, inner in layer_products(run))
     return flops / ((forward + backward) * get_topology(run.topology).devices[0].flops_for("bfloat16"))

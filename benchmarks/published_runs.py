@@ -11,8 +11,9 @@ probabilities; torchtitan's "flash" at FlashAttention-2's published rates,
 ``Run.input_grad_overlap``: ``row_cost``) on the row's preset (a100-<N/8>x8) and prints predicted vs
 published iteration seconds, TFLOP/s per GPU where the source prints them, the relative error
 of the throughput (published / predicted seconds - 1), Spearman's ρ per sweep, and a
-diagnostic the model does not use: "waves", the tile and wave quantization efficiency of a
-layer's GEMMs per GPU (``block_wave_efficiency``). Memory, GiB: the predicted peak of the
+diagnostic: "waves", the tile and wave quantization efficiency of a layer's GEMMs per GPU
+(``block_wave_efficiency``; the cost model charges it on the presets with SMs,
+``simulator.gemm_shape``). Memory, GiB: the predicted peak of the
 worst GPU ("peak", against the preset's 80 GiB: "does not fit" past it), its activations
 ("act") and Korthikanti et al.'s count of the activations a GPU holds ("paper",
 ``korthikanti_activations``).
@@ -37,7 +38,6 @@ Rows over ``--max-gpus`` devices (default 128: what the simulator runs in a few 
 from __future__ import annotations
 
 import argparse
-import math
 import statistics
 import sys
 import time
@@ -51,6 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.published_breakdown import breakdown  # noqa: E402
 from benchmarks.published_data import MICROBATCH, ROWS, Run  # noqa: E402
 from simulator.cost import ATTENTION_KERNELS, CostModel, get_cost_model  # noqa: E402
+from simulator.gemm_shape import tile_wave_efficiency  # noqa: E402
 from simulator.presets import NCCL_OVERLAP_RATE, get_topology  # noqa: E402
 from simulator.result import SimResult  # noqa: E402
 from simulator.topology import Topology  # noqa: E402
@@ -263,20 +264,6 @@ def throughput_error(run: Run, result: SimResult) -> float:
 
 A100_SMS = 108
 """Streaming multiprocessors of an A100 (NVIDIA A100 Tensor Core GPU Architecture whitepaper)."""
-GEMM_TILES = ((256, 128), (128, 256), (128, 128))
-"""Output tiles cuBLAS's tensor-core kernels choose among (NVIDIA, "Matrix Multiplication
-Background User's Guide", §Dimension Quantization Effects)."""
-
-
-def tile_wave_efficiency(m: int, n: int, sms: int = A100_SMS) -> float:
-    """Fraction of the tile-perfect rate an m × n GEMM output keeps after tile and wave
-    quantization (NVIDIA's Matrix Multiplication Background User's Guide): m·n over the
-    ⌈tiles / SMs⌉ waves of SMs full tiles each, for the best of ``GEMM_TILES``."""
-    best = 0.0
-    for a, b in GEMM_TILES:
-        tiles = math.ceil(m / a) * math.ceil(n / b)
-        best = max(best, m * n / (math.ceil(tiles / sms) * sms * a * b))
-    return best
 
 
 def layer_products(run: Run) -> list[tuple[int, int, int]]:
@@ -293,12 +280,12 @@ def layer_products(run: Run) -> list[tuple[int, int, int]]:
 def block_wave_efficiency(run: Run) -> float:
     """FLOP-weighted tile and wave efficiency of one transformer layer's GEMMs per GPU
     (``layer_products``), each forward (rows × out) and both backward products (rows × in,
-    out × in). A diagnostic of the shape effect, not part of the cost model."""
+    out × in). The quantization ``simulator.gemm_shape`` charges, without its rate over K."""
     flops = weighted = 0.0
     for rows, out, inner in layer_products(run):
         for m, n in ((rows, out), (rows, inner), (out, inner)):
             flops += rows * out * inner
-            weighted += rows * out * inner / tile_wave_efficiency(m, n)
+            weighted += rows * out * inner / tile_wave_efficiency(m, n, A100_SMS)
     return flops / weighted
 
 

@@ -16,6 +16,7 @@ from typing import Any
 
 from simulator.attention_efficiency import FLASH_BACKWARD, causal_fraction, flash_rate
 from simulator.devices import DeviceSpec
+from simulator.gemm_shape import backward_shapes, shape_efficiency
 from strategies.graph import DTYPE_BYTES, OpNode
 from strategies.lowered import Partition
 from strategies.region import Box, box_numel, box_shape
@@ -230,7 +231,9 @@ class AnalyticalCostModel(CostModel):
     On a device with a half-performance length n½ (``DeviceSpec.gemm_half``: calibrated on a
     CPU, fitted on published runs for the GPU presets), an op of library matrix products whose
     smallest dimension is m (``OpRule.gemm_size``) takes e_c = r∞·m / (m + n½) instead
-    (``gemm_efficiency``; Hockney & Jesshope 1988); attention and the ops without products keep
+    (``gemm_efficiency``; Hockney & Jesshope 1988), on a GPU with SMs the rate of its products'
+    shapes each way (``simulator.gemm_shape``: tiles, waves, n½ over the reduction length);
+    attention and the ops without products keep
     the constant e_c (memory-bound ones are the bandwidth's either way).
 
     Forward: F = the partition's FLOPs, B = ``partition_bytes``, one kernel. Backward: 2F and 2
@@ -307,14 +310,15 @@ class AnalyticalCostModel(CostModel):
                 extra = tuple(e + p * count * DTYPE_BYTES[dtype] + count * DROPOUT_MASK_BYTES
                               for e, p in zip(extra, DROPOUT_PASSES))
                 kernels = tuple(k + 1 for k in kernels)
-        fwd = self.roofline(flops, nbytes + extra[0], dtype, device, kernels=kernels[0], efficiency=eff)
+        eff_f, eff_b = eff if eff is not None else (None, None)
+        fwd = self.roofline(flops, nbytes + extra[0], dtype, device, kernels=kernels[0], efficiency=eff_f)
         if node.kind in _GATHER_KINDS:  # the dense gradient of the table is zeroed and written
             bwd_bytes += sum(box_numel(r) * DTYPE_BYTES[w.spec.dtype]
                              for w in node.weights if (r := weight_regions.get(w.role)) is not None)
         # attention's backward is 4 products to its forward's 2 (dQ, dK, dV, dP; Dao et al. 2022, Alg. 3)
         bwd = self.roofline(2 * flops if weighted or node.kind == "attention" else flops, bwd_bytes + extra[1],
                             dtype, device,
-                            kernels=kernels[1], efficiency=eff)
+                            kernels=kernels[1], efficiency=eff_b)
         return fwd, bwd
 
     def _flash(self, node: OpNode, box: Box, regions: tuple[Box | None, ...], flops: float, nbytes: float,
@@ -338,16 +342,26 @@ class AnalyticalCostModel(CostModel):
                 self.roofline(FLASH_BACKWARD * work, 2 * nbytes, dtype, device, efficiency=eff))
 
 
-def gemm_efficiency(node: OpNode, box: Box, device: DeviceSpec) -> float | None:
-    """Hockney's r∞·m/(m + n½) (Hockney & Jesshope 1988) of the partition's matrix products on
-    ``device`` (r∞ ``gemm_rate``, n½ ``gemm_half``, m ``OpRule.gemm_size``), or None: the op
-    runs no library GEMM (no product, an ``attention`` kernel, whose tiles span queries × keys
-    over the head dim: Dao et al. 2022), or the device models none (n½ = 0): the cost model's
-    constant compute efficiency applies."""
+def gemm_efficiency(node: OpNode, box: Box, device: DeviceSpec) -> tuple[float, float] | None:
+    """(forward, backward) fraction of the peak the partition's library matrix products reach on
+    ``device``, or None: the op runs no library GEMM (no product, an ``attention`` kernel, whose
+    tiles span queries × keys over the head dim: Dao et al. 2022), or the device models none
+    (n½ = 0): the cost model's constant compute efficiency applies.
+
+    On a GPU with SMs (``DeviceSpec.sms``) and a product whose shape the rule gives
+    (``OpRule.gemm_shape``): ``simulator.gemm_shape.shape_efficiency`` of the forward product,
+    and of the two backward products (dA, dB: equal FLOPs, so their harmonic mean). Else
+    Hockney's r∞·m/(m + n½) (Hockney & Jesshope 1988; r∞ ``gemm_rate``, n½ ``gemm_half``, m
+    ``OpRule.gemm_size``) both ways."""
     if not device.gemm_half or node.kind == "attention":
         return None
-    m = get_rule(node.kind).gemm_size(node, box)
-    return device.gemm_rate * m / (m + device.gemm_half) if m else None
+    rule = get_rule(node.kind)
+    shape = rule.gemm_shape(node, box) if device.sms else None
+    if shape is not None and min(shape) > 0:
+        d_a, d_b = (shape_efficiency(*s, device) for s in backward_shapes(*shape))
+        return shape_efficiency(*shape, device), 2 / (1 / d_a + 1 / d_b)
+    m = rule.gemm_size(node, box)
+    return (e := device.gemm_rate * m / (m + device.gemm_half), e) if m else None
 
 
 def _span(interval: tuple[int, int]) -> int:

@@ -71,8 +71,13 @@ class DeviceSpec:
     runs beside it (0 < f <= 1; 1: no slowdown): NCCL's kernels take SMs and HBM bandwidth from
     the products they overlap (``simulator.comm_overlap_rate``). Not a cost-model figure: the
     event passes apply it to the timeline."""
+    sms: int = 0
+    """Streaming multiprocessors of a GPU (A100 108, H100 132: NVIDIA's architecture
+    whitepapers). > 0: its matrix products run at their shape's rate, tile and wave quantization
+    over the SMs and a per-tile rate r∞·K/(K + ``gemm_half``) over the reduction length K
+    (``simulator.gemm_shape``); 0: Hockney's form over the smallest dimension (``gemm_half``)."""
     cost_key: str = field(init=False, repr=False, compare=False)
-    """The figures an op's time depends on (kind, peak FLOP/s, memory bandwidth, n½, r∞), as one
+    """The figures an op's time depends on (kind, peak FLOP/s, memory bandwidth, n½, r∞, SMs), as one
     string: cost models memoize by it, so two devices of one kind but other figures (a preset
     and a calibration of this machine, both ``cpu``) never share a time."""
 
@@ -99,16 +104,19 @@ class DeviceSpec:
         if self.overlap_rate != 1.0 and self.contention != 1.0:
             raise ValueError(f"device {self.kind!r}: overlap_rate {self.overlap_rate!r} with contention "
                              f"{self.contention!r}: a device slows by one of them, not both")
+        if not (isinstance(self.sms, int) and self.sms >= 0):
+            raise ValueError(f"device {self.kind!r}: sms = {self.sms!r}: must be an int >= 0 "
+                             "(the GPU's streaming multiprocessors; 0: no tile model)")
         if not self.peak_flops or min(self.peak_flops.values()) <= 0:
             raise ValueError(f"device {self.kind!r}: peak_flops {dict(self.peak_flops)} needs at "
                              "least one dtype, every figure > 0")
         object.__setattr__(self, "cost_key", repr((self.kind, sorted(self.peak_flops.items()),
-                                                   self.memory_bandwidth, self.gemm_half, self.gemm_rate)))
+                                                   self.memory_bandwidth, self.gemm_half, self.gemm_rate, self.sms)))
 
     def __reduce__(self):  # the read-only mapping does not pickle; rebuild from a dict
         return (DeviceSpec, (self.kind, self.memory_bytes, dict(self.peak_flops), self.memory_bandwidth,
                              self.node, *(getattr(self, f) for f in OVERHEAD_FIELDS), self.contention,
-                             self.gemm_half, self.gemm_rate, self.overlap_rate))
+                             self.gemm_half, self.gemm_rate, self.overlap_rate, self.sms))
 
     def flops_for(self, dtype: str) -> float:
         """Peak FLOP/s for ``dtype`` (float32's when the dtype has no figure of its own)."""

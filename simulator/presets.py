@@ -75,13 +75,15 @@ K80_PCIE = Fabric("switch", "pcie", latency=5e-6, bandwidth=12e9)
 # FDR InfiniBand 4x: 4 x 14.0625 Gb/s signalling, 64b/66b -> 54.5 Gb/s data (IBTA) = 6.82 GB/s.
 FDR_NODE_NIC = Fabric("node-nic", "ib", latency=5e-6, bandwidth=4 * 14.0625e9 * 64 / 66 / 8)
 
-A100_GEMM_HALF = 850.0
-"""Hockney's n½ of a GPU's bf16 products, in the smallest dimension's elements, fitted on
-Narayanan et al.'s Table 1 rows of <= 128 GPUs with Megatron-LM's attention kernels
-(``simulator.cost`` "megatron": dropout on the probabilities), its one fused query-key-value
-product a layer (zoo gpt's ``fused_qkv``), their launch script's
-micro-batches and NCCL's bus bandwidth inside a node (``A100_NCCL_BUS_BANDWIDTH``), and checked on Korthikanti's and
-torchtitan's rows (``benchmarks/published_fit.py``, benchmarks/README.md)."""
+A100_GEMM_HALF = 1350.0
+"""Hockney's n½ of a GPU's bf16 products over their reduction length K (a tile runs at
+r∞·K/(K + n½), ``simulator.gemm_shape``, after tile and wave quantization over the SMs),
+fitted on Narayanan et al.'s Table 1 rows of <= 128 GPUs (1.7B, 3.6B, 7.5B) with Megatron-LM's
+attention kernels (``simulator.cost`` "megatron": dropout on the probabilities), its one fused
+query-key-value product a layer (zoo gpt's ``fused_qkv``), their launch script's micro-batches
+and NCCL's bus bandwidth inside a node (``A100_NCCL_BUS_BANDWIDTH``), and checked on
+Korthikanti's and torchtitan's rows and Table 1's larger ones (``benchmarks/published_fit.py``,
+benchmarks/README.md)."""
 
 NCCL_OVERLAP_RATE = 1 / 1.189
 """The fraction of its rate a GPU's compute keeps while its own NCCL collectives run beside it
@@ -109,6 +111,7 @@ A100 = DeviceSpec(  # NVIDIA A100 Tensor Core GPU datasheet, A100 80GB SXM colum
     # A100 SXM, CUDA 12.1)
     gemm_rate=267.9 / 312,
     gemm_half=A100_GEMM_HALF,
+    sms=108,                         # A100 Tensor Core GPU Architecture whitepaper: "108 SMs"
 )
 # NVLink 3: 12 links x 25 GB/s per direction = 300 GB/s per direction ("NVLink: 600GB/s" total),
 # through NVSwitch (DGX A100 user guide). ~2 µs per transfer (estimate). Inside NCCL's ring
@@ -136,6 +139,7 @@ H100 = DeviceSpec(  # NVIDIA H100 Tensor Core GPU datasheet, H100 SXM column
     memory_bandwidth=3.35e12,        # "GPU memory bandwidth 3.35TB/s"
     gemm_rate=792.1 / 989.4,         # the same table, H100 SXM: 792.1 of 989 TFLOP/s (CUDA 12.1)
     gemm_half=A100_GEMM_HALF,        # no published H100 run fitted: the A100's, in rows
+    sms=132,                         # H100 architecture whitepaper, H100 SXM5: "132 SMs"
 )
 # NVLink 4: 18 links x 25 GB/s per direction = 450 GB/s per direction ("NVLink: 900GB/s" total).
 H100_NVSWITCH = Fabric("switch", "nvswitch", latency=2e-6, bandwidth=450e9)

@@ -9,7 +9,8 @@ JSON (format ``soapsearch.topology``, version 1), explicit form — what ``to_js
       default 0; "contention", the slowdown when its node's devices compute at once, default 1;
       "gemm_half", the smallest matrix-product dimension at half the peak, default 0: not modelled;
       "gemm_rate", the fraction of the peak large products reach, default 1; "overlap_rate", the
-      fraction of its rate compute keeps beside the device's collectives, default 1)
+      fraction of its rate compute keeps beside the device's collectives, default 1; "sms", a GPU's
+      streaming multiprocessors, default 0: products by their smallest dimension, not their shape)
      "links": [{"name": "nvlink:0->1", "kind": "nvlink", "latency": 2e-06, "bandwidth": 2e10}, ...],
      (optional per link: "collective_bandwidth", bytes/s inside a ring collective, default bandwidth;
       "send_bandwidth" and "send_latency": a message holds the sender's host send_latency + bytes /
@@ -250,7 +251,8 @@ class Topology:
                          **({"contention": d.contention} if d.contention != 1.0 else {}),
                          **({"gemm_half": d.gemm_half} if d.gemm_half else {}),
                          **({"gemm_rate": d.gemm_rate} if d.gemm_rate != 1.0 else {}),
-                         **({"overlap_rate": d.overlap_rate} if d.overlap_rate != 1.0 else {})} for d in self.devices],
+                         **({"overlap_rate": d.overlap_rate} if d.overlap_rate != 1.0 else {}),
+                         **({"sms": d.sms} if d.sms else {})} for d in self.devices],
             "links": [{"name": k.name, "kind": k.kind, "latency": k.latency, "bandwidth": k.bandwidth,
                        **({"collective_bandwidth": k.collective_bandwidth}
                           if k.collective_bandwidth is not None else {}),
@@ -337,7 +339,9 @@ def _device_text(d: DeviceSpec) -> str:
     flops = ", ".join(f"{v / 1e12:.3g} TFLOP/s {k}" for k, v in d.peak_flops.items())
     shared = f", {d.contention:.3g}x slower when its node's devices compute at once" if d.contention != 1.0 else ""
     rate = f"{d.gemm_rate:.3g} of " if d.gemm_rate != 1.0 else ""
-    shared += f", half {rate}its peak at products of {d.gemm_half:.3g} rows" if d.gemm_half else ""
+    if d.gemm_half:
+        shared += (f", {d.sms} SMs, half {rate}its peak at products {d.gemm_half:.3g} deep" if d.sms
+                   else f", half {rate}its peak at products of {d.gemm_half:.3g} rows")
     return f"{d.kind} ({d.memory_bytes / 2**30:.3g} GiB, {flops}, {_gbs(d.memory_bandwidth)} memory{shared})"
 
 

@@ -44,7 +44,7 @@ _RULES = {
 
 
 _DEVICE = ("kind", "memory_bytes", "peak_flops", "memory_bandwidth", *OVERHEAD_FIELDS, "contention", "gemm_half",
-           "gemm_rate", "overlap_rate")
+           "gemm_rate", "overlap_rate", "sms")
 _LINK_EXTRAS = ("collective_bandwidth", "send_bandwidth", "send_latency")
 _KEYS = {  # the keys each object of the JSON may hold (the module docstring's)
     "a topology": ("format", "version", "name", "devices", "links", "routes", "cluster"),
@@ -110,7 +110,8 @@ def _device(obj: Any, path: str, where: str, node: bool = True) -> DeviceSpec:
                       _get(obj, "contention", path, "num>=1", where) if "contention" in obj else 1.0,
                       _get(obj, "gemm_half", path, "num>=0", where) if "gemm_half" in obj else 0.0,
                       _get(obj, "gemm_rate", path, "num>0", where) if "gemm_rate" in obj else 1.0,
-                      _get(obj, "overlap_rate", path, "num>0", where) if "overlap_rate" in obj else 1.0)
+                      _get(obj, "overlap_rate", path, "num>0", where) if "overlap_rate" in obj else 1.0,
+                      _get(obj, "sms", path, "int>=0", where) if "sms" in obj else 0)
 
 
 def _link(obj: Any, path: str, where: str) -> Link:

@@ -86,6 +86,12 @@ class OpRule:
         (where its FLOPs go; ``simulator.devices.DeviceSpec.gemm_half``), or None: no product."""
         return None
 
+    def gemm_shape(self, node: OpNode, box: Box) -> tuple[int, int, int, int] | None:
+        """(batch, M, N, K) of the forward product(s) the partition computing ``box`` runs, batch
+        products [M, K] × [K, N] (``simulator.gemm_shape``), or None: no product, or one whose
+        shape the rule does not give (then ``gemm_size`` alone)."""
+        return None
+
     # --- compute --------------------------------------------------------------------------
     def forward(self, node: OpNode, box: Box, inputs: Sequence[torch.Tensor | None],
                 weights: Mapping[str, torch.Tensor], reduce: Reduce = no_reduce) -> torch.Tensor:

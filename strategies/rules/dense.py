@@ -45,6 +45,11 @@ class Linear(SplitAll):
         shape = box_shape(box)
         return min(math.prod(shape[:-2]), shape[-2], shape[-1])
 
+    def gemm_shape(self, node: OpNode, box: Box) -> tuple[int, int, int, int] | None:
+        """One product [rows, in] × [in, out]: rows the leading dims' cut, out and in their cuts."""
+        shape = box_shape(box)
+        return 1, math.prod(shape[:-2]), shape[-2], shape[-1]
+
     def forward(self, node: OpNode, box: Box, inputs: Sequence[torch.Tensor],
                 weights: Mapping[str, torch.Tensor], reduce: Reduce = no_reduce) -> torch.Tensor:
         return F.linear(inputs[0], weights["weight"], weights.get("bias"))
@@ -73,6 +78,11 @@ class MatMul(SplitAll):
         """min(rows, cols, inner) of each [rows, inner] × [inner, cols] product (its cut's sizes)."""
         shape = box_shape(box)
         return min(shape[-3], shape[-2], shape[-1])
+
+    def gemm_shape(self, node: OpNode, box: Box) -> tuple[int, int, int, int] | None:
+        """The batch dims' cut products [rows, inner] × [inner, cols] (torch's batched product)."""
+        shape = box_shape(box)
+        return math.prod(shape[:-3]), shape[-3], shape[-2], shape[-1]
 
     def forward(self, node: OpNode, box: Box, inputs: Sequence[torch.Tensor],
                 weights: Mapping[str, torch.Tensor], reduce: Reduce = no_reduce) -> torch.Tensor:

@@ -328,19 +328,19 @@ def test_depthwise_convs_are_not_products_and_attention_is():
 
 
 def test_gpu_products_run_at_hockneys_rate_of_their_size_the_rest_at_the_constant():
-    """The a100 preset: a linear of smallest dimension m runs at 312 TFLOP/s · r∞ · m / (m + n½)
+    """The a100 preset without its SMs: a linear of smallest dimension m runs at 312 TFLOP/s · r∞ · m / (m + n½)
     (r∞ = 267.9 / 312, n½ = ``A100_GEMM_HALF``); attention and ops without a product keep the
     constant 0.6; the CPU presets model no n½."""
     from simulator.cost import gemm_efficiency
     from simulator.presets import A100_GEMM_HALF, get_topology
 
-    a100 = get_topology("a100-1x8").devices[0]
+    a100 = dataclasses.replace(get_topology("a100-1x8").devices[0], sms=0)  # no tiles: Hockney's form
     assert (a100.gemm_rate, a100.gemm_half) == (267.9 / 312, A100_GEMM_HALF)
     model = AnalyticalCostModel()
     for m in (256, 1024, 8192):
         node = dataclasses.replace(linear(16384, 16384, m), output=TensorSpec((16384, m), "bfloat16"))
-        e = gemm_efficiency(node, full_box(node.shape), a100)
-        assert e == pytest.approx(267.9 / 312 * m / (m + A100_GEMM_HALF), rel=1e-12)
+        e, back = gemm_efficiency(node, full_box(node.shape), a100)
+        assert e == back == pytest.approx(267.9 / 312 * m / (m + A100_GEMM_HALF), rel=1e-12)
         fwd, _ = model.op_time(node, full_box(node.shape), a100)
         assert fwd == pytest.approx(node.flops / (312e12 * e) + model.launch(a100), rel=1e-12)
     att = next(n for n in traced_gpt() if n.kind == "attention")

@@ -168,7 +168,7 @@ def test_compact_cluster_json_expands_like_the_preset(tmp_path):
            "cluster": {"nodes": 2, "per_node": 8, "intra": fabric(A100_NVSWITCH), "inter": fabric(dataclasses.replace(HDR_DEVICE_NIC, shape="rail")),
                        "device": {"kind": dev.kind, "memory_bytes": dev.memory_bytes,
                                   "peak_flops": dict(dev.peak_flops), "memory_bandwidth": dev.memory_bandwidth,
-                                  "gemm_half": dev.gemm_half, "gemm_rate": dev.gemm_rate}}}
+                                  "gemm_half": dev.gemm_half, "gemm_rate": dev.gemm_rate, "sms": dev.sms}}}
     assert Topology.from_json(obj) == get_topology("a100-2x8")
     (tmp_path / "c.json").write_text(json.dumps(obj))
     assert get_topology(str(tmp_path / "c.json")) == get_topology("a100-2x8")

@@ -1,0 +1,51 @@
+"""The rate of a GPU matrix product by its shape: tile and wave quantization over the SMs and a
+per-tile rate that rises with the reduction length (issue 24).
+
+NVIDIA, "Matrix Multiplication Background User's Guide" (cuBLAS on tensor cores), §Dimension
+Quantization Effects: a product C[M, N] = A[M, K]·B[K, N] is cut into output tiles of a×b, each
+tile one thread block on one SM; ⌈M/a⌉·⌈N/b⌉ tiles run in ⌈tiles / SMs⌉ waves, so the GPU does
+the work of whole tiles in whole waves ("tile quantization", "wave quantization"). The kept
+share of a shape is M·N over waves·SMs·a·b, for the best of the library's tiles
+(``GEMM_TILES``). Each tile loops over K in steps; its fixed cost (the pipeline's fill, the
+epilogue's writes) is amortized over the loop, so a tile runs at Hockney's r∞·K/(K + k½)
+(Hockney & Jesshope 1988: half the rate at K = k½, ``DeviceSpec.gemm_half`` on a device with
+``DeviceSpec.sms``). The product runs at peak · r∞ · quantization(M, N) · K/(K + k½).
+"""
+
+from __future__ import annotations
+
+import math
+
+from simulator.devices import DeviceSpec
+
+__all__ = ["GEMM_TILES", "backward_shapes", "shape_efficiency", "tile_wave_efficiency"]
+
+GEMM_TILES = ((256, 128), (128, 256), (128, 128))
+"""Output tiles (rows × cols) cuBLAS's tensor-core kernels choose among (NVIDIA, "Matrix
+Multiplication Background User's Guide", §Dimension Quantization Effects: 256×128, 128×256 and
+128×128 among the tiles of the A100's bf16 kernels)."""
+
+
+def tile_wave_efficiency(m: int, n: int, sms: int, batch: int = 1) -> float:
+    """Share of the tile-perfect rate ``batch`` products of an m × n output keep after tile and
+    wave quantization: batch·m·n over ⌈tiles / sms⌉·sms·a·b, tiles = batch·⌈m/a⌉·⌈n/b⌉, for the
+    best a × b of ``GEMM_TILES``."""
+    best = 0.0
+    for a, b in GEMM_TILES:
+        tiles = batch * math.ceil(m / a) * math.ceil(n / b)
+        best = max(best, batch * m * n / (math.ceil(tiles / sms) * sms * a * b))
+    return best
+
+
+def shape_efficiency(batch: int, m: int, n: int, k: int, device: DeviceSpec) -> float:
+    """Fraction of ``device``'s dtype peak that ``batch`` products [m, k] × [k, n] reach:
+    r∞ · ``tile_wave_efficiency`` · k/(k + k½) (module docstring; r∞ ``gemm_rate``, k½
+    ``gemm_half``, the SMs ``sms``)."""
+    return (device.gemm_rate * tile_wave_efficiency(m, n, device.sms, batch)
+            * k / (k + device.gemm_half))
+
+
+def backward_shapes(batch: int, m: int, n: int, k: int) -> tuple[tuple[int, int, int, int], ...]:
+    """The two backward products of C[m, n] = A[m, k]·B[k, n], as (batch, rows, cols, depth):
+    dA = dC·Bᵀ (m × k over n) and dB = Aᵀ·dC (k × n over m)."""
+    return (batch, m, k, n), (batch, k, n, m)
