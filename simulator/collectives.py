@@ -71,12 +71,12 @@ def add_collectives(tg: TaskGraph, lowered: Lowered, topology: Topology, blocks:
         j = c.microbatch
         reads = readers[c]
         if keep is not None:
-            if not any(d in keep for d in c.devices):
+            if keep.isdisjoint(c.devices):
                 continue
-            if len(fwd_steps) + len(bwd_steps) and not all(d in keep for d in (*fwd_steps, *bwd_steps)):
+            if not (keep.issuperset(fwd_steps) and keep.issuperset(bwd_steps)):
                 fwd_steps = {d: s for d, s in fwd_steps.items() if d in keep}
                 bwd_steps = {d: s for d, s in bwd_steps.items() if d in keep}
-            reads = [r for r in reads if r.device in keep]
+            reads = [r for r in reads if r[4] in keep]  # CollectiveRead: (collective, dst_op, dst_index, slot, device)
         again = None if life.regather is None else regather_steps(lowered, life)
         beside = again is not None and not any(lowered.strategy[r.dst_op].recompute for r in readers[c])
         hidden = hidden_by_readers(lowered, readers[c], topology, cost) if overlap and (c.grad or beside) else 0.0
@@ -89,7 +89,7 @@ def add_collectives(tg: TaskGraph, lowered: Lowered, topology: Topology, blocks:
 
 def _steps_key(steps: dict, j: int) -> tuple:
     """Member -> step as (device, backward, op, index, its micro-batch less ``j``)."""
-    return tuple([(d, s[0], s[1], s[2], s[3] - j) for d, s in steps.items()])
+    return tuple([(d, backward, op, index, microbatch - j) for d, (backward, op, index, microbatch) in steps.items()])
 
 
 class _Known:

@@ -28,7 +28,7 @@ from typing import Hashable, Sequence
 
 from strategies.config import ParallelConfig
 from strategies.graph import OpGraph, OpNode
-from strategies.lowered import WEIGHT_KINDS, CollectiveRead, OpPieces, Partition, Transfer, WeightRead
+from strategies.lowered import WEIGHT_KINDS, Collective, CollectiveRead, OpPieces, Partition, Transfer, WeightRead
 from strategies.lowering_copies import kept_indices
 from strategies.members import Hashed
 from strategies.repeats import signature
@@ -95,25 +95,36 @@ def renamed(pieces: OpPieces, old: tuple[str, ...], new: tuple[str, ...], delta:
     # the hot loops: records made as the tuples they are, their fields unpacked by name
     # (Partition: op, index, microbatch, device, box, input_regions, weight_regions, output;
     # Transfer: src_op, src_index, dst_op, dst_index, slot, microbatch, src_device, dst_device,
-    # region, nbytes, partial)
-    parts = tuple(tuple([_new(Partition, (op, k, j, d + delta, box, ins, ws, out))
-                         for _, k, j, d, box, ins, ws, out in mb]) for mb in pieces.partitions)
+    # region, nbytes, partial), every micro-batch's partitions in one pass (``_rows``)
+    parts = _rows([_new(Partition, (op, k, j, d + delta, box, ins, ws, out))
+                   for mb in pieces.partitions for _, k, j, d, box, ins, ws, out in mb], pieces.partitions)
     transfers = tuple([_new(Transfer, (at(src), k, op, q, slot, j, s + delta, d + delta, region, size, partial))
                        for src, k, _, q, slot, j, s, d, region, size, partial in pieces.transfers])
     reductions = tuple(dataclasses.replace(g, op=op, devices=_plus(g.devices, delta)) for g in pieces.reductions)
     reads = tuple(_new(WeightRead, (at(r[0]), r[1], r[2] + delta, op, *r[4:])) for r in pieces.weight_reads)
-    collectives: dict = {}
-    col_reads = []
-    for r in pieces.collective_reads:
-        c = collectives.get(r.collective)
-        if c is None:
-            c = collectives[r.collective] = r.collective._replace(op=at(r.collective.op),
-                                                                  devices=_plus(r.collective.devices, delta))
-        col_reads.append(_new(CollectiveRead, (c, op, r[2], r[3], r[4] + delta)))
+    # each distinct collective (kind, op, microbatch, devices, holders, ...) and device group moved once
+    unique = dict.fromkeys([r[0] for r in pieces.collective_reads])
+    groups = {g: _plus(g, delta) for g in dict.fromkeys([c[3] for c in unique])}
+    collectives = dict(zip(unique, [_new(Collective, (kind, at(src), j, groups[g], *rest))
+                                    for kind, src, j, g, *rest in unique])).__getitem__
+    col_reads = tuple([_new(CollectiveRead, (collectives(c), op, k, slot, d + delta))
+                       for c, _, k, slot, d in pieces.collective_reads])
     couples = pieces.couples if not delta else frozenset((a + delta, b + delta) for a, b in pieces.couples)
     return pieces._replace(partitions=parts, transfers=transfers, reductions=reductions, weight_reads=reads,
-                           weights_read=tuple(map(at, pieces.weights_read)), collective_reads=tuple(col_reads),
+                           weights_read=tuple(map(at, pieces.weights_read)), collective_reads=col_reads,
                            couples=couples, **per_device)
+
+
+def _rows(flat: list, like: tuple[tuple, ...]) -> tuple[tuple, ...]:
+    """``flat`` cut into tuples as long as ``like``'s rows, in order (one zip where they are alike)."""
+    size = len(like[0]) if like else 0
+    if size and all(len(row) == size for row in like):
+        return tuple(zip(*[iter(flat)] * size))
+    out, at = [], 0
+    for row in like:
+        out.append(tuple(flat[at:at + len(row)]))
+        at += len(row)
+    return tuple(out)
 
 
 def relative_key(config: ParallelConfig, producers: Sequence[ParallelConfig], keep: frozenset[int] | None

@@ -47,6 +47,9 @@ __all__ = ["Step", "CollectiveCall", "chunk_of", "collective_calls", "collective
            "device_passes", "interleaved_passes", "passes", "stages", "warmup", "warmups"]
 
 
+_new = tuple.__new__
+
+
 class Step(NamedTuple):
     backward: bool
     op: str
@@ -78,8 +81,8 @@ def collective_steps(lowered: Lowered) -> list[tuple[dict[int, Step], dict[int, 
         first, j = readers[c][0].dst_op, c.microbatch
         lo, hi = _spans(lowered, first, j, spans), _spans(lowered, c.op, j, spans)
         on = [d for d in c.devices if d in lo]  # a member fold's: the kept members (strategies.lowering_members)
-        fwd = {d: Step(False, first, lo[d][0], j) for d in on}
-        bwd = {d: Step(True, c.op, hi[d][1], j) for d in on} if c.grad else {}
+        fwd = {d: _new(Step, (False, first, lo[d][0], j)) for d in on}  # Steps made as the tuples they are
+        bwd = {d: _new(Step, (True, c.op, hi[d][1], j)) for d in on} if c.grad else {}
         out.append((fwd, bwd))
     return out
 
