@@ -16,6 +16,10 @@ A member calls collective c at the start of its first reader op's forward step
   recomputed, or where a linear reader that does not recompute runs its backward first (the
   last in graph order) (``regather``), the result living until the backward step of the first
   reader op in graph order (the last of them to run backward);
+- is *called again* likewise where its producer drops its output (``drops_output``) and every
+  reader op recomputes: the recomputation reruns the producer, the collective and the readers,
+  as checkpointing the block does (Megatron-LM's full recompute, ``CheckpointFunction``;
+  Korthikanti et al. 2022 §4.1: the row-parallel linears' reductions of partial sums run again);
 - else is *kept* for the backward where some reader op reads it back (``strategies.pieces.reads_back``:
   autograd saves it) or recomputes (its recomputation reads it again): then it lives until the
   backward step of the first reader op in graph order;
@@ -41,7 +45,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from strategies.lowered import BucketKey, Collective, Lowered
-from strategies.pieces import drop_positions, reads_back
+from strategies.pieces import drop_positions, drops_output, reads_back
 from strategies.precision import reduce_scale
 from strategies.schedule import Step
 from strategies.zero import zero_buckets
@@ -120,8 +124,9 @@ def buffer_lives(lowered: Lowered, microbatch: int | None = None) -> tuple[Buffe
                 back[u, c.op] = strategy[u].recompute or reads_back(graph, strategy, u, c.op)
         regather = None
         plain = [u for u in ops if not strategy[u].recompute]  # readers that must be linears of a sequence gather
-        if c.kind == "all_gather" and all(graph[u].kind in REGATHERED for u in plain) and (
-                not plain or sequence_gather(graph, c)):
+        # called again: a gather re-read by recomputations or linears; a dropped output's, read by recomputations only
+        if (c.kind == "all_gather" and all(graph[u].kind in REGATHERED for u in plain) and (
+                not plain or sequence_gather(graph, c))) or (not plain and drops_output(graph, strategy, c.op)):
             if again is None:
                 again = _recomputed_at(lowered, position)
             at = [again.get(u, position[u]) for u in ops]
