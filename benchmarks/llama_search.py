@@ -42,7 +42,7 @@ import sys
 import time
 import types
 
-from simulator import taskcache
+from simulator import heap, taskcache
 from simulator.cost import get_cost_model
 from simulator.presets import get_topology
 from soapsearch import trace, zoo
@@ -51,7 +51,7 @@ from soapsearch.search import api
 from soapsearch.search.api import Evaluator
 from soapsearch.search.globalmove import Factorization, GlobalMoves
 from soapsearch.search.stagemove import restage
-from strategies import PlanError, baseline
+from strategies import PlanError, baseline, zero, zero_alike
 from strategies.baselines import hybrid, megatron_lm, recomputed, sharded
 from strategies.lowering_bytes import LOWERING_BYTES
 
@@ -118,7 +118,8 @@ def _cache_table(graph, evaluate: Evaluator) -> None:
     cost = evaluate.cost
     rows = [("lowering cache", evaluate.lowering_cache),
             ("cost model memos", (cost._by_box, cost._by_partition, cost._by_shape, cost._nodes, cost._ops)),
-            ("`_seen` results", evaluate._seen), ("TaskCache", evaluate._tasks)]
+            ("`_seen` results", evaluate._seen), ("TaskCache", evaluate._tasks),
+            ("`zero._KEPT`", zero._KEPT), ("`zero_alike._KEPT`", zero_alike._KEPT)]
     print("| cache | reachable MiB |")
     print("| --- | ---: |")
     for name, obj in rows:
@@ -205,7 +206,7 @@ def main() -> None:
     if searched:
         _cache_table(graph, searched[0])
     print(f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB (this process; "
-          "workers' apart)")
+          f"workers' apart); {heap.TRIMS.calls} heap trims in {heap.TRIMS.cpu_s:.2f} CPU s")
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from simulator.cost import CostModel, get_cost_model
 from simulator.engine import event_times
 from simulator.fold import FoldError, Folded, link_maps, task_copies
 from simulator.fold_members import fold_members
+from simulator.heap import trimmed
 from simulator.memory import memory_breakdown, peak_memory
 from simulator.presets import get_topology
 from simulator.result import SimResult, summarize
@@ -56,7 +57,19 @@ def simulate_plan(graph: OpGraph, strategy: Strategy | Lowered, topology: Topolo
     one copy for all (``simulator.fold``: the same result) unless ``timeline`` asks for every
     device's tasks; False: per device; None: True for plans of ``FOLD_FROM`` devices or more.
     ``lowering_cache``: the cache ``strategies.lowering.lower`` patches from call to call (a
-    search's), for every copy set's lowering of ``strategy``."""
+    search's), for every copy set's lowering of ``strategy``. Without ``cache`` nothing of the
+    task graph outlives the call: a large one's freed memory goes back to the OS
+    (``simulator.heap.trimmed``; with a cache its owner trims after bounding it)."""
+    result = _simulate_plan(graph, strategy, topology, cost_model, optimizer, timeline, summary, cache, fold,
+                            lowering_cache)
+    if cache is None:
+        trimmed(result.num_tasks)
+    return result
+
+
+def _simulate_plan(graph, strategy, topology, cost_model, optimizer, timeline, summary, cache, fold,
+                   lowering_cache) -> SimResult:
+    """``simulate_plan`` but the trim."""
     topo = get_topology(topology) if isinstance(topology, str) else topology
     cost = get_cost_model(cost_model) if isinstance(cost_model, str) else cost_model
     with paused_gc():  # tens of thousands of small tuples: the cyclic collector only adds pauses

@@ -8,6 +8,7 @@ import dataclasses
 import time
 
 from simulator.cost import CostModel
+from simulator.heap import trimmed
 from simulator.result import SimResult
 from simulator.simulate import simulate_plan
 from simulator.tasks import TaskCache
@@ -110,6 +111,7 @@ class Evaluator:
             self.pace.record("summary", time.perf_counter() - made[0])
         self.lowering_cache.trim()  # a lowering past the bound is not held while the next is made
         self._tasks.trim()
+        trimmed(result.num_tasks)  # a large simulation's freed pages back to the OS (simulator.heap)
         self._leads(result)
         if self.best != before:  # it leads: the one result kept with its summary
             self._lead(plan)
