@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import soapsearch.executor.runtime as runtime
+import soapsearch.executor.reads as reads
 from simulator.cost import get_cost_model
 from simulator.presets import get_topology
 from simulator.taskgraph import TaskKind
@@ -37,7 +37,7 @@ def _count(rank: int, world: int, port: int, out: str) -> None:
     with gloo_group(rank, world, port):
         built = build_model("gpt", "tiny", dtype="float64")
         got = {}
-        real = runtime.run_collective
+        real = reads.run_collective
         for name in PLANS:
             ex = Executor(built.graph, make_plan(built.graph, name, world), built.state, built.inputs,
                           TrainConfig("sgd", lr=0.01, timeout_s=60))
@@ -46,11 +46,11 @@ def _count(rank: int, world: int, port: int, out: str) -> None:
             def counted(kind, t, *args, log=log):
                 log.append((kind, tuple(t.shape)))
                 return real(kind, t, *args)
-            runtime.run_collective = counted
+            reads.run_collective = counted
             try:
                 ex.step()
             finally:
-                runtime.run_collective = real
+                reads.run_collective = real
             got[name] = log
         torch.save(got, Path(out) / f"{rank}.pt")
 

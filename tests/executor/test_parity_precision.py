@@ -113,8 +113,8 @@ def wire_cases(rank: int, world: int, port: int, cases: list[tuple], out_dir: st
     every point-to-point piece sent (forward and backward), every collective's input and every
     gradient bucket's all-reduce, beside what the lowering (the simulator's input) says moves;
     rank 0 saves every rank's record."""
-    import soapsearch.executor.runtime as runtime
-    all_reduce, run_collective = dist.all_reduce, runtime.run_collective
+    import soapsearch.executor.reads as reads
+    all_reduce, run_collective = dist.all_reduce, reads.run_collective
     with gloo_group(rank, world, port):
         try:
             for i, (model_name, plan, precision) in enumerate(cases):
@@ -145,11 +145,11 @@ def wire_cases(rank: int, world: int, port: int, cases: list[tuple], out_dir: st
                     return run_collective(kind, t, group, dim)
 
                 ex.p2p.send, ex.weights.start_bucket = record_send, record_start
-                dist.all_reduce, runtime.run_collective = record_all_reduce, record_collective
+                dist.all_reduce, reads.run_collective = record_all_reduce, record_collective
                 try:
                     ex.step(seed=0)
                 finally:
-                    dist.all_reduce, runtime.run_collective = all_reduce, run_collective
+                    dist.all_reduce, reads.run_collective = all_reduce, run_collective
                 low = ex.lowered
                 remote = [t for t in low.transfers if not t.local]
                 calls = [c for c in low.collectives if rank in c.devices]
