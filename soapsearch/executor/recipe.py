@@ -18,7 +18,7 @@ rank and micro-batch, and a rank's backward steps run in reverse topological ord
 root's step always comes first. A partition with a collective in its backward (a reduction
 group of more than one device) is linked only when running that collective inside the root's
 call leaves this rank's sequence of sends, receives and collectives as ``device_order`` gives
-it (``_Lowering.quiet``), which is what keeps the ranks from waiting on each other. Data
+it (``RankLowering.quiet``), which is what keeps the ranks from waiting on each other. Data
 parallel thus runs one backward call per rank.
 """
 
@@ -28,15 +28,13 @@ from typing import Callable, NamedTuple, Sequence
 
 import torch
 
+from soapsearch.executor.rank_lowering import RankLowering
 from strategies.graph import OpNode
-from strategies.lowering import (WEIGHT_KINDS, BucketKey, Gate, Lowered, Partition, Transfer, bucket_sums,
-                                 loss_on_every_device)
+from strategies.lowering import WEIGHT_KINDS, BucketKey, Gate, Lowered, Partition, loss_on_every_device
 from strategies.pieces import drop_points
 from strategies.rules import get_rule
-from strategies.rules.cross_entropy import CLASS_SUMS
 from strategies.region import Box, box_shape, index_in, slice_box
-from strategies.zero import gather_uses
-from strategies.schedule import Step, collective_calls, device_order
+from strategies.schedule import Step, device_order
 
 __all__ = ["Piece", "Slot", "Send", "LossSum", "Recipe", "Receive", "recipes", "receives_ahead", "SKIP",
            "LINKED", "ROOT"]
@@ -92,8 +90,8 @@ class Send(NamedTuple):
 
 
 class LossSum(NamedTuple):
-    """How a partition of the loss op that is the graph's output is scaled (the runtime's
-    module docstring): it outputs s_p / ``count`` (the static C_j of its micro-batch,
+    """How a partition of the loss op that is the graph's output is scaled
+    (``step_loss.StepLoss``): it outputs s_p / ``count`` (the static C_j of its micro-batch,
     ``Loss.static_count``) or s_p (``count`` None: C = Σ c_p, known once its group's sum is);
     ``gates`` says what waits for that sum (``strategies.lowering.gates``: ``Gate.STEP`` or
     ``Gate.BACKWARD``; None: the partition is alone, its own c_p is C)."""
@@ -130,7 +128,7 @@ class Recipe(NamedTuple):
     """SKIP (no gradient), LINKED (its root's call covers it) or ROOT (one autograd call)."""
     seed: float | None
     """The output gradient of a partition of the graph's output, 1/m (m micro-batches), before
-    a loss's dynamic divisor (see the runtime's module docstring)."""
+    a loss's dynamic divisor (see ``step_loss.StepLoss``)."""
     loss_sum: LossSum | None
     """Set on the partitions of a loss op that is the graph's output."""
     grad_pieces: tuple[Piece, ...]
@@ -161,113 +159,12 @@ class Recipe(NamedTuple):
     backward step: dropped outputs where ``drop_points`` says, the others at their own."""
 
 
-class _Lowering:
-    """This rank's view of the lowering, indexed for building recipes."""
-
-    def __init__(self, low: Lowered, order: Sequence[Step], rank: int, order_all: dict[int, list[Step]]):
-        self.low, self.graph = low, low.graph
-        self.grad = low.graph.needs_grad
-        self.order = list(order)
-        self.position = {(s.op, s.index, s.microbatch): i for i, s in enumerate(order) if s.backward}
-        self.keys = [(s.op, s.index, s.microbatch) for s in order if not s.backward]
-        self.ids = {k: i for i, k in enumerate(self.keys)}
-        self.parts = {k: low.partitions[k[0]][k[2]][k[1]] for k in self.keys}
-        self.into: dict[tuple, list[tuple[int, Transfer]]] = {}
-        self.out_of: dict[tuple, list[tuple[int, Transfer]]] = {}
-        for i, t in enumerate(low.transfers):
-            if t.dst_device == rank:
-                self.into.setdefault((t.dst_op, t.dst_index, t.microbatch), []).append((i, t))
-            if t.src_device == rank:
-                self.out_of.setdefault((t.src_op, t.src_index, t.microbatch), []).append((i, t))
-        self.grouped = {(r.op, k, r.microbatch): tuple(sorted(r.devices)) for r in low.reductions
-                        if len(set(r.devices)) > 1 and r.name not in CLASS_SUMS for k in r.partitions}
-        self.classes = {(r.op, k, r.microbatch): tuple(sorted(r.devices)) for r in low.reductions
-                        if r.name == CLASS_SUMS[0] for k in r.partitions}
-        self.gates = {(r.op, k, r.microbatch): r.gates for r in low.reductions for k in r.partitions}
-        self.rides = {(r.op, k, r.microbatch): key for r, key in bucket_sums(low).items()
-                      for k in r.partitions}
-        index = {c: i for i, c in enumerate(low.collectives)}
-        self.shared = {(r.dst_op, r.dst_index, r.collective.microbatch, r.slot): index[r.collective]
-                       for p in low.pieces.values() for r in p.collective_reads if r.device == rank}
-        """(op, partition, micro-batch, input) of this rank -> the collective it reads it from."""
-        self.reading = {k[:3] for k in self.shared}
-        """Partitions of this rank reading a collective: never linked, so their inputs' gradients
-        appear at their own backward step (``strategies.collective_buffers``)."""
-        self.holding: dict[tuple, list[int]] = {}
-        """(op, partition, micro-batch) of this rank -> the collectives it holds a piece of."""
-        for i, c in enumerate(low.collectives):
-            if rank in c.devices:
-                q = c.holders[c.devices.index(rank)]
-                self.holding.setdefault((c.op, q, c.microbatch), []).append(i)
-        self.gathering = {(u.op, k, j) for u in gather_uses(low) for d, k in zip(u.shard.devices, u.partitions)
-                          if d == rank for j in range(low.strategy.microbatches)}
-        """Partitions reading level-3 weights (FSDP): never linked, so their backward runs at their own
-        step, between the gather and the reduce-scatter (``gathered.GatheredWeights``)."""
-        self.calls: dict[Step, list[int]] = {}
-        """Step of this rank -> the collectives (forward or dual) it calls at its start."""
-        for call in collective_calls(low, order_all).get(rank, ()):
-            self.calls.setdefault(call.step, []).append(call.collective)
-
-    def carries(self, t: Transfer) -> bool:
-        return self.graph.moves_grad(t.src_op, t.dst_op)
-
-    def has_backward(self, k: tuple) -> bool:
-        return self.grad[k[0]] and self.graph[k[0]].kind not in (*WEIGHT_KINDS, "input")
-
-    def whole_slot(self, t: Transfer) -> bool:
-        """``t`` alone fills its consumer's input slot."""
-        dst = (t.dst_op, t.dst_index, t.microbatch)
-        pieces = [u for _, u in self.into[dst] if u.slot == t.slot]
-        return len(pieces) == 1 and t.region == self.parts[dst].input_regions[t.slot]
-
-    def talks(self, k: tuple) -> bool:
-        """The backward step of ``k`` receives or sends a gradient piece."""
-        return self.has_backward(k) and any(
-            not t.local and self.carries(t) for _, t in [*self.out_of.get(k, ()), *self.into.get(k, ())])
-
-    def quiet(self, r: tuple, k: tuple, root: dict[tuple, tuple]) -> bool:
-        """Moving grouped ``k``'s backward collective into root ``r``'s backward call keeps this
-        rank's sequence of communications: ``r`` sends nothing after its call, and every step
-        between theirs is a backward step that neither sends nor receives, whose own collective
-        (if any) moves into that call too, in the same order (autograd runs a graph's nodes in
-        reverse order of creation: the forward order)."""
-        if any(not t.local and self.carries(t) for _, t in self.into.get(r, ())):
-            return False
-        for s in self.order[self.position[r] + 1:self.position[k] + 1]:
-            between = (s.op, s.index, s.microbatch)
-            if s in self.calls:  # a collective's dual called there would come after the moved one
-                return False
-            if s == self.order[self.position[k]]:
-                continue
-            if not s.backward or self.talks(between) or (between in self.grouped and root[between] != r):
-                return False
-        return True
-
-    def linked(self) -> set[tuple]:
-        """The linked partitions (module docstring), deciding consumers before producers."""
-        root: dict[tuple, tuple] = {}
-        redo = self.low.strategy.__getitem__
-        for k in reversed(self.keys):
-            gout = [t for _, t in self.out_of.get(k, ()) if self.carries(t)]
-            leads = {root[(t.dst_op, t.dst_index, t.microbatch)] for t in gout if t.local}
-            root[k] = k
-            if redo(k[0]).recompute or any(redo(t.dst_op).recompute for t in gout):
-                continue  # a recomputed partition has its own autograd graph, read through leaves
-            if (self.has_backward(k) and k[0] not in self.graph.outputs and gout and k not in self.holding
-                    and k not in self.gathering and k not in self.reading
-                    and all(t.local and self.whole_slot(t) for t in gout) and len(leads) == 1):
-                lead = leads.pop()
-                if k not in self.grouped or self.quiet(lead, k, root):
-                    root[k] = lead
-        return {k for k, r in root.items() if r != k}
-
-
 def recipes(low: Lowered, order: Sequence[Step], rank: int,
             weight_index: Callable[[str, Box], Index], order_all: dict[int, list[Step]] | None = None) -> list[Recipe]:
     """The recipe of every partition in ``order`` (this rank's steps), in forward order;
     ``weight_index(name, region)`` is the view of a local weight that ``region`` is;
     ``order_all``: every device's ``device_order`` (computed when not given)."""
-    lw = _Lowering(low, order, rank, device_order(low) if order_all is None else order_all)
+    lw = RankLowering(low, order, rank, device_order(low) if order_all is None else order_all)
     graph, m, every_rank = low.graph, low.strategy.microbatches, loss_on_every_device(low)
     linked = lw.linked()
     out = []
@@ -296,7 +193,7 @@ def recipes(low: Lowered, order: Sequence[Step], rank: int,
     return _recomputes(lw, out, rank)
 
 
-def _recomputes(lw: _Lowering, out: list[Recipe], rank: int) -> list[Recipe]:
+def _recomputes(lw: RankLowering, out: list[Recipe], rank: int) -> list[Recipe]:
     """``out`` with the recompute fields set (``Recipe.recompute``, ``keeps``, ``frees``,
     ``regraphs``): where this rank drops and recomputes, as ``strategies.pieces.drop_points``
     says (``simulator.memory`` walks the same points)."""
@@ -330,7 +227,7 @@ def _recomputes(lw: _Lowering, out: list[Recipe], rank: int) -> list[Recipe]:
     return done
 
 
-def _grad_collectives(lw: _Lowering, p: Partition) -> tuple[tuple[int, Index], ...]:
+def _grad_collectives(lw: RankLowering, p: Partition) -> tuple[tuple[int, Index], ...]:
     """The duals whose result is part of holder ``p``'s output gradient, with where it goes:
     an all-gather's dual leaves member i its chunk, the others the whole region."""
     out = []
@@ -342,7 +239,7 @@ def _grad_collectives(lw: _Lowering, p: Partition) -> tuple[tuple[int, Index], .
     return tuple(out)
 
 
-def _loss_sum(lw: _Lowering, k: tuple) -> LossSum | None:
+def _loss_sum(lw: RankLowering, k: tuple) -> LossSum | None:
     """The LossSum of partition ``k`` when its op is a loss and the graph's output, else None."""
     node = lw.graph[k[0]]
     if node.kind != "loss" or node.name not in lw.graph.outputs:
@@ -355,7 +252,7 @@ def _where(p: Partition) -> str:
     return f"op {p.op!r} partition {p.index} (micro-batch {p.microbatch})"
 
 
-def _slots(lw: _Lowering, p: Partition, linked: set[tuple],
+def _slots(lw: RankLowering, p: Partition, linked: set[tuple],
            weight_index: Callable[[str, Box], Index]) -> tuple[Slot | None, ...]:
     """How ``p`` reads each of its inputs."""
     node = lw.graph[p.op]
@@ -392,7 +289,7 @@ def _slots(lw: _Lowering, p: Partition, linked: set[tuple],
     return tuple(slots)
 
 
-def _grad_pieces(lw: _Lowering, p: Partition) -> tuple[Piece, ...]:
+def _grad_pieces(lw: RankLowering, p: Partition) -> tuple[Piece, ...]:
     """Where a root's output gradient comes from: each consumer's leaf on this rank, or a
     piece received from its rank."""
     out = []
