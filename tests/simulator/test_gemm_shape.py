@@ -59,12 +59,13 @@ def test_a_linears_forward_and_backward_rates_by_hand():
     # dW = dCᵀ·X: 25600 × 9600 over 2048; 128×128 200·75 = 15000 tiles in 139 waves (15012)
     d_w = R_INF * 15000 / 15012 * 2048 / (2048 + A100_GEMM_HALF)
     got = gemm_efficiency(node, full_box(node.shape), A100)
-    assert got == pytest.approx((fwd, 2 / (1 / d_a + 1 / d_w)), rel=1e-12)
+    assert got == pytest.approx((fwd, d_a, d_w), rel=1e-12)
     model = AnalyticalCostModel()
     f, b = model.op_time(node, full_box(node.shape), A100)
     launch = model.launch(A100)
     assert f == pytest.approx(node.flops / (312e12 * fwd) + launch, rel=1e-12)
-    assert b == pytest.approx(2 * node.flops / (312e12 * got[1]) + 2 * launch, rel=1e-12)
+    # dA and dW, each the forward's FLOPs at its own rate
+    assert b == pytest.approx(node.flops / (312e12 * d_a) + node.flops / (312e12 * d_w) + 2 * launch, rel=1e-12)
 
 
 def test_backward_shapes_and_shape_efficiency_formula():
@@ -85,7 +86,7 @@ def test_matmul_batches_its_tiles():
                    Dim("inner", 512, "reduction")),
                   input_specs=(TensorSpec((8, 128, 512), "bfloat16"), TensorSpec((8, 512, 128), "bfloat16")),
                   flops=2 * 8 * 128 * 128 * 512)
-    fwd, _ = gemm_efficiency(node, full_box(node.shape), A100)
+    fwd, _, _ = gemm_efficiency(node, full_box(node.shape), A100)
     assert fwd == pytest.approx(R_INF * 8 / 108 * 512 / (512 + A100_GEMM_HALF), rel=1e-12)
 
 
@@ -93,10 +94,10 @@ def test_devices_without_sms_keep_hockneys_smallest_dimension():
     node = linear(2048, 25600, 9600)
     no_tiles = dataclasses.replace(A100, sms=0)
     e = R_INF * 2048 / (2048 + A100_GEMM_HALF)
-    assert gemm_efficiency(node, full_box(node.shape), no_tiles) == pytest.approx((e, e), rel=1e-12)
+    assert gemm_efficiency(node, full_box(node.shape), no_tiles) == pytest.approx((e, e, e), rel=1e-12)
     cpu = DeviceSpec("cpu-half", 64 << 30, {"float32": 1e12}, 500e9, gemm_half=24.0)
     small = linear(8, 1024, 1024)
-    assert gemm_efficiency(small, full_box(small.shape), cpu) == (8 / 32, 8 / 32)
+    assert gemm_efficiency(small, full_box(small.shape), cpu) == (8 / 32, 8 / 32, 8 / 32)
     assert gemm_efficiency(small, full_box(small.shape), get_topology("local-cpu-2").devices[0]) is None
 
 

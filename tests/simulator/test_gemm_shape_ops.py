@@ -59,3 +59,37 @@ def test_a_recurrent_steps_product_by_hand(kind, cls, gates):
 def test_an_lstm_with_a_projection_carries_h_of_proj_size():
     node = _op(nn.LSTM(32, 64, proj_size=16), torch.randn(10, 8, 32), "lstm")
     assert get_rule("lstm").gemm_shape(node, full_box(node.shape)) == (1, 8, 256, 32 + 16)
+
+
+def _linear(rows: int, fin: int, fout: int, trainable: bool):
+    from strategies.graph import Dim, OpNode, TensorSpec, Weight
+    return OpNode("fc", "linear", ("x",), TensorSpec((rows, fout), "bfloat16"),
+                  (Dim("sample", rows, "sample"), Dim("out_features", fout, "parameter"),
+                   Dim("in_features", fin, "reduction")),
+                  weights=(Weight("weight", "fc.weight", TensorSpec((fout, fin), "bfloat16"), trainable),),
+                  input_specs=(TensorSpec((rows, fin), "bfloat16"),), flops=2 * rows * fin * fout)
+
+
+def test_backward_is_the_sum_over_the_gradients_computed_each_at_its_rate():
+    """A frozen linear computes dX only (F at dA's rate); a trained one dX and dW; a matmul of two
+    activations both operands' gradients (2F: dA at dA's rate, dB at dB's)."""
+    from simulator.cost import AnalyticalCostModel
+    from simulator.gemm_shape import backward_shapes
+    model, peak = AnalyticalCostModel(), 312e12
+    launch = model.launch(A100)
+    for trainable in (False, True):
+        node = _linear(8, 4096, 4096, trainable)
+        d_a, d_w = (shape_efficiency(*s, A100) for s in backward_shapes(1, 8, 4096, 4096))
+        _, back = model.op_time(node, full_box(node.shape), A100)
+        want = node.flops / (peak * d_a) + (node.flops / (peak * d_w) + launch if trainable else 0)
+        assert back == pytest.approx(want + launch, rel=1e-12)
+    a, b = torch.randn(4, 256, 512, requires_grad=True), torch.randn(4, 512, 1024, requires_grad=True)
+
+    class MatMul(nn.Module):
+        def forward(self, x, y):
+            return torch.matmul(x, y)
+    mm = next(n for n in trace(MatMul(), (a, b)) if n.kind == "matmul")
+    d_a, d_b = (shape_efficiency(*s, A100) for s in backward_shapes(4, 256, 1024, 512))
+    _, back = model.op_time(mm, full_box(mm.shape), A100)
+    peak = A100.flops_for(mm.output.dtype)  # traced in float32
+    assert back == pytest.approx(mm.flops / (peak * d_a) + mm.flops / (peak * d_b) + 2 * launch, rel=1e-12)
