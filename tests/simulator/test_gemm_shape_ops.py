@@ -93,3 +93,26 @@ def test_backward_is_the_sum_over_the_gradients_computed_each_at_its_rate():
     _, back = model.op_time(mm, full_box(mm.shape), A100)
     peak = A100.flops_for(mm.output.dtype)  # traced in float32
     assert back == pytest.approx(mm.flops / (peak * d_a) + mm.flops / (peak * d_b) + 2 * launch, rel=1e-12)
+
+
+def _matmul(a: torch.Tensor, b: torch.Tensor):
+    class MatMul(nn.Module):
+        def forward(self, x, y):
+            return torch.matmul(x, y)
+    return next(n for n in trace(MatMul(), (a, b)) if n.kind == "matmul")
+
+
+def test_a_matmul_with_a_2d_operand_is_one_folded_product():
+    """x[16, 128, 4096] @ W[4096, 4096]: torch.matmul runs one [2048, 4096] × [4096, 4096] GEMM,
+    so dB is 4096 × 4096 over 2048 rows, not 16 products over 128."""
+    node = _matmul(torch.empty(16, 128, 4096, device="meta"), torch.empty(4096, 4096, device="meta"))
+    box = full_box(node.shape)
+    assert get_rule("matmul").gemm_shape(node, box) == (1, 2048, 4096, 4096)
+    assert get_rule("matmul").gemm_shape(node, ((0, 4),) + box[1:]) == (1, 512, 4096, 4096)
+    assert gemm_efficiency(node, box, A100)[2] == pytest.approx(shape_efficiency(1, 4096, 4096, 2048, A100), rel=1e-12)
+    size_one = _matmul(torch.empty(16, 128, 64, device="meta"), torch.empty(1, 64, 256, device="meta"))
+    assert get_rule("matmul").gemm_shape(size_one, full_box(size_one.shape)) == (1, 2048, 256, 64)
+    left = _matmul(torch.empty(128, 64, device="meta"), torch.empty(16, 64, 256, device="meta"))
+    assert get_rule("matmul").gemm_shape(left, full_box(left.shape)) == (1, 128, 16 * 256, 64)
+    both = _matmul(torch.empty(16, 128, 64, device="meta"), torch.empty(16, 64, 256, device="meta"))
+    assert get_rule("matmul").gemm_shape(both, full_box(both.shape)) == (16, 128, 256, 64)
