@@ -262,10 +262,6 @@ def throughput_error(run: Run, result: SimResult) -> float:
     return published_seconds(run) / result.iteration_time - 1
 
 
-A100_SMS = 108
-"""Streaming multiprocessors of an A100 (NVIDIA A100 Tensor Core GPU Architecture whitepaper)."""
-
-
 def layer_products(run: Run) -> list[tuple[int, int, int]]:
     """(rows, out, in) of each linear of one transformer layer on one GPU: q/k/v, projection, MLP
     up (a SwiGLU's two) and down at the row's TP, micro-batch · sequence rows."""
@@ -282,10 +278,11 @@ def block_wave_efficiency(run: Run) -> float:
     (``layer_products``), each forward (rows × out) and both backward products (rows × in,
     out × in). The quantization ``simulator.gemm_shape`` charges, without its rate over K."""
     flops = weighted = 0.0
+    sms = get_topology(run.topology).devices[0].sms
     for rows, out, inner in layer_products(run):
         for m, n in ((rows, out), (rows, inner), (out, inner)):
             flops += rows * out * inner
-            weighted += rows * out * inner / tile_wave_efficiency(m, n, A100_SMS)
+            weighted += rows * out * inner / tile_wave_efficiency(m, n, sms)
     return flops / weighted
 
 

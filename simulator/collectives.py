@@ -76,7 +76,7 @@ def add_collectives(tg: TaskGraph, lowered: Lowered, topology: Topology, blocks:
             if not (keep.issuperset(fwd_steps) and keep.issuperset(bwd_steps)):
                 fwd_steps = {d: s for d, s in fwd_steps.items() if d in keep}
                 bwd_steps = {d: s for d, s in bwd_steps.items() if d in keep}
-            reads = [r for r in reads if r[4] in keep]  # CollectiveRead: (collective, dst_op, dst_index, slot, device)
+            reads = [r for r in reads if r.device in keep]
         again = None if life.regather is None else regather_steps(lowered, life)
         beside = again is not None and not any(lowered.strategy[r.dst_op].recompute for r in readers[c])
         hidden = hidden_by_readers(lowered, readers[c], topology, cost) if overlap and (c.grad or beside) else 0.0

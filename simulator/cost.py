@@ -87,6 +87,8 @@ VIEW_KINDS = frozenset({"reshape", "flatten", "slice"})
 ``permute`` is a view too, but its consumer then reads strided memory or copies it, so it is
 costed as a copy (read + write), like ``concat``."""
 _GATHER_KINDS = frozenset({"embedding"})
+_TWO_OPERAND_KINDS = frozenset({"matmul"})
+"""Products of two activations: backward computes both operands' gradients (torch.matmul)."""
 
 
 def is_cpu(device: DeviceSpec) -> bool:
@@ -233,6 +235,8 @@ class AnalyticalCostModel(CostModel):
     smallest dimension is m (``OpRule.gemm_size``) takes e_c = r∞·m / (m + n½) instead
     (``gemm_efficiency``; Hockney & Jesshope 1988), on a GPU with SMs the rate of its products'
     shapes each way (``simulator.gemm_shape``: tiles, waves, n½ over the reduction length);
+    backward is the sum over the gradients it computes, each at its rate: dA only without a
+    trainable weight, dA and dB for a trained weight or a product of two activations (matmul);
     attention and the ops without products keep
     the constant e_c (memory-bound ones are the bandwidth's either way).
 
@@ -298,7 +302,8 @@ class AnalyticalCostModel(CostModel):
         dtype = node.output.dtype
         eff = gemm_efficiency(node, box, device)
         weighted = has_trainable_params(node)
-        kernels, bwd_bytes, extra = (1, 2 if weighted else 1), 2 * nbytes, (0, 0)
+        grads = 2 if weighted or node.kind in _TWO_OPERAND_KINDS else 1  # dA, and dB (a weight's, or the other operand's)
+        kernels, bwd_bytes, extra = (1, grads), 2 * nbytes, (0, 0)
         if node.kind == "attention" and self.attention == "flash" and (
                 timed := self._flash(node, box, regions, flops, nbytes, dtype, device)) is not None:
             return timed
@@ -310,13 +315,14 @@ class AnalyticalCostModel(CostModel):
                 extra = tuple(e + p * count * DTYPE_BYTES[dtype] + count * DROPOUT_MASK_BYTES
                               for e, p in zip(extra, DROPOUT_PASSES))
                 kernels = tuple(k + 1 for k in kernels)
-        eff_f, eff_b = eff if eff is not None else (None, None)
+        # each gradient computed at its own rate: 2F at their harmonic mean, or F at dA's
+        eff_f, eff_b = (None, None) if eff is None else (eff[0], 2 / (1 / eff[1] + 1 / eff[2]) if grads == 2 else eff[1])
         fwd = self.roofline(flops, nbytes + extra[0], dtype, device, kernels=kernels[0], efficiency=eff_f)
         if node.kind in _GATHER_KINDS:  # the dense gradient of the table is zeroed and written
             bwd_bytes += sum(box_numel(r) * DTYPE_BYTES[w.spec.dtype]
                              for w in node.weights if (r := weight_regions.get(w.role)) is not None)
         # attention's backward is 4 products to its forward's 2 (dQ, dK, dV, dP; Dao et al. 2022, Alg. 3)
-        bwd = self.roofline(2 * flops if weighted or node.kind == "attention" else flops, bwd_bytes + extra[1],
+        bwd = self.roofline(2 * flops if grads == 2 or node.kind == "attention" else flops, bwd_bytes + extra[1],
                             dtype, device,
                             kernels=kernels[1], efficiency=eff_b)
         return fwd, bwd
@@ -342,26 +348,26 @@ class AnalyticalCostModel(CostModel):
                 self.roofline(FLASH_BACKWARD * work, 2 * nbytes, dtype, device, efficiency=eff))
 
 
-def gemm_efficiency(node: OpNode, box: Box, device: DeviceSpec) -> tuple[float, float] | None:
-    """(forward, backward) fraction of the peak the partition's library matrix products reach on
+def gemm_efficiency(node: OpNode, box: Box, device: DeviceSpec) -> tuple[float, float, float] | None:
+    """(forward, dA, dB) fraction of the peak the partition's library matrix products reach on
     ``device``, or None: the op runs no library GEMM (no product, an ``attention`` kernel, whose
     tiles span queries × keys over the head dim: Dao et al. 2022), or the device models none
     (n½ = 0): the cost model's constant compute efficiency applies.
 
     On a GPU with SMs (``DeviceSpec.sms``) and a product whose shape the rule gives
     (``OpRule.gemm_shape``): ``simulator.gemm_shape.shape_efficiency`` of the forward product,
-    and of the two backward products (dA, dB: equal FLOPs, so their harmonic mean). Else
+    and of the two backward products (dA = dC·Bᵀ, dB = Aᵀ·dC, each the forward's FLOPs). Else
     Hockney's r∞·m/(m + n½) (Hockney & Jesshope 1988; r∞ ``gemm_rate``, n½ ``gemm_half``, m
-    ``OpRule.gemm_size``) both ways."""
+    ``OpRule.gemm_size``) all three."""
     if not device.gemm_half or node.kind == "attention":
         return None
     rule = get_rule(node.kind)
     shape = rule.gemm_shape(node, box) if device.sms else None
     if shape is not None and min(shape) > 0:
         d_a, d_b = (shape_efficiency(*s, device) for s in backward_shapes(*shape))
-        return shape_efficiency(*shape, device), 2 / (1 / d_a + 1 / d_b)
+        return shape_efficiency(*shape, device), d_a, d_b
     m = rule.gemm_size(node, box)
-    return (e := device.gemm_rate * m / (m + device.gemm_half), e) if m else None
+    return (e := device.gemm_rate * m / (m + device.gemm_half), e, e) if m else None
 
 
 def _span(interval: tuple[int, int]) -> int:

@@ -57,14 +57,15 @@ class DeviceSpec:
     gemm_half: float = 0.0
     """Hockney's half-performance length n½ of the device's matrix products (Hockney & Jesshope
     1988): a product whose smallest dimension is m runs at peak · m / (m + n½), so half the peak
-    at m = n½ (a few rows of a batch split across devices and micro-batches run far below the
+    at m = n½; with ``sms``, over the reduction length K (``simulator.gemm_shape``) (a few rows of a batch split across devices and micro-batches run far below the
     rate of a large product). 0: not modelled, the cost model's constant compute
     efficiency applies. ``soapsearch calibrate`` fits it (r∞ 1: the peak is then a measured
     product's rate); the GPU presets carry one fitted on published runs (``simulator.presets``)."""
     gemm_rate: float = 1.0
     """Hockney's r∞ as a fraction of the dtype peak: the rate the device's large matrix products
     reach (cuBLAS on a GPU: 0.80-0.86 of the datasheet's tensor-core peak), so a product of
-    smallest dimension m runs at peak · gemm_rate · m / (m + gemm_half). Read only where
+    smallest dimension m runs at peak · gemm_rate · m / (m + gemm_half) (with ``sms``: K for m,
+    after tile and wave quantization). Read only where
     ``gemm_half`` > 0; 1 where the peak is itself measured on a product (``soapsearch calibrate``)."""
     overlap_rate: float = 1.0
     """The fraction of its rate a compute task keeps while one of this device's own collectives
@@ -73,9 +74,10 @@ class DeviceSpec:
     event passes apply it to the timeline."""
     sms: int = 0
     """Streaming multiprocessors of a GPU (A100 108, H100 132: NVIDIA's architecture
-    whitepapers). > 0: its matrix products run at their shape's rate, tile and wave quantization
+    whitepapers). > 0 with ``gemm_half`` > 0: its matrix products run at their shape's rate, tile and wave quantization
     over the SMs and a per-tile rate r∞·K/(K + ``gemm_half``) over the reduction length K
-    (``simulator.gemm_shape``); 0: Hockney's form over the smallest dimension (``gemm_half``)."""
+    (``simulator.gemm_shape``); 0: Hockney's form over the smallest dimension (``gemm_half``);
+    read only where ``gemm_half`` > 0."""
     cost_key: str = field(init=False, repr=False, compare=False)
     """The figures an op's time depends on (kind, peak FLOP/s, memory bandwidth, n½, r∞, SMs), as one
     string: cost models memoize by it, so two devices of one kind but other figures (a preset
@@ -104,7 +106,7 @@ class DeviceSpec:
         if self.overlap_rate != 1.0 and self.contention != 1.0:
             raise ValueError(f"device {self.kind!r}: overlap_rate {self.overlap_rate!r} with contention "
                              f"{self.contention!r}: a device slows by one of them, not both")
-        if not (isinstance(self.sms, int) and self.sms >= 0):
+        if not (type(self.sms) is int and self.sms >= 0):
             raise ValueError(f"device {self.kind!r}: sms = {self.sms!r}: must be an int >= 0 "
                              "(the GPU's streaming multiprocessors; 0: no tile model)")
         if not self.peak_flops or min(self.peak_flops.values()) <= 0:

@@ -1,5 +1,5 @@
 """The rate of a GPU matrix product by its shape: tile and wave quantization over the SMs and a
-per-tile rate that rises with the reduction length (issue 24).
+per-tile rate that rises with the reduction length.
 
 NVIDIA, "Matrix Multiplication Background User's Guide" (cuBLAS on tensor cores), §Dimension
 Quantization Effects: a product C[M, N] = A[M, K]·B[K, N] is cut into output tiles of a×b, each

@@ -138,7 +138,7 @@ H100 = DeviceSpec(  # NVIDIA H100 Tensor Core GPU datasheet, H100 SXM column
                 "float64": 34e12},     # "FP64 34 teraFLOPS"
     memory_bandwidth=3.35e12,        # "GPU memory bandwidth 3.35TB/s"
     gemm_rate=792.1 / 989.4,         # the same table, H100 SXM: 792.1 of 989 TFLOP/s (CUDA 12.1)
-    gemm_half=A100_GEMM_HALF,        # no published H100 run fitted: the A100's, in rows
+    gemm_half=A100_GEMM_HALF,        # no published H100 run fitted: the A100's, in K elements
     sms=132,                         # H100 architecture whitepaper, H100 SXM5: "132 SMs"
 )
 # NVLink 4: 18 links x 25 GB/s per direction = 450 GB/s per direction ("NVLink: 900GB/s" total).

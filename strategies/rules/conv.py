@@ -159,6 +159,19 @@ class Conv2d(_Window):
         cin = shape[4] if node.attrs["groups"] == 1 else w[1]
         return min(shape[0] * math.prod(shape[2:4]), min(shape[1], per_group), cin * math.prod(w[2:]))
 
+    def gemm_shape(self, node: OpNode, box: Box) -> tuple[int, int, int, int] | None:
+        """cuDNN's implicit GEMM (Chetlur et al. 2014): per group of the call one product
+        [batch·pixels, in channels per group · kernel] × [.., out channels per group]; None for a
+        depthwise conv (``gemm_size``)."""
+        if self.gemm_size(node, box) is None:
+            return None
+        shape, w = box_shape(box), param_shape(node, "weight")
+        if node.attrs["groups"] == 1:
+            groups, cin = 1, shape[4]
+        else:
+            groups, cin = self._groups(node, *box[1])[1], w[1]
+        return groups, shape[0] * math.prod(shape[2:4]), shape[1] // groups, cin * math.prod(w[2:])
+
     def _param_region(self, node: OpNode, role: str, box: Box) -> Box | None:
         """W[c0:c1, i0:i1] (a grouped conv: every in channel of its groups); the bias where the
         in channels start at 0 only (None elsewhere: it is added once)."""

@@ -80,9 +80,17 @@ class MatMul(SplitAll):
         return min(shape[-3], shape[-2], shape[-1])
 
     def gemm_shape(self, node: OpNode, box: Box) -> tuple[int, int, int, int] | None:
-        """The batch dims' cut products [rows, inner] × [inner, cols] (torch's batched product)."""
+        """The batch dims' cut products [rows, inner] × [inner, cols] (torch's batched product);
+        an operand without batch (its batch dims missing or of size 1) is folded, as torch.matmul
+        does: one product [batch·rows, inner] × [inner, cols], or [rows, ..] × [.., batch·cols]."""
         shape = box_shape(box)
-        return math.prod(shape[:-3]), shape[-3], shape[-2], shape[-1]
+        batch = math.prod(shape[:-3])
+        a, b = (math.prod(s.shape[:-2]) for s in node.input_specs)
+        if batch > 1 and b == 1:
+            return 1, batch * shape[-3], shape[-2], shape[-1]
+        if batch > 1 and a == 1:
+            return 1, shape[-3], batch * shape[-2], shape[-1]
+        return batch, shape[-3], shape[-2], shape[-1]
 
     def forward(self, node: OpNode, box: Box, inputs: Sequence[torch.Tensor],
                 weights: Mapping[str, torch.Tensor], reduce: Reduce = no_reduce) -> torch.Tensor:

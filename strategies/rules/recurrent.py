@@ -15,6 +15,8 @@ from strategies.region import Box
 from strategies.rules.base import OpRule, Reduce, no_reduce, register
 
 _MODULES = {"lstm": nn.LSTM, "gru": nn.GRU, "rnn": nn.RNN}
+GATES = {"lstm": 4, "gru": 3, "rnn": 1}
+"""Gate blocks of a cell's weight matrices (torch: W_ih is [gates·hidden, in])."""
 _CALL = threading.Lock()  # functional_call swaps the shared module's tensors while it runs
 
 
@@ -57,6 +59,16 @@ class Recurrent(OpRule):
         b = _batch_dim(node)
         batch = box[b][1] - box[b][0] if b is not None else 1
         return min(batch, node.shape[-1], node.input_specs[0].shape[-1])
+
+    def gemm_shape(self, node: OpNode, box: Box) -> tuple[int, int, int, int] | None:
+        """Each step's product [batch, in + hidden] × [in + hidden, gates·hidden] (x_t and h_{t-1}
+        against W_ih and W_hh: the FLOPs the op counts, 2·batch·gates·hidden·(in + hidden) a step
+        and layer), one at a time (a step waits on the last); the first layer's shape."""
+        b = _batch_dim(node)
+        batch = box[b][1] - box[b][0] if b is not None else 1
+        hidden = node.attrs["hidden_size"]
+        state = node.attrs.get("proj_size") or hidden  # an LSTM with proj_size carries h of that size
+        return 1, batch, GATES[node.kind] * hidden, node.input_specs[0].shape[-1] + state
 
     def forward(self, node: OpNode, box: Box, inputs: Sequence[torch.Tensor],
                 weights: Mapping[str, torch.Tensor], reduce: Reduce = no_reduce) -> torch.Tensor:

@@ -75,6 +75,6 @@ def test_collective_steps_are_step_records():
     graph, topo = traced("gpt", "small"), get_topology("a100-2x8")
     lowered = Lowerings(graph, megatron_lm(graph, 16, 4, 2)).first(topo, True)
     steps = [s for fwd, bwd in collective_steps(lowered) for s in (*fwd.values(), *bwd.values())]
-    assert steps and all(type(s) is Step and s == Step(s.backward, s.op, s.index, s.microbatch) for s in steps)
+    assert steps and all(type(s) is Step for s in steps)
     assert all(s.microbatch == c.microbatch for c, (fwd, bwd) in zip(lowered.collectives, collective_steps(lowered))
                for s in (*fwd.values(), *bwd.values()))

@@ -339,8 +339,8 @@ def test_gpu_products_run_at_hockneys_rate_of_their_size_the_rest_at_the_constan
     model = AnalyticalCostModel()
     for m in (256, 1024, 8192):
         node = dataclasses.replace(linear(16384, 16384, m), output=TensorSpec((16384, m), "bfloat16"))
-        e, back = gemm_efficiency(node, full_box(node.shape), a100)
-        assert e == back == pytest.approx(267.9 / 312 * m / (m + A100_GEMM_HALF), rel=1e-12)
+        e, d_a, d_b = gemm_efficiency(node, full_box(node.shape), a100)
+        assert e == d_a == d_b == pytest.approx(267.9 / 312 * m / (m + A100_GEMM_HALF), rel=1e-12)
         fwd, _ = model.op_time(node, full_box(node.shape), a100)
         assert fwd == pytest.approx(node.flops / (312e12 * e) + model.launch(a100), rel=1e-12)
     att = next(n for n in traced_gpt() if n.kind == "attention")
