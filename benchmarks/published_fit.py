@@ -12,7 +12,7 @@ whitepaper's; n½ is the one free figure. For each candidate n½ the script pred
 the best candidate is then checked on the held-out rows (``--check``, default Korthikanti's
 22B and torchtitan's rows of <= 128 GPUs).
 
-    python benchmarks/published_fit.py                                    # n½ 1000 .. 1800 on Table 1
+    python benchmarks/published_fit.py                                    # n½ 1000 .. 1450 on Table 1
     python benchmarks/published_fit.py --candidates 1300,1400 --check ""  # the fit only
 """
 
@@ -74,7 +74,7 @@ def rms_log(errs: list[float]) -> float:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--candidates", default="1000,1200,1300,1350,1400,1500,1800", help="n½ values to try, comma separated")
+    ap.add_argument("--candidates", default="1000,1150,1200,1250,1300,1350,1450", help="n½ values to try, comma separated")
     ap.add_argument("--fit", default=",".join(FIT_ROWS), help="rows the fit uses, comma separated")
     ap.add_argument("--check", default=",".join(CHECK_ROWS), help="held-out rows, comma separated ('' : none)")
     args = ap.parse_args(argv)
