@@ -16,7 +16,7 @@ from typing import Any
 
 from simulator.attention_efficiency import FLASH_BACKWARD, causal_fraction, flash_rate
 from simulator.devices import DeviceSpec
-from simulator.gemm_shape import backward_shapes, shape_efficiency
+from simulator.gemm_shape import gemm_efficiency
 from strategies.graph import DTYPE_BYTES, OpNode
 from strategies.lowered import Partition
 from strategies.region import Box, box_numel, box_shape
@@ -234,15 +234,16 @@ class AnalyticalCostModel(CostModel):
     CPU, fitted on published runs for the GPU presets), an op of library matrix products whose
     smallest dimension is m (``OpRule.gemm_size``) takes e_c = r∞·m / (m + n½) instead
     (``gemm_efficiency``; Hockney & Jesshope 1988), on a GPU with SMs the rate of its products'
-    shapes each way (``simulator.gemm_shape``: tiles, waves, n½ over the reduction length);
-    backward is the sum over the gradients it computes, each at its rate: dA only without a
-    trainable weight, dA and dB for a trained weight or a product of two activations (matmul);
-    attention and the ops without products keep
-    the constant e_c (memory-bound ones are the bandwidth's either way).
+    shapes each way (``simulator.gemm_shape``: tiles, waves, n½ over the reduction length).
+    Backward is the sum over the gradients it computes, each at its rate: dA only without a
+    trainable weight, dA and dB for a trained weight or a product of two activations (matmul).
+    Attention and the ops without products keep the constant e_c (memory-bound ones are the
+    bandwidth's either way).
 
     Forward: F = the partition's FLOPs, B = ``partition_bytes``, one kernel. Backward: 2F and 2
-    kernels (input grad + parameter grad) for an op with trainable parameters, 2F for attention
-    (the gradients of q, k and v: four products to the forward's two), else F and one kernel; 2B either way (it reads the output grad and what forward read, writes the grads); an
+    kernels (dA + dB) for an op with trainable parameters or a matmul of two activations, 2F for
+    attention (the gradients of q, k and v: four products to the forward's two), else F and one
+    kernel; 2B either way (it reads the output grad and what forward read, writes the grads); an
     embedding's backward also writes its whole dense table gradient. Leaf and view ops cost 0.
 
     ``efficiency``: (compute, memory) fractions, or one float for both. ``launch_overhead``:
@@ -302,7 +303,8 @@ class AnalyticalCostModel(CostModel):
         dtype = node.output.dtype
         eff = gemm_efficiency(node, box, device)
         weighted = has_trainable_params(node)
-        grads = 2 if weighted or node.kind in _TWO_OPERAND_KINDS else 1  # dA, and dB (a weight's, or the other operand's)
+        # dA, and dB (a weight's, or the other operand's)
+        grads = 2 if weighted or node.kind in _TWO_OPERAND_KINDS else 1
         kernels, bwd_bytes, extra = (1, grads), 2 * nbytes, (0, 0)
         if node.kind == "attention" and self.attention == "flash" and (
                 timed := self._flash(node, box, regions, flops, nbytes, dtype, device)) is not None:
@@ -316,15 +318,15 @@ class AnalyticalCostModel(CostModel):
                               for e, p in zip(extra, DROPOUT_PASSES))
                 kernels = tuple(k + 1 for k in kernels)
         # each gradient computed at its own rate: 2F at their harmonic mean, or F at dA's
-        eff_f, eff_b = (None, None) if eff is None else (eff[0], 2 / (1 / eff[1] + 1 / eff[2]) if grads == 2 else eff[1])
+        eff_f, eff_b = (None, None) if eff is None else (
+            eff[0], 2 / (1 / eff[1] + 1 / eff[2]) if grads == 2 else eff[1])
         fwd = self.roofline(flops, nbytes + extra[0], dtype, device, kernels=kernels[0], efficiency=eff_f)
         if node.kind in _GATHER_KINDS:  # the dense gradient of the table is zeroed and written
             bwd_bytes += sum(box_numel(r) * DTYPE_BYTES[w.spec.dtype]
                              for w in node.weights if (r := weight_regions.get(w.role)) is not None)
         # attention's backward is 4 products to its forward's 2 (dQ, dK, dV, dP; Dao et al. 2022, Alg. 3)
-        bwd = self.roofline(2 * flops if grads == 2 or node.kind == "attention" else flops, bwd_bytes + extra[1],
-                            dtype, device,
-                            kernels=kernels[1], efficiency=eff_b)
+        bwd = self.roofline(2 * flops if grads == 2 or node.kind == "attention" else flops,
+                            bwd_bytes + extra[1], dtype, device, kernels=kernels[1], efficiency=eff_b)
         return fwd, bwd
 
     def _flash(self, node: OpNode, box: Box, regions: tuple[Box | None, ...], flops: float, nbytes: float,
@@ -346,28 +348,6 @@ class AnalyticalCostModel(CostModel):
         eff = rate / device.flops_for(dtype)
         return (self.roofline(work, nbytes, dtype, device, efficiency=eff),
                 self.roofline(FLASH_BACKWARD * work, 2 * nbytes, dtype, device, efficiency=eff))
-
-
-def gemm_efficiency(node: OpNode, box: Box, device: DeviceSpec) -> tuple[float, float, float] | None:
-    """(forward, dA, dB) fraction of the peak the partition's library matrix products reach on
-    ``device``, or None: the op runs no library GEMM (no product, an ``attention`` kernel, whose
-    tiles span queries × keys over the head dim: Dao et al. 2022), or the device models none
-    (n½ = 0): the cost model's constant compute efficiency applies.
-
-    On a GPU with SMs (``DeviceSpec.sms``) and a product whose shape the rule gives
-    (``OpRule.gemm_shape``): ``simulator.gemm_shape.shape_efficiency`` of the forward product,
-    and of the two backward products (dA = dC·Bᵀ, dB = Aᵀ·dC, each the forward's FLOPs). Else
-    Hockney's r∞·m/(m + n½) (Hockney & Jesshope 1988; r∞ ``gemm_rate``, n½ ``gemm_half``, m
-    ``OpRule.gemm_size``) all three."""
-    if not device.gemm_half or node.kind == "attention":
-        return None
-    rule = get_rule(node.kind)
-    shape = rule.gemm_shape(node, box) if device.sms else None
-    if shape is not None and min(shape) > 0:
-        d_a, d_b = (shape_efficiency(*s, device) for s in backward_shapes(*shape))
-        return shape_efficiency(*shape, device), d_a, d_b
-    m = rule.gemm_size(node, box)
-    return (e := device.gemm_rate * m / (m + device.gemm_half), e, e) if m else None
 
 
 def _span(interval: tuple[int, int]) -> int:

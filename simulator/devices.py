@@ -57,9 +57,10 @@ class DeviceSpec:
     gemm_half: float = 0.0
     """Hockney's half-performance length n½ of the device's matrix products (Hockney & Jesshope
     1988): a product whose smallest dimension is m runs at peak · m / (m + n½), so half the peak
-    at m = n½; with ``sms``, over the reduction length K (``simulator.gemm_shape``) (a few rows of a batch split across devices and micro-batches run far below the
-    rate of a large product). 0: not modelled, the cost model's constant compute
-    efficiency applies. ``soapsearch calibrate`` fits it (r∞ 1: the peak is then a measured
+    at m = n½ (a few rows of a batch split across devices and micro-batches run far below the
+    rate of a large product). With ``sms``, n½ is over the reduction length K
+    (``simulator.gemm_shape``). 0: not modelled, the cost model's constant compute efficiency
+    applies. ``soapsearch calibrate`` fits it (r∞ 1: the peak is then a measured
     product's rate); the GPU presets carry one fitted on published runs (``simulator.presets``)."""
     gemm_rate: float = 1.0
     """Hockney's r∞ as a fraction of the dtype peak: the rate the device's large matrix products

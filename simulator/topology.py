@@ -7,7 +7,8 @@ JSON (format ``soapsearch.topology``, version 1), explicit form — what ``to_js
                   "memory_bandwidth": 7.32e11, "node": 0}, ...],
      (optional per device: "task_overhead", "message_overhead", "exchange_overhead", "collective_overhead", seconds,
       default 0; "contention", the slowdown when its node's devices compute at once, default 1;
-      "gemm_half", the smallest matrix-product dimension (or, with "sms", the reduction length K) at half the peak, default 0: not modelled;
+      "gemm_half", the smallest matrix-product dimension (or, with "sms", the reduction length K)
+      at half the peak, default 0: not modelled;
       "gemm_rate", the fraction of the peak large products reach, default 1; "overlap_rate", the
       fraction of its rate compute keeps beside the device's collectives, default 1; "sms", a GPU's
       streaming multiprocessors, default 0: products by their smallest dimension, not their shape)

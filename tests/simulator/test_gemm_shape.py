@@ -39,16 +39,15 @@ def test_tile_and_wave_counts_by_hand():
     assert tile_wave_efficiency(2048, 9600, 108) == pytest.approx(25 / 27, rel=1e-12)
     # 2048 × 13824 in 128×128: 16·108 = 1728 tiles, 16 full waves: every SM busy
     assert tile_wave_efficiency(2048, 13824, 108) == 1.0
-    # one more tile column, 2048 × 13952: 128×128 16·109 = 1744 tiles in 17 waves (the best;
-    # 256×128 872 in 9 waves: 0.897): 2048·13952 / (17·108·128²)
+    # one more tile column, 2048 × 13952: 128×128 16·109 = 1744 tiles in 17 waves:
+    # 2048·13952 / (17·108·128²)
     assert tile_wave_efficiency(2048, 13952, 108) == pytest.approx(2048 * 13952 / (17 * 108 * 128 * 128), rel=1e-12)
     # 64 rows: one 128×128 tile row of 32 tiles in one wave, half of each tile idle
     assert tile_wave_efficiency(64, 4096, 108) == pytest.approx(64 * 4096 / (108 * 128 * 128), rel=1e-12)
     # 8 batched 128 × 128 products: 8 tiles in one wave of 108 SMs; 200 of them in 2 waves
     assert tile_wave_efficiency(128, 128, 108, batch=8) == pytest.approx(8 / 108, rel=1e-12)
     assert tile_wave_efficiency(128, 128, 108, batch=200) == pytest.approx(200 / 216, rel=1e-12)
-    # 128 × 27648: 128×256 tiles 108 in one full wave, 128×128 216 in two (the share alone never
-    # prefers the larger tiles: 2·⌈T/S⌉ >= ⌈2T/S⌉ waves of half the area)
+    # 128 × 27648: 216 tiles of 128×128 in two full waves
     assert tile_wave_efficiency(128, 256 * 108, 108) == 1.0
     # the H100's 132 SMs take 1728 tiles in ⌈1728/132⌉ = 14 waves
     assert tile_wave_efficiency(2048, 13824, 132) == pytest.approx(1728 / (14 * 132), rel=1e-12)
