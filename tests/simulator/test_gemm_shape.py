@@ -34,8 +34,8 @@ def test_a100_and_h100_presets_carry_their_sms():
 
 
 def test_tile_and_wave_counts_by_hand():
-    # 2048 × 9600: 256×128 tiles 8·75 = 600 in ⌈600/108⌉ = 6 waves; 128×256 16·38 = 608 in 6; 128×128
-    # 16·75 = 1200 in 12: each 6·108·256·128 = 21,233,664 tile elements for 19,660,800: 25/27
+    # 2048 × 9600: 128×128 tiles 16·75 = 1200 in ⌈1200/108⌉ = 12 waves:
+    # 12·108·128² = 21,233,664 tile elements for 19,660,800: 25/27
     assert tile_wave_efficiency(2048, 9600, 108) == pytest.approx(25 / 27, rel=1e-12)
     # 2048 × 13824 in 128×128: 16·108 = 1728 tiles, 16 full waves: every SM busy
     assert tile_wave_efficiency(2048, 13824, 108) == 1.0
@@ -57,7 +57,7 @@ def test_a_linears_forward_and_backward_rates_by_hand():
     """1T's fused query-key-value product at TP 8: 2048 tokens × 9600 out × 25600 in."""
     node = linear(2048, 25600, 9600)
     fwd = R_INF * 25 / 27 * 25600 / (25600 + A100_GEMM_HALF)
-    # dA = dC·Wᵀ: 2048 × 25600 over 9600; 256×128 8·200 = 1600 tiles in 15 waves (1620): 80/81
+    # dA = dC·Wᵀ: 2048 × 25600 over 9600; 128×128 16·200 = 3200 tiles in 30 waves (3240): 80/81
     d_a = R_INF * 80 / 81 * 9600 / (9600 + A100_GEMM_HALF)
     # dW = dCᵀ·X: 25600 × 9600 over 2048; 128×128 200·75 = 15000 tiles in 139 waves (15012)
     d_w = R_INF * 15000 / 15012 * 2048 / (2048 + A100_GEMM_HALF)
