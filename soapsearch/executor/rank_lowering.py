@@ -15,7 +15,10 @@ __all__ = ["RankLowering"]
 
 
 class RankLowering:
-    """This rank's view of the lowering, indexed for building recipes."""
+    """Indexes of ``low`` by (op, partition, micro-batch) for ``rank``: the transfers into and out
+    of each partition (``into``, ``out_of``), its reduction group (``grouped``), the collectives it
+    holds a piece of (``holding``), its FSDP gathers (``gathering``) and each step's collective
+    calls (``calls``)."""
 
     def __init__(self, low: Lowered, order: Sequence[Step], rank: int, order_all: dict[int, list[Step]]):
         self.low, self.graph = low, low.graph

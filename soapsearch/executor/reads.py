@@ -101,7 +101,7 @@ class Reads:
         return t if piece.src is None else t[piece.src]
 
     def _output_grad(self, r: Recipe, out: torch.Tensor | Released) -> torch.Tensor:
-        """The seed of a partition of the graph's output (module docstring: 1/m, or 1/(m·C_j)
+        """The seed of a partition of the graph's output (``step_loss.StepLoss``: 1/m, or 1/(m·C_j)
         once its loss's sum is known), else the sum of the gradient pieces of its consumers:
         their leaves' ``.grad`` on this rank, received from the others."""
         if r.seed is not None:

@@ -101,7 +101,7 @@ class StepLoss:
 
     def _loss(self, r: Recipe, group: Group | None, shards: ClassShards, inputs: list[torch.Tensor],
               weights: dict[str, torch.Tensor]) -> torch.Tensor:
-        """A loss partition (module docstring): s_p / C (static C) or s_p, its group's sum of
+        """A loss partition (class docstring): s_p / C (static C) or s_p, its group's sum of
         [s_p, c_p] (of s_p alone for a static C) started, not waited, or left to ride its
         gradient bucket; a class cut's max and sum over its class shards first (``Loss.partial``)."""
         s, c = get_rule("loss").partial(r.node, r.part.box, inputs, weights, shards)
