@@ -88,14 +88,15 @@ class BufferLife(NamedTuple):
     step; where the gradient moves, the first reader gradient appears at its backward step."""
     kept: bool
     """Kept from the call to the backward: some reader op reads the result back in its backward
-    or recomputes, and it is not gathered again."""
+    or recomputes, and it is not called again."""
     readers: tuple[tuple[str, int], ...]
     """(reader op, its partitions on each member): each leaves a gradient of the result's size
     from its backward step to the end of the holder's (``Collective.op``); empty where the
     gradient does not move."""
     regather: str | None = None
-    """The op at whose first backward step each member calls the all-gather again (where its
-    first reader is recomputed, or a linear reader runs its backward first); None: called once."""
+    """The op at whose first backward step each member calls the collective again (an all-gather
+    whose first reader is recomputed or a linear reader runs its backward first, or a reduction
+    whose producer drops its output); None: called once."""
 
 
 def buffer_lives(lowered: Lowered, microbatch: int | None = None) -> tuple[BufferLife, ...]:
@@ -147,8 +148,8 @@ def _recomputed_at(lowered: Lowered, position: dict[str, int]) -> dict[str, int 
 
 
 def regather_steps(lowered: Lowered, life: BufferLife) -> dict[int, Step]:
-    """Member -> the step at whose start it calls ``life``'s all-gather again: its first backward
-    step of ``life.regather`` (the op's last partition there), where it is gathered again at its
+    """Member -> the step at whose start it calls ``life``'s collective again: its first backward
+    step of ``life.regather`` (the op's last partition there), where it is called again at its
     backward (recomputed, or a linear's own backward)."""
     c, op = life.collective, life.regather
     last: dict[int, int] = {}  # device -> its last partition of op
@@ -158,7 +159,7 @@ def regather_steps(lowered: Lowered, life: BufferLife) -> dict[int, Step]:
     missing = [d for d in c.devices if d not in last and (kept is None or d in kept)]
     if missing:
         raise ValueError(f"op {op!r}: device {missing[0]} is a member of the {c.kind} of {c.op!r} "
-                         f"(micro-batch {c.microbatch}) gathered again at its backward but holds no "
+                         f"(micro-batch {c.microbatch}) called again at its backward but holds no "
                          f"partition of {op!r} (its partitions are on devices {sorted(last)})")
     return {d: Step(True, op, last[d], c.microbatch) for d in c.devices if d in last}
 

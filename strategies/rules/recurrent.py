@@ -63,7 +63,9 @@ class Recurrent(OpRule):
     def gemm_shape(self, node: OpNode, box: Box) -> tuple[int, int, int, int] | None:
         """Each step's product [batch, in + hidden] × [in + hidden, gates·hidden] (x_t and h_{t-1}
         against W_ih and W_hh: the FLOPs the op counts, 2·batch·gates·hidden·(in + hidden) a step
-        and layer), one at a time (a step waits on the last); the first layer's shape."""
+        and layer), one at a time (a step waits on the last); the first layer's shape. The input
+        product x_t·W_ih is charged per step too, though cuDNN runs it for all steps as one
+        [seq·batch, in] product (Appleyard et al. 2016): a known gap, slower for thin batches."""
         b = _batch_dim(node)
         batch = box[b][1] - box[b][0] if b is not None else 1
         hidden = node.attrs["hidden_size"]

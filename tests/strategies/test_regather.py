@@ -59,6 +59,6 @@ def test_each_member_gathers_again_at_its_partition_of_the_readers_backward():
     life = next(life for life in buffer_lives(lowered, microbatch=0) if life.collective.op == "blocks_0_ln_2")
     assert regather_steps(lowered, life) == {d: Step(True, "blocks_0_mlp_fc", d, 0) for d in (0, 1)}
     with pytest.raises(ValueError, match=r"^op 'wpe': device 1 is a member of the all_gather of 'blocks_0_ln_2' "
-                       r"\(micro-batch 0\) gathered again at its backward but holds no partition of 'wpe' "
+                       r"\(micro-batch 0\) called again at its backward but holds no partition of 'wpe' "
                        r"\(its partitions are on devices \[0\]\)$"):
         regather_steps(lowered, life._replace(regather="wpe"))
