@@ -11,7 +11,6 @@ arena (``madvise(MADV_DONTNEED)`` on whole free pages, the top of the heap unmap
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import sys
 import time
 from dataclasses import dataclass
@@ -31,7 +30,7 @@ def _malloc_trim():
     if not sys.platform.startswith("linux"):
         return None
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc = ctypes.CDLL(None)  # the process's own symbols, the C library's among them
         libc.gnu_get_libc_version  # glibc's own symbol: musl has malloc_trim as a stub
         fn = libc.malloc_trim
     except (OSError, AttributeError):

@@ -4,6 +4,8 @@ the same predicted time and the same proposals, for a seed under a proposal budg
 
 from __future__ import annotations
 
+import pytest
+
 from simulator import heap
 from soapsearch.search import search
 from tests.conftest import traced
@@ -14,6 +16,7 @@ def _searched(graph):
     return r.strategy, r.predicted_ms, r.proposals
 
 
+@pytest.mark.skipif(heap._malloc_trim() is None, reason="malloc_trim is glibc's")
 def test_search_is_the_same_with_and_without_the_trim(monkeypatch):
     graph = traced("gpt", batch_size=16)
     monkeypatch.setattr(heap, "TRIM_FROM", 0)

@@ -60,8 +60,9 @@ def test_steps_of_devices_not_simulated_are_left_out(plan, preset, fold, where, 
     kept = _graph(lowered, topo, cost, monkeypatch, True)
     with monkeypatch.context() as m:
         if where == "reads":
-            readers = {c: (*reads, reads[0]._replace(device=outside)) for c, reads in lowered.collective_readers.items()}
-            added.extend(readers)
+            readers = {c: (*reads, reads[0]._replace(device=outside))
+                       for c, reads in lowered.collective_readers.items()}
+            added.append(outside)
             m.setitem(lowered.__dict__, "collective_readers", readers)
         else:
             m.setattr(collectives, "collective_steps", more)
