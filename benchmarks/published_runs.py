@@ -278,7 +278,8 @@ def block_wave_efficiency(run: Run) -> float:
     (``layer_products``), each forward (rows × out) and both backward products (rows × in,
     out × in). The quantization ``simulator.gemm_shape`` charges, without its rate over K."""
     flops = weighted = 0.0
-    sms = get_topology(run.topology).devices[0].sms
+    if not (sms := get_topology(run.topology).devices[0].sms):
+        raise ValueError(f"row {run.name!r}: topology {run.topology!r} has sms=0; quantization needs sms >= 1")
     for rows, out, inner in layer_products(run):
         for m, n in ((rows, out), (rows, inner), (out, inner)):
             flops += rows * out * inner
