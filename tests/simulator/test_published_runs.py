@@ -23,13 +23,13 @@ from strategies.lowering import lower
 from strategies.overlap import bucket_issues
 
 BOUND = 0.05
-"""|published / predicted seconds - 1| the model reaches on the held-out rows tested: 22B +3.2 % and
-+0.6 % with Megatron-LM's input gradients' collectives beside the weight gradients
+"""|published / predicted seconds - 1| the model reaches on the held-out rows tested: 22B −0.0 % and
++1.7 % (n½ = 1,250) with Megatron-LM's input gradients' collectives beside the weight gradients
 (``Run.input_grad_overlap``) and its fused query-key-value linear (one product of 2,304 columns a
 GPU at TP 8; benchmarks/README.md published_runs, "What moved")."""
 TORCHTITAN_BOUND = 0.05
-"""|published / predicted seconds - 1| of torchtitan's LLaMA-2 13B rows (+2.1 % without
-checkpointing, -0.0 % every second layer, their products at their shapes' rates,
+"""|published / predicted seconds - 1| of torchtitan's LLaMA-2 13B rows (+3.1 % without
+checkpointing, +0.9 % every second layer, their products at their shapes' rates,
 ``simulator.gemm_shape``): what FSDP2's runs spend beside the modelled kernels and copies."""
 FIT_BOUND = 0.03
 """|error| the model reaches on the rows n½ is fitted on (``published_fit.FIT_ROWS``: Table 1's
@@ -176,8 +176,9 @@ def test_the_fit_scores_log_errors_on_other_device_figures():
 @pytest.mark.parametrize("index", [1, 2])
 def test_prediction_within_bound_larger(index):
     """3.6B and 7.5B at their launch script's 16 sequences a micro-batch: within the fit's bound,
-    and they fit on 80 GB as they ran (38.6 and 37.4 GiB predicted: the collectives' buffers
-    as the executor holds them, strategies.collective_buffers)."""
+    and they fit on 80 GB as they ran (32.4 and 33.5 GiB predicted: the collectives' buffers
+    as the executor holds them, a recomputed block's reductions called again,
+    strategies.collective_buffers)."""
     run = NARAYANAN[index]
     result = predict(run)
     assert result.fits
@@ -187,8 +188,7 @@ def test_prediction_within_bound_larger(index):
 def test_tile_wave_efficiency_by_hand():
     # 2048 × 6912 in 128×128 tiles: 16 · 54 = 864 tiles = 8 full waves of 108 SMs
     assert tile_wave_efficiency(2048, 6912, 108) == 1.0
-    # 2048 × 2304: 128×128 gives 288 tiles in 3 waves (2048·2304 / (3·108·128²) = 0.889); the
-    # 256-wide tiles 144 in 2 waves (0.667): the best is kept
+    # 2048 × 2304: 128×128 gives 288 tiles in 3 waves (2048·2304 / (3·108·128²) = 0.889)
     assert tile_wave_efficiency(2048, 2304, 108) == pytest.approx(2048 * 2304 / (3 * 108 * 128 * 128))
     assert block_wave_efficiency(replace(NARAYANAN[0], microbatch=1)) == pytest.approx(0.950, abs=5e-4)
     one = [replace(r, microbatch=1) for r in NARAYANAN]  # one sequence a micro-batch: rows of 2,048 tokens
@@ -199,7 +199,7 @@ def test_tile_wave_efficiency_by_hand():
 def test_korthikanti_175b_recompute_sweep():
     """64 GPUs, PP 8 over 64 micro-batches, interleaved 1F1B with 3 chunks as run (a bubble of
     7/192), Megatron-LM's attention kernels and fused query-key-value linear: predicted slow,
-    within 10 % (-5.1 and -8.2 % at n½ 1,350 over the reduction length, fitted on Table 1), and
+    within 10 % (-5.7 and -6.7 % at n½ 1,250 over the reduction length, fitted on Table 1), and
     ranked as published."""
     full, selective = (r for r in KORTHIKANTI if r.name.startswith("175B"))
     graph = build_graph(full)
@@ -213,7 +213,7 @@ def test_korthikanti_175b_recompute_sweep():
 def test_torchtitan_llama2_13b_recompute_sweep():
     """FSDP over 64 GPUs, held out of the n½ fit (products of 5,120-13,824 by 8,192 tokens,
     larger than any fitted row's): no checkpointing faster than every second layer's, as
-    published, each within ``TORCHTITAN_BOUND`` (+2.1 % and -0.0 %, with FSDP2's copies on the
+    published, each within ``TORCHTITAN_BOUND`` (+3.1 % and +0.9 %, with FSDP2's copies on the
     compute stream, ``CostModel.fsdp_copies``, flash attention at FlashAttention-2's published
     rates and the products at their shapes' rates)."""
     none, alternate = (r for r in TORCHTITAN if r.name.startswith("LLaMA-2 13B") and r.recompute != "op")
