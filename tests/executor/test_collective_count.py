@@ -12,19 +12,18 @@ again."""
 from __future__ import annotations
 
 from collections import Counter
-from pathlib import Path
 
 import pytest
-import torch
 
 import soapsearch.executor.reads as reads
 from simulator.cost import get_cost_model
 from simulator.presets import get_topology
 from simulator.taskgraph import TaskKind
 from simulator.tasks import build_tasks
-from soapsearch.executor import Executor, TrainConfig, build_model
+from soapsearch.executor import build_model
 from strategies.lowering import lower
-from tests.executor.gloo import gloo_group, spawn_ranks
+from tests.executor.counted import save_counted_steps
+from tests.executor.gloo import spawn_ranks
 from tests.executor.plans import make_plan
 
 pytestmark = pytest.mark.distributed
@@ -34,25 +33,8 @@ PLANS = ("megatron", "megatron+rc_layers", "megatron_sp+rc_layers", "megatron+rc
 
 
 def _count(rank: int, world: int, port: int, out: str) -> None:
-    with gloo_group(rank, world, port):
-        built = build_model("gpt", "tiny", dtype="float64")
-        got = {}
-        real = reads.run_collective
-        for name in PLANS:
-            ex = Executor(built.graph, make_plan(built.graph, name, world), built.state, built.inputs,
-                          TrainConfig("sgd", lr=0.01, timeout_s=60))
-            log: list[tuple[str, tuple[int, ...]]] = []
-
-            def counted(kind, t, *args, log=log):
-                log.append((kind, tuple(t.shape)))
-                return real(kind, t, *args)
-            reads.run_collective = counted
-            try:
-                ex.step()
-            finally:
-                reads.run_collective = real
-            got[name] = log
-        torch.save(got, Path(out) / f"{rank}.pt")
+    save_counted_steps(rank, world, port, out, PLANS, reads, "run_collective",
+                       lambda kind, t, *args: (kind, tuple(t.shape)))
 
 
 def _simulated(graph, name: str) -> Counter:

@@ -8,18 +8,17 @@ its recomputation and backward (``strategies.prefetch.recomputed_in_unit``, FSDP
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
-import torch
 import torch.distributed as dist
 
 from simulator.cost import get_cost_model
 from simulator.presets import get_topology
 from simulator.tasks import build_tasks
-from soapsearch.executor import Executor, TrainConfig, build_model
+from soapsearch.executor import build_model
 from strategies.lowering import lower
-from tests.executor.gloo import gloo_group, spawn_ranks
+from tests.executor.counted import save_counted_steps
+from tests.executor.gloo import spawn_ranks
 from tests.executor.plans import make_plan
 
 pytestmark = pytest.mark.distributed
@@ -30,25 +29,8 @@ PLANS = ("zero3_dp", "zero3_dp+rc_layers", "unitblock_zero3_dp", "unitblock_zero
 
 
 def _count(rank: int, world: int, port: int, out: str) -> None:
-    with gloo_group(rank, world, port):
-        built = build_model("gpt", "tiny", dtype="float64")
-        got = {}
-        real = dist.all_gather_into_tensor
-        for name in PLANS:
-            ex = Executor(built.graph, make_plan(built.graph, name, world), built.state, built.inputs,
-                          TrainConfig("sgd", lr=0.01, timeout_s=60))
-            log: list[int] = []
-
-            def counted(output, *args, log=log, **kwargs):
-                log.append(output.numel() * output.element_size())
-                return real(output, *args, **kwargs)
-            dist.all_gather_into_tensor = counted
-            try:
-                ex.step()
-            finally:
-                dist.all_gather_into_tensor = real
-            got[name] = log
-        torch.save(got, Path(out) / f"{rank}.pt")
+    save_counted_steps(rank, world, port, out, PLANS, dist, "all_gather_into_tensor",
+                       lambda output, *args, **kwargs: output.numel() * output.element_size())
 
 
 def _simulated(graph, name: str) -> list[int]:
