@@ -60,14 +60,14 @@ def simulate_plan(graph: OpGraph, strategy: Strategy | Lowered, topology: Topolo
     search's), for every copy set's lowering of ``strategy``. Without ``cache`` nothing of the
     task graph outlives the call: a large one's freed memory goes back to the OS
     (``simulator.heap.trimmed``; with a cache its owner trims after bounding it)."""
-    result = _simulate_plan(graph, strategy, topology, cost_model, optimizer, timeline, summary, cache, fold,
-                            lowering_cache)
+    result = _simulate_plan(graph, strategy, topology, cost_model, optimizer=optimizer, timeline=timeline,
+                            summary=summary, cache=cache, fold=fold, lowering_cache=lowering_cache)
     if cache is None:
         trimmed(result.num_tasks)
     return result
 
 
-def _simulate_plan(graph, strategy, topology, cost_model, optimizer, timeline, summary, cache, fold,
+def _simulate_plan(graph, strategy, topology, cost_model, *, optimizer, timeline, summary, cache, fold,
                    lowering_cache) -> SimResult:
     """``simulate_plan`` but the trim."""
     topo = get_topology(topology) if isinstance(topology, str) else topology

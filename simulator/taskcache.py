@@ -48,7 +48,7 @@ class TaskCache:
         """Gradient buckets' step-end tasks, recorded (``simulator.step.link_step``'s memo)."""
         self._current: list = [None, ([], {}, [], [], []), None]
         self.known_bytes = 0
-        """``block_bytes`` of every state's known blocks (``_layout``), each block apart; past
+        """``HeldBytes.size`` of every state's known blocks (``_layout``), each block apart; past
         ``KNOWN_BYTES`` they are all dropped (``hold``)."""
 
     def hold(self, mine: dict, key: tuple, block: Any) -> None:
@@ -177,7 +177,7 @@ TASK_BYTES = 200
 resources tuple and label, about ``sys.getsizeof`` of each)."""
 
 KNOWN_BYTES = 64 << 20
-"""What the blocks a ``TaskCache`` keeps besides the last graphs' keep alive (``block_bytes``,
+"""What the blocks a ``TaskCache`` keeps besides the last graphs' keep alive (``HeldBytes.size``,
 each block apart), all states together: past it every known block is dropped."""
 
 

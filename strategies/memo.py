@@ -34,15 +34,7 @@ def per_lowered(fn: Callable[..., R]) -> Callable[..., R]:
     def kept(lowered, *rest):
         if last[0] is None or last[0]() is not lowered:
             result = fn(lowered, *rest)
-            last[0], last[1] = _ref(lowered, gone), result
+            last[0], last[1] = weakref.ref(lowered, gone), result
         return last[1]
     return kept
 
-
-def _ref(obj: object, gone: Callable[[weakref.ref], None]) -> Callable[[], object]:
-    """A weak reference to ``obj`` calling ``gone`` when it dies; a strong one (a function
-    returning it) where ``obj`` takes none (a plain object in a test)."""
-    try:
-        return weakref.ref(obj, gone)
-    except TypeError:
-        return lambda: obj

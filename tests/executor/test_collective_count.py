@@ -29,7 +29,7 @@ from tests.executor.plans import make_plan
 pytestmark = pytest.mark.distributed
 
 WORLD = 2
-PLANS = ("megatron", "megatron+rc_layers", "megatron_sp+rc_layers", "megatron+rc_attn")
+PLANS = ("megatron", "megatron+rc_layers", "megatron_sp", "megatron_sp+rc_layers", "megatron+rc_attn")
 
 
 def _count(rank: int, world: int, port: int, out: str) -> None:
@@ -55,5 +55,8 @@ def test_executor_calls_the_collectives_the_simulator_charges():
     # gpt tiny, 2 layers: each layer's two row-parallel reduce-scatters called again under full recompute
     assert calls["megatron+rc_layers"]["reduce_scatter"] == calls["megatron"]["reduce_scatter"] + 2 * 2
     assert calls["megatron+rc_layers"]["all_gather"] == calls["megatron"]["all_gather"] + 2 * 2
-    assert calls["megatron_sp+rc_layers"]["reduce_scatter"] == calls["megatron"]["reduce_scatter"] + 2 * 2
+    # under sequence parallelism the linears' all-gathers are gathered again in the backward
+    # with or without recompute: only the reduce-scatters are added
+    assert calls["megatron_sp+rc_layers"]["reduce_scatter"] == calls["megatron_sp"]["reduce_scatter"] + 2 * 2
+    assert calls["megatron_sp+rc_layers"]["all_gather"] == calls["megatron_sp"]["all_gather"]
     assert calls["megatron+rc_attn"] == calls["megatron"]

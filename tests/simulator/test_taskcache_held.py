@@ -20,7 +20,7 @@ from tests.conftest import traced
 
 FACTOR = 1.5
 """How far the count may be from what tracemalloc sees freed (either way). The count's per-piece
-record size (``simulator.block_bytes.PIECE_RECORD_BYTES``) was measured on this same workload (gpt,
+record size (``strategies.lowering_bytes.RECORD_BYTES``) was measured on this same workload (gpt,
 16 devices), so the pieces' part is checked here against its own calibration; the arrays and
 lists are counted independently of it."""
 

@@ -16,6 +16,10 @@ from strategies.lowering import lower
 from strategies.memo import per_lowered
 from strategies.prefetch import gathered_bytes
 from strategies.schedule import device_order
+
+
+class _Lowered:
+    """A stand-in for a ``Lowered``: any object a weak reference can follow."""
 from strategies.zero import gather_groups, gather_uses, sharded_state
 from strategies.zero_alike import alike_readers
 from tests.conftest import traced
@@ -32,7 +36,7 @@ def test_one_entry_by_identity():
             raise ValueError(x)
         return [len(calls)]
 
-    a, b = object(), object()
+    a, b = _Lowered(), _Lowered()
     first = f(a)
     assert f(a) is first and calls == [a]  # the same object: kept
     assert f(b) == [2]  # another object replaces the entry
