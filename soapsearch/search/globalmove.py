@@ -6,7 +6,9 @@ layout between the blocks, and re-derives every op's config from it as the basel
 ``strategies.baselines.sharded`` for the sharding level; recompute is Megatron-LM's full recompute of every
 transformer layer, ``strategies.megatron_layers.layer_recomputed``, each layer keeping its input
 alone, or of every block, ``strategies.baselines.recomputed``, where the blocks do not pair into
-layers). The micro-batch counts are the search's ``choices`` and, for each data-parallel degree
+layers). The pipeline degree is at most the transformer layers (the blocks where they do not
+pair): a stage holds a whole layer at least, as Megatron-LM's layers divide by its pipeline size,
+and a stage of the ops between two blocks alone would only add a hop. The micro-batch counts are the search's ``choices`` and, for each data-parallel degree
 d, one sequence a micro-batch (batch / d, the count Megatron-LM runs), so the family of
 ``strategies.baselines.megatron_lm`` (tensor × pipeline with sequence parallelism, 1F1B, one
 sequence a micro-batch, layers recomputed, ZeRO-1) is among the factorizations. A proposal draws one
@@ -117,8 +119,9 @@ class GlobalMoves:
         self.graph, self.num_devices, self.precision, self.evaluate = graph, num_devices, precision, evaluate
         blocks = len(megatron_blocks(graph))
         tps = [t for t in divisors(num_devices) if t <= 8] if blocks else [1]
-        pps = [p for p in divisors(num_devices) if p <= max(blocks, 1)]
         self.layers = layers_of(graph) if blocks else None
+        # a stage holds at least one whole layer (Megatron-LM: the layers divide by the pipeline size)
+        pps = [p for p in divisors(num_devices) if p <= max(len(self.layers) if self.layers else blocks, 1)]
         tied = _tied(graph)
         apart: dict[int, bool] = {}  # micro-batch count -> whether it keeps every op's samples apart
         self.factorizations = [

@@ -175,3 +175,13 @@ def test_factorized_init_without_a_device_to_factor_is_named():
     with pytest.raises(Exception, match="init = 'factorized': model 'mlp' on 1 devices has no valid factorization"):
         search(traced("mlp"), topology="p100-1x4", num_devices=1, budget_s=None, proposals=5, init="factorized",
                exhaustive_limit=0)
+
+
+def test_the_pipeline_degree_is_at_most_the_layers():
+    """The zoo gpt's 2 layers are 4 blocks: on 32 devices pipeline 4 would leave a stage without a
+    layer (its attention or MLP block alone, or the ops between two blocks), so the
+    factorizations stop at 2."""
+    graph = traced("gpt", batch_size=32)
+    assert len(megatron_blocks(graph)) == 4
+    moves = GlobalMoves(graph, 32, (1, 2), "bf16")
+    assert {f.pp for f in moves.factorizations} == {1, 2}
