@@ -27,8 +27,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from simulator.contention import COMPUTE_KINDS, PASSES
-from simulator.engine import event_times
+from simulator.contention import COMPUTE_KINDS, PASSES, settled_times
 from simulator.taskgraph import TaskGraph, TaskKind
 from simulator.topology import Topology
 
@@ -154,11 +153,4 @@ def overlapped_times(tg: TaskGraph, topology: Topology, start: np.ndarray, end: 
     groups = overlap_groups(tg, topology, base)
     if not groups:
         return start, end
-    slowed = overlapped_durations(groups, base, start, end)
-    if np.array_equal(slowed, base):  # nothing ran beside a collective: the timeline holds
-        return start, end
-    for i in range(PASSES):
-        start, end = event_times(tg, duration=slowed)
-        if i + 1 < PASSES:
-            slowed = overlapped_durations(groups, base, start, end)
-    return start, end
+    return settled_times(tg, start, end, base, lambda s, e: overlapped_durations(groups, base, s, e))

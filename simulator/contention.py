@@ -14,13 +14,15 @@ take turns get little of it, which one calibrated FLOP/s for all plans cannot ex
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from simulator.engine import event_times
 from simulator.taskgraph import TaskGraph, TaskKind
 from simulator.topology import Topology
 
-__all__ = ["COMPUTE_KINDS", "PASSES", "contended", "contended_times", "node_tasks", "slowed_durations"]
+__all__ = ["COMPUTE_KINDS", "PASSES", "contended", "contended_times", "node_tasks", "settled_times", "slowed_durations"]
 
 PASSES = 2
 """Timelines re-run after the first, each with the durations the previous one implies."""
@@ -85,6 +87,17 @@ def contended_times(tg: TaskGraph, topology: Topology, start: np.ndarray, end: n
         return start, end
     base = tg.arrays()[0] if base is None else base
     groups = node_tasks(tg, topology, base)
-    for _ in range(PASSES):
-        start, end = event_times(tg, duration=slowed_durations(groups, base, start, end))
+    return settled_times(tg, start, end, base, lambda s, e: slowed_durations(groups, base, s, e))
+
+
+def settled_times(tg: TaskGraph, start: np.ndarray, end: np.ndarray, base: np.ndarray,
+                  durations: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """``PASSES`` passes from the timeline (``start``, ``end``: the event loop's on the ``base``
+    durations), each the event loop again on ``durations(start, end)`` of the timeline before;
+    the given timeline where the first pass's durations are ``base`` (nothing slowed)."""
+    for i in range(PASSES):
+        slowed = durations(start, end)
+        if i == 0 and np.array_equal(slowed, base):
+            return start, end
+        start, end = event_times(tg, duration=slowed)
     return start, end

@@ -19,13 +19,7 @@ class Recompute:
         (an op that returns its input: let go with that output)."""
         out = self.outs[i]
         self.outs[i] = release(out)
-        for c, k in self.readers.get(i, ()):
-            leaf = self.leaves[c][k] if self.leaves[c] is not None else None
-            if leaf is None or leaf is self.outs[c] or not shares(leaf, out):
-                continue
-            self.saved_storages[c].check(leaf, self.recipes[c].part.op, self.recipes[c].node.kind,
-                                         self.recipes[i].part.op)
-            hollow(leaf)
+        self._hollow(out, self.readers.get(i, ()), self.recipes[i].part.op, own_outputs=True)
 
     def _let_go(self, i: int) -> None:
         """Let go of what collective ``i`` left this rank (``strategies.collective_buffers``): its
@@ -35,13 +29,20 @@ class Recompute:
         if isinstance(out, Released):
             return
         self.shared[i] = release(out)
-        for task, slot in self.collective_readers[i]:
-            leaf = self.leaves[task][slot] if self.leaves[task] is not None else None
-            if leaf is None or not shares(leaf, out):
+        self._hollow(out, self.collective_readers[i], self.lowered.collectives[i].op, own_outputs=False)
+
+    def _hollow(self, out, readers, producer: str, own_outputs: bool) -> None:
+        """Hollow the leaf copies of ``out`` its ``readers`` ((partition, slot) pairs) hold, each
+        checked first against its reader's saved storages where the reader has them
+        (``SavedStorages.check``, naming ``producer``); with ``own_outputs``, a leaf that is its
+        reader's output is kept."""
+        for c, k in readers:
+            leaf = self.leaves[c][k] if self.leaves[c] is not None else None
+            if leaf is None or (own_outputs and leaf is self.outs[c]) or not shares(leaf, out):
                 continue
-            if task in self.saved_storages:
-                r = self.recipes[task]
-                self.saved_storages[task].check(leaf, r.part.op, r.node.kind, self.lowered.collectives[i].op)
+            if c in self.saved_storages:
+                r = self.recipes[c]
+                self.saved_storages[c].check(leaf, r.part.op, r.node.kind, producer)
             hollow(leaf)
 
     def _regraph(self, r: Recipe) -> None:
