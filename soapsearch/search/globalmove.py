@@ -9,7 +9,8 @@ alone, or of every block, ``strategies.baselines.recomputed``, where the blocks 
 layers). The pipeline degree divides the transformer layers (``pipeline_degrees``; at most the
 blocks where they do not pair): every stage holds the same whole layers, as Megatron-LM's layers
 divide by its pipeline size, and a stage of the ops between two blocks alone would only add a
-hop. The micro-batch counts are the search's ``choices`` and, for each data-parallel degree d, one sequence a micro-batch (batch / d, the count Megatron-LM runs), so the family of
+hop. The micro-batch counts are the search's ``choices`` and, for each data-parallel degree d,
+one sequence a micro-batch (batch / d, the count Megatron-LM runs), so the family of
 ``strategies.baselines.megatron_lm`` (tensor × pipeline with sequence parallelism, 1F1B, one
 sequence a micro-batch, layers recomputed, ZeRO-1) is among the factorizations. A proposal draws one
 factorization uniformly, whatever the current plan, so the reverse of a move from one
