@@ -4,7 +4,12 @@ uses too: a block's ops and its backward scale together), each boundary then mov
 ops between two blocks to where the fewest bytes cross it (``_narrowest``): after a layer's
 closing residual add, where Megatron-LM cuts its layers into stages (one tensor, the residual
 stream, sent to the next stage; Narayanan et al. SC'21 §2.2, §4.1), not after the next
-LayerNorm (its output read by the q, k and v products beside the residual stream)."""
+LayerNorm (its output read by the q, k and v products beside the residual stream). A block's
+unit ends with its row-parallel linear's readers: the reduction of the linear's partial sums (an
+all-reduce, or a reduce-scatter with sequence parallelism) is lowered into the op that reads
+them, and Megatron-LM's ``RowParallelLinear`` reduces its output inside the layer, so no stage
+boundary falls between them (partial sums sent to the next stage would cross the tensor-parallel
+members of two stages, which the member fold refuses)."""
 
 from __future__ import annotations
 
@@ -21,13 +26,16 @@ _LEAF = {"parameter", "constant", "input"}
 
 def _units(graph: OpGraph, blocks: Sequence[tuple[tuple[str, ...], tuple[str, ...], str]]) -> list[list[str]]:
     """The ops in graph order cut into units no stage boundary may split: each block's span
-    (its first op to its row linear) and every other op alone; inputs, weights and constants
-    are left out (they go with their first reader)."""
+    (its first op to its row linear's last reader outside the blocks, where the partial sums
+    are reduced; a block read straight by the next, as in a stack of MLPs, stays its own) and
+    every other op alone; inputs, weights and constants are left out (they go with their first
+    reader)."""
     names = [n.name for n in graph]
     pos = {x: i for i, x in enumerate(names)}
+    inside = {x for columns, middle, row in blocks for x in (*columns, *middle, row)}
     span_end = {}
     for columns, middle, row in blocks:
-        ops = (*columns, *middle, row)
+        ops = (*columns, *middle, row, *(u for u in graph.users(row) if u not in inside))
         lo, hi = min(pos[x] for x in ops), max(pos[x] for x in ops)
         span_end[lo] = max(span_end.get(lo, lo), hi)
     units, i = [], 0

@@ -6,10 +6,11 @@ layout between the blocks, and re-derives every op's config from it as the basel
 ``strategies.baselines.sharded`` for the sharding level; recompute is Megatron-LM's full recompute of every
 transformer layer, ``strategies.megatron_layers.layer_recomputed``, each layer keeping its input
 alone, or of every block, ``strategies.baselines.recomputed``, where the blocks do not pair into
-layers). The pipeline degree is at most the transformer layers (the blocks where they do not
-pair): a stage holds a whole layer at least, as Megatron-LM's layers divide by its pipeline size,
-and a stage of the ops between two blocks alone would only add a hop. The micro-batch counts are the search's ``choices`` and, for each data-parallel degree
-d, one sequence a micro-batch (batch / d, the count Megatron-LM runs), so the family of
+layers). The pipeline degree divides the transformer layers (``pipeline_degrees``; at most the
+blocks where they do not pair): every stage holds the same whole layers, as Megatron-LM's layers
+divide by its pipeline size, and a stage of the ops between two blocks alone would only add a
+hop. The micro-batch counts are the search's ``choices`` and, for each data-parallel degree d,
+one sequence a micro-batch (batch / d, the count Megatron-LM runs), so the family of
 ``strategies.baselines.megatron_lm`` (tensor × pipeline with sequence parallelism, 1F1B, one
 sequence a micro-batch, layers recomputed, ZeRO-1) is among the factorizations. A proposal draws one
 factorization uniformly, whatever the current plan, so the reverse of a move from one
@@ -46,7 +47,7 @@ from strategies.strategy import SCHEDULES, Strategy
 if TYPE_CHECKING:
     from soapsearch.search.api import Evaluator
 
-__all__ = ["RESTAGE", "Factorization", "GlobalMoves", "divisors", "layers_of"]
+__all__ = ["RESTAGE", "Factorization", "GlobalMoves", "divisors", "layers_of", "pipeline_degrees"]
 
 RESTAGE = 0.25
 """The probability that a global proposal from a pipelined plan rebalances its stages."""
@@ -72,6 +73,17 @@ class Factorization:
 def divisors(n: int) -> list[int]:
     """The divisors of ``n``, ascending."""
     return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def pipeline_degrees(num_devices: int, blocks: int, layers: int | None) -> list[int]:
+    """The pipeline degrees a search factors ``num_devices`` devices into: those dividing both
+    the devices and the ``layers`` transformer layers (Megatron-LM asserts num_layers % pp == 0:
+    every stage the same whole layers, none without a layer, which would be pure overhead: its
+    send, receive and bubble with no work), or, where the ``blocks`` do not pair into layers
+    (``layers`` None), those at most the blocks."""
+    if layers is not None:
+        return [p for p in divisors(num_devices) if layers % p == 0]
+    return [p for p in divisors(num_devices) if p <= max(blocks, 1)]
 
 
 def _counts(graph: OpGraph, choices: Sequence[int], d: int, apart: dict[int, bool]) -> list[int]:
@@ -120,8 +132,7 @@ class GlobalMoves:
         blocks = len(megatron_blocks(graph))
         tps = [t for t in divisors(num_devices) if t <= 8] if blocks else [1]
         self.layers = layers_of(graph) if blocks else None
-        # a stage holds at least one whole layer (Megatron-LM: the layers divide by the pipeline size)
-        pps = [p for p in divisors(num_devices) if p <= max(len(self.layers) if self.layers else blocks, 1)]
+        pps = pipeline_degrees(num_devices, blocks, len(self.layers) if self.layers is not None else None)
         tied = _tied(graph)
         apart: dict[int, bool] = {}  # micro-batch count -> whether it keeps every op's samples apart
         self.factorizations = [

@@ -39,7 +39,7 @@ from simulator.memory import peak_memory
 from simulator.result import SimResult
 from simulator.simulate import FOLD_FROM, Lowerings
 from simulator.topology import Topology
-from soapsearch.search.globalmove import Factorization, GlobalMoves, divisors, layers_of
+from soapsearch.search.globalmove import Factorization, GlobalMoves, divisors, layers_of, pipeline_degrees
 from soapsearch.search.mcmc import ChainStats, consider, plan_cost, rank
 from soapsearch.search.pace import SUMMARY, Pace
 from soapsearch.search.scratch import Scratch
@@ -198,7 +198,7 @@ def megatron_lm_factors(graph: OpGraph, topo: Topology, n: int, optimizer: str, 
                         reduce_dtype: str = "compute") -> tuple[int, int] | None:
     """The tensor × pipeline degrees of ``strategies.baselines.megatron_lm`` on ``n`` devices
     (one sequence a micro-batch, 1F1B, sequence parallelism, layers recomputed, ZeRO-1): of the
-    degrees ``GlobalMoves`` factors (t ≤ 8 within a node, t > 1, p at most the layers),
+    degrees ``GlobalMoves`` factors (t ≤ 8 within a node, t > 1, p dividing the layers),
     the one ``estimate`` times fastest among those estimated to fit, else the one of least
     memory; None where the graph has no layers or the batch leaves no data-parallel degree.
     ``reduce_dtype``: what the plan sums gradients in (``Strategy.reduce_dtype``)."""
@@ -208,7 +208,7 @@ def megatron_lm_factors(graph: OpGraph, topo: Topology, n: int, optimizer: str, 
     shape = _shape(graph, topo, n, optimizer, precision, reduce_dtype)
     out = []
     for t in (t for t in divisors(n) if 1 < t <= 8):
-        for p in (p for p in divisors(n // t) if p <= len(layers)):
+        for p in (p for p in pipeline_degrees(n // t, len(megatron_blocks(graph)), len(layers))):
             d = n // (t * p)
             if graph.batch_size % d:
                 continue

@@ -185,3 +185,12 @@ def test_the_pipeline_degree_is_at_most_the_layers():
     assert len(megatron_blocks(graph)) == 4
     moves = GlobalMoves(graph, 32, (1, 2), "bf16")
     assert {f.pp for f in moves.factorizations} == {1, 2}
+
+
+def test_pipeline_degrees_divide_the_layers():
+    """Megatron-LM's rule (num_layers % pp == 0): GPT-3's 96 layers (192 blocks) on 1,024
+    devices factor P 1-32, not 64 (1.5 layers a stage) or 128 (a stage of one block, half with
+    none of a layer's attention); where the blocks do not pair into layers, P up to the blocks."""
+    assert globalmove.pipeline_degrees(1024, 192, 96) == [1, 2, 4, 8, 16, 32]
+    assert globalmove.pipeline_degrees(12, 6, 3) == [1, 3]
+    assert globalmove.pipeline_degrees(8, 5, None) == [1, 2, 4]

@@ -10,12 +10,15 @@ import dataclasses
 import random
 
 import pytest
+import torch
 
 from simulator.cost import get_cost_model
 from simulator.presets import get_topology
 from simulator.simulate import Lowerings, simulate_plan, timed_graph
 from simulator.tasks import TaskCache
 from simulator.topology import Topology
+from soapsearch import trace
+from soapsearch._models.transformer import GPT, GPTConfig
 from strategies.baselines import megatron_lm, recomputed
 from strategies.config import ParallelConfig
 from strategies.lowered import WEIGHT_KINDS
@@ -251,3 +254,19 @@ def test_copies_that_do_not_own_their_links_fall_back_per_device(monkeypatch):
     result = simulate_plan(graph, plan, topo, fold=True)
     assert_same(result, full)
     assert result.num_tasks == full.num_tasks
+
+
+def test_member_fold_with_more_stages_than_layers():
+    """24 layers in 32 stages (T4 x P32, GPipe, sequence parallel; GPT-3's 96 layers in 128 at
+    1,024 devices in small): the stages once started after a row linear (blocks_4_mlp_proj's
+    partial sums sent to the next stage crossed members, so it was lowered per device); with the
+    reduction on the linear's stage (``strategies.megatron_stages``) its members fold, and the
+    member fold is the per-device simulation."""
+    with torch.device("meta"):
+        model = GPT(GPTConfig(n_layer=24, n_head=4, n_embd=16, seq_len=16, vocab_size=64))
+        tokens = torch.zeros(8, 16, dtype=torch.long)
+    graph, topo = trace(model, (tokens, tokens), name="gpt-24-layers"), get_topology("a100-16x8")
+    plan = megatron(graph, 128, tp=4, pp=32, microbatches=2, sequence_parallel=True)
+    lowerings = Lowerings(graph, plan)
+    assert isinstance(lowerings.first(topo, True).copies, MemberFold), lowerings.why
+    assert_same(simulate_plan(graph, plan, topo, fold=True), simulate_plan(graph, plan, topo, fold=False))
