@@ -21,7 +21,7 @@ from strategies.graph import OpGraph
 from strategies.lowered import (WEIGHT_KINDS, BucketKey, DeviceBytes, Gate, GradientSync, Lowered, OpPieces,
                                 Partition, ReductionGroup, Transfer, WeightRead, WeightShard, bucket_key,
                                 split_buckets)
-from strategies.lowering_cache import Last, changed_ops, update
+from strategies.lowering_cache import Last, changed_ops, same_objects, update
 from strategies.lowering_copies import expand_totals
 from strategies.lowering_reference import lower_reference
 from strategies.precision import compute_graph
@@ -135,7 +135,7 @@ def lower(graph: OpGraph, strategy: Strategy, cache: dict | None = None, copies:
     last.configs = strategy.configs
     shards = tuple(itertools.chain.from_iterable(map(_shards, last.held.values())))
     cap, split = (strategy.bucket_cap_bytes, strategy.reduce_dtype), cache.get(_state("buckets", m, n, copies))  # the last call's, where its shards are these
-    if split is None or split[0] != cap or len(split[1]) != len(shards) or not all(map(operator.is_, split[1], shards)):
+    if split is None or split[0] != cap or not same_objects(split[1], shards):
         split = cache[_state("buckets", m, n, copies)] = (cap, shards, split_buckets(shards, cap[0], strategy))
     buckets, of = split[2]
     sync = GradientSync(buckets, tuple(last.tensors.tolist()), of)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import operator
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
@@ -23,7 +23,13 @@ from strategies.region import Box
 from strategies.strategy import Strategy
 from strategies.symmetry import Copies
 
-__all__ = ["Held", "Last", "changed_ops", "update"]
+__all__ = ["Held", "Last", "changed_ops", "same_objects", "update"]
+
+
+def same_objects(a: Sequence, b: Sequence) -> bool:
+    """Whether ``a`` and ``b`` hold the same objects in the same order (identity, not equality:
+    a piece made again is new work even where it compares equal)."""
+    return len(a) == len(b) and all(map(operator.is_, a, b))
 
 
 def changed_ops(last: "Last | None", configs: tuple[tuple[str, Any], ...]) -> list[str] | None:
@@ -208,7 +214,7 @@ class Last:
         """Weight ``name``'s shards for its readers' current pieces, the totals patched."""
         read_by = tuple(self.by_op[op] for op in self.readers.get(name, ()))
         old = self.held.get(name)
-        if old is not None and len(old.read_by) == len(read_by) and all(map(operator.is_, old.read_by, read_by)):
+        if old is not None and same_objects(old.read_by, read_by):
             return
         new = None
         if read_by:
