@@ -69,28 +69,38 @@ def simulate_plan(graph: OpGraph, strategy: Strategy | Lowered, topology: Topolo
 
 def _simulate_plan(graph, strategy, topology, cost_model, *, optimizer, timeline, summary, cache, fold,
                    lowering_cache) -> SimResult:
-    """``simulate_plan`` but the trim."""
+    """``simulate_plan`` but the trim: ``_simulated`` with the cyclic collector paused (tens of
+    thousands of small tuples: it would only add pauses). The task graph and the lowering are
+    let go when ``_simulated`` returns, before the collector resumes, so its first collection
+    does not walk the millions of records made meanwhile."""
+    with paused_gc():
+        return _simulated(graph, strategy, topology, cost_model, optimizer=optimizer, timeline=timeline,
+                          summary=summary, cache=cache, fold=fold, lowering_cache=lowering_cache)
+
+
+def _simulated(graph, strategy, topology, cost_model, *, optimizer, timeline, summary, cache, fold,
+               lowering_cache) -> SimResult:
+    """``_simulate_plan``'s work."""
     topo = get_topology(topology) if isinstance(topology, str) else topology
     cost = get_cost_model(cost_model) if isinstance(cost_model, str) else cost_model
-    with paused_gc():  # tens of thousands of small tuples: the cyclic collector only adds pauses
-        plan = strategy.strategy if isinstance(strategy, Lowered) else strategy
-        if fold is None:
-            fold = plan.num_devices >= FOLD_FROM
-        fold = fold and not timeline
-        relower = None if isinstance(strategy, Lowered) else Lowerings(graph, plan, lowering_cache)
-        lowered = strategy if relower is None else relower.first(topo, fold)
-        tg, folded, start, end = timed_graph(lowered, topo, cost, optimizer, cache, fold, relower=relower)
-        if relower is not None:
-            lowered = relower.last
-        if summary is not True:
-            peak = peak_memory(lowered, optimizer)
-            quick = SimResult(float(end.max(initial=0.0)), (), tuple(peak),
-                              tuple(d.memory_bytes for d in topo.devices[:len(peak)]), {}, len(tg))
-            if not summary or not summary(quick):
-                return quick
-        memory = memory_breakdown(lowered, optimizer)
-        return summarize(tg, topo, start.tolist(), end.tolist(), [m.total for m in memory], timeline, memory,
-                         None if folded is None else folded.copies.tolist())
+    plan = strategy.strategy if isinstance(strategy, Lowered) else strategy
+    if fold is None:
+        fold = plan.num_devices >= FOLD_FROM
+    fold = fold and not timeline
+    relower = None if isinstance(strategy, Lowered) else Lowerings(graph, plan, lowering_cache)
+    lowered = strategy if relower is None else relower.first(topo, fold)
+    tg, folded, start, end = timed_graph(lowered, topo, cost, optimizer, cache, fold, relower=relower)
+    if relower is not None:
+        lowered = relower.last
+    if summary is not True:
+        peak = peak_memory(lowered, optimizer)
+        quick = SimResult(float(end.max(initial=0.0)), (), tuple(peak),
+                          tuple(d.memory_bytes for d in topo.devices[:len(peak)]), {}, len(tg))
+        if not summary or not summary(quick):
+            return quick
+    memory = memory_breakdown(lowered, optimizer)
+    return summarize(tg, topo, start.tolist(), end.tolist(), [m.total for m in memory], timeline, memory,
+                     None if folded is None else folded.copies.tolist())
 
 
 class Lowerings:
