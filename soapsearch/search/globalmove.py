@@ -56,7 +56,7 @@ RESTAGE = 0.25
 @dataclass(frozen=True)
 class Factorization:
     """Data × ``tp`` × ``pp`` devices, ``microbatches`` under ``schedule`` (``interleaved``: 2
-    chunks per pipeline rank, ``microbatches`` a multiple of ``pp``), the weighted ops at
+    chunks per pipeline rank, ``microbatches`` a multiple of ``pp``, the layers of 2·``pp``), the weighted ops at
     sharding level ``zero``, every transformer layer recomputed or not (its blocks' ops where the
     blocks do not pair into layers), the ops between the blocks cut on the sequence
     (``sequence_parallel``) or the samples."""
@@ -129,7 +129,7 @@ class GlobalMoves:
     def __init__(self, graph: OpGraph, num_devices: int, choices: Sequence[int], precision: str,
                  evaluate: "Evaluator | None" = None):
         self.graph, self.num_devices, self.precision, self.evaluate = graph, num_devices, precision, evaluate
-        blocks = len(megatron_blocks(graph))
+        self.blocks = blocks = len(megatron_blocks(graph))
         tps = [t for t in divisors(num_devices) if t <= 8] if blocks else [1]
         self.layers = layers_of(graph) if blocks else None
         pps = pipeline_degrees(num_devices, blocks, len(self.layers) if self.layers is not None else None)
@@ -139,11 +139,20 @@ class GlobalMoves:
             Factorization(t, p, m, s, z, r, sp)
             for t in tps for p in pps if t * p <= num_devices
             for m in _counts(graph, choices, num_devices // (t * p), apart)
-            for s in ((*SCHEDULES, *(("interleaved",) if p > 1 and m % p == 0 else ())) if m > 1 else ("gpipe",))
+            for s in ((*SCHEDULES, *(("interleaved",) if p > 1 and m % p == 0 and self._chunked(p) else ()))
+                      if m > 1 else ("gpipe",))
             for z in (ZERO_LEVELS if p == 1 or not tied else tuple(z for z in ZERO_LEVELS if z < 2))
             for r in ((False, True) if blocks else (False,)) for sp in ((False, True) if t > 1 else (False,))]
         self._base: dict[tuple, Strategy | None] = {}
         self._made: dict[Factorization, Strategy | None] = {}
+
+    def _chunked(self, p: int) -> bool:
+        """Whether ``p`` pipeline ranks take the interleaved schedule's 2 model chunks each:
+        the layers divide by the 2·p stages (Megatron-LM: num_layers % (pp · virtual stages) ==
+        0; where the blocks do not pair into layers, at most the blocks)."""
+        if self.layers is not None:
+            return len(self.layers) % (2 * p) == 0
+        return 2 * p <= self.blocks
 
     def __bool__(self) -> bool:
         return self.num_devices > 1 and len(self.factorizations) > 1

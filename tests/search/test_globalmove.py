@@ -194,3 +194,14 @@ def test_pipeline_degrees_divide_the_layers():
     assert globalmove.pipeline_degrees(1024, 192, 96) == [1, 2, 4, 8, 16, 32]
     assert globalmove.pipeline_degrees(12, 6, 3) == [1, 3]
     assert globalmove.pipeline_degrees(8, 5, None) == [1, 2, 4]
+
+
+def test_interleaving_takes_two_chunks_of_whole_layers_a_rank():
+    """The interleaved schedule's 2 model chunks a pipeline rank: the zoo gpt's 2 layers take it
+    on 1 rank only (a single stage has no schedule), never on 2 (4 stages of 2 layers: a
+    layer cut in two, which Megatron-LM's num_layers % (pp · virtual stages) refuses)."""
+    graph = traced("gpt", batch_size=32)
+    moves = GlobalMoves(graph, 32, (2, 4), "bf16")
+    assert {f.pp for f in moves.factorizations} == {1, 2}
+    assert not [f for f in moves.factorizations if f.schedule == "interleaved"]
+    assert moves._chunked(1) and not moves._chunked(2)
