@@ -57,8 +57,8 @@ RESTAGE = 0.25
 class Factorization:
     """Data × ``tp`` × ``pp`` devices, ``microbatches`` under ``schedule`` (``interleaved``: 2
     chunks per pipeline rank, ``microbatches`` a multiple of ``pp``, the layers a multiple
-    of 2·``pp``), the weighted ops at
-    sharding level ``zero``, every transformer layer recomputed or not (its blocks' ops where the
+    of 2·``pp``), the weighted ops at sharding level ``zero``, every transformer layer
+    recomputed or not (its blocks' ops where the
     blocks do not pair into layers), the ops between the blocks cut on the sequence
     (``sequence_parallel``) or the samples."""
 
