@@ -174,20 +174,25 @@ def test_plan_json_round_trip_and_a_broken_file():
 
 def test_global_moves_draw_interleaved_factorizations():
     """The global move's factorizations (soapsearch/search/globalmove.py) include 2 chunks per
-    rank where pp > 1 divides the micro-batches, and a short walk from one is delta = full."""
+    rank where pp > 1 divides the micro-batches and 2·pp the layers (a GPT of 4 layers: pp 2),
+    and a short walk from one is delta = full."""
     import random
 
     from simulator.cost import get_cost_model
     from simulator.presets import get_topology
+    from soapsearch._models.transformer import GPT, GPTConfig
     from soapsearch.search.api import Evaluator
     from soapsearch.search.globalmove import Factorization, GlobalMoves
     from tests.search.delta_check import assert_delta_equals_full
 
-    graph = traced("gpt", batch_size=16)
+    with torch.device("meta"):
+        model = GPT(GPTConfig(n_layer=4, n_head=2, n_embd=16, seq_len=16, vocab_size=50))
+        tokens = torch.zeros(16, 16, dtype=torch.long)
+    graph = trace(model, (tokens, tokens), name="gpt-4-layers")
     evaluate = Evaluator(graph, get_topology("p100-1x4"), get_cost_model("analytical"))
     moves = GlobalMoves(graph, 4, (1, 2, 4), "model", evaluate)
     inter = [f for f in moves.factorizations if f.schedule == "interleaved"]
-    assert inter and all(f.pp > 1 and f.microbatches % f.pp == 0 for f in inter)
+    assert inter and all(f.pp == 2 and f.microbatches % f.pp == 0 for f in inter)
     plan = moves.plan(Factorization(2, 2, 4, "interleaved", 0, False, False))
     assert plan.schedule == "interleaved" and pipeline_chunks(graph, plan).chunks == 2
     assert_delta_equals_full(evaluate, plan)
