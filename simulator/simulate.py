@@ -59,28 +59,22 @@ def simulate_plan(graph: OpGraph, strategy: Strategy | Lowered, topology: Topolo
     ``lowering_cache``: the cache ``strategies.lowering.lower`` patches from call to call (a
     search's), for every copy set's lowering of ``strategy``. Without ``cache`` nothing of the
     task graph outlives the call: a large one's freed memory goes back to the OS
-    (``simulator.heap.trimmed``; with a cache its owner trims after bounding it)."""
-    result = _simulate_plan(graph, strategy, topology, cost_model, optimizer=optimizer, timeline=timeline,
+    (``simulator.heap.trimmed``; with a cache its owner trims after bounding it).
+
+    The cyclic collector is paused meanwhile (tens of thousands of small tuples: it would only
+    add pauses); ``_simulated``'s task graph and lowering are let go when it returns, before the
+    collector resumes, so its first pass does not walk the millions of records made."""
+    with paused_gc():
+        result = _simulated(graph, strategy, topology, cost_model, optimizer=optimizer, timeline=timeline,
                             summary=summary, cache=cache, fold=fold, lowering_cache=lowering_cache)
     if cache is None:
         trimmed(result.num_tasks)
     return result
 
 
-def _simulate_plan(graph, strategy, topology, cost_model, *, optimizer, timeline, summary, cache, fold,
-                   lowering_cache) -> SimResult:
-    """``simulate_plan`` but the trim: ``_simulated`` with the cyclic collector paused (tens of
-    thousands of small tuples: it would only add pauses). The task graph and the lowering are
-    let go when ``_simulated`` returns, before the collector resumes, so its first collection
-    does not walk the millions of records made meanwhile."""
-    with paused_gc():
-        return _simulated(graph, strategy, topology, cost_model, optimizer=optimizer, timeline=timeline,
-                          summary=summary, cache=cache, fold=fold, lowering_cache=lowering_cache)
-
-
 def _simulated(graph, strategy, topology, cost_model, *, optimizer, timeline, summary, cache, fold,
                lowering_cache) -> SimResult:
-    """``_simulate_plan``'s work."""
+    """``simulate_plan``'s work, the collector paused and the trim left out."""
     topo = get_topology(topology) if isinstance(topology, str) else topology
     cost = get_cost_model(cost_model) if isinstance(cost_model, str) else cost_model
     plan = strategy.strategy if isinstance(strategy, Lowered) else strategy

@@ -47,7 +47,7 @@ from strategies.strategy import SCHEDULES, Strategy
 if TYPE_CHECKING:
     from soapsearch.search.api import Evaluator
 
-__all__ = ["RESTAGE", "Factorization", "GlobalMoves", "divisors", "layers_of", "pipeline_degrees"]
+__all__ = ["RESTAGE", "Factorization", "GlobalMoves", "divisors", "layers_of", "pipeline_degrees", "stages_fit"]
 
 RESTAGE = 0.25
 """The probability that a global proposal from a pipelined plan rebalances its stages."""
@@ -56,11 +56,10 @@ RESTAGE = 0.25
 @dataclass(frozen=True)
 class Factorization:
     """Data × ``tp`` × ``pp`` devices, ``microbatches`` under ``schedule`` (``interleaved``: 2
-    chunks per pipeline rank, ``microbatches`` a multiple of ``pp``, the layers a multiple
-    of 2·``pp``), the weighted ops at sharding level ``zero``, every transformer layer
-    recomputed or not (its blocks' ops where the
-    blocks do not pair into layers), the ops between the blocks cut on the sequence
-    (``sequence_parallel``) or the samples."""
+    chunks per pipeline rank, ``microbatches`` a multiple of ``pp``, its 2·``pp`` stages fitting
+    the layers: ``stages_fit``), the weighted ops at sharding level ``zero``, every transformer
+    layer recomputed or not (its blocks' ops where the blocks do not pair into layers), the ops
+    between the blocks cut on the sequence (``sequence_parallel``) or the samples."""
 
     tp: int
     pp: int
@@ -76,15 +75,18 @@ def divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
+def stages_fit(stages: int, blocks: int, layers: int | None) -> bool:
+    """Whether ``stages`` pipeline stages each take the same whole transformer layers: the
+    ``layers`` divide by them (Megatron-LM asserts num_layers % (pp · virtual stages) == 0; a
+    stage without a layer would be pure overhead: its send, receive and bubble with no work), or,
+    where the ``blocks`` do not pair into layers (``layers`` None), there are at most the blocks."""
+    return layers % stages == 0 if layers is not None else stages <= max(blocks, 1)
+
+
 def pipeline_degrees(num_devices: int, blocks: int, layers: int | None) -> list[int]:
-    """The pipeline degrees a search factors ``num_devices`` devices into: those dividing both
-    the devices and the ``layers`` transformer layers (Megatron-LM asserts num_layers % pp == 0:
-    every stage the same whole layers, none without a layer, which would be pure overhead: its
-    send, receive and bubble with no work), or, where the ``blocks`` do not pair into layers
-    (``layers`` None), those at most the blocks."""
-    if layers is not None:
-        return [p for p in divisors(num_devices) if layers % p == 0]
-    return [p for p in divisors(num_devices) if p <= max(blocks, 1)]
+    """The pipeline degrees a search factors ``num_devices`` devices into: the divisors whose
+    stages fit the layers (``stages_fit``)."""
+    return [p for p in divisors(num_devices) if stages_fit(p, blocks, layers)]
 
 
 def _counts(graph: OpGraph, choices: Sequence[int], d: int, apart: dict[int, bool]) -> list[int]:
@@ -130,30 +132,23 @@ class GlobalMoves:
     def __init__(self, graph: OpGraph, num_devices: int, choices: Sequence[int], precision: str,
                  evaluate: "Evaluator | None" = None):
         self.graph, self.num_devices, self.precision, self.evaluate = graph, num_devices, precision, evaluate
-        self.blocks = blocks = len(megatron_blocks(graph))
+        blocks = len(megatron_blocks(graph))
         tps = [t for t in divisors(num_devices) if t <= 8] if blocks else [1]
         self.layers = layers_of(graph) if blocks else None
-        pps = pipeline_degrees(num_devices, blocks, len(self.layers) if self.layers is not None else None)
+        count = len(self.layers) if self.layers is not None else None
+        pps = pipeline_degrees(num_devices, blocks, count)
         tied = _tied(graph)
         apart: dict[int, bool] = {}  # micro-batch count -> whether it keeps every op's samples apart
         self.factorizations = [
             Factorization(t, p, m, s, z, r, sp)
             for t in tps for p in pps if t * p <= num_devices
             for m in _counts(graph, choices, num_devices // (t * p), apart)
-            for s in ((*SCHEDULES, *(("interleaved",) if p > 1 and m % p == 0 and self._chunked(p) else ()))
-                      if m > 1 else ("gpipe",))
+            for s in ((*SCHEDULES, *(("interleaved",) if p > 1 and m % p == 0 and stages_fit(2 * p, blocks, count)
+                                      else ())) if m > 1 else ("gpipe",))
             for z in (ZERO_LEVELS if p == 1 or not tied else tuple(z for z in ZERO_LEVELS if z < 2))
             for r in ((False, True) if blocks else (False,)) for sp in ((False, True) if t > 1 else (False,))]
         self._base: dict[tuple, Strategy | None] = {}
         self._made: dict[Factorization, Strategy | None] = {}
-
-    def _chunked(self, p: int) -> bool:
-        """Whether ``p`` pipeline ranks take the interleaved schedule's 2 model chunks each:
-        the layers divide by the 2·p stages (Megatron-LM: num_layers % (pp · virtual stages) ==
-        0; where the blocks do not pair into layers, at most the blocks)."""
-        if self.layers is not None:
-            return len(self.layers) % (2 * p) == 0
-        return 2 * p <= self.blocks
 
     def __bool__(self) -> bool:
         return self.num_devices > 1 and len(self.factorizations) > 1

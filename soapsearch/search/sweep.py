@@ -208,7 +208,7 @@ def megatron_lm_factors(graph: OpGraph, topo: Topology, n: int, optimizer: str, 
     shape = _shape(graph, topo, n, optimizer, precision, reduce_dtype)
     out = []
     for t in (t for t in divisors(n) if 1 < t <= 8):
-        for p in (p for p in pipeline_degrees(n // t, len(megatron_blocks(graph)), len(layers))):
+        for p in pipeline_degrees(n // t, len(megatron_blocks(graph)), len(layers)):
             d = n // (t * p)
             if graph.batch_size % d:
                 continue

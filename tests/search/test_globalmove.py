@@ -177,16 +177,6 @@ def test_factorized_init_without_a_device_to_factor_is_named():
                exhaustive_limit=0)
 
 
-def test_the_pipeline_degree_is_at_most_the_layers():
-    """The zoo gpt's 2 layers are 4 blocks: on 32 devices pipeline 4 would leave a stage without a
-    layer (its attention or MLP block alone, or the ops between two blocks), so the
-    factorizations stop at 2."""
-    graph = traced("gpt", batch_size=32)
-    assert len(megatron_blocks(graph)) == 4
-    moves = GlobalMoves(graph, 32, (1, 2), "bf16")
-    assert {f.pp for f in moves.factorizations} == {1, 2}
-
-
 def test_pipeline_degrees_divide_the_layers():
     """Megatron-LM's rule (num_layers % pp == 0): GPT-3's 96 layers (192 blocks) on 1,024
     devices factor P 1-32, not 64 (1.5 layers a stage) or 128 (a stage of one block, half with
@@ -197,11 +187,13 @@ def test_pipeline_degrees_divide_the_layers():
 
 
 def test_interleaving_takes_two_chunks_of_whole_layers_a_rank():
-    """The interleaved schedule's 2 model chunks a pipeline rank: the zoo gpt's 2 layers take it
-    on 1 rank only (a single stage has no schedule), never on 2 (4 stages of 2 layers: a
-    layer cut in two, which Megatron-LM's num_layers % (pp · virtual stages) refuses)."""
+    """The zoo gpt's 2 layers (4 blocks) on 32 devices: pipeline 1 or 2 (4 would leave a stage
+    without a layer), and no interleaving, which needs 2 ranks and 2 chunks a rank: 4 stages of
+    2 layers, a layer cut in two (Megatron-LM's num_layers % (pp · virtual stages) == 0)."""
     graph = traced("gpt", batch_size=32)
+    assert len(megatron_blocks(graph)) == 4
     moves = GlobalMoves(graph, 32, (2, 4), "bf16")
     assert {f.pp for f in moves.factorizations} == {1, 2}
     assert not [f for f in moves.factorizations if f.schedule == "interleaved"]
-    assert moves._chunked(1) and not moves._chunked(2)
+    assert globalmove.stages_fit(2, 4, 2) and not globalmove.stages_fit(4, 4, 2)
+    assert globalmove.stages_fit(4, 5, None) and not globalmove.stages_fit(6, 5, None)

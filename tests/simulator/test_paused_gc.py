@@ -1,6 +1,6 @@
 """simulate_plan pauses the cyclic collector and lets its task graph go before it resumes, so
 the collector's first pass after the call does not walk the task graph's records
-(simulator/simulate.py, ``_simulate_plan``; on GPT-3 175B at 1,024 GPUs that pass took 0.36 s
+(simulator/simulate.py, ``simulate_plan``; on GPT-3 175B at 1,024 GPUs that pass took 0.36 s
 of a 4.4 s simulation)."""
 
 from __future__ import annotations

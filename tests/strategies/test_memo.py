@@ -16,13 +16,13 @@ from strategies.lowering import lower
 from strategies.memo import per_lowered
 from strategies.prefetch import gathered_bytes
 from strategies.schedule import device_order
+from strategies.zero import gather_groups, gather_uses, sharded_state
+from strategies.zero_alike import alike_readers
+from tests.conftest import traced
 
 
 class _Lowered:
     """A stand-in for a ``Lowered``: any object a weak reference can follow."""
-from strategies.zero import gather_groups, gather_uses, sharded_state
-from strategies.zero_alike import alike_readers
-from tests.conftest import traced
 from tests.executor.plans import zero
 
 
