@@ -27,7 +27,7 @@ from strategies.lowering_reference import lower_reference
 from strategies.precision import compute_graph
 from strategies.pieces import check_microbatches, gates, key_readers, partition_box_mb
 from strategies.strategy import Strategy
-from strategies.symmetry import Copies, CrossCopy
+from strategies.symmetry import Copies
 from strategies.zero import gather_uses
 
 __all__ = ["PATCHED", "is_patched_state", "WEIGHT_KINDS", "Partition", "Transfer", "WeightRead", "WeightShard",
@@ -107,9 +107,9 @@ def lower(graph: OpGraph, strategy: Strategy, cache: dict | None = None, copies:
     patched by what changed. ``copies`` (``strategies.symmetry.find_copies`` of this plan): the
     lowering of copy 0 only (``strategies.lowering_copies``; ``Lowered.copies``), kept in the
     cache apart from every other copy set's; ``CrossCopy`` where the plan's pieces cross
-    copies or it shards weights per use (levels 2 and 3: their uses pair up per device). Any
-    schedule folds: the memory walks (``simulator.memory_walks``, the interleaved one once per
-    pipeline rank) read copy 0's rows expanded to every device."""
+    copies. Any schedule and ZeRO level folds: the memory walks (``simulator.memory_walks``, the
+    interleaved one once per pipeline rank) read copy 0's rows expanded to every device, and a
+    level-2/3 use of a holder outside copy 0 is its copy-0 image's (``strategies.zero``)."""
     cache = {} if cache is None else cache  # none given: one used for this call only
     if strategy.precision != "model":  # its own graph (strategies.precision), its own cache
         graph = compute_graph(graph, strategy.compute_dtype)
@@ -144,8 +144,5 @@ def lower(graph: OpGraph, strategy: Strategy, cache: dict | None = None, copies:
         totals[:3] = expand_totals(totals[:3], copies)
     lowered = Lowered(graph, strategy, dict(last.partitions), shards, dict(last.by_op), DeviceBytes(*totals), sync,
                       copies, dict(last.twins))
-    if copies is not None and any(s.zero >= 2 for s in shards):
-        raise CrossCopy("weights sharded per use (levels 2 and 3) pair their uses up on every device: lowered "
-                        "per device")
     gather_uses(lowered)  # level 3 (FSDP): PlanError unless every use pairs up
     return lowered

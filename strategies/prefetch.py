@@ -146,7 +146,9 @@ def gathered_bytes(lowered: Lowered) -> tuple[int, ...]:
     at level 3, the gathered weights (2 × the group's bytes at level 3, 1 × at level 2; a
     partition's groups are all gathered at its step), plus the buffers of the all-gather calls
     issued at or before this step (``calls_at``) whose last reader comes later, each alive from
-    its issue to its last reader (which copies it out)."""
+    its issue to its last reader (which copies it out). A folded lowering's device holds what
+    the kept device it is the image of holds (``Copies.rep_array``: a member fold's member m ≥ 2
+    device reads its own shards through partitions the lowering does not keep)."""
     n = lowered.strategy.num_devices
     groups = gather_groups(lowered)
     gathered = [(u.nbytes, call_key(u)) if u.zero == 3 else None for u in groups]  # once per group
@@ -164,6 +166,8 @@ def gathered_bytes(lowered: Lowered) -> tuple[int, ...]:
                 most = max(most, sum(held[g] for g in gs) + alive)
         for d in c.devices:
             out[d] = most
+    if lowered.copies is not None:  # a member m >= 2 holds its member-1 image's (it reads no kept partition)
+        return tuple(out[r] for r in lowered.copies.rep_array(n).tolist())
     return tuple(out)
 
 

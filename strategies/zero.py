@@ -125,9 +125,10 @@ def gather_uses(lowered: Lowered) -> tuple[GatherUse, ...]:
     for s in shards:
         for op in dict.fromkeys(s.ops):
             readers.setdefault(op, []).append(s)
-    if _KEPT[0] is not graph:
-        _KEPT[:] = [graph, {}]
-    kept = _KEPT[1]
+    copies = lowered.copies
+    if _KEPT[0] is not graph or _KEPT[1] is not copies:
+        _KEPT[:] = [graph, copies, {}]
+    kept = _KEPT[2]
     for node in graph:
         mine = readers.get(node.name)
         if not mine:
@@ -135,20 +136,27 @@ def gather_uses(lowered: Lowered) -> tuple[GatherUse, ...]:
         parts = lowered.partitions[node.name]
         was = kept.get(node.name)
         if was is None or was[0] is not parts or len(was[1]) != len(mine) or not all(map(is_, was[1], mine)):
-            was = kept[node.name] = (parts, mine, _op_uses(graph, node, parts[0], mine))
+            was = kept[node.name] = (parts, mine, _op_uses(graph, node, parts[0], mine, copies))
         out += was[2]
     return tuple(out)
 
 
-_KEPT: list = [None, {}]
-"""The graph of the last ``gather_uses`` and, per reader op, (its partitions, the shards it
-reads, its uses): a lowering shares an unchanged op's partitions and shards with the last one
+_KEPT: list = [None, None, {}]
+"""The graph and copy set of the last ``gather_uses`` and, per reader op, (its partitions, the
+shards it reads, its uses): a lowering shares an unchanged op's partitions and shards with the last one
 (``strategies.lowering_cache``), so only the changed ops' uses are found again."""
 
 
-def _op_uses(graph, node, parts, mine: list[WeightShard]) -> list[GatherUse]:
+def _op_uses(graph, node, parts, mine: list[WeightShard], copies=None) -> list[GatherUse]:
     """The uses of ``mine`` (the level-2/3 shards ``node`` reads, in shard order) by ``node``'s
-    micro-batch-0 partitions ``parts``."""
+    micro-batch-0 partitions ``parts``. ``copies`` (a folded lowering's, ``Lowered.copies``):
+    ``parts`` are the kept devices'; a holder in copy r reads the shard through the φ_r-image of
+    its copy-0 image's partition (the same region: it does not depend on the sample
+    coordinate), which stands here as that kept partition's index (``Copies.representative``).
+    Under a member fold a shard that member m ≥ 2 alone reads has no use here: no kept
+    partition reads its region, and member 1's uses stand for member m's
+    (``strategies.lowering_members``)."""
+    rep = {} if copies is None else copies.representative
     out = []
     names = {w.name: w.role for w in node.weights}
     slots = {graph[src].weights[0].name: i for i, src in enumerate(node.inputs)
@@ -163,13 +171,13 @@ def _op_uses(graph, node, parts, mine: list[WeightShard]) -> list[GatherUse]:
                 on.setdefault(p.device, []).append(p.index)
         if not on:
             continue
-        if sorted(on) != list(s.devices) or any(len(ks) != 1 for ks in on.values()):
-            counts = {d: len(on.get(d, ())) for d in s.devices}
+        if sorted(on) != sorted({rep.get(d, d) for d in s.devices}) or any(len(ks) != 1 for ks in on.values()):
+            counts = {d: len(on.get(rep.get(d, d), ())) for d in s.devices}
             raise PlanError(node.name, "zero", s.zero, f"weight {s.name!r} region {list(map(list, s.region))} is "
                             f"read by {counts} partitions of the op per replica device: level {s.zero} "
                             "reduce-scatters its gradient once per use on every replica, so each must read it "
                             "through one partition")
-        out.append(GatherUse(s, node.name, tuple(on[d][0] for d in s.devices)))
+        out.append(GatherUse(s, node.name, tuple(on[rep.get(d, d)][0] for d in s.devices)))
     return out
 
 

@@ -189,22 +189,26 @@ def test_simulate_plan_folds_from_fold_from_devices():
         assert default.iteration_time == other.iteration_time
 
 
-def _walk(graph, topology: str, plan: Strategy, steps: int, seed: int, recompute: float, copy0: bool
-          ) -> tuple[int, int]:
-    """A walk of one-op proposals from ``plan`` (recompute toggled with probability ``recompute``:
-    still replicated; a drawn config: mostly not), each simulated with the search's caches and
+def _walk(graph, topology: str, plan: Strategy, steps: int, seed: int, recompute: float, copy0: bool,
+          zero: float = 0.0) -> tuple[int, int]:
+    """A walk of one-op proposals from ``plan`` (recompute toggled with probability ``recompute``,
+    a weighted op's ZeRO level drawn with probability ``zero``, then the ops drawn from the
+    weighted ones: still replicated; a drawn config: mostly not), each simulated with the search's caches and
     folding on (``copy0``: lowered for copy 0 where the plan has copies) and asserted equal to a
     per-device run from scratch; returns (folded runs, copy-0 lowerings)."""
     topology, cost = get_topology(topology), get_cost_model("analytical")
     n = plan.num_devices
     rng = random.Random(seed)
     lowering, tasks = {}, TaskCache(topology, cost)
-    ops = [node for node in graph if node.kind not in WEIGHT_KINDS]
+    ops = [node for node in graph if node.kind not in WEIGHT_KINDS and (not zero or node.weights)]
     folds = partial = 0
     for _ in range(steps):
         node = rng.choice(ops)
-        if rng.random() < recompute and _recomputable(graph, node.name):  # a replicated plan stays replicated
-            proposal = plan.replace(node.name, plan[node.name].with_memory(recompute=not plan[node.name].recompute))
+        c, draw = plan[node.name], rng.random()
+        if draw < recompute and _recomputable(graph, node.name):  # a replicated plan stays replicated
+            proposal = plan.replace(node.name, c.with_memory(recompute=not c.recompute))
+        elif draw < recompute + zero and any(w.trainable for w in node.weights):
+            proposal = plan.replace(node.name, c.with_memory(zero=rng.choice([z for z in range(4) if z != c.zero])))
         else:
             proposal = plan.replace(node.name, rng.choice(list(enumerate_configs(node, n, 1, 4))))
         for p in (plan, proposal):  # the chain's current plan, then the proposal
@@ -237,3 +241,12 @@ def test_delta_simulation_on_copy_zero_lowerings_equals_full():
     graph = traced("gpt", batch_size=16)
     _, partial = _walk(graph, "a100-1x8", baseline("data_parallel", graph, 8), 8, 1, 0.6, True)
     assert partial >= 8
+
+
+def test_delta_simulation_on_copy_zero_lowerings_of_sharded_weights_equals_full():
+    """The walk from FSDP on gpt x 8, ZeRO levels 0-3 drawn per op: weights sharded per use
+    (levels 2 and 3) lowered for copy 0, one cache across proposals."""
+    graph = traced("gpt", batch_size=16)
+    plan = baseline("fsdp", graph, 8)
+    _, partial = _walk(graph, "a100-1x8", plan, 12, 2, 0.3, True, zero=0.6)
+    assert partial >= 12

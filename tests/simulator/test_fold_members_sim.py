@@ -1,8 +1,8 @@
 """Member-folded simulation (``simulator.fold_members``): members 0 and 1 of copy 0 simulated for
 every member give the per-device simulation's iteration time, busy time per device, peak
 memory per device and bytes per link kind (rel 1e-9) on megatron GPipe and 1F1B with
-recompute, megatron_lm (sequence parallel, ZeRO-1, bf16) and random recompute/ZeRO-1 plans at
-8-64 devices; plans that fall back name why."""
+recompute, megatron_lm (sequence parallel, ZeRO-1, bf16) and random recompute/ZeRO plans (levels
+0-1, and 0-3: weights sharded per use) at 8-64 devices; plans that fall back name why."""
 
 from __future__ import annotations
 
@@ -43,6 +43,8 @@ def _plans():
         pytest.param(recomputed(megatron(small, 64, tp=4, pp=2, microbatches=2, sequence_parallel=True)
                                 .with_microbatches(2, "1f1b"), small), "a100-8x8", id="megatron-T4-P2-D8-1f1b-recompute"),
         pytest.param(random_plan(small, 64, 3), "a100-8x8", id="random-3-64"),
+        *(pytest.param(random_plan(small, n, seed, (0, 1, 2, 3)), preset, id=f"random-zero3-{seed}-{n}")
+          for seed, n, preset in ((0, 16, "a100-2x8"), (4, 16, "a100-2x8"), (5, 64, "a100-8x8"))),
     ]
 
 
@@ -122,7 +124,7 @@ def test_fallback_names_why():
 
 
 def test_delta_simulation_of_member_folds_equals_full():
-    """A walk of one-op proposals (recompute toggled, ZeRO 0 or 1 drawn: the members stay alike)
+    """A walk of one-op proposals (recompute toggled, a ZeRO level 0-3 drawn: the members stay alike)
     from megatron_lm T4 P2 D2, each simulated member-folded with the search's caches (lowering
     and task blocks kept across proposals) and equal to a per-device run from scratch."""
     graph, topo = traced("gpt", "small"), get_topology("a100-2x8")
@@ -135,7 +137,7 @@ def test_delta_simulation_of_member_folds_equals_full():
     for _ in range(10):
         op = rng.choice(ops)
         c = plan[op]
-        zero = rng.choice((0, 1)) if any(w.trainable for w in graph[op].weights) else c.zero
+        zero = rng.choice((0, 1, 2, 3)) if any(w.trainable for w in graph[op].weights) else c.zero
         proposal = plan.replace(op, c.with_memory(zero, not c.recompute))
         for p in (plan, proposal):
             got = simulate_plan(graph, p, topo, cost, cache=tasks, lowering_cache=lowering, fold=True)

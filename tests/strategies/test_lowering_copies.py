@@ -22,6 +22,7 @@ from strategies.lowered import WEIGHT_KINDS
 from strategies.lowering import loss_on_every_device, lower
 from strategies.megatron import megatron
 from strategies.symmetry import Copies, CrossCopy, copies_of, find_copies
+from strategies.zero import gather_uses
 from tests.conftest import traced
 from tests.simulator.test_fold import random_small, replicated
 
@@ -47,14 +48,19 @@ def assert_restricted(graph, plan, copies, cache=None):
     assert part.gradient_sync == full.gradient_sync
     assert loss_on_every_device(part) == loss_on_every_device(full)
     assert len(part.transfers) * copies.count == len(full.transfers)
+    uses = gather_uses(full)  # a holder in copy r reads through its copy-0 image's partition
+    assert [(u.shard, u.op) for u in gather_uses(part)] == [(u.shard, u.op) for u in uses]
+    for u, w in zip(gather_uses(part), uses):
+        mine = dict(zip(w.shard.devices, w.partitions))
+        assert u.partitions == tuple(mine[copies.representative.get(d, d)] for d in w.shard.devices)
     return full, part
 
 
 def test_baseline_plans_lower_copy_zero_as_restricted():
-    """Data parallel, ZeRO-1, hybrid (1F1B, recompute, bf16) and megatron (sequence parallel:
+    """Data parallel, ZeRO-1, FSDP (level 3: its uses' partitions), hybrid (1F1B, recompute, bf16) and megatron (sequence parallel:
     collectives; T=2, P=2 on 16 devices: 4 copies of 4)."""
     graph = traced("gpt", batch_size=16)
-    plans = [baseline(b, graph, 8) for b in ("data_parallel", "zero1", "hybrid")]
+    plans = [baseline(b, graph, 8) for b in ("data_parallel", "zero1", "fsdp", "hybrid")]
     hybrid = baseline("hybrid", graph, 8).with_microbatches(2, "1f1b")
     plans.append(recomputed(hybrid, graph).with_precision("bf16"))
     plans.append(megatron(graph, 16, tp=2, pp=2, microbatches=2, sequence_parallel=True))
@@ -64,7 +70,7 @@ def test_baseline_plans_lower_copy_zero_as_restricted():
         counts.append(copies.count)
         full, part = assert_restricted(graph, plan, copies)
         assert len(part.reductions) <= len(full.reductions)
-    assert counts == [8, 8, 8, 8, 4]
+    assert counts == [8, 8, 8, 8, 8, 4]
     mlp = traced("mlp", batch_size=32)
     plan = baseline("data_parallel", mlp, 16)
     for count in (16, 4, 2):  # fewer copies of more devices each
@@ -73,7 +79,7 @@ def test_baseline_plans_lower_copy_zero_as_restricted():
 
 @pytest.mark.parametrize("microbatches,schedule", [(2, "1f1b"), (1, "gpipe")])
 def test_random_replicated_plans_lower_copy_zero_as_restricted(microbatches, schedule):
-    """Random mlp plans of G devices repeated on R copies (ZeRO levels 0 and 1, recompute)."""
+    """Random mlp plans of G devices repeated on R copies (ZeRO levels 0-3, recompute)."""
     rng = random.Random(f"copies/{microbatches}/{schedule}")
     done = 0
     for _ in range(40):
@@ -83,8 +89,6 @@ def test_random_replicated_plans_lower_copy_zero_as_restricted(microbatches, sch
         batch = 4 * count * microbatches * 3
         small_graph, graph = traced("mlp", batch_size=batch // count), traced("mlp", batch_size=batch)
         small = random_small(small_graph, g, rng, microbatches, schedule)
-        small = Strategy.of({op: c.with_memory(zero=min(c.zero, 1)) for op, c in small.items()}, g, microbatches,
-                            schedule)
         try:
             plan = replicated(small, graph, count)
             lower(graph, plan)
@@ -97,17 +101,15 @@ def test_random_replicated_plans_lower_copy_zero_as_restricted(microbatches, sch
     assert done == 4
 
 
-def test_weights_sharded_per_use_are_lowered_per_device():
-    """Levels 2 and 3 pair their uses up on every device: ``CrossCopy``, one line."""
-    graph = traced("mlp", batch_size=16)
-    for b in ("fsdp", "zero1"):
-        plan = baseline(b, graph, 8)
-        copies = find_copies(graph, plan)
-        if b == "fsdp":
-            with pytest.raises(CrossCopy, match="levels 2 and 3"):
-                lower(graph, plan, copies=copies)
-        else:
-            assert lower(graph, plan, copies=copies).copies == copies
+def test_weights_sharded_per_use_fold_on_copies():
+    """Levels 2 and 3 pair their uses up per holder: a holder in copy r reads through its copy-0
+    image's partition (megatron T 4 on 16 devices, the LM head at level 3 over its 4 copies)."""
+    graph = traced("gpt", "small")
+    plan = megatron(graph, 16, tp=4, pp=1)
+    plan = plan.replace("lm_head", plan["lm_head"].with_memory(zero=3))
+    copies = find_copies(graph, plan)
+    assert copies.count == 4 and any(u.op == "lm_head" for u in gather_uses(lower(graph, plan)))
+    assert_restricted(graph, plan, copies)
 
 
 def test_the_cache_keeps_each_copy_set_apart():

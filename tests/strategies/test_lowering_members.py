@@ -18,18 +18,19 @@ from strategies.lowering_members import MemberFold, member_fold
 from strategies.megatron import megatron
 from strategies.member_symmetry import TensorMembers
 from strategies.symmetry import CrossCopy, find_copies
+from strategies.zero import gather_uses
 from tests.conftest import traced
 
 
-def random_plan(graph, n: int, seed: int) -> Strategy:
-    """megatron T 4, P 2 on ``n`` devices with each op's recompute and ZeRO level (0 or 1) drawn
-    at random, GPipe or 1F1B."""
+def random_plan(graph, n: int, seed: int, levels: tuple[int, ...] = (0, 1)) -> Strategy:
+    """megatron T 4, P 2 on ``n`` devices with each op's recompute and ZeRO level (of ``levels``)
+    drawn at random, GPipe or 1F1B."""
     rng = random.Random(seed)
     base = megatron(graph, n, tp=4, pp=2, microbatches=2, sequence_parallel=True)
     configs = {}
     for node in graph:
         c = base[node.name]
-        zero = rng.choice((0, 1)) if any(w.trainable for w in node.weights) else 0
+        zero = rng.choice(levels) if any(w.trainable for w in node.weights) else 0
         recompute = node.kind not in (*WEIGHT_KINDS, "input") and graph.needs_grad[node.name] and rng.random() < 0.3
         configs[node.name] = c.with_memory(zero, recompute)
     return Strategy.of(configs, n, 2, rng.choice(("gpipe", "1f1b")))
@@ -85,6 +86,23 @@ def test_representatives_lower_as_every_device(plan):
         # member 0 reads the row-parallel biases: its weight bytes are not member 1's
         d0, d1 = fold.members.members[0][0], fold.members.members[1][0]
         assert full.device_bytes.trainable[d0] > full.device_bytes.trainable[d1]
+
+
+def test_member_fold_keeps_the_kept_members_uses_of_weights_sharded_per_use():
+    """Levels 2 and 3 under a member fold: the uses of every shard a kept device holds, each
+    holder reading through its representative's partition (``Copies.representative``); a
+    shard member m >= 2 alone holds has none (member 1's stand for its)."""
+    graph = traced("gpt", "small")
+    plan = random_plan(graph, 16, 4, (0, 1, 2, 3))
+    fold = member_fold(graph, plan, find_copies(graph, plan))
+    full, folded = gather_uses(lower(graph, plan)), gather_uses(lower(graph, plan, copies=fold))
+    rep, want = fold.representative, []
+    for u in full:
+        if fold.kept.intersection(u.shard.devices):
+            on = dict(zip(u.shard.devices, u.partitions))
+            want.append((u.shard, u.op, tuple(on[rep.get(d, d)] for d in u.shard.devices)))
+    assert [tuple(u) for u in folded] == want
+    assert {u.shard.zero for u in folded} == {2, 3} and len(want) < len(full)
 
 
 def test_delta_lowering_of_members_equals_a_fresh_one():
