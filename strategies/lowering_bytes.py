@@ -12,7 +12,8 @@ from strategies.lowered import OpPieces
 from strategies.lowering import is_patched_state
 from strategies.lowering_cache import Held
 
-__all__ = ["LOWERING_BYTES", "RECORD_BYTES", "LoweringCache", "counted", "held_bytes", "item_bytes", "pieces_bytes"]
+__all__ = ["LOWERING_BYTES", "RECORD_BYTES", "LoweringCache", "counted", "entry_bytes", "held_bytes", "item_bytes",
+           "key_bytes", "pieces_bytes"]
 
 LOWERING_BYTES = 256 << 20
 """The bytes (``pieces_bytes``, ``held_bytes``) a search's lowering cache holds before its oldest
@@ -37,6 +38,31 @@ _SLOT = 8
 """Bytes of one entry of a per-device tuple (a pointer; small ints are shared); ``_TUPLE`` its
 header."""
 _TUPLE = 40
+_INT = 32
+"""Bytes of an int outside CPython's shared small ints (-5..256): 28, as the allocator rounds."""
+_HELD = 56
+"""Bytes of the count's own record of one object (``LoweringCache._held``: a 3-slot list and
+the dict's slot): 53 an object freed under tracemalloc on GPT's factorizations at 64 devices."""
+
+
+def key_bytes(key: Any) -> int:
+    """Bytes a cache key holds alone: its tuples (plain ``tuple``s, nested; a device set's
+    ``Hashed`` tuple is its config's) and their ints past 256. A key of a copy-0 or member
+    lowering names every device of its op's and producers' configs (``strategies.lowering_shared
+    .relative_key``) while its pieces keep the kept devices' records only: at 1,024 devices the
+    key outweighs them."""
+    if type(key) is not tuple:
+        return 0
+    total, stack = 0, [key]
+    while stack:
+        t = stack.pop()
+        total += _TUPLE + _SLOT * len(t)
+        for x in t:
+            if type(x) is tuple:
+                stack.append(x)
+            elif type(x) is int and not -5 <= x <= 256:
+                total += _INT
+    return total
 
 
 def pieces_bytes(pieces: OpPieces) -> int:
@@ -82,9 +108,15 @@ def item_bytes(item: Any) -> int:
     return _TUPLE + _SLOT * len(item)
 
 
+def entry_bytes(item: Any) -> int:
+    """``item_bytes`` with the ``LoweringCache``'s own record of the object (``_HELD``)."""
+    return _HELD + item_bytes(item)
+
+
 class LoweringCache(dict):
-    """A dict ``lower`` reads and writes whose ``nbytes`` is ``item_bytes`` of every distinct
-    pieces, per-device tuple and shards object its entries hold (``counted``) (``Last``, the state ``lower``
+    """A dict ``lower`` reads and writes whose ``nbytes`` is ``entry_bytes`` of every distinct
+    pieces, per-device tuple and shards object its entries hold (``counted``) and ``key_bytes``
+    of its keys (``Last``, the state ``lower``
     patches in place, holds one plan's pieces besides). ``trim``: past ``limit``, the oldest
     entries go until half of it is held. A nested cache (a precision's) is one too, with its
     own count and bound."""
@@ -103,7 +135,7 @@ class LoweringCache(dict):
         for item in counted(value):
             got = self._held.get(id(item))
             if got is None:
-                size = item_bytes(item)
+                size = entry_bytes(item)
                 self._held[id(item)] = [item, 1, size]
                 self.nbytes += size
             else:
@@ -119,6 +151,8 @@ class LoweringCache(dict):
 
     def __setitem__(self, key: Any, value: Any) -> None:
         old = dict.get(self, key)
+        if old is None and not dict.__contains__(self, key):
+            self.nbytes += key_bytes(key)
         dict.__setitem__(self, key, value)
         if isinstance(value, LoweringCache):
             self._nested[key] = value
@@ -131,6 +165,7 @@ class LoweringCache(dict):
     def __delitem__(self, key: Any) -> None:
         self._nested.pop(key, None)
         self._release(dict.pop(self, key))
+        self.nbytes -= key_bytes(key)
 
     def pop(self, key: Any, *default: Any) -> Any:
         if not dict.__contains__(self, key):
@@ -138,6 +173,7 @@ class LoweringCache(dict):
         value = dict.pop(self, key)
         self._nested.pop(key, None)
         self._release(value)
+        self.nbytes -= key_bytes(key)
         return value
 
     def setdefault(self, key: Any, default: Any = None) -> Any:
@@ -164,6 +200,7 @@ class LoweringCache(dict):
         key, value = dict.popitem(self)
         self._nested.pop(key, None)
         self._release(value)
+        self.nbytes -= key_bytes(key)
         return key, value
 
     def total(self) -> int:

@@ -6,10 +6,13 @@ changes them alike in every copy, so it stays foldable (one copy simulated for a
 A changed config's partitions are split as folding reads them: its sample dim's coordinates
 into R runs, run r to copy r. Run 0's devices are taken to their copy-0 images (φ_r⁻¹) and run r
 is set to φ_r of those: the change the move made in copy 0, made in every copy. A proposal
-already replicated over R copies is kept as drawn; one whose change cannot be imaged (its
-sample dim not cut a multiple of R ways, two partitions of one run on the images of one
-device) is kept where it is replicated otherwise (a global move's plan), else it is no
-proposal. ``mcmc.run_chain`` applies it to every
+already replicated over R copies is kept as drawn, and so is a global move's (``kind``
+"global": it re-derives every op from a factorization, replicated over its data-parallel
+degree); any other whose change cannot be imaged (its sample dim not cut a multiple of R ways,
+two partitions of one run on the images of one device) is no proposal: replicated over fewer
+copies, it would be simulated on copies of more devices each (an op's sample cut 2 ways in
+a plan of 32 copies of GPT-3 175B's 32 devices leaves 2 copies of 512: its simulation takes
+tens of GiB). ``mcmc.run_chain`` applies it to every
 proposal where ``Moves.symmetric`` is set: by ``search`` from ``FOLD_FROM`` devices, where
 simulations fold (below, the plain moves)."""
 
@@ -69,28 +72,29 @@ class SymmetricMoves:
             got = self._copies[id(plan)] = (plan, find_copies(self.graph, plan))
         return got[1]
 
-    def image(self, current: Strategy, proposal: Strategy | None) -> Strategy | None:
-        """``proposal`` with its changed configs imaged over ``current``'s copies (as drawn
-        where ``current`` has none, or ``proposal`` is replicated by itself)."""
+    def image(self, current: Strategy, proposal: Strategy | None, kind: str | None = None) -> Strategy | None:
+        """``proposal`` (of move ``kind``) with its changed configs imaged over ``current``'s
+        copies (as drawn where ``current`` has none, ``proposal`` is replicated over them by
+        itself, or it is a global move's); None where a change cannot be imaged."""
         if proposal is None:
             return None
         copies = self.copies(current)
-        if copies is None or copies_of(self.graph, proposal, copies.count) is not None:
+        if copies is None or kind == "global" or copies_of(self.graph, proposal, copies.count) is not None:
             return proposal
         changed = {}
         for op, cfg in proposal.configs:
             if cfg is current[op] or self.graph[op].kind in WEIGHT_KINDS:
                 continue
             image = imaged(cfg, self.graph[op].sample_dim, copies)
-            if image is None:  # replicated otherwise (a global move's plan) or not at all
-                return proposal if find_copies(self.graph, proposal) is not None else None
+            if image is None:  # over fewer copies or none
+                return None
             if image is not cfg:
                 changed[op] = image
         return replaced(proposal, changed) or proposal
 
     def wrap(self, propose: Propose) -> Propose:
         """``propose`` with its proposals imaged (``image``)."""
-        def symmetric(current: Strategy, *how) -> tuple[Strategy | None, bool]:
-            proposal, block = propose(current, *how)
-            return self.image(current, proposal), block
+        def symmetric(current: Strategy, kind: str) -> tuple[Strategy | None, bool]:
+            proposal, block = propose(current, kind)
+            return self.image(current, proposal, kind), block
         return symmetric

@@ -11,15 +11,15 @@ from soapsearch.search.globalmove import GlobalMoves
 from soapsearch.search.mcmc import candidate_configs
 from strategies import data_parallel, model_parallel
 from strategies.lowered import OpPieces
-from strategies.lowering_bytes import LOWERING_BYTES, LoweringCache, counted, item_bytes, pieces_bytes
+from strategies.lowering_bytes import LOWERING_BYTES, LoweringCache, counted, entry_bytes, key_bytes, pieces_bytes
 from tests.conftest import traced
 from tests.search.delta_check import assert_delta_equals_full
 
 
 def _real(cache: LoweringCache) -> int:
-    """The bytes of the distinct objects the cache's entries hold, found afresh."""
+    """The bytes of the distinct objects the cache's entries hold and of its keys, found afresh."""
     found = {id(item): item for value in dict.values(cache) for item in counted(value)}
-    return sum(map(item_bytes, found.values()))
+    return sum(map(entry_bytes, found.values())) + sum(map(key_bytes, dict.keys(cache)))
 
 
 def test_the_lowering_cache_stays_under_its_bytes_and_results_stay_exact(monkeypatch):

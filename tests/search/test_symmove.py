@@ -1,5 +1,6 @@
 """Symmetric proposals (soapsearch/search/symmove.py): at 64 devices an op move from a
-replicated plan is made alike in every copy, so the proposal keeps the plan's copies; a search
+replicated plan is made alike in every copy, so the proposal keeps the plan's copies (one
+replicated over fewer copies is dropped, but a global move's); a search
 there is deterministic for a seed with 1 and 2 workers and its plan stays foldable."""
 
 import random
@@ -54,18 +55,21 @@ def test_an_op_move_is_made_in_every_copy():
     candidates = candidate_configs(graph, 64, 1, 8)
     ops = [op for op in candidates if graph[op].kind not in WEIGHT_KINDS and len(candidates[op]) > 1]
     rng = random.Random(0)
-    kept = dropped = 0
-    for _ in range(100):  # drawn configs: kept where replicated by themselves, else dropped
+    dropped = fewer = 0
+    for _ in range(100):  # drawn configs: kept where replicated over the 32 copies, else dropped
         op = rng.choice(ops)
         proposal = current.replace(op, rng.choice(candidates[op]))
-        image = moves.image(current, proposal)
+        image = moves.image(current, proposal, "block")
         if image is None:
-            assert find_copies(graph, proposal) is None
+            assert copies_of(graph, proposal, 32) is None
             dropped += 1
+            found = find_copies(graph, proposal)
+            if found is not None:  # over fewer copies of more devices each: dropped, but a global move's
+                fewer += 1
+                assert found.count < 32 and moves.image(current, proposal, "global") is proposal
         else:
-            assert find_copies(graph, image) is not None
-            kept += 1
-    assert kept > 0 and dropped > 0
+            assert copies_of(graph, image, 32) is not None
+    assert dropped > 0 and fewer > 0
 
 
 @pytest.mark.slow
