@@ -8,7 +8,10 @@ micro-batch (m = 128 at 1,024 devices), 1F1B, sequence parallel, every layer rec
 distributed optimizer (ZeRO-1), bf16; GPT-124M, 12 heads and 12 layers: ``strategies.megatron``
 at T=4, P=4, 8 micro-batches, 1F1B, sequence parallel, every block recomputed, bf16), on
 ``a100-<N>x8`` at 8,
-64, 512 and 1,024 devices (megatron where T x P divides them). Each row runs in its own process (its peak RSS is the row's own) and prints the
+64, 512 and 1,024 devices (megatron where T x P divides them). ``--plans`` may also name
+``fsdp`` (``strategies.baselines.fsdp``: data parallel, every weighted op at ZeRO-3, a layer a
+prefetch unit) and ``megatron-zero3`` (the megatron plan with its layers' linears at ZeRO-3):
+weights sharded per use, folded on copies and members as the others. Each row runs in its own process (its peak RSS is the row's own) and prints the
 milliseconds of each phase of one full simulation as ``simulator.simulate_plan`` runs them
 (lower: the copies found and copy 0 lowered, ``simulate.Lowerings``; task graph, with any
 lowering again for fewer copies; event loop; memory) and its process time (cpu ms: less
@@ -22,7 +25,7 @@ both``: each row without, then with, and the ratios); a row that
 fails (too many devices for the preset, MemoryError, past ``--timeout``) prints why. The last
 lines fit total ms = c * devices^k over each model and plan's rows (least squares in log-log).
 
-    python benchmarks/scale.py [--models gpt,gpt3-175b] [--plans dp,megatron]
+    python benchmarks/scale.py [--models gpt,gpt3-175b] [--plans dp,megatron,fsdp,megatron-zero3]
                                [--devices 8,64,512,1024] [--timeout 240] [--per-device]
                                [--members on|off|both]
 """
@@ -50,11 +53,19 @@ al. 2021 ran 175B at T=8, P=16, ``megatron_lm``)."""
 
 def _plan(model: str, graph, kind: str, n: int):
     from strategies import data_parallel
-    from strategies.baselines import megatron_lm, recomputed
+    from strategies.baselines import fsdp, megatron_lm, recomputed
     from strategies.megatron import megatron
+    from strategies.megatron_layers import layer_ops
 
     if kind == "dp":
         return data_parallel(graph, n)
+    if kind == "fsdp":
+        return fsdp(graph, n)
+    if kind == "megatron-zero3":  # the layers' linears (the tied embedding table is read twice a device)
+        plan = _plan(model, graph, "megatron", n)
+        layers = set().union(*layer_ops(graph))
+        return plan.with_configs({op: cfg.with_memory(zero=3) if op in layers and graph[op].kind == "linear" else cfg
+                                  for op, cfg in plan.items()})
     tp, pp, m = MEGATRON[model]
     if m is None:
         return megatron_lm(graph, n, tp, pp)
@@ -160,7 +171,7 @@ def main() -> None:
     for model in args.models.split(","):
         for kind in args.plans.split(","):
             for n in map(int, args.devices.split(",")):
-                if kind == "megatron" and n % (MEGATRON[model][0] * MEGATRON[model][1]):
+                if kind.startswith("megatron") and n % (MEGATRON[model][0] * MEGATRON[model][1]):
                     continue
                 off = None
                 for members in runs:

@@ -15,11 +15,12 @@ from strategies.lowering import lower_reference
 
 
 def delta_walk(graph, topology: str, start, levels: tuple[int, ...], seed: int, steps: int = 30,
-               cost=None) -> list:
+               cost=None, toggle: float = 0.0) -> list:
     """From plan ``start`` (a function of the device count), ``steps`` proposals each setting a
-    weighted op's config (half the time a drawn one) and a level drawn from ``levels``, about
-    half kept; asserts delta and full simulation agree to the bit on each valid one and
-    returns their reference lowerings. ``cost``: the cost model (default the analytical one)."""
+    weighted op's config (half the time a drawn one) and a level drawn from ``levels`` (with
+    probability ``toggle`` instead: its recompute flag switched, its config kept), about half
+    kept; asserts delta and full simulation agree to the bit on each valid one and returns
+    their reference lowerings. ``cost``: the cost model (default the analytical one)."""
     topo = get_topology(topology)
     n, cost = topo.num_devices, get_cost_model("analytical") if cost is None else cost
     evaluate = Evaluator(graph, topo, cost)
@@ -29,8 +30,11 @@ def delta_walk(graph, topology: str, start, levels: tuple[int, ...], seed: int, 
     current, compared = start(n), []
     for _ in range(steps):
         op = rng.choice(ops)
-        cfg = rng.choice(candidates[op]) if rng.random() < 0.5 else current[op]
-        proposal = current.replace(op, cfg.with_memory(zero=rng.choice(levels)))
+        if rng.random() < toggle:
+            proposal = current.replace(op, current[op].with_memory(recompute=not current[op].recompute))
+        else:
+            cfg = rng.choice(candidates[op]) if rng.random() < 0.5 else current[op]
+            proposal = current.replace(op, cfg.with_memory(zero=rng.choice(levels)))
         try:
             low = lower_reference(graph, proposal)
         except PlanError:

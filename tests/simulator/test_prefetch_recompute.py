@@ -77,6 +77,16 @@ def test_delta_equals_full_with_recomputed_layers():
     assert len(walked) >= 10 and any(recomputed_in_unit(low) for low in walked)
 
 
+def test_delta_equals_full_with_recompute_switched_op_by_op():
+    """Recompute switched on the readers of layer units one op at a time, from every op of both
+    gpt layers recomputed (layer 0's chains run into layer 1: its readers recompute outside
+    ``recomputed_in_unit``)."""
+    graph = traced("gpt", batch_size=16)
+    walked = delta_walk(graph, "p100-2x2", lambda n: recompute(baseline("fsdp", graph, n), recompute_ops(
+        graph, "blocks")), (3,), seed=1, steps=24, toggle=0.8)  # layer 0's chains run into layer 1
+    assert len(walked) >= 12 and len({recomputed_in_unit(low) for low in walked}) >= 3
+
+
 def test_folded_equals_per_device_with_recomputed_layers():
     graph = traced("llama", batch_size=16)
     fold_equals_full(graph, _recomputed(graph, 16, 2)[1], "a100-2x8", COST)
