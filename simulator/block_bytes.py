@@ -23,7 +23,7 @@ import numpy as np
 
 from strategies.lowering_bytes import counted, item_bytes
 
-__all__ = ["HeldBytes", "ITEM_BYTES", "STEP_ITEM_BYTES", "block_items"]
+__all__ = ["HeldBytes", "ITEM_BYTES", "STEP_ITEM_BYTES", "Uncounted", "block_items"]
 
 ITEM_BYTES = {"name": 72, "duration": 24, "resources": 48, "device": 0, "nbytes": 0, "category": 0}
 """Bytes an item of each ``Columns`` list holds besides its pointer (``sys.getsizeof`` in CPython
@@ -134,3 +134,20 @@ class HeldBytes:
     def __len__(self) -> int:
         """Blocks held."""
         return len(self._blocks)
+
+
+class Uncounted(HeldBytes):
+    """``HeldBytes`` that counts nothing: the task cache ``simulator.tasks.build_tasks`` makes
+    for one call (none given) is let go with its graph and never trimmed, so walking every
+    block's objects (``block_items``) would only cost time: 0.44 s of a 5.7 s GPT-3 175B
+    simulation at 1,024 GPUs under cProfile."""
+
+    def add(self, block: Any) -> None:
+        pass
+
+    def release(self, block: Any) -> None:
+        pass
+
+    def size(self, block: Any) -> int:
+        return 0
+

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from simulator.block_bytes import HeldBytes, block_items
+from simulator.block_bytes import HeldBytes, Uncounted, block_items
 from simulator.cost import CostModel
 from simulator.step import BucketRecords
 from simulator.taskgraph import INDEX, join
@@ -28,13 +28,14 @@ class TaskCache:
     """Task blocks of one graph's ops on one topology timed by one cost model, reused while an
     op's lowered pieces are the same object (see ``simulator.tasks``' docstring)."""
 
-    def __init__(self, topology: Topology, cost: CostModel):
+    def __init__(self, topology: Topology, cost: CostModel, counted: bool = True):
         self.topology, self.cost = topology, cost
         self.wires: dict[tuple[int, int, int], tuple] = {}
         """(source, target, bytes) -> ``simulator.wires.Wire``: times and resources (a pure function of them)."""
-        self.held = HeldBytes()
+        self.held = HeldBytes() if counted else Uncounted()
         """Every block the cache holds (the states' current and known blocks, the recorded
-        gathers' readers), what they keep alive counted once."""
+        gathers' readers), what they keep alive counted once (``counted`` False: a cache for
+        one call, never trimmed, counts nothing)."""
         self.gathers = _Chunks(self.held)
         """Level-2/3 groups' tasks per micro-batch, recorded (``simulator.zero3._Chunk``), with
         the tasks they hold."""

@@ -400,7 +400,7 @@ def build_tasks(lowered: Lowered, topology: Topology, cost: CostModel, optimizer
         raise ValueError(f"the plan uses {strategy.num_devices} devices but topology "
                          f"{topology.name!r} has {topology.num_devices}")
     if cache is None:
-        cache = TaskCache(topology, cost)  # a fresh one builds every block
+        cache = TaskCache(topology, cost, counted=False)  # a fresh one builds every block, let go after
     elif cache.topology is not topology or cache.cost is not cost:
         raise ValueError("build_tasks: the TaskCache was made for another topology or cost model")
     traffic = UPDATE_TRAFFIC.get(optimizer)

@@ -7,9 +7,11 @@ from simulator import taskcache
 from simulator.cost import get_cost_model
 from simulator.presets import get_topology
 from simulator.taskcache import block_bytes
+from simulator.tasks import build_tasks
 from soapsearch.search.api import Evaluator
 from soapsearch.search.mcmc import candidate_configs
 from strategies import data_parallel
+from strategies.lowering import lower
 from tests.conftest import traced
 from tests.search.delta_check import assert_delta_equals_full
 
@@ -37,3 +39,16 @@ def test_known_blocks_stay_under_their_bytes_and_results_stay_exact(monkeypatch)
         if rng.random() < 0.5:
             current = proposal
     assert max(counts) >= 2 and any(b < a for a, b in zip(counts, counts[1:]))  # held, then dropped
+
+
+def test_a_cache_for_one_call_counts_nothing_and_builds_the_same_graph():
+    """``build_tasks`` without a cache makes an uncounted one (``block_bytes.Uncounted``): the
+    same graph as a counted cache's, which counts its blocks."""
+    graph, topo, cost = traced("mlp", batch_size=16), get_topology("p100-2x2"), get_cost_model("analytical")
+    low = lower(graph, data_parallel(graph, 4))
+    counted, alone = taskcache.TaskCache(topo, cost), taskcache.TaskCache(topo, cost, counted=False)
+    one, two = build_tasks(low, topo, cost, cache=counted), build_tasks(low, topo, cost, cache=alone)
+    assert counted.held.nbytes > 0 and len(counted.held) > 0
+    assert alone.held.nbytes == 0 and len(alone.held) == 0
+    assert list(one.name) == list(two.name) and list(one.duration) == list(two.duration)
+    assert list(build_tasks(low, topo, cost).name) == list(one.name)
