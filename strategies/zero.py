@@ -126,7 +126,7 @@ def gather_uses(lowered: Lowered) -> tuple[GatherUse, ...]:
         for op in dict.fromkeys(s.ops):
             readers.setdefault(op, []).append(s)
     copies = lowered.copies
-    if _KEPT[0] is not graph or (_KEPT[1] is not copies and _KEPT[1] != copies):  # a copy set found again: equal
+    if _KEPT[0] is not graph or _KEPT[1] != copies:  # a copy set found again is another, equal object
         _KEPT[:] = [graph, copies, {}]
     kept = _KEPT[2]
     for node in graph:

@@ -48,12 +48,20 @@ def assert_restricted(graph, plan, copies, cache=None):
     assert part.gradient_sync == full.gradient_sync
     assert loss_on_every_device(part) == loss_on_every_device(full)
     assert len(part.transfers) * copies.count == len(full.transfers)
-    uses = gather_uses(full)  # a holder in copy r reads through its copy-0 image's partition
-    assert [(u.shard, u.op) for u in gather_uses(part)] == [(u.shard, u.op) for u in uses]
-    for u, w in zip(gather_uses(part), uses):
-        mine = dict(zip(w.shard.devices, w.partitions))
-        assert u.partitions == tuple(mine[copies.representative.get(d, d)] for d in w.shard.devices)
+    assert [tuple(u) for u in gather_uses(part)] == represented_uses(gather_uses(full), copies)
     return full, part
+
+
+def represented_uses(uses, copies) -> list[tuple]:
+    """The full lowering's level-2/3 ``uses`` as a lowering folded on ``copies`` records them:
+    each holder reading through its representative's partition (``Copies.representative``), and
+    only the uses of shards a kept device holds (a member fold's member m >= 2 alone: none)."""
+    rep, out = copies.representative, []
+    for u in uses:
+        if copies.kept.intersection(u.shard.devices):
+            on = dict(zip(u.shard.devices, u.partitions))
+            out.append((u.shard, u.op, tuple(on[rep.get(d, d)] for d in u.shard.devices)))
+    return out
 
 
 def test_baseline_plans_lower_copy_zero_as_restricted():

@@ -20,6 +20,7 @@ from strategies.member_symmetry import TensorMembers
 from strategies.symmetry import CrossCopy, find_copies
 from strategies.zero import gather_uses
 from tests.conftest import traced
+from tests.strategies.test_lowering_copies import represented_uses
 
 
 def random_plan(graph, n: int, seed: int, levels: tuple[int, ...] = (0, 1)) -> Strategy:
@@ -96,11 +97,7 @@ def test_member_fold_keeps_the_kept_members_uses_of_weights_sharded_per_use():
     plan = random_plan(graph, 16, 4, (0, 1, 2, 3))
     fold = member_fold(graph, plan, find_copies(graph, plan))
     full, folded = gather_uses(lower(graph, plan)), gather_uses(lower(graph, plan, copies=fold))
-    rep, want = fold.representative, []
-    for u in full:
-        if fold.kept.intersection(u.shard.devices):
-            on = dict(zip(u.shard.devices, u.partitions))
-            want.append((u.shard, u.op, tuple(on[rep.get(d, d)] for d in u.shard.devices)))
+    want = represented_uses(full, fold)
     assert [tuple(u) for u in folded] == want
     assert {u.shard.zero for u in folded} == {2, 3} and len(want) < len(full)
 
