@@ -175,7 +175,7 @@ def _cmd_search(args, graph_of) -> int:
     if getattr(result, "exact", False):
         print(f"exact: every one of the {result.space} plans of the op configs simulated in "
               f"{result.elapsed_s:.1f} s (at most --exhaustive-limit): the optimum of that space")
-    elif getattr(result, "exhaustive", 0):
+    elif getattr(result, "space", 0):  # enumerated, the budget out first (it may be before the first plan)
         print(f"not exact: {result.exhaustive} of the {result.space} plans of the op configs simulated before "
               f"the time budget ran out ({result.elapsed_s:.1f} s)")
     else:

@@ -80,6 +80,7 @@ def test_cli_says_whether_the_answer_is_exact(tmp_path, capsys):
     assert main(args + ["--json", "--budget", "0", "--proposals", "20"]) == 0  # 96,000 plans > 20
     obj = json.loads(capsys.readouterr().out)
     assert (obj["exhaustive"], obj["space"], obj["exact"]) == (0, 0, False)
-    assert main(args + ["--budget", "0.5"]) == 0  # 96,000 plans: not all within half a second
+    # 96,000 plans: not all within 2 s, and the baselines scored well within it on a loaded machine
+    assert main(args + ["--budget", "2"]) == 0
     said = capsys.readouterr().out
     assert "not exact: " in said and "proposals in" not in said and "of the 96000 plans of the op configs simulated before the time budget" in said
