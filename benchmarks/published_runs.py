@@ -4,7 +4,8 @@ micro-batch, global batch, sequence, recompute, dtype, the published figure and 
 table and row); this script builds each row's model on meta, the ``megatron`` baseline's plan
 with the row's flags (full recompute of every block as ``plan --recompute``, selective
 recompute as the attention cores recomputed, sequence parallelism, bf16 or fp16 as ``plan
---dtype``, Megatron-LM's local DDP as one gradient bucket: ``LOCAL_DDP_BUCKET_MB``), predicts the iteration with the analytical model (the row's attention kernel:
+--dtype``, Megatron-LM's local DDP as one gradient bucket synced after the backward and its
+sends: ``LOCAL_DDP_BUCKET_MB``), predicts the iteration with the analytical model (the row's attention kernel:
 "megatron" for Megatron-LM of 2021-2022, its unfused kernels with dropout on the
 probabilities; torchtitan's "flash" at FlashAttention-2's published rates,
 ``simulator.attention_efficiency``; Korthikanti's rows with Megatron-LM's asynchronous tensor-parallel communication,
@@ -77,8 +78,9 @@ __all__ = ["MICROBATCH", "ROWS", "Run", "block_wave_efficiency", "build_graph", 
 GiB = 1 << 30
 LOCAL_DDP_BUCKET_MB = float(1 << 30)
 """Megatron-LM's local DDP (``published_data.DDP_IMPLS``) as a plan: a bucket cap past any gradient, so
-each device set's gradients but DDP's first 1 MiB bucket form one bucket, final (and all-reduced)
-after the backward of the last micro-batch, as ``allreduce_gradients`` runs."""
+each device set's gradients but DDP's first 1 MiB bucket form one bucket, and
+``overlap_grad_reduce`` False: all-reduced after the last backward step and its pipeline sends,
+as ``allreduce_gradients`` runs once the schedule has returned."""
 MAX_GPUS = 128
 """Rows of more devices are listed, not simulated, unless ``--max-gpus`` says otherwise."""
 
@@ -165,7 +167,7 @@ def build_plan(run: Run, graph: OpGraph) -> Strategy:
         plan = plan.with_configs({name: cfg.with_memory(recompute=True) if graph[name].kind == "attention" else cfg
                                   for name, cfg in plan.items()})
     if run.ddp == "local":
-        plan = plan.with_bucket_cap(LOCAL_DDP_BUCKET_MB)
+        plan = plan.with_bucket_cap(LOCAL_DDP_BUCKET_MB).with_overlap_grad_reduce(False)
     return plan.with_precision(run.dtype, run.reduce_dtype)
 
 

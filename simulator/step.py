@@ -77,7 +77,8 @@ def link_step(tg: TaskGraph, lowered: Lowered, topology: Topology,
     ``strategies.overlap.bucket_issues`` names there and before the next (``issued``: (bucket,
     device) -> that step's end task, the next step's first task or None), so its all-reduce (level 1: reduce-scatter) overlaps the rest of the
     backward on the links it shares with its traffic, in ``order`` (``bucket_order``); a member copies the
-    sums back after it (level 0). Each device, after its last backward step and the sends after
+    sums back after it (level 0); without ``overlap_grad_reduce`` every pack also waits on the
+    device's ``last`` (its sends done). Each device, after its last backward step and the sends after
     it (``last``), its buckets and its STEP sums (it divides its gradients by a dynamic C after
     the sync), runs its optimizer update; and, when the loss is not on every device in every micro-batch,
     one all-reduce of the loss value (a float64) over every device, started when every device
@@ -120,6 +121,7 @@ def link_step(tg: TaskGraph, lowered: Lowered, topology: Topology,
     memo.bound()
     src, dst = tg.edge_src, tg.edge_dst
     packs: list[tuple[int, int]] = []
+    overlapped = lowered.strategy.overlap_grad_reduce
     for key in order:  # levels 0 and 1 (2 and 3: reduce-scattered per use, simulator.zero3)
         if keep is not None and not mine(key.devices):  # a member fold's member m >= 2: member 1's image
             continue
@@ -139,6 +141,9 @@ def link_step(tg: TaskGraph, lowered: Lowered, topology: Topology,
             dst.append(base)
         for p, d in enumerate(t.members, base + 1):  # its pack, between two steps as the executor runs it
             after, before = issued[(key, d)]
+            if not overlapped:  # after the device's last step and the sends after it (strategies.overlap)
+                src += last[d]
+                dst += [p] * len(last[d])
             if before is None:
                 src += (after, p)
                 dst += (p, base)

@@ -424,6 +424,11 @@ def build_tasks(lowered: Lowered, topology: Topology, cost: CostModel, optimizer
     last, inside = link_schedule(tg, lowered, steps, first, slots, arrivals)
     for d, ends in scattered.items():  # the update waits on the gradients' reduce-scatters
         last[d] += ends
+    if not lowered.strategy.overlap_grad_reduce:  # the buckets wait every send (strategies.overlap)
+        kind = np.asarray(tg.category)
+        for t in np.flatnonzero((kind == TaskKind.TRANSFER) | (kind == TaskKind.GRAD_TRANSFER)).tolist():
+            if tg.device[t] in last:  # its sender's
+                last[tg.device[t]].append(t)
     step_sums = [(int(first[i]), blocks[i].step_reductions) for i in joined.summing]
     order, issues = bucket_plan(lowered, position, cache.buckets)
     if keep is not None:

@@ -36,11 +36,13 @@ def simulate(graph: OpGraph, plan: Strategy | str | os.PathLike, *,
              topology: Topology | str = DEFAULT_TOPOLOGY, cost_model: CostModel | str = "analytical",
              optimizer: str = "sgd", microbatches: int | None = None,
              trace: str | os.PathLike | None = None, precision: str | None = None,
-             bucket_cap_mb: float | None = None, reduce_dtype: str | None = None) -> SimResult:
+             bucket_cap_mb: float | None = None, reduce_dtype: str | None = None,
+             overlap_grad_reduce: bool | None = None) -> SimResult:
     """Simulated cost of one training iteration of ``plan`` (a Strategy, a baseline name or a
     plan file) for ``graph`` on ``topology``; ``trace`` writes the timeline (Chrome trace);
     ``precision`` (``strategies.strategy.PRECISIONS``), ``reduce_dtype`` (``Strategy.reduce_dtype``)
-    and ``bucket_cap_mb`` (the gradient buckets' cap, ``Strategy.bucket_cap_mb``) replace the plan's."""
+    ``bucket_cap_mb`` (the gradient buckets' cap, ``Strategy.bucket_cap_mb``) and
+    ``overlap_grad_reduce`` (``Strategy.overlap_grad_reduce``) replace the plan's."""
     topo = get_topology(topology) if isinstance(topology, (str, os.PathLike)) else topology
     if not isinstance(topo, Topology):
         raise ValueError(f"topology = {topology!r}: must be a preset name, a topology JSON path or a Topology")
@@ -49,6 +51,8 @@ def simulate(graph: OpGraph, plan: Strategy | str | os.PathLike, *,
         strategy = strategy.with_precision(precision or strategy.precision, reduce_dtype)
     if bucket_cap_mb is not None:
         strategy = strategy.with_bucket_cap(bucket_cap_mb)
+    if overlap_grad_reduce is not None:
+        strategy = strategy.with_overlap_grad_reduce(overlap_grad_reduce)
     if strategy.num_devices > topo.num_devices:
         raise ValueError(f"the plan is for {strategy.num_devices} devices but topology "
                          f"{topo.name!r} has {topo.num_devices}")

@@ -121,6 +121,7 @@ def _cmd_plan(args) -> int:
     plan = baseline(args.baseline, graph, devices, args.microbatches, args.tp, args.pp, args.sequence_parallel,
                     args.recompute, args.virtual_stages)
     plan = plan.with_precision(DTYPE_FLAGS[args.dtype], args.reduce_dtype).with_bucket_cap(args.bucket_cap_mb)
+    plan = plan.with_overlap_grad_reduce(args.overlap_grad_reduce)
     if args.fsdp_unit is not None:
         plan = plan.with_fsdp_unit(args.fsdp_unit)
     save_strategy(args.output, plan, graph, topology=topo.name)
@@ -152,7 +153,8 @@ def _cmd_simulate(args) -> int:
                       cost_model=cost_model_for(args.cost_model, args.topology),
                       optimizer=args.optimizer, microbatches=args.microbatches, trace=args.trace,
                       precision=None if args.dtype is None else DTYPE_FLAGS[args.dtype],
-                      bucket_cap_mb=args.bucket_cap_mb, reduce_dtype=args.reduce_dtype)
+                      bucket_cap_mb=args.bucket_cap_mb, reduce_dtype=args.reduce_dtype,
+                      overlap_grad_reduce=args.overlap_grad_reduce)
     if args.json:
         print(json.dumps(result.to_json()))
         return 0
@@ -236,6 +238,9 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--bucket-cap-mb", type=float, default=Strategy.bucket_cap_mb,
                       help="cap of the gradient buckets in MiB (DDP's bucket_cap_mb; default 25): each device "
                            "set's gradients are synced in buckets of about this size, each as soon as it is final")
+    plan.add_argument("--no-overlap-grad-reduce", dest="overlap_grad_reduce", action="store_false",
+                      help="sync every gradient bucket after the backward and its pipeline sends instead of each "
+                           "as soon as it is final (Megatron-LM's overlap_grad_reduce=False), recorded in the plan")
     plan.add_argument("--fsdp-unit", default=None, choices=FSDP_UNITS,
                       help="the ZeRO-3 prefetch unit, recorded in the plan: op (each step reading level-3 weights) "
                            "or block (each repeated block, a transformer layer: FSDP2's fully_shard per layer); "
@@ -265,6 +270,10 @@ def _parser() -> argparse.ArgumentParser:
     sim.add_argument("--bucket-cap-mb", type=float, default=None,
                      help="cap of the gradient buckets in MiB (DDP's bucket_cap_mb); default: the plan's "
                           "(a baseline's: 25)")
+    sim.add_argument("--overlap-grad-reduce", dest="overlap_grad_reduce", default=None,
+                     action=argparse.BooleanOptionalAction,
+                     help="sync each gradient bucket as soon as it is final (--overlap-grad-reduce) or all after "
+                          "the backward and its pipeline sends (--no-overlap-grad-reduce); default: the plan's")
     sim.add_argument("--trace", default=None, help="write the timeline as a Chrome trace JSON")
     sim.set_defaults(fn=_cmd_simulate)
     add_search_parsers(sub, model_args, _graph)

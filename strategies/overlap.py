@@ -21,6 +21,12 @@ first (its gradients are ready first in a backward pass, DDP's reverse order of 
 then by key. A member issues a bucket once it and every bucket of it before it in that order
 are ready (``bucket_issues``), so every member issues its buckets in that order.
 
+A plan with ``overlap_grad_reduce`` False (Megatron-LM's ``overlap_grad_reduce=False``, its
+default, and its local DDP of Narayanan et al. 2021, whose ``allreduce_gradients`` runs after
+the pipeline schedule returns) issues every bucket, in that order, after the device's last
+backward step (``last_steps``); the executor and the simulator start them once the pipeline
+sends after that step are done too, as that schedule waits its sends before it returns.
+
 A loss sum riding a bucket (``strategies.lowering.bucket_sums``) appends its terms, known after
 the loss partitions' forwards, to the bucket's flat tensor: every forward of a device precedes
 its last backward pass, so the terms are known at the bucket's issue point: those buckets start
@@ -34,9 +40,9 @@ from typing import NamedTuple
 from strategies.members import kept_members
 from strategies.lowered import BucketKey, Lowered
 from strategies.memo import per_lowered
-from strategies.schedule import Step
+from strategies.schedule import Step, chunk_of
 
-__all__ = ["BucketIssue", "bucket_order", "bucket_issues", "bucket_plan"]
+__all__ = ["BucketIssue", "bucket_order", "bucket_issues", "bucket_plan", "last_steps"]
 
 
 class BucketIssue(NamedTuple):
@@ -111,12 +117,34 @@ def _plan(lowered: Lowered, position: dict[str, int] | None, memo: dict | None
     out: dict[int, list[BucketIssue]] = {}
     issued: dict[int, tuple[int, int, Step]] = {}
     order = _order(position, ops)
+    if not lowered.strategy.overlap_grad_reduce:  # every bucket after the device's backward
+        final = last_steps(lowered, kept)
+        for key in order:
+            for d in key.devices if kept is None else kept_members(key.devices, kept):
+                out.setdefault(d, []).append(BucketIssue(key, final[d]))
+        return order, out
     for key in order:
         for d in key.devices if kept is None else kept_members(key.devices, kept):
             here = ready[(d, key)]
             issued[d] = here if d not in issued or here < issued[d] else issued[d]
             out.setdefault(d, []).append(BucketIssue(key, issued[d][2]))
     return order, out
+
+
+def last_steps(lowered: Lowered, kept: frozenset[int] | None = None) -> dict[int, Step]:
+    """Device -> its last step (of ``kept`` where given): the backward, in the last micro-batch,
+    of its first partition in graph order among the ops of its lowest model chunk (every
+    schedule's last passes are the last micro-batch's backwards, chunk v − 1 down to 0:
+    ``schedule.passes``, ``schedule.interleaved_passes``), as ``schedule.device_order`` ends."""
+    last = lowered.strategy.microbatches - 1
+    chunk = chunk_of(lowered)
+    out: dict[int, tuple[int, Step]] = {}
+    for node in lowered.graph:
+        c = chunk[node.name] if chunk else 0
+        for p in lowered.partitions[node.name][last]:
+            if (kept is None or p.device in kept) and (p.device not in out or c < out[p.device][0]):
+                out[p.device] = (c, Step(True, node.name, p.index, last))
+    return {d: step for d, (_, step) in out.items()}
 
 
 _kept_plan = per_lowered(_plan)

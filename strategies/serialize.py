@@ -19,12 +19,13 @@ __all__ = ["FORMAT", "VERSION", "PlanFile", "check_writable", "parse_plan", "str
            "read_plan", "atomic_open", "atomic_write_text"]
 
 FORMAT = "soapsearch.strategy"
-VERSION = 5
-READS = (1, 2, 3, 4, 5)
+VERSION = 6
+READS = (1, 2, 3, 4, 5, 6)
 """The versions this soapsearch reads: version 1 (no ``precision`` field) loads as "model"
 precision; versions 1 and 2 (no per-op ``zero`` / ``recompute``) as "Replicate, keep";
 versions 1 to 3 (no ``bucket_cap_mb``, ``fsdp_unit``) with DDP's 25 MiB gradient buckets and
-ZeRO-3 units of one op; versions 1 to 4 (no ``reduce_dtype``) reduce in their compute dtype."""
+ZeRO-3 units of one op; versions 1 to 4 (no ``reduce_dtype``) reduce in their compute dtype;
+versions 1 to 5 (no ``overlap_grad_reduce``) sync each gradient bucket as soon as it is final."""
 
 
 @dataclass(frozen=True)
@@ -93,7 +94,7 @@ def strategy_to_json(strategy: Strategy, graph: OpGraph, *, topology: str | Mapp
         "topology": topo,
         "microbatches": strategy.microbatches, "schedule": strategy.schedule, "precision": strategy.precision,
         "bucket_cap_mb": strategy.bucket_cap_mb, "fsdp_unit": strategy.fsdp_unit,
-        "reduce_dtype": strategy.reduce_dtype,
+        "reduce_dtype": strategy.reduce_dtype, "overlap_grad_reduce": strategy.overlap_grad_reduce,
         "ops": [{"name": n.name, "kind": n.kind, "dims": [d.name for d in n.dims],
                  "shape": list(n.output.shape), "dtype": n.output.dtype,
                  "degrees": list(strategy[n.name].degrees), "devices": list(strategy[n.name].devices),
@@ -173,6 +174,9 @@ def parse_plan(source: str | os.PathLike | Mapping[str, Any], devices_in_range: 
     reduce = obj.get("reduce_dtype", Strategy.reduce_dtype) if version >= 5 else Strategy.reduce_dtype
     if reduce not in REDUCE_DTYPES:
         raise PlanError(None, "reduce_dtype", reduce, f"must be one of {list(REDUCE_DTYPES)}", where)
+    overlap = obj.get("overlap_grad_reduce", Strategy.overlap_grad_reduce) if version >= 6 else True
+    if not isinstance(overlap, bool):
+        raise PlanError(None, "overlap_grad_reduce", overlap, "must be true or false", where)
     ops = _need(obj, "ops", list, where)
     if not ops:
         raise PlanError(None, "ops", ops, "a plan has a config for every op of its model", where)
@@ -196,7 +200,7 @@ def parse_plan(source: str | os.PathLike | Mapping[str, Any], devices_in_range: 
             raise PlanError(name, "devices", devices, f"device {bad[0]} is out of range for "
                             f"{num_devices} devices (0-{num_devices - 1})", where)
     try:
-        strategy = Strategy(tuple(configs.items()), num_devices, microbatches, schedule, precision, cap, unit, reduce)
+        strategy = Strategy(tuple(configs.items()), num_devices, microbatches, schedule, precision, cap, unit, reduce, overlap)
     except PlanError as e:
         raise PlanError(e.op, e.field, e.value, e.rule, where) from None
     return obj, where, strategy

@@ -74,6 +74,12 @@ class Strategy:
     mixed precision ``compute`` casts each bucket and reduce-scatter input to the compute dtype,
     ``float32`` keeps them in float32 (``strategies.precision.reduce_dtype``); only ``compute``
     in "model" precision, where the two are one."""
+    overlap_grad_reduce: bool = True
+    """Whether each level-0/1 gradient bucket is synced as soon as its gradients are final,
+    overlapping the rest of the backward (DDP's and FSDP2's way), or every bucket after a
+    device's last backward step and the pipeline sends after it (False: Megatron-LM's
+    ``overlap_grad_reduce=False``, its default, and its local DDP's ``allreduce_gradients``
+    after the schedule; ``strategies.overlap``)."""
     _index: Mapping[str, ParallelConfig] = field(default=None, compare=False, repr=False, hash=False)  # type: ignore[assignment]
 
     def __hash__(self) -> int:
@@ -105,6 +111,9 @@ class Strategy:
         if self.precision not in PRECISIONS:
             raise PlanError(None, "precision", self.precision, f"must be one of {list(PRECISIONS)}")
         check_bucket_cap(self.bucket_cap_mb)
+        if not isinstance(self.overlap_grad_reduce, bool):
+            raise PlanError(None, "overlap_grad_reduce", self.overlap_grad_reduce, "must be true or false (sync "
+                            "each gradient bucket as soon as it is final, or all after the backward)")
         if self.fsdp_unit not in FSDP_UNITS:
             raise PlanError(None, "fsdp_unit", self.fsdp_unit, f"must be one of {list(FSDP_UNITS)} (the ZeRO-3 "
                             "prefetch unit: each op's step, or each repeated block's instance)")
@@ -119,9 +128,9 @@ class Strategy:
     @classmethod
     def of(cls, configs: Mapping[str, ParallelConfig], num_devices: int, microbatches: int = 1,
            schedule: str = "gpipe", precision: str = "model", bucket_cap_mb: float = 25.0,
-           fsdp_unit: str = "op", reduce_dtype: str = "compute") -> "Strategy":
+           fsdp_unit: str = "op", reduce_dtype: str = "compute", overlap_grad_reduce: bool = True) -> "Strategy":
         return cls(tuple(configs.items()), num_devices, microbatches, schedule, precision, bucket_cap_mb, fsdp_unit,
-                   reduce_dtype)
+                   reduce_dtype, overlap_grad_reduce)
 
     @property
     def bucket_cap_bytes(self) -> int:
@@ -165,7 +174,8 @@ class Strategy:
                          ("num_devices", self.num_devices), ("microbatches", self.microbatches),
                          ("schedule", self.schedule), ("precision", self.precision),
                          ("bucket_cap_mb", self.bucket_cap_mb), ("fsdp_unit", self.fsdp_unit),
-                         ("reduce_dtype", self.reduce_dtype), ("_index", {**self._index, name: config})):
+                         ("reduce_dtype", self.reduce_dtype), ("overlap_grad_reduce", self.overlap_grad_reduce),
+                         ("_index", {**self._index, name: config})):
             object.__setattr__(new, f, value)
         new.__dict__["_positions"] = self._positions  # cached properties live in __dict__
         uses = self.__dict__.get("_uses")
@@ -180,7 +190,7 @@ class Strategy:
 
     def with_configs(self, configs: Mapping[str, ParallelConfig]) -> "Strategy":
         """``configs`` (op -> config) under this plan's other fields (micro-batches, schedule,
-        precision, bucket cap, prefetch unit, reduce dtype)."""
+        precision, bucket cap, prefetch unit, reduce dtype, gradient sync overlap)."""
         return dataclasses.replace(self, configs=tuple(configs.items()))
 
     def with_microbatches(self, microbatches: int, schedule: str | None = None) -> "Strategy":
@@ -196,6 +206,11 @@ class Strategy:
     def with_bucket_cap(self, bucket_cap_mb: float) -> "Strategy":
         """The same plan with gradient buckets capped at ``bucket_cap_mb`` MiB."""
         return dataclasses.replace(self, bucket_cap_mb=bucket_cap_mb)
+
+    def with_overlap_grad_reduce(self, overlap: bool) -> "Strategy":
+        """The same plan with its gradient buckets synced during the backward (True) or after
+        it (False: ``overlap_grad_reduce``)."""
+        return dataclasses.replace(self, overlap_grad_reduce=overlap)
 
     def with_fsdp_unit(self, fsdp_unit: str) -> "Strategy":
         """The same plan with ZeRO-3 prefetch units of ``fsdp_unit`` (``FSDP_UNITS``)."""

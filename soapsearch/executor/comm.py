@@ -236,10 +236,14 @@ class P2P:
             src, index, backward = next(iter(self._posted))
             raise ExecutorError(f"rank {self.rank}: {len(self._posted)} posted receive(s) not taken this step, "
                                 f"e.g. transfer {index} ({'backward' if backward else 'forward'}) from rank {src}")
+        self.wait_sends()
+        self.step += 1
+
+    def wait_sends(self) -> None:
+        """Wait for every send started so far."""
         for work, _ in self._pending:
             try:
                 work.wait(self.timeout)
             except RuntimeError as e:
                 raise ExecutorError(f"rank {self.rank}: a send did not complete: {e}") from None
         self._pending.clear()
-        self.step += 1

@@ -246,7 +246,10 @@ class Executor(PartitionSteps, Reads, Recompute, StepLoss):
                     events.append({"name": r.backward_name if backward else r.forward_name, "ph": "X",
                                    "cat": "backward" if backward else "forward", "pid": rank, "tid": 0,
                                    "ts": t0 * 1e6, "dur": (clock() - t0) * 1e6})
-                for key in self.issues.get(position, ()):
+                issued = self.issues.get(position, ())
+                if issued and not self.strategy.overlap_grad_reduce:  # after the backward and its sends
+                    p2p.wait_sends()  # (strategies.overlap: Megatron-LM's schedule waits them first)
+                for key in issued:
                     t0 = clock()
                     self.weights.start_bucket(key, self.bucket_groups,
                                               [p.terms for p in self._riders().get(key, ())])

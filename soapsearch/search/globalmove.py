@@ -20,7 +20,10 @@ factorization's, the op moves' ground, the chain is a search, not an exact sampl
 With probability ``RESTAGE``, where the current plan has pipeline stages (not interleaved), the proposal is
 instead the plan with its stages rebalanced by the simulator's per-unit compute times, read
 off the search's lowering of the plan (``stagemove.restage``, ``stagemove.op_seconds``:
-PipeDream's dynamic program; no simulation).
+PipeDream's dynamic program; no simulation). With probability ``RESYNC``, where the plan has
+micro-batches, ops on disjoint device sets and an op on several devices, it is the plan with its gradient
+buckets synced after the backward instead of during it, or back (``overlap_grad_reduce``); a
+drawn factorization keeps the current plan's sync.
 
 ``mcmc.run_chain`` makes it with probability ``SearchConfig.global_move`` of the proposals other
 than sharding-level, recompute and micro-batch moves; ``init="factorized"`` starts a chain from
@@ -51,6 +54,9 @@ __all__ = ["RESTAGE", "Factorization", "GlobalMoves", "divisors", "layers_of", "
 
 RESTAGE = 0.25
 """The probability that a global proposal from a pipelined plan rebalances its stages."""
+RESYNC = 0.1
+"""The probability that a global proposal from a pipelined plan with data parallelism is the
+plan with its gradient sync turned (``Strategy.overlap_grad_reduce``): its own reverse."""
 
 
 @dataclass(frozen=True)
@@ -112,6 +118,16 @@ def layers_of(graph: OpGraph) -> list[set[str]] | None:
         return layer_ops(graph)
     except PlanError:
         return None
+
+
+def _piped_replicas(plan: Strategy) -> bool:
+    """Whether ``plan`` has micro-batches, ops on disjoint device sets (pipeline stages: sends
+    between them) and an op on several devices: where syncing the gradient buckets after the
+    backward and its sends can differ from overlapping them (``strategies.overlap``)."""
+    if plan.microbatches < 2:
+        return False
+    sets = list({frozenset(c.devices) for _, c in plan.configs})
+    return any(len(a) > 1 for a in sets) and any(a.isdisjoint(b) for i, a in enumerate(sets) for b in sets[:i])
 
 
 def _tied(graph: OpGraph) -> bool:
@@ -195,9 +211,13 @@ class GlobalMoves:
         return self.plan(rng.choice(self.factorizations))
 
     def propose(self, current: Strategy, rng: random.Random) -> Strategy | None:
-        """A drawn factorization's plan, or (``RESTAGE``) ``current`` restaged; None where it is
-        ``current`` or not valid."""
+        """A drawn factorization's plan, or (``RESTAGE``) ``current`` restaged, or (``RESYNC``)
+        ``current`` with its gradient sync turned; None where it is ``current`` or not valid."""
         if self.evaluate is not None and current.schedule != "interleaved" and rng.random() < RESTAGE:
             return restage(self.graph, current, self.op_seconds, self.units)
+        if _piped_replicas(current) and rng.random() < RESYNC:
+            return current.with_overlap_grad_reduce(not current.overlap_grad_reduce)
         plan = self.draw(rng)
+        if plan is not None and plan.overlap_grad_reduce != current.overlap_grad_reduce:
+            plan = plan.with_overlap_grad_reduce(current.overlap_grad_reduce)  # the chain's sync kept
         return None if plan is None or plan == current else plan

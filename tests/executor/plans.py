@@ -164,7 +164,10 @@ def make_plan(graph: OpGraph, name: str, n: int) -> Strategy:
     ``plan`` with every weighted op at that sharding level; ``first1_<plan>``: its first weighted
     op at level 1, a gradient bucket of its own that starts after the others, ``strategies.overlap``;
     ``cap<K>k_<plan>``: ``plan`` with gradient buckets capped at K KiB, ``split_buckets``;
-    ``unitblock_<plan>``: ``plan`` with ``fsdp_unit`` "block")."""
+    ``unitblock_<plan>``: ``plan`` with ``fsdp_unit`` "block"; ``after_<plan>``: ``plan`` with its
+    buckets synced after the backward and its sends, ``overlap_grad_reduce`` False)."""
+    if name.startswith("after_"):  # <plan> with every gradient bucket synced after the backward (overlap_grad_reduce)
+        return make_plan(graph, name.removeprefix("after_"), n).with_overlap_grad_reduce(False)
     if name.startswith("unitblock_"):  # <plan> with ZeRO-3 prefetch units of whole repeated blocks (fsdp_unit)
         return make_plan(graph, name.removeprefix("unitblock_"), n).with_fsdp_unit("block")
     if name.startswith("cap") and "k_" in name:  # <plan> with gradient buckets capped at <KiB> KiB (DDP's bucket_cap_mb)

@@ -123,7 +123,7 @@ def _plan_json(tmp_path):
     (lambda o: o.update(ops=[]), r"ops = \[\]: a plan has a config for every op"),
     (lambda o: o["ops"].__setitem__(0, []), r"ops\[0\] = \[\]: each op is a JSON object"),
     (lambda o: o["ops"][0].update(name=None), r"name = None: must be a JSON string"),
-    (lambda o: o.update(version=6), r"version = 6: this soapsearch reads versions 1, 2, 3, 4, 5"),
+    (lambda o: o.update(version=7), r"version = 7: this soapsearch reads versions 1, 2, 3, 4, 5, 6"),
     (lambda o: o.update(format="other"), r"format = 'other'"),
 ])
 def test_show_plan_checks_the_file(tmp_path, capsys, mutate, message):

@@ -161,6 +161,33 @@ def test_a_walk_of_global_moves_delta_equals_full():
     assert made >= 8
 
 
+def test_a_walk_turns_the_gradient_sync_and_draws_keep_it(monkeypatch):
+    """``RESYNC``: a pipelined, replicated plan's proposal is the plan with its buckets synced after
+    the backward (``overlap_grad_reduce``), the configs unchanged, and back; a drawn
+    factorization keeps the current plan's sync; delta simulation equals full on the walk."""
+    monkeypatch.setattr(globalmove, "RESYNC", 0.5)
+    graph = traced("gpt", batch_size=16)
+    topo, cost = get_topology("p100-1x4"), get_cost_model("analytical")
+    evaluate = Evaluator(graph, topo, cost, precision="bf16")
+    moves = GlobalMoves(graph, 4, (2,), "bf16", evaluate)
+    rng = random.Random(5)
+    current = moves.plan(Factorization(1, 2, 2, "1f1b", 0, False, False))
+    turned = kept = 0
+    for _ in range(30):
+        proposal = moves.propose(current, rng)
+        if proposal is None:
+            continue
+        if proposal.configs == current.configs and proposal.microbatches == current.microbatches:
+            turned += proposal.overlap_grad_reduce != current.overlap_grad_reduce
+        elif not current.overlap_grad_reduce:
+            kept += not proposal.overlap_grad_reduce
+        assert_delta_equals_full(evaluate, proposal)
+        current = proposal
+    assert turned >= 3 and kept >= 1
+    dp = moves.plan(Factorization(1, 1, 2, "1f1b", 0, False, False))
+    assert all(moves.propose(dp, random.Random(k)) != dp.with_overlap_grad_reduce(False) for k in range(20))
+
+
 def test_search_with_global_moves_is_deterministic_for_1_and_3_workers():
     gpt = traced("gpt", batch_size=16)
     kw = dict(topology="p100-1x4", budget_s=None, proposals=60, seed=4, chains=3, global_move=0.5,

@@ -21,6 +21,7 @@ from benchmarks.published_runs import (LOCAL_DDP_BUCKET_MB, ROWS, block_wave_eff
 from simulator.presets import A100_GEMM_HALF, get_topology
 from strategies.lowering import lower
 from strategies.overlap import bucket_issues
+from strategies.schedule import device_order
 
 BOUND = 0.05
 """|published / predicted seconds - 1| the model reaches on the held-out rows tested: 22B −0.0 % and
@@ -256,8 +257,8 @@ def test_layer_shares_charge_megatrons_attention_by_hand():
 
 def test_local_ddp_all_reduces_one_buffer_after_the_backward():
     """Megatron-LM's local DDP (``--DDP-impl local``, Table 1 from 39B): each device's gradients
-    form one bucket, started after the device's last backward step of the last micro-batch;
-    torch's DDP cuts the same gradients into 25 MiB buckets, the first started earlier."""
+    form one bucket, started after the device's last step (``overlap_grad_reduce`` False);
+    torch's DDP cuts the same gradients into 25 MiB buckets, started as they are final."""
     base = replace(NARAYANAN[4], hidden=1024, heads=8, seq=256, vocab=1024, layers=4, tp=2, pp=1, gpus=4, batch=8,
                    microbatch=2, chunks=1)
     graph = build_graph(base)
@@ -265,15 +266,17 @@ def test_local_ddp_all_reduces_one_buffer_after_the_backward():
     for ddp in DDP_IMPLS:
         plan = build_plan(replace(base, ddp=ddp), graph)
         assert plan.bucket_cap_mb == (LOCAL_DDP_BUCKET_MB if ddp == "local" else 25.0)
+        assert plan.overlap_grad_reduce == (ddp != "local")
         lowered = lower(graph, plan)
         issued[ddp] = bucket_issues(lowered)[0]
+        last = device_order(lowered)[0][-1]
     groups = {ddp: Counter((i.key.devices, i.key.dtype) for i in got) for ddp, got in issued.items()}
     assert groups["local"].keys() == groups["torch"].keys() and max(groups["torch"].values()) > 2
     # per group DDP's first bucket (1 MiB, FIRST_BUCKET_BYTES) and one more, which waits for every
     # gradient: it starts where the torch buckets' last one does, after the backward
     assert set(groups["local"].values()) <= {1, 2}
-    assert issued["local"][-1].after == issued["torch"][-1].after
-    assert issued["local"][-1].after.microbatch == base.microbatches - 1
+    assert all(i.after == last for i in issued["local"]) and last.microbatch == base.microbatches - 1
+    assert issued["torch"][0].after != last
 
 
 def test_breakdown_parts_by_hand():

@@ -1,6 +1,6 @@
 """The ``zero1`` and ``fsdp`` baselines: data parallel's cuts with every weighted op whose shards
 have replicas at ZeRO level 1 / 3 (and only those), valid plans, written by ``plan --baseline``
-as plan JSON version 5; ``strategies.replicas`` counts the replicas."""
+as plan JSON version 6; ``strategies.replicas`` counts the replicas."""
 
 import json
 
@@ -80,7 +80,7 @@ def test_cli_plan_baseline_writes_version_4_with_the_level(tmp_path, capsys, kin
     said = capsys.readouterr().out
     assert f" zero{level}" in said and f"wrote {kind} plan" in said
     obj = json.loads(out.read_text())
-    assert obj["version"] == 5 and obj["fsdp_unit"] == ("block" if kind == "fsdp" else "op")
+    assert obj["version"] == 6 and obj["fsdp_unit"] == ("block" if kind == "fsdp" else "op")
     g = traced("gpt")
     ops = {o["name"]: o for o in obj["ops"]}
     assert ops["blocks_0_mlp_fc"]["zero"] == level and ops["blocks_0_mlp_fc"]["recompute"] is False

@@ -24,7 +24,7 @@ def test_round_trip_keeps_the_precision(tmp_path, mlp, precision):
     plan = baseline("data_parallel", mlp, 2).with_precision(precision)
     save_strategy(tmp_path / "p.json", plan, mlp)
     obj = json.loads((tmp_path / "p.json").read_text())
-    assert obj["version"] == 5 and obj["precision"] == precision
+    assert obj["version"] == 6 and obj["precision"] == precision
     assert read_plan(tmp_path / "p.json", mlp).strategy == plan
     assert plan.compute_dtype == {"model": None, "bf16": "bfloat16", "fp16": "float16"}[precision]
 

@@ -24,7 +24,7 @@ def test_round_trip_is_lossless(tmp_path, name):
     assert loaded.topology == {"name": "p100-4x4", "num_devices": 4}
     assert loaded.model["fingerprint"] == g.fingerprint()
     obj = json.loads(path.read_text())
-    assert obj["format"] == "soapsearch.strategy" and obj["version"] == 5
+    assert obj["format"] == "soapsearch.strategy" and obj["version"] == 6
     assert [o["name"] for o in obj["ops"]] == [n.name for n in g]
     # same bytes when written again
     save_strategy(tmp_path / "again.json", loaded.strategy, g, topology="p100-4x4",
@@ -41,7 +41,8 @@ def _op(obj, name):
 
 
 def _mutations():
-    def version(o): o["version"] = 6
+    def version(o): o["version"] = 7
+    def overlap(o): o["overlap_grad_reduce"] = "no"
     def cap(o): o["bucket_cap_mb"] = 0
     def cap_type(o): o["bucket_cap_mb"] = "25"
     def unit(o): o["fsdp_unit"] = "layer"
@@ -62,7 +63,8 @@ def _mutations():
     def microbatches(o): o["microbatches"] = 3
     def schedule(o): o["schedule"] = "zigzag"
     return [
-        (version, r"version = 6: this soapsearch reads versions 1, 2, 3, 4, 5"),
+        (version, r"version = 7: this soapsearch reads versions 1, 2, 3, 4, 5, 6"),
+        (overlap, r"overlap_grad_reduce = 'no': must be true or false"),
         (cap, r"bucket_cap_mb = 0: the gradient bucket cap in MiB must be a finite number > 0"),
         (cap_type, r"bucket_cap_mb = '25': the gradient bucket cap in MiB must be a finite number > 0"),
         (unit, r"fsdp_unit = 'layer': must be one of \['op', 'block'\] \(the ZeRO-3 prefetch unit"),
@@ -123,6 +125,17 @@ def test_bucket_cap_round_trips_and_older_plans_load_with_ddps_25_mib(mlp):
     del old["bucket_cap_mb"], old["fsdp_unit"]
     assert load_strategy(old, mlp).bucket_cap_mb == 25.0 and load_strategy(old, mlp).fsdp_unit == "op"
     assert load_strategy(old, mlp).bucket_cap_bytes == 26214400
+
+
+def test_overlap_grad_reduce_round_trips_and_older_plans_overlap(mlp):
+    plan = baseline("data_parallel", mlp, 2).with_overlap_grad_reduce(False)
+    obj = strategy_to_json(plan, mlp)
+    assert obj["overlap_grad_reduce"] is False and load_strategy(obj, mlp) == plan
+    assert plan != plan.with_overlap_grad_reduce(True)
+    old = copy.deepcopy(obj)
+    old["version"] = 5
+    del old["overlap_grad_reduce"]
+    assert load_strategy(old, mlp).overlap_grad_reduce is True
 
 
 def test_a_plan_for_another_shape_names_the_first_op_that_differs(mlp):
