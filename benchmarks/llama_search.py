@@ -199,7 +199,8 @@ def main() -> None:
               f"{best / ms:.3f} |")
     for label, r in found.items():
         s = r.strategy
-        print(f"{label}: {r.proposals} proposals, micro-batches {s.microbatches} {s.schedule}, "
+        print(f"{label}: {r.proposals} proposals, micro-batches {s.microbatches} {s.schedule}"
+              f"{'' if s.overlap_grad_reduce else ', gradients synced after the backward'}, "
               f"{sum(1 for op in s if s[op].zero)} ops sharded, {sum(1 for op in s if s[op].recompute)} recomputed, "
               f"devices used {len(s.devices_used)}, best found at {r.history[-1][0] if r.history else 0.0:.1f} s, "
               f"baselines unscored: {', '.join(r.unscored) or 'none'}")

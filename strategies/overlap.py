@@ -48,7 +48,7 @@ __all__ = ["BucketIssue", "bucket_order", "bucket_issues", "bucket_plan", "last_
 class BucketIssue(NamedTuple):
     """Bucket ``key``'s collective is started on a member device right after ``after``, that
     device's backward step (in the last micro-batch) after which it and every bucket before it
-    in ``bucket_order`` are final there."""
+    in ``bucket_order`` are final there (without ``overlap_grad_reduce``: its last step)."""
 
     key: BucketKey
     after: Step
@@ -111,11 +111,7 @@ def _plan(lowered: Lowered, position: dict[str, int] | None, memo: dict | None
     position, ops = _bucket_ops(lowered, position, memo)
     last = lowered.strategy.microbatches - 1
     kept = None if lowered.copies is None else lowered.copies.kept  # copy 0's lowering: its devices' issues
-    ready: dict[tuple[int, BucketKey], tuple[int, int, Step]] = {}  # forward position: earlier runs later
-    for key, names in ops.items():
-        ready.update(_ready(lowered, key, names, position, last, kept, memo))
     out: dict[int, list[BucketIssue]] = {}
-    issued: dict[int, tuple[int, int, Step]] = {}
     order = _order(position, ops)
     if not lowered.strategy.overlap_grad_reduce:  # every bucket after the device's backward
         final = last_steps(lowered, kept)
@@ -123,6 +119,10 @@ def _plan(lowered: Lowered, position: dict[str, int] | None, memo: dict | None
             for d in key.devices if kept is None else kept_members(key.devices, kept):
                 out.setdefault(d, []).append(BucketIssue(key, final[d]))
         return order, out
+    ready: dict[tuple[int, BucketKey], tuple[int, int, Step]] = {}  # forward position: earlier runs later
+    for key, names in ops.items():
+        ready.update(_ready(lowered, key, names, position, last, kept, memo))
+    issued: dict[int, tuple[int, int, Step]] = {}
     for key in order:
         for d in key.devices if kept is None else kept_members(key.devices, kept):
             here = ready[(d, key)]

@@ -219,7 +219,8 @@ def _cmd_show_plan(args) -> int:
     check_plan_topology(obj["topology"], where)
     model, topo, pred = obj["model"], obj["topology"], obj.get("predicted") or {}
     print(f"{model.get('name', '?')} on {topo.get('name', '?')} ({plan.num_devices} devices), "
-          f"{plan.microbatches} micro-batch(es), {plan.schedule}")
+          f"{plan.microbatches} micro-batch(es), {plan.schedule}"
+          + ("" if plan.overlap_grad_reduce else ", gradients synced after the backward"))
     ms = pred.get("iteration_ms") if isinstance(pred, dict) else None
     if isinstance(ms, (int, float)) and not isinstance(ms, bool):
         print(f"predicted {ms:.3f} ms per iteration")

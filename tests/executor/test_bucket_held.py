@@ -4,7 +4,8 @@ rows of them (``strategies.collective_buffers.bucket_buffers``,
 processes, tiny gpt with data-parallel and ZeRO-1 plans whose buckets are capped at 8 KiB (4 KiB
 in bf16: 4 to 7 buckets, started through the last backward pass), in float64, in bf16 (reduced in bf16) and in
 bf16 reduced in float32 (FSDP2's ``reduce_dtype=torch.float32``: each flat tensor twice the
-bucket's bytes). Every tensor ``start_bucket`` leaves in flight (level 0: the flat gradients;
+bucket's bytes), and ZeRO-1 synced after the backward (``overlap_grad_reduce`` false: nothing
+held before the sync). Every tensor ``start_bucket`` leaves in flight (level 0: the flat gradients;
 level 1: the padded flat tensor and the rank's chunk of the sum) is watched by a weak reference
 from its start; the bytes of those alive are counted at the start of every backward step and of
 the step's sync. They equal the model's buckets issued before that point, and the walk's peak
@@ -31,7 +32,7 @@ from tests.executor.plans import make_plan
 pytestmark = pytest.mark.distributed
 
 CASES = [("cap8k_dp", "model"), ("cap8k_zero1_dp", "model"), ("cap4k_dp", "bf16"), ("cap4k_dp", "bf16:float32"),
-         ("cap4k_zero1_dp", "bf16:float32")]
+         ("cap4k_zero1_dp", "bf16:float32"), ("after_cap8k_zero1_dp", "model")]
 """(plan, precision): ``model`` runs the float64 model; ``bf16:float32`` reduces in float32."""
 
 
@@ -108,5 +109,8 @@ def test_each_rank_holds_the_modelled_gradient_buckets():
             # the buckets raise the peak but in bf16 reduced in bf16, whose buffers are half as large
             assert (most > kept[d]) == (precision != "bf16"), (name, precision, d, most, kept[d])
             assert memory_breakdown(low)[d].gradient_buckets == most - kept[d]
+    # synced after the backward: nothing held before the sync, all of ZeRO-1's buffers at it
+    after = held[0]["after_cap8k_zero1_dp", "model"]
+    assert all(b == 0 for _, b in after[:-1]) and after[-1][1] == held[0]["cap8k_zero1_dp", "model"][-1][1] > 0
     # float32 reduction holds the flat tensors in float32: at the sync, all of them, twice the bf16 ones
     assert held[0]["cap4k_dp", "bf16:float32"][-1][1] == 2 * held[0]["cap4k_dp", "bf16"][-1][1] > 0

@@ -106,8 +106,9 @@ def test_delta_simulation_equals_full():
 
 
 def test_the_cli_records_it_and_simulate_replaces_it(tmp_path, capsys):
-    """``plan --no-overlap-grad-reduce`` writes ``"overlap_grad_reduce": false``; ``simulate``
-    times the plan's, or the one its flag gives (the same plan as from Python)."""
+    """``plan --no-overlap-grad-reduce`` writes ``"overlap_grad_reduce": false`` and ``show-plan``
+    says it; ``simulate`` times the plan's, or the one its flag gives (the same plan as from
+    Python)."""
     import json
 
     from soapsearch.api import simulate
@@ -119,6 +120,8 @@ def test_the_cli_records_it_and_simulate_replaces_it(tmp_path, capsys):
                  "--no-overlap-grad-reduce", "-o", str(out)]) == 0
     assert json.loads(out.read_text())["overlap_grad_reduce"] is False
     capsys.readouterr()
+    assert main(["show-plan", str(out)]) == 0
+    assert "1f1b, gradients synced after the backward" in capsys.readouterr().out.splitlines()[0]
     got = {}
     for flag in ([], ["--overlap-grad-reduce"]):
         assert main(["simulate", *args, "--plan", str(out), "--json", *flag]) == 0
