@@ -14,6 +14,7 @@ the best candidate is then checked on the held-out rows (``--check``, default Ko
 
     python benchmarks/published_fit.py                                    # n½ 1000 .. 1450 on Table 1
     python benchmarks/published_fit.py --candidates 1300,1400 --check ""  # the fit only
+    python benchmarks/published_fit.py --fit 1.7B,3.6B,7.5B,18B,39B,76B,145B --check "" --max-gpus 1536
 """
 
 from __future__ import annotations
@@ -77,12 +78,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--candidates", default="1000,1150,1200,1250,1300,1350,1450", help="n½ values to try, comma separated")
     ap.add_argument("--fit", default=",".join(FIT_ROWS), help="rows the fit uses, comma separated")
     ap.add_argument("--check", default=",".join(CHECK_ROWS), help="held-out rows, comma separated ('' : none)")
+    ap.add_argument("--max-gpus", type=int, default=MAX_GPUS, help="rows of more devices are refused")
     args = ap.parse_args(argv)
     by_name = {r.name: r for r in ROWS}
     fit = [by_name[n] for n in args.fit.split(",")]
     check = [by_name[n] for n in args.check.split(",") if n]
     for run in fit + check:
-        if (why := reachable(run, MAX_GPUS)) is not None:
+        if (why := reachable(run, args.max_gpus)) is not None:
             raise SystemExit(f"row {run.name!r}: {why}")
     candidates = [float(c) for c in args.candidates.split(",")]
     table = errors(fit, candidates)

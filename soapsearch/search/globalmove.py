@@ -55,8 +55,9 @@ __all__ = ["RESTAGE", "Factorization", "GlobalMoves", "divisors", "layers_of", "
 RESTAGE = 0.25
 """The probability that a global proposal from a pipelined plan rebalances its stages."""
 RESYNC = 0.1
-"""The probability that a global proposal from a pipelined plan with data parallelism is the
-plan with its gradient sync turned (``Strategy.overlap_grad_reduce``): its own reverse."""
+"""The probability that a global proposal from a plan with micro-batches, ops on disjoint device
+sets and an op on several devices (``_piped_replicas``) is the plan with its gradient sync turned
+(``Strategy.overlap_grad_reduce``): its own reverse."""
 
 
 @dataclass(frozen=True)

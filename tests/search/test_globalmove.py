@@ -166,6 +166,7 @@ def test_a_walk_turns_the_gradient_sync_and_draws_keep_it(monkeypatch):
     the backward (``overlap_grad_reduce``), the configs unchanged, and back; a drawn
     factorization keeps the current plan's sync; delta simulation equals full on the walk."""
     monkeypatch.setattr(globalmove, "RESYNC", 0.5)
+    monkeypatch.setattr(globalmove, "RESTAGE", 0.0)  # the other proposals are drawn factorizations
     graph = traced("gpt", batch_size=16)
     topo, cost = get_topology("p100-1x4"), get_cost_model("analytical")
     evaluate = Evaluator(graph, topo, cost, precision="bf16")
