@@ -149,4 +149,3 @@ class Uncounted(HeldBytes):
 
     def size(self, block: Any) -> int:
         return 0
-

@@ -424,11 +424,8 @@ def build_tasks(lowered: Lowered, topology: Topology, cost: CostModel, optimizer
     last, inside = link_schedule(tg, lowered, steps, first, slots, arrivals)
     for d, ends in scattered.items():  # the update waits on the gradients' reduce-scatters
         last[d] += ends
-    if not lowered.strategy.overlap_grad_reduce:  # the buckets wait every send (strategies.overlap)
-        kind = np.asarray(tg.category)
-        for t in np.flatnonzero((kind == TaskKind.TRANSFER) | (kind == TaskKind.GRAD_TRANSFER)).tolist():
-            if tg.device[t] in last:  # its sender's
-                last[tg.device[t]].append(t)
+    if not lowered.strategy.overlap_grad_reduce:
+        _sends_done(tg, last)
     step_sums = [(int(first[i]), blocks[i].step_reductions) for i in joined.summing]
     order, issues = bucket_plan(lowered, position, cache.buckets)
     if keep is not None:
@@ -438,6 +435,23 @@ def build_tasks(lowered: Lowered, topology: Topology, cost: CostModel, optimizer
     if packs and len(inside[0]):  # a step's calls and receives follow the packs the host ran before it
         tg.chunks.append(before_inside(*(np.asarray(x, dtype=INDEX) for x in zip(*packs)), *inside))
     return tg
+
+
+def _sends_done(tg: TaskGraph, last: dict[int, list[int]]) -> None:
+    """A plan whose buckets sync after the backward (``strategies.overlap``): each device of
+    ``last`` that sends gets one instant task after every send it made (its sender's), which
+    its ``last`` (its buckets' packs and its update) then waits on: one edge a send, not one a
+    send and pack."""
+    kind = np.asarray(tg.category)
+    sends: dict[int, list[int]] = {}
+    for t in np.flatnonzero((kind == TaskKind.TRANSFER) | (kind == TaskKind.GRAD_TRANSFER)).tolist():
+        sends.setdefault(tg.device[t], []).append(t)
+    for d, mine in sends.items():
+        if d in last:
+            done = tg.add(f"sends done device {d}", TaskKind.ALLREDUCE, 0.0, (), d)
+            tg.edge_src += mine
+            tg.edge_dst += [done] * len(mine)
+            last[d].append(done)
 
 
 def _blocks(lowered: Lowered, topology: Topology, cost: CostModel, cache: TaskCache,

@@ -162,18 +162,20 @@ class LoweringCache(dict):
         if old is not None:
             self._release(old)
 
-    def __delitem__(self, key: Any) -> None:
+    def _forget(self, key: Any, value: Any) -> None:
+        """The count of an entry taken out: its key, its value's objects, its nested cache."""
         self._nested.pop(key, None)
-        self._release(dict.pop(self, key))
+        self._release(value)
         self.nbytes -= key_bytes(key)
+
+    def __delitem__(self, key: Any) -> None:
+        self._forget(key, dict.pop(self, key))
 
     def pop(self, key: Any, *default: Any) -> Any:
         if not dict.__contains__(self, key):
             return dict.pop(self, key, *default)
         value = dict.pop(self, key)
-        self._nested.pop(key, None)
-        self._release(value)
-        self.nbytes -= key_bytes(key)
+        self._forget(key, value)
         return value
 
     def setdefault(self, key: Any, default: Any = None) -> Any:
@@ -198,9 +200,7 @@ class LoweringCache(dict):
 
     def popitem(self) -> tuple[Any, Any]:
         key, value = dict.popitem(self)
-        self._nested.pop(key, None)
-        self._release(value)
-        self.nbytes -= key_bytes(key)
+        self._forget(key, value)
         return key, value
 
     def total(self) -> int:

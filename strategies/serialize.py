@@ -175,8 +175,6 @@ def parse_plan(source: str | os.PathLike | Mapping[str, Any], devices_in_range: 
     if reduce not in REDUCE_DTYPES:
         raise PlanError(None, "reduce_dtype", reduce, f"must be one of {list(REDUCE_DTYPES)}", where)
     overlap = obj.get("overlap_grad_reduce", Strategy.overlap_grad_reduce) if version >= 6 else True
-    if not isinstance(overlap, bool):
-        raise PlanError(None, "overlap_grad_reduce", overlap, "must be true or false", where)
     ops = _need(obj, "ops", list, where)
     if not ops:
         raise PlanError(None, "ops", ops, "a plan has a config for every op of its model", where)
