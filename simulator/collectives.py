@@ -38,9 +38,10 @@ from simulator.cost import CostModel, has_trainable_params
 from simulator.step import member_ends
 from simulator.taskgraph import INDEX, TaskGraph, TaskKind
 from simulator.topology import Topology
-from strategies.collective_buffers import buffer_lives, regather_steps
+from strategies.collective_buffers import BufferLife, BufferLives, regather_steps
+from strategies.lowered import Collective
 from strategies.lowering import Lowered
-from strategies.schedule import collective_steps
+from strategies.schedule import CollectiveSteps
 
 __all__ = ["add_collectives", "hidden_by_readers"]
 
@@ -65,26 +66,94 @@ def add_collectives(tg: TaskGraph, lowered: Lowered, topology: Topology, blocks:
     readers = lowered.collective_readers
     overlap = cost is not None and cost.input_grad_overlap
     known = _Known(topology)
-    run = _Run(tg, blocks, first.tolist(), _record)
-    for life, (fwd_steps, bwd_steps) in zip(buffer_lives(lowered), collective_steps(lowered)):
-        c = life.collective
+    life_of, steps_of = BufferLives(lowered), CollectiveSteps(lowered)
+    twins = _Twins(lowered)
+
+    def full(c):
+        """``c``'s run key and ``_record``'s arguments, and the ops whose partitions its steps read."""
+        life = life_of(c)
+        fwd_steps, bwd_steps = steps_of(c)
         j = c.microbatch
         reads = readers[c]
+        if keep is not None and not (keep.issuperset(fwd_steps) and keep.issuperset(bwd_steps)):
+            fwd_steps = {d: s for d, s in fwd_steps.items() if d in keep}
+            bwd_steps = {d: s for d, s in bwd_steps.items() if d in keep}
         if keep is not None:
-            if keep.isdisjoint(c.devices):
-                continue
-            if not (keep.issuperset(fwd_steps) and keep.issuperset(bwd_steps)):
-                fwd_steps = {d: s for d, s in fwd_steps.items() if d in keep}
-                bwd_steps = {d: s for d, s in bwd_steps.items() if d in keep}
             reads = [r for r in reads if r.device in keep]
         again = None if life.regather is None else regather_steps(lowered, life)
         beside = again is not None and not any(lowered.strategy[r.dst_op].recompute for r in readers[c])
         hidden = hidden_by_readers(lowered, readers[c], topology, cost) if overlap and (c.grad or beside) else 0.0
         key = (c.kind, c.op, c.devices, c.holders, c.nbytes, c.grad, hidden, tuple([r[1:] for r in reads]),
                _steps_key(fwd_steps, j), _steps_key(bwd_steps, j), again and _steps_key(again, j), beside)
-        run.add(c.op, key, j, (life, fwd_steps, bwd_steps, again, reads, keep, known, hidden, position, beside))
+        return key, (life, fwd_steps, bwd_steps, again, reads, keep, known, hidden, position, beside)
+
+    def hidden_of(c) -> float:
+        return hidden_by_readers(lowered, readers[c], topology, cost)
+
+    run = _Run(tg, blocks, first.tolist(), _record, lambda c: full(c)[1])
+    for c in lowered.collectives:
+        if keep is not None and keep.isdisjoint(c.devices):
+            continue
+        key = twins.key(c, hidden_of if overlap else None)
+        if key is not None:  # its twin's in the op's first micro-batch: the same key, recorded from there if need be
+            run.add(c.op, key, c.microbatch, None, c)
+            continue
+        key, args = full(c)
+        twins.keep(c, key, args[0], args[7] if overlap and (c.grad or args[9]) else None)
+        run.add(c.op, key, c.microbatch, args, c)
     run.flush()
     return np.asarray(run.arrivals, dtype=INDEX).reshape(-1, 2).T
+
+
+class _Twins:
+    """Each op's collectives of its first micro-batch (``Lowered.collectives`` lists an op's
+    collectives micro-batch after micro-batch) by their place in it, with their run keys; a
+    later micro-batch's collective at the same place is their *twin* where it is the same but
+    for its micro-batch and region (kind, devices, holders, dim, bytes, gradient), has the same
+    reads (reader op, partition, slot, device), and the ops whose partitions its steps read (its
+    first reader's, its own, the op it is called again at) lie on the same devices at the same
+    indices in every micro-batch: then its key is the twin's (``_steps_key`` counts micro-batches
+    from the collective's), so ``add_collectives`` finds it without its steps, buffer life or
+    regather steps. Where a cost model hides part of it behind its readers, the seconds hidden
+    are compared too. Anything else: found as the first micro-batch's were."""
+
+    def __init__(self, lowered: Lowered) -> None:
+        self.lowered, self.readers = lowered, lowered.collective_readers
+        self.op: str | None = None
+        self.first: list[tuple] = []  # (collective, key, reads, ops, hidden or None)
+        self.j0 = self.j = self.at = 0
+        self.alike: dict[str, bool] = {}  # op -> its partitions on the same devices, indices, in every micro-batch
+
+    def key(self, c: Collective, hidden) -> tuple | None:
+        """``c``'s twin's key, or None (no twin: ``keep`` it where it is in the first micro-batch)."""
+        if c.op != self.op:
+            self.op, self.first, self.j0, self.j, self.at = c.op, [], c.microbatch, c.microbatch, 0
+        elif c.microbatch != self.j:
+            self.j, self.at = c.microbatch, 0
+        at = self.at
+        self.at += 1
+        if self.j == self.j0 or at >= len(self.first):
+            return None
+        t, key, reads, ops, seconds = self.first[at]
+        if (c[0] != t[0] or c[3:5] != t[3:5] or c[6:] != t[6:] or [r[1:] for r in self.readers[c]] != reads
+                or not all(map(self._alike, ops)) or (seconds is not None and hidden(c) != seconds)):
+            return None
+        return key
+
+    def keep(self, c: Collective, key: tuple, life: BufferLife, hidden: float | None) -> None:
+        """Keep ``c`` (its ``key``, ``life``, the seconds its readers hide where they do) as the
+        twin of later micro-batches' collectives at its place."""
+        if self.j == self.j0 and self.at == len(self.first) + 1:
+            ops = (self.readers[c][0].dst_op, c.op) + ((life.regather,) if life.regather is not None else ())
+            self.first.append((c, key, [r[1:] for r in self.readers[c]], ops, hidden))
+
+    def _alike(self, op: str) -> bool:
+        got = self.alike.get(op)
+        if got is None:
+            rows = self.lowered.partitions[op]
+            places = [(p[1], p[3]) for p in rows[0]]  # (index, device)
+            got = self.alike[op] = all([(p[1], p[3]) for p in row] == places for row in rows[1:])
+        return got
 
 
 def _steps_key(steps: dict, j: int) -> tuple:
@@ -195,19 +264,22 @@ def _record(life, fwd_steps: dict, bwd_steps: dict, again: dict | None, reads: S
 class _Run:
     """One op's collectives (``add``), laid out on ``tg``'s tail (``flush``) one after another:
     the shortest period their keys and micro-batches repeat with (``_period``) recorded once
-    (``record``), then each period's tasks; the arrivals' (call, step) ids collected flat."""
+    (``record``, on arguments given or ``found``), then each period's tasks; the arrivals'
+    (call, step) ids collected flat."""
 
-    def __init__(self, tg: TaskGraph, blocks: Sequence, starts: list[int], record) -> None:
-        self.tg, self.blocks, self.starts, self.record = tg, blocks, starts, record
+    def __init__(self, tg: TaskGraph, blocks: Sequence, starts: list[int], record, found) -> None:
+        self.tg, self.blocks, self.starts, self.record, self.found = tg, blocks, starts, record, found
         self.op: str | None = None
-        self.pending: list[tuple[tuple, int, tuple]] = []  # (key, micro-batch, record's arguments)
+        self.pending: list[tuple[tuple, int, tuple | None, Collective]] = []  # (key, micro-batch, record's arguments, c)
         self.arrivals: list[int] = []
 
-    def add(self, op: str, key: tuple, j: int, args: tuple) -> None:
+    def add(self, op: str, key: tuple, j: int, args: tuple | None, c: Collective) -> None:
+        """``c`` of micro-batch ``j``, its run ``key``; ``args``: ``record``'s arguments, or None:
+        ``found(c)`` gives them if its period records it."""
         if op != self.op:
             self.flush()
             self.op = op
-        self.pending.append((key, j, args))
+        self.pending.append((key, j, args, c))
 
     def flush(self) -> None:
         """Lay the pending collectives out, period after period."""
@@ -216,14 +288,15 @@ class _Run:
             return
         keys, js = [p[0] for p in pending], [p[1] for p in pending]
         p = _period(keys, js)
-        self.lay(_merge([self.record(*args) for _, _, args in pending[:p]], [j - js[0] for j in js[:p]]), js[::p])
+        self.lay(_merge([self.record(*(self.found(c) if args is None else args)) for _, _, args, c in pending[:p]],
+                        [j - js[0] for j in js[:p]]), js[::p])
 
     def lay(self, r: _Recorded, js: list[int]) -> None:
         """``r`` laid out for each micro-batch of ``js`` (its first collective's): its tasks in
         the recorded order from the tail's next id, then its edges and arrivals."""
         tg, tail, n, k = self.tg, self.tg.tail, len(js), len(r.names)
         x = len(tg)
-        tail.name += [f.format(j + s) for j in js for f, s in zip(r.names, r.shifts)]
+        tail.name += list(zip(r.names * n, (np.add.outer(js, r.shifts).ravel().tolist())))  # labels formatted when shown
         tail.category += r.category * n
         tail.duration += r.duration * n
         tail.resources += r.resources * n

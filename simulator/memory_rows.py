@@ -32,18 +32,20 @@ def held_rows(ops: list, n: int) -> tuple[np.ndarray, list[int]]:
     return held, [i for i, p in enumerate(ops) if p.dropped]
 
 
-def dropped_rows(lowered: Lowered, ops: list, held: np.ndarray, at: list[int], rep: np.ndarray | None,
+def dropped_rows(lowered: Lowered, ops: list, held: np.ndarray, at: list[int], columns: np.ndarray | None,
                  drops: Drops, position: dict[str, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """The rows built afresh from the ops' pieces (``held``: what each op keeps, every device's
-    columns; ``at``: the ops that drop or let go of their outputs; ``drops``: their points),
-    without the collectives."""
-    n = held.shape[1]
+    """The rows built afresh from the ops' pieces (``held``: what each op keeps; ``at``: the ops
+    that drop or let go of their outputs; ``drops``: their points), without the collectives.
+    ``columns``: the devices ``held``'s columns are (a fold's representatives,
+    ``simulator.memory_walks.Columns``); None: every device's, in order."""
     freed, redone = np.zeros_like(held), np.zeros_like(held)  # after an op's forward; at its backward
     if not at:
         return held, freed, redone, held
-    dropped = np.array([ops[i].dropped for i in at], dtype=np.int64).reshape(len(at), n)
-    if rep is not None:
-        dropped = dropped[:, rep]
+    dropped = np.array([ops[i].dropped for i in at], dtype=np.int64).reshape(len(at), -1)
+    col = None
+    if columns is not None:
+        dropped = dropped[:, columns]
+        col = dict(zip(columns.tolist(), range(len(columns))))
     gone = held.copy()
     held[at] += dropped
     redo = [k for k, i in enumerate(at) if ops[i].recompute]
@@ -59,6 +61,10 @@ def dropped_rows(lowered: Lowered, ops: list, held: np.ndarray, at: list[int], r
             rs.append(groups[0][2])
             continue
         for (d,), f, r in groups:
+            if col is not None:  # a representative's column stands for the devices it represents
+                d = col.get(d)
+                if d is None:
+                    continue
             freed[f, d] += dropped[k, d]
             if ops[at[k]].recompute:
                 redone[r, d] += dropped[k, d]

@@ -18,7 +18,7 @@ from strategies.lowering import Lowered
 from strategies.pieces import drop_positions, key_readers
 from strategies.schedule import chunk_of, rank_passes, warmups
 
-__all__ = ["activation_peaks", "device_warmups", "Walked", "Walks"]
+__all__ = ["activation_peaks", "device_warmups", "Columns", "Walked", "Walks"]
 
 _dropped = operator.attrgetter("dropped")
 _POSITIONS: dict[int, tuple[object, dict[str, int]]] = {}
@@ -57,17 +57,38 @@ def activation_peaks(lowered: Lowered, ws: dict[int, int] | None = None, collect
     return Walks(lowered, ws).peaks(collectives, buckets)
 
 
+class Columns(NamedTuple):
+    """A folded lowering's walk (``Lowered.copies``) over one column per representative: the
+    devices that stand for others (copy 0's and, under a member fold, its kept members:
+    ``Copies.rep_array``), each column the walk of every device that is its image. Every step
+    of the walk is a sum or maximum down a column, so it gives each device what the walk over
+    every device's column gives it; a walk of 1,024 devices folded on 32 is 32 columns wide."""
+
+    devices: np.ndarray
+    """The representatives, sorted: column i is device ``devices[i]``'s."""
+    of: list[int]
+    """Device -> its representative's column."""
+
+
+def _columns(lowered: Lowered, n: int) -> Columns | None:
+    """``lowered``'s ``Columns`` over ``n`` devices; None where it is not folded (a column a device)."""
+    if lowered.copies is None:
+        return None
+    devices, of = np.unique(lowered.copies.rep_array(n), return_inverse=True)
+    return Columns(devices, of.tolist())
+
+
 class Walked(NamedTuple):
     """One set of rows (without or with the collectives) and what its walk reads of them."""
 
     rows: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
     """held, freed, redone, gone (``_rows``)."""
     kept: list[int]
-    """Per device, K: the bytes kept per micro-batch in flight."""
+    """Per column (``Columns``; a device's where not folded), K: the bytes kept per micro-batch in flight."""
     rise_f: list[int]
-    """Per device, a forward pass's highest rise over its start (``_rises``)."""
+    """Per column, a forward pass's highest rise over its start (``_rises``)."""
     rise_b: list[int]
-    """Per device, a backward pass's highest rise over its start."""
+    """Per column, a backward pass's highest rise over its start."""
 
 
 class _LastDrops(NamedTuple):
@@ -92,13 +113,14 @@ class Walks:
 
     def __init__(self, lowered: Lowered, ws: dict[int, int] | None) -> None:
         self.lowered, self.ws = lowered, device_warmups(lowered) if ws is None else ws
+        self.columns = _columns(lowered, len(lowered.device_bytes.kept))
         self.walked: dict[bool, Walked] = {}  # collectives -> its walk
 
     def walk(self, collectives: bool) -> Walked:
         got = self.walked.get(collectives)
         if got is None:
             base = self.walk(False).rows if collectives else None
-            rows = _rows(self.lowered, collectives, base)
+            rows = _rows(self.lowered, collectives, base, self.columns)
             kept = (rows[0].sum(axis=0) - rows[1].sum(axis=0)).tolist()  # b.kept, and the kept collective results
             got = self.walked[collectives] = Walked(rows, kept, *(x.tolist() for x in _rises(*rows)))
         return got
@@ -108,32 +130,34 @@ class Walks:
         lowered, ws = self.lowered, self.ws
         if lowered.strategy.schedule == "interleaved":
             return _interleaved_peaks(lowered, collectives, buckets)
-        b = lowered.device_bytes
-        issued = _issued(lowered, len(b.kept)) if buckets else None
+        b, columns = lowered.device_bytes, self.columns
+        n = len(b.kept)
+        of = range(n) if columns is None else columns.of
+        issued = _issued(lowered, columns, n) if buckets else None
         if not any(map(_dropped, lowered.pieces.values())) and not (collectives and lowered.collectives):
             out = [ws.get(d, 0) * k for d, k in enumerate(b.kept)]  # the search's hot path: one C-level pass
             if issued is None:
                 return out
             # the last pass only frees, so it rises over w·K only where K + the buckets' bytes do
             total = issued.sum(axis=0).tolist()
-            if all(p >= k + t for p, k, t in zip(out, b.kept, total)):
+            if all(p >= k + total[c] for p, k, c in zip(out, b.kept, of)):
                 return out
         rows, kept, rise_f, rise_b = self.walk(collectives)
         last = _last_rise(rows[2], rows[3], issued).tolist() if issued is not None else None
         out = []
-        for d, k in enumerate(kept):
-            w = ws.get(d, 0)
-            peak = max((w - 1) * k + rise_f[d], w * k + rise_b[d]) if w else 0
-            out.append(max(peak, k + last[d]) if w and last is not None else peak)
+        for d, c in enumerate(of):
+            w, k = ws.get(d, 0), kept[c]
+            peak = max((w - 1) * k + rise_f[c], w * k + rise_b[c]) if w else 0
+            out.append(max(peak, k + last[c]) if w and last is not None else peak)
         return out
 
 
-def _issued(lowered: Lowered, n: int) -> np.ndarray | None:
-    """``bucket_rows`` with every device's columns (of copy 0's lowering: a device's copy-0
-    image's, the copies running alike); None without level-0/1 buckets."""
+def _issued(lowered: Lowered, columns: Columns | None, n: int) -> np.ndarray | None:
+    """``bucket_rows`` with every device's columns, or the representatives' (``columns``, of
+    copy 0's lowering: the copies run alike); None without level-0/1 buckets."""
     rows = bucket_rows(lowered, _positions(lowered.graph), n)
-    if rows is not None and lowered.copies is not None:
-        rows = rows[:, lowered.copies.rep_array(n)]
+    if rows is not None and columns is not None:
+        rows = rows[:, columns.devices]
     return rows
 
 
@@ -148,7 +172,7 @@ def _last_rise(redone: np.ndarray, gone: np.ndarray, issued: np.ndarray) -> np.n
     return np.maximum(np.maximum(level.max(axis=0), end), 0)
 
 
-def _rows(lowered: Lowered, collectives: bool = True, base: tuple | None = None
+def _rows(lowered: Lowered, collectives: bool = True, base: tuple | None = None, columns: Columns | None = None
           ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(ops in graph order) x devices: the bytes each op's forward adds (what it keeps and its
     dropped or transient outputs), the dropped and transient bytes freed after each op's
@@ -156,19 +180,19 @@ def _rows(lowered: Lowered, collectives: bool = True, base: tuple | None = None
     those freed after it (what it keeps and its recomputed output: a transient one, read by no
     backward, was freed in the forward, ``strategies.pieces.transient``); with ``collectives``,
     the collectives' buffers besides (``simulator.memory_collectives``). ``base``: the rows
-    without the collectives, where made already (read only)."""
+    without the collectives, where made already (read only). ``columns``: of a folded lowering,
+    the representatives' columns only (``Columns``; ``_columns(lowered, n)``)."""
     n = len(lowered.device_bytes.kept)
-    rows = _op_rows(lowered) if base is None else base
+    rows = _op_rows(lowered, columns) if base is None else base
     extra = collective_rows(lowered, _positions(lowered.graph), n) if collectives else None
     if extra is None:
         return rows
-    if lowered.copies is not None:  # copy 0's columns are every copy's
-        rep = lowered.copies.rep_array(n)
-        extra = tuple(x[:, rep] for x in extra)
+    if columns is not None:
+        extra = tuple(x[:, columns.devices] for x in extra)
     return tuple(a + b for a, b in zip(rows, extra))
 
 
-def _op_rows(lowered: Lowered) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def _op_rows(lowered: Lowered, columns: Columns | None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """``_rows`` without the collectives. Every device's rows are patched from the last
     plan's (``simulator.memory_rows.piece_rows``): read them only."""
     graph, pieces = lowered.graph, lowered.pieces
@@ -178,9 +202,8 @@ def _op_rows(lowered: Lowered) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.n
     drops = _drop_positions(graph, lowered.strategy, position)
     if lowered.copies is None:
         return piece_rows(lowered, ops, position, drops)
-    held, at = held_rows(ops, n)
-    rep = lowered.copies.rep_array(n)  # copy 0's columns are every copy's (a weight op keeps nothing)
-    return dropped_rows(lowered, ops, held[:, rep], at, rep, drops, position)
+    held, at = held_rows(ops, n)  # the representatives' columns stand for every device (a weight op keeps nothing)
+    return dropped_rows(lowered, ops, held[:, columns.devices], at, columns.devices, drops, position)
 
 
 def _drop_positions(graph, strategy, position: dict[str, int]) -> dict[str, list[tuple[tuple[int, ...], int, int]]]:
@@ -240,8 +263,9 @@ def _interleaved_peaks(lowered: Lowered, collectives: bool = True, buckets: bool
     devices of one pipeline rank with the same figures (a fold's copies and members) are walked once."""
     chunk = chunk_of(lowered)
     n = len(lowered.device_bytes.kept)
-    held, freed, redone, gone = _rows(lowered, collectives)
-    issued = _issued(lowered, n) if buckets else None
+    columns = _columns(lowered, n)
+    held, freed, redone, gone = _rows(lowered, collectives, None, columns)
+    issued = _issued(lowered, columns, n) if buckets else None
     if issued is None:
         issued = np.zeros_like(held)
     last_mb = lowered.strategy.microbatches - 1
@@ -253,16 +277,17 @@ def _interleaved_peaks(lowered: Lowered, collectives: bool = True, buckets: bool
         f, r = _rises(held * mask, freed * mask, redone * mask, gone * mask)
         last = _last_rise(redone * mask, gone * mask, issued * mask)
         per.append(np.stack(((kept * mask).sum(axis=0), f, r, last, (issued * mask).sum(axis=0))))
-    figures = np.stack(per, axis=1)  # (figure, chunk, device)
+    figures = np.stack(per, axis=1)  # (figure, chunk, column)
     ranks = pipeline_chunks(lowered.graph, lowered.strategy)
     order = rank_passes(lowered.graph, lowered.strategy)
     walked: dict[tuple[int, bytes], int] = {}  # a device's peak: its pipeline rank's passes and its figures
     out = [0] * n
     for d in lowered.strategy.devices_used:
         rank = ranks.rank[d]
-        key = (rank, figures[:, :, d].tobytes())
+        c = d if columns is None else columns.of[d]
+        key = (rank, figures[:, :, c].tobytes())
         if key not in walked:
-            walked[key] = _interleaved_walk(order[rank], figures[:, :, d].tolist(), last_mb)
+            walked[key] = _interleaved_walk(order[rank], figures[:, :, c].tolist(), last_mb)
         out[d] = walked[key]
     return out
 

@@ -118,11 +118,14 @@ def join(parts: list[tuple[np.ndarray, ...]]) -> tuple[np.ndarray, ...]:
 
 def label(name: Any) -> str:
     """A task's name as shown: a string as is; (what, op, index, micro-batch) of a partition's
-    task; (what, transfer) of a transfer's task (``strategies.lowering.Transfer``)."""
+    task; (what, transfer) of a transfer's task (``strategies.lowering.Transfer``); (template,
+    micro-batch) of a collective's task (``simulator.collectives``: ``str.format``'s template)."""
     if isinstance(name, str):
         return name
     if len(name) == 2:
         what, t = name
+        if type(t) is int:
+            return what.format(t)
         return f"{what} {t.src_op}[{t.src_index}]->{t.dst_op}[{t.dst_index}]@mb{t.microbatch}"
     what, op, index, mb = name
     return f"{what} {op}[{index}]@mb{mb}"

@@ -50,7 +50,7 @@ from strategies.precision import reduce_scale
 from strategies.schedule import Step
 from strategies.zero import zero_buckets
 
-__all__ = ["BufferLife", "buffer_lives", "regather_steps", "bucket_buffers", "REGATHERED", "sequence_gather"]
+__all__ = ["BufferLife", "BufferLives", "buffer_lives", "regather_steps", "bucket_buffers", "REGATHERED", "sequence_gather"]
 
 REGATHERED = ("linear",)
 """Op kinds that keep a sequence-parallel all-gather's shard rather than its result where they
@@ -103,17 +103,27 @@ def buffer_lives(lowered: Lowered, microbatch: int | None = None) -> tuple[Buffe
     """The ``BufferLife`` of each of ``Lowered.collectives`` (of ``microbatch`` only, where
     given: every micro-batch's are alike), in that order. Every member runs a reader partition
     of every reader op (``strategies.collectives``), as many on each."""
-    graph, strategy, readers = lowered.graph, lowered.strategy, lowered.collective_readers
-    position: dict[str, int] = {}
-    back: dict[tuple[str, str], bool] = {}  # (reader op, producer) -> it reads the result again after its forward
-    again: dict[str, int | None] | None = None  # recompute reader op -> where it is recomputed (None: not one step)
-    out = []
-    for c in lowered.collectives:
-        if microbatch is not None and c.microbatch != microbatch:
-            continue
+    life = BufferLives(lowered)
+    return tuple([life(c) for c in lowered.collectives if microbatch is None or c.microbatch == microbatch])
+
+
+class BufferLives:
+    """``buffer_lives`` one collective at a time (``life(c)``), what it reads of the plan found
+    once for all: each op's position, each (reader, producer)'s read back, where each dropped
+    recompute op is recomputed."""
+
+    def __init__(self, lowered: Lowered) -> None:
+        self.lowered = lowered
+        self.position: dict[str, int] = {}
+        self.back: dict[tuple[str, str], bool] = {}  # (reader op, producer) -> it reads the result again after its forward
+        self.again: dict[str, int | None] | None = None  # recompute reader op -> where it is recomputed (None: not one step)
+
+    def __call__(self, c: Collective) -> BufferLife:
+        lowered, position, back = self.lowered, self.position, self.back
+        graph, strategy = lowered.graph, lowered.strategy
         if not position:
-            position = {node.name: i for i, node in enumerate(graph)}
-        reads = readers[c]
+            position.update({node.name: i for i, node in enumerate(graph)})
+        reads = lowered.collective_readers[c]
         on = reads[0].device
         count: dict[str, int] = {}
         for r in reads:
@@ -128,14 +138,13 @@ def buffer_lives(lowered: Lowered, microbatch: int | None = None) -> tuple[Buffe
         # called again: a gather re-read by recomputations or linears; a dropped output's, read by recomputations only
         if (c.kind == "all_gather" and all(graph[u].kind in REGATHERED for u in plain) and (
                 not plain or sequence_gather(graph, c))) or (not plain and drops_output(graph, strategy, c.op)):
-            if again is None:
-                again = _recomputed_at(lowered, position)
-            at = [again.get(u, position[u]) for u in ops]
+            if self.again is None:
+                self.again = _recomputed_at(lowered, position)
+            at = [self.again.get(u, position[u]) for u in ops]
             if None not in at:
                 regather = graph.nodes[max(at)].name
-        out.append(BufferLife(c, ops[0], ops[-1], regather is None and any(back[u, c.op] for u in ops),
-                              tuple((u, count[u]) for u in ops) if c.grad else (), regather))
-    return tuple(out)
+        return BufferLife(c, ops[0], ops[-1], regather is None and any(back[u, c.op] for u in ops),
+                          tuple((u, count[u]) for u in ops) if c.grad else (), regather)
 
 
 def _recomputed_at(lowered: Lowered, position: dict[str, int]) -> dict[str, int | None]:

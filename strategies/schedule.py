@@ -43,7 +43,7 @@ from strategies.lowering import Lowered
 from strategies.memo import per_lowered
 from strategies.zero import per_use_shards
 
-__all__ = ["Step", "CollectiveCall", "chunk_of", "collective_calls", "collective_steps", "device_order", "rank_passes",
+__all__ = ["Step", "CollectiveCall", "CollectiveSteps", "chunk_of", "collective_calls", "collective_steps", "device_order", "rank_passes",
            "device_passes", "interleaved_passes", "passes", "stages", "warmup", "warmups"]
 
 
@@ -74,17 +74,26 @@ def collective_steps(lowered: Lowered) -> list[tuple[dict[int, Step], dict[int, 
     not move). Every collective a member calls at one op's step is called at the same step,
     whichever of the op's partitions read or hold it, so their order is ``Lowered.collectives``'
     on every member."""
-    out = []
-    readers = lowered.collective_readers
-    spans: dict[tuple[str, int], dict[int, tuple[int, int]]] = {}
-    for c in lowered.collectives:
-        first, j = readers[c][0].dst_op, c.microbatch
-        lo, hi = _spans(lowered, first, j, spans), _spans(lowered, c.op, j, spans)
+    steps = CollectiveSteps(lowered)
+    return [steps(c) for c in lowered.collectives]
+
+
+class CollectiveSteps:
+    """``collective_steps`` one collective at a time (``steps(c)``), each op's and micro-batch's
+    partition spans found once for all."""
+
+    def __init__(self, lowered: Lowered) -> None:
+        self.lowered = lowered
+        self.spans: dict[tuple[str, int], dict[int, tuple[int, int]]] = {}
+
+    def __call__(self, c) -> tuple[dict[int, Step], dict[int, Step]]:
+        lowered, j = self.lowered, c.microbatch
+        first = lowered.collective_readers[c][0].dst_op
+        lo, hi = _spans(lowered, first, j, self.spans), _spans(lowered, c.op, j, self.spans)
         on = [d for d in c.devices if d in lo]  # a member fold's: the kept members (strategies.lowering_members)
         fwd = {d: _new(Step, (False, first, lo[d][0], j)) for d in on}  # Steps made as the tuples they are
         bwd = {d: _new(Step, (True, c.op, hi[d][1], j)) for d in on} if c.grad else {}
-        out.append((fwd, bwd))
-    return out
+        return fwd, bwd
 
 
 def _spans(lowered: Lowered, op: str, microbatch: int, known: dict) -> dict[int, tuple[int, int]]:

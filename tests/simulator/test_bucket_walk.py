@@ -25,7 +25,7 @@ def _walked(low) -> list[int]:
     pass (every op here has one partition a device and micro-batch)."""
     n = low.strategy.num_devices
     held, freed, redone, gone = _rows(low)
-    issued = _issued(low, n)
+    issued = _issued(low, None, n)
     position, last = _positions(low.graph), low.strategy.microbatches - 1
     out = [0] * n
     for d, steps in device_order(low).items():
@@ -60,7 +60,7 @@ def _plans():
 @pytest.mark.parametrize("name,graph,plan", list(_plans()), ids=[p[0] for p in _plans()])
 def test_the_walk_with_buckets_equals_a_step_by_step_walk(name, graph, plan):
     low = lower(graph, plan)
-    assert _issued(low, plan.num_devices) is not None, name
+    assert _issued(low, None, plan.num_devices) is not None, name
     walked = _walked(low)
     assert activation_peaks(low) == walked, name
     # the buckets raise ZeRO-1's peaks (n + 1 chunks) and the stages' (one micro-batch's activations

@@ -77,23 +77,24 @@ def test_runs_equal_one_by_one(plan, preset, overlap, fold, monkeypatch):
         assert a == b
 
 
-def _perturbed(monkeypatch, what: str):
+def _perturbed(monkeypatch, lowered, what: str):
     """Micro-batch 1's collectives made unlike micro-batch 0's in ``what`` (a run key's field):
-    its members' forward calls at another partition's step, its reads in reverse order, its
-    backward charged more (``hidden_by_readers``), or its holders reversed."""
-    steps, hidden = collectives.collective_steps, collectives.hidden_by_readers
+    its members' forward calls at another partition's step (two partitions of each reader op on
+    different devices swap indices, as the schedule reads them), its reads in reverse order, its
+    backward hiding nothing behind its readers (``hidden_by_readers``), or its holders reversed."""
+    hidden = collectives.hidden_by_readers
     if what == "steps":
-        def moved(lowered):
-            out = []
-            for c, (fwd, bwd) in zip(lowered.collectives, steps(lowered)):
-                if c.microbatch == 1:
-                    fwd = {d: s._replace(backward=True, op=c.op, index=c.holders[0]) for d, s in fwd.items()}
-                out.append((fwd, bwd))
-            return out
-        monkeypatch.setattr(collectives, "collective_steps", moved)
+        parts = dict(lowered.partitions)
+        for op in {reads[0].dst_op for c, reads in lowered.collective_readers.items() if c.microbatch == 1}:
+            row = list(parts[op][1])
+            other = next((k for k, p in enumerate(row) if p.device != row[0].device), None)
+            if other is not None:
+                row[0], row[other] = row[0]._replace(index=row[other].index), row[other]._replace(index=row[0].index)
+                parts[op] = (parts[op][0], tuple(row), *parts[op][2:])
+        monkeypatch.setitem(lowered.__dict__, "partitions", parts)
     elif what == "hidden":
         monkeypatch.setattr(collectives, "hidden_by_readers",
-                            lambda lowered, reads, *a: hidden(lowered, reads, *a) * (1 + reads[0].collective.microbatch))
+                            lambda lowered, reads, *a: hidden(lowered, reads, *a) * (reads[0].collective.microbatch != 1))
 
 
 @pytest.mark.parametrize("what", ["steps", "reads", "hidden", "holders"])
@@ -116,7 +117,7 @@ def test_runs_keyed_on_what_differs(what, monkeypatch):
             readers = {flipped[c]: reads for c, reads in readers.items()}
     lowered.__dict__["collective_readers"] = readers
     with monkeypatch.context() as m:
-        _perturbed(m, what)
+        _perturbed(m, lowered, what)
         ran = _graph(lowered, topo, cost, m, True)
         alone = _graph(lowered, topo, cost, m, False)
     for a, b in zip(ran, alone):
@@ -151,3 +152,22 @@ def test_tasks_counted_from_the_lowering(plan):
     assert (len(main), sum(int(tg.nbytes[t]) for t in main), calls) == (tasks, nbytes, members)
     assert len(ours) - len(main) == sum(len(c.devices) * (1 + c.grad + (life.regather is not None))
                                         for life in buffer_lives(lowered) for c in [life.collective])
+
+
+def test_later_microbatches_are_twins(monkeypatch):
+    """On plans whose micro-batches are cut alike (every plan's: micro-batches divide the
+    samples), every collective of micro-batches 1 on takes its twin's key in micro-batch 0
+    (``_Twins``: no steps, buffer life or regather steps of its own); where they are not alike,
+    ``test_runs_keyed_on_what_differs`` shows each laid out on its own."""
+    graph = traced("gpt", "small")
+    topo, cost = get_topology("a100-2x8"), get_cost_model("analytical", input_grad_overlap=True)
+    real = collectives._Twins.key
+    for plan in (megatron_lm(graph, 16, 4, 2), random_plan(graph, 16, 1)):
+        lowered = Lowerings(graph, plan).first(topo, False)
+        hits: list[tuple] = []
+        with monkeypatch.context() as m:
+            m.setattr(collectives._Twins, "key", lambda self, c, h: hits.append((c, real(self, c, h))) or hits[-1][1])
+            build_tasks(lowered, topo, cost, "adam")
+        later = [c for c in lowered.collectives if c.microbatch > 0]
+        assert later and len(hits) == len(lowered.collectives)
+        assert [c for c, key in hits if key is not None] == later
