@@ -73,6 +73,14 @@ class ClusterRoutes(Mapping):
         self._up, self._down, self._out, self._in, self.nic_of = up, down, nic_out, nic_in, nic_of
         self.key = (per_node, n, nic_of, mesh is not None)
         self._mesh_table: np.ndarray | None = None  # mesh[s, d] as an n x per_node array, made when first used
+        self._arrays: tuple[np.ndarray, ...] | None = None  # up, down, out, in as arrays, made when first used
+
+    def _as_arrays(self) -> tuple[np.ndarray, ...]:
+        """``_up``, ``_down``, ``_out``, ``_in`` as int64 arrays, made once (``links_array`` is
+        called once per copy of a fold: 8,192 times at 8,192 devices)."""
+        if self._arrays is None:
+            self._arrays = tuple(np.asarray(x, dtype=np.int64) for x in (self._up, self._down, self._out, self._in))
+        return self._arrays
 
     def _intra(self, s: int, d: int) -> tuple[int, ...]:
         return (self._mesh[s, d],) if self._mesh is not None else (self._up[s], self._down[d])
@@ -102,10 +110,11 @@ class ClusterRoutes(Mapping):
         hop = ~inter | rail  # rows whose route starts inside the source node
         width = self._intra_array(s[hop], np.where(inter, via, d)[hop], out, hop)
         nic = np.flatnonzero(inter)
+        _, _, nic_out, nic_in = self._as_arrays()
         if self.nic_of == "node":
-            a, b = np.asarray(self._out)[s[nic] // p], np.asarray(self._in)[d[nic] // p]
+            a, b = nic_out[s[nic] // p], nic_in[d[nic] // p]
         else:
-            a, b = np.asarray(self._out)[via[nic]], np.asarray(self._in)[d[nic]]
+            a, b = nic_out[via[nic]], nic_in[d[nic]]
         out[nic, width[nic]], out[nic, width[nic] + 1] = a, b
         return out
 
@@ -121,7 +130,8 @@ class ClusterRoutes(Mapping):
                 self._mesh_table = table
             out[rows, 0], width[rows] = self._mesh_table[s, d % self.per_node], 1
         else:
-            out[rows, 0], out[rows, 1], width[rows] = np.asarray(self._up)[s], np.asarray(self._down)[d], 2
+            up, down = self._as_arrays()[:2]
+            out[rows, 0], out[rows, 1], width[rows] = up[s], down[d], 2
         return width
 
     def __iter__(self) -> Iterator[tuple[int, int]]:

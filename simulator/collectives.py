@@ -33,7 +33,7 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
-from simulator.comm import collective_time, ring_links
+from simulator.comm import collective_time, ring_resources
 from simulator.cost import CostModel, has_trainable_params
 from simulator.step import member_ends
 from simulator.taskgraph import INDEX, TaskGraph, TaskKind
@@ -120,7 +120,7 @@ class _Twins:
     def __init__(self, lowered: Lowered) -> None:
         self.lowered, self.readers = lowered, lowered.collective_readers
         self.op: str | None = None
-        self.first: list[tuple] = []  # (collective, key, reads, ops, hidden or None)
+        self.first: list[tuple | None] = []  # (collective, key, reads, hidden or None), or None: no twin
         self.j0 = self.j = self.at = 0
         self.alike: dict[str, bool] = {}  # op -> its partitions on the same devices, indices, in every micro-batch
 
@@ -134,18 +134,23 @@ class _Twins:
         self.at += 1
         if self.j == self.j0 or at >= len(self.first):
             return None
-        t, key, reads, ops, seconds = self.first[at]
+        twin = self.first[at]
+        if twin is None:
+            return None
+        t, key, reads, seconds = twin
         if (c[0] != t[0] or c[3:5] != t[3:5] or c[6:] != t[6:] or [r[1:] for r in self.readers[c]] != reads
-                or not all(map(self._alike, ops)) or (seconds is not None and hidden(c) != seconds)):
+                or (seconds is not None and hidden(c) != seconds)):
             return None
         return key
 
     def keep(self, c: Collective, key: tuple, life: BufferLife, hidden: float | None) -> None:
         """Keep ``c`` (its ``key``, ``life``, the seconds its readers hide where they do) as the
-        twin of later micro-batches' collectives at its place."""
+        twin of later micro-batches' collectives at its place: none where the ops whose
+        partitions its steps read are not placed alike in every micro-batch."""
         if self.j == self.j0 and self.at == len(self.first) + 1:
             ops = (self.readers[c][0].dst_op, c.op) + ((life.regather,) if life.regather is not None else ())
-            self.first.append((c, key, [r[1:] for r in self.readers[c]], ops, hidden))
+            alike = all(map(self._alike, ops))
+            self.first.append((c, key, [r[1:] for r in self.readers[c]], hidden) if alike else None)
 
     def _alike(self, op: str) -> bool:
         got = self.alike.get(op)
@@ -173,8 +178,7 @@ class _Known:
     def ring(self, devices: tuple[int, ...]) -> tuple[tuple[int, ...], str]:
         got = self.rings.get(devices)
         if got is None:
-            n = self.topology.num_devices
-            got = self.rings[devices] = (tuple(n + l for l in ring_links(self.topology, devices)),
+            got = self.rings[devices] = (ring_resources(self.topology, devices),
                                          ",".join(map(str, devices)))
         return got
 

@@ -18,7 +18,7 @@ from simulator.topology import Topology
 from strategies.lowering import SMALL_SUM
 
 __all__ = ["transfer_time", "allreduce_time", "allgather_time", "reduce_scatter_time", "collective_time",
-           "group_sum_time", "ring_links"]
+           "group_sum_time", "ring_links", "ring_resources"]
 
 
 def transfer_time(topology: Topology, src: int, dst: int, nbytes: float) -> float:
@@ -154,6 +154,19 @@ def group_sum_time(topology: Topology, devices: Sequence[int], nbytes: float, nu
     if numel * len(devices) <= SMALL_SUM:
         return allgather_time(topology, devices, nbytes)
     return allreduce_time(topology, devices, nbytes)
+
+
+def ring_resources(topology: Topology, devices: Sequence[int]) -> tuple[int, ...]:
+    """The task graph's resources of the ring over ``devices`` (``ring_links``, link l being
+    resource ``num_devices`` + l), made once per group: a data-parallel bucket's ring over 8,192
+    devices crosses some 30,000 links, and every bucket of the group runs on it."""
+    return _ring_resources(topology, tuple(devices))
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def _ring_resources(topology: Topology, devices: tuple[int, ...]) -> tuple[int, ...]:
+    n = topology.num_devices
+    return tuple([n + l for l in ring_links(topology, devices)])
 
 
 def ring_links(topology: Topology, devices: Sequence[int]) -> tuple[int, ...]:

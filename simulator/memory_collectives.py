@@ -16,23 +16,29 @@ from strategies.region import box_numel
 __all__ = ["collective_rows", "bucket_rows"]
 
 
-def collective_rows(lowered: Lowered, position: dict[str, int], n: int
+def collective_rows(lowered: Lowered, position: dict[str, int], n: int, columns: np.ndarray | None = None
                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
     """(ops in graph order) x devices, like ``memory._rows``: the bytes a forward adds at each op
     (a call's result, at its first reader), those freed after each op's forward (a transient
     or gathered-again result, after its last reader), those a backward adds at each op (each
     reader's gradient of the result; a result gathered again, where it is) and those freed after each op's backward (a kept result after its first
     reader's; the readers' gradients after the holder's, where the dual was called). Micro-batch
-    0's collectives (every micro-batch's are alike); None where the plan has none."""
+    0's collectives (every micro-batch's are alike); None where the plan has none. ``columns``:
+    those devices' columns alone (``simulator.memory_walks.Columns``), in their order."""
     lives = buffer_lives(lowered, microbatch=0)
     if not lives:
         return None
-    held, freed, redone, gone = (np.zeros((len(position), n), dtype=np.int64) for _ in range(4))
+    col = _column_of(columns)
+    held, freed, redone, gone = (np.zeros((len(position), n if columns is None else len(columns)), dtype=np.int64)
+                                 for _ in range(4))
     for life in lives:
         c = life.collective
         item = c.nbytes // box_numel(c.region)
         first, holder = position[life.first], position[c.op]
         for i, d in enumerate(c.devices):
+            d = col.get(d) if col is not None else d
+            if d is None:
+                continue
             nbytes = box_numel(c.result(i)) * item
             held[first, d] += nbytes
             if life.kept:
@@ -48,21 +54,31 @@ def collective_rows(lowered: Lowered, position: dict[str, int], n: int
     return held, freed, redone, gone
 
 
-def bucket_rows(lowered: Lowered, position: dict[str, int], n: int) -> np.ndarray | None:
+def bucket_rows(lowered: Lowered, position: dict[str, int], n: int, columns: np.ndarray | None = None
+                ) -> np.ndarray | None:
     """(ops in graph order) x devices: the bytes of the level-0/1 gradient buckets' flat tensors
     (``strategies.collective_buffers.bucket_buffers``) each member issues right after that op's
     backward step in the last micro-batch (``strategies.overlap.bucket_issues``), held until the
     step's sync. Of copy 0's lowering (``Lowered.copies``): copy 0's devices' columns only. None
-    where the plan has no such bucket."""
+    where the plan has no such bucket. ``columns``: those devices' columns alone, in their order."""
     sizes = bucket_buffers(lowered)
     if not sizes:
         return None
     _, issues = bucket_plan(lowered, position, _memo(lowered.graph))
-    out = np.zeros((len(position), n), dtype=np.int64)
+    col = _column_of(columns)
+    out = np.zeros((len(position), n if columns is None else len(columns)), dtype=np.int64)
     for d, its in issues.items():
+        d = col.get(d) if col is not None else d
+        if d is None:
+            continue
         for issue in its:
             out[position[issue.after.op], d] += sizes[issue.key]
     return out
+
+
+def _column_of(columns: np.ndarray | None) -> dict[int, int] | None:
+    """Device -> its column among ``columns`` (None: every device's column is its own)."""
+    return None if columns is None else dict(zip(columns.tolist(), range(len(columns))))
 
 
 _MEMOS: dict[int, tuple[object, dict]] = {}

@@ -25,11 +25,17 @@ Drops = dict[str, list[tuple[tuple[int, ...], int, int]]]
 _activations = operator.attrgetter("activations")
 
 
-def held_rows(ops: list, n: int) -> tuple[np.ndarray, list[int]]:
-    """What each op keeps, (ops in graph order) x ``n`` devices, and the ops that drop or let go
-    of their outputs (``dropped_rows``' ``held`` and ``at``)."""
-    held = np.fromiter(itertools.chain.from_iterable(map(_activations, ops)), np.int64, len(ops) * n).reshape(-1, n)
-    return held, [i for i, p in enumerate(ops) if p.dropped]
+def held_rows(ops: list, n: int, columns: np.ndarray | None = None) -> tuple[np.ndarray, list[int]]:
+    """What each op keeps, (ops in graph order) x ``n`` devices (``columns``: those devices'
+    columns alone), and the ops that drop or let go of their outputs (``dropped_rows``' ``held``
+    and ``at``)."""
+    at = [i for i, p in enumerate(ops) if p.dropped]
+    if columns is None:
+        return np.fromiter(itertools.chain.from_iterable(map(_activations, ops)), np.int64, len(ops) * n).reshape(-1, n), at
+    pick = operator.itemgetter(*columns.tolist())
+    k = len(columns)
+    rows = map(pick, map(_activations, ops)) if k > 1 else ((pick(p.activations),) for p in ops)
+    return np.fromiter(itertools.chain.from_iterable(rows), np.int64, len(ops) * k).reshape(-1, k), at
 
 
 def dropped_rows(lowered: Lowered, ops: list, held: np.ndarray, at: list[int], columns: np.ndarray | None,

@@ -155,10 +155,7 @@ class Walks:
 def _issued(lowered: Lowered, columns: Columns | None, n: int) -> np.ndarray | None:
     """``bucket_rows`` with every device's columns, or the representatives' (``columns``, of
     copy 0's lowering: the copies run alike); None without level-0/1 buckets."""
-    rows = bucket_rows(lowered, _positions(lowered.graph), n)
-    if rows is not None and columns is not None:
-        rows = rows[:, columns.devices]
-    return rows
+    return bucket_rows(lowered, _positions(lowered.graph), n, None if columns is None else columns.devices)
 
 
 def _last_rise(redone: np.ndarray, gone: np.ndarray, issued: np.ndarray) -> np.ndarray:
@@ -184,11 +181,10 @@ def _rows(lowered: Lowered, collectives: bool = True, base: tuple | None = None,
     the representatives' columns only (``Columns``; ``_columns(lowered, n)``)."""
     n = len(lowered.device_bytes.kept)
     rows = _op_rows(lowered, columns) if base is None else base
-    extra = collective_rows(lowered, _positions(lowered.graph), n) if collectives else None
+    extra = collective_rows(lowered, _positions(lowered.graph), n, None if columns is None else columns.devices) \
+        if collectives else None
     if extra is None:
         return rows
-    if columns is not None:
-        extra = tuple(x[:, columns.devices] for x in extra)
     return tuple(a + b for a, b in zip(rows, extra))
 
 
@@ -202,8 +198,8 @@ def _op_rows(lowered: Lowered, columns: Columns | None) -> tuple[np.ndarray, np.
     drops = _drop_positions(graph, lowered.strategy, position)
     if lowered.copies is None:
         return piece_rows(lowered, ops, position, drops)
-    held, at = held_rows(ops, n)  # the representatives' columns stand for every device (a weight op keeps nothing)
-    return dropped_rows(lowered, ops, held[:, columns.devices], at, columns.devices, drops, position)
+    held, at = held_rows(ops, n, columns.devices)  # the representatives' stand for every device (a weight op keeps nothing)
+    return dropped_rows(lowered, ops, held, at, columns.devices, drops, position)
 
 
 def _drop_positions(graph, strategy, position: dict[str, int]) -> dict[str, list[tuple[tuple[int, ...], int, int]]]:

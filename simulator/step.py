@@ -16,7 +16,7 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
-from simulator.comm import allgather_time, allreduce_time, collective_time, ring_links
+from simulator.comm import allgather_time, allreduce_time, collective_time, ring_resources
 from simulator.devices import DeviceSpec
 from simulator.taskgraph import Columns, TaskGraph, TaskKind
 from simulator.topology import Topology
@@ -90,7 +90,6 @@ def link_step(tg: TaskGraph, lowered: Lowered, topology: Topology,
     bucket's tasks recorded once (``_record_bucket``) and laid out again, the edges to the
     steps around them made per graph (the same tasks and edges, in the same order, as recorded
     afresh). Returns (pack, the next step's first task) of each pack before a step."""
-    n = topology.num_devices
     mine = (lambda devs: devs) if keep is None else (lambda devs: kept_members(devs, keep))
     later: dict[int, list[int]] = {d: [] for d in last}  # what only its update waits on
     rides = bucket_sums(lowered, [g for _, sums in step_sums for g, _, _ in sums]) if step_sums else {}
@@ -105,7 +104,7 @@ def link_step(tg: TaskGraph, lowered: Lowered, topology: Topology,
                 continue
             label = f"reduce {g.name} {g.op}@mb{g.microbatch}"
             r = tg.add(label, TaskKind.REDUCE, allgather_time(topology, g.devices, g.nbytes),
-                       tuple(n + l for l in ring_links(topology, g.devices)), g.devices[0], g.nbytes)
+                       ring_resources(topology, g.devices), g.devices[0], g.nbytes)
             for f in fwds:
                 tg.edge(f, r)
             members = mine(g.devices)
@@ -161,7 +160,7 @@ def link_step(tg: TaskGraph, lowered: Lowered, topology: Topology,
     if not loss_on_every_device(lowered):
         everyone = tuple(range(lowered.strategy.num_devices))
         rep = tg.add("allreduce loss", TaskKind.ALLREDUCE, allreduce_time(topology, everyone, _LOSS_BYTES),
-                     tuple(n + l for l in ring_links(topology, everyone)), 0, _LOSS_BYTES)
+                     ring_resources(topology, everyone), 0, _LOSS_BYTES)
         arrivals = [(d, dep) for d in sorted(synced) for dep in dict.fromkeys(synced[d])]
         src += [dep for _, dep in arrivals]
         dst += [rep] * len(arrivals)
@@ -237,12 +236,12 @@ def _record_bucket(topology: Topology, key: BucketKey, nbytes: int, unpacked: in
     ``nbytes`` on its ring, each member's pack of them, its member ends and (level 0) its copy
     of the ``unpacked`` bytes back; a pure function of its arguments, so ``link_step`` records
     it once and lays it out again with the edges to the steps it waits on and before."""
-    n, devs = topology.num_devices, key.devices
+    devs = key.devices
     cols, src, dst = Columns(), [], []
     kind = "reduce_scatter" if scattered else "all_reduce"
     label = f"{kind.replace('_', '')} {_bucket_name(key)}"
     cols.add(label, TaskKind.ALLREDUCE, collective_time(topology, kind, devs, nbytes),
-             tuple(n + l for l in ring_links(topology, devs)), devs[0], nbytes)
+             ring_resources(topology, devs), devs[0], nbytes)
     for d in members:
         cols.add(f"pack {label} device {d}", TaskKind.ALLREDUCE, copy_time(topology.devices[d], nbytes), (d,), d)
     ends = member_ends(cols.add, lambda a, b: (src.append(a), dst.append(b)), topology, 0, devs, label,
@@ -278,14 +277,13 @@ def _gather_chunks(tg: TaskGraph, topology: Topology, chunks, updates: dict[int,
     chunks (``chunks``: devices, chunk bytes, label) all-gathered (``strategies.zero``, in
     that order, as ``LocalWeights.gather_chunks``) and copied back into the weights
     (``_copy_time``); ``mine``: a group's members simulated."""
-    n = topology.num_devices
     for devs, chunk, what in chunks:
         members = mine(devs)
         if not members:  # a member fold's member m >= 2: member 1's image
             continue
         label = f"allgather weights {what}"
         ag = tg.add(label, TaskKind.ALLREDUCE, allgather_time(topology, devs, chunk),
-                    tuple(n + l for l in ring_links(topology, devs)), devs[0], chunk * len(devs))
+                    ring_resources(topology, devs), devs[0], chunk * len(devs))
         for d in members:
             tg.edge(updates[d], ag)
         for d, e in zip(members, _synced_ends(tg, topology, ag, devs, label, TaskKind.ALLREDUCE,

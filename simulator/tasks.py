@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 
 from simulator.collectives import add_collectives
-from simulator.comm import allgather_time, group_sum_time, ring_links
+from simulator.comm import allgather_time, group_sum_time, ring_resources
 from simulator.cost import CostModel
 from simulator.fold import FoldError
 from simulator.memory import MASTER
@@ -346,7 +346,6 @@ def _add_reductions(b: _Block, node: OpNode, reductions: tuple[ReductionGroup, .
 
     ``keep``: the devices simulated (``simulator.fold``): a sum timed over its whole group, its
     edges and member ends only on them; a sum none of whose members is kept has no tasks."""
-    n = topology.num_devices
     dynamic = node.kind == "loss" and get_rule(node.kind).static_count(node) is None
     for g in reductions:
         j = g.microbatch
@@ -361,7 +360,7 @@ def _add_reductions(b: _Block, node: OpNode, reductions: tuple[ReductionGroup, .
             b.step_reductions.append((g, [b.fwd_done[j][k] for k in ks], dynamic))
             continue
         device = {p.index: p.device for p in b.pieces.partitions[j]}
-        links = tuple(n + l for l in ring_links(topology, g.devices))
+        links = ring_resources(topology, g.devices)
         label = f"reduce {g.name} {g.op}@mb{j}"
         r = b.add(label, TaskKind.REDUCE, allgather_time(topology, g.devices, g.nbytes), links, g.devices[0], g.nbytes)
         for k in ks:  # after the op's earlier sums (a class-cut loss: max, then sums)

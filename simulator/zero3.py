@@ -38,7 +38,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 
-from simulator.comm import allgather_time, reduce_scatter_time, ring_links
+from simulator.comm import allgather_time, reduce_scatter_time, ring_resources
 from simulator.step import copy_time, member_ends
 from simulator.taskgraph import INDEX, Columns, TaskGraph, TaskKind
 from simulator.topology import Topology
@@ -233,9 +233,9 @@ def _use_tasks(add: Callable[..., int], edge: Callable[[int, int], None], topolo
     ``wide`` per gradient byte (``strategies.precision.reduce_scale``: 2 for bf16 summed in float32).
     ``copies``: each member's FSDP2 copy-out after each all-gather and copy-in before the
     reduce-scatter, on its device (``CostModel.fsdp_copies``)."""
-    n, devs = topology.num_devices, u.devices
+    devs = u.devices
     names = "+".join(s.name for s in u.shards)
-    links = tuple(n + l for l in ring_links(topology, devs))
+    links = ring_resources(topology, devs)
     simulated = [d for d, _ in members]
     chunk = chunks[g] if g >= 0 else u.chunk_bytes
     for phase in phases:

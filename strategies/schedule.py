@@ -218,12 +218,14 @@ def chunk_of(lowered: Lowered) -> Mapping[str, int] | None:
 def device_passes(lowered: Lowered) -> dict[int, list[tuple[bool, int, int]]]:
     """Device -> its passes in order, (backward?, micro-batch, chunk): ``passes`` with chunk 0
     for GPipe and 1F1B, ``interleaved_passes`` for the interleaved schedule (devices of one
-    pipeline rank share one list: read it only)."""
+    pipeline rank, or of one warm-up, share one list: read it only)."""
     s = lowered.strategy
     if s.schedule == "interleaved":
         rank, by_rank = pipeline_chunks(lowered.graph, s).rank, rank_passes(lowered.graph, s)
         return {d: by_rank[rank[d]] for d in s.devices_used}
-    return {d: [(b, j, 0) for b, j in passes(s.microbatches, w)] for d, w in warmups(lowered).items()}
+    ws = warmups(lowered)
+    by_warmup = {w: [(b, j, 0) for b, j in passes(s.microbatches, w)] for w in set(ws.values())}
+    return {d: by_warmup[w] for d, w in ws.items()}
 
 
 def rank_passes(graph, strategy) -> dict[int, list[tuple[bool, int, int]]]:
