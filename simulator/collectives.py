@@ -70,7 +70,7 @@ def add_collectives(tg: TaskGraph, lowered: Lowered, topology: Topology, blocks:
     twins = _Twins(lowered)
 
     def full(c):
-        """``c``'s run key and ``_record``'s arguments, and the ops whose partitions its steps read."""
+        """``c``'s run key and ``_record``'s arguments."""
         life = life_of(c)
         fwd_steps, bwd_steps = steps_of(c)
         j = c.microbatch
