@@ -50,7 +50,8 @@ from strategies.precision import reduce_scale
 from strategies.schedule import Step
 from strategies.zero import zero_buckets
 
-__all__ = ["BufferLife", "BufferLives", "buffer_lives", "regather_steps", "bucket_buffers", "REGATHERED", "sequence_gather"]
+__all__ = ["BufferLife", "BufferLives", "buffer_lives", "regather_steps", "bucket_buffers", "REGATHERED",
+           "sequence_gather"]
 
 REGATHERED = ("linear",)
 """Op kinds that keep a sequence-parallel all-gather's shard rather than its result where they

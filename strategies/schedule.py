@@ -43,8 +43,9 @@ from strategies.lowering import Lowered
 from strategies.memo import per_lowered
 from strategies.zero import per_use_shards
 
-__all__ = ["Step", "CollectiveCall", "CollectiveSteps", "chunk_of", "collective_calls", "collective_steps", "device_order", "rank_passes",
-           "device_passes", "interleaved_passes", "passes", "stages", "warmup", "warmups"]
+__all__ = ["Step", "CollectiveCall", "CollectiveSteps", "chunk_of", "collective_calls", "collective_steps",
+           "device_order", "rank_passes", "device_passes", "interleaved_passes", "passes", "stages", "warmup",
+           "warmups"]
 
 
 _new = tuple.__new__
