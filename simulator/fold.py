@@ -65,20 +65,23 @@ def link_maps(topology: Topology, copies: Copies) -> LinkMaps | None:
     held = routes >= 0
     at = np.flatnonzero(held)  # the (pair, hop) cells of copy 0's routes, row by row
     n = len(topology.links)
-    keys = []  # (r, l0, l) as one integer: copy r's route crosses l where copy 0's crosses l0
+    l0 = routes.ravel()[at]
+    code = np.full(n, -1, dtype=np.int64)  # link l -> r * n + l0: copy r's routes cross l where copy 0's cross l0
+    image = np.full(n, -1, dtype=np.int64)  # within one copy: l0 -> l
     for r, copy in enumerate(copies.copies):
         copy = np.asarray(copy, dtype=np.int64)
         mapped = topology.route_links(copy[i], copy[k])
         if mapped.shape != routes.shape or not np.array_equal(mapped >= 0, held):
             return None  # a route of another length
-        keys.append((r * n + routes.ravel()[at]) * n + mapped.ravel()[at])
-    triples = np.unique(np.concatenate(keys))
-    source, link = triples // n, triples % n  # source: r * n + l0
-    if len(np.unique(source)) != len(triples) or len(np.unique(link)) != len(triples):
-        return None  # φ_r not a map, or a link of two copies, or of two copy-0 links
-    owner = np.full(n, -1, dtype=np.int64)
-    base = np.full(n, -1, dtype=np.int64)
-    owner[link], base[link] = source // n, source % n
+        link, source = mapped.ravel()[at], r * n + l0
+        image[l0] = link  # duplicates: the last write stands; a map where every write agrees
+        if not np.array_equal(image[l0], link) or (code[link] >= 0).any():
+            return None  # φ_r not a map, or a link an earlier copy's routes cross
+        code[link] = source
+        if not np.array_equal(code[link], source):
+            return None  # a link of two copy-0 links
+    owner = np.where(code >= 0, code // n, -1)
+    base = np.where(code >= 0, code % n, -1)
     return LinkMaps(owner, base)
 
 
