@@ -75,10 +75,10 @@ def add_collectives(tg: TaskGraph, lowered: Lowered, topology: Topology, blocks:
         fwd_steps, bwd_steps = steps_of(c)
         j = c.microbatch
         reads = readers[c]
-        if keep is not None and not (keep.issuperset(fwd_steps) and keep.issuperset(bwd_steps)):
-            fwd_steps = {d: s for d, s in fwd_steps.items() if d in keep}
-            bwd_steps = {d: s for d, s in bwd_steps.items() if d in keep}
         if keep is not None:
+            if not (keep.issuperset(fwd_steps) and keep.issuperset(bwd_steps)):
+                fwd_steps = {d: s for d, s in fwd_steps.items() if d in keep}
+                bwd_steps = {d: s for d, s in bwd_steps.items() if d in keep}
             reads = [r for r in reads if r.device in keep]
         again = None if life.regather is None else regather_steps(lowered, life)
         beside = again is not None and not any(lowered.strategy[r.dst_op].recompute for r in readers[c])

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from simulator.memory_rows import Columns
 from strategies.collective_buffers import bucket_buffers, buffer_lives
 from strategies.lowering import Lowered
 from strategies.overlap import bucket_plan
@@ -16,7 +17,7 @@ from strategies.region import box_numel
 __all__ = ["collective_rows", "bucket_rows"]
 
 
-def collective_rows(lowered: Lowered, position: dict[str, int], n: int, columns: np.ndarray | None = None
+def collective_rows(lowered: Lowered, position: dict[str, int], n: int, columns: Columns | None = None
                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
     """(ops in graph order) x devices, like ``memory._rows``: the bytes a forward adds at each op
     (a call's result, at its first reader), those freed after each op's forward (a transient
@@ -24,12 +25,12 @@ def collective_rows(lowered: Lowered, position: dict[str, int], n: int, columns:
     reader's gradient of the result; a result gathered again, where it is) and those freed after each op's backward (a kept result after its first
     reader's; the readers' gradients after the holder's, where the dual was called). Micro-batch
     0's collectives (every micro-batch's are alike); None where the plan has none. ``columns``:
-    those devices' columns alone (``simulator.memory_walks.Columns``), in their order."""
+    the representatives' columns alone (``simulator.memory_rows.Columns``)."""
     lives = buffer_lives(lowered, microbatch=0)
     if not lives:
         return None
-    col = _column_of(columns)
-    held, freed, redone, gone = (np.zeros((len(position), n if columns is None else len(columns)), dtype=np.int64)
+    col = None if columns is None else columns.at
+    held, freed, redone, gone = (np.zeros((len(position), n if col is None else len(col)), dtype=np.int64)
                                  for _ in range(4))
     for life in lives:
         c = life.collective
@@ -54,19 +55,19 @@ def collective_rows(lowered: Lowered, position: dict[str, int], n: int, columns:
     return held, freed, redone, gone
 
 
-def bucket_rows(lowered: Lowered, position: dict[str, int], n: int, columns: np.ndarray | None = None
+def bucket_rows(lowered: Lowered, position: dict[str, int], n: int, columns: Columns | None = None
                 ) -> np.ndarray | None:
     """(ops in graph order) x devices: the bytes of the level-0/1 gradient buckets' flat tensors
     (``strategies.collective_buffers.bucket_buffers``) each member issues right after that op's
     backward step in the last micro-batch (``strategies.overlap.bucket_issues``), held until the
     step's sync. Of copy 0's lowering (``Lowered.copies``): copy 0's devices' columns only. None
-    where the plan has no such bucket. ``columns``: those devices' columns alone, in their order."""
+    where the plan has no such bucket. ``columns``: the representatives' columns alone."""
     sizes = bucket_buffers(lowered)
     if not sizes:
         return None
     _, issues = bucket_plan(lowered, position, _memo(lowered.graph))
-    col = _column_of(columns)
-    out = np.zeros((len(position), n if columns is None else len(columns)), dtype=np.int64)
+    col = None if columns is None else columns.at
+    out = np.zeros((len(position), n if col is None else len(col)), dtype=np.int64)
     for d, its in issues.items():
         d = col.get(d) if col is not None else d
         if d is None:
@@ -74,11 +75,6 @@ def bucket_rows(lowered: Lowered, position: dict[str, int], n: int, columns: np.
         for issue in its:
             out[position[issue.after.op], d] += sizes[issue.key]
     return out
-
-
-def _column_of(columns: np.ndarray | None) -> dict[int, int] | None:
-    """Device -> its column among ``columns`` (None: every device's column is its own)."""
-    return None if columns is None else dict(zip(columns.tolist(), range(len(columns))))
 
 
 _MEMOS: dict[int, tuple[object, dict]] = {}

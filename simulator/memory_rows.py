@@ -17,7 +17,7 @@ import numpy as np
 
 from strategies.lowering import Lowered
 
-__all__ = ["dropped_rows", "held_rows", "piece_rows"]
+__all__ = ["Columns", "columns_of", "dropped_rows", "held_rows", "piece_rows"]
 
 Drops = dict[str, list[tuple[tuple[int, ...], int, int]]]
 """``strategies.pieces.drop_positions``: dropped op -> [(devices, free_after, recompute_at)]."""
@@ -25,33 +25,55 @@ Drops = dict[str, list[tuple[tuple[int, ...], int, int]]]
 _activations = operator.attrgetter("activations")
 
 
-def held_rows(ops: list, n: int, columns: np.ndarray | None = None) -> tuple[np.ndarray, list[int]]:
-    """What each op keeps, (ops in graph order) x ``n`` devices (``columns``: those devices'
-    columns alone), and the ops that drop or let go of their outputs (``dropped_rows``' ``held``
-    and ``at``)."""
+class Columns(NamedTuple):
+    """A folded lowering's rows (``Lowered.copies``) with one column per representative: the
+    devices that stand for others (copy 0's and, under a member fold, its kept members:
+    ``Copies.rep_array``), each column the rows of every device that is its image. Every step
+    of the memory walk (``simulator.memory_walks``) is a sum or maximum down a column, so it
+    gives each device what the walk over every device's column gives it; a walk of 1,024
+    devices folded on 32 is 32 columns wide."""
+
+    devices: np.ndarray
+    """The representatives, sorted: column i is device ``devices[i]``'s."""
+    of: list[int]
+    """Device -> its representative's column."""
+    at: dict[int, int]
+    """Representative -> its column (a device that represents none has no column of its own)."""
+
+
+def columns_of(lowered: Lowered, n: int) -> Columns | None:
+    """``lowered``'s ``Columns`` over ``n`` devices; None where it is not folded (a column a device)."""
+    if lowered.copies is None:
+        return None
+    devices, of = np.unique(lowered.copies.rep_array(n), return_inverse=True)
+    return Columns(devices, of.tolist(), dict(zip(devices.tolist(), range(len(devices)))))
+
+
+def held_rows(ops: list, n: int, columns: Columns | None = None) -> tuple[np.ndarray, list[int]]:
+    """What each op keeps, (ops in graph order) x ``n`` devices (``columns``: the
+    representatives' columns alone), and the ops that drop or let go of their outputs
+    (``dropped_rows``' ``held`` and ``at``)."""
     at = [i for i, p in enumerate(ops) if p.dropped]
     if columns is None:
         return np.fromiter(itertools.chain.from_iterable(map(_activations, ops)), np.int64, len(ops) * n).reshape(-1, n), at
-    pick = operator.itemgetter(*columns.tolist())
-    k = len(columns)
+    k = len(columns.devices)
+    pick = operator.itemgetter(*columns.devices.tolist())
     rows = map(pick, map(_activations, ops)) if k > 1 else ((pick(p.activations),) for p in ops)
     return np.fromiter(itertools.chain.from_iterable(rows), np.int64, len(ops) * k).reshape(-1, k), at
 
 
-def dropped_rows(lowered: Lowered, ops: list, held: np.ndarray, at: list[int], columns: np.ndarray | None,
+def dropped_rows(lowered: Lowered, ops: list, held: np.ndarray, at: list[int], columns: Columns | None,
                  drops: Drops, position: dict[str, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """The rows built afresh from the ops' pieces (``held``: what each op keeps; ``at``: the ops
     that drop or let go of their outputs; ``drops``: their points), without the collectives.
-    ``columns``: the devices ``held``'s columns are (a fold's representatives,
-    ``simulator.memory_walks.Columns``); None: every device's, in order."""
+    ``columns``: the representatives ``held``'s columns are; None: every device's, in order."""
     freed, redone = np.zeros_like(held), np.zeros_like(held)  # after an op's forward; at its backward
     if not at:
         return held, freed, redone, held
     dropped = np.array([ops[i].dropped for i in at], dtype=np.int64).reshape(len(at), -1)
-    col = None
+    col = None if columns is None else columns.at
     if columns is not None:
-        dropped = dropped[:, columns]
-        col = dict(zip(columns.tolist(), range(len(columns))))
+        dropped = dropped[:, columns.devices]
     gone = held.copy()
     held[at] += dropped
     redo = [k for k, i in enumerate(at) if ops[i].recompute]

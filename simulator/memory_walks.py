@@ -12,13 +12,13 @@ from typing import NamedTuple
 import numpy as np
 
 from simulator.memory_collectives import bucket_rows, collective_rows
-from simulator.memory_rows import dropped_rows, held_rows, piece_rows
+from simulator.memory_rows import Columns, columns_of, dropped_rows, held_rows, piece_rows
 from strategies.chunks import pipeline_chunks
 from strategies.lowering import Lowered
 from strategies.pieces import drop_positions, key_readers
 from strategies.schedule import chunk_of, rank_passes, warmups
 
-__all__ = ["activation_peaks", "device_warmups", "Columns", "Walked", "Walks"]
+__all__ = ["activation_peaks", "device_warmups", "Walked", "Walks"]
 
 _dropped = operator.attrgetter("dropped")
 _POSITIONS: dict[int, tuple[object, dict[str, int]]] = {}
@@ -57,34 +57,13 @@ def activation_peaks(lowered: Lowered, ws: dict[int, int] | None = None, collect
     return Walks(lowered, ws).peaks(collectives, buckets)
 
 
-class Columns(NamedTuple):
-    """A folded lowering's walk (``Lowered.copies``) over one column per representative: the
-    devices that stand for others (copy 0's and, under a member fold, its kept members:
-    ``Copies.rep_array``), each column the walk of every device that is its image. Every step
-    of the walk is a sum or maximum down a column, so it gives each device what the walk over
-    every device's column gives it; a walk of 1,024 devices folded on 32 is 32 columns wide."""
-
-    devices: np.ndarray
-    """The representatives, sorted: column i is device ``devices[i]``'s."""
-    of: list[int]
-    """Device -> its representative's column."""
-
-
-def _columns(lowered: Lowered, n: int) -> Columns | None:
-    """``lowered``'s ``Columns`` over ``n`` devices; None where it is not folded (a column a device)."""
-    if lowered.copies is None:
-        return None
-    devices, of = np.unique(lowered.copies.rep_array(n), return_inverse=True)
-    return Columns(devices, of.tolist())
-
-
 class Walked(NamedTuple):
     """One set of rows (without or with the collectives) and what its walk reads of them."""
 
     rows: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
     """held, freed, redone, gone (``_rows``)."""
     kept: list[int]
-    """Per column (``Columns``; a device's where not folded), K: the bytes kept per micro-batch in flight."""
+    """Per column (``memory_rows.Columns``; a device's where not folded), K: the bytes kept per micro-batch in flight."""
     rise_f: list[int]
     """Per column, a forward pass's highest rise over its start (``_rises``)."""
     rise_b: list[int]
@@ -113,7 +92,7 @@ class Walks:
 
     def __init__(self, lowered: Lowered, ws: dict[int, int] | None) -> None:
         self.lowered, self.ws = lowered, device_warmups(lowered) if ws is None else ws
-        self.columns = _columns(lowered, len(lowered.device_bytes.kept))
+        self.columns = columns_of(lowered, len(lowered.device_bytes.kept))
         self.walked: dict[bool, Walked] = {}  # collectives -> its walk
 
     def walk(self, collectives: bool) -> Walked:
@@ -155,7 +134,7 @@ class Walks:
 def _issued(lowered: Lowered, columns: Columns | None, n: int) -> np.ndarray | None:
     """``bucket_rows`` with every device's columns, or the representatives' (``columns``, of
     copy 0's lowering: the copies run alike); None without level-0/1 buckets."""
-    return bucket_rows(lowered, _positions(lowered.graph), n, None if columns is None else columns.devices)
+    return bucket_rows(lowered, _positions(lowered.graph), n, columns)
 
 
 def _last_rise(redone: np.ndarray, gone: np.ndarray, issued: np.ndarray) -> np.ndarray:
@@ -178,11 +157,10 @@ def _rows(lowered: Lowered, collectives: bool = True, base: tuple | None = None,
     backward, was freed in the forward, ``strategies.pieces.transient``); with ``collectives``,
     the collectives' buffers besides (``simulator.memory_collectives``). ``base``: the rows
     without the collectives, where made already (read only). ``columns``: of a folded lowering,
-    the representatives' columns only (``Columns``; ``_columns(lowered, n)``)."""
+    the representatives' columns only (``memory_rows.Columns``, ``columns_of``)."""
     n = len(lowered.device_bytes.kept)
     rows = _op_rows(lowered, columns) if base is None else base
-    extra = collective_rows(lowered, _positions(lowered.graph), n, None if columns is None else columns.devices) \
-        if collectives else None
+    extra = collective_rows(lowered, _positions(lowered.graph), n, columns) if collectives else None
     if extra is None:
         return rows
     return tuple(a + b for a, b in zip(rows, extra))
@@ -198,8 +176,8 @@ def _op_rows(lowered: Lowered, columns: Columns | None) -> tuple[np.ndarray, np.
     drops = _drop_positions(graph, lowered.strategy, position)
     if lowered.copies is None:
         return piece_rows(lowered, ops, position, drops)
-    held, at = held_rows(ops, n, columns.devices)  # the representatives' stand for every device (a weight op keeps nothing)
-    return dropped_rows(lowered, ops, held, at, columns.devices, drops, position)
+    held, at = held_rows(ops, n, columns)  # the representatives' stand for every device (a weight op keeps nothing)
+    return dropped_rows(lowered, ops, held, at, columns, drops, position)
 
 
 def _drop_positions(graph, strategy, position: dict[str, int]) -> dict[str, list[tuple[tuple[int, ...], int, int]]]:
@@ -259,7 +237,7 @@ def _interleaved_peaks(lowered: Lowered, collectives: bool = True, buckets: bool
     devices of one pipeline rank with the same figures (a fold's copies and members) are walked once."""
     chunk = chunk_of(lowered)
     n = len(lowered.device_bytes.kept)
-    columns = _columns(lowered, n)
+    columns = columns_of(lowered, n)
     held, freed, redone, gone = _rows(lowered, collectives, None, columns)
     issued = _issued(lowered, columns, n) if buckets else None
     if issued is None:

@@ -45,6 +45,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from strategies.lowered import BucketKey, Collective, Lowered
+from strategies.memo import per_lowered
 from strategies.pieces import drop_positions, drops_output, reads_back
 from strategies.precision import reduce_scale
 from strategies.schedule import Step
@@ -148,10 +149,12 @@ class BufferLives:
                           tuple((u, count[u]) for u in ops) if c.grad else (), regather)
 
 
+@per_lowered
 def _recomputed_at(lowered: Lowered, position: dict[str, int]) -> dict[str, int | None]:
     """Dropped recompute op -> the position of the op at whose backward step it is recomputed on
     every device (``strategies.pieces.drop_positions``; None where devices differ). A recompute
-    op that keeps its output is recomputed at its own step (not listed)."""
+    op that keeps its output is recomputed at its own step (not listed). Found once per lowering:
+    the task graph's collectives and the memory model's rows both ask."""
     strategy = lowered.strategy
     return {op: groups[0][2] if len(groups) == 1 else None
             for op, groups in drop_positions(lowered.graph, strategy, position).items() if strategy[op].recompute}

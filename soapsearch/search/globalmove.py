@@ -127,7 +127,7 @@ def _piped_replicas(plan: Strategy) -> bool:
     backward and its sends can differ from overlapping them (``strategies.overlap``)."""
     if plan.microbatches < 2:
         return False
-    sets = list({frozenset(c.devices) for _, c in plan.configs})
+    sets = list({frozenset(devices) for devices in {c.devices for _, c in plan.configs}})  # each device list once
     return any(len(a) > 1 for a in sets) and any(a.isdisjoint(b) for i, a in enumerate(sets) for b in sets[:i])
 
 

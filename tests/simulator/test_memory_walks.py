@@ -50,11 +50,11 @@ def test_shared_walks_equal_each_walk_alone(graph, make):
 
 @pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
 def test_folded_walk_is_the_representatives_columns(schedule):
-    """A folded lowering's walk runs on one column per representative device (``Columns``:
+    """A folded lowering's walk runs on one column per representative device (``memory_rows.Columns``:
     members 0 and 1 of each tensor-parallel group of copy 0 here), fewer than the devices, and
     gives every device the peaks the per-device lowering's walk over every column gives it
     (1F1B and interleaved, member-folded)."""
-    from simulator.memory_walks import _columns
+    from simulator.memory_rows import columns_of
 
     small = traced("gpt", "small")
     if schedule == "1f1b":
@@ -63,7 +63,7 @@ def test_folded_walk_is_the_representatives_columns(schedule):
         plan = megatron(small, 32, tp=4, pp=2, microbatches=4, sequence_parallel=True, virtual_stages=2)
         topo = get_topology("a100-4x8")
     folded = Lowerings(small, plan).first(topo, True)
-    columns = _columns(folded, plan.num_devices)
+    columns = columns_of(folded, plan.num_devices)
     assert columns is not None and 0 < len(columns.devices) <= plan.num_devices // 2
     assert Walks(folded, None).walk(True).rows[0].shape[1] == len(columns.devices)
     whole = lower(small, plan)
