@@ -1,14 +1,17 @@
 """The moves beside an op's cut: the sharding level of weighted ops, recompute, and the plan's
 micro-batches (issue 21: memory is a searched resource).
 
-- **Sharding level** (``ParallelConfig.zero``, ZeRO 0-3): one op, one Megatron-shaped block's
-  ops (``strategies.megatron.megatron_blocks``) or every weighted op at once given one random
+- **Sharding level** (``ParallelConfig.zero``, ZeRO 0-3): one op, one op in every instance of a
+  repeated block (a linear of every layer), one Megatron-shaped block's ops
+  (``strategies.megatron.megatron_blocks``) or every weighted op at once given one random
   level other than the first op's. Only ops with a trainable weight whose shards have two
   replicas or more under the current plan (``strategies.replicas.shardable``) take it; where
   none of the chosen ops does, the proposal is skipped (a level on a shard held by one device
   changes nothing).
-- **Recompute** (``ParallelConfig.recompute``): one op, one block (Korthikanti et al. 2022's
-  full recompute of a layer's block) or every op, turned on, or off where all of them have it.
+- **Recompute** (``ParallelConfig.recompute``): one op, one op in every instance of a repeated
+  block (Korthikanti et al. 2022's selective recompute: the same ops of every layer), one block
+  (their full recompute of a layer's block) or every op, turned on, or off where all of them
+  have it.
   Input, parameter and constant ops compute nothing kept for backward and never take it.
 - **Micro-batches**: the plan with another count of ``choices`` or another schedule (GPipe or
   1F1B, where it has more than one micro-batch). Every op's config must stay valid with the
@@ -48,9 +51,11 @@ from strategies.strategy import SCHEDULES, Strategy
 
 __all__ = ["MoveRates", "Moves", "Space", "candidate_configs", "keep", "microbatch_choices", "neighbor_ops"]
 
-SCOPES = (("op", 0.5), ("block", 0.3), ("all", 0.2))
-"""How many ops a sharding-level or recompute move sets, with its probability: one op, one
-block's ops (one op where the graph has no block), every op it applies to."""
+SCOPES = (("op", 0.35), ("repeated", 0.15), ("block", 0.3), ("all", 0.2))
+"""How many ops a sharding-level or recompute move sets, with its probability: one op; one op
+of a repeated block in every instance (``repeatmove.py``'s op i of every layer; one op where the
+op is in none, or the search makes no repeated-block moves); one block's ops (one op where the
+graph has no block); every op it applies to."""
 
 
 def keep(old: ParallelConfig, new: ParallelConfig) -> ParallelConfig:
@@ -183,6 +188,7 @@ class Moves:
         self._replicated: dict[tuple[str, tuple[int, ...]], bool] = {}
         self._subgraphs: dict[int, SubgraphMoves] = {}
         self.repeats = RepeatMoves(graph, num_devices, repeat_stages) if rates.repeat else None
+        self._same_place: dict[str, tuple[str, ...]] | None = None
         self.globals: GlobalMoves | None = None
         """The global moves (``globalmove.GlobalMoves``), set by the search that has them."""
         self.symmetric = None
@@ -204,7 +210,8 @@ class Moves:
         return self.spaces[m]
 
     def _scope(self, ops: list[str], rng: random.Random) -> list[str]:
-        """One op, one block's ops of ``ops`` or all of ``ops`` (``SCOPES``)."""
+        """One op, one op of ``ops`` in every instance of its repeated block, one block's ops
+        of ``ops`` or all of ``ops`` (``SCOPES``)."""
         u, scope = rng.random(), "all"
         for name, p in SCOPES:
             if u < p:
@@ -217,7 +224,24 @@ class Moves:
             if picked:
                 return picked
             scope = "op"
-        return list(ops) if scope == "all" else [rng.choice(ops)]
+        if scope == "all":
+            return list(ops)
+        op = rng.choice(ops)
+        if scope == "repeated" and self.repeats:
+            within = set(ops)
+            return [other for other in self._alike(op) if other in within]
+        return [op]
+
+    def _alike(self, op: str) -> tuple[str, ...]:
+        """``op`` and the ops at its place in every other instance of its repeated block
+        (``repeats``), in instance order; ``(op,)`` where no block holds it."""
+        if self._same_place is None:
+            self._same_place = {}
+            for block in self.repeats.blocks:
+                for i in range(block.length):
+                    column = tuple(inst[i] for inst in block.instances)
+                    self._same_place.update(dict.fromkeys(column, column))
+        return self._same_place.get(op, (op,))
 
     def _shardable(self, current: Strategy, op: str) -> bool:
         """``strategies.replicas.shardable``, kept per (op, degrees) for an op that reads its own
@@ -230,8 +254,9 @@ class Moves:
         return self._replicated[key]
 
     def zero(self, current: Strategy, rng: random.Random) -> Strategy | None:
-        """``current`` with a new sharding level on one op, one block's weighted ops or every
-        weighted op (those whose shards have two replicas or more); None where none has."""
+        """``current`` with a new sharding level on one op, one op of every instance, one
+        block's weighted ops or every weighted op (``_scope``; those whose shards have two
+        replicas or more); None where none has."""
         if not self.weighted:
             return None
         ops = [op for op in self._scope(self.weighted, rng) if self._shardable(current, op)]
@@ -241,8 +266,9 @@ class Moves:
         return _set(current, ops, lambda cfg: cfg.with_memory(zero=level))
 
     def recompute(self, current: Strategy, rng: random.Random) -> Strategy | None:
-        """``current`` with recompute turned on for one op, one block's ops or every op that
-        computes (off where each of them has it already)."""
+        """``current`` with recompute turned on for one op, one op of every instance, one
+        block's ops or every op that computes (``_scope``; off where each of them has it
+        already)."""
         if not self.computing:
             return None
         ops = self._scope(self.computing, rng)

@@ -11,7 +11,9 @@ forward and one backward per block, a second forward with recompute) and the dat
 all-reduce (ZeRO-3: the weights gathered again per micro-batch, Rajbhandari et al. SC'20), each
 ring moving 2(g − 1)/g of its bytes at its group's bandwidth, the gradients' half of it in the
 plan's reduce dtype (``strategies.precision.reduce_scale``: twice the bytes for a bf16/fp16
-plan reducing in float32); its memory is the weights'
+plan reducing in float32), and at ZeRO-2/3, where each weighted op's group makes rings of its
+own every micro-batch (FSDP2's per-group reduce-scatter and all-gathers), each ring's g − 1
+steps of its route's latency (Hockney's α); its memory is the weights'
 states over the devices that hold them (ZeRO's levels; the ops outside the blocks on one
 stage, a tied weight once per op reading it), the activations in flight (1F1B: min(p, m) of
 the m micro-batches; recompute: each layer's input and one layer live; those between the
@@ -21,14 +23,17 @@ micro-batch's gradient buffers), or, where more, the gradient buckets' flat tens
 step's sync (levels 0 and 1, in the reduce dtype: ``strategies.collective_buffers``), when the
 activations are freed. Then, best-first
 (``_Order``: those estimated to fit first, the less memory first on a tie; the first of each tensor × pipeline degrees ×
-micro-batches before the others; the estimate corrected by the simulated / estimated ratio
-seen at each pipeline degree), each plan is lowered and its peak memory
+micro-batches before the others; the estimate corrected by the least simulated / estimated
+ratio seen at the plan's tensor × pipeline degrees, else at its pipeline degree, else
+anywhere; a plan is not tried where its estimate times the least ratio seen at its degrees and
+schedule, or its estimate alone where none is timed, is no less than the best time simulated:
+a branch and bound), each plan is lowered and its peak memory
 (``simulator.memory.peak_memory``, a hundredth of a simulation) read: a plan that does not fit
 is not timed; one that fits is simulated. A plan equal to one already scored (a baseline:
 data parallel, ZeRO-1 and megatron are factorizations; or another factorization's, a
 sharding level on one data-parallel device) takes that result. The order is fixed
-by the graph and topology, so the sweep is deterministic; it stops at its deadline or after
-``limit`` simulations."""
+by the graph and topology, so the sweep is deterministic; it stops where no plan is left that
+its bound lets through, at its deadline or after ``limit`` simulations."""
 
 from __future__ import annotations
 
@@ -115,6 +120,14 @@ class _Shape:
     intra: float
     inter: float
     node: int
+    weighted_inside: int = 0
+    """Ops inside the blocks with a trainable weight (each a group of its own at ZeRO-2/3)."""
+    weighted_outside: int = 0
+    """Ops outside the blocks with a trainable weight (on the heaviest stage)."""
+    intra_latency: float = 0.0
+    """Seconds of a ring step within a node (``Topology.route_latency`` of neighbours)."""
+    inter_latency: float = 0.0
+    """Seconds of a ring step across nodes."""
 
 
 def _shape(graph: OpGraph, topo: Topology, n: int, optimizer: str, precision: str,
@@ -145,7 +158,11 @@ def _shape(graph: OpGraph, topo: Topology, n: int, optimizer: str, precision: st
         master=4 if precision in _MIXED else 0,
         optimizer=_OPTIMIZER_BYTES.get(optimizer, 4), peak_flops=device.flops_for("bfloat16" if value == 2 else "float32"),
         capacity=float(device.memory_bytes), intra=topo.route_ring_bandwidth(0, 1) if n > 1 else float("inf"),
-        inter=topo.route_ring_bandwidth(0, node) if node < n else float("inf"), node=node)
+        inter=topo.route_ring_bandwidth(0, node) if node < n else float("inf"), node=node,
+        weighted_inside=sum(1 for op in inside if any(w.trainable for w in graph[op].weights)),
+        weighted_outside=sum(1 for nd in graph if nd.name not in inside and any(w.trainable for w in nd.weights)),
+        intra_latency=topo.route_latency(0, 1) if n > 1 else 0.0,
+        inter_latency=topo.route_latency(0, node) if node < n else 0.0)
 
 
 def _ring(nbytes: float, group: int, span: int, shape: _Shape) -> float:
@@ -154,6 +171,19 @@ def _ring(nbytes: float, group: int, span: int, shape: _Shape) -> float:
     if group <= 1:
         return 0.0
     return 2 * (group - 1) / group * nbytes / (shape.intra if span <= shape.node else shape.inter)
+
+
+def _uses(shape: _Shape, p: int) -> float:
+    """Weighted ops on the heaviest of ``p`` stages: the blocks' spread over the stages, the ops
+    outside them on one."""
+    return shape.weighted_inside / p + shape.weighted_outside
+
+
+def _per_use_calls(f: Factorization) -> int:
+    """Rings each weighted op's group makes per micro-batch at ZeRO-2/3 (``simulator.zero3``):
+    its gradients' reduce-scatter; at level 3 also the weights' all-gathers before its forward
+    and its backward, and before its recomputation."""
+    return 1 + (2 + f.recompute if f.zero == 3 else 0)
 
 
 def estimate(f: Factorization, n: int, shape: _Shape) -> Estimate:
@@ -172,6 +202,9 @@ def estimate(f: Factorization, n: int, shape: _Shape) -> Estimate:
     grads = _ring(held * shape.value * wide, d, d * t, shape)
     if f.zero == 3:  # two all-gathers (half a ring each) of the weights per micro-batch
         grads += m * _ring(held * shape.value, d, d * t, shape)
+    if f.zero >= 2 and d > 1:  # per use: each weighted op's ring of d − 1 steps per micro-batch
+        grads += m * _per_use_calls(f) * _uses(shape, p) * (d - 1) * (
+            shape.intra_latency if d * t <= shape.node else shape.inter_latency)
     states = held * (shape.value * (1 if f.zero < 3 else 1 / d) + shape.value * (1 if f.zero < 2 else 1 / d)
                      + (shape.master + shape.optimizer) * (1 if f.zero < 1 else 1 / d))
     held_mb = min(p, m) if f.schedule == "1f1b" else m  # micro-batches whose activations a stage holds
@@ -235,7 +268,8 @@ def sweep(graph: OpGraph, topo: Topology, moves: GlobalMoves, optimizer: str, pr
           pace: Pace | None = None, reduce_dtype: str = "compute") -> list[Swept]:
     """The factorizations of ``moves`` best-first (``_Order``), each lowered with ``cache``
     (the evaluator's, so its simulation reuses the lowering) and timed by ``evaluate`` where
-    its peak memory fits; a plan in ``known`` takes its result. Stops where the next plan's
+    its peak memory fits; a plan in ``known`` takes its result. Stops where no plan is left whose
+    bound is under the best time simulated (``_Order.next``), where the next plan's
     memory check, or a fitting plan's simulation, would end past ``deadline``
     (``time.perf_counter()``; ``pace`` predicts them from those before, kinds "sweep/check" and
     "sweep/timed") or after ``limit`` timed plans, whichever first. ``reduce_dtype``: what the
@@ -248,7 +282,8 @@ def sweep(graph: OpGraph, topo: Topology, moves: GlobalMoves, optimizer: str, pr
     out: list[Swept] = []
     timed = 0
     pace = Pace() if pace is None else pace
-    while (f := order.next()) is not None:
+    best = None  # seconds of the best plan timed that fits
+    while (f := order.next(best)) is not None:
         if not pace.fits("sweep/check", deadline) or (limit is not None and timed >= limit):
             break
         plan = moves.plan(f)
@@ -272,6 +307,8 @@ def sweep(graph: OpGraph, topo: Topology, moves: GlobalMoves, optimizer: str, pr
                 result = known[plan] = evaluate(plan)
             timed += 1
         order.timed(f, result.iteration_time)
+        if result.fits:
+            best = min(result.iteration_time, best if best is not None else result.iteration_time)
         out.append(Swept(f, plan, result, max(result.peak_memory_bytes)))
     return out
 
@@ -279,10 +316,9 @@ def sweep(graph: OpGraph, topo: Topology, moves: GlobalMoves, optimizer: str, pr
 class _Order:
     """The factorizations in passes: those estimated to fit before the others, and in each the
     first of every tp × pp × micro-batches (in the estimate's order) before the rest, so the
-    shapes come before their flags' variants. Within a pass, by estimated seconds times the
-    least simulated / estimated ratio seen at the factorization's pipeline degree (the least at
-    any where that degree has none yet: an optimistic correction by what the simulator said, so
-    a degree the estimate flatters is left once timed); the estimate's order on ties."""
+    shapes come before their flags' variants. Within a pass, by the corrected estimate
+    (``corrected``); the estimate's order on ties. ``next(best)`` leaves out every plan whose
+    ``bound`` is no less than ``best``."""
 
     def __init__(self, factorizations: list[Factorization], est: dict[Factorization, Estimate], capacity: float):
         self.est = est
@@ -292,22 +328,43 @@ class _Order:
             leads.setdefault((est[f].peak_bytes > capacity, f.tp, f.pp, f.microbatches), f)
         first = set(leads.values())
         self.left = [((est[f].peak_bytes > capacity, f not in first), i, f) for i, f in enumerate(order)]
-        self.ratio: dict[int, float] = {}
+        self.ratio: dict[tuple | int, float] = {}
+        """The least simulated / estimated ratio seen at each (tp, pp, schedule), (tp, pp) and pp."""
 
     def timed(self, f: Factorization, seconds: float) -> None:
-        """``f`` simulated in ``seconds``: its pipeline degree's ratio updated."""
+        """``f`` simulated in ``seconds``: its degrees' ratios updated."""
         if self.est[f].seconds > 0:
             r = seconds / self.est[f].seconds
-            self.ratio[f.pp] = min(self.ratio.get(f.pp, r), r)
+            for key in ((f.tp, f.pp, f.schedule), (f.tp, f.pp), f.pp):
+                self.ratio[key] = min(self.ratio.get(key, r), r)
 
-    def next(self) -> Factorization | None:
-        """The next factorization to try (None: none left)."""
+    def bound(self, f: Factorization) -> float:
+        """``f``'s estimated seconds times the least ratio seen at its tensor × pipeline degrees
+        and schedule, the estimate itself where none is timed yet: what ``next`` compares with
+        the best time (a ratio seen at other degrees or another schedule says little of ``f``'s:
+        tensor parallelism's all-reduces and the schedule's bubble differ)."""
+        return self.ratio.get((f.tp, f.pp, f.schedule), 1.0) * self.est[f].seconds
+
+    def corrected(self, f: Factorization) -> float:
+        """``f``'s estimated seconds times the least ratio seen at its tensor × pipeline
+        degrees, else at its pipeline degree, else at any (an optimistic correction by what the
+        simulator said, so degrees the estimate flatters are left once timed); the estimate
+        itself before any plan is timed."""
+        r = self.ratio.get((f.tp, f.pp))
+        if r is None:
+            r = self.ratio.get(f.pp)
+        if r is None:
+            r = min((v for k, v in self.ratio.items() if isinstance(k, int)), default=1.0)
+        return r * self.est[f].seconds
+
+    def next(self, best: float | None = None) -> Factorization | None:
+        """The next factorization to try (None: none left); with ``best`` (seconds: the best plan
+        simulated so far), none whose ``bound`` is ``best`` or more."""
+        if best is not None:
+            self.left = [item for item in self.left if self.bound(item[2]) < best]
         if not self.left:
             return None
-        least = min(self.ratio.values(), default=1.0)
-        at = min(range(len(self.left)), key=lambda k: (
-            self.left[k][0], self.ratio.get(self.left[k][2].pp, least) * self.est[self.left[k][2]].seconds,
-            self.left[k][1]))
+        at = min(range(len(self.left)), key=lambda k: (self.left[k][0], self.corrected(self.left[k][2]), self.left[k][1]))
         return self.left.pop(at)[2]
 
 

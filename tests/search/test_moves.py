@@ -254,3 +254,37 @@ def test_candidate_configs_are_enumerate_configs_one_object_per_cut(name, n, m, 
     assert len({id(c) for cfgs in got.values() for c in cfgs}) == len(cuts)
     if name == "alexnet":
         assert (sum(map(len, got.values())), len(cuts)) == (3_266, 905)  # configs, distinct cuts (objects)
+
+
+def test_memory_moves_set_one_op_of_every_instance(gpt):
+    """A sharding-level or recompute move draws one op, one op at its place in every instance of
+    a repeated block (the same linear of each layer), one Megatron block's ops or every op it
+    applies to, and changes no op outside what it drew."""
+    moves = _moves(gpt, MoveRates(zero=0.5, recompute=0.5, repeat=0.1))
+    (block,) = moves.repeats.blocks
+    assert len(block) == 2  # the test model's two layers
+    columns = {op: [inst[i] for inst in block.instances] for inst in block.instances for i, op in enumerate(inst)}
+    blocks = [list(b) for b in moves.blocks]
+    drawn, scope = [], moves._scope
+    moves._scope = lambda ops, rng: drawn.append((ops, scope(ops, rng))) or drawn[-1][1]
+    rng = random.Random(1)
+    current, seen = data_parallel(gpt, N), set()
+    for i in range(400):
+        kind = ("zero", "recompute")[i % 2]
+        proposal = getattr(moves, kind)(current, rng)
+        ops, picked = drawn[-1]
+        if len(picked) == 1:
+            seen.add("op")
+        elif picked == [op for op in columns.get(picked[0], ()) if op in ops]:
+            seen.add("repeated")
+        elif any(picked == [op for op in b if op in ops] for b in blocks):
+            seen.add("block")
+        else:
+            assert picked == list(ops), (kind, picked)
+            seen.add("all")
+        if proposal is None:
+            continue
+        assert {op for op in proposal if proposal[op] != current[op]} <= set(picked)
+        if rng.random() < 0.5:
+            current = proposal
+    assert seen == {"op", "repeated", "block", "all"}, seen

@@ -14,6 +14,7 @@ from soapsearch.search.api import Evaluator, best_baselines
 from soapsearch.search.globalmove import Factorization, GlobalMoves
 from soapsearch.search.mcmc import plan_cost, rank
 from soapsearch.search.sweep import Estimate, _Order, _shape, estimate, sweep
+from strategies.errors import PlanError
 from strategies.lowering import lower
 from strategies.megatron import default_tp
 from tests.conftest import traced
@@ -53,6 +54,23 @@ def test_estimate_is_the_closed_forms():
     gpipe = estimate(_f(pp=2, m=4), 4, shape).peak_bytes
     assert gpipe - one_f == pytest.approx(shape.activations / 4 * (1 - 2 / 4), rel=1e-12)
     assert estimate(_f(recompute=True), 4, shape).peak_bytes < plain
+    # ZeRO-2/3: each weighted op's rings every micro-batch, each of 3 steps of the ring's latency
+    assert shape.weighted_inside + shape.weighted_outside == sum(
+        1 for node in graph if any(w.trainable for w in node.weights))
+    assert shape.intra_latency == topo.route_latency(0, 1) > 0
+    step = shape.intra_latency * 3
+    one, two = (estimate(_f(m=2, zero=z), 4, shape).seconds for z in (1, 2))
+    assert two - one == pytest.approx(2 * (shape.weighted_inside + shape.weighted_outside) * step, rel=1e-9)
+    three = estimate(_f(pp=2, m=2, zero=3, recompute=True), 2 * 4, shape).seconds  # 4 data-parallel devices
+    base = estimate(_f(pp=2, m=2, zero=1, recompute=True), 2 * 4, shape).seconds
+    gathers = 2 * _ring_seconds(shape, 4, (shape.held_inside / 2 + shape.held_outside) * shape.value)
+    uses = shape.weighted_inside / 2 + shape.weighted_outside  # the heaviest stage's
+    assert three - base == pytest.approx(gathers + 2 * 4 * uses * step, rel=1e-9)  # reduce-scatter, 3 gathers
+
+
+def _ring_seconds(shape, g: int, nbytes: float) -> float:
+    """A ring all-reduce's seconds within a node (the estimate's, latency left out)."""
+    return 2 * (g - 1) / g * nbytes / shape.intra
 
 
 def _small(topo: Topology, nbytes: int) -> Topology:
@@ -191,3 +209,41 @@ def test_a_sweep_that_times_nothing_starts_the_chains_from_the_best_baseline(mon
     best = min(results.values(), key=lambda r: rank(r.fits, plan_cost(r)))
     assert rank(found.result.fits, found.predicted_ms) <= rank(best.fits, best.iteration_ms * (1 + 1e-12))
     assert found.proposals >= 1  # the chains ran from it (the search raised "no factorization" before)
+
+
+def test_order_leaves_out_what_its_bound_says_cannot_beat_the_best():
+    """A plan is left out where its estimate times the least ratio seen at its degrees and
+    schedule (the estimate alone where none is timed) is the best time or more."""
+    fs = [_f(tp=2, pp=2, m=4), _f(tp=2, pp=2, m=2), _f(tp=2, pp=2, m=2, schedule="1f1b"), _f(tp=4), _f(tp=4, m=2)]
+    est = {fs[0]: Estimate(1.0, 1), fs[1]: Estimate(1.1, 1), fs[2]: Estimate(1.1, 1), fs[3]: Estimate(1.5, 1),
+           fs[4]: Estimate(2.5, 1)}
+    order = _Order(fs, est, 1.0)
+    assert order.next(best=None) == fs[0]
+    order.timed(fs[0], 2.0)  # (2, 2, gpipe) at ratio 2: fs[1]'s bound 2.2; fs[2] (1f1b) unseen: 1.1
+    assert order.bound(fs[1]) == pytest.approx(2.2) and order.bound(fs[2]) == pytest.approx(1.1)
+    assert order.bound(fs[3]) == pytest.approx(1.5)  # no ratio at tp 4: the estimate
+    # fs[1] (2.2) and fs[4] (2.5) cannot beat 2.0; fs[2] (1.1) and fs[3] (1.5) can
+    assert [order.next(best=2.0), order.next(best=2.0), order.next(best=2.0)] == [fs[3], fs[2], None]
+
+
+def test_the_bounded_sweep_finds_the_best_of_every_factorization():
+    """With no deadline and no limit the sweep stops where its bound leaves nothing, timing a
+    few of the factorizations, and its best is the best of all of them simulated one by one."""
+    graph = traced("gpt", batch_size=16)
+    topo = get_topology("p100-2x4")
+    evaluate = Evaluator(graph, topo, get_cost_model("analytical"), "adam", "bf16")
+    moves = GlobalMoves(graph, 8, (1, 2, 4, 8), "bf16", evaluate)
+    out = sweep(graph, topo, moves, "adam", "bf16", evaluate, evaluate.lowering_cache, None, None)
+    timed = [s.result.iteration_ms for s in out if s.result is not None and s.result.fits]
+    assert 0 < len(out) < len(moves.factorizations) / 10
+    every = []
+    for f in moves.factorizations:
+        plan = moves.plan(f)
+        if plan is not None:
+            try:
+                result = evaluate(plan)
+            except PlanError:
+                continue
+            if result.fits:
+                every.append(result.iteration_ms)
+    assert len(every) > 10 * len(out) and min(timed) == min(every)
