@@ -7,7 +7,8 @@ a longer search finds, with the wall time to each plan.
 
 The searches start from the factorization sweep (``init="swept"``, ``sweep.py``: the data ×
 tensor × pipeline factorizations ordered by a closed-form estimate, the memory checked before
-timing, timed best-first in half the budget; the chains start from its best two) and use the
+timing, timed best-first in at most half the budget, until no plan left can beat the best by its
+bound; the chains start from its best two) and use the
 scale moves: the repeated-block move (``repeat_move``: the 32 layers searched as one) and the
 global move (``global_move``). Columns: ms per iteration, whether the plan fits in the
 device's memory (``*``: it does not), seconds to the plan; "found / X" is the found plan's ms
