@@ -188,7 +188,6 @@ class Moves:
         self._replicated: dict[tuple[str, tuple[int, ...]], bool] = {}
         self._subgraphs: dict[int, SubgraphMoves] = {}
         self.repeats = RepeatMoves(graph, num_devices, repeat_stages) if rates.repeat else None
-        self._same_place: dict[str, tuple[str, ...]] | None = None
         self.globals: GlobalMoves | None = None
         """The global moves (``globalmove.GlobalMoves``), set by the search that has them."""
         self.symmetric = None
@@ -228,20 +227,12 @@ class Moves:
             return list(ops)
         op = rng.choice(ops)
         if scope == "repeated" and self.repeats:
-            within = set(ops)
-            return [other for other in self._alike(op) if other in within]
-        return [op]
-
-    def _alike(self, op: str) -> tuple[str, ...]:
-        """``op`` and the ops at its place in every other instance of its repeated block
-        (``repeats``), in instance order; ``(op,)`` where no block holds it."""
-        if self._same_place is None:
-            self._same_place = {}
             for block in self.repeats.blocks:
-                for i in range(block.length):
-                    column = tuple(inst[i] for inst in block.instances)
-                    self._same_place.update(dict.fromkeys(column, column))
-        return self._same_place.get(op, (op,))
+                at = block.position(op)
+                if at is not None:  # op i of every instance, those of ``ops``
+                    within = set(ops)
+                    return [inst[at[1]] for inst in block.instances if inst[at[1]] in within]
+        return [op]
 
     def _shardable(self, current: Strategy, op: str) -> bool:
         """``strategies.replicas.shardable``, kept per (op, degrees) for an op that reads its own

@@ -120,13 +120,13 @@ class _Shape:
     intra: float
     inter: float
     node: int
-    weighted_inside: int = 0
+    weighted_inside: int
     """Ops inside the blocks with a trainable weight (each a group of its own at ZeRO-2/3)."""
-    weighted_outside: int = 0
+    weighted_outside: int
     """Ops outside the blocks with a trainable weight (on the heaviest stage)."""
-    intra_latency: float = 0.0
+    intra_latency: float
     """Seconds of a ring step within a node (``Topology.route_latency`` of neighbours)."""
-    inter_latency: float = 0.0
+    inter_latency: float
     """Seconds of a ring step across nodes."""
 
 
@@ -307,8 +307,8 @@ def sweep(graph: OpGraph, topo: Topology, moves: GlobalMoves, optimizer: str, pr
                 result = known[plan] = evaluate(plan)
             timed += 1
         order.timed(f, result.iteration_time)
-        if result.fits:
-            best = min(result.iteration_time, best if best is not None else result.iteration_time)
+        if result.fits and (best is None or result.iteration_time < best):
+            best = result.iteration_time
         out.append(Swept(f, plan, result, max(result.peak_memory_bytes)))
     return out
 
@@ -328,14 +328,15 @@ class _Order:
             leads.setdefault((est[f].peak_bytes > capacity, f.tp, f.pp, f.microbatches), f)
         first = set(leads.values())
         self.left = [((est[f].peak_bytes > capacity, f not in first), i, f) for i, f in enumerate(order)]
-        self.ratio: dict[tuple | int, float] = {}
-        """The least simulated / estimated ratio seen at each (tp, pp, schedule), (tp, pp) and pp."""
+        self.ratio: dict[tuple, float] = {}
+        """The least simulated / estimated ratio seen at each (tp, pp, schedule), (tp, pp), (pp,)
+        and () (anywhere)."""
 
     def timed(self, f: Factorization, seconds: float) -> None:
         """``f`` simulated in ``seconds``: its degrees' ratios updated."""
         if self.est[f].seconds > 0:
             r = seconds / self.est[f].seconds
-            for key in ((f.tp, f.pp, f.schedule), (f.tp, f.pp), f.pp):
+            for key in ((f.tp, f.pp, f.schedule), (f.tp, f.pp), (f.pp,), ()):
                 self.ratio[key] = min(self.ratio.get(key, r), r)
 
     def bound(self, f: Factorization) -> float:
@@ -350,11 +351,7 @@ class _Order:
         degrees, else at its pipeline degree, else at any (an optimistic correction by what the
         simulator said, so degrees the estimate flatters are left once timed); the estimate
         itself before any plan is timed."""
-        r = self.ratio.get((f.tp, f.pp))
-        if r is None:
-            r = self.ratio.get(f.pp)
-        if r is None:
-            r = min((v for k, v in self.ratio.items() if isinstance(k, int)), default=1.0)
+        r = next((self.ratio[k] for k in ((f.tp, f.pp), (f.pp,), ()) if k in self.ratio), 1.0)
         return r * self.est[f].seconds
 
     def next(self, best: float | None = None) -> Factorization | None:
