@@ -41,6 +41,7 @@ from simulator.topology import Topology
 from strategies.collective_buffers import BufferLife, BufferLives, regather_steps
 from strategies.lowered import Collective
 from strategies.lowering import Lowered
+from strategies.renamed_rows import MovedPartitions
 from strategies.schedule import CollectiveSteps
 
 __all__ = ["add_collectives", "hidden_by_readers"]
@@ -156,6 +157,8 @@ class _Twins:
         got = self.alike.get(op)
         if got is None:
             rows = self.lowered.partitions[op]
+            if type(rows) is MovedPartitions:  # its source's rows, every device moved alike
+                rows = rows.root
             places = [(p[1], p[3]) for p in rows[0]]  # (index, device)
             got = self.alike[op] = all([(p[1], p[3]) for p in row] == places for row in rows[1:])
         return got

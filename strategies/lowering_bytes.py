@@ -11,6 +11,7 @@ from typing import Any
 from strategies.lowered import OpPieces
 from strategies.lowering import is_patched_state
 from strategies.lowering_cache import Held
+from strategies.renamed_rows import records
 
 __all__ = ["LOWERING_BYTES", "RECORD_BYTES", "LoweringCache", "counted", "entry_bytes", "held_bytes", "item_bytes",
            "key_bytes", "pieces_bytes"]
@@ -68,7 +69,7 @@ def key_bytes(key: Any) -> int:
 def pieces_bytes(pieces: OpPieces) -> int:
     """What an op's pieces hold besides their per-device tuples (``_per_device``, counted
     apart: renamed pieces share them): ``RECORD_BYTES`` a record."""
-    return RECORD_BYTES * (sum(map(len, pieces.partitions)) + len(pieces.transfers) + len(pieces.reductions)
+    return RECORD_BYTES * (records(pieces.partitions) + len(pieces.transfers) + len(pieces.reductions)
                            + len(pieces.weight_reads) + len(pieces.collective_reads))
 
 

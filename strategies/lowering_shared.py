@@ -28,9 +28,10 @@ from typing import Hashable, Sequence
 
 from strategies.config import ParallelConfig
 from strategies.graph import OpGraph, OpNode
-from strategies.lowered import WEIGHT_KINDS, Collective, CollectiveRead, OpPieces, Partition, Transfer, WeightRead
+from strategies.lowered import WEIGHT_KINDS, Collective, CollectiveRead, OpPieces, WeightRead
 from strategies.lowering_copies import kept_indices
 from strategies.members import Hashed
+from strategies.renamed_rows import moved_partitions, renamed_transfers
 from strategies.repeats import signature
 
 __all__ = ["shapes_of", "names_of", "name_map", "renamed", "relative_key"]
@@ -92,14 +93,11 @@ def renamed(pieces: OpPieces, old: tuple[str, ...], new: tuple[str, ...], delta:
     per_device = _moved_bytes(pieces, delta)
     if per_device is None:
         return None
-    # the hot loops: records made as the tuples they are, their fields unpacked by name
-    # (Partition: op, index, microbatch, device, box, input_regions, weight_regions, output;
-    # Transfer: src_op, src_index, dst_op, dst_index, slot, microbatch, src_device, dst_device,
-    # region, nbytes, partial), every micro-batch's partitions in one pass (``_rows``)
-    parts = _rows([_new(Partition, (op, k, j, d + delta, box, ins, ws, out))
-                   for mb in pieces.partitions for _, k, j, d, box, ins, ws, out in mb], pieces.partitions)
-    transfers = tuple([_new(Transfer, (at(src), k, op, q, slot, j, s + delta, d + delta, region, size, partial))
-                       for src, k, _, q, slot, j, s, d, region, size, partial in pieces.transfers])
+    # partitions and transfers renamed when first read (``strategies.renamed_rows``): most are
+    # never read (``simulator.twins`` copies the twin's tasks); the rest made as tuples, their
+    # fields unpacked by name (``CollectiveRead``: collective, dst_op, dst_index, slot, device)
+    parts = moved_partitions(pieces.partitions, op, delta)
+    transfers = renamed_transfers(pieces.transfers, to, op, delta)
     reductions = tuple(dataclasses.replace(g, op=op, devices=_plus(g.devices, delta)) for g in pieces.reductions)
     reads = tuple(_new(WeightRead, (at(r[0]), r[1], r[2] + delta, op, *r[4:])) for r in pieces.weight_reads)
     # each distinct collective (kind, op, microbatch, devices, holders, ...) and device group moved once
@@ -113,18 +111,6 @@ def renamed(pieces: OpPieces, old: tuple[str, ...], new: tuple[str, ...], delta:
     return pieces._replace(partitions=parts, transfers=transfers, reductions=reductions, weight_reads=reads,
                            weights_read=tuple(map(at, pieces.weights_read)), collective_reads=col_reads,
                            couples=couples, **per_device)
-
-
-def _rows(flat: list, like: tuple[tuple, ...]) -> tuple[tuple, ...]:
-    """``flat`` cut into tuples as long as ``like``'s rows, in order (one zip where they are alike)."""
-    size = len(like[0]) if like else 0
-    if size and all(len(row) == size for row in like):
-        return tuple(zip(*[iter(flat)] * size))
-    out, at = [], 0
-    for row in like:
-        out.append(tuple(flat[at:at + len(row)]))
-        at += len(row)
-    return tuple(out)
 
 
 def relative_key(config: ParallelConfig, producers: Sequence[ParallelConfig], keep: frozenset[int] | None

@@ -1,19 +1,21 @@
-"""``strategies.lowering_shared.renamed`` makes its records as the tuples they are (every
-micro-batch's partitions in one pass, each distinct collective once): its pieces equal those
-made field by field with ``_replace`` (the reference below), record for record and type for
-type, under a new name and under a move to another pipeline stage's devices; reads of one
-collective share one renamed collective; rows of unequal lengths keep their lengths."""
+"""``strategies.lowering_shared.renamed`` makes its records as the tuples they are (partitions
+and transfers when first read: ``strategies.renamed_rows``; each distinct collective once):
+its pieces equal those made field by field with ``_replace`` (the reference below), record
+for record and type for type, under a new name and under a move to another pipeline stage's
+devices; reads of one collective share one renamed collective."""
 
 from __future__ import annotations
 
 import dataclasses
+import pickle
 
 import pytest
 
 from strategies.baselines import megatron_lm
 from strategies.lowered import Collective, CollectiveRead, Partition, Transfer
 from strategies.lowering import lower
-from strategies.lowering_shared import _plus, _rows, name_map, names_of, renamed
+from strategies.lowering_shared import _plus, name_map, names_of, renamed
+from strategies.renamed_rows import MovedPartitions, RenamedTransfers, records
 from tests.conftest import traced
 from tests.strategies.test_lowering_members import random_plan
 
@@ -79,9 +81,31 @@ def test_renamed_equals_the_records_replaced_field_by_field(plan):
     assert checked > 20 and reads > 0
 
 
-def test_rows_of_unequal_lengths_keep_their_lengths():
-    like = ((1, 2), (3,), (), (4, 5, 6))
-    assert _rows(["a", "b", "c", "d", "e", "f"], like) == (("a", "b"), ("c",), (), ("d", "e", "f"))
-    assert _rows(list("abcdef"), ((1, 2), (3, 4), (5, 6))) == (("a", "b"), ("c", "d"), ("e", "f"))
-    assert _rows([], ()) == ()
-    assert _rows([], ((), ())) == ((), ())
+def test_renamed_records_are_made_when_read_and_read_as_tuples():
+    """Partitions and transfers renamed when first read: their lengths known before, one
+    micro-batch's row made at a time, and read as the tuples they stand for (equal, hashed,
+    indexed, sliced, pickled); renaming again maps the source's records once, equal to the
+    two renamings made one after the other."""
+    graph = traced("gpt", "small")
+    low = lower(graph, megatron_lm(graph, 16, 4, 2).with_microbatches(4, "1f1b"))
+    nodes = [n for n in graph if n.kind == "linear" and low.pieces[n.name].transfers]
+    first, second, third = nodes[0], nodes[1], nodes[2]
+    pieces = low.pieces[first.name]
+    got = renamed(pieces, names_of(graph, first), names_of(graph, second), 0)
+    parts, transfers = got.partitions, got.transfers
+    assert type(parts) is MovedPartitions and type(transfers) is RenamedTransfers
+    assert len(parts) == 4 and records(parts) == sum(map(len, pieces.partitions)) > 0
+    assert len(transfers) == len(pieces.transfers) and transfers._made is None
+    assert parts[2][0].op == second.name and parts._rows.count(None) == 3  # micro-batch 2 alone made
+    want = _reference(pieces, names_of(graph, first), names_of(graph, second), 0)
+    assert parts == want.partitions and want.partitions == parts and hash(parts) == hash(want.partitions)
+    assert parts[1:3] == want.partitions[1:3] and parts[-1] == want.partitions[-1]
+    assert transfers == want.transfers and transfers[-1] == want.transfers[-1]
+    assert pickle.loads(pickle.dumps(got)) == want and type(pickle.loads(pickle.dumps(parts))) is tuple
+    assert parts != want.partitions[:3] and transfers != want.transfers[1:]
+    again = renamed(got, names_of(graph, second), names_of(graph, third), 8)
+    assert again.partitions.root is pieces.partitions and again.transfers.root is pieces.transfers
+    step = renamed(_reference(pieces, names_of(graph, first), names_of(graph, second), 0),
+                   names_of(graph, second), names_of(graph, third), 8)
+    assert tuple(again.partitions) == tuple(step.partitions) and tuple(again.transfers) == tuple(step.transfers)
+    assert again.transfers[0].dst_op == third.name and again.partitions[0][0].device == pieces.partitions[0][0].device + 8
