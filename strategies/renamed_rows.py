@@ -1,8 +1,9 @@
 """Another op's partitions and transfers renamed and moved, made when first read
 (``strategies.lowering_shared.renamed``). GPT-3 175B's plan of 96 layers and 128 micro-batches
 shares ~2,100 ops' pieces: made at once, their renamed records are 1.3 M tuples, of which a
-simulation reads a few ops' (the task graph copies a twin's block instead: ``simulator.twins``;
-the schedule reads one micro-batch of an op's partitions: ``strategies.schedule``).
+simulation reads one micro-batch's partitions of some ops (``strategies.schedule``,
+``strategies.overlap``) and no transfers (the task graph copies a twin's block instead:
+``simulator.twins``).
 
 Each object reads as the tuple it stands for: equal to it, hashed, indexed, sliced, iterated
 and pickled as it, its length known without making it. ``MovedPartitions`` makes one
