@@ -27,7 +27,7 @@ BOUND = 0.05
 """|published / predicted seconds - 1| the model reaches on the held-out rows tested: 22B −0.0 % and
 +1.7 % (n½ = 1,250) with Megatron-LM's input gradients' collectives beside the weight gradients
 (``Run.input_grad_overlap``) and its fused query-key-value linear (one product of 2,304 columns a
-GPU at TP 8; benchmarks/README.md published_runs, "What moved")."""
+GPU at TP 8; benchmarks/README.md, its published_runs.py section)."""
 TORCHTITAN_BOUND = 0.05
 """|published / predicted seconds - 1| of torchtitan's LLaMA-2 13B rows (+3.1 % without
 checkpointing, +0.9 % every second layer, their products at their shapes' rates,
