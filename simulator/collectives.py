@@ -123,7 +123,10 @@ class _Twins:
         self.op: str | None = None
         self.first: list[tuple | None] = []  # (collective, key, reads, hidden or None), or None: no twin
         self.j0 = self.j = self.at = 0
-        self.alike: dict[str, bool] = {}  # op -> its partitions on the same devices, indices, in every micro-batch
+        self.alike: dict[int, bool] = {}
+        """id of an op's partitions (a moved op's: its source's, ``MovedPartitions.root``, which
+        the ops renamed from one op share) -> on the same devices and indices in every micro-batch
+        (the lowering holds the rows while ``add_collectives`` runs: the ids stay theirs)."""
 
     def key(self, c: Collective, hidden) -> tuple | None:
         """``c``'s twin's key, or None (no twin: ``keep`` it where it is in the first micro-batch)."""
@@ -154,13 +157,13 @@ class _Twins:
             self.first.append((c, key, [r[1:] for r in self.readers[c]], hidden) if alike else None)
 
     def _alike(self, op: str) -> bool:
-        got = self.alike.get(op)
+        rows = self.lowered.partitions[op]
+        if type(rows) is MovedPartitions:  # its source's rows, every device moved alike
+            rows = rows.root
+        got = self.alike.get(id(rows))
         if got is None:
-            rows = self.lowered.partitions[op]
-            if type(rows) is MovedPartitions:  # its source's rows, every device moved alike
-                rows = rows.root
             places = [(p[1], p[3]) for p in rows[0]]  # (index, device)
-            got = self.alike[op] = all([(p[1], p[3]) for p in row] == places for row in rows[1:])
+            got = self.alike[id(rows)] = all([(p[1], p[3]) for p in row] == places for row in rows[1:])
         return got
 
 
