@@ -46,9 +46,11 @@ static Item pop(Item *h, int64_t *size) {
 
 typedef struct { double *st, *en; int64_t len, cap; } Link;
 
-/* first index i with en[i] > s (Python's bisect_right) */
+/* first index i with en[i] > s (Python's bisect_right); the same index found first where s is
+ * past the link's last interval (a link's tasks mostly come in time order), else by bisection */
 static int64_t bisect_right(const double *en, int64_t len, double s) {
-    int64_t lo = 0, hi = len;
+    if (len == 0 || en[len - 1] <= s) return len;
+    int64_t lo = 0, hi = len - 1;
     while (lo < hi) {
         int64_t mid = (lo + hi) / 2;
         if (s < en[mid]) hi = mid; else lo = mid + 1;

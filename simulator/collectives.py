@@ -70,37 +70,37 @@ def add_collectives(tg: TaskGraph, lowered: Lowered, topology: Topology, blocks:
     life_of, steps_of = BufferLives(lowered), CollectiveSteps(lowered)
     twins = _Twins(lowered)
 
-    def full(c):
-        """``c``'s run key and ``_record``'s arguments."""
+    def full(c, reads):
+        """``c``'s run key and ``_record``'s arguments (``reads``: its readers)."""
         life = life_of(c)
         fwd_steps, bwd_steps = steps_of(c)
         j = c.microbatch
-        reads = readers[c]
+        every = reads
         if keep is not None:
             if not (keep.issuperset(fwd_steps) and keep.issuperset(bwd_steps)):
                 fwd_steps = {d: s for d, s in fwd_steps.items() if d in keep}
                 bwd_steps = {d: s for d, s in bwd_steps.items() if d in keep}
             reads = [r for r in reads if r.device in keep]
         again = None if life.regather is None else regather_steps(lowered, life)
-        beside = again is not None and not any(lowered.strategy[r.dst_op].recompute for r in readers[c])
-        hidden = hidden_by_readers(lowered, readers[c], topology, cost) if overlap and (c.grad or beside) else 0.0
+        beside = again is not None and not any(lowered.strategy[r.dst_op].recompute for r in every)
+        hidden = hidden_by_readers(lowered, every, topology, cost) if overlap and (c.grad or beside) else 0.0
         key = (c.kind, c.op, c.devices, c.holders, c.nbytes, c.grad, hidden, tuple([r[1:] for r in reads]),
                _steps_key(fwd_steps, j), _steps_key(bwd_steps, j), again and _steps_key(again, j), beside)
         return key, (life, fwd_steps, bwd_steps, again, reads, keep, known, hidden, position, beside)
 
-    def hidden_of(c) -> float:
-        return hidden_by_readers(lowered, readers[c], topology, cost)
+    def hidden_of(reads) -> float:
+        return hidden_by_readers(lowered, reads, topology, cost)
 
-    run = _Run(tg, blocks, first.tolist(), _record, lambda c: full(c)[1])
-    for c in lowered.collectives:
+    run = _Run(tg, blocks, first.tolist(), _record, lambda c: full(c, readers[c])[1])
+    for c, reads in readers.items():  # Lowered.collectives' order
         if keep is not None and keep.isdisjoint(c.devices):
             continue
-        key = twins.key(c, hidden_of if overlap else None)
+        key = twins.key(c, reads, hidden_of if overlap else None)
         if key is not None:  # its twin's in the op's first micro-batch: the same key, recorded from there if need be
             run.add(c.op, key, c.microbatch, None, c)
             continue
-        key, args = full(c)
-        twins.keep(c, key, args[0], args[7] if overlap and (c.grad or args[9]) else None)
+        key, args = full(c, reads)
+        twins.keep(c, reads, key, args[0], args[7] if overlap and (c.grad or args[9]) else None)
         run.add(c.op, key, c.microbatch, args, c)
     run.flush()
     return np.asarray(run.arrivals, dtype=INDEX).reshape(-1, 2).T
@@ -119,7 +119,7 @@ class _Twins:
     are compared too. Anything else: found as the first micro-batch's were."""
 
     def __init__(self, lowered: Lowered) -> None:
-        self.lowered, self.readers = lowered, lowered.collective_readers
+        self.lowered = lowered
         self.op: str | None = None
         self.first: list[tuple | None] = []  # (collective, key, reads, hidden or None), or None: no twin
         self.j0 = self.j = self.at = 0
@@ -128,8 +128,9 @@ class _Twins:
         the ops renamed from one op share) -> on the same devices and indices in every micro-batch
         (the lowering holds the rows while ``add_collectives`` runs: the ids stay theirs)."""
 
-    def key(self, c: Collective, hidden) -> tuple | None:
-        """``c``'s twin's key, or None (no twin: ``keep`` it where it is in the first micro-batch)."""
+    def key(self, c: Collective, reads: Sequence, hidden) -> tuple | None:
+        """``c``'s (read by ``reads``) twin's key, or None (no twin: ``keep`` it where it is in the
+        first micro-batch)."""
         if c.op != self.op:
             self.op, self.first, self.j0, self.j, self.at = c.op, [], c.microbatch, c.microbatch, 0
         elif c.microbatch != self.j:
@@ -141,20 +142,20 @@ class _Twins:
         twin = self.first[at]
         if twin is None:
             return None
-        t, key, reads, seconds = twin
-        if (c[0] != t[0] or c[3:5] != t[3:5] or c[6:] != t[6:] or [r[1:] for r in self.readers[c]] != reads
-                or (seconds is not None and hidden(c) != seconds)):
+        t, key, twin_reads, seconds = twin
+        if (c[0] != t[0] or c[3:5] != t[3:5] or c[6:] != t[6:] or [r[1:] for r in reads] != twin_reads
+                or (seconds is not None and hidden(reads) != seconds)):
             return None
         return key
 
-    def keep(self, c: Collective, key: tuple, life: BufferLife, hidden: float | None) -> None:
-        """Keep ``c`` (its ``key``, ``life``, the seconds its readers hide where they do) as the
+    def keep(self, c: Collective, reads: Sequence, key: tuple, life: BufferLife, hidden: float | None) -> None:
+        """Keep ``c`` (its ``reads``, ``key``, ``life``, the seconds its readers hide where they do) as the
         twin of later micro-batches' collectives at its place: none where the ops whose
         partitions its steps read are not placed alike in every micro-batch."""
         if self.j == self.j0 and self.at == len(self.first) + 1:
-            ops = (self.readers[c][0].dst_op, c.op) + ((life.regather,) if life.regather is not None else ())
+            ops = (reads[0].dst_op, c.op) + ((life.regather,) if life.regather is not None else ())
             alike = all(map(self._alike, ops))
-            self.first.append((c, key, [r[1:] for r in self.readers[c]], hidden) if alike else None)
+            self.first.append((c, key, [r[1:] for r in reads], hidden) if alike else None)
 
     def _alike(self, op: str) -> bool:
         rows = self.lowered.partitions[op]
@@ -282,6 +283,9 @@ class _Run:
         self.op: str | None = None
         self.pending: list[tuple[tuple, int, tuple | None, Collective]] = []  # (key, micro-batch, record's arguments, c)
         self.arrivals: list[int] = []
+        self.local: dict[tuple, np.ndarray] = {}
+        """(id of a block's rows, index, dj, micro-batches) -> the local ids ``_refs`` read
+        (``blocks`` holds the rows while the run lives: the ids stay theirs)."""
 
     def add(self, op: str, key: tuple, j: int, args: tuple | None, c: Collective) -> None:
         """``c`` of micro-batch ``j``, its run ``key``; ``args``: ``record``'s arguments, or None:
@@ -342,10 +346,15 @@ class _Run:
         return self.starts[at] + getattr(self.blocks[at], field)[j + dj][index] + plus
 
     def _refs(self, ref: tuple, js: list[int]) -> np.ndarray:
-        """``_ref`` in each of the micro-batches ``js``."""
+        """``_ref`` in each of the micro-batches ``js``: a block's local ids read once per rows
+        object (the twin ops' blocks share theirs, ``simulator.twins``), index and micro-batches."""
         at, field, index, plus, dj = ref
         rows = getattr(self.blocks[at], field)
-        return np.fromiter([rows[j + dj][index] for j in js], np.int64, len(js)) + (self.starts[at] + plus)
+        key = (id(rows), index, dj, *js)
+        got = self.local.get(key)
+        if got is None:
+            got = self.local[key] = np.fromiter([rows[j + dj][index] for j in js], np.int64, len(js))
+        return got + (self.starts[at] + plus)
 
 
 def _period(keys: list[tuple], js: list[int]) -> int:

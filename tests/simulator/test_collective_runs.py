@@ -166,7 +166,7 @@ def test_later_microbatches_are_twins(monkeypatch):
         lowered = Lowerings(graph, plan).first(topo, False)
         hits: list[tuple] = []
         with monkeypatch.context() as m:
-            m.setattr(collectives._Twins, "key", lambda self, c, h: hits.append((c, real(self, c, h))) or hits[-1][1])
+            m.setattr(collectives._Twins, "key", lambda self, c, reads, h: hits.append((c, real(self, c, reads, h))) or hits[-1][1])
             build_tasks(lowered, topo, cost, "adam")
         later = [c for c in lowered.collectives if c.microbatch > 0]
         assert later and len(hits) == len(lowered.collectives)
