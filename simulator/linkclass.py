@@ -43,25 +43,39 @@ def compact_resources(tg: TaskGraph) -> tuple[np.ndarray, np.ndarray, list[tuple
 
 def distinct_resources(tg: TaskGraph) -> tuple[list[tuple[int, ...]], np.ndarray]:
     """(the distinct resource tuples of ``tg``'s tasks in order of first use, each task's index
-    into them); kept on the graph until it grows."""
+    into them); kept on the graph until it grows. Worked out once per resources list: the
+    blocks of twin ops share their twin's (``simulator.twins``), so a list met again holds no
+    tuple not already met, and its tasks' indices are the first time's."""
     got = tg.memo.get("distinct")
     if got is not None and got[0] == len(tg):
         return got[1]
-    resources = tg.resources
-    ids = np.fromiter(map(id, resources), np.int64, len(resources))  # the tuples live on the graph: ids distinct
-    _, first, inverse = np.unique(ids, return_index=True, return_inverse=True)
     by_value: dict[tuple[int, ...], int] = {}
     distinct: list[tuple[int, ...]] = []
+    of_list: dict[int, np.ndarray] = {}  # id of a resources list (alive on the graph) -> its tasks' indices
+    parts = []
+    for resources in [s.cols.resources for s in tg.segments] + [tg.tail.resources]:
+        which = of_list.get(id(resources))
+        if which is None:
+            which = of_list[id(resources)] = _distinct(resources, by_value, distinct)
+        parts.append(which)
+    result = distinct, np.concatenate(parts)
+    tg.memo["distinct"] = (len(tg), result)
+    return result
+
+
+def _distinct(resources: list[tuple[int, ...]], by_value: dict[tuple[int, ...], int],
+              distinct: list[tuple[int, ...]]) -> np.ndarray:
+    """Each of ``resources``' index into ``distinct``, which gains the tuples not yet in
+    ``by_value`` in order of first use."""
+    ids = np.fromiter(map(id, resources), np.int64, len(resources))  # the tuples live on the graph: ids distinct
+    _, first, inverse = np.unique(ids, return_index=True, return_inverse=True)
     of_object = np.empty(len(first), dtype=np.int64)
     for k in np.argsort(first).tolist():  # each object once, in order of first use, hashed once
         r = resources[int(first[k])]
         i = of_object[k] = by_value.setdefault(r, len(distinct))
         if i == len(distinct):
             distinct.append(r)
-    which = of_object[inverse.reshape(-1)]
-    result = distinct, which
-    tg.memo["distinct"] = (len(tg), result)
-    return result
+    return of_object[inverse.reshape(-1)]
 
 
 def _compact(distinct: list[tuple[int, ...]], which: np.ndarray, nd: int

@@ -100,12 +100,13 @@ def renamed(pieces: OpPieces, old: tuple[str, ...], new: tuple[str, ...], delta:
     transfers = renamed_transfers(pieces.transfers, to, op, delta)
     reductions = tuple(dataclasses.replace(g, op=op, devices=_plus(g.devices, delta)) for g in pieces.reductions)
     reads = tuple(_new(WeightRead, (at(r[0]), r[1], r[2] + delta, op, *r[4:])) for r in pieces.weight_reads)
-    # each distinct collective (kind, op, microbatch, devices, holders, ...) and device group moved once
-    unique = dict.fromkeys([r[0] for r in pieces.collective_reads])
-    groups = {g: _plus(g, delta) for g in dict.fromkeys([c[3] for c in unique])}
-    collectives = dict(zip(unique, [_new(Collective, (kind, at(src), j, groups[g], *rest))
-                                    for kind, src, j, g, *rest in unique])).__getitem__
-    col_reads = tuple([_new(CollectiveRead, (collectives(c), op, k, slot, d + delta))
+    # each collective object (kind, op, microbatch, devices, holders, ...) and device group moved
+    # once; by identity (a lowering's reads of one collective share it), not by its nested hash
+    unique = {id(c): c for c, *_ in pieces.collective_reads}
+    groups = {g: _plus(g, delta) for g in dict.fromkeys([c[3] for c in unique.values()])}
+    collectives = {i: _new(Collective, (kind, at(src), j, groups[g], *rest))
+                   for i, (kind, src, j, g, *rest) in unique.items()}
+    col_reads = tuple([_new(CollectiveRead, (collectives[id(c)], op, k, slot, d + delta))
                        for c, _, k, slot, d in pieces.collective_reads])
     couples = pieces.couples if not delta else frozenset((a + delta, b + delta) for a, b in pieces.couples)
     return pieces._replace(partitions=parts, transfers=transfers, reductions=reductions, weight_reads=reads,
