@@ -29,6 +29,7 @@ by several consumer ops belongs to no one op's block), so delta simulation needs
 
 from __future__ import annotations
 
+import operator
 from typing import NamedTuple, Sequence
 
 import numpy as np
@@ -103,7 +104,10 @@ def add_collectives(tg: TaskGraph, lowered: Lowered, topology: Topology, blocks:
         twins.keep(c, reads, key, args[0], args[7] if overlap and (c.grad or args[9]) else None)
         run.add(c.op, key, c.microbatch, args, c)
     run.flush()
-    return np.asarray(run.arrivals, dtype=INDEX).reshape(-1, 2).T
+    src, dst, arrivals = (np.concatenate([np.asarray(x, dtype=INDEX) for x in parts]) if parts else
+                          np.empty(0, dtype=INDEX) for parts in (run.src, run.dst, run.arrivals))
+    tg.chunks.append((src, dst))  # one chunk of edges (``TaskGraph.chunks``), not lists of ints
+    return arrivals.reshape(-1, 2).T
 
 
 class _Twins:
@@ -143,8 +147,8 @@ class _Twins:
         if twin is None:
             return None
         t, key, twin_reads, seconds = twin
-        if (c[0] != t[0] or c[3:5] != t[3:5] or c[6:] != t[6:] or [r[1:] for r in reads] != twin_reads
-                or (seconds is not None and hidden(reads) != seconds)):
+        if (c[0] != t[0] or c[3] != t[3] or c[4] != t[4] or c[6] != t[6] or c[7] != t[7] or c[8] != t[8]
+                or list(map(_READ, reads)) != twin_reads or (seconds is not None and hidden(reads) != seconds)):
             return None
         return key
 
@@ -155,7 +159,7 @@ class _Twins:
         if self.j == self.j0 and self.at == len(self.first) + 1:
             ops = (reads[0].dst_op, c.op) + ((life.regather,) if life.regather is not None else ())
             alike = all(map(self._alike, ops))
-            self.first.append((c, key, [r[1:] for r in reads], hidden) if alike else None)
+            self.first.append((c, key, list(map(_READ, reads)), hidden) if alike else None)
 
     def _alike(self, op: str) -> bool:
         rows = self.lowered.partitions[op]
@@ -166,6 +170,10 @@ class _Twins:
             places = [(p[1], p[3]) for p in rows[0]]  # (index, device)
             got = self.alike[id(rows)] = all([(p[1], p[3]) for p in row] == places for row in rows[1:])
         return got
+
+
+_READ = operator.itemgetter(1, 2, 3, 4)
+"""What a ``CollectiveRead`` reads, but the collective: (dst_op, dst_index, slot, device)."""
 
 
 def _steps_key(steps: dict, j: int) -> tuple:
@@ -275,14 +283,19 @@ def _record(life, fwd_steps: dict, bwd_steps: dict, again: dict | None, reads: S
 class _Run:
     """One op's collectives (``add``), laid out on ``tg``'s tail (``flush``) one after another:
     the shortest period their keys and micro-batches repeat with (``_period``) recorded once
-    (``record``, on arguments given or ``found``), then each period's tasks; the arrivals'
-    (call, step) ids collected flat."""
+    (``record``, on arguments given or ``found``), then each period's tasks; the edges and the
+    arrivals' (call, step) ids collected flat (``add_collectives`` adds the edges as one chunk:
+    the event loop reads no order among a task's edges)."""
 
     def __init__(self, tg: TaskGraph, blocks: Sequence, starts: list[int], record, found) -> None:
         self.tg, self.blocks, self.starts, self.record, self.found = tg, blocks, starts, record, found
         self.op: str | None = None
         self.pending: list[tuple[tuple, int, tuple | None, Collective]] = []  # (key, micro-batch, record's arguments, c)
-        self.arrivals: list[int] = []
+        self.src: list = []
+        self.dst: list = []
+        self.arrivals: list = []
+        """The edges' ends and the arrivals' (call, step) ids, flat, in order: pieces (lists of
+        ints, int64 arrays) joined once every collective is laid out."""
         self.local: dict[tuple, np.ndarray] = {}
         """(id of a block's rows, index, dj, micro-batches) -> the local ids ``_refs`` read
         (``blocks`` holds the rows while the run lives: the ids stay theirs)."""
@@ -321,24 +334,29 @@ class _Run:
             j = js[0]
             at = [x + e if type(e) is int else self._ref(e, j) for e in r.src + r.dst + flat]
             e = len(r.src)
-            tg.edge_src += at[:e]
-            tg.edge_dst += at[e:2 * e]
-            self.arrivals += at[2 * e:]
+            self.src.append(at[:e])
+            self.dst.append(at[e:2 * e])
+            self.arrivals.append(at[2 * e:])
             return
         firsts = np.arange(x, x + n * k, k, dtype=np.int64)
         known: dict = {}
-
-        def column(e) -> np.ndarray:
-            if type(e) is int:
-                return firsts + e
-            got = known.get(e)
-            if got is None:
-                got = known[e] = self._refs(e, js)
-            return got
-
-        for ends, into in ((r.src, tg.edge_src), (r.dst, tg.edge_dst), (flat, self.arrivals)):
-            if ends:  # (collective, end) row-major: collective after collective, as one by one
-                into += np.stack([column(e) for e in ends], axis=1).ravel().tolist()
+        for ends, into in ((r.src, self.src), (r.dst, self.dst), (flat, self.arrivals)):
+            if not ends:
+                continue
+            # (collective, end) row-major: collective after collective, as one by one; the local
+            # tasks' columns in one sum, each block reference's from its micro-batches' rows
+            out = np.empty((n, len(ends)), dtype=np.int64)
+            mine = [i for i, e in enumerate(ends) if type(e) is int]
+            if mine:
+                out[:, mine] = firsts[:, None] + np.array([ends[i] for i in mine], dtype=np.int64)
+            if len(mine) < len(ends):
+                for i, e in enumerate(ends):
+                    if type(e) is not int:
+                        got = known.get(e)
+                        if got is None:
+                            got = known[e] = self._refs(e, js)
+                        out[:, i] = got
+            into.append(out.ravel())
 
     def _ref(self, ref: tuple, j: int) -> int:
         """A block reference's task id in micro-batch ``j`` (``_Recorded``)."""
