@@ -70,3 +70,27 @@ def test_long_device_tuples_hash_once_and_equal_plain_ones():
     assert m.array().tolist() == list(plain)
     assert kept_members(m, {5, 7, 200}) == [5, 7]
     assert kept_members((9, 5, 7), {5, 7}) == [5, 7]
+
+
+def test_distinct_resources_per_list_equal_the_tuples_by_value():
+    """``distinct_resources`` works out each resources list once (the blocks of twin ops share
+    their twin's): on a pipelined plan whose layers are twins, the distinct tuples in order of
+    first use and each task's index are those found task by task, by value."""
+    from simulator.cost import get_cost_model
+    from simulator.linkclass import distinct_resources
+    from simulator.presets import get_topology
+    from simulator.simulate import Lowerings
+    from simulator.tasks import build_tasks
+    from strategies.baselines import megatron_lm
+    from tests.conftest import traced
+
+    graph = traced("gpt", "small")
+    topo = get_topology("a100-2x8")
+    lowered = Lowerings(graph, megatron_lm(graph, 16, 4, 2)).first(topo, False)
+    tg = build_tasks(lowered, topo, get_cost_model("analytical"), "adam")
+    lists = [s.cols.resources for s in tg.segments]
+    assert len({id(r) for r in lists}) < len(lists)  # twin blocks share a list: the case at stake
+    distinct, which = distinct_resources(tg)
+    order: dict[tuple[int, ...], int] = {}
+    expected = [order.setdefault(r, len(order)) for r in tg.resources]
+    assert distinct == list(order) and which.tolist() == expected
