@@ -147,7 +147,7 @@ class _Twins:
         if twin is None:
             return None
         t, key, twin_reads, seconds = twin
-        if (c[0] != t[0] or c[3] != t[3] or c[4] != t[4] or c[6] != t[6] or c[7] != t[7] or c[8] != t[8]
+        if (c[0] != t[0] or c[3] != t[3] or c[4] != t[4] or c[6:] != t[6:]  # all but op, micro-batch, region
                 or list(map(_READ, reads)) != twin_reads or (seconds is not None and hidden(reads) != seconds)):
             return None
         return key
