@@ -85,7 +85,7 @@ def add_collectives(tg: TaskGraph, lowered: Lowered, topology: Topology, blocks:
         again = None if life.regather is None else regather_steps(lowered, life)
         beside = again is not None and not any(lowered.strategy[r.dst_op].recompute for r in every)
         hidden = hidden_by_readers(lowered, every, topology, cost) if overlap and (c.grad or beside) else 0.0
-        key = (c.kind, c.op, c.devices, c.holders, c.nbytes, c.grad, hidden, tuple([r[1:] for r in reads]),
+        key = (c.kind, c.op, c.devices, c.holders, c.nbytes, c.grad, hidden, tuple(map(_READ, reads)),
                _steps_key(fwd_steps, j), _steps_key(bwd_steps, j), again and _steps_key(again, j), beside)
         return key, (life, fwd_steps, bwd_steps, again, reads, keep, known, hidden, position, beside)
 

@@ -53,7 +53,7 @@ def distinct_resources(tg: TaskGraph) -> tuple[list[tuple[int, ...]], np.ndarray
     distinct: list[tuple[int, ...]] = []
     of_list: dict[int, np.ndarray] = {}  # id of a resources list (alive on the graph) -> its tasks' indices
     parts = []
-    for resources in [s.cols.resources for s in tg.segments] + [tg.tail.resources]:
+    for resources in tg.column_parts("resources"):
         which = of_list.get(id(resources))
         if which is None:
             which = of_list[id(resources)] = _distinct(resources, by_value, distinct)

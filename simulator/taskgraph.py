@@ -209,9 +209,13 @@ class TaskGraph:
             self._lists_at = len(self)
         got = self._lists.get(field)
         if got is None:
-            got = self._lists[field] = list(chain.from_iterable(
-                [getattr(s.cols, field) for s in self.segments] + [getattr(self.tail, field)]))
+            got = self._lists[field] = list(chain.from_iterable(self.column_parts(field)))
         return got
+
+    def column_parts(self, field: str) -> list[list]:
+        """The lists a per-task column is joined from, in task order: each segment's, then the
+        tail's (a segment copied from a twin's block shares its twin's lists, ``simulator.twins``)."""
+        return [getattr(s.cols, field) for s in self.segments] + [getattr(self.tail, field)]
 
     name = property(lambda self: self._column("name"))
     category = property(lambda self: self._column("category"))

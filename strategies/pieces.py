@@ -114,13 +114,7 @@ def partition_box_mb(node: OpNode, degrees: Sequence[int], k: int, microbatch: i
 
 def box_at(grid: Sequence[tuple[int, int]], degrees: Sequence[int], k: int) -> Box:
     """Partition ``k``'s box on ``grid`` (``grid_of``)."""
-    return tuple([(b + c * st, b + (c + 1) * st) for (b, st), c in zip(grid, _coordinates(k, tuple(degrees)))])
-
-
-@functools.lru_cache(maxsize=1 << 14)
-def _coordinates(k: int, degrees: tuple[int, ...]) -> tuple[int, ...]:
-    """``partition_index``, kept: every micro-batch's boxes of an op ask it again."""
-    return partition_index(k, degrees)
+    return tuple((b + c * st, b + (c + 1) * st) for (b, st), c in zip(grid, partition_index(k, degrees)))
 
 
 @functools.lru_cache(maxsize=1 << 16)
