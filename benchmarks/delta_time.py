@@ -173,10 +173,12 @@ def _moves(args) -> None:
 
 def _search(args) -> None:
     """One search per model (``search()``'s defaults, ``args.search`` seconds, one worker per
-    chain): proposals over the whole wall time, baselines included."""
+    chain): proposals over the whole wall time, baselines included, and the scored ones (the
+    others made no plan: ``SearchResult.scored``)."""
     from soapsearch.search.api import search  # the search only here: the rest times the simulator
     topo = get_topology(args.topology)
-    print(f"{'model':14s} {'budget s':>9s} {'wall s':>8s} {'proposals':>10s} {'proposals/s':>12s} {'found ms':>9s}")
+    print(f"{'model':14s} {'budget s':>9s} {'wall s':>8s} {'proposals':>10s} {'proposals/s':>12s} {'scored':>7s} "
+          f"{'scored/s':>9s} {'found ms':>9s}")
     for name in args.models.split(","):
         graph = paper_graph(name, args.devices)
         with phase_clock() if args.phases else contextlib.nullcontext() as rows:
@@ -185,7 +187,7 @@ def _search(args) -> None:
                            workers=1 if args.phases else None)
             wall = time.perf_counter() - t0
         print(f"{name:14s} {args.search:9.0f} {wall:8.1f} {found.proposals:10d} {found.proposals / wall:12.1f} "
-              f"{found.predicted_ms:9.2f}")
+              f"{found.scored:7d} {found.scored / wall:9.1f} {found.predicted_ms:9.2f}")
         if rows is not None:
             print_phases(rows, wall)
 

@@ -180,7 +180,7 @@ def main() -> None:
         r = search(graph, topology=topo, budget_s=budget, optimizer=OPTIMIZER, precision=PRECISION,
                    init=("swept", "swept"), chains=2, workers=args.workers, seed=0)
         cpu = time.process_time() - cpu
-        print(f"{label}: {r.proposals} proposals in {cpu:.1f} CPU s of this process "
+        print(f"{label}: {r.proposals} proposals ({r.scored} scored) in {cpu:.1f} CPU s of this process "
               f"({r.proposals / cpu:.3f} a CPU s), task cache bound {taskcache.CACHE_BYTES >> 20} MiB", flush=True)
         found[label] = r
         rows.append((label, r.predicted_ms, r.result.fits, time.perf_counter() - t))
@@ -200,7 +200,7 @@ def main() -> None:
               f"{best / ms:.3f} |")
     for label, r in found.items():
         s = r.strategy
-        print(f"{label}: {r.proposals} proposals, micro-batches {s.microbatches} {s.schedule}"
+        print(f"{label}: {r.proposals} proposals ({r.scored} scored), micro-batches {s.microbatches} {s.schedule}"
               f"{'' if s.overlap_grad_reduce else ', gradients synced after the backward'}, "
               f"{sum(1 for op in s if s[op].zero)} ops sharded, {sum(1 for op in s if s[op].recompute)} recomputed, "
               f"devices used {len(s.devices_used)}, best found at {r.history[-1][0] if r.history else 0.0:.1f} s, "

@@ -1,4 +1,5 @@
-"""scale.py: how one full simulation's cost grows with the device count (issue 22, "Measure").
+"""scale.py: how the cost of one full simulation, and of one search proposal, grows with the
+device count (issue 22, "Measure").
 
 Rows: GPT-124M (zoo ``gpt`` default, batch 12 per device) and GPT-3 175B's shape (zoo
 ``gpt3-175b``, Brown et al. 2020 Table 2.1, built on meta, one sequence per device), each under
@@ -22,12 +23,19 @@ outside the timed phases: ``8:1+7`` is 8 members, member 0 a class of its own, m
 ``none``; ``apart`` where the lowering's pieces cross members) with the ms to find them, or
 ``8:fold`` where members 0 and 1 were simulated for all (``simulator.fold_members``; ``--members
 both``: each row without, then with, and the ratios); a row that
-fails (too many devices for the preset, MemoryError, past ``--timeout``) prints why. The last
-lines fit total ms = c * devices^k over each model and plan's rows (least squares in log-log).
+fails (too many devices for the preset, MemoryError, past ``--timeout``) prints why.
+``--plans`` may name ``found``: the plan ``search()`` returns in ``--found-budget`` seconds (60 by
+default; bf16, Adam, two chains from the factorization sweep, one worker, seed 0), searched in a
+process of its own before the row's. ``--proposals N``: after the row's simulation, N one-op
+proposals from its plan, each scored by the search's ``Evaluator`` right after the plan (the
+delta simulation, as a chain after a rejection): process ms a proposal and proposals a second
+(a proposal the lowering refuses is drawn again, its time not counted). The last lines fit total
+ms = c * devices^k over each model and plan's rows (least squares in log-log), and ms a
+proposal likewise.
 
-    python benchmarks/scale.py [--models gpt,gpt3-175b] [--plans dp,megatron,fsdp,megatron-zero3]
+    python benchmarks/scale.py [--models gpt,gpt3-175b] [--plans dp,megatron,fsdp,megatron-zero3,found]
                                [--devices 8,64,512,1024] [--timeout 240] [--per-device]
-                               [--members on|off|both]
+                               [--members on|off|both] [--proposals N] [--found-budget 60]
 """
 
 from __future__ import annotations
@@ -47,6 +55,13 @@ MODELS = {"gpt": ("gpt", "default"), "gpt3-175b": ("gpt", "gpt3-175b")}
 PLANS = ("dp", "megatron")
 DEVICES = (8, 64, 512, 1024)
 MEGATRON = {"gpt": (4, 4, 8), "gpt3-175b": (8, 16, None)}
+FOUND_S = 60.0
+"""Seconds of the search whose plan is the ``found`` row's (``--found-budget``)."""
+PROPOSAL_SEED = 0
+"""The seed of the one-op proposals ``--proposals`` times."""
+DRAWS = 100
+"""Draws per proposal asked for before ``_proposals`` gives up (most one-op draws from a plan
+replicated over many copies cannot be imaged over them)."""
 """Each model's megatron T, P and micro-batches (None: one sequence a micro-batch, as Narayanan et
 al. 2021 ran 175B at T=8, P=16, ``megatron_lm``)."""
 
@@ -73,8 +88,77 @@ def _plan(model: str, graph, kind: str, n: int):
     return recomputed(plan.with_microbatches(m, "1f1b"), graph).with_precision("bf16")
 
 
-def _row(model: str, kind: str, n: int, fold: bool, out, members: bool = True) -> None:  # out: the child's end of a Pipe
-    """One full simulation, timed by phase (simulate_plan's phases, in its order)."""
+def _found(out, model: str, n: int, seconds: float) -> None:  # out: the child's end of a Pipe
+    """The plan ``search()`` finds for ``model`` on ``a100-<n/8>x8`` in ``seconds`` (wall,
+    baselines included), sent as {"plan": ...}: bf16 mixed precision, Adam, two chains from the
+    factorization sweep, one worker, seed 0, as ``llama_search.py`` runs it. In a process of its
+    own, so the row's peak RSS is its simulation's."""
+    try:
+        from _paper import paper_graph
+        from simulator.presets import get_topology
+        from soapsearch.search.api import search
+
+        name, variant = MODELS[model]
+        topo = get_topology(f"a100-{max(n // 8, 1)}x{min(n, 8)}")
+        found = search(paper_graph(name, n, variant), topology=topo, budget_s=seconds, optimizer="adam",
+                       precision="bf16", init=("swept", "swept"), chains=2, workers=1, seed=0)
+        out.send({"plan": found.strategy})
+    except (MemoryError, ValueError) as e:
+        out.send({"error": f"search: {type(e).__name__}: {str(e).splitlines()[0][:80]}"})
+
+
+def _proposals(graph, plan, topo, cost, count: int) -> dict:
+    """Process seconds of ``count`` one-op proposals from ``plan`` as the search's op moves draw
+    them, each scored by the search's ``Evaluator`` right after ``plan`` (as MCMC scores a
+    proposal after a rejection: the delta simulation reuses every unchanged op's lowering and
+    task block): an op with a choice gets another of its candidate configs (``candidate_configs``
+    at the plan's micro-batch count) with its sharding level and recompute flag kept
+    (``moves.keep``), and from ``FOLD_FROM`` devices the change is made alike in every copy of
+    the plan and kept on its tensor-parallel members (``symmove.SymmetricMoves``, as
+    ``search`` sets it). A draw that makes no proposal there, or that the lowering refuses
+    (``PlanError``), is drawn again; only the scored proposals' time counts ("drawn": every
+    draw)."""
+    import random
+
+    from simulator.simulate import FOLD_FROM
+    from soapsearch.search.api import Evaluator
+    from soapsearch.search.moves import candidate_configs, keep
+    from soapsearch.search.symmove import SymmetricMoves
+    from strategies.errors import PlanError
+
+    candidates = candidate_configs(graph, plan.num_devices, plan.microbatches, topo.node_size)
+    ops = sorted(op for op, cfgs in candidates.items() if len(cfgs) > 1)
+    rng = random.Random(PROPOSAL_SEED)
+    evaluate = Evaluator(graph, topo, cost, optimizer="adam", precision=plan.precision)
+    evaluate(plan)
+    symmetric = SymmetricMoves(graph) if plan.num_devices >= FOLD_FROM else None
+    spent, done, drawn = 0.0, 0, 0
+    while done < count and ops and drawn < DRAWS * count:
+        drawn += 1
+        op = rng.choice(ops)
+        cfg = keep(plan[op], rng.choice(candidates[op]))
+        if cfg == plan[op]:
+            continue
+        proposal = plan.replace(op, cfg)
+        if symmetric is not None:
+            proposal = symmetric.image(plan, proposal, "op")
+            if proposal is None:
+                continue
+        evaluate(plan)  # the chain's current plan: a plan seen, not simulated again
+        c0 = time.process_time()
+        try:
+            evaluate(proposal)
+        except PlanError:
+            continue
+        spent += time.process_time() - c0
+        done += 1
+    return {"proposals": done, "drawn": drawn, "proposal_s": spent / done if done else None}
+
+
+def _row(out, model: str, kind: str, n: int, fold: bool, members: bool = True, proposals: int = 0,
+         plan=None) -> None:  # out: the child's end of a Pipe
+    """One full simulation, timed by phase (simulate_plan's phases, in its order), of ``plan`` (None:
+    ``kind``'s); ``proposals``: then that many one-op proposals from the plan (``_proposals``)."""
     try:
         from _paper import paper_graph
         from simulator.cost import get_cost_model
@@ -86,7 +170,7 @@ def _row(model: str, kind: str, n: int, fold: bool, out, members: bool = True) -
         cost = get_cost_model("analytical")
         name, variant = MODELS[model]
         graph = paper_graph(name, n, variant)
-        plan = _plan(model, graph, kind, n)
+        plan = _plan(model, graph, kind, n) if plan is None else plan
         with paused_gc():
             c0 = time.process_time()
             t0 = time.perf_counter()
@@ -100,10 +184,16 @@ def _row(model: str, kind: str, n: int, fold: bool, out, members: bool = True) -
             t4 = time.perf_counter()
             c4 = time.process_time()
             member, member_s = _members(graph, plan, lowerings.last)
-        out.send({"members": member, "member_ms": member_s * 1e3, "tasks": len(tg), "copies": tg.copies.count if tg.copies else 1, "lower": t1 - t0,
-                  "build": phases["tasks"], "events": phases["events"],
-                 "memory": t4 - t3, "total": t4 - t0, "cpu": c4 - c0, "iter_ms": float(end.max()) * 1e3,
-                 "peak_gib": peak / 2**30, "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024})
+        row = {"members": member, "member_ms": member_s * 1e3, "tasks": len(tg),
+               "copies": tg.copies.count if tg.copies else 1, "lower": t1 - t0, "build": phases["tasks"],
+               "events": phases["events"], "memory": t4 - t3, "total": t4 - t0, "cpu": c4 - c0,
+               "iter_ms": float(end.max()) * 1e3, "peak_gib": peak / 2**30,
+               "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+        del lowerings, lowered, tg
+        if proposals:
+            with paused_gc():  # as the search's chains
+                row.update(_proposals(graph, plan, topo, cost, proposals))
+        out.send(row)
     except (MemoryError, ValueError) as e:  # ValueError: a preset refused, a plan that does not apply
         out.send({"error": f"{type(e).__name__}: {str(e).splitlines()[0][:90]}"})
 
@@ -123,10 +213,23 @@ def _members(graph, plan, lowered) -> tuple[str, float]:
     return (text if why is None or why == "none" else "apart"), time.perf_counter() - t0
 
 
-def _run(model: str, kind: str, n: int, timeout: float, fold: bool = True, members: bool = True) -> dict:
+def _run(model: str, kind: str, n: int, timeout: float, fold: bool = True, members: bool = True,
+         proposals: int = 0, found_s: float = FOUND_S) -> dict:
+    """One row in a process of its own (the ``found`` plan searched in another first), or why not."""
+    plan = None
+    if kind == "found":
+        got = _child(_found, (model, n, found_s), timeout + found_s)
+        if "error" in got:
+            return got
+        plan = got["plan"]
+    return _child(_row, (model, kind, n, fold, members, proposals, plan), timeout)
+
+
+def _child(target, args: tuple, timeout: float) -> dict:
+    """What ``target(out, *args)`` sends on ``out`` from a spawned process, or the error why none."""
     ctx = mp.get_context("spawn")
     mine, theirs = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_row, args=(model, kind, n, fold, theirs, members))
+    proc = ctx.Process(target=target, args=(theirs, *args))
     proc.start()
     theirs.close()
     try:
@@ -149,6 +252,15 @@ def _exponent(points: list[tuple[int, float]]) -> float | None:
     return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
 
 
+def _rate(r: dict, asked: int) -> str:
+    """A row's proposal columns: process ms a scored proposal, scored proposals a second, and
+    scored of drawn (``_proposals``)."""
+    if not asked:
+        return ""
+    ms = f"{r['proposal_s'] * 1e3:9.1f} {1 / r['proposal_s']:7.1f}" if r.get("proposal_s") else f"{'–':>9s} {'–':>7s}"
+    return f" {ms} {r['proposals']:>5d}/{r['drawn']:<5d}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default=",".join(MODELS))
@@ -161,13 +273,18 @@ def main() -> None:
     ap.add_argument("--members", choices=("on", "off", "both"), default="on",
                     help="fold tensor-parallel members (simulator.fold_members): on, off (copies alone), or both: "
                          "each row twice, off then on, with the on row's ratios to the off row's")
+    ap.add_argument("--proposals", type=int, default=0,
+                    help="also time this many one-op proposals from each row's plan through the search's Evaluator "
+                         "(process ms each, proposals per second)")
+    ap.add_argument("--found-budget", type=float, default=FOUND_S,
+                    help=f"seconds of the search whose plan is the found row's (default {FOUND_S:.0f})")
     args = ap.parse_args()
     runs = {"on": (True,), "off": (False,), "both": (False, True)}[args.members]
     print(f"{'model':10s} {'plan':9s} {'devices':>7s} {'copies':>6s} {'tasks':>8s} {'lower ms':>9s} {'tasks ms':>9s} "
           f"{'events ms':>9s} {'memory ms':>9s} {'total ms':>9s} {'cpu ms':>8s} {'RSS MiB':>8s} {'iter ms':>9s} {'peak GiB':>8s} "
-          f"{'members':>8s} {'member ms':>9s}",
+          f"{'members':>8s} {'member ms':>9s}" + (f" {'prop ms':>9s} {'prop/s':>7s} {'scored/drawn':>11s}" if args.proposals else ""),
           flush=True)
-    rows, fits = [], {}
+    rows, fits, rates = [], {}, {}
     for model in args.models.split(","):
         for kind in args.plans.split(","):
             for n in map(int, args.devices.split(",")):
@@ -175,17 +292,20 @@ def main() -> None:
                     continue
                 off = None
                 for members in runs:
-                    r = _run(model, kind, n, args.timeout, not args.per_device, members)
+                    r = _run(model, kind, n, args.timeout, not args.per_device, members, args.proposals,
+                             args.found_budget)
                     rows.append({"model": model, "plan": kind, "devices": n, "fold_members": members, **r})
                     if "error" in r:
                         print(f"{model:10s} {kind:9s} {n:7d} {r['error']}", flush=True)
                         continue
                     if members or len(runs) == 1:
                         fits.setdefault((model, kind), []).append((n, r["total"]))
+                        if r.get("proposal_s"):
+                            rates.setdefault((model, kind), []).append((n, r["proposal_s"]))
                     print(f"{model:10s} {kind:9s} {n:7d} {r['copies']:6d} {r['tasks']:8d} {r['lower'] * 1e3:9.0f} "
                           f"{r['build'] * 1e3:9.0f} {r['events'] * 1e3:9.0f} {r['memory'] * 1e3:9.0f} {r['total'] * 1e3:9.0f} "
                           f"{r['cpu'] * 1e3:8.0f} {r['rss_mib']:8.0f} {r['iter_ms']:9.1f} {r['peak_gib']:8.1f} "
-                          f"{r['members']:>8s} {r['member_ms']:9.0f}", flush=True)
+                          f"{r['members']:>8s} {r['member_ms']:9.0f}" + _rate(r, args.proposals), flush=True)
                     if off is not None and members:
                         print(f"{'':10s} {'on/off':9s} {'':7s} {'':6s} {r['tasks'] / off['tasks']:8.2f} "
                               + " ".join(f"{r[k] / off[k]:9.2f}" for k in ("lower", "build", "events", "memory", "total"))
@@ -196,6 +316,10 @@ def main() -> None:
         k = _exponent(points)
         print(f"growth {model} {kind}: total ms ~ devices^{k:.2f}" if k is not None
               else f"growth {model} {kind}: one row, no fit")
+    for (model, kind), points in rates.items():
+        k = _exponent(points)
+        if k is not None:
+            print(f"growth {model} {kind}: ms a proposal ~ devices^{k:.2f}")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 

@@ -53,6 +53,9 @@ class FoundPlan:
     """Simulated ms of data parallel (or hybrid), model parallel, OWT and the best pipeline."""
     baseline_results: dict[str, SimResult] = field(default_factory=dict, repr=False)
     proposals: int = 0
+    """Proposals drawn (the budget's count), ``scored`` of them simulated or known."""
+    scored: int = 0
+    """Proposals scored: ``proposals`` less the draws that made no plan (``mcmc.ChainStats.scored``)."""
     elapsed_s: float = 0.0
     interrupted: bool = False
     workers: int = 1
@@ -373,7 +376,7 @@ class _Done:
             best = self.evaluate(stats.best, summary=True)
         return SearchResult(stats.best, best, self.graph, self.topo,
                             baselines={k: r.iteration_ms for k, r in self.results.items()},
-                            baseline_results=self.results, proposals=stats.proposals,
+                            baseline_results=self.results, proposals=stats.proposals, scored=stats.scored,
                             elapsed_s=time.perf_counter() - self.started, interrupted=interrupted,
                             baseline_plans=self.plans, history=stats.history, accepted=stats.accepted,
                             block_accepted=stats.block_accepted, workers=workers, exhaustive=exhaustive,

@@ -260,6 +260,7 @@ def merge(base: ChainStats, results: list[ChainStats]) -> ChainStats:
     for stats in results:
         out.proposals += stats.proposals - base.proposals
         out.accepted += stats.accepted - base.accepted
+        out.scored += stats.scored - base.scored
         out.block_accepted += stats.block_accepted - base.block_accepted
         out.stopped_early += stats.stopped_early - base.stopped_early
         events += zip(stats.history[len(base.history):], stats.ranks[len(base.ranks):])

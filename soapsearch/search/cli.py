@@ -161,7 +161,7 @@ def _cmd_search(args, graph_of) -> int:
     path = wrote(args.output)
     if args.json:
         print(json.dumps({"iteration_ms": result.predicted_ms, "baselines": result.baselines,
-                          "plan": path, "proposals": result.proposals,
+                          "plan": path, "proposals": result.proposals, "scored": result.scored,
                           "fits": result.result.fits, "peak_memory": result.result.to_json().get("peak_memory"),
                           "interrupted": result.interrupted,
                           "workers": result.workers, "exhaustive": getattr(result, "exhaustive", 0), "space": getattr(result, "space", 0),
@@ -179,8 +179,8 @@ def _cmd_search(args, graph_of) -> int:
         print(f"not exact: {result.exhaustive} of the {result.space} plans of the op configs simulated before "
               f"the time budget ran out ({result.elapsed_s:.1f} s)")
     else:
-        print(f"{stop}{result.proposals} proposals in {result.elapsed_s:.1f} s "
-              f"({result.proposals / max(result.elapsed_s, 1e-9):.0f}/s{side})")
+        print(f"{stop}{result.proposals} proposals in {result.elapsed_s:.1f} s, {result.scored} scored "
+              f"({result.scored / max(result.elapsed_s, 1e-9):.0f}/s{side}; the others made no plan)")
     if getattr(result, "unscored", ()):
         print(f"not scored, the time budget spent first: {', '.join(result.unscored)}")
     if getattr(result, "stopped_early", 0):

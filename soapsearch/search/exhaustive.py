@@ -64,4 +64,5 @@ def search_exhaustively(candidates: dict[str, list[ParallelConfig]], evaluate: C
         consider(stats, plan, result, plan_cost(result), started)
         count += 1
     stats.proposals += count
+    stats.scored += count
     return count

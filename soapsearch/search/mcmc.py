@@ -136,6 +136,10 @@ class ChainStats:
     """(fits, cost) of each ``history`` entry: what ``consider`` compared (chains.merge)."""
     block_accepted: int = 0
     """Accepted block moves (``blockmove.py``)."""
+    scored: int = 0
+    """Proposals scored (simulated, or a plan the evaluator kept): ``proposals`` less the draws
+    that made no plan (an op drawn its own config, a move with nothing to change, a change that
+    cannot be made alike in every copy, ``symmove.py``)."""
     stopped_early: int = 0
     """Chains that stopped before their budget's end, their best not improved for their
     patience (``run_chain``)."""
@@ -288,6 +292,7 @@ def run_chain(init: Strategy, evaluate: Callable[[Strategy], SimResult],
         nonlocal n, gain_n
         n += 1
         stats.proposals += 1
+        stats.scored += 1
         try:
             with pace.timed("score"):
                 res = evaluate(proposal)

@@ -147,6 +147,7 @@ class _Trials:
         self._moves: dict[int, Moves] = {}
         self.plans: dict[int, Strategy] = {}  # trial number -> its best plan (this process)
         self.proposals = 0
+        self.scored = 0  # of them, the proposals scored (ChainStats.scored)
 
     def evaluator(self, n: int) -> Evaluator:
         if n not in self._evaluators:
@@ -212,6 +213,7 @@ class _Trials:
             if stats.best is None:
                 return math.nan  # optuna fails the trial
         self.proposals += stats.proposals
+        self.scored += stats.scored
         self.plans[trial.number] = stats.best
         trial.set_user_attr("iteration_ms", stats.best_result.iteration_ms)
         trial.set_user_attr("fits", stats.best_result.fits)
@@ -325,5 +327,5 @@ def _result(study: optuna.Study, objective: _Trials, graph: OpGraph, topo: Topol
                for t in study.trials if t.state != optuna.trial.TrialState.WAITING]  # enqueued, never run: no params
     return StudyResult(plan, result, graph, topo,
                        baselines={k: r.iteration_ms for k, r in results.items()},
-                       baseline_results=results, proposals=objective.proposals,
+                       baseline_results=results, proposals=objective.proposals, scored=objective.scored,
                        elapsed_s=time.perf_counter() - started, trials=records, study=study)

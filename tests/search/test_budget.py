@@ -41,6 +41,21 @@ def _flat(plan, summary=False):  # every plan costs the same: the best never imp
     return SimResult(1e-3, (), (0.5,), (1.0,), {}, 1)
 
 
+def test_scored_counts_the_proposals_that_made_a_plan():
+    # an op drawn its own config makes no plan: a proposal of the budget, not scored; every other
+    # proposal is scored once (the start is scored before the first proposal)
+    g = traced("mlp", "default")
+    scored = []
+
+    def counted(plan, summary=False):
+        scored.append(plan)
+        return _flat(plan)
+
+    stats = run_chain(data_parallel(g, 2), counted, candidate_configs(g, 2, 1, None), Budget(proposals=200),
+                      random.Random(0), beta=0.5, patience=0)
+    assert stats.proposals == 200 and stats.scored == len(scored) - 1 and 100 < stats.scored < 200
+
+
 @pytest.mark.parametrize("beta", [None, 0.5])
 @pytest.mark.parametrize("patience,proposals,stopped", [(None, 101, 1), (30, 30, 1), (0, 200, 0)])
 def test_a_chain_that_gains_nothing_stops_early(beta, patience, proposals, stopped):
@@ -56,6 +71,7 @@ def test_early_stops_are_the_same_with_1_and_3_workers():
     one, three = (search(g, workers=w, **kw) for w in (1, 3))
     assert one.stopped_early == three.stopped_early >= 1 and one.proposals == three.proposals < 600
     assert one.strategy == three.strategy and one.predicted_ms == three.predicted_ms
+    assert 0 < one.scored == three.scored <= one.proposals  # summed over the chains alike
 
 
 def test_a_time_budget_alone_is_spent_whole():

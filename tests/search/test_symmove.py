@@ -1,7 +1,8 @@
 """Symmetric proposals (soapsearch/search/symmove.py): at 64 devices an op move from a
 replicated plan is made alike in every copy, so the proposal keeps the plan's copies (one
-replicated over fewer copies is dropped, but a global move's); a search
-there is deterministic for a seed with 1 and 2 workers and its plan stays foldable."""
+replicated over fewer copies is dropped, but a global move's), and an op move keeps the plan's
+tensor-parallel members; a search there is deterministic for a seed with 1 and 2 workers and
+its plan stays foldable."""
 
 import random
 from dataclasses import replace
@@ -15,6 +16,7 @@ from soapsearch.search.moves import candidate_configs
 from soapsearch.search.symmove import SymmetricMoves, imaged
 from strategies.lowered import WEIGHT_KINDS
 from strategies.megatron import megatron
+from strategies.member_symmetry import find_members
 from tests.conftest import traced
 
 
@@ -70,6 +72,29 @@ def test_an_op_move_is_made_in_every_copy():
         else:
             assert copies_of(graph, image, 32) is not None
     assert dropped > 0 and fewer > 0
+
+
+def test_an_op_move_keeps_the_plan_s_tensor_parallel_members():
+    graph = traced("gpt", "small", batch_size=64)
+    current = megatron(graph, 64, tp=4)
+    moves = SymmetricMoves(graph)
+    members = moves.members(current)
+    assert members is not None and members.count == 4 and moves.members(megatron(graph, 64, tp=2)) is None
+    candidates = candidate_configs(graph, 64, 1, 8)
+    ops = [op for op in candidates if graph[op].kind not in WEIGHT_KINDS and len(candidates[op]) > 1]
+    rng = random.Random(0)
+    kept = left = 0
+    for _ in range(2000):  # most draws are not replicated over the 16 copies: dropped by both
+        op = rng.choice(ops)
+        proposal = current.replace(op, rng.choice(candidates[op]))
+        image, copied = moves.image(current, proposal, "op"), moves.image(current, proposal, "block")
+        if image is not None:  # kept over the copies and the members alike
+            assert image == copied and find_members(graph, image) == members
+            kept += 1
+        elif copied is not None:  # imaged over the copies, but off the members: simulated with all 4
+            assert find_members(graph, copied) != members
+            left += 1
+    assert kept > 0 and left > 0
 
 
 @pytest.mark.slow
