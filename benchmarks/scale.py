@@ -27,9 +27,10 @@ fails (too many devices for the preset, MemoryError, past ``--timeout``) prints 
 ``--plans`` may name ``found``: the plan ``search()`` returns in ``--found-budget`` seconds (60 by
 default; bf16, Adam, two chains from the factorization sweep, one worker, seed 0), searched in a
 process of its own before the row's. ``--proposals N``: after the row's simulation, N one-op
-proposals from its plan, each scored by the search's ``Evaluator`` right after the plan (the
-delta simulation, as a chain after a rejection): process ms a proposal and proposals a second
-(a proposal the lowering refuses is drawn again, its time not counted). The last lines fit total
+proposals from its plan as the search's op moves draw them, each scored by the search's
+``Evaluator`` right after the plan (the delta simulation, as a chain after a rejection):
+process ms a scored proposal, proposals a second, and scored of drawn (a draw that makes no
+proposal, or that the lowering refuses, is drawn again, its time not counted). The last lines fit total
 ms = c * devices^k over each model and plan's rows (least squares in log-log), and ms a
 proposal likewise.
 
@@ -55,6 +56,8 @@ MODELS = {"gpt": ("gpt", "default"), "gpt3-175b": ("gpt", "gpt3-175b")}
 PLANS = ("dp", "megatron")
 DEVICES = (8, 64, 512, 1024)
 MEGATRON = {"gpt": (4, 4, 8), "gpt3-175b": (8, 16, None)}
+"""Each model's megatron T, P and micro-batches (None: one sequence a micro-batch, as Narayanan et
+al. 2021 ran 175B at T=8, P=16, ``megatron_lm``)."""
 FOUND_S = 60.0
 """Seconds of the search whose plan is the ``found`` row's (``--found-budget``)."""
 PROPOSAL_SEED = 0
@@ -62,8 +65,6 @@ PROPOSAL_SEED = 0
 DRAWS = 100
 """Draws per proposal asked for before ``_proposals`` gives up (most one-op draws from a plan
 replicated over many copies cannot be imaged over them)."""
-"""Each model's megatron T, P and micro-batches (None: one sequence a micro-batch, as Narayanan et
-al. 2021 ran 175B at T=8, P=16, ``megatron_lm``)."""
 
 
 def _plan(model: str, graph, kind: str, n: int):
