@@ -139,7 +139,8 @@ class ChainStats:
     scored: int = 0
     """Proposals scored (simulated, or a plan the evaluator kept): ``proposals`` less the draws
     that made no plan (an op drawn its own config, a move with nothing to change, a change that
-    cannot be made alike in every copy, ``symmove.py``)."""
+    cannot be made alike in every copy or an op move off the plan's tensor-parallel members,
+    ``symmove.py``)."""
     stopped_early: int = 0
     """Chains that stopped before their budget's end, their best not improved for their
     patience (``run_chain``)."""
