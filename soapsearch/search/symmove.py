@@ -35,7 +35,8 @@ from soapsearch.search.repeatmove import replaced
 from strategies.config import ParallelConfig
 from strategies.graph import OpGraph
 from strategies.lowered import WEIGHT_KINDS
-from strategies.member_symmetry import TensorMembers, find_members
+from strategies.member_memo import MemberMemo
+from strategies.member_symmetry import TensorMembers
 from strategies.strategy import Strategy
 
 __all__ = ["SymmetricMoves", "imaged"]
@@ -61,12 +62,6 @@ def imaged(cfg: ParallelConfig, sample: int | None, copies: Copies) -> ParallelC
     return cfg if devices == cfg.devices else replace(cfg, devices=devices)
 
 
-def _members(graph: OpGraph, plan: Strategy) -> TensorMembers | None:
-    """``find_members`` where it finds three or more members."""
-    found = find_members(graph, plan)
-    return found if found is not None and found.count >= 3 else None
-
-
 class SymmetricMoves:
     """Wraps a chain's proposals so that they keep the current plan's copies and, an op move's,
     its tensor-parallel members (module docstring)."""
@@ -77,6 +72,9 @@ class SymmetricMoves:
         self.graph = graph
         self._copies: dict[int, tuple[Strategy, Copies | None]] = {}
         self._members: dict[int, tuple[Strategy, TensorMembers | None]] = {}
+        self._memo = MemberMemo()
+        """``find_members`` of the plans asked, each op cut again only where its config changed
+        since the plan asked before (a proposal changes a few)."""
 
     def copies(self, plan: Strategy) -> Copies | None:
         """``plan``'s copies (``find_copies``), kept for the last plans asked."""
@@ -86,7 +84,11 @@ class SymmetricMoves:
         """``plan``'s tensor-parallel members where they are three or more (``find_members``;
         a simulation folds on no fewer, ``lowering_members.fold_of``), else None; kept for the
         last plans asked."""
-        return self._kept(self._members, plan, _members)
+        return self._kept(self._members, plan, self._at_least_three)
+
+    def _at_least_three(self, graph: OpGraph, plan: Strategy) -> TensorMembers | None:
+        found = self._memo.members(graph, plan)
+        return found if found is not None and found.count >= 3 else None
 
     def _kept(self, table: dict, plan: Strategy, find: Callable):
         """``find(graph, plan)``, kept in ``table`` for the last ``KEPT`` plans asked (a chain
@@ -107,7 +109,7 @@ class SymmetricMoves:
         if out is None or kind != "op":
             return out
         members = self.members(current)
-        if members is not None and find_members(self.graph, out) != members:
+        if members is not None and self._memo.members(self.graph, out) != members:
             return None
         return out
 
