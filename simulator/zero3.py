@@ -18,9 +18,9 @@ all-gather task, ``strategies.prefetch.calls_at``), and only the reader's step w
 the gather runs beside the steps in between.
 A call is an arrival task of no duration in the member's schedule, as a lowering collective's
 (``simulator.collectives``). Delta simulation: each group's tasks in one micro-batch are
-recorded once (``_Chunk``) and laid out again in every graph where the group, its phases, its
-reader op's block and its unit's call are the same; the calls' places in the schedules (the
-issue positions) are found per graph.
+recorded once (``_Chunk``) and laid out again in every graph where the group, its phases and
+its unit's call are the same and its reader op's block lays the partitions' steps at the same
+local ids; the calls' places in the schedules (the issue positions) are found per graph.
 Under a cost model with ``fsdp_copies`` (``CostModel.fsdp_copies``: FSDP2's copies on the
 compute stream, PyTorch's ``_fsdp_collectives.py`` as torchtitan's published runs ran it) each
 member also pays, on its device, the all-gather's copy-out after each gather (the bytes of the
@@ -30,7 +30,6 @@ written in the reduce dtype, then divided in place by the pre-divide factor."""
 
 from __future__ import annotations
 
-import functools
 import itertools
 from itertools import repeat
 from operator import add, getitem
@@ -46,7 +45,6 @@ from strategies.config import format_devices
 from strategies.lowering import Lowered
 from strategies.precision import reduce_scale
 from strategies.prefetch import call_key, calls_at, issue_positions, recomputed_in_unit, step_units
-from strategies.schedule import Step
 from strategies.zero import gather_groups
 from strategies.zero_alike import alike_readers
 
@@ -76,11 +74,11 @@ def add_gathers(tg: TaskGraph, lowered: Lowered, topology: Topology, blocks: Seq
     reduce-scatters' ends its optimizer update waits on. ``keep``: the devices simulated
     (``simulator.fold``: each collective timed over its group, its member tasks on them).
     ``memo`` (a ``TaskCache``'s): each group's tasks in one micro-batch are recorded once
-    (``_Chunk``) and laid out again while the group, its reader's block and its phases are
-    the same (delta simulation, as the op blocks); where a level-3 unit gathers several groups
-    in one call (``fsdp_unit`` "block"), the first group's chunk makes the call and the others'
-    refer to its member ends (``_Chunk.refs``). ``cost``: the cost model timing the blocks (its
-    ``fsdp_copies``; None: no copies)."""
+    (``_Chunk``) and laid out again while the group and its phases are the same and its
+    reader's block lays its steps at the same local ids (delta simulation, as the op blocks);
+    where a level-3 unit gathers several groups in one call (``fsdp_unit`` "block"), the first
+    group's chunk makes the call and the others' refer to its member ends (``_Chunk.refs``).
+    ``cost``: the cost model timing the blocks (its ``fsdp_copies``; None: no copies)."""
     copies = cost is not None and cost.fsdp_copies
     groups = gather_groups(lowered)
     ends: dict[int, list[int]] = {}
@@ -107,6 +105,8 @@ def add_gathers(tg: TaskGraph, lowered: Lowered, topology: Topology, blocks: Seq
         memo.clear()
     tail = tg.tail
     laid: list = []  # (chunk, its first id, its reader block's first id, its refs' ids)
+    end_parts: list = []  # the chunks with reduce-scatter ends, in order, and their first ids
+    end_bases: list = []
     base = len(tg)
     at = first.tolist()
     for j in range(lowered.strategy.microbatches):
@@ -116,8 +116,11 @@ def add_gathers(tg: TaskGraph, lowered: Lowered, topology: Topology, blocks: Seq
             key = (u, j, phases, keep, units, wide, copies)
             c = memo.get(key)
             if c is None or c.block is not block:
-                c = memo[key] = _record(topology, u, j, members, phases, block, chunks, of, calls, units, g, wide,
-                                        copies)
+                if c is not None and _reads_alike(c.block, block, j):  # the reader re-laid, its steps' ids alike
+                    c = memo[key] = c._replace(block=block)
+                else:
+                    c = memo[key] = _record(topology, u, j, members, phases, block, chunks, of, calls, units, g,
+                                            wide, copies)
             for unit, done in c.made:
                 made[unit] = {d: t + base for d, t in done.items()}
             laid.append((c, base, at[i], [made[k][d] for k, d in c.refs] if c.refs else None))
@@ -125,9 +128,12 @@ def add_gathers(tg: TaskGraph, lowered: Lowered, topology: Topology, blocks: Seq
                 call_ids.append(c.call_ids)
                 call_bases.append(base)
                 call_steps.append(c.call_steps)
-            for d, e in c.ends:
-                ends.setdefault(d, []).append(e + base)
+            if len(c.end_ids):
+                end_parts.append(c)
+                end_bases.append(base)
             base += len(c.cols)
+    if end_parts:
+        ends = _by_device(end_parts, end_bases)
     for field in _FIELDS:
         getattr(tail, field).extend(itertools.chain.from_iterable(getattr(c.cols, field) for c, *_ in laid))
     if laid:  # one chunk of edges (``TaskGraph.chunks``), not a list of ints
@@ -161,13 +167,17 @@ class _Chunk(NamedTuple):
     src: np.ndarray
     dst: np.ndarray
     calls: list
-    """(a member's call task, (device, the step it reads)): its arrival's place is the issuing step's."""
+    """(a member's call task, the step it reads as (device, *step): the device and the
+    ``Step``'s fields, one flat tuple): its arrival's place is the issuing step's."""
     call_ids: np.ndarray
     """``calls``' tasks as an array."""
     call_steps: list
-    """``calls``' (device, step) in the same order."""
-    ends: list
-    """(device, its end of the reduce-scatter): what its optimizer update waits on."""
+    """``calls``' (device, *step) in the same order."""
+    end_devices: np.ndarray
+    """The device of each member's end of the reduce-scatter, what its optimizer update waits
+    on (``end_ids``, in the same order)."""
+    end_ids: np.ndarray
+    """Those ends' tasks."""
     refs: list
     """(unit call, device) of each end of a call made before it that it waits on (``_MADE``)."""
     made: list
@@ -200,8 +210,28 @@ def _record(topology: Topology, u, j: int, members: list, phases: tuple, block, 
                block, chunks, mine, ends, of, calls, made, g, wide, copies)
     return _Chunk(block, cols, np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64), mine,
                   np.fromiter((a for a, _ in mine), np.int64, len(mine)), [step for _, step in mine],
-                  [(d, e) for d, es in ends.items() for e in es], refs,
+                  np.fromiter((d for d, es in ends.items() for _ in es), np.int64),
+                  np.fromiter((e for es in ends.values() for e in es), np.int64), refs,
                   [(k, v) for k, v in made.items() if k not in before])
+
+
+def _reads_alike(old, new, j: int) -> bool:
+    """Whether a chunk recorded on reader block ``old`` serves ``new`` in micro-batch ``j``: its
+    tasks read the block only through the local ids of its partitions' forward and backward-done
+    steps there (``_use_tasks``), which a block rebuilt for another producer or level keeps."""
+    return old.fwd[j] == new.fwd[j] and old.bwd_done[j] == new.bwd_done[j]
+
+
+def _by_device(chunks: list, bases: list) -> dict[int, list[int]]:
+    """The reduce-scatters' member ends of ``chunks`` (laid out from ``bases``) per device, each
+    device's in the order laid out (one stable sort, not an append an end)."""
+    devices = np.concatenate([c.end_devices for c in chunks])
+    ids = (np.concatenate([c.end_ids for c in chunks])
+           + np.repeat(np.asarray(bases, dtype=np.int64), [len(c.end_ids) for c in chunks]))
+    order = np.argsort(devices, kind="stable")
+    devices, ids = devices[order], ids[order]
+    cuts = np.flatnonzero(np.diff(devices)) + 1
+    return dict(zip(devices[np.concatenate(([0], cuts))].tolist(), (x.tolist() for x in np.split(ids, cuts))))
 
 
 def _placed(laid: list) -> np.ndarray:
@@ -227,7 +257,7 @@ def _use_tasks(add: Callable[..., int], edge: Callable[[int, int], None], topolo
                made: dict | None = None, g: int = -1, wide: int = 1, copies: bool = False) -> None:
     """Group ``u``'s tasks in micro-batch ``j`` through ``add`` and ``edge`` (a graph's or a
     recorder's): at level 3 one all-gather per phase (or the unit's call, once, ``of``,
-    ``calls``, ``made``), each member's call of it (``calls_made``: (call, (device, step))),
+    ``calls``, ``made``), each member's call of it (``calls_made``: (call, (device, *step))),
     the edges into its partitions' steps (``at``: its reader block's first id); then the
     reduce-scatter after the members' backwards, its member ends into ``ends``, its bytes
     ``wide`` per gradient byte (``strategies.precision.reduce_scale``: 2 for bf16 summed in float32).
@@ -257,7 +287,7 @@ def _use_tasks(add: Callable[..., int], edge: Callable[[int, int], None], topolo
             for d, k in members:
                 a = add(f"call {label} device {d}", TaskKind.COLLECTIVE, 0.0, (), d)
                 edge(a, ag)
-                calls_made.append((a, (d, Step(backward, u.op, k, j))))
+                calls_made.append((a, (d, backward, u.op, k, j)))  # (device, *Step(...)): ``_issue_tasks``' key
             done = dict(zip(simulated, member_ends(add, edge, topology, ag, devs, label, TaskKind.COLLECTIVE,
                                                    simulated)))
             if copies:  # split_with_sizes_copy out of the flat buffer, on the compute stream
@@ -288,18 +318,20 @@ def _use_tasks(add: Callable[..., int], edge: Callable[[int, int], None], topolo
 
 
 def _issue_tasks(lowered: Lowered, groups: Sequence, blocks: Sequence, first: np.ndarray,
-                 position: dict[str, int], keep: frozenset[int] | None = None) -> dict[tuple[int, Step], int]:
-    """(device, step reading level-3 weights) -> the first task of the step at whose start the
+                 position: dict[str, int], keep: frozenset[int] | None = None) -> dict[tuple, int]:
+    """(device, *step reading level-3 weights: the ``Step``'s fields, one flat tuple, a cheaper
+    key than a nested one) -> the first task of the step at whose start the
     all-gathers that step reads are issued there (``strategies.prefetch.issue_positions``),
     found once per class of devices reading alike on their reading orders
     (``strategies.zero_alike``); each member then reads its own partition indices."""
     at = first.tolist()  # each block's first task, as ints
+    level3 = [u.zero == 3 for u in groups]
     out = {}
     for c in alike_readers(lowered):
         mine = [(d, ks) for d, ks in zip(c.devices, c.indices) if keep is None or d in keep]
         if not mine:
             continue
-        flags = [any(groups[g].zero == 3 for g in gs) for gs in c.reads]
+        flags = [any(map(level3.__getitem__, gs)) for gs in c.reads]
         # only a reading step's gathers are issued (a step of no gather is its own position)
         # per reading step that gathers: its position q, pass, op, micro-batch; its issuer's position
         # p, the issuer block's first task + backward, its forwards (op, pass, micro-batch alike on
@@ -312,14 +344,9 @@ def _issue_tasks(lowered: Lowered, groups: Sequence, blocks: Sequence, first: np
                 qs.append(q), backwards.append(s.backward), ops.append(s.op), js.append(s.microbatch)
                 ps.append(p), bases.append(at[b] + i.backward), fwds.append(blocks[b].fwd[i.microbatch])
         for d, ks in mine:  # C-level passes over the positions, one member at a time
-            steps = map(_step, zip(backwards, ops, map(ks.__getitem__, qs), js))
-            out.update(zip(zip(repeat(d), steps), map(add, bases, map(getitem, fwds, map(ks.__getitem__, ps)))))
+            steps = zip(repeat(d), backwards, ops, map(ks.__getitem__, qs), js)
+            out.update(zip(steps, map(add, bases, map(getitem, fwds, map(ks.__getitem__, ps)))))
     return out
-
-
-_step = functools.partial(tuple.__new__, Step)
-"""``Step._make`` without its Python frame (a C-level call per step: ``_issue_tasks`` makes one
-per member and reading step)."""
 
 
 def _unit_calls(lowered: Lowered, groups: Sequence, keep: frozenset[int] | None = None) -> tuple[dict, dict]:

@@ -220,30 +220,65 @@ def test_level_3_gathers_again_for_a_recomputation():
             assert sum(x.startswith(label) for x in names) == 2 * count, (phase, u.op)
 
 
-def test_a_proposal_records_only_its_rebuilt_readers_level_3_tasks(monkeypatch):
-    """A one-op proposal on an FSDP plan (level 3, 2 micro-batches, 1F1B): the level-2/3 tasks
-    of a group are recorded again only where its reader's block was rebuilt, every other
-    group's laid out from the TaskCache (``zero3._Chunk``); delta equals full simulation."""
-    from simulator import tasks, zero3
+def _fsdp_start():
+    """gpt on p100-2x2 with the FSDP baseline (level 3, 2 micro-batches, 1F1B), simulated once by
+    an ``Evaluator`` (its TaskCache holds the plan's blocks and recorded level-2/3 tasks)."""
     from strategies.baselines import BASELINES
     graph, topo, cost = traced("gpt", batch_size=16), get_topology("p100-2x2"), get_cost_model("analytical")
     plan = BASELINES["fsdp"](graph, N).with_microbatches(2, "1f1b")
     evaluate = Evaluator(graph, topo, cost)
     evaluate(plan)
-    readers = {u.op for u in gather_groups(lower(graph, plan))}
-    candidates = candidate_configs(graph, N, 2, topo.node_size)
-    proposal, op = next((p, o) for o in sorted(readers) for c in candidates[o]
-                        for p in [plan.replace(o, c.with_memory(plan[o].zero, plan[o].recompute))]
-                        if p[o] != plan[o] and o in {u.op for u in gather_groups(lower(graph, p))})
-    full = simulate_plan(graph, proposal, topo, cost)
+    return graph, topo, cost, plan, evaluate, candidate_configs(graph, N, 2, topo.node_size)
+
+
+def _delta_recorded(monkeypatch, evaluate, proposal, full) -> tuple[list[str], list[str]]:
+    """``proposal`` scored by ``evaluate`` (delta simulation, equal to ``full``): the ops whose
+    blocks were built and those whose level-2/3 tasks were recorded (one entry a group and
+    micro-batch)."""
+    from simulator import tasks, zero3
     built, recorded = [], []
     real_block, real_use = tasks._op_block, zero3._use_tasks
     monkeypatch.setattr(tasks, "_op_block", lambda node, *rest: built.append(node.name) or real_block(node, *rest))
     monkeypatch.setattr(zero3, "_use_tasks", lambda add, edge, topology, u, *rest: recorded.append(u.op)
                         or real_use(add, edge, topology, u, *rest))
     assert evaluate(proposal, summary=True) == full
+    return built, recorded
+
+
+def test_a_proposal_records_only_its_rebuilt_readers_level_3_tasks(monkeypatch):
+    """A one-op proposal on an FSDP plan (level 3, 2 micro-batches, 1F1B) moving a reader of
+    level-3 weights: the level-2/3 tasks of a group are recorded again only where its reader's
+    block was rebuilt, every other group's laid out from the TaskCache (``zero3._Chunk``);
+    delta equals full simulation."""
+    graph, topo, cost, plan, evaluate, candidates = _fsdp_start()
+    readers = {u.op for u in gather_groups(lower(graph, plan))}
+    proposal, op = next((p, o) for o in sorted(readers) for c in candidates[o]
+                        for p in [plan.replace(o, c.with_memory(plan[o].zero, plan[o].recompute))]
+                        if p[o] != plan[o] and o in {u.op for u in gather_groups(lower(graph, p))})
+    built, recorded = _delta_recorded(monkeypatch, evaluate, proposal, simulate_plan(graph, proposal, topo, cost))
     low = lower(graph, proposal)
     assert op in built and recorded
     assert set(recorded) == {u.op for u in gather_groups(low)} & set(built)
     assert len(recorded) == 2 * sum(u.op in built for u in gather_groups(low))  # one per micro-batch
     assert len(set(recorded)) < len({u.op for u in gather_groups(low)}) // 4
+
+
+def test_a_reader_rebuilt_with_its_steps_alike_keeps_its_level_3_tasks(monkeypatch):
+    """A one-op proposal on the same plan moving an op whose consumer reads level-3 weights:
+    the consumer's block is rebuilt (the transfers into it change) but lays its partitions'
+    steps at the same local ids, so its groups' recorded tasks serve it unchanged
+    (``zero3._reads_alike``): only groups that changed are recorded again, and delta equals
+    full simulation."""
+    graph, topo, cost, plan, evaluate, candidates = _fsdp_start()
+    before = set(gather_groups(lower(graph, plan)))
+    readers = {u.op for u in before}
+    proposal = next(plan.replace(node.name, c.with_memory(plan[node.name].zero, plan[node.name].recompute))
+                    for node in graph if node.name not in readers  # read by a level-3 reader, moved
+                    and any(x.name in readers for x in graph if node.name in x.inputs)
+                    for c in candidates.get(node.name, []) if c != plan[node.name])
+    built, recorded = _delta_recorded(monkeypatch, evaluate, proposal, simulate_plan(graph, proposal, topo, cost))
+    after = gather_groups(lower(graph, proposal))
+    rebuilt = {u.op for u in after if u in before} & set(built)  # readers rebuilt, their groups unchanged
+    assert rebuilt
+    assert not rebuilt & set(recorded)
+    assert set(recorded) <= {u.op for u in after if u not in before}
