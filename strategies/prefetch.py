@@ -156,12 +156,16 @@ def gathered_bytes(lowered: Lowered) -> tuple[int, ...]:
     # (FSDP2's reduce_dtype: foreach_reduce copies the gradients into a float32 input)
     held = [(int(u.zero == 3) + 1 + _widened(lowered.strategy, u)) * u.nbytes for u in groups]
     out = [0] * n
+    level3 = any(x is not None for x in gathered)  # else nothing is prefetched: no buffer ahead
     for c in alike_readers(lowered):  # the walk once per class: its members hold alike
-        each = tuple(tuple((q, gathered[g]) for g in gs if gathered[g] is not None) for q, gs in enumerate(c.reads))
-        ahead = _ahead(calls_at(each, step_units(lowered, c.order), _second_key))
+        if level3:
+            each = tuple(tuple((q, gathered[g]) for g in gs if gathered[g] is not None) for q, gs in enumerate(c.reads))
+            units = step_units(lowered, c.order)
+            ahead = _ahead(calls_at(each, units, _second_key)) if units is not None else _ahead_own(each)
         most = alive = 0
         for p, gs in enumerate(c.reads):
-            alive += ahead[p]
+            if level3:
+                alive += ahead[p]
             if gs:
                 most = max(most, sum(held[g] for g in gs) + alive)
         for d in c.devices:
@@ -190,6 +194,19 @@ def _ahead(calls: list[list[tuple[Hashable, tuple]]]) -> list[int]:
                 nbytes = sum(u[0] for _, u in call)
                 ahead[p] += nbytes
                 ahead[last] -= nbytes
+    return ahead
+
+
+def _ahead_own(gathers: Sequence[Sequence[tuple]]) -> list[int]:
+    """``_ahead`` of ``calls_at(gathers, None, ...)``, every step its own unit: each gather is
+    its own call, issued at its step's ``issue_positions`` and read last there, so a step's
+    gathers add their bytes from its issue position to it."""
+    ahead = [0] * (len(gathers) + 1)
+    for q, p in enumerate(issue_positions([bool(g) for g in gathers])):
+        if p < q:
+            nbytes = sum(u[0] for _, u in gathers[q])
+            ahead[p] += nbytes
+            ahead[q] -= nbytes
     return ahead
 
 

@@ -19,7 +19,7 @@ def full_box(shape: Sequence[int]) -> Box:
 
 
 def box_shape(box: Box) -> tuple[int, ...]:
-    return tuple(b - a for a, b in box)
+    return tuple([b - a for a, b in box])  # a list first: no generator frame (a hot path of the cost memo)
 
 
 def box_numel(box: Box) -> int:
