@@ -11,6 +11,9 @@ plan's device-use counts instead of counting them again). Asserts nothing but th
 starts from the fsdp plan (ZeRO-3 on every weighted op; proposals keep each op's level).
 ``--search S``: instead, one ``search()`` of S seconds per model from its defaults, printing its
 proposals per second of the whole wall time (baselines scored included), the issue's measure.
+``--walk N``: the same with a walk of N proposals and no time budget instead (a chain still stops
+after half of them without a better plan): the same walk for a seed whatever the speed, so two
+versions of the code compare on equal work (a time budget's walks differ in length and mix).
 ``--moves``: instead, the moves a chain makes between counts and sharding levels (data parallel
 and fsdp at 1, 2 and 4 micro-batches, in ``MOVES``' order, coming back to counts and plans seen
 before) through one Evaluator, each timed and checked against a full simulation.
@@ -22,8 +25,8 @@ cProfile (ms per proposal by phase, and the functions that spend most), each pro
 iteration time checked against a full simulation first.
 
     python benchmarks/delta_time.py [--models resnet101,inception_v3] [--proposals 30] [--recompute 0.5]
-                                    [--fold] [--plan data_parallel|fsdp] [--search 60 [--phases]] [--moves]
-                                    [--one-op 200 [--top 25]]
+                                    [--fold] [--plan data_parallel|fsdp] [--search 60 | --walk 1500 [--phases]]
+                                    [--moves] [--one-op 200 [--top 25]]
 """
 
 from __future__ import annotations
@@ -82,8 +85,12 @@ def main() -> None:
                     help="the start plan of the proposals")
     ap.add_argument("--search", type=float, default=None,
                     help="seconds: run one search per model and print proposals per second of its wall time")
+    ap.add_argument("--walk", type=int, default=None, metavar="N",
+                    help="run one search per model of N proposals, no time budget (the same walk for a seed "
+                         "whatever the speed: two versions compared on equal work), proposals per second of its wall")
     ap.add_argument("--phases", action="store_true",
-                    help="with --search: each evaluated plan's time by phase and kind of proposal (_phases.py)")
+                    help="with --search or --walk: each evaluated plan's time by phase and kind of proposal "
+                         "(_phases.py)")
     ap.add_argument("--moves", action="store_true", help="time MOVES through one Evaluator instead")
     ap.add_argument("--one-op", type=int, default=None, metavar="N",
                     help="time N fixed one-op proposals through one Evaluator, by phase under cProfile")
@@ -92,7 +99,7 @@ def main() -> None:
     if args.one_op is not None:
         from _one_op import one_op  # benchmarks/_one_op.py
         return one_op(args)
-    if args.search is not None:
+    if args.search is not None or args.walk is not None:
         return _search(args)
     if args.moves:
         return _moves(args)
@@ -172,21 +179,23 @@ def _moves(args) -> None:
 
 
 def _search(args) -> None:
-    """One search per model (``search()``'s defaults, ``args.search`` seconds, one worker per
-    chain): proposals over the whole wall time, baselines included, and the scored ones (the
-    others made no plan: ``SearchResult.scored``)."""
+    """One search per model (``search()``'s defaults, ``args.search`` seconds or a walk of
+    ``args.walk`` proposals, one worker per chain): proposals over the whole wall time,
+    baselines included, and the scored ones (the others made no plan: ``SearchResult.scored``)."""
     from soapsearch.search.api import search  # the search only here: the rest times the simulator
     topo = get_topology(args.topology)
-    print(f"{'model':14s} {'budget s':>9s} {'wall s':>8s} {'proposals':>10s} {'proposals/s':>12s} {'scored':>7s} "
+    budget = dict(budget_s=args.search) if args.walk is None else dict(budget_s=None, proposals=args.walk)
+    shown = f"{args.search:.0f} s" if args.walk is None else f"{args.walk} walk"
+    print(f"{'model':14s} {'budget':>10s} {'wall s':>8s} {'proposals':>10s} {'proposals/s':>12s} {'scored':>7s} "
           f"{'scored/s':>9s} {'found ms':>9s}")
     for name in args.models.split(","):
         graph = paper_graph(name, args.devices)
         with phase_clock() if args.phases else contextlib.nullcontext() as rows:
             t0 = time.perf_counter()
-            found = search(graph, topology=topo, budget_s=args.search, seed=args.seed, num_devices=args.devices,
-                           workers=1 if args.phases else None)
+            found = search(graph, topology=topo, seed=args.seed, num_devices=args.devices,
+                           workers=1 if args.phases else None, **budget)
             wall = time.perf_counter() - t0
-        print(f"{name:14s} {args.search:9.0f} {wall:8.1f} {found.proposals:10d} {found.proposals / wall:12.1f} "
+        print(f"{name:14s} {shown:>10s} {wall:8.1f} {found.proposals:10d} {found.proposals / wall:12.1f} "
               f"{found.scored:7d} {found.scored / wall:9.1f} {found.predicted_ms:9.2f}")
         if rows is not None:
             print_phases(rows, wall)
