@@ -29,7 +29,6 @@ def test_issue_points_by_hand():
     assert issued_at([False, False]) == [[], []]
 
 
-
 def test_bytes_ahead_of_own_units_are_the_calls_walk():
     """Every step its own unit (``fsdp_unit`` "op"): the prefetched bytes alive at each
     position (``_ahead_own``, each step's gathers from its issue position to it) equal the
@@ -40,6 +39,7 @@ def test_bytes_ahead_of_own_units_are_the_calls_walk():
         each = tuple(tuple((q, (rng.randrange(1, 1 << 20), ("g", rng.randrange(3))))
                            for _ in range(rng.choice((0, 0, 1, 2, 3)))) for q in range(rng.randrange(1, 12)))
         assert _ahead_own(each) == _ahead(calls_at(each, None, _second_key)), each
+
 
 def _times(low):
     tg = build_tasks(low, get_topology("p100-2x2"), get_cost_model("analytical"))
