@@ -83,11 +83,13 @@ def main() -> None:
                     help="fold replicated plans on one copy (simulator.fold) below FOLD_FROM devices too")
     ap.add_argument("--plan", default="data_parallel", choices=("data_parallel", "fsdp"),
                     help="the start plan of the proposals")
-    ap.add_argument("--search", type=float, default=None,
-                    help="seconds: run one search per model and print proposals per second of its wall time")
-    ap.add_argument("--walk", type=int, default=None, metavar="N",
-                    help="run one search per model of N proposals, no time budget (the same walk for a seed "
-                         "whatever the speed: two versions compared on equal work), proposals per second of its wall")
+    budget = ap.add_mutually_exclusive_group()
+    budget.add_argument("--search", type=float, default=None,
+                        help="seconds: run one search per model and print proposals per second of its wall time")
+    budget.add_argument("--walk", type=int, default=None, metavar="N",
+                        help="run one search per model of N proposals, no time budget (the same walk for a seed "
+                             "whatever the speed: two versions compared on equal work), proposals per second of "
+                             "its wall")
     ap.add_argument("--phases", action="store_true",
                     help="with --search or --walk: each evaluated plan's time by phase and kind of proposal "
                          "(_phases.py)")
