@@ -115,12 +115,11 @@ def add_gathers(tg: TaskGraph, lowered: Lowered, topology: Topology, blocks: Seq
             units = tuple(_unit(of.get((g, phase, j)), made, unit_bytes) for phase in phases) if of else ()
             key = (u, j, phases, keep, units, wide, copies)
             c = memo.get(key)
-            if c is None or c.block is not block:
-                if c is not None and _reads_alike(c.block, block, j):  # the reader re-laid, its steps' ids alike
-                    c = memo[key] = c._replace(block=block)
-                else:
-                    c = memo[key] = _record(topology, u, j, members, phases, block, chunks, of, calls, units, g,
-                                            wide, copies)
+            if c is None or not _reads_alike(c.block, block, j):
+                c = memo[key] = _record(topology, u, j, members, phases, block, chunks, of, calls, units, g, wide,
+                                        copies)
+            elif c.block is not block:  # the reader re-laid, its steps' ids alike: the chunk serves it
+                c = memo[key] = c._replace(block=block)
             for unit, done in c.made:
                 made[unit] = {d: t + base for d, t in done.items()}
             laid.append((c, base, at[i], [made[k][d] for k, d in c.refs] if c.refs else None))
@@ -219,7 +218,7 @@ def _reads_alike(old, new, j: int) -> bool:
     """Whether a chunk recorded on reader block ``old`` serves ``new`` in micro-batch ``j``: its
     tasks read the block only through the local ids of its partitions' forward and backward-done
     steps there (``_use_tasks``), which a block rebuilt for another producer or level keeps."""
-    return old.fwd[j] == new.fwd[j] and old.bwd_done[j] == new.bwd_done[j]
+    return old is new or (old.fwd[j] == new.fwd[j] and old.bwd_done[j] == new.bwd_done[j])
 
 
 def _by_device(chunks: list, bases: list) -> dict[int, list[int]]:

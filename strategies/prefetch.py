@@ -162,10 +162,11 @@ def gathered_bytes(lowered: Lowered) -> tuple[int, ...]:
             each = tuple(tuple((q, gathered[g]) for g in gs if gathered[g] is not None) for q, gs in enumerate(c.reads))
             units = step_units(lowered, c.order)
             ahead = _ahead(calls_at(each, units, _second_key)) if units is not None else _ahead_own(each)
+        else:
+            ahead = [0] * (len(c.reads) + 1)
         most = alive = 0
         for p, gs in enumerate(c.reads):
-            if level3:
-                alive += ahead[p]
+            alive += ahead[p]
             if gs:
                 most = max(most, sum(held[g] for g in gs) + alive)
         for d in c.devices:
