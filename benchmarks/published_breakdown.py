@@ -16,7 +16,7 @@ from simulator.cost import CostModel
 from simulator.presets import get_topology
 from simulator.topology import Topology
 from simulator.simulate import Lowerings, timed_graph
-from simulator.taskgraph import CATEGORY
+from simulator.taskgraph import CATEGORY, label
 from simulator.zero3 import FSDP_COPY_LABELS
 from strategies import OpGraph, Strategy
 from strategies.precision import compute_graph
@@ -89,7 +89,7 @@ def breakdown(graph: OpGraph, plan: Strategy, topology: Topology | str, cost: Co
             comm.setdefault("+".join(links), []).append(span)
         elif res[0] == device:
             name = tg.name[t]
-            part = "update" if CATEGORY[tg.category[t]] == "update" else "fsdp copies" if str(name).startswith(
+            part = "update" if CATEGORY[tg.category[t]] == "update" else "fsdp copies" if label(name).startswith(
                 FSDP_COPY_LABELS) else _KINDS.get(
                 kinds.get(name[1]) if isinstance(name, tuple) and len(name) == 4 else None, "other")
             compute[part] = compute.get(part, 0.0) + span[1] - span[0]

@@ -33,11 +33,11 @@ class TaskCache:
         self.wires: dict[tuple[int, int, int], tuple] = {}
         """(source, target, bytes) -> ``simulator.wires.Wire``: times and resources (a pure function of them)."""
         self.held = HeldBytes() if counted else Uncounted()
-        """Every block the cache holds (the states' current and known blocks, the recorded
-        gathers' readers), what they keep alive counted once (``counted`` False: a cache for
+        """Every block the cache holds (the states' current and known blocks), what they keep
+        alive counted once (``counted`` False: a cache for
         one call, never trimmed, counts nothing)."""
-        self.gathers = _Chunks(self.held)
-        """Level-2/3 groups' tasks per micro-batch, recorded (``simulator.zero3._Chunk``), with
+        self.gathers = _Chunks()
+        """Level-2/3 groups' tasks, recorded (``simulator.zero3._Chunk``: no block held), with
         the tasks they hold."""
         self._states: dict[frozenset[int] | None, list] = {}
         """Devices simulated (a folded plan's copy 0, ``simulator.fold``; None: all) -> [graph,
@@ -83,8 +83,7 @@ class TaskCache:
 
     def nbytes(self) -> int:
         """What the cache holds, counted: what its blocks keep alive (``held``: the states'
-        current and known blocks and the recorded gathers' readers, with their lists and
-        pieces, each object once), every state's joined arrays, and ``TASK_BYTES`` a task of
+        current and known blocks, with their lists and pieces, each object once), every state's joined arrays, and ``TASK_BYTES`` a task of
         the recorded gathers and step-end tasks."""
         held = self.held.nbytes + TASK_BYTES * (self.gathers.tasks + self.step_tasks.tasks)
         return held + sum(map(_state_bytes, self._states.values()))
@@ -183,25 +182,20 @@ each block apart), all states together: past it every known block is dropped."""
 
 
 class _Chunks(dict):
-    """``simulator.zero3``'s memo of recorded chunks with the tasks they hold (``tasks``); each
-    chunk's reader block held in ``held`` (it keeps the block alive past its graph)."""
+    """``simulator.zero3``'s memo of recorded chunks with the tasks they hold (``tasks``)."""
 
-    def __init__(self, held: HeldBytes):
+    def __init__(self):
         super().__init__()
-        self.held, self.tasks = held, 0
+        self.tasks = 0
 
     def __setitem__(self, key: Any, chunk: Any) -> None:
         old = dict.get(self, key)
-        self.held.add(chunk.block)
         if old is not None:
             self.tasks -= len(old.cols)
-            self.held.release(old.block)
         dict.__setitem__(self, key, chunk)
         self.tasks += len(chunk.cols)
 
     def clear(self) -> None:
-        for chunk in self.values():
-            self.held.release(chunk.block)
         dict.clear(self)
         self.tasks = 0
 

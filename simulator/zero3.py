@@ -17,10 +17,11 @@ repeated block's instance under ``fsdp_unit`` "block", whose groups on one devic
 all-gather task, ``strategies.prefetch.calls_at``), and only the reader's step waits on it, so
 the gather runs beside the steps in between.
 A call is an arrival task of no duration in the member's schedule, as a lowering collective's
-(``simulator.collectives``). Delta simulation: each group's tasks in one micro-batch are
-recorded once (``_Chunk``) and laid out again in every graph where the group, its phases and
-its unit's call are the same and its reader op's block lays the partitions' steps at the same
-local ids; the calls' places in the schedules (the issue positions) are found per graph.
+(``simulator.collectives``). Delta simulation: each group's tasks are recorded once with
+their micro-batch and reader block's ids left open (``_Chunk``) and laid out for every
+micro-batch of every graph where the group, its phases and its unit's call are the same; the
+reader block's ids (``_block_reads``) and the calls' places in the schedules (the issue
+positions) are found per graph.
 Under a cost model with ``fsdp_copies`` (``CostModel.fsdp_copies``: FSDP2's copies on the
 compute stream, PyTorch's ``_fsdp_collectives.py`` as torchtitan's published runs ran it) each
 member also pays, on its device, the all-gather's copy-out after each gather (the bytes of the
@@ -32,7 +33,7 @@ from __future__ import annotations
 
 import itertools
 from itertools import repeat
-from operator import add, getitem
+from operator import add, getitem, itemgetter
 from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
@@ -73,105 +74,140 @@ def add_gathers(tg: TaskGraph, lowered: Lowered, topology: Topology, blocks: Seq
     devices' schedules as rows (arrival task, the step's first task), and per device the
     reduce-scatters' ends its optimizer update waits on. ``keep``: the devices simulated
     (``simulator.fold``: each collective timed over its group, its member tasks on them).
-    ``memo`` (a ``TaskCache``'s): each group's tasks in one micro-batch are recorded once
-    (``_Chunk``) and laid out again while the group and its phases are the same and its
-    reader's block lays its steps at the same local ids (delta simulation, as the op blocks);
-    where a level-3 unit gathers several groups in one call (``fsdp_unit`` "block"), the first
-    group's chunk makes the call and the others' refer to its member ends (``_Chunk.refs``).
-    ``cost``: the cost model timing the blocks (its ``fsdp_copies``; None: no copies)."""
+    ``memo`` (a ``TaskCache``'s): each group's tasks are recorded once (``_Chunk``: its
+    micro-batch and its reader block's ids left open) and laid out for every micro-batch of
+    every graph where the group and its phases are the same (delta simulation, as the op
+    blocks); where a level-3 unit gathers several groups in one call (``fsdp_unit`` "block"),
+    the first group's chunk makes the call and the others' refer to its member ends
+    (``_Chunk.refs``), so those chunks are recorded per micro-batch (a unit's call names its
+    micro-batch). ``cost``: the cost model timing the blocks (its ``fsdp_copies``; None: no
+    copies)."""
     copies = cost is not None and cost.fsdp_copies
     groups = gather_groups(lowered)
     ends: dict[int, list[int]] = {}
     if not groups:
         return np.empty((2, 0), dtype=INDEX), ends
-    call_ids: list = []  # each laid chunk's calls' ids (arrays, from 0)
-    call_bases: list = []  # and its first id
-    call_steps: list = []  # and the (device, step) each reads, in the same order
+    m = lowered.strategy.microbatches
     issue = _issue_tasks(lowered, groups, blocks, first, position, keep) if any(u.zero == 3 for u in groups) else {}
     of, calls = _unit_calls(lowered, groups, keep) if issue and lowered.strategy.fsdp_unit == "block" else ({}, {})
     made: dict = {}  # a unit's call -> its simulated members' ends, by device
     chunks = [u.chunk_bytes for u in groups]
     unit_bytes = {key: sum(chunks[x] for x, _, _ in gathers) for key, gathers in calls.items()}  # each unit call's
-    uses = []  # what a group's tasks read alike in every micro-batch, found once
-    for g, u in enumerate(groups):
-        members = [(d, k) for d, k in zip(u.devices, u.partitions) if keep is None or d in keep]
-        if members:
-            again = ("recompute",) if lowered.strategy[u.op].recompute else ()  # gathered for its recomputation too
-            uses.append((g, u, members, position[u.op], ("fwd", *again, "bwd") if u.zero == 3 else (),
-                         reduce_scale(lowered.strategy, u.shards[0].dtype)))
     if memo is None:
         memo = {}
     elif len(memo) > _CHUNKS:
         memo.clear()
-    tail = tg.tail
-    laid: list = []  # (chunk, its first id, its reader block's first id, its refs' ids)
+    at = first.tolist()
+    uses = []  # what a group's tasks read alike in every micro-batch, found once
+    reads: list = []  # each use's reader-block ids (``_block_reads``), micro-batch after micro-batch, flat
+    for g, u in enumerate(groups):
+        members = [(d, k) for d, k in zip(u.devices, u.partitions) if keep is None or d in keep]
+        if not members:
+            continue
+        again = ("recompute",) if lowered.strategy[u.op].recompute else ()  # gathered for its recomputation too
+        phases = ("fwd", *again, "bwd") if u.zero == 3 else ()
+        wide = reduce_scale(lowered.strategy, u.shards[0].dtype)
+        c = None
+        if not of:  # no unit calls: one chunk serves every micro-batch
+            key = (u, phases, keep, (), wide, copies)
+            c = memo.get(key)
+            if c is None:
+                c = memo[key] = _record(topology, u, members, phases, chunks, of, calls, (), g, wide, copies)
+        i = position[u.op]
+        width = (len(phases) + 1) * len(members)
+        uses.append((g, u, members, phases, wide, c, len(reads), width))
+        reads += _block_reads(blocks[i], at[i], [k for _, k in members], phases, m)
+    laid: list = []  # (chunk, its first id, where its reader-block ids start in ``reads``, its refs' ids)
+    names: list = []  # each laid chunk's task names, each with its micro-batch
+    calls_laid: list = []  # (chunk, its first id, its micro-batch) of each laid chunk that calls
     end_parts: list = []  # the chunks with reduce-scatter ends, in order, and their first ids
     end_bases: list = []
     base = len(tg)
-    at = first.tolist()
-    for j in range(lowered.strategy.microbatches):
-        for g, u, members, i, phases, wide in uses:
-            block = blocks[i]
-            units = tuple(_unit(of.get((g, phase, j)), made, unit_bytes) for phase in phases) if of else ()
-            key = (u, j, phases, keep, units, wide, copies)
-            c = memo.get(key)
-            if c is None or not _reads_alike(c.block, block, j):
-                c = memo[key] = _record(topology, u, j, members, phases, block, chunks, of, calls, units, g, wide,
-                                        copies)
-            elif c.block is not block:  # the reader re-laid, its steps' ids alike: the chunk serves it
-                c = memo[key] = c._replace(block=block)
+    for j in range(m):
+        for g, u, members, phases, wide, c, start, width in uses:
+            if c is None or of:
+                units = tuple(_unit(of.get((g, phase, j)), made, unit_bytes) for phase in phases)
+                key = (u, phases, keep, units, wide, copies)
+                c = memo.get(key)
+                if c is None:
+                    c = memo[key] = _record(topology, u, members, phases, chunks, of, calls, units, g, wide, copies)
             for unit, done in c.made:
                 made[unit] = {d: t + base for d, t in done.items()}
-            laid.append((c, base, at[i], [made[k][d] for k, d in c.refs] if c.refs else None))
+            laid.append((c, base, start + j * width, [made[k][d] for k, d in c.refs] if c.refs else None))
+            names.append(zip(c.cols.name, repeat(j)))
             if c.calls:
-                call_ids.append(c.call_ids)
-                call_bases.append(base)
-                call_steps.append(c.call_steps)
+                calls_laid.append((c, base, j))
             if len(c.end_ids):
                 end_parts.append(c)
                 end_bases.append(base)
             base += len(c.cols)
     if end_parts:
         ends = _by_device(end_parts, end_bases)
+    tail = tg.tail
+    tail.name.extend(itertools.chain.from_iterable(names))  # (template, micro-batch): formatted when shown
     for field in _FIELDS:
         getattr(tail, field).extend(itertools.chain.from_iterable(getattr(c.cols, field) for c, *_ in laid))
     if laid:  # one chunk of edges (``TaskGraph.chunks``), not a list of ints
-        tg.chunks.append((_placed([(c.src, *rest) for c, *rest in laid]).astype(INDEX),
-                          _placed([(c.dst, *rest) for c, *rest in laid]).astype(INDEX)))
-    if not call_ids:
+        block_ids = np.asarray(reads, dtype=np.int64)
+        tg.chunks.append((_placed([(c.src, *rest) for c, *rest in laid], block_ids).astype(INDEX),
+                          _placed([(c.dst, *rest) for c, *rest in laid], block_ids).astype(INDEX)))
+    if not calls_laid:
         return np.empty((2, 0), dtype=INDEX), ends
-    steps = list(itertools.chain.from_iterable(call_steps))
-    ids = np.concatenate(call_ids) + np.repeat(np.asarray(call_bases, dtype=np.int64), list(map(len, call_ids)))
-    return np.stack([ids, np.fromiter(map(issue.__getitem__, steps), np.int64, len(steps))]
-                    ).astype(INDEX), ends
+    ids = (np.concatenate([c.call_ids for c, _, _ in calls_laid])
+           + np.repeat(np.fromiter((b for _, b, _ in calls_laid), np.int64, len(calls_laid)),
+                       [len(c.call_ids) for c, _, _ in calls_laid]))
+    steps = itertools.chain.from_iterable(zip(c.call_steps, repeat(j)) for c, _, j in calls_laid)
+    return np.stack([ids, np.fromiter(map(issue.__getitem__, steps), np.int64, len(ids))]).astype(INDEX), ends
+
+
+def _block_reads(block, start: int, ks: list[int], phases: tuple, m: int) -> list[int]:
+    """The reader block's task ids a group's chunk reads (``_Chunk``: ``_BLOCK`` + its place
+    here), ``m`` micro-batches one after another: per phase each member's partition's forward
+    (the backward's, ``fwd`` + 1, past the forward phase), then each one's backward-done step;
+    ``start``: the block's first id."""
+    get = itemgetter(*ks)
+    one = len(ks) == 1
+    out = []
+    for j in range(m):
+        f = get(block.fwd[j])
+        b = get(block.bwd_done[j])
+        if one:
+            f, b = (f,), (b,)
+        for phase in phases:
+            plus = start + (phase != "fwd")
+            out += [x + plus for x in f]
+        out += [x + start for x in b]
+    return out
 
 
 _BLOCK = 1 << 40
-"""Where a recorded ``_Chunk`` numbers its reader block's tasks (a local id + ``_BLOCK``; its
-own tasks from 0), each shifted to the graph's ids when laid out."""
+"""Where a recorded ``_Chunk`` numbers the reader block's tasks it reads (``_BLOCK`` + their
+place in ``_block_reads``; its own tasks from 0), each made the graph's id when laid out."""
 _MADE = 1 << 50
 """Where a ``_Chunk`` numbers the member ends of a unit's call another chunk made (``_MADE`` +
 its place in ``_Chunk.refs``)."""
 _CHUNKS = 1 << 14
 """Recorded chunks a ``TaskCache`` keeps (emptied past it)."""
-_FIELDS = ("name", "category", "duration", "resources", "device", "nbytes")
+_FIELDS = ("category", "duration", "resources", "device", "nbytes")
+"""The columns laid out as recorded (the names with their micro-batch)."""
 
 
 class _Chunk(NamedTuple):
-    """One level-2/3 group's tasks in one micro-batch, recorded by ``_use_tasks``."""
+    """One level-2/3 group's tasks, recorded by ``_use_tasks`` with their micro-batch and their
+    reader block's ids left open: names as ``str.format`` templates of the micro-batch; an edge
+    end below ``_BLOCK`` a task of its own, from ``_BLOCK`` the reader block's task at that place
+    of ``_block_reads``, from ``_MADE`` a ref."""
 
-    block: Any
-    """The reader op's block whose local ids ``src`` and ``dst`` refer to (past ``_BLOCK``)."""
     cols: Columns
     src: np.ndarray
     dst: np.ndarray
     calls: list
-    """(a member's call task, the step it reads as (device, *step): the device and the
-    ``Step``'s fields, one flat tuple): its arrival's place is the issuing step's."""
+    """(a member's call task, the step it reads as (device, backward, op, partition index), its
+    micro-batch the one laid out): its arrival's place is the issuing step's."""
     call_ids: np.ndarray
     """``calls``' tasks as an array."""
     call_steps: list
-    """``calls``' (device, *step) in the same order."""
+    """``calls``' steps in the same order."""
     end_devices: np.ndarray
     """The device of each member's end of the reduce-scatter, what its optimizer update waits
     on (``end_ids``, in the same order)."""
@@ -189,9 +225,9 @@ def _unit(key, made: dict, unit_bytes: dict) -> tuple | None:
     return None if key is None else (key, key in made, unit_bytes[key])
 
 
-def _record(topology: Topology, u, j: int, members: list, phases: tuple, block, chunks: list, of: dict,
-            calls: dict, units: tuple, g: int, wide: int = 1, copies: bool = False) -> _Chunk:
-    """``_use_tasks`` of group ``u`` (index ``g``) in micro-batch ``j``, recorded as a ``_Chunk``."""
+def _record(topology: Topology, u, members: list, phases: tuple, chunks: list, of: dict, calls: dict,
+            units: tuple, g: int, wide: int = 1, copies: bool = False) -> _Chunk:
+    """``_use_tasks`` of group ``u`` (index ``g``), recorded as a ``_Chunk``."""
     cols = Columns()
     src: list[int] = []
     dst: list[int] = []
@@ -205,20 +241,14 @@ def _record(topology: Topology, u, j: int, members: list, phases: tuple, block, 
             made[unit[0]] = {d: _MADE + len(refs) + r for r, d in enumerate(simulated)}
             refs += [(unit[0], d) for d in simulated]
     before = set(made)
-    _use_tasks(cols.add, lambda a, b: (src.append(a), dst.append(b)), topology, u, j, members, phases, _BLOCK,
-               block, chunks, mine, ends, of, calls, made, g, wide, copies)
-    return _Chunk(block, cols, np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64), mine,
+    keys = [None if unit is None else unit[0] for unit in units] if units else [None] * len(phases)
+    _use_tasks(cols.add, lambda a, b: (src.append(a), dst.append(b)), topology, u, members, phases, keys,
+               chunks, mine, ends, calls, made, g, wide, copies)
+    return _Chunk(cols, np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64), mine,
                   np.fromiter((a for a, _ in mine), np.int64, len(mine)), [step for _, step in mine],
                   np.fromiter((d for d, es in ends.items() for _ in es), np.int64),
                   np.fromiter((e for es in ends.values() for e in es), np.int64), refs,
                   [(k, v) for k, v in made.items() if k not in before])
-
-
-def _reads_alike(old, new, j: int) -> bool:
-    """Whether a chunk recorded on reader block ``old`` serves ``new`` in micro-batch ``j``: its
-    tasks read the block only through the local ids of its partitions' forward and backward-done
-    steps there (``_use_tasks``), which a block rebuilt for another producer or level keeps."""
-    return old is new or (old.fwd[j] == new.fwd[j] and old.bwd_done[j] == new.bwd_done[j])
 
 
 def _by_device(chunks: list, bases: list) -> dict[int, list[int]]:
@@ -233,15 +263,17 @@ def _by_device(chunks: list, bases: list) -> dict[int, list[int]]:
     return dict(zip(devices[np.concatenate(([0], cuts))].tolist(), (x.tolist() for x in np.split(ids, cuts))))
 
 
-def _placed(laid: list) -> np.ndarray:
-    """The edge ends of the chunks laid out, (ends, the chunk's first id, its reader block's
-    first id, the ids of its refs) each, joined as the graph's ids: a chunk's own tasks from its
-    first id, its reader block's from the block's, a unit call's ends made before from its refs."""
+def _placed(laid: list, block_ids: np.ndarray) -> np.ndarray:
+    """The edge ends of the chunks laid out, (ends, the chunk's first id, where its reader
+    block's ids start in ``block_ids``, the ids of its refs) each, joined as the graph's ids: a
+    chunk's own tasks from its first id, its reader block's read from ``block_ids``
+    (``_block_reads``), a unit call's ends made before from its refs."""
     ids = np.concatenate([x[0] for x in laid])
     sizes = [len(x[0]) for x in laid]
-    base = np.repeat(np.fromiter((x[1] for x in laid), np.int64, len(laid)), sizes)
-    at = np.repeat(np.fromiter((x[2] - _BLOCK for x in laid), np.int64, len(laid)), sizes)
-    out = np.where(ids >= _BLOCK, ids + at, ids + base)
+    out = ids + np.repeat(np.fromiter((x[1] for x in laid), np.int64, len(laid)), sizes)
+    reads = (ids >= _BLOCK) & (ids < _MADE)
+    out[reads] = block_ids[np.repeat(np.fromiter((x[2] for x in laid), np.int64, len(laid)), sizes)[reads]
+                           + ids[reads] - _BLOCK]
     refs = ids >= _MADE
     if refs.any():
         resolved = np.concatenate([np.asarray(x[3] or [0], dtype=np.int64) for x in laid])
@@ -250,34 +282,36 @@ def _placed(laid: list) -> np.ndarray:
     return out
 
 
-def _use_tasks(add: Callable[..., int], edge: Callable[[int, int], None], topology: Topology, u, j: int,
-               members: list, phases: tuple, at: int, block, chunks: list, calls_made: list,
-               ends: dict[int, list[int]], of: dict | None = None, calls: dict | None = None,
-               made: dict | None = None, g: int = -1, wide: int = 1, copies: bool = False) -> None:
-    """Group ``u``'s tasks in micro-batch ``j`` through ``add`` and ``edge`` (a graph's or a
-    recorder's): at level 3 one all-gather per phase (or the unit's call, once, ``of``,
-    ``calls``, ``made``), each member's call of it (``calls_made``: (call, (device, *step))),
-    the edges into its partitions' steps (``at``: its reader block's first id); then the
+def _use_tasks(add: Callable[..., int], edge: Callable[[int, int], None], topology: Topology, u,
+               members: list, phases: tuple, keys: Sequence, chunks: list, calls_made: list,
+               ends: dict[int, list[int]], calls: dict | None = None, made: dict | None = None,
+               g: int = -1, wide: int = 1, copies: bool = False) -> None:
+    """Group ``u``'s tasks in one micro-batch through ``add`` and ``edge`` (a recorder's, names
+    ``str.format`` templates of the micro-batch, ``_Chunk``): at level 3 one all-gather per phase
+    (or, where ``keys`` names the phase's unit call, that call once: ``calls``, ``made``), each
+    member's call of it (``calls_made``: (call, (device, backward, op, partition index))), the
+    edges into its partitions' steps (``_BLOCK`` + their place in ``_block_reads``); then the
     reduce-scatter after the members' backwards, its member ends into ``ends``, its bytes
     ``wide`` per gradient byte (``strategies.precision.reduce_scale``: 2 for bf16 summed in float32).
     ``copies``: each member's FSDP2 copy-out after each all-gather and copy-in before the
     reduce-scatter, on its device (``CostModel.fsdp_copies``)."""
     devs = u.devices
-    names = "+".join(s.name for s in u.shards)
+    names = _escaped("+".join(s.name for s in u.shards))
+    op = _escaped(u.op)
     links = ring_resources(topology, devs)
     simulated = [d for d, _ in members]
     chunk = chunks[g] if g >= 0 else u.chunk_bytes
-    for phase in phases:
+    n = len(members)
+    for p, (phase, key) in enumerate(zip(phases, keys)):
         backward = phase != "fwd"
-        key = of.get((g, phase, j)) if of else None
         done = made.get(key) if key is not None else None
         if done is None:
             if key is None:
-                label, nbytes = f"allgather {phase} {names} {u.op}@mb{j} zero{u.zero}", chunk
+                label, nbytes = f"allgather {phase} {names} {op}@mb{{0}} zero{u.zero}", chunk
                 gathered = chunk
             else:  # one call for the unit's groups on this device set
                 (_, _, (b, c)), _ = key
-                label = f"allgather {phase} block{b}.{c} {format_devices(devs)} @mb{j} zero3"
+                label = f"allgather {phase} block{b}.{c} {format_devices(devs)} @mb{{0}} zero3"
                 nbytes = sum(chunks[x] for x, _, _ in calls[key])
                 # each group once: a recomputed op's backward call may list it for both its phases
                 gathered = sum(chunks[x] for x in dict.fromkeys(x for x, _, _ in calls[key]))
@@ -286,7 +320,7 @@ def _use_tasks(add: Callable[..., int], edge: Callable[[int, int], None], topolo
             for d, k in members:
                 a = add(f"call {label} device {d}", TaskKind.COLLECTIVE, 0.0, (), d)
                 edge(a, ag)
-                calls_made.append((a, (d, backward, u.op, k, j)))  # (device, *Step(...)): ``_issue_tasks``' key
+                calls_made.append((a, (d, backward, u.op, k)))  # ``_issue_tasks``' key, less the micro-batch
             done = dict(zip(simulated, member_ends(add, edge, topology, ag, devs, label, TaskKind.COLLECTIVE,
                                                    simulated)))
             if copies:  # split_with_sizes_copy out of the flat buffer, on the compute stream
@@ -297,29 +331,34 @@ def _use_tasks(add: Callable[..., int], edge: Callable[[int, int], None], topolo
                     done[d] = out
             if key is not None:
                 made[key] = done
-        fwd = block.fwd[j]
-        for d, k in members:
-            edge(done[d], at + fwd[k] + int(backward))
-    label = f"reducescatter grad {names} {u.op}@mb{j} zero{u.zero}"
+        for x, d in enumerate(simulated):  # the member's partition's forward (phase 0) or backward
+            edge(done[d], _BLOCK + p * n + x)
+    label = f"reducescatter grad {names} {op}@mb{{0}} zero{u.zero}"
     summed = u.chunk_bytes * wide * len(devs)  # the group's own chunks, in the plan's reduce dtype
     rs = add(label, TaskKind.COLLECTIVE, reduce_scatter_time(topology, devs, summed), links, devs[0], summed)
-    done_b = block.bwd_done[j]
-    for d, k in members:
+    done_b = _BLOCK + len(phases) * n  # the members' backward-done steps
+    for x, d in enumerate(simulated):
         if copies:  # torch.cat into the flat input in the reduce dtype, then the pre-divide
             into = add(f"{FSDP_COPY_LABELS[1]}{label} device {d}", TaskKind.COLLECTIVE,
                        copy_time(topology.devices[d], fsdp_copy_in_traffic(u.chunk_bytes * len(devs), wide), 1), (d,), d)
-            edge(at + done_b[k], into)
+            edge(done_b + x, into)
             edge(into, rs)
         else:
-            edge(at + done_b[k], rs)
+            edge(done_b + x, rs)
     for d, e in zip(simulated, member_ends(add, edge, topology, rs, devs, label, TaskKind.COLLECTIVE, simulated)):
         ends.setdefault(d, []).append(e)
 
 
+def _escaped(text: str) -> str:
+    """``text`` as a literal inside a ``str.format`` template."""
+    return text.replace("{", "{{").replace("}", "}}")
+
+
 def _issue_tasks(lowered: Lowered, groups: Sequence, blocks: Sequence, first: np.ndarray,
                  position: dict[str, int], keep: frozenset[int] | None = None) -> dict[tuple, int]:
-    """(device, *step reading level-3 weights: the ``Step``'s fields, one flat tuple, a cheaper
-    key than a nested one) -> the first task of the step at whose start the
+    """((device, backward, op, partition index), micro-batch) of each step reading level-3
+    weights (a ``Step``'s fields, the micro-batch apart as ``_Chunk.calls`` leaves it open)
+    -> the first task of the step at whose start the
     all-gathers that step reads are issued there (``strategies.prefetch.issue_positions``),
     found once per class of devices reading alike on their reading orders
     (``strategies.zero_alike``); each member then reads its own partition indices."""
@@ -343,7 +382,7 @@ def _issue_tasks(lowered: Lowered, groups: Sequence, blocks: Sequence, first: np
                 qs.append(q), backwards.append(s.backward), ops.append(s.op), js.append(s.microbatch)
                 ps.append(p), bases.append(at[b] + i.backward), fwds.append(blocks[b].fwd[i.microbatch])
         for d, ks in mine:  # C-level passes over the positions, one member at a time
-            steps = zip(repeat(d), backwards, ops, map(ks.__getitem__, qs), js)
+            steps = zip(zip(repeat(d), backwards, ops, map(ks.__getitem__, qs)), js)
             out.update(zip(steps, map(add, bases, map(getitem, fwds, map(ks.__getitem__, ps)))))
     return out
 

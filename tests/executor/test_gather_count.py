@@ -15,6 +15,7 @@ import torch.distributed as dist
 from simulator.cost import get_cost_model
 from simulator.presets import get_topology
 from simulator.tasks import build_tasks
+from simulator.taskgraph import label
 from soapsearch.executor import build_model
 from strategies.lowering import lower
 from tests.executor.counted import save_counted_steps
@@ -37,7 +38,7 @@ def _simulated(graph, name: str) -> list[int]:
     """The bytes of each all-gather task the simulator charges for plan ``name``."""
     low = lower(graph, make_plan(graph, name, WORLD))
     tg = build_tasks(low, get_topology("p100-2x2"), get_cost_model("analytical"))
-    return [int(b) for x, b in zip(tg.name, tg.nbytes) if str(x).startswith("allgather ")]
+    return [int(b) for x, b in zip(tg.name, tg.nbytes) if label(x).startswith("allgather ")]
 
 
 def test_executor_gathers_what_the_simulator_charges():

@@ -31,7 +31,7 @@ def _copy_seconds(graph, plan, topology: str, cost=COPIES, device: int = 0) -> d
     tg, *_ = timed_graph(lowerings.first(topo, True), topo, cost, "adam", None, True, relower=lowerings)
     out = {"copy-out": 0.0, "copy-in": 0.0}
     for t in range(len(tg)):
-        kind = str(tg.name[t]).split(" ", 1)[0]
+        kind = tg.label(t).split(" ", 1)[0]
         if kind in out and tg.device[t] == device:
             assert tg.resources[t] == (device,)  # on the device, as the compute stream runs it
             out[kind] += float(tg.duration[t])

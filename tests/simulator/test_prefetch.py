@@ -13,6 +13,7 @@ from simulator.cost import get_cost_model
 from simulator.engine import run_events
 from simulator.presets import get_topology
 from simulator.tasks import build_tasks
+from simulator.taskgraph import label
 from strategies import data_parallel
 from strategies.lowering import lower
 from strategies.prefetch import _ahead, _ahead_own, _second_key, calls_at, issue_positions, issued_at
@@ -44,7 +45,7 @@ def test_bytes_ahead_of_own_units_are_the_calls_walk():
 def _times(low):
     tg = build_tasks(low, get_topology("p100-2x2"), get_cost_model("analytical"))
     start, end = run_events(tg, native=False)
-    return tg, [str(x) for x in tg.name], start, end
+    return tg, list(map(label, tg.name)), start, end
 
 
 def test_prefetched_gathers_hide_behind_the_previous_unit(monkeypatch):
@@ -66,11 +67,11 @@ def test_prefetched_gathers_hide_behind_the_previous_unit(monkeypatch):
     hidden = [i for i in gathers if not names[i].startswith("allgather fwd layers.0.")]
     assert len(hidden) == 5
     assert max(end0) - max(end) == pytest.approx(sum(tg.duration[i] for i in hidden), rel=1e-9, abs=0)
-    step = {x: i for i, x in enumerate(names) if x.startswith("(")}
+    step = {x: i for i, x in enumerate(names) if x.startswith(("fwd ", "bwd "))}
     for phase, op, before in (("fwd", "layers_2", ("fwd", "layers_0")), ("fwd", "layers_4", ("fwd", "layers_2")),
                               ("bwd", "layers_4", ("fwd", "layers_4")), ("bwd", "layers_2", ("bwd", "layers_4")),
                               ("bwd", "layers_0", ("bwd", "layers_2"))):
         ag = next(i for i in gathers if names[i].startswith(f"allgather {phase} ") and f" {op}@mb0" in names[i])
-        prev = step[str((*before, 0, 0))]
+        prev = step[f"{before[0]} {before[1]}[0]@mb0"]
         assert start[ag] == pytest.approx(start[prev], rel=1e-12)
         assert end[ag] < end[prev]  # hidden: done before the step it was issued at ends

@@ -10,6 +10,7 @@ The executor's gathers, counted: ``tests/executor/test_gather_count.py``."""
 from simulator.cost import get_cost_model
 from simulator.presets import get_topology
 from simulator.tasks import build_tasks
+from simulator.taskgraph import label
 from strategies import baseline
 from strategies.lowering import lower
 from strategies.megatron_layers import layer_ops, layer_recomputed
@@ -25,7 +26,7 @@ COST = get_cost_model("analytical")
 def _gathered(low, topology: str = "a100-1x8") -> tuple[int, int]:
     """(all-gather tasks, their bytes) of one simulation of ``low``."""
     tg = build_tasks(low, get_topology(topology), COST)
-    out = [int(b) for x, b in zip(tg.name, tg.nbytes) if str(x).startswith("allgather ")]
+    out = [int(b) for x, b in zip(tg.name, tg.nbytes) if label(x).startswith("allgather ")]
     return len(out), sum(out)
 
 

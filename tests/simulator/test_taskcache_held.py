@@ -29,7 +29,6 @@ def held_from_scratch(cache: TaskCache) -> int:
     """Every block the cache holds added once to a fresh ``HeldBytes``: its count."""
     blocks = [b for s in cache._states.values() for b in (s[2].blocks if s[2] is not None else ())]
     blocks += [b for s in cache._states.values() for known in s[1][3] for b in known.values()]
-    blocks += [c.block for c in cache.gathers.values()]
     fresh = HeldBytes()
     for b in {id(b): b for b in blocks}.values():
         fresh.add(b)

@@ -17,6 +17,7 @@ from simulator.memory import memory_breakdown, peak_memory
 from simulator.presets import get_topology
 from simulator.simulate import simulate_plan
 from simulator.tasks import build_tasks
+from simulator.taskgraph import label
 from soapsearch import zoo
 from soapsearch.search.api import Evaluator
 from soapsearch.search.mcmc import candidate_configs
@@ -90,7 +91,7 @@ def test_sharded_buckets_are_reduce_scattered_and_gathered():
     chunk = -(-psi_bytes // 4 // N) * 4
     for level in (0, 1, 2):
         tg = build_tasks(lower(g, zero(level, data_parallel(g, N), g)), topo, cost)
-        names = [str(x) for x in tg.name]
+        names = list(map(label, tg.name))
         rs = [i for i, x in enumerate(names) if x.startswith("reducescatter bucket")]
         ag = [i for i, x in enumerate(names) if x.startswith("allgather weights")]
         ar = [i for i, x in enumerate(names) if x.startswith("allreduce bucket")]
@@ -157,7 +158,7 @@ def test_level_2_and_3_per_use(level):
     low = lower(g, zero(level, data_parallel(g, N), g).with_microbatches(2, "gpipe"))
     groups = gather_groups(low)
     tg = build_tasks(low, topo, get_cost_model("analytical"))
-    names = [str(x) for x in tg.name]
+    names = list(map(label, tg.name))
     fwd = [i for i, x in enumerate(names) if x.startswith("allgather fwd")]
     bwd = [i for i, x in enumerate(names) if x.startswith("allgather bwd")]
     rs = [i for i, x in enumerate(names) if x.startswith("reducescatter grad")]
@@ -171,8 +172,8 @@ def test_level_2_and_3_per_use(level):
     assert tg.duration[rs[0]] == reduce_scatter_time(topo, u.devices, chunk * N)
     if level == 3:
         assert tg.duration[fwd[0]] == allgather_time(topo, u.devices, chunk)
-        assert {str(("fwd", u.op, k, 0)) for k in u.partitions} <= {names[t] for t in tg.successors(fwd[0])}
-        assert {str(("bwd", u.op, k, 0)) for k in u.partitions} <= {names[t] for t in tg.successors(bwd[0])}
+        assert {f"fwd {u.op}[{k}]@mb0" for k in u.partitions} <= {names[t] for t in tg.successors(fwd[0])}
+        assert {f"bwd {u.op}[{k}]@mb0" for k in u.partitions} <= {names[t] for t in tg.successors(bwd[0])}
 
 
 @pytest.mark.parametrize("level", [2, 3])
@@ -184,7 +185,7 @@ def test_a_weight_and_bias_are_one_collective_per_phase(level):
     g, topo = traced("mlp"), get_topology("p100-2x2")
     low = lower(g, zero(level, data_parallel(g, N), g))
     tg = build_tasks(low, topo, get_cost_model("analytical"))
-    names = [str(x) for x in tg.name]
+    names = list(map(label, tg.name))
     linears = [n for n in g if {w.role for w in n.weights} >= {"weight", "bias"}]
     assert linears
     for node in linears:
@@ -211,13 +212,13 @@ def test_level_3_gathers_again_for_a_recomputation():
     plan = zero(3, data_parallel(g, N), g).with_microbatches(2, "gpipe")
     low = lower(g, recompute(plan, recompute_ops(g, "mlp")))
     tg = build_tasks(low, topo, get_cost_model("analytical"))
-    names = [str(x) for x in tg.name]
+    names = list(map(label, tg.name))
     again = {u.op for u in gather_groups(low) if low.strategy[u.op].recompute}
     assert again and again <= set(recompute_ops(g, "mlp"))
     for u in gather_groups(low):
         for phase, count in (("fwd", 1), ("recompute", int(u.op in again)), ("bwd", 1)):
-            label = f"allgather {phase} {'+'.join(s.name for s in u.shards)} {u.op}@mb"
-            assert sum(x.startswith(label) for x in names) == 2 * count, (phase, u.op)
+            start = f"allgather {phase} {'+'.join(s.name for s in u.shards)} {u.op}@mb"
+            assert sum(x.startswith(start) for x in names) == 2 * count, (phase, u.op)
 
 
 def _fsdp_start():
@@ -245,30 +246,47 @@ def _delta_recorded(monkeypatch, evaluate, proposal, full) -> tuple[list[str], l
     return built, recorded
 
 
-def test_a_proposal_records_only_its_rebuilt_readers_level_3_tasks(monkeypatch):
+def test_a_proposal_records_only_its_new_groups_once_for_every_micro_batch(monkeypatch):
     """A one-op proposal on an FSDP plan (level 3, 2 micro-batches, 1F1B) moving a reader of
-    level-3 weights: the level-2/3 tasks of a group are recorded again only where its reader's
-    block was rebuilt, every other group's laid out from the TaskCache (``zero3._Chunk``);
-    delta equals full simulation."""
+    level-3 weights: only the groups the plan did not have are recorded, each once for both
+    micro-batches (``zero3._Chunk`` leaves the micro-batch open), every other group's tasks laid
+    out from the TaskCache, whether or not its reader's block was rebuilt; delta equals full
+    simulation."""
     graph, topo, cost, plan, evaluate, candidates = _fsdp_start()
-    readers = {u.op for u in gather_groups(lower(graph, plan))}
+    before = set(gather_groups(lower(graph, plan)))
+    readers = {u.op for u in before}
     proposal, op = next((p, o) for o in sorted(readers) for c in candidates[o]
                         for p in [plan.replace(o, c.with_memory(plan[o].zero, plan[o].recompute))]
                         if p[o] != plan[o] and o in {u.op for u in gather_groups(lower(graph, p))})
     built, recorded = _delta_recorded(monkeypatch, evaluate, proposal, simulate_plan(graph, proposal, topo, cost))
-    low = lower(graph, proposal)
-    assert op in built and recorded
-    assert set(recorded) == {u.op for u in gather_groups(low)} & set(built)
-    assert len(recorded) == 2 * sum(u.op in built for u in gather_groups(low))  # one per micro-batch
-    assert len(set(recorded)) < len({u.op for u in gather_groups(low)}) // 4
+    new = [u for u in gather_groups(lower(graph, proposal)) if u not in before]
+    assert op in built and new
+    assert sorted(recorded) == sorted(u.op for u in new)  # one record a group, not one a micro-batch
 
 
-def test_a_reader_rebuilt_with_its_steps_alike_keeps_its_level_3_tasks(monkeypatch):
+def test_a_micro_batch_move_records_no_level_3_tasks(monkeypatch):
+    """The same plan with a call per op (``fsdp_unit`` "op"), moved from 2 to 4 micro-batches
+    (the readers' blocks built again: their tasks are per micro-batch) and back (the blocks of 2
+    known): no group is recorded again (a chunk reads its micro-batch and
+    its reader block's ids where it is laid out, ``zero3._block_reads``; under "block" a unit's
+    call names its micro-batch, so its chunks are recorded per micro-batch); delta equals full
+    simulation both ways."""
+    graph, topo, cost, plan, evaluate, _ = _fsdp_start()
+    plan = plan.with_fsdp_unit("op")
+    evaluate(plan)
+    for m in (4, 2):
+        moved = plan.with_microbatches(m)
+        built, recorded = _delta_recorded(monkeypatch, evaluate, moved, simulate_plan(graph, moved, topo, cost))
+        assert recorded == []
+        assert m == 2 or {u.op for u in gather_groups(lower(graph, moved))} & set(built)
+
+
+def test_a_rebuilt_reader_keeps_its_level_3_tasks(monkeypatch):
     """A one-op proposal on the same plan moving an op whose consumer reads level-3 weights:
-    the consumer's block is rebuilt (the transfers into it change) but lays its partitions'
-    steps at the same local ids, so its groups' recorded tasks serve it unchanged
-    (``zero3._reads_alike``): only groups that changed are recorded again, and delta equals
-    full simulation."""
+    the consumer's block is rebuilt (the transfers into it change), and its groups' recorded
+    tasks serve it unchanged (a chunk reads its reader block's ids where it is laid out,
+    ``zero3._block_reads``): only groups that changed are recorded again, and delta equals full
+    simulation."""
     graph, topo, cost, plan, evaluate, candidates = _fsdp_start()
     before = set(gather_groups(lower(graph, plan)))
     readers = {u.op for u in before}
