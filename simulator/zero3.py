@@ -32,6 +32,7 @@ written in the reduce dtype, then divided in place by the pre-divide factor."""
 from __future__ import annotations
 
 import itertools
+import weakref
 from itertools import repeat
 from operator import add, getitem, itemgetter
 from typing import Any, Callable, NamedTuple, Sequence
@@ -99,7 +100,8 @@ def add_gathers(tg: TaskGraph, lowered: Lowered, topology: Topology, blocks: Seq
         memo.clear()
     at = first.tolist()
     uses = []  # what a group's tasks read alike in every micro-batch, found once
-    reads: list = []  # each use's reader-block ids (``_block_reads``), micro-batch after micro-batch, flat
+    rows = []  # each use's reader-block ids, a row a micro-batch (``_block_reads``)
+    width = 0  # the reader-block ids a micro-batch's chunks read, all uses together
     for g, u in enumerate(groups):
         members = [(d, k) for d, k in zip(u.devices, u.partitions) if keep is None or d in keep]
         if not members:
@@ -114,33 +116,42 @@ def add_gathers(tg: TaskGraph, lowered: Lowered, topology: Topology, blocks: Seq
             if c is None:
                 c = memo[key] = _record(topology, u, members, phases, chunks, of, calls, (), g, wide, copies)
         i = position[u.op]
-        width = (len(phases) + 1) * len(members)
-        uses.append((g, u, members, phases, wide, c, len(reads), width))
-        reads += _block_reads(blocks[i], at[i], [k for _, k in members], phases, m)
-    laid: list = []  # (chunk, its first id, where its reader-block ids start in ``reads``, its refs' ids)
+        uses.append((g, u, members, phases, wide, c, width))
+        rows.append(_block_reads(blocks[i], tuple([k for _, k in members]), phases, m) + at[i])
+        width += (len(phases) + 1) * len(members)
+    laid: list = []  # (chunk, its first id, where its reader-block ids start in ``rows``' flat ids, its refs' ids)
     names: list = []  # each laid chunk's task names, each with its micro-batch
     calls_laid: list = []  # (chunk, its first id, its micro-batch) of each laid chunk that calls
     end_parts: list = []  # the chunks with reduce-scatter ends, in order, and their first ids
     end_bases: list = []
     base = len(tg)
-    for j in range(m):
-        for g, u, members, phases, wide, c, start, width in uses:
-            if c is None or of:
+
+    def lay(c: _Chunk, j: int, start: int) -> None:
+        nonlocal base
+        for unit, done in c.made:
+            made[unit] = {d: t + base for d, t in done.items()}
+        laid.append((c, base, start, [made[k][d] for k, d in c.refs] if c.refs else None))
+        names.append(zip(c.cols.name, repeat(j)))
+        if len(c.call_ids):
+            calls_laid.append((c, base, j))
+        if len(c.end_ids):
+            end_parts.append(c)
+            end_bases.append(base)
+        base += len(c.cols)
+
+    if uses and not of:  # every micro-batch lays the same chunks: laid as one, once a micro-batch
+        one = _merged([(c, start) for *_, c, start in uses])
+        for j in range(m):
+            lay(one, j, j * width)
+    else:
+        for j in range(m):
+            for g, u, members, phases, wide, _, start in uses:
                 units = tuple(_unit(of.get((g, phase, j)), made, unit_bytes) for phase in phases)
                 key = (u, phases, keep, units, wide, copies)
                 c = memo.get(key)
                 if c is None:
                     c = memo[key] = _record(topology, u, members, phases, chunks, of, calls, units, g, wide, copies)
-            for unit, done in c.made:
-                made[unit] = {d: t + base for d, t in done.items()}
-            laid.append((c, base, start + j * width, [made[k][d] for k, d in c.refs] if c.refs else None))
-            names.append(zip(c.cols.name, repeat(j)))
-            if c.calls:
-                calls_laid.append((c, base, j))
-            if len(c.end_ids):
-                end_parts.append(c)
-                end_bases.append(base)
-            base += len(c.cols)
+                lay(c, j, j * width + start)
     if end_parts:
         ends = _by_device(end_parts, end_bases)
     tail = tg.tail
@@ -148,7 +159,7 @@ def add_gathers(tg: TaskGraph, lowered: Lowered, topology: Topology, blocks: Seq
     for field in _FIELDS:
         getattr(tail, field).extend(itertools.chain.from_iterable(getattr(c.cols, field) for c, *_ in laid))
     if laid:  # one chunk of edges (``TaskGraph.chunks``), not a list of ints
-        block_ids = np.asarray(reads, dtype=np.int64)
+        block_ids = np.hstack(rows).ravel()  # micro-batch after micro-batch
         tg.chunks.append((_placed([(c.src, *rest) for c, *rest in laid], block_ids).astype(INDEX),
                           _placed([(c.dst, *rest) for c, *rest in laid], block_ids).astype(INDEX)))
     if not calls_laid:
@@ -160,24 +171,58 @@ def add_gathers(tg: TaskGraph, lowered: Lowered, topology: Topology, blocks: Seq
     return np.stack([ids, np.fromiter(map(issue.__getitem__, steps), np.int64, len(ids))]).astype(INDEX), ends
 
 
-def _block_reads(block, start: int, ks: list[int], phases: tuple, m: int) -> list[int]:
-    """The reader block's task ids a group's chunk reads (``_Chunk``: ``_BLOCK`` + its place
-    here), ``m`` micro-batches one after another: per phase each member's partition's forward
-    (the backward's, ``fwd`` + 1, past the forward phase), then each one's backward-done step;
-    ``start``: the block's first id."""
-    get = itemgetter(*ks)
-    one = len(ks) == 1
-    out = []
-    for j in range(m):
-        f = get(block.fwd[j])
-        b = get(block.bwd_done[j])
-        if one:
-            f, b = (f,), (b,)
-        for phase in phases:
-            plus = start + (phase != "fwd")
-            out += [x + plus for x in f]
-        out += [x + start for x in b]
-    return out
+def _block_reads(block, ks: tuple[int, ...], phases: tuple, m: int) -> np.ndarray:
+    """The reader block's local task ids a group's chunk reads (``_Chunk``: ``_BLOCK`` + its
+    place in the micro-batch's row), a row a micro-batch: per phase each member's partition's
+    forward (the backward's, ``fwd`` + 1, past the forward phase), then each one's
+    backward-done step. Kept per block while it lives (a built block's rows never change)."""
+    mine = _READS.get(block)
+    if mine is None:
+        mine = _READS[block] = {}
+    got = mine.get((ks, phases, m))
+    if got is None:
+        get = itemgetter(*ks)
+        one = len(ks) == 1
+        out = []
+        for j in range(m):
+            f = get(block.fwd[j])
+            b = get(block.bwd_done[j])
+            if one:
+                f, b = (f,), (b,)
+            row = []
+            for phase in phases:
+                plus = phase != "fwd"
+                row += [x + plus for x in f]
+            out.append(row + list(b))
+        got = mine[(ks, phases, m)] = np.array(out, dtype=np.int64).reshape(m, -1)
+    return got
+
+
+_READS: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
+"""Block -> (member partition indices, phases, micro-batches) -> ``_block_reads``."""
+
+
+def _merged(parts: list) -> "_Chunk":
+    """Chunks of one micro-batch with no unit call, (chunk, where its reader-block ids start
+    in the micro-batch's row) each, as one ``_Chunk``: their tasks one after another, each
+    one's own ids moved past those before it and its reader-block places past theirs."""
+    if len(parts) == 1 and not parts[0][1]:
+        return parts[0][0]
+    cols = Columns()
+    for field in ("name", *_FIELDS):
+        setattr(cols, field, list(itertools.chain.from_iterable(getattr(c.cols, field) for c, _ in parts)))
+    own = np.cumsum([0] + [len(c.cols) for c, _ in parts[:-1]])
+
+    def moved(field: str) -> np.ndarray:
+        ids = np.concatenate([getattr(c, field) for c, _ in parts])
+        sizes = [len(getattr(c, field)) for c, _ in parts]
+        return ids + np.where(ids < _BLOCK, np.repeat(own, sizes), np.repeat([x for _, x in parts], sizes))
+
+    call_ids = np.concatenate([c.call_ids + x for (c, _), x in zip(parts, own)])
+    return _Chunk(cols, moved("src"), moved("dst"), call_ids,
+                  list(itertools.chain.from_iterable(c.call_steps for c, _ in parts)),
+                  np.concatenate([c.end_devices for c, _ in parts]),
+                  np.concatenate([c.end_ids + x for (c, _), x in zip(parts, own)]), [], [])
 
 
 _BLOCK = 1 << 40
@@ -201,13 +246,11 @@ class _Chunk(NamedTuple):
     cols: Columns
     src: np.ndarray
     dst: np.ndarray
-    calls: list
-    """(a member's call task, the step it reads as (device, backward, op, partition index), its
-    micro-batch the one laid out): its arrival's place is the issuing step's."""
     call_ids: np.ndarray
-    """``calls``' tasks as an array."""
+    """The members' call tasks: each arrival's place is its issuing step's."""
     call_steps: list
-    """``calls``' steps in the same order."""
+    """The step each call reads, (device, backward, op, partition index), in the same order
+    (its micro-batch the one laid out)."""
     end_devices: np.ndarray
     """The device of each member's end of the reduce-scatter, what its optimizer update waits
     on (``end_ids``, in the same order)."""
@@ -244,7 +287,7 @@ def _record(topology: Topology, u, members: list, phases: tuple, chunks: list, o
     keys = [None if unit is None else unit[0] for unit in units] if units else [None] * len(phases)
     _use_tasks(cols.add, lambda a, b: (src.append(a), dst.append(b)), topology, u, members, phases, keys,
                chunks, mine, ends, calls, made, g, wide, copies)
-    return _Chunk(cols, np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64), mine,
+    return _Chunk(cols, np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64),
                   np.fromiter((a for a, _ in mine), np.int64, len(mine)), [step for _, step in mine],
                   np.fromiter((d for d, es in ends.items() for _ in es), np.int64),
                   np.fromiter((e for es in ends.values() for e in es), np.int64), refs,
