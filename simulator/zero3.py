@@ -100,10 +100,15 @@ def add_gathers(tg: TaskGraph, lowered: Lowered, topology: Topology, blocks: Seq
         memo.clear()
     at = first.tolist()
     uses = []  # what a group's tasks read alike in every micro-batch, found once
-    rows = []  # each use's reader-block ids, a row a micro-batch (``_block_reads``)
+    rows = []  # each use's reader-block local ids, a row a micro-batch (``_block_reads``)
     width = 0  # the reader-block ids a micro-batch's chunks read, all uses together
+    starts = []  # each use's reader block's first id, once for each id it reads
     for g, u in enumerate(groups):
-        members = [(d, k) for d, k in zip(u.devices, u.partitions) if keep is None or d in keep]
+        if keep is None:
+            members, ks = list(zip(u.devices, u.partitions)), u.partitions
+        else:
+            members = [(d, k) for d, k in zip(u.devices, u.partitions) if d in keep]
+            ks = tuple([k for _, k in members])
         if not members:
             continue
         again = ("recompute",) if lowered.strategy[u.op].recompute else ()  # gathered for its recomputation too
@@ -117,9 +122,10 @@ def add_gathers(tg: TaskGraph, lowered: Lowered, topology: Topology, blocks: Seq
                 c = memo[key] = _record(topology, u, members, phases, chunks, of, calls, (), g, wide, copies)
         i = position[u.op]
         uses.append((g, u, members, phases, wide, c, width))
-        rows.append(_block_reads(blocks[i], tuple([k for _, k in members]), phases, m) + at[i])
-        width += (len(phases) + 1) * len(members)
-    laid: list = []  # (chunk, its first id, where its reader-block ids start in ``rows``' flat ids, its refs' ids)
+        rows.append(_block_reads(blocks[i], ks, phases, m))
+        starts.append((at[i], (len(phases) + 1) * len(members)))
+        width += starts[-1][1]
+    laid: list = []  # (chunk, its first id, where its reader-block ids start in ``block_ids``, its refs' ids)
     names: list = []  # each laid chunk's task names, each with its micro-batch
     calls_laid: list = []  # (chunk, its first id, its micro-batch) of each laid chunk that calls
     end_parts: list = []  # the chunks with reduce-scatter ends, in order, and their first ids
@@ -139,18 +145,20 @@ def add_gathers(tg: TaskGraph, lowered: Lowered, topology: Topology, blocks: Seq
             end_bases.append(base)
         base += len(c.cols)
 
-    if uses and not of:  # every micro-batch lays the same chunks: laid as one, once a micro-batch
+    if uses and not of and m > 1:  # every micro-batch lays the same chunks: laid as one, once a micro-batch
         one = _merged([(c, start) for *_, c, start in uses])
         for j in range(m):
             lay(one, j, j * width)
     else:
         for j in range(m):
-            for g, u, members, phases, wide, _, start in uses:
-                units = tuple(_unit(of.get((g, phase, j)), made, unit_bytes) for phase in phases)
-                key = (u, phases, keep, units, wide, copies)
-                c = memo.get(key)
-                if c is None:
-                    c = memo[key] = _record(topology, u, members, phases, chunks, of, calls, units, g, wide, copies)
+            for g, u, members, phases, wide, c, start in uses:
+                if of:
+                    units = tuple(_unit(of.get((g, phase, j)), made, unit_bytes) for phase in phases)
+                    key = (u, phases, keep, units, wide, copies)
+                    c = memo.get(key)
+                    if c is None:
+                        c = memo[key] = _record(topology, u, members, phases, chunks, of, calls, units, g, wide,
+                                                copies)
                 lay(c, j, j * width + start)
     if end_parts:
         ends = _by_device(end_parts, end_bases)
@@ -159,7 +167,8 @@ def add_gathers(tg: TaskGraph, lowered: Lowered, topology: Topology, blocks: Seq
     for field in _FIELDS:
         getattr(tail, field).extend(itertools.chain.from_iterable(getattr(c.cols, field) for c, *_ in laid))
     if laid:  # one chunk of edges (``TaskGraph.chunks``), not a list of ints
-        block_ids = np.hstack(rows).ravel()  # micro-batch after micro-batch
+        at_ids = np.repeat(*np.array(starts, dtype=np.int64).T)
+        block_ids = (np.hstack(rows) + at_ids).ravel()  # micro-batch after micro-batch
         tg.chunks.append((_placed([(c.src, *rest) for c, *rest in laid], block_ids).astype(INDEX),
                           _placed([(c.dst, *rest) for c, *rest in laid], block_ids).astype(INDEX)))
     if not calls_laid:
