@@ -145,7 +145,7 @@ def add_gathers(tg: TaskGraph, lowered: Lowered, topology: Topology, blocks: Seq
             end_bases.append(base)
         base += len(c.cols)
 
-    if uses and not of and m > 1:  # every micro-batch lays the same chunks: laid as one, once a micro-batch
+    if uses and not of and m >= MERGED_FROM:  # every micro-batch lays the same chunks: laid as one, once a micro-batch
         one = _merged([(c, start) for *_, c, start in uses])
         for j in range(m):
             lay(one, j, j * width)
@@ -240,6 +240,11 @@ place in ``_block_reads``; its own tasks from 0), each made the graph's id when 
 _MADE = 1 << 50
 """Where a ``_Chunk`` numbers the member ends of a unit's call another chunk made (``_MADE`` +
 its place in ``_Chunk.refs``)."""
+MERGED_FROM = 2
+"""Micro-batches from which, where no unit call is made, a graph's chunks are merged
+(``_merged``) and laid out once a micro-batch; below it (one micro-batch: merging would copy
+every task once more) each chunk is laid out as recorded. Either way the same tasks, edges and
+order."""
 _CHUNKS = 1 << 14
 """Recorded chunks a ``TaskCache`` keeps (emptied past it)."""
 _FIELDS = ("category", "duration", "resources", "device", "nbytes")

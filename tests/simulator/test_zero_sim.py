@@ -300,3 +300,41 @@ def test_a_rebuilt_reader_keeps_its_level_3_tasks(monkeypatch):
     assert rebuilt
     assert not rebuilt & set(recorded)
     assert set(recorded) <= {u.op for u in after if u not in before}
+
+
+def _graph_facts(tg, start, end) -> tuple:
+    """Every task's label and columns, the edges in order, and the event times."""
+    src, dst = tg.edge_arrays()
+    return (list(map(label, tg.name)), list(tg.category), list(tg.duration), list(tg.resources), list(tg.device),
+            list(tg.nbytes), src.tolist(), dst.tolist(), list(start), list(end))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_chunks_laid_as_one_equal_chunks_laid_apart(monkeypatch, seed):
+    """Where no unit call is made, every micro-batch's level-2/3 chunks are merged and laid out
+    once a micro-batch (``zero3._merged``, from ``MERGED_FROM`` micro-batches): the same tasks,
+    labels, edges in the same order and event times as each chunk laid out apart, on random
+    plans with random levels, recompute and micro-batch counts, with and without FSDP2's copies,
+    per device and folded."""
+    from simulator import zero3
+    from simulator.simulate import Lowerings, timed_graph
+    from strategies.baselines import BASELINES
+    from tests.executor.plans import make_plan
+    rng = random.Random(seed)
+    graph, topo = traced("gpt", batch_size=16), get_topology("p100-2x2")
+    plan = BASELINES["fsdp"](graph, N) if seed % 2 else make_plan(graph, f"random{seed}", N)
+    plan = plan.with_configs({op: c.with_memory(zero=rng.choice([c.zero, 2, 3]) if c.zero or rng.random() < 0.5
+                                                else c.zero, recompute=c.recompute or rng.random() < 0.2)
+                              if any(w.trainable for w in graph[op].weights) else c for op, c in plan.items()})
+    plan = plan.with_fsdp_unit("op").with_microbatches(rng.choice([2, 4]), rng.choice(["gpipe", "1f1b"]))
+    cost = get_cost_model("analytical", fsdp_copies=bool(seed % 2))
+    assert any(u.zero == 3 for u in gather_groups(lower(graph, plan)))
+    for fold in (True, False):
+        built = []
+        for merged_from in (zero3.MERGED_FROM, 1 << 30):
+            monkeypatch.setattr(zero3, "MERGED_FROM", merged_from)
+            lowerings = Lowerings(graph, plan)
+            tg, _, start, end = timed_graph(lowerings.first(topo, fold), topo, cost, "adam", None, fold,
+                                            relower=lowerings)
+            built.append(_graph_facts(tg, start, end))
+        assert built[0] == built[1]
