@@ -447,12 +447,13 @@ class Lowered:
     def collectives(self) -> tuple[Collective, ...]:
         """Every collective once, in the graph order of its first reader op (a consumer op's in
         micro-batch, input and partition order): the order in which each member calls them
-        (``strategies.schedule.collective_calls``)."""
-        return tuple(dict.fromkeys(r.collective for p in self.pieces.values() for r in p.collective_reads))
+        (``strategies.schedule.collective_calls``); ``collective_readers``' keys."""
+        return tuple(self.collective_readers)
 
     @cached_property
     def collective_readers(self) -> dict[Collective, tuple[CollectiveRead, ...]]:
-        """Collective -> every read of it, in graph order."""
+        """Collective -> every read of it, in graph order (the collectives in the order of their
+        first read)."""
         out: dict[Collective, list[CollectiveRead]] = {}
         for p in self.pieces.values():
             for r in p.collective_reads:
