@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 from simulator.comm import allgather_time, allreduce_time, collective_time, ring_resources
 from simulator.devices import DeviceSpec
-from simulator.taskgraph import Columns, TaskGraph, TaskKind
+from simulator.taskgraph import Columns, Recorded, TaskGraph, TaskKind
 from simulator.topology import Topology
 from strategies.config import format_devices
 from strategies.members import kept_members
@@ -26,7 +26,7 @@ from strategies.lowering import BucketKey, Lowered, ReductionGroup, bucket_sums,
 from strategies.precision import reduce_scale
 from strategies.zero import per_use_shards, shard_chunk_bytes, sharded_state, zero_buckets
 
-__all__ = ["BucketRecords", "COPY_TRAFFIC", "link_step", "member_ends", "UPDATE_TRAFFIC"]
+__all__ = ["COPY_TRAFFIC", "link_step", "member_ends", "UPDATE_TRAFFIC"]
 
 UPDATE_TRAFFIC = {"sgd": 5, "adam": 7}
 """Optimizer update bytes per weight byte (memory-bound: read weight, gradient and state, write
@@ -65,7 +65,7 @@ def link_step(tg: TaskGraph, lowered: Lowered, topology: Topology,
               step_sums: list[tuple[int, list[tuple[ReductionGroup, list[int], bool]]]], last: dict[int, list[int]],
               optimizer: str, traffic: float, order: list[BucketKey],
               issued: dict[tuple[BucketKey, int], tuple[int, int | None]],
-              keep: frozenset[int] | None = None, memo: BucketRecords | None = None) -> list[tuple[int, int]]:
+              keep: frozenset[int] | None = None, memo: Recorded | None = None) -> list[tuple[int, int]]:
     """The end of the step as the executor runs it (``runtime.Executor.step``). The loss sums
     gated STEP (``step_sums``: per block with such sums, its first id and its sums with their members'
     forward tasks and whether the divisor needs the data) travel in the gradient bucket of
@@ -86,7 +86,7 @@ def link_step(tg: TaskGraph, lowered: Lowered, topology: Topology,
     has). Each collective here ends on each member with its ``member_ends``. ``keep``: the
     devices simulated (a folded plan's copy 0, ``simulator.fold``; ``last`` and ``issued``
     name only them): each collective is timed over its group, its member tasks made on them.
-    ``memo``: the ``BucketRecords`` the caller keeps across the graphs of one topology: each
+    ``memo``: the ``Recorded`` the caller keeps across the graphs of one topology: each
     bucket's tasks recorded once (``_record_bucket``) and laid out again, the edges to the
     steps around them made per graph (the same tasks and edges, in the same order, as recorded
     afresh). Returns (pack, the next step's first task) of each pack before a step."""
@@ -116,8 +116,8 @@ def link_step(tg: TaskGraph, lowered: Lowered, topology: Topology,
     buckets = lowered.gradient_sync.buckets
     sharded = zero_buckets(lowered)
     synced = {d: last[d] + later[d] for d in last}
-    memo = BucketRecords() if memo is None else memo
-    memo.bound()
+    memo = Recorded() if memo is None else memo
+    memo.bound(MEMO, MEMO_TASKS)
     src, dst = tg.edge_src, tg.edge_dst
     packs: list[tuple[int, int]] = []
     overlapped = lowered.strategy.overlap_grad_reduce
@@ -181,34 +181,11 @@ def link_step(tg: TaskGraph, lowered: Lowered, topology: Topology,
 
 
 MEMO = 4096
-"""Gradient buckets' recorded tasks a ``link_step`` memo keeps (past them it starts empty)."""
+"""Gradient buckets' recorded tasks a ``link_step`` memo keeps (``Recorded.bound``: from them it
+starts empty)."""
 MEMO_TASKS = 1 << 18
 """The tasks those recordings may hold in all (a bucket's grow with its members simulated:
 2-3 a member); past them the memo starts empty (speed, never results)."""
-
-
-class BucketRecords:
-    """``link_step``'s memo, kept by the caller across the graphs of one topology: each
-    gradient bucket's tasks recorded (``_record_bucket``) by (bucket, bytes, unpacked bytes,
-    level 1, devices simulated), and the tasks they hold in all."""
-
-    def __init__(self) -> None:
-        self.records: dict[tuple, _BucketTasks] = {}
-        self.tasks = 0
-
-    def record(self, key: tuple, tasks: "_BucketTasks") -> "_BucketTasks":
-        self.records[key] = tasks
-        self.tasks += len(tasks.cols)
-        return tasks
-
-    def clear(self) -> None:
-        self.records.clear()
-        self.tasks = 0
-
-    def bound(self) -> None:
-        """Empty past ``MEMO`` records or ``MEMO_TASKS`` tasks (speed, never results)."""
-        if len(self.records) >= MEMO or self.tasks > MEMO_TASKS:
-            self.clear()
 
 
 class _BucketTasks(NamedTuple):

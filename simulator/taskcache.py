@@ -15,8 +15,7 @@ import numpy as np
 
 from simulator.block_bytes import HeldBytes, Uncounted, block_items
 from simulator.cost import CostModel
-from simulator.step import BucketRecords
-from simulator.taskgraph import INDEX, join
+from simulator.taskgraph import INDEX, Recorded, join
 from simulator.topology import Topology
 from strategies.graph import OpGraph, OpNode
 from strategies.lowered import OpPieces
@@ -34,18 +33,17 @@ class TaskCache:
         """(source, target, bytes) -> ``simulator.wires.Wire``: times and resources (a pure function of them)."""
         self.held = HeldBytes() if counted else Uncounted()
         """Every block the cache holds (the states' current and known blocks), what they keep
-        alive counted once (``counted`` False: a cache for
-        one call, never trimmed, counts nothing)."""
-        self.gathers = _Chunks()
-        """Level-2/3 groups' tasks, recorded (``simulator.zero3._Chunk``: no block held), with
-        the tasks they hold."""
+        alive counted once (``counted`` False: a cache for one call, never trimmed, counts
+        nothing)."""
+        self.gathers = Recorded()
+        """Level-2/3 groups' tasks, recorded (``simulator.zero3._Chunk``: no block held)."""
         self._states: dict[frozenset[int] | None, list] = {}
         """Devices simulated (a folded plan's copy 0, ``simulator.fold``; None: all) -> [graph,
         its ``_layout``, the last ``_Joined``]: a search moving between folded and per-device
         plans keeps the blocks of both."""
         self.buckets: dict = {}
         """The graph's gradient buckets' ready steps (``strategies.overlap.bucket_plan``'s memo)."""
-        self.step_tasks = BucketRecords()
+        self.step_tasks = Recorded()
         """Gradient buckets' step-end tasks, recorded (``simulator.step.link_step``'s memo)."""
         self._current: list = [None, ([], {}, [], [], []), None]
         self.known_bytes = 0
@@ -83,8 +81,8 @@ class TaskCache:
 
     def nbytes(self) -> int:
         """What the cache holds, counted: what its blocks keep alive (``held``: the states'
-        current and known blocks, with their lists and pieces, each object once), every state's joined arrays, and ``TASK_BYTES`` a task of
-        the recorded gathers and step-end tasks."""
+        current and known blocks, with their lists and pieces, each object once), every state's
+        joined arrays, and ``TASK_BYTES`` a task of the recorded gathers and step-end tasks."""
         held = self.held.nbytes + TASK_BYTES * (self.gathers.tasks + self.step_tasks.tasks)
         return held + sum(map(_state_bytes, self._states.values()))
 
@@ -179,25 +177,6 @@ resources tuple and label, about ``sys.getsizeof`` of each)."""
 KNOWN_BYTES = 64 << 20
 """What the blocks a ``TaskCache`` keeps besides the last graphs' keep alive (``HeldBytes.size``,
 each block apart), all states together: past it every known block is dropped."""
-
-
-class _Chunks(dict):
-    """``simulator.zero3``'s memo of recorded chunks with the tasks they hold (``tasks``)."""
-
-    def __init__(self):
-        super().__init__()
-        self.tasks = 0
-
-    def __setitem__(self, key: Any, chunk: Any) -> None:
-        old = dict.get(self, key)
-        if old is not None:
-            self.tasks -= len(old.cols)
-        dict.__setitem__(self, key, chunk)
-        self.tasks += len(chunk.cols)
-
-    def clear(self) -> None:
-        dict.clear(self)
-        self.tasks = 0
 
 
 def block_bytes(block: Any) -> int:

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-__all__ = ["TaskGraph", "TaskKind", "StepOrder", "Columns", "Segment", "INDEX", "CATEGORY"]
+__all__ = ["TaskGraph", "TaskKind", "StepOrder", "Columns", "Segment", "Recorded", "INDEX", "CATEGORY"]
 
 
 class TaskKind(IntEnum):
@@ -98,6 +98,31 @@ class Columns:
 
     def __len__(self) -> int:
         return len(self.duration)
+
+
+class Recorded:
+    """Tasks recorded once and laid out in later graphs (each record has its ``Columns`` as
+    ``cols``), by key, and the tasks they hold in all: ``simulator.step``'s gradient buckets,
+    ``simulator.zero3``'s level-2/3 chunks (a ``TaskCache`` keeps one of each)."""
+
+    def __init__(self) -> None:
+        self.records: dict[Any, Any] = {}
+        self.tasks = 0
+
+    def record(self, key: Any, record: Any) -> Any:
+        """``record`` kept under ``key`` (a new key: a record is made once); returns it."""
+        self.records[key] = record
+        self.tasks += len(record.cols)
+        return record
+
+    def clear(self) -> None:
+        self.records.clear()
+        self.tasks = 0
+
+    def bound(self, most: int, most_tasks: float = float("inf")) -> None:
+        """Empty from ``most`` records or past ``most_tasks`` tasks (speed, never results)."""
+        if len(self.records) >= most or self.tasks > most_tasks:
+            self.clear()
 
 
 class Segment:

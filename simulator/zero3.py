@@ -34,14 +34,14 @@ from __future__ import annotations
 import itertools
 import weakref
 from itertools import repeat
-from operator import add, getitem, itemgetter
+from operator import add, getitem
 from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 
 from simulator.comm import allgather_time, reduce_scatter_time, ring_resources
 from simulator.step import copy_time, member_ends
-from simulator.taskgraph import INDEX, Columns, TaskGraph, TaskKind
+from simulator.taskgraph import INDEX, Columns, Recorded, TaskGraph, TaskKind
 from simulator.topology import Topology
 from strategies.config import format_devices
 from strategies.lowering import Lowered
@@ -68,7 +68,7 @@ def fsdp_copy_in_traffic(gradient_bytes: int, wide: int) -> int:
 
 
 def add_gathers(tg: TaskGraph, lowered: Lowered, topology: Topology, blocks: Sequence, first: np.ndarray,
-                position: dict[str, int], keep: frozenset[int] | None = None, memo: dict | None = None,
+                position: dict[str, int], keep: frozenset[int] | None = None, memo: Recorded | None = None,
                 cost: Any = None) -> tuple[np.ndarray, dict[int, list[int]]]:
     """Add every level-2 and level-3 use's tasks to ``tg`` (``blocks``, ``first``, ``position`` as
     ``simulator.collectives.add_collectives`` takes them). Returns the arrivals' places in the
@@ -95,9 +95,17 @@ def add_gathers(tg: TaskGraph, lowered: Lowered, topology: Topology, blocks: Seq
     chunks = [u.chunk_bytes for u in groups]
     unit_bytes = {key: sum(chunks[x] for x, _, _ in gathers) for key, gathers in calls.items()}  # each unit call's
     if memo is None:
-        memo = {}
-    elif len(memo) > _CHUNKS:
-        memo.clear()
+        memo = Recorded()
+    memo.bound(_CHUNKS)
+
+    def chunk(g: int, u, members: list, phases: tuple, wide: int, units: tuple) -> _Chunk:
+        """Group ``u``'s chunk for ``units`` (``_unit`` of each phase, or () where no unit call is
+        made), recorded where ``memo`` has none."""
+        key = (u, phases, keep, units, wide, copies)
+        got = memo.records.get(key)
+        return got if got is not None else memo.record(
+            key, _record(topology, u, members, phases, chunks, calls, units, g, wide, copies))
+
     at = first.tolist()
     uses = []  # what a group's tasks read alike in every micro-batch, found once
     rows = []  # each use's reader-block local ids, a row a micro-batch (``_block_reads``)
@@ -114,12 +122,7 @@ def add_gathers(tg: TaskGraph, lowered: Lowered, topology: Topology, blocks: Seq
         again = ("recompute",) if lowered.strategy[u.op].recompute else ()  # gathered for its recomputation too
         phases = ("fwd", *again, "bwd") if u.zero == 3 else ()
         wide = reduce_scale(lowered.strategy, u.shards[0].dtype)
-        c = None
-        if not of:  # no unit calls: one chunk serves every micro-batch
-            key = (u, phases, keep, (), wide, copies)
-            c = memo.get(key)
-            if c is None:
-                c = memo[key] = _record(topology, u, members, phases, chunks, of, calls, (), g, wide, copies)
+        c = None if of else chunk(g, u, members, phases, wide, ())  # no unit call: one for every micro-batch
         i = position[u.op]
         uses.append((g, u, members, phases, wide, c, width))
         rows.append(_block_reads(blocks[i], ks, phases, m))
@@ -153,12 +156,8 @@ def add_gathers(tg: TaskGraph, lowered: Lowered, topology: Topology, blocks: Seq
         for j in range(m):
             for g, u, members, phases, wide, c, start in uses:
                 if of:
-                    units = tuple(_unit(of.get((g, phase, j)), made, unit_bytes) for phase in phases)
-                    key = (u, phases, keep, units, wide, copies)
-                    c = memo.get(key)
-                    if c is None:
-                        c = memo[key] = _record(topology, u, members, phases, chunks, of, calls, units, g, wide,
-                                                copies)
+                    c = chunk(g, u, members, phases, wide,
+                              tuple(_unit(of.get((g, phase, j)), made, unit_bytes) for phase in phases))
                 lay(c, j, j * width + start)
     if end_parts:
         ends = _by_device(end_parts, end_bases)
@@ -190,20 +189,10 @@ def _block_reads(block, ks: tuple[int, ...], phases: tuple, m: int) -> np.ndarra
         mine = _READS[block] = {}
     got = mine.get((ks, phases, m))
     if got is None:
-        get = itemgetter(*ks)
-        one = len(ks) == 1
-        out = []
-        for j in range(m):
-            f = get(block.fwd[j])
-            b = get(block.bwd_done[j])
-            if one:
-                f, b = (f,), (b,)
-            row = []
-            for phase in phases:
-                plus = phase != "fwd"
-                row += [x + plus for x in f]
-            out.append(row + list(b))
-        got = mine[(ks, phases, m)] = np.array(out, dtype=np.int64).reshape(m, -1)
+        plus = [int(phase != "fwd") for phase in phases]
+        got = mine[(ks, phases, m)] = np.array(
+            [[block.fwd[j][k] + p for p in plus for k in ks] + [block.bwd_done[j][k] for k in ks] for j in range(m)],
+            dtype=np.int64).reshape(m, -1)
     return got
 
 
@@ -246,7 +235,7 @@ MERGED_FROM = 2
 every task once more) each chunk is laid out as recorded. Either way the same tasks, edges and
 order."""
 _CHUNKS = 1 << 14
-"""Recorded chunks a ``TaskCache`` keeps (emptied past it)."""
+"""Recorded chunks a ``TaskCache`` keeps (``Recorded.bound``: from them it starts empty)."""
 _FIELDS = ("category", "duration", "resources", "device", "nbytes")
 """The columns laid out as recorded (the names with their micro-batch)."""
 
@@ -282,8 +271,8 @@ def _unit(key, made: dict, unit_bytes: dict) -> tuple | None:
     return None if key is None else (key, key in made, unit_bytes[key])
 
 
-def _record(topology: Topology, u, members: list, phases: tuple, chunks: list, of: dict, calls: dict,
-            units: tuple, g: int, wide: int = 1, copies: bool = False) -> _Chunk:
+def _record(topology: Topology, u, members: list, phases: tuple, chunks: list, calls: dict, units: tuple,
+            g: int, wide: int = 1, copies: bool = False) -> _Chunk:
     """``_use_tasks`` of group ``u`` (index ``g``), recorded as a ``_Chunk``."""
     cols = Columns()
     src: list[int] = []
@@ -341,8 +330,8 @@ def _placed(laid: list, block_ids: np.ndarray) -> np.ndarray:
 
 def _use_tasks(add: Callable[..., int], edge: Callable[[int, int], None], topology: Topology, u,
                members: list, phases: tuple, keys: Sequence, chunks: list, calls_made: list,
-               ends: dict[int, list[int]], calls: dict | None = None, made: dict | None = None,
-               g: int = -1, wide: int = 1, copies: bool = False) -> None:
+               ends: dict[int, list[int]], calls: dict, made: dict, g: int, wide: int = 1,
+               copies: bool = False) -> None:
     """Group ``u``'s tasks in one micro-batch through ``add`` and ``edge`` (a recorder's, names
     ``str.format`` templates of the micro-batch, ``_Chunk``): at level 3 one all-gather per phase
     (or, where ``keys`` names the phase's unit call, that call once: ``calls``, ``made``), each
@@ -357,7 +346,7 @@ def _use_tasks(add: Callable[..., int], edge: Callable[[int, int], None], topolo
     op = _escaped(u.op)
     links = ring_resources(topology, devs)
     simulated = [d for d, _ in members]
-    chunk = chunks[g] if g >= 0 else u.chunk_bytes
+    chunk = chunks[g]
     n = len(members)
     for p, (phase, key) in enumerate(zip(phases, keys)):
         backward = phase != "fwd"

@@ -43,7 +43,7 @@ def _walk(evaluate: Evaluator, moves: int, seed: int, each=lambda: None) -> int:
 
 
 def _counts_true(cache: TaskCache) -> None:
-    assert cache.gathers.tasks == sum(len(c.cols) for c in cache.gathers.values())
+    assert cache.gathers.tasks == sum(len(c.cols) for c in cache.gathers.records.values())
     assert cache.step_tasks.tasks == sum(len(t.cols) for t in cache.step_tasks.records.values())
     assert cache.known_bytes == sum(simulator.taskcache.block_bytes(b) for s in cache._states.values()
                                     for known in s[1][3] for b in known.values())
@@ -74,7 +74,7 @@ def test_the_task_cache_bound_fires_and_results_stay_exact(monkeypatch):
             assert list(cache._states.values()) in ([], [cache._current])
             if tasks > bound // 2:
                 records.append(tasks)
-                assert not cache.gathers and not cache.step_tasks.records and not cache.buckets
+                assert not cache.gathers.records and not cache.step_tasks.records and not cache.buckets
             else:
                 assert cache.gathers.tasks + cache.step_tasks.tasks == tasks // simulator.taskcache.TASK_BYTES
         _counts_true(cache)
