@@ -53,8 +53,9 @@ RECOMPUTE = ("full", "selective", "alternate", "op", "none")
 """Activation recomputation (Korthikanti et al. §5): every op of every transformer block
 ("full", ``plan --recompute``), the attention core only ("selective"), every block of every
 second layer ("alternate": torchtitan's selective layer checkpointing, ``selective_ac_option
-= "2"``), torchtitan's selective op checkpointing ("op": a per-op save list, no plan
-equivalent: such rows are listed, not simulated), or none."""
+= "2"``), torchtitan's selective op checkpointing ("op": its save list, every second matrix
+product and every op but the attention cores and the other products recomputed in each layer,
+``strategies.recompute_policies.op_recomputed``), or none."""
 NARAYANAN = "Narayanan et al. SC'21 (arXiv 2104.04473), Table 1"
 KORTHIKANTI = "Korthikanti et al. MLSys'23 (arXiv 2205.05198), Tables 3 and 5"
 TORCHTITAN = "torchtitan docs/performance.md (2024), 64 A100 80GB"
@@ -99,8 +100,6 @@ class Run:
     kv_heads: int | None = None
     plan: str = "megatron"
     """The baseline the run used: "megatron" (TP/PP/DP) or "fsdp" (FSDP2 over every GPU)."""
-    unsupported: str | None = None
-    """Why the row has no plan here (listed, not simulated), or None."""
     seq: int = 2048
     vocab: int = 51200
     microbatch: int = MICROBATCH
@@ -193,11 +192,10 @@ _KORTHIKANTI_ROWS = tuple(
          "selective", True),
     ))
 
-_OP_AC = "torchtitan's selective op checkpointing (a per-op save list) has no plan equivalent"
 _TORCHTITAN_ROWS = tuple(
     Run(name, p, a, h, l, 1, 1, 64, 64 * local, f"{TORCHTITAN}, {table}, row {name}", "torchtitan-a100",
         wps=wps, mfu=mfu, seq=seq, vocab=v, microbatch=local, recompute=rec,
-        unsupported=_OP_AC if rec == "op" else None, dtype="bf16", reduce_dtype="float32", attention="flash",
+        dtype="bf16", reduce_dtype="float32", attention="flash",
         model="llama", ffn=f,
         kv_heads=kv, plan="fsdp")
     for name, table, p, a, kv, h, l, f, v, seq, local, rec, wps, mfu in (

@@ -3,7 +3,8 @@
 micro-batch, global batch, sequence, recompute, dtype, the published figure and its paper,
 table and row); this script builds each row's model on meta, the ``megatron`` baseline's plan
 with the row's flags (full recompute of every block as ``plan --recompute``, selective
-recompute as the attention cores recomputed, sequence parallelism, bf16 or fp16 as ``plan
+recompute as the attention cores recomputed, torchtitan's selective op checkpointing as
+``strategies.recompute_policies.op_recomputed``, sequence parallelism, bf16 or fp16 as ``plan
 --dtype``, Megatron-LM's local DDP as one gradient bucket synced after the backward and its
 sends: ``LOCAL_DDP_BUCKET_MB``), predicts the iteration with the analytical model (the row's attention kernel:
 "megatron" for Megatron-LM of 2021-2022, its unfused kernels with dropout on the
@@ -66,6 +67,7 @@ from strategies.baselines import fsdp  # noqa: E402
 from strategies import megatron_layers  # noqa: E402
 from strategies.megatron import megatron  # noqa: E402
 from strategies.megatron_layers import layer_recomputed  # noqa: E402
+from strategies.recompute_policies import attention_recomputed, op_recomputed  # noqa: E402
 from strategies.lowering import lower  # noqa: E402
 from strategies.precision import compute_graph  # noqa: E402
 
@@ -151,7 +153,8 @@ def build_plan(run: Run, graph: OpGraph) -> Strategy:
     and chunks per device (1F1B, or interleaved 1F1B where ``chunks`` > 1), or ``fsdp`` over
     every GPU; its recompute (full: every layer but its closing residual add, ``layer_ops``;
     selective: each attention core, Korthikanti et al. §5; alternate: every second layer's,
-    torchtitan's selective layer checkpointing), its dtype and the dtype it sums gradients in
+    torchtitan's selective layer checkpointing; op: torchtitan's selective op checkpointing,
+    ``strategies.recompute_policies.op_recomputed``), its dtype and the dtype it sums gradients in
     (``Run.reduce_dtype``: torchtitan's FSDP2 in float32)."""
     if run.plan == "fsdp":
         plan = fsdp(graph, run.gpus)
@@ -162,10 +165,9 @@ def build_plan(run: Run, graph: OpGraph) -> Strategy:
         layers = layer_ops(graph, run)  # "alternate": torchtitan's 2nd, 4th, ...
         plan = layer_recomputed(plan, graph, layers[1::2] if run.recompute == "alternate" else layers)
     elif run.recompute == "op":
-        raise ValueError(f"row {run.name!r}: {run.unsupported}")
+        plan = op_recomputed(plan, graph, layer_ops(graph, run))
     elif run.recompute == "selective":
-        plan = plan.with_configs({name: cfg.with_memory(recompute=True) if graph[name].kind == "attention" else cfg
-                                  for name, cfg in plan.items()})
+        plan = attention_recomputed(plan, graph)
     if run.ddp == "local":
         plan = plan.with_bucket_cap(LOCAL_DDP_BUCKET_MB).with_overlap_grad_reduce(False)
     return plan.with_precision(run.dtype, run.reduce_dtype)
@@ -185,8 +187,6 @@ def layer_ops(graph: OpGraph, run: Run) -> list[set[str]]:
 def reachable(run: Run, max_gpus: int | None = None) -> str | None:
     """None when the row is simulated: its devices within ``max_gpus`` (None: no limit) and the
     presets; else why not ("not simulated: N devices ...")."""
-    if run.unsupported is not None:
-        return f"not simulated: {run.unsupported}"
     if max_gpus is not None and run.gpus > max_gpus:
         return f"not simulated: {run.gpus} devices (over --max-gpus {max_gpus})"
     try:

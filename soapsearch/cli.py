@@ -20,6 +20,7 @@ from soapsearch.search.output import check_plan_output, wrote
 from soapsearch.trace import CAPTURES, TraceError, check_scalar_loss, trace
 from strategies import BASELINES, OpGraph, PlanError, baseline, get_rule, save_strategy
 from strategies.strategy import DTYPE_FLAGS, FSDP_UNITS, REDUCE_DTYPES, REDUCE_HELP, Strategy
+from strategies.baselines import RECOMPUTE
 from strategies.serialize import check_writable
 from strategies.config import ROLE_LETTER
 from strategies.rules import OPAQUE
@@ -227,9 +228,11 @@ def _parser() -> argparse.ArgumentParser:
                       help="--baseline megatron: cut the ops between the blocks (LayerNorm, residual, "
                            "dropout) on the sequence over each tensor-parallel group (Korthikanti et al. "
                            "2022) instead of on the samples")
-    plan.add_argument("--recompute", action="store_true",
-                      help="recompute every op of every transformer block in the backward (Korthikanti et al. "
-                           "2022's full recompute)")
+    plan.add_argument("--recompute", nargs="?", const="blocks", default=None, choices=sorted(RECOMPUTE),
+                      help="recompute in the backward, by policy: blocks (the default when given bare: every op "
+                           "of every transformer block, Korthikanti et al. 2022's full recompute), layers (every "
+                           "op of every layer but its closing residual add, Megatron-LM's full recompute), "
+                           "or selective (the attention cores, Korthikanti et al. 2022 section 5)")
     plan.add_argument("--dtype", default="fp32", choices=sorted(DTYPE_FLAGS),
                       help="the plan's precision: fp32 computes in the model's dtype, bf16/fp16 in mixed "
                            "precision (float32 master weights and optimizer state)")

@@ -13,6 +13,7 @@ from strategies.graph import OpGraph, OpNode
 from strategies.megatron import megatron, megatron_blocks
 from strategies.megatron_layers import layer_recomputed
 from strategies.pieces import recomputable
+from strategies.recompute_policies import attention_recomputed
 from strategies.region import partition_index
 from strategies.repeats import repeated_blocks
 from strategies.replicas import shardable
@@ -20,7 +21,7 @@ from strategies.rules import get_rule
 from strategies.stages import linear_partition
 from strategies.strategy import Strategy
 
-__all__ = ["BASELINES", "baseline", "data_parallel", "fsdp", "hybrid", "megatron", "model_parallel", "owt",
+__all__ = ["BASELINES", "RECOMPUTE", "baseline", "data_parallel", "fsdp", "hybrid", "megatron", "model_parallel", "owt",
            "param_split", "pipeline", "balanced_stages", "megatron_lm", "recomputed", "sharded", "single_device",
            "zero1"]
 
@@ -255,17 +256,34 @@ BASELINES: dict[str, Callable[..., Strategy]] = {
 
 def baseline(name: str, graph: OpGraph, num_devices: int, microbatches: int | None = None,
              tp: int | None = None, pp: int = 1, sequence_parallel: bool = False,
-             recompute: bool = False, virtual_stages: int = 1) -> Strategy:
+             recompute: bool | str = False, virtual_stages: int = 1) -> Strategy:
     """The baseline plan ``name`` (one of BASELINES) for ``graph`` on ``num_devices``;
     ``microbatches``: of ``pipeline`` (default 4) and ``megatron`` (default 1); ``tp``, ``pp``,
     ``sequence_parallel``, ``virtual_stages``: ``megatron``'s tensor-parallel degree (default
     ``strategies.megatron.default_tp``), pipeline stages, layout between its blocks and model
     chunks per pipeline rank (the interleaved schedule above 1);
-    ``recompute``: every op of every transformer block recomputed (``recomputed``)."""
+    ``recompute``: a policy of ``RECOMPUTE`` (True: "blocks", False: none)."""
     if name not in BASELINES:
         raise PlanError(None, "baseline", name, f"must be one of {sorted(BASELINES)}")
+    if recompute is True:
+        recompute = "blocks"
+    if recompute and recompute not in RECOMPUTE:
+        raise PlanError(None, "recompute", recompute, f"must be one of {sorted(RECOMPUTE)}")
     plan = _baseline(name, graph, num_devices, microbatches, tp, pp, sequence_parallel, virtual_stages)
-    return recomputed(plan, graph) if recompute else plan
+    return RECOMPUTE[recompute](plan, graph) if recompute else plan
+
+
+RECOMPUTE: dict[str, Callable[[Strategy, OpGraph], Strategy]] = {
+    "blocks": recomputed,
+    "layers": layer_recomputed,
+    "selective": attention_recomputed,
+}
+"""Recompute policies by name: every op of every transformer block (Korthikanti et al. 2022's
+full recompute of the blocks), every op of every layer but its closing residual add
+(Megatron-LM's ``--recompute-granularity full``, torchtitan's full activation checkpointing),
+the attention cores (Korthikanti et al. 2022 §5's selective recompute). Torchtitan's selective
+op checkpointing is ``strategies.recompute_policies.op_recomputed``, not named here: its per-op
+flags keep more than the policy does (its docstring)."""
 
 
 def _baseline(name: str, graph: OpGraph, num_devices: int, microbatches: int | None, tp: int | None, pp: int,

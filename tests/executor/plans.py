@@ -11,6 +11,7 @@ import random
 from strategies.baselines import balanced_stages, baseline, data_parallel, hybrid, model_parallel, owt, pipeline
 from strategies.config import ParallelConfig, enumerate_configs
 from strategies.graph import OpGraph
+from strategies.recompute_policies import op_recomputed
 from strategies.rules import get_rule
 from strategies.strategy import Strategy
 
@@ -120,7 +121,7 @@ def recompute_ops(graph: OpGraph, what: str) -> list[str]:
     output, the next block's input, is then all a block keeps: Korthikanti et al. 2022 §4.1), ``mlp`` (each block's ``mlp_fc`` and ``mlp_gelu``: fc's output
     dropped, gelu's kept for the row-parallel proj), ``attn`` (Korthikanti et al. 2022's
     selective recompute: the attention core and the reshapes around it, from q/k/v's outputs to
-    the proj's input), ``mid`` (the tiny mlp's layers_1..layers_3), ``seed<k>`` (a random half
+    the proj's input), ``op`` (``strategies.recompute_policies.op_recomputed``), ``mid`` (the tiny mlp's layers_1..layers_3), ``seed<k>`` (a random half
     of the ops with a backward and no sum across devices)."""
     if what.startswith("block") and what != "blocks":
         return _block(graph, int(what.removeprefix("block")))
@@ -139,6 +140,9 @@ def recompute_ops(graph: OpGraph, what: str) -> list[str]:
             out += [op for op in ops[first:ops.index(f"blocks_{i}_attn_proj")]
                     if not op.startswith(f"blocks_{i}_attn_")]
         return out
+    if what == "op":  # torchtitan's selective op checkpointing, as per-op flags
+        plan = op_recomputed(data_parallel(graph, 1), graph)
+        return [n.name for n in graph if plan[n.name].recompute]
     if what == "mid":
         return ["layers_1", "layers_2", "layers_3"]
     if what.startswith("seed"):

@@ -1,5 +1,5 @@
 """Parity of recompute plans (docs/design.md, "Recompute"; Chen et al. 2016, Korthikanti et al.
-2022): recompute per op and per block (every op of a gpt transformer block), alone and with
+2022; torchtitan's selective op checkpointing as per-op flags): recompute per op and per block (every op of a gpt transformer block), alone and with
 tensor (Megatron-LM) and pipeline cuts fed micro-batches, on 2 and 4 gloo processes, float64,
 SGD and Adam, against one device (``harness.compare``); and, on a world of one, that the
 executor holds none of the dropped outputs between a forward and its backward and saves nothing
@@ -29,10 +29,10 @@ pytestmark = pytest.mark.distributed
 CASES_2 = [("mlp", "dp+rc_mid"), ("gpt", "dp+rc_blocks"), ("gpt", "megatron+rc_blocks"),
            ("gpt", "megatron_sp+rc_blocks"), ("gpt", "1f1b+rc_block0"), ("gpt", "gpipe+rc_mlp"),
            ("gpt", "heads+rc_attn"), ("gpt", "random_mb1+rc_seed1"), ("gpt", "megatron+rc_layers"),
-           ("gpt", "megatron_sp+rc_seed3"), ("gpt", "megatron_sp_mb4+rc_layers")]
+           ("gpt", "megatron_sp+rc_seed3"), ("gpt", "megatron_sp_mb4+rc_layers"), ("llama", "megatron+rc_op")]
 CASES_4 = [("gpt", "megatron_pp2+rc_blocks"), ("gpt", "megatron+rc_attn"), ("gpt", "1f1b+rc_blocks"),
            ("mlp", "stages_dp+rc_mid"), ("gpt", "colrow+rc_mlp"), ("gpt", "random_mb2+rc_seed2"),
-           ("gpt", "megatron_sp_pp2+rc_layers"), ("gpt", "megatron_sp_pp2+rc_seed3")]
+           ("gpt", "megatron_sp_pp2+rc_layers"), ("gpt", "megatron_sp_pp2+rc_seed3"), ("llama", "1f1b+rc_op")]
 
 
 @pytest.mark.parametrize("world,cases", [(2, CASES_2), (4, CASES_4)])
