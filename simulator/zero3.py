@@ -34,7 +34,7 @@ from __future__ import annotations
 import itertools
 import weakref
 from itertools import repeat
-from operator import add, getitem
+from operator import add, getitem, itemgetter
 from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
@@ -48,7 +48,7 @@ from strategies.lowering import Lowered
 from strategies.precision import reduce_scale
 from strategies.prefetch import call_key, calls_at, issue_positions, recomputed_in_unit, step_units
 from strategies.zero import gather_groups
-from strategies.zero_alike import alike_readers
+from strategies.zero_alike import alike_readers, step_sums
 
 __all__ = ["FSDP_COPY_LABELS", "add_gathers", "fsdp_copy_in_traffic"]
 
@@ -409,24 +409,26 @@ def _issue_tasks(lowered: Lowered, groups: Sequence, blocks: Sequence, first: np
     found once per class of devices reading alike on their reading orders
     (``strategies.zero_alike``); each member then reads its own partition indices."""
     at = first.tolist()  # each block's first task, as ints
-    level3 = [u.zero == 3 for u in groups]
+    level3 = np.array([u.zero == 3 for u in groups], dtype=np.int64)
     out = {}
     for c in alike_readers(lowered):
         mine = [(d, ks) for d, ks in zip(c.devices, c.indices) if keep is None or d in keep]
         if not mine:
             continue
-        flags = [any(map(level3.__getitem__, gs)) for gs in c.reads]
+        gathers = step_sums(c, level3)[0] > 0
+        units = step_units(lowered, c.order)
         # only a reading step's gathers are issued (a step of no gather is its own position)
         # per reading step that gathers: its position q, pass, op, micro-batch; its issuer's position
         # p, the issuer block's first task + backward, its forwards (op, pass, micro-batch alike on
         # every member; the partition indices each member's own)
-        qs, backwards, ops, js, ps, bases, fwds = [], [], [], [], [], [], []
-        for q, (p, f) in enumerate(zip(issue_positions(flags, step_units(lowered, c.order)), flags)):
-            if f:
-                i, s = c.order[p], c.order[q]
-                b = position[i.op]
-                qs.append(q), backwards.append(s.backward), ops.append(s.op), js.append(s.microbatch)
-                ps.append(p), bases.append(at[b] + i.backward), fwds.append(blocks[b].fwd[i.microbatch])
+        at_q = np.flatnonzero(gathers)
+        qs = at_q.tolist()
+        ps = np.asarray(issue_positions(gathers, units))[at_q].tolist()
+        readers, issuers = [c.order[q] for q in qs], [c.order[p] for p in ps]
+        backwards, ops, js = (list(map(itemgetter(x), readers)) for x in (0, 1, 3))  # Step's fields
+        where = [position[i.op] for i in issuers]
+        bases = [at[x] + i.backward for x, i in zip(where, issuers)]
+        fwds = [blocks[x].fwd[i.microbatch] for x, i in zip(where, issuers)]
         for d, ks in mine:  # C-level passes over the positions, one member at a time
             steps = zip(zip(repeat(d), backwards, ops, map(ks.__getitem__, qs)), js)
             out.update(zip(steps, map(add, bases, map(getitem, fwds, map(ks.__getitem__, ps)))))

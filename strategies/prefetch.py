@@ -28,6 +28,8 @@ from __future__ import annotations
 import functools
 from typing import Callable, Hashable, Sequence, TypeVar
 
+import numpy as np
+
 from strategies.graph import OpGraph
 from strategies.lowering import Lowered
 from strategies.memo import per_lowered
@@ -36,9 +38,9 @@ from strategies.precision import reduce_scale
 from strategies.repeats import repeated_blocks
 from strategies.schedule import Step
 from strategies.zero import gather_groups
-from strategies.zero_alike import alike_readers
+from strategies.zero_alike import alike_readers, step_sums
 
-__all__ = ["issue_positions", "issued_at", "calls_at", "call_key", "gathered_bytes", "block_units", "step_units",
+__all__ = ["issue_positions", "own_positions", "issued_at", "calls_at", "call_key", "gathered_bytes", "block_units", "step_units",
            "recomputed_in_unit"]
 
 
@@ -85,10 +87,12 @@ def recomputed_in_unit(lowered: Lowered) -> frozenset[str]:
 def issue_positions(gathers: Sequence[bool], units: Sequence[Hashable] | None = None) -> list[int]:
     """For a device's run order (``gathers[q]``: step q all-gathers level-3 weights;
     ``units[q]``: its unit, consecutive steps of one unit forming it, None: its own; no
-    ``units``: every step its own unit): the position at whose start step q's all-gathers are
-    issued: the first gathering step of the previous unit that gathers (one unit ahead, FSDP2's
-    default), the first gathering unit's at its own first gathering step; a step gathering
-    nothing its own."""
+    ``units``: every step its own unit, ``own_positions``): the position at whose start step
+    q's all-gathers are issued: the first gathering step of the previous unit that gathers (one
+    unit ahead, FSDP2's default), the first gathering unit's at its own first gathering step; a
+    step gathering nothing its own."""
+    if units is None:
+        return own_positions(np.asarray(gathers, dtype=bool)).tolist()
     out: list[int] = []
     prev = first = None  # the previous gathering unit's first gathering step; the current unit's
     key: object = None
@@ -102,6 +106,15 @@ def issue_positions(gathers: Sequence[bool], units: Sequence[Hashable] | None = 
             out.append(prev if prev is not None else first)
         else:
             out.append(q)
+    return out
+
+
+def own_positions(gathers: np.ndarray) -> np.ndarray:
+    """``issue_positions`` where every step is its own unit, as an array: a gathering step at
+    the previous gathering step (the first one at its own), any other step at its own."""
+    out = np.arange(len(gathers))
+    at = np.flatnonzero(gathers)
+    out[at[1:]] = at[:-1]
     return out
 
 
@@ -151,24 +164,24 @@ def gathered_bytes(lowered: Lowered) -> tuple[int, ...]:
     device reads its own shards through partitions the lowering does not keep)."""
     n = lowered.strategy.num_devices
     groups = gather_groups(lowered)
-    gathered = [(u.nbytes, call_key(u)) if u.zero == 3 else None for u in groups]  # once per group
+    level3 = np.array([u.zero == 3 for u in groups], dtype=np.int64)
+    nbytes = np.array([u.nbytes for u in groups], dtype=np.int64)
     # the gradient, and where the plan reduces in float32 its copy cast up for the reduce-scatter
     # (FSDP2's reduce_dtype: foreach_reduce copies the gradients into a float32 input)
-    held = [(int(u.zero == 3) + 1 + _widened(lowered.strategy, u)) * u.nbytes for u in groups]
+    held = (level3 + 1 + np.array([_widened(lowered.strategy, u) for u in groups], dtype=np.int64)) * nbytes
     out = [0] * n
-    level3 = any(x is not None for x in gathered)  # else nothing is prefetched: no buffer ahead
     for c in alike_readers(lowered):  # the walk once per class: its members hold alike
-        if level3:
-            each = tuple(tuple((q, gathered[g]) for g in gs if gathered[g] is not None) for q, gs in enumerate(c.reads))
-            units = step_units(lowered, c.order)
-            ahead = _ahead(calls_at(each, units, _second_key)) if units is not None else _ahead_own(each)
+        gathers, ahead_bytes, holds = step_sums(c, level3, level3 * nbytes, held)
+        units = step_units(lowered, c.order) if level3.any() else None  # else nothing is prefetched
+        if units is None:
+            ahead = _ahead_own(gathers > 0, ahead_bytes)
         else:
-            ahead = [0] * (len(c.reads) + 1)
-        most = alive = 0
-        for p, gs in enumerate(c.reads):
-            alive += ahead[p]
-            if gs:
-                most = max(most, sum(held[g] for g in gs) + alive)
+            gathered = [(u.nbytes, call_key(u)) if u.zero == 3 else None for u in groups]
+            each = tuple(tuple((q, gathered[g]) for g in gs if gathered[g] is not None) for q, gs in enumerate(c.reads))
+            ahead = np.array(_ahead(calls_at(each, units, _second_key)), dtype=np.int64)
+        alive = np.cumsum(ahead[:-1])  # the buffers alive at each position
+        reading = np.fromiter(map(bool, c.reads), bool, len(c.reads))
+        most = int((holds + alive)[reading].max()) if reading.any() else 0
         for d in c.devices:
             out[d] = most
     if lowered.copies is not None:  # a member m >= 2 holds its member-1 image's (it reads no kept partition)
@@ -198,16 +211,14 @@ def _ahead(calls: list[list[tuple[Hashable, tuple]]]) -> list[int]:
     return ahead
 
 
-def _ahead_own(gathers: Sequence[Sequence[tuple]]) -> list[int]:
-    """``_ahead`` of ``calls_at(gathers, None, ...)``, every step its own unit: each gather is
-    its own call, issued at its step's ``issue_positions`` and read last there, so a step's
-    gathers add their bytes from its issue position to it."""
-    ahead = [0] * (len(gathers) + 1)
-    for q, p in enumerate(issue_positions([bool(g) for g in gathers])):
-        if p < q:
-            nbytes = sum(u[0] for _, u in gathers[q])
-            ahead[p] += nbytes
-            ahead[q] -= nbytes
+def _ahead_own(gathers: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
+    """``_ahead`` of ``calls_at``, every step its own unit (``gathers[q]``: step q gathers,
+    ``nbytes[q]`` bytes): each gather is its own call, issued at its step's ``own_positions``
+    and read last there, so a step's gathers add their bytes from its issue position to it."""
+    ahead = np.zeros(len(gathers) + 1, dtype=np.int64)
+    at = np.flatnonzero(gathers)
+    ahead[at[:-1]] += nbytes[at[1:]]  # issued at the previous gathering step (the first at its own)
+    ahead[at[1:]] -= nbytes[at[1:]]
     return ahead
 
 

@@ -22,14 +22,17 @@ reading steps of those sequences, so a device's is found from its reader ops' pa
 
 from __future__ import annotations
 
+import itertools
 from typing import NamedTuple, Sequence
+
+import numpy as np
 
 from strategies.lowering import Lowered
 from strategies.memo import per_lowered
 from strategies.schedule import Step, chunk_of, device_passes
 from strategies.zero import gather_groups
 
-__all__ = ["AlikeReaders", "alike_readers"]
+__all__ = ["AlikeReaders", "alike_readers", "step_sums"]
 
 _step = tuple.__new__
 
@@ -69,6 +72,19 @@ def alike_readers(lowered: Lowered) -> tuple[AlikeReaders, ...]:
             del _KEPT[next(iter(_KEPT))]
     _KEPT[key] = got  # the most recently used last
     return got
+
+
+def step_sums(c: AlikeReaders, *values: np.ndarray) -> list[np.ndarray]:
+    """Per position of ``c.order``, the sum of each of ``values`` (int64, an entry per group of
+    ``gather_groups``) over the groups its step reads: an array per ``values``."""
+    sizes = np.fromiter(map(len, c.reads), np.int64, len(c.reads))
+    ends = np.cumsum(sizes)
+    flat = np.fromiter(itertools.chain.from_iterable(c.reads), np.int64, int(ends[-1]) if len(ends) else 0)
+    out = []
+    for v in values:
+        sums = np.concatenate(([0], np.cumsum(v[flat])))
+        out.append(sums[ends] - sums[ends - sizes])
+    return out
 
 
 KEPT = 64

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 
 import simulator.zero3 as zero3
@@ -16,7 +17,7 @@ from simulator.tasks import build_tasks
 from simulator.taskgraph import label
 from strategies import data_parallel
 from strategies.lowering import lower
-from strategies.prefetch import _ahead, _ahead_own, _second_key, calls_at, issue_positions, issued_at
+from strategies.prefetch import _ahead, _ahead_own, _second_key, calls_at, issue_positions, issued_at, own_positions
 from tests.conftest import traced
 from tests.executor.plans import zero
 
@@ -39,7 +40,19 @@ def test_bytes_ahead_of_own_units_are_the_calls_walk():
     for _ in range(300):
         each = tuple(tuple((q, (rng.randrange(1, 1 << 20), ("g", rng.randrange(3))))
                            for _ in range(rng.choice((0, 0, 1, 2, 3)))) for q in range(rng.randrange(1, 12)))
-        assert _ahead_own(each) == _ahead(calls_at(each, None, _second_key)), each
+        gathers = np.array([bool(g) for g in each])
+        nbytes = np.array([sum(u[0] for _, u in g) for g in each], dtype=np.int64)
+        assert _ahead_own(gathers, nbytes).tolist() == _ahead(calls_at(each, None, _second_key)), each
+
+
+def test_own_positions_are_the_units_walk():
+    """Every step its own unit: ``own_positions`` (numpy) equals ``issue_positions``' walk over
+    units, each step a unit of its own (None), on random run orders."""
+    rng = random.Random(5)
+    for _ in range(300):
+        gathers = [rng.random() < 0.4 for _ in range(rng.randrange(0, 15))]
+        walk = issue_positions(gathers, [None] * len(gathers))
+        assert own_positions(np.array(gathers, dtype=bool)).tolist() == issue_positions(gathers) == walk, gathers
 
 
 def _times(low):
