@@ -89,8 +89,9 @@ def add_gathers(tg: TaskGraph, lowered: Lowered, topology: Topology, blocks: Seq
     if not groups:
         return np.empty((2, 0), dtype=INDEX), ends
     m = lowered.strategy.microbatches
-    issue = _issue_tasks(lowered, groups, blocks, first, position, keep) if any(u.zero == 3 for u in groups) else {}
-    of, calls = _unit_calls(lowered, groups, keep) if issue and lowered.strategy.fsdp_unit == "block" else ({}, {})
+    issue = _issue_tasks(lowered, groups, blocks, first, position, keep) if any(u.zero == 3 for u in groups) else None
+    of, calls = (_unit_calls(lowered, groups, keep) if issue is not None and issue.column
+                 and lowered.strategy.fsdp_unit == "block" else ({}, {}))
     made: dict = {}  # a unit's call -> its simulated members' ends, by device
     chunks = [u.chunk_bytes for u in groups]
     unit_bytes = {key: sum(chunks[x] for x, _, _ in gathers) for key, gathers in calls.items()}  # each unit call's
@@ -172,11 +173,16 @@ def add_gathers(tg: TaskGraph, lowered: Lowered, topology: Topology, blocks: Seq
                           _placed([(c.dst, *rest) for c, *rest in laid], block_ids).astype(INDEX)))
     if not calls_laid:
         return np.empty((2, 0), dtype=INDEX), ends
+    sizes = [len(c.call_ids) for c, _, _ in calls_laid]
     ids = (np.concatenate([c.call_ids for c, _, _ in calls_laid])
-           + np.repeat(np.fromiter((b for _, b, _ in calls_laid), np.int64, len(calls_laid)),
-                       [len(c.call_ids) for c, _, _ in calls_laid]))
-    steps = itertools.chain.from_iterable(zip(c.call_steps, repeat(j)) for c, _, j in calls_laid)
-    return np.stack([ids, np.fromiter(map(issue.__getitem__, steps), np.int64, len(ids))]).astype(INDEX), ends
+           + np.repeat(np.fromiter((b for _, b, _ in calls_laid), np.int64, len(calls_laid)), sizes))
+    columns: dict[int, np.ndarray] = {}  # each chunk's calls' columns of ``issue.values``, found once a chunk
+    for c, _, _ in calls_laid:
+        if id(c) not in columns:
+            columns[id(c)] = np.fromiter(map(issue.column.__getitem__, c.call_steps), np.int64, len(c.call_steps))
+    rows = np.repeat(np.fromiter((j for _, _, j in calls_laid), np.int64, len(calls_laid)), sizes)
+    places = issue.values[rows, np.concatenate([columns[id(c)] for c, _, _ in calls_laid])]
+    return np.stack([ids, places]).astype(INDEX), ends
 
 
 def _block_reads(block, ks: tuple[int, ...], phases: tuple, m: int) -> np.ndarray:
@@ -400,17 +406,30 @@ def _escaped(text: str) -> str:
     return text.replace("{", "{{").replace("}", "}}")
 
 
+class _Issues(NamedTuple):
+    """``_issue_tasks``' answer: each step reading level-3 weights, (device, backward, op,
+    partition index) (a ``Step``'s fields, the micro-batch apart as ``_Chunk.call_steps`` leaves
+    it open) -> its column of ``values``, whose row j holds, for micro-batch j, the first task of
+    the step at whose start the all-gathers that step reads are issued (-1: no such step)."""
+
+    column: dict[tuple, int]
+    values: np.ndarray
+
+
 def _issue_tasks(lowered: Lowered, groups: Sequence, blocks: Sequence, first: np.ndarray,
-                 position: dict[str, int], keep: frozenset[int] | None = None) -> dict[tuple, int]:
-    """((device, backward, op, partition index), micro-batch) of each step reading level-3
-    weights (a ``Step``'s fields, the micro-batch apart as ``_Chunk.calls`` leaves it open)
-    -> the first task of the step at whose start the
-    all-gathers that step reads are issued there (``strategies.prefetch.issue_positions``),
-    found once per class of devices reading alike on their reading orders
-    (``strategies.zero_alike``); each member then reads its own partition indices."""
+                 position: dict[str, int], keep: frozenset[int] | None = None) -> _Issues:
+    """Where each step reading level-3 weights has its all-gathers issued (``_Issues``;
+    ``strategies.prefetch.issue_positions``), found once per class of devices reading alike on
+    their reading orders (``strategies.zero_alike``); each member then reads its own partition
+    indices. Where a member's gathering steps are the same (pass, op, partition index) in every
+    micro-batch, as in every schedule here, one micro-batch's steps are keyed and the others
+    laid out as rows; else step by step."""
+    m = lowered.strategy.microbatches
     at = first.tolist()  # each block's first task, as ints
     level3 = np.array([u.zero == 3 for u in groups], dtype=np.int64)
-    out = {}
+    column: dict[tuple, int] = {}
+    parts: list[np.ndarray] = []  # ``values``' columns, a (m, columns) array per member and class
+    width = 0  # the columns so far
     for c in alike_readers(lowered):
         mine = [(d, ks) for d, ks in zip(c.devices, c.indices) if keep is None or d in keep]
         if not mine:
@@ -422,6 +441,8 @@ def _issue_tasks(lowered: Lowered, groups: Sequence, blocks: Sequence, first: np
         # p, the issuer block's first task + backward, its forwards (op, pass, micro-batch alike on
         # every member; the partition indices each member's own)
         at_q = np.flatnonzero(gathers)
+        if not len(at_q):
+            continue
         qs = at_q.tolist()
         ps = np.asarray(issue_positions(gathers, units))[at_q].tolist()
         readers, issuers = [c.order[q] for q in qs], [c.order[p] for p in ps]
@@ -429,10 +450,44 @@ def _issue_tasks(lowered: Lowered, groups: Sequence, blocks: Sequence, first: np
         where = [position[i.op] for i in issuers]
         bases = [at[x] + i.backward for x, i in zip(where, issuers)]
         fwds = [blocks[x].fwd[i.microbatch] for x, i in zip(where, issuers)]
+        # the steps micro-batch after micro-batch (run order within each): pass, op (and each
+        # member's partition index)
+        by_j = np.argsort(np.array(js, dtype=np.int64), kind="stable")
+        steps = np.array([(b, position[op]) for b, op in zip(backwards, ops)], dtype=np.int64)[by_j]
+        js_sorted = np.array(js, dtype=np.int64)[by_j]
         for d, ks in mine:  # C-level passes over the positions, one member at a time
-            steps = zip(zip(repeat(d), backwards, ops, map(ks.__getitem__, qs)), js)
-            out.update(zip(steps, map(add, bases, map(getitem, fwds, map(ks.__getitem__, ps)))))
-    return out
+            places = np.fromiter(map(add, bases, map(getitem, fwds, map(ks.__getitem__, ps))), np.int64, len(ps))
+            kq = np.asarray(ks)[at_q]
+            per = _per_microbatch(np.column_stack([steps, kq[by_j]]), js_sorted, m)
+            if per is not None:  # one micro-batch's steps keyed, every micro-batch a row
+                first_j = by_j[:per].tolist()
+                keys = zip(repeat(d), map(backwards.__getitem__, first_j), map(ops.__getitem__, first_j),
+                           kq[first_j].tolist())
+                column.update(zip(keys, range(width, width + per)))
+                parts.append(places[by_j].reshape(m, per))
+                width += per
+                continue
+            each = list(zip(zip(repeat(d), backwards, ops, kq.tolist()), js, places.tolist()))
+            mine_at: dict[tuple, int] = {}
+            for key, _, _ in each:
+                mine_at.setdefault(key, len(mine_at))
+            part = np.full((m, len(mine_at)), -1, dtype=np.int64)
+            for key, j, v in each:
+                part[j, mine_at[key]] = v
+            column.update((key, width + x) for key, x in mine_at.items())
+            parts.append(part)
+            width += len(mine_at)
+    return _Issues(column, np.concatenate(parts, axis=1) if parts else np.empty((m, 0), dtype=np.int64))
+
+
+def _per_microbatch(steps: np.ndarray, js: np.ndarray, m: int) -> int | None:
+    """How many steps each micro-batch has where ``steps`` (a row each: pass, op, partition
+    index; micro-batch after micro-batch, ``js`` theirs) are the same in each of the ``m``
+    micro-batches, in the same order; None where not."""
+    per, odd = divmod(len(steps), m)
+    if odd or not (js == np.repeat(np.arange(m), per)).all() or not (steps.reshape(m, per, -1) == steps[:per]).all():
+        return None
+    return per
 
 
 def _unit_calls(lowered: Lowered, groups: Sequence, keep: frozenset[int] | None = None) -> tuple[dict, dict]:

@@ -310,6 +310,41 @@ def _graph_facts(tg, start, end) -> tuple:
 
 
 @pytest.mark.parametrize("seed", range(4))
+def test_issue_positions_laid_as_rows_equal_step_by_step(monkeypatch, seed):
+    """Where a member's gathering steps repeat in every micro-batch, ``zero3._issue_tasks`` keys
+    one micro-batch's and lays the others out as rows (``_per_microbatch``): the same graph as
+    keyed step by step, on random ZeRO-3 plans (2 or 4 micro-batches, both schedules, "op" and
+    "block" units, recompute, FSDP2's copies on odd seeds), per device and folded; and the rows
+    are taken on each of them."""
+    from simulator import zero3
+    from simulator.simulate import Lowerings, timed_graph
+    from strategies.baselines import BASELINES
+    from tests.executor.plans import make_plan
+    rng = random.Random(seed)
+    graph, topo = traced("gpt", batch_size=16), get_topology("p100-2x2")
+    plan = BASELINES["fsdp"](graph, N) if seed % 2 else make_plan(graph, f"random{seed}", N)
+    plan = plan.with_configs({op: c.with_memory(zero=3, recompute=c.recompute or rng.random() < 0.2)
+                              if any(w.trainable for w in graph[op].weights) else c for op, c in plan.items()})
+    plan = plan.with_fsdp_unit(rng.choice(["op", "block"])).with_microbatches(rng.choice([2, 4]),
+                                                                             rng.choice(["gpipe", "1f1b"]))
+    cost = get_cost_model("analytical", fsdp_copies=bool(seed % 2))
+    rows = zero3._per_microbatch
+    taken = []
+    monkeypatch.setattr(zero3, "_per_microbatch", lambda *a: taken.append(rows(*a)) or taken[-1])
+    for fold in (True, False):
+        built = []
+        for keyed in (zero3._per_microbatch, lambda *a: None):
+            monkeypatch.setattr(zero3, "_per_microbatch", keyed)
+            lowerings = Lowerings(graph, plan)
+            tg, _, start, end = timed_graph(lowerings.first(topo, fold), topo, cost, "adam", None, fold,
+                                            relower=lowerings)
+            built.append(_graph_facts(tg, start, end))
+        assert built[0] == built[1]
+        monkeypatch.setattr(zero3, "_per_microbatch", lambda *a: taken.append(rows(*a)) or taken[-1])
+    assert taken and None not in taken
+
+
+@pytest.mark.parametrize("seed", range(4))
 def test_chunks_laid_as_one_equal_chunks_laid_apart(monkeypatch, seed):
     """Where no unit call is made, every micro-batch's level-2/3 chunks are merged and laid out
     once a micro-batch (``zero3._merged``, from ``MERGED_FROM`` micro-batches): the same tasks,
