@@ -309,38 +309,48 @@ def _graph_facts(tg, start, end) -> tuple:
             list(tg.nbytes), src.tolist(), dst.tolist(), list(start), list(end))
 
 
+def _built(graph, plan, topo, cost, fold: bool) -> tuple:
+    """``_graph_facts`` of ``plan`` simulated from scratch (no task cache)."""
+    from simulator.simulate import Lowerings, timed_graph
+    lowerings = Lowerings(graph, plan)
+    tg, _, start, end = timed_graph(lowerings.first(topo, fold), topo, cost, "adam", None, fold, relower=lowerings)
+    return _graph_facts(tg, start, end)
+
+
+def _random_zero(seed: int, level, units: str):
+    """zoo gpt on 4 devices: fsdp (odd seeds) or a random plan, each weighted op at ``level(rng,
+    config)``, some recomputed, ``units``, 2 or 4 micro-batches under either schedule; the
+    analytical model, with FSDP2's copies on odd seeds."""
+    from strategies.baselines import BASELINES
+    from tests.executor.plans import make_plan
+    rng = random.Random(seed)
+    graph = traced("gpt", batch_size=16)
+    plan = BASELINES["fsdp"](graph, N) if seed % 2 else make_plan(graph, f"random{seed}", N)
+    plan = plan.with_configs({op: c.with_memory(zero=level(rng, c), recompute=c.recompute or rng.random() < 0.2)
+                              if any(w.trainable for w in graph[op].weights) else c for op, c in plan.items()})
+    plan = plan.with_fsdp_unit(units).with_microbatches(rng.choice([2, 4]), rng.choice(["gpipe", "1f1b"]))
+    return graph, plan, get_cost_model("analytical", fsdp_copies=bool(seed % 2))
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_issue_positions_laid_as_rows_equal_step_by_step(monkeypatch, seed):
     """Where a member's gathering steps repeat in every micro-batch, ``zero3._issue_tasks`` keys
     one micro-batch's and lays the others out as rows (``_per_microbatch``): the same graph as
-    keyed step by step, on random ZeRO-3 plans (2 or 4 micro-batches, both schedules, "op" and
-    "block" units, recompute, FSDP2's copies on odd seeds), per device and folded; and the rows
-    are taken on each of them."""
+    keyed step by step, on random ZeRO-3 plans ("op" units on even seeds, "block" on odd),
+    per device and folded; and the rows are taken on each of them."""
     from simulator import zero3
-    from simulator.simulate import Lowerings, timed_graph
-    from strategies.baselines import BASELINES
-    from tests.executor.plans import make_plan
-    rng = random.Random(seed)
-    graph, topo = traced("gpt", batch_size=16), get_topology("p100-2x2")
-    plan = BASELINES["fsdp"](graph, N) if seed % 2 else make_plan(graph, f"random{seed}", N)
-    plan = plan.with_configs({op: c.with_memory(zero=3, recompute=c.recompute or rng.random() < 0.2)
-                              if any(w.trainable for w in graph[op].weights) else c for op, c in plan.items()})
-    plan = plan.with_fsdp_unit(rng.choice(["op", "block"])).with_microbatches(rng.choice([2, 4]),
-                                                                             rng.choice(["gpipe", "1f1b"]))
-    cost = get_cost_model("analytical", fsdp_copies=bool(seed % 2))
-    rows = zero3._per_microbatch
-    taken = []
-    monkeypatch.setattr(zero3, "_per_microbatch", lambda *a: taken.append(rows(*a)) or taken[-1])
+    graph, plan, cost = _random_zero(seed, lambda rng, c: 3, ("op", "block")[seed % 2])
+    topo = get_topology("p100-2x2")
+    rows, taken = zero3._per_microbatch, []
+
+    def watched(*args):
+        taken.append(rows(*args))
+        return taken[-1]
     for fold in (True, False):
-        built = []
-        for keyed in (zero3._per_microbatch, lambda *a: None):
-            monkeypatch.setattr(zero3, "_per_microbatch", keyed)
-            lowerings = Lowerings(graph, plan)
-            tg, _, start, end = timed_graph(lowerings.first(topo, fold), topo, cost, "adam", None, fold,
-                                            relower=lowerings)
-            built.append(_graph_facts(tg, start, end))
-        assert built[0] == built[1]
-        monkeypatch.setattr(zero3, "_per_microbatch", lambda *a: taken.append(rows(*a)) or taken[-1])
+        monkeypatch.setattr(zero3, "_per_microbatch", watched)
+        keyed = _built(graph, plan, topo, cost, fold)
+        monkeypatch.setattr(zero3, "_per_microbatch", lambda *args: None)
+        assert keyed == _built(graph, plan, topo, cost, fold)
     assert taken and None not in taken
 
 
@@ -352,24 +362,13 @@ def test_chunks_laid_as_one_equal_chunks_laid_apart(monkeypatch, seed):
     plans with random levels, recompute and micro-batch counts, with and without FSDP2's copies,
     per device and folded."""
     from simulator import zero3
-    from simulator.simulate import Lowerings, timed_graph
-    from strategies.baselines import BASELINES
-    from tests.executor.plans import make_plan
-    rng = random.Random(seed)
-    graph, topo = traced("gpt", batch_size=16), get_topology("p100-2x2")
-    plan = BASELINES["fsdp"](graph, N) if seed % 2 else make_plan(graph, f"random{seed}", N)
-    plan = plan.with_configs({op: c.with_memory(zero=rng.choice([c.zero, 2, 3]) if c.zero or rng.random() < 0.5
-                                                else c.zero, recompute=c.recompute or rng.random() < 0.2)
-                              if any(w.trainable for w in graph[op].weights) else c for op, c in plan.items()})
-    plan = plan.with_fsdp_unit("op").with_microbatches(rng.choice([2, 4]), rng.choice(["gpipe", "1f1b"]))
-    cost = get_cost_model("analytical", fsdp_copies=bool(seed % 2))
+    graph, plan, cost = _random_zero(seed, lambda rng, c: rng.choice([c.zero, 2, 3]) if c.zero or rng.random() < 0.5
+                                     else c.zero, "op")
+    topo = get_topology("p100-2x2")
     assert any(u.zero == 3 for u in gather_groups(lower(graph, plan)))
     for fold in (True, False):
         built = []
         for merged_from in (zero3.MERGED_FROM, 1 << 30):
             monkeypatch.setattr(zero3, "MERGED_FROM", merged_from)
-            lowerings = Lowerings(graph, plan)
-            tg, _, start, end = timed_graph(lowerings.first(topo, fold), topo, cost, "adam", None, fold,
-                                            relower=lowerings)
-            built.append(_graph_facts(tg, start, end))
+            built.append(_built(graph, plan, topo, cost, fold))
         assert built[0] == built[1]
