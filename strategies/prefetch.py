@@ -40,8 +40,8 @@ from strategies.schedule import Step
 from strategies.zero import gather_groups
 from strategies.zero_alike import alike_readers, step_sums
 
-__all__ = ["issue_positions", "own_positions", "issued_at", "calls_at", "call_key", "gathered_bytes", "block_units", "step_units",
-           "recomputed_in_unit"]
+__all__ = ["issue_positions", "own_positions", "issued_at", "calls_at", "call_key", "gathered_bytes", "block_units",
+           "step_units", "recomputed_in_unit"]
 
 
 @functools.lru_cache(maxsize=8)
@@ -216,9 +216,10 @@ def _ahead_own(gathers: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
     ``nbytes[q]`` bytes): each gather is its own call, issued at its step's ``own_positions``
     and read last there, so a step's gathers add their bytes from its issue position to it."""
     ahead = np.zeros(len(gathers) + 1, dtype=np.int64)
-    at = np.flatnonzero(gathers)
-    ahead[at[:-1]] += nbytes[at[1:]]  # issued at the previous gathering step (the first at its own)
-    ahead[at[1:]] -= nbytes[at[1:]]
+    q = np.flatnonzero(gathers)
+    p = own_positions(gathers)[q]
+    np.add.at(ahead, p, nbytes[q] * (p < q))
+    np.add.at(ahead, q, -nbytes[q] * (p < q))
     return ahead
 
 

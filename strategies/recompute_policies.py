@@ -1,4 +1,4 @@
-"""Recompute policies of the frameworks, as per-op recompute flags (``OpConfig.recompute``: the
+"""Recompute policies of the frameworks, as per-op recompute flags (``ParallelConfig.recompute``: the
 op drops its output after its forward and runs it again before its backward).
 
 - ``attention_recomputed``: each attention core, Korthikanti et al. 2022 §5's selective
@@ -32,6 +32,7 @@ Whole-layer and whole-block recompute are ``strategies.megatron_layers.layer_rec
 
 from __future__ import annotations
 
+from strategies.errors import PlanError
 from strategies.graph import OpGraph, OpNode
 from strategies.megatron_layers import layer_ops
 from strategies.strategy import Strategy
@@ -41,7 +42,10 @@ __all__ = ["attention_recomputed", "op_recomputed", "op_saved", "runs_as_mm"]
 
 def attention_recomputed(plan: Strategy, graph: OpGraph) -> Strategy:
     """``plan`` with each attention core recomputed (Korthikanti et al. 2022 §5: the scores,
-    softmax and dropout on them, whose activations grow with the sequence squared)."""
+    softmax and dropout on them, whose activations grow with the sequence squared); a
+    PlanError where the graph has none."""
+    if not any(node.kind == "attention" for node in graph):
+        raise PlanError(None, "recompute", "selective", f"model {graph.name!r} has no attention op to recompute")
     return plan.with_configs({name: cfg.with_memory(recompute=True) if graph[name].kind == "attention" else cfg
                               for name, cfg in plan.items()})
 

@@ -77,6 +77,10 @@ def test_policies_by_name():
     assert not _recomputed(baseline("data_parallel", g, 2, recompute=False))
     with pytest.raises(PlanError, match="recompute = 'op'.*must be one of \\['blocks', 'layers', 'selective'\\]"):
         baseline("data_parallel", g, 2, recompute="op")
+    mlp = traced("mlp")
+    for policy in ("selective", "layers"):  # no attention; MLP blocks that pair into no layer
+        with pytest.raises(PlanError, match="recompute"):
+            baseline("data_parallel", mlp, 2, recompute=policy)
 
 
 @pytest.mark.parametrize("policy", ["layers", "selective"])
