@@ -233,11 +233,15 @@ def korthikanti_activations(run: Run) -> float | None:
     and sequence parallelism (eq. 6), 2sbh with full recompute (§4.3: the layer's input; /t
     with sequence parallelism); over the L/p layers of a stage times the p micro-batches 1F1B's
     first stage holds, that is L layers (§4.2.3); torchtitan's "alternate": half the layers
-    each way; None for torchtitan's per-op list ("op"). A LLaMA layer's SwiGLU and GQA differ
-    from the GPT layer counted here."""
-    if run.recompute == "op":
-        return None
+    each way. A LLaMA layer's SwiGLU and GQA differ from the GPT layer counted here. For
+    torchtitan's selective op checkpointing ("op", no GPT count), what its policy saves of a
+    LLaMA layer (t = 1): the layer's input and the outputs of wq, wv, the attention, w1 and w2,
+    sb·(4h + kv + f) at 16 bits (kv the key/value width, f the SwiGLU width), and the
+    attention's float32 logsumexp, 4·sba bytes (``strategies.recompute_policies``)."""
     s, b, h, a, t = run.seq, run.microbatch, run.hidden, run.heads, run.tp
+    if run.recompute == "op":
+        kv = (run.kv_heads or a) * (h // a)
+        return (2 * s * b * (4 * h + kv + run.ffn) + 4 * s * b * a) * run.layers
     sbh = s * b * h
     scores = 0 if run.attention == "flash" else 5 * a * s / (h * t)  # flash attention keeps no scores
     none = sbh * (10 + 24 / t + scores)

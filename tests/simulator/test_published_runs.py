@@ -171,7 +171,7 @@ def test_op_checkpointing_keeps_what_the_saved_products_read_back():
     and logsumexp, and what the kept ops' backwards read: both norms' outputs, the rotary
     embedding's q and k, and the SwiGLU product: s·b·(6h + 2kv + 2f) bf16 elements and s·b·a
     float32 statistics a layer on every GPU (``strategies.recompute_policies``: the policy
-    itself keeps s·b·(4h + kv + f) and the statistics)."""
+    itself keeps s·b·(4h + kv + f) and the statistics, ``korthikanti_activations``)."""
     base = replace(next(r for r in TORCHTITAN if r.recompute == "op"), hidden=256, heads=4, kv_heads=2, ffn=512,
                    seq=128, vocab=512)
     kept = {}
@@ -181,6 +181,8 @@ def test_op_checkpointing_keeps_what_the_saved_products_read_back():
         kept[layers] = lower(graph, build_plan(run, graph)).device_bytes.kept
     s, b, h, kv, f, a = 128, base.microbatch, 256, 2 * 64, 512, 4
     assert [k2 - k1 for k1, k2 in zip(kept[1], kept[2])] == [2 * s * b * (6 * h + 2 * kv + 2 * f) + 4 * s * b * a] * 64
+    # the policy's own count ("paper"): the input, wq, wv, the attention, w1 and w2, and the logsumexp
+    assert korthikanti_activations(replace(base, layers=2)) == 2 * (2 * s * b * (4 * h + kv + f) + 4 * s * b * a)
 
 
 def test_the_fit_scores_log_errors_on_other_device_figures():
