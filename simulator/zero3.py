@@ -450,13 +450,19 @@ def _issue_tasks(lowered: Lowered, groups: Sequence, blocks: Sequence, first: np
         where = [position[i.op] for i in issuers]
         bases = [at[x] + i.backward for x, i in zip(where, issuers)]
         fwds = [blocks[x].fwd[i.microbatch] for x, i in zip(where, issuers)]
-        # the steps micro-batch after micro-batch (run order within each): pass, op (and each
-        # member's partition index)
-        by_j = np.argsort(np.array(js, dtype=np.int64), kind="stable")
-        steps = np.array([(b, position[op]) for b, op in zip(backwards, ops)], dtype=np.int64)[by_j]
-        js_sorted = np.array(js, dtype=np.int64)[by_j]
+        if m > 1:  # the steps micro-batch after micro-batch (run order within each): pass, op (and
+            # each member's partition index)
+            by_j = np.argsort(np.array(js, dtype=np.int64), kind="stable")
+            steps = np.array([(b, position[op]) for b, op in zip(backwards, ops)], dtype=np.int64)[by_j]
+            js_sorted = np.array(js, dtype=np.int64)[by_j]
         for d, ks in mine:  # C-level passes over the positions, one member at a time
             places = np.fromiter(map(add, bases, map(getitem, fwds, map(ks.__getitem__, ps))), np.int64, len(ps))
+            if m == 1:  # one micro-batch: its steps are the row
+                column.update(zip(zip(repeat(d), backwards, ops, map(ks.__getitem__, qs)),
+                                  range(width, width + len(qs))))
+                parts.append(places[None])
+                width += len(qs)
+                continue
             kq = np.asarray(ks)[at_q]
             per = _per_microbatch(np.column_stack([steps, kq[by_j]]), js_sorted, m)
             if per is not None:  # one micro-batch's steps keyed, every micro-batch a row
