@@ -180,8 +180,10 @@ def add_gathers(tg: TaskGraph, lowered: Lowered, topology: Topology, blocks: Seq
     for c, _, _ in calls_laid:
         if id(c) not in columns:
             columns[id(c)] = np.fromiter(map(issue.column.__getitem__, c.call_steps), np.int64, len(c.call_steps))
-    rows = np.repeat(np.fromiter((j for _, _, j in calls_laid), np.int64, len(calls_laid)), sizes)
-    places = issue.values[rows, np.concatenate([columns[id(c)] for c, _, _ in calls_laid])]
+    js = np.repeat(np.fromiter((j for _, _, j in calls_laid), np.int64, len(calls_laid)), sizes)
+    places = issue.values[js, np.concatenate([columns[id(c)] for c, _, _ in calls_laid])]
+    if (places < 0).any():  # a step keyed, but not in this call's micro-batch
+        raise RuntimeError(f"add_gathers: {int((places < 0).sum())} calls read a step of no issue place")
     return np.stack([ids, places]).astype(INDEX), ends
 
 
@@ -457,32 +459,21 @@ def _issue_tasks(lowered: Lowered, groups: Sequence, blocks: Sequence, first: np
             js_sorted = np.array(js, dtype=np.int64)[by_j]
         for d, ks in mine:  # C-level passes over the positions, one member at a time
             places = np.fromiter(map(add, bases, map(getitem, fwds, map(ks.__getitem__, ps))), np.int64, len(ps))
-            if m == 1:  # one micro-batch: its steps are the row
-                column.update(zip(zip(repeat(d), backwards, ops, map(ks.__getitem__, qs)),
-                                  range(width, width + len(qs))))
-                parts.append(places[None])
-                width += len(qs)
-                continue
-            kq = np.asarray(ks)[at_q]
-            per = _per_microbatch(np.column_stack([steps, kq[by_j]]), js_sorted, m)
-            if per is not None:  # one micro-batch's steps keyed, every micro-batch a row
-                first_j = by_j[:per].tolist()
-                keys = zip(repeat(d), map(backwards.__getitem__, first_j), map(ops.__getitem__, first_j),
-                           kq[first_j].tolist())
-                column.update(zip(keys, range(width, width + per)))
-                parts.append(places[by_j].reshape(m, per))
-                width += per
-                continue
-            each = list(zip(zip(repeat(d), backwards, ops, kq.tolist()), js, places.tolist()))
-            mine_at: dict[tuple, int] = {}
-            for key, _, _ in each:
-                mine_at.setdefault(key, len(mine_at))
-            part = np.full((m, len(mine_at)), -1, dtype=np.int64)
-            for key, j, v in each:
-                part[j, mine_at[key]] = v
-            column.update((key, width + x) for key, x in mine_at.items())
-            parts.append(part)
-            width += len(mine_at)
+            kq = list(map(ks.__getitem__, qs))
+            if m == 1:  # one micro-batch: its steps, in order, are the row
+                keys, row = zip(repeat(d), backwards, ops, kq), places[None]
+            elif (per := _per_microbatch(np.column_stack([steps, np.asarray(kq)[by_j]]), js_sorted, m)) is not None:
+                first_j = by_j[:per].tolist()  # one micro-batch's steps keyed, every micro-batch a row
+                keys = zip(repeat(d), *(map(x.__getitem__, first_j) for x in (backwards, ops, kq)))
+                row = places[by_j].reshape(m, per)
+            else:  # step by step: a column per step, a row per micro-batch
+                cols: dict[tuple, int] = {}
+                at_col = [cols.setdefault(key, len(cols)) for key in zip(repeat(d), backwards, ops, kq)]
+                keys, row = cols, np.full((m, len(cols)), -1, dtype=np.int64)
+                row[js, at_col] = places
+            column.update(zip(keys, range(width, width + row.shape[1])))
+            parts.append(row)
+            width += row.shape[1]
     return _Issues(column, np.concatenate(parts, axis=1) if parts else np.empty((m, 0), dtype=np.int64))
 
 

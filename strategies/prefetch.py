@@ -169,6 +169,7 @@ def gathered_bytes(lowered: Lowered) -> tuple[int, ...]:
     # the gradient, and where the plan reduces in float32 its copy cast up for the reduce-scatter
     # (FSDP2's reduce_dtype: foreach_reduce copies the gradients into a float32 input)
     held = (level3 + 1 + np.array([_widened(lowered.strategy, u) for u in groups], dtype=np.int64)) * nbytes
+    gathered = [(u.nbytes, call_key(u)) if u.zero == 3 else None for u in groups]  # a unit's calls' items
     out = [0] * n
     for c in alike_readers(lowered):  # the walk once per class: its members hold alike
         gathers, ahead_bytes, holds = step_sums(c, level3, level3 * nbytes, held)
@@ -176,12 +177,11 @@ def gathered_bytes(lowered: Lowered) -> tuple[int, ...]:
         if units is None:
             ahead = _ahead_own(gathers > 0, ahead_bytes)
         else:
-            gathered = [(u.nbytes, call_key(u)) if u.zero == 3 else None for u in groups]
             each = tuple(tuple((q, gathered[g]) for g in gs if gathered[g] is not None) for q, gs in enumerate(c.reads))
             ahead = np.array(_ahead(calls_at(each, units, _second_key)), dtype=np.int64)
         alive = np.cumsum(ahead[:-1])  # the buffers alive at each position
-        reading = np.fromiter(map(bool, c.reads), bool, len(c.reads))
-        most = int((holds + alive)[reading].max()) if reading.any() else 0
+        # every step of a reading order reads some group (``AlikeReaders.order``)
+        most = int((holds + alive).max()) if len(holds) else 0
         for d in c.devices:
             out[d] = most
     if lowered.copies is not None:  # a member m >= 2 holds its member-1 image's (it reads no kept partition)
