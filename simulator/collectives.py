@@ -20,10 +20,12 @@ is set, it runs beside their input-gradient products (Megatron-LM's
 ``LinearWithGradAccumulationAndAsyncCommunication.backward`` starts the all-gather, computes
 ``grad_output.matmul(weight)``, then waits), so it too is charged what the shortest leaves.
 
-A member's call is an *arrival* task of no duration in the device's schedule
-(``simulator.step_order.link_schedule``'s slots): after the step before the call's step and what
-the host runs between the two (its sends, the buckets' packs started there), before the
-collective. Built afresh for every task graph from ``Lowered.collectives`` (a collective shared
+A member's call is an *arrival* of the collective's task in the device's schedule
+(``simulator.step_order.link_schedule``'s slots): the collective waits on the step before the
+call's step and what the host runs between the two (its sends, the buckets' packs started
+there), edges into it, not a task of no duration between (a third of a tensor-parallel plan's
+tasks were such calls; a task of no duration and no resource delays nothing, so the times are
+the same). Built afresh for every task graph from ``Lowered.collectives`` (a collective shared
 by several consumer ops belongs to no one op's block), so delta simulation needs nothing more.
 """
 
@@ -56,7 +58,8 @@ def add_collectives(tg: TaskGraph, lowered: Lowered, topology: Topology, blocks:
     that timed the blocks (its ``input_grad_overlap``; None: no overlap); ``keep``: the devices
     simulated (``simulator.fold``: a collective timed over its group, its member tasks and
     edges on them; one with no member there has no tasks). Returns the arrivals' places in the
-    devices' schedules as rows (arrival task, the step's first task), global ids.
+    devices' schedules as rows (the collective's task, the call's step's first task), global ids,
+    one a member's call.
 
     One op's collectives (consecutive in ``Lowered.collectives``) that repeat with a period
     alike but for their micro-batch (the same kind, group, holders, bytes, readers, steps and
@@ -248,10 +251,7 @@ def _record(life, fwd_steps: dict, bwd_steps: dict, again: dict | None, reads: S
         out.src.extend(before)
         out.dst.extend([x] * len(before))
         for d, s in steps.items():  # each member's call at the start of its step (``step_order.link_schedule``'s slots)
-            a = task(f"call {label} device {d}", 0.0, (), d, 0)
-            out.src.append(a)
-            out.dst.append(x)
-            out.arrivals.append((a, (position[s.op], "fwd", s.index, s.backward, s.microbatch - c.microbatch)))
+            out.arrivals.append((x, (position[s.op], "fwd", s.index, s.backward, s.microbatch - c.microbatch)))
         ends = member_ends(lambda name, _category, seconds, resources, d: task(name, seconds, resources, d, 0),
                            lambda a, b: (out.src.append(a), out.dst.append(b)), topology, x, c.devices, label,
                            TaskKind.COLLECTIVE, simulated)

@@ -21,12 +21,13 @@ def link_schedule(tg: TaskGraph, lowered: Lowered, steps: np.ndarray, first: np.
     pass running them in reverse. A step starts once the one before it is done, a blocking sum
     in it included (the executor's collectives run inside its forward and backward steps), and
     the sends at the end of the step before; a receive in a step starts once the step before
-    it is done, and so does a member's call of a collective (``arrivals``: rows (call, the
-    step's first task), global ids; ``simulator.collectives``), and the sends at the end of
+    it is done, and so does a member's call of a collective (``arrivals``: rows (the
+    collective's task, the call's step's first task), global ids; ``simulator.collectives``:
+    the collective waits on every member's call), and the sends at the end of
     the step before (the host sends them first). ``steps``, ``slots``: the blocks' rows
     (``simulator.tasks._Block``); returns each device's last step and the sends after it (its backward pass is
-    over after them), and the receives and calls inside steps as (each one's step's first
-    task, it), which ``build_tasks`` has wait on the buckets' packs before the step too."""
+    over after them), and the receives and the collectives called inside steps as (each one's
+    step's first task, it), which ``build_tasks`` has wait on the buckets' packs before the step too."""
     n, m = tg.num_devices, lowered.strategy.microbatches
     chunk = chunk_of(lowered)  # interleaved: a step is one chunk's partitions (strategies.chunks)
     v = 1 + max(chunk.values()) if chunk else 1

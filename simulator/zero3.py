@@ -16,8 +16,8 @@ starts at the start of the previous unit in its run order that all-gathers (a st
 repeated block's instance under ``fsdp_unit`` "block", whose groups on one device set are one
 all-gather task, ``strategies.prefetch.calls_at``), and only the reader's step waits on it, so
 the gather runs beside the steps in between.
-A call is an arrival task of no duration in the member's schedule, as a lowering collective's
-(``simulator.collectives``). Delta simulation: each group's tasks are recorded once with
+A call is an arrival of the all-gather's task at the member's issuing step, as a lowering
+collective's (``simulator.collectives``: edges into it, no task of its own). Delta simulation: each group's tasks are recorded once with
 their micro-batch and reader block's ids left open (``_Chunk``) and laid out for every
 micro-batch of every graph where the group, its phases and its unit's call are the same; the
 reader block's ids (``_block_reads``) and the calls' places in the schedules (the issue
@@ -72,7 +72,8 @@ def add_gathers(tg: TaskGraph, lowered: Lowered, topology: Topology, blocks: Seq
                 cost: Any = None) -> tuple[np.ndarray, dict[int, list[int]]]:
     """Add every level-2 and level-3 use's tasks to ``tg`` (``blocks``, ``first``, ``position`` as
     ``simulator.collectives.add_collectives`` takes them). Returns the arrivals' places in the
-    devices' schedules as rows (arrival task, the step's first task), and per device the
+    devices' schedules as rows (the all-gather's task, the issuing step's first task), one a
+    member's call, and per device the
     reduce-scatters' ends its optimizer update waits on. ``keep``: the devices simulated
     (``simulator.fold``: each collective timed over its group, its member tasks on them).
     ``memo`` (a ``TaskCache``'s): each group's tasks are recorded once (``_Chunk``: its
@@ -258,7 +259,8 @@ class _Chunk(NamedTuple):
     src: np.ndarray
     dst: np.ndarray
     call_ids: np.ndarray
-    """The members' call tasks: each arrival's place is its issuing step's."""
+    """Each member's call, as the all-gather task it arrives at (one entry a member): its
+    place is its issuing step's."""
     call_steps: list
     """The step each call reads, (device, backward, op, partition index), in the same order
     (its micro-batch the one laid out)."""
@@ -371,10 +373,8 @@ def _use_tasks(add: Callable[..., int], edge: Callable[[int, int], None], topolo
                 gathered = sum(chunks[x] for x in dict.fromkeys(x for x, _, _ in calls[key]))
             ag = add(label, TaskKind.COLLECTIVE, allgather_time(topology, devs, nbytes), links, devs[0],
                      nbytes * len(devs))
-            for d, k in members:
-                a = add(f"call {label} device {d}", TaskKind.COLLECTIVE, 0.0, (), d)
-                edge(a, ag)
-                calls_made.append((a, (d, backward, u.op, k)))  # ``_issue_tasks``' key, less the micro-batch
+            for d, k in members:  # the member's call: an arrival of ``ag`` at its issue step
+                calls_made.append((ag, (d, backward, u.op, k)))  # ``_issue_tasks``' key, less the micro-batch
             done = dict(zip(simulated, member_ends(add, edge, topology, ag, devs, label, TaskKind.COLLECTIVE,
                                                    simulated)))
             if copies:  # split_with_sizes_copy out of the flat buffer, on the compute stream
