@@ -98,7 +98,8 @@ class Folded(NamedTuple):
     links: np.ndarray
     """Their copy-0 links."""
     internal: tuple[np.ndarray, np.ndarray]
-    """(task, link) of every copy-0 task's link."""
+    """(task, link) of every copy-0 task on one of ``links``, each of its links there (what
+    ``holds`` compares the asymmetric tasks with)."""
     held: tuple[frozenset[int], ...]
     """Per asymmetric (task, link): the copies whose image of the link the task holds."""
 
@@ -155,9 +156,12 @@ def task_copies(tg: TaskGraph, maps: LinkMaps, count: int | None = None) -> Fold
         k, r = key[pick][order], owner[owned][pick][order]
         cuts = np.flatnonzero(np.diff(k)) + 1
         held = [frozenset(part.tolist()) for part in np.split(r, cuts)]
-    odd_at, odd_of = _per_task(odd // num_links, len(distinct), which)
-    inner = ~mine
-    in_at, in_of = _per_task(tup[inner], len(distinct), which)
+    none = np.empty(0, dtype=np.int64)
+    odd_at, odd_of = _per_task(odd // num_links, len(distinct), which) if len(odd) else (none, none)
+    # the copy-0 tasks on the links an asymmetric task holds, what ``holds`` compares it with
+    # (not every copy-0 task's every link: a collective's ring holds many, on many tasks)
+    inner = ~mine & np.isin(link, odd % num_links)
+    in_at, in_of = _per_task(tup[inner], len(distinct), which) if inner.any() else (none, none)
     return Folded(count, np.where(shared[which], 1, count), odd_at, odd[odd_of] % num_links,
                   (in_at, link[inner][in_of]), tuple(held[i] for i in odd_of.tolist()))
 
