@@ -15,8 +15,7 @@ from tests.strategies.test_regather import _selective_sp
 
 
 def _again(tg) -> dict[str, float]:
-    return {tg.label(t): tg.duration[t] for t in range(len(tg)) if " again " in tg.label(t)
-            and not tg.label(t).startswith("call ")}
+    return {tg.label(t): tg.duration[t] for t in range(len(tg)) if " again " in tg.label(t)}
 
 
 def test_gathered_again_beside_the_input_gradient():
