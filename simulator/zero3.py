@@ -446,7 +446,8 @@ def _issue_tasks(lowered: Lowered, groups: Sequence, blocks: Sequence, first: np
         if not len(at_q):
             continue
         qs = at_q.tolist()
-        ps = np.asarray(issue_positions(gathers, units))[at_q].tolist()
+        positions = issue_positions(gathers, units)
+        ps = [positions[q] for q in qs]
         readers, issuers = [c.order[q] for q in qs], [c.order[p] for p in ps]
         backwards, ops, js = (list(map(itemgetter(x), readers)) for x in (0, 1, 3))  # Step's fields
         where = [position[i.op] for i in issuers]

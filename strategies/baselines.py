@@ -97,10 +97,8 @@ def recomputed(plan: Strategy, graph: OpGraph) -> Strategy:
     if not blocks:
         raise PlanError(None, "recompute", True, f"model {graph.name!r} has no linear → attention → linear "
                         "or linear → activation → linear block to recompute")
-    inside = {op for cols, mid, row in blocks for op in (*cols, *mid, row)}
-    configs = {name: cfg.with_memory(recompute=True) if name in inside and recomputable(graph, graph[name]) else cfg
-               for name, cfg in plan.items()}
-    return plan.with_configs(configs)
+    return plan.with_recompute({op for cols, mid, row in blocks for op in (*cols, *mid, row)
+                                if recomputable(graph, graph[op])})
 
 
 def megatron_lm(graph: OpGraph, num_devices: int, tp: int, pp: int, micro_batch: int = 1,

@@ -51,6 +51,4 @@ def layer_ops(graph: OpGraph) -> list[set[str]]:
 def layer_recomputed(plan: Strategy, graph: OpGraph, layers: list[set[str]] | None = None) -> Strategy:
     """``plan`` with every op of ``layers`` (default: every layer's, ``layer_ops``) recomputed
     in the backward: Megatron-LM's full recompute, each layer keeping its input only."""
-    ops = set().union(*(layer_ops(graph) if layers is None else layers))
-    return plan.with_configs({name: cfg.with_memory(recompute=True) if name in ops else cfg
-                              for name, cfg in plan.items()})
+    return plan.with_recompute(set().union(*(layer_ops(graph) if layers is None else layers)))

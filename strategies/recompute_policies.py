@@ -46,8 +46,7 @@ def attention_recomputed(plan: Strategy, graph: OpGraph) -> Strategy:
     PlanError where the graph has none."""
     if not any(node.kind == "attention" for node in graph):
         raise PlanError(None, "recompute", "selective", f"model {graph.name!r} has no attention op to recompute")
-    return plan.with_configs({name: cfg.with_memory(recompute=True) if graph[name].kind == "attention" else cfg
-                              for name, cfg in plan.items()})
+    return plan.with_recompute({node.name for node in graph if node.kind == "attention"})
 
 
 def runs_as_mm(node: OpNode) -> bool:
@@ -82,6 +81,4 @@ def op_recomputed(plan: Strategy, graph: OpGraph, layers: list[set[str]] | None 
     pair into layers) every op but those ``op_saved`` keeps recomputed; each layer's closing
     residual add stays kept (the next block's checkpoint input)."""
     layers = layer_ops(graph) if layers is None else layers
-    ops = set().union(*(layer - op_saved(graph, layer) for layer in layers))
-    return plan.with_configs({name: cfg.with_memory(recompute=True) if name in ops else cfg
-                              for name, cfg in plan.items()})
+    return plan.with_recompute(set().union(*(layer - op_saved(graph, layer) for layer in layers)))

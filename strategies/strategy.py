@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field, fields
 from functools import cached_property
-from typing import Iterator, Mapping
+from typing import Collection, Iterator, Mapping
 
 from strategies.chunks import pipeline_chunks
 from strategies.config import ParallelConfig, validate_config
@@ -192,6 +192,13 @@ class Strategy:
         """``configs`` (op -> config) under this plan's other fields (micro-batches, schedule,
         precision, bucket cap, prefetch unit, reduce dtype, gradient sync overlap)."""
         return dataclasses.replace(self, configs=tuple(configs.items()))
+
+    def with_recompute(self, ops: Collection[str]) -> "Strategy":
+        """The same plan with each op of ``ops`` recomputed in the backward (``ParallelConfig
+        .recompute``), the others as they are: what every recompute policy sets
+        (``strategies.recompute_policies``, ``strategies.baselines.RECOMPUTE``)."""
+        return self.with_configs({name: cfg.with_memory(recompute=True) if name in ops else cfg
+                                  for name, cfg in self.items()})
 
     def with_microbatches(self, microbatches: int, schedule: str | None = None) -> "Strategy":
         return dataclasses.replace(self, microbatches=microbatches, schedule=schedule or self.schedule)
