@@ -21,8 +21,9 @@ that rebalances a pipelined plan's stages, ``stagemove.restage`` on ``stagemove.
 costs and gives on three pipelined factorizations: each plan scored, restaged, the restaged
 plan scored, as a chain does.
 
-``--model gpt3-175b`` runs GPT-3 175B's shape (zoo ``gpt`` variant ``gpt3-175b``, one sequence
-per device unless ``--batch``) against the plan Megatron-LM ran (``strategies.baselines.megatron_lm``,
+``--model gpt3-175b`` runs GPT-3 175B's shape (zoo ``gpt`` variant ``gpt3-175b`` on Megatron-LM's
+padded vocabulary, 51,200 rows, ``_paper.megatron_vocab``; one sequence per device unless
+``--batch``) against the plan Megatron-LM ran (``strategies.baselines.megatron_lm``,
 Narayanan et al. SC'21: T = 8, P = 16, one sequence a micro-batch, 1F1B, sequence parallelism,
 every layer recomputed, ZeRO-1, bf16); the search scores that family itself as its
 ``megatron_lm`` baseline (at the tensor × pipeline degrees its sweep's estimate picks, row
@@ -42,7 +43,11 @@ import resource
 import sys
 import time
 import types
+from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _paper
+
+from _paper import GPT2_VOCAB, megatron_vocab  # noqa: E402
 from simulator import heap, taskcache
 from simulator.cost import get_cost_model
 from simulator.presets import get_topology
@@ -149,7 +154,8 @@ def main() -> None:
     batch = args.batch or (BATCH if args.model == "llama" else n)
     t0 = time.perf_counter()
     graph = trace(*(zoo.build("llama", "default", batch_size=batch, device="meta") if args.model == "llama"
-                    else zoo.build("gpt", "gpt3-175b", batch_size=batch, device="meta")))
+                    else zoo.build("gpt", "gpt3-175b", batch_size=batch, device="meta",
+                                   vocab_size=megatron_vocab(GPT2_VOCAB, 8))))
     traced_s = time.perf_counter() - t0
     evaluate = Evaluator(graph, topo, get_cost_model("analytical"), OPTIMIZER, PRECISION)
     if args.restage:

@@ -2,7 +2,8 @@
 device count (issue 22, "Measure").
 
 Rows: GPT-124M (zoo ``gpt`` default, batch 12 per device) and GPT-3 175B's shape (zoo
-``gpt3-175b``, Brown et al. 2020 Table 2.1, built on meta, one sequence per device), each under
+``gpt3-175b``, Brown et al. 2020 Table 2.1, built on meta on Megatron-LM's padded vocabulary of
+51,200 rows, ``PADDED``, one sequence per device), each under
 data parallel and the Megatron-LM baseline (175B: the plan Megatron-LM ran it with,
 ``strategies.baselines.megatron_lm``: T=8 tensor parallel, P=16 pipeline stages, one sequence a
 micro-batch (m = 128 at 1,024 devices), 1F1B, sequence parallel, every layer recomputed, the
@@ -53,6 +54,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _paper, in a spawned child too
 
 MODELS = {"gpt": ("gpt", "default"), "gpt3-175b": ("gpt", "gpt3-175b")}
+PADDED = ("gpt3-175b",)
+"""Models built on Megatron-LM's padded vocabulary for their megatron T (``_paper.megatron_vocab``:
+GPT-2's 50,257 rows to 51,200 at T = 8, as Megatron-LM ran 175B), so that the plan Megatron-LM ran
+cuts the tied embedding and head on the vocabulary."""
 PLANS = ("dp", "megatron")
 DEVICES = (8, 64, 512, 1024)
 MEGATRON = {"gpt": (4, 4, 8), "gpt3-175b": (8, 16, None)}
@@ -89,19 +94,27 @@ def _plan(model: str, graph, kind: str, n: int):
     return recomputed(plan.with_microbatches(m, "1f1b"), graph).with_precision("bf16")
 
 
+def _graph(model: str, n: int):
+    """``model`` traced at paper scale for ``n`` devices (on Megatron-LM's padded vocabulary where
+    it is in ``PADDED``)."""
+    from _paper import GPT2_VOCAB, megatron_vocab, paper_graph
+
+    name, variant = MODELS[model]
+    padded = {"vocab_size": megatron_vocab(GPT2_VOCAB, MEGATRON[model][0])} if model in PADDED else {}
+    return paper_graph(name, n, variant, **padded)
+
+
 def _found(out, model: str, n: int, seconds: float) -> None:  # out: the child's end of a Pipe
     """The plan ``search()`` finds for ``model`` on ``a100-<n/8>x8`` in ``seconds`` (wall,
     baselines included), sent as {"plan": ...}: bf16 mixed precision, Adam, two chains from the
     factorization sweep, one worker, seed 0, as ``llama_search.py`` runs it. In a process of its
     own, so the row's peak RSS is its simulation's."""
     try:
-        from _paper import paper_graph
         from simulator.presets import get_topology
         from soapsearch.search.api import search
 
-        name, variant = MODELS[model]
         topo = get_topology(f"a100-{max(n // 8, 1)}x{min(n, 8)}")
-        found = search(paper_graph(name, n, variant), topology=topo, budget_s=seconds, optimizer="adam",
+        found = search(_graph(model, n), topology=topo, budget_s=seconds, optimizer="adam",
                        precision="bf16", init=("swept", "swept"), chains=2, workers=1, seed=0)
         out.send({"plan": found.strategy})
     except (MemoryError, ValueError) as e:
@@ -161,7 +174,6 @@ def _row(out, model: str, kind: str, n: int, fold: bool, members: bool = True, p
     """One full simulation, timed by phase (simulate_plan's phases, in its order), of ``plan`` (None:
     ``kind``'s); ``proposals``: then that many one-op proposals from the plan (``_proposals``)."""
     try:
-        from _paper import paper_graph
         from simulator.cost import get_cost_model
         from simulator.memory import memory_breakdown
         from simulator.presets import get_topology
@@ -169,8 +181,7 @@ def _row(out, model: str, kind: str, n: int, fold: bool, members: bool = True, p
 
         topo = get_topology(f"a100-{max(n // 8, 1)}x{min(n, 8)}")
         cost = get_cost_model("analytical")
-        name, variant = MODELS[model]
-        graph = paper_graph(name, n, variant)
+        graph = _graph(model, n)
         plan = _plan(model, graph, kind, n) if plan is None else plan
         with paused_gc():
             c0 = time.process_time()
