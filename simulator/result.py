@@ -4,8 +4,12 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any
+
+import numpy as np
 
 from simulator.memory import MemoryBreakdown
 from simulator.taskgraph import CATEGORY, TaskGraph, TaskKind
@@ -84,42 +88,91 @@ def chrome_trace(timeline) -> dict[str, Any]:
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
-def summarize(tg: TaskGraph, topology: Topology, start: list[float], end: list[float],
+def summarize(tg: TaskGraph, topology: Topology, start: Sequence[float], end: Sequence[float],
               peak: list[int], keep_timeline: bool,
               memory: tuple[MemoryBreakdown, ...] | list[MemoryBreakdown] = (),
-              copies: list[int] | None = None) -> SimResult:
-    """The result of the timeline (``start``, ``end``) of ``tg``. A folded graph (``tg.copies``,
-    ``simulator.fold``): ``copies`` says how many tasks of the full simulation each task
-    stands for (its bytes count that often), and each device's busy time is its copy-0
+              copies: Sequence[int] | None = None) -> SimResult:
+    """The result of the timeline (``start``, ``end``: lists or arrays) of ``tg``. A folded graph
+    (``tg.copies``, ``simulator.fold``): ``copies`` says how many tasks of the full simulation
+    each task stands for (its bytes count that often), and each device's busy time is its copy-0
     image's; the timeline holds copy 0's tasks."""
     n = topology.num_devices
-    busy = [0.0] * n
-    moved: dict[str, int] = {}
-    timeline = []
-    kinds = [l.kind for l in topology.links]
-    names = [l.name for l in topology.links]
-    resources, nbytes, device, category = tg.resources, tg.nbytes, tg.device, tg.category
-    each: dict[int, tuple[int, set[str], str]] = {}  # id of a resource tuple -> what it says (rings share one)
-    for t in range(len(tg)):
-        res = resources[t]
-        got = each.get(id(res))
-        if got is None:
-            links = [r - n for r in res if r >= n]
-            got = each[id(res)] = (res[0] if res and not links else -1, {kinds[l] for l in links},
-                                   names[links[0]] if links else "compute")
-        on, link_kinds, lane = got
-        if on >= 0:
-            busy[on] += end[t] - start[t]
-        for kind in link_kinds:
-            moved[kind] = moved.get(kind, 0) + nbytes[t] * (1 if copies is None else copies[t])
-        if keep_timeline and (res or category[t] <= TaskKind.BACKWARD):  # a weight op's steps hold nothing
-            timeline.append((tg.label(t), device[t], lane, start[t], end[t], CATEGORY[category[t]]))
+    start, end = np.asarray(start, dtype=np.float64), np.asarray(end, dtype=np.float64)
+    _, res_first, res = tg.arrays()
+    busy = _busy(n, res_first, res, start, end)
+    moved = _moved(tg, topology, res_first, res, copies)
+    timeline = _timeline(tg, topology, start.tolist(), end.tolist()) if keep_timeline else []
     if tg.copies is not None:
         image = tg.copies.representative
         busy = [busy[image.get(d, d)] for d in range(n)]
-    return SimResult(max(end, default=0.0), tuple(busy[:len(peak)]), tuple(peak),
+    return SimResult(float(end.max(initial=0.0)), tuple(busy[:len(peak)]), tuple(peak),
                      tuple(d.memory_bytes for d in topology.devices[:len(peak)]),
                      moved, len(tg), tuple(timeline), tuple(memory))
+
+
+def _busy(n: int, res_first: np.ndarray, res: np.ndarray, start: np.ndarray, end: np.ndarray) -> list[float]:
+    """Each device's seconds on tasks that hold devices and no link (the first device they
+    hold), summed in task order (``np.bincount`` adds its weights in input order: the same
+    floats as a loop over the tasks); ``res_first``, ``res``: every task's resources as CSR
+    (``TaskGraph.arrays``)."""
+    lens = np.diff(res_first)
+    links = _per_task(res >= n, res_first)
+    on = (lens > 0) & (links == 0)
+    return np.bincount(res[res_first[:-1][on]], weights=(end - start)[on], minlength=n).tolist()
+
+
+def _per_task(flags: np.ndarray, res_first: np.ndarray) -> np.ndarray:
+    """How many of each task's resources ``flags`` marks (CSR by ``res_first``)."""
+    before = np.zeros(len(flags) + 1, dtype=np.int64)
+    np.cumsum(flags, out=before[1:])
+    return before[res_first[1:]] - before[res_first[:-1]]
+
+
+def _moved(tg: TaskGraph, topology: Topology, res_first: np.ndarray, res: np.ndarray,
+           copies: Sequence[int] | None) -> dict[str, int]:
+    """Bytes per link kind: each task's bytes (times the tasks it stands for, ``copies``) once
+    for every kind of link it holds, the kinds in the order tasks first hold them."""
+    n, count = topology.num_devices, len(tg)
+    held = res >= n
+    if not held.any():
+        return {}
+    names: dict[str, int] = {}
+    kind_of = np.array([names.setdefault(link.kind, len(names)) for link in topology.links], dtype=np.int64)
+    task = np.repeat(np.arange(count, dtype=np.int64), np.diff(res_first))[held]
+    pairs = np.unique(task * len(names) + kind_of[res[held] - n])  # (task, kind) once each, by task
+    task, kind = np.divmod(pairs, len(names))
+    names_of = list(names)
+    nbytes = np.fromiter(chain.from_iterable(tg.column_parts("nbytes")), np.int64, count)[task]
+    times = None if copies is None else np.asarray(copies, dtype=np.int64)[task]
+    total = nbytes.astype(np.float64) if times is None else nbytes * times.astype(np.float64)
+    if float(total.sum()) >= 2.0 ** 62:  # past int64's reach: Python's ints
+        nbytes, times = nbytes.astype(object), None if times is None else times.astype(object)
+    if times is not None:
+        nbytes = nbytes * times
+    kinds, firsts = np.unique(kind, return_index=True)  # the pairs are by task: the first task of each
+    moved = {}
+    for k in kinds[np.argsort(firsts)].tolist():
+        moved[names_of[k]] = int(nbytes[kind == k].sum())
+    return moved
+
+
+def _timeline(tg: TaskGraph, topology: Topology, start: list[float], end: list[float]) -> list[tuple]:
+    """(name, device, lane, start, end, category) of every task that holds a resource or
+    computes (a weight op's steps hold nothing); lane: its first link's name, or compute."""
+    n = topology.num_devices
+    names = [l.name for l in topology.links]
+    resources, device, category = tg.resources, tg.device, tg.category
+    lanes: dict[int, str] = {}  # id of a resource tuple -> its lane (rings share one)
+    out = []
+    for t in range(len(tg)):
+        res = resources[t]
+        lane = lanes.get(id(res))
+        if lane is None:
+            links = [r - n for r in res if r >= n]
+            lane = lanes[id(res)] = names[links[0]] if links else "compute"
+        if res or category[t] <= TaskKind.BACKWARD:
+            out.append((tg.label(t), device[t], lane, start[t], end[t], CATEGORY[category[t]]))
+    return out
 
 
 def write_trace(path, result: SimResult) -> None:

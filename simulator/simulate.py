@@ -93,8 +93,8 @@ def _simulated(graph, strategy, topology, cost_model, *, optimizer, timeline, su
         if not summary or not summary(quick):
             return quick
     memory = memory_breakdown(lowered, optimizer)
-    return summarize(tg, topo, start.tolist(), end.tolist(), [m.total for m in memory], timeline, memory,
-                     None if folded is None else folded.copies.tolist())
+    return summarize(tg, topo, start, end, [m.total for m in memory], timeline, memory,
+                     None if folded is None else folded.copies)
 
 
 class Lowerings:
