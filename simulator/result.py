@@ -98,9 +98,9 @@ def summarize(tg: TaskGraph, topology: Topology, start: Sequence[float], end: Se
     image's; the timeline holds copy 0's tasks."""
     n = topology.num_devices
     start, end = np.asarray(start, dtype=np.float64), np.asarray(end, dtype=np.float64)
-    _, res_first, res = tg.arrays()
-    busy = _busy(n, res_first, res, start, end)
-    moved = _moved(tg, topology, res_first, res, copies)
+    kinds, held = _link_kinds(tg, topology)
+    busy = _busy(tg, n, ~held.any(axis=1), start, end)
+    moved = _moved(tg, kinds, held, copies)
     timeline = _timeline(tg, topology, start.tolist(), end.tolist()) if keep_timeline else []
     if tg.copies is not None:
         image = tg.copies.representative
@@ -110,50 +110,43 @@ def summarize(tg: TaskGraph, topology: Topology, start: Sequence[float], end: Se
                      moved, len(tg), tuple(timeline), tuple(memory))
 
 
-def _busy(n: int, res_first: np.ndarray, res: np.ndarray, start: np.ndarray, end: np.ndarray) -> list[float]:
-    """Each device's seconds on tasks that hold devices and no link (the first device they
-    hold), summed in task order (``np.bincount`` adds its weights in input order: the same
-    floats as a loop over the tasks); ``res_first``, ``res``: every task's resources as CSR
-    (``TaskGraph.arrays``)."""
-    lens = np.diff(res_first)
-    links = _per_task(res >= n, res_first)
-    on = (lens > 0) & (links == 0)
+def _link_kinds(tg: TaskGraph, topology: Topology) -> tuple[list[str], np.ndarray]:
+    """The topology's link kinds, and which of them each task holds a link of (tasks × kinds)."""
+    n = topology.num_devices
+    names: dict[str, int] = {}
+    kind_of = np.array([names.setdefault(link.kind, len(names)) for link in topology.links], dtype=np.int64)
+    _, res_first, res = tg.arrays()
+    links = res >= n
+    task = np.repeat(np.arange(len(tg)), np.diff(res_first))[links]
+    held = np.zeros((len(tg), len(names)), dtype=bool)
+    held[task, kind_of[res[links] - n]] = True
+    return list(names), held
+
+
+def _busy(tg: TaskGraph, n: int, computes: np.ndarray, start: np.ndarray, end: np.ndarray) -> list[float]:
+    """Each device's seconds on the tasks that hold resources and no link (``computes``): on the
+    first device each holds, summed in task order (``np.bincount`` adds its weights in input
+    order: the same floats as a loop over the tasks)."""
+    _, res_first, res = tg.arrays()
+    on = computes & (res_first[1:] > res_first[:-1])
     return np.bincount(res[res_first[:-1][on]], weights=(end - start)[on], minlength=n).tolist()
 
 
-def _per_task(flags: np.ndarray, res_first: np.ndarray) -> np.ndarray:
-    """How many of each task's resources ``flags`` marks (CSR by ``res_first``)."""
-    before = np.zeros(len(flags) + 1, dtype=np.int64)
-    np.cumsum(flags, out=before[1:])
-    return before[res_first[1:]] - before[res_first[:-1]]
-
-
-def _moved(tg: TaskGraph, topology: Topology, res_first: np.ndarray, res: np.ndarray,
-           copies: Sequence[int] | None) -> dict[str, int]:
+def _moved(tg: TaskGraph, kinds: list[str], held: np.ndarray, copies: Sequence[int] | None) -> dict[str, int]:
     """Bytes per link kind: each task's bytes (times the tasks it stands for, ``copies``) once
-    for every kind of link it holds, the kinds in the order tasks first hold them."""
-    n, count = topology.num_devices, len(tg)
-    held = res >= n
+    for every kind of link it holds (``held``), the kinds in the order tasks first hold them."""
     if not held.any():
         return {}
-    names: dict[str, int] = {}
-    kind_of = np.array([names.setdefault(link.kind, len(names)) for link in topology.links], dtype=np.int64)
-    task = np.repeat(np.arange(count, dtype=np.int64), np.diff(res_first))[held]
-    pairs = np.unique(task * len(names) + kind_of[res[held] - n])  # (task, kind) once each, by task
-    task, kind = np.divmod(pairs, len(names))
-    names_of = list(names)
-    nbytes = np.fromiter(chain.from_iterable(tg.column_parts("nbytes")), np.int64, count)[task]
-    times = None if copies is None else np.asarray(copies, dtype=np.int64)[task]
+    nbytes = np.fromiter(chain.from_iterable(tg.column_parts("nbytes")), np.int64, len(tg))
+    times = None if copies is None else np.asarray(copies, dtype=np.int64)
     total = nbytes.astype(np.float64) if times is None else nbytes * times.astype(np.float64)
-    if float(total.sum()) >= 2.0 ** 62:  # past int64's reach: Python's ints
+    if float(total[held.any(axis=1)].sum()) * held.shape[1] >= 2.0 ** 62:  # past int64's reach: Python's ints
         nbytes, times = nbytes.astype(object), None if times is None else times.astype(object)
     if times is not None:
         nbytes = nbytes * times
-    kinds, firsts = np.unique(kind, return_index=True)  # the pairs are by task: the first task of each
-    moved = {}
-    for k in kinds[np.argsort(firsts)].tolist():
-        moved[names_of[k]] = int(nbytes[kind == k].sum())
-    return moved
+    first = held.argmax(axis=0)  # the first task that holds each kind (0 where none does)
+    order = sorted((int(first[k]), k) for k in range(len(kinds)) if held[first[k], k])
+    return {kinds[k]: int(nbytes[held[:, k]].sum()) for _, k in order}
 
 
 def _timeline(tg: TaskGraph, topology: Topology, start: list[float], end: list[float]) -> list[tuple]:

@@ -175,6 +175,8 @@ class TaskGraph:
         """Edges added in bulk: (sources, targets)."""
         self._lists: dict[str, list] = {}
         self._lists_at = 0  # the task count the per-task lists hold
+        self._arrays: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+        self._arrays_at = -1  # the task count ``arrays`` holds
         self._adjacency: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         self._adjacency_lists: tuple[list[int], list[int], list[int]] | None = None
         self._adjacency_at: tuple[int, int, int] | None = None  # (tasks, edges, chunks) it holds
@@ -251,13 +253,17 @@ class TaskGraph:
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(duration, res_first, res): durations, and every task's resources as CSR (task t's
-        are res[res_first[t]:res_first[t + 1]]), the segments' arrays joined, then the tail's."""
-        tail = Segment(self.tail)
-        head = [self._joined] if self._joined is not None else []
-        duration, lens, res = join(head + [(tail.duration, tail.res_len, tail.res)])
-        res_first = np.zeros(len(lens) + 1, dtype=INDEX)
-        np.cumsum(lens, dtype=INDEX, out=res_first[1:])
-        return duration, res_first, res
+        are res[res_first[t]:res_first[t + 1]]), the segments' arrays joined, then the tail's;
+        made again once tasks are added (the event loop's passes and the summary read the
+        same arrays: read only)."""
+        if self._arrays_at != len(self):
+            tail = Segment(self.tail)
+            head = [self._joined] if self._joined is not None else []
+            duration, lens, res = join(head + [(tail.duration, tail.res_len, tail.res)])
+            res_first = np.zeros(len(lens) + 1, dtype=INDEX)
+            np.cumsum(lens, dtype=INDEX, out=res_first[1:])
+            self._arrays, self._arrays_at = (duration, res_first, res), len(self)
+        return self._arrays
 
     def resource_count(self) -> int:
         """How many (task, resource) pairs the graph holds (``arrays``' res length), without
