@@ -7,9 +7,11 @@ import contextlib
 import os
 import pickle
 import socket
+import sys
 import tempfile
 import traceback
 from datetime import timedelta
+from multiprocessing import util as mp_util
 from pathlib import Path
 from typing import Any, Callable
 
@@ -65,6 +67,15 @@ def _entry(rank: int, world: int, port: int, backend: str, fn: Callable, args: t
         except Exception:  # noqa: BLE001
             pass
     Path(out, f"{rank}.pkl").write_bytes(pickle.dumps(result))
+    # The result is on disk and the process group destroyed: leave as a forked multiprocessing
+    # child does (its exit function, which runs the finalizers, then os._exit), without the
+    # interpreter's finalization. Finalized, a gloo process sometimes aborts after its work is done
+    # ("terminate called without an active exception", SIGABRT: a C++ thread still joinable at
+    # exit), which mp.spawn reports as the rank failing.
+    mp_util._exit_function()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def spawn(fn: Callable, nproc: int, args: tuple = (), backend: str = "gloo", timeout_s: float = 300.0) -> list[Any]:
