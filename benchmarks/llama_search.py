@@ -62,11 +62,15 @@ from strategies.baselines import hybrid, megatron_lm, recomputed, sharded
 from strategies.lowering_bytes import LOWERING_BYTES
 
 PRECISION, OPTIMIZER, BATCH = "bf16", "adam", 16
+TP_175B, PP_175B = 8, 16
+"""The tensor and pipeline degrees Megatron-LM ran GPT-3 175B at (Narayanan et al. SC'21); the
+vocabulary is padded for that tensor degree."""
 
 
 def _experts(model: str, graph, n: int) -> dict:
     if model == "gpt3-175b":  # Megatron-LM's own 175B run
-        return {"megatron T8 P16": lambda: megatron_lm(graph, n, 8, 16, precision=PRECISION)}
+        return {f"megatron T{TP_175B} P{PP_175B}":
+                lambda: megatron_lm(graph, n, TP_175B, PP_175B, precision=PRECISION)}
     return {"fsdp": lambda: sharded(hybrid(graph, n), graph, 3),
             "megatron": lambda: baseline("megatron", graph, n),
             "megatron+recompute": lambda: recomputed(baseline("megatron", graph, n), graph)}
@@ -155,7 +159,7 @@ def main() -> None:
     t0 = time.perf_counter()
     graph = trace(*(zoo.build("llama", "default", batch_size=batch, device="meta") if args.model == "llama"
                     else zoo.build("gpt", "gpt3-175b", batch_size=batch, device="meta",
-                                   vocab_size=megatron_vocab(GPT2_VOCAB, 8))))
+                                   vocab_size=megatron_vocab(GPT2_VOCAB, TP_175B))))
     traced_s = time.perf_counter() - t0
     evaluate = Evaluator(graph, topo, get_cost_model("analytical"), OPTIMIZER, PRECISION)
     if args.restage:

@@ -99,8 +99,9 @@ def summarize(tg: TaskGraph, topology: Topology, start: Sequence[float], end: Se
     n = topology.num_devices
     start, end = np.asarray(start, dtype=np.float64), np.asarray(end, dtype=np.float64)
     kinds, held = _link_kinds(tg, topology)
-    busy = _busy(tg, n, ~held.any(axis=1), start, end)
-    moved = _moved(tg, kinds, held, copies)
+    linked = held.any(axis=1)  # the tasks that hold a link
+    busy = _busy(tg, n, ~linked, start, end)
+    moved = _moved(tg, kinds, held, linked, copies)
     timeline = _timeline(tg, topology, start.tolist(), end.tolist()) if keep_timeline else []
     if tg.copies is not None:
         image = tg.copies.representative
@@ -132,15 +133,17 @@ def _busy(tg: TaskGraph, n: int, computes: np.ndarray, start: np.ndarray, end: n
     return np.bincount(res[res_first[:-1][on]], weights=(end - start)[on], minlength=n).tolist()
 
 
-def _moved(tg: TaskGraph, kinds: list[str], held: np.ndarray, copies: Sequence[int] | None) -> dict[str, int]:
+def _moved(tg: TaskGraph, kinds: list[str], held: np.ndarray, linked: np.ndarray,
+           copies: Sequence[int] | None) -> dict[str, int]:
     """Bytes per link kind: each task's bytes (times the tasks it stands for, ``copies``) once
-    for every kind of link it holds (``held``), the kinds in the order tasks first hold them."""
-    if not held.any():
+    for every kind of link it holds (``held``; ``linked``: the tasks that hold any), the kinds in
+    the order tasks first hold them."""
+    if not linked.any():
         return {}
     nbytes = np.fromiter(chain.from_iterable(tg.column_parts("nbytes")), np.int64, len(tg))
     times = None if copies is None else np.asarray(copies, dtype=np.int64)
     total = nbytes.astype(np.float64) if times is None else nbytes * times.astype(np.float64)
-    if float(total[held.any(axis=1)].sum()) * held.shape[1] >= 2.0 ** 62:  # past int64's reach: Python's ints
+    if float(total[linked].sum()) * held.shape[1] >= 2.0 ** 62:  # past int64's reach: Python's ints
         nbytes, times = nbytes.astype(object), None if times is None else times.astype(object)
     if times is not None:
         nbytes = nbytes * times

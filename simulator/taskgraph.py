@@ -254,8 +254,8 @@ class TaskGraph:
     def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(duration, res_first, res): durations, and every task's resources as CSR (task t's
         are res[res_first[t]:res_first[t + 1]]), the segments' arrays joined, then the tail's;
-        made again once tasks are added (the event loop's passes and the summary read the
-        same arrays: read only)."""
+        made again once tasks are added (the event loop's passes, stragglers' and contention's
+        reruns and the summary read the same arrays: read only)."""
         if self._arrays_at != len(self):
             tail = Segment(self.tail)
             head = [self._joined] if self._joined is not None else []
