@@ -12,8 +12,10 @@ at T=4, P=4, 8 micro-batches, 1F1B, sequence parallel, every block recomputed, b
 ``a100-<N>x8`` at 8,
 64, 512 and 1,024 devices (megatron where T x P divides them). ``--plans`` may also name
 ``fsdp`` (``strategies.baselines.fsdp``: data parallel, every weighted op at ZeRO-3, a layer a
-prefetch unit) and ``megatron-zero3`` (the megatron plan with its layers' linears at ZeRO-3):
-weights sharded per use, folded on copies and members as the others. Each row runs in its own process (its peak RSS is the row's own) and prints the
+prefetch unit), ``megatron-zero3`` (the megatron plan with its layers' linears at ZeRO-3):
+weights sharded per use, folded on copies and members as the others, and for 175B
+``megatron-mbK`` (``megatron_lm`` at K sequences a micro-batch, m = 1,024 / (8·K) at 1,024
+devices). Each row runs in its own process (its peak RSS is the row's own) and prints the
 milliseconds of each phase of one full simulation as ``simulator.simulate_plan`` runs them
 (lower: the copies found and copy 0 lowered, ``simulate.Lowerings``; task graph, with any
 lowering again for fewer copies; event loop; memory) and its process time (cpu ms: less
@@ -30,12 +32,15 @@ default; bf16, Adam, two chains from the factorization sweep, one worker, seed 0
 process of its own before the row's. ``--proposals N``: after the row's simulation, N one-op
 proposals from its plan as the search's op moves draw them, each scored by the search's
 ``Evaluator`` right after the plan (the delta simulation, as a chain after a rejection):
-process ms a scored proposal, proposals a second, and scored of drawn (a draw that makes no
-proposal, or that the lowering refuses, is drawn again, its time not counted). The last lines fit total
+process ms a scored proposal, proposals a second, scored of drawn (a draw that makes no
+proposal, or that the lowering refuses, is drawn again, its time not counted), and "draw ms": the
+process ms of making every draw alike in the copies and checking it keeps the members (the
+search's ``SymmetricMoves`` with ``Evaluator.keeps_members``, which lowers members 0 and 1 of
+a proposal that keeps their cuts) over the scored proposals. The last lines fit total
 ms = c * devices^k over each model and plan's rows (least squares in log-log), and ms a
 proposal likewise.
 
-    python benchmarks/scale.py [--models gpt,gpt3-175b] [--plans dp,megatron,fsdp,megatron-zero3,found]
+    python benchmarks/scale.py [--models gpt,gpt3-175b] [--plans dp,megatron,fsdp,megatron-zero3,megatron-mbK,found]
                                [--devices 8,64,512,1024] [--timeout 240] [--per-device]
                                [--members on|off|both] [--proposals N] [--found-budget 60]
 """
@@ -88,8 +93,11 @@ def _plan(model: str, graph, kind: str, n: int):
         return plan.with_configs({op: cfg.with_memory(zero=3) if op in layers and graph[op].kind == "linear" else cfg
                                   for op, cfg in plan.items()})
     tp, pp, m = MEGATRON[model]
+    sequences = int(kind[len("megatron-mb"):]) if kind.startswith("megatron-mb") else 1
     if m is None:
-        return megatron_lm(graph, n, tp, pp)
+        return megatron_lm(graph, n, tp, pp, micro_batch=sequences)
+    if sequences != 1:
+        raise ValueError(f"plan {kind!r}: {model}'s megatron row has {m} micro-batches, not a sequence count")
     plan = megatron(graph, n, tp=tp, pp=pp, microbatches=m, sequence_parallel=True)
     return recomputed(plan.with_microbatches(m, "1f1b"), graph).with_precision("bf16")
 
@@ -128,8 +136,8 @@ def _proposals(graph, plan, topo, cost, count: int) -> dict:
     task block): an op with a choice gets another of its candidate configs (``candidate_configs``
     at the plan's micro-batch count) with its sharding level and recompute flag kept
     (``moves.keep``), and from ``FOLD_FROM`` devices the change is made alike in every copy of
-    the plan and kept on its tensor-parallel members (``symmove.SymmetricMoves``, as
-    ``search`` sets it). A draw that makes no proposal there, or that the lowering refuses
+    the plan and kept on its tensor-parallel members, its lowering included
+    (``symmove.SymmetricMoves`` with ``Evaluator.keeps_members``, as ``search`` sets it). A draw that makes no proposal there, or that the lowering refuses
     (``PlanError``), is drawn again; only the scored proposals' time counts ("drawn": every
     draw)."""
     import random
@@ -145,8 +153,8 @@ def _proposals(graph, plan, topo, cost, count: int) -> dict:
     rng = random.Random(PROPOSAL_SEED)
     evaluate = Evaluator(graph, topo, cost, optimizer="adam", precision=plan.precision)
     evaluate(plan)
-    symmetric = SymmetricMoves(graph) if plan.num_devices >= FOLD_FROM else None
-    spent, done, drawn = 0.0, 0, 0
+    symmetric = SymmetricMoves(graph, evaluate.keeps_members) if plan.num_devices >= FOLD_FROM else None
+    spent, imaging, done, drawn = 0.0, 0.0, 0, 0
     while done < count and ops and drawn < DRAWS * count:
         drawn += 1
         op = rng.choice(ops)
@@ -155,7 +163,10 @@ def _proposals(graph, plan, topo, cost, count: int) -> dict:
             continue
         proposal = plan.replace(op, cfg)
         if symmetric is not None:
+            evaluate(plan)  # the chain's current plan, as the member check lowers from it
+            c0 = time.process_time()
             proposal = symmetric.image(plan, proposal, "op")
+            imaging += time.process_time() - c0
             if proposal is None:
                 continue
         evaluate(plan)  # the chain's current plan: a plan seen, not simulated again
@@ -166,7 +177,8 @@ def _proposals(graph, plan, topo, cost, count: int) -> dict:
             continue
         spent += time.process_time() - c0
         done += 1
-    return {"proposals": done, "drawn": drawn, "proposal_s": spent / done if done else None}
+    return {"proposals": done, "drawn": drawn, "proposal_s": spent / done if done else None,
+            "draw_s": imaging / done if done else None}
 
 
 def _row(out, model: str, kind: str, n: int, fold: bool, members: bool = True, proposals: int = 0,
@@ -270,7 +282,8 @@ def _rate(r: dict, asked: int) -> str:
     if not asked:
         return ""
     ms = f"{r['proposal_s'] * 1e3:9.1f} {1 / r['proposal_s']:7.1f}" if r.get("proposal_s") else f"{'–':>9s} {'–':>7s}"
-    return f" {ms} {r['proposals']:>5d}/{r['drawn']:<5d}"
+    draw = f"{r['draw_s'] * 1e3:8.1f}" if r.get("draw_s") is not None else f"{'–':>8s}"
+    return f" {ms} {r['proposals']:>5d}/{r['drawn']:<5d} {draw}"
 
 
 def main() -> None:
@@ -294,7 +307,7 @@ def main() -> None:
     runs = {"on": (True,), "off": (False,), "both": (False, True)}[args.members]
     print(f"{'model':10s} {'plan':9s} {'devices':>7s} {'copies':>6s} {'tasks':>8s} {'lower ms':>9s} {'tasks ms':>9s} "
           f"{'events ms':>9s} {'memory ms':>9s} {'total ms':>9s} {'cpu ms':>8s} {'RSS MiB':>8s} {'iter ms':>9s} {'peak GiB':>8s} "
-          f"{'members':>8s} {'member ms':>9s}" + (f" {'prop ms':>9s} {'prop/s':>7s} {'scored/drawn':>11s}" if args.proposals else ""),
+          f"{'members':>8s} {'member ms':>9s}" + (f" {'prop ms':>9s} {'prop/s':>7s} {'scored/drawn':>11s} {'draw ms':>8s}" if args.proposals else ""),
           flush=True)
     rows, fits, rates = [], {}, {}
     for model in args.models.split(","):

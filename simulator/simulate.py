@@ -115,15 +115,33 @@ class Lowerings:
         refusing op's same configs, are read off the cache's ``strategies.member_memo``."""
         fold = fold and not contended(topology)
         copies = find_copies(self.graph, self.plan) if fold else None
-        memo = member_memo(self.cache) if members and fold else None  # what decided the plans before
-        members = memo.fold(self.graph, self.plan, copies) if memo is not None else None
-        self.why = members if isinstance(members, str) else None
-        if isinstance(members, MemberFold):  # members 0 and 1 for all (strategies.lowering_members)
-            self.why = memo.refused(self.graph, self.plan, members)  # an op refused alike before
-            got = self(members) if self.why is None else None
-            if got is not None:
-                return got
+        got = self._members(copies) if members and fold else None
+        if isinstance(got, Lowered):
+            return got
         return (copies is not None and self(copies)) or self(None)
+
+    def refuses_members(self, topology: Topology) -> bool:
+        """Whether the plan has alike tensor-parallel members (``member_fold``) that its lowering
+        refuses (``CrossCopy``: a piece crosses them), so that ``first`` would simulate it on
+        its copies alone; found by the member lowering alone (kept as ``last`` where it is
+        made)."""
+        if contended(topology):
+            return False
+        return isinstance(self._members(find_copies(self.graph, self.plan)), str)
+
+    def _members(self, copies: Copies | None) -> Lowered | str | None:
+        """The lowering of members 0 and 1 of copy 0 for all (``strategies.lowering_members``);
+        the refusal's line (``why``) where the plan has a member fold its lowering refuses, or
+        refused alike before (the cache's ``strategies.member_memo``); None where it has no
+        member fold (``why``: ``member_fold``'s line)."""
+        memo = member_memo(self.cache)  # what decided the plans before
+        members = memo.fold(self.graph, self.plan, copies)
+        self.why = members if isinstance(members, str) else None
+        if not isinstance(members, MemberFold):
+            return None
+        self.why = memo.refused(self.graph, self.plan, members)  # an op refused alike before
+        got = self(members) if self.why is None else None
+        return got if got is not None else self.why
 
     why: str | None = None
     """Why the plan's members were not folded (``member_fold``'s line, or the lowering's or the

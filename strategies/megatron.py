@@ -29,7 +29,10 @@ d = N / (t·p) data parallelism in each stage:
   a SOAP config computes each output element once, so the replicated layout has no config of
   its own: the sample-dim cut keeps Megatron's bytes and differs only in computing the
   between-block ops once instead of t times (1/t of their time and activations per device).
-  Ops that cannot be cut so run d ways on devices 0, t, 2t, ...
+  Ops that cannot be cut so run d ways on devices 0, t, 2t, ... A [batch, seq] op read only
+  through flattening reshapes (the targets) whose replica holds g samples a micro-batch,
+  1 < g < t, g dividing t, is cut g·d ways on its samples and t/g on its sequence, as the
+  flattened rows are cut (``_other``).
 
 Partition (sample i, tensor j) of a stage starting at device f runs on device f + i·t + j:
 each tensor-parallel group is t consecutive devices (one node's NVLink domain on a GPU
@@ -225,19 +228,33 @@ def vocab_head(graph: OpGraph, d: int, t: int, m: int = 1) -> dict[str, Parallel
     return out
 
 
-def _other(node: OpNode, d: int, t: int, m: int, sequence_parallel: bool) -> ParallelConfig:
+def _other(graph: OpGraph, node: OpNode, d: int, t: int, m: int, sequence_parallel: bool) -> ParallelConfig:
     """An op outside the blocks and the head (module docstring): an embedding's vocabulary
     rows; the sequence (``sequence_parallel``) or the sample dim d·t ways; else sample d ways
-    on devices 0, t, 2t, ..., else whole on device 0."""
-    dims: list[int | None] = []
+    on devices 0, t, 2t, ..., else whole on device 0. An op read only through flattening
+    reshapes (the targets [batch, seq] of a flattened loss) whose replica holds g samples a
+    micro-batch, 1 < g < t and g dividing t, is cut on g·d samples × t/g of its sequence before
+    t of it: device i·t + j then holds the j-th of t contiguous blocks of replica i's g·seq
+    flattened rows, the block the flatten cut d·t ways reads there, so no piece crosses members
+    (``member_symmetry``)."""
+    cuts: list[tuple[int, int | None, int]] = []  # (sample degree, dim, its degree)
     if node.kind == "embedding":
-        dims += list(node.reduction_dims)
-    attributes = [i for i, dim in enumerate(node.dims) if dim.role == "attribute"]
+        cuts += [(d, i, t) for i in node.reduction_dims]
+    attributes = [(d, i, t) for i, dim in enumerate(node.dims) if dim.role == "attribute"]
+    whole = (d * t, None, 1)
     # a [batch, seq, ...] activation: its sequence (or its samples); a flat [batch·seq, classes]
     # one: its rows
-    dims += attributes + [None] if sequence_parallel and len(node.output.shape) >= 3 else [None] + attributes
-    for i in dims:
-        cfg = _config(node, d, i, t, m) if i is not None else _config(node, d * t, None, 1, m)
+    if sequence_parallel and len(node.output.shape) >= 3:
+        cuts += attributes + [whole]
+    else:
+        g = node.shape[node.sample_dim] // (m * d) if node.sample_dim is not None else 1
+        users = graph.users(node.name)
+        flattened = bool(users) and all(graph[u].kind in ("reshape", "flatten") and graph[u].sample_dim is not None
+                                        and len(graph[u].output.shape) < len(node.output.shape) for u in users)
+        mixed = [(d * g, i, t // g) for _, i, _ in attributes[:1]] if flattened and 1 < g < t and t % g == 0 else []
+        cuts += [whole] + mixed + attributes
+    for sample, i, k in cuts:
+        cfg = _config(node, sample, i, k, m)
         if cfg is not None:
             return cfg
     return _config(node, d, None, t, m) or ParallelConfig((1,) * len(node.dims), (0,))
@@ -316,7 +333,7 @@ def megatron(graph: OpGraph, num_devices: int, tp: int | None = None, pp: int = 
         if layouts[key] is not None:
             planned.update(zip(ops, layouts[key]))
     planned.update(vocab_head(graph, d, t, m))
-    configs = {node.name: _shift(planned.get(node.name) or _other(node, d, t, m, sequence_parallel),
+    configs = {node.name: _shift(planned.get(node.name) or _other(graph, node, d, t, m, sequence_parallel),
                                  stage[node.name] % p * size) for node in graph}
     schedule = "interleaved" if v > 1 else "1f1b" if m > 1 else "gpipe"
     return Strategy.of(configs, n, m, schedule)

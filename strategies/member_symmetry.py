@@ -70,10 +70,12 @@ class TensorMembers(Copies):
 def find_members(graph: OpGraph, strategy: Strategy) -> TensorMembers | None:
     """The member fold of ``strategy`` (module docstring), or None where some op runs another
     member count, cuts a member dim unevenly, places its positions otherwise than the ops before
-    it, or the member sets overlap; a plan whose groups are single devices (T = 1) has none. An
-    op cut on its sample dim alone (the loss's flattened tokens over a stage's devices) has
-    groups of one: it is alike where every dim is cut evenly and its devices are closed under
-    every ψ_m. ``op_cut`` of every non-weight op, then ``members_of`` their distinct cuts."""
+    it, or the member sets overlap; a plan whose groups are single devices (T = 1) has none. T
+    is the largest group an op has. An op of smaller groups (cut on its sample dim alone, as the
+    loss's flattened tokens over a stage's devices: groups of one; the targets cut on g·d
+    samples × t/g of the sequence: groups of t/g) is alike where every dim is cut evenly and its
+    devices are closed under every ψ_m. ``op_cut`` of every non-weight op, then ``members_of``
+    their distinct cuts."""
     cuts: dict[tuple, OpCut] = {}
     for node in graph:
         if node.kind in WEIGHT_KINDS:
@@ -87,17 +89,17 @@ def find_members(graph: OpGraph, strategy: Strategy) -> TensorMembers | None:
 
 class OpCut(NamedTuple):
     """What ``find_members`` reads of one op under its config: its groups (``_groups``: one per
-    sample coordinate), and for an op whose groups are single devices its dims' sizes and its
-    config (``members_of`` checks them against the members found)."""
+    sample coordinate), its dims' sizes and its config (``members_of`` checks an op of groups
+    smaller than the members' count against the members found)."""
 
     groups: tuple[tuple[int, ...], ...]
-    sizes: tuple[int, ...] | None = None
-    config: ParallelConfig | None = None
+    sizes: tuple[int, ...]
+    config: ParallelConfig
 
     @property
     def key(self) -> tuple:
         """Equal for two ops whose cuts ``members_of`` reads alike (the groups object, shared by
-        equal configs, and an op of groups of one its sizes)."""
+        equal configs, and the op's sizes)."""
         return id(self.groups), self.sizes
 
 
@@ -105,36 +107,31 @@ def op_cut(node: OpNode, config: ParallelConfig) -> OpCut | None:
     """``node``'s cut under ``config`` (``OpCut``), or None where it has no sample dim or cuts a
     member dim unevenly (no member fold)."""
     groups = _op_groups(node, config)
-    if groups is None:
-        return None
-    if len(groups[0]) == 1:
-        return OpCut(groups, tuple(dim.size for dim in node.dims), config)
-    return OpCut(groups)
+    return None if groups is None else OpCut(groups, tuple(dim.size for dim in node.dims), config)
 
 
 def members_of(cuts: Iterable[OpCut]) -> TensorMembers | None:
     """The member fold of a plan whose non-weight ops' distinct cuts are ``cuts`` (``op_cut``;
     any order, repeats allowed), or None (``find_members``)."""
     images: dict[int, tuple[int, ...]] = {}  # ψ: member-0 device -> (d, ψ_1(d), ...)
-    count = None
-    single: list[OpCut] = []
+    cuts = list(cuts)
+    count = max((len(cut.groups[0]) for cut in cuts), default=0)
+    if count < 2:
+        return None
+    smaller: list[OpCut] = []
     for cut in cuts:
-        if cut.sizes is not None:
-            single.append(cut)
+        if len(cut.groups[0]) < count:
+            smaller.append(cut)
             continue
         for group in cut.groups:
-            if count is None:
-                count = len(group)
             if len(group) != count or images.setdefault(group[0], group) != group:
                 return None
-    if not count:
-        return None
     every = [d for group in images.values() for d in group]
     if len(set(every)) != len(every):  # a device at two positions, or in two groups
         return None
     found = TensorMembers(tuple(tuple(images[d][m] for d in sorted(images)) for m in range(count)))
     index = found.index
-    for cut in single:
+    for cut in smaller:
         config = cut.config
         placed = set(config.devices)
         if any(size % k for size, k in zip(cut.sizes, config.degrees)):

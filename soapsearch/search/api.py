@@ -305,7 +305,7 @@ def search(model: torch.nn.Module | OpGraph, example_inputs: Sequence[Any] | Non
     if config.global_move or any(isinstance(i, str) and i in ("factorized", "swept") for i in config.init or ()):
         moves.globals = GlobalMoves(graph, n, moves.choices, config.precision, evaluate) or None
     if n >= FOLD_FROM:  # proposals keep the plan foldable (symmove.py)
-        moves.symmetric = SymmetricMoves(graph)
+        moves.symmetric = SymmetricMoves(graph, evaluate.keeps_members)
     size = space_size(candidates)
     if size <= config.exhaustive_limit and (budget.proposals is None or size <= budget.proposals):
         count = search_exhaustively(candidates, evaluate, stats, started, n, microbatches, schedule,

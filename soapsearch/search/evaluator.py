@@ -10,12 +10,12 @@ import time
 from simulator.cost import CostModel
 from simulator.heap import trimmed
 from simulator.result import SimResult
-from simulator.simulate import simulate_plan
+from simulator.simulate import FOLD_FROM, Lowerings, simulate_plan
 from simulator.tasks import TaskCache
 from simulator.topology import Topology
 from soapsearch.search.mcmc import plan_cost, rank
 from soapsearch.search.pace import Pace
-from strategies import OpGraph, Strategy
+from strategies import OpGraph, PlanError, Strategy
 from strategies.lowering_bytes import LoweringCache
 
 __all__ = ["SEEN", "Evaluator", "scored"]
@@ -118,6 +118,21 @@ class Evaluator:
         if not timeline:
             self._keep(plan, bool(summary or made), result)
         return result
+
+    def keeps_members(self, plan: Strategy) -> bool:
+        """Whether ``plan``'s lowering keeps its alike tensor-parallel members where it has
+        them (``Lowerings.refuses_members``), read by lowering members 0 and 1 alone through
+        this search's lowering cache: a plan it keeps is simulated from that lowering, one it
+        refuses would be lowered and simulated again on its copies (``symmove``'s op moves
+        make no such proposal). True where the lowering refuses the plan itself (``PlanError``:
+        its scoring refuses it as before)."""
+        plan = self.planned(plan)
+        if plan.num_devices < FOLD_FROM or plan in self._seen:  # unfolded, or simulated already
+            return True
+        try:
+            return not Lowerings(self.graph, plan, self.lowering_cache).refuses_members(self.topology)
+        except PlanError:
+            return True
 
     def _leads(self, result: SimResult) -> bool:
         """``result`` ranks before every result returned before (it is the best now)."""

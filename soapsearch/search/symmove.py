@@ -18,7 +18,13 @@ no proposal where it leaves those members: such a plan cannot fold on its member
 (``simulator.fold_members``) and is simulated with every one (GPT-3 175B's ``megatron_lm`` on
 1,024 GPUs: 5.76 M tasks instead of 1.55 M, ``benchmarks/scale.py --proposals``), and it
 moves one op off its layer's tensor-parallel layout (those drawn there ran 4-8 times the plan's
-iteration time). The block, repeated-block and global moves change the tensor-parallel
+iteration time). So is one that keeps the members' cuts but whose lowering moves pieces across
+them (``keeps``, the search's ``Evaluator.keeps_members``): an op placed on another pipeline
+stage's devices, whose readers all-gathered it and now receive it by transfers between members.
+Lowering members 0 and 1 alone finds it (the member lowering's ``CrossCopy``), where it would be
+lowered and simulated again on its copies (GPT-3 175B's ``megatron_lm`` on 1,024 GPUs: 4.6 M
+tasks instead of 1.26 M, at 3.4-7.8 times the plan's iteration time). The block,
+repeated-block and global moves change the tensor-parallel
 layout of whole blocks or of the plan and are kept as imaged. ``mcmc.run_chain`` applies it to
 every proposal where ``Moves.symmetric`` is set: by ``search`` from ``FOLD_FROM`` devices,
 where simulations fold (below, the plain moves)."""
@@ -68,8 +74,12 @@ class SymmetricMoves:
 
     KEPT = 8
 
-    def __init__(self, graph: OpGraph):
+    def __init__(self, graph: OpGraph, keeps: Callable[[Strategy], bool] | None = None):
         self.graph = graph
+        self.keeps = keeps
+        """Whether a plan's lowering keeps its members (``Evaluator.keeps_members``): an op move
+        whose pieces cross them is no proposal either; None: the members found from the
+        configs alone."""
         self._copies: dict[int, tuple[Strategy, Copies | None]] = {}
         self._members: dict[int, tuple[Strategy, TensorMembers | None]] = {}
         self._memo = MemberMemo()
@@ -104,12 +114,14 @@ class SymmetricMoves:
         """``proposal`` (of move ``kind``) with its changed configs imaged over ``current``'s
         copies (as drawn where ``current`` has none, ``proposal`` is replicated over them by
         itself, or it is a global move's); None where a change cannot be imaged, or where an op
-        move (``kind`` "op") leaves ``current``'s tensor-parallel members (``members``)."""
+        move (``kind`` "op") leaves ``current``'s tensor-parallel members (``members``), or
+        its lowering moves pieces across them (``keeps``)."""
         out = self._imaged(current, proposal, kind)
         if out is None or kind != "op":
             return out
         members = self.members(current)
-        if members is not None and self._memo.members(self.graph, out) != members:
+        if members is not None and (self._memo.members(self.graph, out) != members
+                                    or (self.keeps is not None and not self.keeps(out))):
             return None
         return out
 

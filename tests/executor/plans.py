@@ -218,9 +218,11 @@ def make_plan(graph: OpGraph, name: str, n: int) -> Strategy:
         return _with(graph, n, lambda node: _cut(node, 2, n) if node.kind == "conv2d" else None)
     if name.startswith("megatron"):  # strategies.megatron, tensor parallel 2 ways (data parallel over the
         # rest); "_sp": sequence parallel between the blocks; "_pp2": 2 stages fed 2 micro-batches (1F1B);
-        # "_tp1": no tensor parallelism; "_v2": 2 chunks per rank (interleaved); "_mb4": 4 micro-batches
+        # "_tp1" / "_tp4": tensor parallel 1 / 4 ways; "_v2": 2 chunks per rank (interleaved); "_mb2" /
+        # "_mb4": 2 / 4 micro-batches
         pp = 2 if "_pp2" in name else 1
-        return baseline("megatron", graph, n, microbatches=4 if "_mb4" in name else pp, tp=1 if "_tp1" in name else 2,
+        m = 4 if "_mb4" in name else 2 if "_mb2" in name else pp
+        return baseline("megatron", graph, n, microbatches=m, tp=1 if "_tp1" in name else 4 if "_tp4" in name else 2,
                         pp=pp, sequence_parallel="_sp" in name, virtual_stages=2 if "_v2" in name else 1)
     if name == "row":  # every linear cut on in_features (row-parallel: Partial sums), the rest data parallel
         return _with(graph, n, lambda node: _cut(node, node.reduction_dims[0], n) if node.kind == "linear" else None)

@@ -2,7 +2,9 @@
 with the ops between the blocks cut on the samples (``megatron``) or on the sequence
 (``megatron_sp``, Korthikanti et al. 2022; also on the gpt with Megatron-LM's fused
 query-key-value linear, ``GPTConfig.fused_qkv``), and 2 pipeline stages of 2 ways each fed 2
-micro-batches under 1F1B (``megatron_pp2``, 4 processes: T = 2, P = 2), on the zoo's gpt and
+micro-batches under 1F1B (``megatron_pp2``, 4 processes: T = 2, P = 2), llama 4 ways with 2
+micro-batches of 2 samples (``megatron_tp4_sp_mb2``: its targets cut 2 samples × 2 sequence
+halves, as the flattened loss reads them), on the zoo's gpt and
 llama (rotary slices, grouped-query attention, SwiGLU) and Hugging Face's llama (captured by
 torch.export), on 2 and 4 gloo processes, float64, SGD and Adam, against one device
 (``harness.compare``; the Hugging Face model at float32's tolerance, test_parity_hf.py says
@@ -25,7 +27,8 @@ FUSED = SPEC + "fused_gpt"
 """The zoo gpt with Megatron-LM's fused query-key-value linear, cut over whole heads."""
 CASES_2 = [("gpt", "megatron"), ("gpt", "megatron_sp"), ("llama", "megatron"), ("llama", "megatron_sp"),
            (FUSED, "megatron"), (FUSED, "megatron_sp")]
-CASES_4 = [("gpt", "megatron_pp2"), ("gpt", "megatron_pp2_sp"), ("llama", "megatron_pp2"), ("llama", "megatron_sp")]
+CASES_4 = [("gpt", "megatron_pp2"), ("gpt", "megatron_pp2_sp"), ("llama", "megatron_pp2"), ("llama", "megatron_sp"),
+           ("llama", "megatron_tp4_sp_mb2")]  # 2 samples a micro-batch over 4 members: targets on samples x sequence
 HF = "soapsearch.hf:llama"
 HF_CASES = {2: [(HF, "megatron_sp")], 4: [(HF, "megatron_pp2")]}
 

@@ -14,6 +14,7 @@ from simulator.symmetry import copies_of, find_copies
 from soapsearch.search import search
 from soapsearch.search.moves import candidate_configs
 from soapsearch.search.symmove import SymmetricMoves, imaged
+from strategies.errors import PlanError
 from strategies.lowered import WEIGHT_KINDS
 from strategies.megatron import megatron
 from strategies.member_symmetry import find_members
@@ -106,3 +107,42 @@ def test_search_at_64_devices_keeps_the_plan_foldable_and_is_deterministic():
     assert one.strategy == two.strategy and one.predicted_ms == two.predicted_ms
     assert find_copies(graph, one.strategy) is not None
     assert one.predicted_ms <= min(one.baselines.values()) * (1 + 1e-12)
+
+
+def test_an_op_move_whose_pieces_cross_the_members_is_no_proposal():
+    """A LayerNorm of the first pipeline stage placed on the second stage's devices, its cut
+    kept: the members found from the configs are the plan's, but the column linears read it by
+    transfers between members where they all-gathered it (its lowering refuses the member fold,
+    and the plan would be simulated on its copies). With the Evaluator's member check it is
+    no proposal; the same LayerNorm moved within its stage's devices alike is one."""
+    from simulator.cost import get_cost_model
+    from simulator.presets import get_topology
+    from simulator.simulate import Lowerings
+    from soapsearch.search.evaluator import Evaluator
+    from strategies.lowering_members import MemberFold
+
+    graph, topo = traced("gpt", "small", batch_size=64), get_topology("a100-8x8")
+    current = megatron(graph, 64, tp=4, pp=2, microbatches=2, sequence_parallel=True)
+    evaluate = Evaluator(graph, topo, get_cost_model("analytical"))
+    evaluate(current)
+    checked, plain = SymmetricMoves(graph, evaluate.keeps_members), SymmetricMoves(graph)
+    ln = next(n.name for n in graph if n.kind == "layernorm")
+    cfg = current[ln]
+    assert max(cfg.devices) < 32  # the first stage's
+    moved = current.replace(ln, replace(cfg, devices=tuple(d + 32 for d in cfg.devices)))
+    assert find_members(graph, moved) == find_members(graph, current)
+    assert plain.image(current, moved, "op") == moved
+    assert checked.image(current, moved, "op") is None
+    lowerings = Lowerings(graph, moved)
+    assert not isinstance(lowerings.first(topo, True).copies, MemberFold)
+    assert "crosses members" in lowerings.why
+    # within the stage: its 8 replicas' groups swapped pairwise, alike in every copy
+    groups = np.asarray(cfg.devices).reshape(8, 4)
+    swapped = current.replace(ln, replace(cfg, devices=tuple(groups[[1, 0, 3, 2, 5, 4, 7, 6]].reshape(-1).tolist())))
+    kept = checked.image(current, swapped, "op")
+    assert kept is not None and isinstance(Lowerings(graph, kept).first(topo, True).copies, MemberFold)
+    # a plan the lowering refuses (2 stages cannot interleave): left to its scoring, which refuses it
+    bad = current.with_microbatches(2, "interleaved")
+    assert evaluate.keeps_members(bad)
+    with pytest.raises(PlanError, match="interleaved needs"):
+        evaluate(bad)

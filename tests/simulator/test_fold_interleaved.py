@@ -44,8 +44,9 @@ def _plans():
 
     return [  # Table 1's rows: T 8, P 16-64, D 6-15, full recompute, local DDP's one bucket, fp16
         pytest.param(plan(8), "a100-1x8", MemberFold, id="T4-P2-v2-D1"),
-        pytest.param(plan(16), "a100-2x8", Copies, id="T4-P2-v2-D2"),  # at D 2 the targets cross members
-        pytest.param(plan(16, sp=True, recompute=True), "a100-2x8", Copies, id="T4-P2-v2-D2-sp-recompute"),
+        # at D 2, 2 samples a replica's micro-batch: the targets cut on samples x sequence keep the members
+        pytest.param(plan(16), "a100-2x8", MemberFold, id="T4-P2-v2-D2"),
+        pytest.param(plan(16, sp=True, recompute=True), "a100-2x8", MemberFold, id="T4-P2-v2-D2-sp-recompute"),
         pytest.param(plan(32, recompute=True, cap=float(1 << 30), precision="fp16"), "a100-4x8", MemberFold,
                      id="T4-P2-v2-D4-recompute-one-bucket-fp16"),
         pytest.param(plan(32, sp=True, precision="bf16", zero=1), "a100-4x8", MemberFold,

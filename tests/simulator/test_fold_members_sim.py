@@ -39,6 +39,10 @@ def _plans():
                      id="megatron-T4-P2-D2-1f1b-recompute"),
         pytest.param(megatron(small, 8, tp=4, pp=2, microbatches=2), "a100-1x8", id="megatron-T4-P2-D1"),
         pytest.param(megatron_lm(small, 16, 4, 2), "a100-2x8", id="megatron_lm-T4-P2-D2"),
+        # 2 samples a replica's micro-batch: the targets cut on samples × sequence
+        pytest.param(megatron_lm(small, 16, 4, 2, micro_batch=2), "a100-2x8", id="megatron_lm-T4-P2-D2-mbs2"),
+        pytest.param(megatron(small, 8, tp=4, pp=2, microbatches=8, sequence_parallel=True), "a100-1x8",
+                     id="megatron-T4-P2-D1-mbs2"),
         *(pytest.param(random_plan(small, 16, seed), "a100-2x8", id=f"random-{seed}-16") for seed in (0, 1)),
         pytest.param(recomputed(megatron(small, 64, tp=4, pp=2, microbatches=2, sequence_parallel=True)
                                 .with_microbatches(2, "1f1b"), small), "a100-8x8", id="megatron-T4-P2-D8-1f1b-recompute"),
@@ -96,10 +100,14 @@ def test_member_fold_equals_the_copy_fold(seed, n, preset):
 
 
 def test_transfer_across_members_falls_back_named():
-    """GPT at D 4 reads its targets across members into the loss's view: the member fold is
-    refused, named, and the copies fold alone, as per device."""
+    """GPT at D 4 with 2 samples a replica's micro-batch and its targets cut on the sequence
+    (each member a quarter of both samples' tokens) reads them across members into the loss's
+    view, cut in contiguous rows: the member fold is refused, named, and the copies fold alone,
+    as per device. ``megatron`` cuts such targets 8 × 2 (``test_member_fold_equals_per_device``)."""
     graph, topo = traced("gpt", "small"), get_topology("a100-4x8")
     plan = megatron(graph, 32, tp=4, pp=2, microbatches=2, sequence_parallel=True)
+    assert plan["targets"] == ParallelConfig((8, 2), range(16, 32))
+    plan = plan.replace("targets", ParallelConfig((4, 4), range(16, 32)))
     lowerings = Lowerings(graph, plan)
     lowered = lowerings.first(topo, True)
     assert type(lowered.copies) is Copies

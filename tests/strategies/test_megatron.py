@@ -166,3 +166,19 @@ def test_vocab_parallel_loss_when_the_rule_has_classes():
     k = names.index("classes")
     assert plan["cross_entropy"].degrees[k] == 2 and plan["cross_entropy"].devices == (0, 1, 2, 3)
     assert not any(t.src_op == "view_8" and not t.local for t in lower(g, plan).transfers)  # logits never gathered
+
+
+@pytest.mark.parametrize("microbatches,degrees", [(8, (2, 4)), (4, (4, 2)), (2, (8, 1)), (1, (8, 1))])
+def test_targets_cut_as_their_flattened_view_reads_them(microbatches, degrees):
+    """The targets [batch, seq] under sequence parallelism: one sample a replica's micro-batch
+    cut on the sequence over the 4 members; 2 samples on 2 × d samples × 2 halves of the
+    sequence, so member j holds the j-th quarter of the replica's flattened tokens, which the
+    loss's view cut d·t ways reads there; 4 or more on the samples alone. No piece of the
+    targets moves between devices, and the token ids the embedding reads stay cut on the
+    sequence (an all-gather over the members)."""
+    g = traced("gpt", "small")  # batch 16, 4 heads
+    plan = megatron(g, 8, tp=4, pp=1, microbatches=microbatches, sequence_parallel=True)  # d = 2
+    assert plan["targets"].degrees == degrees and plan["targets"].devices == tuple(range(8))
+    assert plan["inputs"].degrees == ((2, 4) if microbatches > 2 else (8, 1))
+    lowered = lower(g, plan)
+    assert not any(t.src_op == "targets" and not t.local for t in lowered.transfers)
