@@ -58,7 +58,8 @@ from strategies.repeats import signature
 from strategies.rules import get_rule
 from strategies.strategy import Strategy
 
-__all__ = ["Block", "block_layout", "default_tp", "megatron", "megatron_blocks", "vocab_head"]
+__all__ = ["Block", "block_layout", "default_tp", "flattened", "flattened_cut", "flattened_relaid", "megatron",
+           "megatron_blocks", "vocab_head"]
 
 _MIDDLE = {"reshape", "flatten", "permute", "dropout", "attention", "elementwise", "add", "mul", "slice",
            "concat", "expand", "repeat_interleave"}
@@ -232,11 +233,14 @@ def _other(graph: OpGraph, node: OpNode, d: int, t: int, m: int, sequence_parall
     """An op outside the blocks and the head (module docstring): an embedding's vocabulary
     rows; the sequence (``sequence_parallel``) or the sample dim d·t ways; else sample d ways
     on devices 0, t, 2t, ..., else whole on device 0. An op read only through flattening
-    reshapes (the targets [batch, seq] of a flattened loss) whose replica holds g samples a
-    micro-batch, 1 < g < t and g dividing t, is cut on g·d samples × t/g of its sequence before
-    t of it: device i·t + j then holds the j-th of t contiguous blocks of replica i's g·seq
+    reshapes (the targets [batch, seq] of a flattened loss) is cut as ``flattened_cut`` cuts it
+    over d·t devices: device i·t + j then holds the j-th of t contiguous blocks of replica i's
     flattened rows, the block the flatten cut d·t ways reads there, so no piece crosses members
     (``member_symmetry``)."""
+    if not (sequence_parallel and len(node.output.shape) >= 3) and flattened(graph, node.name):
+        cfg = flattened_cut(node, tuple(range(d * t)), m)
+        if cfg is not None:
+            return cfg
     cuts: list[tuple[int, int | None, int]] = []  # (sample degree, dim, its degree)
     if node.kind == "embedding":
         cuts += [(d, i, t) for i in node.reduction_dims]
@@ -244,20 +248,69 @@ def _other(graph: OpGraph, node: OpNode, d: int, t: int, m: int, sequence_parall
     whole = (d * t, None, 1)
     # a [batch, seq, ...] activation: its sequence (or its samples); a flat [batch·seq, classes]
     # one: its rows
-    if sequence_parallel and len(node.output.shape) >= 3:
-        cuts += attributes + [whole]
-    else:
-        g = node.shape[node.sample_dim] // (m * d) if node.sample_dim is not None else 1
-        users = graph.users(node.name)
-        flattened = bool(users) and all(graph[u].kind in ("reshape", "flatten") and graph[u].sample_dim is not None
-                                        and len(graph[u].output.shape) < len(node.output.shape) for u in users)
-        mixed = [(d * g, i, t // g) for _, i, _ in attributes[:1]] if flattened and 1 < g < t and t % g == 0 else []
-        cuts += [whole] + mixed + attributes
+    cuts += attributes + [whole] if sequence_parallel and len(node.output.shape) >= 3 else [whole] + attributes
     for sample, i, k in cuts:
         cfg = _config(node, sample, i, k, m)
         if cfg is not None:
             return cfg
     return _config(node, d, None, t, m) or ParallelConfig((1,) * len(node.dims), (0,))
+
+
+def flattened(graph: OpGraph, name: str) -> bool:
+    """Whether op ``name`` is read, and only, by reshapes that merge its sample dim with the
+    dims after it (fewer dims out, a sample dim kept): the targets a flattened loss reads."""
+    users = graph.users(name)
+    out = len(graph[name].output.shape)
+    return bool(users) and all(graph[u].kind in ("reshape", "flatten") and graph[u].sample_dim is not None
+                               and len(graph[u].output.shape) < out for u in users)
+
+
+def flattened_cut(node: OpNode, devices: tuple[int, ...], m: int, config: ParallelConfig | None = None
+                  ) -> ParallelConfig | None:
+    """``node`` [batch, seq, ...] (read through flattening reshapes) cut over the R = len(``devices``)
+    devices in order so that partition k holds the k-th of R contiguous blocks of a micro-batch's
+    flattened rows (of m micro-batches), as a flatten cut R ways on its rows on those devices reads
+    them: R ways on its samples where R divides a micro-batch's b samples; else, where b divides R,
+    one sample a partition × R/b of its first attribute dim (the sequence); None where neither cut
+    holds (``config``: its sharding level and recompute flag kept)."""
+    s, r = node.sample_dim, len(devices)
+    if s is None or node.shape[s] % m:
+        return None
+    b = node.shape[s] // m
+    first = next((i for i, dim in enumerate(node.dims) if dim.role == "attribute" and i > s), None)
+    degrees = [1] * len(node.dims)
+    if b % r == 0:
+        degrees[s] = r
+    elif r % b == 0 and first is not None and node.shape[first] % (r // b) == 0:
+        degrees[s], degrees[first] = b, r // b
+    else:
+        return None
+    if not all(get_rule(node.kind).splittable(node)[i] for i, k in enumerate(degrees) if k > 1) \
+            or check_degrees(node, degrees, m) is not None:
+        return None
+    return ParallelConfig(tuple(degrees), devices, *((config.zero, config.recompute) if config else ()))
+
+
+def flattened_relaid(graph: OpGraph, plan: Strategy) -> Strategy:
+    """``plan`` with every op read only through flattening reshapes (``flattened``), each of which
+    cuts its rows alone len(devices) ways on the op's devices in their order, re-cut by
+    ``flattened_cut`` at the plan's micro-batch count (its sharding level and recompute flag
+    kept): after a change of micro-batch count, a cut laid out for the other count (the
+    targets on the sequence at one sample a replica's micro-batch) would make the flatten read
+    across devices. ``plan`` itself where nothing changes."""
+    changed: dict[str, ParallelConfig] = {}
+    for node in graph:
+        if node.sample_dim is None or not flattened(graph, node.name):
+            continue
+        cfg = plan[node.name]
+        r = len(cfg.devices)
+        if r == 1 or any(plan[u].devices != cfg.devices or plan[u].degrees[graph[u].sample_dim] != r
+                         for u in graph.users(node.name)):
+            continue
+        new = flattened_cut(node, cfg.devices, plan.microbatches, cfg)
+        if new is not None and new != cfg:
+            changed[node.name] = new
+    return plan.with_configs({op: changed.get(op, cfg) for op, cfg in plan.items()}) if changed else plan
 
 
 def _whole_number(field: str, value: object) -> int:

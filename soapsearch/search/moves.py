@@ -44,7 +44,7 @@ from strategies.config import ZERO_LEVELS, ParallelConfig, validate_config
 from strategies.errors import PlanError
 from strategies.graph import OpGraph
 from strategies.lowered import WEIGHT_KINDS
-from strategies.megatron import megatron_blocks
+from strategies.megatron import flattened_relaid, megatron_blocks
 from strategies.pieces import check_microbatches, recomputable
 from strategies.replicas import shardable
 from strategies.strategy import SCHEDULES, Strategy
@@ -281,19 +281,22 @@ class Moves:
         """``current`` with another (micro-batches, schedule) pair: a count of ``choices`` and,
         where it is more than one, GPipe or 1F1B (one micro-batch keeps the plan's schedule,
         which then orders nothing); None where there is no other pair or an op's config is not
-        valid with the count."""
+        valid with the count. At another count the ops a flatten reads row block by row block
+        (the targets) are re-cut as it reads them (``megatron.flattened_relaid``)."""
         pairs = [(m, s) for m in self.choices for s in (SCHEDULES if m > 1 else (current.schedule,))
                  if (m, s) != (current.microbatches, current.schedule if m > 1 else s)]
         if not pairs:
             return None
         m, schedule = rng.choice(pairs)
-        if m != current.microbatches:
-            try:
-                for node in self.graph:
-                    validate_config(node, current[node.name], self.num_devices, m)
-            except PlanError:
-                return None
-        return current.with_microbatches(m, schedule)
+        if m == current.microbatches:
+            return current.with_microbatches(m, schedule)
+        plan = flattened_relaid(self.graph, current.with_microbatches(m, schedule))
+        try:
+            for node in self.graph:
+                validate_config(node, plan[node.name], self.num_devices, m)
+        except PlanError:
+            return None
+        return plan
 
 
 def _set(current: Strategy, ops: list[str], change) -> Strategy | None:

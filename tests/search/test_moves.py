@@ -288,3 +288,27 @@ def test_memory_moves_set_one_op_of_every_instance(gpt):
         if rng.random() < 0.5:
             current = proposal
     assert seen == {"op", "repeated", "block", "all"}, seen
+
+
+def test_a_micro_batch_move_re_lays_the_targets_as_their_flatten_reads_them():
+    """megatron T4 on 8 devices (d = 2) at 8 micro-batches of the 16 samples (one a replica):
+    the targets are cut 2 samples x 4 of the sequence. Moved to 4 micro-batches (2 samples a
+    replica), they are re-cut 4 x 2, so the loss's flattened view, cut 8 ways on its rows on the
+    same devices, reads each block on its own device (no piece of the targets moves), as
+    ``megatron`` lays them out at 4; the other ops keep their configs."""
+    from strategies.lowering import lower
+    from strategies.megatron import megatron
+
+    graph = traced("gpt", "small")  # batch 16, 4 heads
+    current = megatron(graph, 8, tp=4, microbatches=8, sequence_parallel=True).with_microbatches(8, "1f1b")
+    assert current["targets"].degrees == (2, 4)
+    moves = Moves(graph, 8, MoveRates(microbatches=1.0), (4, 8))
+    proposal = moves.microbatches(current, random.Random(0))
+    assert proposal.microbatches == 4
+    assert proposal["targets"] == megatron(graph, 8, tp=4, microbatches=4, sequence_parallel=True)["targets"]
+    assert proposal["targets"].degrees == (4, 2) and proposal["targets"].devices == current["targets"].devices
+    assert [op for op, cfg in proposal.items() if cfg != current[op]] == ["targets"]
+    assert not any(t.src_op == "targets" and not t.local for t in lower(graph, proposal).transfers)
+    # without the re-cut the view would read the targets across devices
+    kept = current.with_microbatches(4, "1f1b")
+    assert any(t.src_op == "targets" and not t.local for t in lower(graph, kept).transfers)
