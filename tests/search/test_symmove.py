@@ -114,7 +114,8 @@ def test_an_op_move_whose_pieces_cross_the_members_is_no_proposal():
     kept: the members found from the configs are the plan's, but the column linears read it by
     transfers between members where they all-gathered it (its lowering refuses the member fold,
     and the plan would be simulated on its copies). With the Evaluator's member check it is
-    no proposal; the same LayerNorm moved within its stage's devices alike is one."""
+    no proposal. Of drawn op moves kept over the copies and members, the check drops exactly
+    those the member lowering refuses."""
     from simulator.cost import get_cost_model
     from simulator.presets import get_topology
     from simulator.simulate import Lowerings
@@ -136,11 +137,25 @@ def test_an_op_move_whose_pieces_cross_the_members_is_no_proposal():
     lowerings = Lowerings(graph, moved)
     assert not isinstance(lowerings.first(topo, True).copies, MemberFold)
     assert "crosses members" in lowerings.why
-    # within the stage: its 8 replicas' groups swapped pairwise, alike in every copy
-    groups = np.asarray(cfg.devices).reshape(8, 4)
-    swapped = current.replace(ln, replace(cfg, devices=tuple(groups[[1, 0, 3, 2, 5, 4, 7, 6]].reshape(-1).tolist())))
-    kept = checked.image(current, swapped, "op")
-    assert kept is not None and isinstance(Lowerings(graph, kept).first(topo, True).copies, MemberFold)
+    # drawn op moves: each the check drops is refused by the member lowering, each it keeps folds
+    candidates = candidate_configs(graph, 64, 2, 8)
+    ops = [op for op in candidates if len(candidates[op]) > 1]
+    rng = random.Random(0)
+    kept = dropped = 0
+    for _ in range(600):
+        op = rng.choice(ops)
+        proposal = plain.image(current, current.replace(op, rng.choice(candidates[op])), "op")
+        if proposal is None:
+            continue
+        lowerings = Lowerings(graph, proposal)
+        folded = isinstance(lowerings.first(topo, True).copies, MemberFold)
+        if checked.image(current, proposal, "op") is None:
+            assert not folded and "crosses members" in lowerings.why, (op, lowerings.why)
+            dropped += 1
+        else:
+            assert folded, (op, lowerings.why)
+            kept += 1
+    assert kept > 0 and dropped > 0
     # a plan the lowering refuses (2 stages cannot interleave): left to its scoring, which refuses it
     bad = current.with_microbatches(2, "interleaved")
     assert evaluate.keeps_members(bad)
