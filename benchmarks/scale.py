@@ -137,9 +137,10 @@ def _proposals(graph, plan, topo, cost, count: int) -> dict:
     at the plan's micro-batch count) with its sharding level and recompute flag kept
     (``moves.keep``), and from ``FOLD_FROM`` devices the change is made alike in every copy of
     the plan and kept on its tensor-parallel members, its lowering included
-    (``symmove.SymmetricMoves`` with ``Evaluator.keeps_members``, as ``search`` sets it). A draw that makes no proposal there, or that the lowering refuses
-    (``PlanError``), is drawn again; only the scored proposals' time counts ("drawn": every
-    draw)."""
+    (``symmove.SymmetricMoves`` with ``Evaluator.keeps_members``, as ``search`` sets it). A draw
+    that makes no proposal there, or that the lowering refuses (``PlanError``), is drawn again;
+    only the scored proposals' time counts ("drawn": every draw; "draw_s": the imaging and member
+    check of every draw, over the scored proposals)."""
     import random
 
     from simulator.simulate import FOLD_FROM

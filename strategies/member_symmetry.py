@@ -7,7 +7,8 @@ sequence under sequence parallelism); member m of every group computes the same 
 member 0 on another shard. A plan has a T-member fold when, for every non-weight op and every
 sample coordinate c, the partitions at c (other coordinates in mixed-radix order, last dim
 fastest) are T in number, cut evenly, and the one at position m runs on ψ_m of the device of the
-one at position 0, with one ψ_m: M_0 -> M_m for all ops and disjoint sets M_0..M_{T-1}
+one at position 0, with one ψ_m: M_0 -> M_m for all ops and disjoint sets M_0..M_{T-1}; an op
+of fewer partitions at each c is cut evenly on devices closed under every ψ_m
 (``find_members``). The lowering's pieces must then keep the members apart as well
 (``members_apart``): a transfer between two devices keeps its member index, and a collective
 either spans whole groups (one task, the same under every ψ_m) or lies in one member set with its
