@@ -164,7 +164,6 @@ def _proposals(graph, plan, topo, cost, count: int) -> dict:
             continue
         proposal = plan.replace(op, cfg)
         if symmetric is not None:
-            evaluate(plan)  # the chain's current plan, as the member check lowers from it
             c0 = time.process_time()
             proposal = symmetric.image(plan, proposal, "op")
             imaging += time.process_time() - c0

@@ -20,11 +20,11 @@ no proposal where it leaves those members: such a plan cannot fold on its member
 moves one op off its layer's tensor-parallel layout (those drawn there ran 4-8 times the plan's
 iteration time). So is one that keeps the members' cuts but whose lowering moves pieces across
 them (``keeps``, the search's ``Evaluator.keeps_members``): an op placed on another pipeline
-stage's devices, whose readers all-gathered it and now receive it by transfers between members.
-Lowering members 0 and 1 alone finds it (the member lowering's ``CrossCopy``), where it would be
-lowered and simulated again on its copies (GPT-3 175B's ``megatron_lm`` on 1,024 GPUs: 4.6 M
-tasks instead of 1.26 M, at 3.4-7.8 times the plan's iteration time). The block,
-repeated-block and global moves change the tensor-parallel
+stage's devices, which its readers receive by transfers between members where on its own stage
+they all-gather it. Lowering members 0 and 1 alone finds it (the member lowering's
+``CrossCopy``), where it would be lowered and simulated again on its copies (GPT-3 175B's
+``megatron_lm`` on 1,024 GPUs: 4.6 M tasks instead of 1.26 M, at 3.4-7.8 times the plan's
+iteration time). The block, repeated-block and global moves change the tensor-parallel
 layout of whole blocks or of the plan and are kept as imaged. ``mcmc.run_chain`` applies it to
 every proposal where ``Moves.symmetric`` is set: by ``search`` from ``FOLD_FROM`` devices,
 where simulations fold (below, the plain moves)."""
