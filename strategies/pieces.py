@@ -9,7 +9,7 @@ import functools
 import itertools
 import operator
 import weakref
-from typing import Collection, NamedTuple, Sequence
+from typing import Callable, Collection, NamedTuple, Sequence
 
 from strategies.errors import PlanError
 from strategies.graph import DTYPE_BYTES, OpGraph, OpNode
@@ -17,6 +17,7 @@ from strategies.collectives import find_collectives
 from strategies.lowered import (WEIGHT_KINDS, CollectiveRead, Gate, OpPieces, Partition, ReductionGroup, Transfer,
                                 WeightRead)
 from strategies.region import Box, box_numel, partition_index
+from strategies.series import series
 from strategies.saved import KIND_READS, NOTHING, aliases, reads_from, saved_extra, saves_output
 from strategies.rules import get_rule
 from strategies.rules.base import Reduction
@@ -332,6 +333,39 @@ def check_recompute(graph: OpGraph, node: OpNode) -> None:
                         "backward, so it keeps nothing for one to drop")
 
 
+SERIES_FROM = 8
+"""From this many micro-batches on, ``lower_op`` derives micro-batches 0, 1, 2 and the last, and
+takes the others from the series of 1 and 2 (``strategies.series``) where it gives the last."""
+
+
+def _microbatches(one: Callable[[int], tuple], m: int) -> list[tuple]:
+    """``one(j)`` for j = 0 .. m − 1: micro-batch j's (partitions, transfers, collective reads,
+    couples). Micro-batch j's rows of the sample dim are micro-batch 1's moved on j − 1 times
+    (``grid_of``), and so, under every rule, are its pieces' regions; from ``SERIES_FROM``
+    micro-batches the interior ones are taken from the series of micro-batches 1 and 2 where it
+    reproduces the last one exactly (else, or where the last raises, each is derived in order,
+    as below ``SERIES_FROM``)."""
+    if m < SERIES_FROM:
+        return [one(j) for j in range(m)]
+    head = [one(0), one(1), one(2)]
+    second, third = head[1], head[2]
+    f = series(_key(second), _key(third)) if second[3] == third[3] else None
+    if f is not None:
+        try:
+            last = one(m - 1)
+        except Exception:  # raised again below, by the first micro-batch in order that raises
+            f = None
+    if f is None or last[3] != second[3] or f(m - 2) != _key(last):
+        return head + [one(j) for j in range(3, m)]
+    couples = second[3]
+    return head + [(*f(j - 1), couples) for j in range(3, m - 1)] + [last]
+
+
+def _key(pieces: tuple) -> tuple:
+    """One micro-batch's (partitions, transfers, collective reads), as the series continues them."""
+    return pieces[0], tuple(pieces[1]), tuple(pieces[2])
+
+
 def lower_op(graph: OpGraph, strategy: Strategy, node: OpNode, m: int,
              keep: frozenset[int] | None = None) -> OpPieces:
     """What ``node`` contributes to ``strategy``'s lowering with ``m`` micro-batches. ``keep``:
@@ -342,9 +376,7 @@ def lower_op(graph: OpGraph, strategy: Strategy, node: OpNode, m: int,
     cfg = strategy[node.name]
     rule = get_rule(node.kind)
     n = strategy.num_devices
-    per_mb, transfers, reductions, reads = [], [], [], []
-    couples: set[tuple[int, int]] = set()
-    collective_reads: list[CollectiveRead] = []
+    reads: list[WeightRead] = []
     kept, fwd, grad = [0] * n, [0] * n, [0] * n
     if cfg.recompute:
         check_recompute(graph, node)
@@ -367,7 +399,11 @@ def lower_op(graph: OpGraph, strategy: Strategy, node: OpNode, m: int,
     fold = keep if isinstance(keep, MemberKeep) else None  # members 0 and 1 lowered for all
     kept_set = frozenset(kept_at) if fold is not None else None
     spans: list[tuple[int, int, int]] = []  # a member fold's: (partition, its reads' start, end)
-    for j in range(m):
+
+    def one(j: int) -> tuple:
+        """Micro-batch ``j``'s (partitions, transfers, collective reads, couples); micro-batch 0's
+        weight reads, kept and moved bytes too."""
+        transfers, collective_reads, couples = [], [], set()
         parts, weight_regions = [], []
         grids = [grid_of(p, c.degrees, j, m) for p, c in sources]
         grid = grid_of(node, cfg.degrees, j, m)
@@ -455,11 +491,19 @@ def lower_op(graph: OpGraph, strategy: Strategy, node: OpNode, m: int,
                                 grad[src_dev] += nbytes
             if fold is not None and j == 0:
                 spans.append((p.index, start, len(reads)))
-        per_mb.append(tuple(parts))
-        reds = rule.reductions(node, cfg.degrees)
+        return tuple(parts), transfers, collective_reads, couples
+
+    reds = rule.reductions(node, cfg.degrees)
+    per_mb, transfers, reductions, collective_reads = [], [], [], []
+    couples: set[tuple[int, int]] = set()
+    for j, (parts, moved, read, pairs) in enumerate(_microbatches(one, m)):
+        per_mb.append(parts)
+        transfers += moved
+        collective_reads += read
+        couples |= pairs
         if reds:
-            reductions.extend(_groups(node, cfg.degrees, cfg.devices, reds, grid, j, m, n, node.name in graph.outputs,
-                                      kept_at))
+            reductions.extend(_groups(node, cfg.degrees, cfg.devices, reds, grid_of(node, cfg.degrees, j, m), j, m, n,
+                                      node.name in graph.outputs, kept_at))
     if fold is not None:  # every member's weight reads (members 0 and 1 stand for the rest)
         reads = member_reads(node, cfg, rule, fold, sources, m, reads, spans)
     for g in reductions:  # a collective couples its devices both ways

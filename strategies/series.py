@@ -1,0 +1,90 @@
+"""A value given at two consecutive micro-batches, continued as an arithmetic series: ``series(a,
+b)`` is f with f(0) == a and f(1) == b where every int field of ``b`` is its field of ``a`` plus
+a step, every other field equal, and f(t) the same with t steps.
+
+An op's pieces of micro-batch j differ from micro-batch j − 1's only in rows of its sample dims,
+each moved on by one micro-batch's rows (``strategies.pieces.grid_of``: micro-batch j starts at
+row j·B/m), so ``strategies.pieces.lower_op`` derives two interior micro-batches and the last,
+and takes the rest from the series where it reproduces the last exactly. Shared sub-values stay
+shared: a NamedTuple two fields of ``a`` hold (a ``Collective`` its readers share) is one object
+in every f(t), and is so in ``b`` or there is no series; a plain tuple (a box) is equal wherever
+``a`` held it."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+__all__ = ["series"]
+
+_new = tuple.__new__
+
+
+class _Differ(Exception):
+    """``a`` and ``b`` are not two terms of one series."""
+
+
+def series(a: Any, b: Any) -> Callable[[int], Any] | None:
+    """f(t): ``a`` moved on t times by the steps from ``a`` to ``b`` (module docstring); None where
+    ``a`` and ``b`` differ other than in their int fields (a type, a length, another field, what
+    they share)."""
+    try:
+        node, const = _compile(a, b, {}, {})
+    except _Differ:
+        return None
+    if const:
+        return lambda t: a
+    return lambda t: node(t, {})
+
+
+def _compile(a: Any, b: Any, seen: dict, seen_b: dict) -> tuple[Any, bool]:
+    """(a node called as node(t, memo), False), or (``a``, True) where every f(t) is ``a``."""
+    if a is b:
+        return a, True
+    kind = type(a)
+    if kind is not type(b):
+        raise _Differ
+    if kind is int:
+        if a == b:
+            return a, True
+        step = b - a
+        return (lambda t, memo: a + step * t), False
+    if not isinstance(a, tuple):
+        if a != b:
+            raise _Differ
+        return a, True
+    got = seen.get(id(a))
+    if got is not None:  # shared in ``a``: shared alike in ``b``
+        if got[0] is not b:
+            raise _Differ
+        return got[1], got[2]
+    if id(b) in seen_b or len(a) != len(b):
+        raise _Differ
+    fields = [_compile(x, y, seen, seen_b) for x, y in zip(a, b)]
+    if all(const for _, const in fields):
+        out = (a, True)
+    elif kind is tuple and all(type(x) is int for x in a) and all(type(y) is int for y in b):
+        starts, steps = a, tuple(y - x for x, y in zip(a, b))  # a box's range: ints alone
+        out = (lambda t, memo: tuple([s + d * t for s, d in zip(starts, steps)])), False
+    else:
+        parts = tuple(fields)
+        if kind is tuple:  # a box: equal in every place that held it (not one object)
+            def node(t, memo, parts=parts):
+                return tuple([v if const else v(t, memo) for v, const in parts])
+            out = (node, False)
+        else:  # a NamedTuple, made as the tuple it is, once a call
+            def node(t, memo, parts=parts, kind=kind):
+                return _new(kind, [v if const else v(t, memo) for v, const in parts])
+            out = (_shared(node, id(a)), False)
+    seen[id(a)] = (b, *out)
+    seen_b[id(b)] = a
+    return out
+
+
+def _shared(node: Callable, key: int) -> Callable:
+    """``node`` made once a call of f: every place that held one object holds one again."""
+    def once(t, memo):
+        got = memo.get(key)
+        if got is None:
+            got = memo[key] = node(t, memo)
+        return got
+    return once
