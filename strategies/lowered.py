@@ -455,9 +455,13 @@ class Lowered:
         """Collective -> every read of it, in graph order (the collectives in the order of their
         first read)."""
         out: dict[Collective, list[CollectiveRead]] = {}
+        last = rs = None
         for p in self.pieces.values():
             for r in p.collective_reads:
-                out.setdefault(r.collective, []).append(r)
+                c = r.collective
+                if c is not last:  # an op's partitions that read one collective read one object: hashed once
+                    rs, last = out.setdefault(c, []), c
+                rs.append(r)
         return {c: tuple(rs) for c, rs in out.items()}
 
     @property
