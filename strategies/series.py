@@ -48,8 +48,8 @@ def _compile(a: Any, b: Any, seen: dict, seen_b: dict) -> tuple[Any, bool]:
             return a, True
         step = b - a
         return (lambda t, memo: a + step * t), False
-    if not isinstance(a, tuple):
-        if a != b:
+    if not isinstance(a, tuple) or (kind is not tuple and not hasattr(kind, "_fields")):
+        if a != b:  # not a plain tuple nor a NamedTuple (a ``Hashed`` group of devices): kept as it is
             raise _Differ
         return a, True
     got = seen.get(id(a))

@@ -16,6 +16,7 @@ from strategies import Strategy, enumerate_configs
 from strategies.baselines import megatron_lm
 from strategies.lowering import lower, lower_reference
 from strategies.lowering_members import MemberFold, member_fold
+from strategies.members import Hashed
 from strategies.series import series
 from strategies.symmetry import find_copies
 from tests.conftest import traced
@@ -51,6 +52,7 @@ def test_series_keeps_what_two_fields_share():
     ((1, True), (2, False)),  # a bool is no int
     ((1, 2.0), (2, 3.0)),  # nor a float
     (Piece("x", 0, ()), ("x", 1, ())),  # a type
+    ((0, Hashed((1, 2))), (1, Hashed((1, 3)))),  # a tuple of another kind: made as it is or not at all
 ])
 def test_no_series_where_terms_differ_otherwise(a, b):
     assert series(a, b) is None
