@@ -106,10 +106,9 @@ def renamed(pieces: OpPieces, old: tuple[str, ...], new: tuple[str, ...], delta:
     # once; by identity (a lowering's reads of one collective share it), not by its nested hash
     unique = {id(c): c for c in map(_COLLECTIVE, pieces.collective_reads)}
     groups = {g: _plus(g, delta) for g in dict.fromkeys([c[3] for c in unique.values()])}
-    collectives = {i: _new(Collective, (c[0], at(c[1]), c[2], groups[c[3]], *c[4:])) for i, c in unique.items()}
+    collectives = {i: _new(Collective, (kind, at(src), j, groups[g], *rest))
+                   for i, (kind, src, j, g, *rest) in unique.items()}
     col_reads = tuple([_new(CollectiveRead, (collectives[id(c)], op, k, slot, d + delta))
-                       for c, _, k, slot, d in pieces.collective_reads] if delta else
-                      [_new(CollectiveRead, (collectives[id(c)], op, k, slot, d))
                        for c, _, k, slot, d in pieces.collective_reads])
     couples = pieces.couples if not delta else frozenset((a + delta, b + delta) for a, b in pieces.couples)
     return pieces._replace(partitions=parts, transfers=transfers, reductions=reductions, weight_reads=reads,

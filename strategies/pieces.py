@@ -9,7 +9,7 @@ import functools
 import itertools
 import operator
 import weakref
-from typing import Callable, Collection, NamedTuple, Sequence
+from typing import Collection, NamedTuple, Sequence
 
 from strategies.errors import PlanError
 from strategies.graph import DTYPE_BYTES, OpGraph, OpNode
@@ -17,7 +17,7 @@ from strategies.collectives import find_collectives
 from strategies.lowered import (WEIGHT_KINDS, CollectiveRead, Gate, OpPieces, Partition, ReductionGroup, Transfer,
                                 WeightRead)
 from strategies.region import Box, box_numel, partition_index
-from strategies.series import series
+from strategies.series import Microbatch, microbatches
 from strategies.saved import KIND_READS, NOTHING, aliases, reads_from, saved_extra, saves_output
 from strategies.rules import get_rule
 from strategies.rules.base import Reduction
@@ -333,39 +333,6 @@ def check_recompute(graph: OpGraph, node: OpNode) -> None:
                         "backward, so it keeps nothing for one to drop")
 
 
-SERIES_FROM = 8
-"""From this many micro-batches on, ``lower_op`` derives micro-batches 0, 1, 2 and the last, and
-takes the others from the series of 1 and 2 (``strategies.series``) where it gives the last."""
-
-
-def _microbatches(one: Callable[[int], tuple], m: int) -> list[tuple]:
-    """``one(j)`` for j = 0 .. m − 1: micro-batch j's (partitions, transfers, collective reads,
-    couples). Micro-batch j's rows of the sample dim are micro-batch 1's moved on j − 1 times
-    (``grid_of``), and so, under every rule, are its pieces' regions; from ``SERIES_FROM``
-    micro-batches the interior ones are taken from the series of micro-batches 1 and 2 where it
-    reproduces the last one exactly (else, or where the last raises, each is derived in order,
-    as below ``SERIES_FROM``)."""
-    if m < SERIES_FROM:
-        return [one(j) for j in range(m)]
-    head = [one(0), one(1), one(2)]
-    second, third = head[1], head[2]
-    f = series(_key(second), _key(third)) if second[3] == third[3] else None
-    if f is not None:
-        try:
-            last = one(m - 1)
-        except Exception:  # raised again below, by the first micro-batch in order that raises
-            f = None
-    if f is None or last[3] != second[3] or f(m - 2) != _key(last):
-        return head + [one(j) for j in range(3, m)]
-    couples = second[3]
-    return head + [(*f(j - 1), couples) for j in range(3, m - 1)] + [last]
-
-
-def _key(pieces: tuple) -> tuple:
-    """One micro-batch's (partitions, transfers, collective reads), as the series continues them."""
-    return pieces[0], tuple(pieces[1]), tuple(pieces[2])
-
-
 def lower_op(graph: OpGraph, strategy: Strategy, node: OpNode, m: int,
              keep: frozenset[int] | None = None) -> OpPieces:
     """What ``node`` contributes to ``strategy``'s lowering with ``m`` micro-batches. ``keep``:
@@ -400,9 +367,8 @@ def lower_op(graph: OpGraph, strategy: Strategy, node: OpNode, m: int,
     kept_set = frozenset(kept_at) if fold is not None else None
     spans: list[tuple[int, int, int]] = []  # a member fold's: (partition, its reads' start, end)
 
-    def one(j: int) -> tuple:
-        """Micro-batch ``j``'s (partitions, transfers, collective reads, couples); micro-batch 0's
-        weight reads, kept and moved bytes too."""
+    def one(j: int) -> Microbatch:
+        """Micro-batch ``j``'s pieces; micro-batch 0's weight reads, kept and moved bytes too."""
         transfers, collective_reads, couples = [], [], set()
         parts, weight_regions = [], []
         grids = [grid_of(p, c.degrees, j, m) for p, c in sources]
@@ -491,16 +457,21 @@ def lower_op(graph: OpGraph, strategy: Strategy, node: OpNode, m: int,
                                 grad[src_dev] += nbytes
             if fold is not None and j == 0:
                 spans.append((p.index, start, len(reads)))
-        return tuple(parts), transfers, collective_reads, couples
+        return Microbatch(tuple(parts), tuple(transfers), tuple(collective_reads), frozenset(couples))
 
+    # micro-batch j's pieces are micro-batch j - 1's with their sample rows moved on where the
+    # op and every activation it reads have a sample dim (``check_microbatches``: each reads
+    # within its own micro-batch's rows), so the interior ones may come from a series
+    alike = node.sample_dim is not None and all(p.sample_dim is not None for p, _ in sources
+                                                if p.kind not in WEIGHT_KINDS)
     reds = rule.reductions(node, cfg.degrees)
     per_mb, transfers, reductions, collective_reads = [], [], [], []
     couples: set[tuple[int, int]] = set()
-    for j, (parts, moved, read, pairs) in enumerate(_microbatches(one, m)):
-        per_mb.append(parts)
-        transfers += moved
-        collective_reads += read
-        couples |= pairs
+    for j, got in enumerate(microbatches(one, m, alike)):
+        per_mb.append(got.partitions)
+        transfers += got.transfers
+        collective_reads += got.reads
+        couples |= got.couples
         if reds:
             reductions.extend(_groups(node, cfg.degrees, cfg.devices, reds, grid_of(node, cfg.degrees, j, m), j, m, n,
                                       node.name in graph.outputs, kept_at))

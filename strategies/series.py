@@ -1,22 +1,61 @@
-"""A value given at two consecutive micro-batches, continued as an arithmetic series: ``series(a,
-b)`` is f with f(0) == a and f(1) == b where every int field of ``b`` is its field of ``a`` plus
-a step, every other field equal, and f(t) the same with t steps.
+"""An op's micro-batches as a series. ``series(a, b)``: a value given at two consecutive
+micro-batches, continued: f with f(0) == a and f(1) == b where every int field of ``b`` is its
+field of ``a`` plus a step, every other field equal, and f(t) the same with t steps.
 
-An op's pieces of micro-batch j differ from micro-batch j − 1's only in rows of its sample dims,
-each moved on by one micro-batch's rows (``strategies.pieces.grid_of``: micro-batch j starts at
-row j·B/m), so ``strategies.pieces.lower_op`` derives two interior micro-batches and the last,
-and takes the rest from the series where it reproduces the last exactly. Shared sub-values stay
+Where an op and every activation it reads have a sample dim, its pieces of micro-batch j are
+micro-batch j − 1's with their sample rows moved on by one micro-batch's rows
+(``strategies.pieces.grid_of``: micro-batch j starts at row j·B/m; ``check_microbatches``: each
+reads within its own micro-batch's rows); its partitions' devices and bytes are the same in
+every micro-batch. So ``microbatches`` (for ``strategies.pieces.lower_op``) derives micro-batches
+0, 1, 2 and the last, and takes the others from the series of 1 and 2 where it reproduces the
+last exactly and the device pairs agree; an op without a sample dim reading one (``h[37]``: a
+row of one micro-batch only) has each derived. Shared sub-values stay
 shared: a NamedTuple two fields of ``a`` hold (a ``Collective`` its readers share) is one object
 in every f(t), and is so in ``b`` or there is no series; a plain tuple (a box) is equal wherever
 ``a`` held it."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
-__all__ = ["series"]
+__all__ = ["series", "microbatches", "Microbatch", "SERIES_FROM"]
 
 _new = tuple.__new__
+
+SERIES_FROM = 8
+"""From this many micro-batches on, ``microbatches`` derives micro-batches 0, 1, 2 and the last and
+takes the others from the series of 1 and 2 where it gives the last."""
+
+
+class Microbatch(NamedTuple):
+    """One micro-batch's share of an op's pieces (``strategies.pieces.lower_op``)."""
+
+    partitions: tuple
+    transfers: tuple
+    reads: tuple
+    """The collective reads."""
+    couples: frozenset
+    """The device pairs its transfers and collectives join."""
+
+
+def microbatches(one: Callable[[int], Microbatch], m: int, alike: bool) -> list[Microbatch]:
+    """``one(j)`` for j = 0 .. m − 1. ``alike``: the op and the activations it reads have sample
+    dims (module docstring); from ``SERIES_FROM`` micro-batches the interior ones are then taken
+    from the series of micro-batches 1 and 2 where it reproduces the last one exactly; else, or
+    where the last raises, each is derived in order."""
+    if m < SERIES_FROM or not alike:
+        return [one(j) for j in range(m)]
+    head = [one(0), one(1), one(2)]
+    second, third = head[1], head[2]
+    f = series(second[:3], third[:3]) if second.couples == third.couples else None
+    if f is not None:
+        try:
+            last = one(m - 1)
+        except Exception:  # raised again below, by the first micro-batch in order that raises
+            f = None
+    if f is None or last.couples != second.couples or f(m - 2) != last[:3]:
+        return head + [one(j) for j in range(3, m)]
+    return head + [Microbatch(*f(j - 1), second.couples) for j in range(3, m - 1)] + [last]
 
 
 class _Differ(Exception):
@@ -54,9 +93,10 @@ def _compile(a: Any, b: Any, seen: dict, seen_b: dict) -> tuple[Any, bool]:
         return a, True
     got = seen.get(id(a))
     if got is not None:  # shared in ``a``: shared alike in ``b``
-        if got[0] is not b:
+        partner, node, const = got
+        if partner is not b:
             raise _Differ
-        return got[1], got[2]
+        return node, const
     if id(b) in seen_b or len(a) != len(b):
         raise _Differ
     fields = [_compile(x, y, seen, seen_b) for x, y in zip(a, b)]

@@ -1,8 +1,9 @@
-"""An op's pieces of its interior micro-batches taken from a series (``strategies.series``,
-``strategies.pieces.SERIES_FROM``) equal those derived one micro-batch after another: on random
-plans of tiny zoo models at 8 and 16 micro-batches, and on the member fold of GPT's Megatron-LM
-plan at 32; and the series itself: ints moved on by their steps, everything else kept, shared
-values shared, no series where two terms differ otherwise."""
+"""An op's pieces of its interior micro-batches taken from a series (``strategies.series``) equal
+those derived one micro-batch after another: on random plans of tiny zoo models at 8 and 16
+micro-batches, on the member and copy folds of GPT's Megatron-LM plan at 32 (the collectives
+its readers share shared alike), and for an op without a sample dim that reads one row of the
+batch; a micro-batch that raises raises in order; and the series itself: ints moved on by their
+steps, everything else kept, shared values shared, no series where two terms differ otherwise."""
 
 from __future__ import annotations
 
@@ -10,14 +11,18 @@ import random
 from typing import NamedTuple
 
 import pytest
+import torch
+from torch import nn
 
 import strategies.pieces as pieces
+import strategies.series as series_module
+from soapsearch import trace
 from strategies import Strategy, enumerate_configs
 from strategies.baselines import megatron_lm
 from strategies.lowering import lower, lower_reference
 from strategies.lowering_members import MemberFold, member_fold
 from strategies.members import Hashed
-from strategies.series import series
+from strategies.series import Microbatch, microbatches, series
 from strategies.symmetry import find_copies
 from tests.conftest import traced
 from tests.strategies.test_lowering_reference import _assert_equal
@@ -69,28 +74,28 @@ def test_no_series_where_sharing_differs():
 def counted(monkeypatch):
     """[ops lowered with the series on, those whose interior micro-batches came from it]."""
     seen = [0, 0]
-    inner = pieces._microbatches
+    inner = pieces.microbatches
 
-    def counting(one, m):
+    def counting(one, m, alike):
         calls = []
 
         def once(j):
             calls.append(j)
             return one(j)
-        out = inner(once, m)
-        if m >= pieces.SERIES_FROM:
+        out = inner(once, m, alike)
+        if m >= series_module.SERIES_FROM:
             seen[0] += 1
             seen[1] += len(calls) < m
         return out
 
-    monkeypatch.setattr(pieces, "_microbatches", counting)
+    monkeypatch.setattr(pieces, "microbatches", counting)
     return seen
 
 
 def _plainly(monkeypatch, fn):
     """``fn()`` with every micro-batch derived on its own."""
     with monkeypatch.context() as patch:
-        patch.setattr(pieces, "SERIES_FROM", 1 << 30)
+        patch.setattr(series_module, "SERIES_FROM", 1 << 30)
         return fn()
 
 
@@ -106,12 +111,70 @@ def test_series_of_microbatches_equals_each_derived(name, microbatches, counted,
     assert counted[1] > counted[0] // 2  # most ops took the series
 
 
-def test_series_under_the_member_fold_equals_each_derived(counted, monkeypatch):
+def _sharing(lowered) -> dict:
+    """Per op, its collective reads grouped by the collective object they read."""
+    out = {}
+    for op, p in lowered.pieces.items():
+        ids: dict = {}
+        out[op] = [ids.setdefault(id(r.collective), len(ids)) for r in p.collective_reads]
+    return out
+
+
+def test_series_under_the_member_and_copy_folds_equals_each_derived(counted, monkeypatch):
     graph = traced("gpt", "small", batch_size=64)
     plan = megatron_lm(graph, 16, 4, 2)
     assert plan.microbatches == 32
-    fold = member_fold(graph, plan, find_copies(graph, plan))
+    copies = find_copies(graph, plan)
+    fold = member_fold(graph, plan, copies)
     assert isinstance(fold, MemberFold), fold
-    got = lower(graph, plan, copies=fold)
-    _assert_equal(got, _plainly(monkeypatch, lambda: lower(graph, plan, copies=fold)))
-    assert got.collectives and counted[1] > counted[0] // 2
+    for over in (fold, copies):
+        got = lower(graph, plan, copies=over)
+        want = _plainly(monkeypatch, lambda: lower(graph, plan, copies=over))
+        _assert_equal(got, want)
+        assert got.collectives and _sharing(got) == _sharing(want)
+    assert counted[1] > counted[0] // 2
+
+
+class Row(nn.Module):
+    """Every sample plus row 37 of the batch: an op without a sample dim reading the rows of one
+    micro-batch alone."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h + h[37]
+
+
+def test_an_op_without_a_sample_dim_reading_one_row_is_derived_each(monkeypatch):
+    graph = trace(Row(), (torch.randn(64, 8),))
+    plan = Strategy.of({node.name: next(iter(enumerate_configs(node, 2, 8))) for node in graph}, 2, 8)
+    got = lower_reference(graph, plan)
+    _assert_equal(got, _plainly(monkeypatch, lambda: lower_reference(graph, plan)))
+    row = next(op for op in got.partitions if graph[op].sample_dim is None and graph[op].inputs)
+    assert [t.microbatch for t in got.transfers if t.dst_op == row] == [4]  # rows [32, 40)
+
+
+def _one(raise_at: tuple[int, ...] = (), bend: int | None = None):
+    """Micro-batch j's pieces: a box [4j, 4j + 4), raising at the micro-batches ``raise_at``, moved
+    off the line at ``bend``."""
+    def one(j):
+        if j in raise_at:
+            raise ValueError(f"micro-batch {j}")
+        lo = 4 * j + (1 if j == bend else 0)
+        return Microbatch(((j, (lo, lo + 4)),), (), (), frozenset({(0, 1)}))
+    return one
+
+
+def test_microbatches_follow_the_series_and_fall_back_in_order():
+    assert microbatches(_one(), 12, True) == [_one()(j) for j in range(12)]
+    assert microbatches(_one(bend=11), 12, True) == [_one(bend=11)(j) for j in range(12)]  # the last off the line
+    assert microbatches(_one(bend=2), 12, True) == [_one(bend=2)(j) for j in range(12)]  # no series of 1 and 2
+    with pytest.raises(ValueError, match="micro-batch 11"):
+        microbatches(_one(raise_at=(11,)), 12, True)
+    with pytest.raises(ValueError, match="micro-batch 5"):  # the last raises: the first in order raises
+        microbatches(_one(raise_at=(5, 11)), 12, True)
+    with pytest.raises(ValueError, match="micro-batch 1"):
+        microbatches(_one(raise_at=(1, 11)), 12, False)
