@@ -11,8 +11,8 @@ every micro-batch. So ``microbatches`` (for ``strategies.pieces.lower_op``) deri
 last exactly and the device pairs agree; an op without a sample dim reading one (``h[37]``: a
 row of one micro-batch only) has each derived. Shared sub-values stay
 shared: a NamedTuple two fields of ``a`` hold (a ``Collective`` its readers share) is one object
-in every f(t), and is so in ``b`` or there is no series; a plain tuple (a box) is equal wherever
-``a`` held it."""
+in every f(t), and is so in ``b`` or there is no series; a plain tuple (a box) is only equal
+wherever ``a`` held it."""
 
 from __future__ import annotations
 
@@ -91,13 +91,17 @@ def _compile(a: Any, b: Any, seen: dict, seen_b: dict) -> tuple[Any, bool]:
         if a != b:  # not a plain tuple nor a NamedTuple (a ``Hashed`` group of devices): kept as it is
             raise _Differ
         return a, True
-    got = seen.get(id(a))
-    if got is not None:  # shared in ``a``: shared alike in ``b``
-        partner, node, const = got
-        if partner is not b:
+    named = kind is not tuple  # a NamedTuple: what ``a`` shares ``b`` shares alike; a box: equal is enough
+    if named:
+        got = seen.get(id(a))
+        if got is not None:
+            partner, node, const = got
+            if partner is not b:
+                raise _Differ
+            return node, const
+        if id(b) in seen_b:
             raise _Differ
-        return node, const
-    if id(b) in seen_b or len(a) != len(b):
+    if len(a) != len(b):
         raise _Differ
     fields = [_compile(x, y, seen, seen_b) for x, y in zip(a, b)]
     if all(const for _, const in fields):
@@ -115,8 +119,9 @@ def _compile(a: Any, b: Any, seen: dict, seen_b: dict) -> tuple[Any, bool]:
             def node(t, memo, parts=parts, kind=kind):
                 return _new(kind, [v if const else v(t, memo) for v, const in parts])
             out = (_shared(node, id(a)), False)
-    seen[id(a)] = (b, *out)
-    seen_b[id(b)] = a
+    if named:
+        seen[id(a)] = (b, *out)
+        seen_b[id(b)] = a
     return out
 
 
