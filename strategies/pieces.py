@@ -59,6 +59,10 @@ def _boxes(grid: Sequence[tuple[int, int]], degrees: Sequence[int]) -> list[Box]
 _SHAPE_IDS: "weakref.WeakKeyDictionary[OpGraph, dict[str, int]]" = weakref.WeakKeyDictionary()
 
 
+_CHECKED: "weakref.WeakKeyDictionary[OpGraph, set[int]]" = weakref.WeakKeyDictionary()
+"""Graph -> the micro-batch counts ``check_microbatches`` passed (kept while the graph lives)."""
+
+
 def shape_ids(graph: OpGraph) -> dict[str, int]:
     """``strategies.lowering_shared.shapes_of`` ``graph``, found once per graph (kept while it lives)."""
     shapes = _SHAPE_IDS.get(graph)
@@ -75,6 +79,9 @@ def check_microbatches(graph: OpGraph, m: int) -> None:
     shape (``shape_ids``) are checked once (the check reads the op and its producers' kinds,
     dims and sample dims, which the id holds)."""
     if m == 1:
+        return
+    checked = _CHECKED.setdefault(graph, set())
+    if m in checked:  # a function of the graph and m alone: a search lowers at a few counts again and again
         return
     shapes, seen = shape_ids(graph), set()  # ids of the shapes checked
     for node in graph:
@@ -105,6 +112,7 @@ def check_microbatches(graph: OpGraph, m: int) -> None:
                                     f"sample dim ({p.shape[k]}), outside that op's micro-batch {j} [{lo}, {hi}): "
                                     "it does not keep the samples apart (the batch is not the outer part of "
                                     "the dim it is flattened into); train it with 1 micro-batch")
+    checked.add(m)
 
 
 def partition_box_mb(node: OpNode, degrees: Sequence[int], k: int, microbatch: int,

@@ -130,13 +130,21 @@ class SymmetricMoves:
         if proposal is None:
             return None
         copies = self.copies(current)
-        if copies is None or kind == "global" or copies_of(self.graph, proposal, copies.count) is not None:
+        if copies is None or kind == "global":
+            return proposal
+        graph, r = self.graph, copies.count
+        drawn = [(op, cfg, graph[op].sample_dim) for op, cfg in proposal.configs
+                 if cfg is not current[op] and graph[op].kind not in WEIGHT_KINDS]
+        # a changed op not cut a multiple of R ways on its samples: the proposal is replicated
+        # over no R copies (``copies_of`` refuses that op) and cannot be imaged over them (the
+        # one answer of both below, without walking every op's devices)
+        if any(sample is None or cfg.degrees[sample] % r for _, cfg, sample in drawn):
+            return None
+        if copies_of(graph, proposal, r) is not None:
             return proposal
         changed = {}
-        for op, cfg in proposal.configs:
-            if cfg is current[op] or self.graph[op].kind in WEIGHT_KINDS:
-                continue
-            image = imaged(cfg, self.graph[op].sample_dim, copies)
+        for op, cfg, sample in drawn:
+            image = imaged(cfg, sample, copies)
             if image is None:  # over fewer copies or none
                 return None
             if image is not cfg:

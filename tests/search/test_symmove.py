@@ -75,6 +75,54 @@ def test_an_op_move_is_made_in_every_copy():
     assert dropped > 0 and fewer > 0
 
 
+def _imaged_plainly(graph, current, proposal, copies):
+    """``SymmetricMoves._imaged`` as it reads: kept where replicated over the copies by itself,
+    else every changed non-weight config imaged, or None."""
+    if copies_of(graph, proposal, copies.count) is not None:
+        return proposal
+    changed = {}
+    for op, cfg in proposal.configs:
+        if cfg is current[op] or graph[op].kind in WEIGHT_KINDS:
+            continue
+        image = imaged(cfg, graph[op].sample_dim, copies)
+        if image is None:
+            return None
+        if image is not cfg:
+            changed[op] = image
+    return proposal.with_configs({**dict(proposal.configs), **changed}) if changed else proposal
+
+
+@pytest.mark.parametrize("tp,pp", [(2, 1), (2, 2)])
+def test_a_draw_cut_no_multiple_of_the_copies_is_dropped_at_once_as_before(tp, pp):
+    """The shortcut (a changed op cut on its samples no multiple of R ways: no proposal) gives what
+    the copies check and the imaging give, draw for draw."""
+    graph = traced("gpt", batch_size=64)
+    current = megatron(graph, 64, tp=tp, pp=pp)
+    moves = SymmetricMoves(graph)
+    copies = moves.copies(current)
+    candidates = {op: cfgs for op, cfgs in candidate_configs(graph, 64, 1, 8).items() if len(cfgs) > 1}
+    rng = random.Random(pp)
+    swapped = {}  # a tensor-parallel pair swapped in copy 0 alone: imaged into every copy
+    for op, cfg in current.configs:
+        sample = graph[op].sample_dim
+        if graph[op].kind not in WEIGHT_KINDS and _runs(cfg, sample, copies.count).shape[1] > 1:
+            runs = _runs(cfg, sample, copies.count).copy()
+            runs[0] = runs[0][::-1]
+            swapped[op] = [_from_runs(runs, cfg, sample)]
+    kinds = {"none": 0, "kept": 0, "imaged": 0}
+    for _ in range(300):
+        table = swapped if rng.random() < 0.3 else candidates
+        ops_drawn = rng.sample(sorted(table), rng.choice((1, 1, 2)))
+        proposal = current.with_configs({**dict(current.configs),
+                                         **{op: rng.choice(table[op]) for op in ops_drawn}})
+        got, want = moves.image(current, proposal, "block"), _imaged_plainly(graph, current, proposal, copies)
+        assert (got is None) == (want is None)
+        if got is not None:
+            assert got.configs == want.configs
+        kinds["none" if got is None else "kept" if got is proposal else "imaged"] += 1
+    assert all(kinds.values()), kinds
+
+
 def test_an_op_move_keeps_the_plan_s_tensor_parallel_members():
     graph = traced("gpt", "small", batch_size=64)
     current = megatron(graph, 64, tp=4)

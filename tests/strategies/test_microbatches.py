@@ -63,12 +63,15 @@ def test_the_shape_ids_are_found_once_per_graph(monkeypatch):
     import strategies.pieces as pieces
     found = []
     monkeypatch.setattr(pieces, "_SHAPE_IDS", weakref.WeakKeyDictionary())  # the graphs checked before: forgotten
+    monkeypatch.setattr(pieces, "_CHECKED", weakref.WeakKeyDictionary())
     monkeypatch.setattr(pieces, "shapes_of", lambda graph: found.append(graph) or shapes_of(graph))
     g = traced("gpt", batch_size=8)
     for m in (2, 4, 2):
         check_microbatches(g, m)
     assert found == [g] and pieces.shape_ids(g) == shapes_of(g)
+    assert pieces._CHECKED[g] == {2, 4}  # each count checked once: a pure function of the graph and m
     seq_first = trace(SeqFirst(), (torch.randn(4, 3, 4),))
-    with pytest.raises(PlanError, match="micro-batch"):
-        check_microbatches(seq_first, 2)
+    for _ in range(2):  # a count refused is refused again, not remembered as checked
+        with pytest.raises(PlanError, match="micro-batch"):
+            check_microbatches(seq_first, 2)
     assert found == [g, seq_first]  # another graph: its own ids
