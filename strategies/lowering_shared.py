@@ -38,7 +38,7 @@ from strategies.repeats import signature
 __all__ = ["shapes_of", "names_of", "name_map", "renamed", "relative_key"]
 
 _new = tuple.__new__
-_COLLECTIVE = operator.itemgetter(0)  # a CollectiveRead's collective
+_COLLECTIVE = operator.attrgetter("collective")  # a CollectiveRead's
 
 
 def _alone(node: OpNode) -> Hashable:

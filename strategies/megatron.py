@@ -278,17 +278,15 @@ def flattened_cut(node: OpNode, devices: tuple[int, ...], m: int, config: Parall
         return None
     b = node.shape[s] // m
     first = next((i for i, dim in enumerate(node.dims) if dim.role == "attribute" and i > s), None)
-    degrees = [1] * len(node.dims)
     if b % r == 0:
-        degrees[s] = r
-    elif r % b == 0 and first is not None and node.shape[first] % (r // b) == 0:
-        degrees[s], degrees[first] = b, r // b
+        cut = _config(node, r, None, 1, m)
+    elif r % b == 0 and first is not None:
+        cut = _config(node, b, first, r // b, m)
     else:
         return None
-    if not all(get_rule(node.kind).splittable(node)[i] for i, k in enumerate(degrees) if k > 1) \
-            or check_degrees(node, degrees, m) is not None:
+    if cut is None:
         return None
-    return ParallelConfig(tuple(degrees), devices, *((config.zero, config.recompute) if config else ()))
+    return ParallelConfig(cut.degrees, devices, *((config.zero, config.recompute) if config else ()))
 
 
 def flattened_relaid(graph: OpGraph, plan: Strategy) -> Strategy:

@@ -37,6 +37,11 @@ class Microbatch(NamedTuple):
     couples: frozenset
     """The device pairs its transfers and collectives join."""
 
+    @property
+    def pieces(self) -> tuple:
+        """(partitions, transfers, reads): what the series continues."""
+        return self.partitions, self.transfers, self.reads
+
 
 def microbatches(one: Callable[[int], Microbatch], m: int, alike: bool) -> list[Microbatch]:
     """``one(j)`` for j = 0 .. m − 1. ``alike``: the op and the activations it reads have sample
@@ -47,13 +52,13 @@ def microbatches(one: Callable[[int], Microbatch], m: int, alike: bool) -> list[
         return [one(j) for j in range(m)]
     head = [one(0), one(1), one(2)]
     second, third = head[1], head[2]
-    f = series(second[:3], third[:3]) if second.couples == third.couples else None
+    f = series(second.pieces, third.pieces) if second.couples == third.couples else None
     if f is not None:
         try:
             last = one(m - 1)
         except Exception:  # raised again below, by the first micro-batch in order that raises
             f = None
-    if f is None or last.couples != second.couples or f(m - 2) != last[:3]:
+    if f is None or last.couples != second.couples or f(m - 2) != last.pieces:
         return head + [one(j) for j in range(3, m)]
     return head + [Microbatch(*f(j - 1), second.couples) for j in range(3, m - 1)] + [last]
 
