@@ -3,7 +3,7 @@
 recomputed at each op's backward and those freed after it. A search's next plan changes a few
 ops: where neither it nor the last plan of the same graph recomputes and every device is
 simulated, each op's rows are the sum of its own terms (what it keeps, its dropped or transient
-output and the point that frees it, ``strategies.pieces.drop_positions``), so the last plan's
+output and the point that frees it, ``strategies.drops.drop_positions``), so the last plan's
 rows are patched, the terms of each op whose pieces or drop entry changed taken out and its new
 ones put in (integer bytes: the same arrays as built afresh)."""
 
@@ -20,7 +20,7 @@ from strategies.lowering import Lowered
 __all__ = ["Columns", "columns_of", "dropped_rows", "held_rows", "piece_rows"]
 
 Drops = dict[str, list[tuple[tuple[int, ...], int, int]]]
-"""``strategies.pieces.drop_positions``: dropped op -> [(devices, free_after, recompute_at)]."""
+"""``strategies.drops.drop_positions``: dropped op -> [(devices, free_after, recompute_at)]."""
 
 _activations = operator.attrgetter("activations")
 

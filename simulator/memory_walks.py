@@ -15,7 +15,7 @@ from simulator.memory_collectives import bucket_rows, collective_rows
 from simulator.memory_rows import Columns, columns_of, dropped_rows, held_rows, piece_rows
 from strategies.chunks import pipeline_chunks
 from strategies.lowering import Lowered
-from strategies.pieces import drop_positions, key_readers
+from strategies.drops import drop_positions, key_readers
 from strategies.schedule import chunk_of, rank_passes, warmups
 
 __all__ = ["activation_peaks", "device_warmups", "Walked", "Walks"]
@@ -43,7 +43,7 @@ def activation_peaks(lowered: Lowered, ws: dict[int, int] | None = None, collect
     each freed after its last consumer's forward there; a backward pass, in reverse, adds a
     dropped output back where it is recomputed (a transient one never comes back) and frees
     what each op kept (and its recomputed output) after its backward
-    (``strategies.pieces.drop_points``). With ``collectives``, the collectives' buffers walk
+    (``strategies.drops.drop_points``). With ``collectives``, the collectives' buffers walk
     alike (``simulator.memory_collectives``: each call's result, kept or transient, and its
     readers' gradients until the dual). Every
     micro-batch's passes are alike, so with K kept per micro-batch, r_f the forward pass's
@@ -152,9 +152,9 @@ def _rows(lowered: Lowered, collectives: bool = True, base: tuple | None = None,
           ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(ops in graph order) x devices: the bytes each op's forward adds (what it keeps and its
     dropped or transient outputs), the dropped and transient bytes freed after each op's
-    forward, those recomputed at each op's backward (``strategies.pieces.drop_points``) and
+    forward, those recomputed at each op's backward (``strategies.drops.drop_points``) and
     those freed after it (what it keeps and its recomputed output: a transient one, read by no
-    backward, was freed in the forward, ``strategies.pieces.transient``); with ``collectives``,
+    backward, was freed in the forward, ``strategies.drops.transient``); with ``collectives``,
     the collectives' buffers besides (``simulator.memory_collectives``). ``base``: the rows
     without the collectives, where made already (read only). ``columns``: of a folded lowering,
     the representatives' columns only (``memory_rows.Columns``, ``columns_of``)."""
@@ -181,7 +181,7 @@ def _op_rows(lowered: Lowered, columns: Columns | None) -> tuple[np.ndarray, np.
 
 
 def _drop_positions(graph, strategy, position: dict[str, int]) -> dict[str, list[tuple[tuple[int, ...], int, int]]]:
-    """``strategies.pieces.drop_positions``, patched from the last one of ``graph`` (a search's
+    """``strategies.drops.drop_positions``, patched from the last one of ``graph`` (a search's
     last plan): where neither plan recomputes, an op's entry reads its own and its consumers'
     devices only, so the entries found again are those of the ops whose devices changed and of
     their producers (``key_readers``); else every entry. The plans' (name, config) pairs are

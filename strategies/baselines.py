@@ -12,7 +12,7 @@ from strategies.errors import PlanError
 from strategies.graph import OpGraph, OpNode
 from strategies.megatron import megatron, megatron_blocks
 from strategies.megatron_layers import layer_recomputed
-from strategies.pieces import recomputable
+from strategies.drops import recomputable
 from strategies.recompute_policies import attention_recomputed
 from strategies.region import partition_index
 from strategies.repeats import repeated_blocks

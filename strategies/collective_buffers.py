@@ -20,7 +20,7 @@ A member calls collective c at the start of its first reader op's forward step
   reader op recomputes: the recomputation reruns the producer, the collective and the readers,
   as checkpointing the block does (Megatron-LM's full recompute, ``CheckpointFunction``;
   Korthikanti et al. 2022 §4.1: the row-parallel linears' reductions of partial sums run again);
-- else is *kept* for the backward where some reader op reads it back (``strategies.pieces.reads_back``:
+- else is *kept* for the backward where some reader op reads it back (``strategies.drops.reads_back``:
   autograd saves it) or recomputes (its recomputation reads it again): then it lives until the
   backward step of the first reader op in graph order;
 - else it is transient, as a row-parallel linear's reduce-scattered sum read by a dropout: it
@@ -46,7 +46,7 @@ from typing import NamedTuple
 
 from strategies.lowered import BucketKey, Collective, Lowered
 from strategies.memo import per_lowered
-from strategies.pieces import drop_positions, drops_output, reads_back
+from strategies.drops import drop_positions, drops_output, reads_back
 from strategies.precision import reduce_scale
 from strategies.schedule import Step
 from strategies.zero import zero_buckets
@@ -152,7 +152,7 @@ class BufferLives:
 @per_lowered
 def _recomputed_at(lowered: Lowered, position: dict[str, int]) -> dict[str, int | None]:
     """Dropped recompute op -> the position of the op at whose backward step it is recomputed on
-    every device (``strategies.pieces.drop_positions``; None where devices differ). A recompute
+    every device (``strategies.drops.drop_positions``; None where devices differ). A recompute
     op that keeps its output is recomputed at its own step (not listed). Found once per lowering:
     the task graph's collectives and the memory model's rows both ask."""
     strategy = lowered.strategy

@@ -367,8 +367,8 @@ class OpPieces(NamedTuple):
     dropped: tuple[int, ...] = ()
     """Bytes each device drops per micro-batch instead of keeping (one entry per device, empty:
     none): a recompute op's partition outputs where every consumer op recomputes too or reads
-    nothing back (``strategies.pieces.drops_output``), or, with ``recompute`` false, outputs no
-    backward reads (``strategies.pieces.transient``); not in ``activations``."""
+    nothing back (``strategies.drops.drops_output``), or, with ``recompute`` false, outputs no
+    backward reads (``strategies.drops.transient``); not in ``activations``."""
 
 
 class DeviceBytes(NamedTuple):

@@ -25,7 +25,8 @@ from strategies.lowering_cache import Last, changed_ops, same_objects, update
 from strategies.lowering_copies import expand_totals
 from strategies.lowering_reference import lower_reference
 from strategies.precision import compute_graph
-from strategies.pieces import check_microbatches, gates, key_readers, partition_box_mb
+from strategies.pieces import check_microbatches, gates, partition_box_mb
+from strategies.drops import key_readers
 from strategies.strategy import Strategy
 from strategies.symmetry import Copies
 from strategies.zero import gather_uses
@@ -124,7 +125,7 @@ def lower(graph: OpGraph, strategy: Strategy, cache: dict | None = None, copies:
         affected = list(graph)
     else:
         touched = set(changed).union(*map(graph.users, changed))
-        # a producer's pieces read its consumers' recompute flags (pieces.recompute_key)
+        # a producer's pieces read its consumers' recompute flags (drops.recompute_key)
         touched.update(p for c in changed for p in key_readers(graph, c))
         affected = [graph[name] for name in sorted(touched, key=last.position.__getitem__)]
     try:

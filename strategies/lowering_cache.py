@@ -18,7 +18,8 @@ from strategies.lowering_copies import expand_holders
 from strategies.lowering_memo import levels_key, relevelled
 from strategies.lowering_shared import name_map, names_of, relative_key, renamed
 from strategies.members import Members
-from strategies.pieces import lower_op, recompute_key, shape_ids
+from strategies.pieces import lower_op, shape_ids
+from strategies.drops import recompute_key
 from strategies.region import Box
 from strategies.strategy import Strategy
 from strategies.symmetry import Copies

@@ -7,7 +7,7 @@ kinds, shapes and weight shapes, so under one config per layer position 2,123 op
 Two ops get equal pieces up to names when ``lower_op`` reads the same of both: the op (kind,
 dims, output and input specs, attrs, its weights' roles, specs and trainability), whether it
 and each producer carry a gradient (``OpGraph.moves_grad``), whether it is a graph output
-(``pieces.gates``), its consumers' kinds (``pieces.drops_output``; their whole op, for brevity), which inputs are the same
+(``pieces.gates``), its consumers' kinds (``drops.drops_output``; their whole op, for brevity), which inputs are the same
 producer, each producer's own such facts (its grid, reduction dims, Partial sums and
 collectives read them), and the configs: its own, its producers', its consumers' recompute
 flags (``recompute_key``), the micro-batches, devices and copy 0's devices. ``shape_key`` is

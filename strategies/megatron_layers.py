@@ -13,7 +13,7 @@ from __future__ import annotations
 from strategies.errors import PlanError
 from strategies.graph import OpGraph
 from strategies.megatron import megatron_blocks
-from strategies.pieces import recomputable
+from strategies.drops import recomputable
 from strategies.strategy import Strategy
 
 __all__ = ["layer_ops", "layer_recomputed"]
@@ -32,7 +32,7 @@ def _closing_add(graph: OpGraph, row: str) -> str:
 
 
 def layer_ops(graph: OpGraph) -> list[set[str]]:
-    """Per transformer layer, its recomputable ops (``pieces.recomputable``) but its closing
+    """Per transformer layer, its recomputable ops (``drops.recomputable``) but its closing
     residual add, in graph order (module docstring). A PlanError where the blocks do not pair
     into layers (an odd count, or a block's output reaching no residual add)."""
     blocks = megatron_blocks(graph)

@@ -33,7 +33,7 @@ import numpy as np
 from strategies.graph import OpGraph
 from strategies.lowering import Lowered
 from strategies.memo import per_lowered
-from strategies.pieces import drop_positions
+from strategies.drops import drop_positions
 from strategies.precision import reduce_scale
 from strategies.repeats import repeated_blocks
 from strategies.schedule import Step
@@ -67,7 +67,7 @@ def step_units(lowered: Lowered, order: Sequence[Step]) -> list[Hashable] | None
 def recomputed_in_unit(lowered: Lowered) -> frozenset[str]:
     """Under ``fsdp_unit`` "block": the recomputed ops reading level-3 weights whose
     recomputation runs in their own backward unit (the executor recomputes an op at the backward
-    step of the last op of its dropped chain, ``strategies.pieces.drop_positions``, or at its
+    step of the last op of its dropped chain, ``strategies.drops.drop_positions``, or at its
     own where it keeps its output; both ops of one repeated block's instance), so that unit's
     call lists its groups for the recomputation and the backward and gathers them once. A chain
     reaching into another unit (or whose point differs between devices) is gathered twice."""

@@ -19,7 +19,7 @@ op drops its output after its forward and runs it again before its backward).
 
   The same ops run twice, each once more, so the time is the policy's. What stays kept is not:
   a recompute op here drops its output only where every consumer recomputes too or reads
-  nothing back (``strategies.pieces.drops_output``, docs/design.md "Recompute"), so the outputs
+  nothing back (``strategies.drops.drops_output``, docs/design.md "Recompute"), so the outputs
   a saved product's or the attention's backward reads (the norms', the rotary embedding's, the
   SwiGLU product's) stay kept, where torch's selective checkpoint drops them and recomputes
   them with the block's first backward. A LLaMA-2 70B layer at 4,096 tokens in bf16 keeps 849

@@ -31,7 +31,7 @@ import torch
 from soapsearch.executor.rank_lowering import RankLowering
 from strategies.graph import OpNode
 from strategies.lowering import WEIGHT_KINDS, BucketKey, Gate, Lowered, Partition, loss_on_every_device
-from strategies.pieces import drop_points
+from strategies.drops import drop_points
 from strategies.rules import get_rule
 from strategies.region import Box, box_shape, index_in, slice_box
 from strategies.schedule import Step, device_order
@@ -151,7 +151,7 @@ class Recipe(NamedTuple):
     """Recompute, per input: the input holds a piece received from another rank, kept (as
     gathered) for the recomputation; the other inputs are read again where they are kept."""
     frees: tuple[int, ...] = ()
-    """The recipes whose dropped or transient outputs (``strategies.pieces.drop_points``) this
+    """The recipes whose dropped or transient outputs (``strategies.drops.drop_points``) this
     rank lets go of after this forward step (a transient one's storage: its autograd graph
     stays for its backward, which reads none of it)."""
     regraphs: tuple[int, ...] = ()
@@ -195,7 +195,7 @@ def recipes(low: Lowered, order: Sequence[Step], rank: int,
 
 def _recomputes(lw: RankLowering, out: list[Recipe], rank: int) -> list[Recipe]:
     """``out`` with the recompute fields set (``Recipe.recompute``, ``keeps``, ``frees``,
-    ``regraphs``): where this rank drops and recomputes, as ``strategies.pieces.drop_points``
+    ``regraphs``): where this rank drops and recomputes, as ``strategies.drops.drop_points``
     says (``simulator.memory`` walks the same points)."""
     strategy = lw.low.strategy
     points = drop_points(lw.graph, strategy)

@@ -1,4 +1,4 @@
-"""Letting go of a transient output (``strategies.pieces.transient``: no backward reads it) by
+"""Letting go of a transient output (``strategies.drops.transient``: no backward reads it) by
 dropping the references this rank holds to its storage, never by freeing the storage itself:
 the output's entry becomes a ``Released`` stand-in (what its backward step still needs: shape,
 dtype, device and autograd's gradient edge), and each leaf copy a consumer read it through

@@ -134,7 +134,7 @@ class Executor(PartitionSteps, Reads, Recompute, StepLoss):
         self.bn_base = {n.name: int(state[_batches_tracked(n)]) for n in graph
                         if _batches_tracked(n) in state}
         self.transient = {i for r in self.recipes for i in r.frees if not self.recipes[i].recompute}
-        """Recipes whose outputs no backward reads (``strategies.pieces.transient``): let go
+        """Recipes whose outputs no backward reads (``strategies.drops.transient``): let go
         after their last reader's forward step here (``release.py``)."""
         self.readers: dict[int, list[tuple[int, int]]] = {}
         """Transient recipe -> (recipe id, input) of each leaf copy of its output on this rank

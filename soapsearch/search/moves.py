@@ -45,7 +45,8 @@ from strategies.errors import PlanError
 from strategies.graph import OpGraph
 from strategies.lowered import WEIGHT_KINDS
 from strategies.megatron import flattened_relaid, megatron_blocks
-from strategies.pieces import check_microbatches, recomputable
+from strategies.pieces import check_microbatches
+from strategies.drops import recomputable
 from strategies.replicas import shardable
 from strategies.strategy import SCHEDULES, Strategy
 

@@ -1,5 +1,5 @@
 """The memory model's dropped-output points patched from the last plan's (``simulator.memory_walks
-._drop_positions``) equal ``strategies.pieces.drop_positions`` found afresh, on a walk of
+._drop_positions``) equal ``strategies.drops.drop_positions`` found afresh, on a walk of
 one-op proposals that changes devices, degrees and, now and then, recompute flags."""
 
 import random
@@ -8,7 +8,7 @@ from simulator import memory_walks
 from simulator.presets import get_topology
 from soapsearch.search.mcmc import candidate_configs
 from strategies import data_parallel
-from strategies.pieces import drop_positions
+from strategies.drops import drop_positions
 from tests.conftest import traced
 
 

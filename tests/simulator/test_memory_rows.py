@@ -13,7 +13,7 @@ from simulator import memory_walks
 from strategies import data_parallel
 from strategies.errors import PlanError
 from strategies.lowering import lower
-from strategies.pieces import drop_positions
+from strategies.drops import drop_positions
 from tests.conftest import traced
 from tests.simulator.test_memory_delta import gpt_walk
 

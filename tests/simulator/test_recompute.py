@@ -19,7 +19,7 @@ from soapsearch.search.mcmc import candidate_configs
 from strategies import Strategy, data_parallel, pipeline
 from strategies.errors import PlanError
 from strategies.lowering import WEIGHT_KINDS, lower, lower_reference
-from strategies.pieces import DropPoints, drop_points
+from strategies.drops import DropPoints, drop_points
 from tests.conftest import traced
 from tests.simulator.test_simulate import mesh
 

@@ -16,7 +16,7 @@ from strategies.chunks import pipeline_chunks
 from strategies.errors import PlanError
 from strategies.lowering import lower
 from strategies.megatron import megatron
-from strategies.pieces import drop_points
+from strategies.drops import drop_points
 from strategies.schedule import device_order, device_passes, interleaved_passes
 from tests.conftest import traced
 
