@@ -31,20 +31,21 @@ by several consumer ops belongs to no one op's block), so delta simulation needs
 
 from __future__ import annotations
 
+import itertools
 import operator
 from typing import NamedTuple, Sequence
 
 import numpy as np
 
+from simulator.collective_twins import READ, Twins
 from simulator.comm import collective_time, ring_resources
 from simulator.cost import CostModel, has_trainable_params
 from simulator.step import member_ends
 from simulator.taskgraph import INDEX, TaskGraph, TaskKind
 from simulator.topology import Topology
-from strategies.collective_buffers import BufferLife, BufferLives, regather_steps
+from strategies.collective_buffers import BufferLives, regather_steps
 from strategies.lowered import Collective
 from strategies.lowering import Lowered
-from strategies.renamed_rows import MovedPartitions
 from strategies.schedule import CollectiveSteps
 
 __all__ = ["add_collectives", "hidden_by_readers"]
@@ -72,7 +73,7 @@ def add_collectives(tg: TaskGraph, lowered: Lowered, topology: Topology, blocks:
     overlap = cost is not None and cost.input_grad_overlap
     known = _Known(topology)
     life_of, steps_of = BufferLives(lowered), CollectiveSteps(lowered)
-    twins = _Twins(lowered)
+    twins = Twins(lowered)
 
     def full(c, reads):
         """``c``'s run key and ``_record``'s arguments (``reads``: its readers)."""
@@ -88,7 +89,7 @@ def add_collectives(tg: TaskGraph, lowered: Lowered, topology: Topology, blocks:
         again = None if life.regather is None else regather_steps(lowered, life)
         beside = again is not None and not any(lowered.strategy[r.dst_op].recompute for r in every)
         hidden = hidden_by_readers(lowered, every, topology, cost) if overlap and (c.grad or beside) else 0.0
-        key = (c.kind, c.op, c.devices, c.holders, c.nbytes, c.grad, hidden, tuple(map(_READ, reads)),
+        key = (c.kind, c.op, c.devices, c.holders, c.nbytes, c.grad, hidden, tuple(map(READ, reads)),
                _steps_key(fwd_steps, j), _steps_key(bwd_steps, j), again and _steps_key(again, j), beside)
         return key, (life, fwd_steps, bwd_steps, again, reads, keep, known, hidden, position, beside)
 
@@ -96,16 +97,40 @@ def add_collectives(tg: TaskGraph, lowered: Lowered, topology: Topology, blocks:
         return hidden_by_readers(lowered, reads, topology, cost)
 
     run = _Run(tg, blocks, first.tolist(), _record, lambda c: full(c, readers[c])[1])
-    for c, reads in readers.items():  # Lowered.collectives' order
-        if keep is not None and keep.isdisjoint(c.devices):
-            continue
+
+    def one(c, reads) -> None:
         key = twins.key(c, reads, hidden_of if overlap else None)
         if key is not None:  # its twin's in the op's first micro-batch: the same key, recorded from there if need be
             run.add(c.op, key, c.microbatch, None, c)
-            continue
+            return
         key, args = full(c, reads)
         twins.keep(c, reads, key, args[0], args[7] if overlap and (c.grad or args[9]) else None)
         run.add(c.op, key, c.microbatch, args, c)
+
+    for _, items in itertools.groupby(readers.items(), _OP):  # Lowered.collectives' order, an op's at a time
+        items = list(items) if keep is None else [x for x in items if not keep.isdisjoint(x[0][3])]
+        if not items:
+            continue
+        cs, reads = map(list, zip(*items))
+        js = list(map(_MICROBATCH, cs))
+        k = js.count(js[0])
+        if js != sorted(js) or len(js) % k or js[k - 1::k] != js[::k] or len(set(js[::k])) != len(js) // k:
+            for c, r in items:  # not micro-batches of as many collectives each, in order: each on its own
+                one(c, r)
+            continue
+        for c, r in items[:k]:  # the first micro-batch: the twins
+            one(c, r)
+        keys = twins.run(cs[k:], reads[k:], len(js) // k - 1)  # every later micro-batch at once
+        if keys is not None:
+            run.add_run(keys, js[k:], cs[k:])
+            continue
+        for i in range(k, len(js), k):  # else a micro-batch at a time, else one by one
+            keys = twins.run(cs[i:i + k], reads[i:i + k])
+            if keys is None:
+                for c, r in items[i:i + k]:
+                    one(c, r)
+            else:
+                run.add_run(keys, js[i:i + k], cs[i:i + k])
     run.flush()
     src, dst, arrivals = (np.concatenate([np.asarray(x, dtype=INDEX) for x in parts]) if parts else
                           np.empty(0, dtype=INDEX) for parts in (run.src, run.dst, run.arrivals))
@@ -113,70 +138,12 @@ def add_collectives(tg: TaskGraph, lowered: Lowered, topology: Topology, blocks:
     return arrivals.reshape(-1, 2).T
 
 
-class _Twins:
-    """Each op's collectives of its first micro-batch (``Lowered.collectives`` lists an op's
-    collectives micro-batch after micro-batch) by their place in it, with their run keys; a
-    later micro-batch's collective at the same place is their *twin* where it is the same but
-    for its micro-batch and region (kind, devices, holders, dim, bytes, gradient), has the same
-    reads (reader op, partition, slot, device), and the ops whose partitions its steps read (its
-    first reader's, its own, the op it is called again at) lie on the same devices at the same
-    indices in every micro-batch: then its key is the twin's (``_steps_key`` counts micro-batches
-    from the collective's), so ``add_collectives`` finds it without its steps, buffer life or
-    regather steps. Where a cost model hides part of it behind its readers, the seconds hidden
-    are compared too. Anything else: found as the first micro-batch's were."""
-
-    def __init__(self, lowered: Lowered) -> None:
-        self.lowered = lowered
-        self.op: str | None = None
-        self.first: list[tuple | None] = []  # (collective, key, reads, hidden or None), or None: no twin
-        self.j0 = self.j = self.at = 0
-        self.alike: dict[int, bool] = {}
-        """id of an op's partitions (a moved op's: its source's, ``MovedPartitions.root``, which
-        the ops renamed from one op share) -> on the same devices and indices in every micro-batch
-        (the lowering holds the rows while ``add_collectives`` runs: the ids stay theirs)."""
-
-    def key(self, c: Collective, reads: Sequence, hidden) -> tuple | None:
-        """``c``'s (read by ``reads``) twin's key, or None (no twin: ``keep`` it where it is in the
-        first micro-batch)."""
-        if c.op != self.op:
-            self.op, self.first, self.j0, self.j, self.at = c.op, [], c.microbatch, c.microbatch, 0
-        elif c.microbatch != self.j:
-            self.j, self.at = c.microbatch, 0
-        at = self.at
-        self.at += 1
-        if self.j == self.j0 or at >= len(self.first):
-            return None
-        twin = self.first[at]
-        if twin is None:
-            return None
-        t, key, twin_reads, seconds = twin
-        if (c[0] != t[0] or c[3] != t[3] or c[4] != t[4] or c[6:] != t[6:]  # all but op, micro-batch, region
-                or list(map(_READ, reads)) != twin_reads or (seconds is not None and hidden(reads) != seconds)):
-            return None
-        return key
-
-    def keep(self, c: Collective, reads: Sequence, key: tuple, life: BufferLife, hidden: float | None) -> None:
-        """Keep ``c`` (its ``reads``, ``key``, ``life``, the seconds its readers hide where they do) as the
-        twin of later micro-batches' collectives at its place: none where the ops whose
-        partitions its steps read are not placed alike in every micro-batch."""
-        if self.j == self.j0 and self.at == len(self.first) + 1:
-            ops = (reads[0].dst_op, c.op) + ((life.regather,) if life.regather is not None else ())
-            alike = all(map(self._alike, ops))
-            self.first.append((c, key, list(map(_READ, reads)), hidden) if alike else None)
-
-    def _alike(self, op: str) -> bool:
-        rows = self.lowered.partitions[op]
-        if type(rows) is MovedPartitions:  # its source's rows, every device moved alike
-            rows = rows.root
-        got = self.alike.get(id(rows))
-        if got is None:
-            places = [(p[1], p[3]) for p in rows[0]]  # (index, device)
-            got = self.alike[id(rows)] = all([(p[1], p[3]) for p in row] == places for row in rows[1:])
-        return got
+_MICROBATCH = operator.itemgetter(2)
 
 
-_READ = operator.itemgetter(1, 2, 3, 4)
-"""What a ``CollectiveRead`` reads, but the collective: (dst_op, dst_index, slot, device)."""
+def _OP(item: tuple) -> str:
+    """A ``Lowered.collective_readers`` item's (collective, reads) op: its collective's."""
+    return item[0][1]
 
 
 def _steps_key(steps: dict, j: int) -> tuple:
@@ -308,6 +275,11 @@ class _Run:
             self.op = op
         self.pending.append((key, j, args, c))
 
+    def add_run(self, keys: list[tuple], js: list[int], cs: list[Collective]) -> None:
+        """``add`` of each of ``cs``, collectives of the op added last, each with its twin's key
+        (``keys``) and its micro-batch (``js``)."""
+        self.pending.extend(zip(keys, js, itertools.repeat(None), cs))
+
     def flush(self) -> None:
         """Lay the pending collectives out, period after period."""
         pending, self.pending = self.pending, []
@@ -380,9 +352,12 @@ def _period(keys: list[tuple], js: list[int]) -> int:
     every later period repeats (``len(keys)`` where none fewer)."""
     n = len(keys)
     for p in range(1, n):
-        if n % p == 0 and keys[p:] == keys[:n - p] and all(js[i] - js[i - i % p] == js[i % p] - js[0]
-                                                             for i in range(p, n)):
-            return p
+        if n % p == 0 and keys[p:] == keys[:n - p]:
+            if p == 1:  # one collective a period: nothing counted within it
+                return p
+            periods = np.asarray(js, dtype=np.int64).reshape(n // p, p)
+            if ((periods - periods[:, :1]) == (periods[0] - periods[0, 0])).all():
+                return p
     return n
 
 
