@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["SpawnError", "rank_threads", "spawn", "threads_per_process"]
+__all__ = ["SpawnError", "leave", "rank_threads", "spawn", "threads_per_process"]
 
 
 class SpawnError(RuntimeError):
@@ -67,11 +67,15 @@ def _entry(rank: int, world: int, port: int, backend: str, fn: Callable, args: t
         except Exception:  # noqa: BLE001
             pass
     Path(out, f"{rank}.pkl").write_bytes(pickle.dumps(result))
-    # The result is on disk and the process group destroyed: leave as a forked multiprocessing
-    # child does (its exit function, which runs the finalizers, then os._exit), without the
-    # interpreter's finalization. Finalized, a gloo process sometimes aborts after its work is done
-    # ("terminate called without an active exception", SIGABRT: a C++ thread still joinable at
-    # exit), which mp.spawn reports as the rank failing.
+    leave()
+
+
+def leave() -> None:
+    """End a spawned rank whose work is done, its results on disk and its process group
+    destroyed, as a forked multiprocessing child leaves (its exit function, which runs the
+    finalizers, then os._exit), without the interpreter's finalization. Finalized, a gloo process
+    sometimes aborts after its work is done ("terminate called without an active exception",
+    SIGABRT: a C++ thread still joinable at exit), which mp.spawn reports as the rank failing."""
     mp_util._exit_function()
     sys.stdout.flush()
     sys.stderr.flush()

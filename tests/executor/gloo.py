@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from soapsearch.calibrate._spawn import leave
+
 TIMEOUT_S = 60
 """A collective that waits longer than this fails the test instead of hanging it."""
 
@@ -38,9 +40,17 @@ def gloo_group(rank: int, world: int, port: int):
         dist.destroy_process_group()
 
 
+def run_rank(rank: int, fn: Callable, *args) -> None:
+    """``fn(rank, *args)`` in a spawned process, then leave it without the interpreter's
+    finalization (``soapsearch.calibrate._spawn.leave``: a finalized gloo process sometimes aborts
+    after its work is done); an exception ends it as mp.spawn reports one."""
+    fn(rank, *args)
+    leave()
+
+
 def spawn_ranks(fn: Callable, world: int, *args) -> list:
     """Run ``fn(rank, world, port, *args, out_dir)`` on ``world`` processes; each rank saves its
     result as ``out_dir/<rank>.pt``: the ranks' results in rank order."""
     with tempfile.TemporaryDirectory() as d:
-        mp.spawn(fn, args=(world, free_port(), *args, d), nprocs=world, join=True)
+        mp.spawn(run_rank, args=(fn, world, free_port(), *args, d), nprocs=world, join=True)
         return [torch.load(Path(d) / f"{r}.pt") for r in range(world)]

@@ -11,7 +11,7 @@ import torch.multiprocessing as mp
 
 from soapsearch.executor import build_model
 from tests.executor import _worker
-from tests.executor.gloo import free_port
+from tests.executor.gloo import free_port, run_rank
 from tests.executor.reference import reference_train
 
 RTOL, ATOL = 1e-7, 1e-8
@@ -36,7 +36,7 @@ def launch(cases: list[tuple], world: int, fn: Callable = _worker.run_cases) -> 
     with tempfile.TemporaryDirectory() as d:
         failure = None
         try:
-            mp.spawn(fn, args=(world, free_port(), cases, d), nprocs=world, join=True)
+            mp.spawn(run_rank, args=(fn, world, free_port(), cases, d), nprocs=world, join=True)
         except Exception as e:  # a failed case stops the batch; later cases report it
             failure = str(e)
         out = {}
