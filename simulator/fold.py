@@ -28,12 +28,11 @@ lowering's, per device. Where any condition fails the plan is simulated per devi
 from __future__ import annotations
 
 import functools
-from itertools import chain
 from typing import NamedTuple
 
 import numpy as np
 
-from simulator.linkclass import distinct_resources
+from simulator.linkclass import distinct_links, distinct_resources
 from simulator.symmetry import Copies, CrossCopy
 from simulator.taskgraph import TaskGraph
 from simulator.topology import Topology
@@ -136,11 +135,7 @@ def task_copies(tg: TaskGraph, maps: LinkMaps, count: int | None = None) -> Fold
     count = tg.copies.count if count is None else count
     distinct, which = distinct_resources(tg)  # worked out per distinct tuple: the rings repeat
     n, num_links = tg.num_devices, tg.num_links
-    lens = np.fromiter(map(len, distinct), np.int64, len(distinct))
-    res = np.fromiter(chain.from_iterable(distinct), np.int64, int(lens.sum()))
-    tup = np.repeat(np.arange(len(distinct), dtype=np.int64), lens)
-    on_link = res >= n
-    tup, link = tup[on_link], res[on_link] - n
+    tup, link = distinct_links(distinct, n)
     owner = maps.owner[link]
     shared = np.zeros(len(distinct), dtype=bool)
     shared[tup[owner != 0]] = True

@@ -21,7 +21,7 @@ import numpy as np
 
 from simulator.taskgraph import INDEX, TaskGraph
 
-__all__ = ["COMPACT_FROM", "compact_resources", "distinct_resources"]
+__all__ = ["COMPACT_FROM", "compact_resources", "distinct_links", "distinct_resources", "known_distinct"]
 
 COMPACT_FROM = 8
 """Resources per task, on average, from which ``compact_resources`` compacts: below, the tasks
@@ -61,6 +61,23 @@ def distinct_resources(tg: TaskGraph) -> tuple[list[tuple[int, ...]], np.ndarray
     result = distinct, np.concatenate(parts)
     tg.memo["distinct"] = (len(tg), result)
     return result
+
+
+def known_distinct(tg: TaskGraph) -> tuple[list[tuple[int, ...]], np.ndarray] | None:
+    """``distinct_resources`` of ``tg`` where a pass found them already (the event loop's
+    compaction, a fold's copy counts), else None."""
+    got = tg.memo.get("distinct")
+    return got[1] if got is not None and got[0] == len(tg) else None
+
+
+def distinct_links(distinct: list[tuple[int, ...]], nd: int) -> tuple[np.ndarray, np.ndarray]:
+    """(tuple, link) of every link the ``distinct`` resource tuples hold (resource ``nd`` + link),
+    tuple after tuple in their order."""
+    lens = np.fromiter(map(len, distinct), np.int64, len(distinct))
+    res = np.fromiter(chain.from_iterable(distinct), np.int64, int(lens.sum()))
+    tup = np.repeat(np.arange(len(distinct), dtype=np.int64), lens)
+    on_link = res >= nd
+    return tup[on_link], res[on_link] - nd
 
 
 def _distinct(resources: list[tuple[int, ...]], by_value: dict[tuple[int, ...], int],

@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from simulator.linkclass import distinct_links, known_distinct
 from simulator.memory import MemoryBreakdown
 from simulator.taskgraph import CATEGORY, TaskGraph, TaskKind
 from simulator.topology import Topology
@@ -116,6 +117,13 @@ def _link_kinds(tg: TaskGraph, topology: Topology) -> tuple[list[str], np.ndarra
     n = topology.num_devices
     names: dict[str, int] = {}
     kind_of = np.array([names.setdefault(link.kind, len(names)) for link in topology.links], dtype=np.int64)
+    known = known_distinct(tg)
+    if known is not None:  # per distinct resource tuple, then per task: no pass over every task's resources
+        distinct, which = known
+        tup, link = distinct_links(distinct, n)
+        held = np.zeros((len(distinct), len(names)), dtype=bool)
+        held[tup, kind_of[link]] = True
+        return list(names), held[which]
     _, res_first, res = tg.arrays()
     links = res >= n
     task = np.repeat(np.arange(len(tg)), np.diff(res_first))[links]

@@ -7,6 +7,7 @@ import pytest
 
 from simulator.cost import get_cost_model
 from simulator.presets import get_topology
+import simulator.result as result_module
 from simulator.result import summarize
 from simulator.simulate import Lowerings, timed_graph
 from simulator.taskgraph import TaskGraph, TaskKind
@@ -41,9 +42,19 @@ def _plans():
 
 
 @pytest.mark.parametrize("fold", [False, True])
-def test_busy_and_bytes_moved_are_the_loops(fold):
+def test_busy_and_bytes_moved_are_the_loops(fold, monkeypatch):
+    """The link kinds a task holds found per task or per distinct resource tuple, where a pass
+    found those (``linkclass.known_distinct``): both give the loop's figures."""
     cost = get_cost_model("analytical")
-    seen_kinds, folded_graphs = set(), 0
+    seen_kinds, folded_graphs, ways = set(), 0, set()
+    known = result_module.known_distinct
+
+    def spied(tg):
+        got = known(tg)
+        ways.add(got is None)
+        return got
+
+    monkeypatch.setattr(result_module, "known_distinct", spied)
     for graph, plan, name in _plans():
         topo = get_topology(name)
         lowerings = Lowerings(graph, plan)
@@ -60,6 +71,7 @@ def test_busy_and_bytes_moved_are_the_loops(fold):
         folded_graphs += folded is not None
     assert seen_kinds == {"nvlink", "nvswitch", "ib"}  # every kind of link reached
     assert (folded_graphs > 0) == fold
+    assert ways == ({True, False} if fold else {True})  # a fold finds the distinct tuples: both ways then
 
 
 def test_a_task_counts_once_per_kind_of_link_and_past_int64():
