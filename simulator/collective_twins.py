@@ -1,15 +1,14 @@
 """A later micro-batch's collectives as *twins* of an op's first micro-batch's
 (``simulator.collectives.add_collectives``): each takes its twin's run key, so its steps,
 buffer life and regather steps are not found again. ``Twins.key`` judges one collective;
-``Twins.run`` every later micro-batch's of an op at once (GPT-3 175B's plan at 128
-micro-batches: 49,664 collectives, 388 ops' 127 later micro-batches each matched in one
-comparison)."""
+``Twins.run`` every later micro-batch's of an op at once (one comparison an op where every
+micro-batch holds the same collectives)."""
 
 from __future__ import annotations
 
 import itertools
 import operator
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 from strategies.collective_buffers import BufferLife
 from strategies.lowered import Collective
@@ -24,6 +23,17 @@ READ = operator.itemgetter(1, 2, 3, 4)
 _SAME = operator.itemgetter(0, 3, 4, 6, 7, 8)
 """What a twin shares with its collective: all but op, micro-batch and region (kind, devices,
 holders, dim, bytes, gradient)."""
+
+
+class _Twin(NamedTuple):
+    """A collective of an op's first micro-batch as later micro-batches' twins read it."""
+
+    collective: Collective
+    key: tuple
+    reads: list[tuple]
+    """Its reads' ``READ``."""
+    hidden: float | None
+    """The seconds its readers hide where a cost model hides some (compared), else None."""
 
 
 class Twins:
@@ -41,7 +51,7 @@ class Twins:
     def __init__(self, lowered: Lowered) -> None:
         self.lowered = lowered
         self.op: str | None = None
-        self.first: list[tuple | None] = []  # (collective, key, reads, hidden or None), or None: no twin
+        self.first: list[_Twin | None] = []  # None: no twin at that place
         self.j0 = self.j = self.at = 0
         self.whole: tuple | None = None
         """The first micro-batch's (what each shares, reads per collective, reads, keys) where
@@ -65,11 +75,11 @@ class Twins:
         twin = self.first[at]
         if twin is None:
             return None
-        t, key, twin_reads, seconds = twin
+        t, seconds = twin.collective, twin.hidden
         if (c[0] != t[0] or c[3] != t[3] or c[4] != t[4] or c[6:] != t[6:]  # all but op, micro-batch, region
-                or list(map(READ, reads)) != twin_reads or (seconds is not None and hidden(reads) != seconds)):
+                or list(map(READ, reads)) != twin.reads or (seconds is not None and hidden(reads) != seconds)):
             return None
-        return key
+        return twin.key
 
     def run(self, cs: list[Collective], reads: list[Sequence], times: int = 1) -> list[tuple] | None:
         """The keys of ``cs`` (read by ``reads``), ``times`` later micro-batches' collectives of the
@@ -78,16 +88,18 @@ class Twins:
         None where one is not."""
         whole = self.whole
         if whole is None:
-            if not self.first or any(t is None or t[3] is not None for t in self.first):
+            if not self.first or any(t is None or t.hidden is not None for t in self.first):
                 return None
-            first = [t[0] for t in self.first]
-            whole = self.whole = (list(map(_SAME, first)), [len(t[2]) for t in self.first],
-                                  [r for t in self.first for r in t[2]], [t[1] for t in self.first])
+            first = self.first
+            whole = self.whole = (list(map(_SAME, (t.collective for t in first))), [len(t.reads) for t in first],
+                                  [r for t in first for r in t.reads], [t.key for t in first])
         same, lengths, flat, keys = whole
         if (len(cs) != len(keys) * times or list(map(_SAME, cs)) != same * times
                 or list(map(len, reads)) != lengths * times
                 or list(map(READ, itertools.chain.from_iterable(reads))) != flat * times):
             return None
+        if cs:  # where ``key`` of each would have left off
+            self.j, self.at = cs[-1].microbatch, len(keys)
         return keys * times
 
     def keep(self, c: Collective, reads: Sequence, key: tuple, life: BufferLife, hidden: float | None) -> None:
@@ -97,7 +109,7 @@ class Twins:
         if self.j == self.j0 and self.at == len(self.first) + 1:
             ops = (reads[0].dst_op, c.op) + ((life.regather,) if life.regather is not None else ())
             alike = all(map(self._alike, ops))
-            self.first.append((c, key, list(map(READ, reads)), hidden) if alike else None)
+            self.first.append(_Twin(c, key, list(map(READ, reads)), hidden) if alike else None)
 
     def _alike(self, op: str) -> bool:
         rows = self.lowered.partitions[op]

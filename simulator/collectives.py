@@ -107,10 +107,9 @@ def add_collectives(tg: TaskGraph, lowered: Lowered, topology: Topology, blocks:
         twins.keep(c, reads, key, args[0], args[7] if overlap and (c.grad or args[9]) else None)
         run.add(c.op, key, c.microbatch, args, c)
 
-    for _, items in itertools.groupby(readers.items(), _OP):  # Lowered.collectives' order, an op's at a time
-        items = list(items) if keep is None else [x for x in items if not keep.isdisjoint(x[0][3])]
-        if not items:
-            continue
+    kept = readers.items() if keep is None else [x for x in readers.items() if not keep.isdisjoint(x[0].devices)]
+    for _, items in itertools.groupby(kept, _op_of):  # Lowered.collectives' order, an op's at a time
+        items = list(items)
         cs, reads = map(list, zip(*items))
         js = list(map(_MICROBATCH, cs))
         k = js.count(js[0])
@@ -141,9 +140,9 @@ def add_collectives(tg: TaskGraph, lowered: Lowered, topology: Topology, blocks:
 _MICROBATCH = operator.itemgetter(2)
 
 
-def _OP(item: tuple) -> str:
+def _op_of(item: tuple) -> str:
     """A ``Lowered.collective_readers`` item's (collective, reads) op: its collective's."""
-    return item[0][1]
+    return item[0].op
 
 
 def _steps_key(steps: dict, j: int) -> tuple:

@@ -17,6 +17,7 @@ import itertools
 import operator
 from typing import Iterable
 
+from strategies.drops import key_readers
 from strategies.graph import OpGraph
 from strategies.lowered import (WEIGHT_KINDS, BucketKey, DeviceBytes, Gate, GradientSync, Lowered, OpPieces,
                                 Partition, ReductionGroup, Transfer, WeightRead, WeightShard, bucket_key,
@@ -26,7 +27,6 @@ from strategies.lowering_copies import expand_totals
 from strategies.lowering_reference import lower_reference
 from strategies.precision import compute_graph
 from strategies.pieces import check_microbatches, gates, partition_box_mb
-from strategies.drops import key_readers
 from strategies.strategy import Strategy
 from strategies.symmetry import Copies
 from strategies.zero import gather_uses

@@ -12,6 +12,7 @@ from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
+from strategies.drops import recompute_key
 from strategies.graph import OpGraph, OpNode
 from strategies.lowered import DeviceBytes, OpPieces, Partition, WeightShard, weight_shards
 from strategies.lowering_copies import expand_holders
@@ -19,7 +20,6 @@ from strategies.lowering_memo import levels_key, relevelled
 from strategies.lowering_shared import name_map, names_of, relative_key, renamed
 from strategies.members import Members
 from strategies.pieces import lower_op, shape_ids
-from strategies.drops import recompute_key
 from strategies.region import Box
 from strategies.strategy import Strategy
 from strategies.symmetry import Copies

@@ -41,12 +41,12 @@ from soapsearch.search.globalmove import GlobalMoves
 from soapsearch.search.repeatmove import RepeatMoves
 from soapsearch.search.subgraph import SubgraphMoves
 from strategies.config import ZERO_LEVELS, ParallelConfig, validate_config
+from strategies.drops import recomputable
 from strategies.errors import PlanError
 from strategies.graph import OpGraph
 from strategies.lowered import WEIGHT_KINDS
 from strategies.megatron import flattened_relaid, megatron_blocks
 from strategies.pieces import check_microbatches
-from strategies.drops import recomputable
 from strategies.replicas import shardable
 from strategies.strategy import SCHEDULES, Strategy
 
