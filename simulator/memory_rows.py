@@ -54,12 +54,18 @@ def held_rows(ops: list, n: int, columns: Columns | None = None) -> tuple[np.nda
     representatives' columns alone), and the ops that drop or let go of their outputs
     (``dropped_rows``' ``held`` and ``at``)."""
     at = [i for i, p in enumerate(ops) if p.dropped]
+    return _matrix(list(map(_activations, ops)), n, columns), at
+
+
+def _matrix(vectors: list[tuple[int, ...]], n: int, columns: Columns | None) -> np.ndarray:
+    """``vectors`` (each one entry a device) as rows of int64: all ``n`` entries, or the
+    ``columns`` alone, picked before any is made an array (a fold keeps few of many devices)."""
     if columns is None:
-        return np.fromiter(itertools.chain.from_iterable(map(_activations, ops)), np.int64, len(ops) * n).reshape(-1, n), at
+        return np.fromiter(itertools.chain.from_iterable(vectors), np.int64, len(vectors) * n).reshape(-1, n)
     k = len(columns.devices)
     pick = operator.itemgetter(*columns.devices.tolist())
-    rows = map(pick, map(_activations, ops)) if k > 1 else ((pick(p.activations),) for p in ops)
-    return np.fromiter(itertools.chain.from_iterable(rows), np.int64, len(ops) * k).reshape(-1, k), at
+    rows = map(pick, vectors) if k > 1 else ((pick(v),) for v in vectors)
+    return np.fromiter(itertools.chain.from_iterable(rows), np.int64, len(vectors) * k).reshape(-1, k)
 
 
 def dropped_rows(lowered: Lowered, ops: list, held: np.ndarray, at: list[int], columns: Columns | None,
@@ -70,10 +76,8 @@ def dropped_rows(lowered: Lowered, ops: list, held: np.ndarray, at: list[int], c
     freed, redone = np.zeros_like(held), np.zeros_like(held)  # after an op's forward; at its backward
     if not at:
         return held, freed, redone, held
-    dropped = np.array([ops[i].dropped for i in at], dtype=np.int64).reshape(len(at), -1)
+    dropped = _matrix([ops[i].dropped for i in at], held.shape[1], columns)
     col = None if columns is None else columns.at
-    if columns is not None:
-        dropped = dropped[:, columns.devices]
     gone = held.copy()
     held[at] += dropped
     redo = [k for k, i in enumerate(at) if ops[i].recompute]
