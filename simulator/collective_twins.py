@@ -53,9 +53,6 @@ class Twins:
         self.op: str | None = None
         self.first: list[_Twin | None] = []  # None: no twin at that place
         self.j0 = self.j = self.at = 0
-        self.whole: tuple | None = None
-        """The first micro-batch's (what each shares, reads per collective, reads, keys) where
-        ``run`` may match a micro-batch whole (every place has a twin, none hides seconds)."""
         self.alike: dict[int, bool] = {}
         """id of an op's partitions (a moved op's: its source's, ``MovedPartitions.root``, which
         the ops renamed from one op share) -> on the same devices and indices in every micro-batch
@@ -65,7 +62,7 @@ class Twins:
         """``c``'s (read by ``reads``) twin's key, or None (no twin: ``keep`` it where it is in the
         first micro-batch)."""
         if c.op != self.op:
-            self.op, self.first, self.j0, self.j, self.at, self.whole = c.op, [], c.microbatch, c.microbatch, 0, None
+            self.op, self.first, self.j0, self.j, self.at = c.op, [], c.microbatch, c.microbatch, 0
         elif c.microbatch != self.j:
             self.j, self.at = c.microbatch, 0
         at = self.at
@@ -81,26 +78,20 @@ class Twins:
             return None
         return twin.key
 
-    def run(self, cs: list[Collective], reads: list[Sequence], times: int = 1) -> list[tuple] | None:
+    def run(self, cs: list[Collective], reads: list[Sequence], times: int) -> list[tuple] | None:
         """The keys of ``cs`` (read by ``reads``), ``times`` later micro-batches' collectives of the
         op ``key`` saw last, one micro-batch after another, where each is its place's twin
         (``key`` of each gives them: compared by C-level maps over all of them, not one by one);
         None where one is not."""
-        whole = self.whole
-        if whole is None:
-            if not self.first or any(t is None or t.hidden is not None for t in self.first):
-                return None
-            first = self.first
-            whole = self.whole = (list(map(_SAME, (t.collective for t in first))), [len(t.reads) for t in first],
-                                  [r for t in first for r in t.reads], [t.key for t in first])
-        same, lengths, flat, keys = whole
-        if (len(cs) != len(keys) * times or list(map(_SAME, cs)) != same * times
-                or list(map(len, reads)) != lengths * times
+        first = self.first
+        if not first or any(t is None or t.hidden is not None for t in first) or len(cs) != len(first) * times:
+            return None
+        flat = [r for t in first for r in t.reads]
+        if (list(map(_SAME, cs)) != list(map(_SAME, (t.collective for t in first))) * times
+                or list(map(len, reads)) != [len(t.reads) for t in first] * times
                 or list(map(READ, itertools.chain.from_iterable(reads))) != flat * times):
             return None
-        if cs:  # where ``key`` of each would have left off
-            self.j, self.at = cs[-1].microbatch, len(keys)
-        return keys * times
+        return [t.key for t in first] * times
 
     def keep(self, c: Collective, reads: Sequence, key: tuple, life: BufferLife, hidden: float | None) -> None:
         """Keep ``c`` (its ``reads``, ``key``, ``life``, the seconds its readers hide where they do) as the

@@ -123,13 +123,8 @@ def add_collectives(tg: TaskGraph, lowered: Lowered, topology: Topology, blocks:
         if keys is not None:
             run.add_run(keys, js[k:], cs[k:])
             continue
-        for i in range(k, len(js), k):  # else a micro-batch at a time, else one by one
-            keys = twins.run(cs[i:i + k], reads[i:i + k])
-            if keys is None:
-                for c, r in items[i:i + k]:
-                    one(c, r)
-            else:
-                run.add_run(keys, js[i:i + k], cs[i:i + k])
+        for c, r in items[k:]:  # else one by one
+            one(c, r)
     run.flush()
     src, dst, arrivals = (np.concatenate([np.asarray(x, dtype=INDEX) for x in parts]) if parts else
                           np.empty(0, dtype=INDEX) for parts in (run.src, run.dst, run.arrivals))

@@ -50,11 +50,17 @@ __all__ = ["SymmetricMoves", "imaged"]
 Propose = Callable[..., tuple[Strategy | None, bool]]
 
 
+def cut_over(cfg: ParallelConfig, sample: int | None, r: int) -> bool:
+    """``cfg`` cuts its sample dim (index ``sample``; None: it has none) a multiple of ``r`` ways:
+    what replicating it over R copies and imaging it over them both need."""
+    return sample is not None and cfg.degrees[sample] % r == 0
+
+
 def imaged(cfg: ParallelConfig, sample: int | None, copies: Copies) -> ParallelConfig | None:
     """``cfg`` with run r of its sample coordinates on φ_r of run 0's copy-0 images (itself
     where it already is); None where that cannot be (module docstring)."""
     r = copies.count
-    if sample is None or cfg.degrees[sample] % r:
+    if not cut_over(cfg, sample, r):
         return None
     grid = np.moveaxis(np.asarray(cfg.devices, dtype=np.int64).reshape(cfg.degrees), sample, 0)
     shape = grid.shape
@@ -138,7 +144,7 @@ class SymmetricMoves:
         # a changed op not cut a multiple of R ways on its samples: the proposal is replicated
         # over no R copies (``copies_of`` refuses that op) and cannot be imaged over them (the
         # one answer of both below, without walking every op's devices)
-        if any(sample is None or cfg.degrees[sample] % r for _, cfg, sample in drawn):
+        if not all(cut_over(cfg, sample, r) for _, cfg, sample in drawn):
             return None
         if copies_of(graph, proposal, r) is not None:
             return proposal

@@ -168,10 +168,21 @@ def _one(raise_at: tuple[int, ...] = (), bend: int | None = None):
     return one
 
 
+def _derived(one, m: int, alike: bool) -> tuple[list, list[int]]:
+    """``microbatches(one, m, alike)`` and the micro-batches it derived, in order."""
+    calls: list[int] = []
+    got = microbatches(lambda j: calls.append(j) or one(j), m, alike)
+    return got, calls
+
+
 def test_microbatches_follow_the_series_and_fall_back_in_order():
-    assert microbatches(_one(), 12, True) == [_one()(j) for j in range(12)]
-    assert microbatches(_one(bend=11), 12, True) == [_one(bend=11)(j) for j in range(12)]  # the last off the line
-    assert microbatches(_one(bend=2), 12, True) == [_one(bend=2)(j) for j in range(12)]  # no series of 1 and 2
+    for one, derived in ((_one(), [0, 1, 2, 11]),  # on the line: the interior from the series
+                         (_one(bend=11), [0, 1, 2, 11] + list(range(3, 11))),  # the last off the line
+                         (_one(bend=2), [0, 1, 2, 11] + list(range(3, 11)))):  # no series of 1 and 2 to the last
+        got, calls = _derived(one, 12, True)
+        assert got == [one(j) for j in range(12)] and calls == derived
+    assert _derived(_one(), 12, False)[1] == list(range(12))  # not alike: each derived
+    assert _derived(_one(), 7, True)[1] == list(range(7))  # fewer than SERIES_FROM
     with pytest.raises(ValueError, match="micro-batch 11"):
         microbatches(_one(raise_at=(11,)), 12, True)
     with pytest.raises(ValueError, match="micro-batch 5"):  # the last raises: the first in order raises
